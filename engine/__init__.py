@@ -1,0 +1,1 @@
+"""oomguard's engine: decides and acts (OOM classification, budgets, search, executor)."""

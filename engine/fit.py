@@ -1,0 +1,115 @@
+"""Memory scaling: a least-squares line of measured peak bytes against size, and
+the recommendations derived from it.
+
+The line is *fitted to measurements*; sizes it predicts are estimates and are
+labelled as such. A recommendation is never above the largest size that ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from engine.trial import Trial
+
+DEFAULT_MARGIN = 0.15  # the E10 report's production advice: ~85% utilisation
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """peak_bytes ~= base_bytes + per_item_bytes * size, fitted on ``points`` trials."""
+
+    base_bytes: float
+    per_item_bytes: float
+    r2: float
+    points: int
+
+    def predict(self, size: int) -> float:
+        """Estimated peak bytes at ``size``."""
+        return self.base_bytes + self.per_item_bytes * size
+
+    def largest_size_within(self, nbytes: float) -> int | None:
+        """Largest size whose estimated peak is <= ``nbytes`` (None if no slope)."""
+        if self.per_item_bytes <= 0:
+            return None
+        return int((nbytes - self.base_bytes) // self.per_item_bytes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def fit_line(trials: Sequence[Trial]) -> LinearFit | None:
+    """Least-squares fit over the successful trials with a measured peak.
+
+    Needs two distinct sizes; returns None otherwise. When a size ran more than
+    once, every run is a point.
+    """
+    pts = [(t.size, t.peak_bytes) for t in trials if t.ok and t.peak_bytes is not None]
+    if len({s for s, _ in pts}) < 2:
+        return None
+    n = len(pts)
+    mx = sum(s for s, _ in pts) / n
+    my = sum(p for _, p in pts) / n
+    sxx = sum((s - mx) ** 2 for s, _ in pts)
+    sxy = sum((s - mx) * (p - my) for s, p in pts)
+    slope = sxy / sxx
+    base = my - slope * mx
+    ss_tot = sum((p - my) ** 2 for _, p in pts)
+    ss_res = sum((p - (base + slope * s)) ** 2 for s, p in pts)
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    return LinearFit(base_bytes=base, per_item_bytes=slope, r2=r2, points=n)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """Sizes to use, each at most the measured maximum.
+
+    ``safe``: the largest size whose estimated peak keeps ``margin`` of the
+    capacity free (E10: "recommended"). ``conservative``: the largest size that
+    actually ran whose measured peak is within the same limit. ``maximum``: the
+    largest size that ran. ``basis`` says how ``safe`` was obtained.
+    """
+
+    safe: int
+    conservative: int
+    maximum: int
+    margin: float
+    capacity_bytes: int | None
+    basis: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def recommend(
+    trials: Sequence[Trial],
+    max_ok: int,
+    capacity_bytes: int | None,
+    fit: LinearFit | None,
+    margin: float = DEFAULT_MARGIN,
+) -> Recommendation:
+    """Recommend safe, conservative and maximum sizes below ``max_ok``.
+
+    With a capacity and a fit, ``safe`` is the fitted size that leaves
+    ``margin`` of the capacity free. Without them it falls back to
+    ``floor(max_ok * (1 - margin))``, an estimate that assumes memory is
+    proportional to size, and says so in ``basis``.
+    """
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    limit = capacity_bytes * (1 - margin) if capacity_bytes else None
+    safe: int | None = None
+    basis = f"floor(max_ok x {1 - margin:.2f}): no capacity or fit to scale against"
+    if limit is not None and fit is not None:
+        fitted = fit.largest_size_within(limit)
+        if fitted is not None:
+            safe = fitted
+            basis = f"fitted line: estimated peak <= {1 - margin:.0%} of capacity"
+    if safe is None:
+        safe = int(max_ok * (1 - margin))
+    safe = max(1, min(safe, max_ok))
+    measured = [t.size for t in trials if t.ok and t.peak_bytes is not None and t.size <= max_ok
+                and (limit is None or t.peak_bytes <= limit)]
+    conservative = max([s for s in measured if s <= safe], default=safe)
+    return Recommendation(safe=safe, conservative=conservative, maximum=max_ok, margin=margin,
+                          capacity_bytes=capacity_bytes, basis=basis)

@@ -1,0 +1,84 @@
+"""One trial: run a workload once at given sizes and record what happened.
+
+A trial records whether it fitted (``ok``) or ran out of memory (``oom``),
+the measured peak bytes above the pre-trial baseline, the wall seconds, and
+the value the workload returned. An error that is not an OOM is not a trial
+outcome: it propagates.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from engine.oom import OOM, call_catching_oom, release_memory
+from probes.peak import PeakMeter
+
+
+@dataclass
+class Trial:
+    """The outcome of running a workload once at ``size``.
+
+    ``peak_bytes`` is measured (see :class:`probes.PeakMeter` for what each
+    device counts); it is None for an OOM, whose peak is unknown.
+    ``mode`` is ``"in-process"`` or ``"isolated"`` (a fresh child process).
+    """
+
+    size: int
+    ok: bool
+    peak_bytes: int | None
+    seconds: float
+    value: Any = None
+    error: str | None = None
+    mode: str = "in-process"
+    sizes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def outcome(self) -> str:
+        return "ok" if self.ok else "oom"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["outcome"] = self.outcome
+        return out
+
+
+def plain_value(value: Any) -> Any:
+    """Turn a workload's return value into something JSON can hold (scalar tensors to floats)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): plain_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_value(v) for v in value]
+    return repr(value)
+
+
+def run_trial(
+    fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu"
+) -> Trial:
+    """Run ``fn(size)`` once in this process and measure it.
+
+    Memory is released before the trial so the peak starts from a clean
+    baseline. Raises whatever ``fn`` raises unless it is an OOM.
+    """
+    release_memory(device)
+    meter = PeakMeter(device)
+    meter.reset()
+    start = time.perf_counter()
+    result = call_catching_oom(fn, size, device=device)
+    seconds = time.perf_counter() - start
+    if isinstance(result, OOM):
+        return Trial(size=size, ok=False, peak_bytes=None, seconds=seconds, error=result.message)
+    peak = meter.read()
+    return Trial(size=size, ok=True, peak_bytes=peak, seconds=seconds, value=plain_value(result))

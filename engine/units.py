@@ -1,0 +1,69 @@
+"""Byte sizes: parsing at the edges (CLI, job files) and formatting for humans.
+
+Inside oomguard every size is an ``int`` of bytes; these helpers are the only
+place where ``"2GiB"`` or ``"512MiB"`` turn into bytes and back.
+"""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    # SI units are powers of 1000, as the SI says; binary units powers of 1024.
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KIB": 1024,
+    "MIB": 1024**2,
+    "GIB": 1024**3,
+    "TIB": 1024**4,
+    # Bare K/M/G/T follow ulimit, docker and PyTorch's allocator config: binary.
+    "K": 1024,
+    "M": 1024**2,
+    "G": 1024**3,
+    "T": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a memory size into bytes.
+
+    Accepts plain bytes (``"1048576"``), SI units (``"2GB"`` = 2 * 10**9 bytes)
+    and binary units (``"1.5GiB"``, ``"512MiB"``); bare ``K/M/G/T`` are binary.
+    Raises ``ValueError`` with a one-line message for anything else, including
+    sizes that are not positive.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"invalid size {text!r}: give bytes or a unit, e.g. 2GiB, 512MiB, 2GB")
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"invalid size {text!r}: give bytes or a number with a unit "
+                "(B, KB, MB, GB, KiB, MiB, GiB, TiB), e.g. 2GiB, 512MiB, 2GB"
+            )
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"invalid size {text!r}: a memory size must be greater than 0 bytes")
+    return value
+
+
+def fmt_bytes(n: float | int | None, unit: str | None = None) -> str:
+    """Format a byte count for people, e.g. ``1.50 GiB``; ``None`` gives ``-``."""
+    if n is None:
+        return "-"
+    if unit is None:
+        unit = "GiB" if abs(n) >= 1024**3 else "MiB" if abs(n) >= 1024**2 else "KiB"
+    scale = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}[unit]
+    return f"{n / scale:.2f} {unit}"
+
+
+GiB = 1024**3
+MiB = 1024**2

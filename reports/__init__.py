@@ -1,0 +1,1 @@
+"""Reports: render what a search or a job produced (Markdown, JSON, PNG)."""
