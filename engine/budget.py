@@ -9,17 +9,18 @@ error:
   (``mallopt(M_MMAP_THRESHOLD)``) so freed tensors really go back to the kernel;
   without it the heap keeps fragments and the same size fits on one try and not
   the next (measured: max batch 11-13 over five runs, 12 every time with it).
-- CUDA: ``torch.cuda.set_per_process_memory_fraction(budget / total)``.
+- CUDA: ``torch.cuda.set_per_process_memory_fraction((reserved + budget) / total)``.
 
-The budget counts bytes *above what the process holds when it is entered*
-(CPU) or of the device's total memory (CUDA, where the allocator has no notion
-of "from now on"). The previous limit is restored on exit, also after an error.
+On both, the budget counts bytes *above what the process holds when it is
+entered* (virtual data size on CPU, allocator-reserved bytes on CUDA). The
+previous limit is restored on exit, also after an error.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import resource
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -91,7 +92,8 @@ def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
     On CPU the budget is on top of the process's current virtual data size
     (``VmData``); enter it after one small warm-up step so that thread pools
     and kernels that the step creates once are not charged to it. On CUDA it is
-    a fraction of the device's total memory. Raises :class:`BudgetError` if
+    a fraction of the device's total memory set to (reserved now + ``nbytes``)
+    / total, so it too counts bytes above what the process holds. Raises :class:`BudgetError` if
     ``nbytes`` is not positive, below :data:`MIN_CPU_BUDGET` on CPU, or larger
     than the device can give. Nested budgets may only shrink the limit.
     """
@@ -104,6 +106,11 @@ def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
     else:
         with _cuda_budget(nbytes, dev) as b:
             yield b
+
+
+def _start_thread_pool() -> None:
+    """Run one op large enough that torch parallelises it, creating its threads now."""
+    torch.ones(1 << 20).sum()
 
 
 @contextmanager
@@ -120,6 +127,11 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
             "available; choose a smaller --budget"
         )
     return_freed_memory_to_os()
+    # Measure the baseline after what is already garbage is gone and after the
+    # OpenMP pool exists: otherwise freed garbage becomes extra room and the
+    # first parallel op inside charges ~8 MiB of thread stacks to the budget.
+    gc.collect()
+    _start_thread_pool()
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     vm_data = host.proc_status("VmData")
     if vm_data is None:
@@ -150,9 +162,16 @@ def _cuda_budget(nbytes: int, dev: torch.device) -> Iterator[Budget]:
             f"budget {fmt_bytes(nbytes)} is more than cuda:{index}'s {fmt_bytes(total)}; "
             "choose a smaller --budget"
         )
+    # Like the CPU budget, count bytes above what this process already holds.
+    reserved = torch.cuda.memory_reserved(index)
+    if reserved + nbytes > total:
+        raise BudgetError(
+            f"budget {fmt_bytes(nbytes)} plus the {fmt_bytes(reserved)} already reserved is more "
+            f"than cuda:{index}'s {fmt_bytes(total)}; choose a smaller --budget"
+        )
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     previous = getter(index) if getter is not None else 1.0
-    fraction = min(nbytes / total, previous)
+    fraction = min((reserved + nbytes) / total, previous)
     b = Budget(nbytes=nbytes, device=f"cuda:{index}", mechanism="set_per_process_memory_fraction",
                limit=int(fraction * total))
     torch.cuda.set_per_process_memory_fraction(fraction, index)

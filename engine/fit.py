@@ -65,9 +65,11 @@ class Recommendation:
     """Sizes to use, each at most the measured maximum.
 
     ``safe``: the largest size whose estimated peak keeps ``margin`` of the
-    capacity free (E10: "recommended"). ``conservative``: the largest size that
-    actually ran whose measured peak is within the same limit. ``maximum``: the
-    largest size that ran. ``basis`` says how ``safe`` was obtained.
+    capacity free (E10: "recommended"). ``conservative``: the largest size up
+    to ``safe`` that actually ran with a measured peak within the same limit
+    (``conservative_ran`` is False when none did and it equals ``safe``).
+    ``maximum``: the largest size that ran. ``basis`` says how ``safe`` was
+    obtained.
     """
 
     safe: int
@@ -76,6 +78,7 @@ class Recommendation:
     margin: float
     capacity_bytes: int | None
     basis: str
+    conservative_ran: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,8 +111,9 @@ def recommend(
     if safe is None:
         safe = int(max_ok * (1 - margin))
     safe = max(1, min(safe, max_ok))
-    measured = [t.size for t in trials if t.ok and t.peak_bytes is not None and t.size <= max_ok
+    measured = [t.size for t in trials if t.ok and t.peak_bytes is not None and t.size <= safe
                 and (limit is None or t.peak_bytes <= limit)]
-    conservative = max([s for s in measured if s <= safe], default=safe)
-    return Recommendation(safe=safe, conservative=conservative, maximum=max_ok, margin=margin,
-                          capacity_bytes=capacity_bytes, basis=basis)
+    conservative = max(measured, default=None)
+    return Recommendation(safe=safe, conservative=conservative if conservative else safe,
+                          maximum=max_ok, margin=margin, capacity_bytes=capacity_bytes,
+                          basis=basis, conservative_ran=conservative is not None)

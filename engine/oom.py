@@ -24,6 +24,10 @@ import torch
 OOM_MESSAGES: tuple[str, ...] = (
     "cuda out of memory",  # torch.OutOfMemoryError's text on CUDA
     "cuda error: out of memory",  # driver/runtime error surfaced by a kernel launch
+    "cuda driver error: out of memory",  # expandable segments: cuMemCreate / cuMemMap
+    "cuda runtime error (2) : out of memory",  # legacy THC wording
+    "cuda failure 'out of memory'",  # NCCL's ncclUnhandledCudaError
+    "triton error [cuda]: out of memory",
     "cublas_status_alloc_failed",  # cuBLAS workspace allocation
     "cudnn_status_alloc_failed",  # cuDNN < 9 allocation failure
     "cudnn_status_not_enough_workspace",

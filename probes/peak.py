@@ -39,6 +39,9 @@ class PeakMeter:
             self.baseline = host.reset_peak()
         elif kind == "cuda" and torch.cuda.is_available():
             torch.cuda.synchronize(self.device)
+            # Cached free blocks would serve the work without raising the
+            # reserved peak, and the read would under-report (even 0).
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             self.baseline = torch.cuda.memory_reserved(self.device)
         elif kind == "mps" and torch.backends.mps.is_available():

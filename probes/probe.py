@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from probes import host
+from probes import cuda, host, mps, nvml
 
 
 @dataclass
@@ -43,26 +43,145 @@ def _cpu_snapshot() -> MemorySnapshot:
     )
 
 
-def probe(device: str | torch.device = "cpu") -> MemorySnapshot:
-    """Measure the memory of ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``).
+def _cuda_unavailable(label: str, torch_reason: str) -> MemorySnapshot:
+    """Why CUDA is unusable, with NVML's view where it has one (e.g. a CPU-only torch on a GPU host)."""
+    nv_reason = nvml.unavailable_reason()
+    if nv_reason is not None:
+        if torch.version.cuda is None:
+            reason = f"{torch_reason}; no NVIDIA driver either (NVML: {nv_reason})"
+        else:
+            reason = f"no NVIDIA driver (NVML: {nv_reason})"
+        return MemorySnapshot(device=label, name="", available=False, reason=reason)
+    count = nvml.device_count()
+    reason = f"{torch_reason}; NVML sees {count} NVIDIA GPU(s)"
+    if torch.version.cuda is None and count:
+        reason += ": install a CUDA build of torch"
+    return MemorySnapshot(device=label, name="", available=False, reason=reason,
+                          extra={"nvml_devices": count, "driver": nvml.driver_version()})
 
-    Never raises for a missing GPU or driver: the snapshot has
-    ``available=False`` and a ``reason``. Raises ``ValueError`` for a device
-    string torch does not know.
+
+def _cuda_snapshot(index: int | None) -> MemorySnapshot:
+    label = "cuda" if index is None else f"cuda:{index}"
+    torch_reason = cuda.unavailable_reason()
+    if torch_reason is not None:
+        return _cuda_unavailable(label, torch_reason)
+    idx = torch.cuda.current_device() if index is None else index
+    label = f"cuda:{idx}"
+    count = torch.cuda.device_count()
+    if idx >= count:
+        return MemorySnapshot(device=label, name="", available=False,
+                              reason=f"{label} does not exist: torch sees {count} CUDA device(s)")
+    ident = cuda.identity(idx)
+    stats = cuda.allocator_stats(idx)
+    nv, how = nvml.query_for_torch_index(idx, uuid=ident.get("uuid"),
+                                         pci_bus_id=ident.get("pci_bus_id"))
+    snap = MemorySnapshot(device=label, name=ident["name"], available=True,
+                          extra={k: ident[k] for k in ("uuid", "pci_bus_id") if k in ident})
+    snap.extra.update(stats)
+    snap.extra["free_in_allocator_cache"] = stats["reserved"] - stats["allocated"]
+    snap.sources.update({
+        "allocated": "torch.cuda.memory_allocated", "reserved": "torch.cuda.memory_reserved",
+        "peak_allocated": "torch.cuda.max_memory_allocated",
+        "peak_reserved": "torch.cuda.max_memory_reserved",
+    })
+    if nv is not None:
+        snap.total_bytes, snap.free_bytes = nv.total, nv.free
+        snap.process_bytes, snap.other_processes_bytes = nv.process_bytes, nv.other_processes_bytes
+        snap.sources.update({
+            "total": "NVML nvmlDeviceGetMemoryInfo", "free": "NVML nvmlDeviceGetMemoryInfo",
+            "process": "NVML running processes, this pid",
+            "other_processes": "NVML running processes, other pids",
+        })
+        snap.extra.update({"nvml_index": nv.index, "nvml_mapped_by": how,
+                           "nvml_used": nv.used, "pid_matched": nv.pid_matched})
+        if not nv.pid_matched and cuda.has_context(idx):
+            # Our context exists but NVML lists no entry for our pid: a separate PID
+            # namespace (containers). NVML's "others" then include us; say nothing
+            # rather than something wrong.
+            snap.process_bytes = snap.other_processes_bytes = None
+            snap.extra["note"] = "this pid is not in NVML's process list (PID namespace?)"
+        elif not nv.pid_matched:
+            snap.process_bytes = 0  # no context here yet: this process uses nothing
+    else:
+        # No NVML: cudaMemGetInfo gives the device's free/total (all processes) but
+        # not who uses it. It creates a context if there is none; unavoidable here.
+        snap.free_bytes, snap.total_bytes = cuda.mem_get_info(idx)
+        snap.sources.update({"total": "torch.cuda.mem_get_info", "free": "torch.cuda.mem_get_info"})
+        snap.extra["nvml"] = how
+    snap.extra["limited_by"] = "device free"
+    cap = stats["fraction_cap"]
+    if snap.total_bytes is not None and cap < snap.total_bytes:
+        # A per-process fraction (e.g. an oomguard budget) caps what the caching
+        # allocator may reserve: that, not the device, is what the next allocation meets.
+        cap_free = max(0, cap - stats["reserved"])
+        if snap.free_bytes is None or cap_free < snap.free_bytes:
+            snap.free_bytes = cap_free
+            snap.sources["free"] = "set_per_process_memory_fraction cap - reserved"
+            snap.extra["limited_by"] = "per-process fraction"
+    return snap
+
+
+def _mps_snapshot() -> MemorySnapshot:
+    reason = mps.unavailable_reason()
+    if reason is not None:
+        return MemorySnapshot(device="mps", name="", available=False, reason=reason)
+    st = mps.stats()
+    total = st["recommended_max"]
+    source_total = "torch.mps.recommended_max_memory (Metal working-set size)"
+    if total is None:  # older torch: unified memory, so the host's RAM is the ceiling
+        total, source_total = host.host_memory()["total"], "host RAM (unified memory)"
+    driver = st["driver_allocated"] or 0
+    return MemorySnapshot(
+        device="mps", name="Apple MPS", available=True, total_bytes=total,
+        free_bytes=None if total is None else max(0, total - driver),
+        process_bytes=driver,
+        sources={"total": source_total, "free": "estimate: total - driver_allocated_memory",
+                 "process": "torch.mps.driver_allocated_memory"},
+        extra={"allocated": st["allocated"], "driver_allocated": driver},
+    )
+
+
+_KNOWN = ("cpu", "cuda", "mps")
+
+
+def probe(device: str | torch.device = "cpu") -> MemorySnapshot:
+    """Measure the memory of ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``), in bytes.
+
+    CUDA merges NVML (device total/free with other processes, per-process
+    usage) with this process's allocator counters in ``extra`` (``allocated``,
+    ``reserved``, ``peak_allocated``, ``peak_reserved``); ``sources`` names
+    where each figure came from. Never raises for a missing GPU or driver: the
+    snapshot has ``available=False`` and a ``reason``. Raises ``ValueError``
+    (one line) for any other device string.
     """
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps") from exc
+    if dev.type not in _KNOWN:
+        raise ValueError(f"unsupported device {device!r}: use cpu, cuda, cuda:N or mps")
     if dev.type == "cpu":
         return _cpu_snapshot()
-    return MemorySnapshot(device=str(dev), name="", available=False,
-                          reason=f"no probe backend for {dev.type}")
+    if dev.type == "mps":
+        return _mps_snapshot()
+    return _cuda_snapshot(dev.index)
 
 
 def probe_all() -> list[MemorySnapshot]:
-    """A snapshot of the host and of every GPU this process can see."""
-    return [_cpu_snapshot()]
+    """The host, every CUDA device torch can see, and MPS where available.
+
+    Where torch cannot use CUDA but NVML sees GPUs (a CPU-only torch on a GPU
+    host), one unavailable ``cuda`` row says so; a host with no NVIDIA driver
+    gets no CUDA row.
+    """
+    snaps = [_cpu_snapshot()]
+    if cuda.unavailable_reason() is None:
+        snaps += [_cuda_snapshot(i) for i in range(torch.cuda.device_count())]
+    elif nvml.device_count() > 0:
+        snaps.append(_cuda_snapshot(None))
+    if mps.unavailable_reason() is None:
+        snaps.append(_mps_snapshot())
+    return snaps
 
 
 def format_table(snapshots: list[MemorySnapshot]) -> str:

@@ -1,0 +1,227 @@
+#!/usr/bin/env python
+"""Exercise every CUDA path of oomguard on a real GPU, in well under five minutes.
+
+Run it unchanged on any CUDA machine, from the repository root or anywhere::
+
+    python bench/gpu_check.py [--device cuda:0] [--json]
+
+Checks: the NVML probe against ``torch.cuda.mem_get_info``; allocator peak by
+``PeakMeter``; the fraction budget (an allocation above it raises
+``torch.OutOfMemoryError``); a real CUDA OOM caught by ``call_catching_oom``
+with ``memory_allocated`` back where it was; an ``Executor`` halving run; a
+``search()`` under a budget. Prints a table (check / passed / measured) and
+exits 1 if any check failed. Without CUDA it says so and exits 0.
+
+Every OOM here is real: the caching allocator refusing an allocation above a
+``set_per_process_memory_fraction`` cap, as on a smaller GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+MiB = 1024**2
+GiB = 1024**3
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / MiB:.1f} MiB"
+
+
+def _clean(dev: torch.device) -> None:
+    """Drop cached blocks and peaks so each check starts from what it allocates itself."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+
+
+def check_nvml_vs_mem_get_info(dev: torch.device) -> tuple[bool, str]:
+    from probes import probe
+
+    torch.zeros(1, device=dev)  # make sure our context exists before both readings
+    snap = probe(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    if not snap.available:
+        return False, f"probe unavailable: {snap.reason}"
+    if not snap.sources.get("free", "").startswith("NVML"):
+        return False, f"NVML not used: {snap.extra.get('nvml')}"
+    # NVML and cudaMemGetInfo read the same driver counters; other processes may
+    # allocate between the two reads, hence a tolerance rather than equality.
+    tol = max(256 * MiB, 0.01 * total)
+    ok = abs(snap.total_bytes - total) <= tol and abs(snap.free_bytes - free) <= tol
+    return ok, (f"total nvml {_mib(snap.total_bytes)} / cuda {_mib(total)}; free nvml "
+                f"{_mib(snap.free_bytes)} / cuda {_mib(free)} (tol {_mib(tol)}); mapped by "
+                f"{snap.extra.get('nvml_mapped_by')}; this pid {_mib(snap.process_bytes)}, "
+                f"others {_mib(snap.other_processes_bytes)}, pid matched "
+                f"{snap.extra.get('pid_matched')}")
+
+
+def check_peak_meter(dev: torch.device) -> tuple[bool, str]:
+    from probes import PeakMeter
+
+    _clean(dev)
+    meter = PeakMeter(dev)
+    meter.reset()
+    x = torch.ones(256 * MiB // 4, device=dev)
+    y = x * 2  # a second 256 MiB block alive at the same time: peak 512 MiB
+    del x, y
+    peak = meter.read()
+    ok = abs(peak - 512 * MiB) <= 0.10 * 512 * MiB
+    return ok, f"peak {_mib(peak)} for 2 x 256 MiB live (expect 512 MiB +-10%)"
+
+
+def check_fraction_budget(dev: torch.device) -> tuple[bool, str]:
+    from engine.budget import budget
+    from engine.oom import is_oom
+
+    _clean(dev)
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    before = getter(dev) if getter else None
+    raised = None
+    with budget(2 * GiB, dev) as b:
+        fits = torch.empty(1 * GiB, dtype=torch.uint8, device=dev)
+        try:
+            torch.empty(3 * GiB, dtype=torch.uint8, device=dev)
+        except torch.OutOfMemoryError as exc:
+            raised = exc
+        del fits
+    is_real = raised is not None and is_oom(raised)
+    raised = None  # drop the traceback before freeing
+    _clean(dev)
+    after = getter(dev) if getter else None
+    restored = before == after
+    return is_real and restored, (f"cap {_mib(b.limit)}: 1 GiB fits, 3 GiB raised OutOfMemoryError: "
+                                  f"{is_real}; fraction restored {before} -> {after}: {restored}")
+
+
+def check_call_catching_oom(dev: torch.device) -> tuple[bool, str]:
+    from engine.budget import budget
+    from engine.oom import OOM, call_catching_oom
+
+    _clean(dev)
+    base = torch.cuda.memory_allocated(dev)
+
+    def step() -> float:
+        held = torch.ones(512 * MiB // 4, device=dev)  # pinned by this frame's traceback
+        more = torch.ones(2 * GiB // 4, device=dev)
+        return float(held.sum() + more.sum())
+
+    with budget(1 * GiB, dev):
+        result = call_catching_oom(step, device=dev)
+    after = torch.cuda.memory_allocated(dev)
+    reserved = torch.cuda.memory_reserved(dev)
+    ok = isinstance(result, OOM) and after == base
+    return ok, (f"{'OOM caught' if isinstance(result, OOM) else 'no OOM'}; allocated "
+                f"{_mib(base)} -> {_mib(after)}, reserved after {_mib(reserved)}")
+
+
+def check_executor(dev: torch.device) -> tuple[bool, str]:
+    from engine.budget import budget
+    from engine.executor import Executor
+
+    _clean(dev)
+
+    def work(batch_size: int) -> float:
+        a = torch.randn(batch_size, 8 * MiB // 4, device=dev)  # 8 MiB per sample
+        return float((a * a).sum().item())  # a and a*a: 16 MiB per sample at peak
+
+    ex = Executor(device=dev)
+    with budget(1 * GiB, dev):
+        ex.run(work, batch_size=256, name="gpu-halving")
+    rec = ex.history[-1]
+    sizes = [a["batch_size"] for a in rec.attempts]
+    final = rec.final["batch_size"] if rec.final else None
+    # 256 -> 4 GiB, 128 -> 2 GiB, 64 -> 1 GiB (no room for the context's extras): OOM;
+    # 32 -> 512 MiB fits.
+    ok = final is not None and rec.retries >= 2 and final * 16 * MiB <= 1 * GiB
+    return ok, f"attempts {sizes}, final {final}, retries {rec.retries}"
+
+
+def check_search(dev: torch.device) -> tuple[bool, str]:
+    from engine.search import search
+
+    _clean(dev)
+
+    def trial(size: int) -> float:
+        x = torch.randn(size, 1024, 1024, device=dev)  # 4 MiB per item
+        y = x * 2  # x and y alive together: 8 MiB per item at the peak
+        return float(y.mean().item())
+
+    t0 = time.perf_counter()
+    res = search(trial, start=32, step=8, device=dev, budget=1 * GiB, max_trials=40)
+    secs = time.perf_counter() - t0
+    peaks_ok = all(t.peak_bytes and t.peak_bytes > 0 for t in res.trials if t.ok)
+    # The bracket must be closed (adjacent) and the maximum must respect the budget;
+    # a measured peak of 8 MiB per item confirms PeakMeter and the search agree.
+    per_item = max((t.peak_bytes / t.size for t in res.trials if t.ok and t.peak_bytes), default=0)
+    ok = (res.max_ok is not None and res.first_oom == res.max_ok + 1 and peaks_ok
+          and res.max_ok * 8 * MiB <= 1 * GiB and 7 * MiB <= per_item <= 9 * MiB)
+    return ok, (f"max_ok {res.max_ok}, first_oom {res.first_oom}, {len(res.trials)} trials in "
+                f"{secs:.1f} s, safe {res.recommendation.safe if res.recommendation else '-'}"
+                f" (ideal <= {GiB // (8 * MiB)}), peak/item {_mib(per_item)}")
+
+
+CHECKS: list[tuple[str, Callable[[torch.device], tuple[bool, str]]]] = [
+    ("nvml probe vs mem_get_info", check_nvml_vs_mem_get_info),
+    ("allocator peak (PeakMeter)", check_peak_meter),
+    ("fraction budget -> OOM", check_fraction_budget),
+    ("call_catching_oom cleans up", check_call_catching_oom),
+    ("executor halving", check_executor),
+    ("search under budget", check_search),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda:0", help="CUDA device to check (default cuda:0)")
+    ap.add_argument("--json", action="store_true", help="print results as JSON")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"no CUDA here (torch {torch.__version__}, cuda {torch.version.cuda}): nothing to check")
+        return 0
+    dev = torch.device(args.device)
+    if dev.type != "cuda":
+        print(f"--device must be a CUDA device, got {args.device!r}", file=sys.stderr)
+        return 2
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(dev)
+    torch.ones(4, 4).sum()  # CPU warm-up, as elsewhere
+    rows = []
+    for name, fn in CHECKS:
+        t0 = time.perf_counter()
+        try:
+            ok, measured = fn(dev)
+        except Exception as exc:  # noqa: BLE001 - one broken path must not hide the others
+            ok, measured = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            traceback.print_exc(file=sys.stderr)
+        rows.append({"check": name, "passed": ok, "measured": measured,
+                     "seconds": round(time.perf_counter() - t0, 2)})
+    header = f"{torch.cuda.get_device_name(dev)} ({dev}), torch {torch.__version__}"
+    if args.json:
+        print(json.dumps({"device": header, "checks": rows}, indent=2))
+    else:
+        print(header)
+        w = max(len(r["check"]) for r in rows)
+        print(f"{'check'.ljust(w)}  passed  seconds  measured")
+        for r in rows:
+            print(f"{r['check'].ljust(w)}  {'yes' if r['passed'] else 'NO ':6}  "
+                  f"{r['seconds']:7.2f}  {r['measured']}")
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""What a metric is: knobs of two kinds, a ``run``, and a registry.
+
+Two kinds of size must never be confused:
+
+- ``result`` knobs are part of the question (number of samples, Lanczos k and
+  iterations, integration steps, grid points): never tuned, recorded with
+  every result;
+- ``memory`` knobs (micro-batch, chunk, captum ``internal_batch_size``) are
+  tuned by the engine, and the result must not depend on them beyond float
+  rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One parameter of a metric.
+
+    ``kind`` is ``"memory"`` (tuned freely, result-invariant) or ``"result"``
+    (part of the question). ``scales_with`` says what memory grows with.
+    """
+
+    name: str
+    kind: Literal["memory", "result"]
+    default: int | float
+    minimum: int | float = 1
+    scales_with: str = ""
+    help: str = ""
+
+
+class Metric:
+    """Base of every metric. Subclasses set ``name``, ``description``, ``knobs``
+    and implement :meth:`compute`; :meth:`run` validates and fills defaults."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    knobs: ClassVar[tuple[Knob, ...]] = ()
+
+    def memory_knobs(self) -> tuple[Knob, ...]:
+        return tuple(k for k in self.knobs if k.kind == "memory")
+
+    def result_knobs(self) -> tuple[Knob, ...]:
+        return tuple(k for k in self.knobs if k.kind == "result")
+
+    def defaults(self) -> dict[str, int | float]:
+        return {k.name: k.default for k in self.knobs}
+
+    def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Fill defaults; raise ValueError (one line, listing valid knobs) on bad input."""
+        known = {k.name: k for k in self.knobs}
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise ValueError(
+                f"unknown knob(s) {', '.join(unknown)} for metric {self.name!r}: valid knobs are "
+                f"{', '.join(known) or '(none)'}"
+            )
+        out = self.defaults()
+        for key, value in params.items():
+            knob = known[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{self.name}.{key} must be a number, got {value!r}")
+            if isinstance(knob.default, int) and not isinstance(value, int):
+                raise ValueError(f"{self.name}.{key} must be an integer, got {value!r}")
+            if value < knob.minimum or value <= 0:
+                raise ValueError(
+                    f"{self.name}.{key} must be >= {knob.minimum} and > 0, got {value!r}")
+            out[key] = value
+        return out
+
+    def run(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor], **params: Any) -> dict:
+        """Validate ``params`` and compute the metric. Returns a dict of results
+        (tensors or floats) including the result-defining knobs used."""
+        full = self.validate(params)
+        result = self.compute(model, data, **full)
+        result["params"] = {k.name: full[k.name] for k in self.result_knobs()}
+        return result
+
+    def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
+                **params: Any) -> dict:
+        raise NotImplementedError
+
+    def summary(self, result: Mapping[str, Any]) -> dict[str, Any]:
+        """A few JSON-friendly figures of a result, for reports."""
+        out: dict[str, Any] = {}
+        for key, value in result.items():
+            if isinstance(value, torch.Tensor):
+                out[key] = value.item() if value.numel() == 1 else {
+                    "shape": list(value.shape), "mean": value.double().mean().item()}
+            elif isinstance(value, (int, float, str)):
+                out[key] = value
+        return out
+
+
+METRICS: dict[str, Metric] = {}
+
+
+def register(cls: type[Metric]) -> type[Metric]:
+    """Class decorator: add a metric to the registry under its ``name``."""
+    METRICS[cls.name] = cls()
+    return cls
+
+
+def load_all() -> dict[str, Metric]:
+    """Import every module of the ``metrics`` package so each registers itself.
+
+    Lazy, so that ``import metrics.train_step`` does not pay for captum.
+    """
+    import importlib
+    import pkgutil
+
+    import metrics
+
+    for info in pkgutil.iter_modules(metrics.__path__):
+        importlib.import_module(f"metrics.{info.name}")
+    return METRICS
+
+
+def get_metric(name: str) -> Metric:
+    """The metric called ``name``; ValueError listing the valid names otherwise."""
+    load_all()
+    try:
+        return METRICS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown metric {name!r}: valid metrics are {', '.join(sorted(METRICS))}"
+        ) from None

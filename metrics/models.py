@@ -1,0 +1,128 @@
+"""Models and data for workloads: transformers causal LMs built from configs, offline.
+
+A model spec is one of:
+
+- a built-in name (``tiny-gpt2``, ``tiny-llama``): a small config with random
+  weights, no download;
+- ``MODEL_TYPE:key=value,...`` (e.g. ``gpt2:n_layer=4,n_embd=256``): any
+  transformers architecture built from ``AutoConfig.for_model`` with random
+  weights;
+- a local checkpoint directory: ``from_pretrained(path, local_files_only=True)``.
+
+Nothing here reaches the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
+    # GPT-2 with a byte-level vocabulary, as in the E10 setup (vocab 256).
+    "tiny-gpt2": {"model_type": "gpt2", "vocab_size": 256, "n_positions": 1024, "n_embd": 128,
+                  "n_layer": 2, "n_head": 4, "bos_token_id": 0, "eos_token_id": 0,
+                  "loss_type": "ForCausalLM"},
+    # A LLaMA-style decoder: RMSNorm, rotary positions, gated MLP, grouped KV heads.
+    "tiny-llama": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+                   "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "max_position_embeddings": 1024, "bos_token_id": 0,
+                   "eos_token_id": 0, "loss_type": "ForCausalLM"},
+}
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``; ValueError listing the valid names otherwise."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}") from None
+
+
+def model_config(spec: str) -> Any:
+    """The transformers config a spec names (no weights are built or loaded)."""
+    from transformers import AutoConfig
+
+    if spec in BUILTIN_CONFIGS:
+        kw = dict(BUILTIN_CONFIGS[spec])
+        return AutoConfig.for_model(kw.pop("model_type"), **kw)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    model_type, _, rest = spec.partition(":")
+    kw = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"bad model spec {spec!r}: expected MODEL_TYPE:key=value,...")
+        kw[key.strip()] = json.loads(value) if value.strip()[:1].isdigit() or value in (
+            "true", "false") else value
+    try:
+        return AutoConfig.for_model(model_type, **kw)
+    except ValueError:
+        raise ValueError(
+            f"unknown model {spec!r}: use {', '.join(BUILTIN_CONFIGS)}, a local checkpoint "
+            "directory, or MODEL_TYPE:key=value (e.g. gpt2:n_layer=4)"
+        ) from None
+
+
+def build_model(spec: str = "tiny-gpt2", dtype: str | torch.dtype = "float32",
+                device: str | torch.device = "cpu", seed: int = 0,
+                attn_implementation: str = "eager") -> torch.nn.Module:
+    """Build a causal LM from a spec (see module docstring), in eval mode, no dropout.
+
+    Random weights are seeded by ``seed`` so two builds are identical.
+    ``attn_implementation="eager"`` materialises attention probabilities, which
+    attention statistics need and which makes the memory per item honest.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dt = parse_dtype(dtype)
+    path = Path(spec).expanduser()
+    if spec not in BUILTIN_CONFIGS and path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, torch_dtype=dt, attn_implementation=attn_implementation)
+    else:
+        config = model_config(spec)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        model = model.to(dt)
+    return model.to(device).eval()
+
+
+def config_fingerprint(spec: str) -> str:
+    """A short hash of the model's config: two specs with the same config share it."""
+    cfg = model_config(spec).to_dict()
+    for volatile in ("transformers_version", "_name_or_path", "_commit_hash"):
+        cfg.pop(volatile, None)
+    blob = json.dumps(cfg, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def make_batch(n: int, seq_len: int, vocab_size: int, seed: int = 0, pad: bool = True,
+               device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Generated causal-LM data: ``input_ids``, ``attention_mask``, ``labels`` of shape [n, seq_len].
+
+    With ``pad``, sample ``i`` has a seeded length in [seq_len/2, seq_len],
+    right-padded; labels are -100 on padding so token-weighted losses skip it.
+    """
+    if n <= 0 or seq_len <= 0:
+        raise ValueError(f"n and seq_len must be positive, got n={n}, seq_len={seq_len}")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (n, seq_len), generator=g)
+    mask = torch.ones(n, seq_len, dtype=torch.long)
+    if pad:
+        lengths = torch.randint(max(2, seq_len // 2), seq_len + 1, (n,), generator=g)
+        mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+        ids = ids * mask
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
+            "labels": labels.to(device)}

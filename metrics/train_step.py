@@ -1,0 +1,82 @@
+"""The built-in default workload: one training step of a small GPT-2.
+
+Forward, backward and an AdamW step of a transformers causal LM built from a
+config with random weights (byte-level vocabulary 256, sequence length 512,
+as in the E10 setup), on generated tokens. ``warmup()`` builds the model and
+the optimizer and runs one step at size 1 so that weights, gradients and
+AdamW's two moment buffers exist before any budget is applied: the searched
+memory is then what the *batch* costs, the quantity a batch-size search is
+about, and the base cost is reported separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from metrics.models import build_model
+
+
+@dataclass
+class TrainStep:
+    """``TrainStep(...)(batch_size)`` runs one training step and returns the loss.
+
+    Picklable (the built model is dropped from the pickle and rebuilt by
+    ``warmup`` in the receiving process), so it can run isolated.
+    """
+
+    model: str = "tiny-gpt2"
+    seq_len: int = 512
+    dtype: str = "float32"
+    device: str = "cpu"
+    lr: float = 1e-4
+    seed: int = 0
+    name: str = "gpt2-train-step"
+    preload: tuple[str, ...] = ("transformers", "transformers.models.gpt2.modeling_gpt2",
+                                "metrics.models")
+    _state: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_state"] = {}
+        return state
+
+    def warmup(self) -> None:
+        """Build model and optimizer, and take one step at batch size 1 (not budgeted)."""
+        if self._state:
+            return
+        model = build_model(self.model, self.dtype, self.device, seed=self.seed).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=self.lr)
+        self._state.update(model=model, opt=opt, vocab=model.config.vocab_size,
+                           params=sum(p.numel() for p in model.parameters()))
+        self(1)
+
+    def describe(self) -> dict[str, Any]:
+        """Configuration for reports (warms up if needed to count parameters)."""
+        self.warmup()
+        cfg = self._state["model"].config
+        return {
+            "model": f"{self.model} ({cfg.model_type}, random init from config)",
+            "parameters": self._state["params"],
+            "architecture": {k: getattr(cfg, k) for k in ("n_embd", "n_layer", "n_head",
+                                                           "vocab_size") if hasattr(cfg, k)},
+            "dtype": self.dtype,
+            "step": "forward + backward + AdamW step",
+            "data": {"source": "generated uniform random tokens (seeded)",
+                     "vocabulary": self._state["vocab"], "sequence_length": self.seq_len},
+        }
+
+    def __call__(self, batch_size: int) -> float:
+        if not self._state:
+            self.warmup()
+        model, opt = self._state["model"], self._state["opt"]
+        g = torch.Generator().manual_seed(self.seed + batch_size)
+        ids = torch.randint(0, self._state["vocab"], (batch_size, self.seq_len), generator=g)
+        ids = ids.to(self.device)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())

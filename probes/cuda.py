@@ -1,0 +1,106 @@
+"""The torch CUDA allocator backend: what *this process's* caching allocator holds, in bytes.
+
+- ``torch.cuda.mem_get_info`` (cudaMemGetInfo): free and total bytes of the
+  device, measured by the driver, other processes included.
+- ``memory_allocated`` / ``memory_reserved``: bytes in live tensors / bytes the
+  caching allocator holds from the driver (allocated + cached). Measured.
+- ``max_memory_allocated`` / ``max_memory_reserved``: peaks since the last
+  ``reset_peak_memory_stats``. Measured.
+
+Everything is gated on ``torch.cuda.is_available()``: on a CPU-only build
+``memory_allocated()`` silently returns 0 and ``mem_get_info()`` raises an
+``AssertionError`` (CPU-OOM-FACTS.md), so an ungated 0 would be a lie.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger("oomguard.probes.cuda")
+
+
+def unavailable_reason() -> str | None:
+    """None when torch can use a CUDA device here, else why not (one line)."""
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"torch {torch.__version__} was built without CUDA"
+    try:
+        if torch.cuda.is_available():
+            return None
+    except Exception as exc:  # noqa: BLE001 - a broken driver may raise here; report it
+        return f"torch.cuda.is_available() failed: {exc}"
+    return "torch.cuda.is_available() is False (no usable NVIDIA driver or device)"
+
+
+def device_count() -> int:
+    """Number of CUDA devices torch can see (after ``CUDA_VISIBLE_DEVICES``); 0 without CUDA."""
+    return torch.cuda.device_count() if unavailable_reason() is None else 0
+
+
+def identity(index: int) -> dict[str, Any]:
+    """Name, total bytes, UUID and PCI bus id of ``cuda:index`` as torch reports them.
+
+    Keys whose property this torch build lacks are left out.
+    """
+    props = torch.cuda.get_device_properties(index)
+    out: dict[str, Any] = {"name": props.name, "total": int(props.total_memory)}
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        out["uuid"] = str(uuid)
+    bus = getattr(props, "pci_bus_id", None)
+    dev = getattr(props, "pci_device_id", None)
+    if bus is not None and dev is not None:
+        from probes.nvml import pci_bus_id_from_ints
+
+        out["pci_bus_id"] = pci_bus_id_from_ints(int(getattr(props, "pci_domain_id", 0)),
+                                                 int(bus), int(dev))
+    return out
+
+
+def has_context(index: int) -> bool:
+    """Whether this process already has a CUDA context on ``cuda:index``.
+
+    ``mem_get_info`` creates one (hundreds of MiB of device memory) if not, so
+    a probe that only wants to look avoids it when NVML can answer instead.
+    """
+    check = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    return bool(check(index)) if check is not None else torch.cuda.is_initialized()
+
+
+def mem_get_info(index: int) -> tuple[int, int]:
+    """(free, total) bytes of ``cuda:index`` from ``cudaMemGetInfo``: measured, all processes.
+
+    Creates a CUDA context on the device if there is none. Raises
+    ``RuntimeError`` without CUDA.
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    free, total = torch.cuda.mem_get_info(index)
+    return int(free), int(total)
+
+
+def allocator_stats(index: int) -> dict[str, int]:
+    """Measured bytes of this process's caching allocator on ``cuda:index``.
+
+    Keys: ``allocated``, ``reserved``, ``peak_allocated``, ``peak_reserved``
+    (peaks since the last ``reset_peak_memory_stats``) and ``fraction_cap``
+    (the per-process cap set by ``set_per_process_memory_fraction``, in bytes;
+    the device's total when none). Creates no context. Raises
+    ``RuntimeError`` without CUDA: check :func:`unavailable_reason` first.
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    total = int(torch.cuda.get_device_properties(index).total_memory)
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = float(getter(index)) if getter is not None else 1.0
+    return {
+        "allocated": int(torch.cuda.memory_allocated(index)),
+        "reserved": int(torch.cuda.memory_reserved(index)),
+        "peak_allocated": int(torch.cuda.max_memory_allocated(index)),
+        "peak_reserved": int(torch.cuda.max_memory_reserved(index)),
+        "fraction_cap": int(fraction * total),
+    }

@@ -1,0 +1,236 @@
+"""``report.md`` and plots of an overnight job (``oomguard run``).
+
+Per metric: status, the sizes used and where they came from (cache, search,
+defaults, job file), retries, seconds, peak memory (measured, with what the
+meter counts) and the result summary; failures with their reason and
+traceback file. Plots, where a picture says more (matplotlib, Agg):
+
+- ``plots/memory.png``: measured peak memory per metric (bar chart, budget line);
+- ``plots/<task>-landscape.png``: a loss landscape as a contour plot, for any
+  result holding a 2-D loss grid;
+- ``plots/<task>-entropy.png``: attention entropy as a layer x head heatmap,
+  for any result holding a 2-D array whose name contains ``entropy``.
+
+Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from engine.journal import atomic_write
+from engine.units import fmt_bytes
+
+log = logging.getLogger("oomguard.report")
+
+_LANDSCAPE_KEYS = ("loss_grid", "losses", "grid", "surface", "loss")
+
+
+def _grids(task: Mapping[str, Any], out: Path) -> dict[str, Any]:
+    """Every 2-D numeric array of a task's result: inline summary lists and the ``.pt`` file."""
+    import numpy as np
+
+    found: dict[str, Any] = {}
+
+    def walk(value: Any, name: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(value, list) and value and all(isinstance(r, list) for r in value):
+            try:
+                arr = np.array(value, dtype=float)
+            except (TypeError, ValueError):
+                return
+            if arr.ndim == 2 and min(arr.shape) > 1:
+                found[name] = arr
+
+    walk(task.get("summary") or {}, "")
+    if task.get("tensors"):
+        try:
+            import torch
+
+            for name, t in torch.load(out / task["tensors"], weights_only=True).items():
+                if t.ndim == 2 and min(t.shape) > 1:
+                    found[name] = t.double().numpy()
+        except Exception:  # noqa: BLE001 - a missing tensor file only costs a plot
+            log.warning("could not read %s for plots", task["tensors"])
+    return found
+
+
+def _plot(path: Path, draw: Any) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    try:
+        draw(fig, ax)
+        fig.tight_layout()
+        tmp = path.with_name(f".{path.name}.tmp.png")
+        fig.savefig(tmp, dpi=110)
+        tmp.replace(path)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def plot_memory(summary: Mapping[str, Any], path: Path) -> Path | None:
+    """Bar chart of measured peak bytes per metric that ran; None if none did."""
+    tasks = [(k, t) for k, t in summary["tasks"].items() if t.get("peak_bytes") is not None]
+    if not tasks:
+        return None
+    budget = summary["job"].get("budget_bytes")
+
+    def draw(fig: Any, ax: Any) -> None:
+        mib = [t["peak_bytes"] / 2**20 for _, t in tasks]
+        ax.bar([k for k, _ in tasks], mib, color="tab:blue")
+        if budget:
+            ax.axhline(budget / 2**20, color="tab:red", ls="--", label="budget")
+            ax.legend()
+        ax.set_ylabel("peak memory (MiB, measured)")
+        ax.set_title("Peak memory per metric")
+        ax.tick_params(axis="x", rotation=30)
+
+    return _plot(path, draw)
+
+
+def plot_landscape(grid: Any, path: Path, title: str) -> Path:
+    """Contour plot of a 2-D loss grid over the two directions' coordinates."""
+    import numpy as np
+
+    def draw(fig: Any, ax: Any) -> None:
+        n, m = grid.shape
+        xs, ys = np.linspace(-1, 1, m), np.linspace(-1, 1, n)
+        cs = ax.contourf(xs, ys, grid, levels=20, cmap="viridis")
+        ax.contour(xs, ys, grid, levels=10, colors="k", linewidths=0.4)
+        fig.colorbar(cs, ax=ax, label="loss (nats/token)")
+        ax.plot([0], [0], "r+", ms=10)
+        ax.set_xlabel("direction 1 (relative step)")
+        ax.set_ylabel("direction 2 (relative step)")
+        ax.set_title(title)
+
+    return _plot(path, draw)
+
+
+def plot_heatmap(grid: Any, path: Path, title: str) -> Path:
+    """Heatmap of a layer x head array (attention entropy, nats)."""
+
+    def draw(fig: Any, ax: Any) -> None:
+        im = ax.imshow(grid, aspect="auto", cmap="magma")
+        fig.colorbar(im, ax=ax, label="entropy (nats)")
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_title(title)
+
+    return _plot(path, draw)
+
+
+def write_plots(summary: Mapping[str, Any], out: Path) -> dict[str, str]:
+    """Every plot the job's results call for; ``{title: path relative to out}``."""
+    plots: dict[str, str] = {}
+    (out / "plots").mkdir(exist_ok=True)
+    mem = plot_memory(summary, out / "plots" / "memory.png")
+    if mem:
+        plots["Peak memory per metric"] = str(mem.relative_to(out))
+    for key, task in summary["tasks"].items():
+        if task.get("status") != "ok":
+            continue
+        grids = _grids(task, out)
+        if task.get("metric") == "loss_landscape" or any("landscape" in g for g in grids):
+            name = next((g for k in _LANDSCAPE_KEYS for g in grids if g.split(".")[-1] == k),
+                        next(iter(grids), None))
+            if name is not None:
+                p = plot_landscape(grids[name], out / "plots" / f"{key}-landscape.png",
+                                   f"{key}: loss landscape")
+                plots[f"{key}: loss landscape"] = str(p.relative_to(out))
+        for name, grid in grids.items():
+            if "entropy" in name.lower():
+                p = plot_heatmap(grid, out / "plots" / f"{key}-entropy.png",
+                                 f"{key}: {name} (layer x head)")
+                plots[f"{key}: {name}"] = str(p.relative_to(out))
+                break
+    return plots
+
+
+def _sizes(s: Mapping[str, Any] | None) -> str:
+    if not s:
+        return "-"
+    return ", ".join(f"{k}={v}" for k, v in s.items()) or "-"
+
+
+def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) -> str:
+    """The job's report.md."""
+    job, tasks = summary["job"], summary["tasks"]
+    dev = job.get("device") or {}
+    counts: dict[str, int] = {}
+    for t in tasks.values():
+        counts[t.get("status", "?")] = counts.get(t.get("status", "?"), 0) + 1
+    lines = [f"# oomguard job report: {job['name']}", "",
+             f"- **Status**: {summary['status']} (exit code {summary['exit_code']}); "
+             + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
+             f"- **Job file**: `{job['path']}`",
+             f"- **Device**: {dev.get('device')} ({dev.get('name') or '?'}, "
+             f"{fmt_bytes(dev.get('total_bytes'))} total)",
+             f"- **Budget**: {fmt_bytes(job['budget_bytes']) if job.get('budget_bytes') else 'none'}",
+             f"- **Models**: {', '.join(job['models'])}; dtype {job['dtype']}",
+             f"- **Data**: {job['data']['source']}"
+             + (f" `{job['data']['path']}`" if job['data'].get('path') else "")
+             + f", {job['data']['n_samples']} samples x {job['data']['seq_len']} tokens",
+             f"- **Finished**: {summary['finished']} (run {summary['run']})", "",
+             "## Metrics", "",
+             "| metric | status | sizes used | from | retries | seconds | peak memory |",
+             "|---|---|---|---|---:|---:|---:|"]
+    for key, t in tasks.items():
+        s = t.get("sizes") or {}
+        lines.append(f"| {key} | {t.get('status')} | {_sizes(s.get('final') or s.get('start'))} "
+                     f"| {s.get('source') or '-'} | {s.get('retries', '-')} "
+                     f"| {t['seconds']:.2f} | {fmt_bytes(t.get('peak_bytes'))} |"
+                     if "seconds" in t else
+                     f"| {key} | {t.get('status')} | - | - | - | - | - |")
+    lines += ["", "Peak memory is measured (what the meter counts is given per metric); "
+              "seconds are the metric's own run, without model build and search.", ""]
+    failed = {k: t for k, t in tasks.items() if t.get("status") == "failed"}
+    if failed:
+        lines += ["## Failures", ""]
+        for key, t in failed.items():
+            lines.append(f"- **{key}**: {t.get('reason')} (traceback: `{t.get('traceback')}`)")
+        lines.append("")
+    for key, t in tasks.items():
+        if t.get("status") != "ok":
+            continue
+        s = t.get("sizes") or {}
+        lines += [f"## {key}", "", f"- metric `{t['metric']}` on `{t['model']}`, "
+                  f"parameters {json.dumps(t.get('params', {}), sort_keys=True)}",
+                  f"- sizes: started at {_sizes(s.get('start'))} ({s.get('source')}), "
+                  f"ran at {_sizes(s.get('final'))} after {s.get('retries', 0)} retries"]
+        if s.get("errors"):
+            lines.append(f"- OOMs: {'; '.join(s['errors'])}")
+        if t.get("search"):
+            se = t["search"]
+            lines.append(f"- search: {se.get('trials')} trials in {se.get('seconds')} s, "
+                         f"max ok {se.get('max_ok')}, stopped: {se.get('stopped_because')}")
+        lines.append(f"- peak memory {fmt_bytes(t.get('peak_bytes'))} ({t.get('peak_source')})")
+        if t.get("tensors"):
+            lines.append(f"- full tensors: `{t['tensors']}`")
+        lines += ["", "```json", json.dumps(t.get("summary"), indent=2, sort_keys=True)[:4000],
+                  "```", ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{title}]({path})" for title, path in plots.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_job_report(summary: Mapping[str, Any], out: str | Path) -> Path:
+    """Write ``report.md`` (and the plots) for a job's ``results.json`` content."""
+    out = Path(out)
+    try:
+        plots = write_plots(summary, out)
+    except Exception:  # noqa: BLE001 - the text report matters more than pictures
+        log.exception("plots failed; writing report.md without them")
+        plots = {}
+    return atomic_write(out / "report.md", render_job_markdown(summary, plots))

@@ -1,0 +1,230 @@
+"""Machine-readable report of a batch-size search, and the figures every report shares.
+
+``render_json(result, context)`` returns a dict that ``json.dumps`` accepts
+without a custom encoder: every trial, the fit, the recommendation, the
+context the caller gave, derived figures (peak at the maximum, utilisation,
+margin left), the oomguard version and a UTC ISO-8601 timestamp. Bytes are
+ints of bytes, seconds are floats of wall-clock seconds, fractions are in
+[0, 1] (not percent).
+
+The derived figures (peak at the maximum, utilisation, what the capacity is,
+the search steps in prose) live here so that the Markdown report and the plot
+state the same numbers as the JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from engine.search import SearchResult
+from engine.strategies import bracket
+from engine.trial import Trial
+
+SCHEMA = "oomguard.search-report/1"
+
+# What a trial's peak counts, per device type (see probes.peak.PeakMeter).
+PEAK_MEANING = {
+    "cpu": "the process's resident high-water mark (VmHWM after clear_refs) minus the "
+           "resident bytes at the start of the trial",
+    "cuda": "the CUDA caching allocator's peak reserved bytes (torch.cuda.max_memory_reserved) "
+            "minus the reserved bytes at the start of the trial",
+    "mps": "the growth of torch.mps.driver_allocated_memory over the trial (a lower bound: "
+           "MPS keeps no peak)",
+}
+
+
+# ---------------------------------------------------------------- shared figures
+def peak_at_max(result: SearchResult) -> Trial | None:
+    """The successful trial at ``max_ok`` with a measured peak (the last one if it ran twice)."""
+    hits = [t for t in result.trials if t.ok and t.size == result.max_ok]
+    return hits[-1] if hits else None
+
+
+def utilisation(peak: float | None, capacity: int | None) -> float | None:
+    """``peak / capacity`` as a fraction, None if either is unknown."""
+    if peak is None or not capacity:
+        return None
+    return peak / capacity
+
+
+def device_type(result: SearchResult) -> str:
+    """``"cpu"``, ``"cuda"`` or ``"mps"`` from the result's device string."""
+    return result.device.split(":", 1)[0]
+
+
+def capacity_label(result: SearchResult) -> str:
+    """What ``capacity_bytes`` stands for: the budget, or the free memory probed."""
+    if result.capacity_bytes is None:
+        return "unknown"
+    if result.budget_bytes is not None and result.capacity_bytes == result.budget_bytes:
+        return "budget"
+    return "free memory"
+
+
+def non_monotonic(result: SearchResult) -> list[Trial]:
+    """OOM trials at sizes below the largest size that ran."""
+    if result.max_ok is None:
+        return []
+    return [t for t in result.trials if not t.ok and t.size < result.max_ok]
+
+
+def status_text(t: Trial) -> str:
+    return "✓ SUCCESS" if t.ok else "✗ OOM"
+
+
+def _mark(t: Trial) -> str:
+    return f"{t.size} {'✓' if t.ok else '✗ OOM'}"
+
+
+# ---------------------------------------------------------------- search strategy
+def _kind(move_lo: int | None, move_hi: int | None) -> str:
+    if move_lo is None:
+        return "halve"
+    if move_hi is None:
+        return "expand"
+    return "refine"
+
+
+def _growth(sizes: Sequence[int]) -> str:
+    diffs = [b - a for a, b in zip(sizes, sizes[1:], strict=False)]
+    if diffs and len(set(diffs)) == 1:
+        return f"+{diffs[0]} increments"
+    if diffs and all(a > 0 and b % a == 0 for a, b in zip(sizes, sizes[1:], strict=False)):
+        ratios = {b // a for a, b in zip(sizes, sizes[1:], strict=False)}
+        if len(ratios) == 1:
+            return f"x{ratios.pop()} steps"
+    return "jumps (" + " → ".join(str(s) for s in sizes) + ")"
+
+
+def strategy_steps(result: SearchResult) -> list[str]:
+    """Numbered-list items describing the search as it actually ran, from the trials."""
+    trials = result.trials
+    if not trials:
+        return [f"No trial ran ({result.stopped_because})."]
+    first = trials[0]
+    steps = [f"Started with batch_size={first.size} ({status_text(first)})"]
+    groups: list[tuple[str, int | None, int | None, list[Trial]]] = []
+    seen: list[Trial] = [first]
+    for t in trials[1:]:
+        lo, hi = bracket(seen)
+        kind = _kind(lo, hi)
+        if groups and groups[-1][0] == kind:
+            groups[-1][3].append(t)
+        else:
+            groups.append((kind, lo, hi, [t]))
+        seen.append(t)
+    for kind, lo, hi, group in groups:
+        if kind == "expand":
+            oks = [t.size for t in group if t.ok]
+            base = lo if lo is not None else first.size
+            if oks:
+                steps.append(f"Expanded in {_growth([base, *oks])} while successful "
+                             f"({base} → {oks[-1]}, {len(oks)} more successful trials)")
+            failed = [t for t in group if not t.ok]
+            if failed:
+                steps.append(f"When OOM encountered at batch_size={failed[0].size}, switched to "
+                             "binary search refinement")
+        elif kind == "halve":
+            steps.append(f"batch_size={hi} ran out of memory; halved: "
+                         + ", ".join(_mark(t) for t in group))
+        else:
+            steps.append(f"Bisected between {lo} (fits) and {hi} (OOM): "
+                         + ", ".join(_mark(t) for t in group))
+    if result.max_ok is None:
+        steps.append("No size fitted")
+    elif result.first_oom is not None and result.first_oom - result.max_ok <= 1:
+        steps.append(f"Final refinement found maximum at batch_size={result.max_ok} "
+                     f"(batch_size={result.first_oom} ran out of memory)")
+    elif result.first_oom is not None:
+        steps.append(f"Stopped ({result.stopped_because}) with the maximum between "
+                     f"{result.max_ok} (fits) and {result.first_oom} (OOM); largest size that "
+                     f"ran: batch_size={result.max_ok}")
+    else:
+        steps.append(f"No OOM seen; stopped because {result.stopped_because}: the maximum is at "
+                     f"least batch_size={result.max_ok}")
+    return steps
+
+
+
+def oomguard_version() -> str:
+    """The installed oomguard version, or ``"unknown"``."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("oomguard")
+    except (ImportError, PackageNotFoundError):
+        return "unknown"
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as plain JSON types: non-finite floats become strings, unknown objects ``str``."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "to_dict"):
+        return jsonable(value.to_dict())
+    item = getattr(value, "item", None)  # numpy / torch scalars
+    if callable(item):
+        try:
+            return jsonable(item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(value)
+
+
+def render_json(result: SearchResult, context: dict | None = None) -> dict[str, Any]:
+    """Every figure of ``result`` (and ``context``) as a JSON-serialisable dict.
+
+    Keys: ``schema``, ``oomguard_version``, ``generated_at`` (UTC ISO 8601),
+    ``context``, ``result`` (:meth:`SearchResult.to_dict`: all trials, fit,
+    recommendation, capacity, budget, config) and ``summary`` (derived:
+    ``peak_bytes_at_max``, ``utilisation`` as a fraction, ``margin_left_bytes``,
+    counts, the search steps as prose).
+    """
+    best = peak_at_max(result)
+    peak = best.peak_bytes if best else None
+    cap = result.capacity_bytes
+    n_ok = sum(t.ok for t in result.trials)
+    fit = result.fit
+    summary: dict[str, Any] = {
+        "max_ok": result.max_ok,
+        "first_oom": result.first_oom,
+        "max_is_lower_bound": result.first_oom is None,
+        "peak_bytes_at_max": peak,
+        "seconds_at_max": best.seconds if best else None,
+        "value_at_max": best.value if best else None,
+        "capacity_kind": capacity_label(result),
+        "utilisation": utilisation(peak, cap),
+        "margin_left_bytes": cap - peak if cap is not None and peak is not None else None,
+        "trials": len(result.trials),
+        "trials_ok": n_ok,
+        "trials_oom": len(result.trials) - n_ok,
+        "trial_seconds": sum(t.seconds for t in result.trials),
+        "non_monotonic_oom_sizes": [t.size for t in non_monotonic(result)],
+        "fitted_size_at_capacity": (fit.largest_size_within(cap)
+                                    if fit is not None and cap else None),
+        "peak_measures": PEAK_MEANING.get(device_type(result), "unknown"),
+        "fit_is_estimate": True,
+        "mode_note": ("in-process: history-dependent, can be lower than a fresh process's maximum"
+                      if result.mode == "in-process"
+                      else "isolated: each trial in a fresh process, the faithful maximum"),
+        "search_steps": strategy_steps(result),
+    }
+    doc = {
+        "schema": SCHEMA,
+        "oomguard_version": oomguard_version(),
+        # timezone.utc, not datetime.UTC: setup.cfg still admits Python 3.10.
+        "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017
+        "context": context or {},
+        "result": result.to_dict(),
+        "summary": summary,
+    }
+    return jsonable(doc)

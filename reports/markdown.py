@@ -1,0 +1,331 @@
+"""Markdown report of a batch-size search, in the shape of the E10 report.
+
+``render_markdown(result, context)`` turns a :class:`engine.search.SearchResult`
+into the sections of the E10 Maximum Batch Size Report: Configuration, Data,
+Search Strategy, Results (performance metrics and the trial table), Memory
+Scaling Analysis, Recommendations, Key Observations and a Conclusion. Every
+number comes from the result; the prose around it is generated from the trial
+sequence, never hard-coded. Byte counts are printed in binary units (KiB, MiB,
+GiB) with :func:`engine.units.fmt_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from engine.search import SearchResult
+from engine.units import fmt_bytes
+from reports.json_report import (
+    PEAK_MEANING,
+    capacity_label,
+    device_type,
+    non_monotonic,
+    peak_at_max,
+    status_text,
+    strategy_steps,
+    utilisation,
+)
+
+_KNOWN_CONTEXT = {"model", "parameters", "architecture", "device_name", "dtype", "data", "title"}
+
+
+def fmt_value(value: Any) -> str:
+    """A workload's return value for a table cell: floats to 4 decimals, None to ``-``."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    if isinstance(value, Mapping):
+        return ", ".join(f"{k}={fmt_value(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(fmt_value(v) for v in value[:4])
+        return f"[{inner}{', ...' if len(value) > 4 else ''}]"
+    text = str(value).replace("|", "\\|").replace("\n", " ")
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _pct(frac: float | None) -> str:
+    return "-" if frac is None else f"{frac * 100:.1f}%"
+
+
+def _params(n: Any) -> str:
+    if isinstance(n, int) and not isinstance(n, bool):
+        for div, suf in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
+            if n >= div:
+                return f"{n:,} (~{n / div:.3g}{suf})"
+        return f"{n:,}"
+    return str(n)
+
+
+def _label(key: str) -> str:
+    return key.replace("_", " ").strip().capitalize()
+
+
+def _nested(value: Any, indent: str = "  ") -> list[str]:
+    if isinstance(value, Mapping):
+        return [f"{indent}- {_label(str(k))}: {v}" for k, v in value.items()]
+    return []
+
+
+# ---------------------------------------------------------------- sections
+def _configuration(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
+    out = ["## Configuration", f"- **Workload**: {result.workload}"]
+    if "model" in ctx:
+        out.append(f"- **Model**: {ctx['model']}")
+    if "parameters" in ctx:
+        out.append(f"- **Parameters**: {_params(ctx['parameters'])}")
+    if isinstance(ctx.get("architecture"), Mapping):
+        out.append("- **Architecture**:")
+        out.extend(_nested(ctx["architecture"]))
+    if "dtype" in ctx:
+        out.append(f"- **Dtype**: {ctx['dtype']}")
+    for key, value in ctx.items():
+        if key in _KNOWN_CONTEXT:
+            continue
+        if isinstance(value, Mapping):
+            out.append(f"- **{_label(key)}**:")
+            out.extend(_nested(value))
+        else:
+            out.append(f"- **{_label(key)}**: {value}")
+    dev = result.device
+    if ctx.get("device_name"):
+        dev = f"{ctx['device_name']} ({result.device})"
+    out.append(f"- **Device**: {dev}")
+    if result.budget_bytes is not None:
+        how = {"cpu": "RLIMIT_DATA above the process's data size at the start",
+               "cuda": "torch.cuda.set_per_process_memory_fraction"}.get(device_type(result), "")
+        out.append(f"- **Memory budget**: {fmt_bytes(result.budget_bytes)}"
+                   + (f" (enforced with {how}; OOMs are real allocator errors)" if how else ""))
+    else:
+        out.append("- **Memory budget**: none (the device's own limit)")
+    label = capacity_label(result)
+    if result.capacity_bytes is None:
+        out.append("- **Capacity**: unknown (no budget and free memory could not be probed; "
+                   "utilisation figures are omitted)")
+    elif label == "budget":
+        out.append(f"- **Capacity**: {fmt_bytes(result.capacity_bytes)} (the budget)")
+    else:
+        out.append(f"- **Capacity**: {fmt_bytes(result.capacity_bytes)} (free memory probed "
+                   "before the search: an estimate of headroom, not a limit)")
+    if result.mode == "isolated":
+        mode = ("isolated: each trial ran in a fresh child process, so no trial inherits another's "
+                "caches or heap fragments; this is the faithful maximum")
+    else:
+        mode = ("in-process: all trials ran in one process one after another; later trials "
+                "inherit caches and heap fragments, so the result is history-dependent and can "
+                "be lower than a fresh process's maximum (rerun isolated for the faithful figure)")
+    out.append(f"- **Mode**: {mode}")
+    cfg = result.config
+    if cfg:
+        out.append("- **Search settings**: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
+    return out
+
+
+def _data(ctx: Mapping[str, Any]) -> list[str]:
+    data = ctx.get("data")
+    if not isinstance(data, Mapping) or not data:
+        return []
+    return ["## Data Configuration", *(f"- **{_label(str(k))}**: {v}" for k, v in data.items())]
+
+
+def _results(result: SearchResult) -> list[str]:
+    best = peak_at_max(result)
+    cap = result.capacity_bytes
+    peak = best.peak_bytes if best else None
+    util = utilisation(peak, cap)
+    margin_left = cap - peak if cap is not None and peak is not None else None
+    shown = "-" if result.max_ok is None else str(result.max_ok)
+    suffix = "" if result.first_oom is not None or result.max_ok is None else " (no OOM seen: a lower bound)"
+    of_cap = f" (of {fmt_bytes(cap)} {capacity_label(result)})" if cap else " (capacity unknown)"
+    out = [
+        "## Results", "", f"### Maximum Batch Size: **{shown}**{suffix}", "",
+        "### Performance Metrics", "| Metric | Value |", "|--------|-------|",
+        f"| Peak Memory at maximum | {fmt_bytes(peak)} |",
+        f"| Memory Utilization | {_pct(util)}{of_cap if util is not None else ''} |",
+        f"| Margin left | {fmt_bytes(margin_left)}"
+        + (f" ({margin_left:,} bytes)" if margin_left is not None else "") + " |",
+        f"| Seconds (trial at maximum) | {best.seconds:.3f} |" if best else "| Seconds (trial at maximum) | - |",
+        f"| Value returned at maximum | {fmt_value(best.value) if best else '-'} |",
+        f"| Search wall time | {result.seconds:.2f} s |",
+        "", "### Search Details",
+        "| Batch Size | Status | Peak Memory | Seconds | Value |",
+        "|-----------|--------|-------------|---------|-------|",
+    ]
+    for t in result.trials:
+        out.append(f"| {t.size} | {status_text(t)} | {fmt_bytes(t.peak_bytes)} | "
+                   f"{t.seconds:.3f} | {fmt_value(t.value)} |")
+    if any(not t.ok for t in result.trials):
+        out.append("")
+        out.append("An OOM trial's peak is unknown (the allocation that failed never happened); "
+                   "its row shows `-`.")
+    return out
+
+
+def _scaling(result: SearchResult) -> list[str]:
+    out = ["## Memory Scaling Analysis"]
+    meaning = PEAK_MEANING.get(device_type(result), "the device's peak bytes over the trial")
+    fit = result.fit
+    if fit is None:
+        out.append("- **No fit**: fewer than two distinct sizes ran with a measured peak, so no "
+                   "scaling line could be fitted.")
+    else:
+        step = result.config.get("step")
+        lin = ("untested (only two points; R² is 1 by construction)" if fit.points < 3
+               else "confirmed" if fit.r2 >= 0.99 else "approximate" if fit.r2 >= 0.9
+               else "not supported")
+        if isinstance(step, int) and step > 0:
+            out.append(f"- **Linear scaling {lin}** (R² = {fit.r2:.4f}): each +{step} batch "
+                       f"increment adds ~{fmt_bytes(fit.per_item_bytes * step)} peak memory")
+        else:
+            out.append(f"- **Linear scaling {lin}** (R² = {fit.r2:.4f})")
+        out += [
+            f"- **Starting overhead** (intercept at size 0): ~{fmt_bytes(fit.base_bytes)}",
+            f"- **Per-item cost**: ~{fmt_bytes(fit.per_item_bytes)} per batch item "
+            f"({fit.per_item_bytes:,.0f} bytes)",
+            f"- **Fit**: peak ≈ {fmt_bytes(fit.base_bytes)} + {fmt_bytes(fit.per_item_bytes)} × "
+            f"batch_size, a least-squares line over the {fit.points} measured peaks of successful "
+            "trials; sizes and peaks it predicts are estimates, not measurements.",
+        ]
+        if result.capacity_bytes and fit.per_item_bytes > 0:
+            pred = fit.largest_size_within(result.capacity_bytes)
+            out.append(f"- **Fitted size at capacity** (estimate): {pred} "
+                       f"(measured maximum: {result.max_ok})")
+            if pred is not None and result.max_ok is not None and pred > result.max_ok + 1:
+                out.append("  - The line predicts more than ran: memory the peak does not count "
+                           "(allocator rounding and fragmentation, thread stacks, caches) uses "
+                           "the difference. Trust the measured maximum.")
+    out.append(f"- **What the peak measures**: {meaning}. It counts bytes above the state at the "
+               "start of each trial, not the model and data loaded before it.")
+    return out
+
+
+def _recommendations(result: SearchResult) -> list[str]:
+    rec = result.recommendation
+    if rec is None:
+        return ["## Recommendations", "- No recommendation: no size fitted."]
+    cap, fit = result.capacity_bytes, result.fit
+    by_size = {t.size: t.peak_bytes for t in result.trials if t.ok and t.peak_bytes is not None}
+
+    def est(size: int) -> str:
+        measured = by_size.get(size)
+        peak = measured if measured is not None else fit.predict(size) if fit else None
+        if peak is None:
+            return "peak unknown"
+        kind = "measured" if measured is not None else "estimated"
+        util = utilisation(peak, cap)
+        return f"{kind} {fmt_bytes(peak)}" + (f", {_pct(util)} utilization" if util is not None else "")
+
+    best = by_size.get(rec.maximum)
+    left = cap - best if cap is not None and best is not None else None
+    util = utilisation(best, cap)
+    if util is None:
+        risk = "Margin unknown (no capacity or no measured peak)"
+    elif util >= 0.9:
+        risk = f"Very tight memory margin ({fmt_bytes(left)} buffer)"
+    elif util >= 0.8:
+        risk = f"Tight memory margin ({fmt_bytes(left)} buffer)"
+    else:
+        risk = f"Moderate memory margin ({fmt_bytes(left)} buffer)"
+    if result.mode == "in-process":
+        risk += "; found in-process, so a fresh process may fit more, a fragmented one less"
+    lo_hi = (f"{rec.conservative}-{rec.safe}" if rec.conservative != rec.safe else str(rec.safe))
+    return [
+        "## Recommendations", "", "### Safe Production Settings",
+        f"For production with a {rec.margin:.0%} safety margin of capacity:",
+        f"- **Recommended batch size**: {rec.safe} ({est(rec.safe)}); basis: {rec.basis}",
+        f"- **Recommended range**: {lo_hi}",
+        f"- **Conservative batch size**: {rec.conservative} ({est(rec.conservative)}; "
+        + ("the largest size that ran whose measured peak is within the margin)" if cap
+           else "the largest size that ran at or below the recommended size)"),
+        "", "### Maximum Throughput Setting",
+        f"- **Absolute maximum**: {rec.maximum} ({est(rec.maximum)})",
+        f"- **Risk**: {risk}",
+        f"- **Margin left at maximum**: {fmt_bytes(left)}"
+        + (f" ({left:,} bytes)" if left is not None else ""),
+        "- **Suitable for**: benchmarking, time-limited runs",
+    ]
+
+
+def _observations(result: SearchResult) -> list[str]:
+    obs: list[str] = []
+    fit = result.fit
+    if fit is None:
+        obs.append("**Scaling unknown**: too few measured sizes for a fit.")
+    elif fit.points < 3:
+        obs.append("**Scaling barely measured**: the line goes through two points, so its R² "
+                   "says nothing; treat fitted estimates as rough.")
+    elif fit.r2 >= 0.99:
+        obs.append(f"**Linear memory scaling**: R² = {fit.r2:.4f} over {fit.points} points; "
+                   "memory grows predictably with batch size.")
+    elif fit.r2 >= 0.9:
+        obs.append(f"**Roughly linear scaling**: R² = {fit.r2:.4f}; fitted estimates are rough.")
+    else:
+        obs.append(f"**Non-linear or noisy scaling**: R² = {fit.r2:.4f}; do not trust the fitted "
+                   "estimates, rely on measured sizes only.")
+    n_ok = sum(t.ok for t in result.trials)
+    n = len(result.trials)
+    trial_s = sum(t.seconds for t in result.trials)
+    obs.append(f"**Search cost**: {n} trials ({n_ok} fitted, {n - n_ok} ran out of memory), "
+               f"{trial_s:.2f} s in trials, {result.seconds:.2f} s of search wall time.")
+    obs.append(f"**Stopped because**: {result.stopped_because}.")
+    if result.first_oom is None and result.max_ok is not None:
+        obs.append("**No OOM seen**: the reported maximum is a lower bound; raise max_size to "
+                   "find the real limit.")
+    bad = non_monotonic(result)
+    if bad:
+        sizes = ", ".join(str(t.size) for t in bad)
+        obs.append(f"**Non-monotonic outcomes**: size(s) {sizes} ran out of memory although "
+                   f"{result.max_ok} fitted; memory use depends on history or is noisy here, "
+                   "so keep a wider margin.")
+    if result.mode == "in-process":
+        obs.append("**Mode caveat**: trials ran in-process; the maximum can be lower than in a "
+                   "fresh process (caches, heap fragments). Rerun with isolation for the "
+                   "faithful figure.")
+    else:
+        obs.append("**Mode**: each trial ran in a fresh process; the maximum does not depend on "
+                   "the order of the trials.")
+    if fit is not None and fit.base_bytes < 0:
+        obs.append("**Negative intercept**: the fitted overhead is below zero, so the line is "
+                   "only meaningful within the measured range.")
+    return [f"{i}. {o}" for i, o in enumerate(obs, 1)]
+
+
+def _conclusion(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
+    if result.max_ok is None:
+        return ["## Conclusion", f"**{result.workload}: no batch size fitted.**"]
+    best = peak_at_max(result)
+    util = utilisation(best.peak_bytes if best else None, result.capacity_bytes)
+    where = ctx.get("device_name") or result.device
+    tail = f", utilizing {_pct(util)} of {capacity_label(result)}" if util is not None else ""
+    bound = "at least " if result.first_oom is None else ""
+    return ["## Conclusion",
+            f"**{result.workload} runs on {where} at batch size {bound}{result.max_ok} "
+            f"({result.mode}){tail}.**"]
+
+
+def render_markdown(result: SearchResult, context: dict | None = None) -> str:
+    """Render ``result`` as a Markdown report in the E10 report's shape.
+
+    ``context`` describes what was measured: ``model`` (str), ``parameters``
+    (int), ``architecture`` (dict), ``device_name``, ``dtype``, ``data``
+    (dict), ``title``; any other key is listed under Configuration. Byte
+    figures are shown in KiB/MiB/GiB; seconds are wall-clock seconds.
+    """
+    ctx: Mapping[str, Any] = context or {}
+    title = ctx.get("title") or f"{result.workload} Maximum Batch Size Report"
+    parts: list[list[str]] = [
+        [f"# {title}"],
+        _configuration(result, ctx),
+        _data(ctx),
+        ["## Search Strategy", f"Strategy `{result.strategy}`: {result.strategy_description}", "",
+         *(f"{i}. {s}" for i, s in enumerate(strategy_steps(result), 1))],
+        _results(result),
+        _scaling(result),
+        _recommendations(result),
+        ["## Key Observations", "", *_observations(result)],
+        _conclusion(result, ctx),
+    ]
+    return "\n\n".join("\n".join(p) for p in parts if p) + "\n"

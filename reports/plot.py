@@ -1,0 +1,110 @@
+"""PNG plot of peak memory against batch size for one search.
+
+Drawn with matplotlib's Agg canvas on a standalone ``Figure`` (no pyplot, no
+display, no global backend switch), so it is safe in headless jobs and
+threads. Memory is shown in GiB, or MiB when everything is under 1 GiB.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from engine.search import SearchResult
+from engine.units import GiB, MiB, fmt_bytes
+from reports.json_report import capacity_label
+
+_OOM_NOTE = "OOM (peak unknown; drawn at capacity)"
+
+
+def _unit(values: list[float]) -> tuple[str, int]:
+    top = max((abs(v) for v in values), default=0.0)
+    return ("GiB", GiB) if top >= GiB else ("MiB", MiB)
+
+
+def plot_memory(result: SearchResult, path: str | os.PathLike[str]) -> Path:
+    """Write a PNG of peak memory (GiB or MiB) against batch size to ``path``.
+
+    Shows the successful trials' measured peaks (points), the least-squares fit
+    (dashed; per-item cost and R² in the legend), the capacity line and the
+    safe-margin line at ``capacity x (1 - margin)``, OOM trials as red crosses
+    on the capacity line (their peak is unknown), and vertical markers at the
+    measured maximum and the recommended safe size. Returns the path.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    ok = [t for t in result.trials if t.ok and t.peak_bytes is not None]
+    ooms = [t for t in result.trials if not t.ok]
+    cap = result.capacity_bytes
+    rec = result.recommendation
+    fit = result.fit
+    margin = rec.margin if rec else result.config.get("margin")
+    safe_line = cap * (1 - margin) if cap and margin is not None else None
+
+    all_sizes = [t.size for t in result.trials] or [1]
+    x_max = max(all_sizes) * 1.08
+    fit_end = fit.predict(x_max) if fit else None
+    scale_vals = [float(t.peak_bytes) for t in ok] + ([float(cap)] if cap else [])
+    if fit_end is not None:
+        scale_vals.append(fit_end)
+    unit, div = _unit(scale_vals)
+
+    fig = Figure(figsize=(9, 6.4), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+
+    if cap:
+        cap_name = "capacity (budget)" if capacity_label(result) == "budget" else "free memory"
+        ax.axhline(cap / div, color="black", lw=1.4,
+                   label=f"{cap_name}: {fmt_bytes(cap, unit)}")
+    if safe_line is not None:
+        ax.axhline(safe_line / div, color="tab:green", lw=1.1, ls=":",
+                   label=f"safe limit: capacity × (1 − {margin:.2f}) = "
+                         f"{fmt_bytes(safe_line, unit)}")
+    if fit is not None:
+        xs = [0.0, x_max]
+        ax.plot(xs, [fit.predict(x) / div for x in xs], ls="--", color="tab:blue", lw=1.2,
+                label=f"least-squares fit: {fmt_bytes(fit.per_item_bytes)}/item + "
+                      f"{fmt_bytes(fit.base_bytes)}, R² = {fit.r2:.4f} (estimate)")
+    if ok:
+        ax.plot([t.size for t in ok], [t.peak_bytes / div for t in ok], "o", color="tab:blue",
+                ms=5, label=f"measured peak ({len(ok)} successful trials)", zorder=3)
+    if ooms:
+        if cap:
+            y_oom = cap / div
+            note = _OOM_NOTE
+        else:
+            top = max([t.peak_bytes for t in ok], default=0)
+            y_oom = top / div * 1.05 if top else 1.0
+            note = "OOM (peak unknown; drawn above the highest peak)"
+        ax.plot([t.size for t in ooms], [y_oom] * len(ooms), "x", color="red", ms=9, mew=2,
+                label=f"{note} ({len(ooms)} trials)", zorder=4)
+    if result.max_ok is not None:
+        ax.axvline(result.max_ok, color="tab:red", lw=1.0, ls="-.",
+                   label=f"measured maximum: {result.max_ok}")
+    if rec is not None and rec.safe != result.max_ok:
+        ax.axvline(rec.safe, color="tab:green", lw=1.0, ls="-.",
+                   label=f"recommended safe size: {rec.safe}")
+
+    device_kind = result.device.split(":", 1)[0]
+    what = "resident, VmHWM" if device_kind == "cpu" else "allocator reserved" \
+        if device_kind == "cuda" else "measured"
+    mode = ("isolated trials (fresh process each)" if result.mode == "isolated"
+            else "in-process trials (history-dependent)")
+    ax.set_xlabel("batch size (items)")
+    ax.set_ylabel(f"peak memory above trial start ({unit}, {what})")
+    ax.set_title(f"{result.workload}: peak memory vs batch size\n"
+                 f"{result.device} · {mode} · strategy {result.strategy}",
+                 fontsize=11)
+    ax.set_xlim(0, x_max)
+    y_top = max(scale_vals, default=div) / div
+    ax.set_ylim(0, y_top * 1.12 if y_top > 0 else 1.0)
+    ax.grid(True, alpha=0.3)
+    # Below the axes, so it never hides the capacity line or the points.
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8,
+              frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path

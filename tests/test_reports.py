@@ -1,0 +1,163 @@
+"""Reports: Markdown, JSON and PNG rendered from a real search under a CPU memory budget."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+
+import pytest
+import torch
+
+from engine.fit import recommend
+from engine.search import SearchResult, search
+from engine.strategies import E10
+from engine.trial import Trial
+from engine.units import MiB
+from reports import plot_memory, render_json, render_markdown, write_report
+
+BASE = 4 * MiB
+PER_ITEM = 2 * MiB
+BUDGET = 96 * MiB
+
+SECTIONS = [
+    "## Configuration", "## Data Configuration", "## Search Strategy", "## Results",
+    "### Maximum Batch Size: **", "### Performance Metrics", "### Search Details",
+    "## Memory Scaling Analysis", "## Recommendations", "### Safe Production Settings",
+    "### Maximum Throughput Setting", "## Key Observations", "## Conclusion",
+]
+
+
+class LinearAlloc:
+    """Allocates (and touches) BASE + PER_ITEM * size bytes; returns a loss-like float."""
+
+    name = "linear-alloc"
+
+    def warmup(self) -> None:
+        # Big enough to run in parallel, so the OpenMP pool (~8 MiB of thread
+        # stacks) exists before the budget; a 1 KiB warm-up would charge it to the budget.
+        torch.ones(8 * MiB, dtype=torch.uint8).sum()
+
+    def __call__(self, size: int) -> float:
+        x = torch.ones(BASE + PER_ITEM * size, dtype=torch.uint8)
+        return float(x[:1024].sum().item()) / 1024 + 1.0 / size
+
+
+CONTEXT = {
+    "model": "linear allocator (test)",
+    "parameters": 1_234_567,
+    "architecture": {"base_bytes": BASE, "per_item_bytes": PER_ITEM},
+    "dtype": "uint8",
+    "data": {"source": "synthetic", "sequence_length": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def result() -> SearchResult:
+    return search(LinearAlloc(), start=8, step=8, budget=BUDGET, device="cpu", max_trials=30)
+
+
+def _table_rows(md: str) -> list[tuple[int, str]]:
+    block = md.split("### Search Details", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| (\d+) \| (✓ SUCCESS|✗ OOM) \|", block, flags=re.M)
+    return [(int(s), status) for s, status in rows]
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_search_is_real(result: SearchResult) -> None:
+    assert result.mode == "in-process"
+    assert result.first_oom == result.max_ok + 1
+    # 4 + 2 * 45 = 94 MiB fits in 96 MiB; 46 needs all 96 MiB (fits only if nothing else grew).
+    assert 42 <= result.max_ok <= 46
+    assert any(not t.ok for t in result.trials)
+    assert result.fit is not None and result.fit.r2 > 0.95
+
+
+def test_markdown_sections_and_table(result: SearchResult) -> None:
+    md = render_markdown(result, CONTEXT)
+    assert md.startswith("# linear-alloc Maximum Batch Size Report")
+    positions = [md.index(s) for s in SECTIONS]
+    assert positions == sorted(positions), "sections out of order"
+    assert f"### Maximum Batch Size: **{result.max_ok}**" in md
+    assert _table_rows(md) == [(t.size, "✓ SUCCESS" if t.ok else "✗ OOM")
+                               for t in result.trials]
+    assert "1. Started with batch_size=8" in md
+    assert "+8 increments" in md
+    first_oom_seen = next(t.size for t in result.trials if not t.ok)
+    assert f"When OOM encountered at batch_size={first_oom_seen}" in md
+    assert f"found maximum at batch_size={result.max_ok}" in md
+    assert "in-process" in md and "history-dependent" in md
+    assert "least-squares" in md and "VmHWM" in md and "R²" in md
+    assert f"**Recommended batch size**: {result.recommendation.safe}" in md
+    assert "1,234,567" in md and "synthetic" in md
+
+
+def test_json_round_trips(result: SearchResult) -> None:
+    doc = json.loads(json.dumps(render_json(result, CONTEXT)))
+    assert [t["size"] for t in doc["result"]["trials"]] == [t.size for t in result.trials]
+    assert [t["ok"] for t in doc["result"]["trials"]] == [t.ok for t in result.trials]
+    assert doc["result"]["max_ok"] == result.max_ok
+    assert doc["result"]["fit"]["per_item_bytes"] == pytest.approx(result.fit.per_item_bytes)
+    assert doc["result"]["recommendation"]["safe"] == result.recommendation.safe
+    assert doc["context"]["parameters"] == 1_234_567
+    assert doc["oomguard_version"]
+    assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00$", doc["generated_at"])
+    assert doc["summary"]["utilisation"] == pytest.approx(
+        doc["summary"]["peak_bytes_at_max"] / BUDGET)
+
+
+def test_write_report_files(result: SearchResult, tmp_path) -> None:
+    paths = write_report(result, tmp_path / "out" / "nested", CONTEXT)
+    assert {p.name for p in paths.values()} == {"report.md", "report.json", "memory.png"}
+    data = paths["png"].read_bytes()
+    width, height = _png_size(data)
+    assert width >= 600 and height >= 400 and len(data) > 20_000
+    assert json.loads(paths["json"].read_text())["result"]["max_ok"] == result.max_ok
+    assert "## Key Observations" in paths["markdown"].read_text()
+    leftovers = [p.name for p in paths["png"].parent.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def _hand_built(trials: list[Trial], capacity: int | None, fit=None, first_oom=None,
+                stopped: str = "max_size (64) reached") -> SearchResult:
+    max_ok = max(t.size for t in trials if t.ok)
+    return SearchResult(
+        workload="hand", device="cpu", mode="isolated", strategy="e10",
+        strategy_description=E10().describe(), max_ok=max_ok, first_oom=first_oom,
+        trials=trials, fit=fit, recommendation=recommend(trials, max_ok, capacity, fit),
+        capacity_bytes=capacity, budget_bytes=None, stopped_because=stopped, seconds=0.5,
+        config={"start": 64, "step": 8, "max_size": 64, "max_trials": 64, "margin": 0.15})
+
+
+@pytest.mark.parametrize("capacity", [None, 512 * MiB])
+def test_degenerate_results_render(capacity: int | None, tmp_path) -> None:
+    # One trial: no fit, no OOM, maybe no capacity.
+    res = _hand_built([Trial(size=64, ok=True, peak_bytes=300 * MiB, seconds=0.1,
+                             value={"loss": 1.5})], capacity)
+    md = render_markdown(res)
+    assert "### Maximum Batch Size: **64** (no OOM seen" in md
+    assert "No fit" in md and "No OOM seen" in md
+    if capacity is None:
+        assert "unknown" in md
+    doc = json.loads(json.dumps(render_json(res)))
+    assert doc["summary"]["max_is_lower_bound"] is True
+    out = plot_memory(res, tmp_path / "one.png")
+    assert _png_size(out.read_bytes())[0] > 0
+
+
+def test_start_oom_then_halving_and_nan_value(tmp_path) -> None:
+    trials = [Trial(size=32, ok=False, peak_bytes=None, seconds=0.1, error="oom"),
+              Trial(size=16, ok=True, peak_bytes=100 * MiB, seconds=0.1, value=float("nan")),
+              Trial(size=24, ok=False, peak_bytes=None, seconds=0.1, error="oom"),
+              Trial(size=20, ok=True, peak_bytes=None, seconds=0.1)]
+    res = _hand_built(trials, None, first_oom=21, stopped="max_trials (4) reached")
+    md = render_markdown(res, {"device_name": "test box"})
+    assert "batch_size=32 ran out of memory; halved: 16 ✓" in md
+    assert "between 20 (fits) and 21 (OOM)" in md or "found maximum at batch_size=20" in md
+    json.dumps(render_json(res, {"odd": object(), "dtype": torch.float16}))
+    plot_memory(res, tmp_path / "x.png")
