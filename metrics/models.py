@@ -24,13 +24,12 @@ import torch
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     # GPT-2 with a byte-level vocabulary, as in the E10 setup (vocab 256).
     "tiny-gpt2": {"model_type": "gpt2", "vocab_size": 256, "n_positions": 1024, "n_embd": 128,
-                  "n_layer": 2, "n_head": 4, "bos_token_id": 0, "eos_token_id": 0,
-                  "loss_type": "ForCausalLM"},
+                  "n_layer": 2, "n_head": 4, "bos_token_id": 0, "eos_token_id": 0},
     # A LLaMA-style decoder: RMSNorm, rotary positions, gated MLP, grouped KV heads.
     "tiny-llama": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
                    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "max_position_embeddings": 1024, "bos_token_id": 0,
-                   "eos_token_id": 0, "loss_type": "ForCausalLM"},
+                   "eos_token_id": 0},
 }
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -63,8 +62,10 @@ def model_config(spec: str) -> Any:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"bad model spec {spec!r}: expected MODEL_TYPE:key=value,...")
-        kw[key.strip()] = json.loads(value) if value.strip()[:1].isdigit() or value in (
-            "true", "false") else value
+        try:  # numbers, true/false and "quoted strings" as JSON; bare words as strings
+            kw[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            kw[key.strip()] = value.strip()
     try:
         return AutoConfig.for_model(model_type, **kw)
     except ValueError:
@@ -95,6 +96,10 @@ def build_model(spec: str = "tiny-gpt2", dtype: str | torch.dtype = "float32",
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
         model = model.to(dt)
+    if getattr(model, "loss_type", None) is None:
+        # transformers warns on every model whose class name does not imply a
+        # loss; these are all causal LMs, so say which one instead.
+        model.loss_type = "ForCausalLM"
     return model.to(device).eval()
 
 

@@ -109,7 +109,7 @@ def _brute_force(fn, limit: int) -> int:
 
 
 GPT2 = dict(model="gpt2:n_embd=64,n_layer=2,n_head=4,vocab_size=256,n_positions=128,"
-                  "bos_token_id=0,eos_token_id=0,loss_type=\"ForCausalLM\"", seq_len=128)
+                  "bos_token_id=0,eos_token_id=0", seq_len=128)
 
 
 def _brute_in_fresh_process(nbytes: int) -> int:
@@ -130,7 +130,10 @@ def test_gpt2_step_search_matches_brute_force_in_process():
     # from the same state: its own fresh process, model built, one warm-up step.
     import multiprocessing as mp
 
+    from engine.isolate import _forkserver_context
+
     nbytes = 64 * MiB
+    _forkserver_context(TrainStep.preload)  # start the shared forkserver with torch preloaded
     ctx = mp.get_context("forkserver")
     with ctx.Pool(1, maxtasksperchild=1) as pool:
         brute = pool.apply(_brute_in_fresh_process, (nbytes,))
@@ -150,4 +153,4 @@ def test_gpt2_step_search_matches_brute_force_isolated():
     # In a fresh process order does not matter: every size up to max_ok fits
     # (checked on a spread of them) and max_ok + 1 does not.
     assert runner(result.max_ok).ok and not runner(result.max_ok + 1).ok
-    assert all(runner(s).ok for s in range(1, result.max_ok, max(1, result.max_ok // 4)))
+    assert runner(1).ok and runner(result.max_ok // 2).ok

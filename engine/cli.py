@@ -1,0 +1,279 @@
+"""The ``oomguard`` command line.
+
+Subcommands: ``probe`` (memory of every device), ``bench`` (maximum batch size
+of the built-in GPT-2 training step, with a report), ``search`` (maximum safe
+size of a metric's memory knobs), ``metrics`` (what can be searched), ``run``
+and ``cache`` (overnight jobs). Bad input gets one line on stderr and exit
+code 2; sizes are given with units (``2GiB``, ``512MiB``, ``2GB``) or in bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.units import fmt_bytes, parse_size
+
+log = logging.getLogger("oomguard")
+
+DEFAULT_CPU_BUDGET = "2GiB"
+
+
+class UsageError(ValueError):
+    """Bad input from the user: reported in one line, exit code 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def resolve_device(name: str) -> torch.device:
+    """Check that ``name`` is a device this machine has; UsageError saying what to do otherwise."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"unknown device {name!r}: use cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name}: no CUDA GPU is available here; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {name}: MPS is not available here; use --device cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"unsupported device {name!r}: use cpu, cuda, cuda:N or mps")
+    return dev
+
+
+def default_budget(dev: torch.device, given: int | None) -> int | None:
+    """The budget a search runs under: the one given; on CPU 2 GiB; on a GPU the
+    free memory the probe reports (so the search sees the real device limit)."""
+    if given is not None:
+        return given
+    if dev.type == "cpu":
+        return parse_size(DEFAULT_CPU_BUDGET)
+    from probes import probe
+
+    return probe(dev).free_bytes
+
+
+def _strategy(args: argparse.Namespace, capacity: int | None) -> Any:
+    from engine.strategies import E10, Doubling, LinearJump
+
+    if args.strategy == "doubling":
+        return Doubling(start=args.start)
+    if args.strategy == "linear-jump":
+        if capacity is None:
+            raise UsageError("--strategy linear-jump needs a --budget (or a GPU's free memory)")
+        return LinearJump(capacity_bytes=capacity, start=min(args.start, 8), step=args.step)
+    return E10(start=args.start, step=args.step)
+
+
+def _progress(trial: Any) -> None:
+    peak = f"peak {fmt_bytes(trial.peak_bytes)}" if trial.ok else (trial.error or "")[:80]
+    print(f"  batch {trial.size:>6}  {'ok ' if trial.ok else 'OOM'}  {peak}  ({trial.seconds:.2f} s)",
+          file=sys.stderr, flush=True)
+
+
+def _search_and_report(args: argparse.Namespace, workload: Any, context: dict[str, Any],
+                       max_size: int) -> int:
+    from engine.search import NoSizeFits, search
+    from reports import write_report
+
+    dev = resolve_device(args.device)
+    if args.start > max_size:
+        raise UsageError(f"--start {args.start} is larger than --max-size {max_size}")
+    nbytes = default_budget(dev, args.budget)
+    print(f"oomguard: searching {context.get('title', workload.name)} on {dev} under "
+          f"{fmt_bytes(nbytes)} ({'isolated' if args.isolate else 'in-process'} trials)",
+          file=sys.stderr, flush=True)
+    try:
+        result = search(workload, strategy=_strategy(args, nbytes), step=args.step,
+                        max_size=max_size, max_trials=args.max_trials, device=dev,
+                        budget=nbytes, isolate=args.isolate, margin=args.margin,
+                        on_trial=_progress)
+    except NoSizeFits as exc:
+        print(f"oomguard: {exc}", file=sys.stderr)
+        return 1
+    paths = write_report(result, Path(args.out), context=context)
+    if args.json:
+        print(json.dumps(result.to_dict() | {"files": {k: str(v) for k, v in paths.items()}},
+                         indent=2, default=str))
+    else:
+        rec = result.recommendation
+        assert rec is not None
+        print(f"maximum batch size: {result.max_ok} (first OOM: {result.first_oom}); "
+              f"recommended: {rec.safe}; {len(result.trials)} trials in {result.seconds:.1f} s")
+        print(f"report: {paths['markdown']}\nplot:   {paths['png']}\njson:   {paths['json']}")
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from probes import format_table, probe, probe_all
+
+    snaps = [probe(args.device)] if args.device else probe_all()
+    if args.json:
+        print(json.dumps([s.to_dict() for s in snaps], indent=2))
+    else:
+        print(format_table(snaps))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from metrics.train_step import TrainStep
+
+    resolve_device(args.device)
+    if args.start > args.max_size:
+        raise UsageError(f"--start {args.start} is larger than --max-size {args.max_size}")
+    workload = TrainStep(model=args.model, seq_len=args.seq_len, device=args.device)
+    context = workload.describe()
+    context["title"] = f"{args.model} training step: Maximum Batch Size Report"
+    return _search_and_report(args, workload, context, args.max_size)
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from metrics.base import get_metric
+    from metrics.workload import MetricTrial
+
+    metric = get_metric(args.metric)
+    knobs = [k.name for k in metric.memory_knobs()]
+    if args.knob and args.knob not in knobs:
+        raise UsageError(f"metric {args.metric!r} has no memory knob {args.knob!r}: "
+                         f"valid: {', '.join(knobs)}")
+    status = 0
+    for knob in [args.knob] if args.knob else knobs:
+        trial = MetricTrial(metric=args.metric, knob=knob, model=args.model, dtype=args.dtype,
+                            device=args.device, n_samples=args.samples, seq_len=args.seq_len)
+        bound = trial.max_size() if hasattr(trial, "max_size") else args.max_size
+        out = Path(args.out) / knob if len(knobs) > 1 and not args.knob else Path(args.out)
+        ns = argparse.Namespace(**vars(args) | {"out": out, "start": min(args.start, bound)})
+        context = {"title": f"{args.metric}.{knob}: Maximum Safe Size Report", "model": args.model, "dtype": args.dtype,
+                   "metric": args.metric, "knob": knob, "samples": args.samples,
+                   "data": {"source": "generated tokens (seeded)", "samples": args.samples,
+                            "sequence_length": args.seq_len}}
+        status = max(status, _search_and_report(ns, trial, context, min(bound, args.max_size)))
+    return status
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from metrics.base import load_all
+
+    table = load_all()
+    if args.json:
+        print(json.dumps({name: {"description": m.description,
+                                 "knobs": [dataclasses.asdict(k) for k in m.knobs]}
+                          for name, m in sorted(table.items())}, indent=2))
+        return 0
+    for name, m in sorted(table.items()):
+        print(f"{name}: {m.description}")
+        for k in m.knobs:
+            tag = "memory (tuned)" if k.kind == "memory" else "result (fixed)"
+            scale = f"; scales with {k.scales_with}" if k.scales_with else ""
+            print(f"    {k.name:<22} {tag:<15} default {k.default}, min {k.minimum}{scale}")
+    return 0
+
+
+def _add_search_options(p: argparse.ArgumentParser, start: int) -> None:
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--budget", type=_size, default=None,
+                   help="memory the trials may use above the warmed-up process, e.g. 2GiB, "
+                        "512MiB, 2GB (default: 2GiB on CPU, the probed free memory on a GPU)")
+    p.add_argument("--start", type=_positive_int, default=start, help=f"first size (default {start})")
+    p.add_argument("--step", type=_positive_int, default=8, help="E10 increment (default 8)")
+    p.add_argument("--max-size", type=_positive_int, default=65536, help="largest size to try")
+    p.add_argument("--max-trials", type=_positive_int, default=40, help="trial limit (default 40)")
+    p.add_argument("--strategy", choices=("e10", "doubling", "linear-jump"), default="e10",
+                   help="e10: +step then bisect (default); doubling; linear-jump: fit then jump")
+    p.add_argument("--margin", type=float, default=0.15,
+                   help="fraction of capacity the recommended size keeps free (default 0.15)")
+    p.add_argument("--isolate", action="store_true",
+                   help="run each trial in a fresh child process (the faithful maximum)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="oomguard", description="Measure memory, find the largest safe batch, survive OOMs.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("probe", help="memory of every device (bytes measured now)")
+    p.add_argument("--device", default=None, help="one device only (cpu, cuda:N, mps)")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+    p.set_defaults(func=cmd_probe)
+
+    p = sub.add_parser("bench", help="maximum batch size of the built-in GPT-2 training step",
+                       description="Search the maximum batch size of a training step (forward, "
+                       "backward, AdamW) of a small GPT-2 (random init, vocab 256) and write "
+                       "report.md, report.json and memory.png.")
+    _add_search_options(p, start=32)
+    p.add_argument("--model", default="tiny-gpt2",
+                   help="built-in name, MODEL_TYPE:key=value,... or a local checkpoint dir")
+    p.add_argument("--seq-len", type=_positive_int, default=512, help="sequence length (512)")
+    p.add_argument("--out", default="oomguard-report", help="report folder (oomguard-report)")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("search", help="maximum safe size of a metric's memory knobs")
+    p.add_argument("--metric", required=True, help="metric name (see `oomguard metrics`)")
+    p.add_argument("--knob", default=None, help="one memory knob (default: each in turn)")
+    p.add_argument("--model", default="tiny-gpt2", help="model spec (default tiny-gpt2)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16, float64")
+    p.add_argument("--samples", type=_positive_int, default=64, help="samples (result-defining)")
+    p.add_argument("--seq-len", type=_positive_int, default=128, help="sequence length (128)")
+    _add_search_options(p, start=8)
+    p.add_argument("--out", default="oomguard-report", help="report folder (oomguard-report)")
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser("metrics", help="list the metrics, their knobs and what they scale with")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+    p.set_defaults(func=cmd_metrics)
+
+    from engine import jobs_cli
+
+    jobs_cli.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``oomguard`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, ValueError) as exc:
+        # ValueError covers bad sizes, unknown metrics/knobs/models and BudgetError.
+        print(f"oomguard: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `oomguard probe --json | head`
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        print("oomguard: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
