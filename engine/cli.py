@@ -168,7 +168,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         bound = trial.max_size() if hasattr(trial, "max_size") else args.max_size
         out = Path(args.out) / knob if len(knobs) > 1 and not args.knob else Path(args.out)
         ns = argparse.Namespace(**vars(args) | {"out": out, "start": min(args.start, bound)})
-        context = {"title": f"{args.metric}.{knob}: Maximum Safe Size Report", "model": args.model, "dtype": args.dtype,
+        context = {"title": f"{args.metric}.{knob}: Maximum Safe Size Report",
+                   "model": args.model, "dtype": args.dtype,
                    "metric": args.metric, "knob": knob, "samples": args.samples,
                    "data": {"source": "generated tokens (seeded)", "samples": args.samples,
                             "sequence_length": args.seq_len}}

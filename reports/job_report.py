@@ -187,7 +187,10 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
              "|---|---|---|---|---:|---:|---:|"]
     for key, t in tasks.items():
         s = t.get("sizes") or {}
-        lines.append(f"| {key} | {t.get('status')} | {_sizes(s.get('final') or s.get('start'))} "
+        used = _sizes(s.get("final") or s.get("start"))
+        if not s.get("final") and len(s.get("attempts") or []) > 1:
+            used = "tried " + " > ".join(_sizes(a) for a in s["attempts"])
+        lines.append(f"| {key} | {t.get('status')} | {used} "
                      f"| {s.get('source') or '-'} | {s.get('retries', '-')} "
                      f"| {t['seconds']:.2f} | {fmt_bytes(t.get('peak_bytes'))} |"
                      if "seconds" in t else

@@ -7,10 +7,10 @@ import logging
 
 import pytest
 import torch
+from conftest import budget_after_warmup
 
 from engine.executor import ExecutionFailed, Executor, Halve, ReduceWith
 from probes.host import proc_status
-from conftest import budget_after_warmup
 
 MiB = 1024**2
 
