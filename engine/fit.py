@@ -90,24 +90,35 @@ def recommend(
     capacity_bytes: int | None,
     fit: LinearFit | None,
     margin: float = DEFAULT_MARGIN,
+    first_oom: int | None = None,
 ) -> Recommendation:
     """Recommend safe, conservative and maximum sizes below ``max_ok``.
 
     With a capacity and a fit, ``safe`` is the fitted size that leaves
-    ``margin`` of the capacity free. Without them it falls back to
+    ``margin`` of the capacity free. The meter and the limit need not count
+    the same bytes (on CPU the meter sees resident pages, ``RLIMIT_DATA``
+    counts virtual ones), so when an OOM was seen the capacity is also
+    estimated in the meter's own units as the fitted peak at ``first_oom``,
+    and the smaller of the two is used. Without a fit it falls back to
     ``floor(max_ok * (1 - margin))``, an estimate that assumes memory is
     proportional to size, and says so in ``basis``.
     """
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
-    limit = capacity_bytes * (1 - margin) if capacity_bytes else None
+    usable = capacity_bytes
+    basis_cap = "capacity"
+    if fit is not None and first_oom is not None and fit.per_item_bytes > 0:
+        at_oom = fit.predict(first_oom)
+        if usable is None or at_oom < usable:
+            usable, basis_cap = int(at_oom), f"the fitted peak at the first OOM ({first_oom})"
+    limit = usable * (1 - margin) if usable else None
     safe: int | None = None
     basis = f"floor(max_ok x {1 - margin:.2f}): no capacity or fit to scale against"
     if limit is not None and fit is not None:
         fitted = fit.largest_size_within(limit)
         if fitted is not None:
             safe = fitted
-            basis = f"fitted line: estimated peak <= {1 - margin:.0%} of capacity"
+            basis = f"fitted line: estimated peak <= {1 - margin:.0%} of {basis_cap}"
     if safe is None:
         safe = int(max_ok * (1 - margin))
     safe = max(1, min(safe, max_ok))

@@ -192,7 +192,7 @@ def search(
     if max_ok is None:
         result.stopped_because = "nothing fits"
         raise NoSizeFits(result)
-    result.recommendation = recommend(trials, max_ok, capacity_bytes, fit, margin)
+    result.recommendation = recommend(trials, max_ok, capacity_bytes, fit, margin, first_oom)
     return result
 
 

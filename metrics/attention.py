@@ -1,0 +1,86 @@
+"""``attention_stats``: per layer and head, how attention is spread, over all valid queries.
+
+Measured, for every layer ``l`` and head ``h``, averaged over every valid
+(non-pad, ``attention_mask == 1``) query position of every sample:
+
+- ``entropy``: ``-sum_k p_k log p_k`` of the query's attention row (nats);
+- ``first_token``: the attention weight on key position 0 (a probability);
+- ``distance``: ``sum_k p_k (q - k)``, the mean look-back (positions).
+
+Samples are processed ``chunk_size`` at a time; each chunk adds float64 sums
+and the count of valid queries, and the means are taken once at the end, so
+``chunk_size`` changes nothing beyond float rounding. Needs attention
+probabilities (``output_attentions=True``), so the model must use eager
+attention (``build_model(..., attn_implementation="eager")``). Memory grows
+with ``chunk_size x layers x heads x seq_len^2``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from metrics.base import Knob, register
+from metrics.common import JsonMetric, iter_micro_batches, model_inputs, n_samples
+
+STATS = ("entropy", "first_token", "distance")
+
+
+def attention_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
+                   chunk_size: int) -> tuple[dict[str, torch.Tensor], int]:
+    """Float64 sums ``[layers, heads]`` of each statistic over valid queries, and their count."""
+    sums: dict[str, torch.Tensor] = {}
+    count = 0
+    with torch.no_grad():
+        for chunk in iter_micro_batches(data, chunk_size):
+            out = model(**model_inputs(chunk), output_attentions=True)
+            if not out.attentions:
+                raise ValueError("the model returned no attention probabilities: build it with "
+                                 "attn_implementation='eager'")
+            n, seq = chunk["input_ids"].shape
+            mask = chunk.get("attention_mask")
+            valid = (torch.ones(n, seq, dtype=torch.bool) if mask is None else mask.bool())
+            valid = valid.to(out.attentions[0].device)[:, None, :]  # [B, 1, Q]
+            pos = torch.arange(seq, device=valid.device, dtype=torch.float64)
+            lookback = (pos[:, None] - pos[None, :]).clamp(min=0)  # [Q, K]
+            per_layer: dict[str, list[torch.Tensor]] = {s: [] for s in STATS}
+            for attn in out.attentions:  # [B, H, Q, K]
+                p = attn.to(torch.float64)
+                values = {"entropy": -torch.special.xlogy(p, p).sum(-1),
+                          "first_token": p[..., 0],
+                          "distance": (p * lookback).sum(-1)}
+                for s, v in values.items():  # where(): pad rows may hold NaN
+                    per_layer[s].append(torch.where(valid, v, 0.0).sum(dim=(0, 2)).cpu())
+            for s in STATS:
+                layer_sums = torch.stack(per_layer[s])
+                sums[s] = sums[s] + layer_sums if s in sums else layer_sums
+            count += int(valid.sum())
+            del out
+    return sums, count
+
+
+@register
+class AttentionStats(JsonMetric):
+    """Mean attention entropy, weight on the first token and look-back distance per layer/head."""
+
+    name = "attention_stats"
+    description = ("per layer and head: mean attention entropy (nats), mean weight on the first "
+                   "token, mean attention distance (positions), over all valid query positions")
+    knobs = (
+        Knob("chunk_size", "memory", 96, 1, "chunk_size x layers x heads x seq_len^2",
+             "samples per forward pass; the result does not depend on it"),
+    )
+
+    def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
+                chunk_size: int = 96) -> dict[str, Any]:
+        sums, count = attention_sums(model, data, chunk_size)
+        if count == 0:
+            raise ValueError("the data has no valid query positions (attention_mask is all 0)")
+        means = {s: (sums[s] / count) for s in STATS}
+        out: dict[str, Any] = {s: means[s].tolist() for s in STATS}  # [layer][head]
+        out.update({f"mean_{s}": float(means[s].mean()) for s in STATS})
+        out.update(n_queries=count, n_samples=n_samples(data),
+                   layers=int(means["entropy"].shape[0]), heads=int(means["entropy"].shape[1]))
+        return out

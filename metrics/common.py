@@ -1,0 +1,262 @@
+"""Shared pieces of every metric: micro-batches, token counts, exact losses, parameter groups.
+
+Every metric here is a workload with *memory* knobs (micro-batch, chunk) that
+must not change its result beyond float rounding. The helpers make that easy
+to get right, once:
+
+- :func:`iter_micro_batches` slices a data dict along dim 0 (samples);
+- :func:`token_count` / :func:`total_tokens` count the tokens a causal LM is
+  scored on (shifted labels that are not ``-100``);
+- :func:`token_nll_sum` is the *summed* per-token negative log-likelihood of a
+  batch (nats, float64, differentiable): summing it over micro-batches and
+  dividing by :func:`total_tokens` gives the token-weighted mean loss of the
+  whole data exactly, whatever the micro-batch size;
+- :func:`mean_loss_grad` / :func:`mean_loss_hvp` accumulate the gradient and
+  Hessian-vector products of that mean loss over micro-batches in float64;
+- :func:`param_groups` groups parameters by their names (embeddings, each
+  transformer block, final norm, head), for any transformers model;
+- :func:`to_jsonable` turns a result into a small JSON-friendly summary.
+
+Low-precision models (bfloat16, float16) run in their dtype; logits are
+up-cast to float32 before the log-softmax and every reduction is accumulated
+in float64.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from metrics.base import Metric
+
+IGNORE_INDEX = -100
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+_INDEX = re.compile(r"^\d+$")
+
+Batch = Mapping[str, torch.Tensor]
+
+
+# --------------------------------------------------------------------------- data
+
+
+def n_samples(data: Batch) -> int:
+    """Number of samples (rows along dim 0) of a data dict."""
+    return int(data["input_ids"].shape[0])
+
+
+def iter_micro_batches(data: Batch, size: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield consecutive slices of ``data`` of at most ``size`` samples (dim 0).
+
+    Every tensor of the dict is sliced alike; together the slices cover every
+    sample exactly once, in order. ``size`` must be a positive integer.
+    """
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise ValueError(f"micro-batch size must be a positive integer, got {size!r}")
+    n = n_samples(data)
+    for start in range(0, n, size):
+        yield {key: value[start:start + size] for key, value in data.items()}
+
+
+def labels_of(batch: Batch) -> torch.Tensor:
+    """Unshifted labels ``[n, L]`` of a batch, ``-100`` where nothing is scored.
+
+    Uses ``labels`` when present, else ``input_ids`` masked by ``attention_mask``.
+    """
+    labels = batch.get("labels")
+    if labels is not None:
+        return labels
+    labels = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    return labels if mask is None else labels.masked_fill(mask == 0, IGNORE_INDEX)
+
+
+def shifted_labels(batch: Batch) -> torch.Tensor:
+    """Labels a causal LM predicts at positions ``0..L-2``: ``labels_of(batch)[:, 1:]``."""
+    return labels_of(batch)[:, 1:]
+
+
+def token_count(batch: Batch) -> int:
+    """Number of scored tokens: shifted labels that are not ``-100``."""
+    return int((shifted_labels(batch) != IGNORE_INDEX).sum())
+
+
+def tokens_per_sample(batch: Batch) -> torch.Tensor:
+    """Scored tokens of each sample, shape ``[n]`` (int64)."""
+    return (shifted_labels(batch) != IGNORE_INDEX).sum(dim=1)
+
+
+def total_tokens(data: Batch) -> int:
+    """Scored tokens of the whole data; ValueError if there are none."""
+    n = token_count(data)
+    if n <= 0:
+        raise ValueError("the data has no scored tokens (every shifted label is -100)")
+    return n
+
+
+def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
+    """The model's inputs of a batch (``input_ids`` and, if present, ``attention_mask``)."""
+    out = {"input_ids": batch["input_ids"]}
+    if batch.get("attention_mask") is not None:
+        out["attention_mask"] = batch["attention_mask"]
+    return out
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def logits_nll(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+    """Per-token NLL (nats) of ``logits [.., L, V]`` against *unshifted* ``labels [.., L]``.
+
+    Shifts internally (position ``t`` predicts label ``t+1``), skips ``-100``,
+    computes the log-softmax in float32 at least, and returns float64:
+    ``reduction="sum"`` a scalar, ``"none"`` a tensor shaped like ``labels[.., 1:]``
+    with zeros at ignored positions.
+    """
+    if logits.dtype in LOW_PRECISION:
+        logits = logits.float()
+    shift_logits = logits[..., :-1, :]
+    shift_labels = labels[..., 1:]
+    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
+                          shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
+    nll = nll.to(torch.float64).reshape(shift_labels.shape)
+    return nll.sum() if reduction == "sum" else nll
+
+
+def token_nll_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Summed per-token NLL (nats) of ``batch`` under ``model``: a float64 scalar.
+
+    Differentiable (call it under ``torch.no_grad()`` for evaluation only).
+    Divide the sum over all micro-batches by :func:`total_tokens` to get the
+    token-weighted mean loss.
+    """
+    logits = model(**model_inputs(batch)).logits
+    return logits_nll(logits, labels_of(batch))
+
+
+def mean_loss_grad(model: torch.nn.Module, data: Batch, micro_batch_size: int,
+                   params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Gradient of the token-weighted mean loss over all ``data``, one float64 tensor per parameter.
+
+    Each micro-batch contributes ``grad(nll_sum(mb)) / total_tokens``; the sum is
+    accumulated in float64, so the result depends on ``micro_batch_size`` only
+    through float rounding. ``model``'s ``.grad`` fields are not touched.
+    """
+    params = list(params if params is not None else trainable(model))
+    n_tok = total_tokens(data)
+    acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
+    for mb in iter_micro_batches(data, micro_batch_size):
+        if token_count(mb) == 0:
+            continue
+        grads = torch.autograd.grad(token_nll_sum(model, mb), params, allow_unused=True)
+        for a, g in zip(acc, grads, strict=True):
+            if g is not None:
+                a.add_(g.to(torch.float64))
+    return [a.div_(n_tok) for a in acc]
+
+
+def mean_loss_hvp(model: torch.nn.Module, data: Batch, micro_batch_size: int,
+                  vec: Sequence[torch.Tensor], params: Sequence[torch.Tensor] | None = None,
+                  ) -> list[torch.Tensor]:
+    """Hessian-vector product ``H v`` of the token-weighted mean loss over all ``data``.
+
+    ``vec`` holds one tensor per parameter (any float dtype; cast to the
+    parameter's dtype for the product). Each micro-batch's HVP (double
+    backward) is weighted by its token share and summed in float64.
+    """
+    params = list(params if params is not None else trainable(model))
+    n_tok = total_tokens(data)
+    v = [x.to(p.dtype) for x, p in zip(vec, params, strict=True)]
+    acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
+    for mb in iter_micro_batches(data, micro_batch_size):
+        if token_count(mb) == 0:
+            continue
+        grads = torch.autograd.grad(token_nll_sum(model, mb), params, create_graph=True,
+                                    allow_unused=True)
+        pairs = [(g, x) for g, x in zip(grads, v, strict=True) if g is not None]
+        dot = sum((g * x).sum() for g, x in pairs)
+        hv = torch.autograd.grad(dot, params, allow_unused=True)
+        for a, h in zip(acc, hv, strict=True):
+            if h is not None:
+                a.add_(h.to(torch.float64))
+        del grads, dot, hv
+    return [a.div_(n_tok) for a in acc]
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def trainable(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters that require grad, in ``named_parameters`` order (tied weights once)."""
+    return [p for _, p in model.named_parameters() if p.requires_grad]
+
+
+def group_name(param_name: str) -> str:
+    """The group a parameter belongs to, from its dotted name alone.
+
+    A parameter under a numbered child (``transformer.h.3.attn.c_attn.weight``,
+    ``model.layers.3.mlp.up_proj.weight``) belongs to that block
+    (``transformer.h.3``); any other parameter to the module that owns it
+    (``transformer.wte``, ``model.norm``, ``lm_head``).
+    """
+    parts = param_name.split(".")
+    for i, part in enumerate(parts):
+        if _INDEX.match(part):
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or parts[0]
+
+
+def param_groups(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """Trainable parameters grouped by :func:`group_name`, in model order.
+
+    Returns ``{group: [(param_name, param), ...]}``. Tied weights appear once
+    (under their first name), as in ``named_parameters``.
+    """
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault(group_name(name), []).append((name, p))
+    return groups
+
+
+def group_index(model: torch.nn.Module) -> list[str]:
+    """Group name of each trainable parameter, aligned with :func:`trainable`."""
+    return [group_name(n) for n, p in model.named_parameters() if p.requires_grad]
+
+
+# --------------------------------------------------------------------------- results
+
+
+def to_jsonable(value: Any, max_items: int = 64) -> Any:
+    """A small JSON-friendly copy of a result: tensors become floats or short lists.
+
+    Scalars stay; a tensor of one element becomes a float, a small tensor
+    (``<= max_items`` elements) a nested list, a larger one ``{"shape", "mean"}``.
+    Dicts and lists are converted recursively; non-finite floats become strings.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            return to_jsonable(value.item())
+        if value.numel() <= max_items:
+            return to_jsonable(value.tolist())
+        return {"shape": list(value.shape), "mean": to_jsonable(value.double().mean().item())}
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v, max_items) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v, max_items) for v in value]
+    if isinstance(value, (bool, int, str)) or value is None:
+        return value
+    return str(value)
+
+
+class JsonMetric(Metric):
+    """A :class:`~metrics.base.Metric` whose :meth:`summary` is :func:`to_jsonable` of the result."""
+
+    def summary(self, result: Mapping[str, Any]) -> dict[str, Any]:
+        return to_jsonable(dict(result))

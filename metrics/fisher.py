@@ -1,0 +1,91 @@
+"""``fisher_diagonal``: the diagonal of the empirical Fisher, per parameter group.
+
+Measured: ``F_ii = (1/n) sum_s (d loss_s / d theta_i)^2`` where ``loss_s`` is
+sample ``s``'s mean NLL over its scored tokens (nats/token) and ``n`` the
+number of samples with at least one scored token. Per-sample gradients come
+from ``torch.func`` (``vmap(grad(functional_call))``) over micro-batches of
+samples; their squares are summed in float64 and divided by ``n`` once, so
+``micro_batch_size`` changes nothing beyond float rounding. Memory grows with
+``micro_batch_size x parameters`` (one gradient per sample) plus activations.
+
+Reported per group: ``trace`` (sum of the diagonal) and ``mean`` (trace per
+parameter); and the total trace. ``n_samples`` (the data size) defines the
+estimate and is recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.func import functional_call, grad, vmap
+
+from metrics.base import Knob, register
+from metrics.common import (
+    JsonMetric,
+    iter_micro_batches,
+    labels_of,
+    logits_nll,
+    n_samples,
+    param_groups,
+    tokens_per_sample,
+    total_tokens,
+)
+
+
+def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
+                         micro_batch_size: int) -> tuple[dict[str, torch.Tensor], int]:
+    """Sum over samples of squared per-sample gradients (float64, one tensor per parameter name),
+    and the number of samples that have scored tokens."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+    def sample_loss(ps: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
+                    labels: torch.Tensor) -> torch.Tensor:
+        out = functional_call(model, ps, (), {"input_ids": ids[None], "attention_mask": mask[None]})
+        n_tok = (labels[1:] != -100).sum().clamp(min=1)
+        return logits_nll(out.logits, labels[None]) / n_tok
+
+    per_sample_grad = vmap(grad(sample_loss), in_dims=(None, 0, 0, 0))
+    acc = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params.items()}
+    counted = 0
+    for mb in iter_micro_batches(data, micro_batch_size):
+        has_tokens = tokens_per_sample(mb) > 0
+        if not bool(has_tokens.any()):
+            continue
+        counted += int(has_tokens.sum())
+        mask = mb.get("attention_mask")
+        if mask is None:
+            mask = torch.ones_like(mb["input_ids"])
+        grads = per_sample_grad(params, mb["input_ids"], mask, labels_of(mb))
+        for n in names:  # samples without tokens have a zero gradient: they add nothing
+            acc[n].add_(grads[n].to(torch.float64).pow(2).sum(dim=0))
+        del grads
+    return acc, counted
+
+
+@register
+class FisherDiagonal(JsonMetric):
+    """Diagonal empirical Fisher (mean squared per-sample gradient): per-group trace and mean."""
+
+    name = "fisher_diagonal"
+    description = ("diagonal empirical Fisher, mean over samples of squared per-sample "
+                   "gradients: trace and mean per parameter group, total trace")
+    knobs = (
+        Knob("micro_batch_size", "memory", 32, 1,
+             "micro_batch_size x (parameters + seq_len x activations) (per-sample gradients)",
+             "samples whose gradients are computed at once (vmap); the result does not depend on it"),
+    )
+
+    def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
+                micro_batch_size: int = 32) -> dict[str, Any]:
+        total_tokens(data)  # raises on data without scored tokens
+        sums, counted = fisher_diagonal_sums(model, data, micro_batch_size)
+        groups: dict[str, dict[str, float]] = {}
+        for group, members in param_groups(model).items():
+            trace = sum(float(sums[n].sum()) for n, _ in members) / counted
+            numel = sum(p.numel() for _, p in members)
+            groups[group] = {"trace": trace, "mean": trace / numel, "numel": numel}
+        return {"groups": groups, "total_trace": sum(g["trace"] for g in groups.values()),
+                "n_samples": n_samples(data), "n_samples_scored": counted}

@@ -1,0 +1,54 @@
+"""``gradient_stats``: norms of the full-data mean-loss gradient, per parameter group.
+
+Measured: the gradient of the token-weighted mean loss over *all* data
+(:func:`metrics.common.mean_loss_grad`: per-micro-batch gradients of the
+summed NLL, accumulated in float64, divided by the total token count once),
+then its L2 norm per parameter group (:func:`metrics.common.param_groups`:
+embeddings, each transformer block, final norm, head) and in total. Units:
+nats/token per unit parameter. ``micro_batch_size`` changes nothing beyond
+float rounding; memory grows with it (activations kept for backward).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from metrics.base import Knob, register
+from metrics.common import (
+    JsonMetric,
+    group_index,
+    mean_loss_grad,
+    n_samples,
+    total_tokens,
+    trainable,
+)
+
+
+@register
+class GradientStats(JsonMetric):
+    """L2 norms of the full-data mean-loss gradient per parameter group, and the total norm."""
+
+    name = "gradient_stats"
+    description = "L2 norm of the full-data token-weighted mean-loss gradient per parameter group"
+    knobs = (
+        Knob("micro_batch_size", "memory", 32, 1,
+             "micro_batch_size x seq_len x (hidden x layers + vocab) (activations for backward)",
+             "samples per forward/backward; the result does not depend on it"),
+    )
+
+    def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
+                micro_batch_size: int = 32) -> dict[str, Any]:
+        params = trainable(model)
+        grads = mean_loss_grad(model, data, micro_batch_size, params)
+        sq: dict[str, float] = {}
+        for group, g in zip(group_index(model), grads, strict=True):
+            sq[group] = sq.get(group, 0.0) + float(g.pow(2).sum())
+        total = sum(sq.values())
+        return {"group_norms": {k: math.sqrt(v) for k, v in sq.items()},
+                "total_norm": math.sqrt(total), "n_tokens": total_tokens(data),
+                "n_samples": n_samples(data)}
+

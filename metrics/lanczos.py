@@ -1,0 +1,189 @@
+"""``hessian_eigenvalues`` / ``ggn_eigenvalues``: top eigenvalues of the loss curvature by Lanczos.
+
+Measured: the ``k`` largest (algebraic) eigenvalues of the Hessian (or of the
+Gauss-Newton matrix) of the token-weighted mean loss over *all* data, with
+respect to all trainable parameters, in nats/token per unit parameter
+squared. Estimated: they are Ritz values of ``iterations`` Lanczos steps with
+full reorthogonalisation (float64) from a start vector seeded by ``seed``;
+``residuals`` are the standard bounds ``|beta_m * s_mi|`` on each Ritz value's
+error (exact when ``iterations`` reaches the parameter count).
+
+Each matrix-vector product is summed over micro-batches, each weighted by its
+token share (:func:`metrics.common.mean_loss_hvp`), so ``micro_batch_size``
+changes nothing beyond float rounding. ``k``, ``iterations`` and ``seed``
+define the result and are recorded. Memory grows with ``micro_batch_size``
+(double-backward activations) and ``iterations x parameters`` (the basis).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from metrics.base import Knob, register
+from metrics.common import (
+    JsonMetric,
+    iter_micro_batches,
+    labels_of,
+    mean_loss_hvp,
+    model_inputs,
+    n_samples,
+    token_count,
+    total_tokens,
+    trainable,
+)
+
+MatVec = Callable[[torch.Tensor], torch.Tensor]
+
+
+def lanczos(matvec: MatVec, dim: int, iterations: int, seed: int = 0,
+            dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """Lanczos with full reorthogonalisation on a symmetric operator of size ``dim``.
+
+    Returns ``eigenvalues`` (Ritz values, descending), ``residuals`` (error
+    bounds ``|beta_m * s_mi|``, aligned) and ``steps`` (steps taken: fewer than
+    ``iterations`` when an invariant subspace is found). Deterministic for a
+    given ``seed``.
+    """
+    m = min(iterations, dim)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(dim, generator=g, dtype=dtype)
+    q /= q.norm()
+    basis = [q]
+    alphas: list[float] = []
+    betas: list[float] = []
+    beta_last = 0.0
+    for j in range(m):
+        w = matvec(basis[j]).to(dtype)
+        alpha = float(w @ basis[j])
+        alphas.append(alpha)
+        Q = torch.stack(basis)
+        for _ in range(2):  # full reorthogonalisation, twice is enough
+            w -= Q.T @ (Q @ w)
+        beta = float(w.norm())
+        beta_last = beta
+        scale = max(abs(a) for a in alphas) or 1.0
+        if j == m - 1 or beta <= 1e-12 * scale:
+            break
+        betas.append(beta)
+        basis.append(w / beta)
+    T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+    if betas:
+        off = torch.tensor(betas, dtype=torch.float64)
+        T += torch.diag(off, 1) + torch.diag(off, -1)
+    evals, evecs = torch.linalg.eigh(T)
+    order = torch.argsort(evals, descending=True)
+    return {"eigenvalues": evals[order], "residuals": (beta_last * evecs[-1, order]).abs(),
+            "steps": torch.tensor(len(alphas))}
+
+
+def _flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).to(torch.float64).cpu() for t in ts])
+
+
+def _unflatten(vec: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, i = [], 0
+    for p in params:
+        out.append(vec[i:i + p.numel()].view_as(p).to(p.device))
+        i += p.numel()
+    return out
+
+
+def mean_loss_ggnvp(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
+                    micro_batch_size: int, vec: Sequence[torch.Tensor],
+                    params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Gauss-Newton-vector product ``J^T H_z J v`` of the token-weighted mean loss.
+
+    ``z`` are the logits, ``H_z`` the softmax cross-entropy Hessian per scored
+    token; ``J v`` comes from the double-VJP trick (no forward-mode AD).
+    Summed over micro-batches in float64 and divided by the total token count.
+    """
+    params = list(params if params is not None else trainable(model))
+    n_tok = total_tokens(data)
+    v = [x.to(p.dtype) for x, p in zip(vec, params, strict=True)]
+    acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
+    for mb in iter_micro_batches(data, micro_batch_size):
+        if token_count(mb) == 0:
+            continue
+        logits = model(**model_inputs(mb)).logits
+        u = torch.zeros_like(logits, requires_grad=True)
+        jtu = torch.autograd.grad(logits, params, grad_outputs=u, create_graph=True,
+                                  allow_unused=True)
+        pairs = [(a, b) for a, b in zip(jtu, v, strict=True) if a is not None]
+        jv = torch.autograd.grad([a for a, _ in pairs], u, grad_outputs=[b for _, b in pairs])[0]
+        work = torch.promote_types(logits.dtype, torch.float32)  # up-cast low precision only
+        probs = torch.softmax(logits.detach().to(work), dim=-1)
+        jvf = jv.detach().to(work)
+        hjv = probs * (jvf - (probs * jvf).sum(-1, keepdim=True))
+        scored = torch.zeros(logits.shape[:-1], dtype=torch.bool, device=logits.device)
+        scored[:, :-1] = labels_of(mb)[:, 1:] != -100  # position t predicts label t+1
+        hjv = hjv * scored[..., None]
+        out = torch.autograd.grad(logits, params, grad_outputs=hjv.to(logits.dtype),
+                                  allow_unused=True)
+        for a, h in zip(acc, out, strict=True):
+            if h is not None:
+                a.add_(h.to(torch.float64))
+        del logits, u, jtu, jv, out
+    return [a.div_(n_tok) for a in acc]
+
+
+class _CurvatureEigenvalues(JsonMetric):
+    """Top-k eigenvalues of a curvature matrix of the full-data mean loss, by Lanczos."""
+
+    matrix = "hessian"
+    knobs = (
+        Knob("micro_batch_size", "memory", 16, 1,
+             "micro_batch_size x seq_len x activations (double backward)",
+             "samples per matrix-vector product slice; the result does not depend on it"),
+        Knob("k", "result", 5, 1, "", "number of top eigenvalues reported"),
+        Knob("iterations", "result", 20, 1, "iterations x parameters (Lanczos basis)",
+             "Lanczos steps (capped at the parameter count)"),
+        Knob("seed", "result", 0, 0, "", "seed of the Lanczos start vector"),
+    )
+
+    def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """As the base, but ``seed`` may be 0."""
+        seed = params.get("seed", 0)
+        rest = {k: v for k, v in params.items() if k != "seed"}
+        out = super().validate(rest)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"{self.name}.seed must be an integer >= 0, got {seed!r}")
+        out["seed"] = seed
+        if out["k"] > out["iterations"]:
+            raise ValueError(f"{self.name}: k ({out['k']}) must be <= iterations "
+                             f"({out['iterations']})")
+        return out
+
+    def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
+                micro_batch_size: int = 16, k: int = 5, iterations: int = 20,
+                seed: int = 0) -> dict[str, Any]:
+        params = trainable(model)
+        product = mean_loss_hvp if self.matrix == "hessian" else mean_loss_ggnvp
+        dim = sum(p.numel() for p in params)
+
+        def matvec(x: torch.Tensor) -> torch.Tensor:
+            return _flatten(product(model, data, micro_batch_size, _unflatten(x, params), params))
+
+        out = lanczos(matvec, dim, iterations, seed)
+        return {"eigenvalues": out["eigenvalues"][:k].tolist(),
+                "residuals": out["residuals"][:k].tolist(), "lanczos_steps": int(out["steps"]),
+                "matrix": self.matrix, "n_params": dim, "n_tokens": total_tokens(data),
+                "n_samples": n_samples(data)}
+
+
+@register
+class HessianEigenvalues(_CurvatureEigenvalues):
+    name = "hessian_eigenvalues"
+    description = ("top-k eigenvalues of the Hessian of the full-data token-weighted mean loss "
+                   "(Lanczos, full reorthogonalisation)")
+    matrix = "hessian"
+
+
+@register
+class GGNEigenvalues(_CurvatureEigenvalues):
+    name = "ggn_eigenvalues"
+    description = ("top-k eigenvalues of the Gauss-Newton matrix (J^T H_logits J) of the "
+                   "full-data token-weighted mean loss (Lanczos, full reorthogonalisation)")
+    matrix = "ggn"

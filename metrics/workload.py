@@ -1,0 +1,127 @@
+"""``MetricTrial``: one metric at one memory knob, as a searchable, picklable workload.
+
+``engine.search.search(MetricTrial("fisher_diagonal"), budget=...)`` finds the
+largest ``micro_batch_size`` the Fisher metric runs at, in-process or isolated:
+
+- ``warmup()`` builds the model and the data once (seeded, offline) and runs
+  the metric once at the knob's minimum, so weights, thread pools and kernels
+  exist before a budget is applied;
+- ``trial(size)`` runs the metric with the searched knob set to ``size`` and
+  returns its small JSON-friendly summary;
+- the built state is dropped from the pickle and rebuilt by ``warmup`` in the
+  receiving process; ``preload`` names the modules a forkserver may import
+  first.
+
+Knobs that slice the samples (``micro_batch_size``, ``chunk_size``) gain
+nothing above the number of samples: :meth:`MetricTrial.max_size` says so, for
+the caller to pass as ``search(..., max_size=...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from metrics.base import Metric, get_metric
+from metrics.models import build_model, make_batch
+
+# Memory knobs that split the samples: above n_samples they all mean "everything at once".
+SAMPLE_KNOBS = frozenset({"micro_batch_size", "chunk_size", "batch_size"})
+
+
+@dataclass
+class MetricTrial:
+    """``MetricTrial(metric, knob)(size)`` runs ``metric`` with ``knob=size`` on fixed data.
+
+    ``knob`` defaults to the metric's first memory knob; ``params`` fixes the
+    other knobs (result knobs such as Lanczos ``k`` included). The data are
+    ``n_samples`` generated, padded sequences of ``seq_len`` tokens (seeded by
+    ``seed``, as are the model's random weights).
+    """
+
+    metric: str
+    knob: str | None = None
+    model: str = "tiny-gpt2"
+    dtype: str = "float32"
+    device: str = "cpu"
+    n_samples: int = 32
+    seq_len: int = 128
+    seed: int = 0
+    params: dict[str, Any] = field(default_factory=dict)
+    _state: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        metric = get_metric(self.metric)  # ValueError listing the valid metrics
+        memory = [k.name for k in metric.memory_knobs()]
+        if self.knob is None:
+            if not memory:
+                raise ValueError(f"metric {self.metric!r} has no memory knob to search")
+            self.knob = memory[0]
+        if self.knob not in memory:
+            raise ValueError(f"{self.knob!r} is not a memory knob of {self.metric!r}: "
+                             f"searchable knobs are {', '.join(memory) or '(none)'}")
+        if self.knob in self.params:
+            raise ValueError(f"{self.knob!r} is the searched knob: do not fix it in params")
+        for key, value in (("n_samples", self.n_samples), ("seq_len", self.seq_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        metric.validate(self.params)  # unknown or bad fixed knobs fail here, not in a trial
+
+    # -- identity -------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """Workload name for reports and the size cache: ``metric.knob``."""
+        return f"{self.metric}.{self.knob}"
+
+    @property
+    def preload(self) -> tuple[str, ...]:
+        """Modules a forkserver may import before the first isolated trial."""
+        return ("transformers", "metrics.models", "metrics.common",
+                type(self._metric()).__module__)
+
+    def _metric(self) -> Metric:
+        return get_metric(self.metric)
+
+    def max_size(self) -> int | None:
+        """Largest useful size of the knob (``n_samples`` for knobs that slice samples), or None."""
+        return self.n_samples if self.knob in SAMPLE_KNOBS else None
+
+    def minimum(self) -> int:
+        """The knob's smallest allowed size."""
+        knob = next(k for k in self._metric().knobs if k.name == self.knob)
+        return max(1, int(knob.minimum))
+
+    def describe(self) -> dict[str, Any]:
+        """Configuration for reports."""
+        return {"metric": self.metric, "knob": self.knob, "model": self.model,
+                "dtype": self.dtype, "device": self.device, "n_samples": self.n_samples,
+                "seq_len": self.seq_len, "seed": self.seed, "params": dict(self.params)}
+
+    # -- pickling -------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_state"] = {}
+        return state
+
+    # -- running --------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Build model and data (not budgeted) and run the metric once at the knob's minimum."""
+        if self._state:
+            return
+        model = build_model(self.model, self.dtype, self.device, seed=self.seed)
+        data = make_batch(self.n_samples, self.seq_len, model.config.vocab_size, seed=self.seed,
+                          device=self.device)
+        self._state.update(model=model, data=data)
+        self(self.minimum())
+
+    def __call__(self, size: int) -> dict[str, Any]:
+        """Run the metric with ``knob=size``; return its JSON-friendly summary."""
+        if not self._state:
+            self.warmup()
+        metric = self._metric()
+        with torch.enable_grad():
+            result = metric.run(self._state["model"], self._state["data"],
+                                **{**self.params, self.knob: size})
+        return metric.summary(result)
