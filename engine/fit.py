@@ -119,6 +119,10 @@ def recommend(
         if fitted is not None:
             safe = fitted
             basis = f"fitted line: estimated peak <= {1 - margin:.0%} of {basis_cap}"
+    if safe is None and limit is not None:
+        at_max = [t.peak_bytes for t in trials if t.ok and t.size == max_ok and t.peak_bytes]
+        if at_max and max(at_max) <= limit:
+            safe, basis = max_ok, f"measured peak at {max_ok} is within {1 - margin:.0%} of capacity"
     if safe is None:
         safe = int(max_ok * (1 - margin))
     safe = max(1, min(safe, max_ok))

@@ -1,0 +1,127 @@
+"""Data sources for jobs: ``n_samples`` rows of ``seq_len`` token ids.
+
+- ``generated``: :func:`metrics.models.make_batch` (seeded random tokens,
+  seeded padding);
+- ``text``: the file's bytes are the tokens (vocabulary 256), cut into
+  consecutive windows from the start;
+- ``tokens``: token ids from a ``.npy`` file (1-D: one stream cut into
+  consecutive windows; 2-D: one sample per row, truncated to ``seq_len``) or
+  a text file of whitespace-separated integers (one stream);
+- ``bytes``: a byte-level corpus read through ``numpy.memmap`` (``uint8``) at
+  seeded random positions, as in the E10 setup: nothing but the windows is
+  read, whatever the file's size.
+
+Every source returns ``input_ids``, ``attention_mask`` (ones, or
+make_batch's padding) and ``labels`` (``input_ids``, ``-100`` on padding),
+each ``[n_samples, seq_len]`` int64.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.job import DataSpec
+
+
+def _token_stream(path: Path) -> np.ndarray:
+    """Token ids of a ``tokens`` file (``.npy`` memory-mapped, or whitespace integers)."""
+    if path.suffix == ".npy":
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    else:
+        try:
+            arr = np.array(path.read_text(encoding="utf-8").split(), dtype=np.int64)
+        except ValueError as exc:
+            raise ValueError(f"{path}: not a file of whitespace-separated integers ({exc})") from None
+    if arr.ndim not in (1, 2) or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{path}: expected a 1-D or 2-D array of integer token ids, got "
+                         f"{arr.ndim}-D {arr.dtype}")
+    return arr
+
+
+def _need(have: int, spec: DataSpec, what: str) -> None:
+    need = spec.n_samples * spec.seq_len
+    if have < need:
+        raise ValueError(f"{spec.path} has {have} {what}; n_samples x seq_len = "
+                         f"{spec.n_samples} x {spec.seq_len} needs {need}")
+
+
+def check_data(spec: DataSpec) -> None:
+    """Check that a file source can give ``n_samples x seq_len`` tokens (ValueError if not).
+
+    Cheap: sizes and headers only, except whitespace token files, which are parsed.
+    """
+    if spec.source == "generated" or spec.path is None:
+        return
+    path = Path(spec.path)
+    if spec.source in ("text", "bytes"):
+        size = path.stat().st_size
+        if spec.source == "bytes":
+            if size < spec.seq_len:
+                raise ValueError(f"{path} has {size} bytes, fewer than seq_len {spec.seq_len}")
+        else:
+            _need(size, spec, "bytes")
+        return
+    arr = _token_stream(path)
+    if arr.ndim == 2:
+        if arr.shape[0] < spec.n_samples or arr.shape[1] < spec.seq_len:
+            raise ValueError(f"{path} holds {arr.shape[0]} x {arr.shape[1]} token ids; need at "
+                             f"least {spec.n_samples} x {spec.seq_len}")
+    else:
+        _need(arr.shape[0], spec, "token ids")
+    if arr.size and int(arr.min()) < 0:
+        raise ValueError(f"{path} holds negative token ids")
+
+
+def _windows(stream: np.ndarray, spec: DataSpec) -> np.ndarray:
+    n, L = spec.n_samples, spec.seq_len
+    return np.asarray(stream[: n * L], dtype=np.int64).reshape(n, L)
+
+
+def load_data(spec: DataSpec, vocab_size: int, seed: int = 0,
+              device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The job's samples as a causal-LM batch dict; ValueError if ids exceed ``vocab_size``."""
+    import torch
+
+    from metrics.models import make_batch
+
+    if spec.source == "generated":
+        return make_batch(spec.n_samples, spec.seq_len, vocab_size, seed=seed, device=device)
+    check_data(spec)
+    assert spec.path is not None
+    path = Path(spec.path)
+    if spec.source == "text":
+        ids = _windows(np.frombuffer(path.read_bytes(), dtype=np.uint8), spec)
+    elif spec.source == "bytes":
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        rng = np.random.default_rng(seed)
+        starts = rng.integers(0, len(mm) - spec.seq_len + 1, size=spec.n_samples)
+        ids = np.stack([np.asarray(mm[s:s + spec.seq_len], dtype=np.int64) for s in starts])
+        del mm
+    else:
+        arr = _token_stream(path)
+        if arr.ndim == 2:
+            ids = np.asarray(arr[: spec.n_samples, : spec.seq_len], dtype=np.int64)
+        else:
+            ids = _windows(arr, spec)
+    top = int(ids.max()) if ids.size else 0
+    if top >= vocab_size:
+        raise ValueError(f"{path}: token id {top} is outside the model's vocabulary "
+                         f"({vocab_size} ids); byte-level data needs vocab_size >= 256")
+    input_ids = torch.from_numpy(np.ascontiguousarray(ids)).to(device)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+            "labels": input_ids.clone()}
+
+
+def describe_data(spec: DataSpec) -> str:
+    """One line for reports, e.g. ``bytes: /data/pile.txt (memmap, seeded random windows), 8 x 32``."""
+    how = {"generated": "generated random tokens (seeded, padded)",
+           "text": f"text file {spec.path} (bytes as tokens, consecutive windows)",
+           "tokens": f"token ids from {spec.path}",
+           "bytes": f"byte-level file {spec.path} (numpy.memmap, seeded random windows)"}
+    return f"{how.get(spec.source, spec.source)}; {spec.n_samples} samples x {spec.seq_len} tokens"

@@ -1,0 +1,265 @@
+"""The child process of one job task: build, warm up, size, run, write the result.
+
+Runs in a process of its own (see :mod:`engine.runner`). Whatever happens,
+it ends by writing ``results/<task>.json`` atomically (``ok`` with the
+summary, or ``failed`` with the reason and a traceback file) and a journal
+record; a crash or a kill leaves no result, and the parent records that.
+
+Sizes, in order: pinned in the job file (``sizes``); the size cache; a
+bounded search of the first memory knob (in this process, under the job's
+budget), stored in the cache; the metric's defaults. An OOM during the run
+retries at half (the executor) and lowers the cached sizes to what worked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from engine.cache import SizeCache, entry_key
+from engine.executor import ExecutionFailed, Executor
+from engine.journal import Journal, atomic_write, atomic_write_json, now_iso
+from engine.runner import Context, Task, failure_record
+
+log = logging.getLogger("oomguard.job")
+
+_PR_SET_PDEATHSIG = 1
+TENSOR_INLINE_MAX = 64  # tensors with more elements go to results/<task>.pt
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no orphans after kill -9)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _setup_logging(out: Path) -> None:
+    root = logging.getLogger("oomguard")
+    if not any(isinstance(h, logging.FileHandler) for h in root.handlers):
+        handler = logging.FileHandler(out / "job.log", encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s "
+                                               "%(levelname)s %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def child_main(task: Task, ctx: Context) -> None:
+    """Entry point of the child: run ``task`` and record its result or failure."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent decides
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked child inherits the parent's handler
+    out = Path(ctx.out)
+    _setup_logging(out)
+    journal = Journal(out / "journal.jsonl")
+    state: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    try:
+        from engine.job import import_plugin
+
+        for plugin in ctx.job.plugins:
+            import_plugin(plugin)
+        record = _execute(task, ctx, journal, state, t0)
+    except BaseException as exc:  # noqa: BLE001 - every failure is recorded, none escapes
+        if isinstance(exc, ExecutionFailed):
+            reason = str(exc)  # names the workload and every size tried
+        else:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            reason = f"{type(exc).__name__}: {first[:500]}"
+        tb = out / "tracebacks" / f"{task.key}.txt"
+        atomic_write(tb, "".join(traceback.format_exception(exc)))
+        del exc
+        record = failure_record(task, ctx, reason, str(tb.relative_to(out)),
+                                time.perf_counter() - t0, sizes=_sizes_info(state),
+                                search=state.get("search"))
+        atomic_write_json(out / "results" / f"{task.key}.json", record)
+        journal.append("failure", task=task.key, run=ctx.run_id, reason=reason,
+                       traceback=record["traceback"])
+        log.error("%s failed: %s (traceback in %s)", task.key, reason, tb)
+        return
+    atomic_write_json(out / "results" / f"{task.key}.json", record)
+    journal.append("success", task=task.key, run=ctx.run_id, seconds=record["seconds"],
+                   sizes=record["sizes"]["final"], source=record["sizes"]["source"],
+                   retries=record["sizes"]["retries"])
+
+
+def _sizes_info(state: dict[str, Any]) -> dict[str, Any]:
+    executor: Executor | None = state.get("executor")
+    rec = executor.history[-1] if executor and executor.history else None
+    return {"start": state.get("start"), "source": state.get("source"),
+            "final": rec.final if rec else None, "attempts": rec.attempts if rec else [],
+            "errors": rec.errors if rec else [], "retries": rec.retries if rec else 0,
+            "cache_key": state.get("cache_key")}
+
+
+def _warm_up(model: Any, data: dict[str, Any]) -> None:
+    """One forward + backward on one short sample: thread pools and kernels exist
+    before any budget (CPU-OOM-FACTS.md), and nothing is charged to the metric."""
+    import torch
+
+    ids = data["input_ids"][:1, : min(8, data["input_ids"].shape[1])]
+    with torch.enable_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _search_cap(knob: Any, n_samples: int, max_size: int) -> int:
+    """Sizes of per-sample knobs above the number of samples all do the same work."""
+    text = f"{knob.name} {knob.help}".lower()
+    per_sample = knob.name != "internal_batch_size" and ("batch" in text or "sample" in text)
+    return min(max_size, n_samples) if per_sample else max_size
+
+
+class _KnobTrial:
+    """``fn(size)`` for the search: the metric at ``knob=size``, other knobs fixed."""
+
+    def __init__(self, call: Any, knob: str, others: dict[str, int], name: str) -> None:
+        self.call, self.knob, self.others, self.name = call, knob, others, name
+
+    def __call__(self, size: int) -> None:
+        self.call(**{**self.others, self.knob: size})
+
+
+def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Journal,
+                  state: dict[str, Any]) -> dict[str, int]:
+    knobs = metric.memory_knobs()
+    defaults = {k.name: int(k.default) for k in knobs}
+    job = ctx.job
+    if not knobs:
+        state["source"] = "none (no memory knobs)"
+        return {}
+    if task.pinned:
+        state["source"] = "job file"
+        return {**defaults, **task.pinned}
+    cache = SizeCache(ctx.cache_path)
+    key = state["cache_key"] = entry_key(ctx.device, task.workload)
+    hit = cache.get(key)
+    if hit and set(hit["sizes"]) == set(defaults):
+        state["source"] = "cache"
+        return {k: int(v) for k, v in hit["sizes"].items()}
+    if not (ctx.search and job.search.enabled):
+        state["source"] = "metric default"
+        return defaults
+    from engine.search import NoSizeFits, search
+
+    primary = knobs[0].name
+    cap = _search_cap(knobs[0], job.data.n_samples, job.search.max_size)
+    seconds = min(job.search.max_seconds, task.time_limit / 3)
+    trial = _KnobTrial(call, primary, {k: v for k, v in defaults.items() if k != primary},
+                       task.key)
+    try:
+        result = search(trial, start=min(job.search.start, cap), step=job.search.step,
+                        max_size=cap, max_trials=job.search.max_trials, max_seconds=seconds,
+                        device=job.device, budget=job.budget_bytes)
+    except NoSizeFits as exc:
+        res = exc.result
+        state["search"] = {"trials": len(res.trials), "max_ok": None,
+                           "seconds": round(res.seconds, 3), "stopped_because": "nothing fits"}
+        journal.append("search", task=task.key, run=ctx.run_id, **state["search"])
+        state["source"] = "search (nothing fit; minimum)"
+        return {k.name: int(k.minimum) for k in knobs}
+    rec = result.recommendation
+    # No OOM up to the cap: every size ran, and larger ones do the same work.
+    size = result.max_ok if result.first_oom is None or rec is None else rec.safe
+    state["search"] = {"trials": len(result.trials), "max_ok": result.max_ok,
+                       "first_oom": result.first_oom, "safe": size, "mode": result.mode,
+                       "seconds": round(result.seconds, 3),
+                       "stopped_because": result.stopped_because}
+    journal.append("search", task=task.key, run=ctx.run_id, **state["search"])
+    sizes = {**defaults, primary: int(size)}
+    cache.put(key, sizes, source="search", device=ctx.device, workload=task.workload,
+              max_ok=result.max_ok, trials=len(result.trials))
+    state["source"] = "search"
+    return sizes
+
+
+def _split_tensors(value: Any, prefix: str, big: dict[str, Any]) -> None:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.numel() > TENSOR_INLINE_MAX:
+            big[prefix] = value.detach().cpu()
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _split_tensors(v, f"{prefix}.{k}" if prefix else str(k), big)
+
+
+def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
+             t0: float) -> dict[str, Any]:
+    import torch
+
+    from engine.budget import budget
+    from engine.data import load_data
+    from metrics.base import get_metric
+    from metrics.models import build_model
+    from probes.peak import PeakMeter
+
+    job, out = ctx.job, Path(ctx.out)
+    metric = get_metric(task.metric)
+    model = build_model(task.model, job.dtype, job.device, seed=job.seed)
+    data = load_data(job.data, model.config.vocab_size, seed=job.seed, device=job.device)
+    _warm_up(model, data)
+
+    def call(**sizes: int) -> dict[str, Any]:
+        return metric.run(model, data, **task.params, **sizes)
+
+    start = state["start"] = _choose_sizes(task, ctx, metric, call, journal, state)
+    journal.append("sizes", task=task.key, run=ctx.run_id, sizes=start, source=state["source"])
+    minimum = {k.name: int(k.minimum) for k in metric.memory_knobs()}
+    executor = state["executor"] = Executor(device=job.device)
+
+    def attempt(**sizes: int) -> dict[str, Any]:
+        rec = executor.history[-1]
+        if len(rec.attempts) > 1:
+            journal.append("retry", task=task.key, run=ctx.run_id, sizes=sizes,
+                           after=rec.errors[-1] if rec.errors else None)
+        return call(**sizes)
+
+    meter = PeakMeter(job.device)
+    guard = budget(job.budget_bytes, job.device) if job.budget_bytes else nullcontext()
+    meter.reset()
+    with guard:
+        t_run = time.perf_counter()
+        result = executor.run(attempt, sizes=start, minimum=minimum, name=task.key)
+        seconds = time.perf_counter() - t_run
+    peak = meter.read()
+    rec = executor.history[-1]
+    if rec.retries and state.get("cache_key") and rec.final:
+        SizeCache(ctx.cache_path).lower(state["cache_key"], rec.final, device=ctx.device,
+                                        workload=task.workload,
+                                        reason=f"{task.key}: {rec.errors[-1]}")
+    big: dict[str, Any] = {}
+    _split_tensors(result, "", big)
+    tensors = None
+    if big:
+        pt = out / "results" / f"{task.key}.pt"
+        tmp = pt.with_name(f".{pt.name}.tmp")
+        torch.save(big, tmp)
+        os.replace(tmp, pt)
+        tensors = str(pt.relative_to(out))
+    summary = metric.summary(result)
+    from metrics.common import to_jsonable
+
+    return {"task": task.key, "metric": task.metric, "model": task.model, "status": "ok",
+            "run": ctx.run_id, "fingerprint": task.fingerprint, "params": task.params,
+            "sizes": _sizes_info(state), "search": state.get("search"),
+            "seconds": round(seconds, 3), "total_seconds": round(time.perf_counter() - t0, 3),
+            "peak_bytes": peak, "peak_source": f"measured: {meter.source}",
+            "budget_bytes": job.budget_bytes, "summary": to_jsonable(summary),
+            "tensors": tensors, "finished": now_iso()}

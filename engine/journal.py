@@ -1,0 +1,159 @@
+"""Durable writes for unattended jobs: an append-only journal and atomic files.
+
+The journal is a JSON-lines file: one event per line (``start``, ``sizes``,
+``retry``, ``success``, ``failure``, ``skip``, ``interrupted``, ...), each
+written with a single ``os.write`` on a descriptor opened with ``O_APPEND``
+and followed by ``os.fsync``. An event that :meth:`Journal.append` returned
+from is on disk. Several processes may append to one journal (the job's
+parent and its metric children): ``O_APPEND`` puts every record at the end.
+
+A ``kill -9`` in the middle of a write can leave a torn last line;
+:func:`replay` skips lines that do not parse, with a warning, so a journal is
+always readable.
+
+:func:`atomic_write` replaces a file in one step (temporary file in the same
+folder, ``fsync``, ``os.replace``, ``fsync`` of the folder): a reader sees the
+old content or the new one, never half of either, also after a crash.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("oomguard.journal")
+
+
+def now_iso() -> str:
+    """The current UTC time, ISO 8601 with seconds (e.g. ``2025-01-31T02:14:07Z``)."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # e.g. platforms that cannot open folders
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes | str, mode: int = 0o644) -> Path:
+    """Write ``data`` to ``path`` atomically and durably; returns the path.
+
+    The folder must exist. On any error the temporary file is removed and the
+    old ``path`` (if any) is left untouched.
+    """
+    target = Path(path)
+    blob = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(blob)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
+    return target
+
+
+def atomic_write_json(path: str | os.PathLike[str], value: Any) -> Path:
+    """:func:`atomic_write` of ``value`` as indented, key-sorted JSON plus a newline."""
+    return atomic_write(path, json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
+
+
+class Journal:
+    """An append-only JSON-lines event log, every record flushed and fsynced.
+
+    ``Journal(path).append("start", task="loss")`` writes
+    ``{"t": "...Z", "pid": 1234, "event": "start", "task": "loss"}``.
+    The descriptor is opened lazily per process, so a journal object may be
+    handed to a child process.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+        self._pid: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "_fd": None, "_pid": None}
+
+    def _descriptor(self) -> int:
+        if self._fd is None or self._pid != os.getpid():
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            self._pid = os.getpid()
+            size = os.fstat(self._fd).st_size
+            if size and os.pread(self._fd, 1, size - 1) != b"\n":
+                os.write(self._fd, b"\n")  # end a line torn by a kill -9, keep ours whole
+        return self._fd
+
+    def append(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Write one event durably and return the record written."""
+        record = {"t": now_iso(), "pid": os.getpid(), "event": event, **fields}
+        line = json.dumps(record, sort_keys=True, default=str) + "\n"
+        fd = self._descriptor()
+        os.write(fd, line.encode("utf-8"))
+        os.fsync(fd)
+        return record
+
+    def close(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(replay(self.path))
+
+
+def replay(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every well-formed event of a journal, in order; [] if it does not exist.
+
+    Lines that are not JSON objects (a torn write after ``kill -9``) are
+    skipped with a warning.
+    """
+    p = Path(path)
+    if not p.exists():
+        return []
+    events: list[dict[str, Any]] = []
+    with p.open("rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                record = None
+            if not isinstance(record, dict) or "event" not in record:
+                log.warning("%s:%d: skipping an unreadable journal line (torn write?)", p, number)
+                continue
+            events.append(record)
+    return events
+
+
+def last_events(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """The last event of each task (``task`` field) in a journal."""
+    out: dict[str, dict[str, Any]] = {}
+    for record in replay(path):
+        task = record.get("task")
+        if isinstance(task, str):
+            out[task] = record
+    return out
+
+
+def count_events(path: str | os.PathLike[str], event: str, task: str | None = None) -> int:
+    """How many ``event`` records (for ``task``, if given) a journal holds."""
+    return sum(1 for r in replay(path)
+               if r.get("event") == event and (task is None or r.get("task") == task))

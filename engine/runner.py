@@ -1,0 +1,383 @@
+"""Run a job: every (model, metric) task once, losing nothing already computed.
+
+The parent process plans the tasks, keeps the journal, and runs each task in
+a **child process** (from a forkserver that has torch and transformers
+imported: ~0.2 s per child, and safe even where this process already ran
+OpenMP code, which a plain ``fork`` is not). The child builds the model,
+loads the data, warms up, picks the sizes (size cache, else a bounded search,
+else the metric's defaults; ``sizes`` pinned in the job file win), applies the
+job's budget, runs the metric through the :class:`~engine.executor.Executor`
+(retry at half on OOM), and writes ``results/<task>.json`` atomically.
+
+Why a child: the **time limit** really stops a metric (the parent kills the
+child: SIGTERM, then SIGKILL after 5 s), whatever native code it is in; a
+budget or a crash (segfault, abort) stays in the child; and each metric
+starts with a fresh heap. The limit covers everything the task does (model
+build, search, run); the search itself is bounded by ``search.max_trials``
+and ``search.max_seconds`` (at most a third of the metric's limit).
+
+Resume: a task whose result file says ``ok`` with the same fingerprint
+(model config, dtype, data, metric, result-defining parameters) is skipped and
+its file is never rewritten. Failed and interrupted tasks run again.
+SIGINT/SIGTERM stop cleanly: the running task is recorded as interrupted,
+its child is stopped, and the report is written. ``kill -9`` of the parent
+also ends the child (PR_SET_PDEATHSIG through the forkserver), so at most the
+task in flight is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from engine.job import Job, JobError, model_label
+from engine.journal import Journal, atomic_write, atomic_write_json, now_iso
+
+log = logging.getLogger("oomguard.job")
+
+KILL_GRACE_S = 5.0
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+@dataclass(frozen=True)
+class Task:
+    """One metric on one model. ``key`` names its files; ``fingerprint`` its result."""
+
+    key: str
+    metric_id: str
+    metric: str
+    model: str
+    params: dict[str, Any]
+    pinned: dict[str, int]
+    time_limit: float
+    workload: dict[str, Any]
+    fingerprint: str
+
+
+@dataclass
+class Context:
+    """What a task's child needs besides the task (picklable)."""
+
+    job: Job
+    out: str
+    run_id: str
+    cache_path: str | None
+    search: bool
+    device: dict[str, Any]
+    start_method: str = "forkserver"
+
+
+@dataclass
+class Outcome:
+    """What :func:`run_job` did: per task key, its record (``status`` ok/failed/...)."""
+
+    exit_code: int
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    out: str = ""
+    seconds: float = 0.0
+
+    def failed(self) -> list[str]:
+        return [k for k, r in self.results.items() if r.get("status") == "failed"]
+
+
+def plan(job: Job) -> list[Task]:
+    """The job's tasks in order (model-major); task keys are file-name safe."""
+    from metrics.models import config_fingerprint
+
+    tasks = []
+    for spec in job.models:
+        cfg = config_fingerprint(spec)
+        for m in job.metrics:
+            workload = {"model_config": cfg, "dtype": job.dtype, "seq_len": job.data.seq_len,
+                        "metric": m.name, "params": m.params}
+            ident = {**workload, "model": spec, "data": dataclasses.asdict(job.data),
+                     "seed": job.seed, "device": job.device, "budget": job.budget_bytes}
+            fp = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()
+                                ).hexdigest()[:16]
+            key = m.id if len(job.models) == 1 else f"{model_label(spec)}.{m.id}"
+            tasks.append(Task(key=key, metric_id=m.id, metric=m.name, model=spec,
+                              params=dict(m.params), pinned=dict(m.sizes),
+                              time_limit=m.time_limit, workload=workload, fingerprint=fp))
+    return tasks
+
+
+def device_identity(job: Job) -> dict[str, Any]:
+    """Device name and total bytes (measured by :func:`probes.probe`), plus the job's budget."""
+    from probes import probe
+
+    snap = probe(job.device)
+    if not snap.available:
+        raise JobError(f"{job.path}: device: {job.device} is not available here: {snap.reason}")
+    return {"device": job.device, "name": snap.name, "total_bytes": snap.total_bytes,
+            "budget_bytes": job.budget_bytes}
+
+
+def read_result(out: Path, key: str) -> dict[str, Any] | None:
+    """``results/<key>.json`` as a dict, or None if absent or unreadable."""
+    try:
+        doc = json.loads((out / "results" / f"{key}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+class _Stop:
+    """SIGINT/SIGTERM handler state: the first signal asks to stop; the job records and exits."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Stop:
+        if threading_main():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            log.warning("received %s: stopping after recording the running metric",
+                        signal.Signals(signum).name)
+        self.signum = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, search: bool = True,
+            progress: bool | None = None, start_method: str = "forkserver") -> Outcome:
+    """Run (or resume) ``job`` into ``job.output``; returns the exit code and every record.
+
+    ``start_method`` starts each task's process: ``forkserver`` (safe from any
+    process), or ``fork`` (faster; only from a process that has not run torch
+    code yet, because a fork after OpenMP ran hangs the child, measured here:
+    the CLI uses it, since its parent only parses, plans and waits).
+
+    Raises :class:`JobError` before creating anything if the job cannot start
+    (device missing, output folder in use by another run).
+    """
+    t0 = time.perf_counter()
+    tasks = plan(job)
+    device = device_identity(job)
+    out = Path(job.output)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(out / ".job.lock"), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise JobError(f"{out}: another oomguard run is using this output folder") from None
+    try:
+        return _run_locked(job, tasks, device, out, cache_path, search, progress, t0,
+                           start_method)
+    finally:
+        lock.release()
+
+
+def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
+                cache_path: Any, search: bool, progress: bool | None, t0: float,
+                start_method: str) -> Outcome:
+    from tqdm import tqdm
+
+    for sub in ("results", "tracebacks", "plots"):
+        (out / sub).mkdir(exist_ok=True)
+    handler = logging.FileHandler(out / "job.log", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s "
+                                           "%(message)s"))
+    root = logging.getLogger("oomguard")
+    root.addHandler(handler)
+    if root.level == logging.NOTSET or root.level > logging.INFO:
+        root.setLevel(logging.INFO)
+    atomic_write_json(out / "job.json", {"path": job.path, "name": job.name,
+                                         "tasks": [t.key for t in tasks]})
+    atomic_write(out / "job.toml", job.text)
+    run_id = uuid.uuid4().hex[:12]
+    journal = Journal(out / "journal.jsonl")
+    ctx = Context(job=job, out=str(out), run_id=run_id,
+                  cache_path=str(cache_path) if cache_path else None, search=search,
+                  device=device, start_method=start_method)
+    journal.append("job-start", run=run_id, job=job.path, tasks=[t.key for t in tasks],
+                   device=device)
+    log.info("job %s: %d metric(s) on %s, output %s", job.name, len(tasks), job.device, out)
+    results: dict[str, dict[str, Any]] = {}
+    show = sys.stderr.isatty() if progress is None else progress
+    stopped: int | None = None
+    with _Stop() as stop, tqdm(total=len(tasks), disable=not show, unit="metric",
+                               desc=job.name, leave=True) as bar:
+        for i, task in enumerate(tasks, start=1):
+            done = read_result(out, task.key)
+            if done and done.get("status") == "ok" and done.get("fingerprint") == task.fingerprint:
+                journal.append("skip", task=task.key, run=run_id, reason="already done")
+                log.info("[%d/%d] %s: already done, kept", i, len(tasks), task.key)
+                results[task.key] = done
+                bar.update(1)
+                continue
+            if stop.signum is not None:
+                break
+            bar.set_postfix_str(task.key)
+            record = _run_task(task, ctx, journal, stop)
+            if record is None:  # interrupted
+                results[task.key] = {"status": "interrupted", "task": task.key}
+                stopped = stop.signum
+                break
+            results[task.key] = record
+            bar.update(1)
+            _log_record(i, len(tasks), record)
+        if stop.signum is not None:
+            stopped = stop.signum
+    for task in tasks:
+        results.setdefault(task.key, {"status": "pending", "task": task.key})
+    failed = [k for k, r in results.items() if r.get("status") == "failed"]
+    code = EXIT_SIGNAL.get(stopped, 130) if stopped is not None else (
+        EXIT_FAILED if failed else EXIT_OK)
+    status = "interrupted" if stopped is not None else ("failed" if failed else "complete")
+    summary = {"job": {"name": job.name, "path": job.path, "device": device, "dtype": job.dtype,
+                       "models": list(job.models), "data": dataclasses.asdict(job.data),
+                       "budget_bytes": job.budget_bytes},
+               "run": run_id, "status": status, "exit_code": code, "failed": failed,
+               "finished": now_iso(), "tasks": results}
+    atomic_write_json(out / "results.json", summary)
+    try:
+        from reports.job_report import write_job_report
+
+        write_job_report(summary, out)
+    except Exception:  # noqa: BLE001 - a report problem must not lose the results
+        log.exception("could not write report.md / plots (results.json is complete)")
+    journal.append("job-end", run=run_id, status=status, exit_code=code, failed=failed)
+    journal.close()
+    log.info("job %s: %s (%s) in %.1f s; results in %s", job.name, status,
+             ", ".join(f"{k} failed" for k in failed) or "nothing failed",
+             time.perf_counter() - t0, out)
+    root.removeHandler(handler)
+    handler.close()
+    return Outcome(exit_code=code, results=results, out=str(out),
+                   seconds=time.perf_counter() - t0)
+
+
+def _log_record(i: int, n: int, r: dict[str, Any]) -> None:
+    sizes = r.get("sizes") or {}
+    final = ", ".join(f"{k}={v}" for k, v in (sizes.get("final") or {}).items()) or "-"
+    if r.get("status") == "ok":
+        log.info("[%d/%d] %s: ok in %.1f s at %s (from %s, %d retries)", i, n, r["task"],
+                 r.get("seconds", 0.0), final, sizes.get("source"), sizes.get("retries", 0))
+    else:
+        log.error("[%d/%d] %s: FAILED: %s", i, n, r.get("task"), r.get("reason"))
+
+
+def _preload(task: Task) -> tuple[str, ...]:
+    from metrics.base import get_metric
+    from metrics.models import model_config
+
+    mods = ["transformers", "metrics.models", "metrics.base", "engine.job_child",
+            type(get_metric(task.metric)).__module__]
+    try:
+        mt = model_config(task.model).model_type.replace("-", "_")
+        mods.append(f"transformers.models.{mt}.modeling_{mt}")
+    except Exception:  # noqa: BLE001 - preloading is an optimisation only
+        pass
+    return tuple(m for m in mods if not m.startswith("oomguard_plugin_"))
+
+
+def _run_task(task: Task, ctx: Context, journal: Journal, stop: _Stop) -> dict[str, Any] | None:
+    """Run one task in a child; the record written, or None if the job was interrupted."""
+    from engine.isolate import _forkserver_context
+    from engine.job_child import child_main
+
+    out = Path(ctx.out)
+    journal.append("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
+                   time_limit_s=task.time_limit)
+    if ctx.start_method == "forkserver":
+        mp = _forkserver_context(_preload(task))
+    else:
+        import importlib
+        import multiprocessing
+
+        for module in _preload(task):  # imported once here, inherited by every child
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                pass
+        mp = multiprocessing.get_context(ctx.start_method)
+    proc = mp.Process(target=child_main, args=(task, ctx), name=f"oomguard-{task.key}")
+    t0 = time.monotonic()
+    proc.start()
+    reason = None
+    while proc.is_alive():
+        proc.join(0.2)
+        if stop.signum is not None and proc.is_alive():
+            _stop_child(proc)
+            journal.append("interrupted", task=task.key, run=ctx.run_id,
+                           signal=signal.Signals(stop.signum).name,
+                           seconds=round(time.monotonic() - t0, 3))
+            return None
+        if time.monotonic() - t0 > task.time_limit and proc.is_alive():
+            _stop_child(proc)
+            reason = f"time limit of {task.time_limit:g} s exceeded (stopped)"
+    record = read_result(out, task.key)
+    if record is not None and record.get("run") == ctx.run_id and reason is None:
+        return record
+    if stop.signum is not None and reason is None:
+        journal.append("interrupted", task=task.key, run=ctx.run_id,
+                       signal=signal.Signals(stop.signum).name)
+        return None
+    if reason is None:
+        code = proc.exitcode
+        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with code {code}")
+        reason = f"the metric's process {how} without a result (crash?)"
+    seconds = time.monotonic() - t0
+    tb = out / "tracebacks" / f"{task.key}.txt"
+    atomic_write(tb, f"{task.key}: {reason}\nNo Python traceback: the child process was "
+                 f"stopped or died (see job.log).\n")
+    record = failure_record(task, ctx, reason, str(tb.relative_to(out)), seconds)
+    atomic_write_json(out / "results" / f"{task.key}.json", record)
+    journal.append("failure", task=task.key, run=ctx.run_id, reason=reason,
+                   traceback=record["traceback"])
+    return record
+
+
+def failure_record(task: Task, ctx: Context, reason: str, tb: str | None, seconds: float,
+                   **extra: Any) -> dict[str, Any]:
+    """The result file of a failed task."""
+    return {"task": task.key, "metric": task.metric, "model": task.model, "status": "failed",
+            "run": ctx.run_id, "fingerprint": task.fingerprint, "params": task.params,
+            "reason": reason, "traceback": tb, "seconds": round(seconds, 3),
+            "finished": now_iso(), **extra}
+
+
+def _stop_child(proc: Any) -> None:
+    proc.terminate()
+    proc.join(KILL_GRACE_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+def format_outcome(outcome: Outcome) -> str:
+    """Plain lines for the terminal: one per task, then where the results are."""
+    lines = []
+    for key, r in outcome.results.items():
+        status = r.get("status", "?")
+        extra = r.get("reason") if status == "failed" else ""
+        lines.append(f"{key:<28} {status:<11} {extra or ''}".rstrip())
+    lines.append(f"results: {outcome.out}/results.json, report: {outcome.out}/report.md")
+    return "\n".join(lines)
