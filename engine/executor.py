@@ -11,6 +11,7 @@ released, so the failed attempt's tensors are really freed between attempts.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -69,6 +70,10 @@ class ExecutionFailed(RuntimeError):
     message of each.
     """
 
+    # The message quotes the last OOM, but giving up is not itself an OOM: an
+    # outer handler must not retry it as one (engine.oom.is_oom reads this).
+    oomguard_is_oom = False
+
     def __init__(self, workload: str, tried: list[Sizes], errors: list[str]) -> None:
         self.workload, self.tried, self.errors = workload, tried, errors
         shown = ", ".join(_fmt_sizes(s) for s in tried)
@@ -103,7 +108,7 @@ class Executor:
 
     ``policy`` decides the retry sizes (default :class:`Halve`); ``device`` is
     the one whose cache is emptied between attempts. ``history`` holds a
-    :class:`RunRecord` per call, ``known`` the last sizes that worked per
+    :class:`RunRecord` per call (the last 1024), ``known`` the last sizes that worked per
     workload name (used as the starting point of the next call in this
     process when they are smaller than the sizes asked for).
     """
@@ -113,7 +118,8 @@ class Executor:
         self.policy = policy or Halve()
         self.device = device
         self.known: dict[str, Sizes] = {}
-        self.history: list[RunRecord] = []
+        # Bounded: an executor called every training step must not grow forever.
+        self.history: deque[RunRecord] = deque(maxlen=1024)
 
     def run(
         self,

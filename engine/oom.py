@@ -50,12 +50,17 @@ _ONEDNN_PRIMITIVE = "could not create a primitive"
 def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> bool:
     """Return True if ``exc`` is an out-of-memory error.
 
-    Decided by type (``torch.OutOfMemoryError``, ``MemoryError``) and then by
+    An exception with an ``oomguard_is_oom`` attribute decides for itself
+    (oomguard's own "gave up" errors say False). Otherwise decided by type
+    (``torch.OutOfMemoryError``, ``MemoryError``) and then by
     the messages in :data:`OOM_MESSAGES`. ``memory_constrained`` says whether a
     memory limit is known to be near; when ``None`` it is True inside an
     :func:`engine.budget.budget`. Only then does oneDNN's ``could not create a
     primitive`` count as an OOM.
     """
+    verdict = getattr(exc, "oomguard_is_oom", None)  # an exception that says what it is
+    if verdict is not None:
+        return bool(verdict)
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     if not isinstance(exc, RuntimeError):

@@ -100,3 +100,10 @@ def test_memory_returns_after_20_oom_retry_cycles():
 def test_sizes_must_be_positive_integers(bad):
     with pytest.raises(ValueError, match="positive integer"):
         Executor().run(step, batch_size=bad)
+
+
+def test_giving_up_is_not_itself_an_oom():
+    from engine.oom import is_oom
+
+    exc = ExecutionFailed("w", [{"batch_size": 1}], ["DefaultCPUAllocator: can't allocate memory"])
+    assert not is_oom(exc)

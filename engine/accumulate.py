@@ -1,0 +1,249 @@
+"""Micro-batching that keeps the effective batch: exact gradient accumulation on OOM.
+
+When a whole batch does not fit, it is split along dim 0 into micro-batches;
+each micro-batch's loss is scaled by its share of the batch's tokens (or
+samples) before ``backward()``, so ``.grad`` -- and the parameters after the
+optimizer step -- equal those of the whole batch within float rounding. The
+micro-batch size is an :class:`~engine.adaptive.AdaptiveSize`: halved on OOM,
+remembered, optionally grown back, agreed between ranks.
+
+How the loss must be defined for the scaling to be exact
+--------------------------------------------------------
+``step_fn(micro_batch)`` runs the forward pass and returns a scalar loss
+tensor (it must not call ``backward`` itself):
+
+- ``reduction="mean"`` (default): the **mean over the micro-batch's own
+  units** -- what ``model(**batch).loss`` of a transformers causal LM is with
+  ``weight_by="causal-tokens"`` (mean over ``labels[..., 1:] != -100``), or
+  ``F.cross_entropy(..., reduction="mean")`` with ``weight_by="samples"``.
+  Each micro-batch's loss is multiplied by ``units_micro / units_total``.
+- ``reduction="sum"``: the sum over its units; losses are added unscaled.
+
+``weight_by`` counts units: ``"samples"`` (rows), ``"tokens"`` (``labels !=
+ignore_index``), ``"causal-tokens"`` (``labels[..., 1:] != ignore_index``,
+the shifted count causal LMs average over), or a callable ``fn(batch) ->
+number`` that is additive over rows. A micro-batch with no units is skipped
+(its mean would be 0/0 = NaN, its exact contribution is zero). Randomness in
+the step (dropout) draws differently per micro-batch: disable it for
+bit-comparable results.
+
+OOM in the middle of an accumulation
+------------------------------------
+A micro-batch that runs out of memory during ``backward`` may already have
+added part of its gradient to some ``.grad`` tensors, so partial sums cannot
+be trusted. The choice here: **zero and redo**. Every attempt starts by
+setting the gradients of ``params`` to ``None`` and runs the whole batch at
+the attempt's micro-batch size, so nothing is counted twice; the cost of an
+OOM is at most one batch's compute. Consequently :func:`accumulate` *replaces*
+``.grad`` (like ``optimizer.zero_grad(set_to_none=True)`` followed by a
+backward of the whole batch); the caller need not zero gradients itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from engine.adaptive import AdaptiveSize, _qualname
+from engine.executor import RetryPolicy
+
+Batch = Any  # a tensor, a Mapping of tensors, or a tuple/list of them, rows on dim 0
+Params = torch.nn.Module | torch.optim.Optimizer | Iterable[torch.Tensor]
+WEIGHTS = ("samples", "tokens", "causal-tokens")
+
+
+def batch_length(batch: Batch) -> int:
+    """The number of rows (dim 0) shared by every tensor in ``batch``; ValueError otherwise."""
+    lengths = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
+    if len(lengths) != 1:
+        raise ValueError(
+            "a batch needs tensors that share dim 0 (rows); found lengths "
+            f"{sorted(lengths) or 'none'}")
+    return lengths.pop()
+
+
+def _tensors(batch: Batch) -> Iterable[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, (tuple, list)):
+        for value in batch:
+            yield from _tensors(value)
+
+
+def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
+    """Rows ``start:stop`` of every tensor in ``batch`` (views, no copies); other values as they are."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop] if batch.dim() > 0 else batch
+    if isinstance(batch, Mapping):
+        out = {k: slice_batch(v, start, stop) for k, v in batch.items()}
+        if type(batch) is dict:
+            return out
+        try:  # keep dict subclasses such as transformers' BatchEncoding
+            return type(batch)(out)
+        except TypeError:
+            return out
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(slice_batch(v, start, stop) for v in batch)
+    return batch
+
+
+def _row_units(batch: Batch, weight_by: str, labels_key: str, ignore_index: int) -> list[int]:
+    """Units per row: tokens that count towards the loss (``weight_by`` tokens/causal-tokens)."""
+    if not isinstance(batch, Mapping) or labels_key not in batch:
+        raise ValueError(f"weight_by={weight_by!r} needs a dict batch with {labels_key!r}")
+    labels = batch[labels_key]
+    if weight_by == "causal-tokens":
+        labels = labels[..., 1:]
+    return (labels != ignore_index).reshape(labels.shape[0], -1).sum(dim=1).tolist()
+
+
+def _param_list(params: Params) -> list[torch.Tensor]:
+    if isinstance(params, torch.nn.Module):
+        return [p for p in params.parameters() if p.requires_grad]
+    if isinstance(params, torch.optim.Optimizer):
+        return [p for g in params.param_groups for p in g["params"]]
+    return [p for p in params if p.requires_grad]
+
+
+class Accumulator:
+    """Runs ``step_fn`` over a batch in micro-batches with exact gradient accumulation.
+
+    ``params`` (a module, an optimizer, or tensors) are the tensors whose
+    ``.grad`` one call computes. ``micro_batch_size`` (rows) is the first size
+    tried; None means the whole batch. On OOM it shrinks by ``policy``
+    (halving) down to ``minimum``, is remembered for later calls, grows back
+    after ``grow_after`` clean calls when set (never to a size that failed),
+    and is agreed between ranks under ``torch.distributed``. See the module
+    docstring for ``weight_by`` and ``reduction``.
+    """
+
+    def __init__(self, step_fn: Callable[[Batch], torch.Tensor], params: Params, *,
+                 micro_batch_size: int | None = None, weight_by: str | Callable[[Batch], float]
+                 = "samples", reduction: str = "mean", labels_key: str = "labels",
+                 ignore_index: int = -100, minimum: int = 1, policy: RetryPolicy | None = None,
+                 grow_after: int | None = None, device: Any = None, group: Any = None,
+                 name: str | None = None) -> None:
+        if not callable(weight_by) and weight_by not in WEIGHTS:
+            raise ValueError(f"weight_by must be one of {', '.join(WEIGHTS)} or a callable, "
+                             f"got {weight_by!r}")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        self.step_fn = step_fn
+        self.weight_by, self.reduction = weight_by, reduction
+        self.labels_key, self.ignore_index = labels_key, ignore_index
+        self.set_params(params)
+        self.size = AdaptiveSize(name or f"{_qualname(step_fn)}:micro_batch", micro_batch_size,
+                                 minimum=minimum, policy=policy, grow_after=grow_after,
+                                 device=device, group=group)
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The remembered micro-batch size in rows (None: whole batches have fitted so far)."""
+        return self.size.size
+
+    def set_params(self, params: Params) -> None:
+        """Change the tensors whose gradients are computed (and zeroed before each attempt)."""
+        self._params_source = params
+        self.params = _param_list(params)
+
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        """Compute the gradients of the whole batch's loss into ``.grad``; return that loss.
+
+        The loss returned is detached: the whole batch's mean (or sum) over
+        its units, assembled from the micro-batches.
+        """
+        n = batch_length(batch)
+        weights: dict[str, Any] = {}  # units per row, computed once and only when splitting
+        return self.size.run(lambda m: self._run_at(batch, n, m, weights), cap=n)
+
+    def _units(self, batch: Batch, n: int, cache: dict[str, Any]) -> tuple[list[float], float]:
+        """Prefix sums of units over rows (length n + 1) and the total."""
+        if "prefix" not in cache:
+            if callable(self.weight_by):
+                rows: list[float] = []  # computed per micro-batch in _run_at
+                cache["prefix"], cache["total"] = rows, float(self.weight_by(batch))
+            else:
+                if self.weight_by == "samples":
+                    per_row = [1] * n
+                else:
+                    per_row = _row_units(batch, self.weight_by, self.labels_key,
+                                         self.ignore_index)
+                prefix = [0.0]
+                for u in per_row:
+                    prefix.append(prefix[-1] + u)
+                cache["prefix"], cache["total"] = prefix, prefix[-1]
+            if cache["total"] <= 0:
+                raise ValueError("the batch has no units to weight the loss by (every label "
+                                 f"is {self.ignore_index}?): its mean loss is undefined")
+        return cache["prefix"], cache["total"]
+
+    def _run_at(self, batch: Batch, n: int, m: int, cache: dict[str, Any]) -> torch.Tensor:
+        """One attempt: zero the gradients, then every micro-batch of ``m`` rows."""
+        for p in self.params:
+            p.grad = None
+        if m >= n:  # the whole batch: no scaling, nothing to count
+            loss = self.step_fn(batch)
+            loss.backward()
+            return loss.detach()
+        prefix, total = self._units(batch, n, cache)
+        total_loss: torch.Tensor | None = None
+        for start in range(0, n, m):
+            stop = min(start + m, n)
+            micro = slice_batch(batch, start, stop)
+            units = float(self.weight_by(micro)) if callable(self.weight_by) \
+                else prefix[stop] - prefix[start]
+            if units == 0:
+                continue
+            loss = self.step_fn(micro)
+            weight = units / total if self.reduction == "mean" else 1.0
+            (loss * weight if weight != 1.0 else loss).backward()
+            part = loss.detach() * weight
+            total_loss = part if total_loss is None else total_loss + part
+            del loss
+        assert total_loss is not None  # total > 0 guarantees one micro-batch ran
+        return total_loss
+
+
+_ACCUMULATORS: dict[str, Accumulator] = {}
+
+
+def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
+               micro_batch_size: int | None = None, *, params: Params,
+               name: str | None = None, **options: Any) -> torch.Tensor:
+    """Gradients of ``step_fn`` over the whole ``batch``, in micro-batches if it does not fit.
+
+    The function form of :class:`Accumulator`: the state (the micro-batch
+    size found) is kept per ``name`` (default: the step function's qualified
+    name), so a step function defined anew every iteration keeps its size.
+    ``micro_batch_size`` and ``options`` (``weight_by``, ``reduction``,
+    ``grow_after``, ...) take effect when that state is created, on the first
+    call. Replaces the ``.grad`` of ``params``; returns the whole batch's loss
+    (detached). Typical use::
+
+        loss = oomguard.accumulate(lambda mb: model(**mb).loss, batch, params=model,
+                                   weight_by="causal-tokens")
+        optimizer.step()
+    """
+    key = name or f"{_qualname(step_fn)}:micro_batch"
+    acc = _ACCUMULATORS.get(key)
+    if acc is None:
+        acc = _ACCUMULATORS[key] = Accumulator(step_fn, params, micro_batch_size=micro_batch_size,
+                                               name=key, **options)
+    else:
+        acc.step_fn = step_fn
+        if params is not acc._params_source:
+            acc.set_params(params)
+    return acc(batch)
+
+
+def forget(name: str | None = None) -> None:
+    """Drop the remembered state of :func:`accumulate` for ``name`` (all names when None)."""
+    if name is None:
+        _ACCUMULATORS.clear()
+    else:
+        _ACCUMULATORS.pop(name, None)
