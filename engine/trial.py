@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine.budget import tighten_active_budget
 from engine.oom import OOM, call_catching_oom, release_memory
 from probes.peak import PeakMeter
 
@@ -73,6 +74,7 @@ def run_trial(
     baseline. Raises whatever ``fn`` raises unless it is an OOM.
     """
     release_memory(device)
+    tighten_active_budget()
     meter = PeakMeter(device)
     meter.reset()
     start = time.perf_counter()

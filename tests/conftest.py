@@ -8,8 +8,16 @@ import contextlib
 import pytest
 import torch
 
-from engine.budget import budget
+from engine.budget import budget, return_freed_memory_to_os
 from metrics.models import build_model, make_batch
+
+# Budgets count virtual memory above the process's data size at entry. Free
+# chunks that glibc keeps inside its heap are part of that size and are reused
+# without growing it, so a test process that ran big computations before its
+# budget gets silently more room (measured: +120 MiB after the metric tests).
+# Serving every allocation of 128 KiB and more with mmap from the start keeps
+# the heap small and the budgets exact, whatever ran before.
+return_freed_memory_to_os()
 
 ARCHS = ("tiny-gpt2", "tiny-llama")
 
@@ -35,3 +43,20 @@ def budget_after_warmup(nbytes: int, warmup=None):
     (warmup or (lambda: torch.ones(64, 64).matmul(torch.ones(64, 64)).sum()))()
     with budget(nbytes, "cpu") as b:
         yield b
+
+
+def in_fresh_process(fn, *args):
+    """Run the module-level ``fn(*args)`` in a fresh child (forkserver, torch preloaded)
+    and return its result.
+
+    In-process results depend on the process's history (free heap chunks,
+    caches), so tests that assert an exact memory boundary start from the
+    same state every time: a new process.
+    """
+    import multiprocessing as mp
+
+    from engine.isolate import _forkserver_context
+
+    _forkserver_context(("transformers", "metrics.train_step", "metrics.synthetic"))
+    with mp.get_context("forkserver").Pool(1, maxtasksperchild=1) as pool:
+        return pool.apply(fn, args)

@@ -110,8 +110,7 @@ def test_grow_back_after_clean_steps_never_to_a_size_that_failed():
     assert (changes[0].old, changes[0].new) == (64, 32)  # the whole batch ran out of memory
     grows = [c for c in changes if c.new > c.old]
     assert grows, changes
-    first_fail = min(c.old for c in changes if c.new < c.old)
-    assert grows[0].new > grows[0].old and grows[0].new < first_fail
+    assert grows[0].new > grows[0].old and grows[0].new < changes[0].old
     failed_so_far: int | None = None
     for c in changes:  # sizes only ever grow to below every size that failed before
         if c.new > c.old:
