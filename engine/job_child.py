@@ -64,6 +64,11 @@ def child_main(task: Task, ctx: Context) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent decides
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked child inherits the parent's handler
+    # Freed tensors must go back to the kernel, or the resident peak meter sees
+    # a reused heap as 0 bytes and budgets drift (CPU-OOM-FACTS.md).
+    from engine.budget import return_freed_memory_to_os
+
+    return_freed_memory_to_os()
     out = Path(ctx.out)
     _setup_logging(out)
     journal = Journal(out / "journal.jsonl")

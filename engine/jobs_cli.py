@@ -62,6 +62,7 @@ def _setup_logging() -> None:
                                                "%H:%M:%S"))
         root.addHandler(handler)
         root.setLevel(logging.INFO)
+        root.propagate = False  # the CLI's root handler would print every line twice
 
 
 def _error(message: str) -> int:
