@@ -68,9 +68,10 @@ class Metric:
                 raise ValueError(f"{self.name}.{key} must be a number, got {value!r}")
             if isinstance(knob.default, int) and not isinstance(value, int):
                 raise ValueError(f"{self.name}.{key} must be an integer, got {value!r}")
-            if value < knob.minimum or value <= 0:
+            if value < knob.minimum:
                 raise ValueError(
-                    f"{self.name}.{key} must be >= {knob.minimum} and > 0, got {value!r}")
+                    f"{self.name}.{key} must be >= {knob.minimum}, got {value!r} (knobs of "
+                    f"{self.name}: {', '.join(f'{k.name} >= {k.minimum}' for k in self.knobs)})")
             out[key] = value
         return out
 

@@ -144,13 +144,8 @@ class _CurvatureEigenvalues(JsonMetric):
     )
 
     def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """As the base, but ``seed`` may be 0."""
-        seed = params.get("seed", 0)
-        rest = {k: v for k, v in params.items() if k != "seed"}
-        out = super().validate(rest)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"{self.name}.seed must be an integer >= 0, got {seed!r}")
-        out["seed"] = seed
+        """As the base, and ``k`` may not exceed ``iterations``."""
+        out = super().validate(params)
         if out["k"] > out["iterations"]:
             raise ValueError(f"{self.name}: k ({out['k']}) must be <= iterations "
                              f"({out['iterations']})")

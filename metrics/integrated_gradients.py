@@ -1,0 +1,182 @@
+"""``integrated_gradients``: token attribution with captum's ``LayerIntegratedGradients``.
+
+What is attributed (the target, one scalar per sample): the model's
+log-probability (nats, log-softmax in float32 at least) of each sample's *last
+valid token* given everything before it, read at the second-to-last valid
+position. We chose this over the summed token log-likelihood because it is
+the usual "which input tokens explain this prediction" question and keeps the
+completeness check on one number per sample. By causality the last valid
+token itself (and every padding position) gets exactly zero attribution.
+
+How: the path is the input embeddings (``model.get_input_embeddings()``
+output), from the embedding of a pad token (``pad_token_id``, else
+``eos_token_id``, else 0) at every position to the real embeddings, integrated
+with ``method="gausslegendre"`` over ``n_steps`` points. Attributions are
+summed over the hidden dimension: one number per token (float64 on output;
+captum multiplies gradients by float32 step sizes, so sums are float32 at
+least for bfloat16/float16 models). Padding positions are set to zero.
+
+Knobs:
+
+- ``n_steps`` (result): integration points; recorded, never tuned.
+- ``chunk_size`` (memory): examples per captum ``attribute`` call. Chunks are
+  independent, results are concatenated: no dependence beyond float rounding.
+- ``internal_batch_size`` (memory): captum's; it splits the *steps*, and each
+  step batch's attributions are summed, so it too changes only rounding.
+
+How the two interact (measured, CPU-OOM-FACTS.md "captum"): one forward
+pass gets ``rows_per_forward(chunk, internal) = examples x max(1, internal //
+examples)`` rows (capped at ``examples x n_steps``), where ``examples =
+min(chunk_size, samples left)``. So ``internal_batch_size`` only saves memory
+while it is larger than the chunk; once ``chunk_size >= internal_batch_size``
+the peak grows with ``chunk_size`` alone (captum warns and we silence that
+warning). Without internal batching (``internal >= examples x n_steps``) a
+forward gets all ``examples x n_steps`` rows.
+
+Completeness: captum's convergence delta per sample is ``sum(attributions) -
+(f(x) - f(baseline))``; we report its absolute max and mean (nats).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from metrics.base import Knob, register
+from metrics.common import JsonMetric, iter_micro_batches, n_samples
+
+METHOD = "gausslegendre"
+
+
+def rows_per_forward(chunk: int, internal: int, n_steps: int | None = None) -> int:
+    """Rows of one forward pass inside captum for ``chunk`` examples per call.
+
+    captum's ``_batch_attribution`` runs ``max(1, internal // chunk)`` steps per
+    forward, each step a copy of all ``chunk`` examples; with ``n_steps`` given,
+    never more than ``n_steps`` steps. Examples: (128, 8) -> 128 (internal
+    ignored), (4, 16) -> 16, (2, 8, n_steps=3) -> 6.
+    """
+    if chunk <= 0 or internal <= 0:
+        raise ValueError(f"chunk and internal must be positive, got {chunk}, {internal}")
+    steps = max(1, internal // chunk)
+    if n_steps is not None:
+        steps = min(steps, n_steps)
+    return chunk * steps
+
+
+def pad_id(model: torch.nn.Module) -> int:
+    """Token id of the baseline: ``pad_token_id``, else ``eos_token_id``, else 0.
+
+    An id outside the embedding table (e.g. GPT-2's 50256 with a smaller
+    vocabulary) is skipped.
+    """
+    cfg = getattr(model, "config", None)
+    vocab = model.get_input_embeddings().num_embeddings
+    for key in ("pad_token_id", "eos_token_id"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if isinstance(value, int) and 0 <= value < vocab:
+            return value
+    return 0
+
+
+def last_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last valid (mask 1) position; ValueError if a row has < 2."""
+    mask = attention_mask.long()
+    if bool((mask.sum(dim=1) < 2).any()):
+        raise ValueError("every sample needs at least 2 valid tokens for a next-token target")
+    pos = torch.arange(mask.shape[1], device=mask.device)
+    return (mask * (pos + 1)).argmax(dim=1)
+
+
+def target_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """captum forward: ``f(input_ids, attention_mask, pred_pos, target_ids) -> [rows]``.
+
+    The log-probability of ``target_ids`` at ``pred_pos``, log-softmax in
+    float32 (float64 for float64 models). Shared with ``layer_attribution``.
+    """
+
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, pred_pos: torch.Tensor,
+                target_ids: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        picked = logits[rows, pred_pos]
+        if picked.dtype not in (torch.float32, torch.float64):
+            picked = picked.float()
+        return torch.log_softmax(picked, dim=-1)[rows, target_ids]
+
+    return forward
+
+
+def target_args(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """captum ``additional_forward_args`` for :func:`target_forward`: mask, position, token."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(batch["input_ids"])
+    last = last_positions(mask)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    return mask, last - 1, batch["input_ids"][rows, last]
+
+
+@contextlib.contextmanager
+def captum_quiet() -> Iterator[None]:
+    """Silence captum's expected warning that internal_batch_size < examples."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Internal batch size cannot be less")
+        yield
+
+
+@register
+class IntegratedGradients(JsonMetric):
+    """Per-token attributions (nats) of each sample's last-token log-probability."""
+
+    name = "integrated_gradients"
+    description = ("token attribution (LayerIntegratedGradients on the input embeddings) of the "
+                   "last valid token's log-probability, with completeness delta")
+    knobs = (
+        Knob("n_steps", "result", 16, 2, "", "integration points (gauss-legendre)"),
+        Knob("chunk_size", "memory", 128, 1,
+             "rows_per_forward(chunk, internal) x seq_len x model width",
+             "examples per captum call; results are concatenated"),
+        Knob("internal_batch_size", "memory", 8, 1,
+             "rows_per_forward(chunk, internal); only matters while > chunk_size",
+             "captum's internal_batch_size (splits the integration steps)"),
+    )
+
+    def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
+                n_steps: int = 16, chunk_size: int = 128,
+                internal_batch_size: int = 8) -> dict[str, Any]:
+        from captum.attr import LayerIntegratedGradients
+
+        lig = LayerIntegratedGradients(target_forward(model), model.get_input_embeddings())
+        base_id = pad_id(model)
+        attrs: list[torch.Tensor] = []
+        deltas: list[torch.Tensor] = []
+        for mb in iter_micro_batches(data, chunk_size):
+            args = target_args(mb)
+            ids = mb["input_ids"]
+            with captum_quiet():
+                attr, delta = lig.attribute(
+                    ids, baselines=torch.full_like(ids, base_id), additional_forward_args=args,
+                    n_steps=n_steps, method=METHOD, internal_batch_size=internal_batch_size,
+                    return_convergence_delta=True)
+            per_token = attr.detach().to(torch.float64).sum(dim=-1)
+            attrs.append(per_token * args[0].to(torch.float64))
+            deltas.append(delta.detach().to(torch.float64).reshape(-1))
+            del attr, delta
+        attributions = torch.cat(attrs).cpu()
+        delta_all = torch.cat(deltas).cpu()
+        return {
+            "attributions": attributions,
+            "delta": delta_all,
+            "delta_max": float(delta_all.abs().max()),
+            "delta_mean": float(delta_all.abs().mean()),
+            "baseline_token": base_id,
+            "method": METHOD,
+            "n_samples": n_samples(data),
+        }

@@ -1,0 +1,130 @@
+"""``loss_landscape``: the loss on a 2-D plane through the parameters (Li et al. 2018).
+
+Two random directions ``d1, d2`` (one Gaussian tensor per parameter, seeded
+by ``seed``) are *filter-normalised*: for a parameter of 2 or more
+dimensions, every slice along dim 0 (a row of an ``nn.Linear`` weight, one
+output unit; a row of GPT-2's transposed ``Conv1D`` weight, one input unit)
+is rescaled to the norm of the same slice of the parameter; a 1-D parameter
+(bias, norm scale) is rescaled as a whole to the parameter's norm. Li et al.
+zero the directions of biases and norm parameters in their default; we keep
+them, normalised per tensor, so every parameter moves. Tied weights appear
+once (``named_parameters``) and so get one direction.
+
+On the ``grid x grid`` points ``(a_i, b_j)`` with ``a_i = span * (2 i / (grid -
+1) - 1)`` (so the middle point of an odd grid is exactly 0), the parameters
+are set to ``theta + a_i d1 + b_j d2`` (computed in float32 at least, stored
+in the model's dtype) and the loss is the token-weighted mean NLL (nats per
+token) over *all* data: summed per-token NLL over micro-batches (float64)
+divided by the total token count, so ``micro_batch_size`` changes nothing
+beyond rounding. ``grid``, ``span`` and ``seed`` are result knobs (recorded).
+
+The model's parameters are restored bit-for-bit afterwards (from a copy in
+their own dtype), also after an error such as an OOM. Memory: the copy and
+the two directions cost 3x the parameters (fixed); the forward grows with
+``micro_batch_size x seq_len x vocab`` (logits). Cost: ``grid^2`` passes over
+the data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from metrics.base import Knob, register
+from metrics.common import (
+    JsonMetric,
+    iter_micro_batches,
+    n_samples,
+    token_count,
+    token_nll_sum,
+    total_tokens,
+)
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def filter_normalised_direction(params: list[torch.Tensor], generator: torch.Generator,
+                                ) -> list[torch.Tensor]:
+    """One random direction per parameter, filter-normalised (see module docstring).
+
+    Drawn on the CPU from ``generator`` (so a seed gives the same direction on
+    any device), returned in float32 (float64 for float64 parameters).
+    """
+    out = []
+    for p in params:
+        wd = _work_dtype(p.dtype)
+        d = torch.randn(p.shape, generator=generator, dtype=torch.float64)
+        ref = p.detach().to(device="cpu", dtype=torch.float64)
+        if p.dim() >= 2:
+            d_norm = d.flatten(1).norm(dim=1).clamp_min(1e-30)
+            scale = ref.flatten(1).norm(dim=1) / d_norm
+            d = d * scale.view(-1, *([1] * (p.dim() - 1)))
+        else:
+            d = d * (ref.norm() / d.norm().clamp_min(1e-30))
+        out.append(d.to(device=p.device, dtype=wd))
+    return out
+
+
+def mean_loss(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
+              micro_batch_size: int, n_tokens: int) -> float:
+    """Token-weighted mean NLL (nats/token) over all ``data``: exact sum / ``n_tokens``."""
+    nll = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for mb in iter_micro_batches(data, micro_batch_size):
+            if token_count(mb):
+                nll += token_nll_sum(model, mb).cpu()
+    return float(nll) / n_tokens
+
+
+def axis(grid: int, span: float) -> torch.Tensor:
+    """Coordinates ``span * (2 i / (grid - 1) - 1)`` for ``i < grid`` (float64); [0.] if grid is 1."""
+    if grid == 1:
+        return torch.zeros(1, dtype=torch.float64)
+    i = torch.arange(grid, dtype=torch.float64)
+    return span * (2 * i / (grid - 1) - 1)
+
+
+@register
+class LossLandscape(JsonMetric):
+    """Loss (nats/token) on a grid x grid plane along two filter-normalised random directions."""
+
+    name = "loss_landscape"
+    description = ("2-D loss landscape (token-weighted mean NLL) along two filter-normalised "
+                   "random directions, Li et al. 2018")
+    knobs = (
+        Knob("grid", "result", 25, 1, "", "points per axis (grid x grid evaluations)"),
+        Knob("span", "result", 1.0, 1e-12, "", "axis runs from -span to +span"),
+        Knob("seed", "result", 0, 0, "", "seed of the two random directions"),
+        Knob("micro_batch_size", "memory", 16, 1, "micro_batch_size x seq_len x vocab (logits)",
+             "samples per forward; sums are exact"),
+    )
+
+    def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
+                grid: int = 25, span: float = 1.0, seed: int = 0,
+                micro_batch_size: int = 16) -> dict[str, Any]:
+        n_tok = total_tokens(data)
+        params = [p for _, p in model.named_parameters()]
+        center = mean_loss(model, data, micro_batch_size, n_tok)
+        gen = torch.Generator().manual_seed(seed)
+        d1 = filter_normalised_direction(params, gen)
+        d2 = filter_normalised_direction(params, gen)
+        coords = axis(grid, span)
+        losses = torch.empty(grid, grid, dtype=torch.float64)
+        saved = [p.detach().clone() for p in params]
+        try:
+            with torch.no_grad():
+                for i, a in enumerate(coords.tolist()):
+                    for j, b in enumerate(coords.tolist()):
+                        for p, p0, u, v in zip(params, saved, d1, d2, strict=True):
+                            p.copy_(p0.to(u.dtype) + a * u + b * v)
+                        losses[i, j] = mean_loss(model, data, micro_batch_size, n_tok)
+        finally:
+            with torch.no_grad():
+                for p, p0 in zip(params, saved, strict=True):
+                    p.copy_(p0)
+        return {"losses": losses, "center_loss": center, "axis": coords,
+                "n_tokens": n_tok, "n_samples": n_samples(data)}
