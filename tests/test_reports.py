@@ -8,6 +8,7 @@ import struct
 
 import pytest
 import torch
+from conftest import in_fresh_process
 
 from engine.fit import recommend
 from engine.search import SearchResult, search
@@ -52,9 +53,15 @@ CONTEXT = {
 }
 
 
+def _search() -> SearchResult:
+    return search(LinearAlloc(), start=8, step=8, budget=BUDGET, device="cpu", max_trials=30)
+
+
 @pytest.fixture(scope="module")
 def result() -> SearchResult:
-    return search(LinearAlloc(), start=8, step=8, budget=BUDGET, device="cpu", max_trials=30)
+    # A fresh process: in a long test process free heap chunks left by earlier
+    # tests are reused without counting against the budget.
+    return in_fresh_process(_search)
 
 
 def _table_rows(md: str) -> list[tuple[int, str]]:

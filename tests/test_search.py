@@ -81,12 +81,18 @@ def test_only_sizes_that_ran_are_returned_and_limits_terminate():
     assert result.max_ok in {t.size for t in result.trials if t.ok}
 
 
-def test_nothing_fits_raises_with_every_trial():
+def _search_that_fits_nothing() -> list[int]:
     w = LinearAlloc(base_bytes=64 * MiB, per_item_bytes=1 * MiB)
     _warm()
-    with pytest.raises(NoSizeFits) as info:
+    try:
         search(w, start=8, budget=32 * MiB)
-    assert [t.size for t in info.value.result.trials] == [8, 4, 2, 1]
+    except NoSizeFits as exc:
+        return [t.size for t in exc.result.trials]
+    return []
+
+
+def test_nothing_fits_raises_with_every_trial():
+    assert in_fresh_process(_search_that_fits_nothing) == [8, 4, 2, 1]
 
 
 def test_non_oom_error_stops_the_search_with_the_original_error():
