@@ -49,6 +49,22 @@ class Trial:
         return out
 
 
+class RebuiltInChild:
+    """Mixin for picklable workloads whose ``warmup()`` fills ``self._state``.
+
+    What warmup built (model, data, optimizer) is dropped from the pickle, so
+    an isolated trial ships only the workload's description and rebuilds the
+    rest in the child, where the budget must not count it.
+    """
+
+    _state: dict[str, Any]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_state"] = {}
+        return state
+
+
 def plain_value(value: Any) -> Any:
     """Turn a workload's return value into something JSON can hold (scalar tensors to floats)."""
     if isinstance(value, torch.Tensor):

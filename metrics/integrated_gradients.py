@@ -131,6 +131,19 @@ def captum_quiet() -> Iterator[None]:
         yield
 
 
+def captum_knobs(chunk_default: int) -> tuple[Knob, ...]:
+    """The knobs every captum metric has: integration steps (result) and two memory knobs."""
+    return (
+        Knob("n_steps", "result", 16, 2, "", "integration points (gauss-legendre)"),
+        Knob("chunk_size", "memory", chunk_default, 1,
+             "rows_per_forward(chunk, internal) x seq_len x model width",
+             "examples per captum call; results are concatenated"),
+        Knob("internal_batch_size", "memory", 8, 1,
+             "rows_per_forward(chunk, internal); only matters while > chunk_size",
+             "captum's internal_batch_size (splits the integration steps)"),
+    )
+
+
 @register
 class IntegratedGradients(JsonMetric):
     """Per-token attributions (nats) of each sample's last-token log-probability."""
@@ -138,15 +151,7 @@ class IntegratedGradients(JsonMetric):
     name = "integrated_gradients"
     description = ("token attribution (LayerIntegratedGradients on the input embeddings) of the "
                    "last valid token's log-probability, with completeness delta")
-    knobs = (
-        Knob("n_steps", "result", 16, 2, "", "integration points (gauss-legendre)"),
-        Knob("chunk_size", "memory", 128, 1,
-             "rows_per_forward(chunk, internal) x seq_len x model width",
-             "examples per captum call; results are concatenated"),
-        Knob("internal_batch_size", "memory", 8, 1,
-             "rows_per_forward(chunk, internal); only matters while > chunk_size",
-             "captum's internal_batch_size (splits the integration steps)"),
-    )
+    knobs = captum_knobs(chunk_default=128)  # the seed's ig_chunk_size
 
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 n_steps: int = 16, chunk_size: int = 128,

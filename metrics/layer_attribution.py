@@ -33,9 +33,16 @@ from typing import Any
 
 import torch
 
-from metrics.base import Knob, register
+from metrics.base import register
 from metrics.common import JsonMetric, iter_micro_batches, n_samples
-from metrics.integrated_gradients import METHOD, captum_quiet, pad_id, target_args, target_forward
+from metrics.integrated_gradients import (
+    METHOD,
+    captum_knobs,
+    captum_quiet,
+    pad_id,
+    target_args,
+    target_forward,
+)
 
 
 def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -66,15 +73,7 @@ class LayerAttribution(JsonMetric):
     name = "layer_attribution"
     description = ("layer-wise integrated gradients over each transformer block's output: "
                    "L1 attribution mass per block per sample, with completeness totals")
-    knobs = (
-        Knob("n_steps", "result", 16, 2, "", "integration points (gauss-legendre)"),
-        Knob("chunk_size", "memory", 96, 1,
-             "rows_per_forward(chunk, internal) x seq_len x model width",
-             "examples per captum call; results are concatenated"),
-        Knob("internal_batch_size", "memory", 8, 1,
-             "rows_per_forward(chunk, internal); only matters while > chunk_size",
-             "captum's internal_batch_size (splits the integration steps)"),
-    )
+    knobs = captum_knobs(chunk_default=96)  # the seed's layer_wise_chunk_size
 
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 n_steps: int = 16, chunk_size: int = 96,

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from engine.trial import RebuiltInChild
 from metrics.models import build_model
 
 
 @dataclass
-class TrainStep:
+class TrainStep(RebuiltInChild):
     """``TrainStep(...)(batch_size)`` runs one training step and returns the loss.
 
     Picklable (the built model is dropped from the pickle and rebuilt by
@@ -37,11 +38,6 @@ class TrainStep:
     preload: tuple[str, ...] = ("transformers", "transformers.models.gpt2.modeling_gpt2",
                                 "metrics.models")
     _state: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_state"] = {}
-        return state
 
     def warmup(self) -> None:
         """Build model and optimizer, and take one step at batch size 1 (not budgeted)."""

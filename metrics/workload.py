@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from engine.trial import RebuiltInChild
 from metrics.base import Metric, get_metric
 from metrics.models import build_model, make_batch
 
@@ -32,7 +33,7 @@ SAMPLE_KNOBS = frozenset({"micro_batch_size", "chunk_size", "batch_size"})
 
 
 @dataclass
-class MetricTrial:
+class MetricTrial(RebuiltInChild):
     """``MetricTrial(metric, knob)(size)`` runs ``metric`` with ``knob=size`` on fixed data.
 
     ``knob`` defaults to the metric's first memory knob; ``params`` fixes the
@@ -98,12 +99,6 @@ class MetricTrial:
         return {"metric": self.metric, "knob": self.knob, "model": self.model,
                 "dtype": self.dtype, "device": self.device, "n_samples": self.n_samples,
                 "seq_len": self.seq_len, "seed": self.seed, "params": dict(self.params)}
-
-    # -- pickling -------------------------------------------------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_state"] = {}
-        return state
 
     # -- running --------------------------------------------------------------------
     def warmup(self) -> None:
