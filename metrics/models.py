@@ -90,7 +90,7 @@ def build_model(spec: str = "tiny-gpt2", dtype: str | torch.dtype = "float32",
     path = Path(spec).expanduser()
     if spec not in BUILTIN_CONFIGS and path.is_dir():
         model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, torch_dtype=dt, attn_implementation=attn_implementation)
+            path, local_files_only=True, dtype=dt, attn_implementation=attn_implementation)
     else:
         config = model_config(spec)
         torch.manual_seed(seed)
@@ -106,7 +106,10 @@ def build_model(spec: str = "tiny-gpt2", dtype: str | torch.dtype = "float32",
 def config_fingerprint(spec: str) -> str:
     """A short hash of the model's config: two specs with the same config share it."""
     cfg = model_config(spec).to_dict()
-    for volatile in ("transformers_version", "_name_or_path", "_commit_hash"):
+    # Where a config came from, and the dtype it was saved in (the cache keys
+    # dtype on its own), do not change the model's shape or memory.
+    for volatile in ("transformers_version", "_name_or_path", "_commit_hash", "architectures",
+                     "dtype", "torch_dtype"):
         cfg.pop(volatile, None)
     blob = json.dumps(cfg, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

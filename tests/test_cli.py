@@ -1,0 +1,88 @@
+"""The command line as users meet it: bad input is one line and exit code 2,
+the main job writes its report, probes answer without a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.cli import main
+from engine.units import parse_size
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--start", "0"], "positive integer"),
+    (["bench", "--step", "-8"], "positive integer"),
+    (["bench", "--max-size", "0"], "positive integer"),
+    (["bench", "--start", "64", "--max-size", "32"], "larger than --max-size"),
+    (["bench", "--device", "tpu"], "unknown device"),
+    (["bench", "--device", "cuda"], "no CUDA GPU"),
+    (["bench", "--budget", "2XB"], "invalid size"),
+    (["bench", "--budget", "0"], "greater than 0"),
+    (["bench", "--budget=-1GiB"], "invalid size"),
+    (["search", "--metric", "nope"], "valid metrics are"),
+    (["search", "--metric", "loss", "--knob", "nope"], "valid: micro_batch_size"),
+    (["search", "--metric", "loss", "--samples", "0"], "positive integer"),
+    (["run", "/nonexistent/job.toml"], ""),
+])
+def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        sys.exit(main(argv))
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and message in err[-1]
+    assert not any(line.startswith("Traceback") for line in err)
+
+
+@pytest.mark.parametrize("text, nbytes", [
+    ("2GB", 2 * 10**9), ("1.5GiB", 3 * 2**29), ("512MiB", 512 * 2**20), ("1048576", 2**20),
+    ("2gib", 2 * 2**30), ("64M", 64 * 2**20),
+])
+def test_budget_strings(text, nbytes):
+    assert parse_size(text) == nbytes
+
+
+def test_probe_without_gpu_is_a_normal_answer(capsys):
+    assert main(["probe", "--json"]) == 0
+    snaps = json.loads(capsys.readouterr().out)
+    assert snaps[0]["device"] == "cpu" and snaps[0]["free_bytes"] > 0
+    if not torch.cuda.is_available():
+        assert main(["probe", "--device", "cuda"]) == 0
+        assert "CUDA" in capsys.readouterr().out
+
+
+def test_bench_writes_the_report(tmp_path, capsys):
+    out = tmp_path / "rep"
+    code = main(["bench", "--model", "gpt2:n_embd=32,n_layer=1,n_head=2,vocab_size=256,"
+                 "n_positions=64,bos_token_id=0,eos_token_id=0", "--seq-len", "64",
+                 "--budget", "48MiB", "--start", "8", "--step", "8", "--out", str(out), "--json"])
+    assert code == 0
+    cap = capsys.readouterr()
+    result = json.loads(cap.out)
+    assert result["max_ok"] >= 1 and result["first_oom"] == result["max_ok"] + 1
+    assert cap.err.count("  batch ") == len(result["trials"])  # one progress line per trial
+    md = (out / "report.md").read_text()
+    assert f"### Maximum Batch Size: **{result['max_ok']}**" in md
+    assert (out / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "report.json").read_text())["result"]["max_ok"] == result["max_ok"]
+
+
+def test_console_script_help():
+    done = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--isolate" in done.stdout
+
+
+def test_local_checkpoint_directory_loads_offline(tmp_path):
+    from metrics.models import build_model, config_fingerprint
+
+    model = build_model("tiny-llama", seed=3)
+    model.save_pretrained(tmp_path)
+    again = build_model(str(tmp_path))
+    for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert config_fingerprint(str(tmp_path)) == config_fingerprint("tiny-llama")
