@@ -90,10 +90,13 @@ def _strategy(args: argparse.Namespace, capacity: int | None) -> Any:
     return E10(start=args.start, step=args.step)
 
 
-def _progress(trial: Any) -> None:
-    peak = f"peak {fmt_bytes(trial.peak_bytes)}" if trial.ok else (trial.error or "")[:80]
-    print(f"  batch {trial.size:>6}  {'ok ' if trial.ok else 'OOM'}  {peak}  ({trial.seconds:.2f} s)",
-          file=sys.stderr, flush=True)
+def _progress(label: str) -> Any:
+    """One line on stderr per trial: ``  batch     48  ok   peak 1.93 GiB  (5.60 s)``."""
+    def show(trial: Any) -> None:
+        peak = f"peak {fmt_bytes(trial.peak_bytes)}" if trial.ok else (trial.error or "")[:80]
+        print(f"  {label} {trial.size:>6}  {'ok ' if trial.ok else 'OOM'}  {peak}  "
+              f"({trial.seconds:.2f} s)", file=sys.stderr, flush=True)
+    return show
 
 
 def _search_and_report(args: argparse.Namespace, workload: Any, context: dict[str, Any],
@@ -105,14 +108,14 @@ def _search_and_report(args: argparse.Namespace, workload: Any, context: dict[st
     if args.start > max_size:
         raise UsageError(f"--start {args.start} is larger than --max-size {max_size}")
     nbytes = default_budget(dev, args.budget)
-    print(f"oomguard: searching {context.get('title', workload.name)} on {dev} under "
+    print(f"oomguard: searching {workload.name} on {dev} under "
           f"{fmt_bytes(nbytes)} ({'isolated' if args.isolate else 'in-process'} trials)",
           file=sys.stderr, flush=True)
     try:
         result = search(workload, strategy=_strategy(args, nbytes), step=args.step,
                         max_size=max_size, max_trials=args.max_trials, device=dev,
                         budget=nbytes, isolate=args.isolate, margin=args.margin,
-                        on_trial=_progress)
+                        on_trial=_progress(context.get("knob", "batch")))
     except NoSizeFits as exc:
         print(f"oomguard: {exc}", file=sys.stderr)
         return 1
@@ -123,7 +126,8 @@ def _search_and_report(args: argparse.Namespace, workload: Any, context: dict[st
     else:
         rec = result.recommendation
         assert rec is not None
-        print(f"maximum batch size: {result.max_ok} (first OOM: {result.first_oom}); "
+        what = f"maximum {context['knob']}" if "knob" in context else "maximum batch size"
+        print(f"{what}: {result.max_ok} (first OOM: {result.first_oom}); "
               f"recommended: {rec.safe}; {len(result.trials)} trials in {result.seconds:.1f} s")
         print(f"report: {paths['markdown']}\nplot:   {paths['png']}\njson:   {paths['json']}")
     return 0
@@ -165,7 +169,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     for knob in [args.knob] if args.knob else knobs:
         trial = MetricTrial(metric=args.metric, knob=knob, model=args.model, dtype=args.dtype,
                             device=args.device, n_samples=args.samples, seq_len=args.seq_len)
-        bound = trial.max_size() if hasattr(trial, "max_size") else args.max_size
+        bound = trial.max_size() or args.max_size
         out = Path(args.out) / knob if len(knobs) > 1 and not args.knob else Path(args.out)
         ns = argparse.Namespace(**vars(args) | {"out": out, "start": min(args.start, bound)})
         context = {"title": f"{args.metric}.{knob}: Maximum Safe Size Report",
@@ -173,6 +177,12 @@ def cmd_search(args: argparse.Namespace) -> int:
                    "metric": args.metric, "knob": knob, "samples": args.samples,
                    "data": {"source": "generated tokens (seeded)", "samples": args.samples,
                             "sequence_length": args.seq_len}}
+        if {"chunk_size", "internal_batch_size"} <= set(knobs):
+            context["knob interaction"] = (
+                "captum runs chunk_size x max(1, internal_batch_size // chunk_size) rows per "
+                "forward, so internal_batch_size only changes memory while it exceeds "
+                f"chunk_size; this search varies {knob} with the other knob at its default "
+                f"({', '.join(f'{k}={metric.defaults()[k]}' for k in knobs if k != knob)})")
         status = max(status, _search_and_report(ns, trial, context, min(bound, args.max_size)))
     return status
 
