@@ -126,9 +126,9 @@ def _warm_up(model: Any, data: dict[str, Any]) -> None:
 
 def _search_cap(knob: Any, n_samples: int, max_size: int) -> int:
     """Sizes of per-sample knobs above the number of samples all do the same work."""
-    text = f"{knob.name} {knob.help}".lower()
-    per_sample = knob.name != "internal_batch_size" and ("batch" in text or "sample" in text)
-    return min(max_size, n_samples) if per_sample else max_size
+    from metrics.workload import SAMPLE_KNOBS
+
+    return min(max_size, n_samples) if knob.name in SAMPLE_KNOBS else max_size
 
 
 class _KnobTrial:
