@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -93,7 +94,9 @@ def _strategy(args: argparse.Namespace, capacity: int | None) -> Any:
 def _progress(label: str) -> Any:
     """One line on stderr per trial: ``  batch     48  ok   peak 1.93 GiB  (5.60 s)``."""
     def show(trial: Any) -> None:
-        peak = f"peak {fmt_bytes(trial.peak_bytes)}" if trial.ok else (trial.error or "")[:80]
+        # c10's "[enforce fail at alloc_cpu.cpp:127] err == 0." prefix says nothing to users.
+        error = re.sub(r"\[enforce fail at [^\]]*\][^.]*\.\s*", "", trial.error or "")
+        peak = f"peak {fmt_bytes(trial.peak_bytes)}" if trial.ok else error[:100]
         print(f"  {label} {trial.size:>6}  {'ok ' if trial.ok else 'OOM'}  {peak}  "
               f"({trial.seconds:.2f} s)", file=sys.stderr, flush=True)
     return show
