@@ -70,10 +70,17 @@ class SearchResult:
     stopped_because: str
     seconds: float
     config: dict[str, Any] = field(default_factory=dict)
+    size_name: str = "batch_size"  # what the searched size is: the workload's ``knob``, if any
+
+    @property
+    def size_label(self) -> str:
+        """The size's name for prose: ``batch size``, ``internal batch size``."""
+        return self.size_name.replace("_", " ")
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "workload": self.workload,
+            "size_name": self.size_name,
             "device": self.device,
             "mode": self.mode,
             "strategy": self.strategy,
@@ -188,6 +195,7 @@ def search(
         budget_bytes=budget, stopped_because=stopped, seconds=time.perf_counter() - t0,
         config={"start": first, "step": step, "max_size": max_size, "max_trials": max_trials,
                 "margin": margin},
+        size_name=getattr(fn, "knob", None) or "batch_size",
     )
     if max_ok is None:
         result.stopped_because = "nothing fits"

@@ -105,7 +105,8 @@ def strategy_steps(result: SearchResult) -> list[str]:
     if not trials:
         return [f"No trial ran ({result.stopped_because})."]
     first = trials[0]
-    steps = [f"Started with batch_size={first.size} ({status_text(first)})"]
+    name = result.size_name
+    steps = [f"Started with {name}={first.size} ({status_text(first)})"]
     groups: list[tuple[str, int | None, int | None, list[Trial]]] = []
     seen: list[Trial] = [first]
     for t in trials[1:]:
@@ -125,10 +126,10 @@ def strategy_steps(result: SearchResult) -> list[str]:
                              f"({base} → {oks[-1]}, {len(oks)} more successful trials)")
             failed = [t for t in group if not t.ok]
             if failed:
-                steps.append(f"When OOM encountered at batch_size={failed[0].size}, switched to "
+                steps.append(f"When OOM encountered at {name}={failed[0].size}, switched to "
                              "binary search refinement")
         elif kind == "halve":
-            steps.append(f"batch_size={hi} ran out of memory; halved: "
+            steps.append(f"{name}={hi} ran out of memory; halved: "
                          + ", ".join(_mark(t) for t in group))
         else:
             steps.append(f"Bisected between {lo} (fits) and {hi} (OOM): "
@@ -136,15 +137,15 @@ def strategy_steps(result: SearchResult) -> list[str]:
     if result.max_ok is None:
         steps.append("No size fitted")
     elif result.first_oom is not None and result.first_oom - result.max_ok <= 1:
-        steps.append(f"Final refinement found maximum at batch_size={result.max_ok} "
-                     f"(batch_size={result.first_oom} ran out of memory)")
+        steps.append(f"Final refinement found maximum at {name}={result.max_ok} "
+                     f"({name}={result.first_oom} ran out of memory)")
     elif result.first_oom is not None:
         steps.append(f"Stopped ({result.stopped_because}) with the maximum between "
                      f"{result.max_ok} (fits) and {result.first_oom} (OOM); largest size that "
-                     f"ran: batch_size={result.max_ok}")
+                     f"ran: {name}={result.max_ok}")
     else:
         steps.append(f"No OOM seen; stopped because {result.stopped_because}: the maximum is at "
-                     f"least batch_size={result.max_ok}")
+                     f"least {name}={result.max_ok}")
     return steps
 
 
@@ -213,7 +214,7 @@ def render_json(result: SearchResult, context: dict | None = None) -> dict[str, 
                                     if fit is not None and cap else None),
         "peak_measures": PEAK_MEANING.get(device_type(result), "unknown"),
         "fit_is_estimate": True,
-        "mode_note": ("in-process: history-dependent, can be lower than a fresh process's maximum"
+        "mode_note": ("in-process: history-dependent, can differ from a fresh process's maximum"
                       if result.mode == "in-process"
                       else "isolated: each trial in a fresh process, the faithful maximum"),
         "search_steps": strategy_steps(result),

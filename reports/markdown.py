@@ -115,8 +115,10 @@ def _configuration(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
                 "caches or heap fragments; this is the faithful maximum")
     else:
         mode = ("in-process: all trials ran in one process one after another; later trials "
-                "inherit caches and heap fragments, so the result is history-dependent and can "
-                "be lower than a fresh process's maximum (rerun isolated for the faithful figure)")
+                "inherit caches and heap fragments, so the result is history-dependent: lower "
+                "than a fresh process's maximum when leftovers take room, higher under a CPU "
+                "budget when free heap chunks are reused without counting (rerun isolated for "
+                "the faithful figure)")
     out.append(f"- **Mode**: {mode}")
     cfg = result.config
     if cfg:
@@ -141,7 +143,7 @@ def _results(result: SearchResult) -> list[str]:
     suffix = "" if result.first_oom is not None or result.max_ok is None else " (no OOM seen: a lower bound)"
     of_cap = f" (of {fmt_bytes(cap)} {capacity_label(result)})" if cap else " (capacity unknown)"
     out = [
-        "## Results", "", f"### Maximum Batch Size: **{shown}**{suffix}", "",
+        "## Results", "", f"### Maximum {result.size_label.title()}: **{shown}**{suffix}", "",
         "### Performance Metrics", "| Metric | Value |", "|--------|-------|",
         f"| Peak Memory at maximum | {fmt_bytes(peak)} |",
         f"| Memory Utilization | {_pct(util)}{of_cap if util is not None else ''} |",
@@ -151,7 +153,7 @@ def _results(result: SearchResult) -> list[str]:
         f"| Value returned at maximum | {fmt_value(best.value) if best else '-'} |",
         f"| Search wall time | {result.seconds:.2f} s |",
         "", "### Search Details",
-        "| Batch Size | Status | Peak Memory | Seconds | Value |",
+        f"| {result.size_label.title()} | Status | Peak Memory | Seconds | Value |",
         "|-----------|--------|-------------|---------|-------|",
     ]
     for t in result.trials:
@@ -186,7 +188,7 @@ def _scaling(result: SearchResult) -> list[str]:
             f"- **Per-item cost**: ~{fmt_bytes(fit.per_item_bytes)} per batch item "
             f"({fit.per_item_bytes:,.0f} bytes)",
             f"- **Fit**: peak ≈ {fmt_bytes(fit.base_bytes)} + {fmt_bytes(fit.per_item_bytes)} × "
-            f"batch_size, a least-squares line over the {fit.points} measured peaks of successful "
+            f"{result.size_name}, a least-squares line over the {fit.points} measured peaks of successful "
             "trials; sizes and peaks it predicts are estimates, not measurements.",
         ]
         if result.capacity_bytes and fit.per_item_bytes > 0:
@@ -235,9 +237,9 @@ def _recommendations(result: SearchResult) -> list[str]:
     return [
         "## Recommendations", "", "### Safe Production Settings",
         f"For production with a {rec.margin:.0%} safety margin of capacity:",
-        f"- **Recommended batch size**: {rec.safe} ({est(rec.safe)}); basis: {rec.basis}",
+        f"- **Recommended {result.size_label}**: {rec.safe} ({est(rec.safe)}); basis: {rec.basis}",
         f"- **Recommended range**: {lo_hi}",
-        f"- **Conservative batch size**: {rec.conservative} ({est(rec.conservative)}; "
+        f"- **Conservative {result.size_label}**: {rec.conservative} ({est(rec.conservative)}; "
         + ("the largest size that ran whose measured peak is within the margin)" if cap
            else "the largest size that ran at or below the recommended size)"),
         "", "### Maximum Throughput Setting",
@@ -259,7 +261,7 @@ def _observations(result: SearchResult) -> list[str]:
                    "says nothing; treat fitted estimates as rough.")
     elif fit.r2 >= 0.99:
         obs.append(f"**Linear memory scaling**: R² = {fit.r2:.4f} over {fit.points} points; "
-                   "memory grows predictably with batch size.")
+                   f"memory grows predictably with {result.size_label}.")
     elif fit.r2 >= 0.9:
         obs.append(f"**Roughly linear scaling**: R² = {fit.r2:.4f}; fitted estimates are rough.")
     else:
@@ -281,9 +283,9 @@ def _observations(result: SearchResult) -> list[str]:
                    f"{result.max_ok} fitted; memory use depends on history or is noisy here, "
                    "so keep a wider margin.")
     if result.mode == "in-process":
-        obs.append("**Mode caveat**: trials ran in-process; the maximum can be lower than in a "
-                   "fresh process (caches, heap fragments). Rerun with isolation for the "
-                   "faithful figure.")
+        obs.append("**Mode caveat**: trials ran in-process; the maximum can differ from a fresh "
+                   "process's (lower: caches, heap fragments; higher under a CPU budget: reused "
+                   "free heap). Rerun with isolation for the faithful figure.")
     else:
         obs.append("**Mode**: each trial ran in a fresh process; the maximum does not depend on "
                    "the order of the trials.")
@@ -295,14 +297,14 @@ def _observations(result: SearchResult) -> list[str]:
 
 def _conclusion(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
     if result.max_ok is None:
-        return ["## Conclusion", f"**{result.workload}: no batch size fitted.**"]
+        return ["## Conclusion", f"**{result.workload}: no {result.size_label} fitted.**"]
     best = peak_at_max(result)
     util = utilisation(best.peak_bytes if best else None, result.capacity_bytes)
     where = ctx.get("device_name") or result.device
     tail = f", utilizing {_pct(util)} of {capacity_label(result)}" if util is not None else ""
     bound = "at least " if result.first_oom is None else ""
     return ["## Conclusion",
-            f"**{result.workload} runs on {where} at batch size {bound}{result.max_ok} "
+            f"**{result.workload} runs on {where} at {result.size_label} {bound}{result.max_ok} "
             f"({result.mode}){tail}.**"]
 
 
@@ -315,7 +317,7 @@ def render_markdown(result: SearchResult, context: dict | None = None) -> str:
     figures are shown in KiB/MiB/GiB; seconds are wall-clock seconds.
     """
     ctx: Mapping[str, Any] = context or {}
-    title = ctx.get("title") or f"{result.workload} Maximum Batch Size Report"
+    title = ctx.get("title") or f"{result.workload} Maximum {result.size_label.title()} Report"
     parts: list[list[str]] = [
         [f"# {title}"],
         _configuration(result, ctx),

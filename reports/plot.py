@@ -93,9 +93,9 @@ def plot_memory(result: SearchResult, path: str | os.PathLike[str]) -> Path:
         if device_kind == "cuda" else "measured"
     mode = ("isolated trials (fresh process each)" if result.mode == "isolated"
             else "in-process trials (history-dependent)")
-    ax.set_xlabel("batch size (items)")
+    ax.set_xlabel(f"{result.size_label} (items)")
     ax.set_ylabel(f"peak memory above trial start ({unit}, {what})")
-    ax.set_title(f"{result.workload}: peak memory vs batch size\n"
+    ax.set_title(f"{result.workload}: peak memory vs {result.size_label}\n"
                  f"{result.device} · {mode} · strategy {result.strategy}",
                  fontsize=11)
     ax.set_xlim(0, x_max)

@@ -4,6 +4,7 @@ the main job writes its report, probes answer without a GPU."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -86,3 +87,15 @@ def test_local_checkpoint_directory_loads_offline(tmp_path):
     for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert config_fingerprint(str(tmp_path)) == config_fingerprint("tiny-llama")
+
+
+def test_metric_search_report_names_the_knob(tmp_path, capsys):
+    out = tmp_path / "rep"
+    code = main(["search", "--metric", "loss", "--samples", "8", "--seq-len", "16",
+                 "--budget", "64MiB", "--out", str(out)])
+    assert code == 0
+    assert "maximum micro_batch_size: 8" in capsys.readouterr().out  # bounded by the samples
+    md = (out / "report.md").read_text()
+    assert "### Maximum Micro Batch Size: **8**" in md
+    assert "Started with micro_batch_size=8" in md
+    assert not re.search(r"(?<!micro_)batch_size=", md)
