@@ -22,6 +22,16 @@ return_freed_memory_to_os()
 ARCHS = ("tiny-gpt2", "tiny-llama")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: on a small shared machine oversubscribed
+    OpenMP made the metric tests 10-17x slower (measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session", params=ARCHS)
 def arch(request: pytest.FixtureRequest) -> str:
     return request.param

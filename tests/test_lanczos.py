@@ -24,12 +24,7 @@ from metrics.models import build_model, make_batch
 SPEC = "gpt2:n_embd=8,n_layer=1,n_head=2,vocab_size=16,n_positions=8,tie_word_embeddings=false"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -62,14 +62,7 @@ BUDGET = 32 * MiB  # measured peaks (RSS) at the default sizes: 36-71 MiB; at ha
 _results: dict[tuple[str, str], dict[str, Any]] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """One intra-op thread: on this shared 2-core host, two OpenMP threads competing with
-    other test runs made these tiny-tensor workloads up to ~10x slower (measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> float:

@@ -43,13 +43,7 @@ CORE = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The test machine is shared and small: oversubscribed OpenMP is 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def numbers(summary: Any, prefix: str = "") -> dict[str, float]:
