@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -138,6 +138,29 @@ def token_nll_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return logits_nll(logits, labels_of(batch))
 
 
+def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int,
+                       per_batch: Callable[[Batch, list[torch.Tensor]], Sequence[Any]],
+                       params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Sum ``per_batch(mb, params)`` over micro-batches in float64, divided by the total tokens.
+
+    The one place where gradient-like products of the token-weighted mean loss
+    are reduced: each micro-batch returns one tensor (or None) per parameter,
+    already summed over its own tokens; micro-batches without scored tokens
+    are skipped (their exact contribution is zero). The result depends on
+    ``micro_batch_size`` only through float rounding.
+    """
+    params = list(params if params is not None else trainable(model))
+    n_tok = total_tokens(data)
+    acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
+    for mb in iter_micro_batches(data, micro_batch_size):
+        if token_count(mb) == 0:
+            continue
+        for a, g in zip(acc, per_batch(mb, params), strict=True):
+            if g is not None:
+                a.add_(g.to(torch.float64))
+    return [a.div_(n_tok) for a in acc]
+
+
 def mean_loss_grad(model: torch.nn.Module, data: Batch, micro_batch_size: int,
                    params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Gradient of the token-weighted mean loss over all ``data``, one float64 tensor per parameter.
@@ -146,17 +169,10 @@ def mean_loss_grad(model: torch.nn.Module, data: Batch, micro_batch_size: int,
     accumulated in float64, so the result depends on ``micro_batch_size`` only
     through float rounding. ``model``'s ``.grad`` fields are not touched.
     """
-    params = list(params if params is not None else trainable(model))
-    n_tok = total_tokens(data)
-    acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
-    for mb in iter_micro_batches(data, micro_batch_size):
-        if token_count(mb) == 0:
-            continue
-        grads = torch.autograd.grad(token_nll_sum(model, mb), params, allow_unused=True)
-        for a, g in zip(acc, grads, strict=True):
-            if g is not None:
-                a.add_(g.to(torch.float64))
-    return [a.div_(n_tok) for a in acc]
+    def grad(mb: Batch, ps: list[torch.Tensor]) -> Sequence[Any]:
+        return torch.autograd.grad(token_nll_sum(model, mb), ps, allow_unused=True)
+
+    return token_weighted_sum(model, data, micro_batch_size, grad, params)
 
 
 def mean_loss_hvp(model: torch.nn.Module, data: Batch, micro_batch_size: int,
@@ -169,22 +185,15 @@ def mean_loss_hvp(model: torch.nn.Module, data: Batch, micro_batch_size: int,
     backward) is weighted by its token share and summed in float64.
     """
     params = list(params if params is not None else trainable(model))
-    n_tok = total_tokens(data)
     v = [x.to(p.dtype) for x, p in zip(vec, params, strict=True)]
-    acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
-    for mb in iter_micro_batches(data, micro_batch_size):
-        if token_count(mb) == 0:
-            continue
-        grads = torch.autograd.grad(token_nll_sum(model, mb), params, create_graph=True,
+
+    def hvp(mb: Batch, ps: list[torch.Tensor]) -> Sequence[Any]:
+        grads = torch.autograd.grad(token_nll_sum(model, mb), ps, create_graph=True,
                                     allow_unused=True)
-        pairs = [(g, x) for g, x in zip(grads, v, strict=True) if g is not None]
-        dot = sum((g * x).sum() for g, x in pairs)
-        hv = torch.autograd.grad(dot, params, allow_unused=True)
-        for a, h in zip(acc, hv, strict=True):
-            if h is not None:
-                a.add_(h.to(torch.float64))
-        del grads, dot, hv
-    return [a.div_(n_tok) for a in acc]
+        dot = sum((g * x).sum() for g, x in zip(grads, v, strict=True) if g is not None)
+        return torch.autograd.grad(dot, ps, allow_unused=True)
+
+    return token_weighted_sum(model, data, micro_batch_size, hvp, params)
 
 
 # --------------------------------------------------------------------------- parameters

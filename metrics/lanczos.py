@@ -25,12 +25,11 @@ import torch
 from metrics.base import Knob, register
 from metrics.common import (
     JsonMetric,
-    iter_micro_batches,
     labels_of,
     mean_loss_hvp,
     model_inputs,
     n_samples,
-    token_count,
+    token_weighted_sum,
     total_tokens,
     trainable,
 )
@@ -101,15 +100,12 @@ def mean_loss_ggnvp(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
     Summed over micro-batches in float64 and divided by the total token count.
     """
     params = list(params if params is not None else trainable(model))
-    n_tok = total_tokens(data)
     v = [x.to(p.dtype) for x, p in zip(vec, params, strict=True)]
-    acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
-    for mb in iter_micro_batches(data, micro_batch_size):
-        if token_count(mb) == 0:
-            continue
+
+    def ggnvp(mb: Mapping[str, torch.Tensor], ps: list[torch.Tensor]) -> Sequence[Any]:
         logits = model(**model_inputs(mb)).logits
         u = torch.zeros_like(logits, requires_grad=True)
-        jtu = torch.autograd.grad(logits, params, grad_outputs=u, create_graph=True,
+        jtu = torch.autograd.grad(logits, ps, grad_outputs=u, create_graph=True,
                                   allow_unused=True)
         pairs = [(a, b) for a, b in zip(jtu, v, strict=True) if a is not None]
         jv = torch.autograd.grad([a for a, _ in pairs], u, grad_outputs=[b for _, b in pairs])[0]
@@ -120,13 +116,10 @@ def mean_loss_ggnvp(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
         scored = torch.zeros(logits.shape[:-1], dtype=torch.bool, device=logits.device)
         scored[:, :-1] = labels_of(mb)[:, 1:] != -100  # position t predicts label t+1
         hjv = hjv * scored[..., None]
-        out = torch.autograd.grad(logits, params, grad_outputs=hjv.to(logits.dtype),
-                                  allow_unused=True)
-        for a, h in zip(acc, out, strict=True):
-            if h is not None:
-                a.add_(h.to(torch.float64))
-        del logits, u, jtu, jv, out
-    return [a.div_(n_tok) for a in acc]
+        return torch.autograd.grad(logits, ps, grad_outputs=hjv.to(logits.dtype),
+                                   allow_unused=True)
+
+    return token_weighted_sum(model, data, micro_batch_size, ggnvp, params)
 
 
 class _CurvatureEigenvalues(JsonMetric):
