@@ -11,16 +11,12 @@ the landscape's centre is the model's loss and parameters come back bit-for-bit.
 from __future__ import annotations
 
 import gc
-import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import budget_after_warmup, tiny_data, tiny_model
+from conftest import budget_after_warmup, in_fresh_process, tiny_data, tiny_model
 
 from engine.budget import return_freed_memory_to_os
 from engine.executor import Executor
@@ -219,30 +215,24 @@ def budget_scenario(name: str) -> dict[str, Any]:
             "seconds": round(time.perf_counter() - start, 2)}
 
 
-def budget_scenarios() -> dict[str, dict[str, Any]]:
-    """Every budget scenario, in this (fresh) process: see :func:`budget_reports`."""
+def fresh_budget_scenario(name: str) -> dict[str, Any]:
+    """One budget scenario in a fresh process: see :func:`budget_reports`."""
     return_freed_memory_to_os()  # before anything is allocated: freed memory leaves VmData
     torch.set_num_threads(1)
-    return {name: budget_scenario(name) for name in OOM_CASES}
+    return budget_scenario(name)
 
 
 @pytest.fixture(scope="module")
 def budget_reports() -> dict[str, dict[str, Any]]:
-    """Run the budget scenarios in a fresh child process.
+    """Run each budget scenario in its own fresh process.
 
     A budget counts from the process's VmData when it is entered; heap that
-    earlier tests freed but glibc kept is inside VmData and would be reused for
+    earlier work freed but glibc kept is inside VmData and would be reused for
     free (measured: in one pytest process after the other tests, the default
-    sizes fitted a 48 MiB budget they exceeded 2-3x in a fresh process).
+    sizes fitted a 48 MiB budget they exceeded 2-3x in a fresh process). One
+    process per scenario, so no scenario inherits another's heap either.
     """
-    here = Path(__file__).resolve().parent
-    code = (f"import json, sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
-            "import test_metrics_attr as t; print('REPORT' + json.dumps(t.budget_scenarios()))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600, cwd=here.parent, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("REPORT"):])
+    return {name: in_fresh_process(fresh_budget_scenario, name) for name in OOM_CASES}
 
 
 @pytest.mark.parametrize("name", list(OOM_CASES))
