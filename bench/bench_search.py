@@ -18,7 +18,7 @@ import argparse
 import multiprocessing as mp
 import time
 
-from engine.isolate import _forkserver_context
+from engine.isolate import forkserver_context
 from engine.search import search
 from engine.strategies import E10, Doubling, LinearJump
 from metrics.synthetic import e10_line
@@ -52,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter sequences")
     args = parser.parse_args()
-    _forkserver_context(TrainStep.preload)
+    forkserver_context(TrainStep.preload)
     ctx = mp.get_context("forkserver")
     rows = []
     for name in _workloads(args.quick):

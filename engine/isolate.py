@@ -72,7 +72,7 @@ class IsolatedRunner:
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
                  budget: int | None = None, timeout: float = 600.0) -> None:
         self.fn, self.device, self.budget, self.timeout = fn, str(device), budget, timeout
-        self.ctx = _forkserver_context(tuple(getattr(fn, "preload", ())) + (type(fn).__module__,))
+        self.ctx = forkserver_context(tuple(getattr(fn, "preload", ())) + (type(fn).__module__,))
 
     def __enter__(self) -> IsolatedRunner:
         return self
@@ -123,7 +123,7 @@ class IsolatedRunner:
 _contexts: dict[tuple[str, ...], Any] = {}
 
 
-def _forkserver_context(preload: tuple[str, ...]) -> Any:
+def forkserver_context(preload: tuple[str, ...]) -> Any:
     """The forkserver context, started once per process with torch preloaded.
 
     The forkserver is shared by the whole process, so its preload list is the

@@ -299,14 +299,14 @@ def _preload(task: Task) -> tuple[str, ...]:
 
 def _run_task(task: Task, ctx: Context, journal: Journal, stop: _Stop) -> dict[str, Any] | None:
     """Run one task in a child; the record written, or None if the job was interrupted."""
-    from engine.isolate import _forkserver_context
+    from engine.isolate import forkserver_context
     from engine.job_child import child_main
 
     out = Path(ctx.out)
     journal.append("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
                    time_limit_s=task.time_limit)
     if ctx.start_method == "forkserver":
-        mp = _forkserver_context(_preload(task))
+        mp = forkserver_context(_preload(task))
     else:
         import importlib
         import multiprocessing

@@ -65,8 +65,8 @@ def in_fresh_process(fn, *args):
     """
     import multiprocessing as mp
 
-    from engine.isolate import _forkserver_context
+    from engine.isolate import forkserver_context
 
-    _forkserver_context(("transformers", "metrics.train_step", "metrics.synthetic"))
+    forkserver_context(("transformers", "metrics.train_step", "metrics.synthetic"))
     with mp.get_context("forkserver").Pool(1, maxtasksperchild=1) as pool:
         return pool.apply(fn, args)
