@@ -17,13 +17,12 @@ import time
 from typing import Any
 
 import torch
-
-from engine.budget import budget, return_freed_memory_to_os
-from engine.oom import OOM, call_catching_oom
-from engine.search import NoSizeFits, search
-from engine.units import parse_size
-from metrics.base import load_all
-from metrics.workload import MetricTrial
+from oomguard.engine.core.budget import budget, return_freed_memory_to_os
+from oomguard.engine.core.oom import OOM, call_catching_oom
+from oomguard.engine.core.search import NoSizeFits, search
+from oomguard.engine.core.units import parse_size
+from oomguard.metrics.base import load_all
+from oomguard.metrics.workload import MetricTrial
 
 # Result-defining parameters kept small so the whole table runs in minutes.
 PARAMS: dict[str, dict[str, Any]] = {

@@ -28,9 +28,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-
-from engine.accumulate import Accumulator, accumulate
-from engine.adaptive import adaptive, find_executable_batch_size
+from oomguard.engine.training.accumulate import Accumulator, accumulate
+from oomguard.engine.training.adaptive import adaptive, find_executable_batch_size
 
 STEP_US = 5000.0  # the reference training step: 5 ms
 

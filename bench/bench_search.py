@@ -18,11 +18,11 @@ import argparse
 import multiprocessing as mp
 import time
 
-from engine.isolate import forkserver_context
-from engine.search import search
-from engine.strategies import E10, Doubling, LinearJump
-from metrics.synthetic import e10_line
-from metrics.train_step import TrainStep
+from oomguard.engine.core.isolate import forkserver_context
+from oomguard.engine.core.search import search
+from oomguard.engine.core.strategies import E10, Doubling, LinearJump
+from oomguard.metrics.synthetic import e10_line
+from oomguard.metrics.train_step import TrainStep
 
 MiB = 1024**2
 

@@ -49,7 +49,7 @@ def _clean(dev: torch.device) -> None:
 
 
 def check_nvml_vs_mem_get_info(dev: torch.device) -> tuple[bool, str]:
-    from probes import probe
+    from oomguard.probes import probe
 
     torch.zeros(1, device=dev)  # make sure our context exists before both readings
     snap = probe(dev)
@@ -70,7 +70,7 @@ def check_nvml_vs_mem_get_info(dev: torch.device) -> tuple[bool, str]:
 
 
 def check_peak_meter(dev: torch.device) -> tuple[bool, str]:
-    from probes import PeakMeter
+    from oomguard.probes import PeakMeter
 
     _clean(dev)
     meter = PeakMeter(dev)
@@ -84,8 +84,8 @@ def check_peak_meter(dev: torch.device) -> tuple[bool, str]:
 
 
 def check_fraction_budget(dev: torch.device) -> tuple[bool, str]:
-    from engine.budget import budget
-    from engine.oom import is_oom
+    from oomguard.engine.core.budget import budget
+    from oomguard.engine.core.oom import is_oom
 
     _clean(dev)
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
@@ -108,8 +108,8 @@ def check_fraction_budget(dev: torch.device) -> tuple[bool, str]:
 
 
 def check_call_catching_oom(dev: torch.device) -> tuple[bool, str]:
-    from engine.budget import budget
-    from engine.oom import OOM, call_catching_oom
+    from oomguard.engine.core.budget import budget
+    from oomguard.engine.core.oom import OOM, call_catching_oom
 
     _clean(dev)
     base = torch.cuda.memory_allocated(dev)
@@ -129,8 +129,8 @@ def check_call_catching_oom(dev: torch.device) -> tuple[bool, str]:
 
 
 def check_executor(dev: torch.device) -> tuple[bool, str]:
-    from engine.budget import budget
-    from engine.executor import Executor
+    from oomguard.engine.core.budget import budget
+    from oomguard.engine.core.executor import Executor
 
     _clean(dev)
 
@@ -151,7 +151,7 @@ def check_executor(dev: torch.device) -> tuple[bool, str]:
 
 
 def check_search(dev: torch.device) -> tuple[bool, str]:
-    from engine.search import search
+    from oomguard.engine.core.search import search
 
     _clean(dev)
 

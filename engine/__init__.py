@@ -1,1 +1,2 @@
-"""oomguard's engine: decides and acts (OOM classification, budgets, search, executor)."""
+"""The engine: decides and acts. ``core`` (search, executor), ``training`` (wrappers for
+training scripts), ``jobs`` (overnight jobs) and ``cli``, layered in that order."""

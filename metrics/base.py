@@ -116,10 +116,10 @@ def load_all() -> dict[str, Metric]:
     import importlib
     import pkgutil
 
-    import metrics
+    import oomguard.metrics as package
 
-    for info in pkgutil.iter_modules(metrics.__path__):
-        importlib.import_module(f"metrics.{info.name}")
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"oomguard.metrics.{info.name}")
     return METRICS
 
 

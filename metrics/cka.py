@@ -29,9 +29,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-from metrics.base import Knob, register
-from metrics.common import JsonMetric, iter_micro_batches, model_inputs, n_samples
+from oomguard.metrics.base import Knob, register
+from oomguard.metrics.common import JsonMetric, iter_micro_batches, model_inputs, n_samples
 
 
 def cka_from_gram(gram: torch.Tensor, sums: torch.Tensor, n: int, n_layers: int) -> torch.Tensor:

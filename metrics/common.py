@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from metrics.base import Metric
+from oomguard.metrics.base import Metric
 
 IGNORE_INDEX = -100
 LOW_PRECISION = (torch.bfloat16, torch.float16)

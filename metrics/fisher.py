@@ -19,10 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.func import functional_call, grad, vmap
-
-from metrics.base import Knob, register
-from metrics.common import (
+from oomguard.metrics.base import Knob, register
+from oomguard.metrics.common import (
     JsonMetric,
     iter_micro_batches,
     labels_of,
@@ -32,6 +30,7 @@ from metrics.common import (
     tokens_per_sample,
     total_tokens,
 )
+from torch.func import functional_call, grad, vmap
 
 
 def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor],

@@ -16,9 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-from metrics.base import Knob, register
-from metrics.common import (
+from oomguard.metrics.base import Knob, register
+from oomguard.metrics.common import (
     JsonMetric,
     group_index,
     mean_loss_grad,

@@ -45,9 +45,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-
-from metrics.base import Knob, register
-from metrics.common import JsonMetric, iter_micro_batches, n_samples
+from oomguard.metrics.base import Knob, register
+from oomguard.metrics.common import JsonMetric, iter_micro_batches, n_samples
 
 METHOD = "gausslegendre"
 

@@ -32,10 +32,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-from metrics.base import Knob, register
-from metrics.common import JsonMetric, iter_micro_batches, n_samples
-from metrics.integrated_gradients import last_positions
+from oomguard.metrics.base import Knob, register
+from oomguard.metrics.common import JsonMetric, iter_micro_batches, n_samples
+from oomguard.metrics.integrated_gradients import last_positions
 
 
 def _micro_batch_norms(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],

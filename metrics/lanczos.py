@@ -21,9 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-
-from metrics.base import Knob, register
-from metrics.common import (
+from oomguard.metrics.base import Knob, register
+from oomguard.metrics.common import (
     JsonMetric,
     labels_of,
     mean_loss_hvp,

@@ -32,10 +32,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-from metrics.base import register
-from metrics.common import JsonMetric, iter_micro_batches, n_samples
-from metrics.integrated_gradients import (
+from oomguard.metrics.base import register
+from oomguard.metrics.common import JsonMetric, iter_micro_batches, n_samples
+from oomguard.metrics.integrated_gradients import (
     METHOD,
     captum_knobs,
     captum_quiet,

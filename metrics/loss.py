@@ -14,9 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-from metrics.base import Knob, register
-from metrics.common import (
+from oomguard.metrics.base import Knob, register
+from oomguard.metrics.common import (
     JsonMetric,
     iter_micro_batches,
     n_samples,

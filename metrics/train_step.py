@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from engine.trial import RebuiltInChild
-from metrics.models import build_model
+from oomguard.engine.core.trial import RebuiltInChild
+from oomguard.metrics.models import build_model
 
 
 @dataclass
@@ -36,7 +35,7 @@ class TrainStep(RebuiltInChild):
     seed: int = 0
     name: str = "gpt2-train-step"
     preload: tuple[str, ...] = ("transformers", "transformers.models.gpt2.modeling_gpt2",
-                                "metrics.models")
+                                "oomguard.metrics.models")
     _state: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def warmup(self) -> None:

@@ -1,6 +1,6 @@
 """``MetricTrial``: one metric at one memory knob, as a searchable, picklable workload.
 
-``engine.search.search(MetricTrial("fisher_diagonal"), budget=...)`` finds the
+``oomguard.engine.core.search.search(MetricTrial("fisher_diagonal"), budget=...)`` finds the
 largest ``micro_batch_size`` the Fisher metric runs at, in-process or isolated:
 
 - ``warmup()`` builds the model and the data once (seeded, offline) and runs
@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from engine.trial import RebuiltInChild
-from metrics.base import Metric, get_metric
-from metrics.models import build_model, make_batch
+from oomguard.engine.core.trial import RebuiltInChild
+from oomguard.metrics.base import Metric, get_metric
+from oomguard.metrics.models import build_model, make_batch
 
 # Memory knobs that split the samples: above n_samples they all mean "everything at once".
 SAMPLE_KNOBS = frozenset({"micro_batch_size", "chunk_size", "batch_size"})
@@ -79,7 +78,7 @@ class MetricTrial(RebuiltInChild):
     @property
     def preload(self) -> tuple[str, ...]:
         """Modules a forkserver may import before the first isolated trial."""
-        return ("transformers", "metrics.models", "metrics.common",
+        return ("transformers", "oomguard.metrics.models", "oomguard.metrics.common",
                 type(self._metric()).__module__)
 
     def _metric(self) -> Metric:

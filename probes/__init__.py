@@ -6,7 +6,7 @@ A missing GPU or driver is a normal answer (``available=False`` with a
 reason), never an exception.
 """
 
-from probes.peak import PeakMeter
-from probes.probe import MemorySnapshot, format_table, probe, probe_all
+from oomguard.probes.peak import PeakMeter
+from oomguard.probes.probe import MemorySnapshot, format_table, probe, probe_all
 
 __all__ = ["MemorySnapshot", "PeakMeter", "format_table", "probe", "probe_all"]

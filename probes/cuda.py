@@ -52,7 +52,7 @@ def identity(index: int) -> dict[str, Any]:
     bus = getattr(props, "pci_bus_id", None)
     dev = getattr(props, "pci_device_id", None)
     if bus is not None and dev is not None:
-        from probes.nvml import pci_bus_id_from_ints
+        from oomguard.probes.nvml import pci_bus_id_from_ints
 
         out["pci_bus_id"] = pci_bus_id_from_ints(int(getattr(props, "pci_domain_id", 0)),
                                                  int(bus), int(dev))

@@ -16,8 +16,7 @@ result is the peak *above what was in use at reset*, measured, not estimated.
 from __future__ import annotations
 
 import torch
-
-from probes import host
+from oomguard.probes import host
 
 
 class PeakMeter:

@@ -6,8 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-
-from probes import cuda, host, mps, nvml
+from oomguard.probes import cuda, host, mps, nvml
 
 
 @dataclass
@@ -186,7 +185,7 @@ def probe_all() -> list[MemorySnapshot]:
 
 def format_table(snapshots: list[MemorySnapshot]) -> str:
     """A plain-text table of snapshots, sizes in GiB."""
-    from engine.units import fmt_bytes
+    from oomguard.engine.core.units import fmt_bytes
 
     rows = [("device", "name", "total", "free", "this process", "other processes", "note")]
     for s in snapshots:

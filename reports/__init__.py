@@ -13,10 +13,10 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.search import SearchResult
-from reports.json_report import render_json
-from reports.markdown import render_markdown
-from reports.plot import plot_memory
+from oomguard.engine.core.search import SearchResult
+from oomguard.reports.json_report import render_json
+from oomguard.reports.markdown import render_markdown
+from oomguard.reports.plot import plot_memory
 
 __all__ = ["plot_memory", "render_json", "render_markdown", "write_report"]
 

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.journal import atomic_write
-from engine.units import fmt_bytes
+from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.jobs.journal import atomic_write
 
 log = logging.getLogger("oomguard.report")
 

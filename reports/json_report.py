@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from engine.search import SearchResult
-from engine.strategies import bracket
-from engine.trial import Trial
+from oomguard.engine.core.search import SearchResult
+from oomguard.engine.core.strategies import bracket
+from oomguard.engine.core.trial import Trial
 
 SCHEMA = "oomguard.search-report/1"
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine.search import SearchResult
-from engine.units import GiB, MiB, fmt_bytes
-from reports.json_report import capacity_label
+from oomguard.engine.core.search import SearchResult
+from oomguard.engine.core.units import GiB, MiB, fmt_bytes
+from oomguard.reports.json_report import capacity_label
 
 _OOM_NOTE = "OOM (peak unknown; drawn at capacity)"
 

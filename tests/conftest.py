@@ -7,9 +7,8 @@ import contextlib
 
 import pytest
 import torch
-
-from engine.budget import budget, return_freed_memory_to_os
-from metrics.models import build_model, make_batch
+from oomguard.engine.core.budget import budget, return_freed_memory_to_os
+from oomguard.metrics.models import build_model, make_batch
 
 # Budgets count virtual memory above the process's data size at entry. Free
 # chunks that glibc keeps inside its heap are part of that size and are reused
@@ -65,8 +64,8 @@ def in_fresh_process(fn, *args):
     """
     import multiprocessing as mp
 
-    from engine.isolate import forkserver_context
+    from oomguard.engine.core.isolate import forkserver_context
 
-    forkserver_context(("transformers", "metrics.train_step", "metrics.synthetic"))
+    forkserver_context(("transformers", "oomguard.metrics.train_step", "oomguard.metrics.synthetic"))
     with mp.get_context("forkserver").Pool(1, maxtasksperchild=1) as pool:
         return pool.apply(fn, args)

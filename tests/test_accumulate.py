@@ -12,10 +12,15 @@ from collections import UserDict
 import pytest
 import torch
 from conftest import budget_after_warmup
-
-from engine.accumulate import Accumulator, accumulate, batch_length, forget, slice_batch
-from engine.adaptive import stats
-from metrics.models import build_model, make_batch
+from oomguard.engine.training.accumulate import (
+    Accumulator,
+    accumulate,
+    batch_length,
+    forget,
+    slice_batch,
+)
+from oomguard.engine.training.adaptive import stats
+from oomguard.metrics.models import build_model, make_batch
 
 MiB = 1024**2
 

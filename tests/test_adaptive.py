@@ -11,16 +11,15 @@ import logging
 import pytest
 import torch
 from conftest import budget_after_warmup
-
-from engine import distributed
-from engine.adaptive import (
+from oomguard.engine.core.executor import ExecutionFailed
+from oomguard.engine.training import distributed
+from oomguard.engine.training.adaptive import (
     NoExecutableBatchSize,
     adaptive,
     find_executable_batch_size,
     reset_stats,
     stats,
 )
-from engine.executor import ExecutionFailed
 
 MiB = 1024**2
 PER_SAMPLE = 2 * MiB  # float32 [512, 1024]

@@ -6,10 +6,9 @@ import resource
 
 import pytest
 import torch
-
-from engine.budget import MIN_CPU_BUDGET, BudgetError, active_budget, budget
-from engine.oom import is_oom
-from probes.host import meminfo
+from oomguard.engine.core.budget import MIN_CPU_BUDGET, BudgetError, active_budget, budget
+from oomguard.engine.core.oom import is_oom
+from oomguard.probes.host import meminfo
 
 MiB = 1024**2
 

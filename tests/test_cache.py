@@ -9,10 +9,9 @@ import multiprocessing as mp
 from pathlib import Path
 
 import pytest
-
-from engine.cache import SizeCache, default_cache_path, entry_key
-from engine.jobs_cli import main
-from engine.journal import Journal, atomic_write, replay
+from oomguard.engine.cli.jobs import main
+from oomguard.engine.jobs.cache import SizeCache, default_cache_path, entry_key
+from oomguard.engine.jobs.journal import Journal, atomic_write, replay
 
 DEVICE = {"device": "cpu", "name": "test-cpu", "total_bytes": 1 << 30, "budget_bytes": None}
 

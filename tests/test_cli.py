@@ -10,9 +10,8 @@ import sys
 
 import pytest
 import torch
-
-from engine.cli import main
-from engine.units import parse_size
+from oomguard.engine.cli.main import main
+from oomguard.engine.core.units import parse_size
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -73,13 +72,13 @@ def test_bench_writes_the_report(tmp_path, capsys):
 
 
 def test_console_script_help():
-    done = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "--help"],
+    done = subprocess.run([sys.executable, "-m", "oomguard.engine.cli.main", "bench", "--help"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "--isolate" in done.stdout
 
 
 def test_local_checkpoint_directory_loads_offline(tmp_path):
-    from metrics.models import build_model, config_fingerprint
+    from oomguard.metrics.models import build_model, config_fingerprint
 
     model = build_model("tiny-llama", seed=3)
     model.save_pretrained(tmp_path)

@@ -19,11 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import budget_after_warmup
+from oomguard.engine.training.accumulate import Accumulator
+from oomguard.engine.training.adaptive import stats
+from oomguard.engine.training.distributed import agree, all_reduce_gradients
 from test_accumulate import mlp, regression_step, rows
-
-from engine.accumulate import Accumulator
-from engine.adaptive import stats
-from engine.distributed import agree, all_reduce_gradients
 
 MiB = 1024**2
 STEPS, ROWS = 3, 64

@@ -8,9 +8,8 @@ import logging
 import pytest
 import torch
 from conftest import budget_after_warmup
-
-from engine.executor import ExecutionFailed, Executor, Halve, ReduceWith
-from probes.host import proc_status
+from oomguard.engine.core.executor import ExecutionFailed, Executor, Halve, ReduceWith
+from oomguard.probes.host import proc_status
 
 MiB = 1024**2
 
@@ -103,7 +102,7 @@ def test_sizes_must_be_positive_integers(bad):
 
 
 def test_giving_up_is_not_itself_an_oom():
-    from engine.oom import is_oom
+    from oomguard.engine.core.oom import is_oom
 
     exc = ExecutionFailed("w", [{"batch_size": 1}], ["DefaultCPUAllocator: can't allocate memory"])
     assert not is_oom(exc)

@@ -8,10 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from engine.data import load_data
-from engine.job import EXAMPLE, DataSpec, JobError, load_job, parse_duration, parse_job
-from engine.jobs_cli import main
+from oomguard.engine.cli.jobs import main
+from oomguard.engine.jobs.data import load_data
+from oomguard.engine.jobs.spec import (
+    EXAMPLE,
+    DataSpec,
+    JobError,
+    load_job,
+    parse_duration,
+    parse_job,
+)
 
 GOOD = """\
 output = "out"

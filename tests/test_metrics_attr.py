@@ -17,13 +17,12 @@ from typing import Any
 import pytest
 import torch
 from conftest import budget_after_warmup, in_fresh_process, tiny_data, tiny_model
-
-from engine.budget import return_freed_memory_to_os
-from engine.executor import Executor
-from engine.oom import is_oom
-from metrics.base import get_metric
-from metrics.integrated_gradients import rows_per_forward
-from metrics.models import build_model, make_batch
+from oomguard.engine.core.budget import return_freed_memory_to_os
+from oomguard.engine.core.executor import Executor
+from oomguard.engine.core.oom import is_oom
+from oomguard.metrics.base import get_metric
+from oomguard.metrics.integrated_gradients import rows_per_forward
+from oomguard.metrics.models import build_model, make_batch
 
 MiB = 1024**2
 # Narrow but many-headed: attention probabilities dominate memory and compute stays small,

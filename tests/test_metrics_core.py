@@ -3,7 +3,7 @@
 Each metric is run at its smallest and largest memory size (float64: equal to
 1e-9 relative), under a real CPU budget where its default size runs out of
 memory (the executor's result equals the unconstrained one), and as a
-:class:`metrics.workload.MetricTrial` under :func:`engine.search.search`.
+:class:`metrics.workload.MetricTrial` under :func:`oomguard.engine.core.search.search`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from typing import Any
 import pytest
 import torch
 from conftest import budget_after_warmup, tiny_data, tiny_model
-
-from engine.executor import Executor
-from engine.oom import is_oom
-from engine.search import search
-from metrics.base import get_metric
-from metrics.common import (
+from oomguard.engine.core.executor import Executor
+from oomguard.engine.core.oom import is_oom
+from oomguard.engine.core.search import search
+from oomguard.metrics.base import get_metric
+from oomguard.metrics.common import (
     group_name,
     iter_micro_batches,
     param_groups,
@@ -28,8 +27,8 @@ from metrics.common import (
     token_nll_sum,
     total_tokens,
 )
-from metrics.models import make_batch
-from metrics.workload import MetricTrial
+from oomguard.metrics.models import make_batch
+from oomguard.metrics.workload import MetricTrial
 
 MiB = 2**20
 # metric -> fixed result knobs used in the tests (kept small for speed)
@@ -189,7 +188,7 @@ def test_bad_input_is_one_line_value_error() -> None:
 def test_metric_trial_search_in_process() -> None:
     trial = MetricTrial("loss", n_samples=16, seq_len=128, seed=1)
     assert trial.name == "loss.micro_batch_size" and trial.max_size() == 16
-    assert "metrics.loss" in trial.preload
+    assert "oomguard.metrics.loss" in trial.preload
     found = search(trial, start=4, step=4, budget=24 * MiB, max_size=trial.max_size())
     # Alone this finds 12 (13 OOMs); after other tests the heap holds reusable freed memory
     # that the budget does not count, so in-process it may fit all 16 (DESIGN.md: modes differ).

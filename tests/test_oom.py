@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from engine.budget import budget
-from engine.oom import OOM, call_catching_oom, is_oom
-from probes.host import proc_status
+from oomguard.engine.core.budget import budget
+from oomguard.engine.core.oom import OOM, call_catching_oom, is_oom
+from oomguard.probes.host import proc_status
 
 MiB = 1024**2
 

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from probes import PeakMeter, format_table, nvml, probe, probe_all
-from probes import cuda as cuda_backend
-from probes.host import proc_status
+from oomguard.probes import PeakMeter, format_table, nvml, probe, probe_all
+from oomguard.probes import cuda as cuda_backend
+from oomguard.probes.host import proc_status
 
 MiB = 1024**2
 HAS_CUDA = torch.cuda.is_available()

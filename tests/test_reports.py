@@ -9,13 +9,12 @@ import struct
 import pytest
 import torch
 from conftest import in_fresh_process
-
-from engine.fit import recommend
-from engine.search import SearchResult, search
-from engine.strategies import E10
-from engine.trial import Trial
-from engine.units import MiB
-from reports import plot_memory, render_json, render_markdown, write_report
+from oomguard.engine.core.fit import recommend
+from oomguard.engine.core.search import SearchResult, search
+from oomguard.engine.core.strategies import E10
+from oomguard.engine.core.trial import Trial
+from oomguard.engine.core.units import MiB
+from oomguard.reports import plot_memory, render_json, render_markdown, write_report
 
 BASE = 4 * MiB
 PER_ITEM = 2 * MiB

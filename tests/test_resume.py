@@ -13,10 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-from engine.cache import SizeCache
-from engine.job import load_job
-from engine.journal import replay
-from engine.runner import run_job
+from oomguard.engine.jobs.cache import SizeCache
+from oomguard.engine.jobs.journal import replay
+from oomguard.engine.jobs.runner import run_job
+from oomguard.engine.jobs.spec import load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = '''
 import os, time
 import torch
-from metrics.base import Knob, Metric, register
+from oomguard.metrics.base import Knob, Metric, register
 
 @register
 class Boom(Metric):
@@ -67,7 +67,7 @@ def _job(tmp_path: Path, body: str, name: str = "job.toml", seq_len: int = 16,
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "engine.jobs_cli", *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "oomguard.engine.cli.jobs", *args], cwd=ROOT,
                             env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import in_fresh_process
-
-from engine.search import NoSizeFits, search
-from engine.strategies import Doubling, LinearJump
-from metrics.synthetic import LinearAlloc, e10_line
-from metrics.train_step import TrainStep
+from oomguard.engine.core.search import NoSizeFits, search
+from oomguard.engine.core.strategies import Doubling, LinearJump
+from oomguard.metrics.synthetic import LinearAlloc, e10_line
+from oomguard.metrics.train_step import TrainStep
 
 MiB = 1024**2
 
@@ -113,7 +112,7 @@ def test_bad_arguments_are_refused(kwargs):
 
 def _brute_force(fn, limit: int) -> int:
     """Largest size before the first OOM, trying 1, 2, 3, ... in order."""
-    from engine.trial import run_trial
+    from oomguard.engine.core.trial import run_trial
 
     best = 0
     for size in range(1, limit + 1):
@@ -134,8 +133,8 @@ def _calibrate() -> int:
     slack on each side keeps the boundary well clear of history effects
     (a few MiB of kernels and caches per new shape, against ~25 MiB per item).
     """
-    from engine.fit import fit_line
-    from engine.trial import run_trial
+    from oomguard.engine.core.fit import fit_line
+    from oomguard.engine.core.trial import run_trial
 
     step = TrainStep(**GPT2)
     step.warmup()
@@ -149,7 +148,7 @@ def gpt2_budget() -> int:
 
 
 def _brute_in_fresh_process(nbytes: int) -> int:
-    from engine.budget import budget
+    from oomguard.engine.core.budget import budget
 
     step = TrainStep(**GPT2)
     step.warmup()
@@ -171,7 +170,7 @@ def test_gpt2_step_search_matches_brute_force_in_process(gpt2_budget):
 
 
 def test_gpt2_step_search_matches_brute_force_isolated(gpt2_budget):
-    from engine.isolate import IsolatedRunner
+    from oomguard.engine.core.isolate import IsolatedRunner
 
     step = TrainStep(**GPT2)
     result = search(step, start=4, step=4, budget=gpt2_budget, isolate=True)

@@ -32,18 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
-
-from engine.journal import atomic_write_json, now_iso
+from oomguard.engine.errors import CacheError
+from oomguard.engine.jobs.journal import atomic_write_json, now_iso
 
 log = logging.getLogger("oomguard.cache")
 
 VERSION = 1
 LOCK_TIMEOUT_S = 60.0
 _HISTORY = 20  # changes kept per entry
-
-
-class CacheError(RuntimeError):
-    """The cache file cannot be locked or written (its folder is read-only, a lock is stuck)."""
 
 
 def default_cache_path() -> Path:

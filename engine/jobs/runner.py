@@ -6,7 +6,7 @@ imported: ~0.2 s per child, and safe even where this process already ran
 OpenMP code, which a plain ``fork`` is not). The child builds the model,
 loads the data, warms up, picks the sizes (size cache, else a bounded search,
 else the metric's defaults; ``sizes`` pinned in the job file win), applies the
-job's budget, runs the metric through the :class:`~engine.executor.Executor`
+job's budget, runs the metric through the :class:`~oomguard.engine.core.executor.Executor`
 (retry at half on OOM), and writes ``results/<task>.json`` atomically.
 
 Why a child: the **time limit** really stops a metric (the parent kills the
@@ -41,9 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
-
-from engine.job import Job, JobError, model_label
-from engine.journal import Journal, atomic_write, atomic_write_json, now_iso
+from oomguard.engine.jobs.journal import Journal, atomic_write, atomic_write_json, now_iso
+from oomguard.engine.jobs.spec import Job, JobError, model_label
 
 log = logging.getLogger("oomguard.job")
 
@@ -95,7 +94,7 @@ class Outcome:
 
 def plan(job: Job) -> list[Task]:
     """The job's tasks in order (model-major); task keys are file-name safe."""
-    from metrics.models import config_fingerprint
+    from oomguard.metrics.models import config_fingerprint
 
     tasks = []
     for spec in job.models:
@@ -116,7 +115,7 @@ def plan(job: Job) -> list[Task]:
 
 def device_identity(job: Job) -> dict[str, Any]:
     """Device name and total bytes (measured by :func:`probes.probe`), plus the job's budget."""
-    from probes import probe
+    from oomguard.probes import probe
 
     snap = probe(job.device)
     if not snap.available:
@@ -257,7 +256,7 @@ def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
                "finished": now_iso(), "tasks": results}
     atomic_write_json(out / "results.json", summary)
     try:
-        from reports.job_report import write_job_report
+        from oomguard.reports.job_report import write_job_report
 
         write_job_report(summary, out)
     except Exception:  # noqa: BLE001 - a report problem must not lose the results
@@ -284,10 +283,10 @@ def _log_record(i: int, n: int, r: dict[str, Any]) -> None:
 
 
 def _preload(task: Task) -> tuple[str, ...]:
-    from metrics.base import get_metric
-    from metrics.models import model_config
+    from oomguard.metrics.base import get_metric
+    from oomguard.metrics.models import model_config
 
-    mods = ["transformers", "metrics.models", "metrics.base", "engine.job_child",
+    mods = ["transformers", "oomguard.metrics.models", "oomguard.metrics.base", "oomguard.engine.jobs.child",
             type(get_metric(task.metric)).__module__]
     try:
         mt = model_config(task.model).model_type.replace("-", "_")
@@ -299,8 +298,8 @@ def _preload(task: Task) -> tuple[str, ...]:
 
 def _run_task(task: Task, ctx: Context, journal: Journal, stop: _Stop) -> dict[str, Any] | None:
     """Run one task in a child; the record written, or None if the job was interrupted."""
-    from engine.isolate import forkserver_context
-    from engine.job_child import child_main
+    from oomguard.engine.core.isolate import forkserver_context
+    from oomguard.engine.jobs.child import child_main
 
     out = Path(ctx.out)
     journal.append("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,

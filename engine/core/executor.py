@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from oomguard.engine.core.oom import OOM, call_catching_oom
+from oomguard.engine.errors import ExecutionFailed, format_sizes
 from tenacity import RetryCallState, RetryError, Retrying, retry_if_result, wait_none
-
-from engine.oom import OOM, call_catching_oom
 
 log = logging.getLogger("oomguard.executor")
 
@@ -61,32 +61,6 @@ class Halve(ReduceWith):
     """The default policy: halve every tunable size, down to its minimum."""
 
     fn: Callable[[int], int] = _half
-
-
-class ExecutionFailed(RuntimeError):
-    """Every size down to the minimum ran out of memory.
-
-    ``tried`` lists the sizes of each attempt in order; ``errors`` the OOM
-    message of each.
-    """
-
-    # The message quotes the last OOM, but giving up is not itself an OOM: an
-    # outer handler must not retry it as one (engine.oom.is_oom reads this).
-    oomguard_is_oom = False
-
-    def __init__(self, workload: str, tried: list[Sizes], errors: list[str]) -> None:
-        self.workload, self.tried, self.errors = workload, tried, errors
-        shown = ", ".join(_fmt_sizes(s) for s in tried)
-        super().__init__(
-            f"{workload}: no executable size: every size down to the minimum ran out of "
-            f"memory (tried {shown}); last error: {errors[-1] if errors else '-'}"
-        )
-
-
-def _fmt_sizes(sizes: Mapping[str, int]) -> str:
-    if len(sizes) == 1:
-        return str(next(iter(sizes.values())))
-    return "(" + ", ".join(f"{k}={v}" for k, v in sizes.items()) + ")"
 
 
 @dataclass
@@ -172,7 +146,7 @@ class Executor:
             state["next"] = nxt
             if nxt is not None:
                 log.warning("%s: out of memory at %s (%s); retrying at %s", label,
-                            _fmt_sizes(current), failure.message, _fmt_sizes(nxt))
+                            format_sizes(current), failure.message, format_sizes(nxt))
 
         retrying = Retrying(
             retry=retry_if_result(lambda r: isinstance(r, OOM)),
@@ -189,6 +163,6 @@ class Executor:
         record.final = dict(state["sizes"] or {})
         self.known[label] = record.final
         if record.retries:
-            log.info("%s: succeeded at %s after %d retries", label, _fmt_sizes(record.final),
+            log.info("%s: succeeded at %s after %d retries", label, format_sizes(record.final),
                      record.retries)
         return value

@@ -55,7 +55,7 @@ def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> boo
     (``torch.OutOfMemoryError``, ``MemoryError``) and then by
     the messages in :data:`OOM_MESSAGES`. ``memory_constrained`` says whether a
     memory limit is known to be near; when ``None`` it is True inside an
-    :func:`engine.budget.budget`. Only then does oneDNN's ``could not create a
+    :func:`oomguard.engine.core.budget.budget`. Only then does oneDNN's ``could not create a
     primitive`` count as an OOM.
     """
     verdict = getattr(exc, "oomguard_is_oom", None)  # an exception that says what it is
@@ -70,7 +70,7 @@ def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> boo
         return True
     if _ONEDNN_PRIMITIVE in text:
         if memory_constrained is None:
-            from engine.budget import active_budget
+            from oomguard.engine.core.budget import active_budget
 
             memory_constrained = active_budget() is not None
         return memory_constrained

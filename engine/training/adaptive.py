@@ -3,12 +3,12 @@
 One class, :class:`AdaptiveSize`, holds a memory-only size (a batch or a
 micro-batch, in items) that shrinks on OOM, is remembered across calls, may
 grow back, and is agreed between ranks under ``torch.distributed``. The
-decorators here and :mod:`engine.accumulate` are thin layers over it.
+decorators here and :mod:`oomguard.engine.training.accumulate` are thin layers over it.
 
 Hot path: a call that does not run out of memory costs one
-:func:`engine.oom.call_catching_oom` and a few attribute reads (well under a
+:func:`oomguard.engine.core.oom.call_catching_oom` and a few attribute reads (well under a
 microsecond here, plus one 16-byte collective per call under
-``torch.distributed``). Tenacity's retry loop (the :class:`~engine.executor.Executor`,
+``torch.distributed``). Tenacity's retry loop (the :class:`~oomguard.engine.core.executor.Executor`,
 ~30 us per call) is entered only after a first OOM, with a fresh executor
 each time, so its history never grows over a long training run.
 
@@ -28,9 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from engine import distributed
-from engine.executor import ExecutionFailed, Executor, Halve, ReduceWith, RetryPolicy, Sizes
-from engine.oom import OOM, call_catching_oom
+from oomguard.engine.core.executor import Executor, Halve, ReduceWith, RetryPolicy, Sizes
+from oomguard.engine.core.oom import OOM, call_catching_oom
+from oomguard.engine.errors import ExecutionFailed, NoExecutableBatchSize
+from oomguard.engine.training import distributed
 
 log = logging.getLogger("oomguard.adaptive")
 
@@ -124,21 +125,12 @@ def _register(name: str, start: int | None) -> SizeStats:
     return _REGISTRY[unique]
 
 
+def _exhausted(minimum: int) -> str:
+    return f"no executable batch size: every size down to {minimum} ran out of memory"
+
+
 def _fmt(size: int | None, none: str = "whole") -> str:
     return none if size is None else str(size)
-
-
-class NoExecutableBatchSize(ExecutionFailed):
-    """Every size down to the minimum ran out of memory (on this rank or another one)."""
-
-    def __init__(self, name: str, tried: list[int], errors: list[str], minimum: int,
-                 message: str | None = None) -> None:
-        super().__init__(name, [{KEY: t} for t in tried], errors)
-        text = message or (f"no executable batch size: every size down to {minimum} ran out "
-                           "of memory")
-        shown = ", ".join(map(str, tried)) or "none"
-        self.args = (f"{name}: {text} (tried {shown}); last error: "
-                     f"{errors[-1] if errors else '-'}",)
 
 
 @dataclass
@@ -157,7 +149,7 @@ class AdaptiveSize:
 
     ``start`` is the first size tried (items; None: the whole input, see
     ``cap`` in :meth:`run`). On OOM the next size comes from ``policy``
-    (default :class:`~engine.executor.Halve`) down to ``minimum``; after an
+    (default :class:`~oomguard.engine.core.executor.Halve`) down to ``minimum``; after an
     OOM at a size reached by growing, it falls back to the last size that
     worked. ``grow_after`` (off by default, for bit-for-bit reproducible
     runs) tries a larger size after that many clean calls: halfway to the
@@ -268,7 +260,8 @@ class AdaptiveSize:
                 self._clean, self._last_good = 0, final[KEY] if final else self.size
                 return value
         log.error("%s: no executable size (tried %s)", self.name, ", ".join(map(str, tried)))
-        raise NoExecutableBatchSize(self.name, tried, errors, self.minimum, self.failure_message)
+        raise NoExecutableBatchSize(self.name, [{KEY: t} for t in tried], errors,
+                                    self.failure_message or _exhausted(self.minimum))
 
     def _grow(self, cap: int | None) -> None:
         current = self.size if self.size is not None else cap
@@ -325,8 +318,7 @@ def _wrap(fn: Callable[..., T], state: AdaptiveSize | None) -> Callable[..., T]:
     def call(*args: Any, **kwargs: Any) -> T:
         guard(args, kwargs)
         if state is None:  # find_executable_batch_size(starting_batch_size=0)
-            raise NoExecutableBatchSize(getattr(fn, "__qualname__", "fn"), [], [], 1,
-                                        ZERO_MESSAGE)
+            raise NoExecutableBatchSize(getattr(fn, "__qualname__", "fn"), [], [], ZERO_MESSAGE)
         return state.run(lambda size: fn(size, *args, **kwargs))
 
     call.adaptive_size = state  # type: ignore[attr-defined]
@@ -347,7 +339,7 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
     untouched. The size that worked is kept for later calls; ``grow_after``
     clean calls let it grow back, never above ``maximum`` (default
     ``batch_size``) nor to a size that failed. Under ``torch.distributed``
-    every rank takes the same size (see :mod:`engine.distributed`): a rank
+    every rank takes the same size (see :mod:`oomguard.engine.training.distributed`): a rank
     whose call succeeded runs again at the agreed smaller size when another
     rank ran out of memory, so ``fn`` must be safe to re-run, as after an
     OOM. The wrapper's ``adaptive_size`` attribute is its

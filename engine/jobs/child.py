@@ -1,6 +1,6 @@
 """The child process of one job task: build, warm up, size, run, write the result.
 
-Runs in a process of its own (see :mod:`engine.runner`). Whatever happens,
+Runs in a process of its own (see :mod:`oomguard.engine.jobs.runner`). Whatever happens,
 it ends by writing ``results/<task>.json`` atomically (``ok`` with the
 summary, or ``failed`` with the reason and a traceback file) and a journal
 record; a crash or a kill leaves no result, and the parent records that.
@@ -24,10 +24,10 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from engine.cache import SizeCache, entry_key
-from engine.executor import ExecutionFailed, Executor
-from engine.journal import Journal, atomic_write, atomic_write_json, now_iso
-from engine.runner import Context, Task, failure_record
+from oomguard.engine.core.executor import ExecutionFailed, Executor
+from oomguard.engine.jobs.cache import SizeCache, entry_key
+from oomguard.engine.jobs.journal import Journal, atomic_write, atomic_write_json, now_iso
+from oomguard.engine.jobs.runner import Context, Task, failure_record
 
 log = logging.getLogger("oomguard.job")
 
@@ -66,7 +66,7 @@ def child_main(task: Task, ctx: Context) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked child inherits the parent's handler
     # Freed tensors must go back to the kernel, or the resident peak meter sees
     # a reused heap as 0 bytes and budgets drift (CPU-OOM-FACTS.md).
-    from engine.budget import return_freed_memory_to_os
+    from oomguard.engine.core.budget import return_freed_memory_to_os
 
     return_freed_memory_to_os()
     out = Path(ctx.out)
@@ -75,7 +75,7 @@ def child_main(task: Task, ctx: Context) -> None:
     state: dict[str, Any] = {}
     t0 = time.perf_counter()
     try:
-        from engine.job import import_plugin
+        from oomguard.engine.jobs.spec import import_plugin
 
         for plugin in ctx.job.plugins:
             import_plugin(plugin)
@@ -126,7 +126,7 @@ def _warm_up(model: Any, data: dict[str, Any]) -> None:
 
 def _search_cap(knob: Any, n_samples: int, max_size: int) -> int:
     """Sizes of per-sample knobs above the number of samples all do the same work."""
-    from metrics.workload import SAMPLE_KNOBS
+    from oomguard.metrics.workload import SAMPLE_KNOBS
 
     return min(max_size, n_samples) if knob.name in SAMPLE_KNOBS else max_size
 
@@ -161,7 +161,7 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
     if not (ctx.search and job.search.enabled):
         state["source"] = "metric default"
         return defaults
-    from engine.search import NoSizeFits, search
+    from oomguard.engine.core.search import NoSizeFits, search
 
     primary = knobs[0].name
     cap = _search_cap(knobs[0], job.data.n_samples, job.search.max_size)
@@ -208,12 +208,11 @@ def _split_tensors(value: Any, prefix: str, big: dict[str, Any]) -> None:
 def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
              t0: float) -> dict[str, Any]:
     import torch
-
-    from engine.budget import budget
-    from engine.data import load_data
-    from metrics.base import get_metric
-    from metrics.models import build_model
-    from probes.peak import PeakMeter
+    from oomguard.engine.core.budget import budget
+    from oomguard.engine.jobs.data import load_data
+    from oomguard.metrics.base import get_metric
+    from oomguard.metrics.models import build_model
+    from oomguard.probes.peak import PeakMeter
 
     job, out = ctx.job, Path(ctx.out)
     metric = get_metric(task.metric)
@@ -259,7 +258,7 @@ def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
         os.replace(tmp, pt)
         tensors = str(pt.relative_to(out))
     summary = metric.summary(result)
-    from metrics.common import to_jsonable
+    from oomguard.metrics.common import to_jsonable
 
     return {"task": task.key, "metric": task.metric, "model": task.model, "status": "ok",
             "run": ctx.run_id, "fingerprint": task.fingerprint, "params": task.params,

@@ -22,7 +22,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from engine.units import parse_size
+from oomguard.engine.core.units import parse_size
+from oomguard.engine.errors import JobError
 
 EXAMPLE = '''\
 # oomguard job file: `oomguard run THIS_FILE` (TOML). Runs as is on the built-in tiny GPT-2.
@@ -69,10 +70,6 @@ _TOP = {"output", "device", "dtype", "seed", "models", "time_limit", "budget", "
         "search", "metrics", "name"}
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?\s*"
                        r"(?:(\d+(?:\.\d+)?)\s*s?)?\s*$")
-
-
-class JobError(ValueError):
-    """A bad job file: the message is one line naming the field (and line if known)."""
 
 
 @dataclass(frozen=True)
@@ -259,7 +256,7 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
 
     device = r.get(doc, "device", "device", (str,), "cpu", "a string")
     dtype = r.get(doc, "dtype", "dtype", (str,), "float32", "a string")
-    from metrics.models import DTYPES
+    from oomguard.metrics.models import DTYPES
 
     if dtype not in DTYPES:
         raise r.fail("dtype", f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}",
@@ -283,7 +280,7 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
     models_raw = [models_raw] if isinstance(models_raw, str) else models_raw
     if not models_raw:
         raise r.fail("models", "give at least one model", r.line("models"))
-    from metrics.models import model_config
+    from oomguard.metrics.models import model_config
 
     for i, spec in enumerate(models_raw):
         if not isinstance(spec, str):
@@ -369,7 +366,7 @@ def _parse_data(r: _Reader, doc: dict[str, Any], base: Path) -> DataSpec:
         if not full.is_file():
             raise r.fail("data.path", f"data file not found: {full}", r.line("data.path"))
         path = str(full)
-        from engine.data import check_data
+        from oomguard.engine.jobs.data import check_data
 
         try:
             check_data(DataSpec(source, path, seq_len, n))
@@ -396,7 +393,7 @@ def _parse_search(r: _Reader, doc: dict[str, Any]) -> SearchSpec:
 
 
 def _parse_metrics(r: _Reader, doc: dict[str, Any], time_limit: float) -> tuple[MetricSpec, ...]:
-    from metrics.base import get_metric
+    from oomguard.metrics.base import get_metric
 
     raw = doc.get("metrics")
     if raw is None:

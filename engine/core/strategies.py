@@ -3,7 +3,7 @@
 A strategy sees the trials so far and returns the next size, or ``None`` when
 it is done. It never decides the answer: the search returns the largest size
 that actually ran. Composable like tenacity's stop/wait objects: pass one to
-:func:`engine.search.search` as ``strategy=``.
+:func:`oomguard.engine.core.search.search` as ``strategy=``.
 
 Every strategy brackets the maximum between the largest size that fitted and
 the smallest larger size that ran out of memory, and bisects that bracket
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.trial import Trial
+from oomguard.engine.core.trial import Trial
 
 
 class Strategy(Protocol):
@@ -145,7 +145,7 @@ class LinearJump:
         return min(guess, max_size)
 
     def _predict(self, trials: Sequence[Trial]) -> int | None:
-        from engine.fit import fit_line
+        from oomguard.engine.core.fit import fit_line
 
         fit = fit_line(trials)
         if fit is None or fit.per_item_bytes <= 0:

@@ -25,8 +25,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     import torch
-
-    from engine.job import DataSpec
+    from oomguard.engine.jobs.spec import DataSpec
 
 
 def _token_stream(path: Path) -> np.ndarray:
@@ -87,8 +86,7 @@ def load_data(spec: DataSpec, vocab_size: int, seed: int = 0,
               device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The job's samples as a causal-LM batch dict; ValueError if ids exceed ``vocab_size``."""
     import torch
-
-    from metrics.models import make_batch
+    from oomguard.metrics.models import make_batch
 
     if spec.source == "generated":
         return make_batch(spec.n_samples, spec.seq_len, vocab_size, seed=seed, device=device)

@@ -4,7 +4,7 @@ When a whole batch does not fit, it is split along dim 0 into micro-batches;
 each micro-batch's loss is scaled by its share of the batch's tokens (or
 samples) before ``backward()``, so ``.grad`` -- and the parameters after the
 optimizer step -- equal those of the whole batch within float rounding. The
-micro-batch size is an :class:`~engine.adaptive.AdaptiveSize`: halved on OOM,
+micro-batch size is an :class:`~oomguard.engine.training.adaptive.AdaptiveSize`: halved on OOM,
 remembered, optionally grown back, agreed between ranks.
 
 How the loss must be defined for the scaling to be exact
@@ -45,9 +45,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-
-from engine.adaptive import AdaptiveSize, _qualname
-from engine.executor import RetryPolicy
+from oomguard.engine.core.executor import RetryPolicy
+from oomguard.engine.training.adaptive import AdaptiveSize, _qualname
 
 Batch = Any  # a tensor, a Mapping of tensors, or a tuple/list of them, rows on dim 0
 Params = torch.nn.Module | torch.optim.Optimizer | Iterable[torch.Tensor]

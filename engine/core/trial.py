@@ -15,10 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-
-from engine.budget import tighten_active_budget
-from engine.oom import OOM, call_catching_oom, release_memory
-from probes.peak import PeakMeter
+from oomguard.engine.core.budget import tighten_active_budget
+from oomguard.engine.core.oom import OOM, call_catching_oom, release_memory
+from oomguard.probes.peak import PeakMeter
 
 
 @dataclass

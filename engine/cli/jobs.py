@@ -4,7 +4,7 @@
 handler returns the exit code: 0 all metrics done, 1 some failed (listed),
 2 a bad job file or arguments, 130/143 stopped by SIGINT/SIGTERM (what was
 done is kept; run the same command again to resume).
-``python -m engine.jobs_cli ...`` runs them without the main CLI.
+``python -m oomguard.engine.cli.jobs ...`` runs them without the main CLI.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _error(message: str) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Handler of ``oomguard run``."""
-    from engine.job import EXAMPLE, JobError, load_job
+    from oomguard.engine.jobs.spec import EXAMPLE, JobError, load_job
 
     if args.example:
         print(EXAMPLE, end="")
@@ -80,13 +80,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.job:
         return _error("run: give a job file (oomguard run JOB.toml), or --example")
     _setup_logging()
-    from engine.cache import CacheError
-    from engine.runner import format_outcome, run_job
+    from oomguard.engine.jobs.cache import CacheError
+    from oomguard.engine.jobs.runner import format_outcome, run_job
 
     try:
         job = load_job(args.job, output=args.out)
         # This process has run no torch code (it parses, plans and waits): a plain
-        # fork is safe and saves the forkserver's start (see engine.runner.run_job).
+        # fork is safe and saves the forkserver's start (see oomguard.engine.jobs.runner.run_job).
         method = "fork" if sys.platform.startswith("linux") else "forkserver"
         outcome = run_job(job, cache_path=args.cache, search=not args.no_search,
                           start_method=method)
@@ -106,7 +106,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_cache(args: argparse.Namespace) -> int:
     """Handler of ``oomguard cache show|clear``."""
     _setup_logging()
-    from engine.cache import CacheError, SizeCache, format_entries
+    from oomguard.engine.jobs.cache import CacheError, SizeCache, format_entries
 
     cache = SizeCache(args.cache)
     try:
@@ -129,7 +129,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m engine.jobs_cli run JOB.toml`` / ``cache show``: the two subcommands alone."""
+    """``python -m oomguard.engine.cli.jobs run JOB.toml`` / ``cache show``: the two subcommands alone."""
     parser = argparse.ArgumentParser(prog="oomguard", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)

@@ -28,9 +28,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-
-from engine.units import fmt_bytes
-from probes import host
+from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.errors import BudgetError
+from oomguard.probes import host
 
 log = logging.getLogger("oomguard.budget")
 
@@ -38,10 +38,6 @@ log = logging.getLogger("oomguard.budget")
 MIN_CPU_BUDGET = 24 * 1024**2
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 128 * 1024
-
-
-class BudgetError(ValueError):
-    """A budget that cannot be set: not positive, too small, or larger than the device."""
 
 
 @dataclass(frozen=True)

@@ -20,16 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from engine.units import fmt_bytes, parse_size
+from oomguard.engine.core.units import fmt_bytes, parse_size
+from oomguard.engine.errors import UsageError
 
 log = logging.getLogger("oomguard")
 
 DEFAULT_CPU_BUDGET = "2GiB"
-
-
-class UsageError(ValueError):
-    """Bad input from the user: reported in one line, exit code 2."""
 
 
 def _positive_int(text: str) -> int:
@@ -74,13 +70,13 @@ def default_budget(dev: torch.device, given: int | None) -> int | None:
         return given
     if dev.type == "cpu":
         return parse_size(DEFAULT_CPU_BUDGET)
-    from probes import probe
+    from oomguard.probes import probe
 
     return probe(dev).free_bytes
 
 
 def _strategy(args: argparse.Namespace, capacity: int | None) -> Any:
-    from engine.strategies import E10, Doubling, LinearJump
+    from oomguard.engine.core.strategies import E10, Doubling, LinearJump
 
     if args.strategy == "doubling":
         return Doubling(start=args.start)
@@ -104,8 +100,8 @@ def _progress(label: str) -> Any:
 
 def _search_and_report(args: argparse.Namespace, workload: Any, context: dict[str, Any],
                        max_size: int) -> int:
-    from engine.search import NoSizeFits, search
-    from reports import write_report
+    from oomguard.engine.core.search import NoSizeFits, search
+    from oomguard.reports import write_report
 
     dev = resolve_device(args.device)
     if args.start > max_size:
@@ -137,7 +133,7 @@ def _search_and_report(args: argparse.Namespace, workload: Any, context: dict[st
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from probes import format_table, probe, probe_all
+    from oomguard.probes import format_table, probe, probe_all
 
     snaps = [probe(args.device)] if args.device else probe_all()
     if args.json:
@@ -148,7 +144,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from metrics.train_step import TrainStep
+    from oomguard.metrics.train_step import TrainStep
 
     resolve_device(args.device)
     if args.start > args.max_size:
@@ -160,8 +156,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from metrics.base import get_metric
-    from metrics.workload import MetricTrial
+    from oomguard.metrics.base import get_metric
+    from oomguard.metrics.workload import MetricTrial
 
     metric = get_metric(args.metric)
     knobs = [k.name for k in metric.memory_knobs()]
@@ -191,7 +187,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    from metrics.base import load_all
+    from oomguard.metrics.base import load_all
 
     table = load_all()
     if args.json:
@@ -263,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.set_defaults(func=cmd_metrics)
 
-    from engine import jobs_cli
+    from oomguard.engine.cli import jobs as jobs_cli
 
     jobs_cli.register(sub)
     return parser

@@ -8,7 +8,7 @@ trial measures the true maximum.
 Children come from a ``forkserver`` that has already imported torch (and the
 workload's ``preload`` modules), so a trial pays a fork and the workload's own
 ``warmup()``, not a 1.5-3 s interpreter start. In the child: ``warmup()``, then
-the budget (if any), then one trial; the :class:`~engine.trial.Trial` comes back
+the budget (if any), then one trial; the :class:`~oomguard.engine.core.trial.Trial` comes back
 through a pipe. A non-OOM error in the child is re-raised in the parent.
 """
 
@@ -25,16 +25,12 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-
-from engine.trial import Trial, run_trial
+from oomguard.engine.core.trial import Trial, run_trial
+from oomguard.engine.errors import ChildCrashed
 
 log = logging.getLogger("oomguard.isolate")
 
-_BASE_PRELOAD = ("torch", "engine.trial", "engine.budget", "probes.peak")
-
-
-class ChildCrashed(RuntimeError):
-    """An isolated trial's process died without reporting (a signal or a hard exit)."""
+_BASE_PRELOAD = ("torch", "oomguard.engine.core.trial", "oomguard.engine.core.budget", "oomguard.probes.peak")
 
 
 def _child(fn: Any, size: int, device: str, budget_bytes: int | None, conn: Any) -> None:
@@ -43,7 +39,7 @@ def _child(fn: Any, size: int, device: str, budget_bytes: int | None, conn: Any)
         if hasattr(fn, "warmup"):
             fn.warmup()
         if budget_bytes is not None:
-            from engine.budget import budget
+            from oomguard.engine.core.budget import budget
 
             guard: AbstractContextManager[Any] = budget(budget_bytes, device)
         else:

@@ -1,7 +1,7 @@
 """Batch-size search: find the largest size that runs, by running it.
 
 ``search(fn, ...)`` calls ``fn(size)`` at sizes a :mod:`strategy
-<engine.strategies>` proposes (the E10 routine by default) until the bracket
+<oomguard.engine.core.strategies>` proposes (the E10 routine by default) until the bracket
 between the largest fit and the smallest OOM is closed. It returns only sizes
 that actually ran, always terminates (``max_size``, ``max_trials``,
 ``max_seconds``), and stops with the original error when a trial fails for a
@@ -23,26 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from engine.budget import budget as memory_budget
-from engine.fit import DEFAULT_MARGIN, LinearFit, Recommendation, fit_line, recommend
-from engine.strategies import E10, Strategy, bracket
-from engine.trial import Trial, run_trial
-from engine.units import fmt_bytes
+from oomguard.engine.core.budget import budget as memory_budget
+from oomguard.engine.core.fit import DEFAULT_MARGIN, LinearFit, Recommendation, fit_line, recommend
+from oomguard.engine.core.strategies import E10, Strategy, bracket
+from oomguard.engine.core.trial import Trial, run_trial
+from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.errors import NoSizeFits
 
 log = logging.getLogger("oomguard.search")
-
-
-class NoSizeFits(RuntimeError):
-    """Even the smallest size ran out of memory. ``result`` holds every trial."""
-
-    def __init__(self, result: SearchResult) -> None:
-        sizes = ", ".join(str(t.size) for t in result.trials)
-        super().__init__(
-            f"no batch size fits: every size tried ran out of memory ({sizes}); "
-            "free memory, raise the budget or shrink the model"
-        )
-        self.result = result
 
 
 @dataclass
@@ -125,7 +113,7 @@ def search(
     ``fn`` runs one trial; if it has a ``warmup()`` method, that is called once
     per process before the budget is applied (build the model, initialise
     thread pools). ``budget`` (bytes) caps memory above that point with
-    :func:`engine.budget.budget`. ``isolate=True`` runs each trial in a fresh
+    :func:`oomguard.engine.core.budget.budget`. ``isolate=True`` runs each trial in a fresh
     child process (``fn`` must then be picklable). ``margin`` is the fraction
     of capacity the recommended safe size keeps free.
 
@@ -150,7 +138,7 @@ def search(
     stopped = "bracket closed"
     with ExitStack() as stack:
         if isolate:
-            from engine.isolate import IsolatedRunner
+            from oomguard.engine.core.isolate import IsolatedRunner
 
             runner: Callable[[int], Trial] = stack.enter_context(
                 IsolatedRunner(fn, device=dev, budget=budget))
@@ -205,6 +193,6 @@ def search(
 
 
 def _free_bytes(dev: torch.device) -> int | None:
-    from probes import probe
+    from oomguard.probes import probe
 
     return probe(dev).free_bytes

@@ -1,0 +1,1 @@
+"""The ``oomguard`` command line: argument parsing, one error policy, one logging setup."""

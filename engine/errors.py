@@ -1,0 +1,119 @@
+"""The one exception tree of oomguard.
+
+Every error oomguard raises on purpose derives from :class:`OomguardError`.
+Three families matter to a caller:
+
+- :class:`UsageError` -- bad input from the user (a size <= 0, an unknown
+  metric, a corrupt job file, a GPU asked for where there is none). Its message
+  is one line that says what to do. The command line prints it and exits 2;
+  it is the *only* family the command line treats that way, so a bug inside a
+  metric (a plain ``ValueError``) keeps its traceback. It is also a
+  ``ValueError``, so ``except ValueError`` in user code keeps working.
+- :class:`ExecutionFailed` -- the executor or an adaptive wrapper gave up: every
+  size down to the minimum ran out of memory. It names the workload and every
+  size tried. Giving up is *not* itself an OOM (``oomguard_is_oom = False``),
+  so an outer handler never retries it as one.
+- :class:`SearchFailed` -- a search ended without an answer. It always carries
+  the partial :class:`~oomguard.engine.core.search.SearchResult` (every trial
+  that ran), so nothing measured is lost: :class:`NoSizeFits` when even the
+  smallest size ran out of memory, :class:`TrialFailed` when a trial failed for
+  a reason other than memory (the original error is ``__cause__``).
+
+:class:`IsolationError` says why an isolated trial's child process failed when
+the reason was not memory: it could not start (:class:`ChildStartFailed`) or
+it died (:class:`ChildCrashed`).
+
+This module imports nothing, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+class OomguardError(Exception):
+    """Base of every error oomguard raises on purpose."""
+
+
+class UsageError(OomguardError, ValueError):
+    """Bad input from the user: a one-line message saying what to do (CLI: exit code 2)."""
+
+
+class BudgetError(UsageError):
+    """A budget that cannot be set: not positive, too small, or larger than the device."""
+
+
+class JobError(UsageError):
+    """A bad job file: the message is one line naming the field (and line if known)."""
+
+
+class CacheError(UsageError):
+    """The size cache cannot be locked or written (a read-only folder, a lock held elsewhere)."""
+
+
+def format_sizes(sizes: Mapping[str, int]) -> str:
+    """``64`` for one size, ``(chunk_size=8, internal_batch_size=4)`` for several."""
+    if len(sizes) == 1:
+        return str(next(iter(sizes.values())))
+    return "(" + ", ".join(f"{k}={v}" for k, v in sizes.items()) + ")"
+
+
+class ExecutionFailed(OomguardError, RuntimeError):
+    """Every size down to the minimum ran out of memory.
+
+    ``workload`` names what ran; ``tried`` lists the sizes of each attempt in
+    order; ``errors`` the OOM message of each.
+    """
+
+    # The message quotes the last OOM, but giving up is not itself an OOM: an
+    # outer handler must not retry it as one (oomguard.engine.core.oom.is_oom reads this).
+    oomguard_is_oom = False
+
+    def __init__(self, workload: str, tried: Sequence[Mapping[str, int]],
+                 errors: Sequence[str], message: str | None = None) -> None:
+        self.workload = workload
+        self.tried = [dict(s) for s in tried]
+        self.errors = list(errors)
+        shown = ", ".join(format_sizes(s) for s in self.tried) or "none"
+        text = message or "no executable size: every size down to the minimum ran out of memory"
+        super().__init__(f"{workload}: {text} (tried {shown}); last error: "
+                         f"{self.errors[-1] if self.errors else '-'}")
+
+
+class NoExecutableBatchSize(ExecutionFailed):
+    """An adaptive batch size reached its minimum (or zero) on this rank or another one."""
+
+
+class SearchFailed(OomguardError, RuntimeError):
+    """A search ended without an answer; ``result`` holds every trial that ran."""
+
+    def __init__(self, message: str, result: Any) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class NoSizeFits(SearchFailed):
+    """Even the smallest size tried ran out of memory. ``result`` holds every trial."""
+
+    def __init__(self, result: Any) -> None:
+        sizes = ", ".join(str(t.size) for t in result.trials)
+        super().__init__(
+            f"no size fits: every size tried ran out of memory ({sizes}); "
+            "free memory, raise the budget or shrink the model", result)
+
+
+class TrialFailed(SearchFailed):
+    """A trial failed for a reason other than memory; the error is ``__cause__``."""
+
+
+class IsolationError(OomguardError, RuntimeError):
+    """An isolated trial's child process failed for a reason other than memory."""
+
+
+class ChildStartFailed(IsolationError):
+    """The child process died before it could run the workload (import or unpickling)."""
+
+
+class ChildCrashed(IsolationError):
+    """The child process died while running the workload, without evidence of an OOM."""

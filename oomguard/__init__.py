@@ -1,0 +1,118 @@
+"""oomguard: an adaptive, OOM-resilient execution engine for PyTorch.
+
+The public API, re-exported from the packages that hold the parts::
+
+    import oomguard
+    oomguard.probe("cpu").free_bytes              # memory snapshot, bytes
+    result = oomguard.search(step, start=32, step=8, budget=2 * 1024**3)
+    oomguard.write_report(result, "out/")         # report.md, report.json, memory.png
+    oomguard.Executor().run(step, batch_size=64)  # OOM -> retry at half
+
+    @oomguard.adaptive(batch_size=64)             # inside a training script
+    def train_step(batch_size): ...
+
+    oomguard.accumulate(step_fn, batch, params=model)  # micro-batches, same gradients
+
+Names are resolved on first use (PEP 562), so ``import oomguard`` and
+``oomguard --help`` do not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    # probes: measurement
+    "MemorySnapshot": "oomguard.probes",
+    "PeakMeter": "oomguard.probes",
+    "probe": "oomguard.probes",
+    "probe_all": "oomguard.probes",
+    # the exception tree
+    "OomguardError": "oomguard.engine.errors",
+    "UsageError": "oomguard.engine.errors",
+    "BudgetError": "oomguard.engine.errors",
+    "ExecutionFailed": "oomguard.engine.errors",
+    "NoExecutableBatchSize": "oomguard.engine.errors",
+    "SearchFailed": "oomguard.engine.errors",
+    "NoSizeFits": "oomguard.engine.errors",
+    "TrialFailed": "oomguard.engine.errors",
+    "IsolationError": "oomguard.engine.errors",
+    # core: classification, budgets, search, executor
+    "OOM": "oomguard.engine.core.oom",
+    "call_catching_oom": "oomguard.engine.core.oom",
+    "is_oom": "oomguard.engine.core.oom",
+    "release_memory": "oomguard.engine.core.oom",
+    "Budget": "oomguard.engine.core.budget",
+    "budget": "oomguard.engine.core.budget",
+    "parse_size": "oomguard.engine.core.units",
+    "Trial": "oomguard.engine.core.trial",
+    "E10": "oomguard.engine.core.strategies",
+    "Doubling": "oomguard.engine.core.strategies",
+    "LinearJump": "oomguard.engine.core.strategies",
+    "LinearFit": "oomguard.engine.core.fit",
+    "Recommendation": "oomguard.engine.core.fit",
+    "SearchResult": "oomguard.engine.core.search",
+    "search": "oomguard.engine.core.search",
+    "Executor": "oomguard.engine.core.executor",
+    "Halve": "oomguard.engine.core.executor",
+    "ReduceWith": "oomguard.engine.core.executor",
+    # training scripts
+    "adaptive": "oomguard.engine.training.adaptive",
+    "find_executable_batch_size": "oomguard.engine.training.adaptive",
+    "stats": "oomguard.engine.training.adaptive",
+    "reset_stats": "oomguard.engine.training.adaptive",
+    "Accumulator": "oomguard.engine.training.accumulate",
+    "accumulate": "oomguard.engine.training.accumulate",
+    # reports
+    "write_report": "oomguard.reports",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'oomguard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once; later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # static checkers and IDEs see the real names
+    from oomguard.engine.core.budget import Budget, budget
+    from oomguard.engine.core.executor import Executor, Halve, ReduceWith
+    from oomguard.engine.core.fit import LinearFit, Recommendation
+    from oomguard.engine.core.oom import OOM, call_catching_oom, is_oom, release_memory
+    from oomguard.engine.core.search import SearchResult, search
+    from oomguard.engine.core.strategies import E10, Doubling, LinearJump
+    from oomguard.engine.core.trial import Trial
+    from oomguard.engine.core.units import parse_size
+    from oomguard.engine.errors import (
+        BudgetError,
+        ExecutionFailed,
+        IsolationError,
+        NoExecutableBatchSize,
+        NoSizeFits,
+        OomguardError,
+        SearchFailed,
+        TrialFailed,
+        UsageError,
+    )
+    from oomguard.engine.training.accumulate import Accumulator, accumulate
+    from oomguard.engine.training.adaptive import (
+        adaptive,
+        find_executable_batch_size,
+        reset_stats,
+        stats,
+    )
+    from oomguard.probes import MemorySnapshot, PeakMeter, probe, probe_all
+    from oomguard.reports import write_report
