@@ -1,0 +1,72 @@
+"""The one atomic writer: a file is replaced whole and durably, or not at all.
+
+:func:`atomic_write` writes to a temporary file in the target's folder,
+``fsync``s it, moves it over the target with ``os.replace`` and ``fsync``s
+the folder. A reader sees the old content or the new one, never half of
+either, also after a crash or a ``kill -9``. Reports, job results, the size
+cache and job files all go through it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from oomguard.engine.core.jsonable import json_text
+
+Content = bytes | str | Callable[[Path], Any]
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # platforms that cannot open folders
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike[str], content: Content, mode: int = 0o644) -> Path:
+    """Replace ``path`` with ``content`` atomically and durably; returns the path.
+
+    ``content`` is bytes, text (UTF-8), or a callable ``write(tmp_path)`` that
+    writes the file itself (e.g. matplotlib's ``savefig``). The folder must
+    exist. On any error the temporary file is removed and the old ``path``
+    (if any) is left untouched.
+    """
+    target = Path(path)
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
+                                    suffix=f".tmp{target.suffix}")
+    tmp = Path(tmp_name)
+    try:
+        if callable(content):
+            os.close(fd)
+            content(tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+        else:
+            blob = content.encode("utf-8") if isinstance(content, str) else content
+            os.write(fd, blob)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.chmod(tmp, mode)  # mkstemp makes 0600; results are for reading
+        os.replace(tmp, target)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
+    return target
+
+
+def atomic_write_json(path: str | os.PathLike[str], value: Any) -> Path:
+    """:func:`atomic_write` of ``value`` through the one JSON sanitiser (indented, sorted)."""
+    return atomic_write(path, json_text(value))
