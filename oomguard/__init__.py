@@ -71,7 +71,16 @@ _EXPORTS: dict[str, str] = {
     "write_report": "oomguard.reports",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Accumulator", "Budget", "BudgetError", "Doubling", "E10", "ExecutionFailed", "Executor",
+    "Halve", "IsolationError", "LinearFit", "LinearJump", "MemorySnapshot",
+    "NoExecutableBatchSize", "NoSizeFits", "OOM", "OomguardError", "PeakMeter",
+    "Recommendation", "ReduceWith", "SearchFailed", "SearchResult", "Trial", "TrialFailed",
+    "UsageError", "accumulate", "adaptive", "budget", "call_catching_oom",
+    "find_executable_batch_size", "is_oom", "parse_size", "probe", "probe_all",
+    "release_memory", "reset_stats", "search", "stats", "write_report",
+]
+# A test checks that __all__ and _EXPORTS name the same things.
 
 
 def __getattr__(name: str) -> Any:
