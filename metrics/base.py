@@ -18,6 +18,8 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from oomguard.engine.errors import UsageError
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -53,11 +55,11 @@ class Metric:
         return {k.name: k.default for k in self.knobs}
 
     def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Fill defaults; raise ValueError (one line, listing valid knobs) on bad input."""
+        """Fill defaults; raise UsageError (one line, listing valid knobs) on bad input."""
         known = {k.name: k for k in self.knobs}
         unknown = sorted(set(params) - set(known))
         if unknown:
-            raise ValueError(
+            raise UsageError(
                 f"unknown knob(s) {', '.join(unknown)} for metric {self.name!r}: valid knobs are "
                 f"{', '.join(known) or '(none)'}"
             )
@@ -65,11 +67,11 @@ class Metric:
         for key, value in params.items():
             knob = known[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{self.name}.{key} must be a number, got {value!r}")
+                raise UsageError(f"{self.name}.{key} must be a number, got {value!r}")
             if isinstance(knob.default, int) and not isinstance(value, int):
-                raise ValueError(f"{self.name}.{key} must be an integer, got {value!r}")
+                raise UsageError(f"{self.name}.{key} must be an integer, got {value!r}")
             if value < knob.minimum:
-                raise ValueError(
+                raise UsageError(
                     f"{self.name}.{key} must be >= {knob.minimum}, got {value!r} (knobs of "
                     f"{self.name}: {', '.join(f'{k.name} >= {k.minimum}' for k in self.knobs)})")
             out[key] = value
@@ -124,11 +126,11 @@ def load_all() -> dict[str, Metric]:
 
 
 def get_metric(name: str) -> Metric:
-    """The metric called ``name``; ValueError listing the valid names otherwise."""
+    """The metric called ``name``; UsageError listing the valid names otherwise."""
     load_all()
     try:
         return METRICS[name]
     except KeyError:
-        raise ValueError(
+        raise UsageError(
             f"unknown metric {name!r}: valid metrics are {', '.join(sorted(METRICS))}"
         ) from None

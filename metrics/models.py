@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from oomguard.engine.errors import UsageError
+
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     # GPT-2 with a byte-level vocabulary, as in the E10 setup (vocab 256).
     "tiny-gpt2": {"model_type": "gpt2", "vocab_size": 256, "n_positions": 1024, "n_embd": 128,
@@ -37,13 +39,13 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"float32"`` -> ``torch.float32``; ValueError listing the valid names otherwise."""
+    """``"float32"`` -> ``torch.float32``; UsageError listing the valid names otherwise."""
     if isinstance(name, torch.dtype):
         return name
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}") from None
+        raise UsageError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}") from None
 
 
 def model_config(spec: str) -> Any:
@@ -55,13 +57,18 @@ def model_config(spec: str) -> Any:
         return AutoConfig.for_model(kw.pop("model_type"), **kw)
     path = Path(spec).expanduser()
     if path.is_dir():
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        try:
+            return AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UsageError(f"{spec}: not a transformers checkpoint folder ({first}); give a "
+                             "folder written by save_pretrained, or a built-in model") from None
     model_type, _, rest = spec.partition(":")
     kw = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
-            raise ValueError(f"bad model spec {spec!r}: expected MODEL_TYPE:key=value,...")
+            raise UsageError(f"bad model spec {spec!r}: expected MODEL_TYPE:key=value,...")
         try:  # numbers, true/false and "quoted strings" as JSON; bare words as strings
             kw[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
@@ -69,7 +76,7 @@ def model_config(spec: str) -> Any:
     try:
         return AutoConfig.for_model(model_type, **kw)
     except ValueError:
-        raise ValueError(
+        raise UsageError(
             f"unknown model {spec!r}: use {', '.join(BUILTIN_CONFIGS)}, a local checkpoint "
             "directory, or MODEL_TYPE:key=value (e.g. gpt2:n_layer=4)"
         ) from None
@@ -123,7 +130,7 @@ def make_batch(n: int, seq_len: int, vocab_size: int, seed: int = 0, pad: bool =
     right-padded; labels are -100 on padding so token-weighted losses skip it.
     """
     if n <= 0 or seq_len <= 0:
-        raise ValueError(f"n and seq_len must be positive, got n={n}, seq_len={seq_len}")
+        raise UsageError(f"n and seq_len must be positive, got n={n}, seq_len={seq_len}")
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (n, seq_len), generator=g)
     mask = torch.ones(n, seq_len, dtype=torch.long)

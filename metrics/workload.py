@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from oomguard.engine.core.trial import RebuiltInChild
+from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import Metric, get_metric
 from oomguard.metrics.models import build_model, make_batch
 
@@ -53,20 +55,20 @@ class MetricTrial(RebuiltInChild):
     _state: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        metric = get_metric(self.metric)  # ValueError listing the valid metrics
+        metric = get_metric(self.metric)  # UsageError listing the valid metrics
         memory = [k.name for k in metric.memory_knobs()]
         if self.knob is None:
             if not memory:
-                raise ValueError(f"metric {self.metric!r} has no memory knob to search")
+                raise UsageError(f"metric {self.metric!r} has no memory knob to search")
             self.knob = memory[0]
         if self.knob not in memory:
-            raise ValueError(f"{self.knob!r} is not a memory knob of {self.metric!r}: "
+            raise UsageError(f"{self.knob!r} is not a memory knob of {self.metric!r}: "
                              f"searchable knobs are {', '.join(memory) or '(none)'}")
         if self.knob in self.params:
-            raise ValueError(f"{self.knob!r} is the searched knob: do not fix it in params")
+            raise UsageError(f"{self.knob!r} is the searched knob: do not fix it in params")
         for key, value in (("n_samples", self.n_samples), ("seq_len", self.seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{key} must be a positive integer, got {value!r}")
+                raise UsageError(f"{key} must be a positive integer, got {value!r}")
         metric.validate(self.params)  # unknown or bad fixed knobs fail here, not in a trial
 
     # -- identity -------------------------------------------------------------------

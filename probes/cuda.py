@@ -9,7 +9,7 @@
 
 Everything is gated on ``torch.cuda.is_available()``: on a CPU-only build
 ``memory_allocated()`` silently returns 0 and ``mem_get_info()`` raises an
-``AssertionError`` (CPU-OOM-FACTS.md), so an ungated 0 would be a lie.
+``AssertionError`` (measured on torch 2.13 CPU), so an ungated 0 would be a lie.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ log = logging.getLogger("oomguard.probes.cuda")
 
 def unavailable_reason() -> str | None:
     """None when torch can use a CUDA device here, else why not (one line)."""
-    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+    if not torch_has_cuda():
         return f"torch {torch.__version__} was built without CUDA"
     try:
         if torch.cuda.is_available():
@@ -32,6 +32,16 @@ def unavailable_reason() -> str | None:
     except Exception as exc:  # noqa: BLE001 - a broken driver may raise here; report it
         return f"torch.cuda.is_available() failed: {exc}"
     return "torch.cuda.is_available() is False (no usable NVIDIA driver or device)"
+
+
+def torch_has_cuda() -> bool:
+    """Whether this torch build was compiled for CUDA or ROCm at all."""
+    return torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+
+
+def current_device() -> int:
+    """torch's current CUDA device index."""
+    return torch.cuda.current_device()
 
 
 def device_count() -> int:

@@ -16,6 +16,7 @@ result is the peak *above what was in use at reset*, measured, not estimated.
 from __future__ import annotations
 
 import torch
+
 from oomguard.probes import host
 
 

@@ -1,12 +1,23 @@
-"""``probe(device)``: one memory snapshot, in bytes, with the source of each figure."""
+"""``probe(device)``: one memory snapshot, in bytes, with the source of each figure.
+
+The host probe reads ``/proc`` and rlimits and needs no torch; torch (1.3-1.8 s
+to import) is loaded only when a GPU backend has something to ask it, so
+``oomguard probe`` on a CPU-only machine answers at once.
+"""
 
 from __future__ import annotations
 
+import os
+import platform
+import re
+import sys
 from dataclasses import asdict, dataclass, field
+from types import ModuleType
 from typing import Any
 
-import torch
-from oomguard.probes import cuda, host, mps, nvml
+from oomguard.probes import host, nvml
+
+_DEVICE = re.compile(r"^(cpu|cuda|mps)(?::(\d+))?$")
 
 
 @dataclass
@@ -42,18 +53,32 @@ def _cpu_snapshot() -> MemorySnapshot:
     )
 
 
+def _cuda_backend() -> ModuleType:
+    # why: the torch-based backends are imported only when a GPU is asked about.
+    from oomguard.probes import cuda
+
+    return cuda
+
+
+def _mps_backend() -> ModuleType:
+    # why: as above; MPS exists only on macOS.
+    from oomguard.probes import mps
+
+    return mps
+
+
 def _cuda_unavailable(label: str, torch_reason: str) -> MemorySnapshot:
     """Why CUDA is unusable, with NVML's view where it has one (e.g. a CPU-only torch on a GPU host)."""
     nv_reason = nvml.unavailable_reason()
     if nv_reason is not None:
-        if torch.version.cuda is None:
+        if not _cuda_backend().torch_has_cuda():
             reason = f"{torch_reason}; no NVIDIA driver either (NVML: {nv_reason})"
         else:
             reason = f"no NVIDIA driver (NVML: {nv_reason})"
         return MemorySnapshot(device=label, name="", available=False, reason=reason)
     count = nvml.device_count()
     reason = f"{torch_reason}; NVML sees {count} NVIDIA GPU(s)"
-    if torch.version.cuda is None and count:
+    if count and not _cuda_backend().torch_has_cuda():
         reason += ": install a CUDA build of torch"
     return MemorySnapshot(device=label, name="", available=False, reason=reason,
                           extra={"nvml_devices": count, "driver": nvml.driver_version()})
@@ -61,12 +86,13 @@ def _cuda_unavailable(label: str, torch_reason: str) -> MemorySnapshot:
 
 def _cuda_snapshot(index: int | None) -> MemorySnapshot:
     label = "cuda" if index is None else f"cuda:{index}"
+    cuda = _cuda_backend()
     torch_reason = cuda.unavailable_reason()
     if torch_reason is not None:
         return _cuda_unavailable(label, torch_reason)
-    idx = torch.cuda.current_device() if index is None else index
+    idx = cuda.current_device() if index is None else index
     label = f"cuda:{idx}"
-    count = torch.cuda.device_count()
+    count = cuda.device_count()
     if idx >= count:
         return MemorySnapshot(device=label, name="", available=False,
                               reason=f"{label} does not exist: torch sees {count} CUDA device(s)")
@@ -121,6 +147,7 @@ def _cuda_snapshot(index: int | None) -> MemorySnapshot:
 
 
 def _mps_snapshot() -> MemorySnapshot:
+    mps = _mps_backend()
     reason = mps.unavailable_reason()
     if reason is not None:
         return MemorySnapshot(device="mps", name="", available=False, reason=reason)
@@ -140,10 +167,21 @@ def _mps_snapshot() -> MemorySnapshot:
     )
 
 
-_KNOWN = ("cpu", "cuda", "mps")
+def parse_device(device: Any) -> tuple[str, int | None]:
+    """``"cuda:1"`` -> ``("cuda", 1)``; a ``torch.device`` is read through ``str``.
+
+    Raises ``ValueError`` (one line) for anything but cpu, cuda, cuda:N and mps.
+    """
+    match = _DEVICE.match(str(device).strip())
+    if match is None:
+        raise ValueError(f"unknown device {str(device)!r}: use cpu, cuda, cuda:N or mps")
+    kind, index = match.group(1), match.group(2)
+    if index is not None and kind != "cuda":
+        raise ValueError(f"unknown device {str(device)!r}: use cpu, cuda, cuda:N or mps")
+    return kind, None if index is None else int(index)
 
 
-def probe(device: str | torch.device = "cpu") -> MemorySnapshot:
+def probe(device: Any = "cpu") -> MemorySnapshot:
     """Measure the memory of ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``), in bytes.
 
     CUDA merges NVML (device total/free with other processes, per-process
@@ -153,17 +191,21 @@ def probe(device: str | torch.device = "cpu") -> MemorySnapshot:
     snapshot has ``available=False`` and a ``reason``. Raises ``ValueError``
     (one line) for any other device string.
     """
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps") from exc
-    if dev.type not in _KNOWN:
-        raise ValueError(f"unsupported device {device!r}: use cpu, cuda, cuda:N or mps")
-    if dev.type == "cpu":
+    kind, index = parse_device(device)
+    if kind == "cpu":
         return _cpu_snapshot()
-    if dev.type == "mps":
+    if kind == "mps":
         return _mps_snapshot()
-    return _cuda_snapshot(dev.index)
+    return _cuda_snapshot(index)
+
+
+def _may_have_gpu_torch_sees() -> bool:
+    """Whether asking torch about CUDA could find a device: worth importing torch for.
+
+    True when torch is already imported (the question is free), NVML sees an
+    NVIDIA GPU, or a ROCm device node exists (ROCm has no NVML).
+    """
+    return "torch" in sys.modules or nvml.device_count() > 0 or os.path.exists("/dev/kfd")
 
 
 def probe_all() -> list[MemorySnapshot]:
@@ -174,23 +216,12 @@ def probe_all() -> list[MemorySnapshot]:
     gets no CUDA row.
     """
     snaps = [_cpu_snapshot()]
-    if cuda.unavailable_reason() is None:
-        snaps += [_cuda_snapshot(i) for i in range(torch.cuda.device_count())]
-    elif nvml.device_count() > 0:
-        snaps.append(_cuda_snapshot(None))
-    if mps.unavailable_reason() is None:
+    if _may_have_gpu_torch_sees():
+        cuda = _cuda_backend()
+        if cuda.unavailable_reason() is None:
+            snaps += [_cuda_snapshot(i) for i in range(cuda.device_count())]
+        elif nvml.device_count() > 0:
+            snaps.append(_cuda_snapshot(None))
+    if platform.system() == "Darwin" and _mps_backend().unavailable_reason() is None:
         snaps.append(_mps_snapshot())
     return snaps
-
-
-def format_table(snapshots: list[MemorySnapshot]) -> str:
-    """A plain-text table of snapshots, sizes in GiB."""
-    from oomguard.engine.core.units import fmt_bytes
-
-    rows = [("device", "name", "total", "free", "this process", "other processes", "note")]
-    for s in snapshots:
-        rows.append((s.device, s.name, fmt_bytes(s.total_bytes, "GiB"), fmt_bytes(s.free_bytes, "GiB"),
-                     fmt_bytes(s.process_bytes, "GiB"), fmt_bytes(s.other_processes_bytes, "GiB"),
-                     s.reason or ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)

@@ -3,8 +3,17 @@
 Subcommands: ``probe`` (memory of every device), ``bench`` (maximum batch size
 of the built-in GPT-2 training step, with a report), ``search`` (maximum safe
 size of a metric's memory knobs), ``metrics`` (what can be searched), ``run``
-and ``cache`` (overnight jobs). Bad input gets one line on stderr and exit
-code 2; sizes are given with units (``2GiB``, ``512MiB``, ``2GB``) or in bytes.
+and ``cache`` (overnight jobs). Sizes are given with units (``2GiB``,
+``512MiB``, ``2GB``) or in bytes.
+
+One error policy: a :class:`~oomguard.engine.errors.UsageError` (bad input)
+is one line on stderr and exit code 2; a search that ends without an answer
+is one line and exit code 1; anything else is a bug and keeps its traceback.
+
+Start-up: this module imports neither torch nor the engine at import time
+(``oomguard --help`` must answer in well under a second); each command
+imports what it needs when it runs. That is why the imports below sit inside
+the command functions.
 """
 
 from __future__ import annotations
@@ -17,13 +26,17 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from oomguard.engine.cli.logs import setup_logging
 from oomguard.engine.core.units import fmt_bytes, parse_size
-from oomguard.engine.errors import UsageError
+from oomguard.engine.errors import SearchFailed, UsageError
+from oomguard.probes.probe import parse_device
 
-log = logging.getLogger("oomguard")
+if TYPE_CHECKING:
+    import torch
+
+    from oomguard.probes import MemorySnapshot
 
 DEFAULT_CPU_BUDGET = "2GiB"
 
@@ -48,9 +61,12 @@ def _size(text: str) -> int:
 def resolve_device(name: str) -> torch.device:
     """Check that ``name`` is a device this machine has; UsageError saying what to do otherwise."""
     try:
-        dev = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise UsageError(f"unknown device {name!r}: use cpu, cuda, cuda:N or mps") from None
+        parse_device(name)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    import torch  # why: only commands that run work on a device need torch
+
+    dev = torch.device(name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(f"--device {name}: no CUDA GPU is available here; use --device cpu")
@@ -58,8 +74,6 @@ def resolve_device(name: str) -> torch.device:
             raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
     elif dev.type == "mps" and not torch.backends.mps.is_available():
         raise UsageError(f"--device {name}: MPS is not available here; use --device cpu")
-    elif dev.type not in ("cpu", "cuda", "mps"):
-        raise UsageError(f"unsupported device {name!r}: use cpu, cuda, cuda:N or mps")
     return dev
 
 
@@ -132,14 +146,32 @@ def _search_and_report(args: argparse.Namespace, workload: Any, context: dict[st
     return 0
 
 
-def cmd_probe(args: argparse.Namespace) -> int:
-    from oomguard.probes import format_table, probe, probe_all
+def probe_table(snapshots: Sequence[MemorySnapshot]) -> str:
+    """A plain-text table of memory snapshots, sizes in GiB."""
+    rows = [("device", "name", "total", "free", "this process", "other processes", "note")]
+    for s in snapshots:
+        rows.append((s.device, s.name, fmt_bytes(s.total_bytes, "GiB"),
+                     fmt_bytes(s.free_bytes, "GiB"), fmt_bytes(s.process_bytes, "GiB"),
+                     fmt_bytes(s.other_processes_bytes, "GiB"), s.reason or ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)
 
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from oomguard.engine.core.jsonable import json_text
+    from oomguard.probes import probe, probe_all
+
+    if args.device:
+        try:
+            parse_device(args.device)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     snaps = [probe(args.device)] if args.device else probe_all()
     if args.json:
-        print(json.dumps([s.to_dict() for s in snaps], indent=2))
+        print(json_text([s.to_dict() for s in snaps]), end="")
     else:
-        print(format_table(snaps))
+        print(probe_table(snaps))
     return 0
 
 
@@ -269,14 +301,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``oomguard`` console script; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    # `run` reports its progress through the log; the other commands print results.
+    quiet = logging.INFO if args.command == "run" else logging.WARNING
+    setup_logging(logging.DEBUG if args.verbose else quiet)
     try:
         return int(args.func(args) or 0)
-    except (UsageError, ValueError) as exc:
-        # ValueError covers bad sizes, unknown metrics/knobs/models and BudgetError.
+    except UsageError as exc:
         print(f"oomguard: error: {exc}", file=sys.stderr)
         return 2
+    except SearchFailed as exc:  # the trials that ran are in exc.result (and any report)
+        print(f"oomguard: {exc}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # e.g. `oomguard probe --json | head`
         sys.stderr.close()
         return 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+from oomguard.engine.errors import UsageError
+
 _UNITS = {
     "": 1,
     "B": 1,
@@ -34,24 +36,24 @@ def parse_size(text: str | int) -> int:
 
     Accepts plain bytes (``"1048576"``), SI units (``"2GB"`` = 2 * 10**9 bytes)
     and binary units (``"1.5GiB"``, ``"512MiB"``); bare ``K/M/G/T`` are binary.
-    Raises ``ValueError`` with a one-line message for anything else, including
+    Raises :class:`~oomguard.engine.errors.UsageError` with a one-line message for anything else, including
     sizes that are not positive.
     """
     if isinstance(text, bool):
-        raise ValueError(f"invalid size {text!r}: give bytes or a unit, e.g. 2GiB, 512MiB, 2GB")
+        raise UsageError(f"invalid size {text!r}: give bytes or a unit, e.g. 2GiB, 512MiB, 2GB")
     if isinstance(text, int):
         value = text
     else:
         match = _SIZE_RE.match(str(text))
         unit = match.group(2).upper() if match else None
         if match is None or unit not in _UNITS:
-            raise ValueError(
+            raise UsageError(
                 f"invalid size {text!r}: give bytes or a number with a unit "
                 "(B, KB, MB, GB, KiB, MiB, GiB, TiB), e.g. 2GiB, 512MiB, 2GB"
             )
         value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise ValueError(f"invalid size {text!r}: a memory size must be greater than 0 bytes")
+        raise UsageError(f"invalid size {text!r}: a memory size must be greater than 0 bytes")
     return value
 
 
