@@ -1,5 +1,11 @@
-"""Shared fixtures: tiny models of two architectures, generated data, and a CPU
-budget entered after a warm-up (CPU-OOM-FACTS.md: thread pools must exist first)."""
+"""Shared fixtures: tiny models of two architectures, generated data, a CPU budget
+entered after a warm-up (thread pools must exist first: docs/measurements.md#minimum-cpu-budget),
+and fresh processes for tests that assert a memory boundary.
+
+Order: pytest-randomly shuffles the tests on every run; ``-p no:randomly`` runs
+them in file order and ``--reverse`` (with ``-p no:randomly``) in reverse file
+order. The suite must pass in all three.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +25,17 @@ from oomguard.metrics.models import build_model, make_batch
 return_freed_memory_to_os()
 
 ARCHS = ("tiny-gpt2", "tiny-llama")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--reverse", action="store_true",
+                     help="run the tests in reverse order (with -p no:randomly: reverse file order)")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--reverse"):
+        items.reverse()
 
 
 @pytest.fixture(scope="module")
