@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import JsonMetric, iter_micro_batches, model_inputs, n_samples
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from oomguard.metrics.base import Metric
 
 IGNORE_INDEX = -100

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.func import functional_call, grad, vmap
+
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,
@@ -30,7 +32,6 @@ from oomguard.metrics.common import (
     tokens_per_sample,
     total_tokens,
 )
-from torch.func import functional_call, grad, vmap
 
 
 def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor],

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import JsonMetric, iter_micro_batches, n_samples
 

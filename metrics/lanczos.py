@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,

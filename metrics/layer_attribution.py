@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
 from oomguard.metrics.base import register
 from oomguard.metrics.common import JsonMetric, iter_micro_batches, n_samples
 from oomguard.metrics.integrated_gradients import (

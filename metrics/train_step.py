@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from oomguard.engine.core.trial import RebuiltInChild
 from oomguard.metrics.models import build_model
 

@@ -13,6 +13,7 @@ import contextlib
 
 import pytest
 import torch
+
 from oomguard.engine.core.budget import budget, return_freed_memory_to_os
 from oomguard.metrics.models import build_model, make_batch
 

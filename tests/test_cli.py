@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+
 from oomguard.engine.cli.main import main
 from oomguard.engine.core.units import parse_size
 

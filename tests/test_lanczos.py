@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.autograd.functional import hessian
+from torch.func import functional_call, jacrev
+
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.common import logits_nll, total_tokens
 from oomguard.metrics.lanczos import lanczos
 from oomguard.metrics.models import build_model, make_batch
-from torch.autograd.functional import hessian
-from torch.func import functional_call, jacrev
 
 # The dense Hessian is torch.autograd.functional.hessian (row by row). torch.func.hessian
 # (and jacrev(jacrev)) of this GPT-2 is measurably wrong under torch 2.13: asymmetric by

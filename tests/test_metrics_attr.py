@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import budget_after_warmup, in_fresh_process, tiny_data, tiny_model
+
 from oomguard.engine.core.budget import return_freed_memory_to_os
 from oomguard.engine.core.executor import Executor
 from oomguard.engine.core.oom import is_oom

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import budget_after_warmup, tiny_data, tiny_model
+
 from oomguard.engine.core.executor import Executor
 from oomguard.engine.core.oom import is_oom
 from oomguard.engine.core.search import search

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from oomguard.probes import PeakMeter, format_table, nvml, probe, probe_all
 from oomguard.probes import cuda as cuda_backend
 from oomguard.probes.host import proc_status
