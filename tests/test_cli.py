@@ -1,5 +1,6 @@
-"""The command line as users meet it: bad input is one line and exit code 2,
-the main job writes its report, probes answer without a GPU."""
+"""The command line as users meet it: bad input is one line and exit code 2, a bug
+keeps its traceback, a search without an answer is one line and exit code 1, the
+main job writes its report, probes answer without a GPU."""
 
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ from oomguard.engine.core.units import parse_size
     (["search", "--metric", "nope"], "valid metrics are"),
     (["search", "--metric", "loss", "--knob", "nope"], "valid: micro_batch_size"),
     (["search", "--metric", "loss", "--samples", "0"], "positive integer"),
-    (["run", "/nonexistent/job.toml"], ""),
+    (["run", "/nonexistent/job.toml"], "job file not found"),
+    (["probe", "--device", "tpu"], "unknown device"),
+    (["search", "--metric", "loss", "--model", "nosuchtype:n_layer=1"], "unknown model"),
+    (["search", "--metric", "loss", "--dtype", "float8"], "unknown dtype"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -72,10 +76,48 @@ def test_bench_writes_the_report(tmp_path, capsys):
     assert json.loads((out / "report.json").read_text())["result"]["max_ok"] == result["max_ok"]
 
 
-def test_console_script_help():
-    done = subprocess.run([sys.executable, "-m", "oomguard.engine.cli.main", "bench", "--help"],
+def test_python_dash_m_oomguard_help():
+    done = subprocess.run([sys.executable, "-m", "oomguard", "bench", "--help"],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and "--isolate" in done.stdout
+    assert done.returncode == 0, done.stderr
+    assert "--isolate" in done.stdout
+
+
+BUGGY_METRIC = """
+import sys
+from oomguard.engine.cli.main import main
+from oomguard.metrics.base import Knob, Metric, register
+
+@register
+class Buggy(Metric):
+    name = "buggy"
+    description = "raises a ValueError from inside its computation"
+    knobs = (Knob("micro_batch_size", "memory", 4),)
+
+    def compute(self, model, data, **params):
+        raise ValueError("shapes do not line up (a bug in the metric)")
+
+sys.exit(main(["search", "--metric", "buggy", "--samples", "2", "--seq-len", "8",
+               "--budget", "64MiB", "--out", sys.argv[1]]))
+"""
+
+
+def test_a_bug_inside_a_metric_keeps_its_traceback_and_is_not_a_usage_error(tmp_path):
+    done = subprocess.run([sys.executable, "-c", BUGGY_METRIC, str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback (most recent call last)" in done.stderr
+    assert "ValueError: shapes do not line up (a bug in the metric)" in done.stderr
+    assert "oomguard: error:" not in done.stderr  # the usage-error line is for bad input only
+
+
+def test_no_size_fits_is_one_line_and_exit_code_1(tmp_path, capsys):
+    code = main(["bench", "--seq-len", "512", "--budget", "24MiB", "--start", "2",
+                 "--max-size", "2", "--out", str(tmp_path / "rep")])
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "no size fits" in err[-1]
+    assert not any(line.startswith("Traceback") for line in err)
 
 
 def test_local_checkpoint_directory_loads_offline(tmp_path):
