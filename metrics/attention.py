@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import JsonMetric, iter_micro_batches, model_inputs, n_samples
 
@@ -37,7 +38,7 @@ def attention_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
         for chunk in iter_micro_batches(data, chunk_size):
             out = model(**model_inputs(chunk), output_attentions=True)
             if not out.attentions:
-                raise ValueError("the model returned no attention probabilities: build it with "
+                raise UsageError("the model returned no attention probabilities: build it with "
                                  "attn_implementation='eager'")
             n, seq = chunk["input_ids"].shape
             mask = chunk.get("attention_mask")
@@ -77,7 +78,7 @@ class AttentionStats(JsonMetric):
                 chunk_size: int = 96) -> dict[str, Any]:
         sums, count = attention_sums(model, data, chunk_size)
         if count == 0:
-            raise ValueError("the data has no valid query positions (attention_mask is all 0)")
+            raise UsageError("the data has no valid query positions (attention_mask is all 0)")
         means = {s: (sums[s] / count) for s in STATS}
         out: dict[str, Any] = {s: means[s].tolist() for s in STATS}  # [layer][head]
         out.update({f"mean_{s}": float(means[s].mean()) for s in STATS})

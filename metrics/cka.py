@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import JsonMetric, iter_micro_batches, model_inputs, n_samples
 
@@ -88,7 +89,7 @@ class CKA(JsonMetric):
                 n += z.shape[0]
                 del z
         if gram is None or sums is None or n < 2:
-            raise ValueError("cka needs at least 2 valid tokens")
+            raise UsageError("cka needs at least 2 valid tokens")
         matrix = cka_from_gram(gram, sums, n, n_layers).cpu()
         return {"cka": matrix, "n_layers": n_layers, "n_tokens": n,
                 "n_samples": n_samples(data)}

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import Metric
 
 IGNORE_INDEX = -100
@@ -94,7 +95,7 @@ def total_tokens(data: Batch) -> int:
     """Scored tokens of the whole data; ValueError if there are none."""
     n = token_count(data)
     if n <= 0:
-        raise ValueError("the data has no scored tokens (every shifted label is -100)")
+        raise UsageError("the data has no scored tokens (every shifted label is -100)")
     return n
 
 

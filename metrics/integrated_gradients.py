@@ -24,7 +24,7 @@ Knobs:
 - ``internal_batch_size`` (memory): captum's; it splits the *steps*, and each
   step batch's attributions are summed, so it too changes only rounding.
 
-How the two interact (measured, CPU-OOM-FACTS.md "captum"): one forward
+How the two interact (measured here on torch 2.13 / captum 0.9): one forward
 pass gets ``rows_per_forward(chunk, internal) = examples x max(1, internal //
 examples)`` rows (capped at ``examples x n_steps``), where ``examples =
 min(chunk_size, samples left)``. So ``internal_batch_size`` only saves memory
@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import JsonMetric, iter_micro_batches, n_samples
 
@@ -89,7 +90,7 @@ def last_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Index of each row's last valid (mask 1) position; ValueError if a row has < 2."""
     mask = attention_mask.long()
     if bool((mask.sum(dim=1) < 2).any()):
-        raise ValueError("every sample needs at least 2 valid tokens for a next-token target")
+        raise UsageError("every sample needs at least 2 valid tokens for a next-token target")
     pos = torch.arange(mask.shape[1], device=mask.device)
     return (mask * (pos + 1)).argmax(dim=1)
 

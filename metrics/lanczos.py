@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,
@@ -140,7 +141,7 @@ class _CurvatureEigenvalues(JsonMetric):
         """As the base, and ``k`` may not exceed ``iterations``."""
         out = super().validate(params)
         if out["k"] > out["iterations"]:
-            raise ValueError(f"{self.name}: k ({out['k']}) must be <= iterations "
+            raise UsageError(f"{self.name}: k ({out['k']}) must be <= iterations "
                              f"({out['iterations']})")
         return out
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import register
 from oomguard.metrics.common import JsonMetric, iter_micro_batches, n_samples
 from oomguard.metrics.integrated_gradients import (
@@ -62,7 +63,7 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
         if best is None or len(module) > len(best):
             best = module
     if best is None:
-        raise ValueError(f"no stack of transformer blocks found in {type(model).__name__}")
+        raise UsageError(f"no stack of transformer blocks found in {type(model).__name__}")
     return best
 
 
