@@ -70,7 +70,6 @@ def test_hessian_eigenvalues_match_eigvalsh(small) -> None:
                                                    iterations=80)
     got = torch.tensor(result["eigenvalues"], dtype=torch.float64)
     rel = ((got - dense).abs() / dense.abs()).max().item()
-    print(f"hessian top-5 {dense.tolist()} lanczos max rel err {rel:.2e}")
     assert rel < 1e-9
     assert result["params"] == {"k": 5, "iterations": 80, "seed": 0}
     assert result["n_params"] == flat.numel()
@@ -93,5 +92,4 @@ def test_ggn_eigenvalues_match_eigvalsh(small) -> None:
                                                iterations=80)
     got = torch.tensor(result["eigenvalues"], dtype=torch.float64)
     rel = ((got - dense).abs() / dense.abs()).max().item()
-    print(f"ggn top-3 {dense.tolist()} lanczos max rel err {rel:.2e}")
     assert rel < 1e-9
