@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from oomguard.probes import PeakMeter, format_table, nvml, probe, probe_all
+from oomguard.engine.cli.main import probe_table
+from oomguard.probes import PeakMeter, nvml, probe, probe_all
 from oomguard.probes import cuda as cuda_backend
 from oomguard.probes.host import proc_status
 
@@ -103,7 +104,7 @@ def test_probe_all_lists_the_host_first_and_formats() -> None:
     if HAS_CUDA:
         assert [s.device for s in snaps[1:1 + torch.cuda.device_count()]] == [
             f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    table = format_table(snaps)
+    table = probe_table(snaps)
     assert table.splitlines()[0].split()[:4] == ["device", "name", "total", "free"]
     assert len(table.splitlines()) == len(snaps) + 1
     assert all(isinstance(s.to_dict(), dict) for s in snaps)
