@@ -24,7 +24,6 @@ in float64.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from oomguard.engine.core.jsonable import to_jsonable as _sanitise
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import Metric
 
@@ -240,33 +240,23 @@ def group_index(model: torch.nn.Module) -> list[str]:
 
 # --------------------------------------------------------------------------- results
 
+SUMMARY_MAX_ITEMS = 64  # tensors with more elements are summarised as {"shape", "mean"}
 
-def to_jsonable(value: Any, max_items: int = 64) -> Any:
-    """A small JSON-friendly copy of a result: tensors become floats or short lists.
 
-    Scalars stay; a tensor of one element becomes a float, a small tensor
-    (``<= max_items`` elements) a nested list, a larger one ``{"shape", "mean"}``.
-    Dicts and lists are converted recursively; non-finite floats become strings.
+def to_jsonable(value: Any, max_items: int = SUMMARY_MAX_ITEMS) -> Any:
+    """A small JSON-friendly copy of a result: the one JSON sanitiser
+    (:func:`oomguard.engine.core.jsonable.to_jsonable`) with ``max_items``.
+
+    A tensor of one element becomes a number, a small one (``<= max_items``
+    elements) a nested list, a larger one ``{"shape", "mean"}``; non-finite
+    floats become strings.
     """
-    if isinstance(value, torch.Tensor):
-        if value.numel() == 1:
-            return to_jsonable(value.item())
-        if value.numel() <= max_items:
-            return to_jsonable(value.tolist())
-        return {"shape": list(value.shape), "mean": to_jsonable(value.double().mean().item())}
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, Mapping):
-        return {str(k): to_jsonable(v, max_items) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_jsonable(v, max_items) for v in value]
-    if isinstance(value, (bool, int, str)) or value is None:
-        return value
-    return str(value)
+    return _sanitise(value, max_items=max_items)
 
 
 class JsonMetric(Metric):
-    """A :class:`~metrics.base.Metric` whose :meth:`summary` is :func:`to_jsonable` of the result."""
+    """A :class:`~oomguard.metrics.base.Metric` whose :meth:`summary` is :func:`to_jsonable`
+    of the result."""
 
     def summary(self, result: Mapping[str, Any]) -> dict[str, Any]:
         return to_jsonable(dict(result))

@@ -14,13 +14,13 @@ Nothing here reaches the network.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from oomguard.engine.core.jsonable import stable_hash
 from oomguard.engine.errors import UsageError
 
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
@@ -118,8 +118,7 @@ def config_fingerprint(spec: str) -> str:
     for volatile in ("transformers_version", "_name_or_path", "_commit_hash", "architectures",
                      "dtype", "torch_dtype"):
         cfg.pop(volatile, None)
-    blob = json.dumps(cfg, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    return stable_hash(cfg)
 
 
 def make_batch(n: int, seq_len: int, vocab_size: int, seed: int = 0, pad: bool = True,

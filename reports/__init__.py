@@ -1,40 +1,24 @@
-"""Reports: render what a search or a job produced (Markdown, JSON, PNG).
+"""Reports: render what a search or a job produced (Markdown, JSON and PNG).
 
 ``write_report(result, out_dir)`` writes ``report.md``, ``report.json`` and
-``memory.png`` into ``out_dir``, each atomically (a temporary file in the same
-directory, then ``os.replace``), so a reader never sees a half-written report.
+``memory.png`` into ``out_dir``, each with the one atomic writer
+(:func:`~oomguard.engine.core.atomic.atomic_write`: fsynced, then moved into
+place), so a reader never sees a half-written report. A job's report is
+:func:`oomguard.reports.job_report.write_job_report`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
+from oomguard.engine.core.atomic import atomic_write, atomic_write_json
 from oomguard.engine.core.search import SearchResult
 from oomguard.reports.json_report import render_json
 from oomguard.reports.markdown import render_markdown
 from oomguard.reports.plot import plot_memory
 
 __all__ = ["plot_memory", "render_json", "render_markdown", "write_report"]
-
-
-def _atomic(path: Path, write: Callable[[Path], object]) -> Path:
-    """Call ``write(tmp)`` on a temporary path next to ``path``, then move it into place."""
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-",
-                                    suffix=f".tmp{path.suffix}")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is for reading
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
 
 
 def write_report(
@@ -47,10 +31,8 @@ def write_report(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    md = render_markdown(result, context)
-    doc = json.dumps(render_json(result, context), indent=2, ensure_ascii=False) + "\n"
     return {
-        "markdown": _atomic(out / "report.md", lambda p: p.write_text(md, encoding="utf-8")),
-        "json": _atomic(out / "report.json", lambda p: p.write_text(doc, encoding="utf-8")),
-        "png": _atomic(out / "memory.png", lambda p: plot_memory(result, p)),
+        "markdown": atomic_write(out / "report.md", render_markdown(result, context)),
+        "json": atomic_write_json(out / "report.json", render_json(result, context)),
+        "png": plot_memory(result, out / "memory.png"),
     }

@@ -3,7 +3,8 @@
 Per metric: status, the sizes used and where they came from (cache, search,
 defaults, job file), retries, seconds, peak memory (measured, with what the
 meter counts) and the result summary; failures with their reason and
-traceback file. Plots, where a picture says more (matplotlib, Agg):
+traceback file. Plots, where a picture says more, in the one plot style
+(:mod:`oomguard.reports.style`):
 
 - ``plots/memory.png``: measured peak memory per metric (bar chart, budget line);
 - ``plots/<task>-landscape.png``: a loss landscape as a contour plot, for any
@@ -11,19 +12,25 @@ traceback file. Plots, where a picture says more (matplotlib, Agg):
 - ``plots/<task>-entropy.png``: attention entropy as a layer x head heatmap,
   for any result holding a 2-D array whose name contains ``entropy``.
 
-Every file is written atomically.
+The input is the content of the job's ``results.json`` (plain JSON types), so
+a report can be rewritten from that file alone. Every file is written
+atomically.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
+from oomguard.engine.core.atomic import atomic_write
+from oomguard.engine.core.jsonable import json_text
 from oomguard.engine.core.units import fmt_bytes
-from oomguard.engine.jobs.journal import atomic_write
+from oomguard.reports import style
 
 log = logging.getLogger("oomguard.report")
 
@@ -32,8 +39,6 @@ _LANDSCAPE_KEYS = ("loss_grid", "losses", "grid", "surface", "loss")
 
 def _grids(task: Mapping[str, Any], out: Path) -> dict[str, Any]:
     """Every 2-D numeric array of a task's result: inline summary lists and the ``.pt`` file."""
-    import numpy as np
-
     found: dict[str, Any] = {}
 
     def walk(value: Any, name: str) -> None:
@@ -51,8 +56,6 @@ def _grids(task: Mapping[str, Any], out: Path) -> dict[str, Any]:
     walk(task.get("summary") or {}, "")
     if task.get("tensors"):
         try:
-            import torch
-
             for name, t in torch.load(out / task["tensors"], weights_only=True).items():
                 if t.ndim == 2 and min(t.shape) > 1:
                     found[name] = t.double().numpy()
@@ -61,25 +64,13 @@ def _grids(task: Mapping[str, Any], out: Path) -> dict[str, Any]:
     return found
 
 
-def _plot(path: Path, draw: Any) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    try:
-        draw(fig, ax)
-        fig.tight_layout()
-        tmp = path.with_name(f".{path.name}.tmp.png")
-        fig.savefig(tmp, dpi=110)
-        tmp.replace(path)
-    finally:
-        plt.close(fig)
-    return path
+def _plot(path: Path, draw: Callable[[Any, Any], None], *, grid: bool = True) -> Path:
+    fig, ax = style.figure(grid=grid)
+    draw(fig, ax)
+    return style.save(fig, path)
 
 
-def plot_memory(summary: Mapping[str, Any], path: Path) -> Path | None:
+def plot_peak_memory(summary: Mapping[str, Any], path: Path) -> Path | None:
     """Bar chart of measured peak bytes per metric that ran; None if none did."""
     tasks = [(k, t) for k, t in summary["tasks"].items() if t.get("peak_bytes") is not None]
     if not tasks:
@@ -101,7 +92,6 @@ def plot_memory(summary: Mapping[str, Any], path: Path) -> Path | None:
 
 def plot_landscape(grid: Any, path: Path, title: str) -> Path:
     """Contour plot of a 2-D loss grid over the two directions' coordinates."""
-    import numpy as np
 
     def draw(fig: Any, ax: Any) -> None:
         n, m = grid.shape
@@ -114,7 +104,7 @@ def plot_landscape(grid: Any, path: Path, title: str) -> Path:
         ax.set_ylabel("direction 2 (relative step)")
         ax.set_title(title)
 
-    return _plot(path, draw)
+    return _plot(path, draw, grid=False)
 
 
 def plot_heatmap(grid: Any, path: Path, title: str) -> Path:
@@ -123,18 +113,22 @@ def plot_heatmap(grid: Any, path: Path, title: str) -> Path:
     def draw(fig: Any, ax: Any) -> None:
         im = ax.imshow(grid, aspect="auto", cmap="magma")
         fig.colorbar(im, ax=ax, label="entropy (nats)")
+        rows, cols = grid.shape
+        if rows <= 32 and cols <= 32:  # one tick per layer and head, numbered from 0
+            ax.set_yticks(range(rows))
+            ax.set_xticks(range(cols))
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         ax.set_title(title)
 
-    return _plot(path, draw)
+    return _plot(path, draw, grid=False)
 
 
 def write_plots(summary: Mapping[str, Any], out: Path) -> dict[str, str]:
     """Every plot the job's results call for; ``{title: path relative to out}``."""
     plots: dict[str, str] = {}
     (out / "plots").mkdir(exist_ok=True)
-    mem = plot_memory(summary, out / "plots" / "memory.png")
+    mem = plot_peak_memory(summary, out / "plots" / "memory.png")
     if mem:
         plots["Peak memory per metric"] = str(mem.relative_to(out))
     for key, task in summary["tasks"].items():
@@ -193,7 +187,7 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
         lines.append(f"| {key} | {t.get('status')} | {used} "
                      f"| {s.get('source') or '-'} | {s.get('retries', '-')} "
                      f"| {t['seconds']:.2f} | {fmt_bytes(t.get('peak_bytes'))} |"
-                     if "seconds" in t else
+                     if t.get("seconds") is not None else
                      f"| {key} | {t.get('status')} | - | - | - | - | - |")
     lines += ["", "Peak memory is measured (what the meter counts is given per metric); "
               "seconds are the metric's own run, without model build and search.", ""]
@@ -208,20 +202,21 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
             continue
         s = t.get("sizes") or {}
         lines += [f"## {key}", "", f"- metric `{t['metric']}` on `{t['model']}`, "
-                  f"parameters {json.dumps(t.get('params', {}), sort_keys=True)}",
+                  f"parameters {json_text(t.get('params') or {}, indent=None)}",
                   f"- sizes: started at {_sizes(s.get('start'))} ({s.get('source')}), "
                   f"ran at {_sizes(s.get('final'))} after {s.get('retries', 0)} retries"]
         if s.get("errors"):
             lines.append(f"- OOMs: {'; '.join(s['errors'])}")
         if t.get("search"):
             se = t["search"]
-            lines.append(f"- search: {se.get('trials')} trials in {se.get('seconds')} s, "
+            trials = se.get("trials")
+            lines.append(f"- search: {trials} trial{'' if trials == 1 else 's'} in "
+                         f"{se.get('seconds')} s, "
                          f"max ok {se.get('max_ok')}, stopped: {se.get('stopped_because')}")
         lines.append(f"- peak memory {fmt_bytes(t.get('peak_bytes'))} ({t.get('peak_source')})")
         if t.get("tensors"):
             lines.append(f"- full tensors: `{t['tensors']}`")
-        lines += ["", "```json", json.dumps(t.get("summary"), indent=2, sort_keys=True)[:4000],
-                  "```", ""]
+        lines += ["", "```json", json_text(t.get("summary")).rstrip("\n")[:4000], "```", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{title}]({path})" for title, path in plots.items()]
         lines.append("")

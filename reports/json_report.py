@@ -1,7 +1,8 @@
 """Machine-readable report of a batch-size search, and the figures every report shares.
 
 ``render_json(result, context)`` returns a dict that ``json.dumps`` accepts
-without a custom encoder: every trial, the fit, the recommendation, the
+without a custom encoder (it has been through the one JSON sanitiser,
+:func:`~oomguard.engine.core.jsonable.to_jsonable`): every trial, the fit, the recommendation, the
 context the caller gave, derived figures (peak at the maximum, utilisation,
 margin left), the oomguard version and a UTC ISO-8601 timestamp. Bytes are
 ints of bytes, seconds are floats of wall-clock seconds, fractions are in
@@ -14,11 +15,12 @@ state the same numbers as the JSON.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from oomguard.engine.core.jsonable import to_jsonable
 from oomguard.engine.core.search import SearchResult
 from oomguard.engine.core.strategies import bracket
 from oomguard.engine.core.trial import Trial
@@ -149,36 +151,12 @@ def strategy_steps(result: SearchResult) -> list[str]:
     return steps
 
 
-
 def oomguard_version() -> str:
     """The installed oomguard version, or ``"unknown"``."""
     try:
-        from importlib.metadata import PackageNotFoundError, version
-
         return version("oomguard")
-    except (ImportError, PackageNotFoundError):
+    except PackageNotFoundError:
         return "unknown"
-
-
-def jsonable(value: Any) -> Any:
-    """``value`` as plain JSON types: non-finite floats become strings, unknown objects ``str``."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [jsonable(v) for v in value]
-    if hasattr(value, "to_dict"):
-        return jsonable(value.to_dict())
-    item = getattr(value, "item", None)  # numpy / torch scalars
-    if callable(item):
-        try:
-            return jsonable(item())
-        except (TypeError, ValueError, RuntimeError):
-            pass
-    return str(value)
 
 
 def render_json(result: SearchResult, context: dict | None = None) -> dict[str, Any]:
@@ -228,4 +206,4 @@ def render_json(result: SearchResult, context: dict | None = None) -> dict[str, 
         "result": result.to_dict(),
         "summary": summary,
     }
-    return jsonable(doc)
+    return to_jsonable(doc)

@@ -1,8 +1,8 @@
 """PNG plot of peak memory against batch size for one search.
 
-Drawn with matplotlib's Agg canvas on a standalone ``Figure`` (no pyplot, no
-display, no global backend switch), so it is safe in headless jobs and
-threads. Memory is shown in GiB, or MiB when everything is under 1 GiB.
+Drawn in the one plot style (:mod:`oomguard.reports.style`: a standalone
+``Figure`` on an Agg canvas, no pyplot) and written atomically. Memory is
+shown in GiB, or MiB when everything is under 1 GiB.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 
 from oomguard.engine.core.search import SearchResult
 from oomguard.engine.core.units import GiB, MiB, fmt_bytes
+from oomguard.reports import style
 from oomguard.reports.json_report import capacity_label
 
 _OOM_NOTE = "OOM (peak unknown; drawn at capacity)"
@@ -31,9 +32,6 @@ def plot_memory(result: SearchResult, path: str | os.PathLike[str]) -> Path:
     on the capacity line (their peak is unknown), and vertical markers at the
     measured maximum and the recommended safe size. Returns the path.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     path = Path(path)
     ok = [t for t in result.trials if t.ok and t.peak_bytes is not None]
     ooms = [t for t in result.trials if not t.ok]
@@ -51,9 +49,7 @@ def plot_memory(result: SearchResult, path: str | os.PathLike[str]) -> Path:
         scale_vals.append(fit_end)
     unit, div = _unit(scale_vals)
 
-    fig = Figure(figsize=(9, 6.4), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    fig, ax = style.figure((9, 6.4))  # taller than the default: the legend goes below
 
     if cap:
         cap_name = "capacity (budget)" if capacity_label(result) == "budget" else "free memory"
@@ -96,15 +92,10 @@ def plot_memory(result: SearchResult, path: str | os.PathLike[str]) -> Path:
     ax.set_xlabel(f"{result.size_label} (items)")
     ax.set_ylabel(f"peak memory above trial start ({unit}, {what})")
     ax.set_title(f"{result.workload}: peak memory vs {result.size_label}\n"
-                 f"{result.device} · {mode} · strategy {result.strategy}",
-                 fontsize=11)
+                 f"{result.device} · {mode} · strategy {result.strategy}")
     ax.set_xlim(0, x_max)
     y_top = max(scale_vals, default=div) / div
     ax.set_ylim(0, y_top * 1.12 if y_top > 0 else 1.0)
-    ax.grid(True, alpha=0.3)
     # Below the axes, so it never hides the capacity line or the points.
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8,
-              frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    return path
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
+    return style.save(fig, path)

@@ -10,6 +10,7 @@ order. The suite must pass in all three.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import pytest
 import torch
@@ -37,6 +38,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--reverse"):
         items.reverse()
+
+
+@pytest.fixture(autouse=True)
+def _oomguard_logger_restored():
+    """Records reach caplog, and whatever a test's ``main()`` set up on the ``oomguard``
+    logger (the CLI's handlers, level, propagate) is undone after it, so no test
+    depends on the order."""
+    logger = logging.getLogger("oomguard")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    logger.propagate = True
+    yield
+    for handler in [h for h in logger.handlers if h not in saved[0]]:
+        logger.removeHandler(handler)
+        handler.close()
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
 
 
 @pytest.fixture(scope="module")

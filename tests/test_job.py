@@ -1,15 +1,28 @@
-"""Job files and data sources: parsing, one-line errors with field and line, exit code 2,
-no output folder after a bad job, every data source."""
+"""Job files, data sources and job records: parsing, one-line errors with field and line,
+exit code 2, no output folder after a bad job, every data source, the example job file, and
+the result record that result files hold."""
 
 from __future__ import annotations
 
+import configparser
+import hashlib
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from oomguard.engine.cli.jobs import main
+
+from oomguard.engine.cli.jobs import JobLog, main
+from oomguard.engine.core.jsonable import stable_hash
 from oomguard.engine.jobs.data import load_data
+from oomguard.engine.jobs.example import example_text
+from oomguard.engine.jobs.records import Task, TaskResult
 from oomguard.engine.jobs.spec import (
     EXAMPLE,
     DataSpec,
@@ -40,17 +53,38 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 def test_example_parses_and_names_every_section(tmp_path: Path) -> None:
+    assert EXAMPLE == example_text() and EXAMPLE.startswith("# oomguard job file")
     job = parse_job(EXAMPLE, path="example.toml", base=tmp_path)
     assert job.models == ("tiny-gpt2",)
     assert [m.name for m in job.metrics] == ["loss", "gradient_stats"]
-    assert job.data.source == "generated" and job.search.max_trials > 0
-    assert job.metrics[0].time_limit == 20 * 60
-    assert job.budget_bytes is None
+    assert (job.data.source, job.data.seq_len, job.data.n_samples) == ("generated", 32, 8)
+    assert (job.search.enabled, job.search.max_trials, job.search.start) == (True, 6, 8)
+    assert [m.time_limit for m in job.metrics] == [20 * 60, 20 * 60]
+    assert job.budget_bytes is None and job.output == str(Path.cwd() / "oomguard-job")
 
 
 def test_example_printed_by_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--example"]) == 0
-    assert capsys.readouterr().out == EXAMPLE
+    captured = capsys.readouterr()
+    assert captured.out == EXAMPLE and captured.err == ""
+
+
+def test_example_is_package_data() -> None:
+    """A wheel carries example.toml only if setup.cfg lists it (editable installs hide this)."""
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    listed = cfg.get("options.package_data", "oomguard.engine.jobs", fallback="").split()
+    assert "example.toml" in listed
+
+
+@pytest.mark.integration
+def test_example_needs_no_torch() -> None:
+    """``oomguard run --example`` (and ``--help``) must not pay for importing torch."""
+    code = ("import sys\nfrom oomguard.engine.cli.jobs import main\n"
+            "assert main(['run', '--example']) == 0\nsys.stdout.write(str('torch' in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout == EXAMPLE + "False"
 
 
 @pytest.mark.parametrize(("patch", "field", "line"), [
@@ -92,10 +126,14 @@ def test_toml_syntax_error_gives_line(tmp_path: Path, capsys: pytest.CaptureFixt
 
 def test_missing_job_file_and_bad_arguments(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", str(tmp_path / "nope.toml")]) == 2
-    assert "job file not found" in capsys.readouterr().err
+    missing = tmp_path / "nope.toml"
+    assert main(["run", str(missing)]) == 2
+    assert capsys.readouterr().err == f"oomguard: error: {missing}: job file not found\n"
     assert main(["run"]) == 2
+    assert capsys.readouterr().err == ("oomguard: error: run: give a job file "
+                                       "(oomguard run JOB.toml), or --example\n")
     assert main(["run", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def test_ids_pinned_sizes_and_out_override(tmp_path: Path) -> None:
@@ -156,3 +194,52 @@ def test_too_little_data_is_a_job_error(tmp_path: Path) -> None:
     text = GOOD.replace('source = "generated"', 'source = "text"\npath = "small.txt"')
     with pytest.raises(JobError, match=r"data.path: .*needs 64"):
         load_job(_write(tmp_path, text))
+
+
+# ------------------------------------------------------------------- records
+def _task() -> Task:
+    return Task(key="loss", metric_id="loss", metric="loss", model="tiny-gpt2",
+                params={"temperature": 1.0}, pinned={}, time_limit=60.0,
+                workload={"metric": "loss"}, fingerprint="f" * 16)
+
+
+def test_task_result_round_trips_and_keeps_unknown_keys() -> None:
+    failed = TaskResult.failure(_task(), "run1", "ValueError: boom", "tracebacks/loss.txt", 1.23456,
+                                sizes={"source": "cache"})
+    doc = json.loads(json.dumps(failed.to_dict()))
+    assert (doc["status"], doc["reason"], doc["seconds"], doc["sizes"]) == (
+        "failed", "ValueError: boom", 1.235, {"source": "cache"})
+    assert doc["peak_bytes"] is None and doc["summary"] is None  # every key, always
+    assert TaskResult.from_dict(doc) == failed
+    newer = {**doc, "status": "ok", "energy_joules": 12.5}  # a key from another version
+    kept = TaskResult.from_dict(newer)
+    assert kept.ok and kept.extra == {"energy_joules": 12.5} and kept.to_dict() == newer
+    with pytest.raises(KeyError, match="'status'"):
+        TaskResult.from_dict({"task": "loss", "metric": "loss", "model": "m"})
+    pending = TaskResult.placeholder(_task(), "run1", "pending")
+    assert (pending.status, pending.seconds, pending.fingerprint) == ("pending", None, "f" * 16)
+
+
+def test_stable_hash_matches_plain_sorted_json() -> None:
+    """Fingerprints and cache keys made before the one sanitiser stay valid."""
+    value = {"model_config": "abc", "seq_len": 16, "params": {"b": 1, "a": [1.5, None]}}
+    old = hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+    assert stable_hash(value) == old
+    assert stable_hash({"x": (1, 2)}) == stable_hash({"x": [1, 2]})
+    assert stable_hash({"x": 1}) != stable_hash({"x": 2})
+
+
+def test_job_log_is_the_clis_and_picklable(tmp_path: Path) -> None:
+    """The command line's ``log_setup``: job.log in this process; a pickled copy (what a
+    forkserver child gets) holds no open file."""
+    job_log = JobLog()
+    job_log(tmp_path)
+    logging.getLogger("oomguard.job").info("hello from %s", "the parent")
+    copy = pickle.loads(pickle.dumps(job_log))
+    assert copy.handler is None and copy.level == logging.INFO
+    job_log.close()
+    assert job_log.handler is None
+    logging.getLogger("oomguard.job").info("not written: the handler is gone")
+    lines = (tmp_path / "job.log").read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 1
+    assert lines[0].endswith(f" {os.getpid()} oomguard.job INFO hello from the parent")

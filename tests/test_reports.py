@@ -1,20 +1,26 @@
-"""Reports: Markdown, JSON and PNG rendered from a real search under a CPU memory budget."""
+"""Reports: Markdown, JSON and PNG rendered from a real search under a CPU memory budget
+(in a fresh process), from hand-built results, and a job's report.md with its plots."""
 
 from __future__ import annotations
 
 import json
 import re
 import struct
+import sys
+from pathlib import Path
 
+import matplotlib
 import pytest
 import torch
 from conftest import in_fresh_process
+
 from oomguard.engine.core.fit import recommend
 from oomguard.engine.core.search import SearchResult, search
 from oomguard.engine.core.strategies import E10
 from oomguard.engine.core.trial import Trial
 from oomguard.engine.core.units import MiB
-from oomguard.reports import plot_memory, render_json, render_markdown, write_report
+from oomguard.reports import plot_memory, render_json, render_markdown, style, write_report
+from oomguard.reports.job_report import write_job_report
 
 BASE = 4 * MiB
 PER_ITEM = 2 * MiB
@@ -75,6 +81,7 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.integration
 def test_search_is_real(result: SearchResult) -> None:
     assert result.mode == "in-process"
     assert result.first_oom == result.max_ok + 1
@@ -84,6 +91,7 @@ def test_search_is_real(result: SearchResult) -> None:
     assert result.fit is not None and result.fit.r2 > 0.95
 
 
+@pytest.mark.integration
 def test_markdown_sections_and_table(result: SearchResult) -> None:
     md = render_markdown(result, CONTEXT)
     assert md.startswith("# linear-alloc Maximum Batch Size Report")
@@ -103,6 +111,7 @@ def test_markdown_sections_and_table(result: SearchResult) -> None:
     assert "1,234,567" in md and "synthetic" in md
 
 
+@pytest.mark.integration
 def test_json_round_trips(result: SearchResult) -> None:
     doc = json.loads(json.dumps(render_json(result, CONTEXT)))
     assert [t["size"] for t in doc["result"]["trials"]] == [t.size for t in result.trials]
@@ -117,12 +126,13 @@ def test_json_round_trips(result: SearchResult) -> None:
         doc["summary"]["peak_bytes_at_max"] / BUDGET)
 
 
+@pytest.mark.integration
 def test_write_report_files(result: SearchResult, tmp_path) -> None:
     paths = write_report(result, tmp_path / "out" / "nested", CONTEXT)
     assert {p.name for p in paths.values()} == {"report.md", "report.json", "memory.png"}
     data = paths["png"].read_bytes()
-    width, height = _png_size(data)
-    assert width >= 600 and height >= 400 and len(data) > 20_000
+    assert _png_size(data) == (9 * style.DPI, round(6.4 * style.DPI))  # the search's size
+    assert len(data) > 20_000
     assert json.loads(paths["json"].read_text())["result"]["max_ok"] == result.max_ok
     assert "## Key Observations" in paths["markdown"].read_text()
     leftovers = [p.name for p in paths["png"].parent.iterdir() if p.name.startswith(".")]
@@ -153,7 +163,8 @@ def test_degenerate_results_render(capacity: int | None, tmp_path) -> None:
     doc = json.loads(json.dumps(render_json(res)))
     assert doc["summary"]["max_is_lower_bound"] is True
     out = plot_memory(res, tmp_path / "one.png")
-    assert _png_size(out.read_bytes())[0] > 0
+    assert out == tmp_path / "one.png"
+    assert _png_size(out.read_bytes()) == (9 * style.DPI, round(6.4 * style.DPI))
 
 
 def test_start_oom_then_halving_and_nan_value(tmp_path) -> None:
@@ -164,6 +175,75 @@ def test_start_oom_then_halving_and_nan_value(tmp_path) -> None:
     res = _hand_built(trials, None, first_oom=21, stopped="max_trials (4) reached")
     md = render_markdown(res, {"device_name": "test box"})
     assert "batch_size=32 ran out of memory; halved: 16 ✓" in md
-    assert "between 20 (fits) and 21 (OOM)" in md or "found maximum at batch_size=20" in md
-    json.dumps(render_json(res, {"odd": object(), "dtype": torch.float16}))
-    plot_memory(res, tmp_path / "x.png")
+    assert "Final refinement found maximum at batch_size=20 (batch_size=21 ran out of memory)" in md
+    doc = json.loads(json.dumps(render_json(res, {"odd": object(), "dtype": torch.float16}),
+                                allow_nan=False))  # strict JSON: nan is a string
+    assert doc["context"]["dtype"] == "torch.float16"
+    assert doc["context"]["odd"].startswith("<object object at ")
+    assert [t["value"] for t in doc["result"]["trials"]] == [None, "nan", None, None]
+    assert doc["summary"]["peak_bytes_at_max"] is None  # size 20 ran, its peak is unknown
+    png = plot_memory(res, tmp_path / "x.png").read_bytes()
+    assert _png_size(png) == (9 * style.DPI, round(6.4 * style.DPI))
+
+
+# ------------------------------------------------------------------- a job's report
+def _task(status: str, **fields) -> dict:
+    base = {"task": "t", "metric": "loss", "model": "tiny-gpt2", "status": status, "params": {},
+            "seconds": None, "sizes": None, "search": None, "peak_bytes": None,
+            "peak_source": None, "summary": None, "tensors": None, "reason": None,
+            "traceback": None}
+    return {**base, **fields}
+
+
+def _summary(tmp_path: Path) -> dict:
+    (tmp_path / "results").mkdir()
+    torch.save({"entropy_per_head": torch.rand(2, 4, dtype=torch.float64)},
+               tmp_path / "results" / "attn.pt")
+    sizes = {"start": {"micro_batch_size": 8}, "final": {"micro_batch_size": 4},
+             "attempts": [{"micro_batch_size": 8}, {"micro_batch_size": 4}],
+             "errors": ["out of memory at 8"], "retries": 1, "source": "search"}
+    grid = [[abs(i - 2) + abs(j - 2) + 0.5 for j in range(5)] for i in range(5)]
+    return {
+        "job": {"name": "night", "path": "/jobs/night.toml", "dtype": "float32",
+                "models": ["tiny-gpt2"], "budget_bytes": 64 * MiB,
+                "device": {"device": "cpu", "name": "test-cpu", "total_bytes": 2**30},
+                "data": {"source": "generated", "path": None, "seq_len": 8, "n_samples": 2}},
+        "run": "r1", "status": "failed", "exit_code": 1, "failed": ["boom"],
+        "finished": "2030-01-01T00:00:00Z",
+        "tasks": {
+            "landscape": _task("ok", metric="loss_landscape", seconds=1.5, sizes=sizes,
+                               peak_bytes=40 * MiB, peak_source="measured: test",
+                               summary={"loss_grid": grid, "alpha": [0.0, 1.0]}),
+            "attn": _task("ok", metric="attention_stats", seconds=0.25, peak_bytes=12 * MiB,
+                          sizes={**sizes, "final": {"micro_batch_size": 8}, "retries": 0,
+                                 "errors": [], "source": "cache"},
+                          summary={"n_samples": 2}, tensors="results/attn.pt"),
+            "boom": _task("failed", seconds=0.1, reason="ValueError: boom",
+                          traceback="tracebacks/boom.txt"),
+            "later": _task("pending"),
+        },
+    }
+
+
+def test_job_report_markdown_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_global_backend(*args, **kwargs):
+        raise AssertionError("library code must not call matplotlib.use()")
+
+    monkeypatch.setattr(matplotlib, "use", no_global_backend)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # importing pyplot fails
+    report = write_job_report(_summary(tmp_path), tmp_path)
+    md = report.read_text()
+    assert md.startswith("# oomguard job report: night\n")
+    assert "- **Status**: failed (exit code 1); 1 failed, 2 ok, 1 pending" in md
+    assert "- **Budget**: 64.00 MiB" in md
+    assert "| landscape | ok | micro_batch_size=4 | search | 1 | 1.50 | 40.00 MiB |" in md
+    assert "| attn | ok | micro_batch_size=8 | cache | 0 | 0.25 | 12.00 MiB |" in md
+    assert "| later | pending | - | - | - | - | - |" in md
+    assert "- **boom**: ValueError: boom (traceback: `tracebacks/boom.txt`)" in md
+    assert "- OOMs: out of memory at 8" in md
+    plots = {"plots/memory.png", "plots/landscape-landscape.png", "plots/attn-entropy.png"}
+    assert set(re.findall(r"!\[[^]]*\]\(([^)]+)\)", md)) == plots
+    for rel in plots:  # every plot in the one style and size, written whole
+        assert _png_size((tmp_path / rel).read_bytes()) == (
+            round(style.SIZE[0] * style.DPI), round(style.SIZE[1] * style.DPI))
+    assert sorted(p.name for p in tmp_path.rglob(".*")) == []  # no temporary files left

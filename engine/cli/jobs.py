@@ -5,15 +5,29 @@ handler returns the exit code: 0 all metrics done, 1 some failed (listed),
 2 a bad job file or arguments, 130/143 stopped by SIGINT/SIGTERM (what was
 done is kept; run the same command again to resume).
 ``python -m oomguard.engine.cli.jobs ...`` runs them without the main CLI.
+
+Logging is set up here, never in the library: records at INFO and above go to
+stderr (:func:`~oomguard.engine.cli.logs.setup_logging`), and a job's records,
+from this process and from every metric's process, to ``<output>/job.log``
+(:class:`JobLog`, handed to :func:`~oomguard.engine.jobs.runner.run_job`).
+This module imports nothing heavy at module level: ``oomguard --help`` and
+``oomguard run --example`` must not load torch (docs/measurements.md#start-up-time).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from oomguard.engine.cli.logs import log_to_file, setup_logging, stop_logging_to
+from oomguard.engine.core.jsonable import json_text
+from oomguard.engine.errors import UsageError
+from oomguard.engine.jobs.example import example_text
 
 RUN_HELP = """\
 Run a job file: every metric on every model, sizes from the size cache, else a
@@ -54,15 +68,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cache.set_defaults(func=cmd_cache)
 
 
-def _setup_logging() -> None:
-    root = logging.getLogger("oomguard")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s",
-                                               "%H:%M:%S"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
-        root.propagate = False  # the CLI's root handler would print every line twice
+class JobLog:
+    """``log_setup`` for :func:`~oomguard.engine.jobs.runner.run_job`: append oomguard's
+    records to ``<output>/job.log``.
+
+    Picklable (a forkserver child gets a copy without the open file) and
+    called once per process: in this one, then in every metric's process.
+    :meth:`close` removes this process's handler.
+    """
+
+    def __init__(self, level: int = logging.INFO) -> None:
+        self.level = level
+        self.handler: logging.Handler | None = None
+
+    def __call__(self, out: str | os.PathLike[str]) -> None:
+        self.handler = log_to_file(Path(out) / "job.log", self.level)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"level": self.level, "handler": None}
+
+    def close(self) -> None:
+        if self.handler is not None:
+            stop_logging_to(self.handler)
+            self.handler = None
 
 
 def _error(message: str) -> int:
@@ -72,26 +100,28 @@ def _error(message: str) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Handler of ``oomguard run``."""
-    from oomguard.engine.jobs.spec import EXAMPLE, JobError, load_job
-
     if args.example:
-        print(EXAMPLE, end="")
+        print(example_text(), end="")
         return 0
     if not args.job:
         return _error("run: give a job file (oomguard run JOB.toml), or --example")
-    _setup_logging()
-    from oomguard.engine.jobs.cache import CacheError
+    setup_logging(logging.INFO)
+    # why: the runner imports torch and transformers (seconds); only a real run needs them.
     from oomguard.engine.jobs.runner import format_outcome, run_job
+    from oomguard.engine.jobs.spec import load_job
 
+    job_log = JobLog()
     try:
         job = load_job(args.job, output=args.out)
-        # This process has run no torch code (it parses, plans and waits): a plain
-        # fork is safe and saves the forkserver's start (see oomguard.engine.jobs.runner.run_job).
+        # This process runs no torch code (it parses, plans and waits): a plain fork is
+        # safe and cheaper than a forkserver (docs/measurements.md#fork-after-openmp).
         method = "fork" if sys.platform.startswith("linux") else "forkserver"
         outcome = run_job(job, cache_path=args.cache, search=not args.no_search,
-                          start_method=method)
-    except (JobError, CacheError) as exc:
+                          start_method=method, log_setup=job_log)
+    except UsageError as exc:  # a bad job file, a missing device, a cache it cannot use
         return _error(str(exc))
+    finally:
+        job_log.close()
     if args.json:
         with open(f"{outcome.out}/results.json", encoding="utf-8") as fh:
             sys.stdout.write(fh.read())
@@ -105,21 +135,22 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_cache(args: argparse.Namespace) -> int:
     """Handler of ``oomguard cache show|clear``."""
-    _setup_logging()
-    from oomguard.engine.jobs.cache import CacheError, SizeCache, format_entries
+    setup_logging(logging.INFO)
+    # why: kept out of `oomguard --help`'s imports, like the runner's.
+    from oomguard.engine.jobs.cache import SizeCache, format_entries
 
     cache = SizeCache(args.cache)
     try:
         if args.action == "clear":
             n = cache.clear()
-            print(json.dumps({"cleared": n, "path": str(cache.path)}) if args.json
+            print(json_text({"cleared": n, "path": cache.path}, indent=None) if args.json
                   else f"cleared {n} entries from {cache.path}")
             return 0
         entries = cache.entries()
-    except CacheError as exc:
+    except UsageError as exc:  # CacheError: the lock is held, the folder is not writable
         return _error(str(exc))
     if args.json:
-        print(json.dumps({"path": str(cache.path), "entries": entries}, indent=2, sort_keys=True))
+        print(json_text({"path": cache.path, "entries": entries}), end="")
     elif not entries:
         print(f"{cache.path}: empty")
     else:

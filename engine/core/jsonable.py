@@ -21,6 +21,7 @@ their ``tolist``/``item`` methods.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -69,6 +70,16 @@ def _array(value: Any, max_items: int | None) -> Any:
         mean = value.double().mean() if callable(detach) else value.astype("float64").mean()
         return {"shape": shape, "mean": to_jsonable(float(mean))}
     return to_jsonable(value.tolist())
+
+
+def stable_hash(value: Any) -> str:
+    """A short, stable hash of ``value``: SHA-256 of its sanitised, key-sorted, one-line JSON.
+
+    The one way oomguard fingerprints a model config, a job task or a size-cache
+    key. For plain dicts of strings and numbers the text is what
+    ``json.dumps(value, sort_keys=True)`` gives, so keys written before stay valid.
+    """
+    return hashlib.sha256(json_text(value, indent=None).encode("utf-8")).hexdigest()[:16]
 
 
 def json_text(value: Any, *, indent: int | None = 2) -> str:

@@ -22,18 +22,22 @@ cache starts empty: a bad cache never stops a job.
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
+from platformdirs import user_cache_dir
+
+from oomguard.engine.core.atomic import atomic_write_json
+from oomguard.engine.core.jsonable import stable_hash
 from oomguard.engine.errors import CacheError
-from oomguard.engine.jobs.journal import atomic_write_json, now_iso
+from oomguard.engine.jobs.records import now_iso
 
 log = logging.getLogger("oomguard.cache")
 
@@ -47,8 +51,6 @@ def default_cache_path() -> Path:
     env = os.environ.get("OOMGUARD_CACHE")
     if env:
         return Path(env).expanduser()
-    from platformdirs import user_cache_dir
-
     return Path(user_cache_dir("oomguard")) / "sizes.json"
 
 
@@ -61,9 +63,8 @@ def device_key(device: Mapping[str, Any]) -> str:
 
 
 def workload_hash(workload: Mapping[str, Any]) -> str:
-    """A short, stable hash of a workload fingerprint dict."""
-    blob = json.dumps(workload, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    """A short, stable hash of a workload fingerprint dict (:func:`records.stable_hash`)."""
+    return stable_hash(workload)
 
 
 def entry_key(device: Mapping[str, Any], workload: Mapping[str, Any]) -> str:
@@ -110,18 +111,25 @@ class SizeCache:
                     "started an empty cache", self.path, aside)
         return {"version": VERSION, "entries": {}}
 
-    def _locked(self) -> FileLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        return self.lock
-
-    def load(self) -> dict[str, Any]:
-        """The whole cache document (``{"version", "entries"}``)."""
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the cache's file lock; a lock held too long or a folder that cannot be
+        written is a :class:`CacheError` (one line)."""
         try:
-            with self._locked():
-                return self._read_unlocked()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.lock:
+                yield
         except Timeout:
             raise CacheError(f"cannot lock the size cache {self.path} within "
                              f"{LOCK_TIMEOUT_S:g} s (held by another job?)") from None
+        except OSError as exc:
+            raise CacheError(f"cannot use the size cache {self.path}: {exc.strerror or exc}; "
+                             "give a writable --cache PATH") from None
+
+    def load(self) -> dict[str, Any]:
+        """The whole cache document (``{"version", "entries"}``)."""
+        with self._locked():
+            return self._read_unlocked()
 
     def entries(self) -> dict[str, dict[str, Any]]:
         return self.load()["entries"]
@@ -133,16 +141,12 @@ class SizeCache:
     # ------------------------------------------------------------- writing
     def update(self, fn: Callable[[dict[str, dict[str, Any]]], None]) -> dict[str, Any]:
         """Apply ``fn(entries)`` (mutating) under the lock and write the file atomically."""
-        try:
-            with self._locked():
-                doc = self._read_unlocked()
-                fn(doc["entries"])
-                doc["version"] = VERSION
-                atomic_write_json(self.path, doc)
-                return doc
-        except Timeout:
-            raise CacheError(f"cannot lock the size cache {self.path} within "
-                             f"{LOCK_TIMEOUT_S:g} s (held by another job?)") from None
+        with self._locked():
+            doc = self._read_unlocked()
+            fn(doc["entries"])
+            doc["version"] = VERSION
+            atomic_write_json(self.path, doc)
+            return doc
 
     def put(self, key: str, sizes: Mapping[str, int], *, source: str,
             device: Mapping[str, Any] | None = None, workload: Mapping[str, Any] | None = None,

@@ -24,10 +24,23 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.core.executor import ExecutionFailed, Executor
+import torch
+
+from oomguard.engine.core.atomic import atomic_write, atomic_write_json
+from oomguard.engine.core.budget import budget, return_freed_memory_to_os
+from oomguard.engine.core.executor import Executor
+from oomguard.engine.core.jsonable import to_jsonable
+from oomguard.engine.core.search import search
+from oomguard.engine.errors import ExecutionFailed, NoSizeFits, TrialFailed
 from oomguard.engine.jobs.cache import SizeCache, entry_key
-from oomguard.engine.jobs.journal import Journal, atomic_write, atomic_write_json, now_iso
-from oomguard.engine.jobs.runner import Context, Task, failure_record
+from oomguard.engine.jobs.data import load_data
+from oomguard.engine.jobs.journal import Journal
+from oomguard.engine.jobs.records import OK, Context, Task, TaskResult, now_iso
+from oomguard.engine.jobs.spec import import_plugin
+from oomguard.metrics.base import get_metric
+from oomguard.metrics.models import build_model
+from oomguard.metrics.workload import SAMPLE_KNOBS
+from oomguard.probes.peak import PeakMeter
 
 log = logging.getLogger("oomguard.job")
 
@@ -49,34 +62,21 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _setup_logging(out: Path) -> None:
-    root = logging.getLogger("oomguard")
-    if not any(isinstance(h, logging.FileHandler) for h in root.handlers):
-        handler = logging.FileHandler(out / "job.log", encoding="utf-8")
-        handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s "
-                                               "%(levelname)s %(message)s"))
-        root.addHandler(handler)
-    root.setLevel(logging.INFO)
-
-
 def child_main(task: Task, ctx: Context) -> None:
     """Entry point of the child: run ``task`` and record its result or failure."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent decides
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked child inherits the parent's handler
     # Freed tensors must go back to the kernel, or the resident peak meter sees
-    # a reused heap as 0 bytes and budgets drift (CPU-OOM-FACTS.md).
-    from oomguard.engine.core.budget import return_freed_memory_to_os
-
+    # a reused heap as 0 bytes and budgets drift (docs/measurements.md#return-freed-memory).
     return_freed_memory_to_os()
     out = Path(ctx.out)
-    _setup_logging(out)
     journal = Journal(out / "journal.jsonl")
     state: dict[str, Any] = {}
     t0 = time.perf_counter()
     try:
-        from oomguard.engine.jobs.spec import import_plugin
-
+        if ctx.log_setup is not None:  # the caller's logging (the CLI: job.log), per process
+            ctx.log_setup(out)
         for plugin in ctx.job.plugins:
             import_plugin(plugin)
         record = _execute(task, ctx, journal, state, t0)
@@ -89,18 +89,19 @@ def child_main(task: Task, ctx: Context) -> None:
         tb = out / "tracebacks" / f"{task.key}.txt"
         atomic_write(tb, "".join(traceback.format_exception(exc)))
         del exc
-        record = failure_record(task, ctx, reason, str(tb.relative_to(out)),
-                                time.perf_counter() - t0, sizes=_sizes_info(state),
-                                search=state.get("search"))
+        record = TaskResult.failure(task, ctx.run_id, reason, str(tb.relative_to(out)),
+                                    time.perf_counter() - t0, sizes=_sizes_info(state),
+                                    search=state.get("search"))
         atomic_write_json(out / "results" / f"{task.key}.json", record)
         journal.append("failure", task=task.key, run=ctx.run_id, reason=reason,
-                       traceback=record["traceback"])
+                       traceback=record.traceback)
         log.error("%s failed: %s (traceback in %s)", task.key, reason, tb)
         return
     atomic_write_json(out / "results" / f"{task.key}.json", record)
-    journal.append("success", task=task.key, run=ctx.run_id, seconds=record["seconds"],
-                   sizes=record["sizes"]["final"], source=record["sizes"]["source"],
-                   retries=record["sizes"]["retries"])
+    sizes = record.sizes or {}
+    journal.append("success", task=task.key, run=ctx.run_id, seconds=record.seconds,
+                   sizes=sizes.get("final"), source=sizes.get("source"),
+                   retries=sizes.get("retries"))
 
 
 def _sizes_info(state: dict[str, Any]) -> dict[str, Any]:
@@ -114,9 +115,8 @@ def _sizes_info(state: dict[str, Any]) -> dict[str, Any]:
 
 def _warm_up(model: Any, data: dict[str, Any]) -> None:
     """One forward + backward on one short sample: thread pools and kernels exist
-    before any budget (CPU-OOM-FACTS.md), and nothing is charged to the metric."""
-    import torch
-
+    before any budget (docs/measurements.md#minimum-cpu-budget), and nothing is
+    charged to the metric."""
     ids = data["input_ids"][:1, : min(8, data["input_ids"].shape[1])]
     with torch.enable_grad():
         loss = model(input_ids=ids, labels=ids).loss
@@ -126,8 +126,6 @@ def _warm_up(model: Any, data: dict[str, Any]) -> None:
 
 def _search_cap(knob: Any, n_samples: int, max_size: int) -> int:
     """Sizes of per-sample knobs above the number of samples all do the same work."""
-    from oomguard.metrics.workload import SAMPLE_KNOBS
-
     return min(max_size, n_samples) if knob.name in SAMPLE_KNOBS else max_size
 
 
@@ -161,8 +159,6 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
     if not (ctx.search and job.search.enabled):
         state["source"] = "metric default"
         return defaults
-    from oomguard.engine.core.search import NoSizeFits, search
-
     primary = knobs[0].name
     cap = _search_cap(knobs[0], job.data.n_samples, job.search.max_size)
     seconds = min(job.search.max_seconds, task.time_limit / 3)
@@ -179,6 +175,13 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
         journal.append("search", task=task.key, run=ctx.run_id, **state["search"])
         state["source"] = "search (nothing fit; minimum)"
         return {k.name: int(k.minimum) for k in knobs}
+    except TrialFailed as exc:  # not memory: the task fails, with the trials that ran recorded
+        res = exc.result
+        state["search"] = {"trials": len(res.trials), "max_ok": res.max_ok,
+                           "seconds": round(res.seconds, 3),
+                           "stopped_because": res.stopped_because}
+        journal.append("search", task=task.key, run=ctx.run_id, **state["search"])
+        raise
     rec = result.recommendation
     # No OOM up to the cap: every size ran, and larger ones do the same work.
     size = result.max_ok if result.first_oom is None or rec is None else rec.safe
@@ -195,8 +198,6 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
 
 
 def _split_tensors(value: Any, prefix: str, big: dict[str, Any]) -> None:
-    import torch
-
     if isinstance(value, torch.Tensor):
         if value.numel() > TENSOR_INLINE_MAX:
             big[prefix] = value.detach().cpu()
@@ -206,14 +207,7 @@ def _split_tensors(value: Any, prefix: str, big: dict[str, Any]) -> None:
 
 
 def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
-             t0: float) -> dict[str, Any]:
-    import torch
-    from oomguard.engine.core.budget import budget
-    from oomguard.engine.jobs.data import load_data
-    from oomguard.metrics.base import get_metric
-    from oomguard.metrics.models import build_model
-    from oomguard.probes.peak import PeakMeter
-
+             t0: float) -> TaskResult:
     job, out = ctx.job, Path(ctx.out)
     metric = get_metric(task.metric)
     model = build_model(task.model, job.dtype, job.device, seed=job.seed)
@@ -253,17 +247,14 @@ def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
     tensors = None
     if big:
         pt = out / "results" / f"{task.key}.pt"
-        tmp = pt.with_name(f".{pt.name}.tmp")
-        torch.save(big, tmp)
-        os.replace(tmp, pt)
+        atomic_write(pt, lambda tmp: torch.save(big, tmp))
         tensors = str(pt.relative_to(out))
     summary = metric.summary(result)
-    from oomguard.metrics.common import to_jsonable
-
-    return {"task": task.key, "metric": task.metric, "model": task.model, "status": "ok",
-            "run": ctx.run_id, "fingerprint": task.fingerprint, "params": task.params,
-            "sizes": _sizes_info(state), "search": state.get("search"),
-            "seconds": round(seconds, 3), "total_seconds": round(time.perf_counter() - t0, 3),
-            "peak_bytes": peak, "peak_source": f"measured: {meter.source}",
-            "budget_bytes": job.budget_bytes, "summary": to_jsonable(summary),
-            "tensors": tensors, "finished": now_iso()}
+    return TaskResult(
+        task=task.key, metric=task.metric, model=task.model, status=OK, run=ctx.run_id,
+        fingerprint=task.fingerprint, params=task.params, sizes=_sizes_info(state),
+        search=state.get("search"), seconds=round(seconds, 3),
+        total_seconds=round(time.perf_counter() - t0, 3), peak_bytes=peak,
+        peak_source=f"measured: {meter.source}", budget_bytes=job.budget_bytes,
+        summary=to_jsonable(summary, max_items=TENSOR_INLINE_MAX), tensors=tensors,
+        finished=now_iso())

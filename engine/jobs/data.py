@@ -1,6 +1,6 @@
 """Data sources for jobs: ``n_samples`` rows of ``seq_len`` token ids.
 
-- ``generated``: :func:`metrics.models.make_batch` (seeded random tokens,
+- ``generated``: :func:`oomguard.metrics.models.make_batch` (seeded random tokens,
   seeded padding);
 - ``text``: the file's bytes are the tokens (vocabulary 256), cut into
   consecutive windows from the start;
@@ -19,13 +19,12 @@ each ``[n_samples, seq_len]`` int64.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
-if TYPE_CHECKING:
-    import torch
-    from oomguard.engine.jobs.spec import DataSpec
+from oomguard.engine.jobs.records import DataSpec
+from oomguard.metrics.models import make_batch
 
 
 def _token_stream(path: Path) -> np.ndarray:
@@ -85,9 +84,6 @@ def _windows(stream: np.ndarray, spec: DataSpec) -> np.ndarray:
 def load_data(spec: DataSpec, vocab_size: int, seed: int = 0,
               device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The job's samples as a causal-LM batch dict; ValueError if ids exceed ``vocab_size``."""
-    import torch
-    from oomguard.metrics.models import make_batch
-
     if spec.source == "generated":
         return make_batch(spec.n_samples, spec.seq_len, vocab_size, seed=seed, device=device)
     check_data(spec)

@@ -1,4 +1,4 @@
-"""Durable writes for unattended jobs: an append-only journal and atomic files.
+"""The job journal: an append-only, fsynced JSON-lines record of every event.
 
 The journal is a JSON-lines file: one event per line (``start``, ``sizes``,
 ``retry``, ``success``, ``failure``, ``skip``, ``interrupted``, ...), each
@@ -9,71 +9,26 @@ parent and its metric children): ``O_APPEND`` puts every record at the end.
 
 A ``kill -9`` in the middle of a write can leave a torn last line;
 :func:`replay` skips lines that do not parse, with a warning, so a journal is
-always readable.
-
-:func:`atomic_write` replaces a file in one step (temporary file in the same
-folder, ``fsync``, ``os.replace``, ``fsync`` of the folder): a reader sees the
-old content or the new one, never half of either, also after a crash.
+always readable. Every line is one :func:`~oomguard.engine.core.jsonable.json_text`
+of its record (the one JSON sanitiser); whole files are written with
+:func:`~oomguard.engine.core.atomic.atomic_write`.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from oomguard.engine.core.jsonable import json_text
+from oomguard.engine.jobs.records import now_iso
+
+__all__ = ["Journal", "count_events", "last_events", "now_iso", "replay"]
+
 log = logging.getLogger("oomguard.journal")
-
-
-def now_iso() -> str:
-    """The current UTC time, ISO 8601 with seconds (e.g. ``2025-01-31T02:14:07Z``)."""
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # e.g. platforms that cannot open folders
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str | os.PathLike[str], data: bytes | str, mode: int = 0o644) -> Path:
-    """Write ``data`` to ``path`` atomically and durably; returns the path.
-
-    The folder must exist. On any error the temporary file is removed and the
-    old ``path`` (if any) is left untouched.
-    """
-    target = Path(path)
-    blob = data.encode("utf-8") if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(blob)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(target.parent)
-    return target
-
-
-def atomic_write_json(path: str | os.PathLike[str], value: Any) -> Path:
-    """:func:`atomic_write` of ``value`` as indented, key-sorted JSON plus a newline."""
-    return atomic_write(path, json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
 
 
 class Journal:
@@ -105,7 +60,7 @@ class Journal:
     def append(self, event: str, **fields: Any) -> dict[str, Any]:
         """Write one event durably and return the record written."""
         record = {"t": now_iso(), "pid": os.getpid(), "event": event, **fields}
-        line = json.dumps(record, sort_keys=True, default=str) + "\n"
+        line = json_text(record, indent=None) + "\n"
         fd = self._descriptor()
         os.write(fd, line.encode("utf-8"))
         os.fsync(fd)

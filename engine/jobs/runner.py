@@ -2,8 +2,9 @@
 
 The parent process plans the tasks, keeps the journal, and runs each task in
 a **child process** (from a forkserver that has torch and transformers
-imported: ~0.2 s per child, and safe even where this process already ran
-OpenMP code, which a plain ``fork`` is not). The child builds the model,
+imported, docs/measurements.md#isolated-children-start-up; safe even where
+this process already ran OpenMP code, which a plain ``fork`` is not:
+docs/measurements.md#fork-after-openmp). The child builds the model,
 loads the data, warms up, picks the sizes (size cache, else a bounded search,
 else the metric's defaults; ``sizes`` pinned in the job file win), applies the
 job's budget, runs the metric through the :class:`~oomguard.engine.core.executor.Executor`
@@ -23,26 +24,54 @@ SIGINT/SIGTERM stop cleanly: the running task is recorded as interrupted,
 its child is stopped, and the report is written. ``kill -9`` of the parent
 also ends the child (PR_SET_PDEATHSIG through the forkserver), so at most the
 task in flight is lost.
+
+Logging: this module only logs. Whoever wants ``job.log`` (the command line
+does) passes ``log_setup``; it is called with the output folder in this
+process and at the start of every metric's process.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import importlib
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
-from oomguard.engine.jobs.journal import Journal, atomic_write, atomic_write_json, now_iso
-from oomguard.engine.jobs.spec import Job, JobError, model_label
+from tqdm import tqdm
+
+from oomguard.engine.core.atomic import atomic_write, atomic_write_json
+from oomguard.engine.core.isolate import forkserver_context
+from oomguard.engine.core.jsonable import stable_hash
+from oomguard.engine.errors import JobError
+from oomguard.engine.jobs.child import child_main
+from oomguard.engine.jobs.journal import Journal
+from oomguard.engine.jobs.records import (
+    FAILED,
+    INTERRUPTED,
+    PENDING,
+    Context,
+    Job,
+    Task,
+    TaskResult,
+    now_iso,
+)
+from oomguard.engine.jobs.spec import model_label
+from oomguard.metrics.base import get_metric
+from oomguard.metrics.models import config_fingerprint, model_config
+from oomguard.probes import probe
+from oomguard.reports.job_report import write_job_report
 
 log = logging.getLogger("oomguard.job")
 
@@ -51,51 +80,22 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
-@dataclass(frozen=True)
-class Task:
-    """One metric on one model. ``key`` names its files; ``fingerprint`` its result."""
-
-    key: str
-    metric_id: str
-    metric: str
-    model: str
-    params: dict[str, Any]
-    pinned: dict[str, int]
-    time_limit: float
-    workload: dict[str, Any]
-    fingerprint: str
-
-
-@dataclass
-class Context:
-    """What a task's child needs besides the task (picklable)."""
-
-    job: Job
-    out: str
-    run_id: str
-    cache_path: str | None
-    search: bool
-    device: dict[str, Any]
-    start_method: str = "forkserver"
-
-
 @dataclass
 class Outcome:
-    """What :func:`run_job` did: per task key, its record (``status`` ok/failed/...)."""
+    """What :func:`run_job` did: per task key, its :class:`TaskResult`."""
 
     exit_code: int
-    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    results: dict[str, TaskResult] = field(default_factory=dict)
     out: str = ""
     seconds: float = 0.0
 
     def failed(self) -> list[str]:
-        return [k for k, r in self.results.items() if r.get("status") == "failed"]
+        """Keys of the tasks that failed, in job order."""
+        return [k for k, r in self.results.items() if r.status == FAILED]
 
 
 def plan(job: Job) -> list[Task]:
     """The job's tasks in order (model-major); task keys are file-name safe."""
-    from oomguard.metrics.models import config_fingerprint
-
     tasks = []
     for spec in job.models:
         cfg = config_fingerprint(spec)
@@ -104,8 +104,7 @@ def plan(job: Job) -> list[Task]:
                         "metric": m.name, "params": m.params}
             ident = {**workload, "model": spec, "data": dataclasses.asdict(job.data),
                      "seed": job.seed, "device": job.device, "budget": job.budget_bytes}
-            fp = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()
-                                ).hexdigest()[:16]
+            fp = stable_hash(ident)
             key = m.id if len(job.models) == 1 else f"{model_label(spec)}.{m.id}"
             tasks.append(Task(key=key, metric_id=m.id, metric=m.name, model=spec,
                               params=dict(m.params), pinned=dict(m.sizes),
@@ -114,9 +113,7 @@ def plan(job: Job) -> list[Task]:
 
 
 def device_identity(job: Job) -> dict[str, Any]:
-    """Device name and total bytes (measured by :func:`probes.probe`), plus the job's budget."""
-    from oomguard.probes import probe
-
+    """Device name and total bytes (measured by :func:`oomguard.probes.probe`), plus the budget."""
     snap = probe(job.device)
     if not snap.available:
         raise JobError(f"{job.path}: device: {job.device} is not available here: {snap.reason}")
@@ -124,13 +121,13 @@ def device_identity(job: Job) -> dict[str, Any]:
             "budget_bytes": job.budget_bytes}
 
 
-def read_result(out: Path, key: str) -> dict[str, Any] | None:
-    """``results/<key>.json`` as a dict, or None if absent or unreadable."""
+def read_result(out: Path, key: str) -> TaskResult | None:
+    """``results/<key>.json``, or None if absent or not a task result."""
     try:
         doc = json.loads((out / "results" / f"{key}.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return TaskResult.from_dict(doc)
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return None
-    return doc if isinstance(doc, dict) else None
 
 
 class _Stop:
@@ -158,19 +155,26 @@ class _Stop:
 
 
 def threading_main() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
 def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, search: bool = True,
-            progress: bool | None = None, start_method: str = "forkserver") -> Outcome:
+            progress: bool | None = None, start_method: str = "forkserver",
+            log_setup: Callable[[Path], Any] | None = None) -> Outcome:
     """Run (or resume) ``job`` into ``job.output``; returns the exit code and every record.
 
     ``start_method`` starts each task's process: ``forkserver`` (safe from any
     process), or ``fork`` (faster; only from a process that has not run torch
-    code yet, because a fork after OpenMP ran hangs the child, measured here:
-    the CLI uses it, since its parent only parses, plans and waits).
+    code yet, because a fork after OpenMP ran hangs the child,
+    docs/measurements.md#fork-after-openmp: the CLI uses it, since its parent
+    only parses, plans and waits).
+
+    ``log_setup(out)``, if given, is called with the output folder once the
+    folder is locked, in this process, and again at the start of every
+    metric's process; it must be picklable (a module-level function or an
+    instance of a module-level class). The command line passes one that
+    appends to ``out/job.log``. Without it this function configures no
+    logging at all: records go wherever the caller's logging sends them.
 
     Raises :class:`JobError` before creating anything if the job cannot start
     (device missing, output folder in use by another run).
@@ -187,25 +191,18 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
         raise JobError(f"{out}: another oomguard run is using this output folder") from None
     try:
         return _run_locked(job, tasks, device, out, cache_path, search, progress, t0,
-                           start_method)
+                           start_method, log_setup)
     finally:
         lock.release()
 
 
 def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
                 cache_path: Any, search: bool, progress: bool | None, t0: float,
-                start_method: str) -> Outcome:
-    from tqdm import tqdm
-
+                start_method: str, log_setup: Callable[[Path], Any] | None) -> Outcome:
     for sub in ("results", "tracebacks", "plots"):
         (out / sub).mkdir(exist_ok=True)
-    handler = logging.FileHandler(out / "job.log", encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s "
-                                           "%(message)s"))
-    root = logging.getLogger("oomguard")
-    root.addHandler(handler)
-    if root.level == logging.NOTSET or root.level > logging.INFO:
-        root.setLevel(logging.INFO)
+    if log_setup is not None:
+        log_setup(out)
     atomic_write_json(out / "job.json", {"path": job.path, "name": job.name,
                                          "tasks": [t.key for t in tasks]})
     atomic_write(out / "job.toml", job.text)
@@ -213,18 +210,18 @@ def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
     journal = Journal(out / "journal.jsonl")
     ctx = Context(job=job, out=str(out), run_id=run_id,
                   cache_path=str(cache_path) if cache_path else None, search=search,
-                  device=device, start_method=start_method)
+                  device=device, start_method=start_method, log_setup=log_setup)
     journal.append("job-start", run=run_id, job=job.path, tasks=[t.key for t in tasks],
                    device=device)
     log.info("job %s: %d metric(s) on %s, output %s", job.name, len(tasks), job.device, out)
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, TaskResult] = {}
     show = sys.stderr.isatty() if progress is None else progress
     stopped: int | None = None
     with _Stop() as stop, tqdm(total=len(tasks), disable=not show, unit="metric",
                                desc=job.name, leave=True) as bar:
         for i, task in enumerate(tasks, start=1):
             done = read_result(out, task.key)
-            if done and done.get("status") == "ok" and done.get("fingerprint") == task.fingerprint:
+            if done is not None and done.ok and done.fingerprint == task.fingerprint:
                 journal.append("skip", task=task.key, run=run_id, reason="already done")
                 log.info("[%d/%d] %s: already done, kept", i, len(tasks), task.key)
                 results[task.key] = done
@@ -235,7 +232,7 @@ def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
             bar.set_postfix_str(task.key)
             record = _run_task(task, ctx, journal, stop)
             if record is None:  # interrupted
-                results[task.key] = {"status": "interrupted", "task": task.key}
+                results[task.key] = TaskResult.placeholder(task, run_id, INTERRUPTED)
                 stopped = stop.signum
                 break
             results[task.key] = record
@@ -244,8 +241,10 @@ def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
         if stop.signum is not None:
             stopped = stop.signum
     for task in tasks:
-        results.setdefault(task.key, {"status": "pending", "task": task.key})
-    failed = [k for k, r in results.items() if r.get("status") == "failed"]
+        if task.key not in results:
+            results[task.key] = TaskResult.placeholder(task, run_id, PENDING)
+    results = {task.key: results[task.key] for task in tasks}  # job order (the report's)
+    failed = [k for k, r in results.items() if r.status == FAILED]
     code = EXIT_SIGNAL.get(stopped, 130) if stopped is not None else (
         EXIT_FAILED if failed else EXIT_OK)
     status = "interrupted" if stopped is not None else ("failed" if failed else "complete")
@@ -253,11 +252,9 @@ def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
                        "models": list(job.models), "data": dataclasses.asdict(job.data),
                        "budget_bytes": job.budget_bytes},
                "run": run_id, "status": status, "exit_code": code, "failed": failed,
-               "finished": now_iso(), "tasks": results}
+               "finished": now_iso(), "tasks": {k: r.to_dict() for k, r in results.items()}}
     atomic_write_json(out / "results.json", summary)
     try:
-        from oomguard.reports.job_report import write_job_report
-
         write_job_report(summary, out)
     except Exception:  # noqa: BLE001 - a report problem must not lose the results
         log.exception("could not write report.md / plots (results.json is complete)")
@@ -266,26 +263,21 @@ def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
     log.info("job %s: %s (%s) in %.1f s; results in %s", job.name, status,
              ", ".join(f"{k} failed" for k in failed) or "nothing failed",
              time.perf_counter() - t0, out)
-    root.removeHandler(handler)
-    handler.close()
     return Outcome(exit_code=code, results=results, out=str(out),
                    seconds=time.perf_counter() - t0)
 
 
-def _log_record(i: int, n: int, r: dict[str, Any]) -> None:
-    sizes = r.get("sizes") or {}
+def _log_record(i: int, n: int, r: TaskResult) -> None:
+    sizes = r.sizes or {}
     final = ", ".join(f"{k}={v}" for k, v in (sizes.get("final") or {}).items()) or "-"
-    if r.get("status") == "ok":
-        log.info("[%d/%d] %s: ok in %.1f s at %s (from %s, %d retries)", i, n, r["task"],
-                 r.get("seconds", 0.0), final, sizes.get("source"), sizes.get("retries", 0))
+    if r.ok:
+        log.info("[%d/%d] %s: ok in %.1f s at %s (from %s, %d retries)", i, n, r.task,
+                 r.seconds or 0.0, final, sizes.get("source"), sizes.get("retries", 0))
     else:
-        log.error("[%d/%d] %s: FAILED: %s", i, n, r.get("task"), r.get("reason"))
+        log.error("[%d/%d] %s: FAILED: %s", i, n, r.task, r.reason)
 
 
 def _preload(task: Task) -> tuple[str, ...]:
-    from oomguard.metrics.base import get_metric
-    from oomguard.metrics.models import model_config
-
     mods = ["transformers", "oomguard.metrics.models", "oomguard.metrics.base", "oomguard.engine.jobs.child",
             type(get_metric(task.metric)).__module__]
     try:
@@ -296,20 +288,14 @@ def _preload(task: Task) -> tuple[str, ...]:
     return tuple(m for m in mods if not m.startswith("oomguard_plugin_"))
 
 
-def _run_task(task: Task, ctx: Context, journal: Journal, stop: _Stop) -> dict[str, Any] | None:
+def _run_task(task: Task, ctx: Context, journal: Journal, stop: _Stop) -> TaskResult | None:
     """Run one task in a child; the record written, or None if the job was interrupted."""
-    from oomguard.engine.core.isolate import forkserver_context
-    from oomguard.engine.jobs.child import child_main
-
     out = Path(ctx.out)
     journal.append("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
                    time_limit_s=task.time_limit)
     if ctx.start_method == "forkserver":
         mp = forkserver_context(_preload(task))
     else:
-        import importlib
-        import multiprocessing
-
         for module in _preload(task):  # imported once here, inherited by every child
             try:
                 importlib.import_module(module)
@@ -332,7 +318,7 @@ def _run_task(task: Task, ctx: Context, journal: Journal, stop: _Stop) -> dict[s
             _stop_child(proc)
             reason = f"time limit of {task.time_limit:g} s exceeded (stopped)"
     record = read_result(out, task.key)
-    if record is not None and record.get("run") == ctx.run_id and reason is None:
+    if record is not None and record.run == ctx.run_id and reason is None:
         return record
     if stop.signum is not None and reason is None:
         journal.append("interrupted", task=task.key, run=ctx.run_id,
@@ -347,20 +333,11 @@ def _run_task(task: Task, ctx: Context, journal: Journal, stop: _Stop) -> dict[s
     tb = out / "tracebacks" / f"{task.key}.txt"
     atomic_write(tb, f"{task.key}: {reason}\nNo Python traceback: the child process was "
                  f"stopped or died (see job.log).\n")
-    record = failure_record(task, ctx, reason, str(tb.relative_to(out)), seconds)
+    record = TaskResult.failure(task, ctx.run_id, reason, str(tb.relative_to(out)), seconds)
     atomic_write_json(out / "results" / f"{task.key}.json", record)
     journal.append("failure", task=task.key, run=ctx.run_id, reason=reason,
-                   traceback=record["traceback"])
+                   traceback=record.traceback)
     return record
-
-
-def failure_record(task: Task, ctx: Context, reason: str, tb: str | None, seconds: float,
-                   **extra: Any) -> dict[str, Any]:
-    """The result file of a failed task."""
-    return {"task": task.key, "metric": task.metric, "model": task.model, "status": "failed",
-            "run": ctx.run_id, "fingerprint": task.fingerprint, "params": task.params,
-            "reason": reason, "traceback": tb, "seconds": round(seconds, 3),
-            "finished": now_iso(), **extra}
 
 
 def _stop_child(proc: Any) -> None:
@@ -375,8 +352,7 @@ def format_outcome(outcome: Outcome) -> str:
     """Plain lines for the terminal: one per task, then where the results are."""
     lines = []
     for key, r in outcome.results.items():
-        status = r.get("status", "?")
-        extra = r.get("reason") if status == "failed" else ""
-        lines.append(f"{key:<28} {status:<11} {extra or ''}".rstrip())
+        extra = r.reason if r.status == FAILED else ""
+        lines.append(f"{key:<28} {r.status:<11} {extra or ''}".rstrip())
     lines.append(f"results: {outcome.out}/results.json, report: {outcome.out}/report.md")
     return "\n".join(lines)

@@ -6,122 +6,43 @@ parameters, model specs, the data file. A problem is a :class:`JobError`
 whose one-line message names the field (``metrics[2].params.n_points``) and,
 where it can be found, the line of the file.
 
-See :data:`EXAMPLE` for every field, with comments.
+``oomguard run --example`` prints every field, with comments
+(:func:`~oomguard.engine.jobs.example.example_text`; ``EXAMPLE`` here is the same text).
+The records a job parses into (:class:`Job`, :class:`DataSpec`, ...) live in
+:mod:`oomguard.engine.jobs.records`.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
+if sys.version_info >= (3, 11):  # why: module level, by Python version (tomllib is 3.11+)
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from oomguard.engine.core.units import parse_size
 from oomguard.engine.errors import JobError
+from oomguard.engine.jobs.data import check_data
+from oomguard.engine.jobs.example import example_text
+from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec
+from oomguard.metrics.base import get_metric
+from oomguard.metrics.models import DTYPES, model_config
 
-EXAMPLE = '''\
-# oomguard job file: `oomguard run THIS_FILE` (TOML). Runs as is on the built-in tiny GPT-2.
-# Results, report.md, plots, a journal and a log go to `output` (--out overrides it).
-# Running the same command again resumes: finished metrics are kept, the rest are run.
-
-output = "oomguard-job"      # output folder, relative to the current directory
-device = "cpu"               # cpu, cuda, cuda:N or mps
-dtype = "float32"            # float32, float64, bfloat16, float16
-seed = 0                     # random weights of generated models, and data sampling
-models = ["tiny-gpt2"]       # built-in name, MODEL_TYPE:key=value (random weights) or a
-                             # local checkpoint folder; several models run every metric
-time_limit = "20m"           # default limit per metric (s, m, h; or a number of seconds)
-# budget = "1GiB"            # rehearsal: cap each metric's memory (CPU RLIMIT_DATA / CUDA
-                             # fraction) after the model is built and warmed up
-# plugins = ["my_metrics.py"]  # modules or .py files that register extra metrics
-
-[data]
-source = "generated"         # generated | text (bytes of a file) | tokens (.npy or
-                             # whitespace-separated ids) | bytes (uint8 memmap, random windows)
-# path = "corpus.txt"        # required for text, tokens and bytes
-seq_len = 32                 # tokens per sample
-n_samples = 8                # samples every metric sees
-
-[search]                     # sizes come from the cache, else this search, else defaults
-enabled = true
-max_trials = 6               # trials per metric
-max_seconds = 60             # per search (also capped at a third of the metric's limit)
-start = 8                    # first size tried (the E10 routine: +step while it fits, bisect)
-step = 8
-
-[[metrics]]
-name = "loss"                # `oomguard metrics` lists them
-# time_limit = "5m"          # overrides the default above
-# params = {}                # result-defining parameters (never tuned)
-# sizes = { micro_batch_size = 4 }  # pin memory knobs: no cache, no search
-
-[[metrics]]
-name = "gradient_stats"
-'''
+__all__ = ["DataSpec", "Job", "JobError", "MetricSpec", "SearchSpec", "example_text",
+           "import_plugin", "line_of", "load_job", "model_label", "parse_duration",
+           "parse_job"]
 
 _DATA_SOURCES = ("generated", "text", "tokens", "bytes")
 _TOP = {"output", "device", "dtype", "seed", "models", "time_limit", "budget", "plugins", "data",
         "search", "metrics", "name"}
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?\s*"
                        r"(?:(\d+(?:\.\d+)?)\s*s?)?\s*$")
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """Where samples come from: ``n_samples`` rows of ``seq_len`` tokens."""
-
-    source: str = "generated"
-    path: str | None = None
-    seq_len: int = 32
-    n_samples: int = 8
-
-
-@dataclass(frozen=True)
-class SearchSpec:
-    """Bounds of the per-metric size search (trials, seconds) and the E10 start/step."""
-
-    enabled: bool = True
-    max_trials: int = 6
-    max_seconds: float = 60.0
-    start: int = 8
-    step: int = 8
-    max_size: int = 4096
-
-
-@dataclass(frozen=True)
-class MetricSpec:
-    """One metric of a job: ``params`` are result-defining, ``sizes`` pinned memory knobs."""
-
-    id: str
-    name: str
-    params: dict[str, Any] = field(default_factory=dict)
-    sizes: dict[str, int] = field(default_factory=dict)
-    time_limit: float = 1200.0
-
-
-@dataclass(frozen=True)
-class Job:
-    """A parsed, checked job file. Paths are absolute; times in seconds; budget in bytes."""
-
-    path: str
-    text: str
-    name: str
-    output: str
-    device: str
-    dtype: str
-    seed: int
-    models: tuple[str, ...]
-    data: DataSpec
-    search: SearchSpec
-    metrics: tuple[MetricSpec, ...]
-    budget_bytes: int | None = None
-    plugins: tuple[str, ...] = ()
 
 
 def parse_duration(value: Any) -> float:
@@ -214,14 +135,16 @@ class _Reader:
             raise self.fail(where, str(exc), self.line(where)) from None
 
 
-def _model_label(spec: str) -> str:
-    base = Path(spec).name if ("/" in spec or Path(spec).is_dir()) else spec
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", base).strip("_") or "model"
+def __getattr__(name: str) -> Any:
+    if name == "EXAMPLE":  # the example job file's text, read when first asked for
+        return example_text()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def model_label(spec: str) -> str:
     """A file-name-safe label for a model spec (a checkpoint folder's name, ``gpt2_n_layer_4``)."""
-    return _model_label(spec)
+    base = Path(spec).name if ("/" in spec or Path(spec).is_dir()) else spec
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", base).strip("_") or "model"
 
 
 def load_job(path: str | Path, *, output: str | None = None) -> Job:
@@ -256,8 +179,6 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
 
     device = r.get(doc, "device", "device", (str,), "cpu", "a string")
     dtype = r.get(doc, "dtype", "dtype", (str,), "float32", "a string")
-    from oomguard.metrics.models import DTYPES
-
     if dtype not in DTYPES:
         raise r.fail("dtype", f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}",
                      r.line("dtype"))
@@ -280,8 +201,6 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
     models_raw = [models_raw] if isinstance(models_raw, str) else models_raw
     if not models_raw:
         raise r.fail("models", "give at least one model", r.line("models"))
-    from oomguard.metrics.models import model_config
-
     for i, spec in enumerate(models_raw):
         if not isinstance(spec, str):
             raise r.fail(f"models[{i}]", f"expected a string, got {spec!r}", r.line("models"))
@@ -319,9 +238,6 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
 
 def import_plugin(spec: str) -> None:
     """Import a plugin: a module name, or the path of a ``.py`` file (registers its metrics)."""
-    import importlib
-    import importlib.util
-
     if spec.endswith(".py"):
         name = "oomguard_plugin_" + re.sub(r"\W", "_", Path(spec).stem)
         if name in sys.modules:
@@ -366,8 +282,6 @@ def _parse_data(r: _Reader, doc: dict[str, Any], base: Path) -> DataSpec:
         if not full.is_file():
             raise r.fail("data.path", f"data file not found: {full}", r.line("data.path"))
         path = str(full)
-        from oomguard.engine.jobs.data import check_data
-
         try:
             check_data(DataSpec(source, path, seq_len, n))
         except ValueError as exc:
@@ -393,8 +307,6 @@ def _parse_search(r: _Reader, doc: dict[str, Any]) -> SearchSpec:
 
 
 def _parse_metrics(r: _Reader, doc: dict[str, Any], time_limit: float) -> tuple[MetricSpec, ...]:
-    from oomguard.metrics.base import get_metric
-
     raw = doc.get("metrics")
     if raw is None:
         raise r.fail("metrics", "no metrics: add at least one [[metrics]] table with a name", None)

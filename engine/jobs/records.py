@@ -1,0 +1,185 @@
+"""The typed records of a job: what a job file says, what a task is, what a task produced.
+
+``spec`` (parsing), ``data`` (samples), ``runner`` (the parent) and ``child``
+(one metric's process) all import these at module level; this module imports
+only the standard library and the JSON sanitiser, so none of them needs
+another one of them to describe its inputs or outputs.
+
+A :class:`TaskResult` is what ``results/<task>.json`` holds and what
+:func:`~oomguard.engine.jobs.runner.run_job` returns per task. Its file has
+every field, ``null`` where a field does not apply (``reason`` of a metric that
+ran, ``peak_bytes`` of one that failed), so a reader never has to ask whether
+a key is there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+OK, FAILED, INTERRUPTED, PENDING = "ok", "failed", "interrupted", "pending"
+
+
+def now_iso() -> str:
+    """The current UTC time, ISO 8601 with seconds (e.g. ``2025-01-31T02:14:07Z``)."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ------------------------------------------------------------------ the job file
+@dataclass(frozen=True)
+class DataSpec:
+    """Where samples come from: ``n_samples`` rows of ``seq_len`` tokens."""
+
+    source: str = "generated"
+    path: str | None = None
+    seq_len: int = 32
+    n_samples: int = 8
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    """Bounds of the per-metric size search (trials, seconds) and the E10 start/step."""
+
+    enabled: bool = True
+    max_trials: int = 6
+    max_seconds: float = 60.0
+    start: int = 8
+    step: int = 8
+    max_size: int = 4096
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric of a job: ``params`` are result-defining, ``sizes`` pinned memory knobs."""
+
+    id: str
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    time_limit: float = 1200.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """A parsed, checked job file. Paths are absolute; times in seconds; budget in bytes."""
+
+    path: str
+    text: str
+    name: str
+    output: str
+    device: str
+    dtype: str
+    seed: int
+    models: tuple[str, ...]
+    data: DataSpec
+    search: SearchSpec
+    metrics: tuple[MetricSpec, ...]
+    budget_bytes: int | None = None
+    plugins: tuple[str, ...] = ()
+
+
+# ------------------------------------------------------------------ running it
+@dataclass(frozen=True)
+class Task:
+    """One metric on one model. ``key`` names its files; ``fingerprint`` its result."""
+
+    key: str
+    metric_id: str
+    metric: str
+    model: str
+    params: dict[str, Any]
+    pinned: dict[str, int]
+    time_limit: float
+    workload: dict[str, Any]
+    fingerprint: str
+
+
+@dataclass
+class Context:
+    """What a task's process needs besides the task. Picklable, ``log_setup`` included.
+
+    ``log_setup``, if given, is called with the output folder at the start of
+    every metric's process (see :func:`~oomguard.engine.jobs.runner.run_job`).
+    """
+
+    job: Job
+    out: str
+    run_id: str
+    cache_path: str | None
+    search: bool
+    device: dict[str, Any]
+    start_method: str = "forkserver"
+    log_setup: Callable[[Any], Any] | None = None
+
+
+@dataclass
+class TaskResult:
+    """What one task produced: ``results/<task>.json``, and one entry of ``results.json``.
+
+    ``status`` is ``ok``, ``failed``, ``interrupted`` or ``pending`` (the last
+    two are never written to a result file). ``seconds`` is the metric's own
+    run (ok) or the time until it failed; ``total_seconds`` adds model build,
+    warm-up and search. ``sizes`` says where the sizes came from and every
+    attempt; ``search`` the search that ran, if any. Keys this version does not
+    know (a file written by another version) are kept in ``extra``.
+    """
+
+    task: str
+    metric: str
+    model: str
+    status: str
+    run: str | None = None
+    fingerprint: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    seconds: float | None = None
+    total_seconds: float | None = None
+    finished: str | None = None
+    reason: str | None = None
+    traceback: str | None = None
+    sizes: dict[str, Any] | None = None
+    search: dict[str, Any] | None = None
+    peak_bytes: int | None = None
+    peak_source: str | None = None
+    budget_bytes: int | None = None
+    summary: Any = None
+    tensors: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    @classmethod
+    def failure(cls, task: Task, run_id: str, reason: str, traceback: str | None,
+                seconds: float, **fields: Any) -> TaskResult:
+        """The record of a failed task (``traceback``: the file, relative to the output)."""
+        return cls(task=task.key, metric=task.metric, model=task.model, status=FAILED,
+                   run=run_id, fingerprint=task.fingerprint, params=dict(task.params),
+                   reason=reason, traceback=traceback, seconds=round(seconds, 3),
+                   finished=now_iso(), **fields)
+
+    @classmethod
+    def placeholder(cls, task: Task, run_id: str, status: str) -> TaskResult:
+        """A task that did not finish in this run: ``interrupted`` or ``pending``."""
+        return cls(task=task.key, metric=task.metric, model=task.model, status=status,
+                   run=run_id, fingerprint=task.fingerprint, params=dict(task.params))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field (``extra`` merged in) as a plain dict, ready for the JSON sanitiser."""
+        out = dict(self.extra)
+        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                    if f.name != "extra"})
+        return out
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> TaskResult:
+        """The record a result file holds; KeyError/TypeError if it is not one."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in doc.items() if k in names}
+        for required in ("task", "metric", "model", "status"):
+            if not isinstance(known.get(required), str):
+                raise KeyError(f"a task result needs a string {required!r}")
+        return cls(**known, extra={k: v for k, v in doc.items() if k not in names})
