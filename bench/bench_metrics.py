@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import torch
+
 from oomguard.engine.core.budget import budget, return_freed_memory_to_os
 from oomguard.engine.core.oom import OOM, call_catching_oom
 from oomguard.engine.core.search import NoSizeFits, search

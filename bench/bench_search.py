@@ -19,7 +19,7 @@ import multiprocessing as mp
 import time
 
 from oomguard.engine.core.isolate import forkserver_context
-from oomguard.engine.core.search import search
+from oomguard.engine.core.search import SearchConfig, search
 from oomguard.engine.core.strategies import E10, Doubling, LinearJump
 from oomguard.metrics.synthetic import e10_line
 from oomguard.metrics.train_step import TrainStep
@@ -37,14 +37,15 @@ def _workloads(quick: bool) -> dict[str, tuple[object, int]]:
 
 
 def _strategies(capacity: int) -> dict[str, object]:
-    return {"e10": E10(32, 8), "doubling": Doubling(32), "linear-jump": LinearJump(capacity)}
+    return {"e10": E10(start=32, step=8), "doubling": Doubling(start=32),
+            "linear-jump": LinearJump(capacity_bytes=capacity)}
 
 
 def _one(name: str, strategy: str, isolate: bool, quick: bool) -> tuple[int, float, int | None]:
     workload, nbytes = _workloads(quick)[name]
-    strat = _strategies(nbytes)[strategy]
+    config = SearchConfig(strategy=_strategies(nbytes)[strategy], budget=nbytes, isolate=isolate)
     t0 = time.perf_counter()
-    result = search(workload, strategy=strat, budget=nbytes, isolate=isolate)
+    result = search(workload, config)
     return len(result.trials), time.perf_counter() - t0, result.max_ok
 
 

@@ -150,3 +150,17 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
+
+
+def memory_limits() -> dict[str, int]:
+    """The memory limits in force on this process, by name, in bytes: ``RLIMIT_DATA``,
+    ``RLIMIT_AS`` (soft) and ``cgroup memory limit``; empty when there is none."""
+    out: dict[str, int] = {}
+    for name in ("RLIMIT_DATA", "RLIMIT_AS"):
+        soft, _ = resource.getrlimit(getattr(resource, name))
+        if soft != _UNLIMITED:
+            out[name] = soft
+    limit, _ = cgroup_limit()
+    if limit is not None:
+        out["cgroup memory limit"] = limit
+    return out

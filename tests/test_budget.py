@@ -6,7 +6,17 @@ import resource
 
 import pytest
 import torch
-from oomguard.engine.core.budget import MIN_CPU_BUDGET, BudgetError, active_budget, budget
+from conftest import in_fresh_process
+
+from oomguard.engine.core.budget import (
+    MIN_CPU_BUDGET,
+    BudgetError,
+    active_budget,
+    budget,
+    check_budget,
+    return_freed_memory_to_os,
+    trim_heap,
+)
 from oomguard.engine.core.oom import is_oom
 from oomguard.probes.host import meminfo
 
@@ -19,57 +29,93 @@ def _warm_up() -> None:
     torch.ones(4, 4).sum()
 
 
-def test_allocation_over_the_budget_is_a_real_cpu_oom() -> None:
+def _oom_over_the_budget() -> dict:
+    torch.ones(4, 4).sum()
     with budget(256 * MiB) as b:
-        assert b.mechanism == "RLIMIT_DATA" and active_budget() is b
-        with pytest.raises(RuntimeError) as info:
+        seen = {"mechanism": b.mechanism, "active": active_budget() is b}
+        try:
             torch.empty(512 * MiB, dtype=torch.uint8)
+        except RuntimeError as exc:
+            seen.update(error=str(exc), is_oom=is_oom(exc),
+                        typed=isinstance(exc, torch.OutOfMemoryError))
         small = torch.ones(64 * MiB // 4)  # well inside: fits, and is really written
-        assert float(small[-1]) == 1.0
+        seen["small"] = float(small[-1])
         del small
-    assert "DefaultCPUAllocator: can't allocate memory" in str(info.value)
-    assert not isinstance(info.value, torch.OutOfMemoryError)  # CPU OOMs are plain RuntimeErrors
-    assert is_oom(info.value)
-    assert active_budget() is None
+    seen["active after"] = active_budget()
+    return seen
 
 
-def test_rlimit_is_restored_on_exit_and_after_an_error_inside() -> None:
+@pytest.mark.integration
+def test_allocation_over_the_budget_is_a_real_cpu_oom() -> None:
+    seen = in_fresh_process(_oom_over_the_budget)
+    assert seen["mechanism"] == "RLIMIT_DATA" and seen["active"]
+    assert "DefaultCPUAllocator: can't allocate memory" in seen["error"]
+    assert seen["is_oom"] and not seen["typed"]  # CPU OOMs are plain RuntimeErrors
+    assert seen["small"] == 1.0 and seen["active after"] is None
+
+
+def _limits_around_budgets() -> list:
+    torch.ones(4, 4).sum()
+    seen = []
     before = resource.getrlimit(resource.RLIMIT_DATA)
     with budget(256 * MiB) as b:
-        assert resource.getrlimit(resource.RLIMIT_DATA) == (b.limit, before[1])
-    assert resource.getrlimit(resource.RLIMIT_DATA) == before
-    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        seen.append(resource.getrlimit(resource.RLIMIT_DATA) == (b.limit, before[1]))
+    seen.append(resource.getrlimit(resource.RLIMIT_DATA) == before)
+    try:
         with budget(128 * MiB):
             torch.empty(1024 * MiB, dtype=torch.uint8)
-    assert resource.getrlimit(resource.RLIMIT_DATA) == before
-    with pytest.raises(KeyError):
+    except RuntimeError as exc:
+        seen.append("can't allocate memory" in str(exc))
+    seen.append(resource.getrlimit(resource.RLIMIT_DATA) == before)
+    try:
         with budget(128 * MiB):
             raise KeyError("not memory")
-    assert resource.getrlimit(resource.RLIMIT_DATA) == before
-    assert active_budget() is None
+    except KeyError:
+        seen.append(resource.getrlimit(resource.RLIMIT_DATA) == before)
+    seen.append(active_budget() is None)
     torch.empty(512 * MiB, dtype=torch.uint8)  # the limit is really gone
+    seen.append("allocated after")
+    return seen
 
 
-def test_nested_budgets_only_shrink() -> None:
+@pytest.mark.integration
+def test_rlimit_is_restored_on_exit_and_after_an_error_inside() -> None:
+    assert in_fresh_process(_limits_around_budgets) == [True] * 6 + ["allocated after"]
+
+
+def _nested_budgets() -> list:
+    torch.ones(4, 4).sum()
+    seen = []
+
+    def ooms(nbytes: int) -> bool:
+        try:
+            torch.empty(nbytes, dtype=torch.uint8)
+        except RuntimeError as exc:
+            return "can't allocate memory" in str(exc)
+        return False
+
     with budget(256 * MiB) as outer:
         with budget(1024 * MiB) as looser:  # asks for more: gets the outer limit
-            assert looser.limit <= outer.limit
-            assert resource.getrlimit(resource.RLIMIT_DATA)[0] == looser.limit
-            with pytest.raises(RuntimeError, match="can't allocate memory"):
-                torch.empty(512 * MiB, dtype=torch.uint8)
+            seen += [looser.limit <= outer.limit,
+                     resource.getrlimit(resource.RLIMIT_DATA)[0] == looser.limit,
+                     ooms(512 * MiB)]
         with budget(64 * MiB) as tighter:
-            assert tighter.limit < outer.limit and active_budget() is tighter
-            with pytest.raises(RuntimeError, match="can't allocate memory"):
-                torch.empty(128 * MiB, dtype=torch.uint8)
-        assert resource.getrlimit(resource.RLIMIT_DATA)[0] == outer.limit
-        assert active_budget() is outer
-        torch.ones(128 * MiB // 4)  # the outer budget still has room for it
+            seen += [tighter.limit < outer.limit, active_budget() is tighter, ooms(128 * MiB)]
+        seen += [resource.getrlimit(resource.RLIMIT_DATA)[0] == outer.limit,
+                 active_budget() is outer, not ooms(128 * MiB)]  # the outer budget has room
+    return seen
+
+
+@pytest.mark.integration
+def test_nested_budgets_only_shrink() -> None:
+    assert in_fresh_process(_nested_budgets) == [True] * 9
 
 
 @pytest.mark.parametrize(("nbytes", "device", "words"), [
     (0, "cpu", "positive"),
     (-MiB, "cpu", "positive"),
     (1.5 * 1024**3, "cpu", "positive"),  # not an int of bytes
+    (True, "cpu", "positive"),  # a bool is not a number of bytes
     (MIN_CPU_BUDGET - 1, "cpu", "too small"),
     (None, "cpu", "positive"),
     (256 * MiB, "tpu", "unknown device"),
@@ -100,3 +146,16 @@ def test_cuda_budget_without_cuda_is_a_budget_error() -> None:
             with budget(256 * MiB, dev):
                 pass
         assert "\n" not in str(info.value)
+
+
+def test_check_budget_makes_the_entry_checks_without_a_budget() -> None:
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    assert check_budget(64 * MiB, "cpu") == torch.device("cpu")
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before and active_budget() is None
+    with pytest.raises(BudgetError, match="too small"):
+        check_budget(MIN_CPU_BUDGET - 1)
+
+
+def test_glibc_helpers_answer_on_linux() -> None:
+    assert return_freed_memory_to_os() is True
+    assert isinstance(trim_heap(), bool)  # 1 if memory went back, 0 if there was none

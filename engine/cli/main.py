@@ -19,11 +19,11 @@ the command functions.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import re
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,7 +97,7 @@ def _strategy(args: argparse.Namespace, capacity: int | None) -> Any:
     if args.strategy == "linear-jump":
         if capacity is None:
             raise UsageError("--strategy linear-jump needs a --budget (or a GPU's free memory)")
-        return LinearJump(capacity_bytes=capacity, start=min(args.start, 8), step=args.step)
+        return LinearJump(capacity_bytes=capacity, start=min(args.start, 8))
     return E10(start=args.start, step=args.step)
 
 
@@ -114,7 +114,8 @@ def _progress(label: str) -> Any:
 
 def _search_and_report(args: argparse.Namespace, workload: Any, context: dict[str, Any],
                        max_size: int) -> int:
-    from oomguard.engine.core.search import NoSizeFits, search
+    from oomguard.engine.core.search import search
+    from oomguard.engine.errors import NoSizeFits
     from oomguard.reports import write_report
 
     dev = resolve_device(args.device)
@@ -125,11 +126,11 @@ def _search_and_report(args: argparse.Namespace, workload: Any, context: dict[st
           f"{fmt_bytes(nbytes)} ({'isolated' if args.isolate else 'in-process'} trials)",
           file=sys.stderr, flush=True)
     try:
-        result = search(workload, strategy=_strategy(args, nbytes), step=args.step,
-                        max_size=max_size, max_trials=args.max_trials, device=dev,
-                        budget=nbytes, isolate=args.isolate, margin=args.margin,
+        result = search(workload, strategy=_strategy(args, nbytes), max_size=max_size,
+                        max_trials=args.max_trials, device=dev, budget=nbytes,
+                        isolate=args.isolate, margin=args.margin,
                         on_trial=_progress(context.get("knob", "batch")))
-    except NoSizeFits as exc:
+    except NoSizeFits as exc:  # other knobs may still fit; TrialFailed goes to main()
         print(f"oomguard: {exc}", file=sys.stderr)
         return 1
     paths = write_report(result, Path(args.out), context=context)
@@ -219,13 +220,13 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
+    from oomguard.engine.core.jsonable import json_text
     from oomguard.metrics.base import load_all
 
     table = load_all()
     if args.json:
-        print(json.dumps({name: {"description": m.description,
-                                 "knobs": [dataclasses.asdict(k) for k in m.knobs]}
-                          for name, m in sorted(table.items())}, indent=2))
+        print(json_text({name: {"description": m.description, "knobs": list(m.knobs)}
+                         for name, m in table.items()}), end="")
         return 0
     for name, m in sorted(table.items()):
         print(f"{name}: {m.description}")
@@ -310,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"oomguard: error: {exc}", file=sys.stderr)
         return 2
     except SearchFailed as exc:  # the trials that ran are in exc.result (and any report)
+        if exc.__cause__ is not None:  # a crash or a bug ended it: show where, then the summary
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
         print(f"oomguard: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # e.g. `oomguard probe --json | head`

@@ -8,7 +8,7 @@ error:
   glibc is first told to serve allocations of 128 KiB and more with ``mmap``
   (``mallopt(M_MMAP_THRESHOLD)``) so freed tensors really go back to the kernel;
   without it the heap keeps fragments and the same size fits on one try and not
-  the next (measured: max batch 11-13 over five runs, 12 every time with it).
+  the next (docs/measurements.md#return-freed-memory).
 - CUDA: ``torch.cuda.set_per_process_memory_fraction((reserved + budget) / total)``.
 
 On both, the budget counts bytes *above what the process holds when it is
@@ -28,13 +28,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
 from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import BudgetError
 from oomguard.probes import host
 
 log = logging.getLogger("oomguard.budget")
 
-# Below this, libgomp cannot even create its threads (CPU-OOM-FACTS.md: >= 20 MB).
+# Below this, libgomp cannot even create its threads (docs/measurements.md#minimum-cpu-budget).
 MIN_CPU_BUDGET = 24 * 1024**2
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 128 * 1024
@@ -62,10 +63,10 @@ def tighten_active_budget() -> None:
     """Keep an active CPU budget at ``nbytes`` above the *smallest* usage seen.
 
     Memory counted in the baseline can be released after the budget starts
-    (thread stacks of finished pools, trimmed malloc arenas: measured 24 MiB
-    in a test process), which would silently enlarge the budget. Called before
-    each trial, this lowers the limit to ``VmData now + nbytes`` when that is
-    smaller. It never raises the limit, so memory that trials leave behind
+    (thread stacks of finished pools, trimmed malloc arenas), which would
+    silently enlarge the budget (docs/measurements.md#free-heap-at-budget-entry).
+    Called before each trial, this lowers the limit to ``VmData now + nbytes``
+    when that is smaller. It never raises the limit, so memory that trials leave behind
     keeps counting, as it would on a device.
     """
     b = active_budget()
@@ -88,32 +89,48 @@ def free_heap_bytes() -> int | None:
 
     They are counted in ``VmData`` yet can serve new allocations without growing
     it, so a CPU budget entered while they exist allows up to this much more
-    than asked. None where glibc >= 2.33 is not available.
+    than asked (docs/measurements.md#free-heap-at-budget-entry). None where
+    glibc >= 2.33 is not available.
     """
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name).mallinfo2 if name else None
-    except (OSError, AttributeError):
-        return None
+    libc = _libc()
+    fn = getattr(libc, "mallinfo2", None) if libc else None
     if fn is None:
         return None
     fn.restype = _MallInfo2
     return int(fn().fordblks)
 
 
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
 def return_freed_memory_to_os() -> bool:
-    """Make glibc serve allocations >= 128 KiB with mmap so frees go back to the OS.
+    """Make glibc serve allocations >= 128 KiB with mmap so frees go back to the OS
+    (docs/measurements.md#return-freed-memory).
 
     Returns False where there is no glibc (the budget still works, less
     deterministically).
     """
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
+    libc = _libc()
     try:
-        libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES))
-    except (OSError, AttributeError):
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)) if libc else False
+    except AttributeError:
+        return False
+
+
+def trim_heap() -> bool:
+    """Give the free memory at the top of glibc's heaps back to the OS (``malloc_trim(0)``).
+
+    Returns False where there is no glibc.
+    """
+    libc = _libc()
+    try:
+        return bool(libc.malloc_trim(0)) if libc else False
+    except AttributeError:
         return False
 
 
@@ -124,6 +141,38 @@ def _device_str(device: str | torch.device) -> torch.device:
         raise BudgetError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps") from exc
     if dev.type not in ("cpu", "cuda"):
         raise BudgetError(f"budgets are supported on cpu and cuda, not {dev.type!r}")
+    return dev
+
+
+def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.device:
+    """Raise :class:`BudgetError` unless ``nbytes`` can be a budget on ``device``; return
+    the device. The checks :func:`budget` makes on entry, for callers that apply the
+    budget later or elsewhere (an isolated trial's child process)."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        raise BudgetError(f"a budget must be a positive number of bytes, got {nbytes!r}")
+    dev = _device_str(device)
+    if dev.type == "cpu":
+        if nbytes < MIN_CPU_BUDGET:
+            raise BudgetError(
+                f"a CPU budget of {fmt_bytes(nbytes)} is too small: thread pools need "
+                f"~20 MiB of headroom; use at least {fmt_bytes(MIN_CPU_BUDGET)}"
+            )
+        avail = host.meminfo().get("MemAvailable")
+        if avail is not None and nbytes > avail:
+            raise BudgetError(
+                f"budget {fmt_bytes(nbytes)} is more than the {fmt_bytes(avail)} this host has "
+                "available; choose a smaller --budget"
+            )
+        return dev
+    if not torch.cuda.is_available():
+        raise BudgetError("no CUDA device is available here: use --device cpu")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    if nbytes > total:
+        raise BudgetError(
+            f"budget {fmt_bytes(nbytes)} is more than cuda:{index}'s {fmt_bytes(total)}; "
+            "choose a smaller --budget"
+        )
     return dev
 
 
@@ -139,9 +188,7 @@ def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
     ``nbytes`` is not positive, below :data:`MIN_CPU_BUDGET` on CPU, or larger
     than the device can give. Nested budgets may only shrink the limit.
     """
-    if not isinstance(nbytes, int) or nbytes <= 0:
-        raise BudgetError(f"a budget must be a positive number of bytes, got {nbytes!r}")
-    dev = _device_str(device)
+    dev = check_budget(nbytes, device)
     if dev.type == "cpu":
         with _cpu_budget(nbytes) as b:
             yield b
@@ -157,21 +204,11 @@ def _start_thread_pool() -> None:
 
 @contextmanager
 def _cpu_budget(nbytes: int) -> Iterator[Budget]:
-    if nbytes < MIN_CPU_BUDGET:
-        raise BudgetError(
-            f"a CPU budget of {fmt_bytes(nbytes)} is too small: thread pools need "
-            f"~20 MiB of headroom; use at least {fmt_bytes(MIN_CPU_BUDGET)}"
-        )
-    avail = host.meminfo().get("MemAvailable")
-    if avail is not None and nbytes > avail:
-        raise BudgetError(
-            f"budget {fmt_bytes(nbytes)} is more than the {fmt_bytes(avail)} this host has "
-            "available; choose a smaller --budget"
-        )
     return_freed_memory_to_os()
     # Measure the baseline after what is already garbage is gone and after the
     # OpenMP pool exists: otherwise freed garbage becomes extra room and the
-    # first parallel op inside charges ~8 MiB of thread stacks to the budget.
+    # first parallel op inside charges ~8 MiB of thread stacks to the budget
+    # (docs/measurements.md#minimum-cpu-budget).
     gc.collect()
     _start_thread_pool()
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
@@ -201,15 +238,8 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
 
 @contextmanager
 def _cuda_budget(nbytes: int, dev: torch.device) -> Iterator[Budget]:
-    if not torch.cuda.is_available():
-        raise BudgetError("no CUDA device is available here: use --device cpu")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
-    if nbytes > total:
-        raise BudgetError(
-            f"budget {fmt_bytes(nbytes)} is more than cuda:{index}'s {fmt_bytes(total)}; "
-            "choose a smaller --budget"
-        )
     # Like the CPU budget, count bytes above what this process already holds.
     reserved = torch.cuda.memory_reserved(index)
     if reserved + nbytes > total:

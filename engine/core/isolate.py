@@ -1,23 +1,43 @@
 """Isolated trials: each size runs in a fresh child process.
 
 In-process trials inherit the caches, JIT kernels and heap fragments of every
-earlier trial, so their headroom shrinks as a search runs (CPU-OOM-FACTS.md:
-69 in-process against 100 in a fresh process on an LSTM). A fresh child per
-trial measures the true maximum.
+earlier trial, so their headroom shrinks as a search runs; a fresh child per
+trial measures the true maximum (docs/measurements.md#in-process-vs-isolated).
 
 Children come from a ``forkserver`` that has already imported torch (and the
 workload's ``preload`` modules), so a trial pays a fork and the workload's own
-``warmup()``, not a 1.5-3 s interpreter start. In the child: ``warmup()``, then
-the budget (if any), then one trial; the :class:`~oomguard.engine.core.trial.Trial` comes back
-through a pipe. A non-OOM error in the child is re-raised in the parent.
+``warmup()``, not an interpreter start
+(docs/measurements.md#isolated-children-start-up). In the child, in order:
+send ``started``; send fd 2 to a temporary file; unpickle the workload; make
+glibc give freed memory back and trim its heap
+(docs/measurements.md#return-freed-memory); ``warmup()``; the budget (if
+any); one trial; send the :class:`~oomguard.engine.core.trial.Trial` back.
+
+How the parent reads a child's end:
+
+- a Trial (fitted or OOM) is returned; an error raised in the child is
+  re-raised here, with the child's traceback as a note;
+- a child that dies before ``started`` (its re-import of an unguarded main
+  script failed) or cannot unpickle the workload raises
+  :class:`ChildStartFailed` naming the likely cause and the fix;
+- a child that dies after ``started`` is an OOM only with evidence: SIGKILL
+  while a memory limit applies (the budget, ``RLIMIT_DATA``/``RLIMIT_AS``, a
+  cgroup limit), or an allocation failure reported on its stderr (libgomp,
+  C++ ``std::bad_alloc``; oneDNN's "could not create a primitive" under a
+  memory limit). Otherwise :class:`ChildCrashed`.
+
+The child's stderr is copied to this process's stderr after each trial.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
+import pickle
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -25,50 +45,114 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+
+from oomguard.engine.core.budget import budget, return_freed_memory_to_os, trim_heap
 from oomguard.engine.core.trial import Trial, run_trial
-from oomguard.engine.errors import ChildCrashed
+from oomguard.engine.errors import ChildCrashed, ChildStartFailed
+from oomguard.probes import host
 
 log = logging.getLogger("oomguard.isolate")
 
-_BASE_PRELOAD = ("torch", "oomguard.engine.core.trial", "oomguard.engine.core.budget", "oomguard.probes.peak")
+_BASE_PRELOAD = ("torch", "oomguard.engine.core.isolate", "oomguard.engine.core.trial",
+                 "oomguard.engine.core.budget", "oomguard.probes.peak")
+
+# Text a child writes on stderr when it dies for want of memory (lower-case). libgomp
+# prints "libgomp: Thread creation failed: Resource temporarily unavailable" and exits
+# with code 1 when a thread's stack does not fit (docs/measurements.md#minimum-cpu-budget).
+ALLOCATION_FAILURES: tuple[str, ...] = (
+    "libgomp: out of memory",  # gomp_malloc: "libgomp: Out of memory allocating N bytes"
+    "libgomp: thread creation failed",
+    "std::bad_alloc",  # a C++ allocation failure nothing caught (terminate, SIGABRT)
+)
+# oneDNN's text counts only under a memory limit (docs/measurements.md#onednn-primitive).
+_ONEDNN_PRIMITIVE = "could not create a primitive"
+
+MODULE_LEVEL_FIX = ("define the workload as a module-level function or a picklable class "
+                    "in an importable file")
+MAIN_GUARD_FIX = 'guard the script with `if __name__ == "__main__":`'
 
 
-def _child(fn: Any, size: int, device: str, budget_bytes: int | None, conn: Any) -> None:
-    """Runs in the child: warm up, apply the budget, run one trial, send it back."""
+def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, conn: Any,
+           stderr_path: str) -> None:
+    """Runs in the child: say it started, then unpickle, warm up, budget, one trial."""
+    conn.send(("started",))
     try:
+        sys.stderr.flush()
+        fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, 2)
+        os.close(fd)
+    except OSError:  # keep the inherited stderr; nothing is lost
+        pass
+    try:
+        fn = pickle.loads(payload)
+    except BaseException as exc:  # noqa: BLE001 - any failure to rebuild the workload
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        conn.send(("unpickle-failed", f"{type(exc).__name__}: {first}"))
+        conn.close()
+        return
+    try:
+        return_freed_memory_to_os()
+        trim_heap()
         if hasattr(fn, "warmup"):
             fn.warmup()
-        if budget_bytes is not None:
-            from oomguard.engine.core.budget import budget
-
-            guard: AbstractContextManager[Any] = budget(budget_bytes, device)
-        else:
-            guard = nullcontext()
+        guard: AbstractContextManager[Any] = (
+            budget(budget_bytes, device) if budget_bytes is not None else nullcontext())
         with guard:
             trial = run_trial(fn, size, device)
         conn.send(("ok", trial))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         text = "".join(traceback.format_exception(exc))
         try:
-            conn.send(("error", exc, text))
+            pickled: bytes | None = pickle.dumps(exc)
         except Exception:  # the exception itself may not pickle
-            conn.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}"), text))
+            pickled = None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        conn.send(("error", pickled, f"{type(exc).__name__}: {first}", text))
     finally:
+        sys.stderr.flush()
         conn.close()
+
+
+def _in_bootstrapping_child() -> bool:
+    """True while a multiprocessing child re-imports the main script (before its target runs)."""
+    return bool(getattr(mp.current_process(), "_inheriting", False))
+
+
+def _main_program() -> str | None:
+    """What a forkserver/spawn child re-imports of the parent: a script path or module
+    name, or None (``python -c``, stdin, a notebook: nothing it can import)."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name:
+        return name
+    path = getattr(main, "__file__", None)
+    return path if path and os.path.isfile(path) else None
 
 
 class IsolatedRunner:
     """Context manager; calling it with a size runs one isolated trial -> :class:`Trial`.
 
-    ``fn`` must be picklable (a module-level function or a dataclass instance).
+    ``fn`` must be picklable (a module-level function or class instance in an
+    importable file); :class:`ChildStartFailed` says so at once if it is not.
     ``budget`` bytes are applied in the child after ``fn.warmup()``.
-    ``timeout`` seconds bound each trial (a hung child is killed and reported).
+    ``timeout`` seconds bound each trial (a hung child is killed: ChildCrashed).
     """
 
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
                  budget: int | None = None, timeout: float = 600.0) -> None:
+        if _in_bootstrapping_child():
+            raise ChildStartFailed(
+                "an isolated trial's child process is re-running the main script, which starts "
+                f"a search at import: {MAIN_GUARD_FIX}")
+        try:
+            self.payload = pickle.dumps(fn)
+        except Exception as exc:  # PicklingError, AttributeError, TypeError
+            raise ChildStartFailed(
+                f"isolated trials cannot send {_name(fn)} to a child process ({type(exc).__name__}:"
+                f" {str(exc).splitlines()[0] if str(exc) else ''}): {MODULE_LEVEL_FIX}") from exc
         self.fn, self.device, self.budget, self.timeout = fn, str(device), budget, timeout
-        self.ctx = forkserver_context(tuple(getattr(fn, "preload", ())) + (type(fn).__module__,))
+        module = getattr(fn, "__module__", None) or type(fn).__module__
+        self.ctx = forkserver_context(tuple(getattr(fn, "preload", ())) + (module,))
 
     def __enter__(self) -> IsolatedRunner:
         return self
@@ -77,43 +161,148 @@ class IsolatedRunner:
         return None
 
     def __call__(self, size: int) -> Trial:
+        fd, stderr_path = tempfile.mkstemp(prefix="oomguard-child-", suffix=".stderr")
+        os.close(fd)
+        try:
+            return self._run(size, stderr_path)
+        finally:
+            try:
+                os.unlink(stderr_path)
+            except OSError:
+                pass
+
+    def _run(self, size: int, stderr_path: str) -> Trial:
         parent, child = self.ctx.Pipe(duplex=False)
-        proc = self.ctx.Process(target=_child, args=(self.fn, size, self.device, self.budget, child),
-                                daemon=True)
+        proc = self.ctx.Process(target=_child, daemon=True, args=(
+            self.payload, size, self.device, self.budget, child, stderr_path))
         start = time.perf_counter()
         proc.start()
         child.close()
-        message = None
-        if parent.poll(self.timeout):
+        started, message, timed_out = False, None, False
+        while message is None:
+            left = self.timeout - (time.perf_counter() - start)
+            if left <= 0 or not parent.poll(left):
+                timed_out = True
+                break
             try:
-                message = parent.recv()
-            except EOFError:
-                message = None
-        proc.join(timeout=30)
+                received = parent.recv()
+            except EOFError:  # the child is gone
+                break
+            if received[0] == "started":
+                started = True
+            else:
+                message = received
+        parent.close()
+        proc.join(timeout=0 if timed_out else 30)
         if proc.is_alive():
             proc.kill()
             proc.join()
         elapsed = time.perf_counter() - start
+        stderr = _pass_through(stderr_path)
+        if timed_out:
+            raise ChildCrashed(f"isolated trial at size {size}: no result after "
+                               f"{self.timeout:g} s; the child process was killed")
+        if not started:
+            raise _start_failure(size, proc.exitcode)
         if message is None:
-            return self._crashed(size, proc.exitcode, elapsed)
+            return self._died(size, proc.exitcode, stderr, elapsed)
+        if message[0] == "unpickle-failed":
+            where = (" (a child cannot import what python -c, stdin or a notebook defines)"
+                     if _main_program() is None else "")
+            raise ChildStartFailed(f"isolated trial at size {size}: the child process cannot "
+                                   f"unpickle {_name(self.fn)} ({message[1]}){where}: "
+                                   f"{MODULE_LEVEL_FIX}")
         if message[0] == "error":
-            _, exc, text = message
-            log.error("isolated trial at size %d failed:\n%s", size, text)
+            _, pickled, summary, text = message
+            log.debug("isolated trial at size %d failed:\n%s", size, text)
+            exc = _rebuild(pickled, summary)
+            if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: not ours to raise
+                raise ChildCrashed(f"isolated trial at size {size}: the workload raised "
+                                   f"{summary} in the child process")
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"raised in the isolated child process at size {size}:\n{text}")
             raise exc
         trial: Trial = message[1]
         trial.mode = "isolated"
-        log.debug("isolated trial %d: %.2f s in the child, %.2f s in all", size, trial.seconds, elapsed)
+        log.debug("isolated trial %d: %.2f s in the child, %.2f s in all", size, trial.seconds,
+                  elapsed)
         return trial
 
-    def _crashed(self, size: int, exitcode: int | None, elapsed: float) -> Trial:
-        how = (f"killed by {signal.Signals(-exitcode).name}" if exitcode and exitcode < 0
-               else f"exit code {exitcode}")
-        # Under a budget a child that dies (libgomp aborts when it cannot create
-        # a thread) has run out of memory; without one it is a real failure.
-        if self.budget is not None:
-            return Trial(size=size, ok=False, peak_bytes=None, seconds=elapsed,
-                         error=f"child process {how} under the memory budget", mode="isolated")
-        raise ChildCrashed(f"isolated trial at size {size}: child process {how}")
+    def _died(self, size: int, exitcode: int | None, stderr: str, elapsed: float) -> Trial:
+        how = _how(exitcode)
+        evidence = oom_evidence(exitcode, stderr, self.budget is not None)
+        if evidence is not None:
+            return Trial(size=size, ok=False, peak_bytes=None, seconds=elapsed, mode="isolated",
+                         error=f"child process {how} ({evidence})")
+        hint = (" (SIGKILL without a memory limit: the kernel's OOM killer or another process;"
+                " see dmesg)" if exitcode == -signal.SIGKILL else "")
+        raise ChildCrashed(f"isolated trial at size {size}: the child process {how} while "
+                           f"running the workload, with no sign of running out of memory{hint}")
+
+
+def oom_evidence(exitcode: int | None, stderr: str, budgeted: bool) -> str | None:
+    """Why a child's death counts as running out of memory, or None when nothing says so.
+
+    ``budgeted``: an oomguard budget applied in the child. Limits inherited from
+    the environment are read in this process (children share its cgroup).
+    """
+    text = stderr.lower()
+    for pattern in ALLOCATION_FAILURES:
+        if pattern in text:
+            return f"it reported {pattern!r} on stderr"
+    limits = (["the budget"] if budgeted else []) + list(host.memory_limits())
+    if _ONEDNN_PRIMITIVE in text and limits:
+        return f"it reported {_ONEDNN_PRIMITIVE!r} on stderr under {', '.join(limits)}"
+    if exitcode == -signal.SIGKILL and limits:
+        return f"under a memory limit: {', '.join(limits)}"
+    return None
+
+
+def _rebuild(pickled: bytes | None, summary: str) -> BaseException:
+    """The child's exception, or a RuntimeError with its text where it cannot be rebuilt here."""
+    try:
+        exc = pickle.loads(pickled) if pickled is not None else None
+    except Exception:  # its class or arguments do not unpickle in this process
+        exc = None
+    return exc if isinstance(exc, BaseException) else RuntimeError(summary)
+
+
+def _how(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def _start_failure(size: int, exitcode: int | None) -> ChildStartFailed:
+    main = _main_program()
+    if main is not None:
+        cause = (f"each child re-imports {os.path.basename(main)}, and one without a main guard "
+                 f"starts the search again: {MAIN_GUARD_FIX}")
+    else:
+        cause = (f"the main program is not a file a child can import (python -c, stdin, a "
+                 f"notebook): {MODULE_LEVEL_FIX}")
+    return ChildStartFailed(f"isolated trial at size {size}: the child process {_how(exitcode)} "
+                            f"before it started (its error is above); likely cause: {cause}")
+
+
+def _pass_through(path: str) -> str:
+    """The child's captured stderr, also written to this process's stderr."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    if text:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    return text
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
 _contexts: dict[tuple[str, ...], Any] = {}

@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from oomguard.engine.core.budget import active_budget
+from oomguard.probes import host
+
 # Substrings that identify an allocation failure. Kept lower-case; matched
 # case-insensitively. Each has a test with a real message in tests/test_oom.py.
 OOM_MESSAGES: tuple[str, ...] = (
@@ -43,8 +46,21 @@ OOM_MESSAGES: tuple[str, ...] = (
 
 # oneDNN reports an allocation failure while it builds a kernel as this; the
 # same text also means other things, so it only counts when memory is known to
-# be the constraint (a budget is active). See CPU-OOM-FACTS.md.
+# be the constraint (docs/measurements.md#onednn-primitive).
 _ONEDNN_PRIMITIVE = "could not create a primitive"
+# An RLIMIT_DATA that someone else set counts as "near" when the process's
+# VmData is within this fraction of it.
+_NEAR_LIMIT = 0.10
+
+
+def memory_limit_near() -> bool:
+    """True inside an oomguard budget, or when ``VmData`` is within 10% of an
+    ``RLIMIT_DATA`` set by someone else (``ulimit -d``, a job scheduler)."""
+    if active_budget() is not None:
+        return True
+    limit = host.data_limit()
+    vm_data = host.proc_status("VmData")
+    return limit is not None and vm_data is not None and vm_data >= limit * (1 - _NEAR_LIMIT)
 
 
 def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> bool:
@@ -54,9 +70,8 @@ def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> boo
     (oomguard's own "gave up" errors say False). Otherwise decided by type
     (``torch.OutOfMemoryError``, ``MemoryError``) and then by
     the messages in :data:`OOM_MESSAGES`. ``memory_constrained`` says whether a
-    memory limit is known to be near; when ``None`` it is True inside an
-    :func:`oomguard.engine.core.budget.budget`. Only then does oneDNN's ``could not create a
-    primitive`` count as an OOM.
+    memory limit is known to be near; when ``None`` it is :func:`memory_limit_near`.
+    Only then does oneDNN's ``could not create a primitive`` count as an OOM.
     """
     verdict = getattr(exc, "oomguard_is_oom", None)  # an exception that says what it is
     if verdict is not None:
@@ -70,9 +85,7 @@ def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> boo
         return True
     if _ONEDNN_PRIMITIVE in text:
         if memory_constrained is None:
-            from oomguard.engine.core.budget import active_budget
-
-            memory_constrained = active_budget() is not None
+            memory_constrained = memory_limit_near()
         return memory_constrained
     return False
 

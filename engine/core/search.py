@@ -3,18 +3,25 @@
 ``search(fn, ...)`` calls ``fn(size)`` at sizes a :mod:`strategy
 <oomguard.engine.core.strategies>` proposes (the E10 routine by default) until the bracket
 between the largest fit and the smallest OOM is closed. It returns only sizes
-that actually ran, always terminates (``max_size``, ``max_trials``,
-``max_seconds``), and stops with the original error when a trial fails for a
-reason other than memory.
+that actually ran and always terminates (``max_size``, ``max_trials``,
+``max_seconds``). A search that ends without an answer raises a
+:class:`~oomguard.engine.errors.SearchFailed` carrying every trial that ran::
+
+    search(step, budget=2 * GiB)                          # E10(start=32, step=8)
+    search(step, start=64, step=16, budget=2 * GiB)       # shorthand for E10(64, 16)
+    search(step, strategy=Doubling(start=64), isolate=True, budget=2 * GiB)
+    search(step, SearchConfig(strategy=Doubling(start=64), budget=2 * GiB))
 
 Trials run in this process (fast; later trials inherit the caches and heap
-fragments of earlier ones, so the answer can be lower than a fresh process's)
-or isolated, each in a fresh child process (the faithful maximum). The result
-says which mode produced it.
+fragments of earlier ones, so the answer can differ from a fresh process's)
+or isolated, each in a fresh child process (the faithful maximum,
+docs/measurements.md#in-process-vs-isolated). The result says which mode
+produced it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -23,14 +30,90 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from oomguard.engine.core.budget import budget as memory_budget
+from oomguard.engine.core.budget import check_budget
 from oomguard.engine.core.fit import DEFAULT_MARGIN, LinearFit, Recommendation, fit_line, recommend
-from oomguard.engine.core.strategies import E10, Strategy, bracket
+from oomguard.engine.core.isolate import IsolatedRunner
+from oomguard.engine.core.strategies import (
+    E10,
+    Strategy,
+    bracket,
+    check_positive_int,
+    strategy_params,
+)
 from oomguard.engine.core.trial import Trial, run_trial
 from oomguard.engine.core.units import fmt_bytes
-from oomguard.engine.errors import NoSizeFits
+from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError
+from oomguard.probes import probe
 
 log = logging.getLogger("oomguard.search")
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How a search runs; every bad value is a one-line :class:`UsageError`.
+
+    ``strategy`` proposes sizes (None: ``E10(32, 8)``, or ``E10(start, step)``
+    from :func:`search`'s shorthand); its own ``start``/``step``/``factor`` are
+    what runs. ``max_size``, ``max_trials``, ``max_seconds`` bound the search.
+    ``budget`` caps the bytes a trial may use above the warmed-up process
+    (None: no cap); ``isolate`` runs each trial in a fresh child process;
+    ``margin`` is the fraction of capacity the recommended size keeps free;
+    ``capacity_bytes`` is what the recommendation scales against (None: the
+    budget, else the free memory probed before the search).
+    """
+
+    strategy: Strategy | None = None
+    max_size: int = 65536
+    max_trials: int = 64
+    max_seconds: float | None = None
+    device: str | torch.device = "cpu"
+    budget: int | None = None
+    isolate: bool = False
+    margin: float = DEFAULT_MARGIN
+    capacity_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy is not None and not callable(getattr(self.strategy, "next", None)):
+            raise UsageError(f"strategy must be E10(), Doubling(), LinearJump(capacity) or have "
+                             f"next(trials, max_size); got {self.strategy!r}")
+        check_positive_int("max_size", self.max_size)
+        check_positive_int("max_trials", self.max_trials)
+        for name in ("budget", "capacity_bytes"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+        if self.max_seconds is not None and not (_is_number(self.max_seconds)
+                                                 and self.max_seconds > 0):
+            raise UsageError(f"max_seconds must be a positive number or None, "
+                             f"got {self.max_seconds!r}")
+        if not (_is_number(self.margin) and 0 <= self.margin < 1):
+            raise UsageError(f"margin must be a fraction in [0, 1), got {self.margin!r}")
+        if not isinstance(self.isolate, bool):
+            raise UsageError(f"isolate must be True or False, got {self.isolate!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise UsageError(f"unknown device {self.device!r}: use cpu, cuda, cuda:N or mps"
+                             ) from None
+        start = getattr(self.strategy, "start", None)
+        if isinstance(start, int) and start > self.max_size:
+            raise UsageError(f"start ({start}) is larger than max_size ({self.max_size})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """What runs: the strategy's name and own parameters, the limits and the margin
+        (device, budget and mode are fields of the result)."""
+        strategy = self.strategy if self.strategy is not None else E10()
+        return {"strategy": strategy.name, **strategy_params(strategy), "max_size": self.max_size,
+                "max_trials": self.max_trials, "max_seconds": self.max_seconds,
+                "margin": self.margin}
+
+
+_OPTIONS = tuple(f.name for f in dataclasses.fields(SearchConfig))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -86,87 +169,85 @@ class SearchResult:
         }
 
 
-def _check_positive(**values: int | None) -> None:
-    for name, value in values.items():
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 def search(
     fn: Callable[[int], Any],
-    start: int = 32,
-    step: int = 8,
+    config: SearchConfig | None = None,
     *,
-    strategy: Strategy | None = None,
-    max_size: int = 65536,
-    max_trials: int = 64,
-    max_seconds: float | None = None,
-    device: str | torch.device = "cpu",
-    budget: int | None = None,
-    isolate: bool = False,
-    margin: float = DEFAULT_MARGIN,
-    capacity_bytes: int | None = None,
+    start: int | None = None,
+    step: int | None = None,
     on_trial: Callable[[Trial], None] | None = None,
+    **options: Any,
 ) -> SearchResult:
     """Find the largest size at which ``fn(size)`` runs without running out of memory.
 
+    ``options`` are :class:`SearchConfig` fields (``strategy``, ``max_size``,
+    ``max_trials``, ``max_seconds``, ``device``, ``budget``, ``isolate``,
+    ``margin``, ``capacity_bytes``) and override those of ``config``.
+    ``start``/``step`` are shorthand for ``strategy=E10(start, step)`` only;
+    with another strategy give them to it (``Doubling(start=64)``).
+    ``on_trial`` is called with each :class:`Trial` as it completes.
+
     ``fn`` runs one trial; if it has a ``warmup()`` method, that is called once
     per process before the budget is applied (build the model, initialise
-    thread pools). ``budget`` (bytes) caps memory above that point with
-    :func:`oomguard.engine.core.budget.budget`. ``isolate=True`` runs each trial in a fresh
-    child process (``fn`` must then be picklable). ``margin`` is the fraction
-    of capacity the recommended safe size keeps free.
+    thread pools). With ``isolate=True`` each trial runs in a fresh child
+    process: ``fn`` must be picklable and defined in an importable file, and a
+    script that calls this needs an ``if __name__ == "__main__":`` guard.
 
-    Raises ``ValueError`` on bad arguments, :class:`NoSizeFits` when no size
-    fits, and re-raises a trial's error that is not an OOM.
+    Raises :class:`UsageError` (a ``ValueError``) on bad options,
+    :class:`ChildStartFailed` at once when an isolated ``fn`` cannot be
+    pickled, :class:`NoSizeFits` when no size tried fitted, and
+    :class:`TrialFailed` (``from`` the original error) when a trial failed for
+    another reason; both carry the partial result with every trial that ran.
     """
-    strategy = strategy or E10(start=start, step=step)
-    _check_positive(start=getattr(strategy, "start", start), step=step, max_size=max_size,
-                    max_trials=max_trials, budget=budget)
-    first = getattr(strategy, "start", start)
-    if first > max_size:
-        raise ValueError(f"start ({first}) is larger than max_size ({max_size})")
-    dev = torch.device(device)
+    cfg = _resolve(config, start, step, options)
+    strategy = cfg.strategy
+    assert strategy is not None
+    dev = torch.device(cfg.device)
+    if cfg.budget is not None:
+        check_budget(cfg.budget, dev)
     name = getattr(fn, "name", None) or getattr(fn, "__name__", type(fn).__name__)
-    if capacity_bytes is None:
-        capacity_bytes = budget if budget is not None else _free_bytes(dev)
-    mode = "isolated" if isolate else "in-process"
+    capacity = cfg.capacity_bytes
+    if capacity is None:
+        capacity = cfg.budget if cfg.budget is not None else _free_bytes(dev)
+    mode = "isolated" if cfg.isolate else "in-process"
     log.info("searching %s on %s (%s, %s)", name, dev, mode, strategy.name)
 
     trials: list[Trial] = []
     t0 = time.perf_counter()
-    stopped = "bracket closed"
+
+    def result(stopped: str) -> SearchResult:
+        max_ok, first_oom = bracket(trials)
+        return SearchResult(
+            workload=name, device=str(dev), mode=mode, strategy=strategy.name,
+            strategy_description=strategy.describe(), max_ok=max_ok, first_oom=first_oom,
+            trials=list(trials), fit=fit_line(trials), recommendation=None,
+            capacity_bytes=capacity, budget_bytes=cfg.budget, stopped_because=stopped,
+            seconds=time.perf_counter() - t0, config=cfg.to_dict(),
+            size_name=getattr(fn, "knob", None) or "batch_size")
+
     with ExitStack() as stack:
-        if isolate:
-            from oomguard.engine.core.isolate import IsolatedRunner
-
-            runner: Callable[[int], Trial] = stack.enter_context(
-                IsolatedRunner(fn, device=dev, budget=budget))
-        else:
-            if hasattr(fn, "warmup"):
-                fn.warmup()
-            if budget is not None:
-                stack.enter_context(memory_budget(budget, dev))
-
-            def runner(size: int) -> Trial:
-                return run_trial(fn, size, dev)
-
+        runner = _runner(fn, cfg, dev, stack)
         while True:
-            if len(trials) >= max_trials:
-                stopped = f"max_trials ({max_trials}) reached"
+            stopped = _limit_reached(cfg, len(trials), time.perf_counter() - t0)
+            if stopped:
                 break
-            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-                stopped = f"max_seconds ({max_seconds:g}) reached"
-                break
-            size = strategy.next(trials, max_size)
+            size = strategy.next(trials, cfg.max_size)
             if size is None:
                 lo, _ = bracket(trials)
-                if lo is not None and lo >= max_size:
-                    stopped = f"max_size ({max_size}) reached"
+                stopped = (f"max_size ({cfg.max_size}) reached" if lo is not None
+                           and lo >= cfg.max_size else "bracket closed")
                 break
+            if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= cfg.max_size:
+                raise UsageError(f"strategy {strategy.name} proposed size {size!r}: sizes must "
+                                 f"be integers from 1 to max_size ({cfg.max_size})")
             if any(t.size == size for t in trials):  # a strategy that repeats itself is done
+                stopped = f"strategy proposed size {size} again"
                 break
-            trial = runner(size)
+            try:
+                trial = runner(size)
+            except Exception as exc:  # not an OOM: the search cannot go on
+                partial = result(f"trial at size {size} failed: {type(exc).__name__}")
+                raise TrialFailed(_failure_text(name, size, exc, partial), partial) from exc
             trial.mode = mode
             trials.append(trial)
             log.info("trial %2d: size %d %s%s (%.2f s)", len(trials), size, trial.outcome.upper(),
@@ -174,25 +255,77 @@ def search(
             if on_trial is not None:
                 on_trial(trial)
 
-    max_ok, first_oom = bracket(trials)
-    fit = fit_line(trials)
-    result = SearchResult(
-        workload=name, device=str(dev), mode=mode, strategy=strategy.name,
-        strategy_description=strategy.describe(), max_ok=max_ok, first_oom=first_oom,
-        trials=trials, fit=fit, recommendation=None, capacity_bytes=capacity_bytes,
-        budget_bytes=budget, stopped_because=stopped, seconds=time.perf_counter() - t0,
-        config={"start": first, "step": step, "max_size": max_size, "max_trials": max_trials,
-                "margin": margin},
-        size_name=getattr(fn, "knob", None) or "batch_size",
-    )
-    if max_ok is None:
-        result.stopped_because = "nothing fits"
-        raise NoSizeFits(result)
-    result.recommendation = recommend(trials, max_ok, capacity_bytes, fit, margin, first_oom)
-    return result
+    final = result(stopped)
+    if final.max_ok is None:
+        final.stopped_because = "nothing fits" + ("" if stopped == "bracket closed"
+                                                   else f" ({stopped})")
+        raise NoSizeFits(final)
+    final.recommendation = recommend(trials, final.max_ok, capacity, final.fit, cfg.margin,
+                                     final.first_oom)
+    return final
+
+
+def _resolve(config: SearchConfig | None, start: int | None, step: int | None,
+             options: dict[str, Any]) -> SearchConfig:
+    """The one SearchConfig that runs: ``config`` with ``options``, the shorthand applied."""
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"search() got unexpected keyword argument(s) {', '.join(unknown)}; "
+                        f"options are start, step, on_trial, {', '.join(_OPTIONS)}")
+    if config is not None and not isinstance(config, SearchConfig):
+        hint = f" (did you mean start={config!r}?)" if isinstance(config, int) else ""
+        raise UsageError(f"search()'s second argument is a SearchConfig, got {config!r}{hint}")
+    cfg = dataclasses.replace(config, **options) if config is not None else SearchConfig(**options)
+    if start is None and step is None:
+        return cfg if cfg.strategy is not None else dataclasses.replace(cfg, strategy=E10())
+    if cfg.strategy is not None:
+        raise _shorthand_conflict(cfg.strategy, start, step)
+    shorthand = E10(start=32 if start is None else start, step=8 if step is None else step)
+    return dataclasses.replace(cfg, strategy=shorthand)
+
+
+def _shorthand_conflict(strategy: Strategy, start: int | None, step: int | None) -> UsageError:
+    kind = type(strategy).__name__
+    own = strategy_params(strategy)
+    given = {k: v for k, v in (("start", start), ("step", step)) if v is not None}
+    merged = own | {k: v for k, v in given.items() if k in own}
+    lacking = [k for k in given if k not in own]
+    note = f" ({kind} has no {' or '.join(lacking)})" if lacking else ""
+    written = f"{kind}({', '.join(f'{k}={v!r}' for k, v in merged.items())})"
+    return UsageError(f"start/step are shorthand for strategy=E10(start, step) and do not apply "
+                      f"to {kind}, which runs its own parameters: write strategy={written}{note}")
+
+
+def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device,
+            stack: ExitStack) -> Callable[[int], Trial]:
+    if cfg.isolate:
+        return stack.enter_context(IsolatedRunner(fn, device=dev, budget=cfg.budget))
+    if hasattr(fn, "warmup"):
+        fn.warmup()
+    if cfg.budget is not None:
+        stack.enter_context(memory_budget(cfg.budget, dev))
+
+    def in_process(size: int) -> Trial:
+        return run_trial(fn, size, dev)
+
+    return in_process
+
+
+def _limit_reached(cfg: SearchConfig, done: int, seconds: float) -> str | None:
+    if done >= cfg.max_trials:
+        return f"max_trials ({cfg.max_trials}) reached"
+    if cfg.max_seconds is not None and seconds > cfg.max_seconds:
+        return f"max_seconds ({cfg.max_seconds:g}) reached"
+    return None
+
+
+def _failure_text(name: str, size: int, exc: BaseException, partial: SearchResult) -> str:
+    """One line: what failed, at which size, and what the trials before it found."""
+    first = str(exc).strip().splitlines()[0][:400] if str(exc).strip() else ""
+    ran = (f"{len(partial.trials)} trial(s) ran before it, largest that fit: "
+           f"{partial.max_ok if partial.max_ok is not None else 'none'}")
+    return f"{name}: the trial at size {size} failed ({type(exc).__name__}: {first}); {ran}"
 
 
 def _free_bytes(dev: torch.device) -> int | None:
-    from oomguard.probes import probe
-
     return probe(dev).free_bytes

@@ -9,15 +9,22 @@ Every strategy brackets the maximum between the largest size that fitted and
 the smallest larger size that ran out of memory, and bisects that bracket
 until the two are adjacent, so all of them return the same answer on a
 monotone workload; they differ in how fast they find the bracket.
+
+The built-in strategies are frozen: their fields (``start``, ``step``,
+``factor``, ``capacity_bytes``) are exactly what runs, and what a search
+records in ``result.config``. A bad value is a :class:`UsageError`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
+from oomguard.engine.core.fit import fit_line
 from oomguard.engine.core.trial import Trial
+from oomguard.engine.errors import UsageError
 
 
 class Strategy(Protocol):
@@ -28,6 +35,19 @@ class Strategy(Protocol):
     def describe(self) -> str: ...
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None: ...
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    """UsageError unless ``value`` is an int > 0 (``True`` is not a size)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UsageError(f"{name} must be a positive integer, got {value!r}")
+
+
+def strategy_params(strategy: Any) -> dict[str, Any]:
+    """The parameters a strategy runs with: its dataclass fields (empty for other objects)."""
+    if dataclasses.is_dataclass(strategy) and not isinstance(strategy, type):
+        return {f.name: getattr(strategy, f.name) for f in dataclasses.fields(strategy)}
+    return {}
 
 
 def bracket(trials: Sequence[Trial]) -> tuple[int | None, int | None]:
@@ -50,7 +70,7 @@ def _refine(trials: Sequence[Trial], lo: int | None, hi: int | None) -> int | No
     return (lo + hi) // 2
 
 
-@dataclass
+@dataclass(frozen=True)
 class E10:
     """The E10 report's routine: start at ``start``, add ``step`` while it fits,
     then bisect between the last fit and the first OOM until they are adjacent.
@@ -60,7 +80,11 @@ class E10:
 
     start: int = 32
     step: int = 8
-    name: str = "e10"
+    name: ClassVar[str] = "e10"
+
+    def __post_init__(self) -> None:
+        check_positive_int("start", self.start)
+        check_positive_int("step", self.step)
 
     def describe(self) -> str:
         return (
@@ -78,15 +102,21 @@ class E10:
         return _refine(trials, lo, hi)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Doubling:
-    """Double from ``start`` while it fits, then bisect (Lightning's 'power' then
-    'binsearch', without their off-by-one): fewer trials when the maximum is far
-    from the start, same answer."""
+    """Multiply from ``start`` by ``factor`` while it fits, then bisect (Lightning's
+    'power' then 'binsearch', without their off-by-one): fewer trials when the
+    maximum is far from the start, same answer. It has no ``step``."""
 
     start: int = 32
     factor: int = 2
-    name: str = "doubling"
+    name: ClassVar[str] = "doubling"
+
+    def __post_init__(self) -> None:
+        check_positive_int("start", self.start)
+        check_positive_int("factor", self.factor)
+        if self.factor < 2:
+            raise UsageError(f"factor must be at least 2, got {self.factor}")
 
     def describe(self) -> str:
         return (
@@ -103,20 +133,23 @@ class Doubling:
         return _refine(trials, lo, hi)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LinearJump:
     """Measure two sizes, fit peak bytes = base + per_item * size, jump to the
     predicted maximum under ``capacity_bytes``, verify, then bisect.
 
-    Falls back to E10-style expansion while no usable fit exists. After a
-    failed jump it bisects between the last fit and the failure; it never walks
-    down one size at a time (CPU-OOM-FACTS.md).
+    Doubles while no usable fit exists. After a failed jump it bisects between
+    the last fit and the failure; it never walks down one size at a time. It
+    has no ``step``.
     """
 
     capacity_bytes: int
     start: int = 8
-    step: int = 8
-    name: str = "linear-jump"
+    name: ClassVar[str] = "linear-jump"
+
+    def __post_init__(self) -> None:
+        check_positive_int("capacity_bytes", self.capacity_bytes)
+        check_positive_int("start", self.start)
 
     def describe(self) -> str:
         return (
@@ -131,22 +164,20 @@ class LinearJump:
         if lo is None or hi is not None:
             if lo is not None and hi is not None and hi - lo > 1:
                 guess = self._predict(trials)
-                # Probe just above the prediction first when it lies inside the bracket.
+                # Probe the prediction first when it lies inside the bracket.
                 if guess is not None and lo < guess < hi and not _tried(trials, guess):
                     return guess
             return _refine(trials, lo, hi)
         if lo >= max_size:
             return None
         guess = self._predict(trials)
-        if guess is None or guess <= lo:
+        if guess is None or guess < lo:  # no line yet, or it underestimates: double
             return min(2 * lo, max_size)
-        if _tried(trials, guess):
-            return min(guess + 1, max_size)
+        if guess == lo:  # the predicted maximum fitted: verify the size above it
+            return min(lo + 1, max_size)
         return min(guess, max_size)
 
     def _predict(self, trials: Sequence[Trial]) -> int | None:
-        from oomguard.engine.core.fit import fit_line
-
         fit = fit_line(trials)
         if fit is None or fit.per_item_bytes <= 0:
             return None

@@ -2,20 +2,22 @@
 
 A trial records whether it fitted (``ok``) or ran out of memory (``oom``),
 the measured peak bytes above the pre-trial baseline, the wall seconds, and
-the value the workload returned. An error that is not an OOM is not a trial
-outcome: it propagates.
+the value the workload returned (as plain JSON types, through
+:func:`~oomguard.engine.core.jsonable.to_jsonable`). An error that is not an
+OOM is not a trial outcome: it propagates.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
 from oomguard.engine.core.budget import tighten_active_budget
+from oomguard.engine.core.jsonable import to_jsonable
 from oomguard.engine.core.oom import OOM, call_catching_oom, release_memory
 from oomguard.probes.peak import PeakMeter
 
@@ -64,22 +66,6 @@ class RebuiltInChild:
         return state
 
 
-def plain_value(value: Any) -> Any:
-    """Turn a workload's return value into something JSON can hold (scalar tensors to floats)."""
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    if isinstance(value, dict):
-        return {str(k): plain_value(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain_value(v) for v in value]
-    return repr(value)
-
-
 def run_trial(
     fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu"
 ) -> Trial:
@@ -98,4 +84,4 @@ def run_trial(
     if isinstance(result, OOM):
         return Trial(size=size, ok=False, peak_bytes=None, seconds=seconds, error=result.message)
     peak = meter.read()
-    return Trial(size=size, ok=True, peak_bytes=peak, seconds=seconds, value=plain_value(result))
+    return Trial(size=size, ok=True, peak_bytes=peak, seconds=seconds, value=to_jsonable(result))

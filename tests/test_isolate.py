@@ -1,0 +1,284 @@
+"""Isolated trials tell an OOM from a crash and from a child that never started.
+
+Real child processes (integration): a real allocator OOM, a libgomp thread
+failure and a SIGKILL under a budget are OOMs; an ``os._exit(3)`` is a crash
+that ends the search with the trials before it; a script without a main guard
+and a workload defined in ``python -c`` say what to fix. The evidence rules
+themselves are unit-tested without children.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from oomguard.engine.core.isolate import IsolatedRunner, oom_evidence
+from oomguard.engine.core.search import search
+from oomguard.engine.core.strategies import E10
+from oomguard.engine.errors import ChildCrashed, ChildStartFailed, TrialFailed
+from oomguard.metrics.synthetic import LinearAlloc
+from oomguard.probes import host
+
+MiB = 1024**2
+MAIN_GUARD = 'guard the script with `if __name__ == "__main__":`'
+MODULE_LEVEL = ("define the workload as a module-level function or a picklable class in an "
+                "importable file")
+
+
+# Workloads: module-level classes, so a child can unpickle them (it imports this module).
+
+
+@dataclass
+class ExitsAt:
+    """``os._exit(code)`` at ``size`` (a crash, not memory); small work otherwise."""
+
+    size: int
+    code: int = 3
+    name: str = "exits-at"
+
+    def __call__(self, size: int) -> float:
+        if size == self.size:
+            os._exit(self.code)
+        return float(torch.ones(size * 1024).sum())
+
+
+@dataclass
+class KilledAt:
+    """SIGKILLs itself at ``size``, as the kernel's OOM killer would."""
+
+    size: int
+    name: str = "killed-at"
+
+    def __call__(self, size: int) -> int:
+        if size == self.size:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return size
+
+
+@dataclass
+class ThreadHungry:
+    """From ``size`` on, asks for more OpenMP threads than its memory allows: libgomp
+    prints "Thread creation failed" and exits the process (as under too small a budget)."""
+
+    size: int
+    name: str = "thread-hungry"
+
+    def __call__(self, size: int) -> float:
+        print(f"child at {size} says hello", file=sys.stderr)
+        if size >= self.size:
+            vm_data = host.proc_status("VmData") or 0
+            # Room for the 1 MiB tensor below, not for a thread's 8 MiB stack.
+            resource.setrlimit(resource.RLIMIT_DATA,
+                               (vm_data + 3 * MiB, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+            torch.set_num_threads(torch.get_num_threads() + 4)
+        return float(torch.ones(1 << 18).sum())
+
+
+@dataclass
+class RaisesAt:
+    """Raises ValueError (a bug, not memory) at ``size``."""
+
+    size: int
+    name: str = "raises-at"
+
+    def __call__(self, size: int) -> int:
+        if size == self.size:
+            raise ValueError(f"bad input at {size}")
+        return size
+
+
+@dataclass
+class ExitsCleanlyAt:
+    """Calls ``sys.exit(2)`` at ``size``; sleeps ``seconds`` at every other size."""
+
+    size: int
+    seconds: float = 0.0
+    name: str = "sys-exit-at"
+
+    def __call__(self, size: int) -> int:
+        if size == self.size:
+            sys.exit(2)
+        time.sleep(self.seconds)
+        return size
+
+
+def _ran(result) -> list[tuple[int, bool]]:
+    return [(t.size, t.ok) for t in result.trials]
+
+
+# ------------------------------------------------------------------ evidence rules (unit)
+
+
+@pytest.mark.parametrize(("exitcode", "stderr", "budgeted", "limits", "counts"), [
+    (-signal.SIGKILL, "", True, {}, True),  # killed under our budget
+    (-signal.SIGKILL, "", False, {"cgroup memory limit": 2**30}, True),
+    (-signal.SIGKILL, "", False, {"RLIMIT_AS": 2**30}, True),
+    (-signal.SIGKILL, "", False, {}, False),  # no limit: not evidence of memory
+    (1, "libgomp: Thread creation failed: Resource temporarily unavailable\n", False, {}, True),
+    (1, "libgomp: Out of memory allocating 4096 bytes\n", False, {}, True),
+    (-signal.SIGABRT, "terminate called after throwing an instance of 'std::bad_alloc'\n"
+     "  what():  std::bad_alloc\n", False, {}, True),
+    (-signal.SIGABRT, "what(): could not create a primitive\n", True, {}, True),
+    (-signal.SIGABRT, "what(): could not create a primitive\n", False, {}, False),
+    (3, "", True, {}, False),  # an exit code under a budget says nothing about memory
+    (-signal.SIGSEGV, "Segmentation fault", True, {}, False),
+])
+def test_a_child_death_is_an_oom_only_with_evidence(monkeypatch, exitcode, stderr, budgeted,
+                                                    limits, counts):
+    monkeypatch.setattr(host, "memory_limits", lambda: dict(limits))
+    assert (oom_evidence(exitcode, stderr, budgeted) is not None) is counts
+
+
+def _local_workload() -> object:
+    def inner(size: int) -> int:
+        return size
+
+    return inner
+
+
+@pytest.mark.parametrize("fn", [lambda s: s, _local_workload()], ids=["lambda", "local"])
+def test_a_workload_that_cannot_be_pickled_is_refused_before_any_child(fn):
+    with pytest.raises(ChildStartFailed) as info:
+        search(fn, isolate=True)
+    text = str(info.value)
+    assert text.startswith("isolated trials cannot send") and text.endswith(MODULE_LEVEL)
+    assert "\n" not in text
+
+
+# ------------------------------------------------------------------ real children (integration)
+
+
+@pytest.mark.integration
+def test_a_real_oom_in_an_isolated_child_is_still_an_oom():
+    w = LinearAlloc(base_bytes=8 * MiB, per_item_bytes=4 * MiB)
+    nbytes = (w.bytes_at(13) + w.bytes_at(14)) // 2
+    result = search(w, start=8, step=8, budget=nbytes, isolate=True)
+    assert _ran(result) == [(8, True), (16, False), (12, True), (14, False), (13, True)]
+    assert (result.max_ok, result.first_oom) == (13, 14)
+    assert all("can't allocate memory" in t.error for t in result.trials if not t.ok)
+    assert result.mode == "isolated" and {t.mode for t in result.trials} == {"isolated"}
+    assert all(t.value == w.bytes_at(t.size) for t in result.trials if t.ok)
+
+
+@pytest.mark.integration
+def test_a_crash_under_a_budget_ends_the_search_with_the_trials_before_it():
+    with pytest.raises(TrialFailed) as info:
+        search(ExitsAt(41), strategy=E10(start=25, step=8), budget=128 * MiB, isolate=True)
+    exc = info.value
+    assert isinstance(exc.__cause__, ChildCrashed)
+    assert str(exc.__cause__) == (
+        "isolated trial at size 41: the child process exited with code 3 while running the "
+        "workload, with no sign of running out of memory")
+    assert _ran(exc.result) == [(25, True), (33, True)]  # every trial below 41, all fitted
+    assert exc.result.max_ok == 33 and exc.result.first_oom is None
+    assert exc.result.stopped_because == "trial at size 41 failed: ChildCrashed"
+
+
+@pytest.mark.integration
+def test_libgomp_thread_failure_is_an_oom_and_the_childs_stderr_reaches_ours(capfd):
+    result = search(ThreadHungry(12), start=8, step=2, budget=64 * MiB, isolate=True)
+    assert _ran(result) == [(8, True), (10, True), (12, False), (11, True)]
+    oom = result.trials[2]
+    assert oom.error == ("child process exited with code 1 (it reported "
+                         "'libgomp: thread creation failed' on stderr)")
+    err = capfd.readouterr().err
+    assert "libgomp: Thread creation failed" in err
+    assert [f"child at {s} says hello" in err for s in (8, 10, 12, 11)] == [True] * 4
+
+
+@pytest.mark.integration
+def test_sigkill_is_an_oom_under_a_budget_and_a_crash_without_a_limit():
+    trial = IsolatedRunner(KilledAt(5), budget=64 * MiB)(5)
+    assert not trial.ok and trial.error == (
+        "child process was killed by SIGKILL (under a memory limit: the budget"
+        + "".join(f", {name}" for name in host.memory_limits()) + ")")
+    if host.memory_limits():
+        pytest.skip(f"this host limits memory ({host.memory_limits()})")
+    with pytest.raises(ChildCrashed, match="size 5: the child process was killed by SIGKILL "
+                                           "while running the workload"):
+        IsolatedRunner(KilledAt(5))(5)
+
+
+@pytest.mark.integration
+def test_an_error_in_the_child_is_re_raised_with_its_traceback_and_the_partial_result():
+    with pytest.raises(TrialFailed) as info:
+        search(RaisesAt(48), start=40, step=8, isolate=True)
+    cause = info.value.__cause__
+    assert isinstance(cause, ValueError) and str(cause) == "bad input at 48"
+    assert any('raise ValueError(f"bad input at {size}")' in note
+               for note in getattr(cause, "__notes__", []))
+    assert _ran(info.value.result) == [(40, True)]
+
+
+@pytest.mark.integration
+def test_sys_exit_and_a_hung_trial_in_the_child_are_crashes_not_ooms():
+    with pytest.raises(TrialFailed) as info:
+        search(ExitsCleanlyAt(48), start=40, step=8, isolate=True)
+    assert str(info.value.__cause__) == ("isolated trial at size 48: the workload raised "
+                                         "SystemExit: 2 in the child process")
+    assert _ran(info.value.result) == [(40, True)]
+    t0 = time.perf_counter()
+    with pytest.raises(ChildCrashed, match="size 3: no result after 1 s; the child process "
+                                           "was killed"):
+        IsolatedRunner(ExitsCleanlyAt(0, seconds=60), timeout=1)(3)
+    assert time.perf_counter() - t0 < 30
+
+
+SCRIPT = """
+import oomguard
+from oomguard.metrics.synthetic import LinearAlloc
+
+def main():
+    result = oomguard.search(LinearAlloc(base_bytes=2**20, per_item_bytes=2**20), start=4,
+                             step=4, max_size=8, isolate=True, budget=64 * 2**20)
+    print("max", result.max_ok)
+"""
+
+
+def _python(args: list[str], cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=240)
+
+
+@pytest.mark.integration
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(SCRIPT + "\nmain()\n")
+    run = _python([str(script)], tmp_path)
+    assert run.returncode == 1 and run.stdout == ""
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("oomguard.engine.errors.TrialFailed: linear-alloc: the trial at "
+                           "size 4 failed (ChildStartFailed: isolated trial at size 4: the "
+                           "child process exited with code 1 before it started")
+    assert MAIN_GUARD in last and "unguarded.py" in last
+    assert "no size fits" not in run.stderr.lower()
+    # The same script with the guard runs.
+    script.write_text(SCRIPT + '\nif __name__ == "__main__":\n    main()\n')
+    run = _python([str(script)], tmp_path)
+    assert (run.returncode, run.stdout) == (0, "max 8\n"), run.stderr
+
+
+@pytest.mark.integration
+def test_a_workload_defined_in_python_c_is_told_to_be_module_level(tmp_path):
+    code = textwrap.dedent("""
+        import oomguard
+        def work(size):
+            return size
+        oomguard.search(work, start=4, step=4, max_size=8, isolate=True)
+    """)
+    run = _python(["-c", code], tmp_path)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert ("ChildStartFailed: isolated trial at size 4: the child process cannot unpickle "
+            "work (AttributeError: Can't get attribute 'work'") in last
+    assert "python -c, stdin or a notebook" in last and MODULE_LEVEL in last
+    assert "no size fits" not in run.stderr.lower()
