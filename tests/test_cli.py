@@ -31,6 +31,7 @@ from oomguard.engine.core.units import parse_size
     (["search", "--metric", "loss", "--samples", "0"], "positive integer"),
     (["run", "/nonexistent/job.toml"], "job file not found"),
     (["probe", "--device", "tpu"], "unknown device"),
+    (["bench", "--strategy", "doubling", "--step", "16"], "takes no --step"),
     (["search", "--metric", "loss", "--model", "nosuchtype:n_layer=1"], "unknown model"),
     (["search", "--metric", "loss", "--dtype", "float8"], "unknown dtype"),
 ])

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from oomguard.probes import MemorySnapshot
 
 DEFAULT_CPU_BUDGET = "2GiB"
+DEFAULT_STEP = 8  # the E10 routine's increment
 
 
 def _positive_int(text: str) -> int:
@@ -92,13 +93,16 @@ def default_budget(dev: torch.device, given: int | None) -> int | None:
 def _strategy(args: argparse.Namespace, capacity: int | None) -> Any:
     from oomguard.engine.core.strategies import E10, Doubling, LinearJump
 
+    if args.strategy != "e10" and args.step is not None:
+        raise UsageError(f"--step is the e10 increment; --strategy {args.strategy} takes no "
+                         "--step (doubling multiplies by 2, linear-jump fits a line)")
     if args.strategy == "doubling":
         return Doubling(start=args.start)
     if args.strategy == "linear-jump":
         if capacity is None:
             raise UsageError("--strategy linear-jump needs a --budget (or a GPU's free memory)")
-        return LinearJump(capacity_bytes=capacity, start=min(args.start, 8))
-    return E10(start=args.start, step=args.step)
+        return LinearJump(capacity_bytes=capacity, start=args.start)
+    return E10(start=args.start, step=args.step or DEFAULT_STEP)
 
 
 def _progress(label: str) -> Any:
@@ -243,7 +247,8 @@ def _add_search_options(p: argparse.ArgumentParser, start: int) -> None:
                    help="memory the trials may use above the warmed-up process, e.g. 2GiB, "
                         "512MiB, 2GB (default: 2GiB on CPU, the probed free memory on a GPU)")
     p.add_argument("--start", type=_positive_int, default=start, help=f"first size (default {start})")
-    p.add_argument("--step", type=_positive_int, default=8, help="E10 increment (default 8)")
+    p.add_argument("--step", type=_positive_int, default=None,
+                   help=f"e10 increment (default {DEFAULT_STEP}; only with --strategy e10)")
     p.add_argument("--max-size", type=_positive_int, default=65536, help="largest size to try")
     p.add_argument("--max-trials", type=_positive_int, default=40, help="trial limit (default 40)")
     p.add_argument("--strategy", choices=("e10", "doubling", "linear-jump"), default="e10",
