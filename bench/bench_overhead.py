@@ -10,7 +10,9 @@ Rows:
 - ``Accumulator``: one step of a tiny model (forward + backward) through the
   accumulation wrapper against setting the gradients to None + forward +
   backward (what the wrapper does on this path).
-- ``accumulate()``: the function form (adds a lookup of its remembered state).
+- ``accumulate()``: the function form; per call it also walks the model's
+  parameters (options are the call's, so nothing about them is cached) and
+  looks up the micro-batch size remembered for that model.
 - ``@adaptive, 1-rank gloo``: the decorator under ``torch.distributed``: its
   one 16-byte all_reduce per call (on one rank: the collective's fixed cost).
 
@@ -28,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
 from oomguard.engine.training.accumulate import Accumulator, accumulate
 from oomguard.engine.training.adaptive import adaptive, find_executable_batch_size
 

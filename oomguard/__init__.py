@@ -58,8 +58,8 @@ _EXPORTS: dict[str, str] = {
     "SearchResult": "oomguard.engine.core.search",
     "search": "oomguard.engine.core.search",
     "Executor": "oomguard.engine.core.executor",
-    "Halve": "oomguard.engine.core.executor",
-    "ReduceWith": "oomguard.engine.core.executor",
+    "Halve": "oomguard.engine.core.retry",
+    "ReduceWith": "oomguard.engine.core.retry",
     # training scripts
     "adaptive": "oomguard.engine.training.adaptive",
     "find_executable_batch_size": "oomguard.engine.training.adaptive",
@@ -98,9 +98,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # static checkers and IDEs see the real names
     from oomguard.engine.core.budget import Budget, budget
-    from oomguard.engine.core.executor import Executor, Halve, ReduceWith
+    from oomguard.engine.core.executor import Executor
     from oomguard.engine.core.fit import LinearFit, Recommendation
     from oomguard.engine.core.oom import OOM, call_catching_oom, is_oom, release_memory
+    from oomguard.engine.core.retry import Halve, ReduceWith
     from oomguard.engine.core.search import SearchResult, search
     from oomguard.engine.core.strategies import E10, Doubling, LinearJump
     from oomguard.engine.core.trial import Trial

@@ -1,17 +1,23 @@
 """Micro-batching that keeps the effective batch, with real OOMs under a CPU budget.
 
-The budgeted runs go first and the whole-batch references after them, so the
-reference's freed heap is not slack inside the budget.
+Every scenario with an expected OOM runs in a fresh process and returns plain
+data; inside it the budgeted run goes first and the whole-batch reference
+after it, so the reference's freed heap is not slack inside the budget.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import gc
+import weakref
 from collections import UserDict
 
 import pytest
 import torch
-from conftest import budget_after_warmup
+from conftest import budget_after_warmup, in_fresh_process
+
+from oomguard.engine.training import accumulate as accumulate_module
 from oomguard.engine.training.accumulate import (
     Accumulator,
     accumulate,
@@ -33,27 +39,36 @@ def grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-def test_causal_lm_step_under_budget_equals_the_whole_batch_step():
+def _causal_lm_at_24_mib() -> dict:
     model = build_model("tiny-gpt2", dtype="float32", seed=0)  # no dropout
     reference = copy.deepcopy(model)
     batch = make_batch(24, 32, 256, seed=3)  # right-padded, labels -100 on padding
-    assert (batch["labels"] == -100).any()
     acc = Accumulator(lambda mb: model(**mb).loss, model, weight_by="causal-tokens")
     warm = make_batch(2, 32, 256, seed=1)
     with budget_after_warmup(24 * MiB, lambda: model(**warm).loss.backward()):
         loss = acc(batch)
-    s = stats()[acc.size.name]
-    assert s.ooms >= 1 and acc.micro_batch_size < 24  # the whole batch really ran out
+    s = acc.size.stats
 
     whole = reference(**batch).loss
     whole.backward()
-    assert rel(loss, whole.detach()) <= 1e-5
-    for g, ref in zip(grads(model), grads(reference), strict=True):
-        assert rel(g, ref) <= 1e-5
+    grad_errors = [rel(g, ref) for g, ref in zip(grads(model), grads(reference), strict=True)]
     for m in (model, reference):
         torch.optim.SGD(m.parameters(), lr=0.1).step()
-    for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
-        assert rel(p.detach(), ref.detach()) <= 1e-5
+    param_errors = [rel(p.detach(), ref.detach())
+                    for p, ref in zip(model.parameters(), reference.parameters(), strict=True)]
+    return {"padded": bool((batch["labels"] == -100).any()), "ooms": s.ooms,
+            "micro": acc.micro_batch_size, "loss": rel(loss, whole.detach()),
+            "grads": max(grad_errors), "params": max(param_errors)}
+
+
+@pytest.mark.integration
+def test_causal_lm_step_under_budget_equals_the_whole_batch_step():
+    got = in_fresh_process(_causal_lm_at_24_mib)
+    assert got["padded"] is True
+    assert got["ooms"] >= 1 and got["micro"] < 24  # the whole batch really ran out
+    assert got["loss"] <= 1e-5
+    assert got["grads"] <= 1e-5
+    assert got["params"] <= 1e-5
 
 
 # A regression model whose memory follows the longest row of each micro-batch
@@ -86,42 +101,54 @@ def rows(n_short: int, n_long: int, seed: int = 0) -> dict:
             "y": torch.randn(n, generator=g)}
 
 
-def test_oom_in_the_middle_redoes_the_batch_without_double_counting():
+def _oom_in_the_middle() -> dict:
     model, reference = mlp(), mlp()
     batch = rows(32, 32)
     calls: list[int] = []
     acc = Accumulator(regression_step(model, calls), model)
     with budget_after_warmup(32 * MiB, lambda: regression_step(model)(rows(1, 1)).backward()):
         loss = acc(batch)
-    # 64 rows: OOM; 32: the short half ran (its gradient was accumulated), the long half
-    # ran out of memory; then the whole batch again at a smaller size.
-    assert calls[:3] == [64, 32, 32]
-    assert acc.micro_batch_size <= 16 and stats()[acc.size.name].ooms >= 2
-
     whole = regression_step(reference)(batch)
     whole.backward()
-    assert rel(loss, whole.detach()) <= 1e-5
-    for g, ref in zip(grads(model), grads(reference), strict=True):
-        assert rel(g, ref) <= 1e-5
+    return {"calls": calls, "micro": acc.micro_batch_size, "ooms": acc.size.stats.ooms,
+            "loss": rel(loss, whole.detach()),
+            "grads": max(rel(g, ref) for g, ref in zip(grads(model), grads(reference),
+                                                       strict=True))}
 
 
-def test_grow_back_after_clean_steps_never_to_a_size_that_failed():
+@pytest.mark.integration
+def test_oom_in_the_middle_redoes_the_batch_without_double_counting():
+    got = in_fresh_process(_oom_in_the_middle)
+    # 64 rows: OOM; 32: the short half ran (its gradient was accumulated), the long half
+    # ran out of memory; then the whole batch again at a smaller size.
+    assert got["calls"][:3] == [64, 32, 32]
+    assert got["micro"] <= 16 and got["ooms"] >= 2
+    assert got["loss"] <= 1e-5
+    assert got["grads"] <= 1e-5
+
+
+def _grow_back_at_40_mib() -> list[tuple[int, int]]:
     model = mlp()
     acc = Accumulator(regression_step(model), model, grow_after=2)
     with budget_after_warmup(40 * MiB, lambda: regression_step(model)(rows(0, 2)).backward()):
         for i in range(7):
             acc(rows(0, 64, seed=i))
-    changes = list(stats()[acc.size.name].changes)
-    assert (changes[0].old, changes[0].new) == (64, 32)  # the whole batch ran out of memory
-    grows = [c for c in changes if c.new > c.old]
+    return [(c.old, c.new) for c in acc.size.stats.changes]
+
+
+@pytest.mark.integration
+def test_grow_back_after_clean_steps_never_to_a_size_that_failed():
+    changes = in_fresh_process(_grow_back_at_40_mib)
+    assert changes[0] == (64, 32)  # the whole batch ran out of memory
+    grows = [c for c in changes if c[1] > c[0]]
     assert grows, changes
-    assert grows[0].new > grows[0].old and grows[0].new < changes[0].old
+    assert grows[0][0] < grows[0][1] < changes[0][0]
     failed_so_far: int | None = None
-    for c in changes:  # sizes only ever grow to below every size that failed before
-        if c.new > c.old:
-            assert failed_so_far is None or c.new < failed_so_far
+    for old, new in changes:  # sizes only ever grow to below every size that failed before
+        if new > old:
+            assert failed_so_far is None or new < failed_so_far
         else:
-            failed_so_far = c.old if failed_so_far is None else min(failed_so_far, c.old)
+            failed_so_far = old if failed_so_far is None else min(failed_so_far, old)
 
 
 def test_no_oom_path_runs_the_whole_batch_once_unscaled():
@@ -198,6 +225,96 @@ def test_function_form_remembers_the_size_per_name():
     s = stats()["remember-me"]
     assert s.calls == 2 and s.current == 2 and s.start == 2
     forget("remember-me")
+    accumulate(regression_step(model), rows(4, 4), params=model, name="remember-me")
+    assert stats()["remember-me"].calls == 2  # forgotten: a new size, registered anew
+    assert any(n.startswith("remember-me#") for n in stats().sizes)
+
+
+def test_function_form_does_not_keep_the_model_alive():
+    gc.collect()  # what earlier tests left behind goes now, not in the middle of the count
+    model = mlp()
+    step = regression_step(model)
+    entries = len(accumulate_module._MEMORY)
+    for _ in range(2):
+        accumulate(step, rows(4, 4), params=model)
+    assert len(accumulate_module._MEMORY) == entries + 1
+    alive = weakref.ref(model)
+    del model, step
+    gc.collect()
+    assert alive() is None
+    assert len(accumulate_module._MEMORY) == entries  # its remembered size went with it
+
+
+def warm_up(model: torch.nn.Module) -> None:
+    regression_step(model)(rows(1, 1)).backward()
+
+
+def _collected_after_an_oom() -> dict:
+    model = mlp()
+    step = regression_step(model)
+    with budget_after_warmup(32 * MiB, functools.partial(warm_up, model)):
+        accumulate(step, rows(32, 32), params=model, name="collect-me")
+    ooms = stats()["collect-me"].ooms
+    alive = weakref.ref(model)
+    del model, step
+    gc.collect()
+    return {"ooms": ooms, "collected": alive() is None,
+            "entries": len(accumulate_module._MEMORY)}
+
+
+@pytest.mark.integration
+def test_function_form_does_not_keep_the_model_alive_after_an_oom():
+    got = in_fresh_process(_collected_after_an_oom)
+    assert got["ooms"] >= 1  # the retry loop really ran
+    assert got["collected"] is True
+    assert got["entries"] == 0
+
+
+def squared_error(model: torch.nn.Module, reduction: str):
+    """One factory for both call sites: the step functions share their ``__qualname__``."""
+    def step(mb: dict) -> torch.Tensor:
+        err = (model(mb["x"]).squeeze(-1) - mb["y"]) ** 2
+        return err.mean() if reduction == "mean" else err.sum()
+    return step
+
+
+def test_each_call_uses_its_own_options():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    batch = {"x": torch.randn(8, 4), "y": torch.randn(8)}
+    mean = accumulate(squared_error(model, "mean"), batch, 2, params=model, reduction="mean")
+    mean_grads = grads(model)
+    total = accumulate(squared_error(model, "sum"), batch, 2, params=model, reduction="sum")
+    total_grads = grads(model)
+    name = f"{squared_error(model, 'sum').__qualname__}:micro_batch"
+    assert stats()[name].calls == 2  # one remembered size, shared by both call sites
+
+    for reduction, loss, got in (("mean", mean, mean_grads), ("sum", total, total_grads)):
+        model.zero_grad(set_to_none=True)
+        whole = squared_error(model, reduction)(batch)
+        whole.backward()
+        assert rel(loss, whole.detach()) <= 1e-5, reduction
+        for g, ref in zip(got, grads(model), strict=True):
+            assert rel(g, ref) <= 1e-5, reduction
+    assert float(total) > 4 * float(mean)  # a sum over 8 rows, not their mean
+
+
+def test_a_later_call_may_ask_for_smaller_micro_batches():
+    model = mlp()
+    seen: list[int] = []
+    accumulate(regression_step(model, seen), rows(4, 4), params=model, name="bounded")
+    accumulate(regression_step(model, seen), rows(4, 4), 3, params=model, name="bounded")
+    accumulate(regression_step(model, seen), rows(4, 4), params=model, name="bounded")
+    assert seen == [8, 3, 3, 2, 8]
+    assert stats()["bounded"].current is None  # what is remembered: the whole batch fits
+
+
+def test_the_parameters_zeroed_are_the_models_trainable_ones():
+    model = build_model("tiny-gpt2", dtype="float32", seed=0)  # tied embeddings
+    frozen = model.transformer.h[0].attn.c_attn.weight.requires_grad_(False)
+    walked = {id(p) for p in accumulate_module._param_list(model)}
+    assert walked == {id(p) for p in model.parameters() if p.requires_grad}
+    assert id(frozen) not in walked and len(walked) == len(list(model.parameters())) - 1
 
 
 def test_batches_slice_on_dim_0():

@@ -15,14 +15,16 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import budget_after_warmup
+from test_accumulate import mlp, regression_step, rows
+
 from oomguard.engine.training.accumulate import Accumulator
 from oomguard.engine.training.adaptive import stats
 from oomguard.engine.training.distributed import agree, all_reduce_gradients
-from test_accumulate import mlp, regression_step, rows
 
 MiB = 1024**2
 STEPS, ROWS = 3, 64
@@ -55,7 +57,8 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
                 all_reduce_gradients(model.parameters())
                 optimizer.step()
                 sizes.append(acc.micro_batch_size)
-        s = stats()[acc.size.name]
+        s = stats()[acc.size.name]  # the registry and the controller's own record agree
+        assert s.peer_ooms == acc.size.stats.peer_ooms and s.ooms == acc.size.stats.ooms
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         torch.save(flat, Path(out) / f"params{rank}.pt")
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(
@@ -87,6 +90,7 @@ def reference_params() -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+@pytest.mark.integration
 def test_two_ranks_agree_on_the_size_and_the_parameters(tmp_path):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ctx = mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False)

@@ -4,7 +4,8 @@ When a whole batch does not fit, it is split along dim 0 into micro-batches;
 each micro-batch's loss is scaled by its share of the batch's tokens (or
 samples) before ``backward()``, so ``.grad`` -- and the parameters after the
 optimizer step -- equal those of the whole batch within float rounding. The
-micro-batch size is an :class:`~oomguard.engine.training.adaptive.AdaptiveSize`: halved on OOM,
+micro-batch size is run by the core's one size controller
+(:class:`~oomguard.engine.core.controller.SizeController`): halved on OOM,
 remembered, optionally grown back, agreed between ranks.
 
 How the loss must be defined for the scaling to be exact
@@ -42,20 +43,26 @@ backward of the whole batch); the caller need not zero gradients itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from oomguard.engine.core.executor import RetryPolicy
-from oomguard.engine.training.adaptive import AdaptiveSize, _qualname
+
+from oomguard.engine.core.controller import SizeController, SizeMemory
+from oomguard.engine.core.retry import RetryPolicy
+from oomguard.engine.core.weakmap import WeakIdMap
+from oomguard.engine.training.adaptive import _qualname, make_controller, remembered
 
 Batch = Any  # a tensor, a Mapping of tensors, or a tuple/list of them, rows on dim 0
 Params = torch.nn.Module | torch.optim.Optimizer | Iterable[torch.Tensor]
 WEIGHTS = ("samples", "tokens", "causal-tokens")
+KEY = "micro_batch_size"
 
 
 def batch_length(batch: Batch) -> int:
     """The number of rows (dim 0) shared by every tensor in ``batch``; ValueError otherwise."""
-    lengths = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
+    flat = type(batch) is dict and all(type(v) is torch.Tensor for v in batch.values())
+    lengths = {t.shape[0] for t in (batch.values() if flat else _tensors(batch)) if t.dim() > 0}
     if len(lengths) != 1:
         raise ValueError(
             "a batch needs tensors that share dim 0 (rows); found lengths "
@@ -102,8 +109,22 @@ def _row_units(batch: Batch, weight_by: str, labels_key: str, ignore_index: int)
 
 
 def _param_list(params: Params) -> list[torch.Tensor]:
+    """The tensors whose ``.grad`` a call replaces (a tied parameter may appear twice)."""
     if isinstance(params, torch.nn.Module):
-        return [p for p in params.parameters() if p.requires_grad]
+        # Module.parameters() costs ~4 us per parameter tensor (generators, a memo set);
+        # this plain walk over _modules/_parameters costs ~0.5 us, and it runs every call.
+        out: list[torch.Tensor] = []
+        append = out.append
+        stack: list[torch.nn.Module | None] = [params]
+        while stack:
+            module = stack.pop()
+            if module is None:
+                continue
+            for p in module._parameters.values():
+                if p is not None and p.requires_grad:
+                    append(p)
+            stack.extend(module._modules.values())
+        return out
     if isinstance(params, torch.optim.Optimizer):
         return [p for g in params.param_groups for p in g["params"]]
     return [p for p in params if p.requires_grad]
@@ -119,6 +140,11 @@ class Accumulator:
     after ``grow_after`` clean calls when set (never to a size that failed),
     and is agreed between ranks under ``torch.distributed``. See the module
     docstring for ``weight_by`` and ``reduction``.
+
+    ``size`` runs this accumulator with an existing size controller (what
+    :func:`accumulate` does to share the size found between calls); then the
+    controller's own options apply and ``micro_batch_size`` only bounds this
+    accumulator's micro-batches.
     """
 
     def __init__(self, step_fn: Callable[[Batch], torch.Tensor], params: Params, *,
@@ -126,7 +152,7 @@ class Accumulator:
                  = "samples", reduction: str = "mean", labels_key: str = "labels",
                  ignore_index: int = -100, minimum: int = 1, policy: RetryPolicy | None = None,
                  grow_after: int | None = None, device: Any = None, group: Any = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, size: SizeController | None = None) -> None:
         if not callable(weight_by) and weight_by not in WEIGHTS:
             raise ValueError(f"weight_by must be one of {', '.join(WEIGHTS)} or a callable, "
                              f"got {weight_by!r}")
@@ -136,18 +162,18 @@ class Accumulator:
         self.weight_by, self.reduction = weight_by, reduction
         self.labels_key, self.ignore_index = labels_key, ignore_index
         self.set_params(params)
-        self.size = AdaptiveSize(name or f"{_qualname(step_fn)}:micro_batch", micro_batch_size,
-                                 minimum=minimum, policy=policy, grow_after=grow_after,
-                                 device=device, group=group)
+        self.limit = micro_batch_size if size is not None else None
+        self.size = size or make_controller(
+            name or f"{_qualname(step_fn)}:micro_batch", KEY, micro_batch_size, minimum=minimum,
+            policy=policy, grow_after=grow_after, device=device, group=group)
 
     @property
     def micro_batch_size(self) -> int | None:
         """The remembered micro-batch size in rows (None: whole batches have fitted so far)."""
-        return self.size.size
+        return self.size.current
 
     def set_params(self, params: Params) -> None:
         """Change the tensors whose gradients are computed (and zeroed before each attempt)."""
-        self._params_source = params
         self.params = _param_list(params)
 
     def __call__(self, batch: Batch) -> torch.Tensor:
@@ -157,8 +183,9 @@ class Accumulator:
         its units, assembled from the micro-batches.
         """
         n = batch_length(batch)
+        cap = n if self.limit is None else min(n, self.limit)
         weights: dict[str, Any] = {}  # units per row, computed once and only when splitting
-        return self.size.run(lambda m: self._run_at(batch, n, m, weights), cap=n)
+        return self.size.run(lambda s: self._run_at(batch, n, s[KEY], weights), cap={KEY: cap})
 
     def _units(self, batch: Batch, n: int, cache: dict[str, Any]) -> tuple[list[float], float]:
         """Prefix sums of units over rows (length n + 1) and the total."""
@@ -208,7 +235,30 @@ class Accumulator:
         return total_loss
 
 
-_ACCUMULATORS: dict[str, Accumulator] = {}
+SIZE_OPTIONS = ("minimum", "policy", "grow_after", "device", "group")
+
+
+@dataclass(eq=False)
+class _Remembered:
+    """The size :func:`accumulate` found for one (params, name), and its last controller."""
+
+    memory: SizeMemory
+    options: dict[str, Any] = field(default_factory=dict)
+    size: SizeController | None = None
+
+    def controller(self, options: dict[str, Any]) -> SizeController:
+        """A controller with this call's options (the last one when they are the same)."""
+        if self.size is None or options != self.options:
+            self.size = make_controller(self.memory.name, KEY, self.memory, **options)
+            self.options = options
+        return self.size
+
+
+# What accumulate() remembers: per params object (a module, an optimizer, or the
+# first tensor of a list), then per name. Weak: an entry goes when its params
+# object is collected; it holds numbers and the call's size options, never the
+# model, the step function or the data.
+_MEMORY: WeakIdMap[Any, dict[str, _Remembered]] = WeakIdMap()
 
 
 def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
@@ -216,33 +266,46 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
                name: str | None = None, **options: Any) -> torch.Tensor:
     """Gradients of ``step_fn`` over the whole ``batch``, in micro-batches if it does not fit.
 
-    The function form of :class:`Accumulator`: the state (the micro-batch
-    size found) is kept per ``name`` (default: the step function's qualified
-    name), so a step function defined anew every iteration keeps its size.
-    ``micro_batch_size`` and ``options`` (``weight_by``, ``reduction``,
-    ``grow_after``, ...) take effect when that state is created, on the first
-    call. Replaces the ``.grad`` of ``params``; returns the whole batch's loss
-    (detached). Typical use::
+    The function form of :class:`Accumulator`. Options (``weight_by``,
+    ``reduction``, ``grow_after``, ``minimum``, ...) apply to this call only.
+    What persists is the micro-batch size found: per ``params`` object and
+    ``name`` (default: the step function's qualified name), so a step
+    function defined anew every iteration keeps its size, and only while
+    ``params`` (the model or optimizer) lives; nothing here keeps it alive.
+    ``micro_batch_size`` is the first size tried when nothing is remembered,
+    and bounds this call's micro-batches. Replaces the ``.grad`` of
+    ``params``; returns the whole batch's loss (detached). Typical use::
 
         loss = oomguard.accumulate(lambda mb: model(**mb).loss, batch, params=model,
                                    weight_by="causal-tokens")
         optimizer.step()
     """
+    tensors = _param_list(params)
+    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or
+                                         isinstance(micro_batch_size, bool) or
+                                         micro_batch_size < 1):
+        raise ValueError(f"micro_batch_size must be a positive integer or None, "
+                         f"got {micro_batch_size!r}")
     key = name or f"{_qualname(step_fn)}:micro_batch"
-    acc = _ACCUMULATORS.get(key)
-    if acc is None:
-        acc = _ACCUMULATORS[key] = Accumulator(step_fn, params, micro_batch_size=micro_batch_size,
-                                               name=key, **options)
-    else:
-        acc.step_fn = step_fn
-        if params is not acc._params_source:
-            acc.set_params(params)
-    return acc(batch)
+    anchor = params if isinstance(params, (torch.nn.Module, torch.optim.Optimizer)) \
+        else (tensors[0] if tensors else None)
+    known = _MEMORY.get(anchor) if anchor is not None else None
+    if known is None:
+        known = {}
+        if anchor is not None:
+            _MEMORY[anchor] = known
+    entry = known.get(key)
+    if entry is None:
+        entry = known[key] = _Remembered(remembered(key, KEY, micro_batch_size))
+    size = entry.controller({k: options.pop(k) for k in SIZE_OPTIONS if k in options})
+    return Accumulator(step_fn, tensors, micro_batch_size=micro_batch_size, size=size,
+                       **options)(batch)
 
 
 def forget(name: str | None = None) -> None:
-    """Drop the remembered state of :func:`accumulate` for ``name`` (all names when None)."""
-    if name is None:
-        _ACCUMULATORS.clear()
-    else:
-        _ACCUMULATORS.pop(name, None)
+    """Drop the sizes :func:`accumulate` remembers for ``name`` (every name when None)."""
+    for known in _MEMORY.values():
+        if name is None:
+            known.clear()
+        else:
+            known.pop(name, None)

@@ -25,16 +25,23 @@ synchronise gradients afterwards with :func:`all_reduce_gradients`.
 
 When ``torch.distributed`` is not available or not initialised, :func:`agree`
 returns its inputs and costs nothing.
+
+:class:`RankAgreement` is how this plugs into the core's
+:class:`~oomguard.engine.core.controller.SizeController`: it is the controller's
+``agreement`` strategy (the core's default, for one process, agrees with
+nobody).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+Sizes = dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -67,11 +74,36 @@ def agree(proposed: int, oom: bool, group: Any = None) -> Agreement:
     """
     if not is_active():
         return Agreement(proposed, oom)
-    values = torch.tensor([proposed, -int(oom)], dtype=torch.int64,
-                          device=_collective_device(group))
-    dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
-    size, flag = values.tolist()
-    return Agreement(int(size), flag < 0)
+    size, flag = _min_over_ranks([proposed, -int(oom)], group)
+    return Agreement(size, flag < 0)
+
+
+def _min_over_ranks(values: list[int], group: Any) -> list[int]:
+    """The element-wise minimum of ``values`` over the ranks: one ``all_reduce(MIN)``."""
+    tensor = torch.tensor(values, dtype=torch.int64, device=_collective_device(group))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return [int(v) for v in tensor.tolist()]
+
+
+class RankAgreement:
+    """The ranks of ``group`` agree on a size after every attempt: one ``all_reduce(MIN)``.
+
+    The agreement strategy of a
+    :class:`~oomguard.engine.core.controller.SizeController` under
+    ``torch.distributed``: the reduced vector is the proposed sizes and
+    ``-oom`` (16 bytes for one size). Inactive, and free, while no process
+    group is initialised.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    def active(self) -> bool:
+        return is_active()
+
+    def agree(self, proposal: Mapping[str, int], oom: bool) -> tuple[Sizes, bool]:
+        *sizes, flag = _min_over_ranks([*proposal.values(), -int(oom)], self.group)
+        return dict(zip(proposal, sizes, strict=True)), flag < 0
 
 
 def all_reduce_gradients(params: Iterable[torch.Tensor], group: Any = None,
