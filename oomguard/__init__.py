@@ -41,6 +41,8 @@ _EXPORTS: dict[str, str] = {
     "NoSizeFits": "oomguard.engine.errors",
     "TrialFailed": "oomguard.engine.errors",
     "IsolationError": "oomguard.engine.errors",
+    "ChildStartFailed": "oomguard.engine.errors",
+    "ChildCrashed": "oomguard.engine.errors",
     # core: classification, budgets, search, executor
     "OOM": "oomguard.engine.core.oom",
     "call_catching_oom": "oomguard.engine.core.oom",
@@ -57,6 +59,7 @@ _EXPORTS: dict[str, str] = {
     "Recommendation": "oomguard.engine.core.fit",
     "SearchResult": "oomguard.engine.core.search",
     "search": "oomguard.engine.core.search",
+    "SearchConfig": "oomguard.engine.core.search",
     "Executor": "oomguard.engine.core.executor",
     "Halve": "oomguard.engine.core.retry",
     "ReduceWith": "oomguard.engine.core.retry",
@@ -72,13 +75,13 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
-    "Accumulator", "Budget", "BudgetError", "Doubling", "E10", "ExecutionFailed", "Executor",
-    "Halve", "IsolationError", "LinearFit", "LinearJump", "MemorySnapshot",
-    "NoExecutableBatchSize", "NoSizeFits", "OOM", "OomguardError", "PeakMeter",
-    "Recommendation", "ReduceWith", "SearchFailed", "SearchResult", "Trial", "TrialFailed",
-    "UsageError", "accumulate", "adaptive", "budget", "call_catching_oom",
-    "find_executable_batch_size", "is_oom", "parse_size", "probe", "probe_all",
-    "release_memory", "reset_stats", "search", "stats", "write_report",
+    "Accumulator", "Budget", "BudgetError", "ChildCrashed", "ChildStartFailed", "Doubling",
+    "E10", "ExecutionFailed", "Executor", "Halve", "IsolationError", "LinearFit", "LinearJump",
+    "MemorySnapshot", "NoExecutableBatchSize", "NoSizeFits", "OOM", "OomguardError",
+    "PeakMeter", "Recommendation", "ReduceWith", "SearchConfig", "SearchFailed",
+    "SearchResult", "Trial", "TrialFailed", "UsageError", "accumulate", "adaptive", "budget",
+    "call_catching_oom", "find_executable_batch_size", "is_oom", "parse_size", "probe",
+    "probe_all", "release_memory", "reset_stats", "search", "stats", "write_report",
 ]
 # A test checks that __all__ and _EXPORTS name the same things.
 
@@ -102,12 +105,14 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names
     from oomguard.engine.core.fit import LinearFit, Recommendation
     from oomguard.engine.core.oom import OOM, call_catching_oom, is_oom, release_memory
     from oomguard.engine.core.retry import Halve, ReduceWith
-    from oomguard.engine.core.search import SearchResult, search
+    from oomguard.engine.core.search import SearchConfig, SearchResult, search
     from oomguard.engine.core.strategies import E10, Doubling, LinearJump
     from oomguard.engine.core.trial import Trial
     from oomguard.engine.core.units import parse_size
     from oomguard.engine.errors import (
         BudgetError,
+        ChildCrashed,
+        ChildStartFailed,
         ExecutionFailed,
         IsolationError,
         NoExecutableBatchSize,
