@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -115,3 +116,17 @@ def in_fresh_process(fn, *args):
     forkserver_context(("transformers", "oomguard.metrics.train_step", "oomguard.metrics.synthetic"))
     with mp.get_context("forkserver").Pool(1, maxtasksperchild=1) as pool:
         return pool.apply(fn, args)
+
+
+@dataclass
+class RaisesAt:
+    """A workload that fits every size but raises ValueError (a bug, not memory) at
+    ``size``. Module-level and picklable, so isolated children can run it too."""
+
+    size: int
+    name: str = "raises-at"
+
+    def __call__(self, size: int) -> int:
+        if size == self.size:
+            raise ValueError(f"not a memory problem at {size}")
+        return size

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import in_fresh_process
+from conftest import RaisesAt, in_fresh_process
 
 from oomguard.engine.core.budget import MIN_CPU_BUDGET, BudgetError, budget
 from oomguard.engine.core.fit import fit_line
@@ -116,19 +116,6 @@ def test_max_seconds_stops_the_search():
     result = search(slow, max_seconds=0.01)
     assert [t.size for t in result.trials] == [32]
     assert result.stopped_because == "max_seconds (0.01) reached"
-
-
-@dataclass
-class RaisesAt:
-    """Fits every size, but raises ValueError (a bug, not memory) at ``size``."""
-
-    size: int
-    name: str = "raises-at"
-
-    def __call__(self, size: int) -> int:
-        if size == self.size:
-            raise ValueError(f"not a memory problem at {size}")
-        return size
 
 
 def test_non_oom_error_mid_search_is_trial_failed_with_the_partial_result():
