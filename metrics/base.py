@@ -12,12 +12,15 @@ Two kinds of size must never be confused:
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
 
+import oomguard.metrics as package
 from oomguard.engine.errors import UsageError
 
 
@@ -113,13 +116,8 @@ def register(cls: type[Metric]) -> type[Metric]:
 def load_all() -> dict[str, Metric]:
     """Import every module of the ``metrics`` package so each registers itself.
 
-    Lazy, so that ``import metrics.train_step`` does not pay for captum.
+    Lazy, so that ``import oomguard.metrics.train_step`` does not pay for captum.
     """
-    import importlib
-    import pkgutil
-
-    import oomguard.metrics as package
-
     for info in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"oomguard.metrics.{info.name}")
     return METRICS

@@ -157,7 +157,7 @@ class IntegratedGradients(JsonMetric):
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 n_steps: int = 16, chunk_size: int = 128,
                 internal_batch_size: int = 8) -> dict[str, Any]:
-        from captum.attr import LayerIntegratedGradients
+        from captum.attr import LayerIntegratedGradients  # why: captum loads only for its metrics
 
         lig = LayerIntegratedGradients(target_forward(model), model.get_input_embeddings())
         base_id = pad_id(model)

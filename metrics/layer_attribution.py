@@ -79,7 +79,7 @@ class LayerAttribution(JsonMetric):
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 n_steps: int = 16, chunk_size: int = 96,
                 internal_batch_size: int = 8) -> dict[str, Any]:
-        from captum.attr import LayerIntegratedGradients
+        from captum.attr import LayerIntegratedGradients  # why: captum loads only for its metrics
 
         blocks = transformer_blocks(model)
         forward = target_forward(model)

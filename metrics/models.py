@@ -50,7 +50,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def model_config(spec: str) -> Any:
     """The transformers config a spec names (no weights are built or loaded)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # why: transformers costs 2.5-3 s; import on use
 
     if spec in BUILTIN_CONFIGS:
         kw = dict(BUILTIN_CONFIGS[spec])
@@ -91,7 +91,7 @@ def build_model(spec: str = "tiny-gpt2", dtype: str | torch.dtype = "float32",
     ``attn_implementation="eager"`` materialises attention probabilities, which
     attention statistics need and which makes the memory per item honest.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # why: as in model_config
 
     dt = parse_dtype(dtype)
     path = Path(spec).expanduser()

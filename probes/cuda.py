@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from oomguard.probes.nvml import pci_bus_id_from_ints
+
 log = logging.getLogger("oomguard.probes.cuda")
 
 
@@ -62,8 +64,6 @@ def identity(index: int) -> dict[str, Any]:
     bus = getattr(props, "pci_bus_id", None)
     dev = getattr(props, "pci_device_id", None)
     if bus is not None and dev is not None:
-        from oomguard.probes.nvml import pci_bus_id_from_ints
-
         out["pci_bus_id"] = pci_bus_id_from_ints(int(getattr(props, "pci_domain_id", 0)),
                                                  int(bus), int(dev))
     return out

@@ -41,7 +41,7 @@ def _nvml() -> tuple[Any | None, str | None]:
         if not _state["tried"]:
             _state["tried"] = True
             try:
-                import pynvml
+                import pynvml  # why: loaded once, on the first NVML question
             except ImportError as exc:  # the dependency is declared; be tolerant anyway
                 _state["error"] = f"pynvml is not installed ({exc}); pip install nvidia-ml-py"
             else:
