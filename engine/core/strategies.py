@@ -18,7 +18,7 @@ records in ``result.config``. A bad value is a :class:`UsageError`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -70,6 +70,18 @@ def _refine(trials: Sequence[Trial], lo: int | None, hi: int | None) -> int | No
     return (lo + hi) // 2
 
 
+def _grow_then_refine(trials: Sequence[Trial], max_size: int, start: int,
+                      grow: Callable[[int], int]) -> int | None:
+    """E10's and Doubling's shape: ``start``, then ``grow`` the largest fit while nothing
+    above it failed, then :func:`_refine`; never above ``max_size``."""
+    if not trials:
+        return min(start, max_size)
+    lo, hi = bracket(trials)
+    if lo is not None and hi is None:
+        return None if lo >= max_size else min(grow(lo), max_size)
+    return _refine(trials, lo, hi)
+
+
 @dataclass(frozen=True)
 class E10:
     """The E10 report's routine: start at ``start``, add ``step`` while it fits,
@@ -94,12 +106,7 @@ class E10:
         )
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
-        if not trials:
-            return min(self.start, max_size)
-        lo, hi = bracket(trials)
-        if lo is not None and hi is None:
-            return None if lo >= max_size else min(lo + self.step, max_size)
-        return _refine(trials, lo, hi)
+        return _grow_then_refine(trials, max_size, self.start, lambda n: n + self.step)
 
 
 @dataclass(frozen=True)
@@ -125,12 +132,7 @@ class Doubling:
         )
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
-        if not trials:
-            return min(self.start, max_size)
-        lo, hi = bracket(trials)
-        if lo is not None and hi is None:
-            return None if lo >= max_size else min(lo * self.factor, max_size)
-        return _refine(trials, lo, hi)
+        return _grow_then_refine(trials, max_size, self.start, lambda n: n * self.factor)
 
 
 @dataclass(frozen=True)
