@@ -40,6 +40,16 @@ class UsageError(OomguardError, ValueError):
     """Bad input from the user: a one-line message saying what to do (CLI: exit code 2)."""
 
 
+def check_positive_int(name: str, value: Any, *, optional: bool = False) -> None:
+    """Raise :class:`UsageError` unless ``value`` is an int > 0 (``True`` is not a size);
+    with ``optional``, None is accepted too. The one check of every size a user gives."""
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UsageError(f"{name} must be a positive integer{' or None' if optional else ''}, "
+                         f"got {value!r}")
+
+
 class BudgetError(UsageError):
     """A budget that cannot be set: not positive, too small, or larger than the device."""
 

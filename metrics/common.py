@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from oomguard.engine.core.jsonable import to_jsonable as _sanitise
-from oomguard.engine.errors import UsageError
+from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.metrics.base import Metric
 
 IGNORE_INDEX = -100
@@ -56,8 +56,7 @@ def iter_micro_batches(data: Batch, size: int) -> Iterator[dict[str, torch.Tenso
     Every tensor of the dict is sliced alike; together the slices cover every
     sample exactly once, in order. ``size`` must be a positive integer.
     """
-    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-        raise ValueError(f"micro-batch size must be a positive integer, got {size!r}")
+    check_positive_int("micro-batch size", size)
     n = n_samples(data)
     for start in range(0, n, size):
         yield {key: value[start:start + size] for key, value in data.items()}

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from oomguard.engine.core.trial import RebuiltInChild
-from oomguard.engine.errors import UsageError
+from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.metrics.base import Metric, get_metric
 from oomguard.metrics.models import build_model, make_batch
 
@@ -66,9 +66,8 @@ class MetricTrial(RebuiltInChild):
                              f"searchable knobs are {', '.join(memory) or '(none)'}")
         if self.knob in self.params:
             raise UsageError(f"{self.knob!r} is the searched knob: do not fix it in params")
-        for key, value in (("n_samples", self.n_samples), ("seq_len", self.seq_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise UsageError(f"{key} must be a positive integer, got {value!r}")
+        check_positive_int("n_samples", self.n_samples)
+        check_positive_int("seq_len", self.seq_len)
         metric.validate(self.params)  # unknown or bad fixed knobs fail here, not in a trial
 
     # -- identity -------------------------------------------------------------------

@@ -157,6 +157,11 @@ def test_no_module_is_over_400_lines():
     assert not long, long
 
 
+# The design documents and measurement notes the project grew from live outside the
+# repository; code must not point at them. Spelled in pieces so this file does not.
+OUTSIDE_DOCS = re.compile("|".join(["CPU-OOM-" + "FACTS", "DESIGN" + r"\.md", r"\.\./" + "shared"]))
+
+
 def test_the_project_cites_only_documents_it_contains():
     anchors = set(re.findall(r"^## ([\w-]+)$", (ROOT / "docs" / "measurements.md").read_text(),
                              flags=re.M))
@@ -164,7 +169,7 @@ def test_the_project_cites_only_documents_it_contains():
     for path in [*_modules(), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py"),
                  ROOT / "README.md"]:
         text = path.read_text(encoding="utf-8")
-        if re.search(r"CPU-OOM-FACTS|DESIGN\.md|\.\./shared", text) and path != Path(__file__):
+        if OUTSIDE_DOCS.search(text):
             outside.append(str(path.relative_to(ROOT)))
         missing += [f"{path.relative_to(ROOT)}: #{a}" for a in
                     re.findall(r"docs/measurements\.md#([\w-]+)", text) if a not in anchors]

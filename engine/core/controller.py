@@ -37,7 +37,12 @@ from tenacity import RetryCallState, Retrying, retry_if_result, wait_none
 from oomguard.engine.core.oom import OOM, call_catching_oom
 from oomguard.engine.core.retry import Halve, RetryPolicy, Sizes
 from oomguard.engine.core.sizestats import SizeChange, SizeStats
-from oomguard.engine.errors import NoExecutableBatchSize, UsageError, format_sizes
+from oomguard.engine.errors import (
+    NoExecutableBatchSize,
+    UsageError,
+    check_positive_int,
+    format_sizes,
+)
 
 T = TypeVar("T")
 # Sizes that may be unknown: None means "whatever the call's cap is" (the whole input).
@@ -126,14 +131,6 @@ class SizeMemory:
         return self.stats.name
 
 
-def _check(label: str, value: Any, optional: bool = True) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UsageError(f"{label} must be a positive integer{' or None' if optional else ''}, "
-                         f"got {value!r}")
-
-
 class _Failed:
     """The outcome of an attempt that ran out of memory (here or on another process)."""
 
@@ -177,17 +174,17 @@ class SizeController:
                  failure_message: str | None = None) -> None:
         if not isinstance(memory, SizeMemory):
             for key, value in memory.items():
-                _check(key, value)
+                check_positive_int(key, value, optional=True)
             memory = SizeMemory.new(name, memory)
         self.memory = memory
         self.name = memory.name
         for key, value in (minimum or {}).items():
-            _check(f"minimum {key}", value, optional=False)
+            check_positive_int(f"minimum {key}", value)
         self.floor: Sizes = {k: (minimum or {}).get(k, 1) for k in memory.sizes}
         self.maximum = {k: v for k, v in (maximum or {}).items() if v is not None}
         for key, value in self.maximum.items():
-            _check(f"maximum {key}", value)
-        _check("grow_after", grow_after)
+            check_positive_int(f"maximum {key}", value, optional=True)
+        check_positive_int("grow_after", grow_after, optional=True)
         self.policy: RetryPolicy = policy or Halve()
         self.grow_after = grow_after
         self.agreement: SizeAgreement = agreement or NO_AGREEMENT

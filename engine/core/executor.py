@@ -28,7 +28,7 @@ from oomguard.engine.core.controller import (
 )
 from oomguard.engine.core.retry import Halve, ReduceWith, RetryPolicy, Sizes
 from oomguard.engine.core.weakmap import WeakIdMap
-from oomguard.engine.errors import ExecutionFailed, NoExecutableBatchSize
+from oomguard.engine.errors import ExecutionFailed, NoExecutableBatchSize, check_positive_int
 
 __all__ = ["ExecutionFailed", "Executor", "Halve", "NoExecutableBatchSize", "ReduceWith",
            "RetryPolicy", "RunRecord", "Sizes"]
@@ -87,8 +87,7 @@ class Executor:
         positional = sizes is None
         start: Sizes = {"batch_size": batch_size} if positional else dict(sizes)  # type: ignore[arg-type]
         for key, value in start.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{key} must be a positive integer, got {value!r}")
+            check_positive_int(key, value)
         label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
         controller = SizeController(label, self._memory(fn, name, label, start),
                                     minimum=minimum, policy=self.policy,

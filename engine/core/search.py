@@ -39,12 +39,11 @@ from oomguard.engine.core.strategies import (
     E10,
     Strategy,
     bracket,
-    check_positive_int,
     strategy_params,
 )
 from oomguard.engine.core.trial import Trial, run_trial
 from oomguard.engine.core.units import fmt_bytes
-from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError
+from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError, check_positive_int
 from oomguard.probes import probe
 
 log = logging.getLogger("oomguard.search")

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Protocol
 
 from oomguard.engine.core.fit import fit_line
 from oomguard.engine.core.trial import Trial
-from oomguard.engine.errors import UsageError
+from oomguard.engine.errors import UsageError, check_positive_int
 
 
 class Strategy(Protocol):
@@ -35,12 +35,6 @@ class Strategy(Protocol):
     def describe(self) -> str: ...
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None: ...
-
-
-def check_positive_int(name: str, value: Any) -> None:
-    """UsageError unless ``value`` is an int > 0 (``True`` is not a size)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UsageError(f"{name} must be a positive integer, got {value!r}")
 
 
 def strategy_params(strategy: Any) -> dict[str, Any]:

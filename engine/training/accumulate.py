@@ -51,6 +51,7 @@ import torch
 from oomguard.engine.core.controller import SizeController, SizeMemory
 from oomguard.engine.core.retry import RetryPolicy
 from oomguard.engine.core.weakmap import WeakIdMap
+from oomguard.engine.errors import check_positive_int
 from oomguard.engine.training.adaptive import _qualname, make_controller, remembered
 
 Batch = Any  # a tensor, a Mapping of tensors, or a tuple/list of them, rows on dim 0
@@ -282,11 +283,7 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
         optimizer.step()
     """
     tensors = _param_list(params)
-    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or
-                                         isinstance(micro_batch_size, bool) or
-                                         micro_batch_size < 1):
-        raise ValueError(f"micro_batch_size must be a positive integer or None, "
-                         f"got {micro_batch_size!r}")
+    check_positive_int("micro_batch_size", micro_batch_size, optional=True)
     key = name or f"{_qualname(step_fn)}:micro_batch"
     anchor = params if isinstance(params, (torch.nn.Module, torch.optim.Optimizer)) \
         else (tensors[0] if tensors else None)

@@ -35,7 +35,7 @@ from oomguard.engine.core.sizestats import (
     reset_stats,
     stats,
 )
-from oomguard.engine.errors import NoExecutableBatchSize
+from oomguard.engine.errors import NoExecutableBatchSize, check_positive_int
 from oomguard.engine.training.distributed import RankAgreement
 
 __all__ = ["NoExecutableBatchSize", "SizeChange", "SizeStats", "Stats", "adaptive",
@@ -59,9 +59,7 @@ def make_controller(name: str, key: str, start: int | None | SizeMemory, *, mini
                failure_message: str | None = None) -> SizeController:
     """The size controller of a training-script helper: one knob ``key``, ranks agreeing."""
     if not isinstance(start, SizeMemory):
-        if start is not None and (not isinstance(start, int) or isinstance(start, bool)
-                                  or start < 1):
-            raise ValueError(f"start must be a positive integer or None, got {start!r}")
+        check_positive_int("start", start, optional=True)
         start = remembered(name, key, start)
     return SizeController(name, start, minimum={key: minimum}, maximum={key: maximum},
                           policy=policy, grow_after=grow_after, agreement=RankAgreement(group),
