@@ -191,6 +191,16 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
                      f"| {key} | {t.get('status')} | - | - | - | - | - |")
     lines += ["", "Peak memory is measured (what the meter counts is given per metric); "
               "seconds are the metric's own run, without model build and search.", ""]
+    if summary["status"] == "interrupted":
+        lines += ["The job was interrupted: run the same command again to finish it "
+                  "(finished metrics are kept).", ""]
+    rerun = {k: t["rerun_because"] for k, t in tasks.items() if t.get("rerun_because")}
+    if rerun:
+        lines += ["## Rerun because their inputs changed", "",
+                  "The earlier results of these metrics no longer answered the job; they "
+                  "were moved to `results/stale/` and the metrics ran again.", ""]
+        lines += [f"- **{k}**: {'; '.join(why)}" for k, why in rerun.items()]
+        lines.append("")
     failed = {k: t for k, t in tasks.items() if t.get("status") == "failed"}
     if failed:
         lines += ["## Failures", ""]
@@ -224,10 +234,16 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
 
 
 def write_job_report(summary: Mapping[str, Any], out: str | Path) -> Path:
-    """Write ``report.md`` (and the plots) for a job's ``results.json`` content."""
+    """Write ``report.md`` (and the plots) for a job's ``results.json`` content.
+
+    A plot that fails for any reason but the file system is left out with a
+    logged traceback; ``OSError`` (a full disk) propagates to the caller.
+    """
     out = Path(out)
     try:
         plots = write_plots(summary, out)
+    except OSError:  # the disk, not the pictures: report.md would fail the same way
+        raise
     except Exception:  # noqa: BLE001 - the text report matters more than pictures
         log.exception("plots failed; writing report.md without them")
         plots = {}

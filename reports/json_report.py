@@ -1,4 +1,4 @@
-"""Machine-readable report of a batch-size search, and the figures every report shares.
+"""Machine-readable report of a size search, and the figures every report shares.
 
 ``render_json(result, context)`` returns a dict that ``json.dumps`` accepts
 without a custom encoder (it has been through the one JSON sanitiser,
@@ -15,7 +15,7 @@ state the same numbers as the JSON.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -24,6 +24,7 @@ from oomguard.engine.core.jsonable import to_jsonable
 from oomguard.engine.core.search import SearchResult
 from oomguard.engine.core.strategies import bracket
 from oomguard.engine.core.trial import Trial
+from oomguard.metrics.workload import SAMPLE_KNOBS
 
 SCHEMA = "oomguard.search-report/1"
 
@@ -71,6 +72,72 @@ def non_monotonic(result: SearchResult) -> list[Trial]:
     if result.max_ok is None:
         return []
     return [t for t in result.trials if not t.ok and t.size < result.max_ok]
+
+
+def size_label(result: SearchResult) -> str:
+    """The searched size's name for prose: ``batch size`` for a batch, otherwise the
+    knob's own name as the user passes it (``chunk_size``, ``internal_batch_size``)."""
+    return "batch size" if result.size_name == "batch_size" else result.size_name
+
+
+def size_heading(result: SearchResult) -> str:
+    """:func:`size_label` for titles: ``Batch Size``, or the knob's name unchanged."""
+    return "Batch Size" if result.size_name == "batch_size" else result.size_name
+
+
+def _samples(context: Mapping[str, Any] | None) -> int | None:
+    # `oomguard search` passes "samples"; MetricTrial.describe() says "n_samples".
+    ctx = context or {}
+    n = ctx.get("samples", ctx.get("n_samples"))
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def capped_by(result: SearchResult, context: Mapping[str, Any] | None = None) -> str | None:
+    """What ended a search before it closed its bracket, or None if it closed
+    (an OOM right above the maximum) or nothing fitted.
+
+    ``"samples"``: it stopped at ``max_size`` equal to the number of samples
+    (``context["samples"]`` or ``["n_samples"]``) of a knob that slices the
+    samples, where larger sizes mean the same thing. ``"max_size"``,
+    ``"max_trials"``, ``"max_seconds"``: the search option of that name.
+    ``"strategy"``: the strategy stopped proposing sizes without seeing an OOM.
+    """
+    if result.max_ok is None:
+        return None
+    if result.first_oom is not None and result.first_oom - result.max_ok <= 1:
+        return None
+    stopped = result.stopped_because
+    for option in ("max_size", "max_trials", "max_seconds"):
+        if stopped.startswith(f"{option} ("):  # the prefix search() writes
+            break
+    else:
+        return "strategy" if result.first_oom is None else None
+    if (option == "max_size" and result.size_name in SAMPLE_KNOBS
+            and _samples(context) == result.config.get("max_size")):
+        return "samples"
+    return option
+
+
+def scaling_verdict(result: SearchResult) -> str | None:
+    """How measured peak memory scaled with the size, judged from the fit.
+
+    None: no fit. ``"flat"``: it did not grow (a zero or negative slope, or a
+    positive one no larger than the scatter of the points: t-statistic of the
+    slope below 2). ``"untested"``: a rising line through two points (R² is 1 by
+    construction). Otherwise by R²: ``"confirmed"`` (>= 0.99), ``"approximate"``
+    (>= 0.9), ``"not supported"``.
+    """
+    fit = result.fit
+    if fit is None:
+        return None
+    if fit.per_item_bytes <= 0:
+        return "flat"
+    if fit.points < 3:
+        return "untested"
+    # t² of the slope = R² (n - 2) / (1 - R²); below 2², growth is within the noise.
+    if fit.r2 < 1 and fit.r2 * (fit.points - 2) < 4 * (1 - fit.r2):
+        return "flat"
+    return "confirmed" if fit.r2 >= 0.99 else "approximate" if fit.r2 >= 0.9 else "not supported"
 
 
 def status_text(t: Trial) -> str:
@@ -166,7 +233,8 @@ def render_json(result: SearchResult, context: dict | None = None) -> dict[str, 
     ``context``, ``result`` (:meth:`SearchResult.to_dict`: all trials, fit,
     recommendation, capacity, budget, config) and ``summary`` (derived:
     ``peak_bytes_at_max``, ``utilisation`` as a fraction, ``margin_left_bytes``,
-    counts, the search steps as prose).
+    counts, ``capped_by`` (:func:`capped_by`), ``memory_scaling``
+    (:func:`scaling_verdict`), the search steps as prose).
     """
     best = peak_at_max(result)
     peak = best.peak_bytes if best else None
@@ -188,6 +256,9 @@ def render_json(result: SearchResult, context: dict | None = None) -> dict[str, 
         "trials_oom": len(result.trials) - n_ok,
         "trial_seconds": sum(t.seconds for t in result.trials),
         "non_monotonic_oom_sizes": [t.size for t in non_monotonic(result)],
+        "size_label": size_label(result),
+        "capped_by": capped_by(result, context),
+        "memory_scaling": scaling_verdict(result),
         "fitted_size_at_capacity": (fit.largest_size_within(cap)
                                     if fit is not None and cap else None),
         "peak_measures": PEAK_MEANING.get(device_type(result), "unknown"),

@@ -1,4 +1,5 @@
-"""Markdown report of a batch-size search, in the shape of the E10 report.
+"""Markdown report of a size search (a batch size or a metric's knob), in the shape of the
+E10 report.
 
 ``render_markdown(result, context)`` turns a :class:`oomguard.engine.core.search.SearchResult`
 into the sections of the E10 Maximum Batch Size Report: Configuration, Data,
@@ -19,9 +20,13 @@ from oomguard.engine.core.units import fmt_bytes
 from oomguard.reports.json_report import (
     PEAK_MEANING,
     capacity_label,
+    capped_by,
     device_type,
     non_monotonic,
     peak_at_max,
+    scaling_verdict,
+    size_heading,
+    size_label,
     status_text,
     strategy_steps,
     utilisation,
@@ -133,17 +138,19 @@ def _data(ctx: Mapping[str, Any]) -> list[str]:
     return ["## Data Configuration", *(f"- **{_label(str(k))}**: {v}" for k, v in data.items())]
 
 
-def _results(result: SearchResult) -> list[str]:
+def _results(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
     best = peak_at_max(result)
     cap = result.capacity_bytes
     peak = best.peak_bytes if best else None
     util = utilisation(peak, cap)
     margin_left = cap - peak if cap is not None and peak is not None else None
     shown = "-" if result.max_ok is None else str(result.max_ok)
-    suffix = "" if result.first_oom is not None or result.max_ok is None else " (no OOM seen: a lower bound)"
+    suffix = ("" if result.first_oom is not None or result.max_ok is None
+              else " (no OOM seen: the largest useful size, every sample at once)"
+              if capped_by(result, ctx) == "samples" else " (no OOM seen: a lower bound)")
     of_cap = f" (of {fmt_bytes(cap)} {capacity_label(result)})" if cap else " (capacity unknown)"
     out = [
-        "## Results", "", f"### Maximum {result.size_label.title()}: **{shown}**{suffix}", "",
+        "## Results", "", f"### Maximum {size_heading(result)}: **{shown}**{suffix}", "",
         "### Performance Metrics", "| Metric | Value |", "|--------|-------|",
         f"| Peak Memory at maximum | {fmt_bytes(peak)} |",
         f"| Memory Utilization | {_pct(util)}{of_cap if util is not None else ''} |",
@@ -153,7 +160,7 @@ def _results(result: SearchResult) -> list[str]:
         f"| Value returned at maximum | {fmt_value(best.value) if best else '-'} |",
         f"| Search wall time | {result.seconds:.2f} s |",
         "", "### Search Details",
-        f"| {result.size_label.title()} | Status | Peak Memory | Seconds | Value |",
+        f"| {size_heading(result)} | Status | Peak Memory | Seconds | Value |",
         "|-----------|--------|-------------|---------|-------|",
     ]
     for t in result.trials:
@@ -166,36 +173,63 @@ def _results(result: SearchResult) -> list[str]:
     return out
 
 
+def _no_growth(result: SearchResult) -> str:
+    """The honest sentence for a fit that does not rise: memory is not what ``size`` costs."""
+    fit = result.fit
+    assert fit is not None
+    label = size_label(result)
+    sizes = sorted({t.size for t in result.trials if t.ok and t.peak_bytes is not None})
+    how = ("" if fit.per_item_bytes <= 0 else ": no more than the scatter of the measurements")
+    if result.first_oom is not None:
+        why = (f"yet {label} {result.first_oom} ran out of memory, so the limit is elsewhere "
+               "(memory the peak does not count, or a cost that jumps rather than grows): "
+               "trust the sizes that ran, not the line")
+    else:
+        why = (f"the limit is elsewhere and every size tried fits, so choose {label} for speed, "
+               "not memory")
+    return (f"- **No memory growth**: peak memory did not grow with {label} over the sizes "
+            f"tried ({sizes[0]} to {sizes[-1]}; fitted slope {fit.per_item_bytes:,.0f} bytes "
+            f"per +1 of {label}{how}); {why}.")
+
+
 def _scaling(result: SearchResult) -> list[str]:
     out = ["## Memory Scaling Analysis"]
     meaning = PEAK_MEANING.get(device_type(result), "the device's peak bytes over the trial")
     fit = result.fit
+    label = size_label(result)
+    verdict = scaling_verdict(result)
     if fit is None:
         out.append("- **No fit**: fewer than two distinct sizes ran with a measured peak, so no "
                    "scaling line could be fitted.")
+    elif verdict == "flat":
+        out += [_no_growth(result),
+                f"- **Fit**: peak ≈ {fmt_bytes(fit.base_bytes)} + {fit.per_item_bytes:,.0f} "
+                f"bytes × {result.size_name}, a least-squares line over the {fit.points} "
+                "measured peaks of successful trials; it does not rise, so it says nothing "
+                "about sizes beyond those tried."]
     else:
         step = result.config.get("step")
-        lin = ("untested (only two points; R² is 1 by construction)" if fit.points < 3
-               else "confirmed" if fit.r2 >= 0.99 else "approximate" if fit.r2 >= 0.9
-               else "not supported")
+        lin = ("untested (only two points; R² is 1 by construction)" if verdict == "untested"
+               else verdict)
         if isinstance(step, int) and step > 0:
-            out.append(f"- **Linear scaling {lin}** (R² = {fit.r2:.4f}): each +{step} batch "
+            out.append(f"- **Linear scaling {lin}** (R² = {fit.r2:.4f}): each +{step} {label} "
                        f"increment adds ~{fmt_bytes(fit.per_item_bytes * step)} peak memory")
         else:
             out.append(f"- **Linear scaling {lin}** (R² = {fit.r2:.4f})")
         out += [
             f"- **Starting overhead** (intercept at size 0): ~{fmt_bytes(fit.base_bytes)}",
-            f"- **Per-item cost**: ~{fmt_bytes(fit.per_item_bytes)} per batch item "
+            f"- **Per-item cost**: ~{fmt_bytes(fit.per_item_bytes)} per +1 of {label} "
             f"({fit.per_item_bytes:,.0f} bytes)",
             f"- **Fit**: peak ≈ {fmt_bytes(fit.base_bytes)} + {fmt_bytes(fit.per_item_bytes)} × "
             f"{result.size_name}, a least-squares line over the {fit.points} measured peaks of successful "
             "trials; sizes and peaks it predicts are estimates, not measurements.",
         ]
-        if result.capacity_bytes and fit.per_item_bytes > 0:
+        if result.capacity_bytes:
             pred = fit.largest_size_within(result.capacity_bytes)
             out.append(f"- **Fitted size at capacity** (estimate): {pred} "
                        f"(measured maximum: {result.max_ok})")
-            if pred is not None and result.max_ok is not None and pred > result.max_ok + 1:
+            # Only an OOM shows that the line over-predicts; without one the search was capped.
+            if pred is not None and result.first_oom is not None and pred >= result.first_oom:
                 out.append("  - The line predicts more than ran: memory the peak does not count "
                            "(allocator rounding and fragmentation, thread stacks, caches) uses "
                            "the difference. Trust the measured maximum.")
@@ -237,9 +271,9 @@ def _recommendations(result: SearchResult) -> list[str]:
     return [
         "## Recommendations", "", "### Safe Production Settings",
         f"For production with a {rec.margin:.0%} safety margin of capacity:",
-        f"- **Recommended {result.size_label}**: {rec.safe} ({est(rec.safe)}); basis: {rec.basis}",
+        f"- **Recommended {size_label(result)}**: {rec.safe} ({est(rec.safe)}); basis: {rec.basis}",
         f"- **Recommended range**: {lo_hi}",
-        f"- **Conservative {result.size_label}**: {rec.conservative} ({est(rec.conservative)}; "
+        f"- **Conservative {size_label(result)}**: {rec.conservative} ({est(rec.conservative)}; "
         + ("the largest size that ran whose measured peak is within the margin)" if cap
            else "the largest size that ran at or below the recommended size)"),
         "", "### Maximum Throughput Setting",
@@ -251,31 +285,70 @@ def _recommendations(result: SearchResult) -> list[str]:
     ]
 
 
-def _observations(result: SearchResult) -> list[str]:
-    obs: list[str] = []
-    fit = result.fit
+def _scaling_observation(result: SearchResult) -> str:
+    fit, verdict = result.fit, scaling_verdict(result)
     if fit is None:
-        obs.append("**Scaling unknown**: too few measured sizes for a fit.")
-    elif fit.points < 3:
-        obs.append("**Scaling barely measured**: the line goes through two points, so its R² "
-                   "says nothing; treat fitted estimates as rough.")
-    elif fit.r2 >= 0.99:
-        obs.append(f"**Linear memory scaling**: R² = {fit.r2:.4f} over {fit.points} points; "
-                   f"memory grows predictably with {result.size_label}.")
-    elif fit.r2 >= 0.9:
-        obs.append(f"**Roughly linear scaling**: R² = {fit.r2:.4f}; fitted estimates are rough.")
-    else:
-        obs.append(f"**Non-linear or noisy scaling**: R² = {fit.r2:.4f}; do not trust the fitted "
-                   "estimates, rely on measured sizes only.")
+        return "**Scaling unknown**: too few measured sizes for a fit."
+    if verdict == "flat":
+        return (f"**No memory growth with {size_label(result)}**: the measured peaks do not "
+                "rise with the size, so the fitted line predicts nothing beyond the sizes tried.")
+    if verdict == "untested":
+        return ("**Scaling barely measured**: the line goes through two points, so its R² "
+                "says nothing; treat fitted estimates as rough.")
+    if verdict == "confirmed":
+        return (f"**Linear memory scaling**: R² = {fit.r2:.4f} over {fit.points} points; "
+                f"memory grows predictably with {size_label(result)}.")
+    if verdict == "approximate":
+        return f"**Roughly linear scaling**: R² = {fit.r2:.4f}; fitted estimates are rough."
+    return (f"**Non-linear or noisy scaling**: R² = {fit.r2:.4f}; do not trust the fitted "
+            "estimates, rely on measured sizes only.")
+
+
+def _cap_advice(result: SearchResult, ctx: Mapping[str, Any]) -> str | None:
+    """What capped a search that did not close its bracket, and which option to change."""
+    cause = capped_by(result, ctx)
+    label, cfg, top = size_label(result), result.config, result.max_ok
+    lower = "so the reported maximum is a lower bound"
+    not_max_size = f"max_size ({cfg.get('max_size')}) was not reached"
+    if cause is None:
+        return None
+    if cause == "samples":
+        return (f"**Every useful {label} fits**: the search stopped at {label} {top}, the number "
+                f"of samples (--samples {cfg.get('max_size')}); {label} slices the samples, so a "
+                f"larger value runs them all at once just the same. No OOM was seen, so {top} is "
+                f"the largest useful {label} for this data and raising max_size changes nothing; "
+                "with more samples (--samples) it can go higher.")
+    if cause == "max_size":
+        return (f"**No OOM seen**: the search stopped at max_size ({cfg.get('max_size')}), "
+                f"{lower}; raise max_size (--max-size) to find the real limit.")
+    if cause in ("max_trials", "max_seconds"):
+        spent = (f"all {cfg.get('max_trials')} trials (max_trials)" if cause == "max_trials"
+                 else f"its time (max_seconds = {cfg.get('max_seconds')})")
+        option = ("raise max_trials (--max-trials)" if cause == "max_trials"
+                  else "raise max_seconds")
+        if result.first_oom is not None:
+            return (f"**Bracket left open**: the search used {spent} before closing in; the "
+                    f"limit lies between {top} (fits) and {result.first_oom} (OOM); {option} "
+                    "to narrow it.")
+        return (f"**No OOM seen**: the search used {spent} before any size ran out of memory, "
+                f"{lower}; {option}, start larger (--start) or grow faster (--strategy "
+                f"doubling); {not_max_size}.")
+    return (f"**No OOM seen**: the strategy stopped proposing sizes ({result.stopped_because}) "
+            f"before any size ran out of memory, {lower}; {not_max_size}.")
+
+
+def _observations(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
+    obs: list[str] = [_scaling_observation(result)]
+    fit = result.fit
     n_ok = sum(t.ok for t in result.trials)
     n = len(result.trials)
     trial_s = sum(t.seconds for t in result.trials)
     obs.append(f"**Search cost**: {n} trials ({n_ok} fitted, {n - n_ok} ran out of memory), "
                f"{trial_s:.2f} s in trials, {result.seconds:.2f} s of search wall time.")
     obs.append(f"**Stopped because**: {result.stopped_because}.")
-    if result.first_oom is None and result.max_ok is not None:
-        obs.append("**No OOM seen**: the reported maximum is a lower bound; raise max_size to "
-                   "find the real limit.")
+    advice = _cap_advice(result, ctx)
+    if advice:
+        obs.append(advice)
     bad = non_monotonic(result)
     if bad:
         sizes = ", ".join(str(t.size) for t in bad)
@@ -297,14 +370,14 @@ def _observations(result: SearchResult) -> list[str]:
 
 def _conclusion(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
     if result.max_ok is None:
-        return ["## Conclusion", f"**{result.workload}: no {result.size_label} fitted.**"]
+        return ["## Conclusion", f"**{result.workload}: no {size_label(result)} fitted.**"]
     best = peak_at_max(result)
     util = utilisation(best.peak_bytes if best else None, result.capacity_bytes)
     where = ctx.get("device_name") or result.device
     tail = f", utilizing {_pct(util)} of {capacity_label(result)}" if util is not None else ""
     bound = "at least " if result.first_oom is None else ""
     return ["## Conclusion",
-            f"**{result.workload} runs on {where} at {result.size_label} {bound}{result.max_ok} "
+            f"**{result.workload} runs on {where} at {size_label(result)} {bound}{result.max_ok} "
             f"({result.mode}){tail}.**"]
 
 
@@ -317,17 +390,17 @@ def render_markdown(result: SearchResult, context: dict | None = None) -> str:
     figures are shown in KiB/MiB/GiB; seconds are wall-clock seconds.
     """
     ctx: Mapping[str, Any] = context or {}
-    title = ctx.get("title") or f"{result.workload} Maximum {result.size_label.title()} Report"
+    title = ctx.get("title") or f"{result.workload} Maximum {size_heading(result)} Report"
     parts: list[list[str]] = [
         [f"# {title}"],
         _configuration(result, ctx),
         _data(ctx),
         ["## Search Strategy", f"Strategy `{result.strategy}`: {result.strategy_description}", "",
          *(f"{i}. {s}" for i, s in enumerate(strategy_steps(result), 1))],
-        _results(result),
+        _results(result, ctx),
         _scaling(result),
         _recommendations(result),
-        ["## Key Observations", "", *_observations(result)],
+        ["## Key Observations", "", *_observations(result, ctx)],
         _conclusion(result, ctx),
     ]
     return "\n\n".join("\n".join(p) for p in parts if p) + "\n"

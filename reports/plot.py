@@ -1,4 +1,4 @@
-"""PNG plot of peak memory against batch size for one search.
+"""PNG plot of peak memory against the searched size (batch size or a knob) for one search.
 
 Drawn in the one plot style (:mod:`oomguard.reports.style`: a standalone
 ``Figure`` on an Agg canvas, no pyplot) and written atomically. Memory is
@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from oomguard.engine.core.search import SearchResult
 from oomguard.engine.core.units import GiB, MiB, fmt_bytes
 from oomguard.reports import style
-from oomguard.reports.json_report import capacity_label
+from oomguard.reports.json_report import capacity_label, size_label
+
+if TYPE_CHECKING:  # for annotations only: matplotlib is imported when a figure is drawn
+    from matplotlib.figure import Figure
 
 _OOM_NOTE = "OOM (peak unknown; drawn at capacity)"
 
@@ -24,15 +28,19 @@ def _unit(values: list[float]) -> tuple[str, int]:
 
 
 def plot_memory(result: SearchResult, path: str | os.PathLike[str]) -> Path:
-    """Write a PNG of peak memory (GiB or MiB) against batch size to ``path``.
+    """Write :func:`memory_figure` of ``result`` as a PNG to ``path`` (atomically); return it."""
+    return style.save(memory_figure(result), Path(path))
+
+
+def memory_figure(result: SearchResult) -> Figure:
+    """Peak memory (GiB or MiB) against the searched size, named as the report names it.
 
     Shows the successful trials' measured peaks (points), the least-squares fit
     (dashed; per-item cost and R² in the legend), the capacity line and the
     safe-margin line at ``capacity x (1 - margin)``, OOM trials as red crosses
     on the capacity line (their peak is unknown), and vertical markers at the
-    measured maximum and the recommended safe size. Returns the path.
+    measured maximum and the recommended safe size.
     """
-    path = Path(path)
     ok = [t for t in result.trials if t.ok and t.peak_bytes is not None]
     ooms = [t for t in result.trials if not t.ok]
     cap = result.capacity_bytes
@@ -62,8 +70,9 @@ def plot_memory(result: SearchResult, path: str | os.PathLike[str]) -> Path:
     if fit is not None:
         xs = [0.0, x_max]
         ax.plot(xs, [fit.predict(x) / div for x in xs], ls="--", color="tab:blue", lw=1.2,
-                label=f"least-squares fit: {fmt_bytes(fit.per_item_bytes)}/item + "
-                      f"{fmt_bytes(fit.base_bytes)}, R² = {fit.r2:.4f} (estimate)")
+                label=f"least-squares fit: {fmt_bytes(fit.per_item_bytes)}/item "
+                      f"{'+' if fit.base_bytes >= 0 else '−'} {fmt_bytes(abs(fit.base_bytes))}, "
+                      f"R² = {fit.r2:.4f} (estimate)")
     if ok:
         ax.plot([t.size for t in ok], [t.peak_bytes / div for t in ok], "o", color="tab:blue",
                 ms=5, label=f"measured peak ({len(ok)} successful trials)", zorder=3)
@@ -89,13 +98,14 @@ def plot_memory(result: SearchResult, path: str | os.PathLike[str]) -> Path:
         if device_kind == "cuda" else "measured"
     mode = ("isolated trials (fresh process each)" if result.mode == "isolated"
             else "in-process trials (history-dependent)")
-    ax.set_xlabel(f"{result.size_label} (items)")
+    label = size_label(result)
+    ax.set_xlabel(f"{label} (items)")
     ax.set_ylabel(f"peak memory above trial start ({unit}, {what})")
-    ax.set_title(f"{result.workload}: peak memory vs {result.size_label}\n"
+    ax.set_title(f"{result.workload}: peak memory vs {label}\n"
                  f"{result.device} · {mode} · strategy {result.strategy}")
     ax.set_xlim(0, x_max)
     y_top = max(scale_vals, default=div) / div
     ax.set_ylim(0, y_top * 1.12 if y_top > 0 else 1.0)
     # Below the axes, so it never hides the capacity line or the points.
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
-    return style.save(fig, path)
+    return fig

@@ -1,5 +1,7 @@
-"""The size cache: keys, put/lower, concurrent writers in real processes, corrupt files,
-a cache that cannot be written, the journal, and ``oomguard cache show|clear``."""
+"""The size cache: keys, put/lower, concurrent writers in real processes, corrupt files
+(ignored on reading, moved aside by a write), entries with bad sizes, reads that change
+nothing on disk, a cache that cannot be read or written (a warning and a job that still
+computes its metric; a one-line error from ``oomguard cache show|clear``), and the journal."""
 
 from __future__ import annotations
 
@@ -7,11 +9,15 @@ import hashlib
 import json
 import logging
 import multiprocessing as mp
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from oomguard.engine.cli.jobs import main
+from oomguard.engine.cli.jobs import JobLog, main
 from oomguard.engine.errors import CacheError
 from oomguard.engine.jobs.cache import (
     SizeCache,
@@ -21,6 +27,9 @@ from oomguard.engine.jobs.cache import (
     workload_hash,
 )
 from oomguard.engine.jobs.journal import Journal, replay
+from oomguard.engine.jobs.records import Job, TaskResult
+from oomguard.engine.jobs.runner import device_identity, plan, run_job
+from oomguard.engine.jobs.spec import load_job
 
 DEVICE = {"device": "cpu", "name": "test-cpu", "total_bytes": 1 << 30, "budget_bytes": None}
 
@@ -88,30 +97,155 @@ def test_concurrent_processes_keep_valid_json_with_every_entry(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("content", [b"{not json", b'{"entries": []}', b"\xff\xfe", b""])
-def test_corrupt_cache_moved_aside_with_warning(tmp_path: Path, content: bytes,
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_corrupt_cache_ignored_on_read_and_moved_aside_on_write(
+        tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "sizes.json"
     path.write_bytes(content)
     cache = SizeCache(path)
     with caplog.at_level(logging.WARNING, logger="oomguard.cache"):
-        assert cache.entries() == {}
-    assert "not a valid cache file" in caplog.text
+        assert cache.entries() == {} and cache.get("k") is None
+    assert caplog.text.count("not a valid cache file") == 2
+    # Reading moved nothing and created nothing: the file is where it was, as it was.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sizes.json"]
+    assert path.read_bytes() == content
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="oomguard.cache"):
+        assert cache.put("k", {"n": 1}, source="search")  # the first write moves it aside
+    assert "moved it aside" in caplog.text
     aside = list(tmp_path.glob("sizes.json.corrupt-*"))
     assert len(aside) == 1 and aside[0].read_bytes() == content
-    cache.put("k", {"n": 1}, source="search")  # and the cache goes on
     assert json.loads(path.read_text())["entries"]["k"]["sizes"] == {"n": 1}
 
 
-def test_unwritable_cache_is_a_one_line_error(tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def _unwritable(tmp_path: Path) -> Path:
+    """A cache path nobody can write. A read-only folder, except for root, who writes
+    anywhere: then a path through a regular file, which no one can create."""
+    if os.geteuid() != 0:
+        folder = tmp_path / "read-only"
+        folder.mkdir()
+        folder.chmod(0o500)
+        return folder / "sizes.json"
     (tmp_path / "file").write_text("not a folder")
-    path = tmp_path / "file" / "sizes.json"
-    with pytest.raises(CacheError, match=r"cannot use the size cache .*writable --cache PATH"):
-        SizeCache(path).put("k", {"n": 1}, source="search")
-    assert main(["cache", "show", "--cache", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"oomguard: error: cannot use the size cache {path}: ")
-    assert len(err.splitlines()) == 1
+    return tmp_path / "file" / "sizes.json"
+
+
+@pytest.fixture
+def unwritable(tmp_path: Path) -> Iterator[Path]:
+    path = _unwritable(tmp_path)
+    yield path
+    path.parent.chmod(0o700)  # let pytest remove it
+
+
+def test_unwritable_cache_costs_a_warning_never_an_error(
+        unwritable: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cache = SizeCache(unwritable)
+    key = entry_key(DEVICE, _workload())
+    with caplog.at_level(logging.WARNING, logger="oomguard.cache"):
+        assert cache.get(key) is None
+        assert cache.put(key, {"micro_batch_size": 8}, source="search") is False
+        assert cache.lower(key, {"micro_batch_size": 4}, reason="OOM at 8") is False
+    writes = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(writes) == 2 and all("sizes not cached; the run goes on" in m for m in writes)
+    assert not unwritable.exists()
+    if unwritable.parent.is_dir():  # no lock file, no temporary file left behind
+        assert list(unwritable.parent.iterdir()) == []
+
+
+def test_readable_cache_read_without_a_lock(tmp_path: Path) -> None:
+    """Reading takes no lock: it creates no lock file, so a read-only cache reads."""
+    path = tmp_path / "sizes.json"
+    SizeCache(path).put("k", {"micro_batch_size": 4}, source="search")
+    (tmp_path / "sizes.json.lock").unlink(missing_ok=True)
+    assert SizeCache(path).get("k")["sizes"] == {"micro_batch_size": 4}
+    assert list(SizeCache(path).entries()) == ["k"]
+    assert main(["cache", "show", "--cache", str(path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sizes.json"]
+
+
+def test_bad_sizes_are_an_absent_entry_with_a_warning(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "sizes.json"
+    good = {"sizes": {"micro_batch_size": 8}, "source": "search"}
+    bad = {"neg": {"sizes": {"micro_batch_size": -5}}, "zero": {"sizes": {"chunk": 0}},
+           "bool": {"sizes": {"micro_batch_size": True}}, "text": {"sizes": {"n": "8"}},
+           "float": {"sizes": {"n": 2.5}}, "list": {"sizes": [8]}, "none": None}
+    path.write_text(json.dumps({"version": 1, "entries": {"good": good, **bad}}))
+    cache = SizeCache(path)
+    with caplog.at_level(logging.WARNING, logger="oomguard.cache"):
+        assert cache.get("neg") is None
+    assert caplog.messages == [f"size cache {path}: entry neg ignored: "
+                               "micro_batch_size must be a positive integer, got -5"]
+    assert cache.get("good") == good  # the other entries stay usable
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="oomguard.cache"):
+        assert cache.entries() == {"good": good}
+    assert sorted(m.split()[4] for m in caplog.messages) == sorted(bad)
+    assert "micro_batch_size must be a positive integer, got True" in caplog.text
+    # A write stores valid sizes over a bad entry, and drops the other bad ones.
+    assert cache.lower("neg", {"micro_batch_size": 2}, reason="OOM")
+    entries = json.loads(path.read_text())["entries"]
+    assert sorted(entries) == ["good", "neg"] and entries["neg"]["sizes"] == {
+        "micro_batch_size": 2}
+
+
+def test_show_on_a_missing_folder_creates_nothing(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "missing" / "deeper" / "sizes.json"
+    assert main(["cache", "show", "--cache", str(path)]) == 0
+    assert capsys.readouterr().out == f"{path}: empty\n"
+    assert main(["cache", "show", "--cache", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"path": str(path), "entries": {}}
+    assert main(["cache", "clear", "--cache", str(path)]) == 0
+    assert capsys.readouterr().out == f"cleared 0 entries from {path}\n"
+    assert SizeCache(path).get("k") is None and SizeCache(path).entries() == {}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_cache_it_cannot_use_is_one_line(tmp_path: Path, unwritable: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # A folder where the file should be: it can be neither read nor written, even by root.
+    folder = tmp_path / "folder.json"
+    folder.mkdir()
+    for action, verb in (("show", "read"), ("clear", "write")):
+        assert main(["cache", action, "--cache", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"oomguard: error: cannot {verb} the size cache {folder}: ")
+        assert len(err.splitlines()) == 1
+    # Nothing to clear in an unwritable place is not an error; a write there is.
+    assert main(["cache", "clear", "--cache", str(unwritable)]) == 0
+    with pytest.raises(CacheError, match=r"^cannot write the size cache .*writable --cache PATH$"):
+        SizeCache(unwritable).update(lambda entries: None)
+
+
+def _console(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "oomguard", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_console_cache_commands_never_print_a_traceback(tmp_path: Path) -> None:
+    folder = tmp_path / "folder.json"
+    folder.mkdir()
+    for action, verb in (("show", "read"), ("clear", "write")):
+        run = _console("cache", action, "--cache", str(folder))
+        assert (run.returncode, run.stdout) == (2, "")
+        assert run.stderr.splitlines() == [
+            f"oomguard: error: cannot {verb} the size cache {folder}: Is a directory; "
+            "give a writable --cache PATH" if verb == "write" else
+            f"oomguard: error: cannot {verb} the size cache {folder}: Is a directory"]
+    # A corrupt file: show warns and shows nothing, and moves nothing; clear moves it aside.
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text("{not json")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    run = _console("cache", "show", "--cache", str(corrupt))
+    assert (run.returncode, run.stdout) == (0, f"{corrupt}: empty\n")
+    assert "not a valid cache file" in run.stderr and "Traceback" not in run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert corrupt.read_text() == "{not json"
+    run = _console("cache", "clear", "--cache", str(corrupt))
+    assert (run.returncode, run.stdout) == (0, f"cleared 0 entries from {corrupt}\n")
+    assert "moved it aside" in run.stderr and "Traceback" not in run.stderr
+    assert json.loads(corrupt.read_text())["entries"] == {}
+    assert [p.read_text() for p in tmp_path.glob("corrupt.json.corrupt-*")] == ["{not json"]
 
 
 def test_cache_cli_show_and_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -148,3 +282,49 @@ def test_journal_is_append_only_and_survives_a_torn_line(tmp_path: Path,
     # One line per record, through the one sanitiser: nan as "nan", a path as text.
     assert (events[1]["peak"], events[1]["out"]) == ("nan", str(tmp_path))
     assert path.read_bytes().count(b"\n") == 4  # three records and the torn line, ended
+
+
+def _tiny_job(tmp_path: Path, search: str) -> Job:
+    """One ``loss`` on the tiny GPT-2 over 2 generated samples of 8 tokens: seconds."""
+    path = tmp_path / "job.toml"
+    path.write_text(f'output = "{tmp_path / "out"}"\nmodels = ["tiny-gpt2"]\n'
+                    f'[data]\nseq_len = 8\nn_samples = 2\n[search]\n{search}\n'
+                    '[[metrics]]\nname = "loss"\n', encoding="utf-8")
+    return load_job(path)
+
+
+def _run(job: Job, cache: Path) -> tuple[TaskResult, str]:
+    """Run ``job`` with ``cache``; its one result and job.log (the metric's process's records)."""
+    job_log = JobLog()
+    try:
+        outcome = run_job(job, cache_path=cache, progress=False, log_setup=job_log)
+    finally:
+        job_log.close()
+    assert outcome.exit_code == 0, outcome.results
+    return outcome.results["loss"], (Path(outcome.out) / "job.log").read_text()
+
+
+@pytest.mark.integration
+def test_job_computes_its_metric_with_an_unwritable_cache(tmp_path: Path,
+                                                          unwritable: Path) -> None:
+    job = _tiny_job(tmp_path, "max_trials = 2\nstart = 1\nstep = 2")
+    result, log_text = _run(job, unwritable)
+    assert result.status == "ok" and result.summary
+    assert result.sizes["source"] == "search" and result.search["trials"] >= 1
+    assert f"cannot write the size cache {unwritable}" in log_text
+    assert "sizes not cached; the run goes on" in log_text
+    assert not unwritable.exists()
+
+
+@pytest.mark.integration
+def test_job_ignores_a_bad_cached_size(tmp_path: Path) -> None:
+    job = _tiny_job(tmp_path, "enabled = false")
+    (task,) = plan(job)
+    key = entry_key(device_identity(job), task.workload)
+    cache = tmp_path / "sizes.json"
+    cache.write_text(json.dumps({"version": 1, "entries": {
+        key: {"sizes": {"micro_batch_size": -5}, "source": "edited by hand"}}}))
+    result, log_text = _run(job, cache)
+    assert result.status == "ok" and result.sizes["source"] == "metric default"
+    assert result.sizes["start"]["micro_batch_size"] > 0
+    assert f"entry {key} ignored: micro_batch_size must be a positive integer, got -5" in log_text

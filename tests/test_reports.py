@@ -14,13 +14,14 @@ import pytest
 import torch
 from conftest import in_fresh_process
 
-from oomguard.engine.core.fit import recommend
+from oomguard.engine.core.fit import fit_line, recommend
 from oomguard.engine.core.search import SearchResult, search
 from oomguard.engine.core.strategies import E10
 from oomguard.engine.core.trial import Trial
 from oomguard.engine.core.units import MiB
 from oomguard.reports import plot_memory, render_json, render_markdown, style, write_report
 from oomguard.reports.job_report import write_job_report
+from oomguard.reports.plot import memory_figure
 
 BASE = 4 * MiB
 PER_ITEM = 2 * MiB
@@ -184,6 +185,115 @@ def test_start_oom_then_halving_and_nan_value(tmp_path) -> None:
     assert doc["summary"]["peak_bytes_at_max"] is None  # size 20 ran, its peak is unknown
     png = plot_memory(res, tmp_path / "x.png").read_bytes()
     assert _png_size(png) == (9 * style.DPI, round(6.4 * style.DPI))
+
+
+# ------------------------------------------------------------------- wording: knob, cap, slope
+class KnobAlloc:
+    """Allocates and touches ``per_item`` bytes per unit of its size (nothing when 0), like a
+    metric whose memory knob is ``knob``; no knob means the batch of a training step."""
+
+    def __init__(self, per_item: int, knob: str | None = None) -> None:
+        self.per_item = per_item
+        self.name = f"alloc-{knob or 'batch'}"
+        if knob is not None:
+            self.knob = knob
+
+    def warmup(self) -> None:
+        # The first allocations of a process cost extra pages (~4 MiB); keep them out of trial 1.
+        self(4)
+
+    def __call__(self, size: int) -> float:
+        if not self.per_item:
+            return float(size)
+        x = torch.ones(self.per_item * size, dtype=torch.uint8)
+        return float(x[::4096].sum().item())
+
+
+def _prose(res: SearchResult, md: str) -> str:
+    # The strategy's own description (engine/core/strategies.py) is quoted as is.
+    return md.replace(res.strategy_description, "")
+
+
+def test_report_names_the_knob_searched(tmp_path: Path) -> None:
+    # A real search, no budget: memory grows 1 MiB per unit of chunk_size.
+    res = search(KnobAlloc(MiB, "chunk_size"), start=4, step=4, max_size=16)
+    assert res.size_name == "chunk_size" and res.fit is not None and res.fit.per_item_bytes > 0
+    md = render_markdown(res)
+    assert "batch" not in _prose(res, md).lower()
+    assert md.startswith("# alloc-chunk_size Maximum chunk_size Report\n")
+    assert f"### Maximum chunk_size: **{res.max_ok}**" in md
+    assert "| chunk_size | Status | Peak Memory |" in md
+    assert "each +4 chunk_size increment adds" in md
+    assert f"**Recommended chunk_size**: {res.recommendation.safe}" in md
+    assert render_json(res)["summary"]["size_label"] == "chunk_size"
+    ax = memory_figure(res).axes[0]
+    assert ax.get_xlabel() == "chunk_size (items)"
+    assert "peak memory vs chunk_size" in ax.get_title()
+    assert write_report(res, tmp_path)["png"].stat().st_size > 20_000
+
+
+def test_zero_slope_is_not_linear_scaling() -> None:
+    # Memory does not depend on the knob: every measured peak is the same.
+    res = search(KnobAlloc(0, "chunk_size"), start=8, step=8, max_size=32)
+    assert res.fit is not None and res.fit.points == 4
+    md = render_markdown(res)
+    assert "Linear scaling" not in md and "Linear memory scaling" not in md
+    assert "peak memory did not grow with chunk_size over the sizes tried (8 to 32" in md
+    assert "the limit is elsewhere and every size tried fits" in md
+    assert render_json(res)["summary"]["memory_scaling"] == "flat"
+
+
+def test_falling_peaks_with_an_oom_say_the_limit_is_elsewhere() -> None:
+    # Built as search() builds it: trials, then fit_line, bracket and recommend.
+    trials = [Trial(size=s, ok=True, peak_bytes=p * MiB, seconds=0.1)
+              for s, p in ((8, 40), (16, 30), (24, 20))]
+    trials.append(Trial(size=32, ok=False, peak_bytes=None, seconds=0.1, error="oom"))
+    fit = fit_line(trials)
+    assert fit is not None and fit.per_item_bytes < 0 and fit.r2 == pytest.approx(1.0)
+    res = _hand_built(trials, 512 * MiB, fit=fit, first_oom=32, stopped="bracket closed")
+    res.size_name = "chunk_size"
+    md = render_markdown(res)
+    assert "Linear scaling" not in md and "Linear memory scaling" not in md
+    assert "did not grow with chunk_size over the sizes tried (8 to 24" in md
+    assert "yet chunk_size 32 ran out of memory, so the limit is elsewhere" in md
+
+
+@pytest.mark.parametrize("samples_key", ["samples", "n_samples"])
+def test_cap_from_samples_does_not_advise_max_size(samples_key: str) -> None:
+    # As `oomguard search` runs a knob that slices the samples: max_size = the number of samples.
+    res = search(KnobAlloc(0, "chunk_size"), start=8, step=8, max_size=16)
+    context = {"knob": "chunk_size", samples_key: 16}
+    md = render_markdown(res, context)
+    assert "max_size (16) reached" in res.stopped_because
+    assert "raise max_size" not in md.replace("raising max_size changes nothing", "")
+    assert "--max-size" not in md
+    assert "the number of samples (--samples 16)" in md
+    assert "**Every useful chunk_size fits**" in md
+    assert render_json(res, context)["summary"]["capped_by"] == "samples"
+
+
+def test_cap_from_user_max_size_advises_raising_it() -> None:
+    # --max-size 16 below --samples 64: the user's cap, not the data's.
+    res = search(KnobAlloc(0, "chunk_size"), start=8, step=8, max_size=16)
+    context = {"knob": "chunk_size", "samples": 64}
+    md = render_markdown(res, context)
+    assert "stopped at max_size (16)" in md and "raise max_size (--max-size)" in md
+    assert "--samples" not in md
+    assert render_json(res, context)["summary"]["capped_by"] == "max_size"
+
+
+@pytest.mark.parametrize(("limit", "option"), [({"max_trials": 2}, "raise max_trials (--max-trials)"),
+                                               ({"max_seconds": 0.1, "max_trials": 10**6},
+                                                "raise max_seconds")])
+def test_cap_from_trials_or_time_names_that_option(limit: dict, option: str) -> None:
+    res = search(KnobAlloc(0), start=8, step=8, **limit)  # the batch of a training step
+    name = next(iter(limit))
+    assert res.stopped_because.startswith(name) and res.first_oom is None
+    md = render_markdown(res)
+    assert "raise max_size" not in md
+    assert option in md and "max_size (65536) was not reached" in md
+    assert render_json(res)["summary"]["capped_by"] == name
+    assert memory_figure(res).axes[0].get_xlabel() == "batch size (items)"
 
 
 # ------------------------------------------------------------------- a job's report

@@ -34,8 +34,13 @@ Run a job file: every metric on every model, sizes from the size cache, else a
 bounded search, else defaults; an OOM retries at half; a failing metric is
 recorded and the job goes on. Results are written as each metric finishes;
 running the same command again resumes (finished metrics are kept).
-Exit codes: 0 all done, 1 some metrics failed, 2 bad job file or arguments,
-130/143 interrupted."""
+A finished result is kept only while its inputs (model, checkpoint files, data
+content, dtype, seed, metric parameters, oomguard version) are unchanged; a
+stale one is moved to results/stale/ and rerun. An output folder belongs to one
+job: another job's folder is refused unless --force.
+Exit codes: 0 all done, 1 some metrics failed (or an output could not be
+written), 2 bad job file or arguments, 130/143 interrupted (SIGINT/SIGTERM).
+Runtime: the example job takes about a minute on 2 CPU cores."""
 
 CACHE_HELP = """\
 Show or clear the size cache: the sizes that worked per device (name, total
@@ -58,6 +63,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="never search: sizes from the cache, else the metric defaults")
     run.add_argument("--json", action="store_true",
                      help="print results.json to stdout when done")
+    run.add_argument("--force", action="store_true",
+                     help="use an output folder that holds another job's results: move "
+                          "them into <out>/moved-aside/ first")
     run.set_defaults(func=cmd_run)
 
     cache = subparsers.add_parser("cache", help="show or clear the size cache",
@@ -107,19 +115,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _error("run: give a job file (oomguard run JOB.toml), or --example")
     setup_logging(logging.INFO)
     # why: the runner imports torch and transformers (seconds); only a real run needs them.
+    from oomguard.engine.jobs.plan import child_start_method
     from oomguard.engine.jobs.runner import format_outcome, run_job
     from oomguard.engine.jobs.spec import load_job
 
     job_log = JobLog()
     try:
         job = load_job(args.job, output=args.out)
-        # This process runs no torch code (it parses, plans and waits): a plain fork is
-        # safe and cheaper than a forkserver (docs/measurements.md#fork-after-openmp).
-        method = "fork" if sys.platform.startswith("linux") else "forkserver"
+        # This process runs no torch code (it parses, plans and waits): for a CPU job a
+        # plain fork is safe and cheaper than a forkserver
+        # (docs/measurements.md#fork-after-openmp); a GPU job never forks.
         outcome = run_job(job, cache_path=args.cache, search=not args.no_search,
-                          start_method=method, log_setup=job_log)
-    except UsageError as exc:  # a bad job file, a missing device, a cache it cannot use
+                          start_method=child_start_method(job.device), log_setup=job_log,
+                          force=args.force)
+    except UsageError as exc:  # a bad job file, a missing device, an output folder in use
         return _error(str(exc))
+    except OSError as exc:  # a full disk: what finished is on disk; say where it stopped
+        print(f"oomguard: error: cannot write {exc.filename or 'the output'}: "
+              f"{exc.strerror or exc}; results finished before this are kept", file=sys.stderr)
+        return 1
     finally:
         job_log.close()
     if args.json:
@@ -147,7 +161,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
                   else f"cleared {n} entries from {cache.path}")
             return 0
         entries = cache.entries()
-    except UsageError as exc:  # CacheError: the lock is held, the folder is not writable
+    except UsageError as exc:  # CacheError: show cannot read the file, clear cannot write it
         return _error(str(exc))
     if args.json:
         print(json_text({"path": cache.path, "entries": entries}), end="")

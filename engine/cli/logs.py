@@ -41,13 +41,29 @@ def setup_logging(level: int = logging.WARNING) -> None:
     _add(logging.StreamHandler(sys.stderr), "console", level, CONSOLE_FORMAT)
 
 
+class _FileHandler(logging.FileHandler):
+    """A file handler that reports a failed write (a full disk) once, in one line.
+
+    logging's default prints a traceback for every record that fails.
+    """
+
+    reported = False
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        if not self.reported:
+            self.reported = True
+            error = sys.exc_info()[1]
+            sys.stderr.write(f"oomguard: warning: cannot write {self.baseFilename}: {error}; "
+                             "its later records are lost\n")
+
+
 def log_to_file(path: str | os.PathLike[str], level: int = logging.INFO) -> logging.Handler:
     """Also append oomguard's records at ``level`` and above to ``path`` (e.g. ``job.log``).
 
     Safe to call in a child process (the handler is per process). Returns the
     handler; :func:`stop_logging_to` removes it.
     """
-    return _add(logging.FileHandler(path, encoding="utf-8"), os.fspath(path), level, FILE_FORMAT)
+    return _add(_FileHandler(path, encoding="utf-8"), os.fspath(path), level, FILE_FORMAT)
 
 
 def stop_logging_to(handler: logging.Handler) -> None:

@@ -39,7 +39,7 @@ def atomic_write(path: str | os.PathLike[str], content: Content, mode: int = 0o6
     ``content`` is bytes, text (UTF-8), or a callable ``write(tmp_path)`` that
     writes the file itself (e.g. matplotlib's ``savefig``). The folder must
     exist. On any error the temporary file is removed and the old ``path``
-    (if any) is left untouched.
+    (if any) is left untouched; an ``OSError`` (a full disk) names ``path``.
     """
     target = Path(path)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
@@ -48,6 +48,7 @@ def atomic_write(path: str | os.PathLike[str], content: Content, mode: int = 0o6
     try:
         if callable(content):
             os.close(fd)
+            fd = -1  # closed: an error in content() must not close it again (EBADF hides it)
             content(tmp)
             fd = os.open(tmp, os.O_RDONLY)
         else:
@@ -58,10 +59,12 @@ def atomic_write(path: str | os.PathLike[str], content: Content, mode: int = 0o6
         fd = -1
         os.chmod(tmp, mode)  # mkstemp makes 0600; results are for reading
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         if fd >= 0:
             os.close(fd)
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename in (None, tmp_name, str(tmp)):
+            exc.filename = str(target)  # name the file the caller asked for (a full disk)
         raise
     _fsync_dir(target.parent)
     return target

@@ -120,7 +120,7 @@ def recommend(
             safe = fitted
             basis = f"fitted line: estimated peak <= {1 - margin:.0%} of {basis_cap}"
     if safe is None and limit is not None:
-        at_max = [t.peak_bytes for t in trials if t.ok and t.size == max_ok and t.peak_bytes]
+        at_max = [t.peak_bytes for t in trials if t.ok and t.size == max_ok and t.peak_bytes is not None]
         if at_max and max(at_max) <= limit:
             safe, basis = max_ok, f"measured peak at {max_ok} is within {1 - margin:.0%} of capacity"
     if safe is None:

@@ -94,7 +94,7 @@ class E10:
 
     def describe(self) -> str:
         return (
-            f"Start at batch size {self.start}; expand in +{self.step} increments while "
+            f"Start at {self.start}; expand in +{self.step} increments while "
             "successful; on the first OOM, bisect between the last success and the first "
             "OOM until they are adjacent (halve first if the start does not fit)."
         )

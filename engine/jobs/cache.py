@@ -13,11 +13,35 @@ One JSON file (default ``user_cache_dir("oomguard")/sizes.json``)::
 The key is the device (name, total memory in bytes, and the job's budget if
 any: a budget is a smaller device) and a hash of the workload fingerprint
 (model config hash, dtype, sequence length, metric and its result-defining
-parameters). Every read-modify-write holds a :class:`filelock.FileLock` on
-``<file>.lock`` and ends with an atomic replace, so two jobs can share one
-cache and the file is valid JSON at every moment. A file that is not a valid
-cache is moved aside to ``<file>.corrupt-<timestamp>`` with a warning, and the
-cache starts empty: a bad cache never stops a job.
+parameters).
+
+Writing: every read-modify-write holds a :class:`filelock.FileLock` on
+``<file>.lock`` and ends with the one atomic replace, so two jobs can share
+one cache and the file is valid JSON at every moment. Reading takes no lock
+(a reader sees the old file or the new one, never half of either) and
+changes nothing on disk: it creates no folder and no lock file and moves
+nothing, so ``oomguard cache show`` works on a read-only cache.
+
+The cache only saves time; it never costs a result:
+
+- A cache that cannot be read (no permission, a path through a regular file)
+  makes :meth:`SizeCache.get` warn once and answer None: the job searches or
+  uses the metric's defaults.
+- A cache that cannot be written (a read-only folder, a lock it cannot
+  create, a lock held longer than ``LOCK_TIMEOUT_S``) makes
+  :meth:`SizeCache.put` and :meth:`SizeCache.lower` warn and return False;
+  the metric's result is computed and kept all the same.
+- A file that is not a valid cache is ignored with a warning on reading, and
+  moved aside to ``<file>.corrupt-<timestamp>`` by the next write, which then
+  starts an empty cache.
+- An entry whose sizes are not all positive integers (``micro_batch_size =
+  -5``, ``true``, ``"8"``) is treated as absent, with a warning naming its key
+  and value; the other entries stay usable, and the next write drops it.
+
+Only the explicit commands report a cache they cannot use as an error:
+``oomguard cache show`` when the file cannot be read and ``oomguard cache
+clear`` when it cannot be written, each as one line (:class:`CacheError`,
+exit code 2).
 """
 
 from __future__ import annotations
@@ -36,7 +60,7 @@ from platformdirs import user_cache_dir
 
 from oomguard.engine.core.atomic import atomic_write_json
 from oomguard.engine.core.jsonable import stable_hash
-from oomguard.engine.errors import CacheError
+from oomguard.engine.errors import CacheError, UsageError, check_positive_int
 from oomguard.engine.jobs.records import now_iso
 
 log = logging.getLogger("oomguard.cache")
@@ -72,14 +96,38 @@ def entry_key(device: Mapping[str, Any], workload: Mapping[str, Any]) -> str:
     return f"{device_key(device)}|{workload_hash(workload)}"
 
 
-def _valid(doc: Any) -> bool:
-    return (isinstance(doc, dict) and isinstance(doc.get("entries"), dict)
-            and all(isinstance(e, dict) and isinstance(e.get("sizes"), dict)
-                    for e in doc["entries"].values()))
+def _valid_document(doc: Any) -> bool:
+    """The file's shape: an object with an ``entries`` object (entries are checked one by one)."""
+    return isinstance(doc, dict) and isinstance(doc.get("entries"), dict)
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """Why a cache entry cannot be used, or None: ``sizes`` must be an object of positive
+    integers (``true`` is not a size)."""
+    if not isinstance(entry, dict):
+        return f"the entry is {entry!r}, not an object"
+    sizes = entry.get("sizes")
+    if not isinstance(sizes, dict):
+        return f"sizes = {sizes!r} is not an object"
+    for name, value in sizes.items():
+        try:
+            check_positive_int(name, value)  # the one check of every size
+        except UsageError as exc:
+            return str(exc)
+    return None
+
+
+def _empty() -> dict[str, Any]:
+    return {"version": VERSION, "entries": {}}
 
 
 class SizeCache:
-    """Sizes that worked, persisted in a JSON file shared between processes."""
+    """Sizes that worked, persisted in a JSON file shared between processes.
+
+    Reads (:meth:`get`, :meth:`entries`) change nothing on disk; writes
+    (:meth:`put`, :meth:`lower`, :meth:`clear`) hold the lock. See the module
+    docstring for what happens when the file cannot be read or written.
+    """
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path).expanduser() if path is not None else default_cache_path()
@@ -87,17 +135,75 @@ class SizeCache:
         self.moved_aside: Path | None = None
 
     # ------------------------------------------------------------- reading
-    def _read_unlocked(self) -> dict[str, Any]:
-        """The cache document; a corrupt file is moved aside (caller holds the lock)."""
+    def _parse(self) -> dict[str, Any] | None:
+        """The raw document (empty if there is no file), or None if the file is not a
+        valid cache. An :class:`OSError` (no permission, a folder) propagates."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
-            return {"version": VERSION, "entries": {}}
+            return _empty()
         try:
             doc = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
-            doc = None
-        if _valid(doc):
+            return None
+        return doc if _valid_document(doc) else None
+
+    def _usable(self, entries: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """The entries whose sizes can be used; each other one is named in a warning."""
+        good = {}
+        for key, entry in entries.items():
+            problem = _entry_problem(entry)
+            if problem is None:
+                good[key] = entry
+            else:
+                log.warning("size cache %s: entry %s ignored: %s", self.path, key, problem)
+        return good
+
+    def load(self) -> dict[str, Any]:
+        """The cache document (``{"version", "entries"}``) with only the usable entries.
+
+        Takes no lock and changes nothing on disk. A missing file is an empty
+        cache; a file that is not a valid cache is one too, with a warning.
+        Raises :class:`CacheError` if the file exists but cannot be read.
+        """
+        try:
+            doc = self._parse()
+        except OSError as exc:
+            raise CacheError(f"cannot read the size cache {self.path}: "
+                             f"{exc.strerror or exc}") from None
+        if doc is None:
+            log.warning("size cache %s is not a valid cache file; ignored it (the next write "
+                        "moves it aside)", self.path)
+            return _empty()
+        return {**doc, "entries": self._usable(doc["entries"])}
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        """Every usable entry by key (see :meth:`load`)."""
+        return self.load()["entries"]
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The entry under ``key`` (see :func:`entry_key`), or None: also, with one warning,
+        when the cache cannot be read or the entry's sizes are not positive integers."""
+        try:
+            doc = self._parse()
+        except OSError as exc:
+            log.warning("cannot read the size cache %s: %s; going on without it", self.path,
+                        exc.strerror or exc)
+            return None
+        if doc is None:
+            log.warning("size cache %s is not a valid cache file; going on without it",
+                        self.path)
+            return None
+        if key not in doc["entries"]:
+            return None
+        return self._usable({key: doc["entries"][key]}).get(key)
+
+    # ------------------------------------------------------------- writing
+    def _read_for_writing(self) -> dict[str, Any]:
+        """The raw document; a file that is not a valid cache is moved aside (caller holds
+        the lock)."""
+        doc = self._parse()
+        if doc is not None:
             return doc
         stamp = time.strftime("%Y%m%d-%H%M%S")
         aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
@@ -109,49 +215,59 @@ class SizeCache:
         self.moved_aside = aside
         log.warning("size cache %s is not a valid cache file; moved it aside to %s and "
                     "started an empty cache", self.path, aside)
-        return {"version": VERSION, "entries": {}}
+        return _empty()
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        """Hold the cache's file lock; a lock held too long or a folder that cannot be
-        written is a :class:`CacheError` (one line)."""
+        """Hold the cache's file lock (creating the folder); a lock held too long or a file
+        or folder that cannot be written is a :class:`CacheError` (one line)."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:  # mkdir's own words ("File exists") would not say which
+            raise CacheError(f"cannot write the size cache {self.path}: {self.path.parent} is "
+                             "not a folder; give a writable --cache PATH") from None
+        except OSError as exc:
+            raise CacheError(f"cannot write the size cache {self.path}: "
+                             f"{exc.strerror or exc}; give a writable --cache PATH") from None
+        try:
             with self.lock:
                 yield
         except Timeout:
             raise CacheError(f"cannot lock the size cache {self.path} within "
                              f"{LOCK_TIMEOUT_S:g} s (held by another job?)") from None
         except OSError as exc:
-            raise CacheError(f"cannot use the size cache {self.path}: {exc.strerror or exc}; "
-                             "give a writable --cache PATH") from None
+            raise CacheError(f"cannot write the size cache {self.path}: "
+                             f"{exc.strerror or exc}; give a writable --cache PATH") from None
 
-    def load(self) -> dict[str, Any]:
-        """The whole cache document (``{"version", "entries"}``)."""
-        with self._locked():
-            return self._read_unlocked()
-
-    def entries(self) -> dict[str, dict[str, Any]]:
-        return self.load()["entries"]
-
-    def get(self, key: str) -> dict[str, Any] | None:
-        """The entry under ``key`` (see :func:`entry_key`), or None."""
-        return self.entries().get(key)
-
-    # ------------------------------------------------------------- writing
     def update(self, fn: Callable[[dict[str, dict[str, Any]]], None]) -> dict[str, Any]:
-        """Apply ``fn(entries)`` (mutating) under the lock and write the file atomically."""
+        """Apply ``fn(entries)`` (mutating the usable entries) under the lock and write the
+        file atomically; unusable entries are dropped. Raises :class:`CacheError` if the
+        cache cannot be written."""
         with self._locked():
-            doc = self._read_unlocked()
+            doc = self._read_for_writing()
+            doc["entries"] = self._usable(doc["entries"])
             fn(doc["entries"])
             doc["version"] = VERSION
             atomic_write_json(self.path, doc)
             return doc
 
+    def _update_or_warn(self, fn: Callable[[dict[str, dict[str, Any]]], None]) -> bool:
+        """:meth:`update`, but a cache that cannot be written is a warning: it costs the
+        cache's speed-up, never the result being computed."""
+        try:
+            self.update(fn)
+        except CacheError as exc:
+            log.warning("%s (sizes not cached; the run goes on)", exc)
+            return False
+        return True
+
     def put(self, key: str, sizes: Mapping[str, int], *, source: str,
             device: Mapping[str, Any] | None = None, workload: Mapping[str, Any] | None = None,
-            **extra: Any) -> None:
-        """Store ``sizes`` for ``key``; ``source`` says where they came from (e.g. ``search``)."""
+            **extra: Any) -> bool:
+        """Store ``sizes`` for ``key``; ``source`` says where they came from (e.g. ``search``).
+
+        Returns False, with a warning, if the cache cannot be written.
+        """
 
         def change(entries: dict[str, dict[str, Any]]) -> None:
             old = entries.get(key, {})
@@ -165,15 +281,18 @@ class SizeCache:
                 entry["workload"] = dict(workload)
             entries[key] = entry
 
-        self.update(change)
+        if not self._update_or_warn(change):
+            return False
         log.info("size cache: %s -> %s (%s)", key, dict(sizes), source)
+        return True
 
     def lower(self, key: str, sizes: Mapping[str, int], *, reason: str,
               device: Mapping[str, Any] | None = None,
-              workload: Mapping[str, Any] | None = None) -> None:
+              workload: Mapping[str, Any] | None = None) -> bool:
         """After an OOM: store ``sizes`` where each is at most the cached one.
 
         A concurrent job that already stored something smaller keeps its value.
+        Returns False, with a warning, if the cache cannot be written.
         """
 
         def change(entries: dict[str, dict[str, Any]]) -> None:
@@ -190,19 +309,24 @@ class SizeCache:
                             **({"device": dict(device)} if device is not None else {}),
                             **({"workload": dict(workload)} if workload is not None else {})}
 
-        self.update(change)
+        if not self._update_or_warn(change):
+            return False
         log.warning("size cache: lowered %s to %s (%s)", key, dict(sizes), reason)
+        return True
 
     def clear(self) -> int:
-        """Remove every entry; returns how many there were."""
-        count = {"n": 0}
-
-        def change(entries: dict[str, dict[str, Any]]) -> None:
-            count["n"] = len(entries)
-            entries.clear()
-
-        self.update(change)
-        return count["n"]
+        """Remove every entry, usable or not; returns how many there were. Raises
+        :class:`CacheError` if the cache cannot be written."""
+        try:
+            present = self.path.exists()
+        except OSError:  # a folder it may not search: the write below says so in one line
+            present = True
+        if not present:  # nothing to clear: create no folder and no lock file
+            return 0
+        with self._locked():
+            doc = self._read_for_writing()
+            atomic_write_json(self.path, _empty())
+            return len(doc["entries"])
 
 
 def format_entries(entries: Mapping[str, Mapping[str, Any]]) -> str:

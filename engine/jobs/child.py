@@ -257,4 +257,5 @@ def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
         total_seconds=round(time.perf_counter() - t0, 3), peak_bytes=peak,
         peak_source=f"measured: {meter.source}", budget_bytes=job.budget_bytes,
         summary=to_jsonable(summary, max_items=TENSOR_INLINE_MAX), tensors=tensors,
+        inputs=dict(task.inputs), rerun_because=list(task.rerun_because) or None,
         finished=now_iso())

@@ -84,7 +84,13 @@ class Job:
 # ------------------------------------------------------------------ running it
 @dataclass(frozen=True)
 class Task:
-    """One metric on one model. ``key`` names its files; ``fingerprint`` its result."""
+    """One metric on one model. ``key`` names its files; ``fingerprint`` its result.
+
+    ``workload`` is what the size cache keys on (what memory depends on);
+    ``inputs`` is what defines the result
+    (:func:`~oomguard.engine.jobs.fingerprint.task_inputs`) and ``fingerprint``
+    its hash. ``rerun_because`` says why an earlier result was set aside.
+    """
 
     key: str
     metric_id: str
@@ -95,6 +101,8 @@ class Task:
     time_limit: float
     workload: dict[str, Any]
     fingerprint: str
+    inputs: dict[str, Any] = field(default_factory=dict)
+    rerun_because: tuple[str, ...] = ()
 
 
 @dataclass
@@ -123,8 +131,10 @@ class TaskResult:
     two are never written to a result file). ``seconds`` is the metric's own
     run (ok) or the time until it failed; ``total_seconds`` adds model build,
     warm-up and search. ``sizes`` says where the sizes came from and every
-    attempt; ``search`` the search that ran, if any. Keys this version does not
-    know (a file written by another version) are kept in ``extra``.
+    attempt; ``search`` the search that ran, if any. ``inputs`` records what
+    defines the result (the task's inputs), ``rerun_because`` why an earlier
+    result for the task was set aside. Keys this version does not know (a file
+    written by another version) are kept in ``extra``.
     """
 
     task: str
@@ -146,6 +156,8 @@ class TaskResult:
     budget_bytes: int | None = None
     summary: Any = None
     tensors: str | None = None
+    inputs: dict[str, Any] | None = None
+    rerun_because: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -159,13 +171,15 @@ class TaskResult:
         return cls(task=task.key, metric=task.metric, model=task.model, status=FAILED,
                    run=run_id, fingerprint=task.fingerprint, params=dict(task.params),
                    reason=reason, traceback=traceback, seconds=round(seconds, 3),
-                   finished=now_iso(), **fields)
+                   finished=now_iso(), inputs=dict(task.inputs),
+                   rerun_because=list(task.rerun_because) or None, **fields)
 
     @classmethod
     def placeholder(cls, task: Task, run_id: str, status: str) -> TaskResult:
         """A task that did not finish in this run: ``interrupted`` or ``pending``."""
         return cls(task=task.key, metric=task.metric, model=task.model, status=status,
-                   run=run_id, fingerprint=task.fingerprint, params=dict(task.params))
+                   run=run_id, fingerprint=task.fingerprint, params=dict(task.params),
+                   inputs=dict(task.inputs), rerun_because=list(task.rerun_because) or None)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field (``extra`` merged in) as a plain dict, ready for the JSON sanitiser."""

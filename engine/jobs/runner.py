@@ -17,13 +17,17 @@ starts with a fresh heap. The limit covers everything the task does (model
 build, search, run); the search itself is bounded by ``search.max_trials``
 and ``search.max_seconds`` (at most a third of the metric's limit).
 
-Resume: a task whose result file says ``ok`` with the same fingerprint
-(model config, dtype, data, metric, result-defining parameters) is skipped and
-its file is never rewritten. Failed and interrupted tasks run again.
-SIGINT/SIGTERM stop cleanly: the running task is recorded as interrupted,
-its child is stopped, and the report is written. ``kill -9`` of the parent
-also ends the child (PR_SET_PDEATHSIG through the forkserver), so at most the
-task in flight is lost.
+Resume: a task whose result file says ``ok`` and still answers it (same
+inputs: model config and checkpoint files, data content, dtype, seed, device,
+metric parameters, plugins, oomguard's version; its tensor file present) is
+skipped and its file is never rewritten; a stale one is moved to
+``results/stale/`` and rerun, saying why (:mod:`~oomguard.engine.jobs.output`).
+Failed and interrupted tasks run again. SIGINT/SIGTERM stop cleanly: the
+running task is recorded as interrupted, its child is stopped, and the report
+is written (a signal during the report aborts it; ``results.json`` then says
+"interrupted" and a rerun finishes it). ``kill -9`` of the parent also ends
+the child (PR_SET_PDEATHSIG through the forkserver), so at most the task in
+flight is lost.
 
 Logging: this module only logs. Whoever wants ``job.log`` (the command line
 does) passes ``log_setup``; it is called with the output folder in this
@@ -32,9 +36,9 @@ process and at the start of every metric's process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
-import json
 import logging
 import multiprocessing
 import os
@@ -43,7 +47,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,10 +57,19 @@ from tqdm import tqdm
 
 from oomguard.engine.core.atomic import atomic_write, atomic_write_json
 from oomguard.engine.core.isolate import forkserver_context
-from oomguard.engine.core.jsonable import stable_hash
 from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.child import child_main
+from oomguard.engine.jobs.fingerprint import Digests
 from oomguard.engine.jobs.journal import Journal
+from oomguard.engine.jobs.output import (
+    check_output_folder,
+    claim,
+    job_identity,
+    read_result,
+    set_aside,
+    stale_reasons,
+)
+from oomguard.engine.jobs.plan import device_identity, plan
 from oomguard.engine.jobs.records import (
     FAILED,
     INTERRUPTED,
@@ -67,10 +80,8 @@ from oomguard.engine.jobs.records import (
     TaskResult,
     now_iso,
 )
-from oomguard.engine.jobs.spec import model_label
 from oomguard.metrics.base import get_metric
-from oomguard.metrics.models import config_fingerprint, model_config
-from oomguard.probes import probe
+from oomguard.metrics.models import model_config
 from oomguard.reports.job_report import write_job_report
 
 log = logging.getLogger("oomguard.job")
@@ -94,48 +105,21 @@ class Outcome:
         return [k for k, r in self.results.items() if r.status == FAILED]
 
 
-def plan(job: Job) -> list[Task]:
-    """The job's tasks in order (model-major); task keys are file-name safe."""
-    tasks = []
-    for spec in job.models:
-        cfg = config_fingerprint(spec)
-        for m in job.metrics:
-            workload = {"model_config": cfg, "dtype": job.dtype, "seq_len": job.data.seq_len,
-                        "metric": m.name, "params": m.params}
-            ident = {**workload, "model": spec, "data": dataclasses.asdict(job.data),
-                     "seed": job.seed, "device": job.device, "budget": job.budget_bytes}
-            fp = stable_hash(ident)
-            key = m.id if len(job.models) == 1 else f"{model_label(spec)}.{m.id}"
-            tasks.append(Task(key=key, metric_id=m.id, metric=m.name, model=spec,
-                              params=dict(m.params), pinned=dict(m.sizes),
-                              time_limit=m.time_limit, workload=workload, fingerprint=fp))
-    return tasks
-
-
-def device_identity(job: Job) -> dict[str, Any]:
-    """Device name and total bytes (measured by :func:`oomguard.probes.probe`), plus the budget."""
-    snap = probe(job.device)
-    if not snap.available:
-        raise JobError(f"{job.path}: device: {job.device} is not available here: {snap.reason}")
-    return {"device": job.device, "name": snap.name, "total_bytes": snap.total_bytes,
-            "budget_bytes": job.budget_bytes}
-
-
-def read_result(out: Path, key: str) -> TaskResult | None:
-    """``results/<key>.json``, or None if absent or not a task result."""
-    try:
-        doc = json.loads((out / "results" / f"{key}.json").read_text(encoding="utf-8"))
-        return TaskResult.from_dict(doc)
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        return None
+class _Interrupted(BaseException):
+    """A signal arrived while the final report was being written."""
 
 
 class _Stop:
-    """SIGINT/SIGTERM handler state: the first signal asks to stop; the job records and exits."""
+    """SIGINT/SIGTERM handler state: the first signal asks to stop; the job records and exits.
+
+    Inside :meth:`abort_on_signal` a signal also aborts the code in progress
+    (the final report), so the job can record "interrupted" at once.
+    """
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.previous: dict[int, Any] = {}
+        self._abort = False
 
     def __enter__(self) -> _Stop:
         if threading_main():
@@ -148,6 +132,17 @@ class _Stop:
             log.warning("received %s: stopping after recording the running metric",
                         signal.Signals(signum).name)
         self.signum = signum
+        if self._abort:
+            self._abort = False
+            raise _Interrupted
+
+    @contextlib.contextmanager
+    def abort_on_signal(self) -> Iterator[None]:
+        self._abort = self.signum is None
+        try:
+            yield
+        finally:
+            self._abort = False
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self.previous.items():
@@ -160,14 +155,22 @@ def threading_main() -> bool:
 
 def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, search: bool = True,
             progress: bool | None = None, start_method: str = "forkserver",
-            log_setup: Callable[[Path], Any] | None = None) -> Outcome:
+            log_setup: Callable[[Path], Any] | None = None, force: bool = False) -> Outcome:
     """Run (or resume) ``job`` into ``job.output``; returns the exit code and every record.
+
+    Resume keeps a finished result only while its inputs are unchanged
+    (:func:`stale_reasons`); a stale one is moved to ``results/stale/`` and its
+    task rerun, with the reasons in the log, the journal, the result
+    (``rerun_because``) and the report. An output folder belongs to one job
+    (:func:`job_identity`): another job's folder is refused, or with ``force``
+    its files are moved into ``moved-aside/``.
 
     ``start_method`` starts each task's process: ``forkserver`` (safe from any
     process), or ``fork`` (faster; only from a process that has not run torch
     code yet, because a fork after OpenMP ran hangs the child,
-    docs/measurements.md#fork-after-openmp: the CLI uses it, since its parent
-    only parses, plans and waits).
+    docs/measurements.md#fork-after-openmp: the CLI uses it for CPU jobs, since
+    its parent only parses, plans and waits; :func:`child_start_method`). A job
+    on a GPU always uses ``forkserver``: CUDA cannot be used in a forked child.
 
     ``log_setup(out)``, if given, is called with the output folder once the
     folder is locked, in this process, and again at the start of every
@@ -176,20 +179,27 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
     appends to ``out/job.log``. Without it this function configures no
     logging at all: records go wherever the caller's logging sends them.
 
-    Raises :class:`JobError` before creating anything if the job cannot start
-    (device missing, output folder in use by another run).
+    Raises :class:`JobError` before any work if the job cannot start (device
+    missing, a budget larger than the device, an output folder that is a file,
+    not writable, in use by another run, or another job's). ``OSError`` from
+    writing (a full disk) propagates; every result finished before it is kept.
     """
     t0 = time.perf_counter()
-    tasks = plan(job)
-    device = device_identity(job)
     out = Path(job.output)
-    out.mkdir(parents=True, exist_ok=True)
+    digests = Digests(out / ".digests.json")
+    tasks = plan(job, digests)
+    device = device_identity(job)
+    if start_method == "fork" and job.device != "cpu":
+        start_method = "forkserver"  # CUDA and MPS cannot be used after a fork
+    check_output_folder(out)
     lock = FileLock(str(out / ".job.lock"), timeout=0)
     try:
         lock.acquire()
     except Timeout:
         raise JobError(f"{out}: another oomguard run is using this output folder") from None
     try:
+        claim(out, job, force)
+        digests.save()
         return _run_locked(job, tasks, device, out, cache_path, search, progress, t0,
                            start_method, log_setup)
     finally:
@@ -203,8 +213,7 @@ def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
         (out / sub).mkdir(exist_ok=True)
     if log_setup is not None:
         log_setup(out)
-    atomic_write_json(out / "job.json", {"path": job.path, "name": job.name,
-                                         "tasks": [t.key for t in tasks]})
+    atomic_write_json(out / "job.json", {**job_identity(job), "tasks": [t.key for t in tasks]})
     atomic_write(out / "job.toml", job.text)
     run_id = uuid.uuid4().hex[:12]
     journal = Journal(out / "journal.jsonl")
@@ -212,59 +221,91 @@ def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
                   cache_path=str(cache_path) if cache_path else None, search=search,
                   device=device, start_method=start_method, log_setup=log_setup)
     journal.append("job-start", run=run_id, job=job.path, tasks=[t.key for t in tasks],
-                   device=device)
+                   device=device, start_method=start_method)
     log.info("job %s: %d metric(s) on %s, output %s", job.name, len(tasks), job.device, out)
     results: dict[str, TaskResult] = {}
     show = sys.stderr.isatty() if progress is None else progress
-    stopped: int | None = None
-    with _Stop() as stop, tqdm(total=len(tasks), disable=not show, unit="metric",
-                               desc=job.name, leave=True) as bar:
-        for i, task in enumerate(tasks, start=1):
-            done = read_result(out, task.key)
-            if done is not None and done.ok and done.fingerprint == task.fingerprint:
-                journal.append("skip", task=task.key, run=run_id, reason="already done")
-                log.info("[%d/%d] %s: already done, kept", i, len(tasks), task.key)
-                results[task.key] = done
+    with _Stop() as stop:
+        with tqdm(total=len(tasks), disable=not show, unit="metric", desc=job.name,
+                  leave=True) as bar:
+            for i, task in enumerate(tasks, start=1):
+                done = read_result(out, task.key)
+                if done is not None and done.ok:
+                    why = stale_reasons(done, task, out)
+                    if not why:
+                        journal.append("skip", task=task.key, run=run_id, reason="already done")
+                        log.info("[%d/%d] %s: already done, kept", i, len(tasks), task.key)
+                        results[task.key] = done
+                        bar.update(1)
+                        continue
+                    moved = set_aside(out, task.key, done)
+                    journal.append("stale", task=task.key, run=run_id, reasons=why,
+                                   moved_to=moved)
+                    log.warning("[%d/%d] %s: rerunning, because %s (the old result is in %s)",
+                                i, len(tasks), task.key, "; ".join(why), moved)
+                    task = dataclasses.replace(task, rerun_because=tuple(why))
+                if stop.signum is not None:
+                    break
+                bar.set_postfix_str(task.key)
+                record = _run_task(task, ctx, journal, stop)
+                if record is None:  # interrupted
+                    results[task.key] = TaskResult.placeholder(task, run_id, INTERRUPTED)
+                    break
+                results[task.key] = record
                 bar.update(1)
-                continue
-            if stop.signum is not None:
-                break
-            bar.set_postfix_str(task.key)
-            record = _run_task(task, ctx, journal, stop)
-            if record is None:  # interrupted
-                results[task.key] = TaskResult.placeholder(task, run_id, INTERRUPTED)
-                stopped = stop.signum
-                break
-            results[task.key] = record
-            bar.update(1)
-            _log_record(i, len(tasks), record)
-        if stop.signum is not None:
-            stopped = stop.signum
-    for task in tasks:
-        if task.key not in results:
-            results[task.key] = TaskResult.placeholder(task, run_id, PENDING)
-    results = {task.key: results[task.key] for task in tasks}  # job order (the report's)
-    failed = [k for k, r in results.items() if r.status == FAILED]
-    code = EXIT_SIGNAL.get(stopped, 130) if stopped is not None else (
-        EXIT_FAILED if failed else EXIT_OK)
-    status = "interrupted" if stopped is not None else ("failed" if failed else "complete")
-    summary = {"job": {"name": job.name, "path": job.path, "device": device, "dtype": job.dtype,
-                       "models": list(job.models), "data": dataclasses.asdict(job.data),
-                       "budget_bytes": job.budget_bytes},
-               "run": run_id, "status": status, "exit_code": code, "failed": failed,
-               "finished": now_iso(), "tasks": {k: r.to_dict() for k, r in results.items()}}
-    atomic_write_json(out / "results.json", summary)
-    try:
-        write_job_report(summary, out)
-    except Exception:  # noqa: BLE001 - a report problem must not lose the results
-        log.exception("could not write report.md / plots (results.json is complete)")
-    journal.append("job-end", run=run_id, status=status, exit_code=code, failed=failed)
-    journal.close()
+                _log_record(i, len(tasks), record)
+        for task in tasks:
+            if task.key not in results:
+                results[task.key] = TaskResult.placeholder(task, run_id, PENDING)
+        results = {task.key: results[task.key] for task in tasks}  # job order (the report's)
+        code, status = _finish(job, device, run_id, results, out, journal, stop)
     log.info("job %s: %s (%s) in %.1f s; results in %s", job.name, status,
-             ", ".join(f"{k} failed" for k in failed) or "nothing failed",
-             time.perf_counter() - t0, out)
+             ", ".join(f"{k} failed" for k, r in results.items() if r.status == FAILED)
+             or "nothing failed", time.perf_counter() - t0, out)
     return Outcome(exit_code=code, results=results, out=str(out),
                    seconds=time.perf_counter() - t0)
+
+
+def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, TaskResult],
+            out: Path, journal: Journal, stop: _Stop) -> tuple[int, str]:
+    """Write ``results.json`` and the report; a signal during the report aborts it and
+    leaves ``results.json`` saying "interrupted" (a rerun finishes the report)."""
+    failed = [k for k, r in results.items() if r.status == FAILED]
+
+    def summary_of(signum: int | None) -> dict[str, Any]:
+        code = EXIT_SIGNAL.get(signum, 130) if signum is not None else (
+            EXIT_FAILED if failed else EXIT_OK)
+        status = "interrupted" if signum is not None else ("failed" if failed else "complete")
+        return {"job": {"name": job.name, "path": job.path, "device": device,
+                        "dtype": job.dtype, "models": list(job.models),
+                        "data": dataclasses.asdict(job.data), "budget_bytes": job.budget_bytes},
+                "run": run_id, "status": status, "exit_code": code, "failed": failed,
+                "finished": now_iso(), "tasks": {k: r.to_dict() for k, r in results.items()}}
+
+    signum = stop.signum
+    summary = summary_of(signum)
+    atomic_write_json(out / "results.json", summary)
+    code = summary["exit_code"]
+    try:
+        with stop.abort_on_signal():
+            write_job_report(summary, out)
+    except _Interrupted:
+        log.warning("interrupted while writing the report; run the same command again to "
+                    "finish it")
+    except OSError as exc:  # a full disk: the results are complete, the report is not
+        log.error("could not write the report: %s: %s (results.json is complete)",
+                  exc.filename or out, exc.strerror or exc)
+        code = max(code, EXIT_FAILED)
+    except Exception:  # noqa: BLE001 - a report problem must not lose the results
+        log.exception("could not write report.md / plots (results.json is complete)")
+    if stop.signum != signum:  # a signal during the report: say so
+        summary = summary_of(stop.signum)
+        atomic_write_json(out / "results.json", summary)
+        code = summary["exit_code"]
+    journal.append("job-end", run=run_id, status=summary["status"], exit_code=code,
+                   failed=failed)
+    journal.close()
+    return code, summary["status"]
 
 
 def _log_record(i: int, n: int, r: TaskResult) -> None:
@@ -292,7 +333,7 @@ def _run_task(task: Task, ctx: Context, journal: Journal, stop: _Stop) -> TaskRe
     """Run one task in a child; the record written, or None if the job was interrupted."""
     out = Path(ctx.out)
     journal.append("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
-                   time_limit_s=task.time_limit)
+                   time_limit_s=task.time_limit, start_method=ctx.start_method)
     if ctx.start_method == "forkserver":
         mp = forkserver_context(_preload(task))
     else:

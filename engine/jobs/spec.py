@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import re
 import sys
 from pathlib import Path
@@ -26,7 +27,8 @@ if sys.version_info >= (3, 11):  # why: module level, by Python version (tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from oomguard.engine.core.units import parse_size
+from oomguard.engine.core.budget import MIN_CPU_BUDGET
+from oomguard.engine.core.units import fmt_bytes, parse_size
 from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.data import check_data
 from oomguard.engine.jobs.example import example_text
@@ -57,8 +59,8 @@ def parse_duration(value: Any) -> float:
     else:
         raise ValueError(f"expected a duration like 90, \"90s\", \"20m\" or \"1h30m\", "
                          f"got {value!r}")
-    if seconds <= 0:
-        raise ValueError(f"a duration must be positive, got {value!r}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"a duration must be a positive, finite number of seconds, got {value!r}")
     return seconds
 
 
@@ -186,6 +188,8 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
         raise r.fail("device", f"unknown device {device!r}: use cpu, cuda, cuda:N or mps",
                      r.line("device"))
     seed = r.get(doc, "seed", "seed", (int,), 0, "an integer")
+    if not 0 <= seed < 2**63:  # torch's generators take a 64-bit seed
+        raise r.fail("seed", f"{seed} is out of range: use 0 <= seed < 2**63", r.line("seed"))
     out = output or r.get(doc, "output", "output", (str,), "oomguard-job", "a string")
     name = r.get(doc, "name", "name", (str,), Path(path).stem, "a string")
     budget = None
@@ -195,6 +199,10 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
             budget = parse_size(raw)
         except ValueError as exc:
             raise r.fail("budget", str(exc), r.line("budget")) from None
+        if device == "cpu" and budget < MIN_CPU_BUDGET:  # larger than the device: plan.py
+            raise r.fail("budget", f"{raw!r} is too small for a CPU budget: thread pools need "
+                         f"about 20 MiB of headroom; use at least {fmt_bytes(MIN_CPU_BUDGET)}",
+                         r.line("budget"))
     time_limit = r.duration(doc, "time_limit", "time_limit", 1200.0)
 
     models_raw = r.get(doc, "models", "models", (list, str), ["tiny-gpt2"], "a list of strings")

@@ -1,0 +1,129 @@
+"""The output folder of a job: whose it is, and which results in it are still true.
+
+An output folder belongs to one job (:func:`job_identity`: its name and the
+path of its file). :func:`check_output_folder` proves the folder writable
+before any work; :func:`claim` refuses another job's folder, or with
+``force`` moves that job's files into ``moved-aside/<time>-<name>/``.
+
+A finished result (``results/<task>.json``) is kept on resume only while it
+still answers its task (:func:`stale_reasons`: same inputs, tensor file
+present); otherwise :func:`set_aside` moves it and its tensor file into
+``results/stale/`` (never deleted, never overwritten) and the task runs again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from oomguard.engine.errors import JobError
+from oomguard.engine.jobs.fingerprint import describe_changes
+from oomguard.engine.jobs.records import Job, Task, TaskResult
+
+log = logging.getLogger("oomguard.job")
+
+__all__ = ["MOVED_ASIDE", "check_output_folder", "claim", "job_identity", "read_result",
+           "set_aside", "stale_reasons"]
+
+
+def read_result(out: Path, key: str) -> TaskResult | None:
+    """``results/<key>.json``, or None if absent or not a task result."""
+    try:
+        doc = json.loads((out / "results" / f"{key}.json").read_text(encoding="utf-8"))
+        return TaskResult.from_dict(doc)
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def stale_reasons(done: TaskResult, task: Task, out: Path) -> list[str]:
+    """Why the finished result ``done`` no longer answers ``task`` ([] if it still does)."""
+    reasons = []
+    if done.fingerprint != task.fingerprint:
+        reasons = describe_changes(done.inputs, task.inputs) or [
+            "the result's inputs were recorded differently (written by another oomguard?)"]
+    if done.tensors and not (out / done.tensors).is_file():
+        reasons.append(f"its tensor file {done.tensors} is missing")
+    return reasons
+
+
+def _unique(path: Path) -> Path:
+    n, candidate = 1, path
+    while candidate.exists():
+        candidate = path.with_name(f"{path.name}-{n}")
+        n += 1
+    return candidate
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def set_aside(out: Path, key: str, done: TaskResult) -> str:
+    """Move a stale result (``results/<key>.json`` and its tensor file) into
+    ``results/stale/``; returns the new place of the JSON file, relative to ``out``."""
+    folder = out / "results" / "stale"
+    folder.mkdir(exist_ok=True)
+    stem = _unique(folder / f"{key}.{_stamp()}")
+    if done.tensors and (out / done.tensors).is_file():
+        os.replace(out / done.tensors, stem.with_name(stem.name + ".pt"))
+    target = stem.with_name(stem.name + ".json")
+    os.replace(out / "results" / f"{key}.json", target)
+    return str(target.relative_to(out))
+
+
+def job_identity(job: Job) -> dict[str, str]:
+    """What makes two runs the same job: its name and the path of its file.
+
+    Editing a job file keeps its identity (results whose inputs changed are
+    rerun); a different job file is a different job.
+    """
+    return {"name": job.name, "path": job.path}
+
+
+def check_output_folder(out: Path) -> None:
+    """Create ``out`` if needed and prove it writable; :class:`JobError` (one line) if not.
+
+    Called before any work, so a run never computes results it cannot keep.
+    """
+    if out.exists() and not out.is_dir():
+        raise JobError(f"{out}: the output folder is an existing file; give another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise JobError(f"{out}: cannot write the output folder ({exc.strerror or exc}); give "
+                       "a writable --out") from None
+
+
+MOVED_ASIDE = "moved-aside"
+_KEEP = {".job.lock", MOVED_ASIDE}
+
+
+def claim(out: Path, job: Job, force: bool) -> None:
+    """Make ``out`` this job's: refuse another job's folder, or with ``force`` move its
+    files into ``out/moved-aside/<time>-<name>/``."""
+    try:
+        owner = json.loads((out / "job.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # a new folder (or one without a readable job record)
+    if not isinstance(owner, dict):
+        return
+    theirs = {"name": owner.get("name"), "path": owner.get("path")}
+    if theirs == job_identity(job):
+        return
+    if not force:
+        raise JobError(f"{out} holds the results of another job ({theirs['name']!r} from "
+                       f"{theirs['path']}): give another --out, or --force to move them into "
+                       f"{out / MOVED_ASIDE}/")
+    aside = _unique(out / MOVED_ASIDE / f"{_stamp()}-{theirs['name'] or 'job'}")
+    aside.mkdir(parents=True)
+    for entry in sorted(out.iterdir()):
+        if entry.name not in _KEEP:
+            os.replace(entry, aside / entry.name)
+    log.warning("--force: moved the files of job %r (%s) into %s", theirs["name"],
+                theirs["path"], aside)

@@ -1,0 +1,67 @@
+"""A job's plan: its tasks (one per model and metric, each with the inputs that define
+its result) and the device it runs on, measured before anything starts."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from oomguard.engine.core.jsonable import stable_hash
+from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.errors import JobError
+from oomguard.engine.jobs.fingerprint import Digests, model_inputs, task_inputs
+from oomguard.engine.jobs.records import Job, Task
+from oomguard.engine.jobs.spec import model_label
+from oomguard.probes import probe
+
+__all__ = ["child_start_method", "device_identity", "plan"]
+
+
+def plan(job: Job, digests: Digests | None = None) -> list[Task]:
+    """The job's tasks in order (model-major); task keys are file-name safe.
+
+    Each task carries its inputs (what defines its result: model config and
+    checkpoint files, data content, dtype, seed, device, metric parameters,
+    plugins, oomguard's version; :mod:`~oomguard.engine.jobs.fingerprint`) and
+    their hash. ``digests`` memoises file contents (default: in memory only).
+    """
+    digests = digests if digests is not None else Digests()
+    tasks = []
+    for spec in job.models:
+        model = model_inputs(spec, digests)
+        for m in job.metrics:
+            workload = {"model_config": model["config"], "dtype": job.dtype,
+                        "seq_len": job.data.seq_len, "metric": m.name, "params": m.params}
+            inputs = task_inputs(job, model, m, digests)
+            key = m.id if len(job.models) == 1 else f"{model_label(spec)}.{m.id}"
+            tasks.append(Task(key=key, metric_id=m.id, metric=m.name, model=spec,
+                              params=dict(m.params), pinned=dict(m.sizes),
+                              time_limit=m.time_limit, workload=workload,
+                              fingerprint=stable_hash(inputs), inputs=inputs))
+    return tasks
+
+
+def child_start_method(device: str) -> str:
+    """How a job's metric processes are started for ``device``, from a process that has
+    run no torch code (the command line's): ``fork`` for CPU jobs on Linux (cheapest),
+    else ``forkserver``. A GPU job never forks: a child forked after the parent touched
+    CUDA cannot use it ("Cannot re-initialize CUDA in forked subprocess"), and the parent
+    probes the device before it starts any child."""
+    return "fork" if device == "cpu" and sys.platform.startswith("linux") else "forkserver"
+
+
+def device_identity(job: Job) -> dict[str, Any]:
+    """Device name and total bytes (measured by :func:`oomguard.probes.probe`), plus the budget.
+
+    Raises :class:`JobError` if the device is missing or the job's budget is
+    larger than the device's total memory (a budget that can never be applied).
+    """
+    snap = probe(job.device)
+    if not snap.available:
+        raise JobError(f"{job.path}: device: {job.device} is not available here: {snap.reason}")
+    if job.budget_bytes and snap.total_bytes and job.budget_bytes > snap.total_bytes:
+        raise JobError(f"{job.path}: budget: {fmt_bytes(job.budget_bytes)} is more than "
+                       f"{job.device}'s {fmt_bytes(snap.total_bytes)} in total; give a "
+                       "smaller budget, or none")
+    return {"device": job.device, "name": snap.name, "total_bytes": snap.total_bytes,
+            "budget_bytes": job.budget_bytes}
