@@ -9,7 +9,8 @@ Checks: the NVML probe against ``torch.cuda.mem_get_info``; allocator peak by
 ``PeakMeter``; the fraction budget (an allocation above it raises
 ``torch.OutOfMemoryError``); a real CUDA OOM caught by ``call_catching_oom``
 with ``memory_allocated`` back where it was; an ``Executor`` halving run; a
-``search()`` under a budget. Prints a table (check / passed / measured) and
+``search()`` under a budget; ``oomguard run`` on the example job on this GPU
+(children started by forkserver, every metric ok). Prints a table (check / passed / measured) and
 exits 1 if any check failed. Without CUDA it says so and exits 0.
 
 Every OOM here is real: the caching allocator refusing an allocation above a
@@ -174,6 +175,37 @@ def check_search(dev: torch.device) -> tuple[bool, str]:
                 f" (ideal <= {GiB // (8 * MiB)}), peak/item {_mib(per_item)}")
 
 
+def check_job_run(dev: torch.device) -> tuple[bool, str]:
+    """``oomguard run`` on the example job with ``device`` set to this GPU, as a user runs it:
+    every metric must finish in its (forkserver-started) child, which a fork after the
+    parent touched CUDA would not."""
+    import subprocess
+    import tempfile
+
+    from oomguard.engine.jobs.example import example_text
+    from oomguard.engine.jobs.journal import replay
+
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.toml"
+        job.write_text(example_text().replace('device = "cpu"', f'device = "{dev}"', 1),
+                       encoding="utf-8")
+        t0 = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "oomguard", "run", str(job), "--out",
+                               str(Path(tmp) / "out"), "--cache", str(Path(tmp) / "sizes.json"),
+                               "--json"], capture_output=True, text=True, timeout=900)
+        secs = time.perf_counter() - t0
+        if done.returncode != 0:
+            tail = (done.stderr.strip().splitlines() or ["?"])[-1]
+            return False, f"exit {done.returncode} in {secs:.0f} s: {tail[:200]}"
+        summary = json.loads(done.stdout)
+        methods = {e.get("start_method") for e in replay(Path(tmp) / "out" / "journal.jsonl")
+                   if e["event"] == "start"}
+    tasks = summary["tasks"]
+    ok = all(t["status"] == "ok" for t in tasks.values()) and methods == {"forkserver"}
+    return ok, (f"{len(tasks)} metrics ok in {secs:.0f} s, children by {sorted(methods)}, "
+                + ", ".join(f"{k} peak {_mib(t.get('peak_bytes'))}" for k, t in tasks.items()))
+
+
 CHECKS: list[tuple[str, Callable[[torch.device], tuple[bool, str]]]] = [
     ("nvml probe vs mem_get_info", check_nvml_vs_mem_get_info),
     ("allocator peak (PeakMeter)", check_peak_meter),
@@ -181,6 +213,7 @@ CHECKS: list[tuple[str, Callable[[torch.device], tuple[bool, str]]]] = [
     ("call_catching_oom cleans up", check_call_catching_oom),
     ("executor halving", check_executor),
     ("search under budget", check_search),
+    ("oomguard run (example job)", check_job_run),
 ]
 
 

@@ -1,10 +1,17 @@
-"""Two ranks on gloo, one under a tighter budget: both take the same micro-batch size.
+"""Two ranks on gloo: they agree on one size, and a call made on rank 0 only does not hang.
 
-Each rank is a spawned process that warms up (a small step and one collective),
-then enters its own CPU budget: rank 0 has plenty, rank 1 runs out of memory
-on the whole batch and on half of it. The agreement (one all_reduce per
-attempt) must move rank 0 to rank 1's size; both finish, and their parameters
-equal a single-process reference of the same data-parallel steps.
+Each rank is a spawned process. In the first test each warms up (a small step
+and one collective), then enters its own CPU budget: rank 0 has plenty, rank 1
+runs out of memory on the whole batch and on half of it. The agreement (one
+all_reduce per attempt) must move rank 0 to rank 1's size; both finish, and
+their parameters equal a single-process reference of the same data-parallel
+steps.
+
+In the others, rank 1 waits in a barrier while rank 0 alone calls adaptive
+functions: with ``sync_ranks=False`` they return at once (no collective);
+with the default a first call raises one clear error after the short presence
+check, the process group stays usable, and the same function called on both
+ranks afterwards works.
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ import torch.multiprocessing as mp
 from conftest import budget_after_warmup
 from test_accumulate import mlp, regression_step, rows
 
-from oomguard.engine.training.accumulate import Accumulator
-from oomguard.engine.training.adaptive import stats
+from oomguard.engine.errors import OomguardError
+from oomguard.engine.training import distributed
+from oomguard.engine.training.accumulate import Accumulator, accumulate
+from oomguard.engine.training.adaptive import adaptive, find_executable_batch_size, stats
 from oomguard.engine.training.distributed import agree, all_reduce_gradients
 
 MiB = 1024**2
@@ -90,16 +99,25 @@ def reference_params() -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def run_ranks(fn, args: tuple, timeout_s: float, nprocs: int = 2) -> None:
+    """Run ``fn(rank, *args)`` on ``nprocs`` spawned ranks; kill them all after ``timeout_s``."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ctx = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=0.2):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the ranks did not finish within {timeout_s} s (a hang?)")
+    finally:  # whatever happened, leave no rank behind
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+
 @pytest.mark.integration
 def test_two_ranks_agree_on_the_size_and_the_parameters(tmp_path):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise AssertionError(f"the ranks did not finish within {TIMEOUT_S} s (a hang?)")
+    run_ranks(worker, (2, free_port(), str(tmp_path)), TIMEOUT_S)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["sizes"] == r1["sizes"]  # every step, both ranks ran the same micro-batch size
     assert r1["sizes"][0] < ROWS // 2  # rank 1 really ran out of memory at 64 and 32
@@ -108,3 +126,67 @@ def test_two_ranks_agree_on_the_size_and_the_parameters(tmp_path):
     assert torch.equal(p0, p1)
     ref = reference_params()
     assert float((p0 - ref).norm() / ref.norm()) <= 1e-5
+
+
+PRESENCE_TIMEOUT_S = 2.0  # the first-call check's wait in these ranks (60 s by default)
+
+
+def one_rank_calls(rank: int, port: int, out: str) -> None:
+    """Rank 1 waits in a barrier (as for rank 0's evaluation); rank 0 calls adaptive functions."""
+    torch.set_num_threads(1)
+    distributed.FIRST_CALL_TIMEOUT_S = PRESENCE_TIMEOUT_S
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        dist.barrier()  # both ranks are up: the clocks below measure calls, not start-up
+        step = adaptive(batch_size=8)(lambda batch_size: batch_size)
+        result: dict = {}
+        if rank == 0:
+            started = time.monotonic()
+            model = mlp()
+            result["unsynced"] = [
+                adaptive(batch_size=8, sync_ranks=False)(lambda batch_size: batch_size)(),
+                find_executable_batch_size(lambda batch_size: batch_size, 16,
+                                           sync_ranks=False)(),
+                float(accumulate(regression_step(model), rows(2, 2), params=model,
+                                 sync_ranks=False)) > 0]
+            result["unsynced_s"] = time.monotonic() - started
+            started = time.monotonic()
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 -- the test asserts what it is
+                result["error"] = {"oomguard": isinstance(e, OomguardError), "message": str(e)}
+            result["error_s"] = time.monotonic() - started
+        dist.barrier()  # rank 1 waited here all along: the process group still works
+        result["after"] = step()  # every rank calls it now: the check and agreement pass
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory) -> list[dict]:
+    """Both ranks' results of :func:`one_rank_calls` (one run, shared by the tests below)."""
+    out = tmp_path_factory.mktemp("one_rank")
+    run_ranks(one_rank_calls, (free_port(), str(out)), timeout_s=30)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.integration
+def test_with_sync_ranks_false_a_call_on_rank_0_only_makes_no_collective(one_rank_run):
+    r0 = one_rank_run[0]
+    assert r0["unsynced"] == [8, 16, True]
+    assert r0["unsynced_s"] < 1.5  # returned at once, no wait for rank 1 (in a barrier)
+
+
+@pytest.mark.integration
+def test_a_first_call_on_rank_0_only_raises_one_clear_error_instead_of_hanging(one_rank_run):
+    r0, r1 = one_rank_run
+    error = r0["error"]
+    assert error["oomguard"]
+    assert "collective" in error["message"] and "sync_ranks=False" in error["message"]
+    assert f"rank(s) 1 did not within {PRESENCE_TIMEOUT_S:g} s" in error["message"]
+    assert PRESENCE_TIMEOUT_S <= r0["error_s"] < PRESENCE_TIMEOUT_S + 5
+    # The process group stayed usable: rank 1 left its barrier, and the same
+    # function then called on both ranks agreed on its size.
+    assert r0["after"] == r1["after"] == 8

@@ -6,7 +6,9 @@ samples) before ``backward()``, so ``.grad`` -- and the parameters after the
 optimizer step -- equal those of the whole batch within float rounding. The
 micro-batch size is run by the core's one size controller
 (:class:`~oomguard.engine.core.controller.SizeController`): halved on OOM,
-remembered, optionally grown back, agreed between ranks.
+remembered, optionally grown back, agreed between ranks. Under
+``torch.distributed`` calls are therefore **collective**: every rank makes
+each one (``sync_ranks=False``: no collective, each rank keeps its own size).
 
 How the loss must be defined for the scaling to be exact
 --------------------------------------------------------
@@ -140,8 +142,11 @@ class Accumulator:
     tried; None means the whole batch. On OOM it shrinks by ``policy``
     (halving) down to ``minimum``, is remembered for later calls, grows back
     after ``grow_after`` clean calls when set (never to a size that failed),
-    and is agreed between ranks under ``torch.distributed``. See the module
-    docstring for ``weight_by`` and ``reduction``.
+    and is agreed between the ranks of ``group`` under ``torch.distributed``:
+    every rank must make each call (collective; a first call made by some
+    ranks only raises after a short wait instead of hanging), unless
+    ``sync_ranks=False`` (no collective, each rank keeps its own size). See
+    the module docstring for ``weight_by`` and ``reduction``.
 
     ``size`` runs this accumulator with an existing size controller (what
     :func:`accumulate` does to share the size found between calls); then the
@@ -154,7 +159,8 @@ class Accumulator:
                  = "samples", reduction: str = "mean", labels_key: str = "labels",
                  ignore_index: int = -100, minimum: int = 1, policy: RetryPolicy | None = None,
                  grow_after: int | None = None, device: Any = None, group: Any = None,
-                 name: str | None = None, size: SizeController | None = None) -> None:
+                 sync_ranks: bool = True, name: str | None = None,
+                 size: SizeController | None = None) -> None:
         if not callable(weight_by) and weight_by not in WEIGHTS:
             raise ValueError(f"weight_by must be one of {', '.join(WEIGHTS)} or a callable, "
                              f"got {weight_by!r}")
@@ -167,7 +173,8 @@ class Accumulator:
         self.limit = micro_batch_size if size is not None else None
         self.size = size or make_controller(
             name or f"{_qualname(step_fn)}:micro_batch", KEY, micro_batch_size, minimum=minimum,
-            policy=policy, grow_after=grow_after, device=device, group=group)
+            policy=policy, grow_after=grow_after, device=device, group=group,
+            sync_ranks=sync_ranks)
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -237,7 +244,7 @@ class Accumulator:
         return total_loss
 
 
-SIZE_OPTIONS = ("minimum", "policy", "grow_after", "device", "group")
+SIZE_OPTIONS = ("minimum", "policy", "grow_after", "device", "group", "sync_ranks")
 
 
 @dataclass(eq=False)
@@ -269,7 +276,9 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
     """Gradients of ``step_fn`` over the whole ``batch``, in micro-batches if it does not fit.
 
     The function form of :class:`Accumulator`. Options (``weight_by``,
-    ``reduction``, ``grow_after``, ``minimum``, ...) apply to this call only.
+    ``reduction``, ``grow_after``, ``minimum``, ``sync_ranks``, ...) apply to
+    this call only. Under ``torch.distributed`` the call is collective (every
+    rank makes it) unless ``sync_ranks=False``; see :class:`Accumulator`.
     What persists is the micro-batch size found: per ``params`` object and
     ``name`` (default: the step function's qualified name), so a step
     function defined anew every iteration keeps its size, and only while

@@ -7,6 +7,14 @@ and is agreed between ranks under ``torch.distributed`` (the controller's
 agreement strategy is :class:`~oomguard.engine.training.distributed.RankAgreement`).
 What is learnt lives on the decorated function and goes with it.
 
+Under ``torch.distributed`` the calls are **collective**: every rank of the
+group must make each call (the agreement is an ``all_reduce``). A first call
+made on some ranks only raises one clear error after
+:data:`~oomguard.engine.training.distributed.FIRST_CALL_TIMEOUT_S` seconds
+instead of hanging. For work only some ranks do (an evaluation on rank 0),
+pass ``sync_ranks=False``: no collective is made and each rank keeps its own
+size.
+
 Hot path: a call that does not run out of memory costs one
 :func:`oomguard.engine.core.oom.call_catching_oom` and a few attribute reads
 (about a microsecond here, plus one 16-byte collective per call under
@@ -56,13 +64,18 @@ def remembered(name: str, key: str, start: int | None) -> SizeMemory:
 def make_controller(name: str, key: str, start: int | None | SizeMemory, *, minimum: int = 1,
                maximum: int | None = None, policy: RetryPolicy | None = None,
                grow_after: int | None = None, device: Any = None, group: Any = None,
-               failure_message: str | None = None) -> SizeController:
-    """The size controller of a training-script helper: one knob ``key``, ranks agreeing."""
+               sync_ranks: bool = True, failure_message: str | None = None) -> SizeController:
+    """The size controller of a training-script helper: one knob ``key``.
+
+    With ``sync_ranks`` the ranks of ``group`` agree on it under
+    ``torch.distributed`` (collective calls); without, this process decides alone.
+    """
     if not isinstance(start, SizeMemory):
         check_positive_int("start", start, optional=True)
         start = remembered(name, key, start)
+    agreement = RankAgreement(group, name) if sync_ranks else None
     return SizeController(name, start, minimum={key: minimum}, maximum={key: maximum},
-                          policy=policy, grow_after=grow_after, agreement=RankAgreement(group),
+                          policy=policy, grow_after=grow_after, agreement=agreement,
                           device=device, logger=log, failure_message=failure_message)
 
 
@@ -108,7 +121,7 @@ def _wrap(fn: Callable[..., T], size: SizeController | None) -> Callable[..., T]
 def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimum: int = 1,
              maximum: int | None = None, policy: RetryPolicy | None = None,
              grow_after: int | None = None, device: Any = None, group: Any = None,
-             name: str | None = None) -> Any:
+             sync_ranks: bool = True, name: str | None = None) -> Any:
     """Decorate ``fn(batch_size, ...)`` so that an OOM costs a retry at a smaller size.
 
     The decorated function is called without its batch size: the decorator
@@ -119,17 +132,22 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
     untouched. The size that worked is kept for later calls; ``grow_after``
     clean calls let it grow back, never above ``maximum`` (default
     ``batch_size``) nor to a size that failed. Under ``torch.distributed``
-    every rank takes the same size (see :mod:`oomguard.engine.training.distributed`): a rank
-    whose call succeeded runs again at the agreed smaller size when another
-    rank ran out of memory, so ``fn`` must be safe to re-run, as after an
-    OOM. The wrapper's ``adaptive_size`` attribute is its
+    every rank of ``group`` takes the same size (see
+    :mod:`oomguard.engine.training.distributed`), so each call is
+    **collective**: every rank must make it (a first call made by some ranks
+    only raises after a short wait instead of hanging); a rank whose call
+    succeeded runs again at the agreed smaller size when another rank ran out
+    of memory, so ``fn`` must be safe to re-run, as after an OOM.
+    ``sync_ranks=False``: no collective, each rank keeps its own size (for
+    work only some ranks do). The wrapper's ``adaptive_size`` attribute is its
     :class:`~oomguard.engine.core.controller.SizeController`. Usable as
     ``@adaptive`` or ``@adaptive(batch_size=...)``.
     """
     def decorate(f: Callable[..., T]) -> Callable[..., T]:
         size = make_controller(name or _qualname(f), KEY, batch_size, minimum=minimum,
                                maximum=maximum or batch_size, policy=policy,
-                               grow_after=grow_after, device=device, group=group)
+                               grow_after=grow_after, device=device, group=group,
+                               sync_ranks=sync_ranks)
         return _wrap(f, size)
 
     return decorate if fn is None else decorate(fn)
@@ -137,26 +155,32 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
 
 def find_executable_batch_size(function: Callable[..., T] | None = None,
                                starting_batch_size: int = 128,
-                               reduce_batch_size_fn: Callable[..., int] | None = None) -> Any:
+                               reduce_batch_size_fn: Callable[..., int] | None = None, *,
+                               sync_ranks: bool = True) -> Any:
     """accelerate's helper, same call shape: switch with one import line.
 
     ``function(batch_size, ...)`` is called at ``starting_batch_size``, then,
     after each OOM, at half the size or at what ``reduce_batch_size_fn``
     returns (either ``fn(size) -> int`` or accelerate's zero-argument form
     ``fn() -> int``). At zero, ``RuntimeError("No executable batch size found,
-    reached zero.")`` (a :class:`NoExecutableBatchSize`). Usable as
+    reached zero.")`` (a :class:`NoExecutableBatchSize`). Unlike accelerate's,
+    under ``torch.distributed`` every rank takes the same size, so calls are
+    collective: every rank must make them (a first call made by some ranks only
+    raises after a short wait instead of hanging); ``sync_ranks=False``
+    restores accelerate's per-rank behaviour, with no collective. Usable as
     ``@find_executable_batch_size``, ``@find_executable_batch_size(starting_batch_size=64)``
     or ``find_executable_batch_size(fn, 64)``.
     """
     if function is None:
         return functools.partial(find_executable_batch_size,
                                  starting_batch_size=starting_batch_size,
-                                 reduce_batch_size_fn=reduce_batch_size_fn)
+                                 reduce_batch_size_fn=reduce_batch_size_fn,
+                                 sync_ranks=sync_ranks)
     if starting_batch_size <= 0:
         return _wrap(function, None)
     policy = Halve() if reduce_batch_size_fn is None else ReduceWith(_unary(reduce_batch_size_fn))
     size = make_controller(_qualname(function), KEY, starting_batch_size, policy=policy,
-                           failure_message=ZERO_MESSAGE)
+                           sync_ranks=sync_ranks, failure_message=ZERO_MESSAGE)
     return _wrap(function, size)
 
 

@@ -17,14 +17,29 @@ the path without an OOM it is one collective per call. An adaptive object
 also agrees once on its starting size the first time it runs under
 ``torch.distributed`` (so ranks started with different sizes converge).
 
-Requirements: every rank calls the adaptive function the same number of
-times, and the function itself runs no collective (an OOM on one rank between
+The calls are **collective**: every rank of the group calls the adaptive
+function (or ``accumulate``) the same number of times, in the same order, and
+the function itself runs no collective (an OOM on one rank between
 two collectives would leave the others waiting). With DDP, run the
 micro-batches under ``model.no_sync()`` with ``broadcast_buffers=False`` and
 synchronise gradients afterwards with :func:`all_reduce_gradients`.
 
 When ``torch.distributed`` is not available or not initialised, :func:`agree`
-returns its inputs and costs nothing.
+returns its inputs and costs nothing. With ``sync_ranks=False`` an adaptive
+object makes no collective at all: each rank keeps its own size (for work only
+some ranks do, such as an evaluation on rank 0).
+
+A call made on some ranks only would block in its ``all_reduce`` until the
+backend's timeout (30 minutes on gloo). So the first call of each adaptive
+object first checks that every rank makes it: each rank sets one key in the
+process group's store and waits up to :data:`FIRST_CALL_TIMEOUT_S` seconds for
+the keys of the others; a rank that waits in vain raises one clear error
+naming the ranks that did not come. The check goes through the store, not a
+collective, so nothing is left pending and the process group stays usable
+(a timed-out ``all_reduce`` would stay queued on gloo and pair with the
+peers' next collective: measured, docs/measurements.md#rank-presence-check).
+Later calls are not checked: an adaptive object that every rank used once
+and only some ranks call later still blocks.
 
 :class:`RankAgreement` is how this plugs into the core's
 :class:`~oomguard.engine.core.controller.SizeController`: it is the controller's
@@ -36,12 +51,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from oomguard.engine.errors import UsageError
+
 Sizes = dict[str, int]
+
+# How long the first call of an adaptive object waits for every rank to make it
+# too (seconds). Ranks reach a first call about together (they were in step at
+# their last collective); raise it when the work before a first call (loading
+# data) differs between ranks by more than this.
+FIRST_CALL_TIMEOUT_S = 60.0
+
+# Per process group: how many adaptive objects made their first call here.
+# Every rank counts the same first calls in the same order, so the count names
+# the same check on every rank (as a collective's order does).
+_first_calls: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -85,6 +114,55 @@ def _min_over_ranks(values: list[int], group: Any) -> list[int]:
     return [int(v) for v in tensor.tolist()]
 
 
+def check_every_rank_calls(what: str, group: Any = None,
+                           timeout_s: float | None = None) -> None:
+    """Return once every rank of ``group`` has made this call; raise if one does not.
+
+    Collective: each rank sets one key in the default process group's store
+    and waits up to ``timeout_s`` seconds (default :data:`FIRST_CALL_TIMEOUT_S`)
+    for the keys of the others. A rank that waits in vain withdraws its key
+    and raises one :class:`~oomguard.engine.errors.UsageError` naming ``what``
+    and the ranks that did not come. No collective is made, so the process
+    group stays usable. Free without ``torch.distributed``, or with one rank.
+    """
+    if not is_active():
+        return
+    pg = group if group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(pg)
+    store = _store()
+    if len(ranks) < 2 or store is None:
+        return
+    me = dist.get_rank()
+    n = _first_calls.get(pg.group_name, 0)
+    prefix = f"oomguard/first-call/{pg.group_name}/{n}/"
+    timeout = FIRST_CALL_TIMEOUT_S if timeout_s is None else timeout_s
+    store.set(prefix + str(me), b"1")
+    try:
+        store.wait([prefix + str(r) for r in ranks], timedelta(seconds=timeout))
+    except RuntimeError:  # DistStoreError: a timeout (any other store failure re-raises below)
+        missing = [r for r in ranks if not store.check([prefix + str(r)])]
+        if missing:
+            # Withdraw, so that this check is as if never made: a later call made
+            # by every rank then pairs up again (same count on every rank).
+            store.delete_key(prefix + str(me))
+            raise UsageError(
+                f"{what}: oomguard's adaptive sizes are collective under torch.distributed: "
+                f"every rank of the process group must make this call, but rank(s) "
+                f"{', '.join(map(str, missing))} did not within {timeout:g} s (rank {me} did). "
+                "Call it on every rank, or pass sync_ranks=False so that each rank keeps "
+                "its own size; the process group is untouched (no collective was made)"
+            ) from None
+    _first_calls[pg.group_name] = n + 1
+
+
+def _store() -> Any:
+    """The default process group's store (None where this torch does not expose it)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, ValueError, KeyError):  # a private function: absent in some torch
+        return None
+
+
 class RankAgreement:
     """The ranks of ``group`` agree on a size after every attempt: one ``all_reduce(MIN)``.
 
@@ -92,14 +170,25 @@ class RankAgreement:
     :class:`~oomguard.engine.core.controller.SizeController` under
     ``torch.distributed``: the reduced vector is the proposed sizes and
     ``-oom`` (16 bytes for one size). Inactive, and free, while no process
-    group is initialised.
+    group is initialised. The first :meth:`active` under ``torch.distributed``
+    (the start of the controller's first call, before any collective) runs
+    :func:`check_every_rank_calls` for ``what`` with ``timeout_s``.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, what: str = "an adaptive size",
+                 timeout_s: float | None = None) -> None:
         self.group = group
+        self.what = what
+        self.timeout_s = timeout_s
+        self.checked = False
 
     def active(self) -> bool:
-        return is_active()
+        if not is_active():
+            return False
+        if not self.checked:
+            check_every_rank_calls(self.what, self.group, self.timeout_s)
+            self.checked = True
+        return True
 
     def agree(self, proposal: Mapping[str, int], oom: bool) -> tuple[Sizes, bool]:
         *sizes, flag = _min_over_ranks([*proposal.values(), -int(oom)], self.group)
