@@ -25,7 +25,7 @@ from conftest import RaisesAt
 from oomguard.engine.core.isolate import IsolatedRunner, oom_evidence
 from oomguard.engine.core.search import search
 from oomguard.engine.core.strategies import E10
-from oomguard.engine.errors import ChildCrashed, ChildStartFailed, TrialFailed
+from oomguard.engine.errors import ChildCrashed, ChildStartFailed, TrialFailed, UsageError
 from oomguard.metrics.synthetic import LinearAlloc
 from oomguard.probes import host
 
@@ -96,6 +96,20 @@ class ExitsCleanlyAt:
         if size == self.size:
             sys.exit(2)
         time.sleep(self.seconds)
+        return size
+
+
+@dataclass
+class SleepsFrom:
+    """Fits every size; sleeps ``seconds`` at ``size`` and above (a hung step)."""
+
+    size: int
+    seconds: float
+    name: str = "sleeps-from"
+
+    def __call__(self, size: int) -> int:
+        if size >= self.size:
+            time.sleep(self.seconds)
         return size
 
 
@@ -219,6 +233,27 @@ def test_sys_exit_and_a_hung_trial_in_the_child_are_crashes_not_ooms():
                                            "was killed"):
         IsolatedRunner(ExitsCleanlyAt(0, seconds=60), timeout=1)(3)
     assert time.perf_counter() - t0 < 30
+
+
+@pytest.mark.integration
+def test_trial_timeout_is_set_from_search_and_a_timeout_is_a_crash_not_an_oom():
+    t0 = time.perf_counter()
+    with pytest.raises(TrialFailed) as info:
+        search(SleepsFrom(48, seconds=120), start=40, step=8, budget=256 * MiB, isolate=True,
+               trial_timeout=5)
+    assert time.perf_counter() - t0 < 60  # not the default 600 s
+    cause = info.value.__cause__
+    assert isinstance(cause, ChildCrashed)
+    assert str(cause) == "isolated trial at size 48: no result after 5 s; the child process was killed"
+    # Neither an OOM nor a fitted point: the search keeps only the trial before it.
+    assert _ran(info.value.result) == [(40, True)]
+    assert info.value.result.first_oom is None
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan"), True, "5"])
+def test_a_bad_trial_timeout_is_a_usage_error(timeout):
+    with pytest.raises(UsageError, match="timeout must be a positive number of seconds"):
+        IsolatedRunner(RaisesAt(1), timeout=timeout)
 
 
 SCRIPT = """

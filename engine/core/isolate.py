@@ -8,10 +8,10 @@ Children come from a ``forkserver`` that has already imported torch (and the
 workload's ``preload`` modules), so a trial pays a fork and the workload's own
 ``warmup()``, not an interpreter start
 (docs/measurements.md#isolated-children-start-up). In the child, in order:
-send ``started``; send fd 2 to a temporary file; unpickle the workload; make
-glibc give freed memory back and trim its heap
-(docs/measurements.md#return-freed-memory); ``warmup()``; the budget (if
-any); one trial; send the :class:`~oomguard.engine.core.trial.Trial` back.
+send ``started``; make glibc give freed memory back and trim its heap
+(docs/measurements.md#return-freed-memory), before anything else allocates;
+send fd 2 to a temporary file; unpickle the workload; ``warmup()``; the budget
+(if any); one trial; send the :class:`~oomguard.engine.core.trial.Trial` back.
 
 How the parent reads a child's end:
 
@@ -32,6 +32,7 @@ The child's stderr is copied to this process's stderr after each trial.
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -48,7 +49,7 @@ import torch
 
 from oomguard.engine.core.budget import budget, return_freed_memory_to_os, trim_heap
 from oomguard.engine.core.trial import Trial, run_trial
-from oomguard.engine.errors import ChildCrashed, ChildStartFailed
+from oomguard.engine.errors import ChildCrashed, ChildStartFailed, UsageError
 from oomguard.probes import host
 
 log = logging.getLogger("oomguard.isolate")
@@ -76,6 +77,12 @@ def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, con
            stderr_path: str) -> None:
     """Runs in the child: say it started, then unpickle, warm up, budget, one trial."""
     conn.send(("started",))
+    # Before anything allocates (unpickling imports the workload's modules): every
+    # block >= 128 KiB freed from here on goes back to the kernel, so no free heap
+    # from start-up or warm-up is left to absorb a trial's allocations under the
+    # budget (docs/measurements.md#free-heap-at-budget-entry).
+    return_freed_memory_to_os()
+    trim_heap()
     try:
         sys.stderr.flush()
         fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
@@ -91,8 +98,6 @@ def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, con
         conn.close()
         return
     try:
-        return_freed_memory_to_os()
-        trim_heap()
         if hasattr(fn, "warmup"):
             fn.warmup()
         guard: AbstractContextManager[Any] = (
@@ -135,11 +140,17 @@ class IsolatedRunner:
     ``fn`` must be picklable (a module-level function or class instance in an
     importable file); :class:`ChildStartFailed` says so at once if it is not.
     ``budget`` bytes are applied in the child after ``fn.warmup()``.
-    ``timeout`` seconds bound each trial (a hung child is killed: ChildCrashed).
+    ``timeout`` seconds (finite, > 0) bound each trial, from the child's start to
+    its result: a child still running then is killed and reported as
+    :class:`ChildCrashed`, never as an OOM (nothing says it ran out of memory).
     """
 
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
                  budget: int | None = None, timeout: float = 600.0) -> None:
+        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                and math.isfinite(timeout) and timeout > 0):
+            raise UsageError(f"the trial timeout must be a positive number of seconds, "
+                             f"got {timeout!r}")
         if _in_bootstrapping_child():
             raise ChildStartFailed(
                 "an isolated trial's child process is re-running the main script, which starts "
