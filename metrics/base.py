@@ -30,6 +30,9 @@ class Knob:
 
     ``kind`` is ``"memory"`` (tuned freely, result-invariant) or ``"result"``
     (part of the question). ``scales_with`` says what memory grows with.
+    ``unit`` declares the knob's granularity when memory does not change at every
+    +1: what one unit is (its size for given parameters is :meth:`Metric.size_unit`);
+    a search proposes only multiples of it. Empty: every size counts.
     """
 
     name: str
@@ -38,6 +41,7 @@ class Knob:
     minimum: int | float = 1
     scales_with: str = ""
     help: str = ""
+    unit: str = ""
 
 
 class Metric:
@@ -56,6 +60,22 @@ class Metric:
 
     def defaults(self) -> dict[str, int | float]:
         return {k.name: k.default for k in self.knobs}
+
+    def size_unit(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int:
+        """The granularity of memory knob ``knob`` (items) with the other knobs at
+        ``params`` (validated, defaults filled) on ``n_samples`` samples: peak memory
+        changes only at multiples of it. 1 unless a metric declares a ``Knob.unit``."""
+        return 1
+
+    def notes(self, knob: str, params: Mapping[str, Any], n_samples: int) -> dict[str, str]:
+        """Lines a report of a search of ``knob`` should carry (how it interacts with the
+        other knobs, what its unit is), by title; none by default."""
+        return {}
+
+    def largest_size(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int | None:
+        """The size above which ``knob`` no longer changes what runs (None: no such size).
+        Knobs that slice the samples are bounded by the sample count elsewhere."""
+        return None
 
     def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """Fill defaults; raise UsageError (one line, listing valid knobs) on bad input."""

@@ -33,6 +33,13 @@ the peak grows with ``chunk_size`` alone (captum warns and we silence that
 warning). Without internal batching (``internal >= examples x n_steps``) a
 forward gets all ``examples x n_steps`` rows.
 
+So ``internal_batch_size`` is declared in units of ``examples`` (``Knob.unit``): peak
+memory changes only at its multiples (checked with forward hooks: 16 samples, rows per
+forward 16 for internal 1..31, 32 for 32..47, 48 for 48..63), and it changes nothing
+above ``examples x n_steps``. A search steps in those units, not by +8. When the samples
+do not divide into chunks, the last, smaller chunk can step in between two multiples;
+the multiples still bracket it (its rows never exceed the next multiple).
+
 Completeness: captum's convergence delta per sample is ``sum(attributions) -
 (f(x) - f(baseline))``; we report its absolute max and mean (nats).
 """
@@ -141,12 +148,45 @@ def captum_knobs(chunk_default: int) -> tuple[Knob, ...]:
              "examples per captum call; results are concatenated"),
         Knob("internal_batch_size", "memory", 8, 1,
              "rows_per_forward(chunk, internal); only matters while > chunk_size",
-             "captum's internal_batch_size (splits the integration steps)"),
+             "captum's internal_batch_size (splits the integration steps)",
+             unit="examples per captum call, min(chunk_size, samples)"),
     )
 
 
+class CaptumMetric(JsonMetric):
+    """A metric built on captum's ``attribute(..., internal_batch_size=...)`` with the
+    knobs of :func:`captum_knobs`: declares that knob's granularity and its end."""
+
+    def size_unit(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int:
+        """``min(chunk_size, n_samples)`` items for ``internal_batch_size``, else 1."""
+        if knob != "internal_batch_size":
+            return 1
+        return max(1, min(int(params["chunk_size"]), n_samples))
+
+    def notes(self, knob: str, params: Mapping[str, Any], n_samples: int) -> dict[str, str]:
+        """How the two memory knobs interact, and the unit the search stepped in."""
+        other = "internal_batch_size" if knob == "chunk_size" else "chunk_size"
+        out = {"knob interaction": (
+            "captum runs chunk_size x max(1, internal_batch_size // chunk_size) rows per "
+            "forward, so internal_batch_size only changes memory at multiples of "
+            "min(chunk_size, samples), and nothing above that times n_steps; this search "
+            f"varies {knob} with {other}={params[other]}")}
+        unit = self.size_unit(knob, params, n_samples)
+        if unit > 1:
+            out["granularity"] = (f"{knob} was searched in multiples of {unit} (examples per "
+                                  "captum call); sizes between two multiples use the memory "
+                                  "of the one above")
+        return out
+
+    def largest_size(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int | None:
+        """``examples x n_steps`` for ``internal_batch_size``: every step in one forward."""
+        if knob != "internal_batch_size":
+            return None
+        return self.size_unit(knob, params, n_samples) * int(params["n_steps"])
+
+
 @register
-class IntegratedGradients(JsonMetric):
+class IntegratedGradients(CaptumMetric):
     """Per-token attributions (nats) of each sample's last-token log-probability."""
 
     name = "integrated_gradients"

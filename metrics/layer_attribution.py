@@ -23,7 +23,8 @@ Knobs: ``n_steps`` (result, recorded); ``chunk_size`` (memory, examples per
 captum call, concatenated) and ``internal_batch_size`` (memory, captum's, splits
 the steps; summed). They interact exactly as in ``integrated_gradients``:
 one forward gets ``rows_per_forward(chunk, internal)`` rows (see
-:func:`metrics.integrated_gradients.rows_per_forward`).
+:func:`metrics.integrated_gradients.rows_per_forward`), so ``internal_batch_size``
+steps in units of ``min(chunk_size, samples)`` here too.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ import torch
 
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import register
-from oomguard.metrics.common import JsonMetric, iter_micro_batches, n_samples
+from oomguard.metrics.common import iter_micro_batches, n_samples
 from oomguard.metrics.integrated_gradients import (
     METHOD,
+    CaptumMetric,
     captum_knobs,
     captum_quiet,
     pad_id,
@@ -68,7 +70,7 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 @register
-class LayerAttribution(JsonMetric):
+class LayerAttribution(CaptumMetric):
     """Per-sample, per-block attribution mass of the last-token log-probability."""
 
     name = "layer_attribution"

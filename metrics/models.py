@@ -49,7 +49,12 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def model_config(spec: str) -> Any:
-    """The transformers config a spec names (no weights are built or loaded)."""
+    """The transformers config a spec names (no weights are built or loaded).
+
+    A ``MODEL_TYPE:key=value`` spec with a key that type's config does not have, or a
+    value of the wrong type (``n_layer=abc``), is a one-line UsageError naming the key
+    (and the closest valid key).
+    """
     from transformers import AutoConfig  # why: transformers costs 2.5-3 s; import on use
 
     if spec in BUILTIN_CONFIGS:
@@ -74,12 +79,89 @@ def model_config(spec: str) -> Any:
         except json.JSONDecodeError:
             kw[key.strip()] = value.strip()
     try:
-        return AutoConfig.for_model(model_type, **kw)
+        default = AutoConfig.for_model(model_type)
     except ValueError:
         raise UsageError(
             f"unknown model {spec!r}: use {', '.join(BUILTIN_CONFIGS)}, a local checkpoint "
             "directory, or MODEL_TYPE:key=value (e.g. gpt2:n_layer=4)"
         ) from None
+    # transformers' typed config fields raise huggingface_hub's StrictDataclassError (not a
+    # ValueError) for a value of the wrong type (n_layer=abc); its own checks a ValueError.
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        config = AutoConfig.for_model(model_type, **kw)
+    except (StrictDataclassError, ValueError, TypeError) as exc:
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise UsageError(f"bad model spec {spec!r}: {first}") from None
+    _check_keys(spec, model_type, default, config, kw)
+    return config
+
+
+def _valid_keys(config: Any) -> set[str]:
+    """Every key a ``MODEL_TYPE:key=value`` spec may set on ``config`` (a default config of
+    that type): its fields and ``__init__`` parameters, its aliases (``attribute_map``,
+    e.g. GPT-2's ``num_hidden_layers``) and those of every transformers config."""
+    import inspect
+
+    from transformers import PretrainedConfig
+
+    keys = set(config.to_dict()) | set(getattr(config, "attribute_map", {}) or {})
+    for cls in (type(config), PretrainedConfig):
+        for name, param in inspect.signature(cls.__init__).parameters.items():
+            if name != "self" and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+                keys.add(name)
+    keys |= set(PretrainedConfig().to_dict())
+    return {k for k in keys if not k.startswith("_")}
+
+
+def _check_keys(spec: str, model_type: str, default: Any, config: Any,
+                kw: dict[str, Any]) -> None:
+    """UsageError naming every unknown key of ``kw`` and the closest valid one.
+
+    transformers stores any keyword it does not know as a plain attribute, so
+    ``n_layr=1`` would silently build 12 layers. A key is unknown when ``default``
+    (the type's default config) does not have it *and* ``config`` (the one built from
+    ``kw``) stored it unused; legacy keywords a config consumes (LLaMA's ``rope_theta``,
+    folded into ``rope_parameters``) are accepted.
+    """
+    import difflib
+
+    valid = _valid_keys(default)
+    unknown = [k for k in kw if k not in valid and hasattr(config, k)]
+    if not unknown:
+        return
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(valid), n=1)
+        parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise UsageError(f"bad model spec {spec!r}: {model_type} has no config key "
+                     f"{', '.join(parts)}")
+
+
+# Config keys that bound the positions a model embeds (GPT-2 names it n_positions and
+# answers max_position_embeddings through its attribute_map).
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length",
+                 "seq_length")
+
+
+def check_seq_len(config: Any, seq_len: int) -> None:
+    """UsageError if ``config`` (a transformers config) declares fewer positions than
+    ``seq_len`` tokens: learned position tables index past their end (an IndexError deep
+    in the forward) and rotary models run outside what they were configured for."""
+    for key in POSITION_KEYS:
+        limit = getattr(config, key, None)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            break
+    else:
+        return  # no declared limit (e.g. ALiBi models such as BLOOM)
+    if seq_len > limit:
+        name = (getattr(config, "attribute_map", {}) or {}).get(key, key)
+        kind = getattr(config, "model_type", "model")
+        raise UsageError(f"sequence length {seq_len} is longer than the model's {limit} "
+                         f"positions ({name}): use a sequence length <= {limit}, or a model "
+                         f"with more positions (e.g. {kind}:{name}={seq_len})")
 
 
 def build_model(spec: str = "tiny-gpt2", dtype: str | torch.dtype = "float32",

@@ -15,10 +15,17 @@ largest ``micro_batch_size`` the Fisher metric runs at, in-process or isolated:
 Knobs that slice the samples (``micro_batch_size``, ``chunk_size``) gain
 nothing above the number of samples: :meth:`MetricTrial.max_size` says so, for
 the caller to pass as ``search(..., max_size=...)``.
+
+Knobs whose memory changes only at multiples of a unit (captum's
+``internal_batch_size``: examples per call) say so in :meth:`MetricTrial.unit`;
+:class:`InUnits` makes any strategy propose only those multiples, so a search
+neither spends trials between two of them nor reports a size that is not one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,8 +93,32 @@ class MetricTrial(RebuiltInChild):
         return get_metric(self.metric)
 
     def max_size(self) -> int | None:
-        """Largest useful size of the knob (``n_samples`` for knobs that slice samples), or None."""
-        return self.n_samples if self.knob in SAMPLE_KNOBS else None
+        """Largest useful size of the knob (``n_samples`` for knobs that slice samples, what
+        the metric declares for others, e.g. captum's ``examples x n_steps``), or None."""
+        if self.knob in SAMPLE_KNOBS:
+            return self.n_samples
+        assert self.knob is not None
+        metric = self._metric()
+        return metric.largest_size(self.knob, metric.validate(self.params), self.n_samples)
+
+    def report_context(self) -> dict[str, Any]:
+        """What a report of a search of this knob shows: the configuration, the data, and
+        how the knob interacts with the others and what its unit is (``Metric.notes``)."""
+        assert self.knob is not None
+        metric = self._metric()
+        return {"title": f"{self.metric}.{self.knob}: Maximum Safe Size Report",
+                "model": self.model, "dtype": self.dtype, "metric": self.metric,
+                "knob": self.knob, "samples": self.n_samples,
+                "data": {"source": "generated tokens (seeded)", "samples": self.n_samples,
+                         "sequence_length": self.seq_len},
+                **metric.notes(self.knob, metric.validate(self.params), self.n_samples)}
+
+    def unit(self) -> int:
+        """The knob's granularity in items: peak memory changes only at its multiples
+        (1 for most knobs; ``min(chunk_size, n_samples)`` for captum's internal batch)."""
+        assert self.knob is not None
+        metric = self._metric()
+        return metric.size_unit(self.knob, metric.validate(self.params), self.n_samples)
 
     def minimum(self) -> int:
         """The knob's smallest allowed size."""
@@ -125,3 +156,66 @@ class MetricTrial(RebuiltInChild):
             result = metric.run(self._state["model"], self._state["data"],
                                 **{**self.params, self.knob: size})
         return metric.summary(result)
+
+
+@dataclass(frozen=True)
+class InUnits:
+    """A strategy that proposes only multiples of ``unit``: ``inner`` (E10, Doubling,
+    LinearJump...) runs on counts of units ``k = size / unit`` and its proposals are
+    multiplied back, so trials, results and reports carry the real sizes.
+
+    ``InUnits(E10(start=1, step=1), unit=64)`` tries 64, 128, 192, ... and bisects
+    in steps of 64; the bracket is closed when the largest fit and the first OOM
+    are one unit apart (memory does not change in between).
+    """
+
+    inner: Any
+    unit: int
+
+    def __post_init__(self) -> None:
+        check_positive_int("unit", self.unit)
+        if not callable(getattr(self.inner, "next", None)):
+            raise UsageError(f"InUnits needs a strategy with next(trials, max_size), "
+                             f"got {self.inner!r}")
+
+    @property
+    def name(self) -> str:
+        """The inner strategy's name (``e10``): the unit is a field of its own."""
+        return str(self.inner.name)
+
+    @property
+    def start(self) -> int | None:
+        """The first size in items (what SearchConfig compares with ``max_size``)."""
+        start = getattr(self.inner, "start", None)
+        return start * self.unit if isinstance(start, int) else None
+
+    def describe(self) -> str:
+        return (f"Sizes in units of {self.unit} (memory changes only at multiples of "
+                f"{self.unit}); in those units: {self.inner.describe()}")
+
+    def next(self, trials: Sequence[Any], max_size: int) -> int | None:
+        """The next multiple of ``unit`` to try, at most ``max_size``; None when done."""
+        if max_size < self.unit:
+            return None
+        scaled = [dataclasses.replace(t, size=t.size // self.unit) for t in trials]
+        k = self.inner.next(scaled, max_size // self.unit)
+        return None if k is None else k * self.unit
+
+
+def snap_to_unit(result: Any, unit: int) -> None:
+    """Round the recommended size of a search run in multiples of ``unit`` down to one.
+
+    The fitted recommendation can fall between two multiples, where memory is that
+    of the multiple above (sizes below one unit run as one unit), so the size worth
+    using is the multiple below it, and never less than one unit. Changes
+    ``result.recommendation`` in place; nothing for ``unit`` 1.
+    """
+    rec = result.recommendation
+    if unit <= 1 or rec is None:
+        return
+    safe = min(max(unit, rec.safe // unit * unit), rec.maximum)
+    if safe == rec.safe:
+        return
+    result.recommendation = dataclasses.replace(
+        rec, safe=safe, conservative=rec.conservative if rec.conservative_ran else safe,
+        basis=f"{rec.basis}; rounded down to a multiple of {unit}")

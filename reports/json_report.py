@@ -118,6 +118,40 @@ def capped_by(result: SearchResult, context: Mapping[str, Any] | None = None) ->
     return option
 
 
+def cap_advice(result: SearchResult, ctx: Mapping[str, Any]) -> str | None:
+    """What capped a search that did not close its bracket, and which option to change
+    (a Markdown sentence; None if nothing did)."""
+    cause = capped_by(result, ctx)
+    label, cfg, top = size_label(result), result.config, result.max_ok
+    lower = "so the reported maximum is a lower bound"
+    not_max_size = f"max_size ({cfg.get('max_size')}) was not reached"
+    if cause is None:
+        return None
+    if cause == "samples":
+        return (f"**Every useful {label} fits**: the search stopped at {label} {top}, the number "
+                f"of samples (--samples {cfg.get('max_size')}); {label} slices the samples, so a "
+                f"larger value runs them all at once just the same. No OOM was seen, so {top} is "
+                f"the largest useful {label} for this data and raising max_size changes nothing; "
+                "with more samples (--samples) it can go higher.")
+    if cause == "max_size":
+        return (f"**No OOM seen**: the search stopped at max_size ({cfg.get('max_size')}), "
+                f"{lower}; raise max_size (--max-size) to find the real limit.")
+    if cause in ("max_trials", "max_seconds"):
+        spent = (f"all {cfg.get('max_trials')} trials (max_trials)" if cause == "max_trials"
+                 else f"its time (max_seconds = {cfg.get('max_seconds')})")
+        option = ("raise max_trials (--max-trials)" if cause == "max_trials"
+                  else "raise max_seconds")
+        if result.first_oom is not None:
+            return (f"**Bracket left open**: the search used {spent} before closing in; the "
+                    f"limit lies between {top} (fits) and {result.first_oom} (OOM); {option} "
+                    "to narrow it.")
+        return (f"**No OOM seen**: the search used {spent} before any size ran out of memory, "
+                f"{lower}; {option}, start larger (--start) or grow faster (--strategy "
+                f"doubling); {not_max_size}.")
+    return (f"**No OOM seen**: the strategy stopped proposing sizes ({result.stopped_because}) "
+            f"before any size ran out of memory, {lower}; {not_max_size}.")
+
+
 def scaling_verdict(result: SearchResult) -> str | None:
     """How measured peak memory scaled with the size, judged from the fit.
 

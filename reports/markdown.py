@@ -19,6 +19,7 @@ from oomguard.engine.core.search import SearchResult
 from oomguard.engine.core.units import fmt_bytes
 from oomguard.reports.json_report import (
     PEAK_MEANING,
+    cap_advice,
     capacity_label,
     capped_by,
     device_type,
@@ -304,39 +305,6 @@ def _scaling_observation(result: SearchResult) -> str:
             "estimates, rely on measured sizes only.")
 
 
-def _cap_advice(result: SearchResult, ctx: Mapping[str, Any]) -> str | None:
-    """What capped a search that did not close its bracket, and which option to change."""
-    cause = capped_by(result, ctx)
-    label, cfg, top = size_label(result), result.config, result.max_ok
-    lower = "so the reported maximum is a lower bound"
-    not_max_size = f"max_size ({cfg.get('max_size')}) was not reached"
-    if cause is None:
-        return None
-    if cause == "samples":
-        return (f"**Every useful {label} fits**: the search stopped at {label} {top}, the number "
-                f"of samples (--samples {cfg.get('max_size')}); {label} slices the samples, so a "
-                f"larger value runs them all at once just the same. No OOM was seen, so {top} is "
-                f"the largest useful {label} for this data and raising max_size changes nothing; "
-                "with more samples (--samples) it can go higher.")
-    if cause == "max_size":
-        return (f"**No OOM seen**: the search stopped at max_size ({cfg.get('max_size')}), "
-                f"{lower}; raise max_size (--max-size) to find the real limit.")
-    if cause in ("max_trials", "max_seconds"):
-        spent = (f"all {cfg.get('max_trials')} trials (max_trials)" if cause == "max_trials"
-                 else f"its time (max_seconds = {cfg.get('max_seconds')})")
-        option = ("raise max_trials (--max-trials)" if cause == "max_trials"
-                  else "raise max_seconds")
-        if result.first_oom is not None:
-            return (f"**Bracket left open**: the search used {spent} before closing in; the "
-                    f"limit lies between {top} (fits) and {result.first_oom} (OOM); {option} "
-                    "to narrow it.")
-        return (f"**No OOM seen**: the search used {spent} before any size ran out of memory, "
-                f"{lower}; {option}, start larger (--start) or grow faster (--strategy "
-                f"doubling); {not_max_size}.")
-    return (f"**No OOM seen**: the strategy stopped proposing sizes ({result.stopped_because}) "
-            f"before any size ran out of memory, {lower}; {not_max_size}.")
-
-
 def _observations(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
     obs: list[str] = [_scaling_observation(result)]
     fit = result.fit
@@ -346,7 +314,7 @@ def _observations(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
     obs.append(f"**Search cost**: {n} trials ({n_ok} fitted, {n - n_ok} ran out of memory), "
                f"{trial_s:.2f} s in trials, {result.seconds:.2f} s of search wall time.")
     obs.append(f"**Stopped because**: {result.stopped_because}.")
-    advice = _cap_advice(result, ctx)
+    advice = cap_advice(result, ctx)
     if advice:
         obs.append(advice)
     bad = non_monotonic(result)

@@ -139,6 +139,86 @@ def test_metric_search_report_names_the_knob(tmp_path, capsys):
     assert code == 0
     assert "maximum micro_batch_size: 8" in capsys.readouterr().out  # bounded by the samples
     md = (out / "report.md").read_text()
-    assert "### Maximum Micro Batch Size: **8**" in md
+    assert "### Maximum micro_batch_size: **8**" in md
     assert "Started with micro_batch_size=8" in md
     assert not re.search(r"(?<!micro_)batch_size=", md)
+
+
+TINY = ("gpt2:n_embd=32,n_layer=1,n_head=2,vocab_size=256,n_positions=64,bos_token_id=0,"
+        "eos_token_id=0")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--model", "gpt2:n_layer=abc"], "Field 'n_layer' expected int, got str"),
+    (["search", "--metric", "loss", "--model", "gpt2:n_layer=abc"], "expected int"),
+    (["bench", "--model", "gpt2:n_layr=1"], "'n_layr' (did you mean 'n_layer'?)"),
+    (["search", "--metric", "loss", "--model",
+      "gpt_neox:num_layers=1,hidden_size=64,vocab_sise=64"], "did you mean 'vocab_size'"),
+    (["bench", "--seq-len", "5000"], "longer than the model's 1024 positions (n_positions)"),
+    (["search", "--metric", "loss", "--seq-len", "5000"], "1024 positions"),
+    (["bench", "--margin", "1.5"], "margin must be a fraction in [0, 1), got 1.5"),
+    (["bench", "--margin", "nan"], "got nan"),
+    (["bench", "--margin", "-0.5"], "got -0.5"),
+    (["search", "--metric", "integrated_gradients", "--margin", "inf"], "got inf"),
+    (["bench", "--isolate", "--trial-timeout", "nan"], "trial_timeout must be a positive"),
+    (["bench", "--isolate", "--trial-timeout=-5"], "got -5.0"),
+])
+def test_bad_input_fails_at_once_before_any_work(argv, message, tmp_path, capsys):
+    out = tmp_path / "deep" / "rep"
+    code = main([*argv, "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == [err[0]] and err[0].startswith("oomguard: error:") and message in err[0]
+    assert not (tmp_path / "deep").exists()  # no report folder left behind, no search ran
+
+
+def test_an_out_that_is_a_file_or_cannot_be_created_fails_before_the_search(tmp_path, capsys):
+    existing = tmp_path / "report.txt"
+    existing.write_text("keep me\n")
+    for out, message in ((existing, "the output folder is an existing file"),
+                         (existing / "rep", "cannot write the output folder"),
+                         ("/proc/oomguard-no-such-folder", "cannot write the output folder")):
+        for argv in (["bench", "--model", TINY, "--seq-len", "16", "--json"],
+                     ["search", "--metric", "loss", "--samples", "2", "--seq-len", "8"]):
+            assert main([*argv, "--out", str(out)]) == 2
+            cap = capsys.readouterr()
+            err = cap.err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith(f"oomguard: error: {out}: {message}")
+            assert cap.out == ""
+    assert existing.read_text() == "keep me\n"
+
+
+FULL_DISK = """ulimit -f 1; exec "$0" -m oomguard bench --model {model} --seq-len 16 \
+--budget 48MiB --start 1 --max-size 2 --out {out} --json"""
+
+
+def test_a_full_disk_is_one_line_naming_the_path_and_keeps_every_result(tmp_path):
+    # `ulimit -f 1`: files may not grow past 1 KiB, so every report write fails with
+    # EFBIG (Python ignores SIGXFSZ) -- a full disk for this process and nothing else.
+    out = tmp_path / "rep"
+    out.mkdir()
+    before = json.dumps({"result": {"max_ok": 123}, "note": "x" * 2000})
+    (out / "report.json").write_text(before)
+    done = subprocess.run(["bash", "-c", FULL_DISK.format(model=TINY, out=out),
+                           sys.executable], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1, done.stderr[-2000:]
+    err = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr
+    assert [line for line in err if line.startswith("oomguard: error")] == [err[-1]]
+    assert err[-1].startswith(f"oomguard: error: cannot write the report to {out}")
+    assert "File too large" in err[-1]
+    result = json.loads(done.stdout)  # the result is not lost: it is on stdout
+    assert result["max_ok"] == 2 and result["files"] == {}
+    assert (out / "report.json").read_text() == before  # the earlier report is whole
+    assert sorted(p.name for p in out.iterdir()) == ["report.json"]  # no half-written file
+
+
+def test_ctrl_c_while_starting_is_one_line_and_exit_code_130(monkeypatch, capsys):
+    from oomguard.engine.cli import jobs
+
+    def interrupted(sub):
+        raise KeyboardInterrupt  # Ctrl-C while `oomguard run` imports and builds its parser
+
+    monkeypatch.setattr(jobs, "register", interrupted)
+    assert main(["run", "job.toml"]) == 130
+    assert capsys.readouterr().err == "oomguard: interrupted\n"

@@ -266,3 +266,11 @@ def test_an_interrupt_during_the_final_report_is_recorded_and_a_rerun_finishes_i
     assert rerun.returncode == 0 and (out / "report.md").is_file()
     assert json.loads((out / "results.json").read_text())["status"] == "complete"
     assert (out / "plots" / "memory.png").is_file()
+
+
+def test_a_sequence_longer_than_the_models_positions_fails_when_the_job_is_read(tmp_path):
+    text = _job(tmp_path, '[[metrics]]\nname = "loss"\n',
+                model="gpt2:n_layer=1,n_embd=32,n_head=2,n_positions=16").read_text()
+    with pytest.raises(JobError, match=r"line \d+: data.seq_len: models\[0\]: sequence length "
+                                       r"20 is longer than the model's 16 positions"):
+        parse_job(text.replace("seq_len = 8", "seq_len = 20"), path="job.toml")

@@ -6,20 +6,18 @@ size of a metric's memory knobs), ``metrics`` (what can be searched), ``run``
 and ``cache`` (overnight jobs). Sizes are given with units (``2GiB``,
 ``512MiB``, ``2GB``) or in bytes.
 
-One error policy: a :class:`~oomguard.engine.errors.UsageError` (bad input)
-is one line on stderr and exit code 2; a search that ends without an answer
-is one line and exit code 1; anything else is a bug and keeps its traceback.
+One error policy: a :class:`~oomguard.engine.errors.UsageError` (bad input, checked
+before any work) is one line on stderr and exit code 2; a search without an answer, or a
+result that cannot be written (a full disk), one line and exit 1; Ctrl-C one line and
+130; anything else is a bug and keeps its traceback.
 
-Start-up: this module imports neither torch nor the engine at import time
-(``oomguard --help`` must answer in well under a second); each command
-imports what it needs when it runs. That is why the imports below sit inside
-the command functions.
+Start-up: no torch or engine import at module level (``oomguard --help`` answers in well
+under a second); each command imports what it needs, inside the command functions.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 import sys
@@ -90,19 +88,42 @@ def default_budget(dev: torch.device, given: int | None) -> int | None:
     return probe(dev).free_bytes
 
 
-def _strategy(args: argparse.Namespace, capacity: int | None) -> Any:
+def _strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size: int) -> Any:
+    """The strategy the options name; for a knob whose memory changes only at multiples of
+    ``unit``, ``--start``/``--step`` in whole units (at least one) and only multiples tried."""
     from oomguard.engine.core.strategies import E10, Doubling, LinearJump
+    from oomguard.metrics.workload import InUnits
 
     if args.strategy != "e10" and args.step is not None:
         raise UsageError(f"--step is the e10 increment; --strategy {args.strategy} takes no "
                          "--step (doubling multiplies by 2, linear-jump fits a line)")
+    unit = unit if unit <= max_size else 1  # no whole unit fits: every size counts
+    start = min(-(-args.start // unit), max(1, max_size // unit))  # units, <= --max-size
+    inner: Any = E10(start=start, step=max(1, (args.step or DEFAULT_STEP) // unit))
     if args.strategy == "doubling":
-        return Doubling(start=args.start)
-    if args.strategy == "linear-jump":
+        inner = Doubling(start=start)
+    elif args.strategy == "linear-jump":
         if capacity is None:
             raise UsageError("--strategy linear-jump needs a --budget (or a GPU's free memory)")
-        return LinearJump(capacity_bytes=capacity, start=args.start)
-    return E10(start=args.start, step=args.step or DEFAULT_STEP)
+        inner = LinearJump(capacity_bytes=capacity, start=start)
+    return inner if unit == 1 else InUnits(inner, unit)
+
+
+def _search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
+                   unit: int = 1) -> Any:
+    """Every search option checked before any model is built (a bad --margin fails first)."""
+    from oomguard.engine.core.budget import check_budget
+    from oomguard.engine.core.search import SearchConfig
+
+    if args.start > max_size:
+        raise UsageError(f"--start {args.start} is larger than --max-size {max_size}")
+    nbytes = default_budget(dev, args.budget)
+    if nbytes is not None:
+        check_budget(nbytes, dev)
+    timeout = {} if args.trial_timeout is None else {"trial_timeout": args.trial_timeout}
+    return SearchConfig(strategy=_strategy(args, nbytes, unit, max_size), max_size=max_size,
+                        max_trials=args.max_trials, device=dev, budget=nbytes,
+                        isolate=args.isolate, margin=args.margin, **timeout)
 
 
 def _progress(label: str) -> Any:
@@ -116,38 +137,55 @@ def _progress(label: str) -> Any:
     return show
 
 
-def _search_and_report(args: argparse.Namespace, workload: Any, context: dict[str, Any],
-                       max_size: int) -> int:
+def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
+    """Run one search planned (and checked) before; None (after one line) if no size fit."""
     from oomguard.engine.core.search import search
     from oomguard.engine.errors import NoSizeFits
-    from oomguard.reports import write_report
+    from oomguard.metrics.workload import snap_to_unit
 
-    dev = resolve_device(args.device)
-    if args.start > max_size:
-        raise UsageError(f"--start {args.start} is larger than --max-size {max_size}")
-    nbytes = default_budget(dev, args.budget)
-    print(f"oomguard: searching {workload.name} on {dev} under "
-          f"{fmt_bytes(nbytes)} ({'isolated' if args.isolate else 'in-process'} trials)",
-          file=sys.stderr, flush=True)
+    unit = getattr(config.strategy, "unit", 1)
+    print(f"oomguard: searching {workload.name} on {config.device} under "
+          f"{fmt_bytes(config.budget)} ({'isolated' if config.isolate else 'in-process'} trials"
+          f"{f', sizes in multiples of {unit}' if unit > 1 else ''})", file=sys.stderr, flush=True)
     try:
-        result = search(workload, strategy=_strategy(args, nbytes), max_size=max_size,
-                        max_trials=args.max_trials, device=dev, budget=nbytes,
-                        isolate=args.isolate, margin=args.margin,
-                        on_trial=_progress(context.get("knob", "batch")))
+        result = search(workload, config, on_trial=_progress(context.get("knob", "batch")))
     except NoSizeFits as exc:  # other knobs may still fit; TrialFailed goes to main()
         print(f"oomguard: {exc}", file=sys.stderr)
+        return None
+    snap_to_unit(result, unit)
+    return result
+
+
+def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out: Path) -> int:
+    """Write the report into ``out`` and print the result; 0, or 1 and one line naming the
+    path when something could not be written (a full disk): the result is still printed."""
+    from oomguard.engine.core.jsonable import json_text
+    from oomguard.reports import write_report
+
+    paths: dict[str, Path] = {}
+    failure = None  # the one error line, if any
+    try:
+        paths = write_report(result, out, context=context)
+    except OSError as exc:
+        failure = (f"cannot write the report to {exc.filename or out}: "
+                   f"{exc.strerror or exc}; the result is on stdout")
+    try:
+        files = {k: str(v) for k, v in paths.items()}
+        if args.json:
+            print(json_text(result.to_dict() | {"files": files}), end="")
+        else:
+            what = f"maximum {context['knob']}" if "knob" in context else "maximum batch size"
+            print(f"{what}: {result.max_ok} (first OOM: {result.first_oom}); recommended: "
+                  f"{result.recommendation.safe}; {len(result.trials)} trials in "
+                  f"{result.seconds:.1f} s")
+            if files:
+                print(f"report: {files['markdown']}\nplot:   {files['png']}\njson:   {files['json']}")
+        sys.stdout.flush()  # a full disk under a redirected stdout fails here, not at exit
+    except OSError as exc:
+        failure = f"cannot write to standard output: {exc.strerror or exc}"
+    if failure is not None:
+        print(f"oomguard: error: {failure}", file=sys.stderr)
         return 1
-    paths = write_report(result, Path(args.out), context=context)
-    if args.json:
-        print(json.dumps(result.to_dict() | {"files": {k: str(v) for k, v in paths.items()}},
-                         indent=2, default=str))
-    else:
-        rec = result.recommendation
-        assert rec is not None
-        what = f"maximum {context['knob']}" if "knob" in context else "maximum batch size"
-        print(f"{what}: {result.max_ok} (first OOM: {result.first_oom}); "
-              f"recommended: {rec.safe}; {len(result.trials)} trials in {result.seconds:.1f} s")
-        print(f"report: {paths['markdown']}\nplot:   {paths['png']}\njson:   {paths['json']}")
     return 0
 
 
@@ -181,19 +219,27 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from oomguard.engine.jobs.output import check_output_folder
+    from oomguard.metrics.models import check_seq_len, model_config
     from oomguard.metrics.train_step import TrainStep
 
-    resolve_device(args.device)
-    if args.start > args.max_size:
-        raise UsageError(f"--start {args.start} is larger than --max-size {args.max_size}")
+    # Every input is checked before the model is built; the folder last (none left behind).
+    dev = resolve_device(args.device)
+    check_seq_len(model_config(args.model), args.seq_len)
+    config = _search_config(args, dev, args.max_size)
+    out = Path(args.out)
+    check_output_folder(out)
     workload = TrainStep(model=args.model, seq_len=args.seq_len, device=args.device)
     context = workload.describe()
     context["title"] = f"{args.model} training step: Maximum Batch Size Report"
-    return _search_and_report(args, workload, context, args.max_size)
+    result = _search(workload, config, context)
+    return 1 if result is None else _report(args, result, context, out)
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    from oomguard.engine.jobs.output import check_output_folder
     from oomguard.metrics.base import get_metric
+    from oomguard.metrics.models import check_seq_len, model_config
     from oomguard.metrics.workload import MetricTrial
 
     metric = get_metric(args.metric)
@@ -201,25 +247,27 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.knob and args.knob not in knobs:
         raise UsageError(f"metric {args.metric!r} has no memory knob {args.knob!r}: "
                          f"valid: {', '.join(knobs)}")
-    status = 0
+    dev = resolve_device(args.device)
+    check_seq_len(model_config(args.model), args.seq_len)
+    plans = []  # every knob's search planned (and checked) before the first one runs
     for knob in [args.knob] if args.knob else knobs:
         trial = MetricTrial(metric=args.metric, knob=knob, model=args.model, dtype=args.dtype,
                             device=args.device, n_samples=args.samples, seq_len=args.seq_len)
-        bound = trial.max_size() or args.max_size
+        max_size = min(trial.max_size() or args.max_size, args.max_size)
         out = Path(args.out) / knob if len(knobs) > 1 and not args.knob else Path(args.out)
-        ns = argparse.Namespace(**vars(args) | {"out": out, "start": min(args.start, bound)})
-        context = {"title": f"{args.metric}.{knob}: Maximum Safe Size Report",
-                   "model": args.model, "dtype": args.dtype,
-                   "metric": args.metric, "knob": knob, "samples": args.samples,
-                   "data": {"source": "generated tokens (seeded)", "samples": args.samples,
-                            "sequence_length": args.seq_len}}
-        if {"chunk_size", "internal_batch_size"} <= set(knobs):
-            context["knob interaction"] = (
-                "captum runs chunk_size x max(1, internal_batch_size // chunk_size) rows per "
-                "forward, so internal_batch_size only changes memory while it exceeds "
-                f"chunk_size; this search varies {knob} with the other knob at its default "
-                f"({', '.join(f'{k}={metric.defaults()[k]}' for k in knobs if k != knob)})")
-        status = max(status, _search_and_report(ns, trial, context, min(bound, args.max_size)))
+        ns = argparse.Namespace(**vars(args) | {"start": min(args.start, max_size)})
+        config = _search_config(ns, dev, max_size, trial.unit())
+        plans.append((trial, config, trial.report_context(), out))
+    for *_, out in plans:  # last, so a bad option leaves no folder behind
+        check_output_folder(out)
+    status = 0
+    for trial, config, context, out in plans:
+        result = _search(trial, config, context)
+        if result is None:  # nothing fitted this knob; the others may still fit
+            status = 1
+            continue
+        if _report(args, result, context, out):
+            return 1  # nowhere to write (a full disk): the reports already written stay whole
     return status
 
 
@@ -237,7 +285,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         for k in m.knobs:
             tag = "memory (tuned)" if k.kind == "memory" else "result (fixed)"
             scale = f"; scales with {k.scales_with}" if k.scales_with else ""
-            print(f"    {k.name:<22} {tag:<15} default {k.default}, min {k.minimum}{scale}")
+            unit = f"; searched in multiples of {k.unit}" if k.unit else ""
+            print(f"    {k.name:<22} {tag:<15} default {k.default}, min {k.minimum}{scale}{unit}")
     return 0
 
 
@@ -248,7 +297,8 @@ def _add_search_options(p: argparse.ArgumentParser, start: int) -> None:
                         "512MiB, 2GB (default: 2GiB on CPU, the probed free memory on a GPU)")
     p.add_argument("--start", type=_positive_int, default=start, help=f"first size (default {start})")
     p.add_argument("--step", type=_positive_int, default=None,
-                   help=f"e10 increment (default {DEFAULT_STEP}; only with --strategy e10)")
+                   help=f"e10 increment (default {DEFAULT_STEP}; only with --strategy e10; "
+                        "a knob with a unit steps in whole units, at least one)")
     p.add_argument("--max-size", type=_positive_int, default=65536, help="largest size to try")
     p.add_argument("--max-trials", type=_positive_int, default=40, help="trial limit (default 40)")
     p.add_argument("--strategy", choices=("e10", "doubling", "linear-jump"), default="e10",
@@ -257,6 +307,9 @@ def _add_search_options(p: argparse.ArgumentParser, start: int) -> None:
                    help="fraction of capacity the recommended size keeps free (default 0.15)")
     p.add_argument("--isolate", action="store_true",
                    help="run each trial in a fresh child process (the faithful maximum)")
+    p.add_argument("--trial-timeout", type=float, default=None, metavar="SECONDS",
+                   help="kill an isolated trial still running after SECONDS; the search ends "
+                        "with an error, not an OOM (default 600)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
 
@@ -266,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("probe", help="memory of every device (bytes measured now)")
+    p = sub.add_parser("probe", help="memory of every device (bytes measured now)",
+                       description="Memory of the host and of every GPU, measured now (well "
+                       "under a second).")
     p.add_argument("--device", default=None, help="one device only (cpu, cuda:N, mps)")
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.set_defaults(func=cmd_probe)
@@ -274,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="maximum batch size of the built-in GPT-2 training step",
                        description="Search the maximum batch size of a training step (forward, "
                        "backward, AdamW) of a small GPT-2 (random init, vocab 256) and write "
-                       "report.md, report.json and memory.png.")
+                       "report.md, report.json and memory.png: about 2 minutes on 2 CPU "
+                       "cores with the defaults.")
     _add_search_options(p, start=32)
     p.add_argument("--model", default="tiny-gpt2",
                    help="built-in name, MODEL_TYPE:key=value,... or a local checkpoint dir")
@@ -282,7 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="oomguard-report", help="report folder (oomguard-report)")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("search", help="maximum safe size of a metric's memory knobs")
+    p = sub.add_parser("search", help="maximum safe size of a metric's memory knobs",
+                       description="The maximum safe size of each memory knob of a metric. "
+                       "Each trial runs the whole metric (time grows with --samples and "
+                       "--seq-len): --metric integrated_gradients takes about 13 minutes on 2 "
+                       "CPU cores with the defaults. A knob with a unit (`oomguard metrics`) "
+                       "is searched in multiples of it.")
     p.add_argument("--metric", required=True, help="metric name (see `oomguard metrics`)")
     p.add_argument("--knob", default=None, help="one memory knob (default: each in turn)")
     p.add_argument("--model", default="tiny-gpt2", help="model spec (default tiny-gpt2)")
@@ -293,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="oomguard-report", help="report folder (oomguard-report)")
     p.set_defaults(func=cmd_search)
 
-    p = sub.add_parser("metrics", help="list the metrics, their knobs and what they scale with")
+    p = sub.add_parser("metrics", help="list the metrics, their knobs and what they scale with",
+                       description="Every metric with its knobs (a few seconds).")
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.set_defaults(func=cmd_metrics)
 
@@ -304,7 +366,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``oomguard`` console script; returns the exit code."""
+    """Entry point of the ``oomguard`` console script; returns the exit code. Ctrl-C
+    anywhere (parser, imports, a search) is one line, ``oomguard: interrupted``, exit 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("oomguard: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # `run` reports its progress through the log; the other commands print results.
@@ -323,9 +394,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `oomguard probe --json | head`
         sys.stderr.close()
         return 0
-    except KeyboardInterrupt:
-        print("oomguard: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

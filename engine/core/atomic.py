@@ -53,7 +53,9 @@ def atomic_write(path: str | os.PathLike[str], content: Content, mode: int = 0o6
             fd = os.open(tmp, os.O_RDONLY)
         else:
             blob = content.encode("utf-8") if isinstance(content, str) else content
-            os.write(fd, blob)
+            view = memoryview(blob)
+            while view:  # os.write may write less than asked (a file-size limit, a full disk)
+                view = view[os.write(fd, view):]
         os.fsync(fd)
         os.close(fd)
         fd = -1

@@ -35,26 +35,17 @@ from typing import Any
 from oomguard.engine.core.atomic import atomic_write_json
 from oomguard.engine.jobs.records import Job, MetricSpec
 from oomguard.metrics.models import config_fingerprint
+from oomguard.reports.json_report import oomguard_version
 
 log = logging.getLogger("oomguard.job")
 
-__all__ = ["Digests", "WEIGHT_SUFFIXES", "describe_changes", "oomguard_version", "task_inputs"]
+__all__ = ["Digests", "WEIGHT_SUFFIXES", "describe_changes", "task_inputs"]
 
 # Files of a checkpoint folder that define the model's outputs. Trainer folders
 # also hold optimizer, scheduler and RNG states: they do not change the model.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _NOT_WEIGHTS = ("optimizer", "scheduler", "rng_state", "training_args", "trainer_state")
 _CHUNK = 1 << 20
-
-
-def oomguard_version() -> str:
-    """The installed oomguard's version (``0.1.0``), or ``unknown``."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("oomguard")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 class Digests:

@@ -34,7 +34,7 @@ from oomguard.engine.jobs.data import check_data
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec
 from oomguard.metrics.base import get_metric
-from oomguard.metrics.models import DTYPES, model_config
+from oomguard.metrics.models import DTYPES, check_seq_len, model_config
 
 __all__ = ["DataSpec", "Job", "JobError", "MetricSpec", "SearchSpec", "example_text",
            "import_plugin", "line_of", "load_job", "model_label", "parse_duration",
@@ -209,11 +209,12 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
     models_raw = [models_raw] if isinstance(models_raw, str) else models_raw
     if not models_raw:
         raise r.fail("models", "give at least one model", r.line("models"))
+    configs = []
     for i, spec in enumerate(models_raw):
         if not isinstance(spec, str):
             raise r.fail(f"models[{i}]", f"expected a string, got {spec!r}", r.line("models"))
         try:
-            model_config(spec)
+            configs.append(model_config(spec))
         except (ValueError, OSError, KeyError) as exc:
             raise r.fail(f"models[{i}]", str(exc).splitlines()[0], r.line("models")) from None
     labels = [model_label(m) for m in models_raw]
@@ -236,6 +237,11 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
         plugins.append(plug)
 
     data = _parse_data(r, doc, base)
+    for i, config in enumerate(configs):
+        try:
+            check_seq_len(config, data.seq_len)
+        except ValueError as exc:
+            raise r.fail("data.seq_len", f"models[{i}]: {exc}", r.line("data.seq_len")) from None
     search = _parse_search(r, doc)
     metrics = _parse_metrics(r, doc, time_limit)
     return Job(path=str(Path(path).resolve()) if path != "<job>" else path, text=text, name=name,
