@@ -274,3 +274,38 @@ def test_a_sequence_longer_than_the_models_positions_fails_when_the_job_is_read(
     with pytest.raises(JobError, match=r"line \d+: data.seq_len: models\[0\]: sequence length "
                                        r"20 is longer than the model's 16 positions"):
         parse_job(text.replace("seq_len = 8", "seq_len = 20"), path="job.toml")
+
+
+UNIT_PLUGIN = '''
+import os
+from oomguard.metrics.base import Knob, Metric, register
+
+@register
+class Quads(Metric):
+    """Memory changes only at multiples of 4 items; records every size it runs at."""
+    name = "test_quads"
+    knobs = (Knob("block", "memory", 4, 1, unit="4 items"),)
+    def size_unit(self, knob, params, n_samples):
+        return 4 if knob == "block" else 1
+    def compute(self, model, data, block=4):
+        with open(os.environ["QUADS_LOG"], "a") as fh:
+            fh.write(f"{block}\\n")
+        return {"block": block}
+'''
+
+
+@pytest.mark.integration
+def test_a_job_searches_a_knob_with_a_unit_in_whole_units(tmp_path, monkeypatch):
+    plugin = tmp_path / "quads_plugin.py"
+    plugin.write_text(UNIT_PLUGIN, encoding="utf-8")
+    log = tmp_path / "sizes.txt"
+    monkeypatch.setenv("QUADS_LOG", str(log))
+    path = tmp_path / "job.toml"
+    path.write_text(f'output = "{tmp_path / "out"}"\nplugins = ["{plugin}"]\n[data]\nseq_len = 8\n'
+                    'n_samples = 2\n[search]\nstart = 3\nstep = 3\nmax_size = 20\nmax_trials = 3\n'
+                    '[[metrics]]\nname = "test_quads"\n', encoding="utf-8")
+    outcome = run_job(load_job(path), cache_path=tmp_path / "cache.json", progress=False)
+    record = outcome.results["test_quads"]
+    assert record.ok and record.search["unit"] == 4
+    assert [int(x) for x in log.read_text().split()] == [4, 8, 12, 12]  # 3 trials, then the run
+    assert record.sizes["final"] == {"block": 12}

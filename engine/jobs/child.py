@@ -31,6 +31,7 @@ from oomguard.engine.core.budget import budget, return_freed_memory_to_os
 from oomguard.engine.core.executor import Executor
 from oomguard.engine.core.jsonable import to_jsonable
 from oomguard.engine.core.search import search
+from oomguard.engine.core.strategies import E10
 from oomguard.engine.errors import ExecutionFailed, NoSizeFits, TrialFailed
 from oomguard.engine.jobs.cache import SizeCache, entry_key
 from oomguard.engine.jobs.data import load_data
@@ -39,7 +40,7 @@ from oomguard.engine.jobs.records import OK, Context, Task, TaskResult, now_iso
 from oomguard.engine.jobs.spec import import_plugin
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import build_model
-from oomguard.metrics.workload import SAMPLE_KNOBS
+from oomguard.metrics.workload import SAMPLE_KNOBS, InUnits, snap_to_unit
 from oomguard.probes.peak import PeakMeter
 
 log = logging.getLogger("oomguard.job")
@@ -164,8 +165,14 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
     seconds = min(job.search.max_seconds, task.time_limit / 3)
     trial = _KnobTrial(call, primary, {k: v for k, v in defaults.items() if k != primary},
                        task.key)
+    # A knob whose memory changes only at multiples of a unit is searched in whole units.
+    unit = metric.size_unit(primary, metric.validate({**task.params, **defaults}),
+                            job.data.n_samples)
+    unit = unit if unit <= cap else 1
+    start = min(-(-min(job.search.start, cap) // unit), max(1, cap // unit))
+    strategy: Any = E10(start=start, step=max(1, job.search.step // unit))
     try:
-        result = search(trial, start=min(job.search.start, cap), step=job.search.step,
+        result = search(trial, strategy=strategy if unit == 1 else InUnits(strategy, unit),
                         max_size=cap, max_trials=job.search.max_trials, max_seconds=seconds,
                         device=job.device, budget=job.budget_bytes)
     except NoSizeFits as exc:
@@ -182,13 +189,14 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
                            "stopped_because": res.stopped_because}
         journal.append("search", task=task.key, run=ctx.run_id, **state["search"])
         raise
+    snap_to_unit(result, unit)
     rec = result.recommendation
     # No OOM up to the cap: every size ran, and larger ones do the same work.
     size = result.max_ok if result.first_oom is None or rec is None else rec.safe
     state["search"] = {"trials": len(result.trials), "max_ok": result.max_ok,
                        "first_oom": result.first_oom, "safe": size, "mode": result.mode,
                        "seconds": round(result.seconds, 3),
-                       "stopped_because": result.stopped_because}
+                       "stopped_because": result.stopped_because, "unit": unit}
     journal.append("search", task=task.key, run=ctx.run_id, **state["search"])
     sizes = {**defaults, primary: int(size)}
     cache.put(key, sizes, source="search", device=ctx.device, workload=task.workload,
