@@ -11,8 +11,9 @@ Three families matter to a caller:
   ``ValueError``, so ``except ValueError`` in user code keeps working.
 - :class:`ExecutionFailed` -- the executor or an adaptive wrapper gave up: every
   size down to the minimum ran out of memory. It names the workload and every
-  size tried. Giving up is *not* itself an OOM (``oomguard_is_oom = False``),
-  so an outer handler never retries it as one.
+  size tried (the accelerate-compatible helper's text is accelerate's own; the
+  sizes are then on its attributes). Giving up is *not* itself an OOM
+  (``oomguard_is_oom = False``), so an outer handler never retries it as one.
 - :class:`SearchFailed` -- a search ended without an answer. It always carries
   the partial :class:`~oomguard.engine.core.search.SearchResult` (every trial
   that ran), so nothing measured is lost: :class:`NoSizeFits` when even the
@@ -73,7 +74,10 @@ class ExecutionFailed(OomguardError, RuntimeError):
     """Every size down to the minimum ran out of memory.
 
     ``workload`` names what ran; ``tried`` lists the sizes of each attempt in
-    order; ``errors`` the OOM message of each.
+    order; ``errors`` the OOM message of each; ``detail`` is one line with all
+    of it. ``str()`` is ``detail``, or with ``verbatim`` just ``message``: the
+    accelerate-compatible helper gives accelerate's exact words ("No executable
+    batch size found, reached zero.") to code that compares them.
     """
 
     # The message quotes the last OOM, but giving up is not itself an OOM: an
@@ -81,14 +85,29 @@ class ExecutionFailed(OomguardError, RuntimeError):
     oomguard_is_oom = False
 
     def __init__(self, workload: str, tried: Sequence[Mapping[str, int]],
-                 errors: Sequence[str], message: str | None = None) -> None:
+                 errors: Sequence[str], message: str | None = None, *,
+                 verbatim: bool = False) -> None:
         self.workload = workload
         self.tried = [dict(s) for s in tried]
         self.errors = list(errors)
+        self.message = (message or
+                        "no executable size: every size down to the minimum ran out of memory")
+        self.verbatim = verbatim
         shown = ", ".join(format_sizes(s) for s in self.tried) or "none"
-        text = message or "no executable size: every size down to the minimum ran out of memory"
-        super().__init__(f"{workload}: {text} (tried {shown}); last error: "
-                         f"{self.errors[-1] if self.errors else '-'}")
+        self.detail = (f"{workload}: {self.message} (tried {shown}); last error: "
+                       f"{self.errors[-1] if self.errors else '-'}")
+        super().__init__(self.message if verbatim else self.detail)
+
+    def __reduce__(self) -> tuple:
+        # The default would call __init__(str(self)) alone: crossing a process
+        # boundary (multiprocessing) would fail to rebuild the error.
+        return (_rebuild, (type(self), self.workload, self.tried, self.errors, self.message,
+                           self.verbatim))
+
+
+def _rebuild(cls: type[ExecutionFailed], workload: str, tried: list, errors: list,
+             message: str, verbatim: bool) -> ExecutionFailed:
+    return cls(workload, tried, errors, message, verbatim=verbatim)
 
 
 class NoExecutableBatchSize(ExecutionFailed):
@@ -107,6 +126,10 @@ class NoSizeFits(SearchFailed):
     """Even the smallest size tried ran out of memory. ``result`` holds every trial."""
 
     def __init__(self, result: Any) -> None:
+        if not result.trials:  # a limit (max_seconds, max_trials) ended it before any trial
+            super().__init__(f"no size fits: no trial ran ({result.stopped_because}); raise "
+                             "the limit that stopped the search", result)
+            return
         sizes = ", ".join(str(t.size) for t in result.trials)
         super().__init__(
             f"no size fits: every size tried ran out of memory ({sizes}); "
@@ -115,6 +138,11 @@ class NoSizeFits(SearchFailed):
 
 class TrialFailed(SearchFailed):
     """A trial failed for a reason other than memory; the error is ``__cause__``."""
+
+
+class CollectiveMismatch(OomguardError, RuntimeError):
+    """Under torch.distributed, some ranks of a process group made a collective oomguard
+    call (an adaptive size) and others did not within the presence check's timeout."""
 
 
 class IsolationError(OomguardError, RuntimeError):

@@ -43,6 +43,7 @@ _EXPORTS: dict[str, str] = {
     "IsolationError": "oomguard.engine.errors",
     "ChildStartFailed": "oomguard.engine.errors",
     "ChildCrashed": "oomguard.engine.errors",
+    "CollectiveMismatch": "oomguard.engine.errors",
     # core: classification, budgets, search, executor
     "OOM": "oomguard.engine.core.oom",
     "call_catching_oom": "oomguard.engine.core.oom",
@@ -75,7 +76,8 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
-    "Accumulator", "Budget", "BudgetError", "ChildCrashed", "ChildStartFailed", "Doubling",
+    "Accumulator", "Budget", "BudgetError", "ChildCrashed", "ChildStartFailed",
+    "CollectiveMismatch", "Doubling",
     "E10", "ExecutionFailed", "Executor", "Halve", "IsolationError", "LinearFit", "LinearJump",
     "MemorySnapshot", "NoExecutableBatchSize", "NoSizeFits", "OOM", "OomguardError",
     "PeakMeter", "Recommendation", "ReduceWith", "SearchConfig", "SearchFailed",

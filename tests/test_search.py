@@ -447,3 +447,9 @@ def test_gpt2_step_search_isolated_matches_brute_force(gpt2_boundary):
     result = search(TrainStep(**GPT2), start=4, step=4, budget=nbytes, isolate=True)
     assert result.mode == "isolated" and all(t.mode == "isolated" for t in result.trials)
     assert (result.max_ok, result.first_oom) == (brute, brute + 1)
+
+
+def test_a_search_stopped_before_any_trial_does_not_claim_every_size_ran_out():
+    with pytest.raises(NoSizeFits, match=r"no trial ran \(.*max_seconds") as info:
+        search(lambda size: None, max_seconds=1e-9)
+    assert info.value.result.trials == [] and "ran out of memory" not in str(info.value)

@@ -160,8 +160,9 @@ class SizeController:
     after that many clean calls: halfway to the smallest size that failed
     (never that size or above), else twice the size, never above ``maximum``.
     ``agreement`` (default :data:`NO_AGREEMENT`) makes several processes take
-    the same sizes. ``failure_message`` replaces the text of
-    :class:`~oomguard.engine.errors.NoExecutableBatchSize`. Size changes go to
+    the same sizes. ``failure_message`` is the whole ``str()`` of
+    :class:`~oomguard.engine.errors.NoExecutableBatchSize` (its ``tried``,
+    ``errors`` and ``detail`` still say what ran). Size changes go to
     ``logger``.
     """
 
@@ -299,8 +300,11 @@ class SizeController:
         def give_up(rs: RetryCallState | None = None) -> Any:
             tried = ", ".join(format_sizes(s) for s in record.attempts)
             self.log.error("%s: no executable size (tried %s)", self.name, tried)
+            # A failure_message is the error's whole text (the accelerate shim's exact
+            # words); the sizes tried stay on the error's attributes and in .detail.
             raise NoExecutableBatchSize(self.name, record.attempts, record.errors,
-                                        self.failure_message or self._exhausted()) from None
+                                        self.failure_message or self._exhausted(),
+                                        verbatim=self.failure_message is not None) from None
 
         if pending is None:
             give_up()

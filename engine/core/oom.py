@@ -1,9 +1,11 @@
 """Out-of-memory classification and cleanup.
 
-An OOM is decided by exception type first, then by a tested list of messages
-that the allocators of CUDA, cuBLAS, cuDNN, MPS, ROCm and the CPU produce when
-they run out. Everything else (illegal memory access, device-side asserts,
-NCCL errors, shape mismatches) is *not* an OOM and must propagate.
+An OOM is decided by exception type first (``torch.OutOfMemoryError``,
+``MemoryError``), then by :data:`OOM_TABLE`: the messages that the allocators
+of CUDA, cuBLAS, cuDNN, MPS, ROCm, XPU, NPU, MLU, MUSA, HPU and the CPU produce
+when they run out, and the failures that mean "out of memory" only while a
+memory limit is near. Everything else (illegal memory access, device-side
+asserts, NCCL errors, shape mismatches) is *not* an OOM and must propagate.
 
 Cleanup after an OOM must run once the ``except`` block has been left: while
 the exception is alive its traceback pins the failed step's frames and every
@@ -15,39 +17,76 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from oomguard.engine.core.budget import active_budget
 from oomguard.probes import host
 
-# Substrings that identify an allocation failure. Kept lower-case; matched
-# case-insensitively. Each has a test with a real message in tests/test_oom.py.
-OOM_MESSAGES: tuple[str, ...] = (
-    "cuda out of memory",  # torch.OutOfMemoryError's text on CUDA
-    "cuda error: out of memory",  # driver/runtime error surfaced by a kernel launch
-    "cuda driver error: out of memory",  # expandable segments: cuMemCreate / cuMemMap
-    "cuda runtime error (2) : out of memory",  # legacy THC wording
-    "cuda failure 'out of memory'",  # NCCL's ncclUnhandledCudaError
-    "triton error [cuda]: out of memory",
-    "cublas_status_alloc_failed",  # cuBLAS workspace allocation
-    "cudnn_status_alloc_failed",  # cuDNN < 9 allocation failure
-    "cudnn_status_not_enough_workspace",
-    "cufft_alloc_failed",
-    "cusolver_status_alloc_failed",
-    "mps backend out of memory",  # Apple MPS
-    "hip out of memory",  # ROCm
-    "xpu out of memory",  # Intel XPU
-    "defaultcpuallocator: can't allocate memory",  # CPU, e.g. under RLIMIT_DATA
-    "failed to allocate memory",  # c10 / oneDNN scratchpad
-    "out of memory trying to allocate",
-)
 
-# oneDNN reports an allocation failure while it builds a kernel as this; the
-# same text also means other things, so it only counts when memory is known to
-# be the constraint (docs/measurements.md#onednn-primitive).
-_ONEDNN_PRIMITIVE = "could not create a primitive"
+class OomText(NamedTuple):
+    """One row of :data:`OOM_TABLE`: ``text`` in the message of an exception of
+    one of ``types`` is an OOM; with ``evidence`` only while a memory limit is near."""
+
+    text: str  # lower-case; matched case-insensitively as a substring of str(exc)
+    types: tuple[type[BaseException], ...]
+    evidence: bool
+    why: str
+
+
+_RT = (RuntimeError,)  # torch.OutOfMemoryError is a RuntimeError too
+# Every message oomguard recognises, and whether it needs evidence. This table
+# is the one list: is_oom reads nothing else. tests/test_oom.py checks every row,
+# with real exceptions where this machine can raise them (CPU) and the devices'
+# printed messages where it cannot. "Evidence" means a memory limit is near
+# (memory_limit_near()): the same text also has causes a smaller size does not cure.
+OOM_TABLE: tuple[OomText, ...] = (
+    OomText("cuda out of memory", _RT, False, "torch.OutOfMemoryError's text on CUDA"),
+    OomText("cuda error: out of memory", _RT, False, "runtime error surfaced by a kernel launch"),
+    OomText("cuda driver error: out of memory", _RT, False, "expandable segments: cuMemCreate"),
+    OomText("cuda runtime error (2) : out of memory", _RT, False, "legacy THC wording"),
+    OomText("cuda failure 'out of memory'", _RT, False, "NCCL's ncclUnhandledCudaError"),
+    OomText("triton error [cuda]: out of memory", _RT, False, "Triton kernel launch"),
+    OomText("cublas_status_alloc_failed", _RT, False, "cuBLAS workspace allocation"),
+    OomText("cudnn_status_alloc_failed", _RT, False, "cuDNN < 9 allocation failure"),
+    OomText("cudnn_status_not_enough_workspace", _RT, False, "cuDNN workspace"),
+    # Not memory: cuDNN rejects batches above fixed limits (BatchNorm above
+    # 65535 in eval, some convolutions) and a smaller size is the cure, so it
+    # counts without evidence, as in accelerate. Memory evidence would miss the
+    # very case it is here for. An input cuDNN never supports fails at every
+    # size: the wrapper then gives up at its minimum quoting this message.
+    OomText("cudnn_status_not_supported", _RT, False, "cuDNN size limit (accelerate parity)"),
+    OomText("cufft_alloc_failed", _RT, False, "cuFFT plan allocation"),
+    OomText("cusolver_status_alloc_failed", _RT, False, "cuSOLVER handle allocation"),
+    OomText("mps backend out of memory", _RT, False, "Apple MPS"),
+    OomText("hip out of memory", _RT, False, "ROCm"),
+    OomText("xpu out of memory", _RT, False, "Intel XPU"),
+    OomText("npu out of memory", _RT, False, "Ascend NPU (torch_npu)"),
+    OomText("mlu out of memory", _RT, False, "Cambricon MLU (torch_mlu)"),
+    OomText("musa out of memory", _RT, False, "Moore Threads MUSA (torch_musa)"),
+    OomText("sdaa out of memory", _RT, False, "Tecorigin SDAA (torch_sdaa)"),
+    OomText("out of memory. tried to allocate", _RT, False, "forks of CUDA's caching allocator"),
+    OomText("pt_devmem allocation failed", _RT, False, "Intel Gaudi HPU"),
+    OomText("defaultcpuallocator: can't allocate memory", _RT, False, "CPU, under RLIMIT_DATA"),
+    OomText("failed to allocate memory", _RT, False, "c10 / oneDNN scratchpad"),
+    OomText("out of memory trying to allocate", _RT, False, "c10 allocators"),
+    # The rows below also have causes that are not memory.
+    # docs/measurements.md#onednn-primitive
+    OomText("could not create a primitive", _RT, True, "oneDNN building a kernel"),
+    # A thread's stack (8 MiB) is private memory, counted by RLIMIT_DATA; with no
+    # memory limit near this is a thread limit instead.
+    # docs/measurements.md#cpu-oom-without-memoryerror
+    OomText("can't start new thread", _RT, True, "threading.Thread.start"),
+    # A C function (compile() importing a module from source) failed an
+    # allocation without setting MemoryError; else a bug in that function.
+    # docs/measurements.md#cpu-oom-without-memoryerror
+    OomText("returned null without setting an", (SystemError,), True, "an import, a C function"),
+    # dlopen cannot map a C extension's writable segments; also a noexec mount.
+    # docs/measurements.md#cpu-oom-without-memoryerror
+    OomText("failed to map segment from shared object", (ImportError,), True, "an import (dlopen)"),
+    OomText("cannot map zero-fill pages", (ImportError,), True, "an import (dlopen)"),
+)
 # An RLIMIT_DATA that someone else set counts as "near" when the process's
 # VmData is within this fraction of it.
 _NEAR_LIMIT = 0.10
@@ -68,26 +107,33 @@ def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> boo
 
     An exception with an ``oomguard_is_oom`` attribute decides for itself
     (oomguard's own "gave up" errors say False). Otherwise decided by type
-    (``torch.OutOfMemoryError``, ``MemoryError``) and then by
-    the messages in :data:`OOM_MESSAGES`. ``memory_constrained`` says whether a
-    memory limit is known to be near; when ``None`` it is :func:`memory_limit_near`.
-    Only then does oneDNN's ``could not create a primitive`` count as an OOM.
+    (``torch.OutOfMemoryError``, ``MemoryError``), then by the rows of
+    :data:`OOM_TABLE`, the one list of recognised messages: a row matches when
+    ``exc`` is one of its types and its text is in ``str(exc)``. A row marked
+    ``evidence`` (oneDNN's ``could not create a primitive``, ``can't start new
+    thread``, a ``SystemError`` "returned NULL without setting an exception",
+    an ``ImportError`` from dlopen) counts only while ``memory_constrained``;
+    when that is ``None`` it is :func:`memory_limit_near`, read only if such a
+    row matches. ``cuDNN error: CUDNN_STATUS_NOT_SUPPORTED`` counts without
+    evidence, as in accelerate (see its row).
     """
     verdict = getattr(exc, "oomguard_is_oom", None)  # an exception that says what it is
     if verdict is not None:
         return bool(verdict)
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
-    if not isinstance(exc, RuntimeError):
+    rows = [row for row in OOM_TABLE if isinstance(exc, row.types)]
+    if not rows:
         return False
     text = str(exc).lower()
-    if any(msg in text for msg in OOM_MESSAGES):
+    matched = [row for row in rows if row.text in text]
+    if any(not row.evidence for row in matched):
         return True
-    if _ONEDNN_PRIMITIVE in text:
-        if memory_constrained is None:
-            memory_constrained = memory_limit_near()
-        return memory_constrained
-    return False
+    if not matched:
+        return False
+    if memory_constrained is None:
+        memory_constrained = memory_limit_near()
+    return memory_constrained
 
 
 def oom_summary(exc: BaseException) -> str:

@@ -111,7 +111,7 @@ def _wrap(fn: Callable[..., T], size: SizeController | None) -> Callable[..., T]
     def call(*args: Any, **kwargs: Any) -> T:
         guard(args, kwargs)
         if size is None:  # find_executable_batch_size(starting_batch_size=0)
-            raise NoExecutableBatchSize(_qualname(fn), [], [], ZERO_MESSAGE)
+            raise NoExecutableBatchSize(_qualname(fn), [], [], ZERO_MESSAGE, verbatim=True)
         return size.run(lambda sizes: fn(sizes[KEY], *args, **kwargs))
 
     call.adaptive_size = size  # type: ignore[attr-defined]

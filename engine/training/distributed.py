@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oomguard.engine.errors import UsageError
+from oomguard.engine.errors import CollectiveMismatch
 
 Sizes = dict[str, int]
 
@@ -121,7 +121,7 @@ def check_every_rank_calls(what: str, group: Any = None,
     Collective: each rank sets one key in the default process group's store
     and waits up to ``timeout_s`` seconds (default :data:`FIRST_CALL_TIMEOUT_S`)
     for the keys of the others. A rank that waits in vain withdraws its key
-    and raises one :class:`~oomguard.engine.errors.UsageError` naming ``what``
+    and raises one :class:`~oomguard.engine.errors.CollectiveMismatch` naming ``what``
     and the ranks that did not come. No collective is made, so the process
     group stays usable. Free without ``torch.distributed``, or with one rank.
     """
@@ -145,7 +145,7 @@ def check_every_rank_calls(what: str, group: Any = None,
             # Withdraw, so that this check is as if never made: a later call made
             # by every rank then pairs up again (same count on every rank).
             store.delete_key(prefix + str(me))
-            raise UsageError(
+            raise CollectiveMismatch(
                 f"{what}: oomguard's adaptive sizes are collective under torch.distributed: "
                 f"every rank of the process group must make this call, but rank(s) "
                 f"{', '.join(map(str, missing))} did not within {timeout:g} s (rank {me} did). "
