@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import pickle
 import resource
 import sys
@@ -303,7 +304,11 @@ def test_real_import_systemerror_is_an_oom_only_under_a_memory_limit(tmp_path: P
 def test_real_import_dlopen_failure_is_an_oom_only_under_a_memory_limit() -> None:
     # tokenizers (a transformers dependency) is a C extension with large writable segments.
     lefts = list(range(16 * KiB, 2048 * KiB, 32 * KiB))
-    seen = in_fresh_process(_import_under_budget, "tokenizers", lefts)
+    # A spawned interpreter: a forkserver child inherits what the server preloaded, and
+    # tokenizers may already be mapped there (transformers pulls it in), depending on order.
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        seen = pool.apply(_import_under_budget, ("tokenizers", lefts))
+    assert seen["failures"], "tokenizers was already imported: nothing was measured"
     dlopen = [f for f in seen["failures"] if f[0] == "ImportError"]
     assert dlopen and all("failed to map segment from shared object" in f[1] for f in dlopen)
     assert all(inside for _, _, inside, *_ in seen["failures"])
