@@ -20,12 +20,15 @@ float rounding; the diagonal is 1 up to rounding.
 
 Memory: the accumulator is ``((L + 1) d)^2`` float64 (fixed; 1.2 MB for
 tiny-gpt2, ~0.8 GB for GPT-2 small), plus a forward over ``chunk_size``
-samples (grows with ``chunk_size x seq_len x (L + 1) x d``).
+samples (grows with ``chunk_size x seq_len x (L + 1) x d``). Each layer's
+width is read from its hidden state: layers of a model that projects its
+embeddings or output (OPT's ``word_embed_proj_dim``) may differ.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,17 +38,21 @@ from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import JsonMetric, iter_micro_batches, model_inputs, n_samples
 
 
-def cka_from_gram(gram: torch.Tensor, sums: torch.Tensor, n: int, n_layers: int) -> torch.Tensor:
-    """Linear CKA matrix ``[n_layers, n_layers]`` from uncentred accumulators.
+def cka_from_gram(gram: torch.Tensor, sums: torch.Tensor, n: int,
+                  widths: Sequence[int]) -> torch.Tensor:
+    """Linear CKA matrix ``[L, L]`` from uncentred accumulators of ``L`` layers.
 
-    ``gram = Z^T Z`` (``[n_layers d, n_layers d]``), ``sums = Z^T 1``, ``n`` rows.
+    ``gram = Z^T Z`` and ``sums = Z^T 1`` for ``Z = [X_0 | ... | X_{L-1}]`` over ``n``
+    rows; ``widths[i]`` is the number of features of ``X_i`` (layers may differ: a
+    model that projects its embeddings or output, like OPT's ``word_embed_proj_dim``).
     """
     mean = sums / n
     cov = gram - n * torch.outer(mean, mean)  # Zc^T Zc, exactly centred
-    d = cov.shape[0] // n_layers
-    blocks = cov.view(n_layers, d, n_layers, d)
+    edges = [0, *itertools.accumulate(widths)]
+    spans = list(zip(edges[:-1], edges[1:], strict=True))
     # ||Xi^T Xj||_F^2 for every pair
-    hsic = blocks.square().sum(dim=(1, 3))
+    hsic = torch.stack([torch.stack([cov[a:b, c:d].square().sum() for c, d in spans])
+                        for a, b in spans])
     self_norm = hsic.diagonal().sqrt()
     return hsic / torch.outer(self_norm, self_norm)
 
@@ -68,14 +75,14 @@ class CKA(JsonMetric):
         sums: torch.Tensor | None = None
         shift: torch.Tensor | None = None
         n = 0
-        n_layers = 0
+        widths: list[int] = []
         with torch.no_grad():
             for mb in iter_micro_batches(data, chunk_size):
                 out = model.base_model(**model_inputs(mb), output_hidden_states=True)
                 mask = mb.get("attention_mask")
                 keep = (mask if mask is not None else torch.ones_like(mb["input_ids"])).bool()
                 z = torch.cat([h[keep].to(torch.float64) for h in out.hidden_states], dim=1)
-                n_layers = len(out.hidden_states)
+                widths = [int(h.shape[-1]) for h in out.hidden_states]  # from the tensors
                 del out
                 if shift is None:
                     first = int(keep[0].sum())
@@ -90,6 +97,6 @@ class CKA(JsonMetric):
                 del z
         if gram is None or sums is None or n < 2:
             raise UsageError("cka needs at least 2 valid tokens")
-        matrix = cka_from_gram(gram, sums, n, n_layers).cpu()
-        return {"cka": matrix, "n_layers": n_layers, "n_tokens": n,
+        matrix = cka_from_gram(gram, sums, n, widths).cpu()
+        return {"cka": matrix, "n_layers": len(widths), "n_tokens": n,
                 "n_samples": n_samples(data)}

@@ -93,11 +93,14 @@ def pad_id(model: torch.nn.Module) -> int:
     return 0
 
 
-def last_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index of each row's last valid (mask 1) position; ValueError if a row has < 2."""
+def last_positions(attention_mask: torch.Tensor, min_valid: int = 2) -> torch.Tensor:
+    """Index of each row's last valid (mask 1) position; UsageError if a row has fewer
+    than ``min_valid`` valid tokens (2 for a next-token target, the default)."""
     mask = attention_mask.long()
-    if bool((mask.sum(dim=1) < 2).any()):
-        raise UsageError("every sample needs at least 2 valid tokens for a next-token target")
+    if bool((mask.sum(dim=1) < min_valid).any()):
+        if min_valid == 2:
+            raise UsageError("every sample needs at least 2 valid tokens for a next-token target")
+        raise UsageError(f"every sample needs at least {min_valid} valid token(s)")
     pos = torch.arange(mask.shape[1], device=mask.device)
     return (mask * (pos + 1)).argmax(dim=1)
 

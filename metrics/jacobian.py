@@ -46,9 +46,13 @@ def _micro_batch_norms(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
     if mask is None:
         mask = torch.ones_like(ids)
     n, seq_len = ids.shape
-    last = last_positions(mask)
+    last = last_positions(mask, min_valid=1)
     emb = model.get_input_embeddings()(ids).detach()
-    width = int(getattr(model.config, "hidden_size", None) or emb.shape[-1])  # features of h
+    # The width of h comes from the tensor, never the config: a model may project its
+    # output (OPT's word_embed_proj_dim) to fewer or more features than hidden_size.
+    with torch.no_grad():
+        width = int(model.base_model(inputs_embeds=emb[:1],
+                                     attention_mask=mask[:1]).last_hidden_state.shape[-1])
     sq = torch.zeros(n, seq_len, dtype=torch.float64, device=ids.device)
     for start in range(0, width, vjp_block):
         k = min(vjp_block, width - start)
@@ -87,6 +91,7 @@ class PositionJacobian(JsonMetric):
                 parts.append(_micro_batch_norms(model, mb, vjp_block).cpu())
         norms = torch.cat(parts)
         mask = data.get("attention_mask")
-        last = last_positions(mask if mask is not None else torch.ones_like(data["input_ids"]))
+        last = last_positions(mask if mask is not None else torch.ones_like(data["input_ids"]),
+                              min_valid=1)
         return {"norms": norms, "last_positions": last.cpu(), "n_samples": n_samples(data),
                 "self_norm_mean": float(norms.gather(1, last.cpu()[:, None]).mean())}

@@ -1,0 +1,84 @@
+"""Metrics read widths from tensors, never from config fields: OPT with a projected
+hidden size (``word_embed_proj_dim`` narrower or wider than ``hidden_size``), and a
+sample with a single valid token. Each result is checked against an independent
+reference written without the metric's code (``torch.autograd.functional.jacobian``,
+numpy linear CKA), on tiny float64 models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from oomguard.metrics.base import get_metric
+from oomguard.metrics.models import build_model, make_batch
+
+OPT = ("opt:hidden_size=16,word_embed_proj_dim={proj},num_hidden_layers=2,ffn_dim=32,"
+       "num_attention_heads=2,vocab_size=64,max_position_embeddings=32")
+
+
+def _model(proj: int) -> torch.nn.Module:
+    return build_model(OPT.format(proj=proj), dtype="float64", seed=3)
+
+
+def _jacobian_reference(model: torch.nn.Module, ids: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor:
+    """Per-position Frobenius norms of d h_last / d e_p, one sample at a time."""
+    rows = []
+    for i in range(ids.shape[0]):
+        last = int(mask[i].nonzero().max())
+        emb = model.get_input_embeddings()(ids[i:i + 1]).detach()
+
+        def h(e: torch.Tensor, i: int = i, last: int = last) -> torch.Tensor:
+            out = model.base_model(inputs_embeds=e, attention_mask=mask[i:i + 1])
+            return out.last_hidden_state[0, last]
+
+        jac = torch.autograd.functional.jacobian(h, emb)  # [d_out, 1, seq, d_in]
+        rows.append(jac.square().sum(dim=(0, 1, 3)).sqrt() * mask[i])
+    return torch.stack(rows)
+
+
+def _cka_reference(model: torch.nn.Module, data: dict) -> np.ndarray:
+    with torch.no_grad():
+        out = model.base_model(input_ids=data["input_ids"], attention_mask=data["attention_mask"],
+                               output_hidden_states=True)
+    keep = data["attention_mask"].bool()
+    feats = [h[keep].double().numpy() for h in out.hidden_states]
+    centred = [x - x.mean(axis=0) for x in feats]
+
+    def hsic(x: np.ndarray, y: np.ndarray) -> float:
+        return float(np.linalg.norm(x.T @ y, "fro") ** 2)
+
+    return np.array([[hsic(x, y) / np.sqrt(hsic(x, x) * hsic(y, y)) for y in centred]
+                     for x in centred])
+
+
+@pytest.mark.parametrize("proj", [8, 24], ids=["narrower", "wider"])
+def test_position_jacobian_uses_the_width_of_the_hidden_state(proj: int) -> None:
+    model = _model(proj)
+    data = make_batch(3, 10, 64, seed=1)
+    result = get_metric("position_jacobian").run(model, data, micro_batch_size=2, vjp_block=5)
+    reference = _jacobian_reference(model, data["input_ids"], data["attention_mask"])
+    torch.testing.assert_close(result["norms"], reference, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("proj", [8, 24], ids=["narrower", "wider"])
+def test_cka_handles_layers_of_different_widths(proj: int) -> None:
+    model = _model(proj)
+    data = make_batch(4, 10, 64, seed=2)
+    result = get_metric("cka").run(model, data, chunk_size=3)
+    widths = {h.shape[-1] for h in model.base_model(
+        input_ids=data["input_ids"][:1], output_hidden_states=True).hidden_states}
+    assert widths == {16, proj}  # the layers really differ
+    np.testing.assert_allclose(result["cka"].numpy(), _cka_reference(model, data), rtol=1e-9)
+
+
+def test_position_jacobian_of_a_sample_with_one_valid_token() -> None:
+    model = build_model("tiny-gpt2", dtype="float64")
+    data = make_batch(2, 6, 256, seed=4)
+    data["attention_mask"][0, 1:] = 0  # sample 0: one valid token
+    data["input_ids"][0, 1:] = 0
+    result = get_metric("position_jacobian").run(model, data, micro_batch_size=2, vjp_block=7)
+    reference = _jacobian_reference(model, data["input_ids"], data["attention_mask"])
+    torch.testing.assert_close(result["norms"], reference, rtol=1e-10, atol=1e-12)
+    assert result["norms"][0, 0] > 0 and bool((result["norms"][0, 1:] == 0).all())
