@@ -69,6 +69,25 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     return best
 
 
+def hidden_tap(block: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
+    """An identity module that ``block``'s hidden-state output passes through, and the
+    hook handle that does it (remove it when done).
+
+    captum attributes to every tensor a layer returns; blocks that return a tuple
+    (GPT-J, Falcon, Bloom: hidden state plus attention weights or caches) would make it
+    differentiate outputs the forward never uses. The tap's output is the hidden state
+    alone, the same tensor whatever the block returns.
+    """
+    tap = torch.nn.Identity()
+
+    def through_tap(module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (tap(output[0]), *output[1:])
+        return tap(output)
+
+    return tap, block.register_forward_hook(through_tap)
+
+
 @register
 class LayerAttribution(CaptumMetric):
     """Per-sample, per-block attribution mass of the last-token log-probability."""
@@ -95,14 +114,17 @@ class LayerAttribution(CaptumMetric):
             valid = args[0].to(torch.float64).unsqueeze(-1)
             s_cols, t_cols, d_cols = [], [], []
             for block in blocks:
-                lig = LayerIntegratedGradients(forward, block)
-                with captum_quiet():
-                    attr, delta = lig.attribute(
-                        ids, baselines=torch.full_like(ids, base_id),
-                        additional_forward_args=args, n_steps=n_steps, method=METHOD,
-                        internal_batch_size=internal_batch_size, return_convergence_delta=True)
-                if isinstance(attr, tuple):  # blocks that return (hidden, ...) tuples
-                    attr = attr[0]
+                tap, handle = hidden_tap(block)
+                try:
+                    lig = LayerIntegratedGradients(forward, tap)
+                    with captum_quiet():
+                        attr, delta = lig.attribute(
+                            ids, baselines=torch.full_like(ids, base_id),
+                            additional_forward_args=args, n_steps=n_steps, method=METHOD,
+                            internal_batch_size=internal_batch_size,
+                            return_convergence_delta=True)
+                finally:
+                    handle.remove()
                 a = attr.detach().to(torch.float64) * valid
                 s_cols.append(a.abs().sum(dim=(1, 2)))
                 t_cols.append(a.sum(dim=(1, 2)))
