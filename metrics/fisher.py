@@ -33,11 +33,16 @@ from oomguard.metrics.common import (
     total_tokens,
 )
 
+VMAP = "torch.func vmap(grad)"
+LOOP = "per-sample backward loop (the model has an autograd.Function torch.func cannot transform)"
+
 
 def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
-                         micro_batch_size: int) -> tuple[dict[str, torch.Tensor], int]:
+                         micro_batch_size: int) -> tuple[dict[str, torch.Tensor], int, str]:
     """Sum over samples of squared per-sample gradients (float64, one tensor per parameter name),
-    and the number of samples that have scored tokens."""
+    the number of samples that have scored tokens, and the method that computed them
+    (:data:`VMAP`, or :data:`LOOP` where torch.func cannot transform the model)."""
+    method = {"name": VMAP}
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -48,21 +53,47 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
         return logits_nll(out.logits, labels[None]) / n_tok
 
     per_sample_grad = vmap(grad(sample_loss), in_dims=(None, 0, 0, 0))
+
+    def looped_grad(ps: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
+                    labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The same per-sample gradients, one backward per sample (exact; for models
+        with autograd.Functions that torch.func cannot transform, e.g. Bloom's GeLU)."""
+        rows = []
+        for i in range(ids.shape[0]):
+            leaves = {n: p.detach().requires_grad_(True) for n, p in ps.items()}
+            with torch.enable_grad():
+                loss = sample_loss(leaves, ids[i], mask[i], labels[i])
+                rows.append(torch.autograd.grad(loss, [leaves[n] for n in names],
+                                                allow_unused=True))
+        return {n: torch.stack([torch.zeros_like(ps[n]) if r[j] is None else r[j]
+                                for r in rows]) for j, n in enumerate(names)}
+
     acc = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params.items()}
     counted = 0
     for mb in iter_micro_batches(data, micro_batch_size):
-        has_tokens = tokens_per_sample(mb) > 0
-        if not bool(has_tokens.any()):
+        # Samples without a scored token add exactly nothing, and never run: alone in
+        # the forward, a fully masked attention row is NaN in float64 models.
+        keep = (tokens_per_sample(mb) > 0).nonzero().squeeze(1)
+        if keep.numel() == 0:
             continue
-        counted += int(has_tokens.sum())
+        counted += int(keep.numel())
         mask = mb.get("attention_mask")
         if mask is None:
             mask = torch.ones_like(mb["input_ids"])
-        grads = per_sample_grad(params, mb["input_ids"], mask, labels_of(mb))
-        for n in names:  # samples without tokens have a zero gradient: they add nothing
+        batch = (mb["input_ids"][keep], mask[keep], labels_of(mb)[keep])
+        if method["name"] == VMAP:
+            try:
+                grads = per_sample_grad(params, *batch)
+            except RuntimeError as exc:
+                if "functorch" not in str(exc) and "setup_context" not in str(exc):
+                    raise
+                method["name"] = LOOP  # an autograd.Function torch.func cannot transform
+        if method["name"] == LOOP:
+            grads = looped_grad(params, *batch)
+        for n in names:
             acc[n].add_(grads[n].to(torch.float64).pow(2).sum(dim=0))
         del grads
-    return acc, counted
+    return acc, counted, method["name"]
 
 
 @register
@@ -81,11 +112,11 @@ class FisherDiagonal(JsonMetric):
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 micro_batch_size: int = 32) -> dict[str, Any]:
         total_tokens(data)  # raises on data without scored tokens
-        sums, counted = fisher_diagonal_sums(model, data, micro_batch_size)
+        sums, counted, method = fisher_diagonal_sums(model, data, micro_batch_size)
         groups: dict[str, dict[str, float]] = {}
         for group, members in param_groups(model).items():
             trace = sum(float(sums[n].sum()) for n, _ in members) / counted
             numel = sum(p.numel() for _, p in members)
             groups[group] = {"trace": trace, "mean": trace / numel, "numel": numel}
         return {"groups": groups, "total_trace": sum(g["trace"] for g in groups.values()),
-                "n_samples": n_samples(data), "n_samples_scored": counted}
+                "n_samples": n_samples(data), "n_samples_scored": counted, "method": method}

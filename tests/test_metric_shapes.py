@@ -121,3 +121,44 @@ def test_layer_attribution_matches_captum_called_directly() -> None:
         attr = attr[0] if isinstance(attr, tuple) else attr
         mass = (attr.double() * args[0].double().unsqueeze(-1)).abs().sum(dim=(1, 2))
         torch.testing.assert_close(result["scores"][:, i], mass, rtol=1e-9, atol=1e-12)
+
+
+def _fisher_reference(model: torch.nn.Module, data: dict) -> float:
+    """Total trace of the empirical Fisher by a plain per-sample loop over samples with
+    scored tokens: mean over them of the squared gradient of the sample's mean loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total, counted = 0.0, 0
+    for i in range(data["input_ids"].shape[0]):
+        labels = data["labels"][i:i + 1]
+        if int((labels[:, 1:] != -100).sum()) == 0:
+            continue
+        out = model(input_ids=data["input_ids"][i:i + 1],
+                    attention_mask=data["attention_mask"][i:i + 1])
+        logits = out.logits[:, :-1].double()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        total += sum(float(g.double().square().sum()) for g in grads if g is not None)
+        counted += 1
+    return total / counted
+
+
+def test_fisher_falls_back_to_an_exact_loop_where_torch_func_cannot_run() -> None:
+    # Bloom's GeLU is a torch.autograd.Function without setup_context: vmap refuses it.
+    model = build_model(TUPLE_BLOCKS["bloom"], dtype="float64", seed=8)
+    data = make_batch(3, 8, 64, seed=9)
+    result = get_metric("fisher_diagonal").run(model, data, micro_batch_size=2)
+    assert result["method"].startswith("per-sample backward loop")
+    assert result["total_trace"] == pytest.approx(_fisher_reference(model, data), rel=1e-9)
+
+
+def test_fisher_ignores_an_all_padding_sample_however_batched() -> None:
+    model = build_model("tiny-llama", dtype="float64", seed=10)
+    data = make_batch(4, 8, 256, seed=11)
+    data["attention_mask"][1] = 0
+    data["labels"][1] = -100
+    values = {mbs: get_metric("fisher_diagonal").run(model, data, micro_batch_size=mbs)
+              for mbs in (1, 2, 4)}
+    reference = _fisher_reference(model, data)
+    for result in values.values():
+        assert result["method"] == "torch.func vmap(grad)" and result["n_samples_scored"] == 3
+        assert result["total_trace"] == pytest.approx(reference, rel=1e-9)
