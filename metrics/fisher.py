@@ -42,7 +42,7 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
     """Sum over samples of squared per-sample gradients (float64, one tensor per parameter name),
     the number of samples that have scored tokens, and the method that computed them
     (:data:`VMAP`, or :data:`LOOP` where torch.func cannot transform the model)."""
-    method = {"name": VMAP}
+    method = VMAP
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -81,19 +81,19 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
         if mask is None:
             mask = torch.ones_like(mb["input_ids"])
         batch = (mb["input_ids"][keep], mask[keep], labels_of(mb)[keep])
-        if method["name"] == VMAP:
+        if method == VMAP:
             try:
                 grads = per_sample_grad(params, *batch)
             except RuntimeError as exc:
                 if "functorch" not in str(exc) and "setup_context" not in str(exc):
                     raise
-                method["name"] = LOOP  # an autograd.Function torch.func cannot transform
-        if method["name"] == LOOP:
+                method = LOOP  # an autograd.Function torch.func cannot transform
+        if method == LOOP:
             grads = looped_grad(params, *batch)
         for n in names:
             acc[n].add_(grads[n].to(torch.float64).pow(2).sum(dim=0))
         del grads
-    return acc, counted, method["name"]
+    return acc, counted, method
 
 
 @register

@@ -202,6 +202,21 @@ class InUnits:
         return None if k is None else k * self.unit
 
 
+def in_whole_units(start: int, step: int, unit: int, max_size: int) -> tuple[int, int, int]:
+    """``(unit, start, step)`` for a search of a knob of granularity ``unit`` (items), with
+    ``start`` and ``step`` (items) counted in whole units: the start rounded up but at most
+    ``max_size``'s units, the step at least one unit. A unit larger than ``max_size``
+    becomes 1: no whole unit fits, so every size counts."""
+    unit = unit if unit <= max_size else 1
+    return unit, min(-(-start // unit), max(1, max_size // unit)), max(1, step // unit)
+
+
+def in_units(inner: Any, unit: int) -> Any:
+    """``inner`` proposing only multiples of ``unit`` (:class:`InUnits`); ``inner`` itself
+    for ``unit`` 1."""
+    return inner if unit == 1 else InUnits(inner, unit)
+
+
 def snap_to_unit(result: Any, unit: int) -> None:
     """Round the recommended size of a search run in multiples of ``unit`` down to one.
 

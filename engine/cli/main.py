@@ -92,21 +92,20 @@ def _strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_siz
     """The strategy the options name; for a knob whose memory changes only at multiples of
     ``unit``, ``--start``/``--step`` in whole units (at least one) and only multiples tried."""
     from oomguard.engine.core.strategies import E10, Doubling, LinearJump
-    from oomguard.metrics.workload import InUnits
+    from oomguard.metrics.workload import in_units, in_whole_units
 
     if args.strategy != "e10" and args.step is not None:
         raise UsageError(f"--step is the e10 increment; --strategy {args.strategy} takes no "
                          "--step (doubling multiplies by 2, linear-jump fits a line)")
-    unit = unit if unit <= max_size else 1  # no whole unit fits: every size counts
-    start = min(-(-args.start // unit), max(1, max_size // unit))  # units, <= --max-size
-    inner: Any = E10(start=start, step=max(1, (args.step or DEFAULT_STEP) // unit))
+    unit, start, step = in_whole_units(args.start, args.step or DEFAULT_STEP, unit, max_size)
+    inner: Any = E10(start=start, step=step)
     if args.strategy == "doubling":
         inner = Doubling(start=start)
     elif args.strategy == "linear-jump":
         if capacity is None:
             raise UsageError("--strategy linear-jump needs a --budget (or a GPU's free memory)")
         inner = LinearJump(capacity_bytes=capacity, start=start)
-    return inner if unit == 1 else InUnits(inner, unit)
+    return in_units(inner, unit)
 
 
 def _search_config(args: argparse.Namespace, dev: torch.device, max_size: int,

@@ -75,3 +75,14 @@ def atomic_write(path: str | os.PathLike[str], content: Content, mode: int = 0o6
 def atomic_write_json(path: str | os.PathLike[str], value: Any) -> Path:
     """:func:`atomic_write` of ``value`` through the one JSON sanitiser (indented, sorted)."""
     return atomic_write(path, json_text(value))
+
+
+def unused_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` if nothing is there, else the first of ``path-1``, ``path-2``, ... that is
+    free: where to move a file aside (a corrupt cache, a stale result) without overwriting."""
+    base = Path(path)
+    n, candidate = 1, base
+    while candidate.exists():
+        candidate = base.with_name(f"{base.name}-{n}")
+        n += 1
+    return candidate

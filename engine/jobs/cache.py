@@ -58,7 +58,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 from platformdirs import user_cache_dir
 
-from oomguard.engine.core.atomic import atomic_write_json
+from oomguard.engine.core.atomic import atomic_write_json, unused_path
 from oomguard.engine.core.jsonable import stable_hash
 from oomguard.engine.errors import CacheError, UsageError, check_positive_int
 from oomguard.engine.jobs.records import now_iso
@@ -206,11 +206,7 @@ class SizeCache:
         if doc is not None:
             return doc
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
-        n = 1
-        while aside.exists():
-            aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
-            n += 1
+        aside = unused_path(self.path.with_name(f"{self.path.name}.corrupt-{stamp}"))
         os.replace(self.path, aside)
         self.moved_aside = aside
         log.warning("size cache %s is not a valid cache file; moved it aside to %s and "

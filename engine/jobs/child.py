@@ -40,7 +40,7 @@ from oomguard.engine.jobs.records import OK, Context, Task, TaskResult, now_iso
 from oomguard.engine.jobs.spec import import_plugin
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import build_model
-from oomguard.metrics.workload import SAMPLE_KNOBS, InUnits, snap_to_unit
+from oomguard.metrics.workload import SAMPLE_KNOBS, in_units, in_whole_units, snap_to_unit
 from oomguard.probes.peak import PeakMeter
 
 log = logging.getLogger("oomguard.job")
@@ -168,11 +168,9 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
     # A knob whose memory changes only at multiples of a unit is searched in whole units.
     unit = metric.size_unit(primary, metric.validate({**task.params, **defaults}),
                             job.data.n_samples)
-    unit = unit if unit <= cap else 1
-    start = min(-(-min(job.search.start, cap) // unit), max(1, cap // unit))
-    strategy: Any = E10(start=start, step=max(1, job.search.step // unit))
+    unit, start, step = in_whole_units(job.search.start, job.search.step, unit, cap)
     try:
-        result = search(trial, strategy=strategy if unit == 1 else InUnits(strategy, unit),
+        result = search(trial, strategy=in_units(E10(start=start, step=step), unit),
                         max_size=cap, max_trials=job.search.max_trials, max_seconds=seconds,
                         device=job.device, budget=job.budget_bytes)
     except NoSizeFits as exc:

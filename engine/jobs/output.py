@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from oomguard.engine.core.atomic import unused_path
 from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.fingerprint import describe_changes
 from oomguard.engine.jobs.records import Job, Task, TaskResult
@@ -50,14 +51,6 @@ def stale_reasons(done: TaskResult, task: Task, out: Path) -> list[str]:
     return reasons
 
 
-def _unique(path: Path) -> Path:
-    n, candidate = 1, path
-    while candidate.exists():
-        candidate = path.with_name(f"{path.name}-{n}")
-        n += 1
-    return candidate
-
-
 def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
@@ -67,7 +60,7 @@ def set_aside(out: Path, key: str, done: TaskResult) -> str:
     ``results/stale/``; returns the new place of the JSON file, relative to ``out``."""
     folder = out / "results" / "stale"
     folder.mkdir(exist_ok=True)
-    stem = _unique(folder / f"{key}.{_stamp()}")
+    stem = unused_path(folder / f"{key}.{_stamp()}")
     if done.tensors and (out / done.tensors).is_file():
         os.replace(out / done.tensors, stem.with_name(stem.name + ".pt"))
     target = stem.with_name(stem.name + ".json")
@@ -120,7 +113,7 @@ def claim(out: Path, job: Job, force: bool) -> None:
         raise JobError(f"{out} holds the results of another job ({theirs['name']!r} from "
                        f"{theirs['path']}): give another --out, or --force to move them into "
                        f"{out / MOVED_ASIDE}/")
-    aside = _unique(out / MOVED_ASIDE / f"{_stamp()}-{theirs['name'] or 'job'}")
+    aside = unused_path(out / MOVED_ASIDE / f"{_stamp()}-{theirs['name'] or 'job'}")
     aside.mkdir(parents=True)
     for entry in sorted(out.iterdir()):
         if entry.name not in _KEEP:
