@@ -34,6 +34,15 @@ from oomguard.reports import style
 
 log = logging.getLogger("oomguard.report")
 
+
+class ReportInterrupted(Exception):
+    """Writing the report stopped early because its ``cancelled()`` said so."""
+
+
+def _go_on(cancelled: Callable[[], bool] | None) -> None:
+    if cancelled is not None and cancelled():
+        raise ReportInterrupted
+
 _LANDSCAPE_KEYS = ("loss_grid", "losses", "grid", "surface", "loss")
 
 
@@ -124,10 +133,16 @@ def plot_heatmap(grid: Any, path: Path, title: str) -> Path:
     return _plot(path, draw, grid=False)
 
 
-def write_plots(summary: Mapping[str, Any], out: Path) -> dict[str, str]:
-    """Every plot the job's results call for; ``{title: path relative to out}``."""
+def write_plots(summary: Mapping[str, Any], out: Path,
+                cancelled: Callable[[], bool] | None = None) -> dict[str, str]:
+    """Every plot the job's results call for; ``{title: path relative to out}``.
+
+    ``cancelled()``, if given, is asked before each plot; when it says True,
+    :class:`ReportInterrupted` is raised (each plot file is whole or absent).
+    """
     plots: dict[str, str] = {}
     (out / "plots").mkdir(exist_ok=True)
+    _go_on(cancelled)
     mem = plot_peak_memory(summary, out / "plots" / "memory.png")
     if mem:
         plots["Peak memory per metric"] = str(mem.relative_to(out))
@@ -139,11 +154,13 @@ def write_plots(summary: Mapping[str, Any], out: Path) -> dict[str, str]:
             name = next((g for k in _LANDSCAPE_KEYS for g in grids if g.split(".")[-1] == k),
                         next(iter(grids), None))
             if name is not None:
+                _go_on(cancelled)
                 p = plot_landscape(grids[name], out / "plots" / f"{key}-landscape.png",
                                    f"{key}: loss landscape")
                 plots[f"{key}: loss landscape"] = str(p.relative_to(out))
         for name, grid in grids.items():
             if "entropy" in name.lower():
+                _go_on(cancelled)
                 p = plot_heatmap(grid, out / "plots" / f"{key}-entropy.png",
                                  f"{key}: {name} (layer x head)")
                 plots[f"{key}: {name}"] = str(p.relative_to(out))
@@ -233,18 +250,22 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
     return "\n".join(lines)
 
 
-def write_job_report(summary: Mapping[str, Any], out: str | Path) -> Path:
+def write_job_report(summary: Mapping[str, Any], out: str | Path,
+                     cancelled: Callable[[], bool] | None = None) -> Path:
     """Write ``report.md`` (and the plots) for a job's ``results.json`` content.
 
     A plot that fails for any reason but the file system is left out with a
     logged traceback; ``OSError`` (a full disk) propagates to the caller.
+    ``cancelled()``, if given, is asked before each plot and before ``report.md``:
+    True stops the report with :class:`ReportInterrupted` (files are whole or absent).
     """
     out = Path(out)
     try:
-        plots = write_plots(summary, out)
-    except OSError:  # the disk, not the pictures: report.md would fail the same way
+        plots = write_plots(summary, out, cancelled)
+    except (OSError, ReportInterrupted):  # the disk, not the pictures; or asked to stop
         raise
     except Exception:  # noqa: BLE001 - the text report matters more than pictures
         log.exception("plots failed; writing report.md without them")
         plots = {}
+    _go_on(cancelled)
     return atomic_write(out / "report.md", render_job_markdown(summary, plots))

@@ -24,8 +24,8 @@ skipped and its file is never rewritten; a stale one is moved to
 ``results/stale/`` and rerun, saying why (:mod:`~oomguard.engine.jobs.output`).
 Failed and interrupted tasks run again. SIGINT/SIGTERM stop cleanly: the
 running task is recorded as interrupted, its child is stopped, and the report
-is written (a signal during the report aborts it; ``results.json`` then says
-"interrupted" and a rerun finishes it). ``kill -9`` of the parent also ends
+is written (a signal during the report stops it before its next file;
+``results.json`` then says "interrupted" and a rerun finishes it). ``kill -9`` of the parent also ends
 the child (PR_SET_PDEATHSIG through the forkserver), so at most the task in
 flight is lost.
 
@@ -36,7 +36,6 @@ process and at the start of every metric's process.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import logging
@@ -47,7 +46,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,7 +81,7 @@ from oomguard.engine.jobs.records import (
 )
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import model_config
-from oomguard.reports.job_report import write_job_report
+from oomguard.reports.job_report import ReportInterrupted, write_job_report
 
 log = logging.getLogger("oomguard.job")
 
@@ -105,21 +104,17 @@ class Outcome:
         return [k for k, r in self.results.items() if r.status == FAILED]
 
 
-class _Interrupted(BaseException):
-    """A signal arrived while the final report was being written."""
-
-
 class _Stop:
     """SIGINT/SIGTERM handler state: the first signal asks to stop; the job records and exits.
 
-    Inside :meth:`abort_on_signal` a signal also aborts the code in progress
-    (the final report), so the job can record "interrupted" at once.
+    The handler only records the signal, never raises: an exception raised from a
+    handler can land in a finalizer, where Python prints it and carries on. Work
+    in progress (a metric's child, the final report) asks :attr:`signum`.
     """
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.previous: dict[int, Any] = {}
-        self._abort = False
 
     def __enter__(self) -> _Stop:
         if threading_main():
@@ -132,17 +127,6 @@ class _Stop:
             log.warning("received %s: stopping after recording the running metric",
                         signal.Signals(signum).name)
         self.signum = signum
-        if self._abort:
-            self._abort = False
-            raise _Interrupted
-
-    @contextlib.contextmanager
-    def abort_on_signal(self) -> Iterator[None]:
-        self._abort = self.signum is None
-        try:
-            yield
-        finally:
-            self._abort = False
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self.previous.items():
@@ -287,9 +271,8 @@ def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, Ta
     atomic_write_json(out / "results.json", summary)
     code = summary["exit_code"]
     try:
-        with stop.abort_on_signal():
-            write_job_report(summary, out)
-    except _Interrupted:
+        write_job_report(summary, out, cancelled=lambda: stop.signum != signum)
+    except ReportInterrupted:
         log.warning("interrupted while writing the report; run the same command again to "
                     "finish it")
     except OSError as exc:  # a full disk: the results are complete, the report is not
