@@ -74,6 +74,11 @@ class AttentionStats(JsonMetric):
              "samples per forward pass; the result does not depend on it"),
     )
 
+    def unsupported(self, config: Any) -> str | None:
+        if config is not None and not getattr(config, "num_attention_heads", None):
+            return "the model has no attention layers (no attention probabilities to measure)"
+        return None
+
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 chunk_size: int = 96) -> dict[str, Any]:
         sums, count = attention_sums(model, data, chunk_size)

@@ -22,6 +22,7 @@ import torch
 
 import oomguard.metrics as package
 from oomguard.engine.errors import UsageError
+from oomguard.metrics.padding import right_align
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,19 @@ class Metric:
         Knobs that slice the samples are bounded by the sample count elsewhere."""
         return None
 
+    def unsupported(self, config: Any) -> str | None:
+        """Why this metric cannot run on a model with this transformers ``config`` (one
+        line), or None where it can. Asked before any work: by :meth:`run`, by job files
+        when they are read, and by ``oomguard metrics --model``."""
+        return None
+
+    def check_model(self, config: Any) -> None:
+        """UsageError (one line) where :meth:`unsupported` gives a reason."""
+        reason = self.unsupported(config)
+        if reason:
+            kind = getattr(config, "model_type", None) or type(config).__name__
+            raise UsageError(f"{self.name} does not support {kind} models: {reason}")
+
     def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """Fill defaults; raise UsageError (one line, listing valid knobs) on bad input."""
         known = {k.name: k for k in self.knobs}
@@ -102,9 +116,14 @@ class Metric:
 
     def run(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor], **params: Any) -> dict:
         """Validate ``params`` and compute the metric. Returns a dict of results
-        (tensors or floats) including the result-defining knobs used."""
+        (tensors or floats) including the result-defining knobs used.
+
+        The metric sees ``data`` right-aligned (:func:`~oomguard.metrics.padding.right_align`:
+        left padding moved to each sample's end), so that no attention row of a
+        sample with valid tokens is fully masked."""
         full = self.validate(params)
-        result = self.compute(model, data, **full)
+        self.check_model(getattr(model, "config", None))
+        result = self.compute(model, right_align(data), **full)
         result["params"] = {k.name: full[k.name] for k in self.result_knobs()}
         return result
 

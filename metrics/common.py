@@ -65,14 +65,21 @@ def iter_micro_batches(data: Batch, size: int) -> Iterator[dict[str, torch.Tenso
 def labels_of(batch: Batch) -> torch.Tensor:
     """Unshifted labels ``[n, L]`` of a batch, ``-100`` where nothing is scored.
 
-    Uses ``labels`` when present, else ``input_ids`` masked by ``attention_mask``.
+    Uses ``labels`` when present, else ``input_ids``. With an ``attention_mask``,
+    a position is scored only when it and the position before it are both
+    valid: a token predicted from a masked position is no prediction (after a
+    hole in the mask, or the first token after left padding, which right
+    padding never scores either).
     """
     labels = batch.get("labels")
-    if labels is not None:
-        return labels
-    labels = batch["input_ids"]
+    if labels is None:
+        labels = batch["input_ids"]
     mask = batch.get("attention_mask")
-    return labels if mask is None else labels.masked_fill(mask == 0, IGNORE_INDEX)
+    if mask is None:
+        return labels
+    valid = mask != 0
+    scored = torch.cat([valid[:, :1], valid[:, 1:] & valid[:, :-1]], dim=1)
+    return labels.masked_fill(~scored, IGNORE_INDEX)
 
 
 def shifted_labels(batch: Batch) -> torch.Tensor:
@@ -96,6 +103,46 @@ def total_tokens(data: Batch) -> int:
     if n <= 0:
         raise UsageError("the data has no scored tokens (every shifted label is -100)")
     return n
+
+
+def valid_tokens(batch: Batch) -> torch.Tensor:
+    """Valid (``attention_mask != 0``) tokens of each sample, shape ``[n]`` (int64)."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        ids = batch["input_ids"]
+        return torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long, device=ids.device)
+    return (mask != 0).sum(dim=1)
+
+
+def select_samples(batch: Batch, keep: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The samples of ``batch`` where the boolean ``keep [n]`` is true, every tensor alike."""
+    rows = keep.nonzero().squeeze(1)
+    return {key: value[rows.to(value.device)] for key, value in batch.items()}
+
+
+def expand_rows(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Per-sample ``values`` of the kept samples back at their rows of all ``len(keep)``
+    samples; NaN on the rows of samples that were left out (their value is undefined)."""
+    out = torch.full((keep.shape[0], *values.shape[1:]), float("nan"), dtype=values.dtype,
+                     device=values.device)
+    out[keep.to(values.device)] = values
+    return out
+
+
+def scored_samples(batch: Batch) -> dict[str, torch.Tensor] | None:
+    """The samples of ``batch`` that have at least one scored token; None if no sample has.
+
+    A sample without one adds exactly nothing to a token-weighted sum, and must
+    not run with the others: its attention rows are all masked, which float64
+    models turn into NaN, and a backward pass spreads that NaN into every
+    gradient although no loss reads the row.
+    """
+    keep = tokens_per_sample(batch) > 0
+    if bool(keep.all()):
+        return dict(batch)
+    if not bool(keep.any()):
+        return None
+    return select_samples(batch, keep)
 
 
 def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
@@ -132,10 +179,14 @@ def token_nll_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
     Differentiable (call it under ``torch.no_grad()`` for evaluation only).
     Divide the sum over all micro-batches by :func:`total_tokens` to get the
-    token-weighted mean loss.
+    token-weighted mean loss. Samples without scored tokens never run
+    (:func:`scored_samples`); a batch of only such samples sums to an exact 0.
     """
-    logits = model(**model_inputs(batch)).logits
-    return logits_nll(logits, labels_of(batch))
+    scored = scored_samples(batch)
+    if scored is None:
+        return torch.zeros((), dtype=torch.float64, device=batch["input_ids"].device)
+    logits = model(**model_inputs(scored)).logits
+    return logits_nll(logits, labels_of(scored))
 
 
 def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int,
@@ -145,17 +196,18 @@ def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: in
 
     The one place where gradient-like products of the token-weighted mean loss
     are reduced: each micro-batch returns one tensor (or None) per parameter,
-    already summed over its own tokens; micro-batches without scored tokens
-    are skipped (their exact contribution is zero). The result depends on
-    ``micro_batch_size`` only through float rounding.
+    already summed over its own tokens; samples without scored tokens are left
+    out before it runs (:func:`scored_samples`: their exact contribution is
+    zero). The result depends on ``micro_batch_size`` only through float rounding.
     """
     params = list(params if params is not None else trainable(model))
     n_tok = total_tokens(data)
     acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
     for mb in iter_micro_batches(data, micro_batch_size):
-        if token_count(mb) == 0:
+        scored = scored_samples(mb)
+        if scored is None:
             continue
-        for a, g in zip(acc, per_batch(mb, params), strict=True):
+        for a, g in zip(acc, per_batch(scored, params), strict=True):
             if g is not None:
                 a.add_(g.to(torch.float64))
     return [a.div_(n_tok) for a in acc]

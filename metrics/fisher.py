@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.func import functional_call, grad, vmap
 
+from oomguard.engine.core.oom import is_oom
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,
@@ -29,12 +30,16 @@ from oomguard.metrics.common import (
     logits_nll,
     n_samples,
     param_groups,
-    tokens_per_sample,
+    scored_samples,
     total_tokens,
 )
 
 VMAP = "torch.func vmap(grad)"
-LOOP = "per-sample backward loop (the model has an autograd.Function torch.func cannot transform)"
+LOOP = "per-sample backward loop (torch.func cannot transform the model)"
+# Words of the errors torch.func raises for a model it cannot transform: an
+# autograd.Function without setup_context (Bloom's GeLU), or an in-place update that
+# vmap cannot batch (Mamba's slow path).
+TORCH_FUNC_REFUSALS = ("functorch", "setup_context", "vmap")
 
 
 def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
@@ -71,23 +76,21 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
     acc = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params.items()}
     counted = 0
     for mb in iter_micro_batches(data, micro_batch_size):
-        # Samples without a scored token add exactly nothing, and never run: alone in
-        # the forward, a fully masked attention row is NaN in float64 models.
-        keep = (tokens_per_sample(mb) > 0).nonzero().squeeze(1)
-        if keep.numel() == 0:
+        scored = scored_samples(mb)  # a sample without scored tokens adds nothing, never runs
+        if scored is None:
             continue
-        counted += int(keep.numel())
-        mask = mb.get("attention_mask")
+        counted += n_samples(scored)
+        mask = scored.get("attention_mask")
         if mask is None:
-            mask = torch.ones_like(mb["input_ids"])
-        batch = (mb["input_ids"][keep], mask[keep], labels_of(mb)[keep])
+            mask = torch.ones_like(scored["input_ids"])
+        batch = (scored["input_ids"], mask, labels_of(scored))
         if method == VMAP:
             try:
                 grads = per_sample_grad(params, *batch)
             except RuntimeError as exc:
-                if "functorch" not in str(exc) and "setup_context" not in str(exc):
+                if is_oom(exc) or not any(word in str(exc) for word in TORCH_FUNC_REFUSALS):
                     raise
-                method = LOOP  # an autograd.Function torch.func cannot transform
+                method = LOOP
         if method == LOOP:
             grads = looped_grad(params, *batch)
         for n in names:

@@ -55,7 +55,14 @@ import torch
 
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import Knob, register
-from oomguard.metrics.common import JsonMetric, iter_micro_batches, n_samples
+from oomguard.metrics.common import (
+    JsonMetric,
+    expand_rows,
+    iter_micro_batches,
+    n_samples,
+    select_samples,
+    valid_tokens,
+)
 
 METHOD = "gausslegendre"
 
@@ -103,6 +110,21 @@ def last_positions(attention_mask: torch.Tensor, min_valid: int = 2) -> torch.Te
         raise UsageError(f"every sample needs at least {min_valid} valid token(s)")
     pos = torch.arange(mask.shape[1], device=mask.device)
     return (mask * (pos + 1)).argmax(dim=1)
+
+
+def defined_samples(data: Mapping[str, torch.Tensor],
+                    min_valid: int = 2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Which samples have at least ``min_valid`` valid tokens (bool ``[n]``, CPU), and the
+    data of just those samples: a per-sample metric is undefined on the others (no
+    next-token target for fewer than 2), which it reports as NaN rows
+    (:func:`~oomguard.metrics.common.expand_rows`) instead of failing on the whole data.
+    UsageError if no sample qualifies."""
+    keep = (valid_tokens(data) >= min_valid).cpu()
+    if not bool(keep.any()):
+        need = "2 valid tokens for a next-token target" if min_valid == 2 else (
+            f"{min_valid} valid token(s)")
+        raise UsageError(f"no sample has {need}: give data with longer samples")
+    return keep, (dict(data) if bool(keep.all()) else select_samples(data, keep))
 
 
 def target_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
@@ -204,9 +226,10 @@ class IntegratedGradients(CaptumMetric):
 
         lig = LayerIntegratedGradients(target_forward(model), model.get_input_embeddings())
         base_id = pad_id(model)
+        keep, work = defined_samples(data)
         attrs: list[torch.Tensor] = []
         deltas: list[torch.Tensor] = []
-        for mb in iter_micro_batches(data, chunk_size):
+        for mb in iter_micro_batches(work, chunk_size):
             args = target_args(mb)
             ids = mb["input_ids"]
             with captum_quiet():
@@ -218,14 +241,14 @@ class IntegratedGradients(CaptumMetric):
             attrs.append(per_token * args[0].to(torch.float64))
             deltas.append(delta.detach().to(torch.float64).reshape(-1))
             del attr, delta
-        attributions = torch.cat(attrs).cpu()
         delta_all = torch.cat(deltas).cpu()
         return {
-            "attributions": attributions,
-            "delta": delta_all,
+            "attributions": expand_rows(torch.cat(attrs).cpu(), keep),
+            "delta": expand_rows(delta_all, keep),
             "delta_max": float(delta_all.abs().max()),
             "delta_mean": float(delta_all.abs().mean()),
             "baseline_token": base_id,
             "method": METHOD,
             "n_samples": n_samples(data),
+            "n_samples_attributed": int(keep.sum()),
         }

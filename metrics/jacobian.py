@@ -6,7 +6,9 @@ sample's last valid position, and ``e_p`` the input embedding (``d_in``
 features) at position ``p``. The result is the Frobenius norm of the ``d x
 d_in`` Jacobian block ``dh / de_p`` for every ``p``: shape ``[n_samples,
 seq_len]``, float64, unit "hidden units per embedding unit". Positions after the
-last valid one (and padding) are exactly 0 by causality and masking.
+last valid one (and padding) are exactly 0 by causality and masking. A sample
+without a valid token has no Jacobian: its row is NaN, and
+``n_samples_defined`` counts the others.
 
 How: vector-Jacobian products, one per output feature ``k``: the VJP of ``h``
 with cotangent ``e_k`` is row ``k`` of the Jacobian. The ``d`` VJPs run
@@ -34,8 +36,8 @@ from typing import Any
 import torch
 
 from oomguard.metrics.base import Knob, register
-from oomguard.metrics.common import JsonMetric, iter_micro_batches, n_samples
-from oomguard.metrics.integrated_gradients import last_positions
+from oomguard.metrics.common import JsonMetric, expand_rows, iter_micro_batches, n_samples
+from oomguard.metrics.integrated_gradients import defined_samples, last_positions
 
 
 def _micro_batch_norms(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
@@ -85,13 +87,16 @@ class PositionJacobian(JsonMetric):
 
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 micro_batch_size: int = 32, vjp_block: int = 8) -> dict[str, Any]:
+        keep, work = defined_samples(data, min_valid=1)
         parts = []
         with torch.enable_grad():
-            for mb in iter_micro_batches(data, micro_batch_size):
+            for mb in iter_micro_batches(work, micro_batch_size):
                 parts.append(_micro_batch_norms(model, mb, vjp_block).cpu())
         norms = torch.cat(parts)
-        mask = data.get("attention_mask")
-        last = last_positions(mask if mask is not None else torch.ones_like(data["input_ids"]),
-                              min_valid=1)
-        return {"norms": norms, "last_positions": last.cpu(), "n_samples": n_samples(data),
-                "self_norm_mean": float(norms.gather(1, last.cpu()[:, None]).mean())}
+        mask = work.get("attention_mask")
+        last = last_positions(mask if mask is not None else torch.ones_like(work["input_ids"]),
+                              min_valid=1).cpu()
+        return {"norms": expand_rows(norms, keep),
+                "last_positions": expand_rows(last.to(torch.float64), keep),
+                "n_samples": n_samples(data), "n_samples_defined": int(keep.sum()),
+                "self_norm_mean": float(norms.gather(1, last[:, None]).mean())}

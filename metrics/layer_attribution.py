@@ -36,12 +36,13 @@ import torch
 
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import register
-from oomguard.metrics.common import iter_micro_batches, n_samples
+from oomguard.metrics.common import expand_rows, iter_micro_batches, n_samples
 from oomguard.metrics.integrated_gradients import (
     METHOD,
     CaptumMetric,
     captum_knobs,
     captum_quiet,
+    defined_samples,
     pad_id,
     target_args,
     target_forward,
@@ -105,10 +106,11 @@ class LayerAttribution(CaptumMetric):
         blocks = transformer_blocks(model)
         forward = target_forward(model)
         base_id = pad_id(model)
+        keep, work = defined_samples(data)
         scores: list[torch.Tensor] = []
         totals: list[torch.Tensor] = []
         deltas: list[torch.Tensor] = []
-        for mb in iter_micro_batches(data, chunk_size):
+        for mb in iter_micro_batches(work, chunk_size):
             args = target_args(mb)
             ids = mb["input_ids"]
             valid = args[0].to(torch.float64).unsqueeze(-1)
@@ -135,13 +137,14 @@ class LayerAttribution(CaptumMetric):
             deltas.append(torch.stack(d_cols, dim=1))
         delta_all = torch.cat(deltas).cpu()
         return {
-            "scores": torch.cat(scores).cpu(),
-            "totals": torch.cat(totals).cpu(),
-            "delta": delta_all,
+            "scores": expand_rows(torch.cat(scores).cpu(), keep),
+            "totals": expand_rows(torch.cat(totals).cpu(), keep),
+            "delta": expand_rows(delta_all, keep),
             "delta_max": float(delta_all.abs().max()),
             "delta_mean": float(delta_all.abs().mean()),
             "n_layers": len(blocks),
             "baseline_token": base_id,
             "method": METHOD,
             "n_samples": n_samples(data),
+            "n_samples_attributed": int(keep.sum()),
         }

@@ -34,7 +34,7 @@ import torch
 from oomguard.engine.core.trial import RebuiltInChild
 from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.metrics.base import Metric, get_metric
-from oomguard.metrics.models import build_model, make_batch
+from oomguard.metrics.models import build_model, make_batch, model_config
 
 # Memory knobs that split the samples: above n_samples they all mean "everything at once".
 SAMPLE_KNOBS = frozenset({"micro_batch_size", "chunk_size", "batch_size"})
@@ -76,6 +76,7 @@ class MetricTrial(RebuiltInChild):
         check_positive_int("n_samples", self.n_samples)
         check_positive_int("seq_len", self.seq_len)
         metric.validate(self.params)  # unknown or bad fixed knobs fail here, not in a trial
+        metric.check_model(model_config(self.model))  # from the config: no weights built
 
     # -- identity -------------------------------------------------------------------
     @property

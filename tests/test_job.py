@@ -97,6 +97,8 @@ def test_example_needs_no_torch() -> None:
      "data.path", 6),
     (lambda t: t + 'time_limit = "soon"\n', "metrics[0].time_limit", 11),
     (lambda t: 'budget = "lots"\n' + t, "budget", 1),
+    (lambda t: t.replace('"tiny-gpt2"', '"mamba:hidden_size=16,num_hidden_layers=1,vocab_size=64"')
+     .replace('name = "loss"', 'name = "attention_stats"'), "metrics[0]", 10),
 ])
 def test_bad_job_one_line_error_with_field_and_line(tmp_path: Path, patch, field: str, line: int,
                                                     capsys: pytest.CaptureFixture[str]) -> None:

@@ -270,25 +270,6 @@ def cmd_search(args: argparse.Namespace) -> int:
     return status
 
 
-def cmd_metrics(args: argparse.Namespace) -> int:
-    from oomguard.engine.core.jsonable import json_text
-    from oomguard.metrics.base import load_all
-
-    table = load_all()
-    if args.json:
-        print(json_text({name: {"description": m.description, "knobs": list(m.knobs)}
-                         for name, m in table.items()}), end="")
-        return 0
-    for name, m in sorted(table.items()):
-        print(f"{name}: {m.description}")
-        for k in m.knobs:
-            tag = "memory (tuned)" if k.kind == "memory" else "result (fixed)"
-            scale = f"; scales with {k.scales_with}" if k.scales_with else ""
-            unit = f"; searched in multiples of {k.unit}" if k.unit else ""
-            print(f"    {k.name:<22} {tag:<15} default {k.default}, min {k.minimum}{scale}{unit}")
-    return 0
-
-
 def _add_search_options(p: argparse.ArgumentParser, start: int) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     p.add_argument("--budget", type=_size, default=None,
@@ -353,12 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="oomguard-report", help="report folder (oomguard-report)")
     p.set_defaults(func=cmd_search)
 
-    p = sub.add_parser("metrics", help="list the metrics, their knobs and what they scale with",
-                       description="Every metric with its knobs (a few seconds).")
-    p.add_argument("--json", action="store_true", help="JSON on stdout")
-    p.set_defaults(func=cmd_metrics)
-
+    from oomguard.engine.cli import catalogue
     from oomguard.engine.cli import jobs as jobs_cli
+
+    catalogue.register(sub)
 
     jobs_cli.register(sub)
     return parser

@@ -244,6 +244,13 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
             raise r.fail("data.seq_len", f"models[{i}]: {exc}", r.line("data.seq_len")) from None
     search = _parse_search(r, doc)
     metrics = _parse_metrics(r, doc, time_limit)
+    for i, config in enumerate(configs):
+        for index, m in enumerate(metrics):
+            reason = get_metric(m.name).unsupported(config)
+            if reason:
+                raise r.fail(f"metrics[{index}]", f"{m.name} does not support models[{i}] "
+                             f"({labels[i]}): {reason}; remove one of them",
+                             r.line(f"metrics[{index}].name"))
     return Job(path=str(Path(path).resolve()) if path != "<job>" else path, text=text, name=name,
                output=str(Path(out).expanduser().resolve()), device=device, dtype=dtype,
                seed=seed, models=tuple(models_raw), data=data, search=search, metrics=metrics,

@@ -1,0 +1,53 @@
+"""``oomguard metrics``: the catalogue of metrics, their knobs, and which models they support."""
+
+from __future__ import annotations
+
+import argparse
+
+from oomguard.engine.core.jsonable import json_text
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``metrics`` command to the CLI's subcommands."""
+    p = subparsers.add_parser(
+        "metrics", help="list the metrics, their knobs and what they scale with",
+        description="Every metric with its knobs (a few seconds). With --model, whether "
+                    "each metric supports that model, and why not (from its config only: "
+                    "no weights are built).")
+    p.add_argument("--model", default=None, metavar="SPEC",
+                   help="a model spec (tiny-gpt2, gpt2:n_layer=2,..., a checkpoint folder): "
+                        "say which metrics support it")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+    p.set_defaults(func=cmd_metrics)
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from oomguard.metrics.base import load_all
+    from oomguard.metrics.models import model_config
+
+    table = load_all()
+    config = model_config(args.model) if args.model else None
+    support = {name: (m.unsupported(config) if config is not None else None)
+               for name, m in table.items()}
+    if args.json:
+        out = {}
+        for name, m in table.items():
+            entry = {"description": m.description, "knobs": list(m.knobs)}
+            if config is not None:
+                entry["supported"] = support[name] is None
+                entry["why_not"] = support[name]
+            out[name] = entry
+        print(json_text(out), end="")
+        return 0
+    for name, m in sorted(table.items()):
+        if config is not None:
+            status = f"not supported: {support[name]}" if support[name] else "supported"
+            print(f"{name}: {status}")
+            continue
+        print(f"{name}: {m.description}")
+        for k in m.knobs:
+            tag = "memory (tuned)" if k.kind == "memory" else "result (fixed)"
+            scale = f"; scales with {k.scales_with}" if k.scales_with else ""
+            unit = f"; searched in multiples of {k.unit}" if k.unit else ""
+            print(f"    {k.name:<22} {tag:<15} default {k.default}, min {k.minimum}{scale}{unit}")
+    return 0

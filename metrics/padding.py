@@ -1,0 +1,67 @@
+"""How metrics see padding: every sample is right-aligned before a metric runs.
+
+Why: with left padding, a query at a leading pad position has no key it may
+attend to. transformers' eager attention takes its softmax in float32, so in a
+float64 model the masked scores (float64's most negative value) become ``-inf``
+and the whole row NaN; attention's value mixing spreads that NaN into valid
+tokens in the next layer, and every backward pass into every gradient, though
+no loss reads the row. Moving each sample's leading padding to its end leaves
+every query of a sample with a valid token at least one key it may attend to
+(the sample's first token). A sample with no valid token at all is never
+realigned; metrics leave such samples out of every forward pass.
+
+What it changes, and what not:
+
+- nothing for models whose attention depends only on relative positions or on
+  positions counted along the mask: rotary embeddings (LLaMA, Mistral, Qwen2,
+  Phi, GPT-NeoX, GPT-J, Falcon), ALiBi (Bloom), OPT's learned positions (from
+  the mask's cumulative sum). Left- and right-padded data give the same results
+  up to float rounding;
+- for absolute positions counted from 0 (GPT-2), a left-padded sample used to
+  be read at positions shifted by its padding; right-aligned, it is read as it
+  would be without padding, which is what transformers recommends for them;
+- positions a metric reports (``last_positions``, per-position norms, the
+  attention weight on the first token) count from each sample's first valid
+  token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+
+def leading_padding(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Masked positions before each sample's first valid token, shape ``[n]`` (int64).
+
+    0 for a sample whose first position is valid, and for a sample with no valid
+    position at all.
+    """
+    valid = attention_mask != 0
+    first = valid.long().argmax(dim=1)  # first valid position; 0 where there is none
+    return torch.where(valid.any(dim=1), first, torch.zeros_like(first))
+
+
+def right_align(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``data`` with each sample's leading padding moved to its end.
+
+    Every tensor whose first two dimensions are ``[samples, positions]`` (input
+    ids, mask, labels, ...) is rotated alike, so tokens keep their order and
+    their labels. Data without an ``attention_mask``, or without leading
+    padding, is returned as a shallow copy with the same tensors.
+    """
+    out = dict(data)
+    mask = data.get("attention_mask")
+    if mask is None or mask.dim() != 2:
+        return out
+    shift = leading_padding(mask)
+    if not bool(shift.any()):
+        return out
+    n, length = mask.shape
+    index = (torch.arange(length, device=mask.device)[None, :] + shift[:, None]) % length
+    rows = torch.arange(n, device=mask.device)[:, None]
+    for key, value in data.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (n, length):
+            out[key] = value[rows.to(value.device), index.to(value.device)]
+    return out
