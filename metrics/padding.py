@@ -1,5 +1,7 @@
 """How metrics see padding: every sample is right-aligned before a metric runs.
 
+Measured facts behind it: docs/measurements.md#float64-attention-softmax.
+
 Why: with left padding, a query at a leading pad position has no key it may
 attend to. transformers' eager attention takes its softmax in float32, so in a
 float64 model the masked scores (float64's most negative value) become ``-inf``
