@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -130,3 +132,21 @@ class RaisesAt:
         if size == self.size:
             raise ValueError(f"not a memory problem at {size}")
         return size
+
+
+def numbers(summary: Any, prefix: str = "") -> dict[str, float]:
+    """Every number of a metric's summary by path (``"groups.h.0.trace"``), recorded
+    params excluded; ``"nan"`` (how the JSON sanitiser writes an undefined value) as NaN."""
+    out: dict[str, float] = {}
+    if isinstance(summary, dict):
+        for key, value in summary.items():
+            if key != "params":
+                out.update(numbers(value, f"{prefix}{key}."))
+    elif isinstance(summary, list):
+        for i, value in enumerate(summary):
+            out.update(numbers(value, f"{prefix}{i}."))
+    elif summary == "nan":
+        out[prefix.rstrip(".")] = math.nan
+    elif isinstance(summary, (int, float)) and not isinstance(summary, bool):
+        out[prefix.rstrip(".")] = float(summary)
+    return out

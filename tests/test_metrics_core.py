@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import budget_after_warmup, in_fresh_process, tiny_data, tiny_model
+from conftest import budget_after_warmup, in_fresh_process, numbers, tiny_data, tiny_model
 
 from oomguard.engine.core.executor import Executor
 from oomguard.engine.core.oom import is_oom
@@ -46,21 +46,6 @@ CORE = {
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def numbers(summary: Any, prefix: str = "") -> dict[str, float]:
-    """Every number of a summary, flattened to ``{path: value}`` (recorded params excluded)."""
-    out: dict[str, float] = {}
-    if isinstance(summary, dict):
-        for key, value in summary.items():
-            if key != "params":
-                out.update(numbers(value, f"{prefix}{key}."))
-    elif isinstance(summary, list):
-        for i, value in enumerate(summary):
-            out.update(numbers(value, f"{prefix}{i}."))
-    elif isinstance(summary, (int, float)) and not isinstance(summary, bool):
-        out[prefix.rstrip(".")] = float(summary)
-    return out
 
 
 def assert_same(a: dict, b: dict, rel: float) -> None:
