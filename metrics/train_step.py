@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from oomguard.engine.core.trial import RebuiltInChild
-from oomguard.metrics.models import build_model
+from oomguard.metrics.models import build_model, model_config
 
 
 @dataclass
@@ -50,18 +50,28 @@ class TrainStep(RebuiltInChild):
         self(1)
 
     def describe(self) -> dict[str, Any]:
-        """Configuration for reports (warms up if needed to count parameters)."""
-        self.warmup()
-        cfg = self._state["model"].config
+        """Configuration for reports. Counts parameters on the warmed-up model, or else on
+        one built on the ``meta`` device (no memory), so that describing never puts
+        anything on ``device``: isolated children must measure with the parent holding
+        nothing there."""
+        if self._state:
+            model, vocab = self._state["model"], self._state["vocab"]
+        else:
+            from transformers import AutoModelForCausalLM  # why: as in build_model
+
+            with torch.device("meta"):  # from_config: a checkpoint's weights are not needed
+                model = AutoModelForCausalLM.from_config(model_config(self.model))
+            vocab = model.config.vocab_size
+        cfg = model.config
         return {
             "model": f"{self.model} ({cfg.model_type}, random init from config)",
-            "parameters": self._state["params"],
+            "parameters": sum(p.numel() for p in model.parameters()),
             "architecture": {k: getattr(cfg, k) for k in ("n_embd", "n_layer", "n_head",
                                                            "vocab_size") if hasattr(cfg, k)},
             "dtype": self.dtype,
             "step": "forward + backward + AdamW step",
             "data": {"source": "generated uniform random tokens (seeded)",
-                     "vocabulary": self._state["vocab"], "sequence_length": self.seq_len},
+                     "vocabulary": vocab, "sequence_length": self.seq_len},
         }
 
     def __call__(self, batch_size: int) -> float:

@@ -1,27 +1,51 @@
 """The host (CPU RAM) backend: what this process may still allocate, in bytes.
 
-Three limits can stop a CPU allocation: the memory the kernel says is
-available (``MemAvailable``), the cgroup's ``memory.max`` (v2) or
-``memory.limit_in_bytes`` (v1), and the process's ``RLIMIT_DATA``. The smallest
-wins, and the snapshot says which one it was.
+Linux (``/proc`` readable): three limits can stop a CPU allocation: the memory
+the kernel says is available (``MemAvailable``), the cgroup's ``memory.max``
+(v2) or ``memory.limit_in_bytes`` (v1), and the process's ``RLIMIT_DATA``. The
+smallest wins, and the snapshot says which one it was. Peaks are the kernel's
+high-water mark of resident memory: writing ``5`` to ``/proc/self/clear_refs``
+resets ``VmHWM``, which is then read back from ``/proc/self/status``: measured
+resident memory, resettable per piece of work.
 
-Peak tracking uses the kernel's high-water mark of resident memory: writing
-``5`` to ``/proc/self/clear_refs`` resets ``VmHWM``, which is then read back
-from ``/proc/self/status``. That is *measured* resident memory, not an estimate.
+macOS: total RAM from ``sysctl -n hw.memsize``; available RAM is an *estimate*
+from ``vm_stat`` (free + speculative + inactive pages, as psutil counts it);
+the peak is ``ru_maxrss`` (bytes on Darwin), the process's lifetime high-water
+mark: measured, but not resettable.
+
+Windows: ``GlobalMemoryStatusEx`` (total and available physical RAM) and
+``K32GetProcessMemoryInfo`` (working set and its lifetime peak), through ctypes.
+
+CPU budgets (``RLIMIT_DATA`` above ``VmData``) are enforced only on Linux:
+:func:`host_budget_unavailable` says why not elsewhere. A figure that cannot be
+read is None, never 0.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import resource
+from dataclasses import dataclass
 from pathlib import Path
 
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
-_UNLIMITED = resource.RLIM_INFINITY
+from oomguard.probes import host_os
+from oomguard.probes.host_os import parse_vm_stat  # noqa: F401 - part of this module's face
+
+try:
+    import resource
+except ImportError:  # Windows has no resource module
+    resource = None  # type: ignore[assignment]
+
+# Roots read at call time (never at import), so a test can hide them.
+PROC = Path("/proc")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 # A cgroup limit this large means "no limit" (v1 reports ~2**63).
 _CGROUP_UNLIMITED = 1 << 60
+
+
+def system() -> str:
+    """The OS as :func:`platform.system` names it: ``Linux``, ``Darwin``, ``Windows``, ..."""
+    return platform.system()
 
 
 def _kib_field(text: str, key: str) -> int | None:
@@ -32,9 +56,10 @@ def _kib_field(text: str, key: str) -> int | None:
 
 
 def proc_status(key: str) -> int | None:
-    """A ``kB`` field of ``/proc/self/status`` (``VmData``, ``VmRSS``, ``VmHWM``) in bytes."""
+    """A ``kB`` field of ``/proc/self/status`` (``VmData``, ``VmRSS``, ``VmHWM``) in bytes;
+    None where there is no procfs."""
     try:
-        return _kib_field(_STATUS.read_text(), key)
+        return _kib_field((PROC / "self" / "status").read_text(), key)
     except OSError:
         return None
 
@@ -43,7 +68,7 @@ def meminfo() -> dict[str, int]:
     """``/proc/meminfo`` in bytes (empty where there is no procfs)."""
     out: dict[str, int] = {}
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in (PROC / "meminfo").read_text().splitlines():
             name, _, rest = line.partition(":")
             parts = rest.split()
             if parts and parts[0].isdigit():
@@ -64,16 +89,16 @@ def _read_int(path: Path) -> int | None:
 def cgroup_limit() -> tuple[int | None, int | None]:
     """(limit, current usage) of this process's memory cgroup in bytes, or None."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = (PROC / "self" / "cgroup").read_text().splitlines()
     except OSError:
         return None, None
     for line in lines:
         _, controllers, rel = line.split(":", 2)
         if controllers == "":  # cgroup v2 unified hierarchy
-            base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+            base = CGROUP_ROOT / rel.lstrip("/")
             limit, usage = _read_int(base / "memory.max"), _read_int(base / "memory.current")
         elif "memory" in controllers.split(","):
-            base = Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
+            base = CGROUP_ROOT / "memory" / rel.lstrip("/")
             limit = _read_int(base / "memory.limit_in_bytes")
             usage = _read_int(base / "memory.usage_in_bytes")
         else:
@@ -83,83 +108,190 @@ def cgroup_limit() -> tuple[int | None, int | None]:
     return None, None
 
 
+def _rlimit(name: str) -> int | None:
+    """The soft limit ``resource.<name>`` in bytes; None when unlimited or not on this OS."""
+    if resource is None or not hasattr(resource, name):
+        return None
+    soft, _ = resource.getrlimit(getattr(resource, name))
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def data_limit() -> int | None:
-    """The soft ``RLIMIT_DATA`` in bytes, or None when unlimited."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
-    return None if soft == _UNLIMITED else soft
+    """The soft ``RLIMIT_DATA`` in bytes, or None when unlimited or absent (Windows)."""
+    return _rlimit("RLIMIT_DATA")
+
+
+def host_budget_unavailable() -> str | None:
+    """Why a CPU budget (``RLIMIT_DATA`` set to ``VmData`` + budget) cannot be enforced
+    here, in one line; None where it can (Linux with ``/proc``).
+
+    Elsewhere a search can still run against the probed available RAM, but its
+    limit is an estimate, not enforced.
+    """
+    name = system()
+    if resource is None or not hasattr(resource, "RLIMIT_DATA"):
+        return (f"CPU budgets are not available on {name}: it has no RLIMIT_DATA; "
+                "searches use the probed available RAM (estimated, not enforced)")
+    if name == "Darwin":
+        return ("CPU budgets are not available on macOS: RLIMIT_DATA there limits only sbrk, "
+                "not malloc; searches use the probed available RAM (estimated, not enforced)")
+    if name != "Linux":
+        return (f"CPU budgets are enforced only on Linux, not {name}; searches use the "
+                "probed available RAM (estimated, not enforced)")
+    if proc_status("VmData") is None:
+        return (f"CPU budgets need {PROC / 'self' / 'status'} (VmData), which is not "
+                "readable here; searches use the probed available RAM (estimated, not enforced)")
+    return None
+
+
+def resident_bytes() -> tuple[int | None, str]:
+    """This process's resident bytes now, and where the figure came from (None: unknown)."""
+    name = system()
+    if name == "Windows":
+        return host_os.windows_working_set()[0], "K32GetProcessMemoryInfo WorkingSetSize"
+    rss = proc_status("VmRSS")
+    if rss is not None:
+        return rss, f"{PROC}/self/status VmRSS"
+    return host_os.ps_rss(), "ps -o rss="
 
 
 def host_memory() -> dict:
     """Total, free and used bytes of the host as this process sees them.
 
     Returns a dict with ``total``, ``free``, ``process`` (this process's
-    resident bytes), ``limited_by`` (which limit set ``free``) and ``sources``.
+    resident bytes), ``limited_by`` (which limit set ``free``), ``sources``,
+    ``budget`` (:func:`host_budget_unavailable`: None where CPU budgets are
+    enforced) and ``peak`` (how peaks are measured here, or why they cannot be).
+    A figure that cannot be read is None; ``sources`` says "estimate" where it is one.
     """
-    info = meminfo()
-    total = info.get("MemTotal")
-    free = info.get("MemAvailable")
-    sources = {"total": "/proc/meminfo MemTotal", "free": "/proc/meminfo MemAvailable"}
+    name = system()
+    sources: dict[str, str] = {}
     limited_by = "MemAvailable"
-    cg_limit, cg_usage = cgroup_limit()
-    if cg_limit is not None:
-        cg_free = max(0, cg_limit - (cg_usage or 0))
-        if total is None or cg_limit < total:
-            total, sources["total"] = cg_limit, "cgroup memory limit"
-        if free is None or cg_free < free:
-            free, sources["free"], limited_by = cg_free, "cgroup limit - usage", "cgroup"
-    rl = data_limit()
-    if rl is not None:
-        vm_data = proc_status("VmData") or 0
-        rl_free = max(0, rl - vm_data)
-        if total is None or rl < total:
-            total, sources["total"] = rl, "RLIMIT_DATA"
-        if free is None or rl_free < free:
-            free, sources["free"], limited_by = rl_free, "RLIMIT_DATA - VmData", "RLIMIT_DATA"
+    if name == "Windows":
+        total, free = host_os.windows_memory()
+        sources = {"total": "GlobalMemoryStatusEx ullTotalPhys",
+                   "free": "GlobalMemoryStatusEx ullAvailPhys"}
+        limited_by = "available physical RAM"
+    elif name == "Darwin":
+        total, free = host_os.darwin_memory()
+        sources = {"total": "sysctl hw.memsize",
+                   "free": "estimate: vm_stat free + speculative + inactive pages"}
+        limited_by = "available physical RAM (estimated)"
+    else:
+        info = meminfo()
+        total, free = info.get("MemTotal"), info.get("MemAvailable")
+        sources = {"total": "/proc/meminfo MemTotal", "free": "/proc/meminfo MemAvailable"}
+    if name == "Linux":
+        cg_limit, cg_usage = cgroup_limit()
+        if cg_limit is not None:
+            cg_free = max(0, cg_limit - (cg_usage or 0))
+            if total is None or cg_limit < total:
+                total, sources["total"] = cg_limit, "cgroup memory limit"
+            if free is None or cg_free < free:
+                free, sources["free"], limited_by = cg_free, "cgroup limit - usage", "cgroup"
+        rl, vm_data = data_limit(), proc_status("VmData")
+        # RLIMIT_DATA bounds malloc only on Linux, and only VmData says how much is used.
+        if rl is not None and vm_data is not None:
+            rl_free = max(0, rl - vm_data)
+            if total is None or rl < total:
+                total, sources["total"] = rl, "RLIMIT_DATA"
+            if free is None or rl_free < free:
+                free, sources["free"], limited_by = rl_free, "RLIMIT_DATA - VmData", "RLIMIT_DATA"
+    for key, value in (("total", total), ("free", free)):
+        if value is None:
+            sources[key] = f"unknown: {sources[key]} could not be read"
+    process, sources["process"] = resident_bytes()
+    method = peak_method()
     return {
         "name": platform.processor() or platform.machine() or "cpu",
         "total": total,
         "free": free,
-        "process": proc_status("VmRSS"),
-        "limited_by": limited_by,
-        "sources": sources | {"process": "/proc/self/status VmRSS"},
+        "process": process,
+        "limited_by": limited_by if free is not None else "unknown",
+        "sources": sources,
+        "budget": host_budget_unavailable(),
+        "peak": method.source or f"unknown: {method.reason}",
     }
 
 
-def reset_peak() -> int:
-    """Reset the resident high-water mark; return the resident bytes now (the baseline).
+@dataclass(frozen=True)
+class PeakMethod:
+    """How CPU peaks are measured on this host.
 
-    Writes ``5`` to ``/proc/self/clear_refs``. Where that is not allowed, the
-    peak keeps its old value and later reads are upper bounds.
+    ``source``: what :func:`read_peak` returns (None where nothing can be read,
+    with ``reason``). ``resettable``: whether :func:`reset_peak` restarts the
+    high-water mark (Linux ``clear_refs``). Where it is not, a read is the
+    process's lifetime peak: exact for work that raised it, an upper bound for
+    work that stayed below an earlier peak.
     """
-    try:
-        with open(_CLEAR_REFS, "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return proc_status("VmRSS") or 0
+
+    source: str | None
+    resettable: bool
+    reason: str | None = None
 
 
-def read_peak() -> int:
-    """The resident high-water mark (``VmHWM``) in bytes since the last reset."""
-    return proc_status("VmHWM") or 0
+def peak_method() -> PeakMethod:
+    """How :func:`read_peak` measures the resident high-water mark here."""
+    name = system()
+    if name == "Windows":
+        if host_os.windows_working_set()[1] is None:
+            return PeakMethod(None, False, "K32GetProcessMemoryInfo is not available")
+        return PeakMethod("K32GetProcessMemoryInfo PeakWorkingSetSize (process lifetime)", False)
+    if proc_status("VmHWM") is not None:
+        return PeakMethod("VmHWM after clear_refs (resident)", True)
+    if resource is None:
+        return PeakMethod(None, False, "no /proc/self/status and no getrusage on this OS")
+    unit = "bytes" if name == "Darwin" else "KiB"
+    return PeakMethod(f"getrusage ru_maxrss ({unit}; process lifetime)", False)
+
+
+def reset_peak() -> int | None:
+    """Start a peak measurement; return the resident bytes now (the baseline), None
+    where they cannot be read.
+
+    Linux: writes ``5`` to ``/proc/self/clear_refs`` (where that is not allowed
+    the peak keeps its old value and later reads are upper bounds). Elsewhere
+    the high-water mark cannot be reset (see :class:`PeakMethod`).
+    """
+    if system() != "Windows":
+        try:
+            with open(PROC / "self" / "clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+    return resident_bytes()[0]
+
+
+def read_peak() -> int | None:
+    """The resident high-water mark in bytes (since :func:`reset_peak` where
+    :func:`peak_method` says it is resettable); None where it cannot be measured,
+    never 0 in its place."""
+    name = system()
+    if name == "Windows":
+        return host_os.windows_working_set()[1]
+    hwm = proc_status("VmHWM")
+    if hwm is not None or resource is None:
+        return hwm
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is bytes on Darwin and KiB on Linux and the BSDs.
+    return int(maxrss) * (1 if name == "Darwin" else 1024)
 
 
 def cpu_count() -> int:
     """CPUs this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
+    except AttributeError:  # not Linux
         return os.cpu_count() or 1
 
 
 def memory_limits() -> dict[str, int]:
     """The memory limits in force on this process, by name, in bytes: ``RLIMIT_DATA``,
-    ``RLIMIT_AS`` (soft) and ``cgroup memory limit``; empty when there is none."""
-    out: dict[str, int] = {}
-    for name in ("RLIMIT_DATA", "RLIMIT_AS"):
-        soft, _ = resource.getrlimit(getattr(resource, name))
-        if soft != _UNLIMITED:
-            out[name] = soft
+    ``RLIMIT_AS`` (soft) and ``cgroup memory limit``; empty when there is none.
+    Linux only: elsewhere these rlimits do not bound malloc."""
+    if system() != "Linux":
+        return {}
+    out = {name: v for name in ("RLIMIT_DATA", "RLIMIT_AS") if (v := _rlimit(name)) is not None}
     limit, _ = cgroup_limit()
     if limit is not None:
         out["cgroup memory limit"] = limit

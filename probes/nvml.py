@@ -12,7 +12,17 @@ functions here return a reason string, they do not raise.
 
 NVML numbers devices in PCI bus order and ignores ``CUDA_VISIBLE_DEVICES``;
 torch numbers the visible devices only, in CUDA's order. :func:`map_visible_devices`
-(pure, testable without a GPU) translates torch indices to NVML indices.
+(pure, in :mod:`oomguard.probes.nvml_ids`) translates torch indices to NVML indices. A MIG
+slice is matched by its ``MIG-`` UUID and measured through its own MIG handle:
+its parent shares the PCI bus id with every other slice, so a bus-id match
+would report the whole card.
+
+Driver differences handled here (nvidia-ml-py 13.615): drivers before R510
+lack ``nvmlDeviceGetComputeRunningProcesses_v3`` and the unversioned wrapper
+then raises ``NVMLLibraryMismatchError``, which is not an ``NVMLError``;
+drivers 535.43-535.86 fill ``_v3`` with a longer struct than pynvml reads, so
+entries after the first are garbage (``_v2`` is used there); a process whose
+``usedGpuMemory`` is None (no permission, containers, WDDM) is unknown, never 0 B.
 """
 
 from __future__ import annotations
@@ -21,9 +31,25 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from oomguard.probes.nvml_ids import (  # re-exported: the mapping rules live there
+    MigIdentity,
+    map_visible_devices,
+    match_device,
+    match_mig,
+    misparses_v3,
+    normalize_pci_bus_id,
+    normalize_uuid,
+    nvml_index_for,
+    pci_bus_id_from_ints,
+)
+
+__all__ = ["MigIdentity", "NvmlDevice", "device_count", "driver_version", "identities",
+           "map_visible_devices", "match_device", "match_mig", "mig_devices", "misparses_v3",
+           "normalize_pci_bus_id", "normalize_uuid", "nvml_index_for", "pci_bus_id_from_ints",
+           "query", "query_for_torch_index", "query_mig", "unavailable_reason"]
 
 log = logging.getLogger("oomguard.probes.nvml")
 
@@ -67,119 +93,22 @@ def _text(value: Any) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Identity and CUDA_VISIBLE_DEVICES mapping (pure functions)
-# ---------------------------------------------------------------------------
-
-_PCI_RE = re.compile(r"^(?:([0-9a-fA-F]+):)?([0-9a-fA-F]+):([0-9a-fA-F]+)(?:\.[0-9a-fA-F]+)?$")
-
-
-def normalize_pci_bus_id(bus_id: str) -> str | None:
-    """``"00000000:3B:00.0"`` or ``"0000:3b:00.0"`` -> ``"0000:3b:00"`` (None if unparsable).
-
-    NVML writes an 8-digit domain, CUDA a 4-digit one; the PCI function is
-    dropped because a GPU is one function.
-    """
-    m = _PCI_RE.match(bus_id.strip())
-    if m is None:
-        return None
-    domain, bus, dev = (int(g, 16) if g else 0 for g in m.groups())
-    return f"{domain:04x}:{bus:02x}:{dev:02x}"
-
-
-def pci_bus_id_from_ints(domain: int, bus: int, device: int) -> str:
-    """The normalised bus id from torch's ``pci_domain_id``/``pci_bus_id``/``pci_device_id``."""
-    return f"{domain:04x}:{bus:02x}:{device:02x}"
-
-
-def normalize_uuid(uuid: str) -> str:
-    """Lower-case UUID without the ``GPU-`` prefix (torch prints it bare, NVML with it)."""
-    u = uuid.strip().lower()
-    return u[4:] if u.startswith("gpu-") else u
-
-
-def map_visible_devices(cuda_visible_devices: str | None,
-                        nvml_devices: Sequence[tuple[str, str]]) -> list[int]:
-    """NVML indices of the devices CUDA exposes, in torch's order (torch index -> position).
-
-    ``cuda_visible_devices`` is the environment variable's value (None when
-    unset: every device, in NVML's order). ``nvml_devices`` lists ``(uuid,
-    pci_bus_id)`` per NVML index. Entries are integers (NVML/PCI order, which
-    is CUDA's order only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical
-    GPUs; prefer UUIDs or :func:`match_device`), ``GPU-`` UUIDs or unique UUID
-    prefixes. As CUDA does, parsing stops at the first entry that names no
-    device, and a device is listed at most once. ``MIG-`` entries name no
-    whole GPU and stop the list too.
-    """
-    n = len(nvml_devices)
-    if cuda_visible_devices is None:
-        return list(range(n))
-    uuids = [normalize_uuid(u) for u, _ in nvml_devices]
-    out: list[int] = []
-    for raw in cuda_visible_devices.split(","):
-        token = raw.strip()
-        index: int | None = None
-        if re.fullmatch(r"[0-9]+", token):
-            index = int(token) if int(token) < n else None
-        elif token.lower().startswith("gpu-"):
-            want = normalize_uuid(token)
-            hits = [i for i, u in enumerate(uuids) if u.startswith(want)]
-            index = hits[0] if len(hits) == 1 else None
-        if index is None or index in out:
-            break
-        out.append(index)
-    return out
-
-
-def match_device(nvml_devices: Sequence[tuple[str, str]], *, uuid: str | None = None,
-                 pci_bus_id: str | None = None) -> int | None:
-    """The NVML index whose UUID (preferred) or PCI bus id equals the given one, or None."""
-    if uuid:
-        want = normalize_uuid(uuid)
-        for i, (u, _) in enumerate(nvml_devices):
-            if normalize_uuid(u) == want:
-                return i
-    if pci_bus_id:
-        want_pci = normalize_pci_bus_id(pci_bus_id)
-        for i, (_, p) in enumerate(nvml_devices):
-            if want_pci is not None and normalize_pci_bus_id(p) == want_pci:
-                return i
-    return None
-
-
-def nvml_index_for(torch_index: int, nvml_devices: Sequence[tuple[str, str]], *,
-                   cuda_visible_devices: str | None, uuid: str | None = None,
-                   pci_bus_id: str | None = None) -> tuple[int | None, str]:
-    """Map torch's ``cuda:torch_index`` to an NVML index; return (index or None, how).
-
-    Tries torch's own identity of the device first (UUID, then PCI bus id),
-    which is exact whatever ``CUDA_DEVICE_ORDER`` is; falls back to parsing
-    ``CUDA_VISIBLE_DEVICES``. ``how`` names the method or why it failed.
-    """
-    by_id = match_device(nvml_devices, uuid=uuid, pci_bus_id=pci_bus_id)
-    if by_id is not None:
-        how = "uuid" if uuid and normalize_uuid(nvml_devices[by_id][0]) == normalize_uuid(uuid) \
-            else "pci bus id"
-        return by_id, how
-    visible = map_visible_devices(cuda_visible_devices, nvml_devices)
-    if 0 <= torch_index < len(visible):
-        src = "CUDA_VISIBLE_DEVICES" if cuda_visible_devices is not None else "index order"
-        return visible[torch_index], src
-    return None, (f"cuda:{torch_index} is not among the {len(visible)} device(s) NVML "
-                  f"matches to CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}")
-
-
-# ---------------------------------------------------------------------------
 # Queries (need a driver)
 # ---------------------------------------------------------------------------
 
 
 @dataclass
 class NvmlDevice:
-    """One physical GPU as NVML measures it. Sizes in bytes; None = not reported.
+    """One GPU, or one MIG slice of it, as NVML measures it. Bytes; None = not reported.
 
+    ``total`` is NVML's total; with ``memory_api`` ``nvmlDeviceGetMemoryInfo_v2``
+    ``reserved`` is the driver-reserved part CUDA cannot use (``usable``); the
+    v1 API folds it into ``total`` and ``used`` and leaves ``reserved`` None.
     ``process_bytes`` is this process's usage (matched by pid; in a container
     with its own PID namespace NVML reports host pids and the match can fail,
-    then ``pid_matched`` is False). ``other_processes_bytes`` sums the others.
+    then ``pid_matched`` is False); None when NVML did not report it.
+    ``other_processes_bytes`` sums the others, None when any of them is
+    unknown (``unknown_pids``); ``other_processes_known_bytes`` is then a lower bound.
     """
 
     index: int
@@ -189,10 +118,35 @@ class NvmlDevice:
     total: int
     free: int
     used: int
+    reserved: int | None = None
+    memory_api: str = "nvmlDeviceGetMemoryInfo"
+    process_api: str | None = None
     process_bytes: int | None = None
     other_processes_bytes: int | None = None
+    other_processes_known_bytes: int = 0
+    unknown_pids: list[int] = field(default_factory=list)
     pid_matched: bool = False
     processes: dict[int, int | None] = field(default_factory=dict)
+    mig_index: int | None = None
+    mig_profile: str | None = None
+
+    @property
+    def usable(self) -> int | None:
+        """Bytes CUDA can use: ``total - reserved`` (v2 API), else None (unknown)."""
+        return None if self.reserved is None else self.total - self.reserved
+
+
+def _errors(nv: Any) -> tuple[type[BaseException], ...]:
+    """What a pynvml call may raise for a driver answer; the mismatch error is no NVMLError."""
+    mismatch = getattr(nv, "NVMLLibraryMismatchError", None)
+    return (nv.NVMLError,) if mismatch is None else (nv.NVMLError, mismatch)
+
+
+def _missing(nv: Any, exc: BaseException) -> bool:
+    """Whether ``exc`` says this driver lacks the function (so an older version may work)."""
+    kinds = tuple(getattr(nv, n) for n in ("NVMLLibraryMismatchError", "NVMLError_FunctionNotFound",
+                                           "NVMLError_ArgumentVersionMismatch") if hasattr(nv, n))
+    return isinstance(exc, kinds)
 
 
 def _own_pids() -> set[int]:
@@ -215,7 +169,7 @@ def device_count() -> int:
         return 0
     try:
         return int(nv.nvmlDeviceGetCount())
-    except nv.NVMLError as exc:
+    except _errors(nv) as exc:
         log.debug("nvmlDeviceGetCount failed: %s", exc)
         return 0
 
@@ -230,29 +184,107 @@ def identities() -> list[tuple[str, str]]:
         for i in range(nv.nvmlDeviceGetCount()):
             h = nv.nvmlDeviceGetHandleByIndex(i)
             out.append((_text(nv.nvmlDeviceGetUUID(h)), _text(nv.nvmlDeviceGetPciInfo(h).busId)))
-    except nv.NVMLError as exc:
+    except _errors(nv) as exc:
         log.debug("NVML identity query failed: %s", exc)
     return out
 
 
-def _processes(nv: Any, handle: Any) -> dict[int, int | None]:
-    """pid -> used bytes for compute and graphics contexts (None where not reported)."""
-    procs: dict[int, int | None] = {}
-    for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-        fn = getattr(nv, getter, None)
-        if fn is None:
-            continue
+def mig_devices() -> list[MigIdentity]:
+    """Every MIG device of every MIG-enabled GPU (empty without MIG or NVML)."""
+    nv, _ = _nvml()
+    if nv is None or not hasattr(nv, "nvmlDeviceGetMigMode"):  # a pynvml older than MIG
+        return []
+    out: list[MigIdentity] = []
+    try:
+        count = nv.nvmlDeviceGetCount()
+    except _errors(nv):
+        return []
+    for i in range(count):
         try:
-            entries = fn(handle)
-        except nv.NVMLError as exc:  # e.g. NOT_SUPPORTED on some vGPUs / MIG
-            log.debug("%s failed: %s", getter, exc)
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            if nv.nvmlDeviceGetMigMode(h)[0] != getattr(nv, "NVML_DEVICE_MIG_ENABLE", 1):
+                continue
+            slots = nv.nvmlDeviceGetMaxMigDeviceCount(h)
+        except _errors(nv):  # NOT_SUPPORTED: a GPU without MIG
             continue
-        for p in entries:
+        for j in range(slots):
+            try:
+                mh = nv.nvmlDeviceGetMigDeviceHandleByIndex(h, j)
+                out.append(MigIdentity(_text(nv.nvmlDeviceGetUUID(mh)), i, j))
+            except _errors(nv):  # NOT_FOUND: an empty slot
+                continue
+    return out
+
+
+def _memory(nv: Any, handle: Any) -> tuple[int, int | None, int, int, str]:
+    """(total, reserved or None, free, used, API name) in bytes: v2 where the driver has it."""
+    version = getattr(nv, "nvmlMemory_v2", None)
+    if version is not None:
+        try:
+            m = nv.nvmlDeviceGetMemoryInfo(handle, version=version)
+            return int(m.total), int(m.reserved), int(m.free), int(m.used), \
+                "nvmlDeviceGetMemoryInfo_v2"
+        except TypeError:  # a pynvml without the version argument
+            pass
+        except _errors(nv) as exc:
+            if not (_missing(nv, exc) or isinstance(exc, getattr(nv, "NVMLError_NotSupported", ()))):
+                raise
+    m = nv.nvmlDeviceGetMemoryInfo(handle)
+    return int(m.total), None, int(m.free), int(m.used), "nvmlDeviceGetMemoryInfo"
+
+
+_PROCESS_LISTS = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses")
+
+
+def _processes(nv: Any, handle: Any) -> tuple[dict[int, int | None], str | None]:
+    """pid -> used bytes for compute and graphics contexts (None where not reported),
+    and the compute API that answered (None if none did)."""
+    try:
+        skip_v3 = misparses_v3(_text(nv.nvmlSystemGetDriverVersion()))
+    except _errors(nv):
+        skip_v3 = False
+    procs: dict[int, int | None] = {}
+    used_api: str | None = None
+    for base in _PROCESS_LISTS:
+        # v3 (R510+), v2 (R450+), then whatever the unversioned wrapper of this pynvml calls.
+        names = [f"{base}_v2", base] if skip_v3 else [f"{base}_v3", f"{base}_v2", base]
+        entries = None
+        for name in names:
+            fn = getattr(nv, name, None)
+            if fn is None:
+                continue
+            try:
+                entries = fn(handle)
+            except _errors(nv) as exc:
+                log.debug("%s failed: %s", name, exc)
+                if _missing(nv, exc):
+                    continue
+                break  # e.g. NOT_SUPPORTED / NO_PERMISSION: an older API will not do better
+            if used_api is None and base == _PROCESS_LISTS[0]:
+                used_api = name
+            break
+        for p in entries or ():
             used = getattr(p, "usedGpuMemory", None)
+            pid = int(p.pid)
             # One process may be listed in both lists with the same context: keep the max.
-            prev = procs.get(int(p.pid))
-            procs[int(p.pid)] = used if prev is None else max(prev, used or 0)
-    return procs
+            prev = procs.get(pid)
+            procs[pid] = used if prev is None else max(prev, used if used is not None else 0)
+    return procs, used_api
+
+
+def _measure(nv: Any, dev: NvmlDevice, handle: Any) -> NvmlDevice:
+    dev.total, dev.reserved, dev.free, dev.used, dev.memory_api = _memory(nv, handle)
+    dev.processes, dev.process_api = _processes(nv, handle)
+    mine = _own_pids()
+    dev.pid_matched = bool(mine & dev.processes.keys())
+    own = [b for pid, b in dev.processes.items() if pid in mine]
+    known_own = [b for b in own if b is not None]
+    dev.process_bytes = sum(known_own) if dev.pid_matched and len(known_own) == len(own) else None
+    dev.unknown_pids = sorted(p for p, b in dev.processes.items() if b is None and p not in mine)
+    dev.other_processes_known_bytes = sum(b for p, b in dev.processes.items()
+                                          if b is not None and p not in mine)
+    dev.other_processes_bytes = None if dev.unknown_pids else dev.other_processes_known_bytes
+    return dev
 
 
 def query(nvml_index: int) -> NvmlDevice | str:
@@ -262,38 +294,63 @@ def query(nvml_index: int) -> NvmlDevice | str:
         return f"NVML: {reason}"
     try:
         h = nv.nvmlDeviceGetHandleByIndex(nvml_index)
-        mem = nv.nvmlDeviceGetMemoryInfo(h)
         dev = NvmlDevice(
             index=nvml_index, name=_text(nv.nvmlDeviceGetName(h)),
             uuid=_text(nv.nvmlDeviceGetUUID(h)), pci_bus_id=_text(nv.nvmlDeviceGetPciInfo(h).busId),
-            total=int(mem.total), free=int(mem.free), used=int(mem.used),
-        )
-        procs = _processes(nv, h)
-    except nv.NVMLError as exc:
+            total=0, free=0, used=0)
+        return _measure(nv, dev, h)
+    except _errors(nv) as exc:
         return f"NVML: {type(exc).__name__}: {exc}"
-    mine = _own_pids()
-    dev.processes = procs
-    dev.pid_matched = bool(mine & procs.keys())
-    known = {pid: b for pid, b in procs.items() if b is not None}
-    dev.process_bytes = sum(b for pid, b in known.items() if pid in mine) if dev.pid_matched else None
-    dev.other_processes_bytes = sum(b for pid, b in known.items() if pid not in mine)
-    return dev
+
+
+def query_mig(mig: MigIdentity) -> NvmlDevice | str:
+    """Measure one MIG slice through its own handle: its memory, its processes, its profile.
+
+    ``index`` is the parent's NVML index and ``pci_bus_id`` the parent's (a
+    slice has none of its own); ``mig_profile`` is read from the name NVML
+    gives the slice (``"... MIG 1g.5gb"``), None if it names none.
+    """
+    nv, reason = _nvml()
+    if nv is None:
+        return f"NVML: {reason}"
+    try:
+        parent = nv.nvmlDeviceGetHandleByIndex(mig.parent_index)
+        h = nv.nvmlDeviceGetMigDeviceHandleByIndex(parent, mig.mig_index)
+        name = _text(nv.nvmlDeviceGetName(h))
+        profile = re.search(r"\bMIG\s+(\S+)", name)
+        dev = NvmlDevice(
+            index=mig.parent_index, name=name, uuid=_text(nv.nvmlDeviceGetUUID(h)),
+            pci_bus_id=_text(nv.nvmlDeviceGetPciInfo(parent).busId), total=0, free=0, used=0,
+            mig_index=mig.mig_index, mig_profile=profile[1] if profile else None)
+        return _measure(nv, dev, h)
+    except _errors(nv) as exc:
+        return f"NVML: {type(exc).__name__}: {exc}"
 
 
 def query_for_torch_index(torch_index: int, *, uuid: str | None = None,
                           pci_bus_id: str | None = None) -> tuple[NvmlDevice | None, str]:
     """NVML's view of torch's ``cuda:torch_index``: (device or None, how it was mapped / why not).
 
-    ``uuid`` and ``pci_bus_id`` are torch's identity of the device, where known.
+    ``uuid`` and ``pci_bus_id`` are torch's identity of the device, where
+    known. A MIG slice is found by its UUID; a device that maps only to a
+    MIG-enabled parent (by bus id or index) is not reported as the whole card.
     """
     reason = unavailable_reason()
     if reason is not None:
         return None, f"NVML: {reason}"
-    ids = identities()
-    index, how = nvml_index_for(torch_index, ids, cuda_visible_devices=os.environ.get(
-        "CUDA_VISIBLE_DEVICES"), uuid=uuid, pci_bus_id=pci_bus_id)
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    migs = mig_devices()
+    mig, how = match_mig(migs, torch_index, uuid=uuid, cuda_visible_devices=cvd)
+    if mig is not None:
+        result = query_mig(mig)
+        return (None, result) if isinstance(result, str) else (result, how)
+    index, how = nvml_index_for(torch_index, identities(), cuda_visible_devices=cvd, uuid=uuid,
+                                pci_bus_id=pci_bus_id)
     if index is None:
         return None, how
+    if any(m.parent_index == index for m in migs):
+        return None, (f"NVML GPU {index} is in MIG mode and cuda:{torch_index} matches none of "
+                      f"its MIG UUIDs: its slice is unknown (CUDA_VISIBLE_DEVICES=MIG-<uuid> names it)")
     result = query(index)
     if isinstance(result, str):
         return None, result
@@ -307,5 +364,5 @@ def driver_version() -> str | None:
         return None
     try:
         return _text(nv.nvmlSystemGetDriverVersion())
-    except nv.NVMLError:
+    except _errors(nv):
         return None

@@ -6,11 +6,15 @@ result is the peak *above what was in use at reset*, measured, not estimated.
 - CPU: resident high-water mark (``VmHWM`` after ``clear_refs``) minus the
   resident bytes at reset. Resident, so pages reserved but never touched are
   not counted.
-- CUDA: ``torch.cuda.max_memory_reserved`` minus the reserved bytes at reset;
-  reserved, not allocated, because the fraction budget and the OOM count
-  reserved bytes.
-- MPS: ``torch.mps.driver_allocated_memory`` after minus before (the MPS
-  backend keeps no peak; this is a lower bound).
+- CUDA, native allocator: ``torch.cuda.max_memory_reserved`` minus the reserved
+  bytes at reset; reserved, not allocated, because its fraction cap and its OOM
+  count reserved segments (c10/cuda/CUDACachingAllocator.cpp).
+- CUDA, ``backend:cudaMallocAsync``: ``max_memory_allocated`` minus the bytes in
+  use at reset, because that allocator's cap counts bytes in use while its
+  "reserved" is the driver pool's, which keeps freed memory
+  (c10/cuda/CUDAMallocAsyncAllocator.cpp).
+- MPS: ``torch.mps.driver_allocated_memory`` after minus before, the units its
+  cap counts (the MPS backend keeps no peak; this is a lower bound).
 """
 
 from __future__ import annotations
@@ -20,6 +24,23 @@ import torch
 from oomguard.probes import host
 
 
+def _async_backend() -> bool:
+    """Whether CUDA runs ``backend:cudaMallocAsync`` (``torch.cuda.get_allocator_backend``)."""
+    getter = getattr(torch.cuda, "get_allocator_backend", None)
+    return getter is not None and torch.cuda.is_available() and getter() == "cudaMallocAsync"
+
+
+def _host_source() -> str:
+    """What a CPU peak is, on this OS (Linux: resettable VmHWM; elsewhere a lifetime peak)."""
+    method = host.peak_method()
+    if method.source is None:
+        return f"unmeasured: {method.reason}"
+    if method.resettable:
+        return f"{method.source} - resident at reset"
+    return (f"{method.source} - resident at reset (not resettable: an upper bound for work "
+            "that stays below an earlier peak)")
+
+
 class PeakMeter:
     """Measures the peak bytes a piece of work adds on ``device``."""
 
@@ -27,8 +48,10 @@ class PeakMeter:
         self.device = torch.device(device)
         self.baseline = 0
         self.source = {
-            "cpu": "VmHWM - VmRSS at reset (resident)",
-            "cuda": "torch.cuda.max_memory_reserved - reserved at reset",
+            "cpu": _host_source(),
+            "cuda": ("torch.cuda.max_memory_allocated - allocated at reset (cudaMallocAsync)"
+                     if self.device.type == "cuda" and _async_backend()
+                     else "torch.cuda.max_memory_reserved - reserved at reset"),
             "mps": "torch.mps.driver_allocated_memory delta (lower bound)",
         }.get(self.device.type, "unmeasured")
 
@@ -36,15 +59,18 @@ class PeakMeter:
         """Start a measurement; return the baseline in bytes."""
         kind = self.device.type
         if kind == "cpu":
-            self.baseline = host.reset_peak()
+            # None: this OS gives no resident size (the source says "unmeasured")
+            self.baseline = host.reset_peak() or 0
         elif kind == "cuda" and torch.cuda.is_available():
             torch.cuda.synchronize(self.device)
             # Cached free blocks would serve the work without raising the
             # reserved peak, and the read would under-report (even 0).
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.baseline = torch.cuda.memory_reserved(self.device)
+            current = torch.cuda.memory_allocated if _async_backend() else torch.cuda.memory_reserved
+            self.baseline = current(self.device)
         elif kind == "mps" and torch.backends.mps.is_available():
+            torch.mps.empty_cache()  # cached buffers would hide the work's growth
             self.baseline = torch.mps.driver_allocated_memory()
         else:
             self.baseline = 0
@@ -54,10 +80,11 @@ class PeakMeter:
         """The peak bytes in use on the device since :meth:`reset` (not minus the baseline)."""
         kind = self.device.type
         if kind == "cpu":
-            return host.read_peak()
+            return host.read_peak() or 0
         if kind == "cuda" and torch.cuda.is_available():
             torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_reserved(self.device)
+            peak = torch.cuda.max_memory_allocated if _async_backend() else torch.cuda.max_memory_reserved
+            return peak(self.device)
         if kind == "mps" and torch.backends.mps.is_available():
             return torch.mps.driver_allocated_memory()
         return 0

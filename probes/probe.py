@@ -49,7 +49,8 @@ def _cpu_snapshot() -> MemorySnapshot:
     return MemorySnapshot(
         device="cpu", name=mem["name"], available=True, total_bytes=mem["total"],
         free_bytes=mem["free"], process_bytes=mem["process"], sources=mem["sources"],
-        extra={"limited_by": mem["limited_by"], "cpus": host.cpu_count()},
+        extra={"limited_by": mem["limited_by"], "cpus": host.cpu_count(),
+               "budget": mem["budget"], "peak": mem["peak"]},
     )
 
 
@@ -84,6 +85,39 @@ def _cuda_unavailable(label: str, torch_reason: str) -> MemorySnapshot:
                           extra={"nvml_devices": count, "driver": nvml.driver_version()})
 
 
+def _merge_nvml(snap: MemorySnapshot, nv: nvml.NvmlDevice, how: str, ident: dict[str, Any]) -> None:
+    """Put NVML's measured figures into ``snap``, naming the API behind each.
+
+    The total is what CUDA can use: NVML v2's ``total - reserved``; with only
+    the v1 API (whose total includes driver-reserved memory, ~0.5 GiB) it is
+    torch's ``total_memory`` (cudaDeviceProp.totalGlobalMem), which creates no context.
+    """
+    what = f"NVML {nv.memory_api}" + (f" (MIG {nv.mig_profile or 'slice'})"
+                                      if nv.mig_index is not None else "")
+    snap.free_bytes = nv.free
+    snap.sources["free"] = f"{what} free"
+    if nv.usable is not None:
+        snap.total_bytes = nv.usable
+        snap.sources["total"] = f"{what} total - reserved"
+    else:
+        snap.total_bytes = ident["total"]
+        snap.sources["total"] = ("torch.cuda.get_device_properties total_memory (NVML v1 total "
+                                 "includes driver-reserved memory)")
+    snap.process_bytes, snap.other_processes_bytes = nv.process_bytes, nv.other_processes_bytes
+    api = nv.process_api or "NVML running processes"
+    snap.sources.update({"process": f"{api}, this pid", "other_processes": f"{api}, other pids"})
+    snap.extra.update({"nvml_index": nv.index, "nvml_mapped_by": how, "nvml_total": nv.total,
+                       "nvml_reserved": nv.reserved, "nvml_used": nv.used,
+                       "pid_matched": nv.pid_matched})
+    if nv.unknown_pids:
+        # NVML gave no size for these (no permission, containers): unknown, not 0 B.
+        snap.extra["other_processes_unknown_pids"] = nv.unknown_pids
+        snap.extra["other_processes_at_least"] = nv.other_processes_known_bytes
+    if nv.mig_index is not None:
+        snap.extra.update({"mig_profile": nv.mig_profile, "mig_index": nv.mig_index,
+                           "mig_uuid": nv.uuid})
+
+
 def _cuda_snapshot(index: int | None) -> MemorySnapshot:
     label = "cuda" if index is None else f"cuda:{index}"
     cuda = _cuda_backend()
@@ -110,15 +144,7 @@ def _cuda_snapshot(index: int | None) -> MemorySnapshot:
         "peak_reserved": "torch.cuda.max_memory_reserved",
     })
     if nv is not None:
-        snap.total_bytes, snap.free_bytes = nv.total, nv.free
-        snap.process_bytes, snap.other_processes_bytes = nv.process_bytes, nv.other_processes_bytes
-        snap.sources.update({
-            "total": "NVML nvmlDeviceGetMemoryInfo", "free": "NVML nvmlDeviceGetMemoryInfo",
-            "process": "NVML running processes, this pid",
-            "other_processes": "NVML running processes, other pids",
-        })
-        snap.extra.update({"nvml_index": nv.index, "nvml_mapped_by": how,
-                           "nvml_used": nv.used, "pid_matched": nv.pid_matched})
+        _merge_nvml(snap, nv, how, ident)
         if not nv.pid_matched and cuda.has_context(idx):
             # Our context exists but NVML lists no entry for our pid: a separate PID
             # namespace (containers). NVML's "others" then include us; say nothing

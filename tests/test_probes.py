@@ -226,7 +226,9 @@ def test_fake_nvml_query_splits_this_process_from_others(fake_nvml, monkeypatch)
     assert isinstance(dev, nvml.NvmlDevice)
     assert (dev.name, dev.uuid, dev.pci_bus_id) == ("Fake H100", FAKE_GPUS[1][0], "00000000:3B:00.0")
     assert dev.pid_matched and dev.process_bytes == 10 * 1024 * MiB
-    assert dev.other_processes_bytes == 15 * 1024 * MiB  # the unknown one is not counted as 0
+    # One other pid's usage is unknown (None): the sum is unknown, 15 GiB a lower bound.
+    assert dev.other_processes_bytes is None and dev.unknown_pids == [99992]
+    assert dev.other_processes_known_bytes == 15 * 1024 * MiB
     assert nvml.driver_version() == "999.1"
 
 
@@ -254,7 +256,8 @@ def test_fake_cuda_probe_merges_nvml_and_allocator(fake_nvml, monkeypatch) -> No
     assert snap.available and snap.device == "cuda:0" and snap.name == "Fake H100"
     assert snap.extra["nvml_index"] == 1 and snap.extra["nvml_mapped_by"] == "CUDA_VISIBLE_DEVICES"
     assert (snap.total_bytes, snap.free_bytes) == (80 * 1024 * MiB, 50 * 1024 * MiB)
-    assert snap.process_bytes == 10 * 1024 * MiB and snap.other_processes_bytes == 15 * 1024 * MiB
+    assert snap.process_bytes == 10 * 1024 * MiB and snap.other_processes_bytes is None
+    assert snap.extra["other_processes_at_least"] == 15 * 1024 * MiB
     assert snap.extra["reserved"] == 8 * 1024 * MiB
     assert snap.extra["free_in_allocator_cache"] == 2 * 1024 * MiB
     assert snap.sources["free"].startswith("NVML")

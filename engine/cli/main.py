@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from oomguard.engine.cli.devices import budget_free_limit, default_budget, resolve_device
 from oomguard.engine.cli.logs import setup_logging
 from oomguard.engine.core.units import fmt_bytes, parse_size
 from oomguard.engine.errors import SearchFailed, UsageError
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 
     from oomguard.probes import MemorySnapshot
 
-DEFAULT_CPU_BUDGET = "2GiB"
 DEFAULT_STEP = 8  # the E10 routine's increment
 
 
@@ -55,37 +55,6 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def resolve_device(name: str) -> torch.device:
-    """Check that ``name`` is a device this machine has; UsageError saying what to do otherwise."""
-    try:
-        parse_device(name)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    import torch  # why: only commands that run work on a device need torch
-
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {name}: no CUDA GPU is available here; use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise UsageError(f"--device {name}: MPS is not available here; use --device cpu")
-    return dev
-
-
-def default_budget(dev: torch.device, given: int | None) -> int | None:
-    """The budget a search runs under: the one given; on CPU 2 GiB; on a GPU the
-    free memory the probe reports (so the search sees the real device limit)."""
-    if given is not None:
-        return given
-    if dev.type == "cpu":
-        return parse_size(DEFAULT_CPU_BUDGET)
-    from oomguard.probes import probe
-
-    return probe(dev).free_bytes
 
 
 def _strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size: int) -> Any:
@@ -119,10 +88,18 @@ def _search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
     nbytes = default_budget(dev, args.budget)
     if nbytes is not None:
         check_budget(nbytes, dev)
+    capacity = nbytes
+    if capacity is None and dev.type == "cuda" and args.strategy == "linear-jump":
+        from oomguard.probes import probe
+
+        capacity = probe(dev).free_bytes  # only where the strategy needs a number to aim at
     timeout = {} if args.trial_timeout is None else {"trial_timeout": args.trial_timeout}
-    return SearchConfig(strategy=_strategy(args, nbytes, unit, max_size), max_size=max_size,
+    # MPS aborts the process on a tensor over 4 GiB instead of raising: a trial must not
+    # take the search down with it.
+    isolate = args.isolate or dev.type == "mps"
+    return SearchConfig(strategy=_strategy(args, capacity, unit, max_size), max_size=max_size,
                         max_trials=args.max_trials, device=dev, budget=nbytes,
-                        isolate=args.isolate, margin=args.margin, **timeout)
+                        isolate=isolate, margin=args.margin, **timeout)
 
 
 def _progress(label: str) -> Any:
@@ -143,8 +120,10 @@ def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
     from oomguard.metrics.workload import snap_to_unit
 
     unit = getattr(config.strategy, "unit", 1)
+    limit = fmt_bytes(config.budget) if config.budget is not None else budget_free_limit(
+        config.device)
     print(f"oomguard: searching {workload.name} on {config.device} under "
-          f"{fmt_bytes(config.budget)} ({'isolated' if config.isolate else 'in-process'} trials"
+          f"{limit} ({'isolated' if config.isolate else 'in-process'} trials"
           f"{f', sizes in multiples of {unit}' if unit > 1 else ''})", file=sys.stderr, flush=True)
     try:
         result = search(workload, config, on_trial=_progress(context.get("knob", "batch")))
@@ -229,6 +208,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_output_folder(out)
     workload = TrainStep(model=args.model, seq_len=args.seq_len, device=args.device)
+    if not config.isolate:
+        # Warm up before the search probes free memory, so capacity excludes the model.
+        # Isolated, this process keeps nothing on the device: children measure alone.
+        workload.warmup()
     context = workload.describe()
     context["title"] = f"{args.model} training step: Maximum Batch Size Report"
     result = _search(workload, config, context)

@@ -9,11 +9,20 @@ error:
   (``mallopt(M_MMAP_THRESHOLD)``) so freed tensors really go back to the kernel;
   without it the heap keeps fragments and the same size fits on one try and not
   the next (docs/measurements.md#return-freed-memory).
-- CUDA: ``torch.cuda.set_per_process_memory_fraction((reserved + budget) / total)``.
+- CUDA: ``torch.cuda.set_per_process_memory_fraction((held + budget) / total)``.
+  The cap counts what the allocator backend counts (c10/cuda/CUDACachingAllocator.cpp:
+  reserved segments; c10/cuda/CUDAMallocAsyncAllocator.cpp: bytes in use), so ``held`` is
+  measured in those units, after ``empty_cache()``: cached free blocks are released
+  before an allocation meets the cap, and counting them would enlarge the budget.
+- MPS: ``torch.mps.set_per_process_memory_fraction((driver allocated + budget) /
+  recommended_max_memory)``: the MPS allocator compares the Metal driver's allocated
+  bytes with that fraction of the recommended working-set size (MPSAllocator.mm).
 
-On both, the budget counts bytes *above what the process holds when it is
-entered* (virtual data size on CPU, allocator-reserved bytes on CUDA). The
-previous limit is restored on exit, also after an error.
+Each budget counts bytes *above what the process holds when it is entered*
+(virtual data size on CPU, the allocator's units on a GPU) and is kept there:
+:func:`tighten_active_budget` lowers it to the smallest usage seen. The previous
+limit is restored on exit, also after an error. Host (CPU) budgets need
+``RLIMIT_DATA`` (Linux); elsewhere they raise :class:`BudgetError`.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import ctypes
 import ctypes.util
 import gc
 import logging
-import resource
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +41,11 @@ import torch
 from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import BudgetError
 from oomguard.probes import host
+
+try:
+    import resource
+except ImportError:  # Windows: no RLIMIT_DATA, so no host budgets (check_budget says so)
+    resource = None  # type: ignore[assignment]
 
 log = logging.getLogger("oomguard.budget")
 
@@ -48,10 +62,17 @@ class Budget:
     nbytes: int
     device: str
     mechanism: str
-    limit: int  # the absolute limit set: RLIMIT_DATA bytes, or the CUDA cap in bytes
+    limit: int  # the absolute limit set at entry: RLIMIT_DATA bytes, or the GPU cap in bytes
 
 
 _active: list[Budget] = []
+# The fraction oomguard (or the user through set_memory_fraction) last set per GPU
+# ("cuda:N", "mps"): torch < 2.6 cannot read a CUDA fraction back, torch.mps never can.
+_fractions: dict[str, float] = {}
+# MPSAllocator.mm's default high-watermark ratio (PYTORCH_MPS_HIGH_WATERMARK_RATIO
+# overrides it) and the largest fraction torch.mps accepts.
+MPS_DEFAULT_FRACTION = 1.7
+MPS_MAX_FRACTION = 2.0
 
 
 def active_budget() -> Budget | None:
@@ -59,18 +80,30 @@ def active_budget() -> Budget | None:
     return _active[-1] if _active else None
 
 
+def host_budgets_available() -> bool:
+    """Whether this OS can cap the host memory of a process (``RLIMIT_DATA`` over ``VmData``:
+    Linux with /proc; on macOS RLIMIT_DATA limits only sbrk, not malloc)."""
+    return resource is not None and host.host_budget_unavailable() is None
+
+
 def tighten_active_budget() -> None:
-    """Keep an active CPU budget at ``nbytes`` above the *smallest* usage seen.
+    """Keep an active budget at ``nbytes`` above the *smallest* usage seen.
 
     Memory counted in the baseline can be released after the budget starts
-    (thread stacks of finished pools, trimmed malloc arenas), which would
-    silently enlarge the budget (docs/measurements.md#free-heap-at-budget-entry).
-    Called before each trial, this lowers the limit to ``VmData now + nbytes``
-    when that is smaller. It never raises the limit, so memory that trials leave behind
-    keeps counting, as it would on a device.
+    (thread stacks of finished pools, trimmed malloc arenas; on a GPU the
+    warm-up's tensors freed later), which would silently enlarge the budget
+    (docs/measurements.md#free-heap-at-budget-entry). Called before each trial,
+    this lowers the limit to ``usage now + nbytes`` when that is smaller (``VmData``
+    on CPU, :func:`gpu_held_bytes` on a GPU). It never raises the limit, so memory
+    that trials leave behind keeps counting, as it would on a device.
     """
     b = active_budget()
-    if b is None or b.device != "cpu":
+    if b is None:
+        return
+    if b.device != "cpu":
+        _tighten_gpu(b)
+        return
+    if not host_budgets_available():
         return
     vm_data = host.proc_status("VmData")
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
@@ -139,8 +172,8 @@ def _device_str(device: str | torch.device) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise BudgetError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps") from exc
-    if dev.type not in ("cpu", "cuda"):
-        raise BudgetError(f"budgets are supported on cpu and cuda, not {dev.type!r}")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise BudgetError(f"budgets are supported on cpu, cuda and mps, not {dev.type!r}")
     return dev
 
 
@@ -152,6 +185,10 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
         raise BudgetError(f"a budget must be a positive number of bytes, got {nbytes!r}")
     dev = _device_str(device)
     if dev.type == "cpu":
+        if not host_budgets_available():
+            why = host.host_budget_unavailable() or ("host memory budgets are unavailable on "
+                                                     "this OS (no RLIMIT_DATA)")
+            raise BudgetError(f"{why}: run without --budget, or on Linux")
         if nbytes < MIN_CPU_BUDGET:
             raise BudgetError(
                 f"a CPU budget of {fmt_bytes(nbytes)} is too small: thread pools need "
@@ -164,6 +201,8 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
                 "available; choose a smaller --budget"
             )
         return dev
+    if dev.type == "mps":
+        return _check_mps(nbytes, dev)
     if not torch.cuda.is_available():
         raise BudgetError("no CUDA device is available here: use --device cpu")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -182,19 +221,18 @@ def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
 
     On CPU the budget is on top of the process's current virtual data size
     (``VmData``); enter it after one small warm-up step so that thread pools
-    and kernels that the step creates once are not charged to it. On CUDA it is
-    a fraction of the device's total memory set to (reserved now + ``nbytes``)
-    / total, so it too counts bytes above what the process holds. Raises :class:`BudgetError` if
-    ``nbytes`` is not positive, below :data:`MIN_CPU_BUDGET` on CPU, or larger
-    than the device can give. Nested budgets may only shrink the limit.
+    and kernels that the step creates once are not charged to it. On CUDA and
+    MPS it is the allocator's per-process fraction, set to (:func:`gpu_held_bytes`
+    after emptying the cache + ``nbytes``) over the device's size, so it too counts
+    bytes above what the process holds. Raises :class:`BudgetError` if ``nbytes`` is
+    not positive, below :data:`MIN_CPU_BUDGET` on CPU, larger than the device can
+    give, or on CPU where the OS has no ``RLIMIT_DATA``. Nested budgets may only
+    shrink the limit.
     """
     dev = check_budget(nbytes, device)
-    if dev.type == "cpu":
-        with _cpu_budget(nbytes) as b:
-            yield b
-    else:
-        with _cuda_budget(nbytes, dev) as b:
-            yield b
+    manager = _cpu_budget(nbytes) if dev.type == "cpu" else _gpu_budget(nbytes, dev)
+    with manager as b:
+        yield b
 
 
 def _start_thread_pool() -> None:
@@ -236,26 +274,122 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
+def _cuda_index(dev: torch.device) -> int:
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def _async_backend() -> bool:
+    """Whether CUDA runs ``backend:cudaMallocAsync``: its cap counts bytes in use, not
+    reserved (c10/cuda/CUDAMallocAsyncAllocator.cpp, ``pytorch_used_bytes``)."""
+    getter = getattr(torch.cuda, "get_allocator_backend", None)
+    return getter is not None and getter() == "cudaMallocAsync"
+
+
+def gpu_held_bytes(dev: torch.device) -> int:
+    """Bytes this process holds on ``dev`` in the units its fraction cap counts, measured
+    after the allocator's cache is emptied: CUDA's native allocator caps reserved bytes,
+    cudaMallocAsync caps bytes in use, MPS caps the Metal driver's allocated bytes."""
+    if dev.type == "mps":
+        torch.mps.empty_cache()
+        return int(torch.mps.driver_allocated_memory())
+    index = _cuda_index(dev)
+    torch.cuda.synchronize(index)
+    torch.cuda.empty_cache()
+    if _async_backend():
+        return int(torch.cuda.memory_allocated(index))
+    return int(torch.cuda.memory_reserved(index))
+
+
+def _gpu_size(dev: torch.device) -> int:
+    """What a fraction multiplies: the CUDA device's total, or MPS's recommended
+    working-set size (torch 2.13 torch/mps/__init__.py)."""
+    if dev.type == "mps":
+        return int(torch.mps.recommended_max_memory())
+    return int(torch.cuda.get_device_properties(_cuda_index(dev)).total_memory)
+
+
+def _key(dev: torch.device) -> str:
+    return "mps" if dev.type == "mps" else f"cuda:{_cuda_index(dev)}"
+
+
+def current_fraction(dev: torch.device) -> float:
+    """The fraction in force on ``dev``: torch's own answer where it has one (CUDA,
+    torch >= 2.6), else the last one set through oomguard, else the default (CUDA 1.0;
+    MPS ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` or 1.7, where 0.0 means unlimited)."""
+    if dev.type == "cuda":
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if getter is not None:
+            return float(getter(_cuda_index(dev)))
+        return _fractions.get(_key(dev), 1.0)
+    if "mps" in _fractions:
+        return _fractions["mps"]
+    try:
+        return float(os.environ.get("PYTORCH_MPS_HIGH_WATERMARK_RATIO", MPS_DEFAULT_FRACTION))
+    except ValueError:
+        return MPS_DEFAULT_FRACTION
+
+
+def set_memory_fraction(fraction: float, device: str | torch.device = "cuda") -> None:
+    """Set the per-process fraction of a GPU and remember it, so that a budget restores
+    it on exit even where torch cannot read it back (CUDA on torch < 2.6, MPS). Use this
+    instead of ``torch.cuda.set_per_process_memory_fraction`` there; a fraction set
+    directly with torch is invisible and comes back as the default after a budget."""
+    dev = _device_str(device)
+    if dev.type == "mps":
+        torch.mps.set_per_process_memory_fraction(float(fraction))
+    elif dev.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(float(fraction), _cuda_index(dev))
+    else:
+        raise BudgetError(f"a memory fraction applies to cuda and mps, not {dev.type!r}")
+    _fractions[_key(dev)] = float(fraction)
+
+
+def _check_mps(nbytes: int, dev: torch.device) -> torch.device:
+    backend = getattr(torch.backends, "mps", None)
+    if backend is None or not backend.is_available():
+        raise BudgetError("no MPS device is available here: use --device cpu")
+    if getattr(torch.mps, "recommended_max_memory", None) is None:
+        raise BudgetError(f"MPS budgets need torch.mps.recommended_max_memory (torch >= 2.5), "
+                          f"not torch {torch.__version__}: run without --budget")
+    most = int(MPS_MAX_FRACTION * _gpu_size(dev))
+    if nbytes > most:
+        raise BudgetError(f"budget {fmt_bytes(nbytes)} is more than MPS allows ({fmt_bytes(most)}, "
+                          "twice the recommended working set); choose a smaller --budget")
+    return dev
+
+
+def _tighten_gpu(b: Budget) -> None:
+    dev = torch.device(b.device)
+    size = _gpu_size(dev)
+    fraction = (gpu_held_bytes(dev) + b.nbytes) / size
+    if fraction < current_fraction(dev):
+        set_memory_fraction(fraction, dev)
+
+
 @contextmanager
-def _cuda_budget(nbytes: int, dev: torch.device) -> Iterator[Budget]:
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory
-    # Like the CPU budget, count bytes above what this process already holds.
-    reserved = torch.cuda.memory_reserved(index)
-    if reserved + nbytes > total:
+def _gpu_budget(nbytes: int, dev: torch.device) -> Iterator[Budget]:
+    size = _gpu_size(dev)
+    held = gpu_held_bytes(dev)
+    name = "MPS's recommended working set" if dev.type == "mps" else f"{_key(dev)}'s total"
+    most = MPS_MAX_FRACTION * size if dev.type == "mps" else size
+    if held + nbytes > most:
         raise BudgetError(
-            f"budget {fmt_bytes(nbytes)} plus the {fmt_bytes(reserved)} already reserved is more "
-            f"than cuda:{index}'s {fmt_bytes(total)}; choose a smaller --budget"
-        )
-    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    previous = getter(index) if getter is not None else 1.0
-    fraction = min((reserved + nbytes) / total, previous)
-    b = Budget(nbytes=nbytes, device=f"cuda:{index}", mechanism="set_per_process_memory_fraction",
-               limit=int(fraction * total))
-    torch.cuda.set_per_process_memory_fraction(fraction, index)
+            f"budget {fmt_bytes(nbytes)} plus the {fmt_bytes(held)} this process already holds "
+            f"is more than {name} of {fmt_bytes(size)} allows; choose a smaller --budget")
+    previous = current_fraction(dev)
+    remembered = _fractions.get(_key(dev))
+    fraction = (held + nbytes) / size
+    if previous > 0:  # MPS: 0.0 is "unlimited", never a tighter cap
+        fraction = min(fraction, previous)
+    mechanism = ("torch.mps" if dev.type == "mps" else "torch.cuda") + \
+        ".set_per_process_memory_fraction"
+    b = Budget(nbytes=nbytes, device=_key(dev), mechanism=mechanism, limit=int(fraction * size))
+    set_memory_fraction(fraction, dev)
     _active.append(b)
     try:
         yield b
     finally:
         _active.remove(b)
-        torch.cuda.set_per_process_memory_fraction(previous, index)
+        set_memory_fraction(previous, dev)
+        if remembered is None:
+            _fractions.pop(_key(dev), None)

@@ -33,6 +33,8 @@ class OomText(NamedTuple):
     types: tuple[type[BaseException], ...]
     evidence: bool
     why: str
+    # Which limit is the evidence: "host" (memory_limit_near) or "cuda" (cuda_memory_near_limit).
+    near: str = "host"
 
 
 _RT = (RuntimeError,)  # torch.OutOfMemoryError is a RuntimeError too
@@ -51,6 +53,10 @@ OOM_TABLE: tuple[OomText, ...] = (
     OomText("cublas_status_alloc_failed", _RT, False, "cuBLAS workspace allocation"),
     OomText("cudnn_status_alloc_failed", _RT, False, "cuDNN < 9 allocation failure"),
     OomText("cudnn_status_not_enough_workspace", _RT, False, "cuDNN workspace"),
+    OomText("cudnn_status_internal_error_device_allocation_failed", _RT, False,
+            "cuDNN >= 9 (torch >= 2.4) device allocation failure"),
+    OomText("cudnn_status_internal_error_host_allocation_failed", _RT, False,
+            "cuDNN >= 9 host allocation failure"),
     # Not memory: cuDNN rejects batches above fixed limits (BatchNorm above
     # 65535 in eval, some convolutions) and a smaller size is the cure, so it
     # counts without evidence, as in accelerate. Memory evidence would miss the
@@ -60,6 +66,9 @@ OOM_TABLE: tuple[OomText, ...] = (
     OomText("cufft_alloc_failed", _RT, False, "cuFFT plan allocation"),
     OomText("cusolver_status_alloc_failed", _RT, False, "cuSOLVER handle allocation"),
     OomText("mps backend out of memory", _RT, False, "Apple MPS"),
+    # MPSAllocator.mm: TORCH_CHECK(size < m_max_buffer_size, "Invalid buffer size: ", ...);
+    # the device's maxBufferLength, a size limit that a smaller batch cures.
+    OomText("invalid buffer size: ", _RT, False, "Apple MPS buffer above maxBufferLength"),
     OomText("hip out of memory", _RT, False, "ROCm"),
     OomText("xpu out of memory", _RT, False, "Intel XPU"),
     OomText("npu out of memory", _RT, False, "Ascend NPU (torch_npu)"),
@@ -86,6 +95,14 @@ OOM_TABLE: tuple[OomText, ...] = (
     # docs/measurements.md#cpu-oom-without-memoryerror
     OomText("failed to map segment from shared object", (ImportError,), True, "an import (dlopen)"),
     OomText("cannot map zero-fill pages", (ImportError,), True, "an import (dlopen)"),
+    # torch's cuDNN v8/v9 API tries every plan and swallows each plan's OutOfMemoryError
+    # (Conv_v8.cpp try_plans), so a full device ends in this; so does an unsupported
+    # layout. "FIND" with benchmark=True, "GET" without.
+    OomText("unable to find an engine to execute this computation", _RT, True,
+            "cuDNN v8/v9 API: every plan failed", "cuda"),
+    # cublasCreate fails to allocate its handle's memory on a full device; also a
+    # broken CUDA install.
+    OomText("cublas_status_not_initialized", _RT, True, "cuBLAS handle creation", "cuda"),
 )
 # An RLIMIT_DATA that someone else set counts as "near" when the process's
 # VmData is within this fraction of it.
@@ -102,6 +119,32 @@ def memory_limit_near() -> bool:
     return limit is not None and vm_data is not None and vm_data >= limit * (1 - _NEAR_LIMIT)
 
 
+def cuda_memory_near_limit() -> bool:
+    """True when a CUDA device this process has a context on is within 10% of its limit.
+
+    Measured per device: the caching allocator's reserved bytes against the
+    ``set_per_process_memory_fraction`` cap, and ``cudaMemGetInfo``'s free bytes
+    (all processes) against its total. Devices without a context are skipped
+    (reading them would create one); a device that cannot be read counts as no evidence.
+    """
+    # why: probes.cuda imports torch's CUDA helpers; only needed once a GPU row matched.
+    from oomguard.probes import cuda
+
+    if cuda.unavailable_reason() is not None:
+        return False
+    for i in range(cuda.device_count()):
+        try:
+            if not cuda.has_context(i):
+                continue
+            stats = cuda.allocator_stats(i)
+            free, total = cuda.mem_get_info(i)
+        except RuntimeError:  # a sticky CUDA error: the device cannot answer
+            continue
+        if stats["reserved"] >= stats["fraction_cap"] * (1 - _NEAR_LIMIT) or free < total * _NEAR_LIMIT:
+            return True
+    return False
+
+
 def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> bool:
     """Return True if ``exc`` is an out-of-memory error.
 
@@ -112,10 +155,12 @@ def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> boo
     ``exc`` is one of its types and its text is in ``str(exc)``. A row marked
     ``evidence`` (oneDNN's ``could not create a primitive``, ``can't start new
     thread``, a ``SystemError`` "returned NULL without setting an exception",
-    an ``ImportError`` from dlopen) counts only while ``memory_constrained``;
-    when that is ``None`` it is :func:`memory_limit_near`, read only if such a
-    row matches. ``cuDNN error: CUDNN_STATUS_NOT_SUPPORTED`` counts without
-    evidence, as in accelerate (see its row).
+    an ``ImportError`` from dlopen; on CUDA cuDNN's "unable to find an engine"
+    and ``CUBLAS_STATUS_NOT_INITIALIZED``) counts only while
+    ``memory_constrained``; when that is ``None`` it is the row's limit,
+    :func:`memory_limit_near` (host) or :func:`cuda_memory_near_limit`, read
+    only if such a row matches. ``cuDNN error: CUDNN_STATUS_NOT_SUPPORTED``
+    counts without evidence, as in accelerate (see its row).
     """
     verdict = getattr(exc, "oomguard_is_oom", None)  # an exception that says what it is
     if verdict is not None:
@@ -131,9 +176,10 @@ def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> boo
         return True
     if not matched:
         return False
-    if memory_constrained is None:
-        memory_constrained = memory_limit_near()
-    return memory_constrained
+    if memory_constrained is not None:
+        return memory_constrained
+    near = {"host": memory_limit_near, "cuda": cuda_memory_near_limit}
+    return any(near[kind]() for kind in dict.fromkeys(row.near for row in matched))
 
 
 def oom_summary(exc: BaseException) -> str:

@@ -219,8 +219,6 @@ def search(
         check_budget(cfg.budget, dev)
     name = getattr(fn, "name", None) or getattr(fn, "__name__", type(fn).__name__)
     capacity = cfg.capacity_bytes
-    if capacity is None:
-        capacity = cfg.budget if cfg.budget is not None else _free_bytes(dev)
     mode = "isolated" if cfg.isolate else "in-process"
     log.info("searching %s on %s (%s, %s)", name, dev, mode, strategy.name)
 
@@ -239,6 +237,8 @@ def search(
 
     with ExitStack() as stack:
         runner = _runner(fn, cfg, dev, stack)
+        if capacity is None:  # after the warm-up: free memory then leaves the model out
+            capacity = cfg.budget if cfg.budget is not None else _free_bytes(dev)
         while True:
             stopped = _limit_reached(cfg, len(trials), time.perf_counter() - t0)
             if stopped:

@@ -1,0 +1,67 @@
+"""Which device a command runs on, and the budget its trials run under."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from oomguard.engine.core.units import parse_size
+from oomguard.engine.errors import UsageError
+from oomguard.probes.probe import parse_device
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_CPU_BUDGET = "2GiB"
+
+
+def resolve_device(name: str) -> torch.device:
+    """Check that ``name`` is a device this machine has; UsageError saying what to do otherwise."""
+    try:
+        parse_device(name)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    import torch  # why: only commands that run work on a device need torch
+
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name}: no CUDA GPU is available here; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {name}: MPS is not available here; use --device cpu")
+    return dev
+
+
+def default_budget(dev: torch.device, given: int | None) -> int | None:
+    """The budget a search runs under: the one given; on CPU 2 GiB (None where the OS
+    cannot cap host memory); on CUDA None, so trials meet the device's own limit,
+    whatever the warm-up left free (a number probed before the warm-up counted the
+    model twice); on MPS the probed recommended working set left, since MPS's default
+    cap (1.7x that) lets a process swap before it runs out."""
+    if given is not None:
+        return given
+    if dev.type == "cpu":
+        from oomguard.engine.core.budget import host_budgets_available
+
+        return parse_size(DEFAULT_CPU_BUDGET) if host_budgets_available() else None
+    if dev.type == "cuda":
+        return None
+    from oomguard.probes import probe
+
+    return probe(dev).free_bytes
+
+
+def budget_free_limit(device: str) -> str:
+    """What limits trials that run without a budget, in words, for the search's first line:
+    the device's own limit on a GPU; on a host that cannot cap memory, the available RAM,
+    estimated and not enforced, with why."""
+    if not str(device).startswith("cpu"):
+        return "the device's own limit"
+    from oomguard.engine.core.units import fmt_bytes
+    from oomguard.probes import host
+
+    why = host.host_budget_unavailable() or "no budget given"
+    free = host.host_memory().get("free")
+    ram = fmt_bytes(free) if free else "unknown"
+    return f"no budget ({why}; available RAM {ram}, estimated, not enforced)"

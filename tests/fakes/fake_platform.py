@@ -1,0 +1,248 @@
+"""Windows and macOS as oomguard's code sees them, on a Linux test machine.
+
+What each fake follows:
+
+- Windows has no ``resource`` module: importing it raises ``ModuleNotFoundError:
+  No module named 'resource'`` (CPython builds Modules/resource.c only on POSIX).
+  ``platform.system()`` is ``"Windows"``, ``sys.platform`` ``"win32"``.
+  :class:`FakeWinDLL` answers ``GlobalMemoryStatusEx`` (sysinfoapi.h: fills a
+  MEMORYSTATUSEX whose ``dwLength`` the caller set, returns nonzero on success, 0
+  otherwise), ``K32GetProcessMemoryInfo`` (psapi.h: fills PROCESS_MEMORY_COUNTERS,
+  working sets in bytes, returns nonzero on success) and ``GetCurrentProcess``
+  (the pseudo handle ``(HANDLE)-1``), as Microsoft's Win32 API reference
+  documents them.
+- macOS: ``resource`` exists with XNU's constants (bsd/sys/resource.h:
+  ``RLIMIT_DATA`` 2, ``RLIMIT_AS`` 5, ``RLIM_INFINITY`` 2**63 - 1, ``RUSAGE_SELF``
+  0), and ``getrusage().ru_maxrss`` is in *bytes* (Linux: KiB). The command-line
+  tools print what macOS's print: ``sysctl -n hw.memsize`` the RAM in bytes;
+  ``vm_stat`` a "Mach Virtual Memory Statistics: (page size of N bytes)" header
+  then "Pages free:  123." lines (system_cmds vm_stat.c); ``ps -o rss= -p PID``
+  the resident size in KiB.
+- Both: no ``/proc`` (``oomguard.probes.host.PROC`` points at an empty folder) and
+  no glibc (``ctypes.util.find_library("c")`` returns None, as it does where no C
+  library can be found).
+
+Figures (RAM, resident bytes, peaks) are this Linux machine's real ones, in the
+units each OS uses, so the numbers a fake OS reports are plausible.
+
+Python's own modules that branch on ``sys.platform`` when imported (subprocess,
+multiprocessing) would try to load Windows-only C modules; :func:`enter` therefore
+imports every third-party and standard module oomguard needs under the real OS
+first, then drops oomguard's modules and imports them again under the fake one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import importlib
+import importlib.abc
+import io
+import json
+import os
+import pkgutil
+import platform
+import resource as _real_resource
+import sys
+import types
+from pathlib import Path
+
+SUBPACKAGES = ("engine", "metrics", "probes", "reports")
+_PAGE = 16384  # Apple silicon's page size
+_DARWIN_RLIM_INFINITY = (1 << 63) - 1
+
+
+def _proc_kib(name: str, key: str) -> int:
+    for line in Path("/proc", name).read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+class _HideModules(importlib.abc.MetaPathFinder):
+    """Refuses ``names`` as an OS without them does: ``ModuleNotFoundError``."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name in self.names:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+class _WinFunction:
+    """One kernel32 export: callable, with the ``argtypes``/``restype`` ctypes sets."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.argtypes, self.restype = fn, None, None
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+
+class FakeWinDLL:
+    """``ctypes.WinDLL("kernel32")`` answering the three calls oomguard makes."""
+
+    def __init__(self, name: str, use_last_error: bool = False) -> None:
+        if name.lower() not in ("kernel32", "kernel32.dll"):
+            raise OSError(f"[WinError 126] The specified module could not be found: {name!r}")
+        self.GlobalMemoryStatusEx = _WinFunction(self._memory_status)
+        self.K32GetProcessMemoryInfo = _WinFunction(self._process_memory)
+        self.GetCurrentProcess = _WinFunction(lambda: (1 << 64) - 1)  # (HANDLE)-1
+
+    @staticmethod
+    def _memory_status(ref) -> int:
+        status = ref._obj
+        if status.dwLength != ctypes.sizeof(status):
+            return 0  # ERROR_INVALID_PARAMETER: dwLength not set
+        status.ullTotalPhys = _proc_kib("meminfo", "MemTotal") * 1024
+        status.ullAvailPhys = _proc_kib("meminfo", "MemAvailable") * 1024
+        return 1
+
+    @staticmethod
+    def _process_memory(handle: int, ref, cb: int) -> int:
+        counters = ref._obj
+        if cb < ctypes.sizeof(counters):
+            return 0
+        counters.WorkingSetSize = _proc_kib("self/status", "VmRSS") * 1024
+        counters.PeakWorkingSetSize = _proc_kib("self/status", "VmHWM") * 1024
+        return 1
+
+
+def darwin_resource() -> types.ModuleType:
+    """macOS's ``resource`` module: XNU constants, ``ru_maxrss`` in bytes."""
+    mod = types.ModuleType("resource")
+    limits = {2: (_DARWIN_RLIM_INFINITY,) * 2, 5: (_DARWIN_RLIM_INFINITY,) * 2}
+
+    def getrusage(who: int):
+        real = _real_resource.getrusage(_real_resource.RUSAGE_SELF if who == 0 else who)
+        return types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real)
+                                        if k.startswith("ru_")} | {"ru_maxrss": real.ru_maxrss * 1024})
+
+    def getrlimit(which: int) -> tuple[int, int]:
+        if which not in limits:
+            raise ValueError("invalid resource specified")
+        return limits[which]
+
+    def setrlimit(which: int, value: tuple[int, int]) -> None:
+        soft, hard = value
+        if which not in limits:
+            raise ValueError("invalid resource specified")
+        if soft > hard:
+            raise ValueError("current limit exceeds maximum limit")
+        limits[which] = (soft, hard)
+
+    mod.__dict__.update(RLIMIT_DATA=2, RLIMIT_AS=5, RLIMIT_RSS=5, RLIM_INFINITY=_DARWIN_RLIM_INFINITY,
+                        RUSAGE_SELF=0, getrusage=getrusage, getrlimit=getrlimit,
+                        setrlimit=setrlimit, getpagesize=lambda: _PAGE, error=OSError)
+    return mod
+
+
+def darwin_tools(bin_dir: Path) -> None:
+    """Write ``sysctl``, ``vm_stat`` and ``ps`` into ``bin_dir``, printing what macOS's print."""
+    total = _proc_kib("meminfo", "MemTotal") * 1024
+    avail_pages = _proc_kib("meminfo", "MemAvailable") * 1024 // _PAGE
+    free, spec = avail_pages // 4, avail_pages // 8
+    inactive = avail_pages - free - spec
+    vm_stat = "\n".join([
+        f"Mach Virtual Memory Statistics: (page size of {_PAGE} bytes)",
+        f"Pages free:                               {free:>10}.",
+        f"Pages active:                             {avail_pages // 2:>10}.",
+        f"Pages inactive:                           {inactive:>10}.",
+        f"Pages speculative:                        {spec:>10}.",
+        "Pages throttled:                                   0.",
+        f"Pages wired down:                         {avail_pages // 10:>10}.",
+        f"Pages purgeable:                          {spec // 2:>10}.",
+        '"Translation faults":                       37287533.',
+    ])
+    scripts = {
+        "sysctl": f'[ "$*" = "-n hw.memsize" ] && echo {total} && exit 0\n'
+                  'echo "sysctl: unknown oid \'$2\'" >&2; exit 1',
+        "vm_stat": f"cat <<'EOF'\n{vm_stat}\nEOF",
+        # ps reads the real resident size of the pid asked for, in KiB.
+        "ps": 'pid="$4"; awk \'/^VmRSS:/ {printf "%6d\\n", $2}\' /proc/$pid/status',
+    }
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, body in scripts.items():
+        path = bin_dir / name
+        path.write_text("#!/bin/sh\n" + body + "\n")
+        path.chmod(0o755)
+
+
+def _oomguard_modules() -> list[str]:
+    """Every module of the package (``__main__`` runs the CLI, so not that one)."""
+    import oomguard
+
+    names = ["oomguard"]
+    for sub in SUBPACKAGES:
+        pkg = importlib.import_module(f"oomguard.{sub}")
+        names.append(pkg.__name__)
+        names += [n for _, n, _ in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
+    del oomguard
+    return names
+
+
+def enter(os_name: str, proc_root: Path, bin_dir: Path | None = None) -> list[str]:
+    """Make this process look like ``os_name`` (``"Windows"`` or ``"Darwin"``) to oomguard;
+    return the names of oomguard's modules (none imported yet under the fake OS)."""
+    names = _oomguard_modules()
+    for name in names:  # what they import stays loaded; themselves, not
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    for name in [m for m in sys.modules if m == "oomguard" or m.startswith("oomguard.")]:
+        del sys.modules[name]
+    sys.modules.pop("resource", None)
+    if os_name == "Windows":
+        sys.meta_path.insert(0, _HideModules({"resource"}))
+        ctypes.WinDLL = FakeWinDLL  # type: ignore[attr-defined]
+        sys.platform = "win32"
+    else:
+        sys.modules["resource"] = darwin_resource()
+        darwin_tools(bin_dir)
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+        sys.platform = "darwin"
+    platform.system = lambda: os_name
+    real_find = ctypes.util.find_library
+    ctypes.util.find_library = lambda name: None if name == "c" else real_find(name)
+    host = importlib.import_module("oomguard.probes.host")
+    host.PROC = host.CGROUP_ROOT = proc_root
+    return names
+
+
+def run(os_name: str, proc_root: str, bin_dir: str | None = None) -> dict:
+    """Under the fake ``os_name``: import every module, then ``oomguard probe --json`` and
+    ``oomguard metrics``; return what happened (failed imports, exit codes, outputs)."""
+    names = enter(os_name, Path(proc_root), Path(bin_dir) if bin_dir else None)
+    failed = {}
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which names it
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    report: dict = {"failed_imports": failed}
+    try:
+        from oomguard.engine.cli.main import main
+    except Exception as exc:  # noqa: BLE001
+        report["cli"] = f"{type(exc).__name__}: {exc}"
+        return report
+    for key, argv in (("probe", ["probe", "--json"]), ("metrics", ["metrics"])):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except Exception as exc:  # noqa: BLE001
+                code, err = -1, io.StringIO(f"{type(exc).__name__}: {exc}")
+        report[key] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+    from oomguard.probes import host
+
+    method = host.peak_method()
+    report["host"] = {"budget": host.host_budget_unavailable(), "peak_source": method.source,
+                      "peak_resettable": method.resettable, "peak_reason": method.reason,
+                      "reset": host.reset_peak(), "peak": host.read_peak()}
+    return report
+
+
+if __name__ == "__main__":
+    print("FAKE-REPORT " + json.dumps(run(*sys.argv[1:])))
