@@ -257,7 +257,8 @@ def _add_search_options(p: argparse.ArgumentParser, start: int) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     p.add_argument("--budget", type=_size, default=None,
                    help="memory the trials may use above the warmed-up process, e.g. 2GiB, "
-                        "512MiB, 2GB (default: 2GiB on CPU, the probed free memory on a GPU)")
+                        "512MiB, 2GB (default: 2GiB on a Linux CPU; none on CUDA: trials meet "
+                        "the device's own limit; on MPS the recommended working set left)")
     p.add_argument("--start", type=_positive_int, default=start, help=f"first size (default {start})")
     p.add_argument("--step", type=_positive_int, default=None,
                    help=f"e10 increment (default {DEFAULT_STEP}; only with --strategy e10; "
