@@ -24,10 +24,25 @@ import torch
 from oomguard.probes import host
 
 
-def _async_backend() -> bool:
+def cuda_async_backend() -> bool:
     """Whether CUDA runs ``backend:cudaMallocAsync`` (``torch.cuda.get_allocator_backend``)."""
     getter = getattr(torch.cuda, "get_allocator_backend", None)
     return getter is not None and torch.cuda.is_available() and getter() == "cudaMallocAsync"
+
+
+def held_bytes(device: str | torch.device) -> int:
+    """Bytes this process holds on a GPU ``device``, in the units its allocator's cap and
+    its peaks count, measured after the cache is emptied (cached free blocks would serve
+    new work without counting): reserved bytes (CUDA's native allocator), bytes in use
+    (cudaMallocAsync), the Metal driver's allocated bytes (MPS)."""
+    dev = torch.device(device)
+    if dev.type == "mps":
+        torch.mps.empty_cache()
+        return int(torch.mps.driver_allocated_memory())
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    current = torch.cuda.memory_allocated if cuda_async_backend() else torch.cuda.memory_reserved
+    return int(current(dev))
 
 
 def _host_source() -> str:
@@ -50,7 +65,7 @@ class PeakMeter:
         self.source = {
             "cpu": _host_source(),
             "cuda": ("torch.cuda.max_memory_allocated - allocated at reset (cudaMallocAsync)"
-                     if self.device.type == "cuda" and _async_backend()
+                     if self.device.type == "cuda" and cuda_async_backend()
                      else "torch.cuda.max_memory_reserved - reserved at reset"),
             "mps": "torch.mps.driver_allocated_memory delta (lower bound)",
         }.get(self.device.type, "unmeasured")
@@ -62,16 +77,13 @@ class PeakMeter:
             # None: this OS gives no resident size (the source says "unmeasured")
             self.baseline = host.reset_peak() or 0
         elif kind == "cuda" and torch.cuda.is_available():
-            torch.cuda.synchronize(self.device)
-            # Cached free blocks would serve the work without raising the
-            # reserved peak, and the read would under-report (even 0).
-            torch.cuda.empty_cache()
+            # After emptying the cache (cached blocks would serve the work without
+            # raising the peak, which would under-report, even 0); the peak is reset
+            # after it, or it would keep the cached bytes.
+            self.baseline = held_bytes(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            current = torch.cuda.memory_allocated if _async_backend() else torch.cuda.memory_reserved
-            self.baseline = current(self.device)
         elif kind == "mps" and torch.backends.mps.is_available():
-            torch.mps.empty_cache()  # cached buffers would hide the work's growth
-            self.baseline = torch.mps.driver_allocated_memory()
+            self.baseline = held_bytes(self.device)
         else:
             self.baseline = 0
         return self.baseline
@@ -83,7 +95,7 @@ class PeakMeter:
             return host.read_peak() or 0
         if kind == "cuda" and torch.cuda.is_available():
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated if _async_backend() else torch.cuda.max_memory_reserved
+            peak = torch.cuda.max_memory_allocated if cuda_async_backend() else torch.cuda.max_memory_reserved
             return peak(self.device)
         if kind == "mps" and torch.backends.mps.is_available():
             return torch.mps.driver_allocated_memory()

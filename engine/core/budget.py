@@ -41,6 +41,7 @@ import torch
 from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import BudgetError
 from oomguard.probes import host
+from oomguard.probes.peak import held_bytes as gpu_held_bytes
 
 try:
     import resource
@@ -276,28 +277,6 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
 
 def _cuda_index(dev: torch.device) -> int:
     return dev.index if dev.index is not None else torch.cuda.current_device()
-
-
-def _async_backend() -> bool:
-    """Whether CUDA runs ``backend:cudaMallocAsync``: its cap counts bytes in use, not
-    reserved (c10/cuda/CUDAMallocAsyncAllocator.cpp, ``pytorch_used_bytes``)."""
-    getter = getattr(torch.cuda, "get_allocator_backend", None)
-    return getter is not None and getter() == "cudaMallocAsync"
-
-
-def gpu_held_bytes(dev: torch.device) -> int:
-    """Bytes this process holds on ``dev`` in the units its fraction cap counts, measured
-    after the allocator's cache is emptied: CUDA's native allocator caps reserved bytes,
-    cudaMallocAsync caps bytes in use, MPS caps the Metal driver's allocated bytes."""
-    if dev.type == "mps":
-        torch.mps.empty_cache()
-        return int(torch.mps.driver_allocated_memory())
-    index = _cuda_index(dev)
-    torch.cuda.synchronize(index)
-    torch.cuda.empty_cache()
-    if _async_backend():
-        return int(torch.cuda.memory_allocated(index))
-    return int(torch.cuda.memory_reserved(index))
 
 
 def _gpu_size(dev: torch.device) -> int:
