@@ -1,19 +1,27 @@
 #!/usr/bin/env python
-"""Exercise every CUDA path of oomguard on a real GPU, in well under five minutes.
+"""Exercise every GPU path of oomguard on a real GPU: the first command to run on one.
 
-Run it unchanged on any CUDA machine, from the repository root or anywhere::
+Run it unchanged on any CUDA machine or Mac, from the repository root or anywhere::
 
-    python bench/gpu_check.py [--device cuda:0] [--json]
+    python bench/gpu_check.py [--device cuda:0] [--json] [--only NAME,NAME]
 
-Checks: the NVML probe against ``torch.cuda.mem_get_info``; allocator peak by
-``PeakMeter``; the fraction budget (an allocation above it raises
-``torch.OutOfMemoryError``); a real CUDA OOM caught by ``call_catching_oom``
-with ``memory_allocated`` back where it was; an ``Executor`` halving run; a
-``search()`` under a budget; ``oomguard run`` on the example job on this GPU
-(children started by forkserver, every metric ok). Prints a table (check / passed / measured) and
-exits 1 if any check failed. Without CUDA it says so and exits 0.
+CUDA checks: the NVML probe against ``torch.cuda.mem_get_info``; allocator peak
+by ``PeakMeter``; the fraction budget (an allocation above it raises
+``torch.OutOfMemoryError``); a budget entered over 3 GiB of cached blocks; a
+real CUDA OOM caught by ``call_catching_oom`` with ``memory_allocated`` back
+where it was; an ``Executor`` halving run; a ``search()`` under a budget; the
+search against brute force, in-process and isolated; ``oomguard bench`` with the
+default budget; an isolated search whose parent holds nothing on the GPU; the
+peak, budget, OOM and search checks again under ``backend:cudaMallocAsync``; a
+MIG slice where one is visible; ``oomguard run`` on the example job on this GPU
+(children started by forkserver, every metric ok). On a Mac: the MPS probe,
+budget, peak and isolated search.
 
-Every OOM here is real: the caching allocator refusing an allocation above a
+Prints one table (check / passed / seconds / what was measured, against what)
+and exits 1 if any check failed ("skip": nothing here to check). Without a GPU
+it says so and exits 0.
+
+Every OOM here is real: the allocator refusing an allocation above a
 ``set_per_process_memory_fraction`` cap, as on a smaller GPU.
 """
 
@@ -30,6 +38,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from gpu_check_budgets import (  # noqa: E402 - beside this file
+    check_budget_after_cached_blocks,
+    check_cuda_malloc_async,
+    check_default_budget_cli,
+    check_isolated_parent_holds_nothing,
+    check_search_vs_brute_force,
+)
+from gpu_check_devices import (  # noqa: E402
+    check_mig,
+    check_mps_probe_and_budget,
+    check_mps_search_isolated,
+)
 
 MiB = 1024**2
 GiB = 1024**3
@@ -63,7 +83,8 @@ def check_nvml_vs_mem_get_info(dev: torch.device) -> tuple[bool, str]:
     # allocate between the two reads, hence a tolerance rather than equality.
     tol = max(256 * MiB, 0.01 * total)
     ok = abs(snap.total_bytes - total) <= tol and abs(snap.free_bytes - free) <= tol
-    return ok, (f"total nvml {_mib(snap.total_bytes)} / cuda {_mib(total)}; free nvml "
+    return ok, (f"total {_mib(snap.total_bytes)} ({snap.sources.get('total')}) / cuda "
+                f"{_mib(total)}; free nvml "
                 f"{_mib(snap.free_bytes)} / cuda {_mib(free)} (tol {_mib(tol)}); mapped by "
                 f"{snap.extra.get('nvml_mapped_by')}; this pid {_mib(snap.process_bytes)}, "
                 f"others {_mib(snap.other_processes_bytes)}, pid matched "
@@ -206,14 +227,25 @@ def check_job_run(dev: torch.device) -> tuple[bool, str]:
                 + ", ".join(f"{k} peak {_mib(t.get('peak_bytes'))}" for k, t in tasks.items()))
 
 
-CHECKS: list[tuple[str, Callable[[torch.device], tuple[bool, str]]]] = [
+Check = Callable[[torch.device], "tuple[bool | None, str]"]
+CHECKS: list[tuple[str, Check]] = [
     ("nvml probe vs mem_get_info", check_nvml_vs_mem_get_info),
     ("allocator peak (PeakMeter)", check_peak_meter),
     ("fraction budget -> OOM", check_fraction_budget),
+    ("budget over 3 GiB of cached blocks", check_budget_after_cached_blocks),
     ("call_catching_oom cleans up", check_call_catching_oom),
     ("executor halving", check_executor),
     ("search under budget", check_search),
+    ("search vs brute force (in-process, isolated)", check_search_vs_brute_force),
+    ("bench with the default budget", check_default_budget_cli),
+    ("isolated search: parent holds nothing", check_isolated_parent_holds_nothing),
+    ("backend:cudaMallocAsync", check_cuda_malloc_async),
+    ("MIG slice", check_mig),
     ("oomguard run (example job)", check_job_run),
+]
+MPS_CHECKS: list[tuple[str, Check]] = [
+    ("mps probe, budget and peak", check_mps_probe_and_budget),
+    ("mps search (isolated by default)", check_mps_search_isolated),
 ]
 
 
@@ -221,20 +253,36 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0", help="CUDA device to check (default cuda:0)")
     ap.add_argument("--json", action="store_true", help="print results as JSON")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated check names (or their starts) to run, e.g. "
+                         "'allocator peak,search under budget'")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(f"no CUDA here (torch {torch.__version__}, cuda {torch.version.cuda}): nothing to check")
+    if torch.cuda.is_available():
+        checks = CHECKS
+        dev = torch.device(args.device)
+        if dev.type != "cuda":
+            print(f"--device must be a CUDA device, got {args.device!r}", file=sys.stderr)
+            return 2
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)
+        header = f"{torch.cuda.get_device_name(dev)} ({dev}), torch {torch.__version__}"
+    elif torch.backends.mps.is_available():
+        checks, dev = MPS_CHECKS, torch.device("mps")
+        header = f"Apple MPS, torch {torch.__version__}"
+    else:
+        print(f"no CUDA or MPS here (torch {torch.__version__}, cuda {torch.version.cuda}): "
+              "nothing to check")
         return 0
-    dev = torch.device(args.device)
-    if dev.type != "cuda":
-        print(f"--device must be a CUDA device, got {args.device!r}", file=sys.stderr)
-        return 2
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(dev)
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        checks = [(n, f) for n, f in checks if any(n.startswith(w) for w in wanted)]
+        if not checks:
+            print(f"--only {args.only!r} names no check", file=sys.stderr)
+            return 2
     torch.ones(4, 4).sum()  # CPU warm-up, as elsewhere
     rows = []
-    for name, fn in CHECKS:
+    for name, fn in checks:
         t0 = time.perf_counter()
         try:
             ok, measured = fn(dev)
@@ -243,17 +291,19 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc(file=sys.stderr)
         rows.append({"check": name, "passed": ok, "measured": measured,
                      "seconds": round(time.perf_counter() - t0, 2)})
-    header = f"{torch.cuda.get_device_name(dev)} ({dev}), torch {torch.__version__}"
+    backend = (torch.cuda.get_allocator_backend() if dev.type == "cuda"
+               and hasattr(torch.cuda, "get_allocator_backend") else None)
     if args.json:
-        print(json.dumps({"device": header, "checks": rows}, indent=2))
+        print(json.dumps({"device": header, "allocator_backend": backend, "checks": rows},
+                         indent=2))
     else:
-        print(header)
+        print(header + (f", allocator {backend}" if backend else ""))
         w = max(len(r["check"]) for r in rows)
         print(f"{'check'.ljust(w)}  passed  seconds  measured")
         for r in rows:
-            print(f"{r['check'].ljust(w)}  {'yes' if r['passed'] else 'NO ':6}  "
-                  f"{r['seconds']:7.2f}  {r['measured']}")
-    return 0 if all(r["passed"] for r in rows) else 1
+            verdict = "skip" if r["passed"] is None else "yes" if r["passed"] else "NO"
+            print(f"{r['check'].ljust(w)}  {verdict:6}  {r['seconds']:7.2f}  {r['measured']}")
+    return 0 if all(r["passed"] is not False for r in rows) else 1
 
 
 if __name__ == "__main__":

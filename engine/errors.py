@@ -70,6 +70,13 @@ def format_sizes(sizes: Mapping[str, int]) -> str:
     return "(" + ", ".join(f"{k}={v}" for k, v in sizes.items()) + ")"
 
 
+class RamLimitReached(OomguardError, MemoryError):
+    """A CPU trial passed the RAM guard's estimated limit and was stopped
+    (:mod:`oomguard.engine.core.ramguard`). A ``MemoryError``, so an OOM: a smaller
+    size may fit. Raised in the trial's thread by the guard's watchdog, so it
+    carries no message; the trial's record says what was measured."""
+
+
 class ExecutionFailed(OomguardError, RuntimeError):
     """Every size down to the minimum ran out of memory.
 

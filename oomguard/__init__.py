@@ -44,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "ChildStartFailed": "oomguard.engine.errors",
     "ChildCrashed": "oomguard.engine.errors",
     "CollectiveMismatch": "oomguard.engine.errors",
+    "RamLimitReached": "oomguard.engine.errors",
     # core: classification, budgets, search, executor
     "OOM": "oomguard.engine.core.oom",
     "call_catching_oom": "oomguard.engine.core.oom",
@@ -61,6 +62,7 @@ _EXPORTS: dict[str, str] = {
     "SearchResult": "oomguard.engine.core.search",
     "search": "oomguard.engine.core.search",
     "SearchConfig": "oomguard.engine.core.search",
+    "RamGuard": "oomguard.engine.core.ramguard",
     "Executor": "oomguard.engine.core.executor",
     "Halve": "oomguard.engine.core.retry",
     "ReduceWith": "oomguard.engine.core.retry",
@@ -80,7 +82,7 @@ __all__ = [
     "CollectiveMismatch", "Doubling",
     "E10", "ExecutionFailed", "Executor", "Halve", "IsolationError", "LinearFit", "LinearJump",
     "MemorySnapshot", "NoExecutableBatchSize", "NoSizeFits", "OOM", "OomguardError",
-    "PeakMeter", "Recommendation", "ReduceWith", "SearchConfig", "SearchFailed",
+    "PeakMeter", "RamGuard", "RamLimitReached", "Recommendation", "ReduceWith", "SearchConfig", "SearchFailed",
     "SearchResult", "Trial", "TrialFailed", "UsageError", "accumulate", "adaptive", "budget",
     "call_catching_oom", "find_executable_batch_size", "is_oom", "parse_size", "probe",
     "probe_all", "release_memory", "reset_stats", "search", "stats", "write_report",
@@ -106,6 +108,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names
     from oomguard.engine.core.executor import Executor
     from oomguard.engine.core.fit import LinearFit, Recommendation
     from oomguard.engine.core.oom import OOM, call_catching_oom, is_oom, release_memory
+    from oomguard.engine.core.ramguard import RamGuard
     from oomguard.engine.core.retry import Halve, ReduceWith
     from oomguard.engine.core.search import SearchConfig, SearchResult, search
     from oomguard.engine.core.strategies import E10, Doubling, LinearJump
@@ -120,6 +123,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names
         NoExecutableBatchSize,
         NoSizeFits,
         OomguardError,
+        RamLimitReached,
         SearchFailed,
         TrialFailed,
         UsageError,

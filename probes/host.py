@@ -152,6 +152,9 @@ def resident_bytes() -> tuple[int | None, str]:
     rss = proc_status("VmRSS")
     if rss is not None:
         return rss, f"{PROC}/self/status VmRSS"
+    rss = host_os.psutil_rss()
+    if rss is not None:
+        return rss, "psutil memory_info().rss"
     return host_os.ps_rss(), "ps -o rss="
 
 

@@ -1,7 +1,7 @@
 """macOS and Windows memory readers for the host backend (:mod:`oomguard.probes.host`).
 
 What each OS gives without extra packages: on macOS the ``sysctl``, ``vm_stat``
-and ``ps`` tools; on Windows ``GlobalMemoryStatusEx`` and
+and ``ps`` tools (and psutil, a dependency there, for the resident size); on Windows ``GlobalMemoryStatusEx`` and
 ``K32GetProcessMemoryInfo`` through ctypes. Every reader returns None where
 its source is absent or fails, never 0.
 """
@@ -62,6 +62,19 @@ def darwin_memory() -> tuple[int | None, int | None]:
     total = int(out.strip()) if out and out.strip().isdigit() else None
     out = _tool("vm_stat")
     return total, parse_vm_stat(out) if out else None
+
+
+def psutil_rss() -> int | None:
+    """This process's resident bytes from psutil (``task_info`` on macOS), None where
+    psutil is not installed: it answers in microseconds where ``ps`` spawns a process."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        return int(psutil.Process().memory_info().rss)
+    except (OSError, psutil.Error):
+        return None
 
 
 def ps_rss() -> int | None:

@@ -175,11 +175,11 @@ def scaling_verdict(result: SearchResult) -> str | None:
 
 
 def status_text(t: Trial) -> str:
-    return "✓ SUCCESS" if t.ok else "✗ OOM"
+    return "✓ SUCCESS" if t.ok else "✗ RAM guard (estimated limit)" if t.guarded else "✗ OOM"
 
 
 def _mark(t: Trial) -> str:
-    return f"{t.size} {'✓' if t.ok else '✗ OOM'}"
+    return f"{t.size} {'✓' if t.ok else '✗ RAM guard' if t.guarded else '✗ OOM'}"
 
 
 # ---------------------------------------------------------------- search strategy

@@ -105,6 +105,10 @@ def _configuration(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
                "cuda": "torch.cuda.set_per_process_memory_fraction"}.get(device_type(result), "")
         out.append(f"- **Memory budget**: {fmt_bytes(result.budget_bytes)}"
                    + (f" (enforced with {how}; OOMs are real allocator errors)" if how else ""))
+    elif result.limit:
+        out.append(f"- **Memory budget**: none; trials ran under a {result.limit['description']}: "
+                   "a watchdog stopped a trial past it, and sizes predicted past it did not run. "
+                   "The limit is estimated from the RAM available, not enforced by the OS")
     else:
         out.append("- **Memory budget**: none (the device's own limit)")
     label = capacity_label(result)
@@ -167,10 +171,16 @@ def _results(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
     for t in result.trials:
         out.append(f"| {t.size} | {status_text(t)} | {fmt_bytes(t.peak_bytes)} | "
                    f"{t.seconds:.3f} | {fmt_value(t.value)} |")
-    if any(not t.ok for t in result.trials):
+    if any(not t.ok and not t.guarded for t in result.trials):
         out.append("")
         out.append("An OOM trial's peak is unknown (the allocation that failed never happened); "
                    "its row shows `-`.")
+    if any(t.guarded for t in result.trials):
+        out.append("")
+        out.append("A RAM guard row is the guard's verdict against its estimated limit, not an "
+                   "allocation that failed: its peak is what was measured until the trial was "
+                   "stopped, or `-` for a size that did not run because its predicted peak was "
+                   "over the limit.")
     return out
 
 

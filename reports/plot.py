@@ -42,7 +42,9 @@ def memory_figure(result: SearchResult) -> Figure:
     measured maximum and the recommended safe size.
     """
     ok = [t for t in result.trials if t.ok and t.peak_bytes is not None]
-    ooms = [t for t in result.trials if not t.ok]
+    ooms = [t for t in result.trials if not t.ok and not t.guarded]
+    guarded = [t for t in result.trials if t.guarded]
+    guard_limit = result.limit["limit_bytes"] if result.limit else None
     cap = result.capacity_bytes
     rec = result.recommendation
     fit = result.fit
@@ -52,7 +54,8 @@ def memory_figure(result: SearchResult) -> Figure:
     all_sizes = [t.size for t in result.trials] or [1]
     x_max = max(all_sizes) * 1.08
     fit_end = fit.predict(x_max) if fit else None
-    scale_vals = [float(t.peak_bytes) for t in ok] + ([float(cap)] if cap else [])
+    scale_vals = [float(t.peak_bytes) for t in ok] + ([float(cap)] if cap else []) + (
+        [float(guard_limit)] if guard_limit else [])
     if fit_end is not None:
         scale_vals.append(fit_end)
     unit, div = _unit(scale_vals)
@@ -86,6 +89,15 @@ def memory_figure(result: SearchResult) -> Figure:
             note = "OOM (peak unknown; drawn above the highest peak)"
         ax.plot([t.size for t in ooms], [y_oom] * len(ooms), "x", color="red", ms=9, mew=2,
                 label=f"{note} ({len(ooms)} trials)", zorder=4)
+    if guard_limit:
+        ax.axhline(guard_limit / div, color="tab:orange", lw=1.1, ls="--",
+                   label=f"RAM guard limit: {fmt_bytes(guard_limit, unit)} (estimated, not enforced)")
+    if guarded:
+        ax.plot([t.size for t in guarded],
+                [(t.peak_bytes if t.peak_bytes is not None else guard_limit) / div for t in guarded],
+                "x", color="tab:orange", ms=9, mew=2, zorder=4,
+                label=f"stopped or not run by the RAM guard ({len(guarded)} trials; at the "
+                      "peak measured, or on its limit when not run)")
     if result.max_ok is not None:
         ax.axvline(result.max_ok, color="tab:red", lw=1.0, ls="-.",
                    label=f"measured maximum: {result.max_ok}")

@@ -72,6 +72,18 @@ def test_fake_os_imports_every_module_and_runs_probe_and_metrics(
     assert cpu["extra"]["peak"] == report["host"]["peak_source"]
 
 
+@pytest.mark.parametrize("os_name", ["Windows", "Darwin"])
+def test_fake_os_search_without_budget_runs_under_an_estimated_ram_guard(
+        fake_os_reports: dict[str, dict], os_name: str) -> None:
+    found = fake_os_reports[os_name]["search"]
+    assert found["max_ok"] == 8  # 32 MiB at most: far below the guard
+    limit = found["limit"]
+    assert limit["kind"] == "ram-guard" and limit["enforced"] is False
+    assert 0 < limit["limit_bytes"] < limit["available_bytes"]
+    assert "estimated, not enforced" in found["first_line"]
+    assert "not available" in found["first_line"]  # and it says why there is no budget
+
+
 def test_fake_windows_reads_win32_memory_apis(fake_os_reports: dict[str, dict]) -> None:
     report = fake_os_reports["Windows"]
     cpu = _cpu_row(report)

@@ -54,14 +54,17 @@ def default_budget(dev: torch.device, given: int | None) -> int | None:
 
 def budget_free_limit(device: str) -> str:
     """What limits trials that run without a budget, in words, for the search's first line:
-    the device's own limit on a GPU; on a host that cannot cap memory, the available RAM,
-    estimated and not enforced, with why."""
+    the device's own limit on a GPU; on the host, the RAM guard (a share of the available
+    RAM, estimated and not enforced), with why there is no budget."""
     if not str(device).startswith("cpu"):
         return "the device's own limit"
+    from oomguard.engine.core.ramguard import DEFAULT_FRACTION
     from oomguard.engine.core.units import fmt_bytes
     from oomguard.probes import host
 
     why = host.host_budget_unavailable() or "no budget given"
     free = host.host_memory().get("free")
-    ram = fmt_bytes(free) if free else "unknown"
-    return f"no budget ({why}; available RAM {ram}, estimated, not enforced)"
+    if not free:
+        return f"no budget ({why}; available RAM unknown: bounded by --max-size only)"
+    return (f"a RAM guard at {DEFAULT_FRACTION:.0%} of {fmt_bytes(free)} available RAM, "
+            f"measured after the warm-up (estimated, not enforced; {why})")

@@ -108,7 +108,8 @@ def _progress(label: str) -> Any:
         # c10's "[enforce fail at alloc_cpu.cpp:127] err == 0." prefix says nothing to users.
         error = re.sub(r"\[enforce fail at [^\]]*\][^.]*\.\s*", "", trial.error or "")
         peak = f"peak {fmt_bytes(trial.peak_bytes)}" if trial.ok else error[:100]
-        print(f"  {label} {trial.size:>6}  {'ok ' if trial.ok else 'OOM'}  {peak}  "
+        verdict = "ok " if trial.ok else "RAM guard" if trial.guarded else "OOM"
+        print(f"  {label} {trial.size:>6}  {verdict}  {peak}  "
               f"({trial.seconds:.2f} s)", file=sys.stderr, flush=True)
     return show
 

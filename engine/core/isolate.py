@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from oomguard.engine.core.budget import budget, return_freed_memory_to_os, trim_heap
+from oomguard.engine.core.ramguard import RamGuard
 from oomguard.engine.core.trial import Trial, run_trial
 from oomguard.engine.errors import ChildCrashed, ChildStartFailed, UsageError
 from oomguard.probes import host
@@ -74,7 +75,7 @@ MAIN_GUARD_FIX = 'guard the script with `if __name__ == "__main__":`'
 
 
 def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, conn: Any,
-           stderr_path: str) -> None:
+           stderr_path: str, ram_guard: RamGuard | None = None) -> None:
     """Runs in the child: say it started, then unpickle, warm up, budget, one trial."""
     conn.send(("started",))
     # Before anything allocates (unpickling imports the workload's modules): every
@@ -103,7 +104,7 @@ def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, con
         guard: AbstractContextManager[Any] = (
             budget(budget_bytes, device) if budget_bytes is not None else nullcontext())
         with guard:
-            trial = run_trial(fn, size, device)
+            trial = run_trial(fn, size, device, ram_guard)
         conn.send(("ok", trial))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         text = "".join(traceback.format_exception(exc))
@@ -139,14 +140,16 @@ class IsolatedRunner:
 
     ``fn`` must be picklable (a module-level function or class instance in an
     importable file); :class:`ChildStartFailed` says so at once if it is not.
-    ``budget`` bytes are applied in the child after ``fn.warmup()``.
+    ``budget`` bytes are applied in the child after ``fn.warmup()``; a RAM
+    ``guard`` watches the child's trial (see :func:`~oomguard.engine.core.trial.run_trial`).
     ``timeout`` seconds (finite, > 0) bound each trial, from the child's start to
     its result: a child still running then is killed and reported as
     :class:`ChildCrashed`, never as an OOM (nothing says it ran out of memory).
     """
 
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
-                 budget: int | None = None, timeout: float = 600.0) -> None:
+                 budget: int | None = None, timeout: float = 600.0,
+                 guard: RamGuard | None = None) -> None:
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
                 and math.isfinite(timeout) and timeout > 0):
             raise UsageError(f"the trial timeout must be a positive number of seconds, "
@@ -162,6 +165,7 @@ class IsolatedRunner:
                 f"isolated trials cannot send {_name(fn)} to a child process ({type(exc).__name__}:"
                 f" {str(exc).splitlines()[0] if str(exc) else ''}): {MODULE_LEVEL_FIX}") from exc
         self.fn, self.device, self.budget, self.timeout = fn, str(device), budget, timeout
+        self.guard = guard
         module = getattr(fn, "__module__", None) or type(fn).__module__
         self.ctx = forkserver_context(tuple(getattr(fn, "preload", ())) + (module,))
 
@@ -185,7 +189,7 @@ class IsolatedRunner:
     def _run(self, size: int, stderr_path: str) -> Trial:
         parent, child = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(target=_child, daemon=True, args=(
-            self.payload, size, self.device, self.budget, child, stderr_path))
+            self.payload, size, self.device, self.budget, child, stderr_path, self.guard))
         start = time.perf_counter()
         proc.start()
         child.close()

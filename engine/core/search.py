@@ -36,6 +36,7 @@ from oomguard.engine.core.budget import budget as memory_budget
 from oomguard.engine.core.budget import check_budget, return_freed_memory_to_os
 from oomguard.engine.core.fit import DEFAULT_MARGIN, LinearFit, Recommendation, fit_line, recommend
 from oomguard.engine.core.isolate import IsolatedRunner
+from oomguard.engine.core.ramguard import RamGuard
 from oomguard.engine.core.strategies import (
     E10,
     Strategy,
@@ -61,7 +62,11 @@ class SearchConfig:
     (None: no cap); ``isolate`` runs each trial in a fresh child process;
     ``margin`` is the fraction of capacity the recommended size keeps free;
     ``capacity_bytes`` is what the recommendation scales against (None: the
-    budget, else the free memory probed before the search). ``trial_timeout``
+    budget, else the free memory probed before the search). ``ram_guard``
+    bounds CPU trials that run without a budget by an estimated limit
+    (:class:`~oomguard.engine.core.ramguard.RamGuard`): None (default) guards
+    CPU searches without a budget at 80% of the RAM available after the
+    warm-up, True always, False never; or give a ``RamGuard``. ``trial_timeout``
     bounds each isolated trial in seconds (finite, > 0): a child still running
     then is killed and the search ends with :class:`TrialFailed` (the cause a
     :class:`~oomguard.engine.errors.ChildCrashed`), never an OOM. All fields are
@@ -78,6 +83,7 @@ class SearchConfig:
     margin: float = DEFAULT_MARGIN
     capacity_bytes: int | None = None
     trial_timeout: float = 600.0
+    ram_guard: RamGuard | bool | None = None
 
     def __post_init__(self) -> None:
         if self.strategy is not None and not callable(getattr(self.strategy, "next", None)):
@@ -96,6 +102,9 @@ class SearchConfig:
                              f"got {self.trial_timeout!r}")
         if not (_is_number(self.margin) and math.isfinite(self.margin) and 0 <= self.margin < 1):
             raise UsageError(f"margin must be a fraction in [0, 1), got {self.margin!r}")
+        if not (self.ram_guard is None or isinstance(self.ram_guard, (bool, RamGuard))):
+            raise UsageError(f"ram_guard must be None, True, False or a RamGuard, "
+                             f"got {self.ram_guard!r}")
         if not isinstance(self.isolate, bool):
             raise UsageError(f"isolate must be True or False, got {self.isolate!r}")
         try:
@@ -136,6 +145,8 @@ class SearchResult:
     above it that ran out of memory (None if none did). ``capacity_bytes`` is
     what the workload could use: the budget if one was set, otherwise the free
     memory probed before the search (an estimate of headroom, not a limit).
+    ``limit`` describes the RAM guard when one bounded the trials (its
+    ``enforced`` is False: the limit was estimated), else None.
     """
 
     workload: str
@@ -154,6 +165,7 @@ class SearchResult:
     seconds: float
     config: dict[str, Any] = field(default_factory=dict)
     size_name: str = "batch_size"  # what the searched size is: the workload's ``knob``, if any
+    limit: dict[str, Any] | None = None
 
     @property
     def size_label(self) -> str:
@@ -178,6 +190,7 @@ class SearchResult:
             "stopped_because": self.stopped_because,
             "seconds": self.seconds,
             "config": self.config,
+            "limit": self.limit,
         }
 
 
@@ -233,10 +246,12 @@ def search(
             trials=list(trials), fit=fit_line(trials), recommendation=None,
             capacity_bytes=capacity, budget_bytes=cfg.budget, stopped_because=stopped,
             seconds=time.perf_counter() - t0, config=cfg.to_dict(),
-            size_name=getattr(fn, "knob", None) or "batch_size")
+            size_name=getattr(fn, "knob", None) or "batch_size",
+            limit=guard.to_dict() if guard is not None else None)
 
+    guard: RamGuard | None = None
     with ExitStack() as stack:
-        runner = _runner(fn, cfg, dev, stack)
+        runner, guard = _runner(fn, cfg, dev, stack)
         if capacity is None:  # after the warm-up: free memory then leaves the model out
             capacity = cfg.budget if cfg.budget is not None else _free_bytes(dev)
         while True:
@@ -255,8 +270,10 @@ def search(
             if any(t.size == size for t in trials):  # a strategy that repeats itself is done
                 stopped = f"strategy proposed size {size} again"
                 break
+            refused = guard.refuse(trials, fit_line(trials), size) if guard is not None else None
             try:
-                trial = runner(size)
+                trial = (Trial(size, ok=False, peak_bytes=None, seconds=0.0, error=refused,
+                               guarded=True) if refused else runner(size))
             except Exception as exc:  # not an OOM: the search cannot go on
                 partial = result(f"trial at size {size} failed: {type(exc).__name__}")
                 raise TrialFailed(_failure_text(name, size, exc, partial), partial) from exc
@@ -308,26 +325,44 @@ def _shorthand_conflict(strategy: Strategy, start: int | None, step: int | None)
                       f"to {kind}, which runs its own parameters: write strategy={written}{note}")
 
 
+def _guarded(cfg: SearchConfig, dev: torch.device) -> bool:
+    """Whether the trials run under a RAM guard (see SearchConfig.ram_guard); CPU only."""
+    if dev.type != "cpu" or cfg.ram_guard is False:
+        return False
+    return cfg.ram_guard is not None or cfg.budget is None
+
+
+def _guard(cfg: SearchConfig, dev: torch.device) -> RamGuard | None:
+    """The RAM guard the trials run under, made now (after the warm-up in this process)."""
+    if not _guarded(cfg, dev):
+        return None
+    return cfg.ram_guard if isinstance(cfg.ram_guard, RamGuard) else RamGuard.for_host()
+
+
 def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device,
-            stack: ExitStack) -> Callable[[int], Trial]:
+            stack: ExitStack) -> tuple[Callable[[int], Trial], RamGuard | None]:
+    """What runs one trial, and the RAM guard it runs under (made after the warm-up)."""
     if cfg.isolate:
+        guard = _guard(cfg, dev)
         return stack.enter_context(IsolatedRunner(fn, device=dev, budget=cfg.budget,
-                                                  timeout=cfg.trial_timeout))
-    if cfg.budget is not None and dev.type == "cpu":
+                                                  timeout=cfg.trial_timeout, guard=guard)), guard
+    if dev.type == "cpu" and (cfg.budget is not None or _guarded(cfg, dev)):
         # Before the warm-up, as in an isolated child: a warm-up under glibc's default
         # threshold leaves 27-47 MiB of free heap (varying run to run) that the budget
         # cannot see and trials reuse, so the boundary moved by up to one item
-        # (docs/measurements.md#free-heap-at-budget-entry).
+        # (docs/measurements.md#free-heap-at-budget-entry); the RAM guard's peaks
+        # read 0 for trials that such heap served.
         return_freed_memory_to_os()
     if hasattr(fn, "warmup"):
         fn.warmup()
     if cfg.budget is not None:
         stack.enter_context(memory_budget(cfg.budget, dev))
+    guard = _guard(cfg, dev)
 
     def in_process(size: int) -> Trial:
-        return run_trial(fn, size, dev)
+        return run_trial(fn, size, dev, guard)
 
-    return in_process
+    return in_process, guard
 
 
 def _limit_reached(cfg: SearchConfig, done: int, seconds: float) -> str | None:

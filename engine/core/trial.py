@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from oomguard.engine.core.budget import tighten_active_budget
 from oomguard.engine.core.jsonable import to_jsonable
 from oomguard.engine.core.oom import OOM, call_catching_oom, release_memory
 from oomguard.probes.peak import PeakMeter
+
+if TYPE_CHECKING:
+    from oomguard.engine.core.ramguard import RamGuard
 
 
 @dataclass
@@ -29,6 +32,10 @@ class Trial:
     ``peak_bytes`` is measured (see :class:`probes.PeakMeter` for what each
     device counts); it is None for an OOM, whose peak is unknown.
     ``mode`` is ``"in-process"`` or ``"isolated"`` (a fresh child process).
+    ``guarded``: the outcome is the RAM guard's verdict against an estimated limit
+    (:mod:`~oomguard.engine.core.ramguard`), not an allocation that failed; its
+    ``peak_bytes`` is then the peak measured until it was stopped, or None for a
+    size that did not run because its predicted peak was over the limit.
     """
 
     size: int
@@ -39,6 +46,7 @@ class Trial:
     error: str | None = None
     mode: str = "in-process"
     sizes: dict[str, int] = field(default_factory=dict)
+    guarded: bool = False
 
     @property
     def outcome(self) -> str:
@@ -67,21 +75,38 @@ class RebuiltInChild:
 
 
 def run_trial(
-    fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu"
+    fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
+    guard: RamGuard | None = None,
 ) -> Trial:
     """Run ``fn(size)`` once in this process and measure it.
 
     Memory is released before the trial so the peak starts from a clean
-    baseline. Raises whatever ``fn`` raises unless it is an OOM.
+    baseline. Raises whatever ``fn`` raises unless it is an OOM. With a
+    ``guard`` (CPU only), its watchdog stops the trial past the guard's limit
+    and a measured peak past it counts as out of memory (``Trial.guarded``).
     """
     release_memory(device)
     tighten_active_budget()
     meter = PeakMeter(device)
     meter.reset()
+    watch = guard.watch() if guard is not None and torch.device(device).type == "cpu" else None
+
+    def watched(n: int) -> Any:
+        with watch:  # type: ignore[union-attr]
+            return fn(n)
+
     start = time.perf_counter()
-    result = call_catching_oom(fn, size, device=device)
+    result = call_catching_oom(fn if watch is None else watched, size, device=device)
     seconds = time.perf_counter() - start
     if isinstance(result, OOM):
+        if watch is not None and watch.tripped is not None:
+            peak = meter.read()
+            return Trial(size=size, ok=False, peak_bytes=peak, seconds=seconds,
+                         error=guard.over(max(peak, watch.tripped), True),  # type: ignore[union-attr]
+                         guarded=True)
         return Trial(size=size, ok=False, peak_bytes=None, seconds=seconds, error=result.message)
     peak = meter.read()
+    if watch is not None and guard is not None and peak > guard.limit_bytes:
+        return Trial(size=size, ok=False, peak_bytes=peak, seconds=seconds,
+                     error=guard.over(peak, False), guarded=True)
     return Trial(size=size, ok=True, peak_bytes=peak, seconds=seconds, value=to_jsonable(result))

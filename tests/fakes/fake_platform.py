@@ -213,7 +213,8 @@ def enter(os_name: str, proc_root: Path, bin_dir: Path | None = None) -> list[st
 
 def run(os_name: str, proc_root: str, bin_dir: str | None = None) -> dict:
     """Under the fake ``os_name``: import every module, then ``oomguard probe --json`` and
-    ``oomguard metrics``; return what happened (failed imports, exit codes, outputs)."""
+    ``oomguard metrics``, then a small search without a budget; return what happened
+    (failed imports, exit codes, outputs, the search's limit and peaks)."""
     names = enter(os_name, Path(proc_root), Path(bin_dir) if bin_dir else None)
     failed = {}
     for name in names:
@@ -235,6 +236,19 @@ def run(os_name: str, proc_root: str, bin_dir: str | None = None) -> dict:
             except Exception as exc:  # noqa: BLE001
                 code, err = -1, io.StringIO(f"{type(exc).__name__}: {exc}")
         report[key] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+    # What `oomguard bench` does on this OS: no budget, so a RAM guard bounds the trials.
+    import torch
+
+    from oomguard import search
+    from oomguard.engine.cli.devices import budget_free_limit, default_budget
+    from oomguard.engine.core.strategies import Doubling
+
+    result = search(lambda n: torch.ones(n, 1024, 1024).sum().item(),
+                    strategy=Doubling(start=1), max_size=8,
+                    budget=default_budget(torch.device("cpu"), None))
+    report["search"] = {"limit": result.limit, "max_ok": result.max_ok,
+                        "peaks": [t.peak_bytes for t in result.trials],
+                        "first_line": budget_free_limit("cpu")}
     from oomguard.probes import host
 
     method = host.peak_method()

@@ -1,0 +1,182 @@
+"""CUDA budget and search checks of ``bench/gpu_check.py``: what users rely on when they
+search without knowing their GPU's memory.
+
+Each check returns ``(passed, measured)``; ``measured`` says what was checked and
+against what. Every OOM is real: the caching allocator refusing an allocation
+above a ``set_per_process_memory_fraction`` cap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MiB = 1024**2
+GiB = 1024**3
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / MiB:.1f} MiB"
+
+
+def clean(dev: torch.device) -> None:
+    """Drop cached blocks and peaks so each check starts from what it allocates itself."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+
+
+@dataclass
+class EightMiBPerItem:
+    """A trial whose peak is 8 MiB per item (two live 4 MiB tensors); module-level and
+    picklable, so isolated children run it too."""
+
+    device: str
+    name: str = "8MiB-per-item"
+
+    def __call__(self, size: int) -> float:
+        x = torch.randn(size, 1024, 1024, device=self.device)
+        y = x * 2
+        return float(y.mean().item())
+
+
+def check_budget_after_cached_blocks(dev: torch.device) -> tuple[bool, str]:
+    """A budget entered while 3 GiB of freed blocks sit in the cache must not grant them."""
+    from oomguard.engine.core.budget import budget
+    from oomguard.engine.core.oom import is_oom
+
+    clean(dev)
+    blocks = [torch.empty(256 * MiB, dtype=torch.uint8, device=dev) for _ in range(12)]
+    del blocks
+    cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    raised = None
+    with budget(1 * GiB, dev) as b:
+        allocated = torch.cuda.memory_allocated(dev)
+        try:
+            torch.empty(int(1.5 * GiB), dtype=torch.uint8, device=dev)
+        except torch.OutOfMemoryError as exc:
+            raised = exc
+    real = raised is not None and is_oom(raised)
+    raised = None
+    clean(dev)
+    ok = cached >= 3 * GiB - 64 * MiB and b.limit <= allocated + 1 * GiB + 2 * MiB and real
+    return ok, (f"{_mib(cached)} cached at entry; cap {_mib(b.limit)} <= allocated "
+                f"{_mib(allocated)} + 1 GiB + 2 MiB: {b.limit <= allocated + GiB + 2 * MiB}; "
+                f"1.5 GiB under a 1 GiB budget raised OutOfMemoryError: {real}")
+
+
+def check_search_vs_brute_force(dev: torch.device) -> tuple[bool, str]:
+    """search() under a 1 GiB fraction budget, in-process and isolated, against every size
+    from 1 up run in-process, and the isolated answer's boundary run in fresh children."""
+    from oomguard.engine.core.budget import budget
+    from oomguard.engine.core.isolate import IsolatedRunner
+    from oomguard.engine.core.search import search
+    from oomguard.engine.core.trial import run_trial
+
+    fn = EightMiBPerItem(str(dev))
+    clean(dev)
+    brute = 0
+    with budget(1 * GiB, dev):
+        for size in range(1, 1024):
+            if not run_trial(fn, size, dev).ok:
+                break
+            brute = size
+    clean(dev)
+    t0 = time.perf_counter()
+    here = search(fn, start=32, step=8, device=dev, budget=1 * GiB)
+    t_here = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    iso = search(fn, start=32, step=8, device=dev, budget=1 * GiB, isolate=True)
+    t_iso = time.perf_counter() - t0
+    with IsolatedRunner(fn, device=dev, budget=1 * GiB) as run:
+        at_max, above = run(iso.max_ok).ok, run(iso.max_ok + 1).ok
+    ok = here.max_ok == brute and at_max and not above and iso.first_oom == iso.max_ok + 1
+    return ok, (f"brute force (every size from 1, in-process) {brute}; search in-process "
+                f"{here.max_ok} ({len(here.trials)} trials, {t_here:.1f} s); isolated "
+                f"{iso.max_ok} ({len(iso.trials)} trials, {t_iso:.1f} s); fresh children: "
+                f"{iso.max_ok} {'fits' if at_max else 'OOM'}, {iso.max_ok + 1} "
+                f"{'fits' if above else 'OOM'}")
+
+
+def check_default_budget_cli(dev: torch.device) -> tuple[bool, str]:
+    """``oomguard bench`` without --budget on this GPU: the default is measured after the
+    warm-up, so an idle GPU must not refuse it (reserved + budget > total)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run(
+            [sys.executable, "-m", "oomguard", "bench", "--device", str(dev), "--max-size", "64",
+             "--seq-len", "128", "--out", str(Path(tmp) / "out"), "--json"],
+            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    first = next((ln for ln in done.stderr.splitlines() if "searching" in ln), "")
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return False, f"exit {done.returncode}: {tail[:200]}"
+    result = json.loads(done.stdout)
+    ok = result.get("max_ok") is not None and "device's own limit" in first
+    return ok, (f"exit 0, max_ok {result.get('max_ok')} of --max-size 64, budget "
+                f"{result.get('budget_bytes')}; first line: {first.strip()[:120]}")
+
+
+_PARENT_SCRIPT = """
+import json, sys, torch
+from oomguard.engine.core.search import search
+from oomguard.metrics.train_step import TrainStep
+step = TrainStep(model="tiny-gpt2", seq_len=128, device=sys.argv[1])
+step.describe()  # as `oomguard bench --isolate` does: on the meta device
+held = []
+def look(trial):
+    held.append(torch.cuda.memory_reserved() if torch.cuda.is_initialized() else 0)
+res = search(step, start=4, step=4, max_size=16, device=sys.argv[1], isolate=True,
+             on_trial=look)
+print(json.dumps({"held": held, "initialized": torch.cuda.is_initialized(),
+                  "max_ok": res.max_ok}))
+"""
+
+
+def check_isolated_parent_holds_nothing(dev: torch.device) -> tuple[bool, str]:
+    """``bench --isolate``: while the children measure, the parent holds nothing on the GPU
+    (no model, no optimizer state, no CUDA context)."""
+    done = subprocess.run([sys.executable, "-c", _PARENT_SCRIPT, str(dev)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return False, f"exit {done.returncode}: {tail[:200]}"
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    ok = got["max_ok"] is not None and not any(got["held"])
+    return ok, (f"parent reserved during {len(got['held'])} isolated trials: "
+                f"{[_mib(h) for h in got['held']]}; CUDA initialised in the parent: "
+                f"{got['initialized']}; max_ok {got['max_ok']}")
+
+
+ASYNC_CHECKS = ("allocator peak", "fraction budget", "call_catching_oom", "search under budget")
+
+
+def check_cuda_malloc_async(dev: torch.device) -> tuple[bool, str]:
+    """The peak, budget, OOM and search checks again under
+    ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``, whose cap counts bytes in use."""
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device",
+                           str(dev), "--json", "--only", ",".join(ASYNC_CHECKS)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    try:
+        got = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        tail = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return False, f"exit {done.returncode}, no table: {tail[:200]}"
+    rows = got["checks"]
+    backend = got.get("allocator_backend")
+    ok = backend == "cudaMallocAsync" and len(rows) == len(ASYNC_CHECKS) and all(
+        r["passed"] for r in rows)
+    return ok, f"backend {backend}: " + "; ".join(
+        f"{r['check']} {'ok' if r['passed'] else 'FAILED'} ({r['measured'][:80]})" for r in rows)

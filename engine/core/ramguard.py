@@ -1,0 +1,190 @@
+"""The RAM guard: an estimated limit for CPU searches that run without a budget.
+
+Where the OS cannot cap a process's memory (macOS, Windows), or a caller gives
+no budget, a CPU trial is bounded only by ``max_size``: one size past the RAM
+makes the host swap, or its OOM killer ends the whole run. The guard stands in
+for a budget, and says that it is an estimate:
+
+- **Its limit** is ``fraction`` of the RAM available after the warm-up
+  (probed: ``MemAvailable`` on Linux, an estimate from ``vm_stat`` on macOS,
+  ``ullAvailPhys`` on Windows), counted as bytes a trial may add to the
+  resident bytes at its start: the units of a trial's measured CPU peak.
+- **Before a trial** the peak is predicted from the peaks measured so far (the
+  fitted line; proportional to the size from a single one). A size predicted
+  past the limit does not run.
+- **During a trial** a watchdog thread reads the resident bytes every
+  ``interval`` seconds. Past the limit it raises :class:`RamLimitReached` (a
+  ``MemoryError``, so an OOM) in the trial's thread at its next Python bytecode.
+  A single operation that allocates more than the headroom on its own finishes
+  first: the guard stops work between operations, not inside one.
+- **After a trial** a measured peak past the limit counts as out of memory.
+
+Every verdict of the guard is marked on its trial (``Trial.guarded``), and the
+search result says that its limit was estimated, not enforced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.errors import RamLimitReached, UsageError
+from oomguard.probes import host
+
+if TYPE_CHECKING:
+    from oomguard.engine.core.fit import LinearFit
+    from oomguard.engine.core.trial import Trial
+
+# Of the RAM available after the warm-up, what a trial may add: the rest is left to the
+# OS and other processes (macOS compresses and Linux reclaims file cache before either
+# swaps, so available RAM is not all usable without slowing the host).
+DEFAULT_FRACTION = 0.8
+# Seconds between two reads of the resident bytes: /proc (Linux), the Win32 API and
+# psutil answer in microseconds; the `ps` fallback (macOS without psutil) spawns a process.
+FAST_INTERVAL_S = 0.02
+SLOW_INTERVAL_S = 0.25
+
+
+@dataclass(frozen=True)
+class RamGuard:
+    """An estimated, not enforced, limit on the bytes one CPU trial may add.
+
+    ``limit_bytes``: the most a trial may add to the resident bytes at its start.
+    ``available_bytes``: the RAM available when the guard was made, and
+    ``source`` where that figure came from (None and "given" for a guard built
+    from a number). ``interval``: seconds between the watchdog's reads.
+    """
+
+    limit_bytes: int
+    available_bytes: int | None = None
+    fraction: float | None = None
+    source: str = "given"
+    interval: float = FAST_INTERVAL_S
+
+    def __post_init__(self) -> None:
+        if isinstance(self.limit_bytes, bool) or not isinstance(self.limit_bytes, int) \
+                or self.limit_bytes <= 0:
+            raise UsageError(f"RamGuard limit_bytes must be a positive number of bytes, "
+                             f"got {self.limit_bytes!r}")
+        if not (isinstance(self.interval, (int, float)) and 0 < self.interval <= 10):
+            raise UsageError(f"RamGuard interval must be seconds in (0, 10], "
+                             f"got {self.interval!r}")
+
+    @classmethod
+    def for_host(cls, fraction: float = DEFAULT_FRACTION) -> RamGuard | None:
+        """A guard at ``fraction`` of the RAM available now (probed); None where the
+        available RAM cannot be read (the search is then bounded by ``max_size`` only)."""
+        if not 0 < fraction <= 1:
+            raise UsageError(f"RAM guard fraction must be in (0, 1], got {fraction!r}")
+        memory = host.host_memory()
+        free = memory.get("free")
+        if not free:
+            return None
+        _, rss_source = host.resident_bytes()
+        interval = SLOW_INTERVAL_S if rss_source.startswith("ps ") else FAST_INTERVAL_S
+        return cls(limit_bytes=max(1, int(free * fraction)), available_bytes=int(free),
+                   fraction=fraction, source=memory["sources"].get("free", "unknown"),
+                   interval=interval)
+
+    def describe(self) -> str:
+        """The limit in words, for the search's first line and its report."""
+        if self.available_bytes is not None and self.fraction is not None:
+            return (f"RAM guard {fmt_bytes(self.limit_bytes)} ({self.fraction:.0%} of "
+                    f"{fmt_bytes(self.available_bytes)} available RAM; estimated, not enforced)")
+        return f"RAM guard {fmt_bytes(self.limit_bytes)} (estimated, not enforced)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "ram-guard", "enforced": False, "limit_bytes": self.limit_bytes,
+                "available_bytes": self.available_bytes, "fraction": self.fraction,
+                "source": self.source, "interval_s": self.interval,
+                "description": self.describe()}
+
+    def predict(self, trials: Sequence[Trial], fit: LinearFit | None, size: int) -> float | None:
+        """Estimated peak bytes at ``size`` from the measured peaks of ``trials`` (the
+        fitted line ``fit`` when there is one, else proportional to the size from the
+        largest size that ran); None before any peak was measured."""
+        if fit is not None:
+            return fit.predict(size)
+        ran = [(t.size, t.peak_bytes) for t in trials if t.ok and t.peak_bytes is not None]
+        if not ran:
+            return None
+        s, peak = max(ran)
+        return peak * size / s
+
+    def refuse(self, trials: Sequence[Trial], fit: LinearFit | None, size: int) -> str | None:
+        """Why ``size`` must not run (its predicted peak is past the limit), or None."""
+        predicted = self.predict(trials, fit, size)
+        if predicted is None or predicted <= self.limit_bytes:
+            return None
+        return (f"RAM guard: not run, predicted peak {fmt_bytes(int(predicted))} is over "
+                f"the limit {fmt_bytes(self.limit_bytes)} (estimated, not enforced)")
+
+    def over(self, peak_bytes: int, stopped: bool) -> str:
+        """The error text of a trial the guard stopped (``stopped``) or judged after it ran."""
+        how = "stopped at" if stopped else "measured peak"
+        return (f"RAM guard: {how} {fmt_bytes(peak_bytes)}, over the limit "
+                f"{fmt_bytes(self.limit_bytes)} (estimated, not enforced)")
+
+    def watch(self) -> Watchdog:
+        """A context manager that watches the calling thread's process while it runs."""
+        return Watchdog(self.limit_bytes, self.interval)
+
+
+class Watchdog:
+    """Reads the resident bytes every ``interval`` seconds while the ``with`` block runs;
+    past ``limit_bytes`` above those at entry, raises :class:`RamLimitReached` in the
+    thread that entered. ``tripped`` is the bytes above the start when it did, else None.
+    Where resident bytes cannot be read it watches nothing (``watching`` is False)."""
+
+    def __init__(self, limit_bytes: int, interval: float,
+                 read: Callable[[], int | None] | None = None) -> None:
+        self.limit_bytes, self.interval = limit_bytes, interval
+        self._read = read or (lambda: host.resident_bytes()[0])
+        self.tripped: int | None = None
+        self.watching = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Watchdog:
+        start = self._read()
+        if start is None:
+            return self
+        self.watching = True
+        target = threading.get_ident()
+        self._thread = threading.Thread(target=self._watch, args=(start, target),
+                                        name="oomguard-ram-guard", daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self, start: int, target: int) -> None:
+        while not self._stop.wait(self.interval):
+            now = self._read()
+            if now is None or now - start <= self.limit_bytes:
+                continue
+            with self._lock:
+                if not self._stop.is_set():
+                    self.tripped = now - start
+                    _raise_in(target, RamLimitReached)
+            return
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._stop.set()
+            if self.tripped is not None:
+                # The block may have ended before the exception was delivered: take it
+                # back, so it cannot surface in code after the trial.
+                _raise_in(threading.get_ident(), None)
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
+    """Raise ``exc`` in thread ``thread_id`` at its next bytecode (None: cancel a pending
+    one), through CPython's ``PyThreadState_SetAsyncExc``."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None)
