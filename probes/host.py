@@ -48,6 +48,35 @@ def system() -> str:
     return platform.system()
 
 
+class DataSize:
+    """Reads this process's data segment in bytes, cheaply enough to sample every
+    millisecond: ``/proc/self/statm``'s data field (pages of data + stack, read from an
+    open descriptor, ~2 us) minus the stack at open, so it follows ``VmData``, the figure
+    ``RLIMIT_DATA`` limits. :meth:`read` returns None where there is no statm."""
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        try:
+            self._fd: int | None = os.open(PROC / "self" / "statm", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+        stack = proc_status("VmStk")
+        self._stack = stack or 0
+
+    def read(self) -> int | None:
+        if self._fd is None:
+            return None
+        try:
+            return int(os.pread(self._fd, 256, 0).split()[5]) * self._page - self._stack
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 def _kib_field(text: str, key: str) -> int | None:
     for line in text.splitlines():
         if line.startswith(key + ":"):

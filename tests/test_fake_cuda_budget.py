@@ -186,7 +186,7 @@ def test_fake_cuda_isolated_bench_parent_holds_nothing_while_children_run(
 
     seen: list[tuple[int, int]] = []
 
-    def child(self: Any, size: int) -> Trial:
+    def child(self: Any, size: int, steps: int = 1) -> Trial:
         seen.append((gpu.memory_allocated(), gpu.memory_reserved()))
         return Trial(size=size, ok=size <= 40, peak_bytes=size * MiB if size <= 40 else None,
                      seconds=0.0, mode="isolated")

@@ -147,7 +147,7 @@ def test_on_trial_sees_every_trial_in_order():
 
 
 @pytest.mark.parametrize(("call", "config"), [
-    (dict(), {"strategy": "e10", "start": 32, "step": 8}),
+    (dict(), {"strategy": "guided", "start": 32, "misses": 2}),
     (dict(start=64, step=16), {"strategy": "e10", "start": 64, "step": 16}),
     (dict(start=64), {"strategy": "e10", "start": 64, "step": 8}),
     (dict(strategy=Doubling(start=64)), {"strategy": "doubling", "start": 64, "factor": 2}),
@@ -157,7 +157,7 @@ def test_on_trial_sees_every_trial_in_order():
 def test_result_config_is_exactly_what_ran(call, config):
     result = search(Echo(), max_size=128, max_trials=40, margin=0.2, **call)
     assert result.config == {**config, "max_size": 128, "max_trials": 40, "max_seconds": None,
-                             "margin": 0.2}
+                             "margin": 0.2, "steps_per_trial": None, "verify_steps": 0}
     assert result.trials[0].size == config["start"]
     if "step" in config:  # the step the report quotes is the one the trials took
         assert result.trials[1].size - result.trials[0].size == config["step"]
@@ -167,7 +167,8 @@ def test_search_config_object_and_overrides():
     cfg = SearchConfig(strategy=Doubling(start=8), max_size=64)
     result = search(Echo(), cfg, max_trials=5)
     assert result.config == {"strategy": "doubling", "start": 8, "factor": 2, "max_size": 64,
-                             "max_trials": 5, "max_seconds": None, "margin": 0.15}
+                             "max_trials": 5, "max_seconds": None, "margin": 0.15,
+                             "steps_per_trial": None, "verify_steps": 0}
     assert [t.size for t in result.trials] == [8, 16, 32, 64]
     assert result.stopped_because == "max_size (64) reached"
     assert cfg.max_trials == 64  # frozen: the override made a new config
@@ -219,7 +220,7 @@ def test_start_and_step_with_a_config_strategy_is_a_usage_error():
     (dict(trial_timeout=float("inf")), "trial_timeout must be a positive number of seconds"),
     (dict(trial_timeout=True), "trial_timeout must be a positive number of seconds, got True"),
     (dict(device="tpu"), "unknown device 'tpu'"),
-    (dict(strategy="e10"), "strategy must be E10(), Doubling(), LinearJump(capacity)"),
+    (dict(strategy="e10"), "strategy must be Guided(), E10(), Doubling(), LinearJump(capacity)"),
 ])
 def test_bad_options_are_one_line_usage_errors(kwargs, words):
     calls: list[int] = []

@@ -112,6 +112,27 @@ def tighten_active_budget() -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (vm_data + b.nbytes, hard))
 
 
+def headroom_bytes(device: str | torch.device) -> int | None:
+    """Bytes the memory limit in force on ``device`` leaves this process now, in the units
+    it counts (measured): a CPU budget's ``RLIMIT_DATA`` minus ``VmData``; a GPU budget's
+    cap minus the bytes held (:func:`gpu_held_bytes`, call it with the cache emptied);
+    without a budget, CUDA's free device memory (``cudaMemGetInfo``, once this process has
+    a context). None where no limit is known (a CPU without budget, MPS without one)."""
+    dev = torch.device(device)
+    b = active_budget()
+    if b is not None and b.device == ("cpu" if dev.type == "cpu" else _key(dev)):
+        if dev.type == "cpu":
+            if not host_budgets_available():
+                return None
+            vm_data = host.proc_status("VmData")
+            soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
+            return None if vm_data is None or soft == resource.RLIM_INFINITY else soft - vm_data
+        return b.limit - gpu_held_bytes(dev)
+    if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.mem_get_info(dev)[0])
+    return None
+
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",

@@ -31,6 +31,7 @@ The child's stderr is copied to this process's stderr after each trial.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import multiprocessing as mp
@@ -75,7 +76,7 @@ MAIN_GUARD_FIX = 'guard the script with `if __name__ == "__main__":`'
 
 
 def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, conn: Any,
-           stderr_path: str, ram_guard: RamGuard | None = None) -> None:
+           stderr_path: str, ram_guard: RamGuard | None = None, steps: int = 1) -> None:
     """Runs in the child: say it started, then unpickle, warm up, budget, one trial."""
     conn.send(("started",))
     # Before anything allocates (unpickling imports the workload's modules): every
@@ -101,10 +102,12 @@ def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, con
     try:
         if hasattr(fn, "warmup"):
             fn.warmup()
+        gc.collect()
+        gc.freeze()  # this process ends after its one trial: nothing to unfreeze
         guard: AbstractContextManager[Any] = (
             budget(budget_bytes, device) if budget_bytes is not None else nullcontext())
         with guard:
-            trial = run_trial(fn, size, device, ram_guard)
+            trial = run_trial(fn, size, device, ram_guard, steps)
         conn.send(("ok", trial))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         text = "".join(traceback.format_exception(exc))
@@ -175,21 +178,21 @@ class IsolatedRunner:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def __call__(self, size: int) -> Trial:
+    def __call__(self, size: int, steps: int = 1) -> Trial:
         fd, stderr_path = tempfile.mkstemp(prefix="oomguard-child-", suffix=".stderr")
         os.close(fd)
         try:
-            return self._run(size, stderr_path)
+            return self._run(size, stderr_path, steps)
         finally:
             try:
                 os.unlink(stderr_path)
             except OSError:
                 pass
 
-    def _run(self, size: int, stderr_path: str) -> Trial:
+    def _run(self, size: int, stderr_path: str, steps: int = 1) -> Trial:
         parent, child = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(target=_child, daemon=True, args=(
-            self.payload, size, self.device, self.budget, child, stderr_path, self.guard))
+            self.payload, size, self.device, self.budget, child, stderr_path, self.guard, steps))
         start = time.perf_counter()
         proc.start()
         child.close()

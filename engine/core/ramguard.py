@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import RamLimitReached, UsageError
 from oomguard.probes import host
+from oomguard.probes.sampler import Sampler
 
 if TYPE_CHECKING:
     from oomguard.engine.core.fit import LinearFit
@@ -142,45 +143,42 @@ class Watchdog:
 
     def __init__(self, limit_bytes: int, interval: float,
                  read: Callable[[], int | None] | None = None) -> None:
-        self.limit_bytes, self.interval = limit_bytes, interval
-        self._read = read or (lambda: host.resident_bytes()[0])
+        self.limit_bytes = limit_bytes
         self.tripped: int | None = None
-        self.watching = False
-        self._stop = threading.Event()
+        self._target = 0
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._done = False
+        self._sampler = Sampler(read or (lambda: host.resident_bytes()[0]), interval,
+                                on_sample=self._check, name="oomguard-ram-guard")
+
+    @property
+    def watching(self) -> bool:
+        return self._sampler.running
 
     def __enter__(self) -> Watchdog:
-        start = self._read()
-        if start is None:
-            return self
-        self.watching = True
-        target = threading.get_ident()
-        self._thread = threading.Thread(target=self._watch, args=(start, target),
-                                        name="oomguard-ram-guard", daemon=True)
-        self._thread.start()
+        self._target = threading.get_ident()
+        self._sampler.start()
         return self
 
-    def _watch(self, start: int, target: int) -> None:
-        while not self._stop.wait(self.interval):
-            now = self._read()
-            if now is None or now - start <= self.limit_bytes:
-                continue
-            with self._lock:
-                if not self._stop.is_set():
-                    self.tripped = now - start
-                    _raise_in(target, RamLimitReached)
-            return
+    def _check(self, now: int) -> bool:
+        start = self._sampler.first
+        assert start is not None
+        if now - start <= self.limit_bytes:
+            return False
+        with self._lock:
+            if not self._done:
+                self.tripped = now - start
+                _raise_in(self._target, RamLimitReached)
+        return True
 
     def __exit__(self, *exc: object) -> None:
         with self._lock:
-            self._stop.set()
+            self._done = True
             if self.tripped is not None:
                 # The block may have ended before the exception was delivered: take it
                 # back, so it cannot surface in code after the trial.
                 _raise_in(threading.get_ident(), None)
-        if self._thread is not None:
-            self._thread.join()
+        self._sampler.stop()
 
 
 def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:

@@ -1,13 +1,13 @@
 """Batch-size search: find the largest size that runs, by running it.
 
 ``search(fn, ...)`` calls ``fn(size)`` at sizes a :mod:`strategy
-<oomguard.engine.core.strategies>` proposes (the E10 routine by default) until the bracket
+<oomguard.engine.core.strategies>` proposes (Guided by default) until the bracket
 between the largest fit and the smallest OOM is closed. It returns only sizes
 that actually ran and always terminates (``max_size``, ``max_trials``,
 ``max_seconds``). A search that ends without an answer raises a
 :class:`~oomguard.engine.errors.SearchFailed` carrying every trial that ran::
 
-    search(step, budget=2 * GiB)                          # E10(start=32, step=8)
+    search(step, budget=2 * GiB)                          # Guided(start=32)
     search(step, start=64, step=16, budget=2 * GiB)       # shorthand for E10(64, 16)
     search(step, strategy=Doubling(start=64), isolate=True, budget=2 * GiB)
     search(step, SearchConfig(strategy=Doubling(start=64), budget=2 * GiB))
@@ -21,9 +21,7 @@ produced it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -34,107 +32,18 @@ import torch
 
 from oomguard.engine.core.budget import budget as memory_budget
 from oomguard.engine.core.budget import check_budget, return_freed_memory_to_os
-from oomguard.engine.core.fit import DEFAULT_MARGIN, LinearFit, Recommendation, fit_line, recommend
+from oomguard.engine.core.fit import LinearFit, Recommendation, fit_line, recommend
 from oomguard.engine.core.isolate import IsolatedRunner
+from oomguard.engine.core.oom import gc_frozen
 from oomguard.engine.core.ramguard import RamGuard
-from oomguard.engine.core.strategies import (
-    E10,
-    Strategy,
-    bracket,
-    strategy_params,
-)
+from oomguard.engine.core.search_config import SearchConfig, resolve
+from oomguard.engine.core.strategies import bracket
 from oomguard.engine.core.trial import Trial, run_trial
 from oomguard.engine.core.units import fmt_bytes
-from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError, check_positive_int
+from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError
 from oomguard.probes import probe
 
 log = logging.getLogger("oomguard.search")
-
-
-@dataclass(frozen=True)
-class SearchConfig:
-    """How a search runs; every bad value is a one-line :class:`UsageError`.
-
-    ``strategy`` proposes sizes (None: ``E10(32, 8)``, or ``E10(start, step)``
-    from :func:`search`'s shorthand); its own ``start``/``step``/``factor`` are
-    what runs. ``max_size``, ``max_trials``, ``max_seconds`` bound the search.
-    ``budget`` caps the bytes a trial may use above the warmed-up process
-    (None: no cap); ``isolate`` runs each trial in a fresh child process;
-    ``margin`` is the fraction of capacity the recommended size keeps free;
-    ``capacity_bytes`` is what the recommendation scales against (None: the
-    budget, else the free memory probed before the search). ``ram_guard``
-    bounds CPU trials that run without a budget by an estimated limit
-    (:class:`~oomguard.engine.core.ramguard.RamGuard`): None (default) guards
-    CPU searches without a budget at 80% of the RAM available after the
-    warm-up, True always, False never; or give a ``RamGuard``. ``trial_timeout``
-    bounds each isolated trial in seconds (finite, > 0): a child still running
-    then is killed and the search ends with :class:`TrialFailed` (the cause a
-    :class:`~oomguard.engine.errors.ChildCrashed`), never an OOM. All fields are
-    checked when the config is built, before any trial runs.
-    """
-
-    strategy: Strategy | None = None
-    max_size: int = 65536
-    max_trials: int = 64
-    max_seconds: float | None = None
-    device: str | torch.device = "cpu"
-    budget: int | None = None
-    isolate: bool = False
-    margin: float = DEFAULT_MARGIN
-    capacity_bytes: int | None = None
-    trial_timeout: float = 600.0
-    ram_guard: RamGuard | bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.strategy is not None and not callable(getattr(self.strategy, "next", None)):
-            raise UsageError(f"strategy must be E10(), Doubling(), LinearJump(capacity) or have "
-                             f"next(trials, max_size); got {self.strategy!r}")
-        check_positive_int("max_size", self.max_size)
-        check_positive_int("max_trials", self.max_trials)
-        for name in ("budget", "capacity_bytes"):
-            if getattr(self, name) is not None:
-                check_positive_int(name, getattr(self, name))
-        if self.max_seconds is not None and not _is_positive_seconds(self.max_seconds):
-            raise UsageError(f"max_seconds must be a positive number or None, "
-                             f"got {self.max_seconds!r}")
-        if not _is_positive_seconds(self.trial_timeout):
-            raise UsageError(f"trial_timeout must be a positive number of seconds, "
-                             f"got {self.trial_timeout!r}")
-        if not (_is_number(self.margin) and math.isfinite(self.margin) and 0 <= self.margin < 1):
-            raise UsageError(f"margin must be a fraction in [0, 1), got {self.margin!r}")
-        if not (self.ram_guard is None or isinstance(self.ram_guard, (bool, RamGuard))):
-            raise UsageError(f"ram_guard must be None, True, False or a RamGuard, "
-                             f"got {self.ram_guard!r}")
-        if not isinstance(self.isolate, bool):
-            raise UsageError(f"isolate must be True or False, got {self.isolate!r}")
-        try:
-            torch.device(self.device)
-        except (RuntimeError, TypeError):
-            raise UsageError(f"unknown device {self.device!r}: use cpu, cuda, cuda:N or mps"
-                             ) from None
-        start = getattr(self.strategy, "start", None)
-        if isinstance(start, int) and start > self.max_size:
-            raise UsageError(f"start ({start}) is larger than max_size ({self.max_size})")
-
-    def to_dict(self) -> dict[str, Any]:
-        """What runs: the strategy's name and own parameters, the limits and the margin
-        (device, budget and mode are fields of the result)."""
-        strategy = self.strategy if self.strategy is not None else E10()
-        return {"strategy": strategy.name, **strategy_params(strategy), "max_size": self.max_size,
-                "max_trials": self.max_trials, "max_seconds": self.max_seconds,
-                "margin": self.margin}
-
-
-_OPTIONS = tuple(f.name for f in dataclasses.fields(SearchConfig))
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_positive_seconds(value: Any) -> bool:
-    """A finite number > 0 (``inf`` would disable the limit it sets; ``nan`` compares false)."""
-    return _is_number(value) and math.isfinite(value) and value > 0
 
 
 @dataclass
@@ -147,6 +56,8 @@ class SearchResult:
     memory probed before the search (an estimate of headroom, not a limit).
     ``limit`` describes the RAM guard when one bounded the trials (its
     ``enforced`` is False: the limit was estimated), else None.
+    ``verification``: the further steps run at the recommended size
+    (``verify_steps``) and whether they ran out of memory, else None.
     """
 
     workload: str
@@ -166,6 +77,7 @@ class SearchResult:
     config: dict[str, Any] = field(default_factory=dict)
     size_name: str = "batch_size"  # what the searched size is: the workload's ``knob``, if any
     limit: dict[str, Any] | None = None
+    verification: dict[str, Any] | None = None
 
     @property
     def size_label(self) -> str:
@@ -191,6 +103,7 @@ class SearchResult:
             "seconds": self.seconds,
             "config": self.config,
             "limit": self.limit,
+            "verification": self.verification,
         }
 
 
@@ -207,7 +120,8 @@ def search(
 
     ``options`` are :class:`SearchConfig` fields (``strategy``, ``max_size``,
     ``max_trials``, ``max_seconds``, ``device``, ``budget``, ``isolate``,
-    ``margin``, ``capacity_bytes``, ``trial_timeout``) and override those of ``config``.
+    ``margin``, ``capacity_bytes``, ``trial_timeout``, ``ram_guard``,
+    ``steps_per_trial``, ``verify_steps``) and override those of ``config``.
     ``start``/``step`` are shorthand for ``strategy=E10(start, step)`` only;
     with another strategy give them to it (``Doubling(start=64)``).
     ``on_trial`` is called with each :class:`Trial` as it completes.
@@ -224,7 +138,7 @@ def search(
     :class:`TrialFailed` (``from`` the original error) when a trial failed for
     another reason; both carry the partial result with every trial that ran.
     """
-    cfg = _resolve(config, start, step, options)
+    cfg = resolve(config, start, step, options)
     strategy = cfg.strategy
     assert strategy is not None
     dev = torch.device(cfg.device)
@@ -249,13 +163,16 @@ def search(
             size_name=getattr(fn, "knob", None) or "batch_size",
             limit=guard.to_dict() if guard is not None else None)
 
+    steps = cfg.steps_per_trial or int(getattr(fn, "steps_per_trial", 1) or 1)
+
     guard: RamGuard | None = None
     with ExitStack() as stack:
         runner, guard = _runner(fn, cfg, dev, stack)
         if capacity is None:  # after the warm-up: free memory then leaves the model out
             capacity = cfg.budget if cfg.budget is not None else _free_bytes(dev)
+        t_trials = time.perf_counter()  # max_seconds bounds the trials, not the warm-up
         while True:
-            stopped = _limit_reached(cfg, len(trials), time.perf_counter() - t0)
+            stopped = _limit_reached(cfg, len(trials), time.perf_counter() - t_trials)
             if stopped:
                 break
             size = strategy.next(trials, cfg.max_size)
@@ -273,7 +190,7 @@ def search(
             refused = guard.refuse(trials, fit_line(trials), size) if guard is not None else None
             try:
                 trial = (Trial(size, ok=False, peak_bytes=None, seconds=0.0, error=refused,
-                               guarded=True) if refused else runner(size))
+                               guarded=True) if refused else runner(size, steps))
             except Exception as exc:  # not an OOM: the search cannot go on
                 partial = result(f"trial at size {size} failed: {type(exc).__name__}")
                 raise TrialFailed(_failure_text(name, size, exc, partial), partial) from exc
@@ -284,45 +201,28 @@ def search(
             if on_trial is not None:
                 on_trial(trial)
 
-    final = result(stopped)
-    if final.max_ok is None:
-        final.stopped_because = "nothing fits" + ("" if stopped == "bracket closed"
-                                                   else f" ({stopped})")
-        raise NoSizeFits(final)
-    final.recommendation = recommend(trials, final.max_ok, capacity, final.fit, cfg.margin,
-                                     final.first_oom)
+        final = result(stopped)
+        if final.max_ok is None:
+            final.stopped_because = "nothing fits" + ("" if stopped == "bracket closed"
+                                                       else f" ({stopped})")
+            raise NoSizeFits(final)
+        final.recommendation = recommend(trials, final.max_ok, capacity, final.fit, cfg.margin,
+                                         final.first_oom)
+        if cfg.verify_steps:
+            final.verification = _verify(runner, final.recommendation.safe, cfg.verify_steps, mode)
     return final
 
 
-def _resolve(config: SearchConfig | None, start: int | None, step: int | None,
-             options: dict[str, Any]) -> SearchConfig:
-    """The one SearchConfig that runs: ``config`` with ``options``, the shorthand applied."""
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(f"search() got unexpected keyword argument(s) {', '.join(unknown)}; "
-                        f"options are start, step, on_trial, {', '.join(_OPTIONS)}")
-    if config is not None and not isinstance(config, SearchConfig):
-        hint = f" (did you mean start={config!r}?)" if isinstance(config, int) else ""
-        raise UsageError(f"search()'s second argument is a SearchConfig, got {config!r}{hint}")
-    cfg = dataclasses.replace(config, **options) if config is not None else SearchConfig(**options)
-    if start is None and step is None:
-        return cfg if cfg.strategy is not None else dataclasses.replace(cfg, strategy=E10())
-    if cfg.strategy is not None:
-        raise _shorthand_conflict(cfg.strategy, start, step)
-    shorthand = E10(start=32 if start is None else start, step=8 if step is None else step)
-    return dataclasses.replace(cfg, strategy=shorthand)
-
-
-def _shorthand_conflict(strategy: Strategy, start: int | None, step: int | None) -> UsageError:
-    kind = type(strategy).__name__
-    own = strategy_params(strategy)
-    given = {k: v for k, v in (("start", start), ("step", step)) if v is not None}
-    merged = own | {k: v for k, v in given.items() if k in own}
-    lacking = [k for k in given if k not in own]
-    note = f" ({kind} has no {' or '.join(lacking)})" if lacking else ""
-    written = f"{kind}({', '.join(f'{k}={v!r}' for k, v in merged.items())})"
-    return UsageError(f"start/step are shorthand for strategy=E10(start, step) and do not apply "
-                      f"to {kind}, which runs its own parameters: write strategy={written}{note}")
+def _verify(runner: Callable[[int, int], Trial], size: int, steps: int, mode: str
+            ) -> dict[str, Any]:
+    """Run ``steps`` further steps at the recommended ``size``, as the trials ran; what
+    happened, OOM included (a verification that fails is reported, not raised)."""
+    trial = runner(size, steps)
+    trial.mode = mode
+    log.info("verify: %d steps at size %d %s", steps, size, trial.outcome.upper())
+    return {"size": size, "steps": steps, "ok": trial.ok, "peak_bytes": trial.peak_bytes,
+            "step_peaks": trial.step_peaks, "seconds": trial.seconds, "error": trial.error,
+            "guarded": trial.guarded}
 
 
 def _guarded(cfg: SearchConfig, dev: torch.device) -> bool:
@@ -340,7 +240,7 @@ def _guard(cfg: SearchConfig, dev: torch.device) -> RamGuard | None:
 
 
 def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device,
-            stack: ExitStack) -> tuple[Callable[[int], Trial], RamGuard | None]:
+            stack: ExitStack) -> tuple[Callable[[int, int], Trial], RamGuard | None]:
     """What runs one trial, and the RAM guard it runs under (made after the warm-up)."""
     if cfg.isolate:
         guard = _guard(cfg, dev)
@@ -355,12 +255,13 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device,
         return_freed_memory_to_os()
     if hasattr(fn, "warmup"):
         fn.warmup()
+    stack.enter_context(gc_frozen())  # the warmed-up objects are never a trial's garbage
     if cfg.budget is not None:
         stack.enter_context(memory_budget(cfg.budget, dev))
     guard = _guard(cfg, dev)
 
-    def in_process(size: int) -> Trial:
-        return run_trial(fn, size, dev, guard)
+    def in_process(size: int, steps: int) -> Trial:
+        return run_trial(fn, size, dev, guard, steps)
 
     return in_process, guard
 

@@ -182,3 +182,89 @@ class LinearJump:
 
 def _tried(trials: Sequence[Trial], size: int) -> bool:
     return any(t.size == size for t in trials)
+
+
+@dataclass(frozen=True)
+class Guided:
+    """Predict the maximum from measured peaks, run it, then bracket it: the default.
+
+    Each trial measures its peak in the units the memory limit counts and what
+    the limit left at its start (``Trial.limit_peak_bytes``, ``headroom_bytes``:
+    allocator reserved bytes against the cap on CUDA, ``VmData`` against
+    ``RLIMIT_DATA`` under a CPU budget). From one trial the peak is taken as
+    proportional to the size; from two or more, a least-squares line. The
+    strategy jumps to the largest size predicted to fit, verifies it by running
+    it, and then tries the size above (predicted ``m`` fits, so try ``m + 1``;
+    an OOM there closes the bracket). When a prediction is wrong twice, or the
+    limit is unknown, it doubles and bisects instead, so it never walks down one
+    size at a time. Like every strategy it proposes sizes only; the answer is
+    the largest size that ran.
+    """
+
+    start: int = 32
+    misses: int = 2
+    name: ClassVar[str] = "guided"
+
+    def __post_init__(self) -> None:
+        check_positive_int("start", self.start)
+        check_positive_int("misses", self.misses)
+
+    def describe(self) -> str:
+        return (
+            f"Start at {self.start}; predict the largest size that fits from the peaks "
+            "measured in the limit's units (proportional from one trial, a least-squares "
+            "line from two), run it, then try the size above it; after "
+            f"{self.misses} wrong predictions, double and bisect."
+        )
+
+    def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
+        if not trials:
+            return min(self.start, max_size)
+        lo, hi = bracket(trials)
+        if lo is None or (hi is not None and hi - lo <= 1) or (hi is None and lo >= max_size):
+            return _refine(trials, lo, hi)
+        guess = predict_max(trials)
+        if guess is None or _missed(trials) >= self.misses:
+            return min(2 * lo, max_size) if hi is None else _refine(trials, lo, hi)
+        if guess <= lo:  # the predicted maximum ran: verify the size above it
+            size = lo + 1
+        elif hi is not None and guess > hi:  # an OOM below the prediction refutes it
+            return _refine(trials, lo, hi)
+        elif hi is not None and guess == hi:  # predicted to fit, did not: the size below
+            size = hi - 1
+        else:
+            size = guess
+        size = min(size, max_size)
+        return _refine(trials, lo, hi) if _tried(trials, size) else size
+
+
+def predict_max(trials: Sequence[Trial]) -> int | None:
+    """The largest size predicted to fit the latest known headroom, from the peaks
+    measured in the limit's units (an estimate); None without a headroom or a peak."""
+    headroom = next((t.headroom_bytes for t in reversed(trials)
+                     if t.headroom_bytes is not None), None)
+    points = [(t.size, t.limit_peak_bytes if t.limit_peak_bytes is not None else t.peak_bytes)
+              for t in trials if t.ok]
+    points = [(s, p) for s, p in points if p is not None]
+    if headroom is None or not points:
+        return None
+    if len({s for s, _ in points}) < 2:
+        size, peak = max(points)
+        return int(size * headroom // peak) if peak > 0 else None
+    fit = fit_line([Trial(s, True, p, 0.0) for s, p in points])
+    if fit is None or fit.per_item_bytes <= 0:
+        return None
+    return fit.largest_size_within(headroom)
+
+
+def _missed(trials: Sequence[Trial]) -> int:
+    """How many trials contradicted the prediction made from the trials before them."""
+    missed = 0
+    for i in range(1, len(trials)):
+        guess = predict_max(trials[:i])
+        if guess is None:
+            continue
+        t = trials[i]
+        if (t.ok and t.size > guess) or (not t.ok and not t.guarded and t.size <= guess):
+            missed += 1
+    return missed

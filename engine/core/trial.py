@@ -5,6 +5,13 @@ the measured peak bytes above the pre-trial baseline, the wall seconds, and
 the value the workload returned (as plain JSON types, through
 :func:`~oomguard.engine.core.jsonable.to_jsonable`). An error that is not an
 OOM is not a trial outcome: it propagates.
+
+A trial may run several steps (``steps``): a training workload's first step
+creates the optimizer state and the second is the steady state, so a size
+that fits one step can still run out in the next. The trial also measures
+its peak in the units the memory limit counts (``limit_peak_bytes``, against
+``headroom_bytes``: what the limit left at its start), which is what a search
+predicts the maximum from, and its throughput after the first step.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from oomguard.engine.core.budget import tighten_active_budget
+from oomguard.engine.core.budget import active_budget, headroom_bytes, tighten_active_budget
 from oomguard.engine.core.jsonable import to_jsonable
 from oomguard.engine.core.oom import OOM, call_catching_oom, release_memory
 from oomguard.probes.peak import PeakMeter
@@ -36,6 +43,13 @@ class Trial:
     (:mod:`~oomguard.engine.core.ramguard`), not an allocation that failed; its
     ``peak_bytes`` is then the peak measured until it was stopped, or None for a
     size that did not run because its predicted peak was over the limit.
+    ``steps``: calls of the workload in the trial; ``step_peaks`` the peak of
+    each (bytes above the trial's baseline, ``peak_bytes`` units).
+    ``limit_peak_bytes``: the peak in the units the limit counts, named by
+    ``limit_units`` (sampled ``VmData`` under a CPU budget: a lower bound);
+    ``headroom_bytes``: what the limit left at the trial's start, in those units
+    (None where no limit is known). ``items_per_second``: ``size`` items per
+    second of the steps after the first (of the only step when ``steps`` is 1).
     """
 
     size: int
@@ -47,6 +61,12 @@ class Trial:
     mode: str = "in-process"
     sizes: dict[str, int] = field(default_factory=dict)
     guarded: bool = False
+    steps: int = 1
+    step_peaks: list[int] = field(default_factory=list)
+    limit_peak_bytes: int | None = None
+    headroom_bytes: int | None = None
+    limit_units: str | None = None
+    items_per_second: float | None = None
 
     @property
     def outcome(self) -> str:
@@ -76,37 +96,76 @@ class RebuiltInChild:
 
 def run_trial(
     fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
-    guard: RamGuard | None = None,
+    guard: RamGuard | None = None, steps: int = 1,
 ) -> Trial:
-    """Run ``fn(size)`` once in this process and measure it.
+    """Run ``fn(size)`` ``steps`` times in this process and measure it.
 
     Memory is released before the trial so the peak starts from a clean
-    baseline. Raises whatever ``fn`` raises unless it is an OOM. With a
-    ``guard`` (CPU only), its watchdog stops the trial past the guard's limit
-    and a measured peak past it counts as out of memory (``Trial.guarded``).
+    baseline. Raises whatever ``fn`` raises unless it is an OOM (an OOM in any
+    step makes the trial an OOM). With a ``guard`` (CPU only), its watchdog
+    stops the trial past the guard's limit and a measured peak past it counts
+    as out of memory (``Trial.guarded``).
     """
-    release_memory(device)
+    dev = torch.device(device)
+    release_memory(dev)
     tighten_active_budget()
-    meter = PeakMeter(device)
+    budgeted = active_budget() is not None
+    meter = PeakMeter(dev, limit_units=budgeted)
     meter.reset()
-    watch = guard.watch() if guard is not None and torch.device(device).type == "cpu" else None
+    headroom = headroom_bytes(dev)
+    if headroom is None and guard is not None and dev.type == "cpu":
+        headroom = guard.limit_bytes
+    watch = guard.watch() if guard is not None and dev.type == "cpu" else None
+    step_peaks: list[int] = []
+    step_seconds: list[float] = []
+
+    def run_steps(n: int) -> Any:
+        result = None
+        for i in range(steps):
+            if i:
+                meter.restart_peak()
+            t0 = time.perf_counter()
+            result = fn(n)
+            step_seconds.append(time.perf_counter() - t0)
+            step_peaks.append(meter.read())
+        return result
 
     def watched(n: int) -> Any:
         with watch:  # type: ignore[union-attr]
-            return fn(n)
+            return run_steps(n)
 
     start = time.perf_counter()
-    result = call_catching_oom(fn if watch is None else watched, size, device=device)
+    try:
+        result = call_catching_oom(run_steps if watch is None else watched, size, device=dev)
+    finally:
+        limit_peak = meter.limit_read()
     seconds = time.perf_counter() - start
+    common: dict[str, Any] = {"size": size, "seconds": seconds, "steps": steps,
+                              "step_peaks": step_peaks, "headroom_bytes": headroom,
+                              "limit_units": _limit_units(dev, budgeted, guard)}
     if isinstance(result, OOM):
         if watch is not None and watch.tripped is not None:
-            peak = meter.read()
-            return Trial(size=size, ok=False, peak_bytes=peak, seconds=seconds,
+            peak = max([meter.read(), *step_peaks])
+            return Trial(ok=False, peak_bytes=peak, guarded=True,
                          error=guard.over(max(peak, watch.tripped), True),  # type: ignore[union-attr]
-                         guarded=True)
-        return Trial(size=size, ok=False, peak_bytes=None, seconds=seconds, error=result.message)
-    peak = meter.read()
+                         **common)
+        return Trial(ok=False, peak_bytes=None, error=result.message, **common)
+    peak = max(step_peaks, default=0)
+    if dev.type != "cpu" or not budgeted:
+        limit_peak = peak  # the limit counts what the peak meter reads
     if watch is not None and guard is not None and peak > guard.limit_bytes:
-        return Trial(size=size, ok=False, peak_bytes=peak, seconds=seconds,
-                     error=guard.over(peak, False), guarded=True)
-    return Trial(size=size, ok=True, peak_bytes=peak, seconds=seconds, value=to_jsonable(result))
+        return Trial(ok=False, peak_bytes=peak, error=guard.over(peak, False), guarded=True,
+                     limit_peak_bytes=limit_peak, **common)
+    timed = step_seconds[1:] or step_seconds
+    rate = size * len(timed) / sum(timed) if sum(timed) > 0 else None
+    return Trial(ok=True, peak_bytes=peak, value=to_jsonable(result), limit_peak_bytes=limit_peak,
+                 items_per_second=rate, **common)
+
+
+def _limit_units(dev: torch.device, budgeted: bool, guard: RamGuard | None) -> str | None:
+    """What ``limit_peak_bytes`` and ``headroom_bytes`` count, in words."""
+    if dev.type == "cpu":
+        if budgeted:
+            return "VmData (what RLIMIT_DATA counts), sampled every 0.5 ms"
+        return "resident bytes (the RAM guard's estimate)" if guard is not None else None
+    return PeakMeter(dev).source

@@ -1,0 +1,150 @@
+"""How a search runs: :class:`SearchConfig`, every option checked before any trial.
+
+:func:`resolve` merges a config, keyword options and the ``start``/``step``
+shorthand of :func:`~oomguard.engine.core.search.search` into the one config
+that runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from oomguard.engine.core.fit import DEFAULT_MARGIN
+from oomguard.engine.core.ramguard import RamGuard
+from oomguard.engine.core.strategies import E10, Guided, Strategy, strategy_params
+from oomguard.engine.errors import UsageError, check_positive_int
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How a search runs; every bad value is a one-line :class:`UsageError`.
+
+    ``strategy`` proposes sizes (None: ``Guided(32)``; ``E10(start, step)``
+    from :func:`search`'s shorthand); its own ``start``/``step``/``factor`` are
+    what runs. ``max_size``, ``max_trials``, ``max_seconds`` bound the search (seconds of
+    trials, from the first one's start: the warm-up is not counted).
+    ``budget`` caps the bytes a trial may use above the warmed-up process
+    (None: no cap); ``isolate`` runs each trial in a fresh child process;
+    ``margin`` is the fraction of capacity the recommended size keeps free;
+    ``capacity_bytes`` is what the recommendation scales against (None: the
+    budget, else the free memory probed before the search). ``ram_guard``
+    bounds CPU trials that run without a budget by an estimated limit
+    (:class:`~oomguard.engine.core.ramguard.RamGuard`): None (default) guards
+    CPU searches without a budget at 80% of the RAM available after the
+    warm-up, True always, False never; or give a ``RamGuard``. ``trial_timeout``
+    bounds each isolated trial in seconds (finite, > 0): a child still running
+    then is killed and the search ends with :class:`TrialFailed` (the cause a
+    :class:`~oomguard.engine.errors.ChildCrashed`), never an OOM.
+    ``steps_per_trial`` calls the workload that many times per trial (None: the
+    workload's own ``steps_per_trial`` attribute, else 1; the built-in training
+    step says 2, so the first optimizer step and a steady-state one are both
+    inside the trial). ``verify_steps`` runs that many further steps at the
+    recommended size after the search and reports any OOM (0: no verification).
+    All fields are checked when the config is built, before any trial runs.
+    """
+
+    strategy: Strategy | None = None
+    max_size: int = 65536
+    max_trials: int = 64
+    max_seconds: float | None = None
+    device: str | torch.device = "cpu"
+    budget: int | None = None
+    isolate: bool = False
+    margin: float = DEFAULT_MARGIN
+    capacity_bytes: int | None = None
+    trial_timeout: float = 600.0
+    ram_guard: RamGuard | bool | None = None
+    steps_per_trial: int | None = None
+    verify_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.strategy is not None and not callable(getattr(self.strategy, "next", None)):
+            raise UsageError(f"strategy must be Guided(), E10(), Doubling(), LinearJump(capacity) or have "
+                             f"next(trials, max_size); got {self.strategy!r}")
+        check_positive_int("max_size", self.max_size)
+        check_positive_int("max_trials", self.max_trials)
+        for name in ("budget", "capacity_bytes"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+        if self.max_seconds is not None and not _is_positive_seconds(self.max_seconds):
+            raise UsageError(f"max_seconds must be a positive number or None, "
+                             f"got {self.max_seconds!r}")
+        if not _is_positive_seconds(self.trial_timeout):
+            raise UsageError(f"trial_timeout must be a positive number of seconds, "
+                             f"got {self.trial_timeout!r}")
+        if not (_is_number(self.margin) and math.isfinite(self.margin) and 0 <= self.margin < 1):
+            raise UsageError(f"margin must be a fraction in [0, 1), got {self.margin!r}")
+        if not (self.ram_guard is None or isinstance(self.ram_guard, (bool, RamGuard))):
+            raise UsageError(f"ram_guard must be None, True, False or a RamGuard, "
+                             f"got {self.ram_guard!r}")
+        check_positive_int("steps_per_trial", self.steps_per_trial, optional=True)
+        if isinstance(self.verify_steps, bool) or not isinstance(self.verify_steps, int) \
+                or self.verify_steps < 0:
+            raise UsageError(f"verify_steps must be a whole number >= 0, got {self.verify_steps!r}")
+        if not isinstance(self.isolate, bool):
+            raise UsageError(f"isolate must be True or False, got {self.isolate!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise UsageError(f"unknown device {self.device!r}: use cpu, cuda, cuda:N or mps"
+                             ) from None
+        start = getattr(self.strategy, "start", None)
+        if isinstance(start, int) and start > self.max_size:
+            raise UsageError(f"start ({start}) is larger than max_size ({self.max_size})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """What runs: the strategy's name and own parameters, the limits and the margin
+        (device, budget and mode are fields of the result)."""
+        strategy = self.strategy if self.strategy is not None else Guided()
+        return {"strategy": strategy.name, **strategy_params(strategy), "max_size": self.max_size,
+                "max_trials": self.max_trials, "max_seconds": self.max_seconds,
+                "margin": self.margin, "steps_per_trial": self.steps_per_trial,
+                "verify_steps": self.verify_steps}
+
+
+_OPTIONS = tuple(f.name for f in dataclasses.fields(SearchConfig))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_positive_seconds(value: Any) -> bool:
+    """A finite number > 0 (``inf`` would disable the limit it sets; ``nan`` compares false)."""
+    return _is_number(value) and math.isfinite(value) and value > 0
+
+
+def resolve(config: SearchConfig | None, start: int | None, step: int | None,
+             options: dict[str, Any]) -> SearchConfig:
+    """The one SearchConfig that runs: ``config`` with ``options``, the shorthand applied."""
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"search() got unexpected keyword argument(s) {', '.join(unknown)}; "
+                        f"options are start, step, on_trial, {', '.join(_OPTIONS)}")
+    if config is not None and not isinstance(config, SearchConfig):
+        hint = f" (did you mean start={config!r}?)" if isinstance(config, int) else ""
+        raise UsageError(f"search()'s second argument is a SearchConfig, got {config!r}{hint}")
+    cfg = dataclasses.replace(config, **options) if config is not None else SearchConfig(**options)
+    if start is None and step is None:
+        return cfg if cfg.strategy is not None else dataclasses.replace(cfg, strategy=Guided())
+    if cfg.strategy is not None:
+        raise _shorthand_conflict(cfg.strategy, start, step)
+    shorthand = E10(start=32 if start is None else start, step=8 if step is None else step)
+    return dataclasses.replace(cfg, strategy=shorthand)
+
+
+def _shorthand_conflict(strategy: Strategy, start: int | None, step: int | None) -> UsageError:
+    kind = type(strategy).__name__
+    own = strategy_params(strategy)
+    given = {k: v for k, v in (("start", start), ("step", step)) if v is not None}
+    merged = own | {k: v for k, v in given.items() if k in own}
+    lacking = [k for k in given if k not in own]
+    note = f" ({kind} has no {' or '.join(lacking)})" if lacking else ""
+    written = f"{kind}({', '.join(f'{k}={v!r}' for k, v in merged.items())})"
+    return UsageError(f"start/step are shorthand for strategy=E10(start, step) and do not apply "
+                      f"to {kind}, which runs its own parameters: write strategy={written}{note}")
