@@ -56,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "Trial": "oomguard.engine.core.trial",
     "E10": "oomguard.engine.core.strategies",
     "Doubling": "oomguard.engine.core.strategies",
+    "Guided": "oomguard.engine.core.strategies",
     "LinearJump": "oomguard.engine.core.strategies",
     "LinearFit": "oomguard.engine.core.fit",
     "Recommendation": "oomguard.engine.core.fit",
@@ -80,7 +81,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "Accumulator", "Budget", "BudgetError", "ChildCrashed", "ChildStartFailed",
     "CollectiveMismatch", "Doubling",
-    "E10", "ExecutionFailed", "Executor", "Halve", "IsolationError", "LinearFit", "LinearJump",
+    "E10", "ExecutionFailed", "Executor", "Guided", "Halve", "IsolationError", "LinearFit", "LinearJump",
     "MemorySnapshot", "NoExecutableBatchSize", "NoSizeFits", "OOM", "OomguardError",
     "PeakMeter", "RamGuard", "RamLimitReached", "Recommendation", "ReduceWith", "SearchConfig", "SearchFailed",
     "SearchResult", "Trial", "TrialFailed", "UsageError", "accumulate", "adaptive", "budget",
@@ -111,7 +112,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names
     from oomguard.engine.core.ramguard import RamGuard
     from oomguard.engine.core.retry import Halve, ReduceWith
     from oomguard.engine.core.search import SearchConfig, SearchResult, search
-    from oomguard.engine.core.strategies import E10, Doubling, LinearJump
+    from oomguard.engine.core.strategies import E10, Doubling, Guided, LinearJump
     from oomguard.engine.core.trial import Trial
     from oomguard.engine.core.units import parse_size
     from oomguard.engine.errors import (

@@ -22,8 +22,9 @@ from typing import Any
 
 from oomguard.engine.core.jsonable import to_jsonable
 from oomguard.engine.core.search import SearchResult
-from oomguard.engine.core.strategies import bracket
+from oomguard.engine.core.strategies import bracket, predict_max
 from oomguard.engine.core.trial import Trial
+from oomguard.engine.core.units import fmt_bytes
 from oomguard.metrics.workload import SAMPLE_KNOBS
 
 SCHEMA = "oomguard.search-report/1"
@@ -202,6 +203,29 @@ def _growth(sizes: Sequence[int]) -> str:
     return "jumps (" + " → ".join(str(s) for s in sizes) + ")"
 
 
+def _guided_steps(result: SearchResult) -> list[str]:
+    """Why the guided strategy tried each size: the prediction it had, in the limit's units."""
+    name, steps = result.size_name, []
+    for i, t in enumerate(result.trials):
+        if i == 0:
+            steps.append(f"Started with {name}={t.size} ({status_text(t)})")
+            continue
+        seen = result.trials[:i]
+        lo, hi = bracket(seen)
+        guess = predict_max(seen)
+        if guess is not None and t.size == guess:
+            why = (f"the largest size predicted to fit {fmt_bytes(t.headroom_bytes)} of "
+                   f"headroom (peaks measured as {t.limit_units or 'the trial peak'})")
+        elif lo is not None and t.size == lo + 1:
+            why = f"the size above {lo}, which ran: closes the bracket if it runs out"
+        elif hi is not None and t.size == hi - 1:
+            why = f"the size below {hi}, which was predicted to fit and did not"
+        else:
+            why = "doubling or bisection (the predictions were not reliable)"
+        steps.append(f"Tried {name}={t.size}, {why} ({status_text(t)})")
+    return steps
+
+
 def strategy_steps(result: SearchResult) -> list[str]:
     """Numbered-list items describing the search as it actually ran, from the trials."""
     trials = result.trials
@@ -209,6 +233,8 @@ def strategy_steps(result: SearchResult) -> list[str]:
         return [f"No trial ran ({result.stopped_because})."]
     first = trials[0]
     name = result.size_name
+    if result.strategy == "guided":
+        return _guided_steps(result) + _ending(result)
     steps = [f"Started with {name}={first.size} ({status_text(first)})"]
     groups: list[tuple[str, int | None, int | None, list[Trial]]] = []
     seen: list[Trial] = [first]
@@ -237,6 +263,11 @@ def strategy_steps(result: SearchResult) -> list[str]:
         else:
             steps.append(f"Bisected between {lo} (fits) and {hi} (OOM): "
                          + ", ".join(_mark(t) for t in group))
+    return steps + _ending(result)
+
+
+def _ending(result: SearchResult) -> list[str]:
+    name, steps = result.size_name, []
     if result.max_ok is None:
         steps.append("No size fitted")
     elif result.first_oom is not None and result.first_oom - result.max_ok <= 1:

@@ -50,6 +50,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonnegative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive_int(text)
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -60,17 +64,25 @@ def _size(text: str) -> int:
 def _strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size: int) -> Any:
     """The strategy the options name; for a knob whose memory changes only at multiples of
     ``unit``, ``--start``/``--step`` in whole units (at least one) and only multiples tried."""
-    from oomguard.engine.core.strategies import E10, Doubling, LinearJump
+    import math
+
+    from oomguard.engine.core.strategies import E10, Doubling, Guided, LinearJump
     from oomguard.metrics.workload import in_units, in_whole_units
 
-    if args.strategy != "e10" and args.step is not None:
-        raise UsageError(f"--step is the e10 increment; --strategy {args.strategy} takes no "
-                         "--step (doubling multiplies by 2, linear-jump fits a line)")
+    # --step alone names the E10 routine (its increment); otherwise the default is guided.
+    name = args.strategy or ("e10" if args.step is not None else "guided")
+    if name != "e10" and args.step is not None:
+        raise UsageError(f"--step is the e10 increment; --strategy {name} takes no "
+                         "--step (guided predicts, doubling multiplies by 2, linear-jump fits)")
+    if args.align and args.align > 1:  # tensor cores: sizes in multiples of 8
+        unit = unit * args.align // math.gcd(unit, args.align)
     unit, start, step = in_whole_units(args.start, args.step or DEFAULT_STEP, unit, max_size)
     inner: Any = E10(start=start, step=step)
-    if args.strategy == "doubling":
+    if name == "guided":
+        inner = Guided(start=start)
+    elif name == "doubling":
         inner = Doubling(start=start)
-    elif args.strategy == "linear-jump":
+    elif name == "linear-jump":
         if capacity is None:
             raise UsageError("--strategy linear-jump needs a --budget (or a GPU's free memory)")
         inner = LinearJump(capacity_bytes=capacity, start=start)
@@ -99,7 +111,8 @@ def _search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
     isolate = args.isolate or dev.type == "mps"
     return SearchConfig(strategy=_strategy(args, capacity, unit, max_size), max_size=max_size,
                         max_trials=args.max_trials, device=dev, budget=nbytes,
-                        isolate=isolate, margin=args.margin, **timeout)
+                        isolate=isolate, margin=args.margin, steps_per_trial=args.steps_per_trial,
+                        verify_steps=args.verify_steps, **timeout)
 
 
 def _progress(label: str) -> Any:
@@ -157,6 +170,10 @@ def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out:
             print(f"{what}: {result.max_ok} (first OOM: {result.first_oom}); recommended: "
                   f"{result.recommendation.safe}; {len(result.trials)} trials in "
                   f"{result.seconds:.1f} s")
+            check = result.verification
+            if check:
+                print(f"verify: {check['steps']} steps at {check['size']}: "
+                      + ("ok" if check["ok"] else f"OUT OF MEMORY ({(check['error'] or '')[:80]})"))
             if files:
                 print(f"report: {files['markdown']}\nplot:   {files['png']}\njson:   {files['json']}")
         sys.stdout.flush()  # a full disk under a redirected stdout fails here, not at exit
@@ -266,8 +283,16 @@ def _add_search_options(p: argparse.ArgumentParser, start: int) -> None:
                         "a knob with a unit steps in whole units, at least one)")
     p.add_argument("--max-size", type=_positive_int, default=65536, help="largest size to try")
     p.add_argument("--max-trials", type=_positive_int, default=40, help="trial limit (default 40)")
-    p.add_argument("--strategy", choices=("e10", "doubling", "linear-jump"), default="e10",
-                   help="e10: +step then bisect (default); doubling; linear-jump: fit then jump")
+    p.add_argument("--strategy", choices=("guided", "e10", "doubling", "linear-jump"),
+                   default=None,
+                   help="guided: predict from measured peaks, verify, bracket (default; e10 "
+                        "when --step is given); e10: +step then bisect; doubling; linear-jump")
+    p.add_argument("--steps-per-trial", type=_positive_int, default=None, metavar="N",
+                   help="steps each trial runs (default: the workload's own, 2 for bench)")
+    p.add_argument("--verify-steps", type=_nonnegative_int, default=0, metavar="N",
+                   help="run N further steps at the recommended size and report any OOM")
+    p.add_argument("--align", type=_positive_int, default=None, metavar="N",
+                   help="try only multiples of N (8 for tensor cores)")
     p.add_argument("--margin", type=float, default=0.15,
                    help="fraction of capacity the recommended size keeps free (default 0.15)")
     p.add_argument("--isolate", action="store_true",

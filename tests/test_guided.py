@@ -1,0 +1,149 @@
+"""The guided strategy and trials faithful to the real run (steps, verification).
+
+Real OOMs from a real CPU budget, each search in a fresh process (an earlier
+test's free heap would absorb the budget). The guided search must find the
+same maximum as the bracket it closes, in at most 5 trials on linear
+workloads; a workload whose second step needs more than its first must be
+caught by two steps per trial, and a size found with one step must fail the
+verification.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from conftest import in_fresh_process
+
+from oomguard import Guided, Trial, search
+from oomguard.engine.core.strategies import E10, bracket
+from oomguard.metrics.synthetic import e10_line
+from oomguard.metrics.train_step import TrainStep
+
+MiB = 1024**2
+
+
+def _line_search() -> dict:
+    line = e10_line()
+    budget = (line.bytes_at(114) + line.bytes_at(115)) // 2
+    return search(line, budget=budget).to_dict()
+
+
+def test_guided_finds_the_e10_line_maximum_in_at_most_five_trials() -> None:
+    result = in_fresh_process(_line_search)
+    assert result["strategy"] == "guided"
+    assert (result["max_ok"], result["first_oom"]) == (114, 115)
+    assert len(result["trials"]) <= 5
+    # It predicted in the limit's units, against what the limit left.
+    ran = [t for t in result["trials"] if t["outcome"] == "ok"]
+    assert all(t["limit_peak_bytes"] and t["headroom_bytes"] for t in ran)
+    assert all("VmData" in t["limit_units"] for t in ran)
+
+
+def _train_step_search() -> dict:
+    return search(TrainStep(seq_len=64), budget=192 * MiB, steps_per_trial=1).to_dict()
+
+
+def test_guided_closes_the_bracket_on_the_gpt2_step_in_at_most_five_trials() -> None:
+    result = in_fresh_process(_train_step_search)
+    assert result["max_ok"] is not None and result["first_oom"] == result["max_ok"] + 1
+    assert len(result["trials"]) <= 5
+
+
+def _simulate(strategy: Any, fits: Any, max_size: int = 4096, max_trials: int = 40) -> list:
+    """Run ``strategy`` against an oracle: ``fits(size)`` -> peak bytes or None (OOM);
+    every trial reports a 1 GiB headroom. No memory is used: this tests the proposals."""
+    trials: list[Trial] = []
+    while len(trials) < max_trials:
+        size = strategy.next(trials, max_size)
+        if size is None:
+            break
+        assert not any(t.size == size for t in trials)
+        peak = fits(size)
+        trials.append(Trial(size, peak is not None, peak, 0.0, limit_peak_bytes=peak,
+                            headroom_bytes=1024 * MiB))
+    return trials
+
+
+def test_guided_falls_back_on_a_quadratic_curve_and_still_finds_the_maximum() -> None:
+    def quadratic(size: int) -> int | None:  # attention at long sequence: memory ~ size^2
+        peak = 64 * 1024 * size * size
+        return peak if peak <= 1024 * MiB else None
+
+    trials = _simulate(Guided(), quadratic)
+    assert bracket(trials) == (128, 129)
+    assert len(trials) < 40  # terminated by the bracket, not by the trial limit
+    # It never walks down one size at a time: no three OOMs in a row one apart.
+    ooms = [t.size for t in trials if not t.ok]
+    assert not any(a - b == 1 and b - c == 1 for a, b, c in zip(ooms, ooms[1:], ooms[2:], strict=False))
+
+
+def test_guided_on_a_linear_curve_needs_four_trials_where_e10_needs_many() -> None:
+    def linear(size: int) -> int | None:
+        peak = 30 * MiB + 7 * MiB * size
+        return peak if peak <= 1024 * MiB else None
+
+    guided, e10 = _simulate(Guided(), linear), _simulate(E10(), linear)
+    assert bracket(guided) == bracket(e10) == (142, 143)
+    assert len(guided) == 4 < len(e10)
+
+
+@dataclass
+class GrowsOnSecondStep:
+    """A step whose second call keeps a state as large as its batch (like an optimizer's
+    moments, created by the first step and alive in every later one)."""
+
+    name: str = "grows-on-second-step"
+    _state: list = field(default_factory=list)
+
+    def __call__(self, size: int) -> int:
+        batch = torch.ones(size * MiB // 4)  # 1 MiB per item
+        if self._state and self._state[0].numel() != batch.numel():
+            self._state.clear()  # a new size starts from a fresh state
+        if self._state:
+            batch = batch + self._state[0]  # the second step: state and batch and sum alive
+        else:
+            self._state.append(torch.zeros(size * MiB // 4))
+        return int(batch.numel())
+
+
+def _steps_and_verify() -> dict:
+    one = search(GrowsOnSecondStep(), strategy=Guided(start=8), budget=96 * MiB,
+                 steps_per_trial=1, verify_steps=2, margin=0.0)
+    two = search(GrowsOnSecondStep(), strategy=Guided(start=8), budget=96 * MiB,
+                 steps_per_trial=2)
+    return {"one": one.to_dict(), "two": two.to_dict()}
+
+
+def test_two_steps_per_trial_catch_a_second_step_that_needs_more_memory() -> None:
+    got = in_fresh_process(_steps_and_verify)
+    one, two = got["one"], got["two"]
+    # One step: the batch and the state (2 MiB/item); two steps: batch, state and sum (3).
+    assert two["max_ok"] < one["max_ok"]
+    assert 28 <= two["max_ok"] <= 32 and 44 <= one["max_ok"] <= 48
+    assert all(t["steps"] == 2 and len(t["step_peaks"]) == 2 for t in two["trials"]
+               if t["outcome"] == "ok")
+    # Verifying the one-step answer with two steps reports the OOM the real run would hit.
+    check = one["verification"]
+    assert check["steps"] == 2 and check["ok"] is False and check["size"] == one["max_ok"]
+
+
+def test_trials_report_throughput_after_the_first_step() -> None:
+    result = search(lambda n: torch.ones(n, 1024).sum().item(), strategy=Guided(start=4),
+                    max_size=16, steps_per_trial=3, ram_guard=False)
+    ran = [t for t in result.trials if t.ok]
+    assert all(t.items_per_second and t.items_per_second > 0 and t.steps == 3 for t in ran)
+
+
+def test_gc_freeze_is_undone_after_an_in_process_search() -> None:
+    gc.unfreeze()  # the test session freezes its start-up objects; a user's process does not
+    try:
+        seen: list[int] = []
+        search(lambda n: n, strategy=Guided(start=1), max_size=4, ram_guard=False,
+               on_trial=lambda t: seen.append(gc.get_freeze_count()))
+        assert seen and all(n > 0 for n in seen)  # frozen while the trials ran
+        assert gc.get_freeze_count() == 0  # and given back
+    finally:
+        gc.freeze()
