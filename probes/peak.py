@@ -59,7 +59,8 @@ def _host_source() -> str:
 
 # Seconds between two reads of the data segment: statm answers in ~2 us, so sampling
 # costs well under 1% of a core, and a training step's peak (activations alive from the
-# end of the forward into the backward) lasts far longer than this.
+# end of the forward into the backward) lasts far longer than this
+# (docs/measurements.md#cpu-limit-units).
 DATA_INTERVAL_S = 0.0005
 
 

@@ -41,7 +41,8 @@ class Sampler:
         if self.first is not None:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             # A thread's stack is a private writable mapping, which RLIMIT_DATA counts:
-            # the default 8 MiB would be charged to the budgeted work it measures.
+            # the default 8 MiB would be charged to the budgeted work it measures
+            # (docs/measurements.md#cpu-limit-units).
             previous = threading.stack_size(STACK_BYTES)
             try:
                 self._thread.start()
