@@ -32,6 +32,7 @@ from oomguard.reports.json_report import (
     strategy_steps,
     utilisation,
 )
+from oomguard.reports.throughput import speed_and_verification
 
 _KNOWN_CONTEXT = {"model", "parameters", "architecture", "device_name", "dtype", "data", "title"}
 
@@ -293,30 +294,7 @@ def _recommendations(result: SearchResult) -> list[str]:
         f"- **Margin left at maximum**: {fmt_bytes(left)}"
         + (f" ({left:,} bytes)" if left is not None else ""),
         "- **Suitable for**: benchmarking, time-limited runs",
-    ] + _speed_and_verification(result)
-
-
-def _speed_and_verification(result: SearchResult) -> list[str]:
-    """Throughput per size (the largest is not always the fastest) and the verification."""
-    rec, out = result.recommendation, []
-    rates = {t.size: t.items_per_second for t in result.trials if t.ok and t.items_per_second}
-    if rec is not None and rates:
-        safe_rates = {s: r for s, r in rates.items() if s <= rec.safe}
-        fastest = max(safe_rates or rates, key=(safe_rates or rates).__getitem__)
-        steps = max(t.steps for t in result.trials)
-        how = ("items per second over the steps after the first" if steps > 1
-               else "items per second of the trial's one step (first-step costs included)")
-        out += ["", "### Throughput",
-                f"- **Fastest size that ran at or below the recommended size**: {fastest} "
-                f"({rates[fastest]:,.1f} items/s; {how})",
-                "- **Measured**: " + ", ".join(f"{s}: {r:,.1f}/s" for s, r in sorted(rates.items()))]
-    check = result.verification
-    if check:
-        verdict = ("ran without running out of memory" if check["ok"]
-                   else f"RAN OUT OF MEMORY: {check['error']}")
-        out += ["", "### Verification",
-                f"- {check['steps']} further steps at {check['size']}: {verdict}"]
-    return out
+    ] + speed_and_verification(result)
 
 
 def _scaling_observation(result: SearchResult) -> str:
