@@ -39,12 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from gpu_check_budgets import (  # noqa: E402 - beside this file
+    _mib,
     check_budget_after_cached_blocks,
     check_cuda_malloc_async,
     check_default_budget_cli,
     check_isolated_parent_holds_nothing,
     check_search_vs_brute_force,
 )
+from gpu_check_budgets import clean as _clean  # noqa: E402
 from gpu_check_devices import (  # noqa: E402
     check_mig,
     check_mps_probe_and_budget,
@@ -53,20 +55,6 @@ from gpu_check_devices import (  # noqa: E402
 
 MiB = 1024**2
 GiB = 1024**3
-
-
-def _mib(n: float | None) -> str:
-    return "-" if n is None else f"{n / MiB:.1f} MiB"
-
-
-def _clean(dev: torch.device) -> None:
-    """Drop cached blocks and peaks so each check starts from what it allocates itself."""
-    import gc
-
-    gc.collect()
-    torch.cuda.synchronize(dev)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(dev)
 
 
 def check_nvml_vs_mem_get_info(dev: torch.device) -> tuple[bool, str]:

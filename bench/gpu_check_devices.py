@@ -7,13 +7,10 @@ nothing for it to check (no MIG slice visible): the table then says "skip".
 from __future__ import annotations
 
 import torch
+from gpu_check_budgets import _mib
 
 MiB = 1024**2
 GiB = 1024**3
-
-
-def _mib(n: float | None) -> str:
-    return "-" if n is None else f"{n / MiB:.1f} MiB"
 
 
 def check_mig(dev: torch.device) -> tuple[bool | None, str]:
