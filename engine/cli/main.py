@@ -74,8 +74,9 @@ def _strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_siz
     if name != "e10" and args.step is not None:
         raise UsageError(f"--step is the e10 increment; --strategy {name} takes no "
                          "--step (guided predicts, doubling multiplies by 2, linear-jump fits)")
-    if args.align and args.align > 1:  # tensor cores: sizes in multiples of 8
-        unit = unit * args.align // math.gcd(unit, args.align)
+    align = getattr(args, "align", None)  # a Namespace built by hand may lack newer options
+    if align and align > 1:  # tensor cores: sizes in multiples of 8
+        unit = unit * align // math.gcd(unit, align)
     unit, start, step = in_whole_units(args.start, args.step or DEFAULT_STEP, unit, max_size)
     inner: Any = E10(start=start, step=step)
     if name == "guided":
@@ -111,8 +112,9 @@ def _search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
     isolate = args.isolate or dev.type == "mps"
     return SearchConfig(strategy=_strategy(args, capacity, unit, max_size), max_size=max_size,
                         max_trials=args.max_trials, device=dev, budget=nbytes,
-                        isolate=isolate, margin=args.margin, steps_per_trial=args.steps_per_trial,
-                        verify_steps=args.verify_steps, **timeout)
+                        isolate=isolate, margin=args.margin,
+                        steps_per_trial=getattr(args, "steps_per_trial", None),
+                        verify_steps=getattr(args, "verify_steps", 0), **timeout)
 
 
 def _progress(label: str) -> Any:
