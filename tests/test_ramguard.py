@@ -95,12 +95,12 @@ def test_report_marks_guard_verdicts_and_the_estimated_limit(tmp_path) -> None:
 def test_a_size_predicted_past_the_limit_is_refused_from_the_measured_peaks() -> None:
     guard = RamGuard(limit_bytes=100 * MiB)
     one = [Trial(10, True, 20 * MiB, 0.1)]
-    assert guard.refuse(one, fit_line(one), 40) is None  # 80 MiB, proportional from one
-    assert "predicted peak 120.00 MiB" in guard.refuse(one, fit_line(one), 60)
+    assert guard.refuse(one, 40) is None  # 80 MiB, proportional from one
+    assert "predicted peak 120.00 MiB" in guard.refuse(one, 60)
     two = one + [Trial(20, True, 30 * MiB, 0.1)]  # 10 MiB + 1 MiB/item
-    assert guard.refuse(two, fit_line(two), 90) is None
-    assert guard.refuse(two, fit_line(two), 91) is not None
-    assert guard.refuse([], None, 10**9) is None  # nothing measured yet: the watchdog's job
+    assert guard.refuse(two, 90) is None
+    assert guard.refuse(two, 91) is not None
+    assert guard.refuse([], 10**9) is None  # nothing measured yet: the watchdog's job
 
 
 def test_watchdog_raises_a_memory_error_in_the_watched_thread_only() -> None:

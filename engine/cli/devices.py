@@ -66,5 +66,5 @@ def budget_free_limit(device: str) -> str:
     free = host.host_memory().get("free")
     if not free:
         return f"no budget ({why}; available RAM unknown: bounded by --max-size only)"
-    return (f"a RAM guard at {DEFAULT_FRACTION:.0%} of {fmt_bytes(free)} available RAM, "
-            f"measured after the warm-up (estimated, not enforced; {why})")
+    return (f"a RAM guard at {DEFAULT_FRACTION:.0%} of the RAM available after the warm-up "
+            f"({fmt_bytes(free)} now; estimated, not enforced; {why})")

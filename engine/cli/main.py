@@ -290,7 +290,8 @@ def _add_search_options(p: argparse.ArgumentParser, start: int) -> None:
                    help="guided: predict from measured peaks, verify, bracket (default; e10 "
                         "when --step is given); e10: +step then bisect; doubling; linear-jump")
     p.add_argument("--steps-per-trial", type=_positive_int, default=None, metavar="N",
-                   help="steps each trial runs (default: the workload's own, 2 for bench)")
+                   help="steps each trial runs (default: the workload's own steps_per_trial, "
+                        "else 1)")
     p.add_argument("--verify-steps", type=_nonnegative_int, default=0, metavar="N",
                    help="run N further steps at the recommended size and report any OOM")
     p.add_argument("--align", type=_positive_int, default=None, metavar="N",

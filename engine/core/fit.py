@@ -44,7 +44,29 @@ def fit_line(trials: Sequence[Trial]) -> LinearFit | None:
     Needs two distinct sizes; returns None otherwise. When a size ran more than
     once, every run is a point.
     """
-    pts = [(t.size, t.peak_bytes) for t in trials if t.ok and t.peak_bytes is not None]
+    return fit_points([(t.size, t.peak_bytes) for t in trials
+                       if t.ok and t.peak_bytes is not None])
+
+
+def peak_model(points: Sequence[tuple[int, int]]) -> LinearFit | None:
+    """Peak bytes against size from measured ``(size, peak bytes)`` points, to predict
+    sizes not run yet (an estimate): the least-squares line from two distinct sizes or
+    more; from one size, a line through the origin from its largest peak (proportional
+    to the size, which overstates sizes above it when part of the peak does not grow);
+    None without a point or with a peak of 0."""
+    if len({s for s, _ in points}) >= 2:
+        return fit_points(points)
+    if not points:
+        return None
+    size, peak = max(points)
+    if peak <= 0:
+        return None
+    return LinearFit(base_bytes=0.0, per_item_bytes=peak / size, r2=1.0, points=1)
+
+
+def fit_points(pts: Sequence[tuple[int, int]]) -> LinearFit | None:
+    """The least-squares line through ``(size, peak bytes)`` points; None with fewer than
+    two distinct sizes."""
     if len({s for s, _ in pts}) < 2:
         return None
     n = len(pts)

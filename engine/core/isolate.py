@@ -31,7 +31,6 @@ The child's stderr is copied to this process's stderr after each trial.
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import multiprocessing as mp
@@ -49,6 +48,7 @@ from typing import Any
 import torch
 
 from oomguard.engine.core.budget import budget, return_freed_memory_to_os, trim_heap
+from oomguard.engine.core.oom import gc_frozen
 from oomguard.engine.core.ramguard import RamGuard
 from oomguard.engine.core.trial import Trial, run_trial
 from oomguard.engine.errors import ChildCrashed, ChildStartFailed, UsageError
@@ -102,11 +102,9 @@ def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, con
     try:
         if hasattr(fn, "warmup"):
             fn.warmup()
-        gc.collect()
-        gc.freeze()  # this process ends after its one trial: nothing to unfreeze
         guard: AbstractContextManager[Any] = (
             budget(budget_bytes, device) if budget_bytes is not None else nullcontext())
-        with guard:
+        with gc_frozen(), guard:
             trial = run_trial(fn, size, device, ram_guard, steps)
         conn.send(("ok", trial))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent

@@ -31,13 +31,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from oomguard.engine.core.fit import peak_model
 from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import RamLimitReached, UsageError
 from oomguard.probes import host
 from oomguard.probes.sampler import Sampler
 
 if TYPE_CHECKING:
-    from oomguard.engine.core.fit import LinearFit
     from oomguard.engine.core.trial import Trial
 
 # Of the RAM available after the warm-up, what a trial may add: the rest is left to the
@@ -104,21 +104,13 @@ class RamGuard:
                 "source": self.source, "interval_s": self.interval,
                 "description": self.describe()}
 
-    def predict(self, trials: Sequence[Trial], fit: LinearFit | None, size: int) -> float | None:
-        """Estimated peak bytes at ``size`` from the measured peaks of ``trials`` (the
-        fitted line ``fit`` when there is one, else proportional to the size from the
-        largest size that ran); None before any peak was measured."""
-        if fit is not None:
-            return fit.predict(size)
-        ran = [(t.size, t.peak_bytes) for t in trials if t.ok and t.peak_bytes is not None]
-        if not ran:
-            return None
-        s, peak = max(ran)
-        return peak * size / s
-
-    def refuse(self, trials: Sequence[Trial], fit: LinearFit | None, size: int) -> str | None:
-        """Why ``size`` must not run (its predicted peak is past the limit), or None."""
-        predicted = self.predict(trials, fit, size)
+    def refuse(self, trials: Sequence[Trial], size: int) -> str | None:
+        """Why ``size`` must not run (its peak, predicted from the measured peaks of
+        ``trials`` by :func:`~oomguard.engine.core.fit.peak_model`, is past the limit),
+        or None (also before any peak was measured)."""
+        model = peak_model([(t.size, t.peak_bytes) for t in trials
+                            if t.ok and t.peak_bytes is not None])
+        predicted = model.predict(size) if model is not None else None
         if predicted is None or predicted <= self.limit_bytes:
             return None
         return (f"RAM guard: not run, predicted peak {fmt_bytes(int(predicted))} is over "

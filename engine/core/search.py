@@ -187,7 +187,7 @@ def search(
             if any(t.size == size for t in trials):  # a strategy that repeats itself is done
                 stopped = f"strategy proposed size {size} again"
                 break
-            refused = guard.refuse(trials, fit_line(trials), size) if guard is not None else None
+            refused = guard.refuse(trials, size) if guard is not None else None
             try:
                 trial = (Trial(size, ok=False, peak_bytes=None, seconds=0.0, error=refused,
                                guarded=True) if refused else runner(size, steps))

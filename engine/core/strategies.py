@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from oomguard.engine.core.fit import fit_line
+from oomguard.engine.core.fit import fit_line, peak_model
 from oomguard.engine.core.trial import Trial
 from oomguard.engine.errors import UsageError, check_positive_int
 
@@ -246,13 +246,8 @@ def predict_max(trials: Sequence[Trial]) -> int | None:
     points = [(t.size, t.limit_peak_bytes if t.limit_peak_bytes is not None else t.peak_bytes)
               for t in trials if t.ok]
     points = [(s, p) for s, p in points if p is not None]
-    if headroom is None or not points:
-        return None
-    if len({s for s, _ in points}) < 2:
-        size, peak = max(points)
-        return int(size * headroom // peak) if peak > 0 else None
-    fit = fit_line([Trial(s, True, p, 0.0) for s, p in points])
-    if fit is None or fit.per_item_bytes <= 0:
+    fit = peak_model(points)
+    if headroom is None or fit is None or fit.per_item_bytes <= 0:
         return None
     return fit.largest_size_within(headroom)
 

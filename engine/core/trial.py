@@ -142,7 +142,7 @@ def run_trial(
     seconds = time.perf_counter() - start
     common: dict[str, Any] = {"size": size, "seconds": seconds, "steps": steps,
                               "step_peaks": step_peaks, "headroom_bytes": headroom,
-                              "limit_units": _limit_units(dev, budgeted, guard)}
+                              "limit_units": _limit_units(meter, budgeted, guard)}
     if isinstance(result, OOM):
         if watch is not None and watch.tripped is not None:
             peak = max([meter.read(), *step_peaks])
@@ -162,10 +162,10 @@ def run_trial(
                  items_per_second=rate, **common)
 
 
-def _limit_units(dev: torch.device, budgeted: bool, guard: RamGuard | None) -> str | None:
+def _limit_units(meter: PeakMeter, budgeted: bool, guard: RamGuard | None) -> str | None:
     """What ``limit_peak_bytes`` and ``headroom_bytes`` count, in words."""
-    if dev.type == "cpu":
+    if meter.device.type == "cpu":
         if budgeted:
             return "VmData (what RLIMIT_DATA counts), sampled every 0.5 ms"
         return "resident bytes (the RAM guard's estimate)" if guard is not None else None
-    return PeakMeter(dev).source
+    return meter.source
