@@ -11,13 +11,25 @@ about, and the base cost is reported separately.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from oomguard.engine.core.estimate import fake_module
 from oomguard.engine.core.trial import RebuiltInChild
 from oomguard.metrics.models import build_model, model_config
+
+
+def build_for(state: dict[str, Any], spec: str, dtype: str, device: str,
+              seed: int) -> torch.nn.Module:
+    """``build_model(spec, dtype, device, seed)``; for a workload copy made by
+    ``for_estimate`` (``state["fake"]``), the same model with no weights: built on the
+    meta device and given fake tensors on ``device`` (:func:`~oomguard.engine.core.estimate.fake_module`)."""
+    if state.get("fake"):
+        return fake_module(lambda: build_model(spec, dtype, "meta", seed=seed), device)
+    return build_model(spec, dtype, device, seed=seed)
 
 
 @dataclass
@@ -41,9 +53,9 @@ class TrainStep(RebuiltInChild):
 
     def warmup(self) -> None:
         """Build model and optimizer, and take one step at batch size 1 (not budgeted)."""
-        if self._state:
+        if "model" in self._state:
             return
-        model = build_model(self.model, self.dtype, self.device, seed=self.seed).train()
+        model = build_for(self._state, self.model, self.dtype, self.device, self.seed).train()
         opt = torch.optim.AdamW(model.parameters(), lr=self.lr)
         self._state.update(model=model, opt=opt, vocab=model.config.vocab_size,
                            params=sum(p.numel() for p in model.parameters()))
@@ -54,7 +66,7 @@ class TrainStep(RebuiltInChild):
         one built on the ``meta`` device (no memory), so that describing never puts
         anything on ``device``: isolated children must measure with the parent holding
         nothing there."""
-        if self._state:
+        if "model" in self._state:
             model, vocab = self._state["model"], self._state["vocab"]
         else:
             from transformers import AutoModelForCausalLM  # why: as in build_model
@@ -74,8 +86,14 @@ class TrainStep(RebuiltInChild):
                      "vocabulary": vocab, "sequence_length": self.seq_len},
         }
 
+    def for_estimate(self, device: str) -> TrainStep:
+        """A copy of this step with nothing built, for :func:`oomguard.engine.core.estimate.estimate`
+        on ``device``: its ``warmup()`` (under the estimate's fake mode) builds the model with
+        no weights, then the optimizer state and one step at batch size 1 as fake tensors."""
+        return dataclasses.replace(self, device=device, _state={"fake": True})
+
     def __call__(self, batch_size: int) -> float:
-        if not self._state:
+        if "model" not in self._state:
             self.warmup()
         model, opt = self._state["model"], self._state["opt"]
         g = torch.Generator().manual_seed(self.seed + batch_size)

@@ -34,7 +34,8 @@ import torch
 from oomguard.engine.core.trial import RebuiltInChild
 from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.metrics.base import Metric, get_metric
-from oomguard.metrics.models import build_model, make_batch, model_config
+from oomguard.metrics.models import make_batch, model_config
+from oomguard.metrics.train_step import build_for
 
 # Memory knobs that split the samples: above n_samples they all mean "everything at once".
 SAMPLE_KNOBS = frozenset({"micro_batch_size", "chunk_size", "batch_size"})
@@ -136,9 +137,9 @@ class MetricTrial(RebuiltInChild):
     def warmup(self) -> None:
         """Build model and data (not budgeted) and run the metric once, at the knob's
         minimum on the first sample."""
-        if self._state:
+        if "model" in self._state:
             return
-        model = build_model(self.model, self.dtype, self.device, seed=self.seed)
+        model = build_for(self._state, self.model, self.dtype, self.device, self.seed)
         data = make_batch(self.n_samples, self.seq_len, model.config.vocab_size, seed=self.seed,
                           device=self.device)
         # Warm up on one sample: it creates the same kernels and thread pools as
@@ -148,9 +149,15 @@ class MetricTrial(RebuiltInChild):
         self(self.minimum())
         self._state["data"] = data
 
+    def for_estimate(self, device: str) -> MetricTrial:
+        """A copy with nothing built, for :func:`oomguard.engine.core.estimate.estimate` on
+        ``device``: its ``warmup()`` (under the estimate's fake mode) builds the model with no
+        weights; the data are real (small), so the metric's control flow follows them."""
+        return dataclasses.replace(self, device=device, _state={"fake": True})
+
     def __call__(self, size: int) -> dict[str, Any]:
         """Run the metric with ``knob=size``; return its JSON-friendly summary."""
-        if not self._state:
+        if "model" not in self._state:
             self.warmup()
         metric = self._metric()
         with torch.enable_grad():

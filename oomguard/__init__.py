@@ -64,6 +64,8 @@ _EXPORTS: dict[str, str] = {
     "search": "oomguard.engine.core.search",
     "SearchConfig": "oomguard.engine.core.search",
     "RamGuard": "oomguard.engine.core.ramguard",
+    "Estimate": "oomguard.engine.core.estimate",
+    "estimate": "oomguard.engine.core.estimate",
     "Executor": "oomguard.engine.core.executor",
     "Halve": "oomguard.engine.core.retry",
     "ReduceWith": "oomguard.engine.core.retry",
@@ -81,11 +83,11 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "Accumulator", "Budget", "BudgetError", "ChildCrashed", "ChildStartFailed",
     "CollectiveMismatch", "Doubling",
-    "E10", "ExecutionFailed", "Executor", "Guided", "Halve", "IsolationError", "LinearFit", "LinearJump",
+    "E10", "Estimate", "ExecutionFailed", "Executor", "Guided", "Halve", "IsolationError", "LinearFit", "LinearJump",
     "MemorySnapshot", "NoExecutableBatchSize", "NoSizeFits", "OOM", "OomguardError",
     "PeakMeter", "RamGuard", "RamLimitReached", "Recommendation", "ReduceWith", "SearchConfig", "SearchFailed",
     "SearchResult", "Trial", "TrialFailed", "UsageError", "accumulate", "adaptive", "budget",
-    "call_catching_oom", "find_executable_batch_size", "is_oom", "parse_size", "probe",
+    "call_catching_oom", "estimate", "find_executable_batch_size", "is_oom", "parse_size", "probe",
     "probe_all", "release_memory", "reset_stats", "search", "stats", "write_report",
 ]
 # A test checks that __all__ and _EXPORTS name the same things.
@@ -106,6 +108,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # static checkers and IDEs see the real names
     from oomguard.engine.core.budget import Budget, budget
+    from oomguard.engine.core.estimate import Estimate, estimate
     from oomguard.engine.core.executor import Executor
     from oomguard.engine.core.fit import LinearFit, Recommendation
     from oomguard.engine.core.oom import OOM, call_catching_oom, is_oom, release_memory

@@ -2,7 +2,8 @@
 
 Subcommands: ``probe`` (memory of every device), ``bench`` (maximum batch size
 of the built-in GPT-2 training step, with a report), ``search`` (maximum safe
-size of a metric's memory knobs), ``metrics`` (what can be searched), ``run``
+size of a metric's memory knobs), ``estimate`` (peak memory at given sizes,
+estimated without running), ``metrics`` (what can be searched), ``run``
 and ``cache`` (overnight jobs). Sizes are given with units (``2GiB``,
 ``512MiB``, ``2GB``) or in bytes.
 
@@ -348,9 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_search)
 
     from oomguard.engine.cli import catalogue
+    from oomguard.engine.cli import estimate as estimate_cli
     from oomguard.engine.cli import jobs as jobs_cli
 
     catalogue.register(sub)
+    estimate_cli.add_parser(sub)
 
     jobs_cli.register(sub)
     return parser

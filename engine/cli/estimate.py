@@ -1,0 +1,137 @@
+"""``oomguard estimate``: the peak memory of a workload at given sizes, estimated without
+running it (fake tensors: no weights, no activations; see
+:mod:`oomguard.engine.core.estimate`). Every figure printed is an estimate, and says so.
+
+No torch or engine import at module level: ``oomguard --help`` must stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from oomguard.engine.errors import UsageError
+
+TRAIN_STEP = "train-step"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the ``estimate`` command to the CLI's subcommands."""
+    p = sub.add_parser(
+        "estimate", help="estimate peak memory at given sizes without running the work",
+        description="Estimate the peak memory a workload adds at each size (above its "
+                    "warmed-up state, as a search trial measures it) without running it: "
+                    "the model is built with no weights and the step runs on fake tensors, "
+                    "so a 7B model can be estimated on a laptop for a GPU it does not have. "
+                    "Estimates, not measurements.")
+    p.add_argument("--workload", default=TRAIN_STEP, metavar="train-step|METRIC",
+                   help="train-step (forward, backward, AdamW; default) or a metric name "
+                        "(see `oomguard metrics`)")
+    p.add_argument("--knob", default=None,
+                   help="the metric's memory knob the sizes set (default: its first)")
+    p.add_argument("--model", default="tiny-gpt2",
+                   help="built-in name, MODEL_TYPE:key=value,... or a local checkpoint dir "
+                        "(only its config is read)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16, float64")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="sequence length (default 512 for train-step, 128 for a metric)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="a metric's samples (result-defining; default 64)")
+    p.add_argument("--sizes", required=True,
+                   help="comma-separated sizes (batch size, or the knob's value), e.g. 1,8,32")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda[:N]: the device the estimate is for (default cpu; on a "
+                        "torch build without CUDA, a cuda estimate is made on cpu, and says so)")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+    p.set_defaults(func=cmd_estimate)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"1,8,32"`` -> ``[1, 8, 32]``; UsageError (one line) for anything but positive integers."""
+    sizes = []
+    for item in text.split(","):
+        try:
+            size = int(item.strip())
+        except ValueError:
+            raise UsageError(f"--sizes: {item.strip()!r} is not an integer: give positive "
+                             "integers separated by commas, e.g. 1,8,32") from None
+        if size <= 0:
+            raise UsageError(f"--sizes: every size must be a positive integer, got {size}")
+        sizes.append(size)
+    return sizes
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise UsageError(f"{name} must be a positive integer, got {value}")
+
+
+def build_workload(args: argparse.Namespace) -> Any:
+    """The workload the options describe, every option checked (UsageError, one line)."""
+    from oomguard.metrics.models import check_seq_len, model_config, parse_dtype
+
+    _positive("--seq-len", args.seq_len)
+    _positive("--samples", args.samples)
+    parse_dtype(args.dtype)
+    if args.workload == TRAIN_STEP:
+        for option, value in (("--knob", args.knob), ("--samples", args.samples)):
+            if value is not None:
+                raise UsageError(f"{option} is for metrics; {TRAIN_STEP} sizes are batch sizes")
+        from oomguard.metrics.train_step import TrainStep
+
+        seq_len = args.seq_len or 512
+        check_seq_len(model_config(args.model), seq_len)
+        return TrainStep(model=args.model, seq_len=seq_len, dtype=args.dtype)
+    from oomguard.metrics.base import get_metric
+    from oomguard.metrics.workload import MetricTrial
+
+    try:
+        get_metric(args.workload)
+    except UsageError as exc:
+        raise UsageError(f"unknown workload {args.workload!r}: use {TRAIN_STEP} or a metric "
+                         f"({str(exc).partition('valid metrics are ')[2]})") from None
+    seq_len = args.seq_len or 128
+    check_seq_len(model_config(args.model), seq_len)
+    # MetricTrial checks the metric (UsageError listing the valid names), the knob and
+    # whether the metric supports the model, from its config.
+    return MetricTrial(metric=args.workload, knob=args.knob, model=args.model,
+                       dtype=args.dtype, n_samples=args.samples or 64, seq_len=seq_len)
+
+
+def table(estimates: list[Any]) -> str:
+    """A plain-text table: size, estimated peak (bytes and for people), method, kind."""
+    from oomguard.engine.core.units import fmt_bytes
+
+    rows = [("size", "estimated peak (bytes)", "estimated peak", "method", "")]
+    rows += [(str(e.size), str(e.peak_bytes), fmt_bytes(e.peak_bytes), "fake tensors", e.kind)
+             for e in estimates]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) if i < 3 else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+                     for r in rows)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Print the estimates (a table, or JSON with ``--json``); 0."""
+    from oomguard.engine.core.estimate import estimate, fake_device
+    from oomguard.engine.core.jsonable import json_text
+
+    sizes = parse_sizes(args.sizes)
+    fake_device(args.device)  # a bad device fails before the model's config is read
+    workload = build_workload(args)
+    estimates = estimate(workload, sizes, device=args.device)
+    notes = sorted({note for e in estimates for note in e.notes})
+    if args.json:
+        print(json_text({"workload": workload.name, "describe": workload.describe(),
+                         "estimates": [e.to_dict() for e in estimates]}), end="")
+        return 0
+    first = estimates[0]
+    print(f"{workload.name} on {first.device} (estimated on {first.estimated_on}): "
+          f"peak memory above the warmed-up state, estimated, not measured")
+    print(table(estimates))
+    print(f"method: {first.method}")
+    for note in notes:
+        print(f"note: {note}")
+    sys.stdout.flush()
+    return 0

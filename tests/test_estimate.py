@@ -1,0 +1,191 @@
+"""Estimates of peak memory without running the work (oomguard.engine.core.estimate).
+
+The estimates of the tiny GPT-2 training step and of two metrics are compared with the
+peaks a search's trials measure at the same sizes, in a fresh process after the
+workload's warm-up (resident VmHWM above it); a 1B LLaMA-like training step is
+estimated with no weights built; plain functions are counted exactly; bad input is a
+UsageError.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from conftest import in_fresh_process
+
+from oomguard.engine.cli.estimate import add_parser, parse_sizes
+from oomguard.engine.core.estimate import LABEL, estimate
+from oomguard.engine.errors import UsageError
+from oomguard.metrics.train_step import TrainStep
+from oomguard.metrics.workload import MetricTrial
+from oomguard.probes.peak import PeakMeter
+
+MiB = 1024**2
+# 4 wide LLaMA-7B layers (hidden 4096, MLP 11008, 32 heads, vocab 32000): 1.07e9 parameters.
+LLAMA_1B = ("llama:hidden_size=4096,intermediate_size=11008,num_hidden_layers=4,"
+            "num_attention_heads=32,num_key_value_heads=32,vocab_size=32000,"
+            "max_position_embeddings=4096")
+
+
+def _measured_peaks(workload, sizes: list[int]) -> list[int]:
+    """In a fresh process: the peak bytes an in-process search's trials measure at each
+    size, in order, after the workload's warm-up."""
+    from oomguard.engine.core.budget import return_freed_memory_to_os, trim_heap
+    from oomguard.engine.core.trial import run_trial
+
+    return_freed_memory_to_os()
+    trim_heap()
+    workload.warmup()
+    peaks = []
+    for size in sizes:
+        trial = run_trial(workload, size, "cpu")
+        assert trial.ok, trial.error
+        peaks.append(trial.peak_bytes)
+    return peaks
+
+
+def _errors(workload, sizes: list[int]) -> list[tuple[int, int, int, float]]:
+    """(size, estimated, measured, relative error) at each size."""
+    estimates = estimate(workload, sizes)
+    assert all(e.kind == LABEL and e.size == s for e, s in zip(estimates, sizes, strict=True))
+    measured = in_fresh_process(_measured_peaks, workload, sizes)
+    return [(s, e.peak_bytes, m, (e.peak_bytes - m) / m)
+            for s, e, m in zip(sizes, estimates, measured, strict=True)]
+
+
+def test_train_step_estimate_within_2_percent_of_measured():
+    rows = _errors(TrainStep(seq_len=512), [1, 4])
+    for size, est, meas, err in rows:
+        assert abs(err) < 0.02, f"batch {size}: estimated {est}, measured {meas} ({err:+.2%})"
+    assert rows[1][1] > 3 * rows[0][1]  # memory grows with the batch: the sizes were run
+
+
+@pytest.mark.parametrize("metric", ["loss", "gradient_stats"])
+def test_metric_estimate_within_5_percent_of_measured(metric):
+    rows = _errors(MetricTrial(metric, n_samples=8, seq_len=512), [4, 8])
+    for size, est, meas, err in rows:
+        assert abs(err) < 0.05, (f"{metric} micro_batch_size {size}: estimated {est}, "
+                                 f"measured {meas} ({err:+.2%})")
+
+
+def test_1b_llama_training_step_is_estimated_without_its_weights():
+    step = TrainStep(model=LLAMA_1B, seq_len=128, dtype="bfloat16")
+    estimate(_two_buffers, [1])  # the fake mode's one-off imports are not the estimate's
+    meter = PeakMeter("cpu")
+    meter.reset()
+    (e,) = estimate(step, [1])
+    grown = meter.read()
+    params = 4 * (4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096) + 2 * 32000 * 4096 + 4096
+    # bf16 weights alone would be 2 GiB and AdamW's moments 4 GiB more: none of it is built.
+    assert grown < 256 * MiB, f"the estimate grew the process by {grown / MiB:.0f} MiB"
+    # The step's gradients (bf16, one per parameter) all exist at the end of the backward.
+    assert e.peak_bytes >= 2 * params
+    assert e.peak_bytes < 2 * params + 2048 * MiB
+    assert step._state == {}  # the workload itself was not built or warmed up
+
+
+def _two_buffers(n: int) -> float:
+    a = torch.ones(n, 1024)
+    b = a * 2
+    del a
+    c = b + 1  # a was freed: b and c (and the sum's scalar) at the peak
+    return float(c.sum())
+
+
+def test_plain_function_is_counted_exactly_with_no_memory():
+    estimate(_two_buffers, [1])  # the fake mode's one-off imports are not the estimate's
+    meter = PeakMeter("cpu")
+    meter.reset()
+    small, big = estimate(_two_buffers, [1000, 100_000])
+    assert meter.read() < 64 * MiB  # 800 MB estimated, nothing allocated
+    assert small.peak_bytes == 2 * 1000 * 4096 + 4
+    assert big.peak_bytes == 2 * 100_000 * 4096 + 4
+    assert any("read as 1" in note for note in big.notes)  # float(c.sum()) had no value
+
+
+def test_cuda_estimate_counts_512_byte_blocks_and_says_where_it_ran():
+    (e,) = estimate(_two_buffers, [1000], device="cuda")
+    assert e.peak_bytes == 2 * 1000 * 4096 + 512  # the 4-byte scalar takes a 512-byte block
+    assert e.device == "cuda"
+    if not torch.backends.cuda.is_built():
+        assert e.estimated_on == "cpu"
+        assert any("estimated on cpu" in note for note in e.notes)
+
+
+class _OwnEstimate:
+    def estimate_peak(self, size: int, device: str) -> int:
+        return 10 * size
+
+    def __call__(self, size: int) -> None:
+        raise AssertionError("an estimate must not run the work")
+
+
+def test_a_workload_may_estimate_itself():
+    got = estimate(_OwnEstimate(), [1, 3])
+    assert [e.peak_bytes for e in got] == [10, 30]
+    assert all("estimate_peak" in e.method and e.kind == LABEL for e in got)
+
+
+def _masked_rows(n: int) -> torch.Tensor:
+    x = torch.ones(n, 100_000)  # fake: 400 kB a row
+    keep = torch.arange(n) % 2 == 0  # real (data bookkeeping): every other row
+    return x[keep].sum()
+
+
+def test_rows_picked_by_a_real_mask_are_counted():
+    (e,) = estimate(_masked_rows, [4])
+    # x (4 rows), the 2 rows picked, the mask and the scalar; the arange's bytes are freed
+    assert abs(e.peak_bytes - 6 * 400_000) < 100
+
+
+def _shape_from_values(n: int) -> int:
+    return torch.nonzero(torch.ones(n, 100_000)).shape[0]
+
+
+def test_shape_depending_on_computed_values_cannot_be_estimated():
+    with pytest.raises(UsageError, match="cannot estimate"):
+        estimate(_shape_from_values, [4])
+
+
+@pytest.mark.parametrize("sizes, device", [([0], "cpu"), ([], "cpu"), ([-2], "cpu"),
+                                            ([True], "cpu"), ([1], "mps"), ([1], "tpu")])
+def test_bad_sizes_and_devices_are_usage_errors(sizes, device):
+    with pytest.raises(UsageError):
+        estimate(_two_buffers, sizes, device=device)
+
+
+def _cli(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="oomguard")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["estimate", *argv])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--sizes", "1,0"], "positive"),
+    (["--sizes", "1,x"], "not an integer"),
+    (["--sizes", "4", "--workload", "no-such-metric"], "train-step"),
+    (["--sizes", "4", "--knob", "micro_batch_size"], "for metrics"),
+    (["--sizes", "4", "--workload", "loss", "--knob", "nope"], "memory knob"),
+    (["--sizes", "4", "--seq-len", "0"], "positive"),
+    (["--sizes", "4", "--device", "mps"], "cpu or cuda"),
+])
+def test_cli_bad_input_is_one_usage_error(argv, words):
+    args = _cli(*argv)
+    with pytest.raises(UsageError, match=words) as info:
+        args.func(args)
+    assert "\n" not in str(info.value)
+
+
+def test_parse_sizes():
+    assert parse_sizes("1, 8,32") == [1, 8, 32]
+
+
+def test_cli_prints_estimates_labelled_as_such(capsys):
+    args = _cli("--workload", "loss", "--samples", "4", "--seq-len", "16", "--sizes", "2,4")
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "estimated, not measured" in out
+    lines = [line for line in out.splitlines() if line.strip().startswith(("2 ", "4 "))]
+    assert len(lines) == 2 and all(LABEL in line for line in lines)
