@@ -1,7 +1,7 @@
 """Reports: render what a search or a job produced (Markdown, JSON and PNG).
 
 ``write_report(result, out_dir)`` writes ``report.md``, ``report.json`` and
-``memory.png`` into ``out_dir``, each with the one atomic writer
+``memory.png`` (and ``throughput.png`` when trials measured a rate) into ``out_dir``, each with the one atomic writer
 (:func:`~oomguard.engine.core.atomic.atomic_write`: fsynced, then moved into
 place), so a reader never sees a half-written report. A job's report is
 :func:`oomguard.reports.job_report.write_job_report`.
@@ -16,23 +16,26 @@ from oomguard.engine.core.atomic import atomic_write, atomic_write_json
 from oomguard.engine.core.search import SearchResult
 from oomguard.reports.json_report import render_json
 from oomguard.reports.markdown import render_markdown
-from oomguard.reports.plot import plot_memory
+from oomguard.reports.plot import plot_memory, plot_throughput
 
-__all__ = ["plot_memory", "render_json", "render_markdown", "write_report"]
+__all__ = ["plot_memory", "plot_throughput", "render_json", "render_markdown", "write_report"]
 
 
 def write_report(
     result: SearchResult, out_dir: str | os.PathLike[str], context: dict | None = None
 ) -> dict[str, Path]:
-    """Write ``report.md``, ``report.json`` and ``memory.png`` for ``result`` into ``out_dir``.
+    """Write ``report.md``, ``report.json``, ``memory.png`` and, when the trials measured
+    a rate, ``throughput.png`` for ``result`` into ``out_dir``.
 
     Creates ``out_dir`` (and parents) if needed. Returns ``{"markdown": ...,
-    "json": ..., "png": ...}`` paths.
+    "json": ..., "png": ...}`` paths, and ``"throughput_png"`` when written.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return {
+    paths = {
         "markdown": atomic_write(out / "report.md", render_markdown(result, context)),
         "json": atomic_write_json(out / "report.json", render_json(result, context)),
         "png": plot_memory(result, out / "memory.png"),
     }
+    speed = plot_throughput(result, out / "throughput.png")
+    return paths | ({"throughput_png": speed} if speed is not None else {})

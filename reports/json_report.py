@@ -26,6 +26,7 @@ from oomguard.engine.core.strategies import bracket, predict_max
 from oomguard.engine.core.trial import Trial
 from oomguard.engine.core.units import fmt_bytes
 from oomguard.metrics.workload import SAMPLE_KNOBS
+from oomguard.reports.throughput import fastest_safe_size
 
 SCHEMA = "oomguard.search-report/1"
 
@@ -328,6 +329,7 @@ def render_json(result: SearchResult, context: dict | None = None) -> dict[str, 
                                     if fit is not None and cap else None),
         "peak_measures": PEAK_MEANING.get(device_type(result), "unknown"),
         "fit_is_estimate": True,
+        "fastest_safe_size": fastest_safe_size(result),
         "mode_note": ("in-process: history-dependent, can differ from a fresh process's maximum"
                       if result.mode == "in-process"
                       else "isolated: each trial in a fresh process, the faithful maximum"),

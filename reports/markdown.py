@@ -34,7 +34,8 @@ from oomguard.reports.json_report import (
 )
 from oomguard.reports.throughput import speed_and_verification
 
-_KNOWN_CONTEXT = {"model", "parameters", "architecture", "device_name", "dtype", "data", "title"}
+_KNOWN_CONTEXT = {"model", "parameters", "architecture", "device_name", "dtype", "data", "title",
+                  "workload_spec"}  # the last is for `oomguard verify`, not for readers
 
 
 def fmt_value(value: Any) -> str:
@@ -282,7 +283,8 @@ def _recommendations(result: SearchResult) -> list[str]:
     lo_hi = (f"{rec.conservative}-{rec.safe}" if rec.conservative != rec.safe else str(rec.safe))
     return [
         "## Recommendations", "", "### Safe Production Settings",
-        f"For production with a {rec.margin:.0%} safety margin of capacity:",
+        f"For production with a {rec.margin:.0%} safety margin of capacity "
+        f"({rec.margin_source or 'fixed'}):",
         f"- **Recommended {size_label(result)}**: {rec.safe} ({est(rec.safe)}); basis: {rec.basis}",
         f"- **Recommended range**: {lo_hi}",
         f"- **Conservative {size_label(result)}**: {rec.conservative} ({est(rec.conservative)}; "

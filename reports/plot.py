@@ -1,4 +1,5 @@
-"""PNG plot of peak memory against the searched size (batch size or a knob) for one search.
+"""PNG plots of one search: peak memory against the searched size (batch size or a knob),
+``memory.png``, and measured throughput against it, ``throughput.png``.
 
 Drawn in the one plot style (:mod:`oomguard.reports.style`: a standalone
 ``Figure`` on an Agg canvas, no pyplot) and written atomically. Memory is
@@ -15,6 +16,7 @@ from oomguard.engine.core.search import SearchResult
 from oomguard.engine.core.units import GiB, MiB, fmt_bytes
 from oomguard.reports import style
 from oomguard.reports.json_report import capacity_label, size_label
+from oomguard.reports.throughput import fastest_safe_size, rate_basis, rates
 
 if TYPE_CHECKING:  # for annotations only: matplotlib is imported when a figure is drawn
     from matplotlib.figure import Figure
@@ -121,3 +123,41 @@ def memory_figure(result: SearchResult) -> Figure:
     # Below the axes, so it never hides the capacity line or the points.
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
     return fig
+
+
+def throughput_figure(result: SearchResult) -> Figure | None:
+    """Measured items per second against size (None when no trial measured a rate), with
+    the recommended size, the maximum and the fastest size at or below the recommendation
+    marked."""
+    measured = rates(result)
+    if not measured:
+        return None
+    fig, ax = style.figure()
+    sizes = sorted(measured)
+    ax.plot(sizes, [measured[s] for s in sizes], "o-", color="tab:blue", ms=5, lw=1.2,
+            label=f"measured ({len(sizes)} sizes that fitted; {rate_basis(result)})")
+    rec, fastest = result.recommendation, fastest_safe_size(result)
+    if fastest is not None:
+        ax.plot([fastest], [measured[fastest]], "*", color="tab:orange", ms=14, zorder=4,
+                label=f"fastest at or below the recommendation: {fastest}")
+    if rec is not None:
+        ax.axvline(rec.safe, color="tab:green", lw=1.0, ls="-.",
+                   label=f"recommended safe size: {rec.safe}")
+    if result.max_ok is not None:
+        ax.axvline(result.max_ok, color="tab:red", lw=1.0, ls="-.",
+                   label=f"measured maximum: {result.max_ok}")
+    label = size_label(result)
+    ax.set_xlabel(f"{label} (items)")
+    ax.set_ylabel("items per second (measured)")
+    ax.set_title(f"{result.workload}: throughput vs {label}\n{result.device} · {result.mode}")
+    ax.set_xlim(0, max(sizes) * 1.08)
+    ax.set_ylim(0, max(measured.values()) * 1.15)
+    ax.legend(loc="lower right", frameon=False)
+    return fig
+
+
+def plot_throughput(result: SearchResult, path: str | os.PathLike[str]) -> Path | None:
+    """Write :func:`throughput_figure` as a PNG to ``path`` (atomically); None, and nothing
+    written, when no trial measured a rate."""
+    fig = throughput_figure(result)
+    return style.save(fig, Path(path)) if fig is not None else None

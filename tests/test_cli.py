@@ -156,7 +156,7 @@ TINY = ("gpt2:n_embd=32,n_layer=1,n_head=2,vocab_size=256,n_positions=64,bos_tok
       "gpt_neox:num_layers=1,hidden_size=64,vocab_sise=64"], "did you mean 'vocab_size'"),
     (["bench", "--seq-len", "5000"], "longer than the model's 1024 positions (n_positions)"),
     (["search", "--metric", "loss", "--seq-len", "5000"], "1024 positions"),
-    (["bench", "--margin", "1.5"], "margin must be a fraction in [0, 1), got 1.5"),
+    (["bench", "--margin", "1.5"], "margin must be a fraction in [0, 1) or 'measured', got 1.5"),
     (["bench", "--margin", "nan"], "got nan"),
     (["bench", "--margin", "-0.5"], "got -0.5"),
     (["search", "--metric", "integrated_gradients", "--margin", "inf"], "got inf"),

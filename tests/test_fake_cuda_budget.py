@@ -61,7 +61,7 @@ def test_fake_cuda_default_search_after_warmup_meets_the_device_limit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Item 1: the default budget used to be the free memory probed before the warm-up,
     # and warm-up + that budget > total raised BudgetError on an idle GPU.
-    from oomguard.engine.cli.main import _search_config
+    from oomguard.engine.cli.options import search_config as _search_config
     from oomguard.engine.core.search import search
 
     gpu = FakeCuda(total=16 * GiB, context=512 * MiB).install(monkeypatch)
@@ -158,7 +158,7 @@ def test_fake_mps_budget_caps_driver_bytes_and_gives_the_default_back(
 
 def test_fake_mps_search_config_defaults_to_isolated_trials_under_a_budget(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from oomguard.engine.cli.main import _search_config
+    from oomguard.engine.cli.options import search_config as _search_config
 
     mps = FakeMps(recommended=16 * GiB).install(monkeypatch)
     mps.alloc(1 * GiB)

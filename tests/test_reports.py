@@ -130,7 +130,9 @@ def test_json_round_trips(result: SearchResult) -> None:
 @pytest.mark.integration
 def test_write_report_files(result: SearchResult, tmp_path) -> None:
     paths = write_report(result, tmp_path / "out" / "nested", CONTEXT)
-    assert {p.name for p in paths.values()} == {"report.md", "report.json", "memory.png"}
+    assert {p.name for p in paths.values()} == {"report.md", "report.json", "memory.png",
+                                                "throughput.png"}
+    assert _png_size(paths["throughput_png"].read_bytes()) == (8 * style.DPI, 5 * style.DPI)
     data = paths["png"].read_bytes()
     assert _png_size(data) == (9 * style.DPI, round(6.4 * style.DPI))  # the search's size
     assert len(data) > 20_000

@@ -13,6 +13,16 @@ from dataclasses import asdict, dataclass
 from oomguard.engine.core.trial import Trial
 
 DEFAULT_MARGIN = 0.15  # the E10 report's production advice: ~85% utilisation
+MEASURED = "measured"  # SearchConfig.margin: derive the margin from the trials' step peaks
+# A measured margin is SPREAD_FACTOR times the largest relative spread of peaks across the
+# steps of one trial, within [MIN_MEASURED_MARGIN, MAX_MEASURED_MARGIN]. Why twice: a trial
+# sees a few steps and a run sees thousands, so the next step may stray past the ones seen
+# by about as much again; the floor keeps room for what no trial shows (allocator rounding,
+# fragmentation after hours, an eval step), the cap keeps a noisy trial from recommending
+# almost nothing. Design choices, not measured facts; the report names the margin used.
+SPREAD_FACTOR = 2.0
+MIN_MEASURED_MARGIN = 0.05
+MAX_MEASURED_MARGIN = 0.5
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,36 @@ def fit_points(pts: Sequence[tuple[int, int]]) -> LinearFit | None:
     return LinearFit(base_bytes=base, per_item_bytes=slope, r2=r2, points=n)
 
 
+def step_spread(trial: Trial) -> float | None:
+    """Relative spread of a trial's per-step peaks, ``(max - min) / max`` (a fraction;
+    measured), or None for a trial that did not fit or ran fewer than two steps."""
+    peaks = trial.step_peaks
+    if not trial.ok or len(peaks) < 2 or max(peaks) <= 0:
+        return None
+    return (max(peaks) - min(peaks)) / max(peaks)
+
+
+def choose_margin(margin: float | str, trials: Sequence[Trial]) -> tuple[float, str]:
+    """The margin the recommendation keeps free, and where it comes from in words.
+
+    A number is used as given. ``"measured"`` derives it from the spread of peaks
+    across the steps of each trial (:func:`step_spread`): :data:`SPREAD_FACTOR` times the
+    largest spread, within [:data:`MIN_MEASURED_MARGIN`, :data:`MAX_MEASURED_MARGIN`];
+    with no trial of two steps or more it falls back to :data:`DEFAULT_MARGIN` and says so.
+    """
+    if margin != MEASURED:
+        return float(margin), f"fixed: {float(margin):.0%} of capacity (as configured)"
+    spreads = [(s, t.size) for t in trials if (s := step_spread(t)) is not None]
+    if not spreads:
+        return DEFAULT_MARGIN, (f"fixed: {DEFAULT_MARGIN:.0%} (measured margin asked for, but "
+                                "no trial ran two steps or more: no spread to measure)")
+    spread, size = max(spreads)
+    chosen = min(MAX_MEASURED_MARGIN, max(MIN_MEASURED_MARGIN, SPREAD_FACTOR * spread))
+    return chosen, (f"measured: {SPREAD_FACTOR:g} x the largest spread of peaks across a "
+                    f"trial's steps, {spread:.1%} at size {size} of {len(spreads)} trial(s) of "
+                    f"several steps, kept within {MIN_MEASURED_MARGIN:.0%}-{MAX_MEASURED_MARGIN:.0%}")
+
+
 @dataclass(frozen=True)
 class Recommendation:
     """Sizes to use, each at most the measured maximum.
@@ -91,7 +131,7 @@ class Recommendation:
     to ``safe`` that actually ran with a measured peak within the same limit
     (``conservative_ran`` is False when none did and it equals ``safe``).
     ``maximum``: the largest size that ran. ``basis`` says how ``safe`` was
-    obtained.
+    obtained, ``margin_source`` where ``margin`` came from (:func:`choose_margin`).
     """
 
     safe: int
@@ -101,6 +141,7 @@ class Recommendation:
     capacity_bytes: int | None
     basis: str
     conservative_ran: bool = True
+    margin_source: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -113,6 +154,7 @@ def recommend(
     fit: LinearFit | None,
     margin: float = DEFAULT_MARGIN,
     first_oom: int | None = None,
+    margin_source: str = "",
 ) -> Recommendation:
     """Recommend safe, conservative and maximum sizes below ``max_ok``.
 
@@ -153,4 +195,5 @@ def recommend(
     conservative = max(measured, default=None)
     return Recommendation(safe=safe, conservative=conservative if conservative else safe,
                           maximum=max_ok, margin=margin, capacity_bytes=capacity_bytes,
-                          basis=basis, conservative_ran=conservative is not None)
+                          basis=basis, conservative_ran=conservative is not None,
+                          margin_source=margin_source or f"fixed: {margin:.0%} of capacity")

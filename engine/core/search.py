@@ -32,7 +32,7 @@ import torch
 
 from oomguard.engine.core.budget import budget as memory_budget
 from oomguard.engine.core.budget import check_budget, return_freed_memory_to_os
-from oomguard.engine.core.fit import LinearFit, Recommendation, fit_line, recommend
+from oomguard.engine.core.fit import LinearFit, Recommendation, choose_margin, fit_line, recommend
 from oomguard.engine.core.isolate import IsolatedRunner
 from oomguard.engine.core.oom import gc_frozen
 from oomguard.engine.core.ramguard import RamGuard
@@ -40,7 +40,7 @@ from oomguard.engine.core.search_config import SearchConfig, resolve
 from oomguard.engine.core.strategies import bracket
 from oomguard.engine.core.trial import Trial, run_trial
 from oomguard.engine.core.units import fmt_bytes
-from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError
+from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError, check_positive_int
 from oomguard.probes import probe
 
 log = logging.getLogger("oomguard.search")
@@ -206,11 +206,34 @@ def search(
             final.stopped_because = "nothing fits" + ("" if stopped == "bracket closed"
                                                        else f" ({stopped})")
             raise NoSizeFits(final)
-        final.recommendation = recommend(trials, final.max_ok, capacity, final.fit, cfg.margin,
-                                         final.first_oom)
+        margin, source = choose_margin(cfg.margin, trials)
+        final.recommendation = recommend(trials, final.max_ok, capacity, final.fit, margin,
+                                         final.first_oom, source)
         if cfg.verify_steps:
             final.verification = _verify(runner, final.recommendation.safe, cfg.verify_steps, mode)
     return final
+
+
+def verify(fn: Callable[[int], Any], size: int, steps: int, config: SearchConfig | None = None,
+           **options: Any) -> dict[str, Any]:
+    """Run ``steps`` steps of ``fn`` at ``size`` as a search's trial runs them (the warm-up
+    first, then under the config's budget, in this process or a fresh child with
+    ``isolate=True``) and say what happened: ``ok``, ``peak_bytes`` and ``step_peaks``
+    (measured bytes above the warmed-up baseline, as :class:`Trial` counts them),
+    ``seconds`` and the OOM's ``error``. An OOM is reported, not raised; any other
+    error propagates. ``options`` are :class:`SearchConfig` fields (``device``,
+    ``budget``, ``isolate``, ``trial_timeout``, ``ram_guard``); the search itself
+    verifies with ``search(..., verify_steps=N)``.
+    """
+    check_positive_int("size", size)
+    check_positive_int("steps", steps)
+    cfg = resolve(config, None, None, options)
+    dev = torch.device(cfg.device)
+    if cfg.budget is not None:
+        check_budget(cfg.budget, dev)
+    with ExitStack() as stack:
+        runner, _ = _runner(fn, cfg, dev, stack)
+        return _verify(runner, size, steps, "isolated" if cfg.isolate else "in-process")
 
 
 def _verify(runner: Callable[[int, int], Trial], size: int, steps: int, mode: str

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.fit import DEFAULT_MARGIN
+from oomguard.engine.core.fit import DEFAULT_MARGIN, MEASURED
 from oomguard.engine.core.ramguard import RamGuard
 from oomguard.engine.core.strategies import E10, Guided, Strategy, strategy_params
 from oomguard.engine.errors import UsageError, check_positive_int
@@ -30,7 +30,9 @@ class SearchConfig:
     trials, from the first one's start: the warm-up is not counted).
     ``budget`` caps the bytes a trial may use above the warmed-up process
     (None: no cap); ``isolate`` runs each trial in a fresh child process;
-    ``margin`` is the fraction of capacity the recommended size keeps free;
+    ``margin`` is the fraction of capacity the recommended size keeps free, or
+    ``"measured"`` to derive it from the spread of peaks across each trial's steps
+    (:func:`~oomguard.engine.core.fit.choose_margin`; the report names the margin used);
     ``capacity_bytes`` is what the recommendation scales against (None: the
     budget, else the free memory probed before the search). ``ram_guard``
     bounds CPU trials that run without a budget by an estimated limit
@@ -55,7 +57,7 @@ class SearchConfig:
     device: str | torch.device = "cpu"
     budget: int | None = None
     isolate: bool = False
-    margin: float = DEFAULT_MARGIN
+    margin: float | str = DEFAULT_MARGIN
     capacity_bytes: int | None = None
     trial_timeout: float = 600.0
     ram_guard: RamGuard | bool | None = None
@@ -77,8 +79,10 @@ class SearchConfig:
         if not _is_positive_seconds(self.trial_timeout):
             raise UsageError(f"trial_timeout must be a positive number of seconds, "
                              f"got {self.trial_timeout!r}")
-        if not (_is_number(self.margin) and math.isfinite(self.margin) and 0 <= self.margin < 1):
-            raise UsageError(f"margin must be a fraction in [0, 1), got {self.margin!r}")
+        if self.margin != MEASURED and not (_is_number(self.margin) and math.isfinite(self.margin)
+                                            and 0 <= self.margin < 1):
+            raise UsageError(f"margin must be a fraction in [0, 1) or {MEASURED!r}, "
+                             f"got {self.margin!r}")
         if not (self.ram_guard is None or isinstance(self.ram_guard, (bool, RamGuard))):
             raise UsageError(f"ram_guard must be None, True, False or a RamGuard, "
                              f"got {self.ram_guard!r}")

@@ -1,0 +1,138 @@
+"""The options every search command shares (``bench``, ``search``) and the one
+:class:`~oomguard.engine.core.search.SearchConfig` they become, checked before any model
+is built; the argument types that give one-line errors for bad sizes and counts."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from oomguard.engine.cli.devices import default_budget
+from oomguard.engine.core.units import parse_size
+from oomguard.engine.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_STEP = 8  # the E10 routine's increment
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else positive_int(text)
+
+
+def margin(text: str) -> float | str:
+    """``--margin``: a fraction in [0, 1), or ``measured`` (checked by SearchConfig)."""
+    if text.strip().lower() == "measured":
+        return "measured"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a fraction nor 'measured'") from None
+
+
+def size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size: int) -> Any:
+    """The strategy the options name; for a knob whose memory changes only at multiples of
+    ``unit``, ``--start``/``--step`` in whole units (at least one) and only multiples tried."""
+    import math
+
+    from oomguard.engine.core.strategies import E10, Doubling, Guided, LinearJump
+    from oomguard.metrics.workload import in_units, in_whole_units
+
+    # --step alone names the E10 routine (its increment); otherwise the default is guided.
+    name = args.strategy or ("e10" if args.step is not None else "guided")
+    if name != "e10" and args.step is not None:
+        raise UsageError(f"--step is the e10 increment; --strategy {name} takes no "
+                         "--step (guided predicts, doubling multiplies by 2, linear-jump fits)")
+    align = getattr(args, "align", None)  # a Namespace built by hand may lack newer options
+    if align and align > 1:  # tensor cores: sizes in multiples of 8
+        unit = unit * align // math.gcd(unit, align)
+    unit, start, step = in_whole_units(args.start, args.step or DEFAULT_STEP, unit, max_size)
+    inner: Any = E10(start=start, step=step)
+    if name == "guided":
+        inner = Guided(start=start)
+    elif name == "doubling":
+        inner = Doubling(start=start)
+    elif name == "linear-jump":
+        if capacity is None:
+            raise UsageError("--strategy linear-jump needs a --budget (or a GPU's free memory)")
+        inner = LinearJump(capacity_bytes=capacity, start=start)
+    return in_units(inner, unit)
+
+
+def search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
+                   unit: int = 1) -> Any:
+    """Every search option checked before any model is built (a bad --margin fails first)."""
+    from oomguard.engine.core.budget import check_budget
+    from oomguard.engine.core.search import SearchConfig
+
+    if args.start > max_size:
+        raise UsageError(f"--start {args.start} is larger than --max-size {max_size}")
+    nbytes = default_budget(dev, args.budget)
+    if nbytes is not None:
+        check_budget(nbytes, dev)
+    capacity = nbytes
+    if capacity is None and dev.type == "cuda" and args.strategy == "linear-jump":
+        from oomguard.probes import probe
+
+        capacity = probe(dev).free_bytes  # only where the strategy needs a number to aim at
+    timeout = {} if args.trial_timeout is None else {"trial_timeout": args.trial_timeout}
+    # MPS aborts the process on a tensor over 4 GiB instead of raising: a trial must not
+    # take the search down with it.
+    isolate = args.isolate or dev.type == "mps"
+    return SearchConfig(strategy=strategy(args, capacity, unit, max_size), max_size=max_size,
+                        max_trials=args.max_trials, device=dev, budget=nbytes,
+                        isolate=isolate, margin=args.margin,
+                        steps_per_trial=getattr(args, "steps_per_trial", None),
+                        verify_steps=getattr(args, "verify_steps", 0), **timeout)
+
+
+def add_search_options(p: argparse.ArgumentParser, start: int) -> None:
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--budget", type=size, default=None,
+                   help="memory the trials may use above the warmed-up process, e.g. 2GiB, "
+                        "512MiB, 2GB (default: 2GiB on a Linux CPU; none on CUDA: trials meet "
+                        "the device's own limit; on MPS the recommended working set left)")
+    p.add_argument("--start", type=positive_int, default=start, help=f"first size (default {start})")
+    p.add_argument("--step", type=positive_int, default=None,
+                   help=f"e10 increment (default {DEFAULT_STEP}; only with --strategy e10; "
+                        "a knob with a unit steps in whole units, at least one)")
+    p.add_argument("--max-size", type=positive_int, default=65536, help="largest size to try")
+    p.add_argument("--max-trials", type=positive_int, default=40, help="trial limit (default 40)")
+    p.add_argument("--strategy", choices=("guided", "e10", "doubling", "linear-jump"),
+                   default=None,
+                   help="guided: predict from measured peaks, verify, bracket (default; e10 "
+                        "when --step is given); e10: +step then bisect; doubling; linear-jump")
+    p.add_argument("--steps-per-trial", type=positive_int, default=None, metavar="N",
+                   help="steps each trial runs (default: the workload's own steps_per_trial, "
+                        "else 1)")
+    p.add_argument("--verify-steps", type=nonnegative_int, default=0, metavar="N",
+                   help="run N further steps at the recommended size and report any OOM")
+    p.add_argument("--align", type=positive_int, default=None, metavar="N",
+                   help="try only multiples of N (8 for tensor cores)")
+    p.add_argument("--margin", type=margin, default=0.15,
+                   help="fraction of capacity the recommended size keeps free (default 0.15), "
+                        "or 'measured': twice the spread of peaks across each trial's steps")
+    p.add_argument("--isolate", action="store_true",
+                   help="run each trial in a fresh child process (the faithful maximum)")
+    p.add_argument("--trial-timeout", type=float, default=None, metavar="SECONDS",
+                   help="kill an isolated trial still running after SECONDS; the search ends "
+                        "with an error, not an OOM (default 600)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")

@@ -1,0 +1,128 @@
+"""``oomguard verify REPORT``: run further steps at the size a report recommends, as its
+trials ran (same workload, device, budget and mode), and say whether any ran out of memory.
+
+A search trial runs a few steps; a real run takes thousands, and the sizes peer tools
+find most often fail later in the run. ``bench`` and ``search`` therefore record the
+workload they searched in ``report.json`` (``context.workload_spec``), and this command
+rebuilds it from there. What it finds is printed, written to ``verify.json`` beside the
+report (atomically), and is the exit code: 0 when every step fitted, 1 on an OOM.
+
+No torch or engine import at module level: ``oomguard --help`` must stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from oomguard.engine.cli.logs import error_text
+from oomguard.engine.cli.options import positive_int
+from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.errors import UsageError
+
+DEFAULT_STEPS = 10
+_KINDS = {"TrainStep": "oomguard.metrics.train_step", "MetricTrial": "oomguard.metrics.workload"}
+
+
+def workload_spec(workload: Any) -> dict[str, Any]:
+    """What rebuilds ``workload`` (a built-in TrainStep or MetricTrial): its class name and
+    its public dataclass fields, for ``report.json``'s context."""
+    fields = {f.name: getattr(workload, f.name) for f in dataclasses.fields(workload)
+              if not f.name.startswith("_")}
+    return {"kind": type(workload).__name__, "fields": fields}
+
+
+def _rebuild(spec: Any, where: Path) -> Any:
+    """The workload ``spec`` describes; a UsageError naming ``where`` when it cannot be."""
+    import importlib
+
+    kind = spec.get("kind") if isinstance(spec, dict) else None
+    if kind not in _KINDS or not isinstance(spec.get("fields"), dict):
+        raise UsageError(f"{where} does not describe a built-in workload oomguard can rebuild "
+                         "(written by an older oomguard, or by write_report from your own "
+                         "code): verify your own workload with search(..., verify_steps=N)")
+    cls = getattr(importlib.import_module(_KINDS[kind]), kind)
+    try:
+        return cls(**spec["fields"])
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{where}: its workload cannot be rebuilt ({exc}); run the search "
+                         "again to write a fresh report") from None
+
+
+def read_report(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """``(report.json's path, its content)`` from a report folder or the file itself; a
+    one-line UsageError when it is missing or not an oomguard report."""
+    p = Path(path)
+    file = p / "report.json" if p.is_dir() else p
+    if not file.is_file():
+        raise UsageError(f"no report at {file}: give the folder `oomguard bench` or "
+                         "`oomguard search` wrote (their --out), or its report.json")
+    try:
+        doc = json.loads(file.read_text(encoding="utf-8"))
+        doc["result"]["recommendation"]  # noqa: B018 - present in every search report
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"{file} is not a readable oomguard report ({type(exc).__name__}: "
+                         f"{exc}); run the search again to write it") from None
+    return file, doc
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the ``verify`` command to the CLI's subcommands."""
+    p = sub.add_parser(
+        "verify", help="run further steps at a report's recommended size and report any OOM",
+        description="Rebuild the workload a `bench` or `search` report searched and run "
+                    "further steps at its recommended size (or --size), on the same device, "
+                    "under the same budget and in the same mode as its trials. Prints what "
+                    "happened and writes verify.json beside the report; exit 0 when every "
+                    "step fitted, 1 on an out-of-memory.")
+    p.add_argument("report", help="the report folder (--out of bench/search) or its report.json")
+    p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
+                   help=f"steps to run (default {DEFAULT_STEPS})")
+    p.add_argument("--size", type=positive_int, default=None,
+                   help="size to verify (default: the report's recommended size)")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+    p.set_defaults(func=cmd_verify)
+
+
+def _line(check: dict[str, Any], label: str) -> str:
+    head = f"verify: {check['steps']} steps at {label} {check['size']}"
+    if not check["ok"]:
+        return f"{head}: OUT OF MEMORY ({error_text(check['error'])[:120]})"
+    peaks = check["step_peaks"]
+    spread = (max(peaks) - min(peaks)) / max(peaks) if peaks and max(peaks) > 0 else 0.0
+    return (f"{head}: ok, peak per step {fmt_bytes(min(peaks))} to {fmt_bytes(max(peaks))} "
+            f"(spread {spread:.1%}; {check['seconds']:.1f} s)")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from oomguard.engine.cli.devices import resolve_device
+    from oomguard.engine.core.atomic import atomic_write_json
+    from oomguard.engine.core.jsonable import json_text
+    from oomguard.engine.core.search import verify
+
+    file, doc = read_report(args.report)
+    result = doc["result"]
+    workload = _rebuild(doc.get("context", {}).get("workload_spec"), file)
+    size = args.size or (result["recommendation"] or {}).get("safe")
+    if not isinstance(size, int) or size <= 0:
+        raise UsageError(f"{file} recommends no size: give one with --size N")
+    dev = resolve_device(result["device"])
+    label = (result.get("size_name") or "batch_size").replace("_", " ")
+    budget = result.get("budget_bytes")
+    isolate = result.get("mode") == "isolated"
+    print(f"oomguard: verifying {workload.name}: {args.steps} steps at {label} {size} on {dev} "
+          f"under {fmt_bytes(budget) if budget else 'no budget'} "
+          f"({'isolated' if isolate else 'in-process'}, as the report's trials ran)",
+          file=sys.stderr, flush=True)
+    check = verify(workload, size, args.steps, device=dev, budget=budget, isolate=isolate)
+    check["report"] = str(file)
+    out = atomic_write_json(file.parent / "verify.json", check)
+    if args.json:
+        print(json_text(check), end="")
+    else:
+        print(f"{_line(check, label)}\nwritten: {out}")
+    return 0 if check["ok"] else 1

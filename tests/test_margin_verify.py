@@ -1,0 +1,117 @@
+"""The margin derived from measured step peaks, and verification after a search
+(``oomguard.engine.core.search.verify`` and ``oomguard verify REPORT``).
+
+Real allocations under real CPU budgets; sizes far from any boundary, so no test here
+depends on what earlier tests left in the heap.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from oomguard import Guided, Trial, search
+from oomguard.engine.cli.main import main
+from oomguard.engine.core.fit import DEFAULT_MARGIN, MIN_MEASURED_MARGIN, choose_margin, step_spread
+from oomguard.engine.core.search import verify
+from oomguard.engine.errors import UsageError
+
+MiB = 1024**2
+
+
+class AlternatingSteps:
+    """Each call holds ``size`` MiB, every second call ``size * (1 + extra)`` MiB: a step
+    peak that varies across steps by ``extra / (1 + extra)``."""
+
+    def __init__(self, extra: float) -> None:
+        self.extra, self.calls = extra, 0
+
+    def __call__(self, size: int) -> float:
+        self.calls += 1
+        mib = size * (1 + self.extra) if self.calls % 2 == 0 else size
+        block = torch.ones(int(mib * MiB) // 4)
+        return float(block[0])
+
+
+def _search(extra: float, **options: Any):
+    return search(AlternatingSteps(extra), strategy=Guided(start=8), max_size=32,
+                  budget=512 * MiB, steps_per_trial=2, **options)
+
+
+def test_measured_margin_is_twice_the_spread_of_step_peaks_and_the_report_says_so() -> None:
+    result = _search(0.25, margin="measured")
+    rec = result.recommendation
+    spreads = [step_spread(t) for t in result.trials if t.ok]
+    # The allocations differ by 1/5 between steps; the measured spread sees it.
+    assert max(spreads) == pytest.approx(0.2, abs=0.03)
+    assert rec.margin == pytest.approx(2 * max(spreads))
+    assert rec.margin_source.startswith("measured: 2 x the largest spread")
+    assert f"{max(spreads):.1%}" in rec.margin_source
+    assert result.to_dict()["recommendation"]["margin_source"] == rec.margin_source
+
+
+def test_steady_steps_measure_a_smaller_margin_than_the_fixed_one() -> None:
+    measured = _search(0.0, margin="measured").recommendation
+    fixed = _search(0.0).recommendation
+    assert measured.margin == MIN_MEASURED_MARGIN  # the floor: steps agreed
+    assert fixed.margin == DEFAULT_MARGIN and fixed.margin_source.startswith("fixed")
+    assert measured.safe >= fixed.safe
+
+
+def test_measured_margin_without_several_steps_falls_back_and_says_why() -> None:
+    trials = [Trial(size=8, ok=True, peak_bytes=8 * MiB, seconds=0.1, step_peaks=[8 * MiB])]
+    margin, source = choose_margin("measured", trials)
+    assert margin == DEFAULT_MARGIN and "no trial ran two steps" in source
+
+
+@pytest.mark.parametrize("bad", ["estimated", 1.0, -0.1, float("nan")])
+def test_a_bad_margin_is_one_usage_error(bad: Any) -> None:
+    with pytest.raises(UsageError, match="margin must be a fraction in .0, 1. or 'measured'"):
+        search(lambda n: n, margin=bad, max_size=2)
+
+
+def test_verify_runs_the_steps_and_reports_an_oom_instead_of_raising() -> None:
+    fits = verify(AlternatingSteps(0.5), 4, 3, budget=256 * MiB)
+    assert fits["ok"] and fits["steps"] == 3 and len(fits["step_peaks"]) == 3
+    # The second step holds 1.5x the first: 4 MiB and 6 MiB, measured.
+    assert fits["step_peaks"][1] > fits["step_peaks"][0] + 1.5 * MiB
+    fails = verify(AlternatingSteps(0.0), 1024, 2, budget=128 * MiB)
+    assert fails["ok"] is False and "memory" in fails["error"].lower()
+    with pytest.raises(UsageError, match="steps must be a positive integer"):
+        verify(AlternatingSteps(0.0), 4, 0)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["bench", "--seq-len", "16", "--start", "2", "--max-size", "4",
+                 "--budget", "1GiB", "--out", str(out)]) == 0
+    return out
+
+
+def test_cli_verify_reruns_the_reports_workload_and_writes_verify_json(report, capsys) -> None:
+    assert main(["verify", str(report), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "verify: 2 steps at batch size 4: ok" in out
+    check = json.loads((report / "verify.json").read_text())
+    assert check["ok"] and check["size"] == 4 and len(check["step_peaks"]) == 2
+    # Far beyond the 1 GiB budget the report's trials ran under: a real OOM, exit 1.
+    assert main(["verify", str(report / "report.json"), "--steps", "1", "--size", "100000"]) == 1
+    assert "OUT OF MEMORY" in capsys.readouterr().out
+    assert json.loads((report / "verify.json").read_text())["ok"] is False
+
+
+def test_cli_verify_refuses_a_corrupt_or_foreign_report_in_one_line(tmp_path, capsys) -> None:
+    (tmp_path / "report.json").write_text('{"result": {"recommendation": {"safe": 4')
+    assert main(["verify", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not a readable oomguard report" in err and len(err.splitlines()) == 1
+    doc = {"result": {"recommendation": {"safe": 4}, "device": "cpu"}, "context": {}}
+    (tmp_path / "report.json").write_text(json.dumps(doc))
+    assert main(["verify", str(tmp_path)]) == 2
+    assert "search(..., verify_steps=N)" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "nowhere")]) == 2
+    assert "no report at" in capsys.readouterr().err
