@@ -7,18 +7,25 @@ the optimizer and runs one step at size 1 so that weights, gradients and
 AdamW's two moment buffers exist before any budget is applied: the searched
 memory is then what the *batch* costs, the quantity a batch-size search is
 about, and the base cost is reported separately.
+
+Trials run it as the real run would: two steps per trial (``steps_per_trial``),
+so that a size must fit a step after one that left its memory behind, not
+only a single step; and on its worst-case batch (``worst_case_batch``), every
+sample at the full sequence length (the generated data have no padding, so
+this is the batch ``__call__`` itself builds).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from oomguard.engine.core.estimate import fake_module
 from oomguard.engine.core.trial import RebuiltInChild
+from oomguard.engine.errors import UsageError
 from oomguard.metrics.models import build_model, model_config
 
 
@@ -38,7 +45,11 @@ class TrainStep(RebuiltInChild):
 
     Picklable (the built model is dropped from the pickle and rebuilt by
     ``warmup`` in the receiving process), so it can run isolated.
+    ``steps_per_trial`` (2): steps a search's trial runs unless told otherwise
+    (``SearchConfig.steps_per_trial``, ``--steps-per-trial``).
     """
+
+    steps_per_trial: ClassVar[int] = 2
 
     model: str = "tiny-gpt2"
     seq_len: int = 512
@@ -83,7 +94,8 @@ class TrainStep(RebuiltInChild):
             "dtype": self.dtype,
             "step": "forward + backward + AdamW step",
             "data": {"source": "generated uniform random tokens (seeded)",
-                     "vocabulary": vocab, "sequence_length": self.seq_len},
+                     "vocabulary": vocab, "sequence_length": self.seq_len,
+                     "lengths": "every sample at the full sequence length (the worst case)"},
         }
 
     def for_estimate(self, device: str) -> TrainStep:
@@ -92,13 +104,27 @@ class TrainStep(RebuiltInChild):
         no weights, then the optimizer state and one step at batch size 1 as fake tensors."""
         return dataclasses.replace(self, device=device, _state={"fake": True})
 
-    def __call__(self, batch_size: int) -> float:
+    def worst_case_batch(self, batch_size: int) -> torch.Tensor:
+        """The batch a step at ``batch_size`` uses: token ids of shape ``[batch_size, seq_len]``
+        (int64, on ``device``), every sample at the full sequence length, generated uniformly
+        from the vocabulary with a generator seeded by ``seed + batch_size``. A trial builds
+        it inside its measured step (:func:`~oomguard.engine.core.trial.run_trial`)."""
+        if "vocab" not in self._state:
+            self.warmup()
+        g = torch.Generator().manual_seed(self.seed + batch_size)
+        ids = torch.randint(0, self._state["vocab"], (batch_size, self.seq_len), generator=g)
+        return ids.to(self.device)
+
+    def __call__(self, batch_size: int, batch: torch.Tensor | None = None) -> float:
+        """One training step on ``batch`` (token ids ``[batch_size, length]``), or on
+        :meth:`worst_case_batch` built here when None; returns the loss (nats per token)."""
         if "model" not in self._state:
             self.warmup()
         model, opt = self._state["model"], self._state["opt"]
-        g = torch.Generator().manual_seed(self.seed + batch_size)
-        ids = torch.randint(0, self._state["vocab"], (batch_size, self.seq_len), generator=g)
-        ids = ids.to(self.device)
+        ids = self.worst_case_batch(batch_size) if batch is None else batch
+        if ids.dim() != 2 or ids.shape[0] != batch_size:
+            raise UsageError(f"{self.name}: a batch of {batch_size} must be token ids of shape "
+                             f"[{batch_size}, length], got {list(ids.shape)}")
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()

@@ -8,6 +8,11 @@ largest ``micro_batch_size`` the Fisher metric runs at, in-process or isolated:
   exist before a budget is applied;
 - ``trial(size)`` runs the metric with the searched knob set to ``size`` and
   returns its small JSON-friendly summary;
+- a search's trials run it on its worst case instead, ``trial(size,
+  batch=trial.worst_case_batch(size))`` (see
+  :func:`~oomguard.engine.core.trial.run_trial`): the same tokens with every sample
+  at the full sequence length, so that the maximum found never rests on the
+  padding the generated data happen to have;
 - the built state is dropped from the pickle and rebuilt by ``warmup`` in the
   receiving process; ``preload`` names the modules a forkserver may import
   first.
@@ -20,6 +25,17 @@ Knobs whose memory changes only at multiples of a unit (captum's
 ``internal_batch_size``: examples per call) say so in :meth:`MetricTrial.unit`;
 :class:`InUnits` makes any strategy propose only those multiples, so a search
 neither spends trials between two of them nor reports a size that is not one.
+
+Which data define what. The metric's result is defined by the padded data
+(``make_batch``: sample ``i`` has a seeded length in ``[seq_len/2, seq_len]``):
+``trial(size)`` computes on them, as it always has. A trial's memory is defined
+by the worst case, every sample at ``seq_len``. For the built-in metrics on these
+data the two cost the same (tensors stay ``[samples, seq_len]`` whatever the
+padding; measured for every metric and knob at 8 samples x 64 tokens: the same
+peaks within run-to-run noise), but a metric may skip padded positions or whole
+samples (integrated gradients leaves out samples with fewer than 2 valid
+tokens), so the worst case is what a maximum must hold for. So the values a search's trials record (``Trial.value``) are the metric's
+summary on the full-length data, and the report says so.
 """
 
 from __future__ import annotations
@@ -48,7 +64,8 @@ class MetricTrial(RebuiltInChild):
     ``knob`` defaults to the metric's first memory knob; ``params`` fixes the
     other knobs (result knobs such as Lanczos ``k`` included). The data are
     ``n_samples`` generated, padded sequences of ``seq_len`` tokens (seeded by
-    ``seed``, as are the model's random weights).
+    ``seed``, as are the model's random weights); :meth:`worst_case_batch` is the
+    same tokens with every sample at ``seq_len``, what a search's trials run on.
     """
 
     metric: str
@@ -112,7 +129,9 @@ class MetricTrial(RebuiltInChild):
                 "model": self.model, "dtype": self.dtype, "metric": self.metric,
                 "knob": self.knob, "samples": self.n_samples,
                 "data": {"source": "generated tokens (seeded)", "samples": self.n_samples,
-                         "sequence_length": self.seq_len},
+                         "sequence_length": self.seq_len,
+                         "lengths": "every sample at the full sequence length in the trials "
+                                    "(the worst case); trial values are the metric on these"},
                 **metric.notes(self.knob, metric.validate(self.params), self.n_samples)}
 
     def unit(self) -> int:
@@ -142,12 +161,16 @@ class MetricTrial(RebuiltInChild):
         model = build_for(self._state, self.model, self.dtype, self.device, self.seed)
         data = make_batch(self.n_samples, self.seq_len, model.config.vocab_size, seed=self.seed,
                           device=self.device)
+        # The worst case exists before the budget, like the data: it is what the metric is
+        # given, not what it builds, so a trial's peak counts neither (as before).
+        worst = make_batch(self.n_samples, self.seq_len, model.config.vocab_size, seed=self.seed,
+                           pad=False, device=self.device)
         # Warm up on one sample: it creates the same kernels and thread pools as
         # the full data at a fraction of the cost (a Lanczos run at micro-batch 1
         # over all samples took ~50 s on 2 cores).
         self._state.update(model=model, data={k: v[:1] for k, v in data.items()})
         self(self.minimum())
-        self._state["data"] = data
+        self._state.update(data=data, worst_case=worst)
 
     def for_estimate(self, device: str) -> MetricTrial:
         """A copy with nothing built, for :func:`oomguard.engine.core.estimate.estimate` on
@@ -155,14 +178,26 @@ class MetricTrial(RebuiltInChild):
         weights; the data are real (small), so the metric's control flow follows them."""
         return dataclasses.replace(self, device=device, _state={"fake": True})
 
-    def __call__(self, size: int) -> dict[str, Any]:
-        """Run the metric with ``knob=size``; return its JSON-friendly summary."""
+    def worst_case_batch(self, size: int) -> dict[str, torch.Tensor]:
+        """The data at their most costly: the ``n_samples`` x ``seq_len`` tokens of the
+        padded data, with every sample at full length (``attention_mask`` all ones, no label
+        -100). ``size`` is the knob's value, which slices these data but never chooses them,
+        so every size gets the same data, built once by ``warmup()`` (before any budget, as
+        the padded data are: a trial's peak counts neither)."""
+        if "worst_case" not in self._state:
+            self.warmup()
+        return self._state["worst_case"]
+
+    def __call__(self, size: int, batch: dict[str, torch.Tensor] | None = None
+                 ) -> dict[str, Any]:
+        """Run the metric with ``knob=size`` on ``batch`` (``input_ids``, ``attention_mask``,
+        ``labels``), by default on the padded data; return its JSON-friendly summary."""
         if "model" not in self._state:
             self.warmup()
         metric = self._metric()
+        data = self._state["data"] if batch is None else batch
         with torch.enable_grad():
-            result = metric.run(self._state["model"], self._state["data"],
-                                **{**self.params, self.knob: size})
+            result = metric.run(self._state["model"], data, **{**self.params, self.knob: size})
         return metric.summary(result)
 
 

@@ -389,7 +389,8 @@ def _brute_in_fresh_process(nbytes: int) -> int:
 
 
 def _search_in_fresh_process(nbytes: int) -> tuple[int | None, int | None]:
-    result = search(TrainStep(**GPT2), start=4, step=4, budget=nbytes)
+    # One step per trial, as the brute force runs it: the subject is the bracket.
+    result = search(TrainStep(**GPT2), start=4, step=4, budget=nbytes, steps_per_trial=1)
     return result.max_ok, result.first_oom
 
 
@@ -445,7 +446,8 @@ def test_gpt2_step_search_isolated_matches_brute_force(gpt2_boundary):
     # half-item of slack on each side of the budget it is the same as brute force in
     # one process.
     nbytes, brute = gpt2_boundary
-    result = search(TrainStep(**GPT2), start=4, step=4, budget=nbytes, isolate=True)
+    result = search(TrainStep(**GPT2), start=4, step=4, budget=nbytes, isolate=True,
+                    steps_per_trial=1)
     assert result.mode == "isolated" and all(t.mode == "isolated" for t in result.trials)
     assert (result.max_ok, result.first_oom) == (brute, brute + 1)
 

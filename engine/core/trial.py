@@ -12,10 +12,25 @@ that fits one step can still run out in the next. The trial also measures
 its peak in the units the memory limit counts (``limit_peak_bytes``, against
 ``headroom_bytes``: what the limit left at its start), which is what a search
 predicts the maximum from, and its throughput after the first step.
+
+Worst-case data. A workload whose memory depends on its data (variable-length
+sequences: a batch of short samples costs less than one of long samples) can
+offer ``worst_case_batch(size)``: the batch of ``size`` items that costs the
+most memory (every sample at the longest length). A trial then builds that
+batch in each step, inside the measured region (the batch is part of what the
+real run holds), and calls the workload with it as a keyword argument::
+
+    fn(size, batch=fn.worst_case_batch(size))
+
+so a search never passes a size on a lucky batch of short samples. A workload
+without ``worst_case_batch`` is called ``fn(size)``, as before; the executor's
+real run (:mod:`~oomguard.engine.core.executor`) always calls ``fn(size)``.
+:attr:`Trial.worst_case` records which of the two a trial ran.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -26,6 +41,7 @@ import torch
 from oomguard.engine.core.budget import active_budget, headroom_bytes, tighten_active_budget
 from oomguard.engine.core.jsonable import to_jsonable
 from oomguard.engine.core.oom import OOM, call_catching_oom, release_memory
+from oomguard.engine.errors import UsageError
 from oomguard.probes.peak import PeakMeter
 
 if TYPE_CHECKING:
@@ -50,6 +66,9 @@ class Trial:
     ``headroom_bytes``: what the limit left at the trial's start, in those units
     (None where no limit is known). ``items_per_second``: ``size`` items per
     second of the steps after the first (of the only step when ``steps`` is 1).
+    ``worst_case``: each step ran ``fn(size, batch=fn.worst_case_batch(size))``,
+    the batch built inside the measured step (so ``peak_bytes`` includes it);
+    False: each step ran ``fn(size)`` (the workload has no ``worst_case_batch``).
     """
 
     size: int
@@ -67,6 +86,7 @@ class Trial:
     headroom_bytes: int | None = None
     limit_units: str | None = None
     items_per_second: float | None = None
+    worst_case: bool = False
 
     @property
     def outcome(self) -> str:
@@ -100,12 +120,21 @@ def run_trial(
 ) -> Trial:
     """Run ``fn(size)`` ``steps`` times in this process and measure it.
 
+    If ``fn`` has ``worst_case_batch``, each step instead runs
+    ``fn(size, batch=fn.worst_case_batch(size))``: the batch is built anew in
+    every step, inside the measured region, so its bytes count in the step's
+    peak and its building in the step's seconds, as a data loader's batch does
+    in the real run (see the module docstring). A ``fn`` with
+    ``worst_case_batch`` whose call takes no ``batch`` keyword raises
+    :class:`UsageError` before anything runs.
+
     Memory is released before the trial so the peak starts from a clean
     baseline. Raises whatever ``fn`` raises unless it is an OOM (an OOM in any
     step makes the trial an OOM). With a ``guard`` (CPU only), its watchdog
     stops the trial past the guard's limit and a measured peak past it counts
     as out of memory (``Trial.guarded``).
     """
+    make_batch = worst_case_maker(fn)
     dev = torch.device(device)
     release_memory(dev)
     tighten_active_budget()
@@ -125,7 +154,9 @@ def run_trial(
             if i:
                 meter.restart_peak()
             t0 = time.perf_counter()
-            result = fn(n)
+            # The batch is a temporary: freed when the step returns, as the real
+            # run drops one batch before it builds the next.
+            result = fn(n) if make_batch is None else fn(n, batch=make_batch(n))
             step_seconds.append(time.perf_counter() - t0)
             step_peaks.append(meter.read())
         return result
@@ -142,7 +173,8 @@ def run_trial(
     seconds = time.perf_counter() - start
     common: dict[str, Any] = {"size": size, "seconds": seconds, "steps": steps,
                               "step_peaks": step_peaks, "headroom_bytes": headroom,
-                              "limit_units": _limit_units(meter, budgeted, guard)}
+                              "limit_units": _limit_units(meter, budgeted, guard),
+                              "worst_case": make_batch is not None}
     if isinstance(result, OOM):
         if watch is not None and watch.tripped is not None:
             peak = max([meter.read(), *step_peaks])
@@ -160,6 +192,32 @@ def run_trial(
     rate = size * len(timed) / sum(timed) if sum(timed) > 0 else None
     return Trial(ok=True, peak_bytes=peak, value=to_jsonable(result), limit_peak_bytes=limit_peak,
                  items_per_second=rate, **common)
+
+
+def worst_case_maker(fn: Callable[..., Any]) -> Callable[[int], Any] | None:
+    """``fn.worst_case_batch`` if ``fn`` offers one, else None (``fn`` is called ``fn(size)``).
+
+    Raises :class:`UsageError` when ``worst_case_batch`` is not callable, or when
+    ``fn``'s signature shows that it takes no ``batch`` keyword: a trial would
+    otherwise fail at its first step, after the warm-up, with a bare TypeError.
+    """
+    maker = getattr(fn, "worst_case_batch", None)
+    if maker is None:
+        return None
+    name = getattr(fn, "name", None) or getattr(fn, "__name__", type(fn).__name__)
+    if not callable(maker):
+        raise UsageError(f"{name}: worst_case_batch must be a method worst_case_batch(size) "
+                         f"returning a batch, got {type(maker).__name__}")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call tell
+        return maker
+    if not any(p.name == "batch" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               or p.kind == p.VAR_KEYWORD for p in params):
+        raise UsageError(f"{name} has worst_case_batch(size), so trials call it "
+                         f"fn(size, batch=fn.worst_case_batch(size)); its call takes no "
+                         f"'batch' argument: add one (batch=None: build the batch yourself)")
+    return maker
 
 
 def _limit_units(meter: PeakMeter, budgeted: bool, guard: RamGuard | None) -> str | None:
