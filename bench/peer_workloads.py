@@ -1,7 +1,8 @@
 """Workloads for bench/peers.py: module-level and picklable, so every search and every
 fresh-process check can rebuild them in a child process.
 
-Two workloads are defined here; the others come from oomguard itself:
+Three come from oomguard itself (the E10 line of real allocations, the tiny GPT-2
+training step, the loss metric); two are defined here:
 
 - :class:`AttentionStep`: one self-attention layer, forward and backward, where the
   searched size is the *sequence length*. The attention scores and probabilities are
@@ -9,7 +10,9 @@ Two workloads are defined here; the others come from oomguard itself:
   straight line through small sizes underestimates.
 - :class:`RnnLmStep`: one training step of an LSTM (or GRU) language model; the
   searched size is the batch size. Its memory is the embedding, every time step's
-  gates and hidden states kept for backward, the logits and Adam's update.
+  gates and hidden states kept for backward, the logits and Adam's update. In-process
+  searches of it drift: every trial leaves ~1 MiB more ``VmData`` behind, so later
+  trials have less headroom than a fresh process.
 
 :func:`workloads` lists every workload with the CPU budget (bytes above the warmed-up
 process) it is searched under, the largest useful size, and the size a peer that only
@@ -21,17 +24,50 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, ClassVar
 
 import torch
 
 from oomguard.engine.core.trial import RebuiltInChild
+from oomguard.metrics.synthetic import e10_line
+from oomguard.metrics.train_step import TrainStep
+from oomguard.metrics.workload import MetricTrial
 
 MiB = 1024**2
 
 
 @dataclass
-class AttentionStep(RebuiltInChild):
+class _Built(RebuiltInChild):
+    """A workload whose ``warmup()`` builds its modules (seeded) into ``_state`` and runs
+    one step at ``warm_size`` outside any budget; ``step(size, **state)`` is one call."""
+
+    seed: int = 0
+    preload: tuple[str, ...] = ()
+    _state: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    warm_size: ClassVar[int] = 1
+
+    def build(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def step(self, size: int, **state: Any) -> float:
+        raise NotImplementedError
+
+    def warmup(self) -> None:
+        if self._state:
+            return
+        torch.manual_seed(self.seed)
+        self._state.update(self.build())
+        self(self.warm_size)
+
+    def __call__(self, size: int) -> float:
+        if not self._state:
+            self.warmup()
+        return self.step(size, **self._state)
+
+
+@dataclass
+class AttentionStep(_Built):
     """``AttentionStep()(seq_len)``: one attention layer's forward and backward on
     ``batch`` generated sequences of ``seq_len`` vectors; returns the loss.
 
@@ -42,25 +78,16 @@ class AttentionStep(RebuiltInChild):
     batch: int = 8
     heads: int = 8
     d_model: int = 128
-    seed: int = 0
     name: str = "attention-seq"
     knob: str = "seq_len"
-    preload: tuple[str, ...] = ()
-    _state: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    warm_size: ClassVar[int] = 8
 
-    def warmup(self) -> None:
-        """Build the projections and run one step at a short length (not budgeted)."""
-        if self._state:
-            return
-        torch.manual_seed(self.seed)
-        self._state.update(qkv=torch.nn.Linear(self.d_model, 3 * self.d_model),
-                           out=torch.nn.Linear(self.d_model, self.d_model))
-        self(8)
+    def build(self) -> dict[str, Any]:
+        return {"qkv": torch.nn.Linear(self.d_model, 3 * self.d_model),
+                "out": torch.nn.Linear(self.d_model, self.d_model)}
 
-    def __call__(self, seq_len: int) -> float:
-        if not self._state:
-            self.warmup()
-        qkv, out = self._state["qkv"], self._state["out"]
+    def step(self, seq_len: int, **state: Any) -> float:
+        qkv, out = state["qkv"], state["out"]
         b, h, d = self.batch, self.heads, self.d_model
         g = torch.Generator().manual_seed(self.seed + seq_len)
         x = torch.randn(b, seq_len, d, generator=g)
@@ -77,9 +104,10 @@ class AttentionStep(RebuiltInChild):
 
 
 @dataclass
-class RnnLmStep(RebuiltInChild):
+class RnnLmStep(_Built):
     """``RnnLmStep()(batch_size)``: one training step (forward, backward, Adam) of a
-    byte-level recurrent language model on generated tokens; returns the loss."""
+    byte-level recurrent language model on generated tokens; returns the loss. The
+    warm-up's step at batch size 1 creates Adam's moments before any budget applies."""
 
     cell: str = "lstm"
     vocab: int = 256
@@ -87,29 +115,18 @@ class RnnLmStep(RebuiltInChild):
     hidden: int = 256
     layers: int = 1
     seq_len: int = 64
-    seed: int = 0
     name: str = "rnn-lm-step"
-    preload: tuple[str, ...] = ()
-    _state: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    def warmup(self) -> None:
-        """Build the model and Adam, and take one step at batch size 1 (not budgeted), so
-        that the weights, gradients and Adam's moments exist before a budget applies."""
-        if self._state:
-            return
-        torch.manual_seed(self.seed)
+    def build(self) -> dict[str, Any]:
         rnn = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[self.cell]
         model = torch.nn.ModuleDict({
             "emb": torch.nn.Embedding(self.vocab, self.embed),
             "rnn": rnn(self.embed, self.hidden, self.layers, batch_first=True),
             "head": torch.nn.Linear(self.hidden, self.vocab)})
-        self._state.update(model=model, opt=torch.optim.Adam(model.parameters(), lr=1e-3))
-        self(1)
+        return {"model": model, "opt": torch.optim.Adam(model.parameters(), lr=1e-3)}
 
-    def __call__(self, batch_size: int) -> float:
-        if not self._state:
-            self.warmup()
-        model, opt = self._state["model"], self._state["opt"]
+    def step(self, batch_size: int, **state: Any) -> float:
+        model, opt = state["model"], state["opt"]
         g = torch.Generator().manual_seed(self.seed + batch_size)
         ids = torch.randint(0, self.vocab, (batch_size, self.seq_len), generator=g)
         hidden, _ = model["rnn"](model["emb"](ids))
@@ -126,10 +143,12 @@ class RnnLmStep(RebuiltInChild):
 class Workload:
     """One row group of the peer table.
 
-    ``budget_bytes``: the CPU budget every search and check runs under (bytes above the
-    warmed-up process). ``max_size``: the largest useful size (a dataset's length for
-    Lightning, the cap of every search). ``peer_start``: the size given to the peers
-    that only go down (accelerate, toma): their ``starting_batch_size`` / initial size.
+    ``make()`` builds the workload (in whichever process runs it). ``budget_bytes``: the
+    CPU budget every search and check runs under (bytes above the warmed-up process).
+    ``max_size``: the largest useful size (a dataset's length for Lightning, the cap of
+    every search). ``peer_start``: the size given to the peers that only go down
+    (accelerate, toma): their ``starting_batch_size`` / initial size. ``linear``: memory
+    grows linearly in the size (the issue's "linear ones": the E10 line, the GPT-2 step).
     """
 
     key: str
@@ -138,67 +157,44 @@ class Workload:
     budget_bytes: int
     max_size: int = 65536
     peer_start: int = 128
+    linear: bool = False
 
 
-def _e10_line(scale: float) -> Callable[[], Any]:
-    def make() -> Any:
-        from oomguard.metrics.synthetic import e10_line
-
-        return e10_line(scale)
-    return make
-
-
-def _e10_budget(scale: float) -> int:
-    """Bytes between the line's 114 and 115 items, as in bench/bench_search.py."""
-    line = _e10_line(scale)()
+def e10_budget(scale: float = 0.01) -> int:
+    """Bytes between the scaled E10 line's 114 and 115 items, as in bench/bench_search.py."""
+    line = e10_line(scale)
     return (line.bytes_at(114) + line.bytes_at(115)) // 2
 
 
-def _gpt2(seq: int) -> Callable[[], Any]:
-    def make() -> Any:
-        from oomguard.metrics.train_step import TrainStep
+def workloads(quick: bool = False, small: bool = False) -> dict[str, Workload]:
+    """Every workload of the bench, by key.
 
-        return TrainStep(seq_len=seq)
-    return make
+    ``quick``: shorter sequences and smaller budgets (same shapes of memory curve), so
+    that a trial takes well under a second. ``small``: smaller still, for the tests (a
+    few seconds per workload with isolated trials). The E10 line is the same in all
+    three: at 1/400 scale the budget's slack above 114 items (0.47 MB) is within a fresh
+    child's start-up noise.
+    """
+    size = 2 if small else 1 if quick else 0  # index into the (full, quick, small) triples
 
+    def pick(full: Any, quick_value: Any, small_value: Any) -> Any:
+        return (full, quick_value, small_value)[size]
 
-def _loss_metric(n_samples: int, seq_len: int) -> Callable[[], Any]:
-    def make() -> Any:
-        from oomguard.metrics.workload import MetricTrial
-
-        return MetricTrial(metric="loss", n_samples=n_samples, seq_len=seq_len)
-    return make
-
-
-def _rnn(seq_len: int, hidden: int) -> Callable[[], Any]:
-    def make() -> Any:
-        return RnnLmStep(seq_len=seq_len, hidden=hidden)
-    return make
-
-
-def workloads(quick: bool) -> dict[str, Workload]:
-    """Every workload of the bench, by key. ``quick``: shorter sequences and smaller
-    budgets (same shapes of memory curve), so that a trial takes well under a second."""
-    if quick:
-        items = [
-            # Not scaled down further: at /400 the budget's slack above 114 items (0.47 MB)
-            # is within a fresh child's start-up noise, and 114 ran in-process, not fresh.
-            Workload("e10", "E10 line /100", _e10_line(0.01), _e10_budget(0.01)),
-            Workload("gpt2", "GPT-2 step seq 16", _gpt2(16), 64 * MiB),
-            Workload("loss", "loss metric seq 32, micro-batch", _loss_metric(64, 32),
-                     28 * MiB, max_size=64),
-            Workload("attention", "attention, seq_len", AttentionStep, 32 * MiB),
-            Workload("rnn", "LSTM LM step seq 32", _rnn(32, 128), 48 * MiB),
-        ]
-    else:
-        items = [
-            Workload("e10", "E10 line /100", _e10_line(0.01), _e10_budget(0.01)),
-            Workload("gpt2", "GPT-2 step seq 128", _gpt2(128), 512 * MiB),
-            Workload("loss", "loss metric seq 128, micro-batch", _loss_metric(384, 128),
-                     160 * MiB, max_size=384),
-            Workload("attention", "attention, seq_len", AttentionStep, 128 * MiB),
-            Workload("rnn", "LSTM LM step seq 64", _rnn(64, 256), 192 * MiB),
-        ]
+    seq = pick(128, 16, 16)
+    n, loss_seq = pick(384, 64, 64), pick(128, 32, 32)
+    rnn_seq, rnn_hidden = pick(64, 32, 32), pick(256, 128, 128)
+    items = [
+        Workload("e10", "E10 line /100", e10_line, e10_budget(), linear=True),
+        Workload("gpt2", f"GPT-2 step seq {seq}", partial(TrainStep, seq_len=seq),
+                 pick(512, 64, 48) * MiB, linear=True),
+        Workload("loss", f"loss metric seq {loss_seq}, micro-batch",
+                 partial(MetricTrial, metric="loss", n_samples=n, seq_len=loss_seq),
+                 pick(160, 28, 28) * MiB, max_size=n),
+        Workload("attention", "attention, seq_len", AttentionStep, pick(128, 32, 26) * MiB),
+        Workload("rnn", f"LSTM LM step seq {rnn_seq}",
+                 partial(RnnLmStep, seq_len=rnn_seq, hidden=rnn_hidden),
+                 pick(192, 48, 32) * MiB),
+    ]
     return {w.key: w for w in items}
 
 
@@ -207,4 +203,4 @@ PRELOAD: tuple[str, ...] = ("transformers", "transformers.models.gpt2.modeling_g
                             "oomguard.metrics.models", "oomguard.metrics.common",
                             "oomguard.metrics.loss", "oomguard.metrics.train_step",
                             "oomguard.metrics.workload", "oomguard.metrics.synthetic",
-                            "oomguard.engine.core.search")
+                            "oomguard.engine.core.search", "peer_workloads")

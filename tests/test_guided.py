@@ -90,6 +90,47 @@ def test_guided_on_a_linear_curve_needs_four_trials_where_e10_needs_many() -> No
     assert len(guided) == 4 < len(e10)
 
 
+def test_an_oom_that_refutes_the_prediction_is_followed_by_a_bisection_not_a_walk_down() -> None:
+    # One trial: 2.8 MiB at 32, so 33 MiB of headroom "fits" 377; it ran out of memory
+    # there. The line has no new point, so the next size halves the bracket instead of
+    # trying 376 (the size below) or the same line's guess for a slightly lower headroom.
+    trials = [Trial(32, True, 2_800_000, 0.0, limit_peak_bytes=2_800_000,
+                    headroom_bytes=33_000_000),
+              Trial(377, False, None, 0.0, headroom_bytes=32_400_000)]
+    assert Guided().next(trials, 4096) == (32 + 377) // 2
+
+
+@dataclass
+class QuadraticAlloc:
+    """Allocates and touches ``size**2 * 16 KiB``: a memory curve no line fits."""
+
+    name: str = "quadratic-alloc"
+
+    def __call__(self, size: int) -> int:
+        return int(torch.ones(size * size * 16 * 1024, dtype=torch.uint8)[-1])
+
+
+def _quadratic_searches() -> dict:
+    full = search(QuadraticAlloc(), budget=64 * MiB, max_size=1024)
+    capped = search(QuadraticAlloc(), budget=64 * MiB, max_size=1024, max_trials=4)
+    return {"full": full.to_dict(), "capped": capped.to_dict()}
+
+
+def test_a_poor_fit_falls_back_and_the_search_ends_within_max_trials() -> None:
+    got = in_fresh_process(_quadratic_searches)
+    full, capped = got["full"], got["capped"]
+    sizes = [t["size"] for t in full["trials"]]
+    # 32 fits (16 MiB); the proportional guess from it is far above the maximum (64 MiB
+    # at 64 items) and runs out of memory; the next size bisects that bracket.
+    assert full["trials"][0]["outcome"] == "ok" and full["trials"][1]["outcome"] == "oom"
+    assert sizes[1] > 100 and sizes[2] == (32 + sizes[1]) // 2
+    assert full["first_oom"] == full["max_ok"] + 1 and 56 <= full["max_ok"] <= 64
+    assert full["stopped_because"] == "bracket closed" and len(sizes) <= 12
+    # Cut at max_trials, the search still ends, with the largest size that ran.
+    assert len(capped["trials"]) == 4 and capped["stopped_because"] == "max_trials (4) reached"
+    assert capped["max_ok"] == max(t["size"] for t in capped["trials"] if t["outcome"] == "ok")
+
+
 @dataclass
 class GrowsOnSecondStep:
     """A step whose second call keeps a state as large as its batch (like an optimizer's

@@ -195,10 +195,14 @@ class Guided:
     proportional to the size; from two or more, a least-squares line. The
     strategy jumps to the largest size predicted to fit, verifies it by running
     it, and then tries the size above (predicted ``m`` fits, so try ``m + 1``;
-    an OOM there closes the bracket). When a prediction is wrong twice, or the
-    limit is unknown, it doubles and bisects instead, so it never walks down one
-    size at a time. Like every strategy it proposes sizes only; the answer is
-    the largest size that ran.
+    an OOM there closes the bracket). An OOM at a size predicted to fit measures
+    no peak, so the line has nothing to learn from it: the next size is the
+    bisection of the bracket, and the line predicts again once a new size has
+    fitted. Once predictions have been wrong twice (a size predicted to fit ran
+    out of memory, or one predicted not to fit ran), or where the limit is
+    unknown, it only doubles and bisects, so it never walks down one size at a
+    time. Like every strategy it proposes sizes only; the answer is the largest
+    size that ran.
     """
 
     start: int = 32
@@ -213,7 +217,8 @@ class Guided:
         return (
             f"Start at {self.start}; predict the largest size that fits from the peaks "
             "measured in the limit's units (proportional from one trial, a least-squares "
-            "line from two), run it, then try the size above it; after "
+            "line from two), run it, then try the size above it; bisect after an OOM the "
+            "prediction did not expect; after "
             f"{self.misses} wrong predictions, double and bisect."
         )
 
@@ -226,15 +231,14 @@ class Guided:
         guess = predict_max(trials)
         if guess is None or _missed(trials) >= self.misses:
             return min(2 * lo, max_size) if hi is None else _refine(trials, lo, hi)
-        if guess <= lo:  # the predicted maximum ran: verify the size above it
-            size = lo + 1
-        elif hi is not None and guess > hi:  # an OOM below the prediction refutes it
+        if hi is not None and (guess >= hi or _refuted_by_oom(trials)):
+            # An OOM at or below the predicted maximum refutes the prediction, and an OOM
+            # measures no peak: the line is the one that was just wrong (a lower headroom
+            # moves it a few sizes at most). Proposing its guess again, or the size below
+            # the OOM, would walk down one size at a time; bisect until a size fits and
+            # gives the line a new point.
             return _refine(trials, lo, hi)
-        elif hi is not None and guess == hi:  # predicted to fit, did not: the size below
-            size = hi - 1
-        else:
-            size = guess
-        size = min(size, max_size)
+        size = min(lo + 1 if guess <= lo else guess, max_size)  # m ran: bracket with m + 1
         return _refine(trials, lo, hi) if _tried(trials, size) else size
 
 
@@ -250,6 +254,16 @@ def predict_max(trials: Sequence[Trial]) -> int | None:
     if headroom is None or fit is None or fit.per_item_bytes <= 0:
         return None
     return fit.largest_size_within(headroom)
+
+
+def _refuted_by_oom(trials: Sequence[Trial]) -> bool:
+    """Whether the latest trial ran out of memory at a size the trials before it predicted
+    to fit (a guarded refusal is an estimate, not a measurement, and refutes nothing)."""
+    last = trials[-1]
+    if last.ok or last.guarded:
+        return False
+    guess = predict_max(trials[:-1])
+    return guess is not None and last.size <= guess
 
 
 def _missed(trials: Sequence[Trial]) -> int:
