@@ -1,11 +1,13 @@
 """Estimated peak memory against measured peaks: the tiny GPT-2 training step and metrics.
 
 For each workload and size: the estimate (:func:`oomguard.engine.core.estimate.estimate`:
-fake tensors, nothing run) and the measured peak of an isolated search trial at that
-size (a fresh process, ``warmup()``, then ``run_trial``: resident ``VmHWM`` above the
-warmed-up state), and the estimate's error. With ``--llama-7b``, first the time and
-resident memory an estimate of a 7B LLaMA-like training step takes (nothing measured
-to compare with: the step needs ~100 GiB).
+fake tensors, nothing run, plus the matrix multiplies' workspace measured by replaying
+them in a fresh process), the measured peak of an isolated search trial at that size (a
+fresh process, ``warmup()``, then one step in ``run_trial``: resident ``VmHWM`` above the
+warmed-up state), and the estimate's error, with and without the workspace, side by side
+in one table. With ``--llama-7b``, first the time and resident memory an estimate of a 7B
+LLaMA-like training step takes (nothing measured to compare with: the step needs
+~100 GiB). docs/measurements.md#estimate-error records a run.
 
     .venv/bin/python bench/bench_estimate.py [--sizes 4,16,32] [--seq-len 256] [--samples 32]
         [--only train-step loss ...] [--llama-7b]
@@ -16,6 +18,8 @@ from __future__ import annotations
 import argparse
 import time
 from typing import Any
+
+import torch
 
 from oomguard.engine.core.estimate import estimate
 from oomguard.engine.core.isolate import IsolatedRunner
@@ -43,11 +47,13 @@ def llama_7b(sizes: list[int]) -> None:
     for e in estimates:
         print(f"  batch {e.size}: {fmt_bytes(e.peak_bytes)} above the warmed-up state "
               f"({e.kind}; {e.seconds:.1f} s)")
+    for note in sorted({n for e in estimates for n in e.notes}):
+        print(f"  note: {note}")
     print()
 
 
 def compare(name: str, workload: Any, sizes: list[int]) -> list[tuple]:
-    """Rows (workload, size, estimated, measured, error %, seconds) for one workload."""
+    """Rows (workload, size, estimated, workspace, measured, estimate s, trial s)."""
     start = time.perf_counter()
     estimates = estimate(workload, sizes)
     seconds = time.perf_counter() - start
@@ -56,11 +62,16 @@ def compare(name: str, workload: Any, sizes: list[int]) -> list[tuple]:
     for e in estimates:
         trial = runner(e.size)
         measured = trial.peak_bytes if trial.ok else None
-        error = (100 * (e.peak_bytes - measured) / measured) if measured else None
-        rows.append((name, e.size, e.peak_bytes, measured, error, e.seconds, trial.seconds))
+        rows.append((name, e.size, e.peak_bytes, e.workspace_bytes, measured, e.seconds,
+                     trial.seconds))
         print(f"  {name} {e.size}: done", flush=True)
-    print(f"  {name}: estimates (warm-up included) took {seconds:.1f} s", flush=True)
+    print(f"  {name}: estimates (warm-up and replays included) took {seconds:.1f} s", flush=True)
     return rows
+
+
+def error(estimated: int, measured: int | None) -> str:
+    """The estimate's error relative to the measured peak, in percent."""
+    return "-" if not measured else f"{100 * (estimated - measured) / measured:+.2f}"
 
 
 def main() -> None:
@@ -82,17 +93,19 @@ def main() -> None:
     for name, workload in workloads.items():
         if not args.only or name in args.only:
             rows += compare(name, workload, sizes)
-    print(f"\ntiny-gpt2 float32 on CPU; train-step: {args.train_seq_len} tokens, batch = size; "
-          f"metrics: {args.samples} samples x {args.seq_len} tokens, micro_batch_size = size. "
-          "Measured: isolated trial (fresh process, warm-up, VmHWM above it).\n")
-    head = ("workload", "size", "estimated bytes", "measured bytes", "error %",
-            "estimate s", "trial s")
+    print(f"\ntiny-gpt2 float32 on CPU ({torch.get_num_threads()} torch threads); train-step: "
+          f"{args.train_seq_len} tokens, batch = size; metrics: {args.samples} samples x "
+          f"{args.seq_len} tokens, micro_batch_size = size. Measured: isolated trial (fresh "
+          "process, warm-up, one step, VmHWM above it). Workspace: measured by replay, "
+          "included in the estimate.\n")
+    head = ("workload", "size", "estimated bytes", "of which workspace", "measured bytes",
+            "error %", "error % without workspace", "estimate s", "trial s")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for name, size, est, meas, err, es, ms in rows:
-        print(f"| {name} | {size} | {est} ({fmt_bytes(est)}) | "
+    for name, size, est, ws, meas, es, ms in rows:
+        print(f"| {name} | {size} | {est} ({fmt_bytes(est)}) | {fmt_bytes(ws)} | "
               f"{'OOM' if meas is None else f'{meas} ({fmt_bytes(meas)})'} | "
-              f"{'-' if err is None else f'{err:+.2f}'} | {es:.2f} | {ms:.2f} |")
+              f"{error(est, meas)} | {error(est - (ws or 0), meas)} | {es:.2f} | {ms:.2f} |")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu",
                    help="cpu or cuda[:N]: the device the estimate is for (default cpu; on a "
                         "torch build without CUDA, a cuda estimate is made on cpu, and says so)")
+    p.add_argument("--no-workspace", action="store_true",
+                   help="do not measure the matrix multiplies' workspace (cpu): by default "
+                        "they are replayed in a fresh process on this host, which takes a few "
+                        "seconds, and the buffers their library keeps are included")
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.set_defaults(func=cmd_estimate)
 
@@ -100,14 +104,15 @@ def build_workload(args: argparse.Namespace) -> Any:
 
 
 def table(estimates: list[Any]) -> str:
-    """A plain-text table: size, estimated peak (bytes and for people), method, kind."""
+    """A plain-text table: size, estimated peak (bytes and for people), the part of it that
+    is the matrix multiplies' measured workspace ("-": not counted), kind."""
     from oomguard.engine.core.units import fmt_bytes
 
-    rows = [("size", "estimated peak (bytes)", "estimated peak", "method", "")]
-    rows += [(str(e.size), str(e.peak_bytes), fmt_bytes(e.peak_bytes), "fake tensors", e.kind)
-             for e in estimates]
+    rows = [("size", "estimated peak (bytes)", "estimated peak", "of which workspace", "")]
+    rows += [(str(e.size), str(e.peak_bytes), fmt_bytes(e.peak_bytes),
+              fmt_bytes(e.workspace_bytes), e.kind) for e in estimates]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if i < 3 else c.ljust(w)
+    return "\n".join("  ".join(c.rjust(w) if i < 4 else c.ljust(w)
                                for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
                      for r in rows)
 
@@ -120,7 +125,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.sizes)
     fake_device(args.device)  # a bad device fails before the model's config is read
     workload = build_workload(args)
-    estimates = estimate(workload, sizes, device=args.device)
+    estimates = estimate(workload, sizes, device=args.device,
+                         workspace=not getattr(args, "no_workspace", False))
     notes = sorted({note for e in estimates for note in e.notes})
     if args.json:
         print(json_text({"workload": workload.name, "describe": workload.describe(),
