@@ -4,7 +4,10 @@ Real child processes (integration): a real allocator OOM, a libgomp thread
 failure and a SIGKILL under a budget are OOMs; an ``os._exit(3)`` is a crash
 that ends the search with the trials before it; a script without a main guard
 and a workload defined in ``python -c`` say what to fix. The evidence rules
-themselves are unit-tested without children.
+themselves are unit-tested without children. Cheaper, reproducible trials: the
+forkserver is running (torch imported) before the first trial is asked for; a
+child's warm-up leaves no free heap for its budget to miss; two isolated
+searches give the same answer as single trials in fresh processes.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import RaisesAt
+from conftest import RaisesAt, in_fresh_process
 
+from oomguard.engine.core.budget import budget, return_freed_memory_to_os
 from oomguard.engine.core.isolate import IsolatedRunner, oom_evidence
+from oomguard.engine.core.oom import gc_frozen
 from oomguard.engine.core.search import search
-from oomguard.engine.core.strategies import E10
+from oomguard.engine.core.strategies import E10, Guided
+from oomguard.engine.core.trial import run_trial
 from oomguard.engine.errors import ChildCrashed, ChildStartFailed, TrialFailed, UsageError
 from oomguard.metrics.synthetic import LinearAlloc
 from oomguard.probes import host
@@ -111,6 +117,33 @@ class SleepsFrom:
         if size >= self.size:
             time.sleep(self.seconds)
         return size
+
+
+@dataclass
+class HoldsMiB:
+    """Holds ``size`` MiB in 256 KiB tensors (each its own mapping: 260 KiB of ``VmData``)
+    for 20 ms, long enough for the trial's sampled peak to see them."""
+
+    name: str = "holds-mib"
+
+    def __call__(self, size: int) -> int:
+        held = [torch.empty(1 << 16) for _ in range(4 * size)]
+        time.sleep(0.02)
+        return len(held)
+
+
+# 47 items need 47 x 1040 KiB = 47.7 MiB, 48 items 48.75 MiB: with what a trial itself
+# holds (its peak sampler's 256 KiB stack, ...), 47 fits and 48 does not, each by several
+# hundred KiB, so the boundary is not decided by a few pages.
+HOLDS_BUDGET = 48 * MiB + 512 * 1024
+
+
+def _fresh_trial(size: int) -> bool:
+    """In a fresh process: the mmap threshold, the budget, one trial at ``size`` (what an
+    isolated child does, without a search around it); whether it fit."""
+    return_freed_memory_to_os()
+    with gc_frozen(), budget(HOLDS_BUDGET, "cpu"):
+        return run_trial(HoldsMiB(), size).ok
 
 
 def _ran(result) -> list[tuple[int, bool]]:
@@ -305,3 +338,102 @@ def test_a_workload_defined_in_python_c_is_told_to_be_module_level(tmp_path):
             "work (AttributeError: Can't get attribute 'work'") in last
     assert "python -c, stdin or a notebook" in last and MODULE_LEVEL in last
     assert "no size fits" not in run.stderr.lower()
+
+
+# ------------------------------------------------------------------ cheaper, reproducible trials
+
+
+# A fresh interpreter: in this one the forkserver may have imported conftest, which sets
+# the mmap threshold for every child before its warm-up, whatever isolate.py does.
+AHEAD_SCRIPT = """
+import os, sys, time
+from dataclasses import dataclass, field
+
+import torch
+
+from oomguard.engine.core.budget import free_heap_bytes
+from oomguard.engine.core.isolate import IsolatedRunner
+from oomguard.metrics.synthetic import LinearAlloc
+
+
+@dataclass
+class HeapChurn:
+    # A warm-up that leaves ~16 MiB of free chunks in glibc's heap unless the mmap
+    # threshold is set before it: freeing a 1 MiB tensor raises glibc's dynamic threshold
+    # to 1 MiB, so 512 KiB blocks come from the heap; every other one is freed, walled in
+    # by a kept one. A trial returns the free heap bytes at its start (inside the budget).
+    name: str = "heap-churn"
+    kept: list = field(default_factory=list)
+
+    def warmup(self):
+        torch.empty(1 << 18)
+        blocks = [torch.empty(1 << 17) for _ in range(64)]
+        self.kept.extend(blocks[1::2])
+
+    def __call__(self, size):
+        return free_heap_bytes()
+
+
+def servers():
+    # This process's children running multiprocessing's forkserver (Linux /proc).
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == os.getpid() and b"multiprocessing.forkserver" in cmd:
+            found.append(int(pid))
+    return found
+
+
+def main():
+    assert servers() == [], "a forkserver before any runner"
+    runner = IsolatedRunner(LinearAlloc(base_bytes=2**20, per_item_bytes=2**20))
+    (pid,) = servers()  # started by building the runner: no trial was asked for
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline:  # the server imports torch while this one waits
+        with open(f"/proc/{pid}/maps") as f:
+            if "libtorch_cpu" in f.read():
+                break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the forkserver never imported torch")
+    trial = runner(4)
+    assert trial.ok and servers() == [pid], (trial, servers())  # the first trial used it
+    churn = IsolatedRunner(HeapChurn(), budget=64 * 2**20)(1)
+    assert churn.ok, churn.error
+    print("ahead", pid, "free heap", churn.value)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_forkserver_starts_ahead_and_a_childs_warm_up_leaves_no_free_heap(tmp_path):
+    script = tmp_path / "ahead.py"
+    script.write_text(AHEAD_SCRIPT)
+    run = _python([str(script)], tmp_path)
+    assert run.returncode == 0, run.stderr
+    words = run.stdout.split()
+    assert words[:1] == ["ahead"] and words[2:4] == ["free", "heap"], run.stdout
+    # Set after the warm-up, the threshold would leave ~16 MiB of free heap chunks that
+    # the budget cannot see (it warns about them); set before it, under 4 MiB.
+    assert int(words[4]) < 4 * MiB, run.stdout
+    assert "free heap chunks at budget entry" not in run.stderr
+
+
+@pytest.mark.integration
+def test_isolated_answers_repeat_and_equal_single_trials_in_fresh_processes():
+    answers = [search(HoldsMiB(), strategy=Guided(start=8), max_size=64, budget=HOLDS_BUDGET,
+                      isolate=True).max_ok for _ in range(2)]
+    assert answers[0] == answers[1] and answers[0] is not None
+    # Brute force: the answer fits alone in a fresh process, and the size above does not.
+    assert [in_fresh_process(_fresh_trial, s) for s in (answers[0], answers[0] + 1)] == [
+        True, False]

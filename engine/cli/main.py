@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard.engine.cli.devices import budget_free_limit, resolve_device
 from oomguard.engine.cli.logs import error_text, setup_logging
-from oomguard.engine.cli.options import add_search_options, positive_int, search_config
+from oomguard.engine.cli.options import add_search_options, isolated, positive_int, search_config
 from oomguard.engine.cli.verify import workload_spec
 from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import SearchFailed, UsageError
@@ -144,6 +144,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     # Every input is checked before the model is built; the folder last (none left behind).
     dev = resolve_device(args.device)
+    if isolated(args, dev):  # started now, its imports overlap the checks below
+        from oomguard.engine.core.isolate import start_forkserver
+
+        start_forkserver(TrainStep.preload + (TrainStep.__module__,))
     check_seq_len(model_config(args.model), args.seq_len)
     config = search_config(args, dev, args.max_size)
     out = Path(args.out)
@@ -171,6 +175,11 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise UsageError(f"metric {args.metric!r} has no memory knob {args.knob!r}: "
                          f"valid: {', '.join(knobs)}")
     dev = resolve_device(args.device)
+    if isolated(args, dev):  # started now, its imports overlap the planning below
+        from oomguard.engine.core.isolate import start_forkserver, workload_preload
+
+        first = MetricTrial(metric=args.metric, knob=args.knob or knobs[0], model=args.model)
+        start_forkserver(workload_preload(first))
     check_seq_len(model_config(args.model), args.seq_len)
     plans = []  # every knob's search planned (and checked) before the first one runs
     for knob in [args.knob] if args.knob else knobs:

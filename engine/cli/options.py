@@ -77,6 +77,13 @@ def strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size
     return in_units(inner, unit)
 
 
+def isolated(args: argparse.Namespace, dev: torch.device) -> bool:
+    """Whether the search's trials run in fresh children: ``--isolate``, and always on MPS,
+    which aborts the process on a tensor over 4 GiB instead of raising (a trial must not
+    take the search down with it)."""
+    return bool(args.isolate) or dev.type == "mps"
+
+
 def search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
                    unit: int = 1) -> Any:
     """Every search option checked before any model is built (a bad --margin fails first)."""
@@ -94,9 +101,7 @@ def search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
 
         capacity = probe(dev).free_bytes  # only where the strategy needs a number to aim at
     timeout = {} if args.trial_timeout is None else {"trial_timeout": args.trial_timeout}
-    # MPS aborts the process on a tensor over 4 GiB instead of raising: a trial must not
-    # take the search down with it.
-    isolate = args.isolate or dev.type == "mps"
+    isolate = isolated(args, dev)
     return SearchConfig(strategy=strategy(args, capacity, unit, max_size), max_size=max_size,
                         max_trials=args.max_trials, device=dev, budget=nbytes,
                         isolate=isolate, margin=args.margin,

@@ -4,14 +4,19 @@ In-process trials inherit the caches, JIT kernels and heap fragments of every
 earlier trial, so their headroom shrinks as a search runs; a fresh child per
 trial measures the true maximum (docs/measurements.md#in-process-vs-isolated).
 
-Children come from a ``forkserver`` that has already imported torch (and the
-workload's ``preload`` modules), so a trial pays a fork and the workload's own
-``warmup()``, not an interpreter start
-(docs/measurements.md#isolated-children-start-up). In the child, in order:
-send ``started``; make glibc give freed memory back and trim its heap
-(docs/measurements.md#return-freed-memory), before anything else allocates;
-send fd 2 to a temporary file; unpickle the workload; ``warmup()``; the budget
-(if any); one trial; send the :class:`~oomguard.engine.core.trial.Trial` back.
+Children come from a ``forkserver`` that has already imported torch, ``torch._dynamo``
+(which optimizers import when built) and the workload's ``preload`` modules, so a trial
+pays a fork and the workload's own ``warmup()``, not an interpreter start
+(docs/measurements.md#isolated-children-start-up). The forkserver starts in the
+background as soon as an isolated search is planned (:class:`IsolatedRunner` is built,
+or :func:`start_forkserver` is called), so the parent's own work overlaps its start-up
+instead of the first trial waiting for it. In the child, in order: send ``started``;
+keep every object inherited from the forkserver out of the child's collections
+(``gc.freeze``); make glibc give freed memory back and trim its heap
+(docs/measurements.md#return-freed-memory), before anything else allocates, so the
+warm-up leaves no free heap for the budget to miss; send fd 2 to a temporary file;
+unpickle the workload; ``warmup()``; the budget (if any); one trial; send the
+:class:`~oomguard.engine.core.trial.Trial` back.
 
 How the parent reads a child's end:
 
@@ -31,6 +36,7 @@ The child's stderr is copied to this process's stderr after each trial.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import multiprocessing as mp
@@ -41,7 +47,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -56,8 +62,12 @@ from oomguard.probes import host
 
 log = logging.getLogger("oomguard.isolate")
 
-_BASE_PRELOAD = ("torch", "oomguard.engine.core.isolate", "oomguard.engine.core.trial",
-                 "oomguard.engine.core.budget", "oomguard.probes.peak")
+# torch._dynamo: building any torch.optim optimizer imports it (so do oomguard's metrics
+# through transformers): 1.5-3 s that every child paid in its warm-up
+# (docs/measurements.md#isolated-children-start-up).
+_BASE_PRELOAD = ("torch", "torch._dynamo", "oomguard.engine.core.isolate",
+                 "oomguard.engine.core.trial", "oomguard.engine.core.budget",
+                 "oomguard.probes.peak")
 
 # Text a child writes on stderr when it dies for want of memory (lower-case). libgomp
 # prints "libgomp: Thread creation failed: Resource temporarily unavailable" and exits
@@ -79,10 +89,15 @@ def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, con
            stderr_path: str, ram_guard: RamGuard | None = None, steps: int = 1) -> None:
     """Runs in the child: say it started, then unpickle, warm up, budget, one trial."""
     conn.send(("started",))
-    # Before anything allocates (unpickling imports the workload's modules): every
-    # block >= 128 KiB freed from here on goes back to the kernel, so no free heap
-    # from start-up or warm-up is left to absorb a trial's allocations under the
-    # budget (docs/measurements.md#free-heap-at-budget-entry).
+    # What the forkserver imported is the same in every child and is never a trial's
+    # garbage: frozen, the child's collections (the budget's, the trial's) scan only
+    # what the child itself creates; with torch._dynamo loaded a full collection took
+    # 0.14-0.18 s, frozen 2 us (docs/measurements.md#isolated-children-start-up).
+    gc.freeze()
+    # Before anything allocates (unpickling imports the workload's modules, warmup()
+    # builds it): every block >= the threshold freed from here on goes back to the
+    # kernel, so no free heap from start-up or warm-up is left to absorb a trial's
+    # allocations under the budget (docs/measurements.md#free-heap-at-budget-entry).
     return_freed_memory_to_os()
     trim_heap()
     try:
@@ -167,8 +182,9 @@ class IsolatedRunner:
                 f" {str(exc).splitlines()[0] if str(exc) else ''}): {MODULE_LEVEL_FIX}") from exc
         self.fn, self.device, self.budget, self.timeout = fn, str(device), budget, timeout
         self.guard = guard
-        module = getattr(fn, "__module__", None) or type(fn).__module__
-        self.ctx = forkserver_context(tuple(getattr(fn, "preload", ())) + (module,))
+        # Started now, in the background: the parent's work until the first trial (its
+        # report header, a probe) overlaps the forkserver's imports.
+        self.ctx = start_forkserver(workload_preload(fn))
 
     def __enter__(self) -> IsolatedRunner:
         return self
@@ -321,21 +337,46 @@ def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
-_contexts: dict[tuple[str, ...], Any] = {}
+def workload_preload(fn: Any) -> tuple[str, ...]:
+    """The modules a forkserver should import for ``fn``: its ``preload`` and its module."""
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return tuple(getattr(fn, "preload", ())) + (module,)
+
+
+def start_forkserver(preload: Iterable[str] = ()) -> Any:
+    """Start the forkserver now, in the background, and return the context children come from.
+
+    Call it as soon as isolated trials are planned, before other work: the server
+    process imports torch and ``preload`` while this process goes on (it does not
+    wait), and the first trial waits only for what is left of that start-up (several
+    seconds measured, docs/measurements.md#isolated-children-start-up). The server
+    imports what every call named until it started (see :func:`forkserver_context`);
+    calling this again, or building :class:`IsolatedRunner` after it, reuses it.
+    Where there is no forkserver (Windows), it returns the spawn context and starts nothing.
+    """
+    ctx = forkserver_context(tuple(preload))
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        # Spawns the server and returns: its imports run while this process goes on.
+        forkserver.ensure_running()
+    return ctx
+
+
+_preload: dict[str, None] = {}  # every module asked for so far, in order (a set)
 
 
 def forkserver_context(preload: tuple[str, ...]) -> Any:
-    """The forkserver context, started once per process with torch preloaded.
+    """The forkserver context, with torch and ``preload`` named for the server to import.
 
-    The forkserver is shared by the whole process, so its preload list is the
-    union of every workload's; modules named after it started are imported by
-    each child instead (slower, still correct).
+    The forkserver is shared by the whole process: it imports the union of what every
+    call named before it started (:func:`start_forkserver`, or the first child);
+    modules named after it started are imported by each child instead (slower, still
+    correct).
     """
     if sys.platform == "win32" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    wanted = tuple(dict.fromkeys(_BASE_PRELOAD + tuple(m for m in preload if m != "__main__")))
-    if not _contexts:
-        ctx.set_forkserver_preload(list(wanted))
-    _contexts[wanted] = ctx
+    _preload.update(dict.fromkeys(_BASE_PRELOAD + tuple(m for m in preload if m != "__main__")))
+    ctx.set_forkserver_preload(list(_preload))  # no effect once the server runs
     return ctx

@@ -31,7 +31,7 @@ from oomguard.engine.core.budget import budget, return_freed_memory_to_os
 from oomguard.engine.core.executor import Executor
 from oomguard.engine.core.jsonable import to_jsonable
 from oomguard.engine.core.search import search
-from oomguard.engine.core.strategies import E10
+from oomguard.engine.core.strategies import E10, Guided
 from oomguard.engine.errors import ExecutionFailed, NoSizeFits, TrialFailed
 from oomguard.engine.jobs.cache import SizeCache, entry_key
 from oomguard.engine.jobs.data import load_data
@@ -168,10 +168,14 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
     # A knob whose memory changes only at multiples of a unit is searched in whole units.
     unit = metric.size_unit(primary, metric.validate({**task.params, **defaults}),
                             job.data.n_samples)
-    unit, start, step = in_whole_units(job.search.start, job.search.step, unit, cap)
+    # The default strategy (Guided) from ``start``; a ``step`` the job file gives names the
+    # E10 routine with that increment, as --step does on the command line (None: no step).
+    explicit_step = job.search.step
+    unit, start, step = in_whole_units(job.search.start, explicit_step or 1, unit, cap)
+    inner = Guided(start=start) if explicit_step is None else E10(start=start, step=step)
     try:
-        result = search(trial, strategy=in_units(E10(start=start, step=step), unit),
-                        max_size=cap, max_trials=job.search.max_trials, max_seconds=seconds,
+        result = search(trial, strategy=in_units(inner, unit), max_size=cap,
+                        max_trials=job.search.max_trials, max_seconds=seconds,
                         device=job.device, budget=job.budget_bytes)
     except NoSizeFits as exc:
         res = exc.result
@@ -193,6 +197,7 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
     size = result.max_ok if result.first_oom is None or rec is None else rec.safe
     state["search"] = {"trials": len(result.trials), "max_ok": result.max_ok,
                        "first_oom": result.first_oom, "safe": size, "mode": result.mode,
+                       "strategy": result.strategy,
                        "seconds": round(result.seconds, 3),
                        "stopped_because": result.stopped_because, "unit": unit}
     journal.append("search", task=task.key, run=ctx.run_id, **state["search"])

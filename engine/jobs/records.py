@@ -41,13 +41,14 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class SearchSpec:
-    """Bounds of the per-metric size search (trials, seconds) and the E10 start/step."""
+    """Bounds of the per-metric size search (trials, seconds), its first size, and the
+    E10 increment ``step`` when the job file gives one (None: the default Guided search)."""
 
     enabled: bool = True
     max_trials: int = 6
     max_seconds: float = 60.0
     start: int = 8
-    step: int = 8
+    step: int | None = None
     max_size: int = 4096
 
 

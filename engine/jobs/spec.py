@@ -322,7 +322,7 @@ def _parse_search(r: _Reader, doc: dict[str, Any]) -> SearchSpec:
         max_trials=r.positive_int(t, "max_trials", "search.max_trials", d.max_trials),
         max_seconds=r.duration(t, "max_seconds", "search.max_seconds", d.max_seconds),
         start=r.positive_int(t, "start", "search.start", d.start),
-        step=r.positive_int(t, "step", "search.step", d.step),
+        step=r.positive_int(t, "step", "search.step", 1) if "step" in t else None,
         max_size=r.positive_int(t, "max_size", "search.max_size", d.max_size),
     )
 
