@@ -193,7 +193,7 @@ def test_fake_cuda_isolated_bench_parent_holds_nothing_while_children_run(
 
     monkeypatch.setattr(TrainStep, "warmup", warmup_on_the_fake_gpu)
     monkeypatch.setattr(isolate.IsolatedRunner, "__call__", child)
-    monkeypatch.setattr(isolate, "forkserver_context", lambda preload: None)
+    monkeypatch.setattr(isolate, "start_forkserver", lambda preload=(): None)  # no server
     code = main(["bench", "--device", "cuda", "--isolate", "--budget", "1GiB", "--seq-len", "16",
                  "--max-size", "64", "--out", str(tmp_path / "r"), "--json"])
     assert code == 0 and seen and set(seen) == {(0, 0)}
