@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import in_fresh_process
 
 from oomguard import Guided, Trial, search
 from oomguard.engine.cli.main import main
@@ -36,9 +37,15 @@ class AlternatingSteps:
         return float(block[0])
 
 
-def _search(extra: float, **options: Any):
+def _search(extra: float, margin: Any = DEFAULT_MARGIN):
+    # Each search in a fresh process: resident free heap left by earlier tests would
+    # serve some steps' allocations unseen by the peak meter and fake a spread.
+    return in_fresh_process(_search_here, extra, margin)
+
+
+def _search_here(extra: float, margin: Any):
     return search(AlternatingSteps(extra), strategy=Guided(start=8), max_size=32,
-                  budget=512 * MiB, steps_per_trial=2, **options)
+                  budget=512 * MiB, steps_per_trial=2, margin=margin)
 
 
 def test_measured_margin_is_twice_the_spread_of_step_peaks_and_the_report_says_so() -> None:
@@ -73,8 +80,14 @@ def test_a_bad_margin_is_one_usage_error(bad: Any) -> None:
         search(lambda n: n, margin=bad, max_size=2)
 
 
+def _verify_alternating() -> dict:
+    return verify(AlternatingSteps(0.5), 4, 3, budget=256 * MiB)
+
+
 def test_verify_runs_the_steps_and_reports_an_oom_instead_of_raising() -> None:
-    fits = verify(AlternatingSteps(0.5), 4, 3, budget=256 * MiB)
+    # A fresh process: resident free heap left by earlier tests would serve the steps'
+    # allocations unseen by the peak meter.
+    fits = in_fresh_process(_verify_alternating)
     assert fits["ok"] and fits["steps"] == 3 and len(fits["step_peaks"]) == 3
     # The second step holds 1.5x the first: 4 MiB and 6 MiB, measured.
     assert fits["step_peaks"][1] > fits["step_peaks"][0] + 1.5 * MiB

@@ -216,9 +216,15 @@ def _prose(res: SearchResult, md: str) -> str:
     return md.replace(res.strategy_description, "")
 
 
+def _knob_search() -> SearchResult:
+    return search(KnobAlloc(MiB, "chunk_size"), start=4, step=4, max_size=16)
+
+
 def test_report_names_the_knob_searched(tmp_path: Path) -> None:
-    # A real search, no budget: memory grows 1 MiB per unit of chunk_size.
-    res = search(KnobAlloc(MiB, "chunk_size"), start=4, step=4, max_size=16)
+    # A real search, no budget: memory grows 1 MiB per unit of chunk_size. In a fresh
+    # process: resident free heap left by earlier tests would serve the allocations
+    # unseen by the peak meter, and the scaling line would read flat.
+    res = in_fresh_process(_knob_search)
     assert res.size_name == "chunk_size" and res.fit is not None and res.fit.per_item_bytes > 0
     md = render_markdown(res)
     assert "batch" not in _prose(res, md).lower()
