@@ -92,8 +92,10 @@ def _line(check: dict[str, Any], label: str) -> str:
     head = f"verify: {check['steps']} steps at {label} {check['size']}"
     if not check["ok"]:
         return f"{head}: OUT OF MEMORY ({error_text(check['error'])[:120]})"
+    from oomguard.engine.core.fit import peaks_spread
+
     peaks = check["step_peaks"]
-    spread = (max(peaks) - min(peaks)) / max(peaks) if peaks and max(peaks) > 0 else 0.0
+    spread = peaks_spread(peaks) or 0.0  # one step: no spread to show
     return (f"{head}: ok, peak per step {fmt_bytes(min(peaks))} to {fmt_bytes(max(peaks))} "
             f"(spread {spread:.1%}; {check['seconds']:.1f} s)")
 

@@ -92,13 +92,17 @@ def fit_points(pts: Sequence[tuple[int, int]]) -> LinearFit | None:
     return LinearFit(base_bytes=base, per_item_bytes=slope, r2=r2, points=n)
 
 
-def step_spread(trial: Trial) -> float | None:
-    """Relative spread of a trial's per-step peaks, ``(max - min) / max`` (a fraction;
-    measured), or None for a trial that did not fit or ran fewer than two steps."""
-    peaks = trial.step_peaks
-    if not trial.ok or len(peaks) < 2 or max(peaks) <= 0:
+def peaks_spread(peaks: Sequence[int]) -> float | None:
+    """Relative spread of per-step peaks (bytes), ``(max - min) / max`` (a fraction;
+    measured), or None for fewer than two steps or no positive peak."""
+    if len(peaks) < 2 or max(peaks) <= 0:
         return None
     return (max(peaks) - min(peaks)) / max(peaks)
+
+
+def step_spread(trial: Trial) -> float | None:
+    """:func:`peaks_spread` of a trial's per-step peaks; None for a trial that did not fit."""
+    return peaks_spread(trial.step_peaks) if trial.ok else None
 
 
 def choose_margin(margin: float | str, trials: Sequence[Trial]) -> tuple[float, str]:
