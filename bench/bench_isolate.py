@@ -93,7 +93,8 @@ def one_search() -> dict[str, Any]:
 
 def one_fresh(size: int) -> dict[str, Any]:
     """In this (fresh) interpreter: the threshold, the warm-up, the budget, one step."""
-    from oomguard.engine.core.budget import budget, free_heap_bytes, return_freed_memory_to_os
+    from oomguard.engine.core.budget import budget
+    from oomguard.engine.core.heap import free_heap_bytes, return_freed_memory_to_os
     from oomguard.engine.core.oom import OOM, call_catching_oom
 
     return_freed_memory_to_os()  # before the warm-up, as search(budget=) and a child do

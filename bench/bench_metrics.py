@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.budget import budget, return_freed_memory_to_os
+from oomguard.engine.core.budget import budget
+from oomguard.engine.core.heap import return_freed_memory_to_os
 from oomguard.engine.core.oom import OOM, call_catching_oom
 from oomguard.engine.core.search import NoSizeFits, search
 from oomguard.engine.core.units import parse_size

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from oomguard.engine.core.budget import budget, return_freed_memory_to_os
+from oomguard.engine.core.budget import budget
+from oomguard.engine.core.heap import return_freed_memory_to_os
 from oomguard.metrics.models import build_model, make_batch
 
 # Budgets count virtual memory above the process's data size at entry. Free

@@ -14,9 +14,8 @@ from oomguard.engine.core.budget import (
     active_budget,
     budget,
     check_budget,
-    return_freed_memory_to_os,
-    trim_heap,
 )
+from oomguard.engine.core.heap import return_freed_memory_to_os, trim_heap
 from oomguard.engine.core.oom import is_oom
 from oomguard.probes.host import meminfo
 

@@ -100,6 +100,20 @@ def test_an_oom_that_refutes_the_prediction_is_followed_by_a_bisection_not_a_wal
     assert Guided().next(trials, 4096) == (32 + 377) // 2
 
 
+def test_a_fit_whose_peak_is_a_little_above_the_headroom_is_not_a_wrong_prediction() -> None:
+    # The small GPT-2 step's isolated trials (one CI run): 77 and 78 fitted with sampled
+    # peaks just above the 49.92 MB headroom read before them. Each proves the capacity
+    # is at least its peak, so the next size is the one above it, not a fall back to
+    # doubling (2 * 78) after two "wrong" predictions.
+    head = 49_920_000
+    trials = [Trial(32, True, 0, 0.0, limit_peak_bytes=21_900_000, headroom_bytes=head),
+              Trial(72, True, 0, 0.0, limit_peak_bytes=46_980_000, headroom_bytes=head),
+              Trial(76, True, 0, 0.0, limit_peak_bytes=49_340_000, headroom_bytes=head),
+              Trial(77, True, 0, 0.0, limit_peak_bytes=49_990_000, headroom_bytes=head),
+              Trial(78, True, 0, 0.0, limit_peak_bytes=50_330_000, headroom_bytes=head)]
+    assert Guided().next(trials, 4096) == 79
+
+
 @dataclass
 class QuadraticAlloc:
     """Allocates and touches ``size**2 * 16 KiB``: a memory curve no line fits."""

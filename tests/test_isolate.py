@@ -25,7 +25,8 @@ import pytest
 import torch
 from conftest import RaisesAt, in_fresh_process
 
-from oomguard.engine.core.budget import budget, return_freed_memory_to_os
+from oomguard.engine.core.budget import budget
+from oomguard.engine.core.heap import return_freed_memory_to_os
 from oomguard.engine.core.isolate import IsolatedRunner, oom_evidence
 from oomguard.engine.core.oom import gc_frozen
 from oomguard.engine.core.search import search
@@ -351,7 +352,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oomguard.engine.core.budget import free_heap_bytes
+from oomguard.engine.core.heap import free_heap_bytes
 from oomguard.engine.core.isolate import IsolatedRunner
 from oomguard.metrics.synthetic import LinearAlloc
 

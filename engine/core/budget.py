@@ -27,8 +27,6 @@ limit is restored on exit, also after an error. Host (CPU) budgets need
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -38,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oomguard.engine.core.heap import free_heap_bytes, return_freed_memory_to_os
 from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import BudgetError
 from oomguard.probes import host
@@ -52,8 +51,6 @@ log = logging.getLogger("oomguard.budget")
 
 # Below this, libgomp cannot even create its threads (docs/measurements.md#minimum-cpu-budget).
 MIN_CPU_BUDGET = 24 * 1024**2
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_BYTES = 128 * 1024
 
 
 @dataclass(frozen=True)
@@ -131,62 +128,6 @@ def headroom_bytes(device: str | torch.device) -> int | None:
     if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
         return int(torch.cuda.mem_get_info(dev)[0])
     return None
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-
-def free_heap_bytes() -> int | None:
-    """Bytes in free chunks inside glibc's heaps (all arenas; ``mallinfo2().fordblks``).
-
-    They are counted in ``VmData`` yet can serve new allocations without growing
-    it, so a CPU budget entered while they exist allows up to this much more
-    than asked (docs/measurements.md#free-heap-at-budget-entry). None where
-    glibc >= 2.33 is not available.
-    """
-    libc = _libc()
-    fn = getattr(libc, "mallinfo2", None) if libc else None
-    if fn is None:
-        return None
-    fn.restype = _MallInfo2
-    return int(fn().fordblks)
-
-
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-
-
-def return_freed_memory_to_os() -> bool:
-    """Make glibc serve allocations >= 128 KiB with mmap so frees go back to the OS
-    (docs/measurements.md#return-freed-memory).
-
-    Returns False where there is no glibc (the budget still works, less
-    deterministically).
-    """
-    libc = _libc()
-    try:
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)) if libc else False
-    except AttributeError:
-        return False
-
-
-def trim_heap() -> bool:
-    """Give the free memory at the top of glibc's heaps back to the OS (``malloc_trim(0)``).
-
-    Returns False where there is no glibc.
-    """
-    libc = _libc()
-    try:
-        return bool(libc.malloc_trim(0)) if libc else False
-    except AttributeError:
-        return False
 
 
 def _device_str(device: str | torch.device) -> torch.device:

@@ -53,7 +53,12 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.budget import budget, return_freed_memory_to_os, trim_heap
+from oomguard.engine.core.budget import budget
+from oomguard.engine.core.heap import (
+    ISOLATED_MMAP_THRESHOLD_BYTES,
+    return_freed_memory_to_os,
+    trim_heap,
+)
 from oomguard.engine.core.oom import gc_frozen
 from oomguard.engine.core.ramguard import RamGuard
 from oomguard.engine.core.trial import Trial, run_trial
@@ -98,7 +103,8 @@ def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, con
     # builds it): every block >= the threshold freed from here on goes back to the
     # kernel, so no free heap from start-up or warm-up is left to absorb a trial's
     # allocations under the budget (docs/measurements.md#free-heap-at-budget-entry).
-    return_freed_memory_to_os()
+    # The child's lower threshold makes its answer the same from one child to the next.
+    return_freed_memory_to_os(ISOLATED_MMAP_THRESHOLD_BYTES)
     trim_heap()
     try:
         sys.stderr.flush()

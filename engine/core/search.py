@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from oomguard.engine.core.budget import budget as memory_budget
-from oomguard.engine.core.budget import check_budget, return_freed_memory_to_os
+from oomguard.engine.core.budget import check_budget
 from oomguard.engine.core.fit import LinearFit, Recommendation, choose_margin, fit_line, recommend
+from oomguard.engine.core.heap import return_freed_memory_to_os
 from oomguard.engine.core.isolate import IsolatedRunner
 from oomguard.engine.core.oom import gc_frozen
 from oomguard.engine.core.ramguard import RamGuard

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from oomguard.engine.core.atomic import atomic_write, atomic_write_json
-from oomguard.engine.core.budget import budget, return_freed_memory_to_os
+from oomguard.engine.core.budget import budget
 from oomguard.engine.core.executor import Executor
+from oomguard.engine.core.heap import return_freed_memory_to_os
 from oomguard.engine.core.jsonable import to_jsonable
 from oomguard.engine.core.search import search
 from oomguard.engine.core.strategies import E10, Guided

@@ -1,0 +1,83 @@
+"""glibc's heap, controlled so that CPU budgets count what is really live.
+
+A CPU budget limits ``VmData``. glibc keeps freed small blocks inside its heap, still
+counted in ``VmData`` and reusable without growing it, so what fits under a budget
+would depend on what ran before. These helpers make large frees go back to the kernel
+(``mallopt(M_MMAP_THRESHOLD)``), return the heap's free top (``malloc_trim``) and read
+what is left free (``mallinfo2``). Each returns False or None where there is no glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_BYTES = 128 * 1024
+# A throwaway isolated child can afford every block >= 4 KiB its own mapping: VmData is
+# then the sum of live blocks whatever the order of frees, and answers repeat from child to
+# child, for a step up to 35% slower (docs/measurements.md#return-freed-memory).
+ISOLATED_MMAP_THRESHOLD_BYTES = 4 * 1024
+_mmap_threshold: list[int] = []  # the lowest set here: a later budget must not raise it
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes in free chunks inside glibc's heaps (all arenas; ``mallinfo2().fordblks``).
+
+    They are counted in ``VmData`` yet can serve new allocations without growing
+    it, so a CPU budget entered while they exist allows up to this much more
+    than asked (docs/measurements.md#free-heap-at-budget-entry). None where
+    glibc >= 2.33 is not available.
+    """
+    libc = _libc()
+    fn = getattr(libc, "mallinfo2", None) if libc else None
+    if fn is None:
+        return None
+    fn.restype = _MallInfo2
+    return int(fn().fordblks)
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+def return_freed_memory_to_os(threshold: int = _MMAP_THRESHOLD_BYTES) -> bool:
+    """Make glibc serve allocations of ``threshold`` bytes or more (128 KiB by default)
+    with mmap, so that frees go back to the OS (docs/measurements.md#return-freed-memory).
+
+    A lower threshold already set in this process is kept (an isolated child's
+    :data:`ISOLATED_MMAP_THRESHOLD_BYTES`, which its budget must not undo). Returns
+    False where there is no glibc (budgets still work, less deterministically).
+    """
+    if _mmap_threshold:
+        threshold = min(threshold, _mmap_threshold[0])
+    libc = _libc()
+    try:
+        done = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold)) if libc else False
+    except AttributeError:
+        return False
+    if done:
+        _mmap_threshold[:] = [threshold]
+    return done
+
+
+def trim_heap() -> bool:
+    """Give the free memory at the top of glibc's heaps back to the OS (``malloc_trim(0)``).
+
+    Returns False where there is no glibc.
+    """
+    libc = _libc()
+    try:
+        return bool(libc.malloc_trim(0)) if libc else False
+    except AttributeError:
+        return False
