@@ -4,8 +4,10 @@ Every algorithm searches every workload of bench/peer_workloads.py under the sam
 budget, with real OOMs (``RLIMIT_DATA``), through :func:`oomguard.search`: the warm-up,
 then the budget, then trials. In-process searches each run in a fresh process of their
 own; the "isolated" rows run each trial in a fresh child (``isolate=True``, the mode
-that gives the faithful maximum). Rows: oomguard's E10 routine (``E10(32, 8)``) and
-``Guided()``, each in-process and isolated, ``Doubling(32)``, and the peers of
+that gives the faithful maximum); the "confirmed" row searches in-process, then re-runs
+the answer and the size above it in fresh children and goes on there where they disagree
+(``confirm=True``). Rows: oomguard's E10 routine (``E10(32, 8)``) and ``Guided()``, each
+in-process and isolated, ``Guided()`` confirmed, ``Doubling(32)``, and the peers of
 bench/peer_algorithms.py.
 
 Columns: trials (sizes run); seconds (measured, from the first trial's start to the
@@ -49,11 +51,12 @@ from oomguard.engine.core.trial import Trial
 from oomguard.engine.errors import SearchFailed
 
 ISOLATED = "oomguard guided, isolated"
+CONFIRMED = "oomguard guided, confirmed"
 E10_ISOLATED = "oomguard e10, isolated"
 OURS: dict[str, Any] = {"oomguard e10": lambda: E10(start=32, step=8),
                         "oomguard doubling": lambda: Doubling(start=32),
                         "oomguard guided": Guided, E10_ISOLATED: lambda: E10(start=32, step=8),
-                        ISOLATED: Guided}
+                        ISOLATED: Guided, CONFIRMED: Guided}
 
 
 def algorithms() -> list[str]:
@@ -110,6 +113,7 @@ def run_algorithm(w: Workload, algorithm: str) -> dict[str, Any]:
     strategy: Strategy = peer.strategy(w) if peer else OURS[algorithm]()
     config = SearchConfig(strategy=strategy, budget=w.budget_bytes,
                           isolate=algorithm.endswith(", isolated"),
+                          confirm=algorithm.endswith(", confirmed"),
                           steps_per_trial=peer.steps if peer else None,
                           **({} if peer else {"max_size": w.max_size}))  # a peer has none
     row: dict[str, Any] = {"algorithm": algorithm, "extra": {}}
@@ -164,6 +168,24 @@ class Fresh:
                 "search_trials": len(result.trials), "search_seconds": seconds}
 
 
+def _send_result(conn: Any, fn: Any, args: tuple[Any, ...]) -> None:
+    conn.send(fn(*args))
+    conn.close()
+
+
+def _in_fresh_process(ctx: Any, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a fresh, non-daemonic process (a pool's workers cannot start the
+    children a confirmed search runs its fresh trials in)."""
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_send_result, args=(child, fn, args))
+    proc.start()
+    child.close()
+    try:
+        return parent.recv()
+    finally:
+        proc.join()
+
+
 def run_workload(w: Workload, ctx: Any) -> dict[str, Any]:
     """Every algorithm's row on ``w``, the fresh-process checks and the brute-force maximum."""
     rows: list[dict[str, Any]] = []
@@ -176,6 +198,8 @@ def run_workload(w: Workload, ctx: Any) -> dict[str, Any]:
             continue
         if algorithm.endswith(", isolated"):  # its trials are fresh children of this process
             rows.append(run_algorithm(w, algorithm))
+        elif algorithm.endswith(", confirmed"):  # a fresh process that may have children
+            rows.append(_in_fresh_process(ctx, run_algorithm, w, algorithm))
         else:
             with ctx.Pool(1, maxtasksperchild=1) as pool:  # a fresh process per search
                 rows.append(pool.apply(run_algorithm, (w, algorithm)))

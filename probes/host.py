@@ -49,18 +49,20 @@ def system() -> str:
 
 
 class DataSize:
-    """Reads this process's data segment in bytes, cheaply enough to sample every
-    millisecond: ``/proc/self/statm``'s data field (pages of data + stack, read from an
+    """Reads a process's data segment in bytes, cheaply enough to sample every
+    millisecond: ``/proc/<pid>/statm``'s data field (pages of data + stack, read from an
     open descriptor, ~2 us) minus the stack at open, so it follows ``VmData``, the figure
-    ``RLIMIT_DATA`` limits. :meth:`read` returns None where there is no statm."""
+    ``RLIMIT_DATA`` limits. ``pid``: this process by default, or a child's. :meth:`read`
+    returns None where there is no statm (or the process is gone)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pid: int | None = None) -> None:
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        where = PROC / ("self" if pid is None else str(pid))
         try:
-            self._fd: int | None = os.open(PROC / "self" / "statm", os.O_RDONLY)
+            self._fd: int | None = os.open(where / "statm", os.O_RDONLY)
         except OSError:
             self._fd = None
-        stack = proc_status("VmStk")
+        stack = proc_status("VmStk", pid)
         self._stack = stack or 0
 
     def read(self) -> int | None:
@@ -84,11 +86,12 @@ def _kib_field(text: str, key: str) -> int | None:
     return None
 
 
-def proc_status(key: str) -> int | None:
-    """A ``kB`` field of ``/proc/self/status`` (``VmData``, ``VmRSS``, ``VmHWM``) in bytes;
-    None where there is no procfs."""
+def proc_status(key: str, pid: int | None = None) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmData``, ``VmRSS``, ``VmHWM``), or of
+    process ``pid``'s, in bytes; None where there is no procfs."""
     try:
-        return _kib_field((PROC / "self" / "status").read_text(), key)
+        return _kib_field((PROC / ("self" if pid is None else str(pid)) / "status").read_text(),
+                          key)
     except OSError:
         return None
 

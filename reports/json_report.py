@@ -330,9 +330,11 @@ def render_json(result: SearchResult, context: dict | None = None) -> dict[str, 
         "peak_measures": PEAK_MEANING.get(device_type(result), "unknown"),
         "fit_is_estimate": True,
         "fastest_safe_size": fastest_safe_size(result),
-        "mode_note": ("in-process: history-dependent, can differ from a fresh process's maximum"
-                      if result.mode == "in-process"
-                      else "isolated: each trial in a fresh process, the faithful maximum"),
+        "mode_note": {
+            "in-process": "in-process: history-dependent, can differ from a fresh process's maximum",
+            "confirmed": ("confirmed: searched in-process, the answer and the size above it re-run "
+                          "in fresh processes; the faithful maximum"),
+        }.get(result.mode, "isolated: each trial in a fresh process, the faithful maximum"),
         "search_steps": strategy_steps(result),
     }
     doc = {

@@ -125,6 +125,10 @@ def _configuration(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
     if result.mode == "isolated":
         mode = ("isolated: each trial ran in a fresh child process, so no trial inherits another's "
                 "caches or heap fragments; this is the faithful maximum")
+    elif result.mode == "confirmed":
+        mode = ("confirmed: the search ran in-process, then the answer and the size above it "
+                "ran again in fresh child processes, and the search went on there where they "
+                "disagreed; the answer is the faithful maximum")
     else:
         mode = ("in-process: all trials ran in one process one after another; later trials "
                 "inherit caches and heap fragments, so the result is history-dependent: lower "
@@ -340,6 +344,9 @@ def _observations(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
         obs.append("**Mode caveat**: trials ran in-process; the maximum can differ from a fresh "
                    "process's (lower: caches, heap fragments; higher under a CPU budget: reused "
                    "free heap). Rerun with isolation for the faithful figure.")
+    elif result.mode == "confirmed":
+        obs.append("**Mode**: the answer was confirmed in fresh processes (it fits there and the "
+                   "size above it does not), so it does not depend on the order of the trials.")
     else:
         obs.append("**Mode**: each trial ran in a fresh process; the maximum does not depend on "
                    "the order of the trials.")

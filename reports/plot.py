@@ -110,8 +110,9 @@ def memory_figure(result: SearchResult) -> Figure:
     device_kind = result.device.split(":", 1)[0]
     what = "resident, VmHWM" if device_kind == "cpu" else "allocator reserved" \
         if device_kind == "cuda" else "measured"
-    mode = ("isolated trials (fresh process each)" if result.mode == "isolated"
-            else "in-process trials (history-dependent)")
+    mode = {"isolated": "isolated trials (fresh process each)",
+            "confirmed": "in-process trials, answer confirmed in fresh processes",
+            }.get(result.mode, "in-process trials (history-dependent)")
     label = size_label(result)
     ax.set_xlabel(f"{label} (items)")
     ax.set_ylabel(f"peak memory above trial start ({unit}, {what})")

@@ -26,8 +26,9 @@ import torch
 from conftest import RaisesAt, in_fresh_process
 
 from oomguard.engine.core.budget import budget
+from oomguard.engine.core.child_death import oom_evidence
 from oomguard.engine.core.heap import return_freed_memory_to_os
-from oomguard.engine.core.isolate import IsolatedRunner, oom_evidence
+from oomguard.engine.core.isolate import IsolatedRunner
 from oomguard.engine.core.oom import gc_frozen
 from oomguard.engine.core.search import search
 from oomguard.engine.core.strategies import E10, Guided

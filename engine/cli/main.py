@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard.engine.cli.devices import budget_free_limit, resolve_device
 from oomguard.engine.cli.logs import error_text, setup_logging
-from oomguard.engine.cli.options import add_search_options, isolated, positive_int, search_config
+from oomguard.engine.cli.options import (
+    add_search_options,
+    confirmed,
+    isolated,
+    positive_int,
+    search_config,
+)
 from oomguard.engine.cli.verify import workload_spec
 from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import SearchFailed, UsageError
@@ -61,6 +67,7 @@ def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
         config.device)
     print(f"oomguard: searching {workload.name} on {config.device} under "
           f"{limit} ({'isolated' if config.isolate else 'in-process'} trials"
+          f"{', the answer confirmed in fresh processes' if config.confirm else ''}"
           f"{f', sizes in multiples of {unit}' if unit > 1 else ''})", file=sys.stderr, flush=True)
     try:
         result = search(workload, config, on_trial=_progress(context.get("knob", "batch")))
@@ -144,7 +151,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     # Every input is checked before the model is built; the folder last (none left behind).
     dev = resolve_device(args.device)
-    if isolated(args, dev):  # started now, its imports overlap the checks below
+    if isolated(args, dev) or confirmed(args):  # started now: imports overlap the checks
         from oomguard.engine.core.isolate import start_forkserver
 
         start_forkserver(TrainStep.preload + (TrainStep.__module__,))
@@ -175,7 +182,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise UsageError(f"metric {args.metric!r} has no memory knob {args.knob!r}: "
                          f"valid: {', '.join(knobs)}")
     dev = resolve_device(args.device)
-    if isolated(args, dev):  # started now, its imports overlap the planning below
+    if isolated(args, dev) or confirmed(args):  # started now: imports overlap the planning
         from oomguard.engine.core.isolate import start_forkserver, workload_preload
 
         first = MetricTrial(metric=args.metric, knob=args.knob or knobs[0], model=args.model)

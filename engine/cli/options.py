@@ -84,6 +84,12 @@ def isolated(args: argparse.Namespace, dev: torch.device) -> bool:
     return bool(args.isolate) or dev.type == "mps"
 
 
+def confirmed(args: argparse.Namespace) -> bool:
+    """Whether an in-process search's answer is re-run in fresh children (``--confirm``;
+    on MPS every trial already runs in one)."""
+    return bool(getattr(args, "confirm", False))
+
+
 def search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
                    unit: int = 1) -> Any:
     """Every search option checked before any model is built (a bad --margin fails first)."""
@@ -104,7 +110,8 @@ def search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
     isolate = isolated(args, dev)
     return SearchConfig(strategy=strategy(args, capacity, unit, max_size), max_size=max_size,
                         max_trials=args.max_trials, device=dev, budget=nbytes,
-                        isolate=isolate, margin=args.margin,
+                        isolate=isolate, confirm=confirmed(args) and not isolate,
+                        margin=args.margin,
                         steps_per_trial=getattr(args, "steps_per_trial", None),
                         verify_steps=getattr(args, "verify_steps", 0), **timeout)
 
@@ -137,6 +144,10 @@ def add_search_options(p: argparse.ArgumentParser, start: int) -> None:
                         "or 'measured': twice the spread of peaks across each trial's steps")
     p.add_argument("--isolate", action="store_true",
                    help="run each trial in a fresh child process (the faithful maximum)")
+    p.add_argument("--confirm", action="store_true",
+                   help="search in this process, then confirm the answer in fresh child "
+                        "processes and go on there where they disagree (the faithful "
+                        "maximum, at close to in-process cost)")
     p.add_argument("--trial-timeout", type=float, default=None, metavar="SECONDS",
                    help="kill an isolated trial still running after SECONDS; the search ends "
                         "with an error, not an OOM (default 600)")

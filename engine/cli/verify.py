@@ -115,7 +115,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     dev = resolve_device(result["device"])
     label = (result.get("size_name") or "batch_size").replace("_", " ")
     budget = result.get("budget_bytes")
-    isolate = result.get("mode") == "isolated"
+    isolate = result.get("mode") in ("isolated", "confirmed")  # where the answer was found
     print(f"oomguard: verifying {workload.name}: {args.steps} steps at {label} {size} on {dev} "
           f"under {fmt_bytes(budget) if budget else 'no budget'} "
           f"({'isolated' if isolate else 'in-process'}, as the report's trials ran)",

@@ -29,7 +29,10 @@ How the parent reads a child's end:
   while a memory limit applies (the budget, ``RLIMIT_DATA``/``RLIMIT_AS``, a
   cgroup limit), or an allocation failure reported on its stderr (libgomp,
   C++ ``std::bad_alloc``; oneDNN's "could not create a primitive" under a
-  memory limit). Otherwise :class:`ChildCrashed`.
+  memory limit), or death by a signal after the child's data segment, sampled
+  from here while it runs under a CPU budget, came close to the limit (native
+  code that does not check ``malloc`` segfaults there;
+  :mod:`~oomguard.engine.core.child_death`). Otherwise :class:`ChildCrashed`.
 
 The child's stderr is copied to this process's stderr after each trial.
 """
@@ -54,6 +57,7 @@ from typing import Any
 import torch
 
 from oomguard.engine.core.budget import budget
+from oomguard.engine.core.child_death import LimitWatch, how_it_ended, oom_evidence
 from oomguard.engine.core.heap import (
     ISOLATED_MMAP_THRESHOLD_BYTES,
     return_freed_memory_to_os,
@@ -63,7 +67,6 @@ from oomguard.engine.core.oom import gc_frozen
 from oomguard.engine.core.ramguard import RamGuard
 from oomguard.engine.core.trial import Trial, run_trial
 from oomguard.engine.errors import ChildCrashed, ChildStartFailed, UsageError
-from oomguard.probes import host
 
 log = logging.getLogger("oomguard.isolate")
 
@@ -73,17 +76,6 @@ log = logging.getLogger("oomguard.isolate")
 _BASE_PRELOAD = ("torch", "torch._dynamo", "oomguard.engine.core.isolate",
                  "oomguard.engine.core.trial", "oomguard.engine.core.budget",
                  "oomguard.probes.peak")
-
-# Text a child writes on stderr when it dies for want of memory (lower-case). libgomp
-# prints "libgomp: Thread creation failed: Resource temporarily unavailable" and exits
-# with code 1 when a thread's stack does not fit (docs/measurements.md#minimum-cpu-budget).
-ALLOCATION_FAILURES: tuple[str, ...] = (
-    "libgomp: out of memory",  # gomp_malloc: "libgomp: Out of memory allocating N bytes"
-    "libgomp: thread creation failed",
-    "std::bad_alloc",  # a C++ allocation failure nothing caught (terminate, SIGABRT)
-)
-# oneDNN's text counts only under a memory limit (docs/measurements.md#onednn-primitive).
-_ONEDNN_PRIMITIVE = "could not create a primitive"
 
 MODULE_LEVEL_FIX = ("define the workload as a module-level function or a picklable class "
                     "in an importable file")
@@ -125,7 +117,9 @@ def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, con
             fn.warmup()
         guard: AbstractContextManager[Any] = (
             budget(budget_bytes, device) if budget_bytes is not None else nullcontext())
-        with gc_frozen(), guard:
+        with gc_frozen(), guard as entered:
+            if entered is not None and entered.device == "cpu":  # the parent watches it
+                conn.send(("limit", entered.limit))
             trial = run_trial(fn, size, device, ram_guard, steps)
         conn.send(("ok", trial))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
@@ -217,19 +211,30 @@ class IsolatedRunner:
         proc.start()
         child.close()
         started, message, timed_out = False, None, False
+        watch: LimitWatch | None = None
         while message is None:
             left = self.timeout - (time.perf_counter() - start)
-            if left <= 0 or not parent.poll(left):
+            if left <= 0:
                 timed_out = True
                 break
+            if not parent.poll(left if watch is None else min(left, watch.interval)):
+                if watch is None:
+                    timed_out = True
+                    break
+                watch.sample()
+                continue
             try:
                 received = parent.recv()
             except EOFError:  # the child is gone
                 break
             if received[0] == "started":
                 started = True
+            elif received[0] == "limit":
+                watch = LimitWatch(proc.pid, received[1], self.budget or 0)
             else:
                 message = received
+        if watch is not None:
+            watch.close()
         parent.close()
         proc.join(timeout=0 if timed_out else 30)
         if proc.is_alive():
@@ -243,7 +248,7 @@ class IsolatedRunner:
         if not started:
             raise _start_failure(size, proc.exitcode)
         if message is None:
-            return self._died(size, proc.exitcode, stderr, elapsed)
+            return self._died(size, proc.exitcode, stderr, elapsed, watch)
         if message[0] == "unpickle-failed":
             where = (" (a child cannot import what python -c, stdin or a notebook defines)"
                      if _main_program() is None else "")
@@ -266,9 +271,11 @@ class IsolatedRunner:
                   elapsed)
         return trial
 
-    def _died(self, size: int, exitcode: int | None, stderr: str, elapsed: float) -> Trial:
-        how = _how(exitcode)
-        evidence = oom_evidence(exitcode, stderr, self.budget is not None)
+    def _died(self, size: int, exitcode: int | None, stderr: str, elapsed: float,
+              watch: LimitWatch | None = None) -> Trial:
+        how = how_it_ended(exitcode)
+        evidence = oom_evidence(exitcode, stderr, self.budget is not None) or (
+            watch.evidence(exitcode) if watch is not None else None)
         if evidence is not None:
             return Trial(size=size, ok=False, peak_bytes=None, seconds=elapsed, mode="isolated",
                          error=f"child process {how} ({evidence})")
@@ -276,24 +283,6 @@ class IsolatedRunner:
                 " see dmesg)" if exitcode == -signal.SIGKILL else "")
         raise ChildCrashed(f"isolated trial at size {size}: the child process {how} while "
                            f"running the workload, with no sign of running out of memory{hint}")
-
-
-def oom_evidence(exitcode: int | None, stderr: str, budgeted: bool) -> str | None:
-    """Why a child's death counts as running out of memory, or None when nothing says so.
-
-    ``budgeted``: an oomguard budget applied in the child. Limits inherited from
-    the environment are read in this process (children share its cgroup).
-    """
-    text = stderr.lower()
-    for pattern in ALLOCATION_FAILURES:
-        if pattern in text:
-            return f"it reported {pattern!r} on stderr"
-    limits = (["the budget"] if budgeted else []) + list(host.memory_limits())
-    if _ONEDNN_PRIMITIVE in text and limits:
-        return f"it reported {_ONEDNN_PRIMITIVE!r} on stderr under {', '.join(limits)}"
-    if exitcode == -signal.SIGKILL and limits:
-        return f"under a memory limit: {', '.join(limits)}"
-    return None
 
 
 def _rebuild(pickled: bytes | None, summary: str) -> BaseException:
@@ -305,15 +294,6 @@ def _rebuild(pickled: bytes | None, summary: str) -> BaseException:
     return exc if isinstance(exc, BaseException) else RuntimeError(summary)
 
 
-def _how(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        try:
-            return f"was killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
-    return f"exited with code {exitcode}"
-
-
 def _start_failure(size: int, exitcode: int | None) -> ChildStartFailed:
     main = _main_program()
     if main is not None:
@@ -322,7 +302,7 @@ def _start_failure(size: int, exitcode: int | None) -> ChildStartFailed:
     else:
         cause = (f"the main program is not a file a child can import (python -c, stdin, a "
                  f"notebook): {MODULE_LEVEL_FIX}")
-    return ChildStartFailed(f"isolated trial at size {size}: the child process {_how(exitcode)} "
+    return ChildStartFailed(f"isolated trial at size {size}: the child process {how_it_ended(exitcode)} "
                             f"before it started (its error is above); likely cause: {cause}")
 
 

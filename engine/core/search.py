@@ -38,7 +38,7 @@ from oomguard.engine.core.isolate import IsolatedRunner
 from oomguard.engine.core.oom import gc_frozen
 from oomguard.engine.core.ramguard import RamGuard
 from oomguard.engine.core.search_config import SearchConfig, resolve
-from oomguard.engine.core.strategies import bracket
+from oomguard.engine.core.strategies import Guided, Strategy, bracket
 from oomguard.engine.core.trial import Trial, run_trial
 from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError, check_positive_int
@@ -147,14 +147,15 @@ def search(
         check_budget(cfg.budget, dev)
     name = getattr(fn, "name", None) or getattr(fn, "__name__", type(fn).__name__)
     capacity = cfg.capacity_bytes
-    mode = "isolated" if cfg.isolate else "in-process"
+    mode = "isolated" if cfg.isolate else "confirmed" if cfg.confirm else "in-process"
     log.info("searching %s on %s (%s, %s)", name, dev, mode, strategy.name)
 
-    trials: list[Trial] = []
+    trials: list[Trial] = []  # every trial, in the order they ran
+    answer = trials  # the trials the answer comes from: with confirm, the fresh ones
     t0 = time.perf_counter()
 
     def result(stopped: str) -> SearchResult:
-        max_ok, first_oom = bracket(trials)
+        max_ok, first_oom = bracket(answer)
         return SearchResult(
             workload=name, device=str(dev), mode=mode, strategy=strategy.name,
             strategy_description=strategy.describe(), max_ok=max_ok, first_oom=first_oom,
@@ -166,52 +167,74 @@ def search(
 
     steps = cfg.steps_per_trial or int(getattr(fn, "steps_per_trial", 1) or 1)
 
-    guard: RamGuard | None = None
-    with ExitStack() as stack:
-        runner, guard = _runner(fn, cfg, dev, stack)
-        if capacity is None:  # after the warm-up: free memory then leaves the model out
-            capacity = cfg.budget if cfg.budget is not None else _free_bytes(dev)
-        t_trials = time.perf_counter()  # max_seconds bounds the trials, not the warm-up
+    def run_phase(proposer: Strategy, phase: list[Trial], run: Callable[[int, int], Trial],
+                  trial_mode: str) -> str:
+        """Run the sizes ``proposer`` proposes from ``phase`` until it stops or a limit is
+        reached; return why it stopped."""
         while True:
             stopped = _limit_reached(cfg, len(trials), time.perf_counter() - t_trials)
             if stopped:
-                break
-            size = strategy.next(trials, cfg.max_size)
+                return stopped
+            size = proposer.next(phase, cfg.max_size)
             if size is None:
-                lo, _ = bracket(trials)
-                stopped = (f"max_size ({cfg.max_size}) reached" if lo is not None
-                           and lo >= cfg.max_size else "bracket closed")
-                break
+                lo, _ = bracket(phase)
+                return (f"max_size ({cfg.max_size}) reached" if lo is not None
+                        and lo >= cfg.max_size else "bracket closed")
             if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= cfg.max_size:
-                raise UsageError(f"strategy {strategy.name} proposed size {size!r}: sizes must "
+                raise UsageError(f"strategy {proposer.name} proposed size {size!r}: sizes must "
                                  f"be integers from 1 to max_size ({cfg.max_size})")
-            if any(t.size == size for t in trials):  # a strategy that repeats itself is done
-                stopped = f"strategy proposed size {size} again"
-                break
-            refused = guard.refuse(trials, size) if guard is not None else None
+            if any(t.size == size for t in phase):  # a strategy that repeats itself is done
+                return f"strategy proposed size {size} again"
+            refused = guard.refuse(phase, size) if guard is not None else None
             try:
                 trial = (Trial(size, ok=False, peak_bytes=None, seconds=0.0, error=refused,
-                               guarded=True) if refused else runner(size, steps))
+                               guarded=True) if refused else run(size, steps))
             except Exception as exc:  # not an OOM: the search cannot go on
                 partial = result(f"trial at size {size} failed: {type(exc).__name__}")
                 raise TrialFailed(_failure_text(name, size, exc, partial), partial) from exc
-            trial.mode = mode
-            trials.append(trial)
+            trial.mode = trial_mode
+            phase.append(trial)
+            if phase is not trials:
+                trials.append(trial)
             log.info("trial %2d: size %d %s%s (%.2f s)", len(trials), size, trial.outcome.upper(),
                      f", peak {fmt_bytes(trial.peak_bytes)}" if trial.ok else "", trial.seconds)
             if on_trial is not None:
                 on_trial(trial)
 
+    guard: RamGuard | None = None
+    with ExitStack() as stack:
+        # Built first: a workload that cannot be pickled fails before any trial, and the
+        # forkserver starts while this process warms up.
+        fresh = (stack.enter_context(IsolatedRunner(fn, device=dev, budget=cfg.budget,
+                                                    timeout=cfg.trial_timeout,
+                                                    guard=_guard(cfg, dev)))
+                 if cfg.confirm else None)
+        runner, guard = _runner(fn, cfg, dev, stack)
+        if capacity is None:  # after the warm-up: free memory then leaves the model out
+            capacity = cfg.budget if cfg.budget is not None else _free_bytes(dev)
+        t_trials = time.perf_counter()  # max_seconds bounds the trials, not the warm-up
+        stopped = run_phase(strategy, trials, runner, "isolated" if cfg.isolate else "in-process")
+        lo, _ = bracket(trials)
+        if fresh is not None:
+            if lo is not None and (stopped == "bracket closed" or stopped.startswith("max_size")):
+                answer = []
+                stopped = run_phase(Guided(start=lo), answer, fresh, "isolated")
+                stopped = f"{stopped} (confirmed in fresh processes from {lo})"
+            else:  # nothing to confirm: the answer stays the in-process one, and says so
+                mode = "in-process"
+                stopped += " (not confirmed)"
+
         final = result(stopped)
         if final.max_ok is None:
-            final.stopped_because = "nothing fits" + ("" if stopped == "bracket closed"
+            final.stopped_because = "nothing fits" + ("" if stopped.startswith("bracket closed")
                                                        else f" ({stopped})")
             raise NoSizeFits(final)
-        margin, source = choose_margin(cfg.margin, trials)
-        final.recommendation = recommend(trials, final.max_ok, capacity, final.fit, margin,
+        margin, source = choose_margin(cfg.margin, answer)
+        final.recommendation = recommend(answer, final.max_ok, capacity, final.fit, margin,
                                          final.first_oom, source)
         if cfg.verify_steps:
-            final.verification = _verify(runner, final.recommendation.safe, cfg.verify_steps, mode)
+            final.verification = _verify(fresh or runner, final.recommendation.safe,
+                                         cfg.verify_steps, "isolated" if fresh else mode)
     return final
 
 

@@ -30,6 +30,9 @@ class SearchConfig:
     trials, from the first one's start: the warm-up is not counted).
     ``budget`` caps the bytes a trial may use above the warmed-up process
     (None: no cap); ``isolate`` runs each trial in a fresh child process;
+    ``confirm`` searches in this process, then re-runs the answer and the size above it
+    in fresh children and, where they disagree, goes on there (``Guided`` from the
+    in-process answer): the fresh-process maximum at close to in-process cost;
     ``margin`` is the fraction of capacity the recommended size keeps free, or
     ``"measured"`` to derive it from the spread of peaks across each trial's steps
     (:func:`~oomguard.engine.core.fit.choose_margin`; the report names the margin used);
@@ -57,6 +60,7 @@ class SearchConfig:
     device: str | torch.device = "cpu"
     budget: int | None = None
     isolate: bool = False
+    confirm: bool = False
     margin: float | str = DEFAULT_MARGIN
     capacity_bytes: int | None = None
     trial_timeout: float = 600.0
@@ -90,8 +94,12 @@ class SearchConfig:
         if isinstance(self.verify_steps, bool) or not isinstance(self.verify_steps, int) \
                 or self.verify_steps < 0:
             raise UsageError(f"verify_steps must be a whole number >= 0, got {self.verify_steps!r}")
-        if not isinstance(self.isolate, bool):
-            raise UsageError(f"isolate must be True or False, got {self.isolate!r}")
+        for name in ("isolate", "confirm"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.isolate and self.confirm:
+            raise UsageError("confirm re-runs an in-process search's answer in fresh processes; "
+                             "with isolate every trial already runs in one: give one of them")
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError):
