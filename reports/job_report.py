@@ -3,7 +3,8 @@
 Per metric: status, the sizes used and where they came from (cache, search,
 defaults, job file), retries, seconds, peak memory (measured, with what the
 meter counts) and the result summary; failures with their reason and
-traceback file. Plots, where a picture says more, in the one plot style
+traceback file; every out-of-memory event of the metrics' runs, with memory as
+measured at the OOM (:mod:`oomguard.engine.core.forensics`). Plots, where a picture says more, in the one plot style
 (:mod:`oomguard.reports.style`):
 
 - ``plots/memory.png``: measured peak memory per metric (bar chart, budget line);
@@ -174,6 +175,57 @@ def _sizes(s: Mapping[str, Any] | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in s.items()) or "-"
 
 
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|") if text not in (None, "") else "-"
+
+
+def oom_view(event: Mapping[str, Any]) -> str:
+    """One line of an OOM event's figures (``OomEvent.to_dict()``); unknown ones left out."""
+    e = event.get
+    parts = []
+    if e("reserved_bytes") is not None:
+        parts.append(f"reserved {fmt_bytes(e('reserved_bytes'))}, "
+                     f"allocated {fmt_bytes(e('allocated_bytes'))}")
+    if e("fragmentation") is not None:
+        parts.append(f"fragmentation {100 * e('fragmentation'):.1f}%")
+    if e("largest_free_block_bytes") is not None:
+        parts.append(f"largest free block {fmt_bytes(e('largest_free_block_bytes'))}")
+    if e("num_alloc_retries") is not None:
+        parts.append(f"{e('num_alloc_retries')} alloc retries")
+    for key, label in (("vm_data_bytes", "VmData"), ("rss_bytes", "RSS"),
+                       ("free_heap_bytes", "free heap")):
+        if e(key) is not None:
+            parts.append(f"{label} {fmt_bytes(e(key))}")
+    if e("budget_limit_bytes") is not None:
+        parts.append(f"headroom {fmt_bytes(e('budget_headroom_bytes'))} under a limit "
+                     f"of {fmt_bytes(e('budget_limit_bytes'))}")
+    why_not = (e("sources") or {}).get("snapshot", "")
+    if e("snapshot"):
+        parts.append(f"snapshot `{e('snapshot')}`")
+    elif why_not.startswith("none: "):  # asked for, and not possible here
+        parts.append(f"no snapshot ({why_not.removeprefix('none: ')})")
+    return ", ".join(parts) or "-"
+
+
+def oom_events_section(tasks: Mapping[str, Any]) -> list[str]:
+    """The report's "Out-of-memory events": one row per OOM the executor caught in a
+    metric's run (task, sizes, device, memory measured at the OOM, what was done)."""
+    rows = [(key, e) for key, t in tasks.items() for e in t.get("oom_events") or ()]
+    lines = ["## Out-of-memory events", ""]
+    if not rows:
+        return lines + ["None: no metric ran out of memory during its run (search trials "
+                        "are not counted here).", ""]
+    lines += ["| task | sizes | device | memory at the OOM (measured) | done |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {_cell(key)} | {_cell(_sizes(e.get('sizes')))} | {_cell(e.get('device'))} "
+              f"| {_cell(oom_view(e))} | {_cell(e.get('action'))} |" for key, e in rows]
+    return lines + ["", "Read when the error was caught, before memory was released for the "
+                    "retry; a figure this platform cannot give is left out (`sources` in "
+                    "results.json says how each was measured, or why not). Fragmentation is "
+                    "(reserved - allocated) / reserved; the largest free block is the largest "
+                    "inactive block in the allocator's segments.", ""]
+
+
 def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) -> str:
     """The job's report.md."""
     job, tasks = summary["job"], summary["tasks"]
@@ -211,6 +263,7 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
     if summary["status"] == "interrupted":
         lines += ["The job was interrupted: run the same command again to finish it "
                   "(finished metrics are kept).", ""]
+    lines += oom_events_section(tasks)
     rerun = {k: t["rerun_because"] for k, t in tasks.items() if t.get("rerun_because")}
     if rerun:
         lines += ["## Rerun because their inputs changed", "",

@@ -63,6 +63,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="never search: sizes from the cache, else the metric defaults")
     run.add_argument("--json", action="store_true",
                      help="print results.json to stdout when done")
+    run.add_argument("--snapshot-on-oom", action="store_true",
+                     help="CUDA: record allocation history and write an allocator snapshot "
+                          "at each OOM into <out>/snapshots/ (open it at "
+                          "pytorch.org/memory_viz); on CPU the OOM events say none was "
+                          "possible")
     run.add_argument("--force", action="store_true",
                      help="use an output folder that holds another job's results: move "
                           "them into <out>/moved-aside/ first")
@@ -127,7 +132,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # (docs/measurements.md#fork-after-openmp); a GPU job never forks.
         outcome = run_job(job, cache_path=args.cache, search=not args.no_search,
                           start_method=child_start_method(job.device), log_setup=job_log,
-                          force=args.force)
+                          force=args.force, snapshot_on_oom=args.snapshot_on_oom)
     except UsageError as exc:  # a bad job file, a missing device, an output folder in use
         return _error(str(exc))
     except OSError as exc:  # a full disk: what finished is on disk; say where it stopped

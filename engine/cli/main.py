@@ -45,14 +45,16 @@ if TYPE_CHECKING:
 
     from oomguard.probes import MemorySnapshot
 
-def _progress(label: str) -> Any:
-    """One line on stderr per trial: ``  batch     48  ok   peak 1.93 GiB  (5.60 s)``."""
+def _progress(label: str, mark_fresh: bool = False) -> Any:
+    """One line on stderr per trial: ``  batch     48  ok   peak 1.93 GiB  (5.60 s)``;
+    ``mark_fresh``: end the lines of trials run in a fresh child with ``fresh``."""
     def show(trial: Any) -> None:
         error = error_text(trial.error)
         peak = f"peak {fmt_bytes(trial.peak_bytes)}" if trial.ok else error[:100]
         verdict = "ok " if trial.ok else "RAM guard" if trial.guarded else "OOM"
+        fresh = "  fresh" if mark_fresh and trial.mode == "isolated" else ""
         print(f"  {label} {trial.size:>6}  {verdict}  {peak}  "
-              f"({trial.seconds:.2f} s)", file=sys.stderr, flush=True)
+              f"({trial.seconds:.2f} s){fresh}", file=sys.stderr, flush=True)
     return show
 
 
@@ -70,7 +72,8 @@ def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
           f"{', the answer confirmed in fresh processes' if config.confirm else ''}"
           f"{f', sizes in multiples of {unit}' if unit > 1 else ''})", file=sys.stderr, flush=True)
     try:
-        result = search(workload, config, on_trial=_progress(context.get("knob", "batch")))
+        result = search(workload, config, on_trial=_progress(context.get("knob", "batch"),
+                                                                config.confirm))
     except NoSizeFits as exc:  # other knobs may still fit; TrialFailed goes to main()
         print(f"oomguard: {exc}", file=sys.stderr)
         return None

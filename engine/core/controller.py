@@ -22,11 +22,15 @@ Hot path: the first attempt is a plain :func:`~oomguard.engine.core.oom.call_cat
 (about a microsecond); tenacity's ``Retrying`` is built only after a first
 OOM. Every change of size is logged (WARNING when it shrinks, INFO otherwise)
 and counted in the memory's :class:`~oomguard.engine.core.sizestats.SizeStats`.
+A caller that keeps a :class:`RunRecord` (the executor) also gets an
+:class:`~oomguard.engine.core.forensics.OomEvent` per OOM, measured before the
+memory of the failed attempt is released.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +38,7 @@ from typing import Any, Protocol, TypeVar
 
 from tenacity import RetryCallState, Retrying, retry_if_result, wait_none
 
+from oomguard.engine.core.forensics import OomEvent, OomWatch
 from oomguard.engine.core.oom import OOM, call_catching_oom
 from oomguard.engine.core.retry import Halve, RetryPolicy, Sizes
 from oomguard.engine.core.sizestats import SizeChange, SizeStats
@@ -83,12 +88,15 @@ NO_AGREEMENT = NoAgreement()
 
 @dataclass
 class RunRecord:
-    """What one run did: the sizes of each attempt, each OOM's message, the sizes that worked."""
+    """What one run did: the sizes of each attempt, each OOM's message, the sizes that worked,
+    and ``events``: one :class:`~oomguard.engine.core.forensics.OomEvent` per OOM of this
+    process (sizes, memory measured at the OOM, what was done about it)."""
 
     workload: str
     attempts: list[Sizes] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     final: Sizes | None = None
+    events: list[OomEvent] = field(default_factory=list)
 
     @property
     def retries(self) -> int:
@@ -134,10 +142,10 @@ class SizeMemory:
 class _Failed:
     """The outcome of an attempt that ran out of memory (here or on another process)."""
 
-    __slots__ = ("message", "next")
+    __slots__ = ("event", "message", "next")
 
-    def __init__(self, message: str, nxt: Sizes | None) -> None:
-        self.message, self.next = message, nxt
+    def __init__(self, message: str, nxt: Sizes | None, event: OomEvent | None = None) -> None:
+        self.message, self.next, self.event = message, nxt, event
 
 
 def _failed(result: Any) -> bool:
@@ -163,7 +171,8 @@ class SizeController:
     the same sizes. ``failure_message`` is the whole ``str()`` of
     :class:`~oomguard.engine.errors.NoExecutableBatchSize` (its ``tried``,
     ``errors`` and ``detail`` still say what ran). Size changes go to
-    ``logger``.
+    ``logger``. ``snapshot_dir``: where a run with a record writes a CUDA allocator
+    snapshot at each OOM (after :func:`~oomguard.engine.core.forensics.start_history`).
     """
 
     def __init__(self, name: str, memory: SizeMemory | Start, *,
@@ -172,7 +181,8 @@ class SizeController:
                  policy: RetryPolicy | None = None, grow_after: int | None = None,
                  agreement: SizeAgreement | None = None, device: Any = None,
                  logger: logging.Logger | None = None,
-                 failure_message: str | None = None) -> None:
+                 failure_message: str | None = None,
+                 snapshot_dir: str | os.PathLike[str] | None = None) -> None:
         if not isinstance(memory, SizeMemory):
             for key, value in memory.items():
                 check_positive_int(key, value, optional=True)
@@ -192,6 +202,7 @@ class SizeController:
         self.device = device
         self.log = logger or log
         self.failure_message = failure_message
+        self.snapshot_dir = snapshot_dir
 
     @property
     def stats(self) -> SizeStats:
@@ -208,8 +219,9 @@ class SizeController:
 
         ``cap`` bounds the sizes of this call only (e.g. the length of this
         batch, or the sizes a caller asked for) without changing what is
-        remembered. ``record`` (optional) gets every attempt's sizes before
-        it runs, every OOM's message, and the final sizes. Raises
+        remembered. ``record`` (optional) gets every attempt's sizes before it
+        runs, every OOM's message and event (measured only for a record: callers
+        that keep none pay nothing), and the final sizes. Raises
         :class:`~oomguard.engine.errors.NoExecutableBatchSize` when no size
         fits on every process; any other error propagates untouched.
         """
@@ -223,9 +235,11 @@ class SizeController:
         sizes = mem.sizes  # type: ignore[assignment]
         if cap is not None or None in sizes.values():
             sizes = self._sizes_for(cap)
+        watch = None
         if record is not None:
             record.attempts.append(dict(sizes))
-        result = self._attempt(attempt, sizes, agreeing)
+            watch = OomWatch(self.name, self.device, self.snapshot_dir)
+        result = self._attempt(attempt, sizes, agreeing, watch)
         if type(result) is not _Failed:
             mem.clean += 1
             mem.last_good = sizes
@@ -234,7 +248,7 @@ class SizeController:
             return result
         if record is None:
             record = RunRecord(self.name, [dict(sizes)])
-        return self._recover(attempt, result, agreeing, record)
+        return self._recover(attempt, result, agreeing, record, watch)
 
     def _sizes_for(self, cap: Mapping[str, int] | None) -> Sizes:
         sizes = self.memory.sizes
@@ -245,9 +259,11 @@ class SizeController:
         return {k: v if v is not None and v <= cap[k] else cap[k] for k, v in sizes.items()}
 
     def _attempt(self, attempt: Callable[[Sizes], T], sizes: Sizes,
-                 agreeing: bool) -> T | _Failed:
-        """One attempt at ``sizes``, then (when agreeing) the one agreement."""
-        result = call_catching_oom(attempt, sizes, device=self.device)
+                 agreeing: bool, watch: OomWatch | None = None) -> T | _Failed:
+        """One attempt at ``sizes``, then (when agreeing) the one agreement. A ``watch``
+        measures memory at an OOM, before ``call_catching_oom`` releases it."""
+        result = call_catching_oom(attempt, sizes, device=self.device,
+                                   on_oom=watch.at(sizes) if watch is not None else None)
         oom = type(result) is OOM
         if not (oom or agreeing):
             return result
@@ -270,7 +286,7 @@ class SizeController:
                    else f"another process ran out of memory at {format_sizes(sizes)}")
         if nxt is not None:
             self._change(sizes, nxt, f"out of memory ({message})" if oom else message)
-        return _Failed(message, nxt)
+        return _Failed(message, nxt, watch.take(message) if oom and watch else None)
 
     def _proposal(self, sizes: Sizes) -> Sizes | None:
         """The next sizes after an OOM at ``sizes`` (None: nothing smaller is allowed)."""
@@ -281,20 +297,20 @@ class SizeController:
         return self.policy.shrink(sizes, self.floor)
 
     def _recover(self, attempt: Callable[[Sizes], T], first: _Failed, agreeing: bool,
-                 record: RunRecord) -> T:
+                 record: RunRecord, watch: OomWatch | None) -> T:
         """After a first OOM: tenacity's retry loop at the sizes each OOM left behind."""
-        record.errors.append(first.message)
+        self._note(record, first)
         pending = first.next
 
         def again() -> T | _Failed:
             assert pending is not None  # tenacity stops before an attempt without sizes
             record.attempts.append(dict(pending))
-            return self._attempt(attempt, pending, agreeing)
+            return self._attempt(attempt, pending, agreeing, watch)
 
         def after(rs: RetryCallState) -> None:
             nonlocal pending
             failure: _Failed = rs.outcome.result()  # type: ignore[union-attr]
-            record.errors.append(failure.message)
+            self._note(record, failure)
             pending = failure.next
 
         def give_up(rs: RetryCallState | None = None) -> Any:
@@ -316,6 +332,13 @@ class SizeController:
         self.log.info("%s: succeeded at %s after %d retries", self.name,
                       format_sizes(pending), record.retries)
         return value
+
+    def _note(self, record: RunRecord, failure: _Failed) -> None:
+        """Record an OOM's message and its event, saying what is done about it."""
+        record.errors.append(failure.message)
+        if failure.event is not None:
+            record.events.append(failure.event.settle(
+                failure.next, self.failure_message or self._exhausted()))
 
     def _exhausted(self) -> str:
         what = next(iter(self.floor)).replace("_", " ") if len(self.floor) == 1 else "size"

@@ -8,12 +8,15 @@ the next sizes are, and tenacity's retry loop stops when the policy has nothing
 smaller to offer. Only out-of-memory errors are retried; any other error
 propagates at once, untouched. The OOM's exception and traceback are dropped
 *before* memory is released, so the failed attempt's tensors are really freed
-between attempts.
+between attempts. Each OOM is recorded in the run's :class:`RunRecord`
+(``events``), with memory as the allocator and the host saw it at the OOM
+(:mod:`~oomguard.engine.core.forensics`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,6 +29,7 @@ from oomguard.engine.core.controller import (
     SizeController,
     SizeMemory,
 )
+from oomguard.engine.core.forensics import start_history
 from oomguard.engine.core.retry import Halve, ReduceWith, RetryPolicy, Sizes
 from oomguard.engine.core.weakmap import WeakIdMap
 from oomguard.engine.errors import ExecutionFailed, NoExecutableBatchSize, check_positive_int
@@ -44,7 +48,11 @@ class Executor:
     ``policy`` decides the retry sizes (default :class:`Halve`); ``device`` is
     the one whose cache is emptied between attempts; ``agreement`` (default:
     none, one process) makes several processes take the same sizes.
-    ``history`` holds a :class:`RunRecord` per call (the last 1024).
+    ``history`` holds a :class:`RunRecord` per call (the last 1024), each OOM
+    in its ``events``. ``snapshot_on_oom``: a folder where every OOM writes a
+    CUDA allocator snapshot (``<name>-oom<k>.pickle``, for pytorch.org/memory_viz;
+    allocation history is recorded from the first run on, for the rest of the
+    process). On another device the events say why there is none.
 
     What worked lives on this executor: per ``name=`` when one is given (the
     last 1024 names), else per function object while that object lives. A
@@ -56,8 +64,10 @@ class Executor:
 
     def __init__(self, policy: RetryPolicy | None = None,
                  device: str | torch.device | None = None,
-                 agreement: SizeAgreement | None = None) -> None:
+                 agreement: SizeAgreement | None = None,
+                 snapshot_on_oom: str | os.PathLike[str] | None = None) -> None:
         self.policy = policy or Halve()
+        self.snapshot_on_oom = snapshot_on_oom
         self.device = device
         self.agreement = agreement
         # Bounded: an executor called every training step must not grow forever.
@@ -89,9 +99,12 @@ class Executor:
         for key, value in start.items():
             check_positive_int(key, value)
         label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+        if self.snapshot_on_oom is not None:
+            start_history(self.device)  # once per process: the snapshot needs the history
         controller = SizeController(label, self._memory(fn, name, label, start),
                                     minimum=minimum, policy=self.policy,
-                                    agreement=self.agreement, device=self.device, logger=log)
+                                    agreement=self.agreement, device=self.device, logger=log,
+                                    snapshot_dir=self.snapshot_on_oom)
         record = RunRecord(workload=label)
         self.history.append(record)
         if positional:

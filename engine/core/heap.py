@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 128 * 1024
@@ -43,6 +44,7 @@ def free_heap_bytes() -> int | None:
     return int(fn().fordblks)
 
 
+@functools.cache  # find_library runs ldconfig in a subprocess: 1.5 ms a call
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:

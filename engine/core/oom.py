@@ -230,13 +230,16 @@ class OOM:
 
 
 def call_catching_oom(
-    fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None, **kwargs: Any
+    fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None,
+    on_oom: Callable[[BaseException], None] | None = None, **kwargs: Any
 ) -> Any | OOM:
     """Call ``fn``; return its value, or an :class:`OOM` record if it ran out of memory.
 
     Any other exception propagates unchanged. After an OOM the exception and
     its traceback are gone before :func:`release_memory` runs, so the failed
-    step's tensors are really freed.
+    step's tensors are really freed. ``on_oom(exc)`` is called first, while they
+    are still alive (to measure memory as the OOM left it); an error it raises
+    is ignored, so it never hides the OOM.
     """
     failure: OOM | None = None
     try:
@@ -244,6 +247,11 @@ def call_catching_oom(
     except BaseException as exc:  # noqa: BLE001 - re-raised unless it is an OOM
         if not is_oom(exc):
             raise
+        if on_oom is not None:
+            try:
+                on_oom(exc)
+            except Exception:  # noqa: BLE001, S110 - no room even to record: still the OOM
+                pass
         failure = OOM(oom_summary(exc))
     # Outside the except block: `exc` and its frames are unreachable now.
     release_memory(device)

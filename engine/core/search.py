@@ -38,7 +38,7 @@ from oomguard.engine.core.isolate import IsolatedRunner
 from oomguard.engine.core.oom import gc_frozen
 from oomguard.engine.core.ramguard import RamGuard
 from oomguard.engine.core.search_config import SearchConfig, resolve
-from oomguard.engine.core.strategies import Guided, Strategy, bracket
+from oomguard.engine.core.strategies import Confirm, Strategy, bracket
 from oomguard.engine.core.trial import Trial, run_trial
 from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError, check_positive_int
@@ -218,7 +218,7 @@ def search(
         if fresh is not None:
             if lo is not None and (stopped == "bracket closed" or stopped.startswith("max_size")):
                 answer = []
-                stopped = run_phase(Guided(start=lo), answer, fresh, "isolated")
+                stopped = run_phase(Confirm(start=lo), answer, fresh, "isolated")
                 stopped = f"{stopped} (confirmed in fresh processes from {lo})"
             else:  # nothing to confirm: the answer stays the in-process one, and says so
                 mode = "in-process"

@@ -31,7 +31,7 @@ class SearchConfig:
     ``budget`` caps the bytes a trial may use above the warmed-up process
     (None: no cap); ``isolate`` runs each trial in a fresh child process;
     ``confirm`` searches in this process, then re-runs the answer and the size above it
-    in fresh children and, where they disagree, goes on there (``Guided`` from the
+    in fresh children and, where they disagree, goes on there (``Confirm`` from the
     in-process answer): the fresh-process maximum at close to in-process cost;
     ``margin`` is the fraction of capacity the recommended size keeps free, or
     ``"measured"`` to derive it from the spread of peaks across each trial's steps

@@ -242,6 +242,32 @@ class Guided:
         return _refine(trials, lo, hi) if _tried(trials, size) else size
 
 
+@dataclass(frozen=True)
+class Confirm:
+    """Close the bracket around an answer found elsewhere (a confirmed search's in-process
+    answer), in fresh trials: ``start``, then as :class:`Guided` from there when it fits
+    (``start + 1`` next when the line agrees), or down by 1, 2, 4, ... while nothing has
+    fitted, then bisection. An answer one too high costs three trials (m, m - 1, m - 2
+    ran out of memory, fit, ...), not a halving and a climb back."""
+
+    start: int
+    name: ClassVar[str] = "confirm"
+
+    def __post_init__(self) -> None:
+        check_positive_int("start", self.start)
+
+    def describe(self) -> str:
+        return (f"Run {self.start}; if it fits, go on as guided from it; if not, step down by "
+                "1, 2, 4, ... until a size fits, then bisect.")
+
+    def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
+        lo, hi = bracket(trials)
+        if trials and lo is None:
+            assert hi is not None
+            return max(hi - 2 ** (len(trials) - 1), 1) if hi > 1 else None
+        return Guided(start=self.start).next(trials, max_size)
+
+
 def predict_max(trials: Sequence[Trial], proven_bytes: int = 0) -> int | None:
     """The largest size predicted to fit, from the peaks measured in the limit's units
     (an estimate); None without a headroom or a peak.

@@ -8,7 +8,9 @@ record; a crash or a kill leaves no result, and the parent records that.
 Sizes, in order: pinned in the job file (``sizes``); the size cache; a
 bounded search of the first memory knob (in this process, under the job's
 budget), stored in the cache; the metric's defaults. An OOM during the run
-retries at half (the executor) and lowers the cached sizes to what worked.
+retries at half (the executor) and lowers the cached sizes to what worked; each
+OOM of the run is in the result's ``oom_events`` (memory measured at the OOM;
+with ``snapshot_on_oom``, an allocator snapshot in ``snapshots/`` on CUDA).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from oomguard.engine.core.atomic import atomic_write, atomic_write_json
 from oomguard.engine.core.budget import budget
 from oomguard.engine.core.executor import Executor
+from oomguard.engine.core.forensics import start_history
 from oomguard.engine.core.heap import return_freed_memory_to_os
 from oomguard.engine.core.jsonable import to_jsonable
 from oomguard.engine.core.search import search
@@ -93,7 +96,8 @@ def child_main(task: Task, ctx: Context) -> None:
         del exc
         record = TaskResult.failure(task, ctx.run_id, reason, str(tb.relative_to(out)),
                                     time.perf_counter() - t0, sizes=_sizes_info(state),
-                                    search=state.get("search"))
+                                    search=state.get("search"),
+                                    oom_events=_oom_events(state, out))
         atomic_write_json(out / "results" / f"{task.key}.json", record)
         journal.append("failure", task=task.key, run=ctx.run_id, reason=reason,
                        traceback=record.traceback)
@@ -113,6 +117,18 @@ def _sizes_info(state: dict[str, Any]) -> dict[str, Any]:
             "final": rec.final if rec else None, "attempts": rec.attempts if rec else [],
             "errors": rec.errors if rec else [], "retries": rec.retries if rec else 0,
             "cache_key": state.get("cache_key")}
+
+
+def _oom_events(state: dict[str, Any], out: Path) -> list[dict[str, Any]] | None:
+    """The run's OOM events (snapshot paths relative to ``out``); None if it never ran."""
+    executor: Executor | None = state.get("executor")
+    if not executor or not executor.history:
+        return None
+    events = [e.to_dict() for e in executor.history[-1].events]
+    for e in events:
+        if e["snapshot"] and Path(e["snapshot"]).is_relative_to(out):
+            e["snapshot"] = str(Path(e["snapshot"]).relative_to(out))
+    return events
 
 
 def _warm_up(model: Any, data: dict[str, Any]) -> None:
@@ -221,6 +237,8 @@ def _split_tensors(value: Any, prefix: str, big: dict[str, Any]) -> None:
 def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
              t0: float) -> TaskResult:
     job, out = ctx.job, Path(ctx.out)
+    if ctx.snapshot_on_oom:  # from the task's start, so the snapshot shows the model too
+        start_history(job.device)
     metric = get_metric(task.metric)
     model = build_model(task.model, job.dtype, job.device, seed=job.seed)
     data = load_data(job.data, model.config.vocab_size, seed=job.seed, device=job.device)
@@ -232,7 +250,8 @@ def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
     start = state["start"] = _choose_sizes(task, ctx, metric, call, journal, state)
     journal.append("sizes", task=task.key, run=ctx.run_id, sizes=start, source=state["source"])
     minimum = {k.name: int(k.minimum) for k in metric.memory_knobs()}
-    executor = state["executor"] = Executor(device=job.device)
+    executor = state["executor"] = Executor(
+        device=job.device, snapshot_on_oom=out / "snapshots" if ctx.snapshot_on_oom else None)
 
     def attempt(**sizes: int) -> dict[str, Any]:
         rec = executor.history[-1]
@@ -265,7 +284,8 @@ def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
     return TaskResult(
         task=task.key, metric=task.metric, model=task.model, status=OK, run=ctx.run_id,
         fingerprint=task.fingerprint, params=task.params, sizes=_sizes_info(state),
-        search=state.get("search"), seconds=round(seconds, 3),
+        search=state.get("search"), oom_events=_oom_events(state, out),
+        seconds=round(seconds, 3),
         total_seconds=round(time.perf_counter() - t0, 3), peak_bytes=peak,
         peak_source=f"measured: {meter.source}", budget_bytes=job.budget_bytes,
         summary=to_jsonable(summary, max_items=TENSOR_INLINE_MAX), tensors=tensors,

@@ -112,6 +112,8 @@ class Context:
 
     ``log_setup``, if given, is called with the output folder at the start of
     every metric's process (see :func:`~oomguard.engine.jobs.runner.run_job`).
+    ``snapshot_on_oom``: record CUDA allocation history from the task's start and write
+    an allocator snapshot at each OOM of its run (``snapshots/``).
     """
 
     job: Job
@@ -122,6 +124,7 @@ class Context:
     device: dict[str, Any]
     start_method: str = "forkserver"
     log_setup: Callable[[Any], Any] | None = None
+    snapshot_on_oom: bool = False
 
 
 @dataclass
@@ -132,7 +135,11 @@ class TaskResult:
     two are never written to a result file). ``seconds`` is the metric's own
     run (ok) or the time until it failed; ``total_seconds`` adds model build,
     warm-up and search. ``sizes`` says where the sizes came from and every
-    attempt; ``search`` the search that ran, if any. ``inputs`` records what
+    attempt; ``search`` the search that ran, if any. ``oom_events`` has one
+    :meth:`~oomguard.engine.core.forensics.OomEvent.to_dict` per OOM of the run (sizes,
+    memory measured at the OOM, what was done): ``[]`` for a run without one, None where
+    nothing was recorded (the run never started, or a file written before this field,
+    which still loads). ``inputs`` records what
     defines the result (the task's inputs), ``rerun_because`` why an earlier
     result for the task was set aside. Keys this version does not know (a file
     written by another version) are kept in ``extra``.
@@ -152,6 +159,7 @@ class TaskResult:
     traceback: str | None = None
     sizes: dict[str, Any] | None = None
     search: dict[str, Any] | None = None
+    oom_events: list[dict[str, Any]] | None = None
     peak_bytes: int | None = None
     peak_source: str | None = None
     budget_bytes: int | None = None

@@ -139,7 +139,8 @@ def threading_main() -> bool:
 
 def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, search: bool = True,
             progress: bool | None = None, start_method: str = "forkserver",
-            log_setup: Callable[[Path], Any] | None = None, force: bool = False) -> Outcome:
+            log_setup: Callable[[Path], Any] | None = None, force: bool = False,
+            snapshot_on_oom: bool = False) -> Outcome:
     """Run (or resume) ``job`` into ``job.output``; returns the exit code and every record.
 
     Resume keeps a finished result only while its inputs are unchanged
@@ -163,6 +164,10 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
     appends to ``out/job.log``. Without it this function configures no
     logging at all: records go wherever the caller's logging sends them.
 
+    ``snapshot_on_oom``: each metric's process records CUDA allocation history from
+    its start and writes an allocator snapshot at each OOM of its run into
+    ``snapshots/`` (pytorch.org/memory_viz); on CPU the events say none was possible.
+
     Raises :class:`JobError` before any work if the job cannot start (device
     missing, a budget larger than the device, an output folder that is a file,
     not writable, in use by another run, or another job's). ``OSError`` from
@@ -185,14 +190,15 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
         claim(out, job, force)
         digests.save()
         return _run_locked(job, tasks, device, out, cache_path, search, progress, t0,
-                           start_method, log_setup)
+                           start_method, log_setup, snapshot_on_oom)
     finally:
         lock.release()
 
 
 def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
                 cache_path: Any, search: bool, progress: bool | None, t0: float,
-                start_method: str, log_setup: Callable[[Path], Any] | None) -> Outcome:
+                start_method: str, log_setup: Callable[[Path], Any] | None,
+                snapshot_on_oom: bool = False) -> Outcome:
     for sub in ("results", "tracebacks", "plots"):
         (out / sub).mkdir(exist_ok=True)
     if log_setup is not None:
@@ -203,7 +209,8 @@ def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
     journal = Journal(out / "journal.jsonl")
     ctx = Context(job=job, out=str(out), run_id=run_id,
                   cache_path=str(cache_path) if cache_path else None, search=search,
-                  device=device, start_method=start_method, log_setup=log_setup)
+                  device=device, start_method=start_method, log_setup=log_setup,
+                  snapshot_on_oom=snapshot_on_oom)
     journal.append("job-start", run=run_id, job=job.path, tasks=[t.key for t in tasks],
                    device=device, start_method=start_method)
     log.info("job %s: %d metric(s) on %s, output %s", job.name, len(tasks), job.device, out)
