@@ -51,3 +51,21 @@ def test_the_cli_confirm_flag_reaches_the_search_config() -> None:
                               max_trials=40, margin=0.15, isolate=False, confirm=True,
                               trial_timeout=None)
     assert search_config(args, __import__("torch").device("cpu"), 1024).confirm is True
+
+
+def test_an_answer_that_does_not_fit_fresh_is_followed_down_by_1_2_4_not_halved() -> None:
+    from oomguard import Trial
+    from oomguard.engine.core.strategies import Confirm
+
+    def oom(size: int) -> Trial:
+        return Trial(size, False, None, 0.0, headroom_bytes=50_000_000)
+
+    def fit(size: int) -> Trial:
+        return Trial(size, True, 0, 0.0, limit_peak_bytes=size * 500_000,
+                     headroom_bytes=50_000_000)
+
+    c = Confirm(start=100)
+    assert c.next([], 4096) == 100
+    assert c.next([oom(100)], 4096) == 99
+    assert c.next([oom(100), oom(99)], 4096) == 97
+    assert c.next([oom(100), oom(99), fit(97)], 4096) == 98

@@ -59,6 +59,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--out", metavar="DIR", help="output folder (overrides the job's output)")
     run.add_argument("--cache", metavar="PATH",
                      help="size cache file (default: sizes.json in the user cache folder)")
+    run.add_argument("--sizes", metavar="FILE",
+                     help="pin the sizes of a sizes.toml written by `oomguard reference` "
+                          "(for the same model, dtype, seq_len, device and budget); sizes "
+                          "the job file pins itself are kept")
     run.add_argument("--no-search", action="store_true",
                      help="never search: sizes from the cache, else the metric defaults")
     run.add_argument("--json", action="store_true",
@@ -127,6 +131,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     job_log = JobLog()
     try:
         job = load_job(args.job, output=args.out)
+        if args.sizes:
+            from oomguard.engine.jobs.plan import device_identity
+            from oomguard.engine.jobs.reference import apply_sizes, load_sizes
+
+            meta, sizes = load_sizes(args.sizes)
+            job = apply_sizes(job, meta, sizes, device_identity(job), args.sizes)
         # This process runs no torch code (it parses, plans and waits): for a CPU job a
         # plain fork is safe and cheaper than a forkserver
         # (docs/measurements.md#fork-after-openmp); a GPU job never forks.

@@ -24,6 +24,7 @@ import logging
 import sys
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,17 +46,22 @@ if TYPE_CHECKING:
 
     from oomguard.probes import MemorySnapshot
 
-def _progress(label: str, mark_fresh: bool = False) -> Any:
+@dataclass(frozen=True)
+class Progress:
     """One line on stderr per trial: ``  batch     48  ok   peak 1.93 GiB  (5.60 s)``;
-    ``mark_fresh``: end the lines of trials run in a fresh child with ``fresh``."""
-    def show(trial: Any) -> None:
+    ``mark_fresh``: end the lines of trials run in a fresh child with ``fresh``. A class,
+    not a closure, so that a search run in another process can take it along."""
+
+    label: str
+    mark_fresh: bool = False
+
+    def __call__(self, trial: Any) -> None:
         error = error_text(trial.error)
         peak = f"peak {fmt_bytes(trial.peak_bytes)}" if trial.ok else error[:100]
         verdict = "ok " if trial.ok else "RAM guard" if trial.guarded else "OOM"
-        fresh = "  fresh" if mark_fresh and trial.mode == "isolated" else ""
-        print(f"  {label} {trial.size:>6}  {verdict}  {peak}  "
+        fresh = "  fresh" if self.mark_fresh and trial.mode == "isolated" else ""
+        print(f"  {self.label} {trial.size:>6}  {verdict}  {peak}  "
               f"({trial.seconds:.2f} s){fresh}", file=sys.stderr, flush=True)
-    return show
 
 
 def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
@@ -72,8 +78,8 @@ def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
           f"{', the answer confirmed in fresh processes' if config.confirm else ''}"
           f"{f', sizes in multiples of {unit}' if unit > 1 else ''})", file=sys.stderr, flush=True)
     try:
-        result = search(workload, config, on_trial=_progress(context.get("knob", "batch"),
-                                                                config.confirm))
+        result = search(workload, config, on_trial=Progress(context.get("knob", "batch"),
+                                                               config.confirm))
     except NoSizeFits as exc:  # other knobs may still fit; TrialFailed goes to main()
         print(f"oomguard: {exc}", file=sys.stderr)
         return None
@@ -258,11 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
     from oomguard.engine.cli import catalogue
     from oomguard.engine.cli import estimate as estimate_cli
     from oomguard.engine.cli import jobs as jobs_cli
+    from oomguard.engine.cli import reference as reference_cli
     from oomguard.engine.cli import verify as verify_cli
 
     catalogue.register(sub)
     estimate_cli.add_parser(sub)
     verify_cli.add_parser(sub)
+    reference_cli.add_parser(sub)
 
     jobs_cli.register(sub)
     return parser

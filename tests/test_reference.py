@@ -1,0 +1,125 @@
+"""``oomguard reference``: every metric's memory knobs measured on this device, cached (a
+second run runs no trial), written as reference.md, reference.json and sizes.toml, and
+taken by jobs: automatically from the size cache, or pinned with ``--sizes``.
+
+The end-to-end test runs the command line in fresh processes, as a user does, under a
+real CPU budget; the job that pins the reference's sizes runs every metric in a fresh
+child under the same budget, so each safe size is checked where it will be used.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from oomguard.engine.errors import JobError
+from oomguard.engine.jobs.cache import SizeCache, entry_key
+from oomguard.engine.jobs.plan import device_identity, plan
+from oomguard.engine.jobs.reference import apply_sizes, load_sizes
+from oomguard.engine.jobs.spec import load_job
+from oomguard.metrics.base import load_all
+
+BUDGET = "384MiB"
+SETTINGS = ["--samples", "2", "--seq-len", "16", "--budget", BUDGET]
+
+
+def _oomguard(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "oomguard", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=600)
+
+
+def _job_file(tmp_path: Path, metrics: list[str]) -> Path:
+    blocks = "".join(f'\n[[metrics]]\nname = "{m}"\n' for m in metrics)
+    path = tmp_path / "job.toml"
+    path.write_text(f'output = "job"\nmodels = ["tiny-gpt2"]\nbudget = "{BUDGET}"\n'
+                    f'[data]\nseq_len = 16\nn_samples = 2\n{blocks}', encoding="utf-8")
+    return path
+
+
+@pytest.mark.integration
+def test_reference_covers_every_knob_is_cached_and_its_sizes_run_in_a_job(tmp_path: Path) -> None:
+    cache = tmp_path / "sizes.json"
+    first = _oomguard("reference", *SETTINGS, "--cache", str(cache), "--out", "ref",
+                      cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    doc = json.loads((tmp_path / "ref" / "reference.json").read_text())
+    expected = {(name, k.name) for name, m in load_all().items() for k in m.memory_knobs()}
+    assert {(r["metric"], r["knob"]) for r in doc["rows"]} == expected
+    assert all(r["source"] == "measured" and r["max_ok"] for r in doc["rows"]), doc["rows"]
+    assert all(r["safe"] <= r["max_ok"] for r in doc["rows"])
+    text = (tmp_path / "ref" / "reference.md").read_text()
+    assert all(f"| {m} | {k} |" in text for m, k in expected)
+
+    again = _oomguard("reference", *SETTINGS, "--cache", str(cache), "--out", "ref2",
+                      cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    doc2 = json.loads((tmp_path / "ref2" / "reference.json").read_text())
+    assert doc2["trials"] == 0 and {r["source"] for r in doc2["rows"]} == {"cache"}
+    assert [(r["max_ok"], r["safe"]) for r in doc2["rows"]] == [
+        (r["max_ok"], r["safe"]) for r in doc["rows"]]
+
+    # Every metric at the reference's sizes, each in a fresh child under the same budget.
+    job = _job_file(tmp_path, sorted(load_all()))
+    run = _oomguard("run", str(job), "--sizes", "ref/sizes.toml", "--cache",
+                    str(tmp_path / "other.json"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "job" / "results.json").read_text())
+    tasks = {t["metric"]: t for t in results["tasks"].values()} if isinstance(
+        results.get("tasks"), dict) else {t["metric"]: t for t in results["tasks"]}
+    for metric, sizes in doc["job_sizes"].items():
+        t = tasks[metric]
+        assert t["status"] == "ok", t
+        assert t["sizes"]["source"] == "job file" and t["sizes"]["final"] == sizes, t["sizes"]
+        assert t["sizes"]["retries"] == 0, t["sizes"]
+
+
+def test_a_job_on_the_same_device_and_workload_finds_the_references_sizes(
+        tmp_path: Path) -> None:
+    # The key a job's metric looks up (engine/jobs/child.py) is the one the reference
+    # stored its job sizes under: same device identity, same workload fingerprint.
+    from oomguard.engine.jobs.reference import Reference, Row, _job_sizes
+
+    job = load_job(_job_file(tmp_path, ["loss"]))
+    dev = device_identity(job)
+    (task,) = plan(job)
+    cache = SizeCache(tmp_path / "sizes.json")
+    ref = Reference(model="tiny-gpt2", dtype="float32", seq_len=16, n_samples=2, device=dev)
+    row = Row(metric="loss", knob="micro_batch_size", max_ok=2, first_oom=None, safe=2,
+              peak_at_safe_bytes=None, peak_source="", seconds_per_item=None,
+              source="measured", trials=1, seconds=0.1)
+    _job_sizes(ref, cache, entry_key(dev, task.workload), task, dev,
+               {"micro_batch_size": 32}, row)
+    assert cache.get(entry_key(device_identity(load_job(job.path)), task.workload))[
+        "sizes"] == {"micro_batch_size": 2}
+    # A job's own entry (lowered after an OOM in a real run) is never overwritten.
+    cache.lower(entry_key(dev, task.workload), {"micro_batch_size": 1}, reason="test")
+    _job_sizes(ref, cache, entry_key(dev, task.workload), task, dev,
+               {"micro_batch_size": 32}, row)
+    assert cache.get(entry_key(dev, task.workload))["sizes"] == {"micro_batch_size": 1}
+
+
+def test_a_sizes_file_for_another_setting_or_corrupt_is_a_one_line_error(tmp_path: Path) -> None:
+    job = load_job(_job_file(tmp_path, ["loss"]))
+    dev = device_identity(job)
+    good = ('[reference]\nmodel = "tiny-gpt2"\ndtype = "float32"\nseq_len = 16\n'
+            f'device = "cpu"\ndevice_name = "{dev["name"]}"\ntotal_bytes = {dev["total_bytes"]}\n'
+            f'budget_bytes = {dev["budget_bytes"]}\n\n[[metrics]]\nname = "loss"\n'
+            'sizes = { micro_batch_size = 3 }\n')
+    path = tmp_path / "sizes.toml"
+    path.write_text(good)
+    pinned = apply_sizes(job, *load_sizes(path), dev, str(path))
+    assert pinned.metrics[0].sizes == {"micro_batch_size": 3}
+    path.write_text(good.replace("seq_len = 16", "seq_len = 64"))
+    with pytest.raises(JobError, match="seq_len 64 .*the job: 16") as err:
+        apply_sizes(job, *load_sizes(path), dev, str(path))
+    assert "\n" not in str(err.value)
+    path.write_text("[reference\nnot toml")
+    with pytest.raises(JobError, match="not a valid TOML sizes file"):
+        load_sizes(path)
+    path.write_text(good.replace("micro_batch_size = 3", "micro_batch_size = 0"))
+    with pytest.raises(JobError, match="positive whole numbers"):
+        load_sizes(path)
