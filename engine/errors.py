@@ -121,6 +121,20 @@ class NoExecutableBatchSize(ExecutionFailed):
     """An adaptive batch size reached its minimum (or zero) on this rank or another one."""
 
 
+class RestartNeeded(ExecutionFailed):
+    """An OOM ladder (``on_oom``) must go on in a fresh process: memory did not come back
+    after an OOM. ``ladder`` (a :class:`~oomguard.engine.core.remedies.Ladder`) says where,
+    ``why`` says why in one line. Not an OOM: a job's runner restarts the task; any other
+    caller gets it as the executor giving up in this process."""
+
+    ladder: Any = None
+    why: str = ""
+
+
+class NoProgress(NoExecutableBatchSize):
+    """Two failed attempts in a row with the same remedy, sizes and error: the ladder stops."""
+
+
 class SearchFailed(OomguardError, RuntimeError):
     """A search ended without an answer; ``result`` holds every trial that ran."""
 

@@ -67,6 +67,9 @@ class AttentionStats(JsonMetric):
     """Mean attention entropy, weight on the first token and look-back distance per layer/head."""
 
     name = "attention_stats"
+    # Means of probabilities (entropy, weight, distance) summed in float64: bfloat16
+    # attention rows change them in the third digit; no difference of close numbers.
+    tolerates_lower_precision = True
     description = ("per layer and head: mean attention entropy (nats), mean weight on the first "
                    "token, mean attention distance (positions), over all valid query positions")
     knobs = (

@@ -104,6 +104,9 @@ class FisherDiagonal(JsonMetric):
     """Diagonal empirical Fisher (mean squared per-sample gradient): per-group trace and mean."""
 
     name = "fisher_diagonal"
+    # No: squares of per-sample gradients, many near 0, whose relative error in
+    # bfloat16 is unbounded; a curvature estimate is not a statistic to round.
+    tolerates_lower_precision = False
     description = ("diagonal empirical Fisher, mean over samples of squared per-sample "
                    "gradients: trace and mean per parameter group, total trace")
     knobs = (

@@ -33,6 +33,9 @@ class GradientStats(JsonMetric):
     """L2 norms of the full-data mean-loss gradient per parameter group, and the total norm."""
 
     name = "gradient_stats"
+    # Norms of the gradient per group: about three significant digits in bfloat16, as
+    # in mixed-precision training; a norm adds squares, nothing cancels.
+    tolerates_lower_precision = True
     description = "L2 norm of the full-data token-weighted mean-loss gradient per parameter group"
     knobs = (
         Knob("micro_batch_size", "memory", 32, 1,

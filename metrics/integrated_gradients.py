@@ -182,6 +182,10 @@ class CaptumMetric(JsonMetric):
     """A metric built on captum's ``attribute(..., internal_batch_size=...)`` with the
     knobs of :func:`captum_knobs`: declares that knob's granularity and its end."""
 
+    # No: attributions are checked by completeness (they sum to the change of the
+    # output), which bfloat16 gradients along the path would no longer meet.
+    tolerates_lower_precision = False
+
     def size_unit(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int:
         """``min(chunk_size, n_samples)`` items for ``internal_batch_size``, else 1."""
         if knob != "internal_batch_size":

@@ -76,6 +76,9 @@ class PositionJacobian(JsonMetric):
     """Frobenius norms of d(final hidden at last position) / d(embedding at each position)."""
 
     name = "position_jacobian"
+    # No: derivatives through the whole model; far positions' small norms are the
+    # signal, and bfloat16 backward errors are of their size.
+    tolerates_lower_precision = False
     description = ("Frobenius norm of the Jacobian of the last valid position's final hidden "
                    "state w.r.t. the input embedding at every position (VJPs)")
     knobs = (

@@ -93,6 +93,9 @@ class LossLandscape(JsonMetric):
     """Loss (nats/token) on a grid x grid plane along two filter-normalised random directions."""
 
     name = "loss_landscape"
+    # No: neighbouring points of the plane differ by small steps of the weights,
+    # which bfloat16 (8 bits of mantissa) rounds away or distorts.
+    tolerates_lower_precision = False
     description = ("2-D loss landscape (token-weighted mean NLL) along two filter-normalised "
                    "random directions, Li et al. 2018")
     knobs = (

@@ -31,6 +31,9 @@ class Loss(JsonMetric):
     """Token-weighted mean NLL (nats/token) and perplexity over the whole data."""
 
     name = "loss"
+    # A mean of per-token log-likelihoods, log-softmax in float32 and sums in float64:
+    # bfloat16 logits move it by about 1e-2 nats, not its meaning.
+    tolerates_lower_precision = True
     description = "token-weighted mean loss (nats/token) and perplexity over all data"
     knobs = (
         Knob("micro_batch_size", "memory", 32, 1, "micro_batch_size x seq_len x vocab (logits)",

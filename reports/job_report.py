@@ -4,7 +4,9 @@ Per metric: status, the sizes used and where they came from (cache, search,
 defaults, job file), retries, seconds, peak memory (measured, with what the
 meter counts) and the result summary; failures with their reason and
 traceback file; every out-of-memory event of the metrics' runs, with memory as
-measured at the OOM (:mod:`oomguard.engine.core.forensics`). Plots, where a picture says more, in the one plot style
+measured at the OOM (:mod:`oomguard.engine.core.forensics`); and, for metrics with a
+remedy ladder (``on_oom``), every remedy tried, with a result computed at a lower
+precision flagged in the table itself (:mod:`oomguard.engine.core.remedies`). Plots, where a picture says more, in the one plot style
 (:mod:`oomguard.reports.style`):
 
 - ``plots/memory.png``: measured peak memory per metric (bar chart, budget line);
@@ -226,6 +228,41 @@ def oom_events_section(tasks: Mapping[str, Any]) -> list[str]:
                     "inactive block in the allocator's segments.", ""]
 
 
+def status_cell(task: Mapping[str, Any]) -> str:
+    """A task's status, flagged when a remedy lowered its precision (never silent)."""
+    status = str(task.get("status"))
+    if task.get("lowered_precision"):
+        return f"{status} **(lowered precision: {task.get('precision')})**"
+    return status
+
+
+def remedies_section(tasks: Mapping[str, Any], dtype: str) -> list[str]:
+    """The report's "Remedies": per metric with a ladder that went past its first attempt,
+    what produced its result (or that nothing did) and every remedy tried."""
+    lines: list[str] = []
+    for key, t in tasks.items():
+        rungs = t.get("remedies") or []
+        if not rungs or (len(rungs) == 1 and rungs[0].get("outcome") == "ok"
+                         and not t.get("remedy")):
+            continue
+        tried = "; ".join(f"{r['remedy']} {r['outcome']}" + (f" ({r['why']})" if r.get("why")
+                                                              else "") for r in rungs)
+        if t.get("status") == "ok":
+            what = f"result from **{t.get('remedy') or 'the first attempt'}**"
+            if t.get("lowered_precision"):
+                what += f", at **{t.get('precision')}** instead of {dtype}"
+        else:
+            what = f"**{t.get('status')}**"
+        lines.append(f"- **{key}**: {what}. Tried: {tried}.")
+        lines += [f"  - fresh process: {why}" for why in t.get("restarts") or ()
+                  if why not in tried]
+    if not lines:
+        return []
+    return ["## Remedies", "", "What ran after an out-of-memory error at the minimum sizes "
+            "(the job's `on_oom`), in order. A result computed at a lower precision is "
+            "flagged in the table above.", "", *lines, ""]
+
+
 def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) -> str:
     """The job's report.md."""
     job, tasks = summary["job"], summary["tasks"]
@@ -253,7 +290,7 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
         used = _sizes(s.get("final") or s.get("start"))
         if not s.get("final") and len(s.get("attempts") or []) > 1:
             used = "tried " + " > ".join(_sizes(a) for a in s["attempts"])
-        lines.append(f"| {key} | {t.get('status')} | {used} "
+        lines.append(f"| {key} | {status_cell(t)} | {used} "
                      f"| {s.get('source') or '-'} | {s.get('retries', '-')} "
                      f"| {t['seconds']:.2f} | {fmt_bytes(t.get('peak_bytes'))} |"
                      if t.get("seconds") is not None else
@@ -263,6 +300,7 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
     if summary["status"] == "interrupted":
         lines += ["The job was interrupted: run the same command again to finish it "
                   "(finished metrics are kept).", ""]
+    lines += remedies_section(tasks, job["dtype"])
     lines += oom_events_section(tasks)
     rerun = {k: t["rerun_because"] for k, t in tasks.items() if t.get("rerun_because")}
     if rerun:
@@ -287,6 +325,9 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
                   f"ran at {_sizes(s.get('final'))} after {s.get('retries', 0)} retries"]
         if s.get("errors"):
             lines.append(f"- OOMs: {'; '.join(s['errors'])}")
+        if t.get("lowered_precision"):
+            lines.append(f"- **precision: {t.get('precision')}** (the job's dtype is "
+                         f"{job['dtype']}), lowered by the remedy `{t.get('remedy')}`")
         if t.get("search"):
             se = t["search"]
             trials = se.get("trials")

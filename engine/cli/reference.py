@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.cli.options import add_search_options, confirmed, isolated, positive_int
+from oomguard.engine.cli.options import add_search_options, confirmed, isolated, positive_int, size
 from oomguard.engine.errors import UsageError
 
 DEFAULT_OUT = "oomguard-reference"
@@ -43,10 +43,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="size cache file (default: sizes.json in the user cache folder)")
     add_search_options(p, start=8)
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder ({DEFAULT_OUT})")
+    est = p.add_argument_group(
+        "estimated reference (no device, no weights)",
+        "--estimate writes estimate-reference.md/.json instead: per metric and knob, the "
+        "largest size whose *estimated* total (weights, data and the peak above them, from "
+        "fake tensors on the config with 1, 2 and 3 layers, extrapolated to its depth) fits "
+        "--gpu's nominal memory or --memory, less --margin. Estimates, not measurements.")
+    est.add_argument("--estimate", action="store_true",
+                     help="estimate instead of measuring (needs --gpu or --memory)")
+    est.add_argument("--gpu", default=None, metavar="NAME",
+                     help="a GPU tier's nominal memory: 'H100 80GB', 'A100 40GB', "
+                          "'RTX 4090 24GB', 'V100 16GB' (estimated for cuda)")
+    est.add_argument("--memory", type=size, default=None, metavar="BYTES",
+                     help="the memory to fit, e.g. 24GiB (estimated for --device)")
+    est.add_argument("--batches", default=None, metavar="N,N",
+                     help="also a table of each metric's estimated memory at these batch "
+                          "sizes, e.g. 1,8,32")
+    est.add_argument("--measured", default=None, metavar="REFERENCE.json",
+                     help="a measured reference.json for the same model, dtype, sequence "
+                          "length and samples: show estimate against measurement")
     p.set_defaults(func=cmd_reference)
 
 
 def cmd_reference(args: argparse.Namespace) -> int:
+    """Measure the reference (or, with ``--estimate``, estimate it); exit 1 where nothing fits."""
+    if getattr(args, "estimate", False):
+        return cmd_estimate_reference(args)
+    for option in ("gpu", "memory", "batches", "measured"):
+        if getattr(args, option, None) is not None:
+            raise UsageError(f"--{option} is for --estimate: add --estimate, or leave it out")
     from oomguard.engine.cli.devices import resolve_device
     from oomguard.engine.cli.main import Progress
     from oomguard.engine.cli.options import search_config
@@ -105,4 +130,73 @@ def cmd_reference(args: argparse.Namespace) -> int:
           f"{ref.seconds:.1f} s)\nsizes:     {out / 'sizes.toml'}")
     if missing:
         print(f"oomguard: nothing fits for {', '.join(missing)}", file=sys.stderr)
+    return 1 if missing else 0
+
+
+def cmd_estimate_reference(args: argparse.Namespace) -> int:
+    """``oomguard reference --estimate``: write estimate-reference.md/.json (every figure an
+    estimate); exit 1 where even the smallest size of a knob does not fit."""
+    import json
+
+    from oomguard.engine.cli.estimate import parse_sizes
+    from oomguard.engine.core.atomic import atomic_write, atomic_write_json
+    from oomguard.engine.core.units import fmt_bytes
+    from oomguard.engine.jobs.reference_estimate import build_estimate_reference, gpu_memory
+    from oomguard.metrics.base import get_metric, load_all
+    from oomguard.metrics.models import check_seq_len, model_config, parse_dtype
+    from oomguard.reports.reference_estimate import render_estimate_markdown
+
+    if (args.gpu is None) == (args.memory is None):
+        raise UsageError("--estimate needs one of --gpu NAME or --memory BYTES (e.g. 24GiB)")
+    if args.gpu is not None:
+        memory, memory_name, device = gpu_memory(args.gpu), args.gpu, "cuda"
+    else:
+        memory, memory_name, device = args.memory, fmt_bytes(args.memory), args.device
+    if not isinstance(args.margin, float):
+        raise UsageError("--margin for --estimate is a fraction in [0, 1) (nothing is "
+                         "measured, so 'measured' has no spread to read)")
+    names = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else \
+        sorted(load_all())
+    if not names:
+        raise UsageError("--metrics names no metric: give NAME,NAME (see `oomguard metrics`)")
+    for name in names:
+        get_metric(name)
+    parse_dtype(args.dtype)
+    check_seq_len(model_config(args.model), args.seq_len)
+    batches = parse_sizes(args.batches) if args.batches else []
+    measured = None
+    if args.measured:
+        try:
+            measured = json.loads(Path(args.measured).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--measured {args.measured}: cannot read a reference.json "
+                             f"({getattr(exc, 'strerror', None) or exc})") from None
+    out = Path(args.out)
+
+    def show(row: dict[str, Any]) -> None:
+        what = "does not fit" if row["largest"] is None else f"largest {row['largest']}"
+        print(f"oomguard: {row['metric']}.{row['knob']}: {what} (estimated, {row['estimates']} "
+              f"estimates, {row['seconds']:.1f} s)", file=sys.stderr, flush=True)
+
+    print(f"oomguard: estimated reference of {len(names)} metrics for {args.model} "
+          f"({args.dtype}, seq_len {args.seq_len}, {args.samples} samples) in {memory_name} "
+          f"less a {args.margin:.0%} margin", file=sys.stderr, flush=True)
+    doc = build_estimate_reference(args.model, args.dtype, args.seq_len, args.samples,
+                                   memory=memory, memory_name=memory_name, margin=args.margin,
+                                   device=device, metrics=names, max_size=args.max_size,
+                                   batches=batches, measured=measured, on_row=show)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "estimate-reference.json", doc)
+        atomic_write(out / "estimate-reference.md", render_estimate_markdown(doc))
+    except OSError as exc:
+        print(f"oomguard: cannot write {exc.filename or out}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
+    missing = [f"{r['metric']}.{r['knob']}" for r in doc["rows"] if r["largest"] is None]
+    print(f"estimated reference: {out / 'estimate-reference.md'} ({len(doc['rows'])} rows, "
+          f"{doc['estimates']} estimates, {doc['seconds']:.1f} s; estimates, not measurements)")
+    if missing:
+        print(f"oomguard: estimated not to fit even at size 1: {', '.join(missing)}",
+              file=sys.stderr)
     return 1 if missing else 0

@@ -10,7 +10,10 @@ propagates at once, untouched. The OOM's exception and traceback are dropped
 *before* memory is released, so the failed attempt's tensors are really freed
 between attempts. Each OOM is recorded in the run's :class:`RunRecord`
 (``events``), with memory as the allocator and the host saw it at the OOM
-(:mod:`~oomguard.engine.core.forensics`).
+(:mod:`~oomguard.engine.core.forensics`). With ``on_oom`` the executor goes on past the
+minimum through a ladder of remedies (lower precision, a fresh process with expandable
+segments, the CPU), checking between attempts that memory came back
+(:mod:`~oomguard.engine.core.remedies`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,9 +33,15 @@ from oomguard.engine.core.controller import (
     SizeMemory,
 )
 from oomguard.engine.core.forensics import start_history
+from oomguard.engine.core.remedies import Ladder, parse_on_oom, run_ladder
 from oomguard.engine.core.retry import Halve, ReduceWith, RetryPolicy, Sizes
 from oomguard.engine.core.weakmap import WeakIdMap
-from oomguard.engine.errors import ExecutionFailed, NoExecutableBatchSize, check_positive_int
+from oomguard.engine.errors import (
+    ExecutionFailed,
+    NoExecutableBatchSize,
+    UsageError,
+    check_positive_int,
+)
 
 __all__ = ["ExecutionFailed", "Executor", "Halve", "NoExecutableBatchSize", "ReduceWith",
            "RetryPolicy", "RunRecord", "Sizes"]
@@ -54,6 +63,16 @@ class Executor:
     allocation history is recorded from the first run on, for the rest of the
     process). On another device the events say why there is none.
 
+    ``on_oom`` (default None: retry at half only, as always) is a remedy ladder such as
+    ``["halve", "bfloat16", "cpu"]`` (:func:`~oomguard.engine.core.remedies.parse_on_oom`):
+    after the minimum it tries each remedy in turn, and ``ladder`` holds what the last
+    run's did (:class:`~oomguard.engine.core.remedies.Ladder`). A lower precision needs a
+    workload that declares ``tolerates_lower_precision = True`` and has
+    ``at_precision(dtype)``; ``cpu`` needs ``on_device(device)``; both return the workload
+    to call. ``fresh_process``: the caller can restart the run in a fresh process (a job's
+    runner), so ``expandable_segments`` and memory that did not come back raise
+    :class:`~oomguard.engine.core.remedies.RestartNeeded` carrying the ladder to resume.
+
     What worked lives on this executor: per ``name=`` when one is given (the
     last 1024 names), else per function object while that object lives. A
     later call of the same workload starts at the remembered sizes when they
@@ -65,7 +84,13 @@ class Executor:
     def __init__(self, policy: RetryPolicy | None = None,
                  device: str | torch.device | None = None,
                  agreement: SizeAgreement | None = None,
-                 snapshot_on_oom: str | os.PathLike[str] | None = None) -> None:
+                 snapshot_on_oom: str | os.PathLike[str] | None = None,
+                 on_oom: Sequence[str] | None = None, fresh_process: bool = False) -> None:
+        self.on_oom = parse_on_oom(on_oom) if on_oom is not None else None
+        if self.on_oom is not None and agreement is not None:
+            raise UsageError("on_oom runs in one process: it cannot be combined with an agreement")
+        self.fresh_process = fresh_process
+        self.ladder: Ladder | None = None
         self.policy = policy or Halve()
         self.snapshot_on_oom = snapshot_on_oom
         self.device = device
@@ -83,6 +108,7 @@ class Executor:
         sizes: Mapping[str, int] | None = None,
         minimum: Mapping[str, int] | None = None,
         name: str | None = None,
+        ladder: Ladder | None = None,
     ) -> Any:
         """Run ``fn(batch_size)``, or ``fn(**sizes)`` for several tunable sizes.
 
@@ -91,6 +117,8 @@ class Executor:
         (a :class:`~oomguard.engine.errors.NoExecutableBatchSize`) names the
         workload and every size tried. Any error that is not an OOM propagates
         unchanged. Sizes must be positive integers (``ValueError`` otherwise).
+        With ``on_oom``, the remedies follow the minimum; ``ladder`` resumes one that a
+        :class:`~oomguard.engine.core.remedies.RestartNeeded` carried out of another process.
         """
         if (batch_size is None) == (sizes is None):
             raise ValueError("give exactly one of batch_size or sizes")
@@ -101,15 +129,34 @@ class Executor:
         label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
         if self.snapshot_on_oom is not None:
             start_history(self.device)  # once per process: the snapshot needs the history
-        controller = SizeController(label, self._memory(fn, name, label, start),
-                                    minimum=minimum, policy=self.policy,
-                                    agreement=self.agreement, device=self.device, logger=log,
-                                    snapshot_dir=self.snapshot_on_oom)
+        if self.on_oom is None and ladder is None:
+            controller = self._controller(label, self._memory(fn, name, label, start), minimum,
+                                          self.device)
+            record = RunRecord(workload=label)
+            self.history.append(record)
+            if positional:
+                return controller.run(lambda s: fn(s["batch_size"]), cap=start, record=record)
+            return controller.run(lambda s: fn(**s), cap=start, record=record)
         record = RunRecord(workload=label)
         self.history.append(record)
-        if positional:
-            return controller.run(lambda s: fn(s["batch_size"]), cap=start, record=record)
-        return controller.run(lambda s: fn(**s), cap=start, record=record)
+        self.ladder = ladder or Ladder(self.on_oom or ("halve",))
+
+        def run_rung(attempt: Callable[[Sizes], Any], sizes: Sizes, fresh: bool,
+                     device: Any) -> Any:
+            memory = SizeMemory.new(label, sizes) if fresh else self._memory(fn, name, label,
+                                                                             start)
+            return self._controller(label, memory, minimum, device).run(
+                attempt, cap=sizes, record=record)
+
+        return run_ladder(fn, start, self.ladder, run_rung=run_rung, record=record,
+                          name=label, device=self.device, fresh_process=self.fresh_process,
+                          positional=positional)
+
+    def _controller(self, label: str, memory: SizeMemory, minimum: Mapping[str, int] | None,
+                    device: Any) -> SizeController:
+        return SizeController(label, memory, minimum=minimum, policy=self.policy,
+                              agreement=self.agreement, device=device, logger=log,
+                              snapshot_dir=self.snapshot_on_oom)
 
     def _memory(self, fn: Any, name: str | None, label: str, start: Sizes) -> SizeMemory:
         """What this executor learnt about the workload, or a new memory starting at ``start``."""

@@ -11,11 +11,19 @@ budget), stored in the cache; the metric's defaults. An OOM during the run
 retries at half (the executor) and lowers the cached sizes to what worked; each
 OOM of the run is in the result's ``oom_events`` (memory measured at the OOM;
 with ``snapshot_on_oom``, an allocator snapshot in ``snapshots/`` on CUDA).
+
+With a remedy ladder (``on_oom``) the executor goes on past the minimum
+(:mod:`~oomguard.engine.core.remedies`): :class:`_Work` lowers the model's precision
+or moves model and data to the CPU. When the ladder needs a fresh process
+(``expandable_segments``, or memory that did not come back after an OOM), this process
+sends the runner a *handoff* (the ladder, the sizes, what ran so far) and ends without
+a result; the runner starts the next process with it (:func:`child_main`'s ``handoff``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -34,6 +42,8 @@ from oomguard.engine.core.executor import Executor
 from oomguard.engine.core.forensics import start_history
 from oomguard.engine.core.heap import return_freed_memory_to_os
 from oomguard.engine.core.jsonable import to_jsonable
+from oomguard.engine.core.oom import release_memory
+from oomguard.engine.core.remedies import Ladder, RestartNeeded, apply_env
 from oomguard.engine.core.search import search
 from oomguard.engine.core.strategies import E10, Guided
 from oomguard.engine.errors import ExecutionFailed, NoSizeFits, TrialFailed
@@ -67,8 +77,16 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def child_main(task: Task, ctx: Context) -> None:
-    """Entry point of the child: run ``task`` and record its result or failure."""
+def child_main(task: Task, ctx: Context, handoff: dict[str, Any] | None = None,
+               conn: Any = None) -> None:
+    """Entry point of the child: run ``task`` and record its result or failure.
+
+    ``handoff``: what the task's previous process sent when its remedy ladder needed a
+    fresh one (applied first: its environment must be in place before CUDA starts).
+    ``conn``: where this process sends its own handoff (a ``multiprocessing`` connection).
+    """
+    if handoff is not None:
+        apply_env(handoff["ladder"]["env"])
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent decides
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked child inherits the parent's handler
@@ -77,7 +95,7 @@ def child_main(task: Task, ctx: Context) -> None:
     return_freed_memory_to_os()
     out = Path(ctx.out)
     journal = Journal(out / "journal.jsonl")
-    state: dict[str, Any] = {}
+    state: dict[str, Any] = {"handoff": handoff or {}}
     t0 = time.perf_counter()
     try:
         if ctx.log_setup is not None:  # the caller's logging (the CLI: job.log), per process
@@ -85,46 +103,81 @@ def child_main(task: Task, ctx: Context) -> None:
         for plugin in ctx.job.plugins:
             import_plugin(plugin)
         record = _execute(task, ctx, journal, state, t0)
+    except RestartNeeded as exc:
+        if conn is not None:  # the runner starts the next process; no result from this one
+            info = _sizes_info(state)
+            conn.send({"why": exc.why, "ladder": exc.ladder.to_dict() if exc.ladder else {},
+                       "start": state.get("start"), "source": state.get("source"),
+                       "search": state.get("search"), "cache_key": state.get("cache_key"),
+                       "attempts": info["attempts"], "errors": info["errors"],
+                       "oom_events": _oom_events(state, out) or []})
+            return
+        record = _failed(task, ctx, exc, state, out, journal, t0)
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, none escapes
-        if isinstance(exc, ExecutionFailed):
-            reason = str(exc)  # names the workload and every size tried
-        else:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            reason = f"{type(exc).__name__}: {first[:500]}"
-        tb = out / "tracebacks" / f"{task.key}.txt"
-        atomic_write(tb, "".join(traceback.format_exception(exc)))
-        del exc
-        record = TaskResult.failure(task, ctx.run_id, reason, str(tb.relative_to(out)),
-                                    time.perf_counter() - t0, sizes=_sizes_info(state),
-                                    search=state.get("search"),
-                                    oom_events=_oom_events(state, out))
+        record = _failed(task, ctx, exc, state, out, journal, t0)
+    if record.ok:
         atomic_write_json(out / "results" / f"{task.key}.json", record)
-        journal.append("failure", task=task.key, run=ctx.run_id, reason=reason,
-                       traceback=record.traceback)
-        log.error("%s failed: %s (traceback in %s)", task.key, reason, tb)
-        return
+        sizes = record.sizes or {}
+        journal.append("success", task=task.key, run=ctx.run_id, seconds=record.seconds,
+                       sizes=sizes.get("final"), source=sizes.get("source"),
+                       retries=sizes.get("retries"), remedy=record.remedy)
+
+
+def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any], out: Path,
+            journal: Journal, t0: float) -> TaskResult:
+    """Record ``exc`` as the task's failure: result file, traceback file, journal."""
+    if isinstance(exc, ExecutionFailed):
+        reason = str(exc)  # names the workload and every size tried
+    else:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        reason = f"{type(exc).__name__}: {first[:500]}"
+    tb = out / "tracebacks" / f"{task.key}.txt"
+    atomic_write(tb, "".join(traceback.format_exception(exc)))
+    del exc
+    record = TaskResult.failure(task, ctx.run_id, reason, str(tb.relative_to(out)),
+                                time.perf_counter() - t0, sizes=_sizes_info(state),
+                                search=state.get("search"),
+                                oom_events=_oom_events(state, out), **_ladder_info(state))
     atomic_write_json(out / "results" / f"{task.key}.json", record)
-    sizes = record.sizes or {}
-    journal.append("success", task=task.key, run=ctx.run_id, seconds=record.seconds,
-                   sizes=sizes.get("final"), source=sizes.get("source"),
-                   retries=sizes.get("retries"))
+    journal.append("failure", task=task.key, run=ctx.run_id, reason=reason,
+                   traceback=record.traceback)
+    log.error("%s failed: %s (traceback in %s)", task.key, reason, tb)
+    return record
 
 
 def _sizes_info(state: dict[str, Any]) -> dict[str, Any]:
+    """Where the sizes came from and every attempt, the task's earlier processes' first."""
     executor: Executor | None = state.get("executor")
     rec = executor.history[-1] if executor and executor.history else None
+    prior = state["handoff"]
+    attempts = prior.get("attempts", []) + (rec.attempts if rec else [])
     return {"start": state.get("start"), "source": state.get("source"),
-            "final": rec.final if rec else None, "attempts": rec.attempts if rec else [],
-            "errors": rec.errors if rec else [], "retries": rec.retries if rec else 0,
-            "cache_key": state.get("cache_key")}
+            "final": rec.final if rec else None, "attempts": attempts,
+            "errors": prior.get("errors", []) + (rec.errors if rec else []),
+            "retries": max(0, len(attempts) - 1), "cache_key": state.get("cache_key")}
+
+
+def _ladder_info(state: dict[str, Any], work: Any = None, dtype: str = "") -> dict[str, Any]:
+    """A result's remedy fields: the ladder's rungs and restarts; with the workload that
+    ran, its precision and whether a remedy lowered it below the job's ``dtype``."""
+    executor: Executor | None = state.get("executor")
+    ladder: Ladder | None = executor.ladder if executor else None
+    out: dict[str, Any] = {} if work is None else {
+        "precision": work.precision, "lowered_precision": work.precision != dtype}
+    if ladder is not None:
+        out.update(remedy=ladder.produced, restarts=list(ladder.restarts),
+                   remedies=[dataclasses.asdict(r) for r in ladder.rungs])
+    return out
 
 
 def _oom_events(state: dict[str, Any], out: Path) -> list[dict[str, Any]] | None:
-    """The run's OOM events (snapshot paths relative to ``out``); None if it never ran."""
+    """The run's OOM events (snapshot paths relative to ``out``), the task's earlier
+    processes' first; None if it never ran."""
     executor: Executor | None = state.get("executor")
     if not executor or not executor.history:
-        return None
-    events = [e.to_dict() for e in executor.history[-1].events]
+        return state["handoff"].get("oom_events")
+    events = state["handoff"].get("oom_events", []) + [
+        e.to_dict() for e in executor.history[-1].events]
     for e in events:
         if e["snapshot"] and Path(e["snapshot"]).is_relative_to(out):
             e["snapshot"] = str(Path(e["snapshot"]).relative_to(out))
@@ -234,6 +287,50 @@ def _split_tensors(value: Any, prefix: str, big: dict[str, Any]) -> None:
             _split_tensors(v, f"{prefix}.{k}" if prefix else str(k), big)
 
 
+class _Work:
+    """The task's metric as the executor calls it, and what remedies change in it
+    (:mod:`~oomguard.engine.core.remedies`): :meth:`at_precision` casts the model in
+    place; :meth:`on_device` builds model and data again there, at the job's dtype.
+    ``meter`` measures the peak of the device the metric runs on."""
+
+    def __init__(self, task: Task, ctx: Context, metric: Any, model: Any, data: Any,
+                 journal: Journal) -> None:
+        self.task, self.ctx, self.metric, self.model, self.data = task, ctx, metric, model, data
+        self.journal = journal
+        self.executor: Executor | None = None  # the run's, once it is made
+        self.tolerates_lower_precision = bool(metric.tolerates_lower_precision)
+        self.precision = ctx.job.dtype
+        self.meter = PeakMeter(ctx.job.device)
+
+    def __call__(self, **sizes: int) -> dict[str, Any]:
+        rec = self.executor.history[-1] if self.executor else None
+        if rec is not None and len(rec.attempts) > 1:
+            self.journal.append("retry", task=self.task.key, run=self.ctx.run_id, sizes=sizes,
+                                after=rec.errors[-1] if rec.errors else None)
+        return self.call(**sizes)
+
+    def call(self, **sizes: int) -> dict[str, Any]:
+        """The metric at ``sizes`` (what the size search runs)."""
+        return self.metric.run(self.model, self.data, **self.task.params, **sizes)
+
+    def at_precision(self, dtype: torch.dtype) -> _Work:
+        self.model.to(dtype)
+        self.precision = str(dtype).removeprefix("torch.")
+        return self
+
+    def on_device(self, device: str) -> _Work:
+        job = self.ctx.job
+        self.model = self.data = None
+        release_memory(job.device)
+        self.model = build_model(self.task.model, job.dtype, device, seed=job.seed)
+        self.data = load_data(job.data, self.model.config.vocab_size, seed=job.seed,
+                              device=device)
+        _warm_up(self.model, self.data)
+        self.precision, self.meter = job.dtype, PeakMeter(device)
+        self.meter.reset()
+        return self
+
+
 def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
              t0: float) -> TaskResult:
     job, out = ctx.job, Path(ctx.out)
@@ -243,36 +340,37 @@ def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
     model = build_model(task.model, job.dtype, job.device, seed=job.seed)
     data = load_data(job.data, model.config.vocab_size, seed=job.seed, device=job.device)
     _warm_up(model, data)
-
-    def call(**sizes: int) -> dict[str, Any]:
-        return metric.run(model, data, **task.params, **sizes)
-
-    start = state["start"] = _choose_sizes(task, ctx, metric, call, journal, state)
-    journal.append("sizes", task=task.key, run=ctx.run_id, sizes=start, source=state["source"])
+    # Only the workload holds the model and the data: a remedy may replace them.
+    work = _Work(task, ctx, metric, model, data, journal)
+    del model, data
+    prior = state["handoff"]
+    if prior:  # a fresh process of the same run: the sizes were chosen by the first one
+        for key in ("start", "source", "search", "cache_key"):
+            state[key] = prior[key]
+        start = prior["start"]
+    else:
+        start = state["start"] = _choose_sizes(task, ctx, metric, work.call, journal, state)
+        journal.append("sizes", task=task.key, run=ctx.run_id, sizes=start,
+                       source=state["source"])
     minimum = {k.name: int(k.minimum) for k in metric.memory_knobs()}
-    executor = state["executor"] = Executor(
-        device=job.device, snapshot_on_oom=out / "snapshots" if ctx.snapshot_on_oom else None)
-
-    def attempt(**sizes: int) -> dict[str, Any]:
-        rec = executor.history[-1]
-        if len(rec.attempts) > 1:
-            journal.append("retry", task=task.key, run=ctx.run_id, sizes=sizes,
-                           after=rec.errors[-1] if rec.errors else None)
-        return call(**sizes)
-
-    meter = PeakMeter(job.device)
+    executor = work.executor = state["executor"] = Executor(
+        device=job.device, snapshot_on_oom=out / "snapshots" if ctx.snapshot_on_oom else None,
+        on_oom=task.on_oom, fresh_process=True)
+    ladder = Ladder.from_dict(prior["ladder"]) if prior else None
     guard = budget(job.budget_bytes, job.device) if job.budget_bytes else nullcontext()
-    meter.reset()
+    work.meter.reset()
     with guard:
         t_run = time.perf_counter()
-        result = executor.run(attempt, sizes=start, minimum=minimum, name=task.key)
+        result = executor.run(work, sizes=start, minimum=minimum, name=task.key, ladder=ladder)
         seconds = time.perf_counter() - t_run
-    peak = meter.read()
-    rec = executor.history[-1]
-    if rec.retries and state.get("cache_key") and rec.final:
+    peak = work.meter.read()
+    rec, info = executor.history[-1], _sizes_info(state)
+    same = executor.ladder is None or executor.ladder.produced in (None, "halve")
+    if info["retries"] and state.get("cache_key") and rec.final and same:
+        # (sizes that worked after a lower precision or on the CPU say nothing of this one)
         SizeCache(ctx.cache_path).lower(state["cache_key"], rec.final, device=ctx.device,
                                         workload=task.workload,
-                                        reason=f"{task.key}: {rec.errors[-1]}")
+                                        reason=f"{task.key}: {info['errors'][-1]}")
     big: dict[str, Any] = {}
     _split_tensors(result, "", big)
     tensors = None
@@ -283,11 +381,11 @@ def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
     summary = metric.summary(result)
     return TaskResult(
         task=task.key, metric=task.metric, model=task.model, status=OK, run=ctx.run_id,
-        fingerprint=task.fingerprint, params=task.params, sizes=_sizes_info(state),
+        fingerprint=task.fingerprint, params=task.params, sizes=info,
         search=state.get("search"), oom_events=_oom_events(state, out),
         seconds=round(seconds, 3),
         total_seconds=round(time.perf_counter() - t0, 3), peak_bytes=peak,
-        peak_source=f"measured: {meter.source}", budget_bytes=job.budget_bytes,
+        peak_source=f"measured: {work.meter.source}", budget_bytes=job.budget_bytes,
         summary=to_jsonable(summary, max_items=TENSOR_INLINE_MAX), tensors=tensors,
         inputs=dict(task.inputs), rerun_because=list(task.rerun_because) or None,
-        finished=now_iso())
+        finished=now_iso(), **_ladder_info(state, work, job.dtype))

@@ -1,5 +1,6 @@
 """A job's plan: its tasks (one per model and metric, each with the inputs that define
-its result) and the device it runs on, measured before anything starts."""
+its result) and the device it runs on, measured before anything starts; and how the
+tasks' processes are started, stopped and heard from."""
 
 from __future__ import annotations
 
@@ -12,9 +13,14 @@ from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.fingerprint import Digests, model_inputs, task_inputs
 from oomguard.engine.jobs.records import Job, Task
 from oomguard.engine.jobs.spec import model_label
+from oomguard.metrics.base import get_metric
+from oomguard.metrics.models import model_config
 from oomguard.probes import probe
 
-__all__ = ["child_start_method", "device_identity", "plan"]
+__all__ = ["child_start_method", "device_identity", "plan", "preload_modules", "received",
+           "stop_child"]
+
+KILL_GRACE_S = 5.0  # after SIGTERM, before SIGKILL
 
 
 def plan(job: Job, digests: Digests | None = None) -> list[Task]:
@@ -37,7 +43,8 @@ def plan(job: Job, digests: Digests | None = None) -> list[Task]:
             tasks.append(Task(key=key, metric_id=m.id, metric=m.name, model=spec,
                               params=dict(m.params), pinned=dict(m.sizes),
                               time_limit=m.time_limit, workload=workload,
-                              fingerprint=stable_hash(inputs), inputs=inputs))
+                              fingerprint=stable_hash(inputs), inputs=inputs,
+                              on_oom=m.on_oom if m.on_oom is not None else job.on_oom))
     return tasks
 
 
@@ -65,3 +72,32 @@ def device_identity(job: Job) -> dict[str, Any]:
                        "smaller budget, or none")
     return {"device": job.device, "name": snap.name, "total_bytes": snap.total_bytes,
             "budget_bytes": job.budget_bytes}
+
+
+def preload_modules(task: Task) -> tuple[str, ...]:
+    """Modules a task's process needs, for its parent (or forkserver) to import once."""
+    mods = ["transformers", "oomguard.metrics.models", "oomguard.metrics.base",
+            "oomguard.engine.jobs.child", type(get_metric(task.metric)).__module__]
+    try:
+        mt = model_config(task.model).model_type.replace("-", "_")
+        mods.append(f"transformers.models.{mt}.modeling_{mt}")
+    except Exception:  # noqa: BLE001 - preloading is an optimisation only
+        pass
+    return tuple(m for m in mods if not m.startswith("oomguard_plugin_"))
+
+
+def received(receive: Any) -> dict[str, Any] | None:
+    """The child's handoff, once sent (read while it runs: a large one fills the pipe)."""
+    try:
+        return receive.recv() if receive.poll() else None
+    except (EOFError, OSError):  # the child ended without sending one
+        return None
+
+
+def stop_child(proc: Any) -> None:
+    """Stop a task's process: SIGTERM, then SIGKILL after :data:`KILL_GRACE_S`."""
+    proc.terminate()
+    proc.join(KILL_GRACE_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()

@@ -61,6 +61,7 @@ class MetricSpec:
     params: dict[str, Any] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     time_limit: float = 1200.0
+    on_oom: tuple[str, ...] | None = None  # None: the job's (engine/core/remedies.py)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class Job:
     metrics: tuple[MetricSpec, ...]
     budget_bytes: int | None = None
     plugins: tuple[str, ...] = ()
+    on_oom: tuple[str, ...] | None = None  # the remedy ladder of every metric without its own
 
 
 # ------------------------------------------------------------------ running it
@@ -90,7 +92,8 @@ class Task:
     ``workload`` is what the size cache keys on (what memory depends on);
     ``inputs`` is what defines the result
     (:func:`~oomguard.engine.jobs.fingerprint.task_inputs`) and ``fingerprint``
-    its hash. ``rerun_because`` says why an earlier result was set aside.
+    its hash. ``rerun_because`` says why an earlier result was set aside. ``on_oom`` is
+    its remedy ladder (None: retry at half only); it does not define the result.
     """
 
     key: str
@@ -104,6 +107,7 @@ class Task:
     fingerprint: str
     inputs: dict[str, Any] = field(default_factory=dict)
     rerun_because: tuple[str, ...] = ()
+    on_oom: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -141,8 +145,13 @@ class TaskResult:
     nothing was recorded (the run never started, or a file written before this field,
     which still loads). ``inputs`` records what
     defines the result (the task's inputs), ``rerun_because`` why an earlier
-    result for the task was set aside. Keys this version does not know (a file
-    written by another version) are kept in ``extra``.
+    result for the task was set aside. ``precision`` is the dtype the result was
+    computed at and ``lowered_precision`` whether a remedy lowered it below the job's
+    dtype; ``remedy`` the remedy that produced it (None: the first attempt worked, or no
+    ``on_oom``); ``remedies`` every rung of the ladder tried (remedy, outcome ok, failed,
+    skipped or restarted, why, attempts), ``restarts`` why each fresh process was started
+    (None without ``on_oom``). Keys this version does not know (a file written by another
+    version) are kept in ``extra``.
     """
 
     task: str
@@ -167,6 +176,11 @@ class TaskResult:
     tensors: str | None = None
     inputs: dict[str, Any] | None = None
     rerun_because: list[str] | None = None
+    precision: str | None = None
+    lowered_precision: bool | None = None
+    remedy: str | None = None
+    remedies: list[dict[str, Any]] | None = None
+    restarts: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

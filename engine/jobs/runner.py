@@ -68,7 +68,13 @@ from oomguard.engine.jobs.output import (
     set_aside,
     stale_reasons,
 )
-from oomguard.engine.jobs.plan import device_identity, plan
+from oomguard.engine.jobs.plan import (
+    device_identity,
+    plan,
+    preload_modules,
+    received,
+    stop_child,
+)
 from oomguard.engine.jobs.records import (
     FAILED,
     INTERRUPTED,
@@ -79,13 +85,10 @@ from oomguard.engine.jobs.records import (
     TaskResult,
     now_iso,
 )
-from oomguard.metrics.base import get_metric
-from oomguard.metrics.models import model_config
 from oomguard.reports.job_report import ReportInterrupted, write_job_report
 
 log = logging.getLogger("oomguard.job")
 
-KILL_GRACE_S = 5.0
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -308,46 +311,51 @@ def _log_record(i: int, n: int, r: TaskResult) -> None:
         log.error("[%d/%d] %s: FAILED: %s", i, n, r.task, r.reason)
 
 
-def _preload(task: Task) -> tuple[str, ...]:
-    mods = ["transformers", "oomguard.metrics.models", "oomguard.metrics.base", "oomguard.engine.jobs.child",
-            type(get_metric(task.metric)).__module__]
-    try:
-        mt = model_config(task.model).model_type.replace("-", "_")
-        mods.append(f"transformers.models.{mt}.modeling_{mt}")
-    except Exception:  # noqa: BLE001 - preloading is an optimisation only
-        pass
-    return tuple(m for m in mods if not m.startswith("oomguard_plugin_"))
-
-
 def _run_task(task: Task, ctx: Context, journal: Journal, stop: _Stop) -> TaskResult | None:
-    """Run one task in a child; the record written, or None if the job was interrupted."""
+    """Run one task in a child, and in a fresh one each time its remedy ladder asks for one
+    (``expandable_segments``, memory that did not come back; journal ``restart``); the
+    record written, or None if the job was interrupted. The time limit covers them all."""
     out = Path(ctx.out)
     journal.append("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
                    time_limit_s=task.time_limit, start_method=ctx.start_method)
     if ctx.start_method == "forkserver":
-        mp = forkserver_context(_preload(task))
+        mp = forkserver_context(preload_modules(task))
     else:
-        for module in _preload(task):  # imported once here, inherited by every child
+        for module in preload_modules(task):  # imported once here, inherited by every child
             try:
                 importlib.import_module(module)
             except ImportError:
                 pass
         mp = multiprocessing.get_context(ctx.start_method)
-    proc = mp.Process(target=child_main, args=(task, ctx), name=f"oomguard-{task.key}")
     t0 = time.monotonic()
-    proc.start()
-    reason = None
-    while proc.is_alive():
-        proc.join(0.2)
-        if stop.signum is not None and proc.is_alive():
-            _stop_child(proc)
-            journal.append("interrupted", task=task.key, run=ctx.run_id,
-                           signal=signal.Signals(stop.signum).name,
-                           seconds=round(time.monotonic() - t0, 3))
-            return None
-        if time.monotonic() - t0 > task.time_limit and proc.is_alive():
-            _stop_child(proc)
-            reason = f"time limit of {task.time_limit:g} s exceeded (stopped)"
+    handoff: dict[str, Any] | None = None
+    while True:
+        receive, send = mp.Pipe(duplex=False)
+        proc = mp.Process(target=child_main, args=(task, ctx, handoff, send),
+                          name=f"oomguard-{task.key}")
+        proc.start()
+        send.close()
+        handoff, reason = None, None
+        while proc.is_alive():
+            handoff = handoff or received(receive)
+            proc.join(0.2)
+            if stop.signum is not None and proc.is_alive():
+                stop_child(proc)
+                journal.append("interrupted", task=task.key, run=ctx.run_id,
+                               signal=signal.Signals(stop.signum).name,
+                               seconds=round(time.monotonic() - t0, 3))
+                return None
+            if time.monotonic() - t0 > task.time_limit and proc.is_alive():
+                stop_child(proc)
+                reason = f"time limit of {task.time_limit:g} s exceeded (stopped)"
+        handoff = handoff or received(receive)
+        receive.close()
+        if handoff is None or reason is not None or stop.signum is not None:
+            break
+        journal.append("restart", task=task.key, run=ctx.run_id, why=handoff["why"],
+                       env=handoff["ladder"].get("env"), resume=handoff["ladder"].get("resume"),
+                       remedy=handoff["ladder"]["remedies"][handoff["ladder"]["at"]])
+        log.warning("%s: restarting in a fresh process: %s", task.key, handoff["why"])
     record = read_result(out, task.key)
     if record is not None and record.run == ctx.run_id and reason is None:
         return record
@@ -369,14 +377,6 @@ def _run_task(task: Task, ctx: Context, journal: Journal, stop: _Stop) -> TaskRe
     journal.append("failure", task=task.key, run=ctx.run_id, reason=reason,
                    traceback=record.traceback)
     return record
-
-
-def _stop_child(proc: Any) -> None:
-    proc.terminate()
-    proc.join(KILL_GRACE_S)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
 
 
 def format_outcome(outcome: Outcome) -> str:

@@ -28,8 +28,9 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from oomguard.engine.core.budget import MIN_CPU_BUDGET
+from oomguard.engine.core.remedies import parse_on_oom
 from oomguard.engine.core.units import fmt_bytes, parse_size
-from oomguard.engine.errors import JobError
+from oomguard.engine.errors import JobError, UsageError
 from oomguard.engine.jobs.data import check_data
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec
@@ -42,7 +43,7 @@ __all__ = ["DataSpec", "Job", "JobError", "MetricSpec", "SearchSpec", "example_t
 
 _DATA_SOURCES = ("generated", "text", "tokens", "bytes")
 _TOP = {"output", "device", "dtype", "seed", "models", "time_limit", "budget", "plugins", "data",
-        "search", "metrics", "name"}
+        "search", "metrics", "name", "on_oom"}
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?\s*"
                        r"(?:(\d+(?:\.\d+)?)\s*s?)?\s*$")
 
@@ -127,6 +128,13 @@ class _Reader:
         if value <= 0:
             raise self.fail(where, f"expected a positive integer, got {value!r}", self.line(where))
         return value
+
+    def on_oom(self, table: dict[str, Any], where: str) -> tuple[str, ...] | None:
+        """A remedy ladder (``on_oom``), checked; None where the table has none."""
+        try:
+            return parse_on_oom(table["on_oom"]) if "on_oom" in table else None
+        except UsageError as exc:
+            raise self.fail(where, str(exc).removeprefix("on_oom: "), self.line(where)) from None
 
     def duration(self, table: dict[str, Any], key: str, where: str, default: float) -> float:
         if key not in table:
@@ -254,7 +262,7 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
     return Job(path=str(Path(path).resolve()) if path != "<job>" else path, text=text, name=name,
                output=str(Path(out).expanduser().resolve()), device=device, dtype=dtype,
                seed=seed, models=tuple(models_raw), data=data, search=search, metrics=metrics,
-               budget_bytes=budget, plugins=tuple(plugins))
+               budget_bytes=budget, plugins=tuple(plugins), on_oom=r.on_oom(doc, "on_oom"))
 
 
 def import_plugin(spec: str) -> None:
@@ -336,7 +344,7 @@ def _parse_metrics(r: _Reader, doc: dict[str, Any], time_limit: float) -> tuple[
     out: list[MetricSpec] = []
     for i, m in enumerate(raw):
         w = f"metrics[{i}]"
-        valid = {"name", "id", "params", "sizes", "time_limit"}
+        valid = {"name", "id", "params", "sizes", "time_limit", "on_oom"}
         for key in sorted(set(m) - valid):
             raise r.fail(f"{w}.{key}", f"unknown field; valid: {', '.join(sorted(valid))}",
                          r.line(f"{w}.{key}"))
@@ -375,7 +383,8 @@ def _parse_metrics(r: _Reader, doc: dict[str, Any], time_limit: float) -> tuple[
         limit = r.duration(m, "time_limit", f"{w}.time_limit", time_limit)
         out.append(MetricSpec(id=ident, name=name,
                               params={k: full[k] for k in sorted(result)},
-                              sizes={k: int(full[k]) for k in sizes}, time_limit=limit))
+                              sizes={k: int(full[k]) for k in sizes}, time_limit=limit,
+                              on_oom=r.on_oom(m, f"{w}.on_oom")))
     ids = [m.id for m in out]
     for i, ident in enumerate(ids):
         if ids.index(ident) != i:

@@ -1,0 +1,298 @@
+"""An estimated quick reference: per metric and memory knob, the largest size whose
+*estimated* peak fits a given memory with a margin, with no device and no weights.
+
+Every figure here is an estimate (:data:`~oomguard.engine.core.estimate.LABEL`), made with
+:func:`~oomguard.engine.core.estimate.estimate` (fake tensors): never a measurement, and
+written apart from a measured reference (``estimate-reference.*``, ``"source": "estimated"``).
+
+Two shortcuts make it fast (a 32-layer 7B LLaMA's ``loss`` at two sizes took 25 s at full
+depth; docs/measurements.md#estimate-reference):
+
+- **Depth**: each size is estimated on the same config with 1, 2 and 3 hidden layers, and
+  the total is extrapolated to the real depth by the quadratic through them: what a step
+  holds is a base plus per-layer parts (weights, gradients, Lanczos vectors, stored
+  activations) plus, for CKA, a part per pair of layers (its cross-layer Gram matrix).
+- **Size**: the sizes 1 and the knob's largest useful size first, then the size where the
+  line through the two nearest known points meets the memory (and the one above it),
+  until the largest fitting size and the smallest one that does not are adjacent or the
+  rounds run out (then both are reported).
+
+The total a size needs is the storage alive after the warm-up (weights, gradients the
+warm-up left, buffers, the data) plus the estimated peak above it. The memory it must fit
+is ``memory x (1 - margin)``: the margin covers what estimates leave out (CUDA context,
+allocator cache and fragmentation, cuBLAS workspace).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from oomguard.engine.core.estimate import CUDA_BLOCK, LABEL, estimate, fake_device
+from oomguard.engine.errors import UsageError
+from oomguard.metrics.base import get_metric, load_all
+from oomguard.metrics.models import BUILTIN_CONFIGS, model_config
+from oomguard.metrics.workload import SAMPLE_KNOBS, MetricTrial
+
+GiB = 1024**3
+# Nominal memory of common GPUs (the marketed figure, read as GiB): what the driver lets a
+# process allocate is less (the driver's reservation, the CUDA context), which the margin
+# must cover together with the allocator's cache and fragmentation.
+GPUS: dict[str, int] = {"H100 80GB": 80 * GiB, "A100 40GB": 40 * GiB,
+                        "RTX 4090 24GB": 24 * GiB, "V100 16GB": 16 * GiB}
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+DEPTHS = (1, 2, 3)  # the depths estimated, for a quadratic in the layer count
+ROUNDS = 4  # line-and-confirm rounds per knob after sizes 1 and the largest
+
+
+def gpu_memory(name: str) -> int:
+    """Nominal bytes of a GPU tier in :data:`GPUS`; UsageError listing the valid names."""
+    for key, nbytes in GPUS.items():
+        if key.lower() == name.strip().lower():
+            return nbytes
+    raise UsageError(f"unknown --gpu {name!r}: use one of " + ", ".join(repr(g) for g in GPUS))
+
+
+def layer_specs(spec: str) -> tuple[int, list[str]] | None:
+    """``(depth, [the spec with 1, 2 and 3 layers])`` for a built-in or ``MODEL_TYPE:key=value``
+    spec of more than 3 layers; None otherwise (estimate at full depth: a checkpoint folder,
+    or a model with no layer-count key)."""
+    config = model_config(spec)
+    depth = getattr(config, "num_hidden_layers", None)
+    if not isinstance(depth, int) or depth <= len(DEPTHS):
+        return None
+    if spec in BUILTIN_CONFIGS:
+        kw = dict(BUILTIN_CONFIGS[spec])
+        model_type, items = kw.pop("model_type"), [f"{k}={v}" for k, v in kw.items()]
+    elif ":" in spec and not spec.startswith((".", "/", "~")):
+        model_type, _, rest = spec.partition(":")
+        items = list(filter(None, rest.split(",")))
+    else:
+        return None
+    key = (getattr(config, "attribute_map", {}) or {}).get("num_hidden_layers",
+                                                            "num_hidden_layers")
+    kept = [i for i in items if i.partition("=")[0].strip() not in LAYER_KEYS]
+    return depth, [f"{model_type}:" + ",".join([*kept, f"{key}={n}"]) for n in DEPTHS]
+
+
+class _Resident:
+    """A workload for :func:`estimate` that also counts, after its warm-up, the bytes alive
+    in its state (parameters, their gradients, buffers, the data): what exists before a
+    size runs, which the estimate's peak does not include."""
+
+    def __init__(self, work: MetricTrial, block: int) -> None:
+        self.work, self.block, self.resident = work, block, 0
+
+    def warmup(self) -> None:
+        self.work.warmup()
+        state = self.work._state
+        model = state["model"]
+        tensors = [*model.parameters(), *(p.grad for p in model.parameters()
+                                          if p.grad is not None), *model.buffers()]
+        for key in ("data", "worst_case"):
+            tensors += list(state.get(key, {}).values())
+        seen: dict[int, int] = {id(t): t.untyped_storage().nbytes() for t in tensors}
+        self.resident = sum(-(-n // self.block) * self.block for n in seen.values())
+
+    def __call__(self, size: int) -> Any:
+        return self.work(size)
+
+
+def _estimate_at(trial: MetricTrial, sizes: Sequence[int], device: str) -> dict[int, tuple[int, int]]:
+    """size -> (resident bytes, estimated peak bytes above them) of ``trial``, estimated."""
+    dev, _ = fake_device(device)
+    block = 1 if torch.device(device).type == "cpu" else CUDA_BLOCK
+    work = _Resident(trial.for_estimate(str(dev)), block)
+    # workspace=False: replaying a large model's matrix multiplies is slow and measures
+    # this host's BLAS, not the device the reference is for.
+    got = estimate(work, sorted(set(sizes)), device=device, workspace=False)
+    return {e.size: (work.resident, e.peak_bytes) for e in got}
+
+
+class Estimator:
+    """Totals (resident + peak, bytes, estimated) of one model's metrics, extrapolated from
+    1, 2 and 3 layers to the real depth where the spec allows (:func:`layer_specs`): by the
+    quadratic through them, exact for a base plus per-layer parts (weights, gradients,
+    activations) plus per-pair-of-layers parts (CKA's cross-layer Gram matrix, which a line
+    through 1 and 2 layers put 45% low at 8 layers)."""
+
+    def __init__(self, model: str, dtype: str, seq_len: int, device: str) -> None:
+        self.model, self.dtype, self.seq_len, self.device = model, dtype, seq_len, device
+        self.layers = layer_specs(model)
+        self.estimates = 0
+
+    @property
+    def method(self) -> str:
+        if self.layers is None:
+            return f"{LABEL}: fake tensors at the model's full depth"
+        return (f"{LABEL}: fake tensors on the config with 1, 2 and 3 layers, extrapolated "
+                f"to its {self.layers[0]} layers by the quadratic through them")
+
+    def totals(self, metric: str, knob: str | None, n_samples: int, sizes: Sequence[int]
+               ) -> dict[int, tuple[int, int]]:
+        """size -> (total bytes, peak bytes above the resident ones), both estimated at the
+        real depth."""
+        def at(spec: str) -> dict[int, tuple[int, int]]:
+            self.estimates += len(set(sizes))
+            return _estimate_at(MetricTrial(metric, knob=knob, model=spec, dtype=self.dtype,
+                                            n_samples=n_samples, seq_len=self.seq_len),
+                                sizes, self.device)
+        if self.layers is None:
+            return {s: (r + p, p) for s, (r, p) in at(self.model).items()}
+        depth, specs = self.layers
+        got = [at(spec) for spec in specs]
+        out = {}
+        for s in got[0]:
+            resident, peak = (_quadratic([g[s][i] for g in got], depth) for i in (0, 1))
+            out[s] = (resident + peak, peak)
+        return out
+
+
+def _quadratic(f: Sequence[int], depth: int) -> int:
+    """``f`` (bytes at 1, 2 and 3 layers) at ``depth``: the quadratic through them (Newton's
+    forward differences) where they curve up (CKA's per-pair part); where they curve down,
+    the line through 2 and 3 layers. A peak is the largest of a few lines in the depth, and
+    with 1 layer another term can be the largest (attention_stats: a line through 1 and 2
+    layers put its peak 20% high at 8 layers, the quadratic 33% low; from 2 layers on, its
+    peak grows by the same bytes per layer). Never below the value at 3 layers."""
+    n = depth - 1
+    d1, d2 = f[1] - f[0], f[2] - 2 * f[1] + f[0]
+    if d2 < 0:
+        return f[2] + (depth - 3) * (f[2] - f[1])
+    return max(f[2], f[0] + n * d1 + n * (n - 1) // 2 * d2)
+
+
+def largest_fitting(est: Estimator, metric: str, knob: str, n_samples: int, capacity: int,
+                    max_size: int) -> dict[str, Any]:
+    """One row: the largest size of ``knob`` whose estimated total fits ``capacity`` bytes
+    (at most the knob's largest useful size and ``max_size``), its total, and the next
+    size's; ``largest`` None where even the smallest size does not fit."""
+    t0, n0 = time.perf_counter(), est.estimates
+    trial = MetricTrial(metric, knob=knob, model=est.model, dtype=est.dtype,
+                        n_samples=n_samples, seq_len=est.seq_len)
+    unit = trial.unit()
+    top = max(1, min(trial.max_size() or max_size, max_size) // unit)  # in units
+    known: dict[int, tuple[int, int]] = {}
+
+    def probe(ks: Sequence[int]) -> None:
+        got = est.totals(metric, knob, n_samples, [k * unit for k in ks])
+        known.update({s // unit: v for s, v in got.items()})
+
+    # The largest useful size first (one micro-batch: the cheapest), size 1 only where it
+    # does not fit: peaks grow with the size, so a fitting largest size answers alone.
+    probe([top])
+    if known[top][0] > capacity and top > 1:
+        probe([1])
+    row: dict[str, Any] = {"metric": metric, "knob": knob, "unit": unit,
+                           "largest_useful": top * unit, "kind": LABEL}
+    if 1 in known and known[1][0] > capacity:
+        fit, over = None, 1
+    elif known[top][0] <= capacity:
+        fit, over = top, None
+    else:
+        fit, over = 1, top
+        for _ in range(ROUNDS):
+            if over - fit <= 1:
+                break
+            slope = (known[over][0] - known[fit][0]) / (over - fit)
+            k = fit + int((capacity - known[fit][0]) // slope)
+            k = min(max(k, fit + 1), over - 1)
+            probe([k, k + 1] if k + 1 < over else [k])
+            fit = max(s for s, (t, _) in known.items() if t <= capacity)
+            over = min(s for s, (t, _) in known.items() if t > capacity)
+    row.update(largest=None if fit is None else fit * unit,
+               total_bytes=None if fit is None else known[fit][0],
+               peak_bytes=None if fit is None else known[fit][1],
+               next_size=None if over is None else over * unit,
+               next_total_bytes=None if over is None else known[over][0],
+               exact=over is None or fit is None or over - fit == 1,
+               estimates=est.estimates - n0, seconds=round(time.perf_counter() - t0, 3))
+    if fit is None:
+        row["note"] = f"does not fit: even size {unit} needs more than the memory less the margin"
+    elif over is None:
+        row["note"] = f"fits at the knob's largest useful size ({top * unit})"
+    elif not row["exact"]:
+        row["note"] = f"between {fit * unit} (fits) and {over * unit} (does not): rounds ran out"
+    else:
+        row["note"] = ""
+    return row
+
+
+def batch_table(est: Estimator, metrics: Sequence[str], batches: Sequence[int],
+                on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Per metric (its first memory knob at the batch size, over that many samples): the
+    estimated total bytes at each batch size. No time: fake tensors compute nothing, so
+    they say nothing honest about speed."""
+    rows = []
+    for metric in metrics:
+        knobs = get_metric(metric).memory_knobs()
+        if not knobs or knobs[0].name not in SAMPLE_KNOBS:
+            continue
+        t0 = time.perf_counter()
+        mem = {str(b): est.totals(metric, knobs[0].name, b, [b])[b][0] for b in batches}
+        row = {"metric": metric, "knob": knobs[0].name, "total_bytes": mem, "kind": LABEL,
+               "seconds": round(time.perf_counter() - t0, 3)}
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    return rows
+
+
+def compare_measured(est: Estimator, rows: list[dict[str, Any]], measured: dict[str, Any],
+                     n_samples: int) -> None:
+    """Add to each row the measured reference's maximum and its peak above the warmed-up
+    state at its safe size (where a trial ran there), the estimated peak at that size, and
+    the relative error ``(estimated - measured) / measured``."""
+    for key, want in (("model", est.model), ("dtype", est.dtype), ("seq_len", est.seq_len),
+                      ("n_samples", n_samples)):
+        if measured.get(key) != want:
+            raise UsageError(f"--measured was measured for {key} {measured.get(key)!r}, this "
+                             f"estimate is for {want!r}: give the same model, dtype, "
+                             "sequence length and samples")
+    by_key = {(r["metric"], r["knob"]): r for r in measured.get("rows", [])}
+    for row in rows:
+        m = by_key.get((row["metric"], row["knob"]))
+        if m is None:
+            continue
+        row["measured_max"] = m.get("max_ok")
+        safe, peak = m.get("safe"), m.get("peak_at_safe_bytes")
+        if safe and peak and m.get("peak_source") == "measured":
+            got = est.totals(row["metric"], row["knob"], n_samples, [safe])[safe][1]
+            row.update(measured_size=safe, measured_peak_bytes=peak, estimated_peak_bytes=got,
+                       relative_error=round((got - peak) / peak, 4))
+
+
+def build_estimate_reference(model: str, dtype: str, seq_len: int, n_samples: int, *,
+                             memory: int, memory_name: str, margin: float, device: str,
+                             metrics: Sequence[str] | None = None, max_size: int = 65536,
+                             batches: Sequence[int] = (),
+                             measured: dict[str, Any] | None = None,
+                             on_row: Callable[[dict[str, Any]], None] | None = None
+                             ) -> dict[str, Any]:
+    """The estimated reference as a JSON-ready dict (every figure an estimate, in bytes)."""
+    if not 0 <= margin < 1:
+        raise UsageError(f"--margin must be a fraction in [0, 1) for an estimate, got {margin!r}")
+    names = list(metrics) if metrics else sorted(load_all())
+    t0 = time.perf_counter()
+    est = Estimator(model, dtype, seq_len, device)
+    capacity = int(memory * (1 - margin))
+    rows = []
+    for name in names:
+        for knob in get_metric(name).memory_knobs():
+            row = largest_fitting(est, name, knob.name, n_samples, capacity, max_size)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    if measured is not None:
+        compare_measured(est, rows, measured, n_samples)
+    table = batch_table(est, names, batches) if batches else []
+    return {"source": "estimated", "kind": LABEL, "method": est.method, "model": model,
+            "dtype": dtype, "seq_len": seq_len, "n_samples": n_samples, "device": device,
+            "memory_name": memory_name, "memory_bytes": memory, "margin": margin,
+            "capacity_bytes": capacity, "rows": rows, "batches": list(batches),
+            "batch_rows": table, "estimates": est.estimates,
+            "seconds": round(time.perf_counter() - t0, 3),
+            "measured_source": None if measured is None else measured.get("created", "?")}
