@@ -78,16 +78,10 @@ def cmd_reference(args: argparse.Namespace) -> int:
     from oomguard.engine.core.atomic import atomic_write, atomic_write_json
     from oomguard.engine.jobs.output import check_output_folder
     from oomguard.engine.jobs.reference import build_reference, sizes_toml
-    from oomguard.metrics.base import get_metric, load_all
     from oomguard.metrics.models import check_seq_len, model_config
     from oomguard.reports.reference import render_reference_markdown
 
-    names = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else \
-        sorted(load_all())
-    if not names:
-        raise UsageError("--metrics names no metric: give NAME,NAME (see `oomguard metrics`)")
-    for name in names:
-        get_metric(name)
+    names = _metric_names(args.metrics)
     dev = resolve_device(args.device)
     if isolated(args, dev) or confirmed(args):
         from oomguard.engine.core.isolate import start_forkserver
@@ -142,7 +136,6 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     from oomguard.engine.core.atomic import atomic_write, atomic_write_json
     from oomguard.engine.core.units import fmt_bytes
     from oomguard.engine.jobs.reference_estimate import build_estimate_reference, gpu_memory
-    from oomguard.metrics.base import get_metric, load_all
     from oomguard.metrics.models import check_seq_len, model_config, parse_dtype
     from oomguard.reports.reference_estimate import render_estimate_markdown
 
@@ -155,12 +148,7 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     if not isinstance(args.margin, float):
         raise UsageError("--margin for --estimate is a fraction in [0, 1) (nothing is "
                          "measured, so 'measured' has no spread to read)")
-    names = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else \
-        sorted(load_all())
-    if not names:
-        raise UsageError("--metrics names no metric: give NAME,NAME (see `oomguard metrics`)")
-    for name in names:
-        get_metric(name)
+    names = _metric_names(args.metrics)
     parse_dtype(args.dtype)
     check_seq_len(model_config(args.model), args.seq_len)
     batches = parse_sizes(args.batches) if args.batches else []
@@ -200,3 +188,16 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
         print(f"oomguard: estimated not to fit even at size 1: {', '.join(missing)}",
               file=sys.stderr)
     return 1 if missing else 0
+
+
+def _metric_names(given: str | None) -> list[str]:
+    """``--metrics NAME,NAME`` checked (a UsageError listing the valid ones), else every
+    metric of the catalogue."""
+    from oomguard.metrics.base import get_metric, load_all
+
+    names = [m.strip() for m in given.split(",") if m.strip()] if given else sorted(load_all())
+    if not names:
+        raise UsageError("--metrics names no metric: give NAME,NAME (see `oomguard metrics`)")
+    for name in names:
+        get_metric(name)
+    return names
