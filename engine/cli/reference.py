@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.cli.options import add_search_options, confirmed, isolated, positive_int, size
+from oomguard.engine.cli.options import add_search_options, confirmed, positive_int, size
 from oomguard.engine.errors import UsageError
 
 DEFAULT_OUT = "oomguard-reference"
@@ -83,10 +83,6 @@ def cmd_reference(args: argparse.Namespace) -> int:
 
     names = _metric_names(args.metrics)
     dev = resolve_device(args.device)
-    if isolated(args, dev) or confirmed(args):
-        from oomguard.engine.core.isolate import start_forkserver
-
-        start_forkserver(("transformers", "oomguard.metrics.models", "oomguard.metrics.common"))
     check_seq_len(model_config(args.model), args.seq_len)
     budget = search_config(args, dev, args.max_size).budget  # every option checked now
     out = Path(args.out)

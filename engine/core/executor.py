@@ -71,7 +71,7 @@ class Executor:
     ``at_precision(dtype)``; ``cpu`` needs ``on_device(device)``; both return the workload
     to call. ``fresh_process``: the caller can restart the run in a fresh process (a job's
     runner), so ``expandable_segments`` and memory that did not come back raise
-    :class:`~oomguard.engine.core.remedies.RestartNeeded` carrying the ladder to resume.
+    :class:`~oomguard.engine.errors.RestartNeeded` carrying the ladder to resume.
 
     What worked lives on this executor: per ``name=`` when one is given (the
     last 1024 names), else per function object while that object lives. A
@@ -118,7 +118,7 @@ class Executor:
         workload and every size tried. Any error that is not an OOM propagates
         unchanged. Sizes must be positive integers (``ValueError`` otherwise).
         With ``on_oom``, the remedies follow the minimum; ``ladder`` resumes one that a
-        :class:`~oomguard.engine.core.remedies.RestartNeeded` carried out of another process.
+        :class:`~oomguard.engine.errors.RestartNeeded` carried out of another process.
         """
         if (batch_size is None) == (sizes is None):
             raise ValueError("give exactly one of batch_size or sizes")
@@ -129,16 +129,14 @@ class Executor:
         label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
         if self.snapshot_on_oom is not None:
             start_history(self.device)  # once per process: the snapshot needs the history
+        record = RunRecord(workload=label)
+        self.history.append(record)
         if self.on_oom is None and ladder is None:
             controller = self._controller(label, self._memory(fn, name, label, start), minimum,
                                           self.device)
-            record = RunRecord(workload=label)
-            self.history.append(record)
             if positional:
                 return controller.run(lambda s: fn(s["batch_size"]), cap=start, record=record)
             return controller.run(lambda s: fn(**s), cap=start, record=record)
-        record = RunRecord(workload=label)
-        self.history.append(record)
         self.ladder = ladder or Ladder(self.on_oom or ("halve",))
 
         def run_rung(attempt: Callable[[Sizes], Any], sizes: Sizes, fresh: bool,

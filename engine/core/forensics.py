@@ -128,7 +128,7 @@ def capture(sizes: Mapping[str, int], device: Any = None,
     else the CPU. ``snapshot_dir``: write an allocator snapshot there (CUDA, after
     :func:`start_history`). Never raises for a reading that fails; the event says so.
     """
-    dev = _device(device)
+    dev = resolve_device(device)
     ev = OomEvent(sizes=dict(sizes), device=str(dev), at=time.time())
     steps: list[tuple[tuple[str, ...], Callable[[], None]]] = [
         (_CUDA, lambda: _cuda(ev, dev)),  # first: the nearest to the failed allocation
@@ -145,7 +145,9 @@ def capture(sizes: Mapping[str, int], device: Any = None,
     return ev
 
 
-def _device(device: Any) -> torch.device:
+def resolve_device(device: Any) -> torch.device:
+    """The device ``device`` names, with its CUDA index; None means the current CUDA device
+    where this process has a CUDA context, else the CPU."""
     if device is None:
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -246,7 +248,7 @@ def start_history(device: Any = None) -> str | None:
     """Start recording CUDA allocation history (stacks, alloc/free events) for snapshots at
     an OOM; once per process, left on. None when recording, else why no snapshot can be."""
     if not _history["on"]:
-        why = _no_history(_device(device))
+        why = _no_history(resolve_device(device))
         if why is None:
             try:
                 torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES)

@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import torch
 
 from oomguard.engine.core.controller import RunRecord
+from oomguard.engine.core.forensics import resolve_device
 from oomguard.engine.core.heap import free_heap_bytes
 from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import (
@@ -173,13 +174,12 @@ def live_bytes(device: Any) -> tuple[int | None, str]:
     minus glibc's free heap chunks (reusable, so not lost); CUDA ``memory_allocated``
     (after :func:`~oomguard.engine.core.oom.release_memory` emptied the cache). None where
     it cannot be read (no procfs; MPS). ``device`` None: as :func:`device_kind` says."""
-    dev = torch.device(device if device is not None else device_kind(None))
+    dev = resolve_device(device)
     if dev.type == "cuda":
         # why: probes.cuda imports CUDA helpers; only a CUDA run needs them.
         from oomguard.probes import cuda
 
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        return cuda.allocator_stats(index)["allocated"], "CUDA memory_allocated"
+        return cuda.allocator_stats(dev.index)["allocated"], "CUDA memory_allocated"
     if dev.type != "cpu":
         return None, f"not measured on {dev.type}"
     vm_data = host.proc_status("VmData")
@@ -190,10 +190,9 @@ def live_bytes(device: Any) -> tuple[int | None, str]:
 
 
 def device_kind(device: Any) -> str:
-    """``cuda``, ``cpu``, ``mps``: None means CUDA where this process has a context, else CPU."""
-    if device is None:
-        return "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
-    return torch.device(device).type
+    """``cuda``, ``cpu``, ``mps``: None means CUDA where this process has a context, else CPU
+    (:func:`~oomguard.engine.core.forensics.resolve_device`)."""
+    return resolve_device(device).type
 
 
 def apply_env(env: dict[str, str]) -> None:

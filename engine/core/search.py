@@ -81,6 +81,13 @@ class SearchResult:
     verification: dict[str, Any] | None = None
 
     @property
+    def size_to_use(self) -> int | None:
+        """The size a run should use: the recommendation, or ``max_ok`` itself when nothing
+        ran out of memory up to the cap (every size ran, and larger ones do the same work)."""
+        rec = self.recommendation
+        return self.max_ok if self.first_oom is None or rec is None else rec.safe
+
+    @property
     def size_label(self) -> str:
         """The size's name for prose: ``batch size``, ``internal batch size``."""
         return self.size_name.replace("_", " ")

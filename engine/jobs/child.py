@@ -43,10 +43,10 @@ from oomguard.engine.core.forensics import start_history
 from oomguard.engine.core.heap import return_freed_memory_to_os
 from oomguard.engine.core.jsonable import to_jsonable
 from oomguard.engine.core.oom import release_memory
-from oomguard.engine.core.remedies import Ladder, RestartNeeded, apply_env
+from oomguard.engine.core.remedies import Ladder, apply_env
 from oomguard.engine.core.search import search
 from oomguard.engine.core.strategies import E10, Guided
-from oomguard.engine.errors import ExecutionFailed, NoSizeFits, TrialFailed
+from oomguard.engine.errors import ExecutionFailed, NoSizeFits, RestartNeeded, TrialFailed
 from oomguard.engine.jobs.cache import SizeCache, entry_key
 from oomguard.engine.jobs.data import load_data
 from oomguard.engine.jobs.journal import Journal
@@ -262,9 +262,7 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
         journal.append("search", task=task.key, run=ctx.run_id, **state["search"])
         raise
     snap_to_unit(result, unit)
-    rec = result.recommendation
-    # No OOM up to the cap: every size ran, and larger ones do the same work.
-    size = result.max_ok if result.first_oom is None or rec is None else rec.safe
+    size = result.size_to_use
     state["search"] = {"trials": len(result.trials), "max_ok": result.max_ok,
                        "first_oom": result.first_oom, "safe": size, "mode": result.mode,
                        "strategy": result.strategy,

@@ -232,8 +232,7 @@ def _measure(trial: MetricTrial, config: SearchConfig,
 
 
 def _row(trial: MetricTrial, result: SearchResult) -> Row:
-    rec = result.recommendation
-    safe = result.max_ok if result.first_oom is None or rec is None else rec.safe
+    safe = result.size_to_use
     ran = {t.size: t for t in result.trials if t.ok}
     if safe in ran:
         peak, source = ran[safe].peak_bytes, "measured"
