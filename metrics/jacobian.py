@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from oomguard.engine.core.estimate import shortcut
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import JsonMetric, expand_rows, iter_micro_batches, n_samples
 from oomguard.metrics.integrated_gradients import defined_samples, last_positions
@@ -56,7 +57,11 @@ def _micro_batch_norms(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
         width = int(model.base_model(inputs_embeds=emb[:1],
                                      attention_mask=mask[:1]).last_hidden_state.shape[-1])
     sq = torch.zeros(n, seq_len, dtype=torch.float64, device=ids.device)
-    for start in range(0, width, vjp_block):
+    starts = list(range(0, width, vjp_block))
+    if len(starts) > 2 and shortcut(f"position_jacobian: 2 VJP blocks of {len(starts)} "
+                                    "estimated: every block repeats the same work"):
+        starts = starts[:2]
+    for start in starts:
         k = min(vjp_block, width - start)
         # k replicas of each sample; replica j back-propagates output feature start + j
         rep = emb.repeat_interleave(k, dim=0).requires_grad_(True)

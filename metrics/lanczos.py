@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from oomguard.engine.core.estimate import host_device, shortcut
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
@@ -45,11 +46,12 @@ def lanczos(matvec: MatVec, dim: int, iterations: int, seed: int = 0,
     Returns ``eigenvalues`` (Ritz values, descending), ``residuals`` (error
     bounds ``|beta_m * s_mi|``, aligned) and ``steps`` (steps taken: fewer than
     ``iterations`` when an invariant subspace is found). Deterministic for a
-    given ``seed``.
+    given ``seed``. The basis lives on the host (:func:`host_device`), never on
+    the accelerator: ``iterations x dim`` floats (float64: 8 bytes each).
     """
     m = min(iterations, dim)
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(dim, generator=g, dtype=dtype)
+    q = torch.randn(dim, generator=g, dtype=dtype, device=host_device())
     q /= q.norm()
     basis = [q]
     alphas: list[float] = []
@@ -80,7 +82,8 @@ def lanczos(matvec: MatVec, dim: int, iterations: int, seed: int = 0,
 
 
 def _flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1).to(torch.float64).cpu() for t in ts])
+    host = host_device()
+    return torch.cat([t.reshape(-1).to(device=host, dtype=torch.float64) for t in ts])
 
 
 def _unflatten(vec: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -151,6 +154,10 @@ class _CurvatureEigenvalues(JsonMetric):
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 micro_batch_size: int = 16, k: int = 5, iterations: int = 20,
                 seed: int = 0) -> dict[str, Any]:
+        if shortcut(f"{self.name}: 2 Lanczos steps of {iterations} estimated: each step holds "
+                    "the same on the device; the basis, which grows with the steps, stays on "
+                    "the host", devices=("cuda",)):
+            iterations, k = min(iterations, 2), min(k, 2)
         params = trainable(model)
         product = mean_loss_hvp if self.matrix == "hessian" else mean_loss_ggnvp
         dim = sum(p.numel() for p in params)

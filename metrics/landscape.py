@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from oomguard.engine.core.estimate import host_device, shortcut
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,
@@ -57,8 +58,9 @@ def filter_normalised_direction(params: list[torch.Tensor], generator: torch.Gen
     out = []
     for p in params:
         wd = _work_dtype(p.dtype)
-        d = torch.randn(p.shape, generator=generator, dtype=torch.float64)
-        ref = p.detach().to(device="cpu", dtype=torch.float64)
+        host = host_device()  # the host's memory, never the accelerator's
+        d = torch.randn(p.shape, generator=generator, dtype=torch.float64, device=host)
+        ref = p.detach().to(device=host, dtype=torch.float64)
         if p.dim() >= 2:
             d_norm = d.flatten(1).norm(dim=1).clamp_min(1e-30)
             scale = ref.flatten(1).norm(dim=1) / d_norm
@@ -116,7 +118,10 @@ class LossLandscape(JsonMetric):
         d1 = filter_normalised_direction(params, gen)
         d2 = filter_normalised_direction(params, gen)
         coords = axis(grid, span)
-        losses = torch.empty(grid, grid, dtype=torch.float64)
+        if shortcut(f"{self.name}: 1 point of {grid}x{grid} estimated: every point repeats "
+                    "the same work on the same tensors"):
+            coords = coords[:1]
+        losses = torch.empty(len(coords), len(coords), dtype=torch.float64)
         saved = [p.detach().clone() for p in params]
         try:
             with torch.no_grad():

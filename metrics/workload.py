@@ -155,7 +155,8 @@ class MetricTrial(RebuiltInChild):
     # -- running --------------------------------------------------------------------
     def warmup(self) -> None:
         """Build model and data (not budgeted) and run the metric once, at the knob's
-        minimum on the first sample."""
+        minimum on the first sample (for an estimate, at its largest useful size: fake
+        tensors cost no memory, and the fewest, largest pieces cost the fewest operations)."""
         if "model" in self._state:
             return
         model = build_for(self._state, self.model, self.dtype, self.device, self.seed)
@@ -169,14 +170,17 @@ class MetricTrial(RebuiltInChild):
         # the full data at a fraction of the cost (a Lanczos run at micro-batch 1
         # over all samples took ~50 s on 2 cores).
         self._state.update(model=model, data={k: v[:1] for k, v in data.items()})
-        self(self.minimum())
+        self(self._state.get("warm_size") or self.minimum())
         self._state.update(data=data, worst_case=worst)
 
-    def for_estimate(self, device: str) -> MetricTrial:
+    def for_estimate(self, device: str, target: str | None = None) -> MetricTrial:
         """A copy with nothing built, for :func:`oomguard.engine.core.estimate.estimate` on
-        ``device``: its ``warmup()`` (under the estimate's fake mode) builds the model with no
-        weights; the data are real (small), so the metric's control flow follows them."""
-        return dataclasses.replace(self, device=device, _state={"fake": True})
+        ``device`` (where fake tensors live; ``target``, the device estimated for, changes
+        nothing here): its ``warmup()`` (under the estimate's fake mode) builds the model with
+        no weights; the data are real (small), so the metric's control flow follows them."""
+        copy = dataclasses.replace(self, device=device, _state={"fake": True})
+        copy._state["warm_size"] = copy.max_size()
+        return copy
 
     def worst_case_batch(self, size: int) -> dict[str, torch.Tensor]:
         """The data at their most costly: the ``n_samples`` x ``seq_len`` tokens of the

@@ -21,11 +21,11 @@ def render_estimate_markdown(doc: Mapping[str, Any]) -> str:
     out = [f"# Estimated quick reference: {doc['model']} for {doc['memory_name']}", "",
            f"**Every figure here is an estimate ({doc['kind']}), not a measurement.** "
            f"Method: {doc['method']}.", "",
-           f"- **Memory**: {doc['memory_name']}, {fmt_bytes(doc['memory_bytes'])} nominal; "
+           f"- **Memory**: {doc['memory_name']}, {fmt_bytes(doc['memory_bytes'])} in all; "
            f"sizes must fit {fmt_bytes(doc['capacity_bytes'])}, keeping a margin of "
            f"{margin:.0%} for what the estimate leaves out (CUDA context, the allocator's "
            "cache and fragmentation, cuBLAS workspace; a GPU lets a process allocate less "
-           "than its nominal memory).",
+           "than the total its driver reports).",
            f"- **Model**: {doc['model']}, {doc['dtype']}, sequences of {doc['seq_len']} "
            f"tokens, {doc['n_samples']} samples; estimated for {doc['device']}",
            f"- **Cost**: {doc['estimates']} estimates, {doc['seconds']:.1f} s", "",
@@ -45,6 +45,7 @@ def render_estimate_markdown(doc: Mapping[str, Any]) -> str:
             "size estimated not to fit.",
             "- No seconds per item: fake tensors compute nothing, so an estimate says "
             "nothing honest about speed; `oomguard reference` (measured) gives them."]
+    out += [f"- {note}" for note in doc.get("notes", [])]
     compared = [r for r in doc["rows"] if "relative_error" in r]
     if doc.get("measured_source"):
         out += ["", f"## Estimate against measurement ({doc['measured_source']})", "",

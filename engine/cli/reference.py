@@ -42,17 +42,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache", metavar="PATH",
                    help="size cache file (default: sizes.json in the user cache folder)")
     add_search_options(p, start=8)
+    p.set_defaults(device=None)  # cpu when measuring, cuda for --estimate --memory
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder ({DEFAULT_OUT})")
     est = p.add_argument_group(
         "estimated reference (no device, no weights)",
         "--estimate writes estimate-reference.md/.json instead: per metric and knob, the "
         "largest size whose *estimated* total (weights, data and the peak above them, from "
         "fake tensors on the config with 1, 2 and 3 layers, extrapolated to its depth) fits "
-        "--gpu's nominal memory or --memory, less --margin. Estimates, not measurements.")
+        "--gpu's memory (as its driver reports it) or --memory, less --margin; for cuda "
+        "unless --device says otherwise. Estimates, not measurements.")
     est.add_argument("--estimate", action="store_true",
                      help="estimate instead of measuring (needs --gpu or --memory)")
     est.add_argument("--gpu", default=None, metavar="NAME",
-                     help="a GPU tier's nominal memory: 'H100 80GB', 'A100 40GB', "
+                     help="a GPU tier's memory as its driver reports it: 'H100 80GB', 'A100 40GB', "
                           "'RTX 4090 24GB', 'V100 16GB' (estimated for cuda)")
     est.add_argument("--memory", type=size, default=None, metavar="BYTES",
                      help="the memory to fit, e.g. 24GiB (estimated for --device)")
@@ -82,7 +84,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
     from oomguard.reports.reference import render_reference_markdown
 
     names = _metric_names(args.metrics)
-    dev = resolve_device(args.device)
+    dev = resolve_device(args.device or "cpu")
     check_seq_len(model_config(args.model), args.seq_len)
     budget = search_config(args, dev, args.max_size).budget  # every option checked now
     out = Path(args.out)
@@ -138,9 +140,12 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     if (args.gpu is None) == (args.memory is None):
         raise UsageError("--estimate needs one of --gpu NAME or --memory BYTES (e.g. 24GiB)")
     if args.gpu is not None:
-        memory, memory_name, device = gpu_memory(args.gpu), args.gpu, "cuda"
+        if args.device is not None and args.device.split(":")[0] != "cuda":
+            raise UsageError(f"--gpu estimates for cuda, not --device {args.device}: use "
+                             "--memory BYTES for another device")
+        memory, memory_name, device = gpu_memory(args.gpu), args.gpu, args.device or "cuda"
     else:
-        memory, memory_name, device = args.memory, fmt_bytes(args.memory), args.device
+        memory, memory_name, device = args.memory, fmt_bytes(args.memory), args.device or "cuda"
     if not isinstance(args.margin, float):
         raise UsageError("--margin for --estimate is a fraction in [0, 1) (nothing is "
                          "measured, so 'measured' has no spread to read)")

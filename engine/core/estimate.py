@@ -13,14 +13,15 @@ as ``fn.estimate_peak(size, device) -> int`` (its own estimate, bytes); as
 ``fn.for_estimate(device)``, a copy whose ``warmup()`` builds the model with
 :func:`fake_module` (no weights) and whose ``copy(size)`` runs the work; or as it is.
 
-Matrix-multiply workspace (CPU): the BLAS library packs a matrix multiply's operands into
-buffers it allocates at its first call of a kind and keeps for the life of the process.
-That is measured, not predicted: the distinct matrix multiplies the fake run recorded (the
-warm-up's, then the size's) are replayed on zero tensors in an isolated child with this
-process's threads, and the resident bytes each keeps count from its first call on
-(``workspace_bytes``: what they add to the peak). That is a size's cost after the warm-up
-alone (an isolated trial, a search's first; after a larger size in one process, it reads
-high by up to that). Too big to replay cheaply (:data:`REPLAY_LIMIT`): not counted, noted.
+Matrix-multiply workspace (CPU) is measured, not predicted: the distinct matrix multiplies
+the fake run made are replayed on this host (:mod:`oomguard.engine.core.workspace`).
+
+Only the target device's memory counts: for a cuda estimate, what a workload keeps on the
+host (a Lanczos basis) does not. Workloads put such bookkeeping on :func:`host_device`,
+which is ``cpu`` except while an estimate for cuda runs on a torch build without CUDA
+(fake tensors then stand on cpu for cuda, and the host's part goes to ``meta``, uncounted).
+A workload may run once, in an estimate, a step it would repeat identically
+(:func:`shortcut`: Lanczos steps, landscape points, VJP blocks); the notes say where.
 
 Not counted: other operators' workspace, free heap a real run reuses (the other way), the
 allocator's rounding beyond CUDA's 512-byte blocks and its cache, cuBLAS's workspace, the
@@ -29,7 +30,7 @@ device context. Measured error and sizes: docs/measurements.md#estimate-error.
 
 from __future__ import annotations
 
-import itertools
+import contextvars
 import math
 import time
 import weakref
@@ -42,7 +43,8 @@ from torch._subclasses import fake_tensor as ft  # imported by torch itself: fre
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from oomguard.engine.errors import IsolationError, UsageError, check_positive_int
+from oomguard.engine.core.workspace import GEMMS, SLOW_DTYPE, add_workspace
+from oomguard.engine.errors import UsageError, check_positive_int
 
 # Outputs of an operation on real inputs that are computed for real (see the module
 # docstring); larger ones (a batch's 4-D attention mask) stay fake, counted all the same.
@@ -51,14 +53,13 @@ REAL_FLOAT_LIMIT = 64 * 1024
 # CUDA's allocator rounds blocks up to 512 bytes (kMinBlockSize, CUDACachingAllocator.cpp)
 CUDA_BLOCK = 512
 LABEL = "estimate, not measured"
+# Where workloads keep host-side bookkeeping (host_device()), and the estimate in progress
+# (shortcut(): its target's device type, and the notes of the shortcuts taken): context
+# variables, so an estimate changes them for its own run only.
+_HOST: contextvars.ContextVar[str] = contextvars.ContextVar("oomguard_host", default="cpu")
+_RUNNING: contextvars.ContextVar[tuple[str, set[str]] | None] = contextvars.ContextVar(
+    "oomguard_estimate", default=None)
 METHOD = "fake tensors (FakeTensorMode) + storage bytes counted at dispatch"
-# Matrix multiplies whose workspace is measured (what matmul, linear and eager attention
-# dispatch to), replayed only while none moves over REPLAY_LIMIT bytes and all take at most
-# REPLAY_MACS float32 multiply-adds, a few seconds of CPU: the replay must stay cheap. Other
-# than float32/64, each counts SLOW_DTYPE times: bfloat16 and float16 ran ~50 times slower
-# on CPU (docs/measurements.md#estimate-error).
-GEMMS = frozenset({"mm.default", "addmm.default", "bmm.default", "baddbmm.default"})
-REPLAY_LIMIT, REPLAY_MACS, SLOW_DTYPE = 256 * 1024**2, 2**35, 64
 
 
 @dataclass
@@ -114,13 +115,14 @@ class StorageCounter(TorchDispatchMode):
     ``current`` and ``peak`` are bytes above where :meth:`start` left them.
 
     With a ``fake_mode`` (inside it), it also decides what runs for real (module docstring);
-    without one it counts a real run (a check of the fake one).
+    without one it counts a real run (a check of the fake one). With ``device_type``, only
+    tensors on devices of that type count (the target's; not the host's bookkeeping).
     """
 
-    def __init__(self, fake_mode: Any | None = None, block: int = 1) -> None:
+    def __init__(self, fake_mode: Any | None = None, block: int = 1,
+                 device_type: str | None = None) -> None:
         super().__init__()
-        self.fake_mode = fake_mode
-        self.block = block
+        self.fake_mode, self.block, self.device_type = fake_mode, block, device_type
         self.start()
 
     def start(self) -> None:
@@ -128,7 +130,7 @@ class StorageCounter(TorchDispatchMode):
         self._known: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.current = self.peak = self.placeholders = 0
         # Each distinct matrix multiply since start(), in order: spec -> (bytes, multiply-adds);
-        # segments[k]: the peak count from the k-th of them to the next (see _add_workspace).
+        # segments[k]: the peak count from the k-th of them to the next (see add_workspace).
         self.gemms: dict[tuple, tuple[int, int]] = {}
         self.segments = [0]
 
@@ -142,6 +144,8 @@ class StorageCounter(TorchDispatchMode):
 
     def _see(self, tensors: list[torch.Tensor], new: bool) -> None:
         for t in tensors:
+            if self.device_type is not None and t.device.type != self.device_type:
+                continue
             try:
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError):  # sparse, nested: no one storage
@@ -198,8 +202,9 @@ class StorageCounter(TorchDispatchMode):
             fake = func(*args, **kwargs)
         except (ft.DataDependentOutputException, ft.DynamicOutputShapeException):
             fake = None  # nonzero, item: the output follows the (real, small) data
-        if fake is not None and not _small(fake):
-            return fake
+        if fake is not None and (not _small(fake) or any(
+                t.device.type == "meta" for t in _tensors(fake))):
+            return fake  # too big to compute, or on meta (the host's part, uncounted)
         with ft.unset_fake_temporarily():
             return func(*args, **kwargs)
 
@@ -234,40 +239,6 @@ def _small(out: Any) -> bool:
     return True
 
 
-@dataclass
-class WorkspaceReplay:
-    """For an isolated child: ``warmup()`` replays a warm-up's matrix multiplies with ``threads``
-    torch threads, a call one size's: the resident bytes each kept (``preload``: the workload's)."""
-
-    warm: list[tuple]
-    run: list[tuple]
-    threads: int
-    preload: tuple[str, ...] = ()
-
-    def warmup(self) -> None:
-        torch.set_num_threads(self.threads)
-        self.replay(self.warm)
-
-    def __call__(self, size: int) -> list[int]:
-        return self.replay(self.run)
-
-    @staticmethod
-    def replay(gemms: Sequence[tuple]) -> list[int]:
-        """Run each matrix multiply once on zero tensors of its arguments' shapes and strides;
-        the resident bytes each left behind, its result freed (what its library keeps)."""
-        from oomguard.probes.host import resident_bytes
-
-        kept = []
-        for name, specs, kwargs in gemms:
-            args = [torch.zeros(1 + sum((n - 1) * st for n, st in zip(a[0], a[1], strict=True))
-                                if all(a[0]) else 0, dtype=a[2]).as_strided(a[0], a[1])
-                    if isinstance(a, tuple) else a for a in specs]
-            before = resident_bytes()[0] or 0
-            getattr(torch.ops.aten, name.split(".")[0])(*args, **dict(kwargs))  # result freed
-            kept.append(max(0, (resident_bytes()[0] or 0) - before))
-        return kept
-
-
 def fake_module(build: Callable[[], torch.nn.Module],
                 device: str | torch.device) -> torch.nn.Module:
     """``build()`` on the ``meta`` device (no memory, no initialisation work), then every
@@ -297,6 +268,27 @@ def fake_module(build: Callable[[], torch.nn.Module],
     return module
 
 
+def host_device() -> str:
+    """The device a workload keeps host-side bookkeeping on (tensors that never live on the
+    accelerator, such as a Lanczos basis): ``cpu``, except inside an :func:`estimate` for
+    cuda made on cpu (no CUDA in this torch build), where it is ``meta`` so that the
+    bookkeeping is not counted as the device's memory (module docstring)."""
+    return _HOST.get()
+
+
+def shortcut(why: str, devices: tuple[str, ...] = ("cpu", "cuda")) -> bool:
+    """Whether the caller may run *once* a step it would repeat identically (Lanczos steps,
+    the points of a loss landscape, blocks of VJPs): True only inside an :func:`estimate`
+    for a device of a type in ``devices`` (the steps must hold the same on that device's
+    memory), and then ``why`` (one line: what was cut, and why the peak holds) goes into
+    the estimate's notes. Always False in a real run: results never change."""
+    running = _RUNNING.get()
+    if running is None or running[0] not in devices:
+        return False
+    running[1].add(why)
+    return True
+
+
 def fake_device(device: str | torch.device) -> tuple[torch.device, list[str]]:
     """The device fake tensors can live on for an estimate for ``device`` (cpu or cuda),
     with a note where it is not ``device`` itself; UsageError for other devices."""
@@ -314,43 +306,14 @@ def fake_device(device: str | torch.device) -> tuple[torch.device, list[str]]:
     return dev, []
 
 
-def _add_workspace(e: Estimate, fn: Any, warm: dict[tuple, tuple[int, int]],
-                   run: dict[tuple, tuple[int, int]], segments: list[int]) -> None:
-    """Raise ``e`` by the workspace ``run``'s matrix multiplies keep on this host after
-    ``warm``'s, measured in an isolated child, or note why not. Each one's buffers exist from
-    its first call on: the peak is the highest ``segments[k]`` plus the first k's."""
-    from oomguard.engine.core.isolate import IsolatedRunner
-
-    start, calls = time.perf_counter(), [*run.values(), *warm.values()]
-    why, threads = None, torch.get_num_threads()
-    if not run.keys() - warm.keys():
-        e.workspace_bytes = 0  # none, or each ran in the warm-up: its buffers exist already
-    elif max(b for b, _ in calls) > REPLAY_LIMIT or sum(m for _, m in calls) > REPLAY_MACS:
-        why = f"too big to replay ({sum(m for _, m in calls):.2g} float32 multiply-adds)"
-    else:
-        try:
-            trial = IsolatedRunner(WorkspaceReplay(list(warm), list(run), threads, tuple(
-                getattr(fn, "preload", ()))), "cpu", timeout=600)(1)
-            why = None if trial.ok else "OOM"
-        except (IsolationError, RuntimeError) as exc:
-            why = str(exc).splitlines()[0]
-        if why is None:
-            kept = [0, *itertools.accumulate(trial.value)]
-            peak = max(seg + kept[k] for k, seg in enumerate(segments))
-            e.workspace_bytes, e.peak_bytes = peak - e.peak_bytes, peak
-            e.method += f" + matrix-multiply workspace replayed in a fresh process ({threads} threads)"
-    if why is not None:
-        e.notes.append(f"matrix-multiply workspace not counted: {why}")
-    e.seconds += time.perf_counter() - start
-
-
 def estimate(fn: Callable[[int], Any], sizes: Sequence[int], device: str | torch.device = "cpu",
-             workspace: bool = True) -> list[Estimate]:
+             workspace: bool = True, shortcuts: bool = True) -> list[Estimate]:
     """Estimate the peak bytes of ``fn(size)`` for each of ``sizes`` on ``device`` (cpu,
     cuda, cuda:N) without running the work (module docstring): per size, an
     :class:`Estimate` of the peak above what existed before it ran, in bytes; sizes run in
     order after one warm-up (``fn.warmup()``) on fake tensors. For cpu with ``workspace``,
-    the matrix multiplies' workspace is measured on this host and included.
+    the matrix multiplies' workspace is measured on this host and included. With
+    ``shortcuts``, the work may run once what it would repeat identically (:func:`shortcut`).
 
     Raises :class:`UsageError` for no sizes, a size that is not a positive integer, a
     device other than cpu or cuda, or a workload whose memory depends on values only a
@@ -370,31 +333,64 @@ def estimate(fn: Callable[[int], Any], sizes: Sequence[int], device: str | torch
             out.append(Estimate(size, int(own(size, str(dev))), f"{type(fn).__name__}.estimate_peak",
                                 str(device), str(dev), list(notes), time.perf_counter() - start))
         return out
-    cpu = torch.device(device).type == "cpu"
-    counter = StorageCounter(block=1 if cpu else CUDA_BLOCK)
-    work = fn.for_estimate(str(dev)) if callable(getattr(fn, "for_estimate", None)) else fn
-    runs: list[tuple[dict[tuple, tuple[int, int]], list[int]]] = []
-    counter.fake_mode = ft.FakeTensorMode(allow_non_fake_inputs=True)
-    with counter.fake_mode, counter:
-        warmup = getattr(work, "warmup", None)
-        if callable(warmup):
-            warmup()
-        warm = dict(counter.gemms)
+    return EstimateSession(fn, device, workspace, shortcuts).at(sizes)
+
+
+class EstimateSession:
+    """:func:`estimate` with the warm-up paid once: ``EstimateSession(fn, device).at(sizes)``
+    estimates sizes as they are asked for (a search that picks its next size from the last
+    estimates), each above the state the warm-up and the sizes before it left, as
+    :func:`estimate`'s sizes are. Holds the fake model (no memory) until dropped."""
+
+    def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
+                 workspace: bool = True, shortcuts: bool = True) -> None:
+        self.fn, self.device, self.workspace = fn, str(device), workspace
+        self.dev, self.notes = fake_device(device)
+        self.cpu = torch.device(device).type == "cpu"
+        self.counter = StorageCounter(block=1 if self.cpu else CUDA_BLOCK,
+                                      device_type=self.dev.type)
+        self.counter.fake_mode = ft.FakeTensorMode(allow_non_fake_inputs=True)
+        self.work = (fn.for_estimate(str(self.dev), target=self.device)
+                     if callable(getattr(fn, "for_estimate", None)) else fn)
+        self.shortcuts = shortcuts
+        self.warm: dict[tuple, tuple[int, int]] | None = None  # the warm-up's multiplies
+
+    def at(self, sizes: Sequence[int]) -> list[Estimate]:
+        """One :class:`Estimate` per size, in order (the warm-up first, on the first call)."""
+        sizes = list(sizes)
         for size in sizes:
-            start = time.perf_counter()
-            counter.start()
-            work(size)
-            extra = list(notes)
-            if counter.placeholders:
-                extra.append(f"{counter.placeholders} Python number(s) read from fake tensors "
-                             "had no value and read as 1")
-            out.append(Estimate(size, counter.peak, METHOD, str(device), str(dev), extra,
-                                time.perf_counter() - start))
-            runs.append((dict(counter.gemms), counter.segments))
-    for e, (run, segments) in zip(out, runs, strict=True):
-        if cpu and workspace:
-            _add_workspace(e, fn, warm, run, segments)
-        else:
-            e.notes.append("matrix-multiply workspace not counted" + (
-                " (cuBLAS's)" if not cpu else " (workspace=False: not replayed)"))
-    return out
+            check_positive_int("size", size)
+        counter, out = self.counter, []
+        runs: list[tuple[dict[tuple, tuple[int, int]], list[int]]] = []
+        target = torch.device(self.device).type
+        host = _HOST.set("meta" if self.dev.type != target else "cpu")
+        cut: set[str] = set()
+        running = _RUNNING.set((target, cut) if self.shortcuts else None)
+        try:
+            with counter.fake_mode, counter:
+                if self.warm is None:
+                    warmup = getattr(self.work, "warmup", None)
+                    if callable(warmup):
+                        warmup()
+                    self.warm = dict(counter.gemms)
+                for size in sizes:
+                    start = time.perf_counter()
+                    counter.start()
+                    self.work(size)
+                    extra = [*self.notes, *sorted(cut)]
+                    if counter.placeholders:
+                        extra.append(f"{counter.placeholders} Python number(s) read from fake "
+                                     "tensors had no value and read as 1")
+                    out.append(Estimate(size, counter.peak, METHOD, self.device, str(self.dev),
+                                        extra, time.perf_counter() - start))
+                    runs.append((dict(counter.gemms), counter.segments))
+        finally:
+            _HOST.reset(host)
+            _RUNNING.reset(running)
+        for e, (run, segments) in zip(out, runs, strict=True):
+            if self.cpu and self.workspace:
+                add_workspace(e, self.fn, self.warm, run, segments)
+            else:
+                e.notes.append("matrix-multiply workspace not counted" + (
+                    " (cuBLAS's)" if not self.cpu else " (workspace=False: not replayed)"))
+        return out

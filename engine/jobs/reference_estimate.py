@@ -31,25 +31,27 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.estimate import CUDA_BLOCK, LABEL, estimate, fake_device
+from oomguard.engine.core.estimate import CUDA_BLOCK, LABEL, EstimateSession, fake_device
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import get_metric, load_all
 from oomguard.metrics.models import BUILTIN_CONFIGS, model_config
 from oomguard.metrics.workload import SAMPLE_KNOBS, MetricTrial
 
-GiB = 1024**3
-# Nominal memory of common GPUs (the marketed figure, read as GiB): what the driver lets a
-# process allocate is less (the driver's reservation, the CUDA context), which the margin
-# must cover together with the allocator's cache and fragmentation.
-GPUS: dict[str, int] = {"H100 80GB": 80 * GiB, "A100 40GB": 40 * GiB,
-                        "RTX 4090 24GB": 24 * GiB, "V100 16GB": 16 * GiB}
+GiB, MiB = 1024**3, 1024**2
+# Total memory of common GPUs as the driver reports it (NVML, nvidia-smi), not the marketed
+# figure: "80GB" reads 79.65 GiB on an H100, "16GB" 15.78 GiB on a V100
+# (docs/measurements.md#gpu-tiers). A process can allocate less still (the CUDA context,
+# the driver's own use), which the margin must cover, with the allocator's cache.
+GPUS: dict[str, int] = {"H100 80GB": 81559 * MiB, "A100 40GB": 40960 * MiB,
+                        "RTX 4090 24GB": 24564 * MiB, "V100 16GB": 16160 * MiB}
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 DEPTHS = (1, 2, 3)  # the depths estimated, for a quadratic in the layer count
 ROUNDS = 4  # line-and-confirm rounds per knob after sizes 1 and the largest
 
 
 def gpu_memory(name: str) -> int:
-    """Nominal bytes of a GPU tier in :data:`GPUS`; UsageError listing the valid names."""
+    """Total bytes of a GPU tier in :data:`GPUS` (as its driver reports them); UsageError
+    listing the valid names."""
     for key, nbytes in GPUS.items():
         if key.lower() == name.strip().lower():
             return nbytes
@@ -101,15 +103,15 @@ class _Resident:
         return self.work(size)
 
 
-def _estimate_at(trial: MetricTrial, sizes: Sequence[int], device: str) -> dict[int, tuple[int, int]]:
-    """size -> (resident bytes, estimated peak bytes above them) of ``trial``, estimated."""
+def _session(trial: MetricTrial, device: str) -> tuple[EstimateSession, _Resident]:
+    """An estimate session of ``trial`` for ``device``, and the workload that counts its
+    resident bytes after the warm-up."""
     dev, _ = fake_device(device)
     block = 1 if torch.device(device).type == "cpu" else CUDA_BLOCK
-    work = _Resident(trial.for_estimate(str(dev)), block)
+    work = _Resident(trial.for_estimate(str(dev), target=device), block)
     # workspace=False: replaying a large model's matrix multiplies is slow and measures
     # this host's BLAS, not the device the reference is for.
-    got = estimate(work, sorted(set(sizes)), device=device, workspace=False)
-    return {e.size: (work.resident, e.peak_bytes) for e in got}
+    return EstimateSession(work, device=device, workspace=False), work
 
 
 class Estimator:
@@ -123,6 +125,10 @@ class Estimator:
         self.model, self.dtype, self.seq_len, self.device = model, dtype, seq_len, device
         self.layers = layer_specs(model)
         self.estimates = 0
+        self.notes: set[str] = set()  # what the estimates changed or left out
+        # The warmed-up sessions of the (metric, knob, samples) last asked for, per spec: a
+        # search's next sizes skip the model build and the warm-up.
+        self._sessions: dict[tuple, tuple[EstimateSession, _Resident]] = {}
 
     @property
     def method(self) -> str:
@@ -137,9 +143,17 @@ class Estimator:
         real depth."""
         def at(spec: str) -> dict[int, tuple[int, int]]:
             self.estimates += len(set(sizes))
-            return _estimate_at(MetricTrial(metric, knob=knob, model=spec, dtype=self.dtype,
-                                            n_samples=n_samples, seq_len=self.seq_len),
-                                sizes, self.device)
+            key = (metric, knob, n_samples, spec)
+            if key not in self._sessions:
+                if any(k[:3] != key[:3] for k in self._sessions):
+                    self._sessions.clear()  # another workload: its fake models can go
+                self._sessions[key] = _session(MetricTrial(
+                    metric, knob=knob, model=spec, dtype=self.dtype, n_samples=n_samples,
+                    seq_len=self.seq_len), self.device)
+            session, work = self._sessions[key]
+            got = session.at(sorted(set(sizes)))
+            self.notes.update(n for e in got for n in e.notes if "read as 1" not in n)
+            return {e.size: (work.resident, e.peak_bytes) for e in got}
         if self.layers is None:
             return {s: (r + p, p) for s, (r, p) in at(self.model).items()}
         depth, specs = self.layers
@@ -293,6 +307,6 @@ def build_estimate_reference(model: str, dtype: str, seq_len: int, n_samples: in
             "dtype": dtype, "seq_len": seq_len, "n_samples": n_samples, "device": device,
             "memory_name": memory_name, "memory_bytes": memory, "margin": margin,
             "capacity_bytes": capacity, "rows": rows, "batches": list(batches),
-            "batch_rows": table, "estimates": est.estimates,
+            "batch_rows": table, "estimates": est.estimates, "notes": sorted(est.notes),
             "seconds": round(time.perf_counter() - t0, 3),
             "measured_source": None if measured is None else measured.get("created", "?")}
