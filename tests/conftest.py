@@ -112,13 +112,22 @@ def in_fresh_process(fn, *args):
     caches), so tests that assert an exact memory boundary start from the
     same state every time: a new process.
     """
+
+
+    return in_fresh_processes(fn, [args])[0]
+
+
+def in_fresh_processes(fn, arg_lists, workers: int = 1):
+    """``[fn(*args) for args in arg_lists]``, each call in a fresh child of its own (as
+    :func:`in_fresh_process`), ``workers`` at a time: a budget is per process, so calls
+    that each set their own (single-threaded) can share the cores."""
     import multiprocessing as mp
 
     from oomguard.engine.core.isolate import forkserver_context
 
     forkserver_context(("transformers", "oomguard.metrics.train_step", "oomguard.metrics.synthetic"))
-    with mp.get_context("forkserver").Pool(1, maxtasksperchild=1) as pool:
-        return pool.apply(fn, args)
+    with mp.get_context("forkserver").Pool(workers, maxtasksperchild=1) as pool:
+        return pool.starmap(fn, [tuple(a) for a in arg_lists], chunksize=1)
 
 
 @dataclass

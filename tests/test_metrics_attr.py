@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import budget_after_warmup, in_fresh_process, tiny_data, tiny_model
+from conftest import budget_after_warmup, in_fresh_processes, tiny_data, tiny_model
 
 from oomguard.engine.core.executor import Executor
 from oomguard.engine.core.heap import return_freed_memory_to_os
@@ -230,7 +230,9 @@ def budget_reports() -> dict[str, dict[str, Any]]:
     sizes fitted a 48 MiB budget they exceeded 2-3x in a fresh process). One
     process per scenario, so no scenario inherits another's heap either.
     """
-    return {name: in_fresh_process(fresh_budget_scenario, name) for name in OOM_CASES}
+    # two at a time: each scenario runs single-threaded under its own budget
+    got = in_fresh_processes(fresh_budget_scenario, [[name] for name in OOM_CASES], workers=2)
+    return dict(zip(OOM_CASES, got, strict=True))
 
 
 @pytest.mark.integration
