@@ -5,14 +5,18 @@ Every figure here is an estimate (:data:`~oomguard.engine.core.estimate.LABEL`),
 :func:`~oomguard.engine.core.estimate.estimate` (fake tensors): never a measurement, and
 written apart from a measured reference (``estimate-reference.*``, ``"source": "estimated"``).
 
-Two shortcuts make it fast (a 32-layer 7B LLaMA's ``loss`` at two sizes took 25 s at full
-depth; docs/measurements.md#estimate-reference):
+What makes it fast (a 32-layer 7B LLaMA's ``loss`` at two sizes took 25 s at full depth;
+every metric of it now takes about 3 minutes on 2 cores; docs/measurements.md#estimate-reference):
 
 - **Depth**: each size is estimated on the same config with 1, 2 and 3 hidden layers, and
   the total is extrapolated to the real depth by the quadratic through them: what a step
-  holds is a base plus per-layer parts (weights, gradients, Lanczos vectors, stored
-  activations) plus, for CKA, a part per pair of layers (its cross-layer Gram matrix).
-- **Size**: the sizes 1 and the knob's largest useful size first, then the size where the
+  holds is a base plus per-layer parts (weights, gradients, stored activations) plus, for
+  CKA, a part per pair of layers (its cross-layer Gram matrix).
+- **Repeats**: what a metric repeats identically runs once
+  (:func:`~oomguard.engine.core.estimate.shortcut`), and one warmed-up fake model per depth
+  serves every size a knob's search asks for
+  (:class:`~oomguard.engine.core.estimate.EstimateSession`).
+- **Size**: the knob's largest useful size first, then 1, then the size where the
   line through the two nearest known points meets the memory (and the one above it),
   until the largest fitting size and the smallest one that does not are adjacent or the
   rounds run out (then both are reported).
