@@ -98,7 +98,7 @@ class TrainStep(RebuiltInChild):
                      "lengths": "every sample at the full sequence length (the worst case)"},
         }
 
-    def for_estimate(self, device: str, target: str | None = None) -> TrainStep:
+    def for_estimate(self, device: str) -> TrainStep:
         """A copy of this step with nothing built, for :func:`oomguard.engine.core.estimate.estimate`
         on ``device``: its ``warmup()`` (under the estimate's fake mode) builds the model with
         no weights, then the optimizer state and one step at batch size 1 as fake tensors."""

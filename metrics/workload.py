@@ -173,11 +173,10 @@ class MetricTrial(RebuiltInChild):
         self(self._state.get("warm_size") or self.minimum())
         self._state.update(data=data, worst_case=worst)
 
-    def for_estimate(self, device: str, target: str | None = None) -> MetricTrial:
+    def for_estimate(self, device: str) -> MetricTrial:
         """A copy with nothing built, for :func:`oomguard.engine.core.estimate.estimate` on
-        ``device`` (where fake tensors live; ``target``, the device estimated for, changes
-        nothing here): its ``warmup()`` (under the estimate's fake mode) builds the model with
-        no weights; the data are real (small), so the metric's control flow follows them."""
+        ``device``: its ``warmup()`` (under the estimate's fake mode) builds the model with no
+        weights; the data are real (small), so the metric's control flow follows them."""
         copy = dataclasses.replace(self, device=device, _state={"fake": True})
         copy._state["warm_size"] = copy.max_size()
         return copy

@@ -350,7 +350,7 @@ class EstimateSession:
         self.counter = StorageCounter(block=1 if self.cpu else CUDA_BLOCK,
                                       device_type=self.dev.type)
         self.counter.fake_mode = ft.FakeTensorMode(allow_non_fake_inputs=True)
-        self.work = (fn.for_estimate(str(self.dev), target=self.device)
+        self.work = (fn.for_estimate(str(self.dev))
                      if callable(getattr(fn, "for_estimate", None)) else fn)
         self.shortcuts = shortcuts
         self.warm: dict[tuple, tuple[int, int]] | None = None  # the warm-up's multiplies

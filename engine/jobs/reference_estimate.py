@@ -112,7 +112,7 @@ def _session(trial: MetricTrial, device: str) -> tuple[EstimateSession, _Residen
     resident bytes after the warm-up."""
     dev, _ = fake_device(device)
     block = 1 if torch.device(device).type == "cpu" else CUDA_BLOCK
-    work = _Resident(trial.for_estimate(str(dev), target=device), block)
+    work = _Resident(trial.for_estimate(str(dev)), block)
     # workspace=False: replaying a large model's matrix multiplies is slow and measures
     # this host's BLAS, not the device the reference is for.
     return EstimateSession(work, device=device, workspace=False), work
