@@ -112,8 +112,6 @@ def in_fresh_process(fn, *args):
     caches), so tests that assert an exact memory boundary start from the
     same state every time: a new process.
     """
-
-
     return in_fresh_processes(fn, [args])[0]
 
 

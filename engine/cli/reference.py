@@ -139,13 +139,14 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
 
     if (args.gpu is None) == (args.memory is None):
         raise UsageError("--estimate needs one of --gpu NAME or --memory BYTES (e.g. 24GiB)")
+    device = args.device or "cuda"
     if args.gpu is not None:
-        if args.device is not None and args.device.split(":")[0] != "cuda":
-            raise UsageError(f"--gpu estimates for cuda, not --device {args.device}: use "
+        if device.split(":")[0] != "cuda":
+            raise UsageError(f"--gpu estimates for cuda, not --device {device}: use "
                              "--memory BYTES for another device")
-        memory, memory_name, device = gpu_memory(args.gpu), args.gpu, args.device or "cuda"
+        memory, memory_name = gpu_memory(args.gpu), args.gpu
     else:
-        memory, memory_name, device = args.memory, fmt_bytes(args.memory), args.device or "cuda"
+        memory, memory_name = args.memory, fmt_bytes(args.memory)
     if not isinstance(args.margin, float):
         raise UsageError("--margin for --estimate is a fraction in [0, 1) (nothing is "
                          "measured, so 'measured' has no spread to read)")

@@ -15,7 +15,6 @@ as ``fn.estimate_peak(size, device) -> int`` (its own estimate, bytes); as
 
 Matrix-multiply workspace (CPU) is measured, not predicted: the distinct matrix multiplies
 the fake run made are replayed on this host (:mod:`oomguard.engine.core.workspace`).
-
 Only the target device's memory counts: for a cuda estimate, what a workload keeps on the
 host (a Lanczos basis) does not. Workloads put such bookkeeping on :func:`host_device`,
 which is ``cpu`` except while an estimate for cuda runs on a torch build without CUDA
@@ -53,13 +52,22 @@ REAL_FLOAT_LIMIT = 64 * 1024
 # CUDA's allocator rounds blocks up to 512 bytes (kMinBlockSize, CUDACachingAllocator.cpp)
 CUDA_BLOCK = 512
 LABEL = "estimate, not measured"
-# Where workloads keep host-side bookkeeping (host_device()), and the estimate in progress
-# (shortcut(): its target's device type, and the notes of the shortcuts taken): context
-# variables, so an estimate changes them for its own run only.
-_HOST: contextvars.ContextVar[str] = contextvars.ContextVar("oomguard_host", default="cpu")
-_RUNNING: contextvars.ContextVar[tuple[str, set[str]] | None] = contextvars.ContextVar(
-    "oomguard_estimate", default=None)
 METHOD = "fake tensors (FakeTensorMode) + storage bytes counted at dispatch"
+
+
+@dataclass
+class _Running:
+    """The estimate in progress (:func:`host_device`, :func:`shortcut`): the device type it
+    is for, where host-side bookkeeping goes, the shortcuts' notes (None: shortcuts off)."""
+
+    target: str
+    host: str
+    cuts: set[str] | None
+
+
+# A context variable, so an estimate changes it for its own run only.
+_RUNNING: contextvars.ContextVar[_Running | None] = contextvars.ContextVar(
+    "oomguard_estimate", default=None)
 
 
 @dataclass
@@ -269,11 +277,10 @@ def fake_module(build: Callable[[], torch.nn.Module],
 
 
 def host_device() -> str:
-    """The device a workload keeps host-side bookkeeping on (tensors that never live on the
-    accelerator, such as a Lanczos basis): ``cpu``, except inside an :func:`estimate` for
-    cuda made on cpu (no CUDA in this torch build), where it is ``meta`` so that the
-    bookkeeping is not counted as the device's memory (module docstring)."""
-    return _HOST.get()
+    """Where a workload keeps host-side bookkeeping (a Lanczos basis): ``cpu``, or ``meta``
+    (uncounted) in an estimate for cuda made on cpu fake tensors (module docstring)."""
+    running = _RUNNING.get()
+    return "cpu" if running is None else running.host
 
 
 def shortcut(why: str, devices: tuple[str, ...] = ("cpu", "cuda")) -> bool:
@@ -283,9 +290,9 @@ def shortcut(why: str, devices: tuple[str, ...] = ("cpu", "cuda")) -> bool:
     memory), and then ``why`` (one line: what was cut, and why the peak holds) goes into
     the estimate's notes. Always False in a real run: results never change."""
     running = _RUNNING.get()
-    if running is None or running[0] not in devices:
+    if running is None or running.cuts is None or running.target not in devices:
         return False
-    running[1].add(why)
+    running.cuts.add(why)
     return True
 
 
@@ -322,25 +329,23 @@ def estimate(fn: Callable[[int], Any], sizes: Sequence[int], device: str | torch
     sizes = list(sizes)
     if not sizes:
         raise UsageError("give at least one size to estimate")
+    own = getattr(fn, "estimate_peak", None)
+    if not callable(own):
+        return EstimateSession(fn, device, workspace, shortcuts).at(sizes)  # checks sizes
+    dev, notes = fake_device(device)
+    out = []
     for size in sizes:
         check_positive_int("size", size)
-    dev, notes = fake_device(device)
-    own = getattr(fn, "estimate_peak", None)
-    out = []
-    if callable(own):
-        for size in sizes:
-            start = time.perf_counter()
-            out.append(Estimate(size, int(own(size, str(dev))), f"{type(fn).__name__}.estimate_peak",
-                                str(device), str(dev), list(notes), time.perf_counter() - start))
-        return out
-    return EstimateSession(fn, device, workspace, shortcuts).at(sizes)
+        start = time.perf_counter()
+        out.append(Estimate(size, int(own(size, str(dev))), f"{type(fn).__name__}.estimate_peak",
+                            str(device), str(dev), list(notes), time.perf_counter() - start))
+    return out
 
 
 class EstimateSession:
     """:func:`estimate` with the warm-up paid once: ``EstimateSession(fn, device).at(sizes)``
-    estimates sizes as they are asked for (a search that picks its next size from the last
-    estimates), each above the state the warm-up and the sizes before it left, as
-    :func:`estimate`'s sizes are. Holds the fake model (no memory) until dropped."""
+    estimates sizes as a search asks for them, each above the state the warm-up and the sizes
+    before it left (as :func:`estimate`'s are). Holds the fake model (no memory) until dropped."""
 
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
                  workspace: bool = True, shortcuts: bool = True) -> None:
@@ -363,9 +368,9 @@ class EstimateSession:
         counter, out = self.counter, []
         runs: list[tuple[dict[tuple, tuple[int, int]], list[int]]] = []
         target = torch.device(self.device).type
-        host = _HOST.set("meta" if self.dev.type != target else "cpu")
         cut: set[str] = set()
-        running = _RUNNING.set((target, cut) if self.shortcuts else None)
+        running = _RUNNING.set(_Running(target, "meta" if self.dev.type != target else "cpu",
+                                        cut if self.shortcuts else None))
         try:
             with counter.fake_mode, counter:
                 if self.warm is None:
@@ -385,7 +390,6 @@ class EstimateSession:
                                         extra, time.perf_counter() - start))
                     runs.append((dict(counter.gemms), counter.segments))
         finally:
-            _HOST.reset(host)
             _RUNNING.reset(running)
         for e, (run, segments) in zip(out, runs, strict=True):
             if self.cpu and self.workspace:

@@ -33,9 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
-from oomguard.engine.core.estimate import CUDA_BLOCK, LABEL, EstimateSession, fake_device
+from oomguard.engine.core.estimate import LABEL, EstimateSession
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import get_metric, load_all
 from oomguard.metrics.models import BUILTIN_CONFIGS, model_config
@@ -87,10 +85,15 @@ def layer_specs(spec: str) -> tuple[int, list[str]] | None:
 class _Resident:
     """A workload for :func:`estimate` that also counts, after its warm-up, the bytes alive
     in its state (parameters, their gradients, buffers, the data): what exists before a
-    size runs, which the estimate's peak does not include."""
+    size runs, which the estimate's peak does not include. ``block``: the allocation unit
+    the bytes round up to (the session's, set by :func:`_session`)."""
 
-    def __init__(self, work: MetricTrial, block: int) -> None:
-        self.work, self.block, self.resident = work, block, 0
+    def __init__(self, trial: MetricTrial) -> None:
+        self.work, self.block, self.resident = trial, 1, 0
+
+    def for_estimate(self, device: str) -> _Resident:
+        self.work = self.work.for_estimate(device)
+        return self
 
     def warmup(self) -> None:
         self.work.warmup()
@@ -110,12 +113,12 @@ class _Resident:
 def _session(trial: MetricTrial, device: str) -> tuple[EstimateSession, _Resident]:
     """An estimate session of ``trial`` for ``device``, and the workload that counts its
     resident bytes after the warm-up."""
-    dev, _ = fake_device(device)
-    block = 1 if torch.device(device).type == "cpu" else CUDA_BLOCK
-    work = _Resident(trial.for_estimate(str(dev)), block)
+    work = _Resident(trial)
     # workspace=False: replaying a large model's matrix multiplies is slow and measures
     # this host's BLAS, not the device the reference is for.
-    return EstimateSession(work, device=device, workspace=False), work
+    session = EstimateSession(work, device=device, workspace=False)
+    work.block = session.counter.block
+    return session, work
 
 
 class Estimator:
