@@ -72,6 +72,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "at each OOM into <out>/snapshots/ (open it at "
                           "pytorch.org/memory_viz); on CPU the OOM events say none was "
                           "possible")
+    run.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                     help="run the metrics as Ray tasks, each on its own GPU (or CPU for a "
+                          "cpu job), sized for the device it lands on: on a local Ray "
+                          "instance with every GPU of this machine, or on the cluster at "
+                          "ADDRESS (HOST:PORT, or auto); needs pip install 'oomguard[ray]'")
     run.add_argument("--force", action="store_true",
                      help="use an output folder that holds another job's results: move "
                           "them into <out>/moved-aside/ first")
@@ -120,6 +125,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.example:
         print(example_text(), end="")
         return 0
+    if not args.job and args.ray and args.ray.endswith(".toml"):  # `run --ray JOB.toml`
+        args.job, args.ray = args.ray, ""
     if not args.job:
         return _error("run: give a job file (oomguard run JOB.toml), or --example")
     setup_logging(logging.INFO)
@@ -140,9 +147,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         # This process runs no torch code (it parses, plans and waits): for a CPU job a
         # plain fork is safe and cheaper than a forkserver
         # (docs/measurements.md#fork-after-openmp); a GPU job never forks.
+        backend = None
+        if args.ray is not None:
+            from oomguard.engine.jobs.ray_job import OnRay
+
+            backend = OnRay(args.ray or None)
         outcome = run_job(job, cache_path=args.cache, search=not args.no_search,
                           start_method=child_start_method(job.device), log_setup=job_log,
-                          force=args.force, snapshot_on_oom=args.snapshot_on_oom)
+                          force=args.force, snapshot_on_oom=args.snapshot_on_oom,
+                          backend=backend)
     except UsageError as exc:  # a bad job file, a missing device, an output folder in use
         return _error(str(exc))
     except OSError as exc:  # a full disk: what finished is on disk; say where it stopped

@@ -93,6 +93,8 @@ def child_main(task: Task, ctx: Context, handoff: dict[str, Any] | None = None,
     # Freed tensors must go back to the kernel, or the resident peak meter sees
     # a reused heap as 0 bytes and budgets drift (docs/measurements.md#return-freed-memory).
     return_freed_memory_to_os()
+    if ctx.threads:
+        torch.set_num_threads(ctx.threads)
     out = Path(ctx.out)
     journal = Journal(out / "journal.jsonl")
     state: dict[str, Any] = {"handoff": handoff or {}}
@@ -137,7 +139,8 @@ def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any],
     record = TaskResult.failure(task, ctx.run_id, reason, str(tb.relative_to(out)),
                                 time.perf_counter() - t0, sizes=_sizes_info(state),
                                 search=state.get("search"),
-                                oom_events=_oom_events(state, out), **_ladder_info(state))
+                                oom_events=_oom_events(state, out), device=ctx.device,
+                                **_ladder_info(state))
     atomic_write_json(out / "results" / f"{task.key}.json", record)
     journal.append("failure", task=task.key, run=ctx.run_id, reason=reason,
                    traceback=record.traceback)
@@ -386,4 +389,5 @@ def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
         peak_source=f"measured: {work.meter.source}", budget_bytes=job.budget_bytes,
         summary=to_jsonable(summary, max_items=TENSOR_INLINE_MAX), tensors=tensors,
         inputs=dict(task.inputs), rerun_because=list(task.rerun_because) or None,
-        finished=now_iso(), **_ladder_info(state, work, job.dtype))
+        finished=now_iso(), device=ctx.device, threads=torch.get_num_threads(),
+        **_ladder_info(state, work, job.dtype))

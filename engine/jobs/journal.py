@@ -59,7 +59,11 @@ class Journal:
 
     def append(self, event: str, **fields: Any) -> dict[str, Any]:
         """Write one event durably and return the record written."""
-        record = {"t": now_iso(), "pid": os.getpid(), "event": event, **fields}
+        return self.copy({"t": now_iso(), "pid": os.getpid(), "event": event, **fields})
+
+    def copy(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Write ``record`` as it is, durably: an event another journal holds (a Ray
+        worker's, with that worker's time and pid), or one :meth:`append` made."""
         line = json_text(record, indent=None) + "\n"
         fd = self._descriptor()
         os.write(fd, line.encode("utf-8"))

@@ -4,8 +4,11 @@ tasks' processes are started, stopped and heard from."""
 
 from __future__ import annotations
 
+import socket
 import sys
 from typing import Any
+
+import torch
 
 from oomguard.engine.core.jsonable import stable_hash
 from oomguard.engine.core.units import fmt_bytes
@@ -15,7 +18,7 @@ from oomguard.engine.jobs.records import Job, Task
 from oomguard.engine.jobs.spec import model_label
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import model_config
-from oomguard.probes import probe
+from oomguard.probes import nvml, probe
 
 __all__ = ["child_start_method", "device_identity", "plan", "preload_modules", "received",
            "stop_child"]
@@ -58,7 +61,12 @@ def child_start_method(device: str) -> str:
 
 
 def device_identity(job: Job) -> dict[str, Any]:
-    """Device name and total bytes (measured by :func:`oomguard.probes.probe`), plus the budget.
+    """The device this process runs ``job`` on, measured by :func:`oomguard.probes.probe`.
+
+    Name and total bytes, the budget, torch's version and the host; on CUDA also the MIG
+    profile, the driver version and the GPU's UUID (NVML, matched to torch's device by
+    UUID, so a Ray worker whose ``CUDA_VISIBLE_DEVICES`` names one GPU gets that GPU's).
+    :func:`~oomguard.engine.jobs.cache.device_key` says which of these key the size cache.
 
     Raises :class:`JobError` if the device is missing or the job's budget is
     larger than the device's total memory (a budget that can never be applied).
@@ -70,8 +78,15 @@ def device_identity(job: Job) -> dict[str, Any]:
         raise JobError(f"{job.path}: budget: {fmt_bytes(job.budget_bytes)} is more than "
                        f"{job.device}'s {fmt_bytes(snap.total_bytes)} in total; give a "
                        "smaller budget, or none")
-    return {"device": job.device, "name": snap.name, "total_bytes": snap.total_bytes,
-            "budget_bytes": job.budget_bytes}
+    ident = {"device": job.device, "name": snap.name, "total_bytes": snap.total_bytes,
+             "budget_bytes": job.budget_bytes, "torch": torch.__version__,
+             "host": socket.gethostname()}
+    if snap.device.startswith("cuda"):
+        # What else makes two GPUs answer differently: a MIG slice's profile, the driver.
+        # The UUID says which GPU it was (reports), never part of the cache key.
+        ident.update({"mig_profile": snap.extra.get("mig_profile"),
+                      "driver": nvml.driver_version(), "uuid": snap.extra.get("uuid")})
+    return ident
 
 
 def preload_modules(task: Task) -> tuple[str, ...]:

@@ -117,7 +117,9 @@ class Context:
     ``log_setup``, if given, is called with the output folder at the start of
     every metric's process (see :func:`~oomguard.engine.jobs.runner.run_job`).
     ``snapshot_on_oom``: record CUDA allocation history from the task's start and write
-    an allocator snapshot at each OOM of its run (``snapshots/``).
+    an allocator snapshot at each OOM of its run (``snapshots/``). ``threads``: torch's
+    intra-op threads in the metric's process (None: torch's default, one per core); a Ray
+    task on CPU gets as many as Ray gave it CPUs.
     """
 
     job: Job
@@ -129,6 +131,7 @@ class Context:
     start_method: str = "forkserver"
     log_setup: Callable[[Any], Any] | None = None
     snapshot_on_oom: bool = False
+    threads: int | None = None
 
 
 @dataclass
@@ -150,7 +153,10 @@ class TaskResult:
     dtype; ``remedy`` the remedy that produced it (None: the first attempt worked, or no
     ``on_oom``); ``remedies`` every rung of the ladder tried (remedy, outcome ok, failed,
     skipped or restarted, why, attempts), ``restarts`` why each fresh process was started
-    (None without ``on_oom``). Keys this version does not know (a file written by another
+    (None without ``on_oom``). ``device`` is the identity of the device the task ran on
+    (measured where it ran: on Ray, by the worker); ``threads`` the intra-op threads torch
+    used (a float sum split over another number of threads rounds differently in its last
+    bits). Keys this version does not know (a file written by another
     version) are kept in ``extra``.
     """
 
@@ -181,6 +187,8 @@ class TaskResult:
     remedy: str | None = None
     remedies: list[dict[str, Any]] | None = None
     restarts: list[str] | None = None
+    device: dict[str, Any] | None = None
+    threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -37,9 +37,7 @@ process and at the start of every metric's process.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -55,9 +53,7 @@ from filelock import FileLock, Timeout
 from tqdm import tqdm
 
 from oomguard.engine.core.atomic import atomic_write, atomic_write_json
-from oomguard.engine.core.isolate import forkserver_context
 from oomguard.engine.errors import JobError
-from oomguard.engine.jobs.child import child_main
 from oomguard.engine.jobs.fingerprint import Digests
 from oomguard.engine.jobs.journal import Journal
 from oomguard.engine.jobs.output import (
@@ -68,13 +64,7 @@ from oomguard.engine.jobs.output import (
     set_aside,
     stale_reasons,
 )
-from oomguard.engine.jobs.plan import (
-    device_identity,
-    plan,
-    preload_modules,
-    received,
-    stop_child,
-)
+from oomguard.engine.jobs.plan import device_identity, plan
 from oomguard.engine.jobs.records import (
     FAILED,
     INTERRUPTED,
@@ -85,6 +75,7 @@ from oomguard.engine.jobs.records import (
     TaskResult,
     now_iso,
 )
+from oomguard.engine.jobs.task_process import run_task
 from oomguard.reports.job_report import ReportInterrupted, write_job_report
 
 log = logging.getLogger("oomguard.job")
@@ -140,10 +131,67 @@ def threading_main() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+class Progress:
+    """Where a backend reports its tasks: the results so far, the bar, the log lines.
+
+    :meth:`finished` records a task's result (written to ``results/`` by whoever ran
+    it); :meth:`show` puts a short status on the bar (the Ray backend: running and
+    retries per device).
+    """
+
+    def __init__(self, n_tasks: int, bar: Any, results: dict[str, TaskResult]) -> None:
+        self.n, self.bar, self.results, self.count = n_tasks, bar, results, 0
+
+    def skipped(self, record: TaskResult) -> None:
+        self.results[record.task] = record
+        self.count += 1
+        self.bar.update(1)
+
+    def finished(self, record: TaskResult) -> None:
+        self.results[record.task] = record
+        self.count += 1
+        self.bar.update(1)
+        _log_record(self.count, self.n, record)
+
+    def interrupted(self, task: Task, run_id: str) -> None:
+        self.results[task.key] = TaskResult.placeholder(task, run_id, INTERRUPTED)
+
+    def show(self, text: str) -> None:
+        self.bar.set_postfix_str(text, refresh=True)
+
+
+class Sequential:
+    """Run a job's tasks one after another, each in a child of this process (the default).
+
+    The other backend, :class:`~oomguard.engine.jobs.ray_job.OnRay`, runs them as Ray
+    tasks across GPUs and nodes; both write the same files (:func:`run_job`).
+    """
+
+    def device(self, job: Job) -> dict[str, Any]:
+        """The device every task runs on, measured here (:func:`device_identity`)."""
+        return device_identity(job)
+
+    def run(self, tasks: list[Task], ctx: Context, journal: Journal, stop: _Stop,
+            progress: Progress) -> None:
+        for task in tasks:
+            if stop.signum is not None:
+                return
+            progress.show(task.key)
+            record = run_task(task, ctx, journal, stop)
+            if record is None:
+                progress.interrupted(task, ctx.run_id)
+                return
+            progress.finished(record)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
 def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, search: bool = True,
             progress: bool | None = None, start_method: str = "forkserver",
             log_setup: Callable[[Path], Any] | None = None, force: bool = False,
-            snapshot_on_oom: bool = False) -> Outcome:
+            snapshot_on_oom: bool = False, backend: Any = None,
+            threads: int | None = None) -> Outcome:
     """Run (or resume) ``job`` into ``job.output``; returns the exit code and every record.
 
     Resume keeps a finished result only while its inputs are unchanged
@@ -152,6 +200,11 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
     (``rerun_because``) and the report. An output folder belongs to one job
     (:func:`job_identity`): another job's folder is refused, or with ``force``
     its files are moved into ``moved-aside/``.
+
+    ``backend`` runs the tasks that need running: :class:`Sequential` (the default: one
+    after another on this machine) or :class:`~oomguard.engine.jobs.ray_job.OnRay`
+    (concurrently as Ray tasks, each sized for the device it lands on). Either way this
+    process writes the results, the journal, ``results.json`` and the report.
 
     ``start_method`` starts each task's process: ``forkserver`` (safe from any
     process), or ``fork`` (faster; only from a process that has not run torch
@@ -167,61 +220,69 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
     appends to ``out/job.log``. Without it this function configures no
     logging at all: records go wherever the caller's logging sends them.
 
+    ``threads``: torch's intra-op threads in each metric's process (None: torch's default;
+    on Ray, a CPU task's share of CPUs).
+
     ``snapshot_on_oom``: each metric's process records CUDA allocation history from
     its start and writes an allocator snapshot at each OOM of its run into
     ``snapshots/`` (pytorch.org/memory_viz); on CPU the events say none was possible.
 
     Raises :class:`JobError` before any work if the job cannot start (device
     missing, a budget larger than the device, an output folder that is a file,
-    not writable, in use by another run, or another job's). ``OSError`` from
+    not writable, in use by another run, or another job's; with Ray, a cluster that
+    cannot be reached or has no GPU for a GPU job). ``OSError`` from
     writing (a full disk) propagates; every result finished before it is kept.
     """
     t0 = time.perf_counter()
     out = Path(job.output)
     digests = Digests(out / ".digests.json")
     tasks = plan(job, digests)
-    device = device_identity(job)
+    backend = backend if backend is not None else Sequential()
     if start_method == "fork" and job.device != "cpu":
         start_method = "forkserver"  # CUDA and MPS cannot be used after a fork
-    check_output_folder(out)
-    lock = FileLock(str(out / ".job.lock"), timeout=0)
     try:
-        lock.acquire()
-    except Timeout:
-        raise JobError(f"{out}: another oomguard run is using this output folder") from None
-    try:
-        claim(out, job, force)
-        digests.save()
-        return _run_locked(job, tasks, device, out, cache_path, search, progress, t0,
-                           start_method, log_setup, snapshot_on_oom)
+        device = backend.device(job)
+        check_output_folder(out)
+        lock = FileLock(str(out / ".job.lock"), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            raise JobError(f"{out}: another oomguard run is using this output folder") from None
+        try:
+            claim(out, job, force)
+            digests.save()
+            ctx = Context(job=job, out=str(out), run_id=uuid.uuid4().hex[:12],
+                          cache_path=str(cache_path) if cache_path else None, search=search,
+                          device=device, start_method=start_method, log_setup=log_setup,
+                          snapshot_on_oom=snapshot_on_oom, threads=threads)
+            return _run_locked(tasks, ctx, backend, progress, t0)
+        finally:
+            lock.release()
     finally:
-        lock.release()
+        backend.close()
 
 
-def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
-                cache_path: Any, search: bool, progress: bool | None, t0: float,
-                start_method: str, log_setup: Callable[[Path], Any] | None,
-                snapshot_on_oom: bool = False) -> Outcome:
+def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | None,
+                t0: float) -> Outcome:
+    job, out, run_id = ctx.job, Path(ctx.out), ctx.run_id
     for sub in ("results", "tracebacks", "plots"):
         (out / sub).mkdir(exist_ok=True)
-    if log_setup is not None:
-        log_setup(out)
+    if ctx.log_setup is not None:
+        ctx.log_setup(out)
     atomic_write_json(out / "job.json", {**job_identity(job), "tasks": [t.key for t in tasks]})
     atomic_write(out / "job.toml", job.text)
-    run_id = uuid.uuid4().hex[:12]
     journal = Journal(out / "journal.jsonl")
-    ctx = Context(job=job, out=str(out), run_id=run_id,
-                  cache_path=str(cache_path) if cache_path else None, search=search,
-                  device=device, start_method=start_method, log_setup=log_setup,
-                  snapshot_on_oom=snapshot_on_oom)
     journal.append("job-start", run=run_id, job=job.path, tasks=[t.key for t in tasks],
-                   device=device, start_method=start_method)
+                   device=ctx.device, start_method=ctx.start_method,
+                   backend=type(backend).__name__)
     log.info("job %s: %d metric(s) on %s, output %s", job.name, len(tasks), job.device, out)
     results: dict[str, TaskResult] = {}
     show = sys.stderr.isatty() if progress is None else progress
     with _Stop() as stop:
         with tqdm(total=len(tasks), disable=not show, unit="metric", desc=job.name,
                   leave=True) as bar:
+            sink = Progress(len(tasks), bar, results)
+            todo = []
             for i, task in enumerate(tasks, start=1):
                 done = read_result(out, task.key)
                 if done is not None and done.ok:
@@ -229,8 +290,7 @@ def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
                     if not why:
                         journal.append("skip", task=task.key, run=run_id, reason="already done")
                         log.info("[%d/%d] %s: already done, kept", i, len(tasks), task.key)
-                        results[task.key] = done
-                        bar.update(1)
+                        sink.skipped(done)
                         continue
                     moved = set_aside(out, task.key, done)
                     journal.append("stale", task=task.key, run=run_id, reasons=why,
@@ -238,21 +298,13 @@ def _run_locked(job: Job, tasks: list[Task], device: dict[str, Any], out: Path,
                     log.warning("[%d/%d] %s: rerunning, because %s (the old result is in %s)",
                                 i, len(tasks), task.key, "; ".join(why), moved)
                     task = dataclasses.replace(task, rerun_because=tuple(why))
-                if stop.signum is not None:
-                    break
-                bar.set_postfix_str(task.key)
-                record = _run_task(task, ctx, journal, stop)
-                if record is None:  # interrupted
-                    results[task.key] = TaskResult.placeholder(task, run_id, INTERRUPTED)
-                    break
-                results[task.key] = record
-                bar.update(1)
-                _log_record(i, len(tasks), record)
+                todo.append(task)
+            backend.run(todo, ctx, journal, stop, sink)
         for task in tasks:
             if task.key not in results:
                 results[task.key] = TaskResult.placeholder(task, run_id, PENDING)
         results = {task.key: results[task.key] for task in tasks}  # job order (the report's)
-        code, status = _finish(job, device, run_id, results, out, journal, stop)
+        code, status = _finish(job, ctx.device, run_id, results, out, journal, stop)
     log.info("job %s: %s (%s) in %.1f s; results in %s", job.name, status,
              ", ".join(f"{k} failed" for k, r in results.items() if r.status == FAILED)
              or "nothing failed", time.perf_counter() - t0, out)
@@ -309,74 +361,6 @@ def _log_record(i: int, n: int, r: TaskResult) -> None:
                  r.seconds or 0.0, final, sizes.get("source"), sizes.get("retries", 0))
     else:
         log.error("[%d/%d] %s: FAILED: %s", i, n, r.task, r.reason)
-
-
-def _run_task(task: Task, ctx: Context, journal: Journal, stop: _Stop) -> TaskResult | None:
-    """Run one task in a child, and in a fresh one each time its remedy ladder asks for one
-    (``expandable_segments``, memory that did not come back; journal ``restart``); the
-    record written, or None if the job was interrupted. The time limit covers them all."""
-    out = Path(ctx.out)
-    journal.append("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
-                   time_limit_s=task.time_limit, start_method=ctx.start_method)
-    if ctx.start_method == "forkserver":
-        mp = forkserver_context(preload_modules(task))
-    else:
-        for module in preload_modules(task):  # imported once here, inherited by every child
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                pass
-        mp = multiprocessing.get_context(ctx.start_method)
-    t0 = time.monotonic()
-    handoff: dict[str, Any] | None = None
-    while True:
-        receive, send = mp.Pipe(duplex=False)
-        proc = mp.Process(target=child_main, args=(task, ctx, handoff, send),
-                          name=f"oomguard-{task.key}")
-        proc.start()
-        send.close()
-        handoff, reason = None, None
-        while proc.is_alive():
-            handoff = handoff or received(receive)
-            proc.join(0.2)
-            if stop.signum is not None and proc.is_alive():
-                stop_child(proc)
-                journal.append("interrupted", task=task.key, run=ctx.run_id,
-                               signal=signal.Signals(stop.signum).name,
-                               seconds=round(time.monotonic() - t0, 3))
-                return None
-            if time.monotonic() - t0 > task.time_limit and proc.is_alive():
-                stop_child(proc)
-                reason = f"time limit of {task.time_limit:g} s exceeded (stopped)"
-        handoff = handoff or received(receive)
-        receive.close()
-        if handoff is None or reason is not None or stop.signum is not None:
-            break
-        journal.append("restart", task=task.key, run=ctx.run_id, why=handoff["why"],
-                       env=handoff["ladder"].get("env"), resume=handoff["ladder"].get("resume"),
-                       remedy=handoff["ladder"]["remedies"][handoff["ladder"]["at"]])
-        log.warning("%s: restarting in a fresh process: %s", task.key, handoff["why"])
-    record = read_result(out, task.key)
-    if record is not None and record.run == ctx.run_id and reason is None:
-        return record
-    if stop.signum is not None and reason is None:
-        journal.append("interrupted", task=task.key, run=ctx.run_id,
-                       signal=signal.Signals(stop.signum).name)
-        return None
-    if reason is None:
-        code = proc.exitcode
-        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
-               else f"exited with code {code}")
-        reason = f"the metric's process {how} without a result (crash?)"
-    seconds = time.monotonic() - t0
-    tb = out / "tracebacks" / f"{task.key}.txt"
-    atomic_write(tb, f"{task.key}: {reason}\nNo Python traceback: the child process was "
-                 f"stopped or died (see job.log).\n")
-    record = TaskResult.failure(task, ctx.run_id, reason, str(tb.relative_to(out)), seconds)
-    atomic_write_json(out / "results" / f"{task.key}.json", record)
-    journal.append("failure", task=task.key, run=ctx.run_id, reason=reason,
-                   traceback=record.traceback)
-    return record
 
 
 def format_outcome(outcome: Outcome) -> str:

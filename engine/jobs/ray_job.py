@@ -1,0 +1,252 @@
+"""Run a job's tasks on Ray: every GPU of a node, or a cluster, each task sized where it lands.
+
+:class:`OnRay` is the backend :func:`~oomguard.engine.jobs.runner.run_job` takes for
+``oomguard run JOB --ray [ADDRESS]``. It is no scheduler: Ray places the tasks. Each
+(model, metric) task becomes one Ray task asking for one GPU (``num_gpus=1``), or for
+``cpus_per_task`` CPUs when the job's device is ``cpu``; the worker runs it as the
+single-process job would (:mod:`~oomguard.engine.jobs.ray_task`). Ray knows nothing of
+GPU memory; oomguard adds it:
+
+- each task measures the device it got and takes its sizes from the cache for that device;
+- an OOM is retried inside the task at half the size (the executor);
+- a worker that dies (the host's OOM killer, a driver fault) is retried by Ray
+  (``max_retries``), and the new attempt starts from the dead one's sizes halved, through
+  the cache (:func:`~oomguard.engine.jobs.ray_task.lowered_after_death`);
+- the size cache is one actor on this node (:mod:`~oomguard.engine.jobs.ray_hub`).
+
+This process (the driver) writes what the single-process job writes: each result as it
+arrives, the journal (the workers' events, plus ``running`` and ``worker-died`` from the
+hub), ``job.log``, ``results.json``, the report and the plots. A rerun resumes from them.
+Progress shows what is done, what runs, and the retries per device.
+
+Ray is an optional dependency (``pip install 'oomguard[ray]'``): it is imported only here,
+only when a job asks for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from oomguard.engine.core.atomic import atomic_write
+from oomguard.engine.errors import JobError, UsageError
+from oomguard.engine.jobs.journal import Journal
+from oomguard.engine.jobs.ray_hub import DIED, DONE, RUNNING, Hub
+from oomguard.engine.jobs.ray_task import run_on_worker
+from oomguard.engine.jobs.records import Context, Job, Task, TaskResult
+from oomguard.engine.jobs.task_process import record_failure
+
+log = logging.getLogger("oomguard.job")
+
+INSTALL = "pip install 'oomguard[ray]'"
+START = ("start one with `ray start --head` (and `ray start --address HEAD:6379` on the "
+         "other nodes), or give --ray no address for a local instance")
+CONNECT_TIMEOUT_S = 5.0
+POLL_S = 0.5
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or a one-line :class:`UsageError` saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise UsageError(f"--ray needs Ray, which is not installed here: {INSTALL}") from None
+    return ray
+
+
+def _reachable(address: str) -> str | None:
+    """Why ``host:port`` cannot be reached (None if a TCP connection opens): checked first,
+    because ``ray.init`` retries an unreachable address for minutes."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return f"{address!r} is not HOST:PORT"
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+    return None
+
+
+class OnRay:
+    """Run the tasks as Ray tasks (see the module docstring).
+
+    ``address``: a running cluster (``HOST:PORT``, ``ray://HOST:PORT`` or ``auto``); None
+    starts a local instance with every CPU and GPU of this machine (``num_cpus`` caps its
+    CPUs), and stops it at the end. A Ray this process already connected to is used as it
+    is, and left running. ``max_retries``: how often Ray runs a task again after its
+    worker died.
+    """
+
+    def __init__(self, address: str | None = None, *, num_cpus: int | None = None,
+                 cpus_per_task: int = 1, max_retries: int = 3) -> None:
+        self.address, self.num_cpus = address, num_cpus
+        self.cpus_per_task, self.max_retries = cpus_per_task, max_retries
+        self.ray: Any = None
+        self.owns = False
+
+    # ------------------------------------------------------------ backend protocol
+    def device(self, job: Job) -> dict[str, Any]:
+        """Connect to Ray and check it can run ``job``; the job's device as the report
+        heads it (each task's own device is measured on its worker)."""
+        if job.device not in ("cpu", "cuda"):
+            raise JobError(f"{job.path}: device: {job.device!r} under --ray: write "
+                           "device = \"cuda\" (Ray gives each task its own GPU) or \"cpu\"")
+        self.ray = ray = import_ray()
+        if not ray.is_initialized():
+            if self.address not in (None, "auto"):
+                why = _reachable(self.address)
+                if why is not None:
+                    raise UsageError(f"cannot reach the Ray cluster at {self.address}: {why}; "
+                                     f"{START}")
+            try:
+                ray.init(address=self.address, num_cpus=self.num_cpus if not self.address
+                         else None, include_dashboard=False, log_to_driver=False,
+                         logging_level=logging.WARNING)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise UsageError(f"cannot connect to the Ray cluster at {self.address}: "
+                                 f"{first}; {START}") from None
+            self.owns = True
+        resources = ray.cluster_resources()
+        if job.device == "cuda" and resources.get("GPU", 0) < 1:
+            raise JobError(f"{job.path}: device: cuda, but the Ray cluster has no GPU "
+                           f"({_resources(resources)}); add a node with GPUs, or run the "
+                           "job with device = \"cpu\"")
+        return {"device": job.device, "name": f"Ray cluster: {_resources(resources)}",
+                "total_bytes": None, "budget_bytes": job.budget_bytes,
+                "ray": {"address": self.address or "local",
+                        "nodes": len([n for n in ray.nodes() if n.get("Alive")])}}
+
+    def run(self, tasks: list[Task], ctx: Context, journal: Journal, stop: Any,
+            progress: Any) -> None:
+        """Submit every task, then write each result as it arrives."""
+        if not tasks:
+            return
+        ray = self.ray
+        here = ray.get_runtime_context().get_node_id()
+        # The hub (the size cache) lives on this node, beside the cache file.
+        strategy = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(here, soft=False)
+        hub = ray.remote(num_cpus=0, scheduling_strategy=strategy)(Hub).remote(ctx.cache_path)
+        # Up before any task asks it: a task blocked in ray.get gives its CPU back to Ray,
+        # which then starts one task more than the CPUs.
+        ray.get(hub.status.remote())
+        need = ({"num_gpus": 1} if ctx.job.device == "cuda"
+                else {"num_cpus": self.cpus_per_task})
+        remote = ray.remote(max_retries=self.max_retries, retry_exceptions=False,
+                            **need)(run_on_worker)
+        pending = {remote.remote(task, ctx, hub): task for task in tasks}
+        t0 = {task.key: time.monotonic() for task in tasks}
+        seen: dict[tuple[str, int], Any] = {}
+        try:
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
+                progress.show(self._watch(ray.get(hub.status.remote()), seen, journal,
+                                          ctx.run_id))
+                for ref in ready:
+                    task = pending.pop(ref)
+                    progress.finished(self._collect(ref, task, ctx, journal,
+                                                    time.monotonic() - t0[task.key]))
+                if stop.signum is not None and pending:
+                    for ref, task in pending.items():
+                        ray.cancel(ref, force=True)
+                        journal.append("interrupted", task=task.key, run=ctx.run_id,
+                                       signal=signal.Signals(stop.signum).name)
+                        progress.interrupted(task, ctx.run_id)
+                    return
+        finally:
+            status = ray.get(hub.status.remote())
+            ray.kill(hub)
+            for line in device_lines(status):
+                log.info("%s", line)
+
+    def close(self) -> None:
+        if self.owns and self.ray is not None:
+            self.ray.shutdown()
+        self.owns = False
+
+    # ------------------------------------------------------------ the driver's part
+    def _collect(self, ref: Any, task: Task, ctx: Context, journal: Journal,
+                 seconds: float) -> TaskResult:
+        """The task's outcome, written into the job's folder; a failure Ray reports (the
+        worker died ``max_retries + 1`` times, an error outside the metric) is recorded
+        as the task's failure."""
+        ray, out = self.ray, Path(ctx.out)
+        try:
+            payload = ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            first = (str(cause).strip().splitlines() or [""])[0][:500]
+            return record_failure(task, ctx, journal, f"{type(cause).__name__}: {first}",
+                                  str(exc), seconds)
+        except ray.exceptions.RayError as exc:  # the worker died every time it was tried
+            reason = (f"its Ray worker died {self.max_retries + 1} times "
+                      f"({type(exc).__name__}); see job.log")
+            return record_failure(task, ctx, journal, reason, str(exc), seconds)
+        for rel, blob in payload["files"].items():
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(out / rel, blob)
+        for event in payload["journal"]:
+            journal.copy({**event, "host": payload["where"]["host"],
+                          "attempt": payload["attempt"]})
+        if payload["log"]:
+            with (out / "job.log").open("a", encoding="utf-8") as fh:
+                fh.write(payload["log"])
+        if payload["record"] is None:  # cannot happen: nothing stops a task on a worker
+            return record_failure(task, ctx, journal, "the task ended without a result",
+                                  "", seconds)
+        return TaskResult.from_dict(payload["record"])
+
+    def _watch(self, status: dict[str, list[dict[str, Any]]],
+               seen: dict[tuple[str, int], Any], journal: Journal, run_id: str) -> str:
+        """Journal what the hub tells of each attempt: ``running`` when it is first seen
+        and again whenever its sizes change while it runs (chosen, or lowered by an OOM
+        retry), ``worker-died``
+        before Ray's retry; returns the progress line: tasks running, and per device what
+        is done and retried."""
+        for key, attempts in status.items():
+            for a in attempts:
+                at = (key, a["attempt"])
+                if at not in seen and a["attempt"] > 1:
+                    dead = attempts[a["attempt"] - 2]
+                    journal.append("worker-died", task=key, run=run_id, host=dead["host"],
+                                   pid=dead["pid"], sizes=dead["sizes"],
+                                   retry=a["attempt"] - 1, of=self.max_retries)
+                    log.warning("%s: its Ray worker (pid %s on %s) died%s; Ray runs it again "
+                                "(retry %d of %d)", key, dead["pid"], dead["host"],
+                                f" at {dead['sizes']}" if dead["sizes"] else "",
+                                a["attempt"] - 1, self.max_retries)
+                if at not in seen or (seen[at] != a["sizes"] and a["state"] == RUNNING):
+                    journal.append("running", task=key, run=run_id, attempt=a["attempt"],
+                                   host=a["host"], pid=a["pid"], device=a["device_key"],
+                                   sizes=a["sizes"], retries=a["retries"])
+                seen[at] = a["sizes"]
+        running = sum(a["state"] == RUNNING for v in status.values() for a in v[-1:])
+        return f"{running} running; " + "; ".join(device_lines(status, short=True))
+
+
+def device_lines(status: dict[str, list[dict[str, Any]]], short: bool = False) -> list[str]:
+    """Per device: tasks done, OOM retries inside tasks, workers that died."""
+    done: Counter[str] = Counter()
+    retries: Counter[str] = Counter()
+    died: Counter[str] = Counter()
+    for attempts in status.values():
+        for a in attempts:
+            name = a["device"].get("name") or a["device_key"]
+            done[name] += a["state"] == DONE
+            retries[name] += a["retries"]
+            died[name] += a["state"] == DIED
+    names = sorted(set(done) | set(retries) | set(died))
+    if short:
+        return [f"{n[:24]}: {done[n]} done, {retries[n] + died[n]} retries" for n in names]
+    return [f"device {n}: {done[n]} task(s) done, {retries[n]} OOM retr"
+            f"{'y' if retries[n] == 1 else 'ies'} inside tasks, {died[n]} worker(s) died"
+            for n in names]
+
+
+def _resources(resources: dict[str, float]) -> str:
+    return (f"{int(resources.get('CPU', 0))} CPU(s), {int(resources.get('GPU', 0))} GPU(s)")

@@ -1,0 +1,242 @@
+"""Jobs on Ray (``oomguard run JOB --ray``), on a local Ray instance with 2 CPUs: the same
+``results.json`` values as the single-process job, and a rerun that resumes; a worker
+killed mid-task (SIGKILL) whose task Ray runs again from halved sizes, nothing lost and
+nothing run twice; concurrent tasks that store different devices' sizes, all kept; and a
+cluster that cannot be reached, a GPU job on a cluster without GPUs, or Ray missing, each
+a one-line error with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'oomguard[ray]'")
+
+from oomguard.engine.jobs.cache import SizeCache, device_key, entry_key  # noqa: E402
+from oomguard.engine.jobs.journal import replay  # noqa: E402
+from oomguard.engine.jobs.ray_hub import Hub  # noqa: E402
+from oomguard.engine.jobs.ray_job import OnRay  # noqa: E402
+from oomguard.engine.jobs.ray_task import cache_changes, lowered_after_death  # noqa: E402
+from oomguard.engine.jobs.runner import run_job  # noqa: E402
+from oomguard.engine.jobs.spec import load_job  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A metric that runs a few seconds at its sizes, so a test can kill its worker mid-run.
+PLUGIN = '''
+import os, time
+import torch
+from oomguard.metrics.base import Knob, Metric, register
+
+@register
+class Steady(Metric):
+    """The mean loss over the samples, after holding the worker busy for `seconds`."""
+    name = "test_steady"
+    knobs = (Knob("micro_batch_size", "memory", 8, 1), Knob("seconds", "result", 4.0, 0.0))
+    def compute(self, model, data, micro_batch_size=8, seconds=4.0):
+        t0 = time.time()
+        while time.time() - t0 < seconds:
+            time.sleep(0.05)
+        ids = data["input_ids"][:micro_batch_size]
+        with torch.no_grad():
+            return {"loss": float(model(input_ids=ids, labels=ids).loss)}
+'''
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Any:
+    """One local Ray instance with 2 CPUs for the module (``ray.init`` takes ~3 s)."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _job(tmp_path: Path, name: str, metrics: list[str], search: bool = True,
+         extra: str = "") -> Path:
+    plugin = tmp_path / "steady_plugin.py"
+    plugin.write_text(PLUGIN, encoding="utf-8")
+    blocks = "".join(f'\n[[metrics]]\nname = "{m}"\n' for m in metrics)
+    text = (f'output = "{tmp_path / name}"\nplugins = ["{plugin}"]\nmodels = ["tiny-gpt2"]\n'
+            f'{extra}[data]\nseq_len = 8\nn_samples = 4\n[search]\nenabled = '
+            f'{"true" if search else "false"}\nstart = 4\n{blocks}')
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _events(out: Path, event: str, task: str | None = None) -> list[dict]:
+    return [e for e in replay(out / "journal.jsonl")
+            if e["event"] == event and (task is None or e.get("task") == task)]
+
+
+def test_a_job_on_ray_gives_the_single_process_results_and_a_rerun_resumes(
+        local_ray: Any, tmp_path: Path) -> None:
+    metrics = ["loss", "attention_stats", "gradient_stats", "fisher_diagonal"]
+    # Ray gives each task 1 CPU, and its metric process 1 thread: so does this run (a float
+    # sum split over another number of threads rounds differently in its last bits).
+    single = run_job(load_job(_job(tmp_path, "single", metrics)),
+                     cache_path=tmp_path / "single.json", progress=False, threads=1)
+    on_ray = run_job(load_job(_job(tmp_path, "ray", metrics)), cache_path=tmp_path / "ray.json",
+                     progress=False, backend=OnRay())
+    assert single.exit_code == on_ray.exit_code == 0
+    a = json.loads((tmp_path / "single" / "results.json").read_text())["tasks"]
+    b = json.loads((tmp_path / "ray" / "results.json").read_text())["tasks"]
+    assert sorted(a) == sorted(b) == sorted(metrics)
+    for key in metrics:
+        assert b[key]["status"] == "ok", b[key]
+        assert a[key]["summary"] == b[key]["summary"], key
+        assert a[key]["threads"] == b[key]["threads"] == 1
+        assert a[key]["sizes"]["final"] == b[key]["sizes"]["final"]
+        assert (a[key]["tensors"] is None) == (b[key]["tensors"] is None)
+        # Each task measured its own device (the worker's), and the cache is keyed by it.
+        assert b[key]["device"]["name"] and b[key]["device"]["torch"]
+        assert b[key]["sizes"]["cache_key"].startswith(device_key(b[key]["device"]))
+    out = tmp_path / "ray"
+    assert (out / "report.md").read_text().count("| ok |") >= len(metrics)
+    assert any((out / "plots").iterdir())
+    # The driver wrote each task's events once, and where each ran.
+    assert sorted(e["task"] for e in _events(out, "success")) == sorted(metrics)
+    assert {e["task"] for e in _events(out, "running")} == set(metrics)
+    # One cache, written through the hub: every task's searched sizes are in it.
+    cached = SizeCache(tmp_path / "ray.json").entries()
+    assert {b[k]["sizes"]["cache_key"] for k in metrics} <= set(cached)
+
+    again = run_job(load_job(_job(tmp_path, "ray", metrics)), cache_path=tmp_path / "ray.json",
+                    progress=False, backend=OnRay())
+    assert again.exit_code == 0
+    assert len(_events(out, "skip")) == len(metrics)
+    assert sorted(e["task"] for e in _events(out, "success")) == sorted(metrics)
+
+
+def test_a_worker_killed_mid_task_is_retried_from_halved_sizes_and_nothing_is_lost(
+        local_ray: Any, tmp_path: Path) -> None:
+    job = load_job(_job(tmp_path, "killed", ["loss", "test_steady"], search=False))
+    out = tmp_path / "killed"
+    done: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: done.update(outcome=run_job(
+        job, cache_path=tmp_path / "sizes.json", progress=False, backend=OnRay())))
+    runner.start()
+    victim = None
+    deadline = time.monotonic() + 120
+    while victim is None and time.monotonic() < deadline and runner.is_alive():
+        if (out / "journal.jsonl").exists():
+            at = [e for e in _events(out, "running", "test_steady") if e["sizes"]]
+            victim = at[0] if at else None
+        time.sleep(0.05)
+    assert victim is not None, "test_steady never reported its sizes"
+    assert victim["sizes"] == {"micro_batch_size": 8}  # the metric's default: no search
+    os.kill(victim["pid"], signal.SIGKILL)
+    runner.join(180)
+    assert not runner.is_alive()
+    outcome = done["outcome"]
+    assert outcome.exit_code == 0, outcome.results
+    died = _events(out, "worker-died", "test_steady")
+    assert len(died) == 1 and died[0]["pid"] == victim["pid"] and died[0]["sizes"] == {
+        "micro_batch_size": 8}
+    result = json.loads((out / "results.json").read_text())["tasks"]["test_steady"]
+    assert result["status"] == "ok"
+    # The retry started from the dead attempt's sizes halved, through the cache.
+    assert result["sizes"]["source"] == "cache"
+    assert result["sizes"]["start"] == {"micro_batch_size": 4}
+    entry = SizeCache(tmp_path / "sizes.json").get(result["sizes"]["cache_key"])
+    assert entry["sizes"] == {"micro_batch_size": 4}
+    assert "died while running" in entry["history"][-1]["reason"]
+    # Nothing lost, nothing run twice: one success per task, each result written once.
+    assert sorted(e["task"] for e in _events(out, "success")) == ["loss", "test_steady"]
+    assert json.loads((out / "results.json").read_text())["tasks"]["loss"]["status"] == "ok"
+
+
+@pytest.fixture
+def hub_on_ray(local_ray: Any, tmp_path: Path) -> Any:
+    hub = ray.remote(num_cpus=0)(Hub).remote(str(tmp_path / "shared.json"))
+    yield hub
+    ray.kill(hub)
+
+
+def _store_for(device_name: str, scratch: str, hub: Any, start_at: float) -> int:
+    """What a task does with its cache copy: store its device's sizes, merge into the hub."""
+    device = {"name": device_name, "total_bytes": 80 << 30, "torch": "2.13.0"}
+    workload = {"metric": "loss", "model_config": "abc", "dtype": "float32", "seq_len": 8}
+    copy = SizeCache(scratch)
+    before = copy.entries()
+    copy.put(entry_key(device, workload), {"micro_batch_size": 16}, source="search",
+             device=device, workload=workload)
+    changes = cache_changes(before, copy.entries())
+    time.sleep(max(0.0, start_at - time.time()))  # both merge at the same moment
+    return ray.get(hub.apply.remote(changes))
+
+
+def test_two_tasks_storing_different_devices_sizes_at_once_both_stay(
+        hub_on_ray: Any, tmp_path: Path) -> None:
+    # The workers cannot import this test module: send the function itself.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    store = ray.remote(num_cpus=1)(_store_for)
+    start_at = time.time() + 2.0
+    written = ray.get([store.remote("NVIDIA H100 80GB HBM3", str(tmp_path / "a.json"),
+                                    hub_on_ray, start_at),
+                       store.remote("NVIDIA A100-SXM4-80GB", str(tmp_path / "b.json"),
+                                    hub_on_ray, start_at)])
+    assert written == [1, 1]
+    names = {e["device"]["name"] for e in SizeCache(tmp_path / "shared.json").entries().values()}
+    assert names == {"NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"}
+
+
+def test_a_dead_attempt_is_lowered_by_half_never_below_the_minimum() -> None:
+    from oomguard.engine.jobs.plan import plan
+
+    job_path = ROOT / "engine" / "jobs" / "example.toml"
+    task = plan(load_job(job_path))[0]  # loss: micro_batch_size, minimum 1
+    dead = {"sizes": {"micro_batch_size": 9}, "cache_key": "k", "pid": 1, "host": "h",
+            "device": {"name": "d"}}
+    assert lowered_after_death(task, dead)["sizes"] == {"micro_batch_size": 4}
+    assert lowered_after_death(task, {**dead, "sizes": {"micro_batch_size": 1}}) is None
+    assert lowered_after_death(task, {**dead, "sizes": None}) is None
+
+
+def _cli(*args: str, cwd: Path, python: str = "") -> subprocess.CompletedProcess:
+    code = f"{python}\nimport sys\nfrom oomguard.engine.cli.main import main\nsys.exit(main())"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def test_an_unreachable_cluster_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
+    job = _job(tmp_path, "out", ["loss"])
+    t0 = time.monotonic()
+    run = _cli("run", str(job), "--ray", "127.0.0.1:1", cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    line = run.stderr.strip().splitlines()[-1]
+    assert line.startswith("oomguard: error: cannot reach the Ray cluster at 127.0.0.1:1")
+    assert "ray start --head" in line
+    assert time.monotonic() - t0 < 60
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_ray_not_installed_is_one_line_saying_how_to_install_it(tmp_path: Path) -> None:
+    job = _job(tmp_path, "out", ["loss"])
+    # Ray made unimportable in that process, as on a machine without it.
+    run = _cli("run", str(job), "--ray", cwd=tmp_path, python="import sys; sys.modules['ray'] = None")
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "oomguard: error: --ray needs Ray, which is not installed here: "
+        "pip install 'oomguard[ray]'")
+
+
+def test_a_gpu_job_on_a_cluster_without_gpus_is_one_line(local_ray: Any,
+                                                         tmp_path: Path) -> None:
+    job = load_job(_job(tmp_path, "gpu", ["loss"], extra='device = "cuda"\n'))
+    from oomguard.engine.errors import JobError
+
+    with pytest.raises(JobError, match="the Ray cluster has no GPU"):
+        run_job(job, progress=False, backend=OnRay())
+    assert not (tmp_path / "gpu").exists()
