@@ -23,6 +23,7 @@ atomically.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -263,6 +264,14 @@ def remedies_section(tasks: Mapping[str, Any], dtype: str) -> list[str]:
             "flagged in the table above.", "", *lines, ""]
 
 
+def device_label(device: Mapping[str, Any] | None) -> str:
+    """A task's device in a few words: name, MIG profile, total memory."""
+    if not device:
+        return "-"
+    mig = f" MIG {device['mig_profile']}" if device.get("mig_profile") else ""
+    return f"{device.get('name') or device.get('device')}{mig} ({fmt_bytes(device.get('total_bytes'))})"
+
+
 def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) -> str:
     """The job's report.md."""
     job, tasks = summary["job"], summary["tasks"]
@@ -274,27 +283,36 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
              f"- **Status**: {summary['status']} (exit code {summary['exit_code']}); "
              + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
              f"- **Job file**: `{job['path']}`",
-             f"- **Device**: {dev.get('device')} ({dev.get('name') or '?'}, "
-             f"{fmt_bytes(dev.get('total_bytes'))} total)",
+             f"- **Device**: {dev.get('device')} ({dev.get('name') or '?'}"
+             + (f", {fmt_bytes(dev['total_bytes'])} total)" if dev.get("total_bytes") else ")"),
              f"- **Budget**: {fmt_bytes(job['budget_bytes']) if job.get('budget_bytes') else 'none'}",
              f"- **Models**: {', '.join(job['models'])}; dtype {job['dtype']}",
              f"- **Data**: {job['data']['source']}"
              + (f" `{job['data']['path']}`" if job['data'].get('path') else "")
              + f", {job['data']['n_samples']} samples x {job['data']['seq_len']} tokens",
              f"- **Finished**: {summary['finished']} (run {summary['run']})", "",
-             "## Metrics", "",
-             "| metric | status | sizes used | from | retries | seconds | peak memory |",
-             "|---|---|---|---|---:|---:|---:|"]
+             "## Metrics", ""]
+    # Tasks that ran on several kinds of device (a job on Ray) say which, beside the sizes
+    # found for it.
+    kinds = Counter(device_label(t.get("device")) for t in tasks.values() if t.get("device"))
+    where = len(kinds) > 1
+    if dev.get("ray"):
+        lines.insert(lines.index("## Metrics") - 1, "- **Tasks ran on**: " + ", ".join(
+            f"{k} ({n} task{'' if n == 1 else 's'})" for k, n in kinds.items()))
+    lines += [f"| metric | status |{' device |' if where else ''} sizes used | from | retries "
+              "| seconds | peak memory |",
+              f"|---|---|{'---|' if where else ''}---|---|---:|---:|---:|"]
     for key, t in tasks.items():
         s = t.get("sizes") or {}
         used = _sizes(s.get("final") or s.get("start"))
         if not s.get("final") and len(s.get("attempts") or []) > 1:
             used = "tried " + " > ".join(_sizes(a) for a in s["attempts"])
-        lines.append(f"| {key} | {status_cell(t)} | {used} "
+        dev = f" {_cell(device_label(t.get('device')))} |" if where else ""
+        lines.append(f"| {key} | {status_cell(t)} |{dev} {used} "
                      f"| {s.get('source') or '-'} | {s.get('retries', '-')} "
                      f"| {t['seconds']:.2f} | {fmt_bytes(t.get('peak_bytes'))} |"
                      if t.get("seconds") is not None else
-                     f"| {key} | {t.get('status')} | - | - | - | - | - |")
+                     f"| {key} | {t.get('status')} |{' - |' if where else ''} - | - | - | - | - |")
     lines += ["", "Peak memory is measured (what the meter counts is given per metric); "
               "seconds are the metric's own run, without model build and search.", ""]
     if summary["status"] == "interrupted":
@@ -319,8 +337,12 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
         if t.get("status") != "ok":
             continue
         s = t.get("sizes") or {}
+        host = (t.get("device") or {}).get("host")
         lines += [f"## {key}", "", f"- metric `{t['metric']}` on `{t['model']}`, "
                   f"parameters {json_text(t.get('params') or {}, indent=None)}",
+                  f"- ran on {device_label(t.get('device'))}"
+                  + (f" on host `{host}`" if host else "")
+                  + (f", {t['threads']} thread(s)" if t.get("threads") else ""),
                   f"- sizes: started at {_sizes(s.get('start'))} ({s.get('source')}), "
                   f"ran at {_sizes(s.get('final'))} after {s.get('retries', 0)} retries"]
         if s.get("errors"):

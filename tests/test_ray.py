@@ -29,7 +29,8 @@ from oomguard.engine.jobs.ray_task import cache_changes, lowered_after_death  # 
 from oomguard.engine.jobs.runner import run_job  # noqa: E402
 from oomguard.engine.jobs.spec import load_job  # noqa: E402
 
-pytestmark = pytest.mark.integration
+# One worker runs them all: they share one local Ray instance.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("ray")]
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from oomguard.engine.errors import CacheError
 from oomguard.engine.jobs.cache import SizeCache
 
 RUNNING, DONE, DIED = "running", "done", "died"
@@ -42,14 +43,15 @@ class Hub:
         self.attempts: dict[str, list[dict[str, Any]]] = {}
 
     # ------------------------------------------------------------ the size cache
-    def entries(self) -> dict[str, dict[str, Any]]:
-        """Every usable cache entry by key (:meth:`SizeCache.entries`); {} if unreadable."""
+    def entries(self, device: str | None = None) -> dict[str, dict[str, Any]]:
+        """The usable cache entries by key (:meth:`SizeCache.entries`), only ``device``'s if
+        given (a :func:`~oomguard.engine.jobs.cache.device_key`); {} if unreadable."""
         try:
-            return self.cache.entries()
-        except OSError:
+            entries = self.cache.entries()
+        except CacheError:  # the file cannot be read: tasks go on without it (a warning)
             return {}
-        except ValueError:  # CacheError: the file cannot be read; tasks go on without it
-            return {}
+        return {k: v for k, v in entries.items()
+                if device is None or k.startswith(f"{device}|")}
 
     def apply(self, changes: list[Mapping[str, Any]]) -> int:
         """Merge a task's cache changes, in order; returns how many were written.

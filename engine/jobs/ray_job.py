@@ -35,6 +35,7 @@ from typing import Any
 
 from oomguard.engine.core.atomic import atomic_write
 from oomguard.engine.errors import JobError, UsageError
+from oomguard.engine.jobs.cache import default_cache_path
 from oomguard.engine.jobs.journal import Journal
 from oomguard.engine.jobs.ray_hub import DIED, DONE, RUNNING, Hub
 from oomguard.engine.jobs.ray_task import run_on_worker
@@ -75,7 +76,7 @@ def _reachable(address: str) -> str | None:
 class OnRay:
     """Run the tasks as Ray tasks (see the module docstring).
 
-    ``address``: a running cluster (``HOST:PORT``, ``ray://HOST:PORT`` or ``auto``); None
+    ``address``: a running cluster (``HOST:PORT`` of its head, or ``auto``); None
     starts a local instance with every CPU and GPU of this machine (``num_cpus`` caps its
     CPUs), and stops it at the end. A Ray this process already connected to is used as it
     is, and left running. ``max_retries``: how often Ray runs a task again after its
@@ -124,34 +125,47 @@ class OnRay:
 
     def run(self, tasks: list[Task], ctx: Context, journal: Journal, stop: Any,
             progress: Any) -> None:
-        """Submit every task, then write each result as it arrives."""
+        """Submit the tasks as Ray has room for them, and write each result as it arrives."""
         if not tasks:
             return
         ray = self.ray
         here = ray.get_runtime_context().get_node_id()
         # The hub (the size cache) lives on this node, beside the cache file.
         strategy = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(here, soft=False)
-        hub = ray.remote(num_cpus=0, scheduling_strategy=strategy)(Hub).remote(ctx.cache_path)
-        # Up before any task asks it: a task blocked in ray.get gives its CPU back to Ray,
-        # which then starts one task more than the CPUs.
-        ray.get(hub.status.remote())
-        need = ({"num_gpus": 1} if ctx.job.device == "cuda"
-                else {"num_cpus": self.cpus_per_task})
+        cache = str(ctx.cache_path or default_cache_path())  # this process's, not the actor's
+        hub = ray.remote(num_cpus=0, scheduling_strategy=strategy)(Hub).remote(cache)
+        ray.get(hub.status.remote())  # up before the first task asks it
+        kind, each = (("GPU", 1) if ctx.job.device == "cuda" else ("CPU", self.cpus_per_task))
         remote = ray.remote(max_retries=self.max_retries, retry_exceptions=False,
-                            **need)(run_on_worker)
-        pending = {remote.remote(task, ctx, hub): task for task in tasks}
-        t0 = {task.key: time.monotonic() for task in tasks}
+                            **({"num_gpus": 1} if kind == "GPU" else {"num_cpus": each})
+                            )(run_on_worker)
+        waiting = list(tasks)
+        pending: dict[Any, Task] = {}
+        t0: dict[str, float] = {}
         seen: dict[tuple[str, int], Any] = {}
         try:
-            while pending:
-                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
+            while waiting or pending:
+                # No more tasks in flight than the cluster has room for, now (nodes may join):
+                # a task blocked in ray.get (its hub calls) lends its CPU back to Ray, which
+                # would start a queued task on a new worker beside it, both then importing
+                # torch on the same cores (docs/measurements.md#ray).
+                room = max(1, int(ray.cluster_resources().get(kind, 0) // each))
+                while waiting and len(pending) < room:
+                    task = waiting.pop(0)
+                    pending[remote.remote(task, ctx, hub)] = task
+                    t0[task.key] = time.monotonic()
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
                 progress.show(self._watch(ray.get(hub.status.remote()), seen, journal,
                                           ctx.run_id))
                 for ref in ready:
                     task = pending.pop(ref)
-                    progress.finished(self._collect(ref, task, ctx, journal,
-                                                    time.monotonic() - t0[task.key]))
-                if stop.signum is not None and pending:
+                    record = self._collect(ref, task, ctx, journal,
+                                           time.monotonic() - t0[task.key], stop)
+                    if record is None:
+                        progress.interrupted(task, ctx.run_id)
+                    else:
+                        progress.finished(record)
+                if stop.signum is not None:
                     for ref, task in pending.items():
                         ray.cancel(ref, force=True)
                         journal.append("interrupted", task=task.key, run=ctx.run_id,
@@ -171,22 +185,27 @@ class OnRay:
 
     # ------------------------------------------------------------ the driver's part
     def _collect(self, ref: Any, task: Task, ctx: Context, journal: Journal,
-                 seconds: float) -> TaskResult:
+                 seconds: float, stop: Any) -> TaskResult | None:
         """The task's outcome, written into the job's folder; a failure Ray reports (the
         worker died ``max_retries + 1`` times, an error outside the metric) is recorded
-        as the task's failure."""
+        as the task's failure. None: the job's own signal ended it (interrupted)."""
         ray, out = self.ray, Path(ctx.out)
         try:
             payload = ray.get(ref)
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if exc.cause is not None else exc
-            first = (str(cause).strip().splitlines() or [""])[0][:500]
-            return record_failure(task, ctx, journal, f"{type(cause).__name__}: {first}",
-                                  str(exc), seconds)
-        except ray.exceptions.RayError as exc:  # the worker died every time it was tried
-            reason = (f"its Ray worker died {self.max_retries + 1} times "
-                      f"({type(exc).__name__}); see job.log")
+        except ray.exceptions.RayError as exc:
+            if stop.signum is not None:  # Ctrl-C reaches a local instance's workers too
+                journal.append("interrupted", task=task.key, run=ctx.run_id,
+                               signal=signal.Signals(stop.signum).name)
+                return None
+            if isinstance(exc, ray.exceptions.RayTaskError):  # raised outside the metric
+                cause = exc.cause if exc.cause is not None else exc
+                first = (str(cause).strip().splitlines() or [""])[0][:500]
+                reason = f"{type(cause).__name__}: {first}"
+            else:  # the worker died every time it was tried
+                reason = (f"its Ray worker died {self.max_retries + 1} times "
+                          f"({type(exc).__name__}); see job.log")
             return record_failure(task, ctx, journal, reason, str(exc), seconds)
+        t0 = time.perf_counter()
         for rel, blob in payload["files"].items():
             (out / rel).parent.mkdir(parents=True, exist_ok=True)
             atomic_write(out / rel, blob)
@@ -196,6 +215,15 @@ class OnRay:
         if payload["log"]:
             with (out / "job.log").open("a", encoding="utf-8") as fh:
                 fh.write(payload["log"])
+        took = payload["seconds"]
+        # Where the time went: the task's own processes, what the worker added around them
+        # (device probe, hub calls, scratch cache, outputs), what Ray and this process
+        # added (scheduling, transfer, writing here), all from submission to written.
+        journal.append("ray-task", task=task.key, run=ctx.run_id, attempt=payload["attempt"],
+                       task_seconds=took["task"],
+                       worker_seconds=round(took["worker"] - took["task"], 3),
+                       write_seconds=round(time.perf_counter() - t0, 3),
+                       submitted_to_written=round(seconds + time.perf_counter() - t0, 3))
         if payload["record"] is None:  # cannot happen: nothing stops a task on a worker
             return record_failure(task, ctx, journal, "the task ended without a result",
                                   "", seconds)

@@ -29,6 +29,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -141,10 +142,12 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
 
     ``{"attempt", "where", "record" (the result as a dict), "files" {path: bytes},
     "journal" [events], "log" (job.log text), "lowered" (the cache change after a dead
-    attempt, or None)}``.
+    attempt, or None), "seconds" {"task": the task itself (its processes), "worker": all
+    this function did}}``: measured on the worker.
     """
     import ray  # only ever called inside a Ray worker
 
+    t0 = time.perf_counter()
     for plugin in ctx.job.plugins:  # its metric may be a plugin's: a path must exist here too
         import_plugin(plugin)
     device = device_identity(ctx.job)
@@ -163,7 +166,7 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
     try:
         for sub in ("results", "tracebacks", "plots", "snapshots"):
             (scratch / sub).mkdir()
-        seed = ray.get(hub.entries.remote())
+        seed = ray.get(hub.entries.remote(where["device_key"]))
         atomic_write_json(scratch / "sizes.json", {"version": VERSION, "entries": seed})
         here = dataclasses.replace(ctx, out=str(scratch), device=device,
                                    cache_path=str(scratch / "sizes.json"),
@@ -172,9 +175,11 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
         journal = Journal(scratch / "journal.jsonl")
         watch = _Watch(journal.path, hub, task.key, attempt, entry_key(device, task.workload))
         watch.start()
+        t_task = time.perf_counter()
         try:
             record = run_task(task, here, journal, _GoOn())
         finally:
+            t_task = time.perf_counter() - t_task
             watch.done.set()
             watch.join()
             journal.close()
@@ -183,6 +188,8 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
             ray.get(hub.apply.remote(changes))
         log = scratch / "job.log"
         return {"attempt": attempt, "where": where, "lowered": lowered,
+                "seconds": {"task": round(t_task, 3),
+                            "worker": round(time.perf_counter() - t0, 3)},
                 "record": record.to_dict() if record is not None else None,
                 "files": _files(scratch, task.key), "journal": replay(journal.path),
                 "log": log.read_text(encoding="utf-8", errors="replace")

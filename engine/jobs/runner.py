@@ -29,6 +29,12 @@ is written (a signal during the report stops it before its next file;
 the child (PR_SET_PDEATHSIG through the forkserver), so at most the task in
 flight is lost.
 
+Backends: :class:`Sequential` runs the tasks one after another from this process (the
+default); :class:`~oomguard.engine.jobs.ray_job.OnRay` runs them concurrently as Ray tasks,
+each on a worker of its own GPU or CPU. Both run a task the same way
+(:func:`~oomguard.engine.jobs.task_process.run_task`), and this process writes the
+results, the journal and the report either way.
+
 Logging: this module only logs. Whoever wants ``job.log`` (the command line
 does) passes ``log_setup``; it is called with the output folder in this
 process and at the start of every metric's process.
