@@ -74,7 +74,8 @@ def main() -> None:
         default_s, default = _run(folder, "default", metrics, args)
         one_s, one = _run(folder, "one", metrics, args, threads=1)
         t0 = time.perf_counter()
-        ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=args.workers, include_dashboard=False,
+                 log_to_driver=False)
         init_s = time.perf_counter() - t0
         ray_s, on_ray = _run(folder, "ray", metrics, args, backend=OnRay())
         t0 = time.perf_counter()

@@ -58,7 +58,7 @@ class Steady(Metric):
 @pytest.fixture(scope="module")
 def local_ray() -> Any:
     """One local Ray instance with 2 CPUs for the module (``ray.init`` takes ~3 s)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

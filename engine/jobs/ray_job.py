@@ -76,9 +76,11 @@ def _reachable(address: str) -> str | None:
 class OnRay:
     """Run the tasks as Ray tasks (see the module docstring).
 
-    ``address``: a running cluster (``HOST:PORT`` of its head, or ``auto``); None
-    starts a local instance with every CPU and GPU of this machine (``num_cpus`` caps its
-    CPUs), and stops it at the end. A Ray this process already connected to is used as it
+    ``address``: a running cluster (``HOST:PORT`` of its head, or ``auto``); None does
+    what ``ray.init()`` does (``RAY_ADDRESS``, else a cluster ``ray start`` began on this
+    machine, else a new local instance with every CPU and GPU of this machine);
+    ``num_cpus`` always starts a new local instance with that many CPUs. An instance this
+    starts is stopped at the end. A Ray this process already connected to is used as it
     is, and left running. ``max_retries``: how often Ray runs a task again after its
     worker died.
     """
@@ -104,14 +106,17 @@ class OnRay:
                 if why is not None:
                     raise UsageError(f"cannot reach the Ray cluster at {self.address}: {why}; "
                                      f"{START}")
+            # No address: Ray's own default (RAY_ADDRESS, else a cluster `ray start` began on
+            # this machine, else a new local instance); with num_cpus, always a new one.
+            local = self.address is None and self.num_cpus is not None
             try:
-                ray.init(address=self.address, num_cpus=self.num_cpus if not self.address
-                         else None, include_dashboard=False, log_to_driver=False,
-                         logging_level=logging.WARNING)
+                ray.init(address="local" if local else self.address,
+                         num_cpus=self.num_cpus if local else None, include_dashboard=False,
+                         log_to_driver=False, logging_level=logging.WARNING)
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise UsageError(f"cannot connect to the Ray cluster at {self.address}: "
-                                 f"{first}; {START}") from None
+                raise UsageError(f"cannot start or join Ray at {self.address or 'this machine'}"
+                                 f": {first}; {START}") from None
             self.owns = True
         resources = ray.cluster_resources()
         if job.device == "cuda" and resources.get("GPU", 0) < 1:
