@@ -365,3 +365,27 @@ def test_job_report_markdown_and_plots(tmp_path: Path, monkeypatch: pytest.Monke
         assert _png_size((tmp_path / rel).read_bytes()) == (
             round(style.SIZE[0] * style.DPI), round(style.SIZE[1] * style.DPI))
     assert sorted(p.name for p in tmp_path.rglob(".*")) == []  # no temporary files left
+
+
+def test_a_job_on_two_gpu_kinds_reports_each_tasks_device_beside_its_sizes(
+        tmp_path: Path) -> None:
+    # Two GPU kinds are a Ray cluster's case: here the devices are written into the
+    # summary, as the workers that measured them would have.
+    h100 = {"device": "cuda", "name": "NVIDIA H100 80GB HBM3", "total_bytes": 81559 * MiB,
+            "host": "node-1"}
+    a100 = {"device": "cuda", "name": "NVIDIA A100-SXM4-40GB", "total_bytes": 40960 * MiB,
+            "mig_profile": "3g.20gb", "host": "node-2"}
+    summary = _summary(tmp_path)
+    summary["job"]["device"] = {"device": "cuda", "name": "Ray cluster: 16 CPU(s), 2 GPU(s)",
+                                "total_bytes": None, "ray": {"address": "local", "nodes": 2}}
+    summary["tasks"]["landscape"]["device"] = h100
+    summary["tasks"]["attn"]["device"] = a100
+    md = write_job_report(summary, tmp_path).read_text()
+    assert "- **Device**: cuda (Ray cluster: 16 CPU(s), 2 GPU(s))\n" in md
+    assert ("- **Tasks ran on**: NVIDIA H100 80GB HBM3 (79.65 GiB) (1 task), "
+            "NVIDIA A100-SXM4-40GB MIG 3g.20gb (40.00 GiB) (1 task)") in md
+    assert ("| landscape | ok | NVIDIA H100 80GB HBM3 (79.65 GiB) | micro_batch_size=4 | search "
+            "| 1 | 1.50 | 40.00 MiB |") in md
+    assert "| attn | ok | NVIDIA A100-SXM4-40GB MIG 3g.20gb (40.00 GiB) | micro_batch_size=8 |" in md
+    assert "| later | pending | - | - | - | - | - | - |" in md
+    assert "- ran on NVIDIA H100 80GB HBM3 (79.65 GiB) on host `node-1`" in md
