@@ -241,3 +241,26 @@ def test_a_gpu_job_on_a_cluster_without_gpus_is_one_line(local_ray: Any,
     with pytest.raises(JobError, match="the Ray cluster has no GPU"):
         run_job(job, progress=False, backend=OnRay())
     assert not (tmp_path / "gpu").exists()
+
+
+def test_what_a_task_changed_in_its_cache_copy_goes_back_as_puts_and_lowers(
+        tmp_path: Path) -> None:
+    device = {"name": "NVIDIA H100 80GB HBM3", "total_bytes": 80 << 30}
+    copy = SizeCache(tmp_path / "copy.json")
+    copy.put("kept", {"micro_batch_size": 8}, source="search", device=device)
+    copy.put("lowered", {"micro_batch_size": 8}, source="search", device=device)
+    before = copy.entries()
+    copy.lower("lowered", {"micro_batch_size": 2}, reason="t: out of memory at 8")
+    copy.put("found", {"chunk_size": 4}, source="search", device=device, max_ok=5)
+    changes = {c["key"]: c for c in cache_changes(before, copy.entries())}
+    assert set(changes) == {"lowered", "found"}  # "kept" did not change
+    assert changes["lowered"]["op"] == "lower"
+    assert changes["lowered"]["reason"] == "t: out of memory at 8"
+    assert changes["found"]["op"] == "put" and changes["found"]["max_ok"] == 5
+    # Applied to the shared cache, where another task stored a smaller size meanwhile:
+    shared = Hub(tmp_path / "shared.json")
+    shared.cache.put("lowered", {"micro_batch_size": 1}, source="search", device=device)
+    assert shared.apply(list(changes.values())) == 2
+    entries = SizeCache(tmp_path / "shared.json").entries()
+    assert entries["lowered"]["sizes"] == {"micro_batch_size": 1}  # the smaller one kept
+    assert entries["found"]["sizes"] == {"chunk_size": 4}

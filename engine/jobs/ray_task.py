@@ -79,7 +79,7 @@ def cache_changes(before: Mapping[str, Mapping[str, Any]],
     """What a task's process changed in its copy of the cache, as the hub's changes."""
     changes = []
     for key, entry in after.items():
-        if before.get(key, {}).get("updated") == entry.get("updated"):
+        if before.get(key) == entry:  # (not by "updated": it is to the second)
             continue
         common = {"key": key, "sizes": entry["sizes"], "device": entry.get("device"),
                   "workload": entry.get("workload")}
