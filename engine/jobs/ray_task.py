@@ -141,9 +141,8 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
     """Run ``task`` on this Ray worker; returns what the driver writes.
 
     ``{"attempt", "where", "record" (the result as a dict), "files" {path: bytes},
-    "journal" [events], "log" (job.log text), "lowered" (the cache change after a dead
-    attempt, or None), "seconds" {"task": the task itself (its processes), "worker": all
-    this function did}}``: measured on the worker.
+    "journal" [events], "log" (job.log text), "seconds" {"task": the task itself (its
+    processes), "worker": all this function did}}``: measured on the worker.
     """
     import ray  # only ever called inside a Ray worker
 
@@ -187,7 +186,7 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
         if changes:
             ray.get(hub.apply.remote(changes))
         log = scratch / "job.log"
-        return {"attempt": attempt, "where": where, "lowered": lowered,
+        return {"attempt": attempt, "where": where,
                 "seconds": {"task": round(t_task, 3),
                             "worker": round(time.perf_counter() - t0, 3)},
                 "record": record.to_dict() if record is not None else None,
