@@ -42,12 +42,13 @@ from oomguard.metrics.base import Knob, Metric, register
 
 @register
 class Steady(Metric):
-    """The mean loss over the samples, after holding the worker busy for `seconds`."""
+    """The mean loss over the samples, after holding the worker busy for `seconds` (not
+    when OOMGUARD_TEST_FAST is set)."""
     name = "test_steady"
     knobs = (Knob("micro_batch_size", "memory", 8, 1), Knob("seconds", "result", 4.0, 0.0))
     def compute(self, model, data, micro_batch_size=8, seconds=4.0):
         t0 = time.time()
-        while time.time() - t0 < seconds:
+        while not os.environ.get("OOMGUARD_TEST_FAST") and time.time() - t0 < seconds:
             time.sleep(0.05)
         ids = data["input_ids"][:micro_batch_size]
         with torch.no_grad():
@@ -264,3 +265,41 @@ def test_what_a_task_changed_in_its_cache_copy_goes_back_as_puts_and_lowers(
     entries = SizeCache(tmp_path / "shared.json").entries()
     assert entries["lowered"]["sizes"] == {"micro_batch_size": 1}  # the smaller one kept
     assert entries["found"]["sizes"] == {"chunk_size": 4}
+
+
+def test_ctrl_c_under_ray_keeps_what_finished_and_a_rerun_finishes_the_rest(
+        tmp_path: Path) -> None:
+    # The command line as a user runs it, with its own local Ray instance; Ctrl-C reaches
+    # the whole process group, Ray's processes too.
+    job = _job(tmp_path, "out", ["loss", "test_steady"], search=False)
+    text = job.read_text().replace('name = "test_steady"\n',
+                                   'name = "test_steady"\nparams = {seconds = 20.0}\n')
+    job.write_text(text)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "oomguard", "run", str(job), "--ray",
+           "--cache", str(tmp_path / "sizes.json")]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / "journal.jsonl").exists() and _events(out, "success", "loss") and [
+                e for e in _events(out, "running", "test_steady") if e["sizes"]]:
+            break
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "interrupted"
+    assert results["tasks"]["loss"]["status"] == "ok"
+    assert results["tasks"]["test_steady"]["status"] == "interrupted"
+    kept = (out / "results" / "loss.json").read_bytes()
+
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "OOMGUARD_TEST_FAST": "1"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert {k: t["status"] for k, t in results["tasks"].items()} == {
+        "loss": "ok", "test_steady": "ok"}
+    assert (out / "results" / "loss.json").read_bytes() == kept  # kept byte for byte
+    assert len(_events(out, "success", "loss")) == 1
