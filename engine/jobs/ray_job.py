@@ -173,8 +173,7 @@ class OnRay:
                 if stop.signum is not None:
                     for ref, task in pending.items():
                         ray.cancel(ref, force=True)
-                        journal.append("interrupted", task=task.key, run=ctx.run_id,
-                                       signal=signal.Signals(stop.signum).name)
+                        _interrupted(task, ctx, journal, stop)
                         progress.interrupted(task, ctx.run_id)
                     return
         finally:
@@ -199,8 +198,7 @@ class OnRay:
             payload = ray.get(ref)
         except ray.exceptions.RayError as exc:
             if stop.signum is not None:  # Ctrl-C reaches a local instance's workers too
-                journal.append("interrupted", task=task.key, run=ctx.run_id,
-                               signal=signal.Signals(stop.signum).name)
+                _interrupted(task, ctx, journal, stop)
                 return None
             if isinstance(exc, ray.exceptions.RayTaskError):  # raised outside the metric
                 cause = exc.cause if exc.cause is not None else exc
@@ -229,18 +227,14 @@ class OnRay:
                        worker_seconds=round(took["worker"] - took["task"], 3),
                        write_seconds=round(time.perf_counter() - t0, 3),
                        submitted_to_written=round(seconds + time.perf_counter() - t0, 3))
-        if payload["record"] is None:  # cannot happen: nothing stops a task on a worker
-            return record_failure(task, ctx, journal, "the task ended without a result",
-                                  "", seconds)
         return TaskResult.from_dict(payload["record"])
 
     def _watch(self, status: dict[str, list[dict[str, Any]]],
                seen: dict[tuple[str, int], Any], journal: Journal, run_id: str) -> str:
         """Journal what the hub tells of each attempt: ``running`` when it is first seen
         and again whenever its sizes change while it runs (chosen, or lowered by an OOM
-        retry), ``worker-died``
-        before Ray's retry; returns the progress line: tasks running, and per device what
-        is done and retried."""
+        retry), ``worker-died`` before Ray's retry; returns the progress line: tasks
+        running, and per device what is done and retried."""
         for key, attempts in status.items():
             for a in attempts:
                 at = (key, a["attempt"])
@@ -279,6 +273,11 @@ def device_lines(status: dict[str, list[dict[str, Any]]], short: bool = False) -
     return [f"device {n}: {done[n]} task(s) done, {retries[n]} OOM retr"
             f"{'y' if retries[n] == 1 else 'ies'} inside tasks, {died[n]} worker(s) died"
             for n in names]
+
+
+def _interrupted(task: Task, ctx: Context, journal: Journal, stop: Any) -> None:
+    journal.append("interrupted", task=task.key, run=ctx.run_id,
+                   signal=signal.Signals(stop.signum).name)
 
 
 def _resources(resources: dict[str, float]) -> str:

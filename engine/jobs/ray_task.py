@@ -189,7 +189,7 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
         return {"attempt": attempt, "where": where,
                 "seconds": {"task": round(t_task, 3),
                             "worker": round(time.perf_counter() - t0, 3)},
-                "record": record.to_dict() if record is not None else None,
+                "record": record.to_dict(),  # never None: nothing here asks it to stop
                 "files": _files(scratch, task.key), "journal": replay(journal.path),
                 "log": log.read_text(encoding="utf-8", errors="replace")
                 if log.exists() else ""}

@@ -149,14 +149,13 @@ class Progress:
         self.n, self.bar, self.results, self.count = n_tasks, bar, results, 0
 
     def skipped(self, record: TaskResult) -> None:
+        """A result kept from an earlier run (its line is logged by the caller)."""
         self.results[record.task] = record
         self.count += 1
         self.bar.update(1)
 
     def finished(self, record: TaskResult) -> None:
-        self.results[record.task] = record
-        self.count += 1
-        self.bar.update(1)
+        self.skipped(record)
         _log_record(self.count, self.n, record)
 
     def interrupted(self, task: Task, run_id: str) -> None:
