@@ -1,6 +1,6 @@
 """Estimated peak memory against measured peaks: the tiny GPT-2 training step and metrics.
 
-For each workload and size: the estimate (:func:`oomguard.engine.core.estimate.estimate`:
+For each workload and size: the estimate (:func:`oomguard.engine.core.estimate.estimate.estimate`:
 fake tensors, nothing run, plus the matrix multiplies' workspace measured by replaying
 them in a fresh process), the measured peak of an isolated search trial at that size (a
 fresh process, ``warmup()``, then one step in ``run_trial``: resident ``VmHWM`` above the
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.estimate import estimate
-from oomguard.engine.core.isolate import IsolatedRunner
-from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.core.estimate.estimate import estimate
+from oomguard.engine.core.search.isolate import IsolatedRunner
+from oomguard.engine.util.units import fmt_bytes
 from oomguard.metrics.train_step import TrainStep
 from oomguard.metrics.workload import MetricTrial
 from oomguard.probes import host

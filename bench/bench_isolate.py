@@ -62,7 +62,7 @@ def _parent_work() -> float:
 def one_latency(ahead: bool) -> dict[str, Any]:
     """In this (fresh) interpreter: the first and second trial's seconds, with the
     runner built before (``ahead``) or after the parent's own work."""
-    from oomguard.engine.core.isolate import IsolatedRunner
+    from oomguard.engine.core.search.isolate import IsolatedRunner
 
     workload = _workload()
     t0 = time.perf_counter()
@@ -93,9 +93,9 @@ def one_search() -> dict[str, Any]:
 
 def one_fresh(size: int) -> dict[str, Any]:
     """In this (fresh) interpreter: the threshold, the warm-up, the budget, one step."""
-    from oomguard.engine.core.budget import budget
-    from oomguard.engine.core.heap import free_heap_bytes, return_freed_memory_to_os
-    from oomguard.engine.core.oom import OOM, call_catching_oom
+    from oomguard.engine.core.memory.budget import budget
+    from oomguard.engine.core.memory.heap import free_heap_bytes, return_freed_memory_to_os
+    from oomguard.engine.core.memory.oom import OOM, call_catching_oom
 
     return_freed_memory_to_os()  # before the warm-up, as search(budget=) and a child do
     workload = _workload()

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.budget import budget
-from oomguard.engine.core.heap import return_freed_memory_to_os
-from oomguard.engine.core.oom import OOM, call_catching_oom
-from oomguard.engine.core.search import NoSizeFits, search
-from oomguard.engine.core.units import parse_size
+from oomguard.engine.core.memory.budget import budget
+from oomguard.engine.core.memory.heap import return_freed_memory_to_os
+from oomguard.engine.core.memory.oom import OOM, call_catching_oom
+from oomguard.engine.core.search.search import NoSizeFits, search
+from oomguard.engine.util.units import parse_size
 from oomguard.metrics.base import load_all
 from oomguard.metrics.workload import MetricTrial
 

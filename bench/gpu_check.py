@@ -94,8 +94,8 @@ def check_peak_meter(dev: torch.device) -> tuple[bool, str]:
 
 
 def check_fraction_budget(dev: torch.device) -> tuple[bool, str]:
-    from oomguard.engine.core.budget import budget
-    from oomguard.engine.core.oom import is_oom
+    from oomguard.engine.core.memory.budget import budget
+    from oomguard.engine.core.memory.oom import is_oom
 
     _clean(dev)
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
@@ -118,8 +118,8 @@ def check_fraction_budget(dev: torch.device) -> tuple[bool, str]:
 
 
 def check_call_catching_oom(dev: torch.device) -> tuple[bool, str]:
-    from oomguard.engine.core.budget import budget
-    from oomguard.engine.core.oom import OOM, call_catching_oom
+    from oomguard.engine.core.memory.budget import budget
+    from oomguard.engine.core.memory.oom import OOM, call_catching_oom
 
     _clean(dev)
     base = torch.cuda.memory_allocated(dev)
@@ -139,8 +139,8 @@ def check_call_catching_oom(dev: torch.device) -> tuple[bool, str]:
 
 
 def check_executor(dev: torch.device) -> tuple[bool, str]:
-    from oomguard.engine.core.budget import budget
-    from oomguard.engine.core.executor import Executor
+    from oomguard.engine.core.execute.executor import Executor
+    from oomguard.engine.core.memory.budget import budget
 
     _clean(dev)
 
@@ -161,7 +161,7 @@ def check_executor(dev: torch.device) -> tuple[bool, str]:
 
 
 def check_search(dev: torch.device) -> tuple[bool, str]:
-    from oomguard.engine.core.search import search
+    from oomguard.engine.core.search.search import search
 
     _clean(dev)
 

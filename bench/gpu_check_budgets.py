@@ -54,8 +54,8 @@ class EightMiBPerItem:
 
 def check_budget_after_cached_blocks(dev: torch.device) -> tuple[bool, str]:
     """A budget entered while 3 GiB of freed blocks sit in the cache must not grant them."""
-    from oomguard.engine.core.budget import budget
-    from oomguard.engine.core.oom import is_oom
+    from oomguard.engine.core.memory.budget import budget
+    from oomguard.engine.core.memory.oom import is_oom
 
     clean(dev)
     blocks = [torch.empty(256 * MiB, dtype=torch.uint8, device=dev) for _ in range(12)]
@@ -80,10 +80,10 @@ def check_budget_after_cached_blocks(dev: torch.device) -> tuple[bool, str]:
 def check_search_vs_brute_force(dev: torch.device) -> tuple[bool, str]:
     """search() under a 1 GiB fraction budget, in-process and isolated, against every size
     from 1 up run in-process, and the isolated answer's boundary run in fresh children."""
-    from oomguard.engine.core.budget import budget
-    from oomguard.engine.core.isolate import IsolatedRunner
-    from oomguard.engine.core.search import search
-    from oomguard.engine.core.trial import run_trial
+    from oomguard.engine.core.memory.budget import budget
+    from oomguard.engine.core.search.isolate import IsolatedRunner
+    from oomguard.engine.core.search.search import search
+    from oomguard.engine.core.search.trial import run_trial
 
     fn = EightMiBPerItem(str(dev))
     clean(dev)
@@ -130,7 +130,7 @@ def check_default_budget_cli(dev: torch.device) -> tuple[bool, str]:
 
 _PARENT_SCRIPT = """
 import json, sys, torch
-from oomguard.engine.core.search import search
+from oomguard.engine.core.search.search import search
 from oomguard.metrics.train_step import TrainStep
 step = TrainStep(model="tiny-gpt2", seq_len=128, device=sys.argv[1])
 step.describe()  # as `oomguard bench --isolate` does: on the meta device

@@ -42,8 +42,8 @@ def check_mps_probe_and_budget(dev: torch.device) -> tuple[bool, str]:
     """On a Mac: the MPS probe, a 256 MiB budget (``torch.mps.set_per_process_memory_fraction``)
     that a 1 GiB tensor runs out of as a recognised OOM, the fraction restored after it,
     and a peak measured in the units that cap counts."""
-    from oomguard.engine.core.budget import budget, current_fraction
-    from oomguard.engine.core.oom import is_oom
+    from oomguard.engine.core.memory.budget import budget, current_fraction
+    from oomguard.engine.core.memory.oom import is_oom
     from oomguard.probes import PeakMeter, probe
 
     snap = probe("mps")

@@ -1,7 +1,7 @@
 """Batch-size finders of other libraries, rewritten from their documented behaviour.
 
 Each peer is a generator: it yields the next size to run, is sent the
-:class:`~oomguard.engine.core.trial.Trial` that size gave, and returns its answer as an
+:class:`~oomguard.engine.core.search.trial.Trial` that size gave, and returns its answer as an
 :class:`Outcome`. :class:`PeerStrategy` turns one into a search strategy, so a peer's
 trials run through :func:`oomguard.search` exactly as oomguard's own strategies' do (the
 warm-up, then the CPU budget, real allocation failures, the same trial runner); only the
@@ -40,8 +40,8 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomguard.engine.core.fit import fit_points
-from oomguard.engine.core.trial import Trial
+from oomguard.engine.core.search.fit import fit_points
+from oomguard.engine.core.search.trial import Trial
 
 # A peer proposes sizes (yields), is sent each size's Trial, and returns its answer.
 Proposals = Generator[int, Trial, "Outcome"]

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from oomguard.engine.core.trial import RebuiltInChild
+from oomguard.engine.core.search.trial import RebuiltInChild
 from oomguard.metrics.synthetic import e10_line
 from oomguard.metrics.train_step import TrainStep
 from oomguard.metrics.workload import MetricTrial
@@ -203,4 +203,4 @@ PRELOAD: tuple[str, ...] = ("transformers", "transformers.models.gpt2.modeling_g
                             "oomguard.metrics.models", "oomguard.metrics.common",
                             "oomguard.metrics.loss", "oomguard.metrics.train_step",
                             "oomguard.metrics.workload", "oomguard.metrics.synthetic",
-                            "oomguard.engine.core.search", "peer_workloads")
+                            "oomguard.engine.core.search.search", "peer_workloads")

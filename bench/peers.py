@@ -43,12 +43,12 @@ from typing import Any, ClassVar
 from peer_algorithms import DERIVED, PEERS, PeerStrategy
 from peer_workloads import PRELOAD, Workload, workloads
 
-from oomguard.engine.core.atomic import atomic_write_json
-from oomguard.engine.core.isolate import IsolatedRunner, forkserver_context
-from oomguard.engine.core.search import SearchConfig, SearchResult, search
-from oomguard.engine.core.strategies import E10, Doubling, Guided, Strategy, bracket
-from oomguard.engine.core.trial import Trial
+from oomguard.engine.core.search.isolate import IsolatedRunner, forkserver_context
+from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
+from oomguard.engine.core.search.strategies import E10, Doubling, Guided, Strategy, bracket
+from oomguard.engine.core.search.trial import Trial
 from oomguard.engine.errors import SearchFailed
+from oomguard.engine.util.atomic import atomic_write_json
 
 ISOLATED = "oomguard guided, isolated"
 CONFIRMED = "oomguard guided, confirmed"

@@ -15,7 +15,7 @@ Three families matter to a caller:
   sizes are then on its attributes). Giving up is *not* itself an OOM
   (``oomguard_is_oom = False``), so an outer handler never retries it as one.
 - :class:`SearchFailed` -- a search ended without an answer. It always carries
-  the partial :class:`~oomguard.engine.core.search.SearchResult` (every trial
+  the partial :class:`~oomguard.engine.core.search.search.SearchResult` (every trial
   that ran), so nothing measured is lost: :class:`NoSizeFits` when even the
   smallest size ran out of memory, :class:`TrialFailed` when a trial failed for
   a reason other than memory (the original error is ``__cause__``).
@@ -72,7 +72,7 @@ def format_sizes(sizes: Mapping[str, int]) -> str:
 
 class RamLimitReached(OomguardError, MemoryError):
     """A CPU trial passed the RAM guard's estimated limit and was stopped
-    (:mod:`oomguard.engine.core.ramguard`). A ``MemoryError``, so an OOM: a smaller
+    (:mod:`oomguard.engine.core.memory.ramguard`). A ``MemoryError``, so an OOM: a smaller
     size may fit. Raised in the trial's thread by the guard's watchdog, so it
     carries no message; the trial's record says what was measured."""
 
@@ -88,7 +88,7 @@ class ExecutionFailed(OomguardError, RuntimeError):
     """
 
     # The message quotes the last OOM, but giving up is not itself an OOM: an
-    # outer handler must not retry it as one (oomguard.engine.core.oom.is_oom reads this).
+    # outer handler must not retry it as one (oomguard.engine.core.memory.oom.is_oom reads this).
     oomguard_is_oom = False
 
     def __init__(self, workload: str, tried: Sequence[Mapping[str, int]],
@@ -123,7 +123,7 @@ class NoExecutableBatchSize(ExecutionFailed):
 
 class RestartNeeded(ExecutionFailed):
     """An OOM ladder (``on_oom``) must go on in a fresh process: memory did not come back
-    after an OOM. ``ladder`` (a :class:`~oomguard.engine.core.remedies.Ladder`) says where,
+    after an OOM. ``ladder`` (a :class:`~oomguard.engine.core.execute.remedies.Ladder`) says where,
     ``why`` says why in one line. Not an OOM: a job's runner restarts the task; any other
     caller gets it as the executor giving up in this process."""
 

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from oomguard.engine.core.jsonable import to_jsonable as _sanitise
 from oomguard.engine.errors import UsageError, check_positive_int
+from oomguard.engine.util.jsonable import to_jsonable as _sanitise
 from oomguard.metrics.base import Metric
 
 IGNORE_INDEX = -100
@@ -296,7 +296,7 @@ SUMMARY_MAX_ITEMS = 64  # tensors with more elements are summarised as {"shape",
 
 def to_jsonable(value: Any, max_items: int = SUMMARY_MAX_ITEMS) -> Any:
     """A small JSON-friendly copy of a result: the one JSON sanitiser
-    (:func:`oomguard.engine.core.jsonable.to_jsonable`) with ``max_items``.
+    (:func:`oomguard.engine.util.jsonable.to_jsonable`) with ``max_items``.
 
     A tensor of one element becomes a number, a small one (``<= max_items``
     elements) a nested list, a larger one ``{"shape", "mean"}``; non-finite

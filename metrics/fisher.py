@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.func import functional_call, grad, vmap
 
-from oomguard.engine.core.oom import is_oom
+from oomguard.engine.core.memory.oom import is_oom
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.jsonable import stable_hash
 from oomguard.engine.errors import UsageError
+from oomguard.engine.util.jsonable import stable_hash
 
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     # GPT-2 with a byte-level vocabulary, as in the E10 setup (vocab 256).

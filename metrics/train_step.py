@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from oomguard.engine.core.estimate import fake_module
-from oomguard.engine.core.trial import RebuiltInChild
+from oomguard.engine.core.estimate.estimate import fake_module
+from oomguard.engine.core.search.trial import RebuiltInChild
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.models import build_model, model_config
 
@@ -33,7 +33,7 @@ def build_for(state: dict[str, Any], spec: str, dtype: str, device: str,
               seed: int) -> torch.nn.Module:
     """``build_model(spec, dtype, device, seed)``; for a workload copy made by
     ``for_estimate`` (``state["fake"]``), the same model with no weights: built on the
-    meta device and given fake tensors on ``device`` (:func:`~oomguard.engine.core.estimate.fake_module`)."""
+    meta device and given fake tensors on ``device`` (:func:`~oomguard.engine.core.estimate.estimate.fake_module`)."""
     if state.get("fake"):
         return fake_module(lambda: build_model(spec, dtype, "meta", seed=seed), device)
     return build_model(spec, dtype, device, seed=seed)
@@ -99,7 +99,7 @@ class TrainStep(RebuiltInChild):
         }
 
     def for_estimate(self, device: str) -> TrainStep:
-        """A copy of this step with nothing built, for :func:`oomguard.engine.core.estimate.estimate`
+        """A copy of this step with nothing built, for :func:`oomguard.engine.core.estimate.estimate.estimate`
         on ``device``: its ``warmup()`` (under the estimate's fake mode) builds the model with
         no weights, then the optimizer state and one step at batch size 1 as fake tensors."""
         return dataclasses.replace(self, device=device, _state={"fake": True})
@@ -108,7 +108,7 @@ class TrainStep(RebuiltInChild):
         """The batch a step at ``batch_size`` uses: token ids of shape ``[batch_size, seq_len]``
         (int64, on ``device``), every sample at the full sequence length, generated uniformly
         from the vocabulary with a generator seeded by ``seed + batch_size``. A trial builds
-        it inside its measured step (:func:`~oomguard.engine.core.trial.run_trial`)."""
+        it inside its measured step (:func:`~oomguard.engine.core.search.trial.run_trial`)."""
         if "vocab" not in self._state:
             self.warmup()
         g = torch.Generator().manual_seed(self.seed + batch_size)

@@ -1,6 +1,6 @@
 """``MetricTrial``: one metric at one memory knob, as a searchable, picklable workload.
 
-``oomguard.engine.core.search.search(MetricTrial("fisher_diagonal"), budget=...)`` finds the
+``oomguard.engine.core.search.search.search(MetricTrial("fisher_diagonal"), budget=...)`` finds the
 largest ``micro_batch_size`` the Fisher metric runs at, in-process or isolated:
 
 - ``warmup()`` builds the model and the data once (seeded, offline) and runs
@@ -10,7 +10,7 @@ largest ``micro_batch_size`` the Fisher metric runs at, in-process or isolated:
   returns its small JSON-friendly summary;
 - a search's trials run it on its worst case instead, ``trial(size,
   batch=trial.worst_case_batch(size))`` (see
-  :func:`~oomguard.engine.core.trial.run_trial`): the same tokens with every sample
+  :func:`~oomguard.engine.core.search.trial.run_trial`): the same tokens with every sample
   at the full sequence length, so that the maximum found never rests on the
   padding the generated data happen to have;
 - the built state is dropped from the pickle and rebuilt by ``warmup`` in the
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.trial import RebuiltInChild
+from oomguard.engine.core.search.trial import RebuiltInChild
 from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.metrics.base import Metric, get_metric
 from oomguard.metrics.models import make_batch, model_config
@@ -174,7 +174,7 @@ class MetricTrial(RebuiltInChild):
         self._state.update(data=data, worst_case=worst)
 
     def for_estimate(self, device: str) -> MetricTrial:
-        """A copy with nothing built, for :func:`oomguard.engine.core.estimate.estimate` on
+        """A copy with nothing built, for :func:`oomguard.engine.core.estimate.estimate.estimate` on
         ``device``: its ``warmup()`` (under the estimate's fake mode) builds the model with no
         weights; the data are real (small), so the metric's control flow follows them."""
         copy = dataclasses.replace(self, device=device, _state={"fake": True})

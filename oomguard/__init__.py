@@ -48,29 +48,29 @@ _EXPORTS: dict[str, str] = {
     "CollectiveMismatch": "oomguard.engine.errors",
     "RamLimitReached": "oomguard.engine.errors",
     # core: classification, budgets, search, executor
-    "OOM": "oomguard.engine.core.oom",
-    "call_catching_oom": "oomguard.engine.core.oom",
-    "is_oom": "oomguard.engine.core.oom",
-    "release_memory": "oomguard.engine.core.oom",
-    "Budget": "oomguard.engine.core.budget",
-    "budget": "oomguard.engine.core.budget",
-    "parse_size": "oomguard.engine.core.units",
-    "Trial": "oomguard.engine.core.trial",
-    "E10": "oomguard.engine.core.strategies",
-    "Doubling": "oomguard.engine.core.strategies",
-    "Guided": "oomguard.engine.core.strategies",
-    "LinearJump": "oomguard.engine.core.strategies",
-    "LinearFit": "oomguard.engine.core.fit",
-    "Recommendation": "oomguard.engine.core.fit",
-    "SearchResult": "oomguard.engine.core.search",
-    "search": "oomguard.engine.core.search",
-    "SearchConfig": "oomguard.engine.core.search",
-    "RamGuard": "oomguard.engine.core.ramguard",
-    "Estimate": "oomguard.engine.core.estimate",
-    "estimate": "oomguard.engine.core.estimate",
-    "Executor": "oomguard.engine.core.executor",
-    "Halve": "oomguard.engine.core.retry",
-    "ReduceWith": "oomguard.engine.core.retry",
+    "OOM": "oomguard.engine.core.memory.oom",
+    "call_catching_oom": "oomguard.engine.core.memory.oom",
+    "is_oom": "oomguard.engine.core.memory.oom",
+    "release_memory": "oomguard.engine.core.memory.oom",
+    "Budget": "oomguard.engine.core.memory.budget",
+    "budget": "oomguard.engine.core.memory.budget",
+    "parse_size": "oomguard.engine.util.units",
+    "Trial": "oomguard.engine.core.search.trial",
+    "E10": "oomguard.engine.core.search.strategies",
+    "Doubling": "oomguard.engine.core.search.strategies",
+    "Guided": "oomguard.engine.core.search.strategies",
+    "LinearJump": "oomguard.engine.core.search.strategies",
+    "LinearFit": "oomguard.engine.core.search.fit",
+    "Recommendation": "oomguard.engine.core.search.fit",
+    "SearchResult": "oomguard.engine.core.search.search",
+    "search": "oomguard.engine.core.search.search",
+    "SearchConfig": "oomguard.engine.core.search.search",
+    "RamGuard": "oomguard.engine.core.memory.ramguard",
+    "Estimate": "oomguard.engine.core.estimate.estimate",
+    "estimate": "oomguard.engine.core.estimate.estimate",
+    "Executor": "oomguard.engine.core.execute.executor",
+    "Halve": "oomguard.engine.core.execute.retry",
+    "ReduceWith": "oomguard.engine.core.execute.retry",
     # training scripts
     "adaptive": "oomguard.engine.training.adaptive",
     "find_executable_batch_size": "oomguard.engine.training.adaptive",
@@ -109,17 +109,16 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static checkers and IDEs see the real names
-    from oomguard.engine.core.budget import Budget, budget
-    from oomguard.engine.core.estimate import Estimate, estimate
-    from oomguard.engine.core.executor import Executor
-    from oomguard.engine.core.fit import LinearFit, Recommendation
-    from oomguard.engine.core.oom import OOM, call_catching_oom, is_oom, release_memory
-    from oomguard.engine.core.ramguard import RamGuard
-    from oomguard.engine.core.retry import Halve, ReduceWith
-    from oomguard.engine.core.search import SearchConfig, SearchResult, search
-    from oomguard.engine.core.strategies import E10, Doubling, Guided, LinearJump
-    from oomguard.engine.core.trial import Trial
-    from oomguard.engine.core.units import parse_size
+    from oomguard.engine.core.estimate.estimate import Estimate, estimate
+    from oomguard.engine.core.execute.executor import Executor
+    from oomguard.engine.core.execute.retry import Halve, ReduceWith
+    from oomguard.engine.core.memory.budget import Budget, budget
+    from oomguard.engine.core.memory.oom import OOM, call_catching_oom, is_oom, release_memory
+    from oomguard.engine.core.memory.ramguard import RamGuard
+    from oomguard.engine.core.search.fit import LinearFit, Recommendation
+    from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
+    from oomguard.engine.core.search.strategies import E10, Doubling, Guided, LinearJump
+    from oomguard.engine.core.search.trial import Trial
     from oomguard.engine.errors import (
         BudgetError,
         ChildCrashed,
@@ -143,5 +142,6 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names
         reset_stats,
         stats,
     )
+    from oomguard.engine.util.units import parse_size
     from oomguard.probes import MemorySnapshot, PeakMeter, probe, probe_all
     from oomguard.reports import write_report

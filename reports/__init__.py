@@ -2,7 +2,7 @@
 
 ``write_report(result, out_dir)`` writes ``report.md``, ``report.json`` and
 ``memory.png`` (and ``throughput.png`` when trials measured a rate) into ``out_dir``, each with the one atomic writer
-(:func:`~oomguard.engine.core.atomic.atomic_write`: fsynced, then moved into
+(:func:`~oomguard.engine.util.atomic.atomic_write`: fsynced, then moved into
 place), so a reader never sees a half-written report. A job's report is
 :func:`oomguard.reports.job_report.write_job_report`.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from oomguard.engine.core.atomic import atomic_write, atomic_write_json
-from oomguard.engine.core.search import SearchResult
+from oomguard.engine.core.search.search import SearchResult
+from oomguard.engine.util.atomic import atomic_write, atomic_write_json
 from oomguard.reports.json_report import render_json
 from oomguard.reports.markdown import render_markdown
 from oomguard.reports.plot import plot_memory, plot_throughput

@@ -4,9 +4,9 @@ Per metric: status, the sizes used and where they came from (cache, search,
 defaults, job file), retries, seconds, peak memory (measured, with what the
 meter counts) and the result summary; failures with their reason and
 traceback file; every out-of-memory event of the metrics' runs, with memory as
-measured at the OOM (:mod:`oomguard.engine.core.forensics`); and, for metrics with a
+measured at the OOM (:mod:`oomguard.engine.core.memory.forensics`); and, for metrics with a
 remedy ladder (``on_oom``), every remedy tried, with a result computed at a lower
-precision flagged in the table itself (:mod:`oomguard.engine.core.remedies`). Plots, where a picture says more, in the one plot style
+precision flagged in the table itself (:mod:`oomguard.engine.core.execute.remedies`). Plots, where a picture says more, in the one plot style
 (:mod:`oomguard.reports.style`):
 
 - ``plots/memory.png``: measured peak memory per metric (bar chart, budget line);
@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from oomguard.engine.core.atomic import atomic_write
-from oomguard.engine.core.jsonable import json_text
-from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.util.atomic import atomic_write
+from oomguard.engine.util.jsonable import json_text
+from oomguard.engine.util.units import fmt_bytes
 from oomguard.reports import style
 
 log = logging.getLogger("oomguard.report")

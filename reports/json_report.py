@@ -2,7 +2,7 @@
 
 ``render_json(result, context)`` returns a dict that ``json.dumps`` accepts
 without a custom encoder (it has been through the one JSON sanitiser,
-:func:`~oomguard.engine.core.jsonable.to_jsonable`): every trial, the fit, the recommendation, the
+:func:`~oomguard.engine.util.jsonable.to_jsonable`): every trial, the fit, the recommendation, the
 context the caller gave, derived figures (peak at the maximum, utilisation,
 margin left), the oomguard version and a UTC ISO-8601 timestamp. Bytes are
 ints of bytes, seconds are floats of wall-clock seconds, fractions are in
@@ -20,11 +20,11 @@ from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from oomguard.engine.core.jsonable import to_jsonable
-from oomguard.engine.core.search import SearchResult
-from oomguard.engine.core.strategies import bracket, predict_max
-from oomguard.engine.core.trial import Trial
-from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.core.search.search import SearchResult
+from oomguard.engine.core.search.strategies import bracket, predict_max
+from oomguard.engine.core.search.trial import Trial
+from oomguard.engine.util.jsonable import to_jsonable
+from oomguard.engine.util.units import fmt_bytes
 from oomguard.metrics.workload import SAMPLE_KNOBS
 from oomguard.reports.throughput import fastest_safe_size
 

@@ -1,13 +1,13 @@
 """Markdown report of a size search (a batch size or a metric's knob), in the shape of the
 E10 report.
 
-``render_markdown(result, context)`` turns a :class:`oomguard.engine.core.search.SearchResult`
+``render_markdown(result, context)`` turns a :class:`oomguard.engine.core.search.search.SearchResult`
 into the sections of the E10 Maximum Batch Size Report: Configuration, Data,
 Search Strategy, Results (performance metrics and the trial table), Memory
 Scaling Analysis, Recommendations, Key Observations and a Conclusion. Every
 number comes from the result; the prose around it is generated from the trial
 sequence, never hard-coded. Byte counts are printed in binary units (KiB, MiB,
-GiB) with :func:`oomguard.engine.core.units.fmt_bytes`.
+GiB) with :func:`oomguard.engine.util.units.fmt_bytes`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from oomguard.engine.core.search import SearchResult
-from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.core.search.search import SearchResult
+from oomguard.engine.util.units import fmt_bytes
 from oomguard.reports.json_report import (
     PEAK_MEANING,
     cap_advice,

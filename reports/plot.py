@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from oomguard.engine.core.search import SearchResult
-from oomguard.engine.core.units import GiB, MiB, fmt_bytes
+from oomguard.engine.core.search.search import SearchResult
+from oomguard.engine.util.units import GiB, MiB, fmt_bytes
 from oomguard.reports import style
 from oomguard.reports.json_report import capacity_label, size_label
 from oomguard.reports.throughput import fastest_safe_size, rate_basis, rates

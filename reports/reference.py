@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.util.units import fmt_bytes
 
 
 def _size(value: Any) -> str:

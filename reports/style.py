@@ -6,7 +6,7 @@ change, so it is safe in headless jobs, threads and a user's own
 matplotlib session) with one axes, a light grid and the common size and
 resolution. :func:`save` applies the common font sizes to every axes (colour
 bars included), lays the figure out and writes the PNG atomically
-(:func:`~oomguard.engine.core.atomic.atomic_write`).
+(:func:`~oomguard.engine.util.atomic.atomic_write`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oomguard.engine.core.atomic import atomic_write
+from oomguard.engine.util.atomic import atomic_write
 
 if TYPE_CHECKING:  # why: for annotations only; figure() imports matplotlib when it draws
     # (~0.9 s: docs/measurements.md#matplotlib-import)

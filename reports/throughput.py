@@ -5,7 +5,7 @@ recommendation, and the report's throughput and verification sections
 
 from __future__ import annotations
 
-from oomguard.engine.core.search import SearchResult
+from oomguard.engine.core.search.search import SearchResult
 
 
 def rates(result: SearchResult) -> dict[int, float]:

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from oomguard.engine.core.budget import budget
-from oomguard.engine.core.heap import return_freed_memory_to_os
+from oomguard.engine.core.memory.budget import budget
+from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.metrics.models import build_model, make_batch
 
 # Budgets count virtual memory above the process's data size at entry. Free
@@ -121,7 +121,7 @@ def in_fresh_processes(fn, arg_lists, workers: int = 1):
     that each set their own (single-threaded) can share the cores."""
     import multiprocessing as mp
 
-    from oomguard.engine.core.isolate import forkserver_context
+    from oomguard.engine.core.search.isolate import forkserver_context
 
     forkserver_context(("transformers", "oomguard.metrics.train_step", "oomguard.metrics.synthetic"))
     with mp.get_context("forkserver").Pool(workers, maxtasksperchild=1) as pool:

@@ -8,15 +8,15 @@ import pytest
 import torch
 from conftest import in_fresh_process
 
-from oomguard.engine.core.budget import (
+from oomguard.engine.core.memory.budget import (
     MIN_CPU_BUDGET,
     BudgetError,
     active_budget,
     budget,
     check_budget,
 )
-from oomguard.engine.core.heap import return_freed_memory_to_os, trim_heap
-from oomguard.engine.core.oom import is_oom
+from oomguard.engine.core.memory.heap import return_freed_memory_to_os, trim_heap
+from oomguard.engine.core.memory.oom import is_oom
 from oomguard.probes.host import meminfo
 
 MiB = 1024**2

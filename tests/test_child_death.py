@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from oomguard.engine.core.isolate import IsolatedRunner
+from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.errors import ChildCrashed
 from oomguard.probes import host
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from oomguard.engine.cli.main import main
-from oomguard.engine.core.units import parse_size
+from oomguard.engine.util.units import parse_size
 
 
 @pytest.mark.parametrize("argv, message", [

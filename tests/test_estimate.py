@@ -1,4 +1,4 @@
-"""Estimates of peak memory without running the work (oomguard.engine.core.estimate).
+"""Estimates of peak memory without running the work (oomguard.engine.core.estimate.estimate).
 
 The estimates of the tiny GPT-2 training step and of two metrics at a small size (where
 the matrix multiplies' workspace matters most) are compared with the peak an isolated
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from oomguard.engine.cli.estimate import add_parser, parse_sizes
-from oomguard.engine.core.estimate import LABEL, estimate
-from oomguard.engine.core.isolate import IsolatedRunner
+from oomguard.engine.core.estimate.estimate import LABEL, estimate
+from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.train_step import TrainStep
 from oomguard.metrics.workload import MetricTrial

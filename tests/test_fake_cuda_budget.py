@@ -12,9 +12,9 @@ import torch
 from fakes.fake_cuda import FakeCuda, GiB, KiB, MiB
 from fakes.fake_mps import FakeMps
 
-from oomguard.engine.core import budget as budget_mod
-from oomguard.engine.core.budget import active_budget, budget, tighten_active_budget
-from oomguard.engine.core.oom import is_oom
+from oomguard.engine.core.memory import budget as budget_mod
+from oomguard.engine.core.memory.budget import active_budget, budget, tighten_active_budget
+from oomguard.engine.core.memory.oom import is_oom
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +62,7 @@ def test_fake_cuda_default_search_after_warmup_meets_the_device_limit(
     # Item 1: the default budget used to be the free memory probed before the warm-up,
     # and warm-up + that budget > total raised BudgetError on an idle GPU.
     from oomguard.engine.cli.options import search_config as _search_config
-    from oomguard.engine.core.search import search
+    from oomguard.engine.core.search.search import search
 
     gpu = FakeCuda(total=16 * GiB, context=512 * MiB).install(monkeypatch)
     config = _search_config(_args(), torch.device("cuda"), max_size=64)
@@ -114,7 +114,7 @@ def test_fake_cuda_nested_budget_gives_back_the_outer_fraction(
 def test_fake_cuda_fraction_set_through_oomguard_survives_a_budget(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Item 8: a user's own fraction, set through oomguard, on torch 2.4-2.5.
-    from oomguard.engine.core.budget import set_memory_fraction
+    from oomguard.engine.core.memory.budget import set_memory_fraction
 
     gpu = FakeCuda(total=16 * GiB, has_fraction_getter=False).install(monkeypatch)
     set_memory_fraction(0.5, "cuda")
@@ -127,7 +127,7 @@ def test_fake_cuda_malloc_async_budget_and_peak_count_bytes_in_use(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Item 9: cudaMallocAsync caps bytes in use; its "reserved" is the pool's and keeps
     # freed memory, so a baseline or peak in reserved bytes is in the wrong units.
-    from oomguard.engine.core.trial import run_trial
+    from oomguard.engine.core.search.trial import run_trial
 
     gpu = FakeCuda(backend="cudaMallocAsync").install(monkeypatch)
     gpu.alloc(1 * GiB)
@@ -171,8 +171,8 @@ def test_fake_cuda_isolated_bench_parent_holds_nothing_while_children_run(
     # Item 7: the parent warmed its model up on the GPU (describe()) and kept it there
     # while the isolated children measured beside it.
     from oomguard.engine.cli.main import main
-    from oomguard.engine.core import isolate
-    from oomguard.engine.core.trial import Trial
+    from oomguard.engine.core.search import isolate
+    from oomguard.engine.core.search.trial import Trial
     from oomguard.metrics.models import build_model
     from oomguard.metrics.train_step import TrainStep
 

@@ -1,4 +1,4 @@
-"""Memory forensics at every OOM the executor catches (engine/core/forensics.py).
+"""Memory forensics at every OOM the executor catches (engine/core/memory/forensics.py).
 
 - CPU, for real: an executor run that runs out of memory under a real budget records one
   event per OOM, measured *before* the failed attempt's memory is released (VmData at the
@@ -26,11 +26,11 @@ import torch
 from conftest import budget_after_warmup, in_fresh_process
 from fakes.fake_cuda import FakeCuda, GiB, MiB
 
-from oomguard.engine.core import budget as budget_mod
-from oomguard.engine.core import forensics
-from oomguard.engine.core.budget import budget
-from oomguard.engine.core.executor import ExecutionFailed, Executor
-from oomguard.engine.core.forensics import HISTORY_MAX_ENTRIES, OomEvent, cuda_view
+from oomguard.engine.core.execute.executor import ExecutionFailed, Executor
+from oomguard.engine.core.memory import budget as budget_mod
+from oomguard.engine.core.memory import forensics
+from oomguard.engine.core.memory.budget import budget
+from oomguard.engine.core.memory.forensics import HISTORY_MAX_ENTRIES, OomEvent, cuda_view
 from oomguard.engine.jobs.records import TaskResult
 from oomguard.probes.host import proc_status
 from oomguard.reports.job_report import oom_events_section, oom_view

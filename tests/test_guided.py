@@ -18,7 +18,7 @@ import torch
 from conftest import in_fresh_process
 
 from oomguard import Guided, Trial, search
-from oomguard.engine.core.strategies import E10, bracket
+from oomguard.engine.core.search.strategies import E10, bracket
 from oomguard.metrics.synthetic import e10_line
 from oomguard.metrics.train_step import TrainStep
 

@@ -25,14 +25,14 @@ import pytest
 import torch
 from conftest import RaisesAt, in_fresh_process
 
-from oomguard.engine.core.budget import budget
-from oomguard.engine.core.child_death import oom_evidence
-from oomguard.engine.core.heap import return_freed_memory_to_os
-from oomguard.engine.core.isolate import IsolatedRunner
-from oomguard.engine.core.oom import gc_frozen
-from oomguard.engine.core.search import search
-from oomguard.engine.core.strategies import E10, Guided
-from oomguard.engine.core.trial import run_trial
+from oomguard.engine.core.child import oom_evidence
+from oomguard.engine.core.memory.budget import budget
+from oomguard.engine.core.memory.heap import return_freed_memory_to_os
+from oomguard.engine.core.memory.oom import gc_frozen
+from oomguard.engine.core.search.isolate import IsolatedRunner
+from oomguard.engine.core.search.search import search
+from oomguard.engine.core.search.strategies import E10, Guided
+from oomguard.engine.core.search.trial import run_trial
 from oomguard.engine.errors import ChildCrashed, ChildStartFailed, TrialFailed, UsageError
 from oomguard.metrics.synthetic import LinearAlloc
 from oomguard.probes import host
@@ -359,8 +359,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oomguard.engine.core.heap import free_heap_bytes
-from oomguard.engine.core.isolate import IsolatedRunner
+from oomguard.engine.core.memory.heap import free_heap_bytes
+from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.metrics.synthetic import LinearAlloc
 
 

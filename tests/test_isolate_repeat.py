@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from peer_workloads import RnnLmStep  # noqa: E402
 
 from oomguard import search  # noqa: E402
-from oomguard.engine.core.heap import free_heap_bytes  # noqa: E402
-from oomguard.engine.core.isolate import IsolatedRunner  # noqa: E402
+from oomguard.engine.core.memory.heap import free_heap_bytes  # noqa: E402
+from oomguard.engine.core.search.isolate import IsolatedRunner  # noqa: E402
 
 KiB, MiB = 1024, 1024**2
 BUDGET = 120 * MiB

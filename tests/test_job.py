@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from oomguard.engine.cli.jobs import JobLog, main
-from oomguard.engine.core.jsonable import stable_hash
 from oomguard.engine.jobs.data import load_data
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.jobs.records import Task, TaskResult
@@ -31,6 +30,7 @@ from oomguard.engine.jobs.spec import (
     parse_duration,
     parse_job,
 )
+from oomguard.engine.util.jsonable import stable_hash
 
 GOOD = """\
 output = "out"

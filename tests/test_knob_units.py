@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 from oomguard.engine.cli.main import main
-from oomguard.engine.core.strategies import E10, Doubling
-from oomguard.engine.core.trial import Trial
+from oomguard.engine.core.search.strategies import E10, Doubling
+from oomguard.engine.core.search.trial import Trial
 from oomguard.metrics.workload import InUnits, MetricTrial
 
 

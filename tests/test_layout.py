@@ -202,7 +202,7 @@ def test_import_contracts_hold_and_catch_a_wrong_import(tmp_path: Path):
     assert done.returncode == 0, done.stdout[-3000:]
     # A probe that reaches up into the engine must break the layers contract.
     (site / "oomguard" / "probes" / "leak.py").write_text(
-        "from oomguard.engine.core.oom import is_oom\n")
+        "from oomguard.engine.core.memory.oom import is_oom\n")
     done = _lint(site)
     assert done.returncode != 0
-    assert "oomguard.probes.leak -> oomguard.engine.core.oom" in done.stdout
+    assert "oomguard.probes.leak -> oomguard.engine.core.memory.oom" in done.stdout

@@ -1,5 +1,5 @@
 """The margin derived from measured step peaks, and verification after a search
-(``oomguard.engine.core.search.verify`` and ``oomguard verify REPORT``).
+(``oomguard.engine.core.search.search.verify`` and ``oomguard verify REPORT``).
 
 Real allocations under real CPU budgets; sizes far from any boundary, so no test here
 depends on what earlier tests left in the heap.
@@ -16,8 +16,13 @@ from conftest import in_fresh_process
 
 from oomguard import Guided, Trial, search
 from oomguard.engine.cli.main import main
-from oomguard.engine.core.fit import DEFAULT_MARGIN, MIN_MEASURED_MARGIN, choose_margin, step_spread
-from oomguard.engine.core.search import verify
+from oomguard.engine.core.search.fit import (
+    DEFAULT_MARGIN,
+    MIN_MEASURED_MARGIN,
+    choose_margin,
+    step_spread,
+)
+from oomguard.engine.core.search.search import verify
 from oomguard.engine.errors import UsageError
 
 MiB = 1024**2

@@ -18,9 +18,9 @@ import pytest
 import torch
 from conftest import budget_after_warmup, in_fresh_processes, tiny_data, tiny_model
 
-from oomguard.engine.core.executor import Executor
-from oomguard.engine.core.heap import return_freed_memory_to_os
-from oomguard.engine.core.oom import is_oom
+from oomguard.engine.core.execute.executor import Executor
+from oomguard.engine.core.memory.heap import return_freed_memory_to_os
+from oomguard.engine.core.memory.oom import is_oom
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.integrated_gradients import rows_per_forward

@@ -3,7 +3,7 @@
 Each metric is run at its smallest and largest memory size (float64: equal to
 1e-9 relative), under a real CPU budget where its default size runs out of
 memory (the executor's result equals the unconstrained one), and as a
-:class:`~oomguard.metrics.workload.MetricTrial` under :func:`~oomguard.engine.core.search.search`.
+:class:`~oomguard.metrics.workload.MetricTrial` under :func:`~oomguard.engine.core.search.search.search`.
 Every test that expects an OOM or asserts a memory boundary runs in a fresh process.
 """
 
@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import budget_after_warmup, in_fresh_process, numbers, tiny_data, tiny_model
 
-from oomguard.engine.core.executor import Executor
-from oomguard.engine.core.oom import is_oom
-from oomguard.engine.core.search import search
+from oomguard.engine.core.execute.executor import Executor
+from oomguard.engine.core.memory.oom import is_oom
+from oomguard.engine.core.search.search import search
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.common import (

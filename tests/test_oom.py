@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import in_fresh_process
 
-from oomguard.engine.core.budget import budget
-from oomguard.engine.core.oom import (
+from oomguard.engine.core.memory.budget import budget
+from oomguard.engine.core.memory.oom import (
     OOM,
     OOM_TABLE,
     call_catching_oom,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fakes.fake_nvml import FakeCudaDevice, GiB, install_fake_torch_cuda
 
-from oomguard.engine.core.oom import cuda_memory_near_limit, is_oom
+from oomguard.engine.core.memory.oom import cuda_memory_near_limit, is_oom
 
 # As torch prints them: AT_CUDNN_CHECK writes "cuDNN error: " + cudnnGetErrorString(status);
 # cuDNN 9 (torch >= 2.4) names its allocation failures CUDNN_STATUS_INTERNAL_ERROR_*.

@@ -18,10 +18,10 @@ import torch
 from conftest import in_fresh_process
 
 from oomguard import RamGuard, RamLimitReached, SearchConfig, Trial, is_oom, search
-from oomguard.engine.core.fit import fit_line
-from oomguard.engine.core.ramguard import Watchdog
-from oomguard.engine.core.strategies import Doubling
-from oomguard.engine.core.trial import run_trial
+from oomguard.engine.core.memory.ramguard import Watchdog
+from oomguard.engine.core.search.fit import fit_line
+from oomguard.engine.core.search.strategies import Doubling
+from oomguard.engine.core.search.trial import run_trial
 from oomguard.engine.errors import UsageError
 from oomguard.reports import write_report
 
@@ -78,7 +78,7 @@ def test_report_marks_guard_verdicts_and_the_estimated_limit(tmp_path) -> None:
               Trial(16, False, 170 * MiB, 0.1, error="RAM guard: stopped", guarded=True),
               Trial(12, True, 120 * MiB, 0.1)]
     guard = RamGuard(limit_bytes=150 * MiB, available_bytes=200 * MiB, fraction=0.75)
-    from oomguard.engine.core.search import SearchResult
+    from oomguard.engine.core.search.search import SearchResult
 
     result = SearchResult(workload="grow", device="cpu", mode="in-process", strategy="doubling",
                           strategy_description="doubling", max_ok=12, first_oom=16,

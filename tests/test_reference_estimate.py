@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.engine.core.estimate import LABEL
+from oomguard.engine.core.estimate.estimate import LABEL
 from oomguard.engine.errors import UsageError
 from oomguard.engine.jobs.reference_estimate import (
     GPUS,

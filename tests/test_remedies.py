@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import budget_after_warmup, in_fresh_process
 
-from oomguard.engine.core.executor import Executor
-from oomguard.engine.core.remedies import (
+from oomguard.engine.core.execute.executor import Executor
+from oomguard.engine.core.execute.remedies import (
     ALLOC_CONF,
     REMEDIES,
     Ladder,
@@ -278,7 +278,7 @@ def test_api_no_progress_stops_and_fake_gpu_moves_to_cpu_after_an_estimate() -> 
 def _fake_cuda_expandable_segments() -> dict:
     import os
 
-    from oomguard.engine.core import remedies
+    from oomguard.engine.core.execute import remedies
 
     # This machine has no GPU: its answers are faked (the workload runs on the CPU).
     remedies.device_kind = lambda device: "cuda"  # type: ignore[assignment]

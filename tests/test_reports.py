@@ -14,11 +14,11 @@ import pytest
 import torch
 from conftest import in_fresh_process
 
-from oomguard.engine.core.fit import fit_line, recommend
-from oomguard.engine.core.search import SearchResult, search
-from oomguard.engine.core.strategies import E10
-from oomguard.engine.core.trial import Trial
-from oomguard.engine.core.units import MiB
+from oomguard.engine.core.search.fit import fit_line, recommend
+from oomguard.engine.core.search.search import SearchResult, search
+from oomguard.engine.core.search.strategies import E10
+from oomguard.engine.core.search.trial import Trial
+from oomguard.engine.util.units import MiB
 from oomguard.reports import plot_memory, render_json, render_markdown, style, write_report
 from oomguard.reports.job_report import write_job_report
 from oomguard.reports.plot import memory_figure
@@ -212,7 +212,7 @@ class KnobAlloc:
 
 
 def _prose(res: SearchResult, md: str) -> str:
-    # The strategy's own description (engine/core/strategies.py) is quoted as is.
+    # The strategy's own description (engine/core/search/strategies.py) is quoted as is.
     return md.replace(res.strategy_description, "")
 
 

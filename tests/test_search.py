@@ -14,11 +14,11 @@ import pytest
 import torch
 from conftest import RaisesAt, in_fresh_process
 
-from oomguard.engine.core.budget import MIN_CPU_BUDGET, BudgetError, budget
-from oomguard.engine.core.heap import free_heap_bytes, return_freed_memory_to_os
-from oomguard.engine.core.search import SearchConfig, search
-from oomguard.engine.core.strategies import E10, Doubling, LinearJump
-from oomguard.engine.core.trial import Trial, run_trial
+from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET, BudgetError, budget
+from oomguard.engine.core.memory.heap import free_heap_bytes, return_freed_memory_to_os
+from oomguard.engine.core.search.search import SearchConfig, search
+from oomguard.engine.core.search.strategies import E10, Doubling, LinearJump
+from oomguard.engine.core.search.trial import Trial, run_trial
 from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError
 from oomguard.metrics.synthetic import LinearAlloc, e10_line
 from oomguard.metrics.train_step import TrainStep

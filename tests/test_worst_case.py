@@ -4,7 +4,7 @@ A workload whose memory depends on its data (a collator that pads each batch to
 its longest sample) fits more items on a batch of short samples than on one of
 long samples; a search over such data must find a maximum that holds for the
 longest batch. Trials build ``fn.worst_case_batch(size)`` in each step and call
-``fn(size, batch=...)`` (:func:`~oomguard.engine.core.trial.run_trial`); a
+``fn(size, batch=...)`` (:func:`~oomguard.engine.core.search.trial.run_trial`); a
 workload without it is called ``fn(size)``. The boundaries are asserted under a
 real CPU budget, in a fresh process.
 """
@@ -18,10 +18,10 @@ import torch
 from conftest import in_fresh_process
 
 import oomguard
-from oomguard.engine.core.isolate import IsolatedRunner
-from oomguard.engine.core.search import search
-from oomguard.engine.core.strategies import E10
-from oomguard.engine.core.trial import run_trial
+from oomguard.engine.core.search.isolate import IsolatedRunner
+from oomguard.engine.core.search.search import search
+from oomguard.engine.core.search.strategies import E10
+from oomguard.engine.core.search.trial import run_trial
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.train_step import TrainStep
 from oomguard.metrics.workload import MetricTrial

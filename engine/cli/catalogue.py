@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from oomguard.engine.core.jsonable import json_text
+from oomguard.engine.util.jsonable import json_text
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from oomguard.engine.core.units import parse_size
 from oomguard.engine.errors import UsageError
+from oomguard.engine.util.units import parse_size
 from oomguard.probes.probe import parse_device
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def default_budget(dev: torch.device, given: int | None) -> int | None:
     if given is not None:
         return given
     if dev.type == "cpu":
-        from oomguard.engine.core.budget import host_budgets_available
+        from oomguard.engine.core.memory.budget import host_budgets_available
 
         return parse_size(DEFAULT_CPU_BUDGET) if host_budgets_available() else None
     if dev.type == "cuda":
@@ -58,8 +58,8 @@ def budget_free_limit(device: str) -> str:
     RAM, estimated and not enforced), with why there is no budget."""
     if not str(device).startswith("cpu"):
         return "the device's own limit"
-    from oomguard.engine.core.ramguard import DEFAULT_FRACTION
-    from oomguard.engine.core.units import fmt_bytes
+    from oomguard.engine.core.memory.ramguard import DEFAULT_FRACTION
+    from oomguard.engine.util.units import fmt_bytes
     from oomguard.probes import host
 
     why = host.host_budget_unavailable() or "no budget given"

@@ -1,6 +1,6 @@
 """``oomguard estimate``: the peak memory of a workload at given sizes, estimated without
 running it (fake tensors: no weights, no activations; see
-:mod:`oomguard.engine.core.estimate`). Every figure printed is an estimate, and says so.
+:mod:`oomguard.engine.core.estimate.estimate`). Every figure printed is an estimate, and says so.
 
 No torch or engine import at module level: ``oomguard --help`` must stay fast.
 """
@@ -106,7 +106,7 @@ def build_workload(args: argparse.Namespace) -> Any:
 def table(estimates: list[Any]) -> str:
     """A plain-text table: size, estimated peak (bytes and for people), the part of it that
     is the matrix multiplies' measured workspace ("-": not counted), kind."""
-    from oomguard.engine.core.units import fmt_bytes
+    from oomguard.engine.util.units import fmt_bytes
 
     rows = [("size", "estimated peak (bytes)", "estimated peak", "of which workspace", "")]
     rows += [(str(e.size), str(e.peak_bytes), fmt_bytes(e.peak_bytes),
@@ -119,8 +119,8 @@ def table(estimates: list[Any]) -> str:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """Print the estimates (a table, or JSON with ``--json``); 0."""
-    from oomguard.engine.core.estimate import estimate, fake_device
-    from oomguard.engine.core.jsonable import json_text
+    from oomguard.engine.core.estimate.estimate import estimate, fake_device
+    from oomguard.engine.util.jsonable import json_text
 
     sizes = parse_sizes(args.sizes)
     fake_device(args.device)  # a bad device fails before the model's config is read

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.engine.cli.logs import log_to_file, setup_logging, stop_logging_to
-from oomguard.engine.core.jsonable import json_text
 from oomguard.engine.errors import UsageError
 from oomguard.engine.jobs.example import example_text
+from oomguard.engine.util.jsonable import json_text
 
 RUN_HELP = """\
 Run a job file: every metric on every model, sizes from the size cache, else a

@@ -38,8 +38,8 @@ from oomguard.engine.cli.options import (
     search_config,
 )
 from oomguard.engine.cli.verify import workload_spec
-from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import SearchFailed, UsageError
+from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes.probe import parse_device
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class Progress:
 
 def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
     """Run one search planned (and checked) before; None (after one line) if no size fit."""
-    from oomguard.engine.core.search import search
+    from oomguard.engine.core.search.search import search
     from oomguard.engine.errors import NoSizeFits
     from oomguard.metrics.workload import snap_to_unit
 
@@ -90,7 +90,7 @@ def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
 def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out: Path) -> int:
     """Write the report into ``out`` and print the result; 0, or 1 and one line naming the
     path when something could not be written (a full disk): the result is still printed."""
-    from oomguard.engine.core.jsonable import json_text
+    from oomguard.engine.util.jsonable import json_text
     from oomguard.reports import write_report
 
     paths: dict[str, Path] = {}
@@ -137,7 +137,7 @@ def probe_table(snapshots: Sequence[MemorySnapshot]) -> str:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from oomguard.engine.core.jsonable import json_text
+    from oomguard.engine.util.jsonable import json_text
     from oomguard.probes import probe, probe_all
 
     if args.device:
@@ -161,7 +161,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # Every input is checked before the model is built; the folder last (none left behind).
     dev = resolve_device(args.device)
     if isolated(args, dev) or confirmed(args):  # started now: imports overlap the checks
-        from oomguard.engine.core.isolate import start_forkserver
+        from oomguard.engine.core.search.isolate import start_forkserver
 
         start_forkserver(TrainStep.preload + (TrainStep.__module__,))
     check_seq_len(model_config(args.model), args.seq_len)
@@ -192,7 +192,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                          f"valid: {', '.join(knobs)}")
     dev = resolve_device(args.device)
     if isolated(args, dev) or confirmed(args):  # started now: imports overlap the planning
-        from oomguard.engine.core.isolate import start_forkserver, workload_preload
+        from oomguard.engine.core.search.isolate import start_forkserver, workload_preload
 
         first = MetricTrial(metric=args.metric, knob=args.knob or knobs[0], model=args.model)
         start_forkserver(workload_preload(first))

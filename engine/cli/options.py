@@ -1,5 +1,5 @@
 """The options every search command shares (``bench``, ``search``) and the one
-:class:`~oomguard.engine.core.search.SearchConfig` they become, checked before any model
+:class:`~oomguard.engine.core.search.search.SearchConfig` they become, checked before any model
 is built; the argument types that give one-line errors for bad sizes and counts."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from oomguard.engine.cli.devices import default_budget
-from oomguard.engine.core.units import parse_size
 from oomguard.engine.errors import UsageError
+from oomguard.engine.util.units import parse_size
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,7 @@ def strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size
     ``unit``, ``--start``/``--step`` in whole units (at least one) and only multiples tried."""
     import math
 
-    from oomguard.engine.core.strategies import E10, Doubling, Guided, LinearJump
+    from oomguard.engine.core.search.strategies import E10, Doubling, Guided, LinearJump
     from oomguard.metrics.workload import in_units, in_whole_units
 
     # --step alone names the E10 routine (its increment); otherwise the default is guided.
@@ -93,8 +93,8 @@ def confirmed(args: argparse.Namespace) -> bool:
 def search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
                    unit: int = 1) -> Any:
     """Every search option checked before any model is built (a bad --margin fails first)."""
-    from oomguard.engine.core.budget import check_budget
-    from oomguard.engine.core.search import SearchConfig
+    from oomguard.engine.core.memory.budget import check_budget
+    from oomguard.engine.core.search.search import SearchConfig
 
     if args.start > max_size:
         raise UsageError(f"--start {args.start} is larger than --max-size {max_size}")

@@ -77,9 +77,9 @@ def cmd_reference(args: argparse.Namespace) -> int:
     from oomguard.engine.cli.devices import resolve_device
     from oomguard.engine.cli.main import Progress
     from oomguard.engine.cli.options import search_config
-    from oomguard.engine.core.atomic import atomic_write, atomic_write_json
     from oomguard.engine.jobs.output import check_output_folder
     from oomguard.engine.jobs.reference import build_reference, sizes_toml
+    from oomguard.engine.util.atomic import atomic_write, atomic_write_json
     from oomguard.metrics.models import check_seq_len, model_config
     from oomguard.reports.reference import render_reference_markdown
 
@@ -131,9 +131,9 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     import json
 
     from oomguard.engine.cli.estimate import parse_sizes
-    from oomguard.engine.core.atomic import atomic_write, atomic_write_json
-    from oomguard.engine.core.units import fmt_bytes
     from oomguard.engine.jobs.reference_estimate import build_estimate_reference, gpu_memory
+    from oomguard.engine.util.atomic import atomic_write, atomic_write_json
+    from oomguard.engine.util.units import fmt_bytes
     from oomguard.metrics.models import check_seq_len, model_config, parse_dtype
     from oomguard.reports.reference_estimate import render_estimate_markdown
 

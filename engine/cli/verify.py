@@ -21,8 +21,8 @@ from typing import Any
 
 from oomguard.engine.cli.logs import error_text
 from oomguard.engine.cli.options import positive_int
-from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import UsageError
+from oomguard.engine.util.units import fmt_bytes
 
 DEFAULT_STEPS = 10
 _KINDS = {"TrainStep": "oomguard.metrics.train_step", "MetricTrial": "oomguard.metrics.workload"}
@@ -92,7 +92,7 @@ def _line(check: dict[str, Any], label: str) -> str:
     head = f"verify: {check['steps']} steps at {label} {check['size']}"
     if not check["ok"]:
         return f"{head}: OUT OF MEMORY ({error_text(check['error'])[:120]})"
-    from oomguard.engine.core.fit import peaks_spread
+    from oomguard.engine.core.search.fit import peaks_spread
 
     peaks = check["step_peaks"]
     spread = peaks_spread(peaks) or 0.0  # one step: no spread to show
@@ -102,9 +102,9 @@ def _line(check: dict[str, Any], label: str) -> str:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from oomguard.engine.cli.devices import resolve_device
-    from oomguard.engine.core.atomic import atomic_write_json
-    from oomguard.engine.core.jsonable import json_text
-    from oomguard.engine.core.search import verify
+    from oomguard.engine.core.search.search import verify
+    from oomguard.engine.util.atomic import atomic_write_json
+    from oomguard.engine.util.jsonable import json_text
 
     file, doc = read_report(args.report)
     result = doc["result"]

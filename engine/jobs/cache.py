@@ -58,10 +58,10 @@ from typing import Any
 from filelock import FileLock, Timeout
 from platformdirs import user_cache_dir
 
-from oomguard.engine.core.atomic import atomic_write_json, unused_path
-from oomguard.engine.core.jsonable import stable_hash
 from oomguard.engine.errors import CacheError, UsageError, check_positive_int
 from oomguard.engine.jobs.records import now_iso
+from oomguard.engine.util.atomic import atomic_write_json, unused_path
+from oomguard.engine.util.jsonable import stable_hash
 
 log = logging.getLogger("oomguard.cache")
 

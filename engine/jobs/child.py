@@ -13,7 +13,7 @@ OOM of the run is in the result's ``oom_events`` (memory measured at the OOM;
 with ``snapshot_on_oom``, an allocator snapshot in ``snapshots/`` on CUDA).
 
 With a remedy ladder (``on_oom``) the executor goes on past the minimum
-(:mod:`~oomguard.engine.core.remedies`): :class:`_Work` lowers the model's precision
+(:mod:`~oomguard.engine.core.execute.remedies`): :class:`_Work` lowers the model's precision
 or moves model and data to the CPU. When the ladder needs a fresh process
 (``expandable_segments``, or memory that did not come back after an OOM), this process
 sends the runner a *handoff* (the ladder, the sizes, what ran so far) and ends without
@@ -36,22 +36,22 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.atomic import atomic_write, atomic_write_json
-from oomguard.engine.core.budget import budget
-from oomguard.engine.core.executor import Executor
-from oomguard.engine.core.forensics import start_history
-from oomguard.engine.core.heap import return_freed_memory_to_os
-from oomguard.engine.core.jsonable import to_jsonable
-from oomguard.engine.core.oom import release_memory
-from oomguard.engine.core.remedies import Ladder, apply_env
-from oomguard.engine.core.search import search
-from oomguard.engine.core.strategies import E10, Guided
+from oomguard.engine.core.execute.executor import Executor
+from oomguard.engine.core.execute.remedies import Ladder, apply_env
+from oomguard.engine.core.memory.budget import budget
+from oomguard.engine.core.memory.forensics import start_history
+from oomguard.engine.core.memory.heap import return_freed_memory_to_os
+from oomguard.engine.core.memory.oom import release_memory
+from oomguard.engine.core.search.search import search
+from oomguard.engine.core.search.strategies import E10, Guided
 from oomguard.engine.errors import ExecutionFailed, NoSizeFits, RestartNeeded, TrialFailed
 from oomguard.engine.jobs.cache import SizeCache, entry_key
 from oomguard.engine.jobs.data import load_data
 from oomguard.engine.jobs.journal import Journal
 from oomguard.engine.jobs.records import OK, Context, Task, TaskResult, now_iso
 from oomguard.engine.jobs.spec import import_plugin
+from oomguard.engine.util.atomic import atomic_write, atomic_write_json
+from oomguard.engine.util.jsonable import to_jsonable
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import build_model
 from oomguard.metrics.workload import SAMPLE_KNOBS, in_units, in_whole_units, snap_to_unit
@@ -290,7 +290,7 @@ def _split_tensors(value: Any, prefix: str, big: dict[str, Any]) -> None:
 
 class _Work:
     """The task's metric as the executor calls it, and what remedies change in it
-    (:mod:`~oomguard.engine.core.remedies`): :meth:`at_precision` casts the model in
+    (:mod:`~oomguard.engine.core.execute.remedies`): :meth:`at_precision` casts the model in
     place; :meth:`on_device` builds model and data again there, at the job's dtype.
     ``meter`` measures the peak of the device the metric runs on."""
 

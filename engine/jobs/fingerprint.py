@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.core.atomic import atomic_write_json
 from oomguard.engine.jobs.records import Job, MetricSpec
+from oomguard.engine.util.atomic import atomic_write_json
 from oomguard.metrics.models import config_fingerprint
 from oomguard.reports.json_report import oomguard_version
 

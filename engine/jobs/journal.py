@@ -9,9 +9,9 @@ parent and its metric children): ``O_APPEND`` puts every record at the end.
 
 A ``kill -9`` in the middle of a write can leave a torn last line;
 :func:`replay` skips lines that do not parse, with a warning, so a journal is
-always readable. Every line is one :func:`~oomguard.engine.core.jsonable.json_text`
+always readable. Every line is one :func:`~oomguard.engine.util.jsonable.json_text`
 of its record (the one JSON sanitiser); whole files are written with
-:func:`~oomguard.engine.core.atomic.atomic_write`.
+:func:`~oomguard.engine.util.atomic.atomic_write`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.core.jsonable import json_text
 from oomguard.engine.jobs.records import now_iso
+from oomguard.engine.util.jsonable import json_text
 
 __all__ = ["Journal", "count_events", "last_events", "now_iso", "replay"]
 

@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from oomguard.engine.core.atomic import unused_path
 from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.fingerprint import describe_changes
 from oomguard.engine.jobs.records import Job, Task, TaskResult
+from oomguard.engine.util.atomic import unused_path
 
 log = logging.getLogger("oomguard.job")
 

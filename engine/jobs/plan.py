@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.jsonable import stable_hash
-from oomguard.engine.core.units import fmt_bytes
 from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.fingerprint import Digests, model_inputs, task_inputs
 from oomguard.engine.jobs.records import Job, Task
 from oomguard.engine.jobs.spec import model_label
+from oomguard.engine.util.jsonable import stable_hash
+from oomguard.engine.util.units import fmt_bytes
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import model_config
 from oomguard.probes import nvml, probe

@@ -33,7 +33,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.core.atomic import atomic_write
 from oomguard.engine.errors import JobError, UsageError
 from oomguard.engine.jobs.cache import default_cache_path
 from oomguard.engine.jobs.journal import Journal
@@ -41,6 +40,7 @@ from oomguard.engine.jobs.ray_hub import DIED, DONE, RUNNING, Hub
 from oomguard.engine.jobs.ray_task import run_on_worker
 from oomguard.engine.jobs.records import Context, Job, Task, TaskResult
 from oomguard.engine.jobs.task_process import record_failure
+from oomguard.engine.util.atomic import atomic_write
 
 log = logging.getLogger("oomguard.job")
 

@@ -34,13 +34,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.core.atomic import atomic_write_json
 from oomguard.engine.jobs.cache import VERSION, SizeCache, device_key, entry_key
 from oomguard.engine.jobs.journal import Journal, replay
 from oomguard.engine.jobs.plan import child_start_method, device_identity
 from oomguard.engine.jobs.records import Context, Task
 from oomguard.engine.jobs.spec import import_plugin
 from oomguard.engine.jobs.task_process import run_task
+from oomguard.engine.util.atomic import atomic_write_json
 from oomguard.metrics.base import get_metric
 
 WATCH_S = 0.25  # how often the task's journal is read for the sizes it runs at

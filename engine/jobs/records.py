@@ -61,7 +61,7 @@ class MetricSpec:
     params: dict[str, Any] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     time_limit: float = 1200.0
-    on_oom: tuple[str, ...] | None = None  # None: the job's (engine/core/remedies.py)
+    on_oom: tuple[str, ...] | None = None  # None: the job's (engine/core/execute/remedies.py)
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class TaskResult:
     run (ok) or the time until it failed; ``total_seconds`` adds model build,
     warm-up and search. ``sizes`` says where the sizes came from and every
     attempt; ``search`` the search that ran, if any. ``oom_events`` has one
-    :meth:`~oomguard.engine.core.forensics.OomEvent.to_dict` per OOM of the run (sizes,
+    :meth:`~oomguard.engine.core.memory.forensics.OomEvent.to_dict` per OOM of the run (sizes,
     memory measured at the OOM, what was done): ``[]`` for a run without one, None where
     nothing was recorded (the run never started, or a file written before this field,
     which still loads). ``inputs`` records what

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.core.isolate import start_forkserver, workload_preload
-from oomguard.engine.core.search import SearchConfig, SearchResult, search
+from oomguard.engine.core.search.isolate import start_forkserver, workload_preload
+from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
 from oomguard.engine.errors import JobError, NoSizeFits, TrialFailed
 from oomguard.engine.jobs.cache import SizeCache, entry_key
 from oomguard.engine.jobs.plan import device_identity, plan

@@ -1,8 +1,8 @@
 """An estimated quick reference: per metric and memory knob, the largest size whose
 *estimated* peak fits a given memory with a margin, with no device and no weights.
 
-Every figure here is an estimate (:data:`~oomguard.engine.core.estimate.LABEL`), made with
-:func:`~oomguard.engine.core.estimate.estimate` (fake tensors): never a measurement, and
+Every figure here is an estimate (:data:`~oomguard.engine.core.estimate.estimate.LABEL`), made with
+:func:`~oomguard.engine.core.estimate.estimate.estimate` (fake tensors): never a measurement, and
 written apart from a measured reference (``estimate-reference.*``, ``"source": "estimated"``).
 
 What makes it fast (a 32-layer 7B LLaMA's ``loss`` at two sizes took 25 s at full depth;
@@ -13,9 +13,9 @@ every metric of it now takes about 3 minutes on 2 cores; docs/measurements.md#es
   holds is a base plus per-layer parts (weights, gradients, stored activations) plus, for
   CKA, a part per pair of layers (its cross-layer Gram matrix).
 - **Repeats**: what a metric repeats identically runs once
-  (:func:`~oomguard.engine.core.estimate.shortcut`), and one warmed-up fake model per depth
+  (:func:`~oomguard.engine.core.estimate.estimate.shortcut`), and one warmed-up fake model per depth
   serves every size a knob's search asks for
-  (:class:`~oomguard.engine.core.estimate.EstimateSession`).
+  (:class:`~oomguard.engine.core.estimate.estimate.EstimateSession`).
 - **Size**: the knob's largest useful size first, then 1, then the size where the
   line through the two nearest known points meets the memory (and the one above it),
   until the largest fitting size and the smallest one that does not are adjacent or the
@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from oomguard.engine.core.estimate import LABEL, EstimateSession
+from oomguard.engine.core.estimate.estimate import LABEL, EstimateSession
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import get_metric, load_all
 from oomguard.metrics.models import BUILTIN_CONFIGS, model_config

@@ -7,7 +7,7 @@ this process already ran OpenMP code, which a plain ``fork`` is not:
 docs/measurements.md#fork-after-openmp). The child builds the model,
 loads the data, warms up, picks the sizes (size cache, else a bounded search,
 else the metric's defaults; ``sizes`` pinned in the job file win), applies the
-job's budget, runs the metric through the :class:`~oomguard.engine.core.executor.Executor`
+job's budget, runs the metric through the :class:`~oomguard.engine.core.execute.executor.Executor`
 (retry at half on OOM), and writes ``results/<task>.json`` atomically.
 
 Why a child: the **time limit** really stops a metric (the parent kills the
@@ -58,7 +58,6 @@ from typing import Any
 from filelock import FileLock, Timeout
 from tqdm import tqdm
 
-from oomguard.engine.core.atomic import atomic_write, atomic_write_json
 from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.fingerprint import Digests
 from oomguard.engine.jobs.journal import Journal
@@ -82,6 +81,7 @@ from oomguard.engine.jobs.records import (
     now_iso,
 )
 from oomguard.engine.jobs.task_process import run_task
+from oomguard.engine.util.atomic import atomic_write, atomic_write_json
 from oomguard.reports.job_report import ReportInterrupted, write_job_report
 
 log = logging.getLogger("oomguard.job")

@@ -27,13 +27,13 @@ if sys.version_info >= (3, 11):  # why: module level, by Python version (tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from oomguard.engine.core.budget import MIN_CPU_BUDGET
-from oomguard.engine.core.remedies import parse_on_oom
-from oomguard.engine.core.units import fmt_bytes, parse_size
+from oomguard.engine.core.execute.remedies import parse_on_oom
+from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET
 from oomguard.engine.errors import JobError, UsageError
 from oomguard.engine.jobs.data import check_data
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec
+from oomguard.engine.util.units import fmt_bytes, parse_size
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import DTYPES, check_seq_len, model_config
 

@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.core.atomic import atomic_write, atomic_write_json
-from oomguard.engine.core.isolate import forkserver_context
+from oomguard.engine.core.search.isolate import forkserver_context
 from oomguard.engine.jobs.child import child_main
 from oomguard.engine.jobs.journal import Journal
 from oomguard.engine.jobs.output import read_result
 from oomguard.engine.jobs.plan import preload_modules, received, stop_child
 from oomguard.engine.jobs.records import Context, Task, TaskResult
+from oomguard.engine.util.atomic import atomic_write, atomic_write_json
 
 log = logging.getLogger("oomguard.job")
 

@@ -241,7 +241,7 @@ def run(os_name: str, proc_root: str, bin_dir: str | None = None) -> dict:
 
     from oomguard import search
     from oomguard.engine.cli.devices import budget_free_limit, default_budget
-    from oomguard.engine.core.strategies import Doubling
+    from oomguard.engine.core.search.strategies import Doubling
 
     result = search(lambda n: torch.ones(n, 1024, 1024).sum().item(),
                     strategy=Doubling(start=1), max_size=8,

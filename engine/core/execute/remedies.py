@@ -42,10 +42,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from oomguard.engine.core.controller import RunRecord
-from oomguard.engine.core.forensics import resolve_device
-from oomguard.engine.core.heap import free_heap_bytes
-from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.core.execute.controller import RunRecord
+from oomguard.engine.core.memory.forensics import resolve_device
+from oomguard.engine.core.memory.heap import free_heap_bytes
 from oomguard.engine.errors import (
     NoExecutableBatchSize,
     NoProgress,
@@ -53,6 +52,7 @@ from oomguard.engine.errors import (
     UsageError,
     format_sizes,
 )
+from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
 from oomguard.probes.peak import cuda_async_backend
 
@@ -172,7 +172,7 @@ def _restart(name: str, record: RunRecord, ladder: Ladder, why: str, shown: str)
 def live_bytes(device: Any) -> tuple[int | None, str]:
     """Bytes this process has in use on ``device`` now (measured), and how: CPU ``VmData``
     minus glibc's free heap chunks (reusable, so not lost); CUDA ``memory_allocated``
-    (after :func:`~oomguard.engine.core.oom.release_memory` emptied the cache). None where
+    (after :func:`~oomguard.engine.core.memory.oom.release_memory` emptied the cache). None where
     it cannot be read (no procfs; MPS). ``device`` None: as :func:`device_kind` says."""
     dev = resolve_device(device)
     if dev.type == "cuda":
@@ -191,7 +191,7 @@ def live_bytes(device: Any) -> tuple[int | None, str]:
 
 def device_kind(device: Any) -> str:
     """``cuda``, ``cpu``, ``mps``: None means CUDA where this process has a context, else CPU
-    (:func:`~oomguard.engine.core.forensics.resolve_device`)."""
+    (:func:`~oomguard.engine.core.memory.forensics.resolve_device`)."""
     return resolve_device(device).type
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from oomguard.engine.core.trial import Trial
+from oomguard.engine.core.search.trial import Trial
 
 DEFAULT_MARGIN = 0.15  # the E10 report's production advice: ~85% utilisation
 MEASURED = "measured"  # SearchConfig.margin: derive the margin from the trials' step peaks

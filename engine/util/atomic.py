@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.core.jsonable import json_text
+from oomguard.engine.util.jsonable import json_text
 
 Content = bytes | str | Callable[[Path], Any]
 

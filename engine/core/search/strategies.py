@@ -3,7 +3,7 @@
 A strategy sees the trials so far and returns the next size, or ``None`` when
 it is done. It never decides the answer: the search returns the largest size
 that actually ran. Composable like tenacity's stop/wait objects: pass one to
-:func:`oomguard.engine.core.search.search` as ``strategy=``.
+:func:`oomguard.engine.core.search.search.search` as ``strategy=``.
 
 Every strategy brackets the maximum between the largest size that fitted and
 the smallest larger size that ran out of memory, and bisects that bracket
@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from oomguard.engine.core.fit import fit_line, peak_model
-from oomguard.engine.core.trial import Trial
+from oomguard.engine.core.search.fit import fit_line, peak_model
+from oomguard.engine.core.search.trial import Trial
 from oomguard.engine.errors import UsageError, check_positive_int
 
 

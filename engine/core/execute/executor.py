@@ -1,19 +1,19 @@
 """The executor: run a workload at its sizes; on OOM retry at half, never lose the run.
 
 Each call goes through the one size controller
-(:class:`~oomguard.engine.core.controller.SizeController`): a retry policy
-(:class:`~oomguard.engine.core.retry.Halve` by default,
-:class:`~oomguard.engine.core.retry.ReduceWith` for any other rule) says what
+(:class:`~oomguard.engine.core.execute.controller.SizeController`): a retry policy
+(:class:`~oomguard.engine.core.execute.retry.Halve` by default,
+:class:`~oomguard.engine.core.execute.retry.ReduceWith` for any other rule) says what
 the next sizes are, and tenacity's retry loop stops when the policy has nothing
 smaller to offer. Only out-of-memory errors are retried; any other error
 propagates at once, untouched. The OOM's exception and traceback are dropped
 *before* memory is released, so the failed attempt's tensors are really freed
 between attempts. Each OOM is recorded in the run's :class:`RunRecord`
 (``events``), with memory as the allocator and the host saw it at the OOM
-(:mod:`~oomguard.engine.core.forensics`). With ``on_oom`` the executor goes on past the
+(:mod:`~oomguard.engine.core.memory.forensics`). With ``on_oom`` the executor goes on past the
 minimum through a ladder of remedies (lower precision, a fresh process with expandable
 segments, the CPU), checking between attempts that memory came back
-(:mod:`~oomguard.engine.core.remedies`).
+(:mod:`~oomguard.engine.core.execute.remedies`).
 """
 
 from __future__ import annotations
@@ -26,22 +26,22 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.controller import (
+from oomguard.engine.core.execute.controller import (
     RunRecord,
     SizeAgreement,
     SizeController,
     SizeMemory,
 )
-from oomguard.engine.core.forensics import start_history
-from oomguard.engine.core.remedies import Ladder, parse_on_oom, run_ladder
-from oomguard.engine.core.retry import Halve, ReduceWith, RetryPolicy, Sizes
-from oomguard.engine.core.weakmap import WeakIdMap
+from oomguard.engine.core.execute.remedies import Ladder, parse_on_oom, run_ladder
+from oomguard.engine.core.execute.retry import Halve, ReduceWith, RetryPolicy, Sizes
+from oomguard.engine.core.memory.forensics import start_history
 from oomguard.engine.errors import (
     ExecutionFailed,
     NoExecutableBatchSize,
     UsageError,
     check_positive_int,
 )
+from oomguard.engine.util.weakmap import WeakIdMap
 
 __all__ = ["ExecutionFailed", "Executor", "Halve", "NoExecutableBatchSize", "ReduceWith",
            "RetryPolicy", "RunRecord", "Sizes"]
@@ -64,9 +64,9 @@ class Executor:
     process). On another device the events say why there is none.
 
     ``on_oom`` (default None: retry at half only, as always) is a remedy ladder such as
-    ``["halve", "bfloat16", "cpu"]`` (:func:`~oomguard.engine.core.remedies.parse_on_oom`):
+    ``["halve", "bfloat16", "cpu"]`` (:func:`~oomguard.engine.core.execute.remedies.parse_on_oom`):
     after the minimum it tries each remedy in turn, and ``ladder`` holds what the last
-    run's did (:class:`~oomguard.engine.core.remedies.Ladder`). A lower precision needs a
+    run's did (:class:`~oomguard.engine.core.execute.remedies.Ladder`). A lower precision needs a
     workload that declares ``tolerates_lower_precision = True`` and has
     ``at_precision(dtype)``; ``cpu`` needs ``on_device(device)``; both return the workload
     to call. ``fresh_process``: the caller can restart the run in a fresh process (a job's

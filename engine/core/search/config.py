@@ -1,7 +1,7 @@
 """How a search runs: :class:`SearchConfig`, every option checked before any trial.
 
 :func:`resolve` merges a config, keyword options and the ``start``/``step``
-shorthand of :func:`~oomguard.engine.core.search.search` into the one config
+shorthand of :func:`~oomguard.engine.core.search.search.search` into the one config
 that runs.
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.fit import DEFAULT_MARGIN, MEASURED
-from oomguard.engine.core.ramguard import RamGuard
-from oomguard.engine.core.strategies import E10, Guided, Strategy, strategy_params
+from oomguard.engine.core.memory.ramguard import RamGuard
+from oomguard.engine.core.search.fit import DEFAULT_MARGIN, MEASURED
+from oomguard.engine.core.search.strategies import E10, Guided, Strategy, strategy_params
 from oomguard.engine.errors import UsageError, check_positive_int
 
 
@@ -35,11 +35,11 @@ class SearchConfig:
     in-process answer): the fresh-process maximum at close to in-process cost;
     ``margin`` is the fraction of capacity the recommended size keeps free, or
     ``"measured"`` to derive it from the spread of peaks across each trial's steps
-    (:func:`~oomguard.engine.core.fit.choose_margin`; the report names the margin used);
+    (:func:`~oomguard.engine.core.search.fit.choose_margin`; the report names the margin used);
     ``capacity_bytes`` is what the recommendation scales against (None: the
     budget, else the free memory probed before the search). ``ram_guard``
     bounds CPU trials that run without a budget by an estimated limit
-    (:class:`~oomguard.engine.core.ramguard.RamGuard`): None (default) guards
+    (:class:`~oomguard.engine.core.memory.ramguard.RamGuard`): None (default) guards
     CPU searches without a budget at 80% of the RAM available after the
     warm-up, True always, False never; or give a ``RamGuard``. ``trial_timeout``
     bounds each isolated trial in seconds (finite, > 0): a child still running

@@ -3,7 +3,7 @@
 A trial records whether it fitted (``ok``) or ran out of memory (``oom``),
 the measured peak bytes above the pre-trial baseline, the wall seconds, and
 the value the workload returned (as plain JSON types, through
-:func:`~oomguard.engine.core.jsonable.to_jsonable`). An error that is not an
+:func:`~oomguard.engine.util.jsonable.to_jsonable`). An error that is not an
 OOM is not a trial outcome: it propagates.
 
 A trial may run several steps (``steps``): a training workload's first step
@@ -24,7 +24,7 @@ real run holds), and calls the workload with it as a keyword argument::
 
 so a search never passes a size on a lucky batch of short samples. A workload
 without ``worst_case_batch`` is called ``fn(size)``, as before; the executor's
-real run (:mod:`~oomguard.engine.core.executor`) always calls ``fn(size)``.
+real run (:mod:`~oomguard.engine.core.execute.executor`) always calls ``fn(size)``.
 :attr:`Trial.worst_case` records which of the two a trial ran.
 """
 
@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from oomguard.engine.core.budget import active_budget, headroom_bytes, tighten_active_budget
-from oomguard.engine.core.jsonable import to_jsonable
-from oomguard.engine.core.oom import OOM, call_catching_oom, release_memory
+from oomguard.engine.core.memory.budget import active_budget, headroom_bytes, tighten_active_budget
+from oomguard.engine.core.memory.oom import OOM, call_catching_oom, release_memory
 from oomguard.engine.errors import UsageError
+from oomguard.engine.util.jsonable import to_jsonable
 from oomguard.probes.peak import PeakMeter
 
 if TYPE_CHECKING:
-    from oomguard.engine.core.ramguard import RamGuard
+    from oomguard.engine.core.memory.ramguard import RamGuard
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Trial:
     device counts); it is None for an OOM, whose peak is unknown.
     ``mode`` is ``"in-process"`` or ``"isolated"`` (a fresh child process).
     ``guarded``: the outcome is the RAM guard's verdict against an estimated limit
-    (:mod:`~oomguard.engine.core.ramguard`), not an allocation that failed; its
+    (:mod:`~oomguard.engine.core.memory.ramguard`), not an allocation that failed; its
     ``peak_bytes`` is then the peak measured until it was stopped, or None for a
     size that did not run because its predicted peak was over the limit.
     ``steps``: calls of the workload in the trial; ``step_peaks`` the peak of

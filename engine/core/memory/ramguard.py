@@ -31,14 +31,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from oomguard.engine.core.fit import peak_model
-from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.core.search.fit import peak_model
 from oomguard.engine.errors import RamLimitReached, UsageError
+from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
 from oomguard.probes.sampler import Sampler
 
 if TYPE_CHECKING:
-    from oomguard.engine.core.trial import Trial
+    from oomguard.engine.core.search.trial import Trial
 
 # Of the RAM available after the warm-up, what a trial may add: the rest is left to the
 # OS and other processes (macOS compresses and Linux reclaims file cache before either
@@ -106,7 +106,7 @@ class RamGuard:
 
     def refuse(self, trials: Sequence[Trial], size: int) -> str | None:
         """Why ``size`` must not run (its peak, predicted from the measured peaks of
-        ``trials`` by :func:`~oomguard.engine.core.fit.peak_model`, is past the limit),
+        ``trials`` by :func:`~oomguard.engine.core.search.fit.peak_model`, is past the limit),
         or None (also before any peak was measured)."""
         model = peak_model([(t.size, t.peak_bytes) for t in trials
                             if t.ok and t.peak_bytes is not None])

@@ -1,10 +1,10 @@
 """Memory forensics at an out-of-memory error: the allocator's and the host's view.
 
 Every OOM the size controller catches for a caller keeping a
-:class:`~oomguard.engine.core.controller.RunRecord` (the executor, so every job metric)
+:class:`~oomguard.engine.core.execute.controller.RunRecord` (the executor, so every job metric)
 becomes an :class:`OomEvent`. :class:`OomWatch` measures it *inside* the ``except``
 block, while the failed attempt's tensors are alive and before
-:func:`~oomguard.engine.core.oom.call_catching_oom` collects garbage and empties the
+:func:`~oomguard.engine.core.memory.oom.call_catching_oom` collects garbage and empties the
 cache for the retry: afterwards the figures would describe the cleaned-up state.
 
 - Host, any device: ``VmData``, resident bytes (``VmRSS`` on Linux), glibc's free heap
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core import heap
-from oomguard.engine.core.atomic import atomic_write
-from oomguard.engine.core.budget import active_budget, current_fraction, headroom_bytes
+from oomguard.engine.core.memory import heap
+from oomguard.engine.core.memory.budget import active_budget, current_fraction, headroom_bytes
+from oomguard.engine.util.atomic import atomic_write
 from oomguard.probes import host
 from oomguard.probes.peak import cuda_async_backend
 

@@ -1,7 +1,7 @@
 """How the parent reads an isolated child's death: out of memory, or a crash.
 
 A child that dies after it started is an OOM only with evidence (the module
-docstring of :mod:`oomguard.engine.core.isolate` lists the kinds): an allocation
+docstring of :mod:`oomguard.engine.core.search.isolate` lists the kinds): an allocation
 failure reported on its stderr, SIGKILL under a memory limit, or, under a CPU
 budget, death by a signal after its data segment came close to the limit.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 
-from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
 from oomguard.probes.peak import DATA_INTERVAL_S
 

@@ -3,12 +3,12 @@
 :class:`SizeController` runs ``attempt(sizes)``; on OOM it asks its retry
 policy for smaller sizes and runs again, down to the minimums, then raises
 :class:`~oomguard.engine.errors.NoExecutableBatchSize`. The
-:class:`~oomguard.engine.core.executor.Executor`, ``@adaptive``,
+:class:`~oomguard.engine.core.execute.executor.Executor`, ``@adaptive``,
 ``find_executable_batch_size`` and ``accumulate`` all go through
 :meth:`SizeController.run`. It is composed of small objects, like tenacity's
 ``stop``/``wait``/``retry``:
 
-- a :class:`~oomguard.engine.core.retry.RetryPolicy` says the next sizes after an OOM;
+- a :class:`~oomguard.engine.core.execute.retry.RetryPolicy` says the next sizes after an OOM;
 - a :class:`SizeAgreement` makes several processes take the same decision
   (:class:`NoAgreement`, the default, is a single process; the training layer
   plugs in one ``all_reduce`` per attempt under ``torch.distributed``);
@@ -18,12 +18,12 @@ policy for smaller sizes and runs again, down to the minimums, then raises
   keeps it (a decorated function, an executor, a weak map keyed by a model)
   decides how long it lives.
 
-Hot path: the first attempt is a plain :func:`~oomguard.engine.core.oom.call_catching_oom`
+Hot path: the first attempt is a plain :func:`~oomguard.engine.core.memory.oom.call_catching_oom`
 (about a microsecond); tenacity's ``Retrying`` is built only after a first
 OOM. Every change of size is logged (WARNING when it shrinks, INFO otherwise)
-and counted in the memory's :class:`~oomguard.engine.core.sizestats.SizeStats`.
+and counted in the memory's :class:`~oomguard.engine.core.execute.stats.SizeStats`.
 A caller that keeps a :class:`RunRecord` (the executor) also gets an
-:class:`~oomguard.engine.core.forensics.OomEvent` per OOM, measured before the
+:class:`~oomguard.engine.core.memory.forensics.OomEvent` per OOM, measured before the
 memory of the failed attempt is released.
 """
 
@@ -38,10 +38,10 @@ from typing import Any, Protocol, TypeVar
 
 from tenacity import RetryCallState, Retrying, retry_if_result, wait_none
 
-from oomguard.engine.core.forensics import OomEvent, OomWatch
-from oomguard.engine.core.oom import OOM, call_catching_oom
-from oomguard.engine.core.retry import Halve, RetryPolicy, Sizes
-from oomguard.engine.core.sizestats import SizeChange, SizeStats
+from oomguard.engine.core.execute.retry import Halve, RetryPolicy, Sizes
+from oomguard.engine.core.execute.stats import SizeChange, SizeStats
+from oomguard.engine.core.memory.forensics import OomEvent, OomWatch
+from oomguard.engine.core.memory.oom import OOM, call_catching_oom
 from oomguard.engine.errors import (
     NoExecutableBatchSize,
     UsageError,
@@ -89,7 +89,7 @@ NO_AGREEMENT = NoAgreement()
 @dataclass
 class RunRecord:
     """What one run did: the sizes of each attempt, each OOM's message, the sizes that worked,
-    and ``events``: one :class:`~oomguard.engine.core.forensics.OomEvent` per OOM of this
+    and ``events``: one :class:`~oomguard.engine.core.memory.forensics.OomEvent` per OOM of this
     process (sizes, memory measured at the OOM, what was done about it)."""
 
     workload: str
@@ -161,7 +161,7 @@ class SizeController:
 
     ``memory`` is the :class:`SizeMemory` to use (shared by controllers that
     run the same workload) or the start sizes for a new one. On OOM the next
-    sizes come from ``policy`` (default :class:`~oomguard.engine.core.retry.Halve`)
+    sizes come from ``policy`` (default :class:`~oomguard.engine.core.execute.retry.Halve`)
     down to ``minimum`` (per knob, default 1); after an OOM at sizes reached by
     growing, it falls back to the last sizes that worked. ``grow_after``
     (off by default, for bit-for-bit reproducible runs) tries larger sizes
@@ -172,7 +172,7 @@ class SizeController:
     :class:`~oomguard.engine.errors.NoExecutableBatchSize` (its ``tried``,
     ``errors`` and ``detail`` still say what ran). Size changes go to
     ``logger``. ``snapshot_dir``: where a run with a record writes a CUDA allocator
-    snapshot at each OOM (after :func:`~oomguard.engine.core.forensics.start_history`).
+    snapshot at each OOM (after :func:`~oomguard.engine.core.memory.forensics.start_history`).
     """
 
     def __init__(self, name: str, memory: SizeMemory | Start, *,

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from oomguard.engine.core.heap import free_heap_bytes, return_freed_memory_to_os
-from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.core.memory.heap import free_heap_bytes, return_freed_memory_to_os
 from oomguard.engine.errors import BudgetError
+from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
 from oomguard.probes.peak import held_bytes as gpu_held_bytes
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from oomguard.engine.core.budget import active_budget
+from oomguard.engine.core.memory.budget import active_budget
 from oomguard.probes import host
 
 

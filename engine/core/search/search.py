@@ -1,7 +1,7 @@
 """Batch-size search: find the largest size that runs, by running it.
 
 ``search(fn, ...)`` calls ``fn(size)`` at sizes a :mod:`strategy
-<oomguard.engine.core.strategies>` proposes (Guided by default) until the bracket
+<oomguard.engine.core.search.strategies>` proposes (Guided by default) until the bracket
 between the largest fit and the smallest OOM is closed. It returns only sizes
 that actually ran and always terminates (``max_size``, ``max_trials``,
 ``max_seconds``). A search that ends without an answer raises a
@@ -30,18 +30,24 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.budget import budget as memory_budget
-from oomguard.engine.core.budget import check_budget
-from oomguard.engine.core.fit import LinearFit, Recommendation, choose_margin, fit_line, recommend
-from oomguard.engine.core.heap import return_freed_memory_to_os
-from oomguard.engine.core.isolate import IsolatedRunner
-from oomguard.engine.core.oom import gc_frozen
-from oomguard.engine.core.ramguard import RamGuard
-from oomguard.engine.core.search_config import SearchConfig, resolve
-from oomguard.engine.core.strategies import Confirm, Strategy, bracket
-from oomguard.engine.core.trial import Trial, run_trial
-from oomguard.engine.core.units import fmt_bytes
+from oomguard.engine.core.memory.budget import budget as memory_budget
+from oomguard.engine.core.memory.budget import check_budget
+from oomguard.engine.core.memory.heap import return_freed_memory_to_os
+from oomguard.engine.core.memory.oom import gc_frozen
+from oomguard.engine.core.memory.ramguard import RamGuard
+from oomguard.engine.core.search.config import SearchConfig, resolve
+from oomguard.engine.core.search.fit import (
+    LinearFit,
+    Recommendation,
+    choose_margin,
+    fit_line,
+    recommend,
+)
+from oomguard.engine.core.search.isolate import IsolatedRunner
+from oomguard.engine.core.search.strategies import Confirm, Strategy, bracket
+from oomguard.engine.core.search.trial import Trial, run_trial
 from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError, check_positive_int
+from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import probe
 
 log = logging.getLogger("oomguard.search")

@@ -5,7 +5,7 @@
 estimated on a laptop for a GPU it does not have), and a dispatch mode counts the bytes of
 every tensor storage the work creates and frees (MemTracker's bookkeeping). The estimate is
 the highest count above what existed before the size ran: what a trial measures above the
-warmed-up process (:func:`~oomguard.engine.core.trial.run_trial`). An operation on real
+warmed-up process (:func:`~oomguard.engine.core.search.trial.run_trial`). An operation on real
 inputs only (token ids, masks) runs for real when its outputs are small (:data:`REAL_LIMIT`,
 :data:`REAL_FLOAT_LIMIT`), so control flow follows the data; a Python number read from a
 fake tensor (``float(loss)``) reads as 1, and the notes count them. A workload takes part
@@ -14,7 +14,7 @@ as ``fn.estimate_peak(size, device) -> int`` (its own estimate, bytes); as
 :func:`fake_module` (no weights) and whose ``copy(size)`` runs the work; or as it is.
 
 Matrix-multiply workspace (CPU) is measured, not predicted: the distinct matrix multiplies
-the fake run made are replayed on this host (:mod:`oomguard.engine.core.workspace`).
+the fake run made are replayed on this host (:mod:`oomguard.engine.core.estimate.workspace`).
 Only the target device's memory counts: for a cuda estimate, what a workload keeps on the
 host (a Lanczos basis) does not. Workloads put such bookkeeping on :func:`host_device`,
 which is ``cpu`` except while an estimate for cuda runs on a torch build without CUDA
@@ -42,7 +42,7 @@ from torch._subclasses import fake_tensor as ft  # imported by torch itself: fre
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from oomguard.engine.core.workspace import GEMMS, SLOW_DTYPE, add_workspace
+from oomguard.engine.core.estimate.workspace import GEMMS, SLOW_DTYPE, add_workspace
 from oomguard.engine.errors import UsageError, check_positive_int
 
 # Outputs of an operation on real inputs that are computed for real (see the module

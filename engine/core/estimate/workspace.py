@@ -2,7 +2,7 @@
 
 The BLAS library packs a matrix multiply's operands into buffers it allocates at its first
 call of a kind and keeps for the life of the process. An estimate
-(:func:`oomguard.engine.core.estimate.estimate`) records the distinct matrix multiplies its
+(:func:`oomguard.engine.core.estimate.estimate.estimate`) records the distinct matrix multiplies its
 fake run made (the warm-up's, then the size's); :func:`add_workspace` replays them on zero
 tensors in an isolated child with this process's threads and counts the resident bytes each
 keeps from its first call on: what they add to the peak. That is a size's cost after the
@@ -24,7 +24,7 @@ import torch
 from oomguard.engine.errors import IsolationError
 
 if TYPE_CHECKING:  # estimate.py imports this module: no cycle at run time
-    from oomguard.engine.core.estimate import Estimate
+    from oomguard.engine.core.estimate.estimate import Estimate
 
 # Matrix multiplies whose workspace is measured (what matmul, linear and eager attention
 # dispatch to), replayed only while none moves over REPLAY_LIMIT bytes and all take at most
@@ -74,7 +74,7 @@ def add_workspace(e: Estimate, fn: Any, warm: dict[tuple, tuple[int, int]],
     """Raise ``e`` by the workspace ``run``'s matrix multiplies keep on this host after
     ``warm``'s, measured in an isolated child, or note why not. Each one's buffers exist from
     its first call on: the peak is the highest ``segments[k]`` plus the first k's."""
-    from oomguard.engine.core.isolate import IsolatedRunner
+    from oomguard.engine.core.search.isolate import IsolatedRunner
 
     start, calls = time.perf_counter(), [*run.values(), *warm.values()]
     why, threads = None, torch.get_num_threads()

@@ -16,7 +16,7 @@ keep every object inherited from the forkserver out of the child's collections
 (docs/measurements.md#return-freed-memory), before anything else allocates, so the
 warm-up leaves no free heap for the budget to miss; send fd 2 to a temporary file;
 unpickle the workload; ``warmup()``; the budget (if any); one trial; send the
-:class:`~oomguard.engine.core.trial.Trial` back.
+:class:`~oomguard.engine.core.search.trial.Trial` back.
 
 How the parent reads a child's end:
 
@@ -32,7 +32,7 @@ How the parent reads a child's end:
   memory limit), or death by a signal after the child's data segment, sampled
   from here while it runs under a CPU budget, came close to the limit (native
   code that does not check ``malloc`` segfaults there;
-  :mod:`~oomguard.engine.core.child_death`). Otherwise :class:`ChildCrashed`.
+  :mod:`~oomguard.engine.core.child`). Otherwise :class:`ChildCrashed`.
 
 The child's stderr is copied to this process's stderr after each trial.
 """
@@ -56,16 +56,16 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.budget import budget
-from oomguard.engine.core.child_death import LimitWatch, how_it_ended, oom_evidence
-from oomguard.engine.core.heap import (
+from oomguard.engine.core.child import LimitWatch, how_it_ended, oom_evidence
+from oomguard.engine.core.memory.budget import budget
+from oomguard.engine.core.memory.heap import (
     ISOLATED_MMAP_THRESHOLD_BYTES,
     return_freed_memory_to_os,
     trim_heap,
 )
-from oomguard.engine.core.oom import gc_frozen
-from oomguard.engine.core.ramguard import RamGuard
-from oomguard.engine.core.trial import Trial, run_trial
+from oomguard.engine.core.memory.oom import gc_frozen
+from oomguard.engine.core.memory.ramguard import RamGuard
+from oomguard.engine.core.search.trial import Trial, run_trial
 from oomguard.engine.errors import ChildCrashed, ChildStartFailed, UsageError
 
 log = logging.getLogger("oomguard.isolate")
@@ -73,8 +73,8 @@ log = logging.getLogger("oomguard.isolate")
 # torch._dynamo: building any torch.optim optimizer imports it (so do oomguard's metrics
 # through transformers): 1.5-3 s that every child paid in its warm-up
 # (docs/measurements.md#isolated-children-start-up).
-_BASE_PRELOAD = ("torch", "torch._dynamo", "oomguard.engine.core.isolate",
-                 "oomguard.engine.core.trial", "oomguard.engine.core.budget",
+_BASE_PRELOAD = ("torch", "torch._dynamo", "oomguard.engine.core.search.isolate",
+                 "oomguard.engine.core.search.trial", "oomguard.engine.core.memory.budget",
                  "oomguard.probes.peak")
 
 MODULE_LEVEL_FIX = ("define the workload as a module-level function or a picklable class "
@@ -157,7 +157,7 @@ class IsolatedRunner:
     ``fn`` must be picklable (a module-level function or class instance in an
     importable file); :class:`ChildStartFailed` says so at once if it is not.
     ``budget`` bytes are applied in the child after ``fn.warmup()``; a RAM
-    ``guard`` watches the child's trial (see :func:`~oomguard.engine.core.trial.run_trial`).
+    ``guard`` watches the child's trial (see :func:`~oomguard.engine.core.search.trial.run_trial`).
     ``timeout`` seconds (finite, > 0) bound each trial, from the child's start to
     its result: a child still running then is killed and reported as
     :class:`ChildCrashed`, never as an OOM (nothing says it ran out of memory).

@@ -1,0 +1,1 @@
+"""The search: trials, strategies, the memory fit, isolated runners, and the search loop."""

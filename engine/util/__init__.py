@@ -1,0 +1,1 @@
+"""Utilities every layer shares: the atomic writer, the JSON sanitiser, byte units, identity maps."""
