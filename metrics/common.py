@@ -15,7 +15,7 @@ to get right, once:
   Hessian-vector products of that mean loss over micro-batches in float64;
 - :func:`param_groups` groups parameters by their names (embeddings, each
   transformer block, final norm, head), for any transformers model;
-- :func:`to_jsonable` turns a result into a small JSON-friendly summary.
+- :class:`JsonMetric` summarises a result as small JSON (the one sanitiser, big tensors as shape and mean).
 
 Low-precision models (bfloat16, float16) run in their dtype; logits are
 up-cast to float32 before the log-softmax and every reduction is accumulated
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from oomguard.engine.errors import UsageError, check_positive_int
-from oomguard.engine.util.jsonable import to_jsonable as _sanitise
+from oomguard.engine.util.jsonable import to_jsonable
 from oomguard.metrics.base import Metric
 
 IGNORE_INDEX = -100
@@ -294,20 +294,9 @@ def group_index(model: torch.nn.Module) -> list[str]:
 SUMMARY_MAX_ITEMS = 64  # tensors with more elements are summarised as {"shape", "mean"}
 
 
-def to_jsonable(value: Any, max_items: int = SUMMARY_MAX_ITEMS) -> Any:
-    """A small JSON-friendly copy of a result: the one JSON sanitiser
-    (:func:`oomguard.engine.util.jsonable.to_jsonable`) with ``max_items``.
-
-    A tensor of one element becomes a number, a small one (``<= max_items``
-    elements) a nested list, a larger one ``{"shape", "mean"}``; non-finite
-    floats become strings.
-    """
-    return _sanitise(value, max_items=max_items)
-
-
 class JsonMetric(Metric):
-    """A :class:`~oomguard.metrics.base.Metric` whose :meth:`summary` is :func:`to_jsonable`
-    of the result."""
+    """A :class:`~oomguard.metrics.base.Metric` whose :meth:`summary` is the one JSON
+    sanitiser's copy of the result, tensors over ``SUMMARY_MAX_ITEMS`` elements summarised."""
 
     def summary(self, result: Mapping[str, Any]) -> dict[str, Any]:
-        return to_jsonable(dict(result))
+        return to_jsonable(dict(result), SUMMARY_MAX_ITEMS)
