@@ -29,9 +29,8 @@ tenacity's ``Retrying`` is built only after a first OOM. Every change of size is
 :class:`RunRecord` (the executor) also gets an
 :class:`~oomguard.engine.core.memory.forensics.OomEvent` per OOM, with memory as the
 allocator and the host saw it, measured before the memory of the failed attempt is
-released. With ``on_oom`` the executor goes on past the minimum through a ladder of
-remedies (lower precision, a fresh process with expandable segments, the CPU), checking
-between attempts that memory came back (:mod:`~oomguard.engine.core.execute.remedies`).
+released. Past the minimum, the executor's ``on_oom`` ladder takes over
+(:mod:`~oomguard.engine.core.execute.remedies`).
 """
 
 from __future__ import annotations
@@ -419,11 +418,9 @@ class Executor:
     ``on_oom`` (default None: retry at half only, as always) is a remedy ladder such as
     ``["halve", "bfloat16", "cpu"]`` (:func:`~oomguard.engine.core.execute.remedies.parse_on_oom`):
     after the minimum it tries each remedy in turn, and ``ladder`` holds what the last
-    run's did (:class:`~oomguard.engine.core.execute.remedies.Ladder`). A lower precision needs a
-    workload that declares ``tolerates_lower_precision = True`` and has
-    ``at_precision(dtype)``; ``cpu`` needs ``on_device(device)``; both return the workload
-    to call. ``fresh_process``: the caller can restart the run in a fresh process (a job's
-    runner), so ``expandable_segments`` and memory that did not come back raise
+    run's did (:class:`~oomguard.engine.core.execute.remedies.Ladder`); the workload hooks
+    they need are in :mod:`~oomguard.engine.core.workload`. ``fresh_process``: the caller
+    can restart the run in a fresh process (a job's runner), so ``expandable_segments`` and memory that did not come back raise
     :class:`~oomguard.engine.errors.RestartNeeded` carrying the ladder to resume.
 
     What worked lives on this executor: per ``name=`` when one is given (the
