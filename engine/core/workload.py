@@ -6,8 +6,8 @@ returns a small result (recorded as plain JSON). That is all
 :func:`~oomguard.engine.core.search.search.search`, the
 :class:`~oomguard.engine.core.execute.executor.Executor` and
 :func:`~oomguard.engine.core.estimate.estimate.estimate` need. Everything below is
-optional; oomguard reads each hook through the one helper named after it here, and the
-built-in metrics and training step use nothing else.
+optional; where a helper is named, oomguard reads the hook only through it. The built-in
+metrics and training step are workloads of this protocol like any other.
 
 Attributes:
 
@@ -22,16 +22,17 @@ Attributes:
 Methods:
 
 - ``warmup()``: called once per process before the budget and the first trial (a search in
-  this process, each isolated child, an estimate's copy under fake tensors). Build the
-  model and data here: a trial's peak then counts only what one call adds. :func:`warm_up`
+  this process, each isolated child, an estimate's copy under fake tensors; never by the
+  executor). Build the model and data here: a trial's peak then counts only what one call
+  adds. :func:`warm_up`
 - ``worst_case_batch(size)``: the batch of ``size`` items that costs the most memory
   (every sample at the longest length). Each trial step then calls
   ``fn(size, batch=fn.worst_case_batch(size))``, building it inside the measured step, so
   a search never passes on a lucky short batch; the executor's real run still calls
   ``fn(size)``. :func:`worst_case_maker`
 - ``estimate_peak(size, device) -> int``: the workload's own estimate of its peak at
-  ``size`` on ``device`` (``"cpu"``, ``"cuda:0"``), in bytes above what existed before the
-  call; an estimate then runs nothing. :func:`own_estimate`
+  ``size`` on ``device`` (where the estimate is made: ``"cpu"``, ``"cuda:0"``), in bytes
+  above what existed before the call; an estimate then runs nothing. :func:`own_estimate`
 - ``for_estimate(device) -> workload``: the copy an estimate runs instead, under fake
   tensors on ``device`` (typically one whose ``warmup()`` builds the model with
   :func:`fake_module`). :func:`estimate_copy`

@@ -95,13 +95,9 @@ def run_trial(
 ) -> Trial:
     """Run ``fn(size)`` ``steps`` times in this process and measure it.
 
-    If ``fn`` has ``worst_case_batch``, each step instead runs
-    ``fn(size, batch=fn.worst_case_batch(size))``: the batch is built anew in
-    every step, inside the measured region, so its bytes count in the step's
-    peak and its building in the step's seconds, as a data loader's batch does
-    in the real run (see the module docstring). A ``fn`` with
-    ``worst_case_batch`` whose call takes no ``batch`` keyword raises
-    :class:`UsageError` before anything runs.
+    With ``worst_case_batch`` (module docstring), each step builds its batch anew,
+    inside the measured region: its bytes count in the step's peak and its building in
+    the step's seconds, as a data loader's batch does in the real run.
 
     Memory is released before the trial so the peak starts from a clean
     baseline. Raises whatever ``fn`` raises unless it is an OOM (an OOM in any
