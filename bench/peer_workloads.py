@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from oomguard.engine.core.search.trial import RebuiltInChild
+from oomguard.engine.core.workload import RebuiltInChild
 from oomguard.metrics.synthetic import e10_line
 from oomguard.metrics.train_step import TrainStep
 from oomguard.metrics.workload import MetricTrial

@@ -47,6 +47,7 @@ from oomguard.engine.core.search.isolate import IsolatedRunner, forkserver_conte
 from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
 from oomguard.engine.core.search.strategies import E10, Doubling, Guided, Strategy, bracket
 from oomguard.engine.core.search.trial import Trial
+from oomguard.engine.core.workload import steps_of
 from oomguard.engine.errors import SearchFailed
 from oomguard.engine.util.atomic import atomic_write_json
 
@@ -140,7 +141,7 @@ class Fresh:
 
     def __init__(self, w: Workload) -> None:
         self.w, self.fn = w, w.make()
-        self.steps = int(getattr(self.fn, "steps_per_trial", 1) or 1)
+        self.steps = steps_of(self.fn)
         self.runner = IsolatedRunner(self.fn, device="cpu", budget=w.budget_bytes)
         self.runs: dict[int, list[bool]] = {}
 

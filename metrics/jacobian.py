@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.estimate.estimate import shortcut
+from oomguard.engine.core.workload import shortcut
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import JsonMetric, expand_rows, iter_micro_batches, n_samples
 from oomguard.metrics.integrated_gradients import defined_samples, last_positions

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.estimate.estimate import host_device, shortcut
+from oomguard.engine.core.workload import host_device, shortcut
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,

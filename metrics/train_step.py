@@ -23,8 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from oomguard.engine.core.estimate.estimate import fake_module
-from oomguard.engine.core.search.trial import RebuiltInChild
+from oomguard.engine.core.workload import RebuiltInChild, fake_module
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.models import build_model, model_config
 
@@ -33,7 +32,7 @@ def build_for(state: dict[str, Any], spec: str, dtype: str, device: str,
               seed: int) -> torch.nn.Module:
     """``build_model(spec, dtype, device, seed)``; for a workload copy made by
     ``for_estimate`` (``state["fake"]``), the same model with no weights: built on the
-    meta device and given fake tensors on ``device`` (:func:`~oomguard.engine.core.estimate.estimate.fake_module`)."""
+    meta device and given fake tensors on ``device`` (:func:`~oomguard.engine.core.workload.fake_module`)."""
     if state.get("fake"):
         return fake_module(lambda: build_model(spec, dtype, "meta", seed=seed), device)
     return build_model(spec, dtype, device, seed=seed)

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.search.trial import RebuiltInChild
+from oomguard.engine.core.workload import RebuiltInChild
 from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.metrics.base import Metric, get_metric
 from oomguard.metrics.models import make_batch, model_config

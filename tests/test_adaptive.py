@@ -18,8 +18,7 @@ import pytest
 import torch
 from conftest import budget_after_warmup, in_fresh_process
 
-from oomguard.engine.core.execute.controller import SizeController
-from oomguard.engine.core.execute.executor import ExecutionFailed
+from oomguard.engine.core.execute.executor import ExecutionFailed, SizeController
 from oomguard.engine.core.execute.stats import MAX_SIZES_KEPT, register
 from oomguard.engine.training import distributed
 from oomguard.engine.training.adaptive import (

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oomguard.engine.core.estimate.estimate import estimate, host_device, shortcut
+from oomguard.engine.core.estimate.estimate import estimate
+from oomguard.engine.core.workload import host_device, shortcut
 from oomguard.metrics.workload import MetricTrial
 
 # One layer, 16 wide: fake tensors cost ~1 ms an operation, so the fewer the better.

@@ -5,7 +5,7 @@ each micro-batch's loss is scaled by its share of the batch's tokens (or
 samples) before ``backward()``, so ``.grad`` -- and the parameters after the
 optimizer step -- equal those of the whole batch within float rounding. The
 micro-batch size is run by the core's one size controller
-(:class:`~oomguard.engine.core.execute.controller.SizeController`): halved on OOM,
+(:class:`~oomguard.engine.core.execute.executor.SizeController`): halved on OOM,
 remembered, optionally grown back, agreed between ranks. Under
 ``torch.distributed`` calls are therefore **collective**: every rank makes
 each one (``sync_ranks=False``: no collective, each rank keeps its own size).
@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.execute.controller import SizeController, SizeMemory
+from oomguard.engine.core.execute.executor import SizeController, SizeMemory
 from oomguard.engine.core.execute.retry import RetryPolicy
 from oomguard.engine.errors import check_positive_int
 from oomguard.engine.training.adaptive import _qualname, make_controller, remembered

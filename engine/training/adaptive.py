@@ -1,7 +1,7 @@
 """Adaptive sizes inside training scripts: a decorator, an accelerate-shaped helper, stats.
 
 Both wrappers are thin layers over the core's one size controller
-(:class:`~oomguard.engine.core.execute.controller.SizeController`): the batch size
+(:class:`~oomguard.engine.core.execute.executor.SizeController`): the batch size
 shrinks on OOM, is remembered for the wrapper's later calls, may grow back,
 and is agreed between ranks under ``torch.distributed`` (the controller's
 agreement strategy is :class:`~oomguard.engine.training.distributed.RankAgreement`).
@@ -33,7 +33,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from oomguard.engine.core.execute.controller import SizeController, SizeMemory
+from oomguard.engine.core.execute.executor import SizeController, SizeMemory
 from oomguard.engine.core.execute.retry import Halve, ReduceWith, RetryPolicy
 from oomguard.engine.core.execute.stats import (
     SizeChange,
@@ -140,7 +140,7 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
     of memory, so ``fn`` must be safe to re-run, as after an OOM.
     ``sync_ranks=False``: no collective, each rank keeps its own size (for
     work only some ranks do). The wrapper's ``adaptive_size`` attribute is its
-    :class:`~oomguard.engine.core.execute.controller.SizeController`. Usable as
+    :class:`~oomguard.engine.core.execute.executor.SizeController`. Usable as
     ``@adaptive`` or ``@adaptive(batch_size=...)``.
     """
     def decorate(f: Callable[..., T]) -> Callable[..., T]:

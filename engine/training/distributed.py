@@ -42,7 +42,7 @@ Later calls are not checked: an adaptive object that every rank used once
 and only some ranks call later still blocks.
 
 :class:`RankAgreement` is how this plugs into the core's
-:class:`~oomguard.engine.core.execute.controller.SizeController`: it is the controller's
+:class:`~oomguard.engine.core.execute.executor.SizeController`: it is the controller's
 ``agreement`` strategy (the core's default, for one process, agrees with
 nobody).
 """
@@ -167,7 +167,7 @@ class RankAgreement:
     """The ranks of ``group`` agree on a size after every attempt: one ``all_reduce(MIN)``.
 
     The agreement strategy of a
-    :class:`~oomguard.engine.core.execute.controller.SizeController` under
+    :class:`~oomguard.engine.core.execute.executor.SizeController` under
     ``torch.distributed``: the reduced vector is the proposed sizes and
     ``-oom`` (16 bytes for one size). Inactive, and free, while no process
     group is initialised. The first :meth:`active` under ``torch.distributed``

@@ -9,9 +9,9 @@ warmed-up process (:func:`~oomguard.engine.core.search.trial.run_trial`). An ope
 inputs only (token ids, masks) runs for real when its outputs are small (:data:`REAL_LIMIT`,
 :data:`REAL_FLOAT_LIMIT`), so control flow follows the data; a Python number read from a
 fake tensor (``float(loss)``) reads as 1, and the notes count them. A workload takes part
-as ``fn.estimate_peak(size, device) -> int`` (its own estimate, bytes); as
-``fn.for_estimate(device)``, a copy whose ``warmup()`` builds the model with
-:func:`fake_module` (no weights) and whose ``copy(size)`` runs the work; or as it is.
+through the workload protocol (:mod:`oomguard.engine.core.workload`, where workloads import
+this module's hooks): its own ``estimate_peak(size, device)``, a ``for_estimate(device)``
+copy (whose ``warmup()`` builds the model with :func:`fake_module`: no weights), or as it is.
 
 Matrix-multiply workspace (CPU) is measured, not predicted: the distinct matrix multiplies
 the fake run made are replayed on this host (:mod:`oomguard.engine.core.estimate.workspace`).
@@ -326,11 +326,12 @@ def estimate(fn: Callable[[int], Any], sizes: Sequence[int], device: str | torch
     device other than cpu or cuda, or a workload whose memory depends on values only a
     real run computes (a tensor whose shape depends on the model's outputs).
     """
+    from oomguard.engine.core.workload import own_estimate  # why: it imports this module
     sizes = list(sizes)
     if not sizes:
         raise UsageError("give at least one size to estimate")
-    own = getattr(fn, "estimate_peak", None)
-    if not callable(own):
+    own = own_estimate(fn)
+    if own is None:
         return EstimateSession(fn, device, workspace, shortcuts).at(sizes)  # checks sizes
     dev, notes = fake_device(device)
     out = []
@@ -349,19 +350,20 @@ class EstimateSession:
 
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
                  workspace: bool = True, shortcuts: bool = True) -> None:
+        from oomguard.engine.core.workload import estimate_copy  # why: as in estimate()
         self.fn, self.device, self.workspace = fn, str(device), workspace
         self.dev, self.notes = fake_device(device)
         self.cpu = torch.device(device).type == "cpu"
         self.counter = StorageCounter(block=1 if self.cpu else CUDA_BLOCK,
                                       device_type=self.dev.type)
         self.counter.fake_mode = ft.FakeTensorMode(allow_non_fake_inputs=True)
-        self.work = (fn.for_estimate(str(self.dev))
-                     if callable(getattr(fn, "for_estimate", None)) else fn)
+        self.work = estimate_copy(fn, str(self.dev))
         self.shortcuts = shortcuts
         self.warm: dict[tuple, tuple[int, int]] | None = None  # the warm-up's multiplies
 
     def at(self, sizes: Sequence[int]) -> list[Estimate]:
         """One :class:`Estimate` per size, in order (the warm-up first, on the first call)."""
+        from oomguard.engine.core.workload import warm_up  # why: as in estimate()
         sizes = list(sizes)
         for size in sizes:
             check_positive_int("size", size)
@@ -374,9 +376,7 @@ class EstimateSession:
         try:
             with counter.fake_mode, counter:
                 if self.warm is None:
-                    warmup = getattr(self.work, "warmup", None)
-                    if callable(warmup):
-                        warmup()
+                    warm_up(self.work)
                     self.warm = dict(counter.gemms)
                 for size in sizes:
                     start = time.perf_counter()

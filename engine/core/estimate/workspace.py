@@ -75,6 +75,7 @@ def add_workspace(e: Estimate, fn: Any, warm: dict[tuple, tuple[int, int]],
     ``warm``'s, measured in an isolated child, or note why not. Each one's buffers exist from
     its first call on: the peak is the highest ``segments[k]`` plus the first k's."""
     from oomguard.engine.core.search.isolate import IsolatedRunner
+    from oomguard.engine.core.workload import preload_of
 
     start, calls = time.perf_counter(), [*run.values(), *warm.values()]
     why, threads = None, torch.get_num_threads()
@@ -84,8 +85,8 @@ def add_workspace(e: Estimate, fn: Any, warm: dict[tuple, tuple[int, int]],
         why = f"too big to replay ({sum(m for _, m in calls):.2g} float32 multiply-adds)"
     else:
         try:
-            trial = IsolatedRunner(WorkspaceReplay(list(warm), list(run), threads, tuple(
-                getattr(fn, "preload", ()))), "cpu", timeout=600)(1)
+            trial = IsolatedRunner(WorkspaceReplay(list(warm), list(run), threads,
+                                                   preload_of(fn)), "cpu", timeout=600)(1)
             why = None if trial.ok else "OOM"
         except (IsolationError, RuntimeError) as exc:
             why = str(exc).splitlines()[0]

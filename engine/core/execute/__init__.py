@@ -1,1 +1,1 @@
-"""Execution: the one size controller and retry loop, retry policies, the on_oom ladder, stats."""
+"""Execution: the executor (one size controller, one retry loop), retry policies, on_oom, stats."""

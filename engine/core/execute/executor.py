@@ -1,18 +1,35 @@
-"""The executor: run a workload at its sizes; on OOM retry at half, never lose the run.
+"""The executor and the one size controller and retry loop behind every adaptive wrapper.
 
-Each call goes through the one size controller
-(:class:`~oomguard.engine.core.execute.controller.SizeController`): a retry policy
-(:class:`~oomguard.engine.core.execute.retry.Halve` by default,
-:class:`~oomguard.engine.core.execute.retry.ReduceWith` for any other rule) says what
-the next sizes are, and tenacity's retry loop stops when the policy has nothing
-smaller to offer. Only out-of-memory errors are retried; any other error
-propagates at once, untouched. The OOM's exception and traceback are dropped
-*before* memory is released, so the failed attempt's tensors are really freed
-between attempts. Each OOM is recorded in the run's :class:`RunRecord`
-(``events``), with memory as the allocator and the host saw it at the OOM
-(:mod:`~oomguard.engine.core.memory.forensics`). With ``on_oom`` the executor goes on past the
-minimum through a ladder of remedies (lower precision, a fresh process with expandable
-segments, the CPU), checking between attempts that memory came back
+:class:`SizeController` runs ``attempt(sizes)``; on OOM it asks its retry policy for
+smaller sizes and runs again, down to the minimums, then raises
+:class:`~oomguard.engine.errors.NoExecutableBatchSize`. :class:`Executor`, ``@adaptive``,
+``find_executable_batch_size`` and ``accumulate`` all go through
+:meth:`SizeController.run`. It is composed of small objects, like tenacity's
+``stop``/``wait``/``retry``:
+
+- a :class:`~oomguard.engine.core.execute.retry.RetryPolicy` says the next sizes after an
+  OOM (:class:`~oomguard.engine.core.execute.retry.Halve` by default,
+  :class:`~oomguard.engine.core.execute.retry.ReduceWith` for any other rule);
+- a :class:`SizeAgreement` makes several processes take the same decision
+  (:class:`NoAgreement`, the default, is a single process; the training layer
+  plugs in one ``all_reduce`` per attempt under ``torch.distributed``);
+- a :class:`SizeMemory` holds what is learnt across calls: the sizes that
+  work, the smallest that failed, clean calls since the last change, counters.
+  It holds no reference to the user's function, model or data, so whoever
+  keeps it (a decorated function, an executor, a weak map keyed by a model)
+  decides how long it lives.
+
+Only out-of-memory errors are retried; any other error propagates at once, untouched.
+The OOM's exception and traceback are dropped *before* memory is released, so the failed
+attempt's tensors are really freed between attempts. Hot path: the first attempt is a
+plain :func:`~oomguard.engine.core.memory.oom.call_catching_oom` (about a microsecond);
+tenacity's ``Retrying`` is built only after a first OOM. Every change of size is logged
+(WARNING when it shrinks, INFO otherwise) and counted in the memory's
+:class:`~oomguard.engine.core.execute.stats.SizeStats`. A caller that keeps a
+:class:`RunRecord` (the executor) also gets an
+:class:`~oomguard.engine.core.memory.forensics.OomEvent` per OOM, with memory as the
+allocator and the host saw it, measured before the memory of the failed attempt is
+released. Past the minimum, the executor's ``on_oom`` ladder takes over
 (:mod:`~oomguard.engine.core.execute.remedies`).
 """
 
@@ -20,35 +37,370 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import torch
+from tenacity import RetryCallState, Retrying, retry_if_result, wait_none
 
-from oomguard.engine.core.execute.controller import (
-    RunRecord,
-    SizeAgreement,
-    SizeController,
-    SizeMemory,
-)
-from oomguard.engine.core.execute.remedies import Ladder, parse_on_oom, run_ladder
+from oomguard.engine.core.execute.remedies import Ladder, parse_on_oom, run_ladder, sized_call
 from oomguard.engine.core.execute.retry import Halve, ReduceWith, RetryPolicy, Sizes
-from oomguard.engine.core.memory.forensics import start_history
+from oomguard.engine.core.execute.stats import SizeChange, SizeStats
+from oomguard.engine.core.memory.forensics import OomEvent, OomWatch, start_history
+from oomguard.engine.core.memory.oom import OOM, call_catching_oom
 from oomguard.engine.errors import (
     ExecutionFailed,
     NoExecutableBatchSize,
     UsageError,
     check_positive_int,
+    format_sizes,
 )
 from oomguard.engine.util.weakmap import WeakIdMap
 
-__all__ = ["ExecutionFailed", "Executor", "Halve", "NoExecutableBatchSize", "ReduceWith",
-           "RetryPolicy", "RunRecord", "Sizes"]
+__all__ = ["NO_AGREEMENT", "ExecutionFailed", "Executor", "Halve", "NoAgreement",
+           "NoExecutableBatchSize", "ReduceWith", "RetryPolicy", "RunRecord", "SizeAgreement",
+           "SizeController", "SizeMemory", "Sizes"]
+
+T = TypeVar("T")
+# Sizes that may be unknown: None means "whatever the call's cap is" (the whole input).
+Start = Mapping[str, "int | None"]
 
 log = logging.getLogger("oomguard.executor")
 
 MAX_NAMES_KEPT = 1024  # named workloads whose sizes one executor remembers
+
+
+class SizeAgreement(Protocol):
+    """How the processes running one workload agree on its size after each attempt.
+
+    ``active()`` is asked once per call: False means this process decides
+    alone and :meth:`agree` is not called. When active, :meth:`agree` is
+    called once after *every* attempt on every process, with the sizes this
+    process proposes next (the sizes it just ran after a success, smaller ones
+    after an OOM, zeros when it cannot go lower) and whether it ran out of
+    memory; it returns the sizes every process takes and whether any of them
+    ran out of memory.
+    """
+
+    def active(self) -> bool: ...
+
+    def agree(self, proposal: Mapping[str, int], oom: bool) -> tuple[Sizes, bool]: ...
+
+
+class NoAgreement:
+    """A single process: nothing to agree on."""
+
+    def active(self) -> bool:
+        return False
+
+    def agree(self, proposal: Mapping[str, int], oom: bool) -> tuple[Sizes, bool]:
+        return dict(proposal), oom
+
+
+NO_AGREEMENT = NoAgreement()
+
+
+@dataclass
+class RunRecord:
+    """What one run did: the sizes of each attempt, each OOM's message, the sizes that worked,
+    and ``events``: one :class:`~oomguard.engine.core.memory.forensics.OomEvent` per OOM of this
+    process (sizes, memory measured at the OOM, what was done about it)."""
+
+    workload: str
+    attempts: list[Sizes] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    final: Sizes | None = None
+    events: list[OomEvent] = field(default_factory=list)
+
+    @property
+    def retries(self) -> int:
+        return max(0, len(self.attempts) - 1)
+
+
+def shown(sizes: Mapping[str, int | None] | None) -> Any:
+    """A size as :class:`SizeStats` shows it: the int of a single knob, else a dict."""
+    if sizes is None:
+        return None
+    if len(sizes) == 1:
+        return next(iter(sizes.values()))
+    return dict(sizes)
+
+
+@dataclass(eq=False)
+class SizeMemory:
+    """What one adaptive size has learnt across calls (numbers only).
+
+    ``sizes`` are the sizes the next call starts at (a value None: the call's
+    cap, i.e. the whole input); ``failed`` the smallest size per knob that ran
+    out of memory on any process; ``last_good`` the sizes of the last attempt
+    that worked; ``clean`` the calls without an OOM since the last change.
+    """
+
+    stats: SizeStats
+    sizes: dict[str, int | None]
+    failed: dict[str, int] = field(default_factory=dict)
+    last_good: Sizes | None = None
+    clean: int = 0
+    agreed_start: bool = False
+
+    @classmethod
+    def new(cls, name: str, start: Start) -> SizeMemory:
+        """A memory with its own, unregistered stats record."""
+        return cls(SizeStats(name, shown(start), shown(start)), dict(start))
+
+    @property
+    def name(self) -> str:
+        return self.stats.name
+
+
+class _Failed:
+    """The outcome of an attempt that ran out of memory (here or on another process)."""
+
+    __slots__ = ("event", "message", "next")
+
+    def __init__(self, message: str, nxt: Sizes | None, event: OomEvent | None = None) -> None:
+        self.message, self.next, self.event = message, nxt, event
+
+
+def _failed(result: Any) -> bool:
+    return type(result) is _Failed
+
+
+def _nothing_left(rs: RetryCallState) -> bool:
+    return rs.outcome.result().next is None  # type: ignore[union-attr]
+
+
+class SizeController:
+    """Runs attempts at adaptive sizes: shrink on OOM, remember, optionally grow back, agree.
+
+    ``memory`` is the :class:`SizeMemory` to use (shared by controllers that
+    run the same workload) or the start sizes for a new one. On OOM the next
+    sizes come from ``policy`` (default :class:`~oomguard.engine.core.execute.retry.Halve`)
+    down to ``minimum`` (per knob, default 1); after an OOM at sizes reached by
+    growing, it falls back to the last sizes that worked. ``grow_after``
+    (off by default, for bit-for-bit reproducible runs) tries larger sizes
+    after that many clean calls: halfway to the smallest size that failed
+    (never that size or above), else twice the size, never above ``maximum``.
+    ``agreement`` (default :data:`NO_AGREEMENT`) makes several processes take
+    the same sizes. ``failure_message`` is the whole ``str()`` of
+    :class:`~oomguard.engine.errors.NoExecutableBatchSize` (its ``tried``,
+    ``errors`` and ``detail`` still say what ran). Size changes go to
+    ``logger`` (default ``oomguard.executor``). ``snapshot_dir``: where a run with a record writes a CUDA allocator
+    snapshot at each OOM (after :func:`~oomguard.engine.core.memory.forensics.start_history`).
+    """
+
+    def __init__(self, name: str, memory: SizeMemory | Start, *,
+                 minimum: Mapping[str, int] | None = None,
+                 maximum: Mapping[str, int | None] | None = None,
+                 policy: RetryPolicy | None = None, grow_after: int | None = None,
+                 agreement: SizeAgreement | None = None, device: Any = None,
+                 logger: logging.Logger | None = None,
+                 failure_message: str | None = None,
+                 snapshot_dir: str | os.PathLike[str] | None = None) -> None:
+        if not isinstance(memory, SizeMemory):
+            for key, value in memory.items():
+                check_positive_int(key, value, optional=True)
+            memory = SizeMemory.new(name, memory)
+        self.memory = memory
+        self.name = memory.name
+        for key, value in (minimum or {}).items():
+            check_positive_int(f"minimum {key}", value)
+        self.floor: Sizes = {k: (minimum or {}).get(k, 1) for k in memory.sizes}
+        self.maximum = {k: v for k, v in (maximum or {}).items() if v is not None}
+        for key, value in self.maximum.items():
+            check_positive_int(f"maximum {key}", value, optional=True)
+        check_positive_int("grow_after", grow_after, optional=True)
+        self.policy: RetryPolicy = policy or Halve()
+        self.grow_after = grow_after
+        self.agreement: SizeAgreement = agreement or NO_AGREEMENT
+        self.device = device
+        self.log = logger or log
+        self.failure_message = failure_message
+        self.snapshot_dir = snapshot_dir
+
+    @property
+    def stats(self) -> SizeStats:
+        return self.memory.stats
+
+    @property
+    def current(self) -> Any:
+        """The remembered size: an int for one knob, a dict for several; None: whole input."""
+        return shown(self.memory.sizes)
+
+    def run(self, attempt: Callable[[Sizes], T], cap: Mapping[str, int] | None = None,
+            record: RunRecord | None = None) -> T:
+        """Return ``attempt(sizes)``, retrying at smaller sizes on OOM.
+
+        ``cap`` bounds the sizes of this call only (e.g. the length of this
+        batch, or the sizes a caller asked for) without changing what is
+        remembered. ``record`` (optional) gets every attempt's sizes before it
+        runs, every OOM's message and event (measured only for a record: callers
+        that keep none pay nothing), and the final sizes. Raises
+        :class:`~oomguard.engine.errors.NoExecutableBatchSize` when no size
+        fits on every process; any other error propagates untouched.
+        """
+        mem = self.memory
+        mem.stats.calls += 1
+        agreeing = self.agreement.active()
+        if agreeing and not mem.agreed_start:
+            self._agree_start()
+        if self.grow_after is not None and mem.clean >= self.grow_after:
+            self._grow(cap)
+        sizes = mem.sizes  # type: ignore[assignment]
+        if cap is not None or None in sizes.values():
+            sizes = self._sizes_for(cap)
+        watch = None
+        if record is not None:
+            record.attempts.append(dict(sizes))
+            watch = OomWatch(self.name, self.device, self.snapshot_dir)
+        result = self._attempt(attempt, sizes, agreeing, watch)
+        if type(result) is not _Failed:
+            mem.clean += 1
+            mem.last_good = sizes
+            if record is not None:
+                record.final = dict(sizes)
+            return result
+        if record is None:
+            record = RunRecord(self.name, [dict(sizes)])
+        return self._recover(attempt, result, agreeing, record, watch)
+
+    def _sizes_for(self, cap: Mapping[str, int] | None) -> Sizes:
+        sizes = self.memory.sizes
+        if cap is None:
+            if None in sizes.values():
+                raise UsageError(f"{self.name}: an adaptive size without a start needs a cap")
+            return sizes  # type: ignore[return-value]
+        return {k: v if v is not None and v <= cap[k] else cap[k] for k, v in sizes.items()}
+
+    def _attempt(self, attempt: Callable[[Sizes], T], sizes: Sizes,
+                 agreeing: bool, watch: OomWatch | None = None) -> T | _Failed:
+        """One attempt at ``sizes``, then (when agreeing) the one agreement. A ``watch``
+        measures memory at an OOM, before ``call_catching_oom`` releases it."""
+        result = call_catching_oom(attempt, sizes, device=self.device,
+                                   on_oom=watch.at(sizes) if watch is not None else None)
+        oom = type(result) is OOM
+        if not (oom or agreeing):
+            return result
+        proposal = self._proposal(sizes) if oom else sizes
+        any_oom = oom
+        if agreeing:
+            agreed, any_oom = self.agreement.agree(proposal or dict.fromkeys(sizes, 0), oom)
+            proposal = agreed if all(agreed.values()) else None
+        if not any_oom:
+            return result
+        mem = self.memory
+        mem.clean = 0
+        mem.failed = {k: min(v, mem.failed.get(k, v)) for k, v in sizes.items()}
+        mem.stats.failed = shown(mem.failed)
+        mem.stats.ooms += oom
+        mem.stats.peer_ooms += not oom
+        nxt = proposal if proposal is not None and all(
+            proposal[k] >= self.floor[k] for k in proposal) else None
+        message = (result.message if oom  # type: ignore[union-attr]
+                   else f"another process ran out of memory at {format_sizes(sizes)}")
+        if nxt is not None:
+            self._change(sizes, nxt, f"out of memory ({message})" if oom else message)
+        return _Failed(message, nxt, watch.take(message) if oom and watch else None)
+
+    def _proposal(self, sizes: Sizes) -> Sizes | None:
+        """The next sizes after an OOM at ``sizes`` (None: nothing smaller is allowed)."""
+        good = self.memory.last_good
+        if good is not None and good.keys() == sizes.keys() and good != sizes and all(
+                self.floor[k] <= good[k] <= sizes[k] for k in sizes):
+            return dict(good)  # grown sizes failed: back to what worked
+        return self.policy.shrink(sizes, self.floor)
+
+    def _recover(self, attempt: Callable[[Sizes], T], first: _Failed, agreeing: bool,
+                 record: RunRecord, watch: OomWatch | None) -> T:
+        """After a first OOM: tenacity's retry loop at the sizes each OOM left behind."""
+        self._note(record, first)
+        pending = first.next
+
+        def again() -> T | _Failed:
+            assert pending is not None  # tenacity stops before an attempt without sizes
+            record.attempts.append(dict(pending))
+            return self._attempt(attempt, pending, agreeing, watch)
+
+        def after(rs: RetryCallState) -> None:
+            nonlocal pending
+            failure: _Failed = rs.outcome.result()  # type: ignore[union-attr]
+            self._note(record, failure)
+            pending = failure.next
+
+        def give_up(rs: RetryCallState | None = None) -> Any:
+            tried = ", ".join(format_sizes(s) for s in record.attempts)
+            self.log.error("%s: no executable size (tried %s)", self.name, tried)
+            # A failure_message is the error's whole text (the accelerate shim's exact
+            # words); the sizes tried stay on the error's attributes and in .detail.
+            raise NoExecutableBatchSize(self.name, record.attempts, record.errors,
+                                        self.failure_message or self._exhausted(),
+                                        verbatim=self.failure_message is not None) from None
+
+        if pending is None:
+            give_up()
+        value = Retrying(retry=retry_if_result(_failed), stop=_nothing_left, wait=wait_none(),
+                         after=after, retry_error_callback=give_up, sleep=_no_sleep)(again)
+        assert pending is not None
+        record.final = dict(pending)
+        self.memory.clean, self.memory.last_good = 0, dict(pending)
+        self.log.info("%s: succeeded at %s after %d retries", self.name,
+                      format_sizes(pending), record.retries)
+        return value
+
+    def _note(self, record: RunRecord, failure: _Failed) -> None:
+        """Record an OOM's message and its event, saying what is done about it."""
+        record.errors.append(failure.message)
+        if failure.event is not None:
+            record.events.append(failure.event.settle(
+                failure.next, self.failure_message or self._exhausted()))
+
+    def _exhausted(self) -> str:
+        what = next(iter(self.floor)).replace("_", " ") if len(self.floor) == 1 else "size"
+        return (f"no executable {what}: every size down to {format_sizes(self.floor)} "
+                "ran out of memory")
+
+    def _agree_start(self) -> None:
+        """The first call under an agreement: every process starts at the smallest start."""
+        mem = self.memory
+        mem.agreed_start = True
+        if None in mem.sizes.values():
+            return
+        agreed, _ = self.agreement.agree(mem.sizes, False)  # type: ignore[arg-type]
+        if agreed != mem.sizes:
+            self._change(mem.sizes, agreed, "agreed with the other processes")
+
+    def _grow(self, cap: Mapping[str, int] | None) -> None:
+        mem = self.memory
+        current = {k: v if v is not None else (cap or {}).get(k) for k, v in mem.sizes.items()}
+        if None in current.values():
+            return
+        target = {}
+        for k, size in current.items():
+            assert size is not None
+            new = (size + mem.failed[k]) // 2 if k in mem.failed else size * 2
+            for bound in (self.maximum.get(k), (cap or {}).get(k)):
+                if bound is not None:
+                    new = min(new, bound)
+            target[k] = max(new, size)
+        if target != current:
+            mem.clean = 0
+            self._change(current, target, f"grow after {self.grow_after} clean calls")
+
+    def _change(self, old: Mapping[str, int | None], new: Sizes, reason: str) -> None:
+        st = self.memory.stats
+        self.memory.sizes = dict(new)
+        st.current = shown(new)
+        shrink = any(new[k] < (old[k] or 0) for k in new)
+        if shrink:
+            st.shrinks += 1
+        else:
+            st.grows += new != old
+        (self.log.warning if shrink else self.log.info)(
+            "%s: %s -> %s: %s", self.name, _show(old), _show(new, key=False), reason)
+        st.changes.append(SizeChange(self.name, shown(old), shown(new), reason, time.time()))
 
 
 class Executor:
@@ -66,11 +418,9 @@ class Executor:
     ``on_oom`` (default None: retry at half only, as always) is a remedy ladder such as
     ``["halve", "bfloat16", "cpu"]`` (:func:`~oomguard.engine.core.execute.remedies.parse_on_oom`):
     after the minimum it tries each remedy in turn, and ``ladder`` holds what the last
-    run's did (:class:`~oomguard.engine.core.execute.remedies.Ladder`). A lower precision needs a
-    workload that declares ``tolerates_lower_precision = True`` and has
-    ``at_precision(dtype)``; ``cpu`` needs ``on_device(device)``; both return the workload
-    to call. ``fresh_process``: the caller can restart the run in a fresh process (a job's
-    runner), so ``expandable_segments`` and memory that did not come back raise
+    run's did (:class:`~oomguard.engine.core.execute.remedies.Ladder`); the workload hooks
+    they need are in :mod:`~oomguard.engine.core.workload`. ``fresh_process``: the caller
+    can restart the run in a fresh process (a job's runner), so ``expandable_segments`` and memory that did not come back raise
     :class:`~oomguard.engine.errors.RestartNeeded` carrying the ladder to resume.
 
     What worked lives on this executor: per ``name=`` when one is given (the
@@ -134,9 +484,7 @@ class Executor:
         if self.on_oom is None and ladder is None:
             controller = self._controller(label, self._memory(fn, name, label, start), minimum,
                                           self.device)
-            if positional:
-                return controller.run(lambda s: fn(s["batch_size"]), cap=start, record=record)
-            return controller.run(lambda s: fn(**s), cap=start, record=record)
+            return controller.run(sized_call(fn, positional), cap=start, record=record)
         self.ladder = ladder or Ladder(self.on_oom or ("halve",))
 
         def run_rung(attempt: Callable[[Sizes], Any], sizes: Sizes, fresh: bool,
@@ -153,7 +501,7 @@ class Executor:
     def _controller(self, label: str, memory: SizeMemory, minimum: Mapping[str, int] | None,
                     device: Any) -> SizeController:
         return SizeController(label, memory, minimum=minimum, policy=self.policy,
-                              agreement=self.agreement, device=device, logger=log,
+                              agreement=self.agreement, device=device,
                               snapshot_dir=self.snapshot_on_oom)
 
     def _memory(self, fn: Any, name: str | None, label: str, start: Sizes) -> SizeMemory:
@@ -177,3 +525,15 @@ class Executor:
             except TypeError:  # not weakly referenceable: nothing is remembered
                 pass
         return memory
+
+
+def _no_sleep(seconds: float) -> None:
+    """Retries follow each other at once: memory was released before the next attempt."""
+
+
+def _show(sizes: Mapping[str, int | None], key: bool = True) -> str:
+    """``batch_size 64`` (or ``64``) for one knob, ``(a=1, b=2)`` for several."""
+    if len(sizes) == 1:
+        name, value = next(iter(sizes.items()))
+        return f"{name} {value}" if key else str(value)
+    return format_sizes(sizes)  # type: ignore[arg-type]

@@ -38,11 +38,11 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from oomguard.engine.core.execute.controller import RunRecord
+from oomguard.engine.core.execute.retry import Sizes
 from oomguard.engine.core.memory.forensics import resolve_device
 from oomguard.engine.core.memory.heap import free_heap_bytes
 from oomguard.engine.errors import (
@@ -56,8 +56,10 @@ from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
 from oomguard.probes.peak import cuda_async_backend
 
+if TYPE_CHECKING:  # the executor imports this module: no cycle at run time
+    from oomguard.engine.core.execute.executor import RunRecord
+
 T = TypeVar("T")
-Sizes = dict[str, int]
 log = logging.getLogger("oomguard.executor")
 
 REMEDIES = ("halve", "bfloat16", "float16", "expandable_segments", "cpu")
@@ -349,7 +351,7 @@ def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
             log.warning("%s: trying remedy %s", name, remedy)
         ladder.rungs.append(rung)
         first, resume, ladder.resume = len(record.attempts), ladder.resume, None
-        checked = _Checked(_caller(work, positional), ladder, remedy, record, name, device,
+        checked = _Checked(sized_call(work, positional), ladder, remedy, record, name, device,
                            fresh_process)
         try:
             value = run_rung(checked, resume or start, ladder.at > 0, device)
@@ -370,7 +372,9 @@ def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
     raise NoExecutableBatchSize(name, record.attempts, record.errors, ladder.reason())
 
 
-def _caller(work: Any, positional: bool) -> Callable[[Sizes], Any]:
+def sized_call(work: Any, positional: bool) -> Callable[[Sizes], Any]:
+    """An attempt function for ``work``: ``work(batch_size)`` when ``positional``, else
+    ``work(**sizes)``."""
     if positional:
         return lambda s: work(s["batch_size"])
     return lambda s: work(**s)

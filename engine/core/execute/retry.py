@@ -3,7 +3,7 @@
 A policy is a small object with one method, :meth:`RetryPolicy.shrink`: given
 the sizes that ran out of memory and their minimums, it returns the next
 (smaller) sizes, or None when nothing smaller is allowed -- then retrying
-stops. :class:`~oomguard.engine.core.execute.controller.SizeController` asks it after
+stops. :class:`~oomguard.engine.core.execute.executor.SizeController` asks it after
 every OOM; it is the only place where a retry size is decided.
 """
 

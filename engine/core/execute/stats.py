@@ -1,6 +1,6 @@
 """What adaptive sizes did: counters per size, and a bounded registry for :func:`stats`.
 
-Every :class:`~oomguard.engine.core.execute.controller.SizeController` counts into a
+Every :class:`~oomguard.engine.core.execute.executor.SizeController` counts into a
 :class:`SizeStats` of its own. Those of the training-script helpers (``@adaptive``,
 ``find_executable_batch_size``, ``accumulate``) are also registered here, so
 that :func:`stats` can summarise them. The registry keeps the most recent

@@ -1,7 +1,7 @@
 """Memory forensics at an out-of-memory error: the allocator's and the host's view.
 
 Every OOM the size controller catches for a caller keeping a
-:class:`~oomguard.engine.core.execute.controller.RunRecord` (the executor, so every job metric)
+:class:`~oomguard.engine.core.execute.executor.RunRecord` (the executor, so every job metric)
 becomes an :class:`OomEvent`. :class:`OomWatch` measures it *inside* the ``except``
 block, while the failed attempt's tensors are alive and before
 :func:`~oomguard.engine.core.memory.oom.call_catching_oom` collects garbage and empties the

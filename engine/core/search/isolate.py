@@ -66,6 +66,7 @@ from oomguard.engine.core.memory.heap import (
 from oomguard.engine.core.memory.oom import gc_frozen
 from oomguard.engine.core.memory.ramguard import RamGuard
 from oomguard.engine.core.search.trial import Trial, run_trial
+from oomguard.engine.core.workload import preload_of, warm_up
 from oomguard.engine.errors import ChildCrashed, ChildStartFailed, UsageError
 
 log = logging.getLogger("oomguard.isolate")
@@ -113,8 +114,7 @@ def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, con
         conn.close()
         return
     try:
-        if hasattr(fn, "warmup"):
-            fn.warmup()
+        warm_up(fn)
         guard: AbstractContextManager[Any] = (
             budget(budget_bytes, device) if budget_bytes is not None else nullcontext())
         with gc_frozen(), guard as entered:
@@ -326,7 +326,7 @@ def _name(fn: Any) -> str:
 def workload_preload(fn: Any) -> tuple[str, ...]:
     """The modules a forkserver should import for ``fn``: its ``preload`` and its module."""
     module = getattr(fn, "__module__", None) or type(fn).__module__
-    return tuple(getattr(fn, "preload", ())) + (module,)
+    return preload_of(fn) + (module,)
 
 
 def start_forkserver(preload: Iterable[str] = ()) -> Any:

@@ -46,6 +46,7 @@ from oomguard.engine.core.search.fit import (
 from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.core.search.strategies import Confirm, Strategy, bracket
 from oomguard.engine.core.search.trial import Trial, run_trial
+from oomguard.engine.core.workload import knob_of, name_of, steps_of, warm_up
 from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError, check_positive_int
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import probe
@@ -158,7 +159,7 @@ def search(
     dev = torch.device(cfg.device)
     if cfg.budget is not None:
         check_budget(cfg.budget, dev)
-    name = getattr(fn, "name", None) or getattr(fn, "__name__", type(fn).__name__)
+    name = name_of(fn)
     capacity = cfg.capacity_bytes
     mode = "isolated" if cfg.isolate else "confirmed" if cfg.confirm else "in-process"
     log.info("searching %s on %s (%s, %s)", name, dev, mode, strategy.name)
@@ -175,10 +176,10 @@ def search(
             trials=list(trials), fit=fit_line(trials), recommendation=None,
             capacity_bytes=capacity, budget_bytes=cfg.budget, stopped_because=stopped,
             seconds=time.perf_counter() - t0, config=cfg.to_dict(),
-            size_name=getattr(fn, "knob", None) or "batch_size",
+            size_name=knob_of(fn),
             limit=guard.to_dict() if guard is not None else None)
 
-    steps = cfg.steps_per_trial or int(getattr(fn, "steps_per_trial", 1) or 1)
+    steps = cfg.steps_per_trial or steps_of(fn)
 
     def run_phase(proposer: Strategy, phase: list[Trial], run: Callable[[int, int], Trial],
                   trial_mode: str) -> str:
@@ -313,8 +314,7 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device,
         # (docs/measurements.md#free-heap-at-budget-entry); the RAM guard's peaks
         # read 0 for trials that such heap served.
         return_freed_memory_to_os()
-    if hasattr(fn, "warmup"):
-        fn.warmup()
+    warm_up(fn)
     stack.enter_context(gc_frozen())  # the warmed-up objects are never a trial's garbage
     if cfg.budget is not None:
         stack.enter_context(memory_budget(cfg.budget, dev))

@@ -13,24 +13,15 @@ its peak in the units the memory limit counts (``limit_peak_bytes``, against
 ``headroom_bytes``: what the limit left at its start), which is what a search
 predicts the maximum from, and its throughput after the first step.
 
-Worst-case data. A workload whose memory depends on its data (variable-length
-sequences: a batch of short samples costs less than one of long samples) can
-offer ``worst_case_batch(size)``: the batch of ``size`` items that costs the
-most memory (every sample at the longest length). A trial then builds that
-batch in each step, inside the measured region (the batch is part of what the
-real run holds), and calls the workload with it as a keyword argument::
-
-    fn(size, batch=fn.worst_case_batch(size))
-
-so a search never passes a size on a lucky batch of short samples. A workload
-without ``worst_case_batch`` is called ``fn(size)``, as before; the executor's
-real run (:mod:`~oomguard.engine.core.execute.executor`) always calls ``fn(size)``.
-:attr:`Trial.worst_case` records which of the two a trial ran.
+Worst-case data. A workload with ``worst_case_batch(size)`` (the workload protocol,
+:mod:`~oomguard.engine.core.workload`) is called ``fn(size, batch=fn.worst_case_batch(size))``
+in each step, the batch built inside the measured region (the real run holds its batch
+too), so a search never passes a size on a lucky batch of short samples; the executor's
+real run always calls ``fn(size)``. :attr:`Trial.worst_case` records which a trial ran.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -40,7 +31,7 @@ import torch
 
 from oomguard.engine.core.memory.budget import active_budget, headroom_bytes, tighten_active_budget
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom, release_memory
-from oomguard.engine.errors import UsageError
+from oomguard.engine.core.workload import worst_case_maker
 from oomguard.engine.util.jsonable import to_jsonable
 from oomguard.probes.peak import PeakMeter
 
@@ -98,35 +89,15 @@ class Trial:
         return out
 
 
-class RebuiltInChild:
-    """Mixin for picklable workloads whose ``warmup()`` fills ``self._state``.
-
-    What warmup built (model, data, optimizer) is dropped from the pickle, so
-    an isolated trial ships only the workload's description and rebuilds the
-    rest in the child, where the budget must not count it.
-    """
-
-    _state: dict[str, Any]
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_state"] = {}
-        return state
-
-
 def run_trial(
     fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
     guard: RamGuard | None = None, steps: int = 1,
 ) -> Trial:
     """Run ``fn(size)`` ``steps`` times in this process and measure it.
 
-    If ``fn`` has ``worst_case_batch``, each step instead runs
-    ``fn(size, batch=fn.worst_case_batch(size))``: the batch is built anew in
-    every step, inside the measured region, so its bytes count in the step's
-    peak and its building in the step's seconds, as a data loader's batch does
-    in the real run (see the module docstring). A ``fn`` with
-    ``worst_case_batch`` whose call takes no ``batch`` keyword raises
-    :class:`UsageError` before anything runs.
+    With ``worst_case_batch`` (module docstring), each step builds its batch anew,
+    inside the measured region: its bytes count in the step's peak and its building in
+    the step's seconds, as a data loader's batch does in the real run.
 
     Memory is released before the trial so the peak starts from a clean
     baseline. Raises whatever ``fn`` raises unless it is an OOM (an OOM in any
@@ -192,32 +163,6 @@ def run_trial(
     rate = size * len(timed) / sum(timed) if sum(timed) > 0 else None
     return Trial(ok=True, peak_bytes=peak, value=to_jsonable(result), limit_peak_bytes=limit_peak,
                  items_per_second=rate, **common)
-
-
-def worst_case_maker(fn: Callable[..., Any]) -> Callable[[int], Any] | None:
-    """``fn.worst_case_batch`` if ``fn`` offers one, else None (``fn`` is called ``fn(size)``).
-
-    Raises :class:`UsageError` when ``worst_case_batch`` is not callable, or when
-    ``fn``'s signature shows that it takes no ``batch`` keyword: a trial would
-    otherwise fail at its first step, after the warm-up, with a bare TypeError.
-    """
-    maker = getattr(fn, "worst_case_batch", None)
-    if maker is None:
-        return None
-    name = getattr(fn, "name", None) or getattr(fn, "__name__", type(fn).__name__)
-    if not callable(maker):
-        raise UsageError(f"{name}: worst_case_batch must be a method worst_case_batch(size) "
-                         f"returning a batch, got {type(maker).__name__}")
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a builtin): let the call tell
-        return maker
-    if not any(p.name == "batch" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-               or p.kind == p.VAR_KEYWORD for p in params):
-        raise UsageError(f"{name} has worst_case_batch(size), so trials call it "
-                         f"fn(size, batch=fn.worst_case_batch(size)); its call takes no "
-                         f"'batch' argument: add one (batch=None: build the batch yourself)")
-    return maker
 
 
 def _limit_units(meter: PeakMeter, budgeted: bool, guard: RamGuard | None) -> str | None:

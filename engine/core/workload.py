@@ -1,0 +1,155 @@
+"""The workload protocol: what oomguard asks of the work it sizes, runs and estimates.
+
+A workload is any callable ``fn(size)`` (:class:`Workload`) that runs the work once at
+``size`` items (samples, a micro-batch, a chunk: whatever its memory knob counts) and
+returns a small result (recorded as plain JSON). That is all
+:func:`~oomguard.engine.core.search.search.search`, the
+:class:`~oomguard.engine.core.execute.executor.Executor` and
+:func:`~oomguard.engine.core.estimate.estimate.estimate` need. Everything below is
+optional; where a helper is named, oomguard reads the hook only through it. The built-in
+metrics and training step are workloads of this protocol like any other.
+
+Attributes:
+
+- ``name`` (str): the name in reports, logs and the size cache (default: ``__name__``,
+  else the class name). :func:`name_of`
+- ``knob`` (str): what ``size`` is called in reports (default ``batch_size``). :func:`knob_of`
+- ``steps_per_trial`` (int): calls per search trial at one size (default 1; the training
+  step's 2 are the first optimizer step and a steady one). :func:`steps_of`
+- ``preload`` (module names): what an isolated trial's forkserver imports once, before any
+  child starts (default none). :func:`preload_of`
+
+Methods:
+
+- ``warmup()``: called once per process before the budget and the first trial (a search in
+  this process, each isolated child, an estimate's copy under fake tensors; never by the
+  executor). Build the model and data here: a trial's peak then counts only what one call
+  adds. :func:`warm_up`
+- ``worst_case_batch(size)``: the batch of ``size`` items that costs the most memory
+  (every sample at the longest length). Each trial step then calls
+  ``fn(size, batch=fn.worst_case_batch(size))``, building it inside the measured step, so
+  a search never passes on a lucky short batch; the executor's real run still calls
+  ``fn(size)``. :func:`worst_case_maker`
+- ``estimate_peak(size, device) -> int``: the workload's own estimate of its peak at
+  ``size`` on ``device`` (where the estimate is made: ``"cpu"``, ``"cuda:0"``), in bytes
+  above what existed before the call; an estimate then runs nothing. :func:`own_estimate`
+- ``for_estimate(device) -> workload``: the copy an estimate runs instead, under fake
+  tensors on ``device`` (typically one whose ``warmup()`` builds the model with
+  :func:`fake_module`). :func:`estimate_copy`
+- The executor's ``on_oom`` remedies (:mod:`~oomguard.engine.core.execute.remedies`):
+  ``tolerates_lower_precision = True`` with ``at_precision(dtype) -> workload``, and
+  ``on_device(device) -> workload``.
+
+Rebuilding in a child: an isolated trial pickles the workload into a fresh process and
+calls its ``warmup()`` there. A workload that keeps what ``warmup()`` built in
+``self._state`` and derives from :class:`RebuiltInChild` ships only its description.
+
+Inside an estimate, a workload may call what the estimator implements:
+:func:`shortcut` (run once a step it repeats identically), :func:`host_device` (where
+host-side bookkeeping goes) and :func:`fake_module` (a model with no weights).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from oomguard.engine.core.estimate.estimate import fake_module, host_device, shortcut
+from oomguard.engine.errors import UsageError
+
+__all__ = ["RebuiltInChild", "Workload", "estimate_copy", "fake_module", "host_device",
+           "knob_of", "name_of", "own_estimate", "preload_of", "shortcut", "steps_of",
+           "warm_up", "worst_case_maker"]
+
+
+class Workload(Protocol):
+    """Runs the work once at ``size`` items; returns a small result (module docstring)."""
+
+    def __call__(self, size: int, /) -> Any: ...
+
+
+class RebuiltInChild:
+    """Mixin for picklable workloads whose ``warmup()`` fills ``self._state``.
+
+    What warmup built (model, data, optimizer) is dropped from the pickle, so
+    an isolated trial ships only the workload's description and rebuilds the
+    rest in the child, where the budget must not count it.
+    """
+
+    _state: dict[str, Any]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_state"] = {}
+        return state
+
+
+def name_of(fn: Any) -> str:
+    """The workload's ``name``, else its ``__name__``, else its class name."""
+    return getattr(fn, "name", None) or getattr(fn, "__name__", type(fn).__name__)
+
+
+def knob_of(fn: Any) -> str:
+    """What the workload's size is called: its ``knob``, else ``batch_size``."""
+    return getattr(fn, "knob", None) or "batch_size"
+
+
+def steps_of(fn: Any) -> int:
+    """Calls per search trial: the workload's ``steps_per_trial``, else 1."""
+    return int(getattr(fn, "steps_per_trial", 1) or 1)
+
+
+def preload_of(fn: Any) -> tuple[str, ...]:
+    """The modules the workload's ``preload`` names (none by default)."""
+    return tuple(getattr(fn, "preload", ()))
+
+
+def _method(fn: Any, hook: str, signature: str) -> Callable[..., Any] | None:
+    """``fn``'s method ``hook``, or None when it has none (or it is None); :class:`UsageError`
+    when it is something that cannot be called."""
+    method = getattr(fn, hook, None)
+    if method is not None and not callable(method):
+        raise UsageError(f"{name_of(fn)}: {hook} must be a method {signature}, "
+                         f"got {type(method).__name__}")
+    return method
+
+
+def warm_up(fn: Any) -> None:
+    """Call the workload's ``warmup()``, if it has one."""
+    method = _method(fn, "warmup", "warmup()")
+    if method is not None:
+        method()
+
+
+def worst_case_maker(fn: Any) -> Callable[[int], Any] | None:
+    """``fn.worst_case_batch`` if ``fn`` offers one, else None (``fn`` is called ``fn(size)``).
+
+    Raises :class:`UsageError` when ``worst_case_batch`` is not callable, or when
+    ``fn``'s signature shows that it takes no ``batch`` keyword: a trial would
+    otherwise fail at its first step, after the warm-up, with a bare TypeError.
+    """
+    maker = _method(fn, "worst_case_batch", "worst_case_batch(size) returning a batch")
+    if maker is None:
+        return None
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call tell
+        return maker
+    if not any(p.name == "batch" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               or p.kind == p.VAR_KEYWORD for p in params):
+        raise UsageError(f"{name_of(fn)} has worst_case_batch(size), so trials call it "
+                         f"fn(size, batch=fn.worst_case_batch(size)); its call takes no "
+                         f"'batch' argument: add one (batch=None: build the batch yourself)")
+    return maker
+
+
+def own_estimate(fn: Any) -> Callable[[int, str], int] | None:
+    """The workload's ``estimate_peak(size, device)`` (bytes), or None."""
+    return _method(fn, "estimate_peak", "estimate_peak(size, device) returning bytes")
+
+
+def estimate_copy(fn: Any, device: str) -> Any:
+    """What an estimate on ``device`` runs: ``fn.for_estimate(device)``, else ``fn`` itself."""
+    method = _method(fn, "for_estimate", "for_estimate(device) returning a workload")
+    return fn if method is None else method(device)
