@@ -1,36 +1,16 @@
-"""Which device a command runs on, and the budget its trials run under."""
+"""The budget a command's trials run under (the device is resolved by
+:func:`oomguard.probes.device.resolve_device`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from oomguard.engine.errors import UsageError
 from oomguard.engine.util.units import parse_size
-from oomguard.probes.probe import parse_device
 
 if TYPE_CHECKING:
     import torch
 
 DEFAULT_CPU_BUDGET = "2GiB"
-
-
-def resolve_device(name: str) -> torch.device:
-    """Check that ``name`` is a device this machine has; UsageError saying what to do otherwise."""
-    try:
-        parse_device(name)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    import torch  # why: only commands that run work on a device need torch
-
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {name}: no CUDA GPU is available here; use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise UsageError(f"--device {name}: MPS is not available here; use --device cpu")
-    return dev
 
 
 def default_budget(dev: torch.device, given: int | None) -> int | None:

@@ -1,4 +1,6 @@
-"""The options every search command shares (``bench``, ``search``) and the one
+"""The options the commands share, each defined once: the workload options (``--model``,
+``--dtype``, ``--seq-len``, ``--samples``, ``--metric``, ``--knob``) and the search options
+(``bench``, ``search``, ``reference``) with the one
 :class:`~oomguard.engine.core.search.search.SearchConfig` they become, checked before any model
 is built; the argument types that give one-line errors for bad sizes and counts."""
 
@@ -15,6 +17,19 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_STEP = 8  # the E10 routine's increment
+REQUIRED = "required"  # a workload option's "default" when the command needs it given
+
+# dest: (type, help); --seq-len and --samples are checked by check_workload, not by their
+# type, so that a command whose default depends on the workload (estimate) says it as one line
+_WORKLOAD: dict[str, tuple[Any, str]] = {
+    "metric": (str, "metric name (see `oomguard metrics`)"),
+    "knob": (str, "one memory knob of the metric"),
+    "model": (str, "built-in name (tiny-gpt2, ...), MODEL_TYPE:key=value,... or a local "
+                   "checkpoint folder"),
+    "dtype": (str, "float32, bfloat16, float16 or float64"),
+    "seq_len": (int, "tokens per sample"),
+    "samples": (int, "samples the metric sees, result-defining"),
+}
 
 
 def positive_int(text: str) -> int:
@@ -46,6 +61,29 @@ def size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_workload_options(p: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Add the workload options named by ``defaults``, each with its default:
+    ``seq_len=128`` adds ``--seq-len``, default 128; :data:`REQUIRED` makes one required;
+    ``(default, note)`` puts ``note`` in its help instead of the default."""
+    group = p.add_argument_group("workload")
+    for dest, default in defaults.items():
+        kind, text = _WORKLOAD[dest]
+        default, note = default if isinstance(default, tuple) else (default, f"default {default}")
+        required = default == REQUIRED
+        group.add_argument(f"--{dest.replace('_', '-')}", type=kind, required=required,
+                           default=None if required else default,
+                           help=text if required else f"{text} ({note})")
+
+
+def check_workload(args: argparse.Namespace) -> None:
+    """UsageError (one line) for a ``--seq-len`` or ``--samples`` that is given and not a
+    positive integer."""
+    for dest in ("seq_len", "samples"):
+        value = getattr(args, dest, None)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{dest.replace('_', '-')} must be a positive integer, got {value}")
 
 
 def strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size: int) -> Any:
