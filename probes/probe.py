@@ -17,6 +17,7 @@ from typing import Any
 from oomguard.probes import host, nvml
 from oomguard.probes.device import parse_device
 
+
 @dataclass
 class MemorySnapshot:
     """Memory of one device at one moment, in bytes.
