@@ -2,7 +2,7 @@
 running it (fake tensors: no weights, no activations; see
 :mod:`oomguard.engine.core.estimate.estimate`). Every figure printed is an estimate, and says so.
 
-No torch or engine import at module level: ``oomguard --help`` must stay fast.
+No torch import at module level: ``oomguard estimate --help`` stays fast.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ workload they searched in ``report.json`` (``context.workload_spec``), and this 
 rebuilds it from there. What it finds is printed, written to ``verify.json`` beside the
 report (atomically), and is the exit code: 0 when every step fitted, 1 on an OOM.
 
-No torch or engine import at module level: ``oomguard --help`` must stay fast.
+No torch import at module level: ``oomguard verify --help`` stays fast.
 """
 
 from __future__ import annotations
