@@ -13,14 +13,9 @@ The names users write against, re-exported from the packages that hold them::
 
     oomguard.accumulate(step_fn, batch, params=model)  # micro-batches, same gradients
 
-The rest is in namespaces: :mod:`oomguard.strategies` (search strategies),
-:mod:`oomguard.retry` (retry policies), :mod:`oomguard.errors` (the whole exception
-tree), :mod:`oomguard.results` (what the calls return), :mod:`oomguard.memory` (OOM
-classification, the RAM guard, sizes) and :mod:`oomguard.training` (the accumulator
-and size statistics).
-
-Names are resolved on first use (PEP 562), so ``import oomguard`` and
-``oomguard --help`` do not pay for importing torch.
+The rest is in namespaces: ``strategies``, ``retry``, ``errors`` (the whole tree),
+``results`` (what the calls return), ``memory`` and ``training``. Names are resolved on
+first use (PEP 562): ``import oomguard`` and ``oomguard --help`` import no torch.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Device names, read in one place: ``cpu``, ``cuda``, ``cuda:N`` and ``mps``.
-
-:func:`parse_device` needs no torch (``oomguard probe`` on a CPU answers without it);
-:func:`resolve_device` gives the ``torch.device``, and with ``check`` whether this
-machine has it, as a command checks before any work.
-"""
+"""Device names, read in one place: ``cpu``, ``cuda``, ``cuda:N`` and ``mps``. Parsing
+needs no torch (``oomguard probe`` on a CPU answers without it); resolving imports it."""
 
 from __future__ import annotations
 
@@ -19,11 +15,8 @@ _DEVICE = re.compile(r"^(?:(cpu|mps)|(cuda)(?::(\d+))?)$")
 
 
 def parse_device(device: Any) -> tuple[str, int | None]:
-    """``"cuda:1"`` -> ``("cuda", 1)``; a ``torch.device`` is read through ``str``.
-
-    Raises :class:`UsageError` (one line; a ``ValueError``) for anything but cpu, cuda,
-    cuda:N and mps.
-    """
+    """``"cuda:1"`` -> ``("cuda", 1)``, a ``torch.device`` read through ``str``; a one-line
+    :class:`UsageError` (a ``ValueError``) for anything but cpu, cuda, cuda:N and mps."""
     match = _DEVICE.match(str(device).strip())
     if match is None:
         raise UsageError(f"unknown device {str(device)!r}: use cpu, cuda, cuda:N or mps")
@@ -32,41 +25,21 @@ def parse_device(device: Any) -> tuple[str, int | None]:
 
 
 def resolve_device(device: Any = None, *, check: bool = False) -> torch.device:
-    """The ``torch.device`` that ``device`` names.
+    """The ``torch.device`` ``device`` names. None is the current CUDA device where this
+    process has a CUDA context, else the CPU; ``cuda`` gets the current index where this
+    process has a context (asking elsewhere would create one). ``check``: a GPU this
+    machine lacks is a one-line :class:`UsageError` saying what to do."""
+    import torch
 
-    None means the current CUDA device where this process has a CUDA context, else the
-    CPU; ``cuda`` without an index gets the current device's index where this process has
-    a context (asking elsewhere would create one). With ``check``, a GPU this machine
-    does not have is a :class:`UsageError` saying what to do, as is a name
-    :func:`parse_device` refuses.
-    """
-    import torch  # why: parsing a name needs no torch; a device object does
-
-    if device is None:
-        return _current_cuda() or torch.device("cpu")
-    kind, index = parse_device(device)
-    if check:
-        _check_present(kind, index, str(device))
+    kind, index = parse_device(device) if device is not None else ("cuda", None)
+    if check and kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: no CUDA GPU is available here; use --device cpu")
+    if check and kind == "cuda" and index is not None and index >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
+    if check and kind == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {device}: MPS is not available here; use --device cpu")
     if kind == "cuda" and index is None:
-        return _current_cuda() or torch.device("cuda")
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu" if device is None else "cuda")
     return torch.device(kind, index)
-
-
-def _current_cuda() -> torch.device | None:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
-def _check_present(kind: str, index: int | None, name: str) -> None:
-    import torch
-
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {name}: no CUDA GPU is available here; use --device cpu")
-        if index is not None and index >= torch.cuda.device_count():
-            raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif kind == "mps" and not torch.backends.mps.is_available():
-        raise UsageError(f"--device {name}: MPS is not available here; use --device cpu")

@@ -4,7 +4,6 @@
 each handler returns the exit code: 0 all metrics done, 1 some failed (listed),
 2 a bad job file or arguments, 130/143 stopped by SIGINT/SIGTERM (what was
 done is kept; run the same command again to resume).
-``python -m oomguard.engine.cli.jobs ...`` runs them without the main CLI.
 
 Logging is set up here, never in the library: records at INFO and above go to
 stderr (:func:`~oomguard.engine.cli.logs.setup_logging`), and a job's records,
@@ -20,7 +19,6 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,20 +194,3 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print(f"{cache.path}: {len(entries)} entries")
         print(format_entries(entries))
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m oomguard.engine.cli.jobs run JOB.toml`` / ``cache show``: a command's
-    handler without the main CLI's logging and error policy."""
-    from oomguard.engine.cli.main import build_parser
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        args = build_parser(argv).parse_args(argv)
-    except SystemExit as exc:  # argparse: 2 on bad arguments, 0 for --help
-        return int(exc.code or 0)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

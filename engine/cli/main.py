@@ -70,7 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    args = build_parser(argv).parse_args(argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except SystemExit as exc:  # argparse: 0 after --help, 2 for bad arguments (said on stderr)
+        return int(exc.code or 0)
     # `run` reports its progress through the log; the other commands print results.
     quiet = logging.INFO if args.command == "run" else logging.WARNING
     setup_logging(logging.DEBUG if args.verbose else quiet)

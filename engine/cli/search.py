@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.cli.devices import budget_free_limit
 from oomguard.engine.cli.options import (
     REQUIRED,
     add_search_options,
     add_workload_options,
+    budget_free_limit,
     check_workload,
     confirmed,
     isolated,

@@ -1,7 +1,4 @@
-"""What a command shows while it works: :class:`Progress`, one for every command.
-
-No torch or engine import: ``oomguard --help`` must stay fast.
-"""
+"""Progress on stderr, one class for every command: a search's trials, a job's tasks."""
 
 from __future__ import annotations
 
@@ -25,17 +22,14 @@ def error_text(error: str | None) -> str:
 
 @dataclass
 class Progress:
-    """Progress on stderr, of a search's trials and of a job's tasks.
+    """Called with each trial of a search (its ``on_trial``): one line,
+    ``  batch     48  ok   peak 1.93 GiB  (5.60 s)``, ``label`` naming the size, ``fresh``
+    at the end of a trial run in a fresh child if ``mark_fresh``. Without a ``bar`` it
+    pickles, so a search run in another process takes it along.
 
-    Called with each trial of a search (its ``on_trial``): one line,
-    ``  batch     48  ok   peak 1.93 GiB  (5.60 s)``, where ``label`` names the size and
-    ``mark_fresh`` ends the lines of trials run in a fresh child with ``fresh``. Without a
-    ``bar`` it pickles, so a search run in another process takes it along.
-
-    A job's backend reports its tasks here: :meth:`finished` records a task's result in
-    ``results`` (written to ``results/`` by whoever ran it), advances ``bar`` (a tqdm bar
-    over ``n_tasks``) and logs its line; :meth:`show` puts a short status on the bar (the
-    Ray backend: running and retries per device).
+    A job's backend reports its tasks here: :meth:`finished` keeps a task's result in
+    ``results``, advances ``bar`` (tqdm, over ``n_tasks``) and logs a line; :meth:`show`
+    puts a short status on the bar (the Ray backend: running and retries per device).
     """
 
     label: str = "size"
@@ -61,10 +55,9 @@ class Progress:
 
     def finished(self, record: TaskResult) -> None:
         self.skipped(record)
-        final = ", ".join(f"{k}={v}" for k, v in
-                          ((record.sizes or {}).get("final") or {}).items()) or "-"
+        sizes = record.sizes or {}
+        final = ", ".join(f"{k}={v}" for k, v in (sizes.get("final") or {}).items()) or "-"
         if record.ok:
-            sizes = record.sizes or {}
             log.info("[%d/%d] %s: ok in %.1f s at %s (from %s, %d retries)", self.count,
                      self.n_tasks, record.task, record.seconds or 0.0, final,
                      sizes.get("source"), sizes.get("retries", 0))
