@@ -69,7 +69,7 @@ def main() -> None:
         return model(**micro).loss
 
     model(**make_batch(2, data)).loss.backward()  # warm-up before any budget
-    nbytes = oomguard.parse_size(args.budget) if args.budget not in ("0", "") else 0
+    nbytes = oomguard.memory.parse_size(args.budget) if args.budget not in ("0", "") else 0
 
     def limited() -> contextlib.AbstractContextManager:
         """The budget caps what forward and backward add (weights and AdamW state live outside)."""

@@ -64,7 +64,7 @@ def main() -> None:
         return total / len(x_val)
 
     step({"x": x_train[:2], "y": y_train[:2]}).backward()  # warm-up before the budget
-    nbytes = oomguard.parse_size(args.budget) if args.budget not in ("0", "") else 0
+    nbytes = oomguard.memory.parse_size(args.budget) if args.budget not in ("0", "") else 0
 
     def limited() -> contextlib.AbstractContextManager:
         """The budget caps what forward and backward may add (weights and optimizer state

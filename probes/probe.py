@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import sys
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any
 
 from oomguard.probes import host, nvml
-
-_DEVICE = re.compile(r"^(cpu|cuda|mps)(?::(\d+))?$")
+from oomguard.probes.device import parse_device
 
 
 @dataclass
@@ -193,20 +191,6 @@ def _mps_snapshot() -> MemorySnapshot:
     )
 
 
-def parse_device(device: Any) -> tuple[str, int | None]:
-    """``"cuda:1"`` -> ``("cuda", 1)``; a ``torch.device`` is read through ``str``.
-
-    Raises ``ValueError`` (one line) for anything but cpu, cuda, cuda:N and mps.
-    """
-    match = _DEVICE.match(str(device).strip())
-    if match is None:
-        raise ValueError(f"unknown device {str(device)!r}: use cpu, cuda, cuda:N or mps")
-    kind, index = match.group(1), match.group(2)
-    if index is not None and kind != "cuda":
-        raise ValueError(f"unknown device {str(device)!r}: use cpu, cuda, cuda:N or mps")
-    return kind, None if index is None else int(index)
-
-
 def probe(device: Any = "cpu") -> MemorySnapshot:
     """Measure the memory of ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``), in bytes.
 
@@ -214,8 +198,9 @@ def probe(device: Any = "cpu") -> MemorySnapshot:
     usage) with this process's allocator counters in ``extra`` (``allocated``,
     ``reserved``, ``peak_allocated``, ``peak_reserved``); ``sources`` names
     where each figure came from. Never raises for a missing GPU or driver: the
-    snapshot has ``available=False`` and a ``reason``. Raises ``ValueError``
-    (one line) for any other device string.
+    snapshot has ``available=False`` and a ``reason``. Raises
+    :class:`~oomguard.engine.errors.UsageError` (one line; a ``ValueError``) for any
+    other device string.
     """
     kind, index = parse_device(device)
     if kind == "cpu":

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.engine.cli.jobs import JobLog, main
+from oomguard.engine.cli.jobs import JobLog
+from oomguard.engine.cli.main import main
 from oomguard.engine.errors import CacheError
 from oomguard.engine.jobs.cache import (
     SizeCache,

@@ -224,9 +224,9 @@ def test_a_full_disk_is_one_line_naming_the_path_and_keeps_every_result(tmp_path
 def test_ctrl_c_while_starting_is_one_line_and_exit_code_130(monkeypatch, capsys):
     from oomguard.engine.cli import jobs
 
-    def interrupted(sub):
+    def interrupted(parser):
         raise KeyboardInterrupt  # Ctrl-C while `oomguard run` imports and builds its parser
 
-    monkeypatch.setattr(jobs, "register", interrupted)
+    monkeypatch.setattr(jobs, "add_run", interrupted)
     assert main(["run", "job.toml"]) == 130
     assert capsys.readouterr().err == "oomguard: interrupted\n"

@@ -54,8 +54,8 @@ def test_the_cli_confirm_flag_reaches_the_search_config() -> None:
 
 
 def test_an_answer_that_does_not_fit_fresh_is_followed_down_by_1_2_4_not_halved() -> None:
-    from oomguard import Trial
     from oomguard.engine.core.search.strategies import Confirm
+    from oomguard.results import Trial
 
     def oom(size: int) -> Trial:
         return Trial(size, False, None, 0.0, headroom_bytes=50_000_000)

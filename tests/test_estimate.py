@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from oomguard.engine.cli.estimate import add_parser, parse_sizes
+from oomguard.engine.cli.estimate import parse_sizes
+from oomguard.engine.cli.main import build_parser
 from oomguard.engine.core.estimate.estimate import LABEL, estimate
 from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.errors import UsageError
@@ -151,9 +152,7 @@ def test_bad_sizes_and_devices_are_usage_errors(sizes, device):
 
 
 def _cli(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="oomguard")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["estimate", *argv])
+    return build_parser(["estimate"]).parse_args(["estimate", *argv])
 
 
 @pytest.mark.parametrize("argv, words", [

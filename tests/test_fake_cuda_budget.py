@@ -205,7 +205,7 @@ def test_fake_windows_budget_imports_without_resource_and_says_why_no_cpu_budget
     import importlib.util
     import sys
 
-    from oomguard.engine.cli.devices import default_budget
+    from oomguard.engine.cli.options import default_budget
     from oomguard.engine.errors import BudgetError
 
     monkeypatch.setitem(sys.modules, "resource", None)  # `import resource` raises ImportError

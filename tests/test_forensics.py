@@ -118,7 +118,7 @@ def test_job_results_and_report_carry_the_oom_events(tmp_path: Path) -> None:
                    'budget = "64MiB"\n[data]\nseq_len = 8\nn_samples = 2\n[search]\n'
                    'enabled = false\n[[metrics]]\nname = "test_two_blocks"\n'
                    '[[metrics]]\nname = "loss"\n', encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "oomguard.engine.cli.jobs", "run", str(job),
+    done = subprocess.run([sys.executable, "-m", "oomguard", "run", str(job),
                            "--cache", str(tmp_path / "cache.json"), "--snapshot-on-oom"],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr

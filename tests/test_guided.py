@@ -17,10 +17,12 @@ from typing import Any
 import torch
 from conftest import in_fresh_process
 
-from oomguard import Guided, Trial, search
+from oomguard import search
 from oomguard.engine.core.search.strategies import E10, bracket
 from oomguard.metrics.synthetic import e10_line
 from oomguard.metrics.train_step import TrainStep
+from oomguard.results import Trial
+from oomguard.strategies import Guided
 
 MiB = 1024**2
 

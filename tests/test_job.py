@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from oomguard.engine.cli.jobs import JobLog, main
+from oomguard.engine.cli.jobs import JobLog
+from oomguard.engine.cli.main import main
 from oomguard.engine.jobs.data import load_data
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.jobs.records import Task, TaskResult
@@ -80,7 +81,7 @@ def test_example_is_package_data() -> None:
 @pytest.mark.integration
 def test_example_needs_no_torch() -> None:
     """``oomguard run --example`` (and ``--help``) must not pay for importing torch."""
-    code = ("import sys\nfrom oomguard.engine.cli.jobs import main\n"
+    code = ("import sys\nfrom oomguard.engine.cli.main import main\n"
             "assert main(['run', '--example']) == 0\nsys.stdout.write(str('torch' in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=True)

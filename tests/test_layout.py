@@ -102,7 +102,9 @@ def test_import_oomguard_and_help_and_probe_load_no_torch(tmp_path: Path):
     done = python("""
         import sys
         import oomguard
-        from oomguard.engine.cli.main import build_parser, cmd_probe
+        assert oomguard.errors.NoSizeFits.__name__ == "NoSizeFits"  # the tree needs no torch
+        from oomguard.engine.cli.main import build_parser
+        from oomguard.engine.cli.probe import cmd_probe
         build_parser().format_help()
         before = "torch" in sys.modules
         from oomguard.probes import nvml
@@ -120,14 +122,64 @@ def test_import_oomguard_and_help_and_probe_load_no_torch(tmp_path: Path):
         assert after == "False"
 
 
-def test_public_face_exports_exactly_its_documented_names():
+TOP_LEVEL = {
+    "probe", "budget", "search", "SearchConfig", "verify", "estimate", "Executor", "adaptive",
+    "find_executable_batch_size", "accumulate", "stats", "write_report", "is_oom",
+    "release_memory", "OomguardError", "UsageError", "ExecutionFailed", "SearchFailed",
+    "NoExecutableBatchSize",
+}
+NAMESPACES = {
+    "strategies": {"E10", "Doubling", "Guided", "LinearJump"},
+    "retry": {"Halve", "ReduceWith"},
+    "results": {"SearchResult", "Trial", "LinearFit", "Recommendation", "Estimate",
+                "MemorySnapshot", "Budget"},
+    "memory": {"OOM", "call_catching_oom", "RamGuard", "parse_size", "probe_all", "PeakMeter"},
+    "training": {"Accumulator", "reset_stats"},
+}
+# The 49 names the top level exported before it shrank: each is still public somewhere.
+FORMER = {
+    "MemorySnapshot", "PeakMeter", "probe", "probe_all", "OomguardError", "UsageError",
+    "BudgetError", "ExecutionFailed", "NoExecutableBatchSize", "NoProgress", "RestartNeeded",
+    "SearchFailed", "NoSizeFits", "TrialFailed", "IsolationError", "ChildStartFailed",
+    "ChildCrashed", "CollectiveMismatch", "RamLimitReached", "OOM", "call_catching_oom",
+    "is_oom", "release_memory", "Budget", "budget", "parse_size", "Trial", "E10", "Doubling",
+    "Guided", "LinearJump", "LinearFit", "Recommendation", "SearchResult", "search",
+    "SearchConfig", "RamGuard", "Estimate", "estimate", "Executor", "Halve", "ReduceWith",
+    "adaptive", "find_executable_batch_size", "stats", "reset_stats", "Accumulator",
+    "accumulate", "write_report",
+}
+
+
+def test_public_face_is_about_20_names_and_namespaces_for_the_rest():
+    from oomguard.engine import errors as tree
+
     assert oomguard.__all__ == sorted(oomguard._EXPORTS)
+    assert set(oomguard.__all__) == TOP_LEVEL and len(TOP_LEVEL) <= 20
+    every_error = {name for name, value in vars(tree).items()
+                   if isinstance(value, type) and issubclass(value, tree.OomguardError)}
+    expected = NAMESPACES | {"errors": every_error}  # the whole exception tree
+    assert set(oomguard._NAMESPACES) == set(expected)
+    for space, names in expected.items():
+        module = getattr(oomguard, space)
+        assert set(module.__all__) == names, space
+        for name in names:
+            value = getattr(module, name)
+            assert getattr(value, "__name__", name) == name, f"{space}.{name}"
     for name in oomguard.__all__:
         value = getattr(oomguard, name)
-        assert getattr(value, "__name__", name) == name or name in ("OOM",), name
-    assert set(dir(oomguard)) >= set(oomguard.__all__)
+        assert getattr(value, "__name__", name) == name, name
+    public = set(oomguard.__all__).union(*expected.values())
+    assert FORMER <= public, sorted(FORMER - public)
+    assert set(dir(oomguard)) >= set(oomguard.__all__) | set(expected)
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
         _ = oomguard.nonsense
+
+
+def test_static_checkers_see_every_public_name():
+    tree = ast.parse((ROOT / "oomguard" / "__init__.py").read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If))  # if TYPE_CHECKING
+    seen = {alias.asname for node in block.body for alias in node.names}
+    assert seen == set(oomguard.__all__) | set(oomguard._NAMESPACES)
 
 
 def _modules() -> list[Path]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import in_fresh_process
 
-from oomguard import Guided, Trial, search
+from oomguard import search
 from oomguard.engine.cli.main import main
 from oomguard.engine.core.search.fit import (
     DEFAULT_MARGIN,
@@ -24,6 +24,8 @@ from oomguard.engine.core.search.fit import (
 )
 from oomguard.engine.core.search.search import verify
 from oomguard.engine.errors import UsageError
+from oomguard.results import Trial
+from oomguard.strategies import Guided
 
 MiB = 1024**2
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from oomguard.engine.cli.main import probe_table
+from oomguard.engine.cli.probe import probe_table
 from oomguard.probes import PeakMeter, nvml, probe, probe_all
 from oomguard.probes import cuda as cuda_backend
 from oomguard.probes.host import proc_status

@@ -17,13 +17,16 @@ import pytest
 import torch
 from conftest import in_fresh_process
 
-from oomguard import RamGuard, RamLimitReached, SearchConfig, Trial, is_oom, search
+from oomguard import SearchConfig, is_oom, search
 from oomguard.engine.core.memory.ramguard import Watchdog
 from oomguard.engine.core.search.fit import fit_line
 from oomguard.engine.core.search.strategies import Doubling
 from oomguard.engine.core.search.trial import run_trial
 from oomguard.engine.errors import UsageError
+from oomguard.errors import RamLimitReached
+from oomguard.memory import RamGuard
 from oomguard.reports import write_report
+from oomguard.results import Trial
 
 MiB = 1024**2
 CHUNK = 10 * MiB  # one item: ten MiB, in its own mmap'd block, touched

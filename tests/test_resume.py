@@ -81,7 +81,7 @@ def _job(tmp_path: Path, body: str, name: str = "job.toml", seq_len: int = 8,
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "oomguard.engine.cli.jobs", *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "oomguard", *args], cwd=ROOT,
                             env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

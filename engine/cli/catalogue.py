@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from oomguard.engine.cli.options import add_workload_options
 from oomguard.engine.util.jsonable import json_text
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``metrics`` command to the CLI's subcommands."""
-    p = subparsers.add_parser(
-        "metrics", help="list the metrics, their knobs and what they scale with",
-        description="Every metric with its knobs (a few seconds). With --model, whether "
-                    "each metric supports that model, and why not (from its config only: "
-                    "no weights are built).")
-    p.add_argument("--model", default=None, metavar="SPEC",
-                   help="a model spec (tiny-gpt2, gpt2:n_layer=2,..., a checkpoint folder): "
-                        "say which metrics support it")
+def add_metrics(p: argparse.ArgumentParser) -> None:
+    p.description = ("Every metric with its knobs (a few seconds). With --model, whether each "
+                     "metric supports that model, and why not (from its config only: no "
+                     "weights are built).")
+    add_workload_options(p, model=(None, "say which metrics support it"))
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.set_defaults(func=cmd_metrics)
 

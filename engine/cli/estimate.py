@@ -2,7 +2,7 @@
 running it (fake tensors: no weights, no activations; see
 :mod:`oomguard.engine.core.estimate.estimate`). Every figure printed is an estimate, and says so.
 
-No torch or engine import at module level: ``oomguard --help`` must stay fast.
+No torch import at module level: ``oomguard estimate --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -11,33 +11,26 @@ import argparse
 import sys
 from typing import Any
 
+from oomguard.engine.cli.options import add_workload_options, check_workload
 from oomguard.engine.errors import UsageError
 
 TRAIN_STEP = "train-step"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Add the ``estimate`` command to the CLI's subcommands."""
-    p = sub.add_parser(
-        "estimate", help="estimate peak memory at given sizes without running the work",
-        description="Estimate the peak memory a workload adds at each size (above its "
-                    "warmed-up state, as a search trial measures it) without running it: "
-                    "the model is built with no weights and the step runs on fake tensors, "
-                    "so a 7B model can be estimated on a laptop for a GPU it does not have. "
-                    "Estimates, not measurements.")
+def add_estimate(p: argparse.ArgumentParser) -> None:
+    p.description = ("Estimate the peak memory a workload adds at each size (above its "
+                     "warmed-up state, as a search trial measures it) without running it: "
+                     "the model is built with no weights and the step runs on fake tensors, "
+                     "so a 7B model can be estimated on a laptop for a GPU it does not have. "
+                     "Estimates, not measurements.")
     p.add_argument("--workload", default=TRAIN_STEP, metavar="train-step|METRIC",
                    help="train-step (forward, backward, AdamW; default) or a metric name "
                         "(see `oomguard metrics`)")
-    p.add_argument("--knob", default=None,
-                   help="the metric's memory knob the sizes set (default: its first)")
-    p.add_argument("--model", default="tiny-gpt2",
-                   help="built-in name, MODEL_TYPE:key=value,... or a local checkpoint dir "
-                        "(only its config is read)")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16, float64")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="sequence length (default 512 for train-step, 128 for a metric)")
-    p.add_argument("--samples", type=int, default=None,
-                   help="a metric's samples (result-defining; default 64)")
+    add_workload_options(p, knob=(None, "default: its first"),
+                         model=("tiny-gpt2", "default tiny-gpt2; only its config is read"),
+                         dtype="float32",
+                         seq_len=(None, "default 512 for train-step, 128 for a metric"),
+                         samples=(None, "a metric's; default 64"))
     p.add_argument("--sizes", required=True,
                    help="comma-separated sizes (batch size, or the knob's value), e.g. 1,8,32")
     p.add_argument("--device", default="cpu",
@@ -66,17 +59,11 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _positive(name: str, value: int | None) -> None:
-    if value is not None and value <= 0:
-        raise UsageError(f"{name} must be a positive integer, got {value}")
-
-
 def build_workload(args: argparse.Namespace) -> Any:
     """The workload the options describe, every option checked (UsageError, one line)."""
     from oomguard.metrics.models import check_seq_len, model_config, parse_dtype
 
-    _positive("--seq-len", args.seq_len)
-    _positive("--samples", args.samples)
+    check_workload(args)
     parse_dtype(args.dtype)
     if args.workload == TRAIN_STEP:
         for option, value in (("--knob", args.knob), ("--samples", args.samples)):

@@ -1,10 +1,9 @@
 """``oomguard run`` and ``oomguard cache``: overnight jobs and the size cache.
 
-``register(subparsers)`` adds both subcommands to an argparse parser; each
-handler returns the exit code: 0 all metrics done, 1 some failed (listed),
+``add_run`` and ``add_cache`` fill in their parsers (the main CLI's table names them);
+each handler returns the exit code: 0 all metrics done, 1 some failed (listed),
 2 a bad job file or arguments, 130/143 stopped by SIGINT/SIGTERM (what was
 done is kept; run the same command again to resume).
-``python -m oomguard.engine.cli.jobs ...`` runs them without the main CLI.
 
 Logging is set up here, never in the library: records at INFO and above go to
 stderr (:func:`~oomguard.engine.cli.logs.setup_logging`), and a job's records,
@@ -20,7 +19,6 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,46 +46,43 @@ memory, budget) and workload (model config, dtype, sequence length, metric,
 result-defining parameters)."""
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``run`` and ``cache`` to ``subparsers``; each sets ``func(args) -> int``."""
-    run = subparsers.add_parser("run", help="run an overnight job file (resumable)",
-                                description=RUN_HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("job", nargs="?", help="the job file (TOML); see --example")
-    run.add_argument("--example", action="store_true",
-                     help="print a commented job file that runs as is, and exit")
-    run.add_argument("--out", metavar="DIR", help="output folder (overrides the job's output)")
-    run.add_argument("--cache", metavar="PATH",
-                     help="size cache file (default: sizes.json in the user cache folder)")
-    run.add_argument("--sizes", metavar="FILE",
-                     help="pin the sizes of a sizes.toml written by `oomguard reference` "
-                          "(for the same model, dtype, seq_len, device and budget); sizes "
-                          "the job file pins itself are kept")
-    run.add_argument("--no-search", action="store_true",
-                     help="never search: sizes from the cache, else the metric defaults")
-    run.add_argument("--json", action="store_true",
-                     help="print results.json to stdout when done")
-    run.add_argument("--snapshot-on-oom", action="store_true",
-                     help="CUDA: record allocation history and write an allocator snapshot "
-                          "at each OOM into <out>/snapshots/ (open it at "
-                          "pytorch.org/memory_viz); on CPU the OOM events say none was "
-                          "possible")
-    run.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
-                     help="run the metrics as Ray tasks, each on its own GPU (or CPU for a "
-                          "cpu job), sized for the device it lands on: on a local Ray "
-                          "instance with every GPU of this machine, or on the cluster at "
-                          "ADDRESS (HOST:PORT, or auto); needs pip install 'oomguard[ray]'")
-    run.add_argument("--force", action="store_true",
-                     help="use an output folder that holds another job's results: move "
-                          "them into <out>/moved-aside/ first")
-    run.set_defaults(func=cmd_run)
+def add_run(p: argparse.ArgumentParser) -> None:
+    p.description, p.formatter_class = RUN_HELP, argparse.RawDescriptionHelpFormatter
+    p.add_argument("job", nargs="?", help="the job file (TOML); see --example")
+    p.add_argument("--example", action="store_true",
+                   help="print a commented job file that runs as is, and exit")
+    p.add_argument("--out", metavar="DIR", help="output folder (overrides the job's output)")
+    p.add_argument("--cache", metavar="PATH",
+                   help="size cache file (default: sizes.json in the user cache folder)")
+    p.add_argument("--sizes", metavar="FILE",
+                   help="pin the sizes of a sizes.toml written by `oomguard reference` "
+                        "(for the same model, dtype, seq_len, device and budget); sizes "
+                        "the job file pins itself are kept")
+    p.add_argument("--no-search", action="store_true",
+                   help="never search: sizes from the cache, else the metric defaults")
+    p.add_argument("--json", action="store_true", help="print results.json to stdout when done")
+    p.add_argument("--snapshot-on-oom", action="store_true",
+                   help="CUDA: record allocation history and write an allocator snapshot "
+                        "at each OOM into <out>/snapshots/ (open it at "
+                        "pytorch.org/memory_viz); on CPU the OOM events say none was "
+                        "possible")
+    p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                   help="run the metrics as Ray tasks, each on its own GPU (or CPU for a "
+                        "cpu job), sized for the device it lands on: on a local Ray "
+                        "instance with every GPU of this machine, or on the cluster at "
+                        "ADDRESS (HOST:PORT, or auto); needs pip install 'oomguard[ray]'")
+    p.add_argument("--force", action="store_true",
+                   help="use an output folder that holds another job's results: move "
+                        "them into <out>/moved-aside/ first")
+    p.set_defaults(func=cmd_run)
 
-    cache = subparsers.add_parser("cache", help="show or clear the size cache",
-                                  description=CACHE_HELP)
-    cache.add_argument("action", choices=("show", "clear"), help="show the entries, or remove all")
-    cache.add_argument("--cache", metavar="PATH", help="size cache file (default: user cache)")
-    cache.add_argument("--json", action="store_true", help="machine-readable output")
-    cache.set_defaults(func=cmd_cache)
+
+def add_cache(p: argparse.ArgumentParser) -> None:
+    p.description = CACHE_HELP
+    p.add_argument("action", choices=("show", "clear"), help="show the entries, or remove all")
+    p.add_argument("--cache", metavar="PATH", help="size cache file (default: user cache)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_cache)
 
 
 class JobLog:
@@ -199,19 +194,3 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print(f"{cache.path}: {len(entries)} entries")
         print(format_entries(entries))
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m oomguard.engine.cli.jobs run JOB.toml`` / ``cache show``: the two subcommands alone."""
-    parser = argparse.ArgumentParser(prog="oomguard", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: 2 on bad arguments, 0 for --help
-        return int(exc.code or 0)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

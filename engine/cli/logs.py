@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 
 LOGGER = "oomguard"
@@ -71,9 +70,3 @@ def stop_logging_to(handler: logging.Handler) -> None:
     """Remove a handler that :func:`log_to_file` added, and close its file."""
     logging.getLogger(LOGGER).removeHandler(handler)
     handler.close()
-
-
-def error_text(error: str | None) -> str:
-    """An OOM's message for one terminal line: c10's "[enforce fail at alloc_cpu.cpp:127]
-    err == 0." prefix says nothing to users and is dropped."""
-    return re.sub(r"\[enforce fail at [^\]]*\][^.]*\.\s*", "", error or "")

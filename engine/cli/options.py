@@ -1,13 +1,14 @@
-"""The options every search command shares (``bench``, ``search``) and the one
+"""The options the commands share, each defined once: the workload options (``--model``,
+``--dtype``, ``--seq-len``, ``--samples``, ``--metric``, ``--knob``) and the search options
+(``bench``, ``search``, ``reference``) with the one
 :class:`~oomguard.engine.core.search.search.SearchConfig` they become, checked before any model
-is built; the argument types that give one-line errors for bad sizes and counts."""
+is built, and the budget its trials run under; the argument types that give one-line errors for bad sizes and counts."""
 
 from __future__ import annotations
 
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from oomguard.engine.cli.devices import default_budget
 from oomguard.engine.errors import UsageError
 from oomguard.engine.util.units import parse_size
 
@@ -15,6 +16,20 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_STEP = 8  # the E10 routine's increment
+DEFAULT_CPU_BUDGET = "2GiB"
+REQUIRED = "required"  # a workload option's "default" when the command needs it given
+
+# dest: (type, help); --seq-len and --samples are checked by check_workload, not by their
+# type, so that a command whose default depends on the workload (estimate) says it as one line
+_WORKLOAD: dict[str, tuple[Any, str]] = {
+    "metric": (str, "metric name (see `oomguard metrics`)"),
+    "knob": (str, "one memory knob of the metric"),
+    "model": (str, "built-in name (tiny-gpt2, ...), MODEL_TYPE:key=value,... or a local "
+                   "checkpoint folder"),
+    "dtype": (str, "float32, bfloat16, float16 or float64"),
+    "seq_len": (int, "tokens per sample"),
+    "samples": (int, "samples the metric sees, result-defining"),
+}
 
 
 def positive_int(text: str) -> int:
@@ -46,6 +61,29 @@ def size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_workload_options(p: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Add the workload options named by ``defaults``, each with its default:
+    ``seq_len=128`` adds ``--seq-len``, default 128; :data:`REQUIRED` makes one required;
+    ``(default, note)`` puts ``note`` in its help instead of the default."""
+    group = p.add_argument_group("workload")
+    for dest, default in defaults.items():
+        kind, text = _WORKLOAD[dest]
+        default, note = default if isinstance(default, tuple) else (default, f"default {default}")
+        required = default == REQUIRED
+        group.add_argument(f"--{dest.replace('_', '-')}", type=kind, required=required,
+                           default=None if required else default,
+                           help=text if required else f"{text} ({note})")
+
+
+def check_workload(args: argparse.Namespace) -> None:
+    """UsageError (one line) for a ``--seq-len`` or ``--samples`` that is given and not a
+    positive integer."""
+    for dest in ("seq_len", "samples"):
+        value = getattr(args, dest, None)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{dest.replace('_', '-')} must be a positive integer, got {value}")
 
 
 def strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size: int) -> Any:
@@ -114,6 +152,43 @@ def search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
                         margin=args.margin,
                         steps_per_trial=getattr(args, "steps_per_trial", None),
                         verify_steps=getattr(args, "verify_steps", 0), **timeout)
+
+
+def default_budget(dev: torch.device, given: int | None) -> int | None:
+    """The budget a search runs under: the one given; on CPU 2 GiB (None where the OS
+    cannot cap host memory); on CUDA None, so trials meet the device's own limit,
+    whatever the warm-up left free (a number probed before the warm-up counted the
+    model twice); on MPS the probed recommended working set left, since MPS's default
+    cap (1.7x that) lets a process swap before it runs out."""
+    if given is not None:
+        return given
+    if dev.type == "cpu":
+        from oomguard.engine.core.memory.budget import host_budgets_available
+
+        return parse_size(DEFAULT_CPU_BUDGET) if host_budgets_available() else None
+    if dev.type == "cuda":
+        return None
+    from oomguard.probes import probe
+
+    return probe(dev).free_bytes
+
+
+def budget_free_limit(device: str) -> str:
+    """What limits trials that run without a budget, in words, for the search's first line:
+    the device's own limit on a GPU; on the host, the RAM guard (a share of the available
+    RAM, estimated and not enforced), with why there is no budget."""
+    if not str(device).startswith("cpu"):
+        return "the device's own limit"
+    from oomguard.engine.core.memory.ramguard import DEFAULT_FRACTION
+    from oomguard.engine.util.units import fmt_bytes
+    from oomguard.probes import host
+
+    why = host.host_budget_unavailable() or "no budget given"
+    free = host.host_memory().get("free")
+    if not free:
+        return f"no budget ({why}; available RAM unknown: bounded by --max-size only)"
+    return (f"a RAM guard at {DEFAULT_FRACTION:.0%} of the RAM available after the warm-up "
+            f"({fmt_bytes(free)} now; estimated, not enforced; {why})")
 
 
 def add_search_options(p: argparse.ArgumentParser, start: int) -> None:

@@ -13,30 +13,30 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.cli.options import add_search_options, confirmed, positive_int, size
+from oomguard.engine.cli.options import (
+    add_search_options,
+    add_workload_options,
+    check_workload,
+    confirmed,
+    size,
+)
 from oomguard.engine.errors import UsageError
 
 DEFAULT_OUT = "oomguard-reference"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Add the ``reference`` command to the CLI's subcommands."""
-    p = sub.add_parser(
-        "reference", help="measure every metric's safe sizes on this device (a quick reference)",
-        description="Search every memory knob of every metric (the other knobs at their "
-                    "defaults) on one model, dtype and sequence length, and write "
-                    "reference.md, reference.json and sizes.toml (a ready [[metrics]] block "
-                    "for a job file, or `oomguard run JOB --sizes sizes.toml`). Answers go "
-                    "in the size cache: a second run reads them back without a trial, and a "
-                    "job with the same model, dtype, sequence length, device and budget "
-                    "takes its sizes from there. With the defaults, about 3 minutes on 2 "
-                    "CPU cores for the tiny GPT-2.")
-    p.add_argument("--model", default="tiny-gpt2", help="model spec (default tiny-gpt2)")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16, float64")
-    p.add_argument("--seq-len", type=positive_int, default=32,
-                   help="tokens per sample (default 32, as a job file's [data])")
-    p.add_argument("--samples", type=positive_int, default=8,
-                   help="samples every metric sees (default 8, as a job file's [data])")
+def add_reference(p: argparse.ArgumentParser) -> None:
+    p.description = ("Search every memory knob of every metric (the other knobs at their "
+                     "defaults) on one model, dtype and sequence length, and write "
+                     "reference.md, reference.json and sizes.toml (a ready [[metrics]] block "
+                     "for a job file, or `oomguard run JOB --sizes sizes.toml`). Answers go "
+                     "in the size cache: a second run reads them back without a trial, and a "
+                     "job with the same model, dtype, sequence length, device and budget "
+                     "takes its sizes from there. With the defaults, about 3 minutes on 2 "
+                     "CPU cores for the tiny GPT-2.")
+    add_workload_options(p, model="tiny-gpt2", dtype="float32",
+                         seq_len=(32, "default 32, as a job file's [data]"),
+                         samples=(8, "default 8, as a job file's [data]"))
     p.add_argument("--metrics", default=None, metavar="NAME,NAME",
                    help="only these metrics (default: every one, see `oomguard metrics`)")
     p.add_argument("--cache", metavar="PATH",
@@ -69,22 +69,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_reference(args: argparse.Namespace) -> int:
     """Measure the reference (or, with ``--estimate``, estimate it); exit 1 where nothing fits."""
+    check_workload(args)
     if getattr(args, "estimate", False):
         return cmd_estimate_reference(args)
     for option in ("gpu", "memory", "batches", "measured"):
         if getattr(args, option, None) is not None:
             raise UsageError(f"--{option} is for --estimate: add --estimate, or leave it out")
-    from oomguard.engine.cli.devices import resolve_device
-    from oomguard.engine.cli.main import Progress
     from oomguard.engine.cli.options import search_config
     from oomguard.engine.jobs.output import check_output_folder
+    from oomguard.engine.jobs.progress import Progress
     from oomguard.engine.jobs.reference import build_reference, sizes_toml
     from oomguard.engine.util.atomic import atomic_write, atomic_write_json
     from oomguard.metrics.models import check_seq_len, model_config
+    from oomguard.probes.device import resolve_device
     from oomguard.reports.reference import render_reference_markdown
 
     names = _metric_names(args.metrics)
-    dev = resolve_device(args.device or "cpu")
+    dev = resolve_device(args.device or "cpu", check=True)
     check_seq_len(model_config(args.model), args.seq_len)
     budget = search_config(args, dev, args.max_size).budget  # every option checked now
     out = Path(args.out)

@@ -7,7 +7,7 @@ workload they searched in ``report.json`` (``context.workload_spec``), and this 
 rebuilds it from there. What it finds is printed, written to ``verify.json`` beside the
 report (atomically), and is the exit code: 0 when every step fitted, 1 on an OOM.
 
-No torch or engine import at module level: ``oomguard --help`` must stay fast.
+No torch import at module level: ``oomguard verify --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.cli.logs import error_text
 from oomguard.engine.cli.options import positive_int
 from oomguard.engine.errors import UsageError
+from oomguard.engine.jobs.progress import error_text
 from oomguard.engine.util.units import fmt_bytes
 
 DEFAULT_STEPS = 10
@@ -70,15 +70,12 @@ def read_report(path: str | Path) -> tuple[Path, dict[str, Any]]:
     return file, doc
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Add the ``verify`` command to the CLI's subcommands."""
-    p = sub.add_parser(
-        "verify", help="run further steps at a report's recommended size and report any OOM",
-        description="Rebuild the workload a `bench` or `search` report searched and run "
-                    "further steps at its recommended size (or --size), on the same device, "
-                    "under the same budget and in the same mode as its trials. Prints what "
-                    "happened and writes verify.json beside the report; exit 0 when every "
-                    "step fitted, 1 on an out-of-memory.")
+def add_verify(p: argparse.ArgumentParser) -> None:
+    p.description = ("Rebuild the workload a `bench` or `search` report searched and run "
+                     "further steps at its recommended size (or --size), on the same device, "
+                     "under the same budget and in the same mode as its trials. Prints what "
+                     "happened and writes verify.json beside the report; exit 0 when every "
+                     "step fitted, 1 on an out-of-memory.")
     p.add_argument("report", help="the report folder (--out of bench/search) or its report.json")
     p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
                    help=f"steps to run (default {DEFAULT_STEPS})")
@@ -101,10 +98,10 @@ def _line(check: dict[str, Any], label: str) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from oomguard.engine.cli.devices import resolve_device
     from oomguard.engine.core.search.search import verify
     from oomguard.engine.util.atomic import atomic_write_json
     from oomguard.engine.util.jsonable import json_text
+    from oomguard.probes.device import resolve_device
 
     file, doc = read_report(args.report)
     result = doc["result"]
@@ -112,7 +109,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     size = args.size or (result["recommendation"] or {}).get("safe")
     if not isinstance(size, int) or size <= 0:
         raise UsageError(f"{file} recommends no size: give one with --size N")
-    dev = resolve_device(result["device"])
+    dev = resolve_device(result["device"], check=True)
     label = (result.get("size_name") or "batch_size").replace("_", " ")
     budget = result.get("budget_bytes")
     isolate = result.get("mode") in ("isolated", "confirmed")  # where the answer was found

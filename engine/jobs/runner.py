@@ -70,9 +70,9 @@ from oomguard.engine.jobs.output import (
     stale_reasons,
 )
 from oomguard.engine.jobs.plan import device_identity, plan
+from oomguard.engine.jobs.progress import Progress
 from oomguard.engine.jobs.records import (
     FAILED,
-    INTERRUPTED,
     PENDING,
     Context,
     Job,
@@ -135,34 +135,6 @@ class _Stop:
 
 def threading_main() -> bool:
     return threading.current_thread() is threading.main_thread()
-
-
-class Progress:
-    """Where a backend reports its tasks: the results so far, the bar, the log lines.
-
-    :meth:`finished` records a task's result (written to ``results/`` by whoever ran
-    it); :meth:`show` puts a short status on the bar (the Ray backend: running and
-    retries per device).
-    """
-
-    def __init__(self, n_tasks: int, bar: Any, results: dict[str, TaskResult]) -> None:
-        self.n, self.bar, self.results, self.count = n_tasks, bar, results, 0
-
-    def skipped(self, record: TaskResult) -> None:
-        """A result kept from an earlier run (its line is logged by the caller)."""
-        self.results[record.task] = record
-        self.count += 1
-        self.bar.update(1)
-
-    def finished(self, record: TaskResult) -> None:
-        self.skipped(record)
-        _log_record(self.count, self.n, record)
-
-    def interrupted(self, task: Task, run_id: str) -> None:
-        self.results[task.key] = TaskResult.placeholder(task, run_id, INTERRUPTED)
-
-    def show(self, text: str) -> None:
-        self.bar.set_postfix_str(text, refresh=True)
 
 
 class Sequential:
@@ -286,7 +258,7 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
     with _Stop() as stop:
         with tqdm(total=len(tasks), disable=not show, unit="metric", desc=job.name,
                   leave=True) as bar:
-            sink = Progress(len(tasks), bar, results)
+            sink = Progress(n_tasks=len(tasks), bar=bar, results=results)
             todo = []
             for i, task in enumerate(tasks, start=1):
                 done = read_result(out, task.key)
@@ -356,16 +328,6 @@ def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, Ta
                    failed=failed)
     journal.close()
     return code, summary["status"]
-
-
-def _log_record(i: int, n: int, r: TaskResult) -> None:
-    sizes = r.sizes or {}
-    final = ", ".join(f"{k}={v}" for k, v in (sizes.get("final") or {}).items()) or "-"
-    if r.ok:
-        log.info("[%d/%d] %s: ok in %.1f s at %s (from %s, %d retries)", i, n, r.task,
-                 r.seconds or 0.0, final, sizes.get("source"), sizes.get("retries", 0))
-    else:
-        log.error("[%d/%d] %s: FAILED: %s", i, n, r.task, r.reason)
 
 
 def format_outcome(outcome: Outcome) -> str:

@@ -240,7 +240,7 @@ def run(os_name: str, proc_root: str, bin_dir: str | None = None) -> dict:
     import torch
 
     from oomguard import search
-    from oomguard.engine.cli.devices import budget_free_limit, default_budget
+    from oomguard.engine.cli.options import budget_free_limit, default_budget
     from oomguard.engine.core.search.strategies import Doubling
 
     result = search(lambda n: torch.ones(n, 1024, 1024).sum().item(),

@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from oomguard.engine.core.execute.retry import Sizes
-from oomguard.engine.core.memory.forensics import resolve_device
 from oomguard.engine.core.memory.heap import free_heap_bytes
 from oomguard.engine.errors import (
     NoExecutableBatchSize,
@@ -54,6 +53,7 @@ from oomguard.engine.errors import (
 )
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
+from oomguard.probes.device import resolve_device
 from oomguard.probes.peak import cuda_async_backend
 
 if TYPE_CHECKING:  # the executor imports this module: no cycle at run time
@@ -193,7 +193,7 @@ def live_bytes(device: Any) -> tuple[int | None, str]:
 
 def device_kind(device: Any) -> str:
     """``cuda``, ``cpu``, ``mps``: None means CUDA where this process has a context, else CPU
-    (:func:`~oomguard.engine.core.memory.forensics.resolve_device`)."""
+    (:func:`~oomguard.probes.device.resolve_device`)."""
     return resolve_device(device).type
 
 

@@ -37,9 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from oomguard.engine.core.memory.heap import free_heap_bytes, return_freed_memory_to_os
-from oomguard.engine.errors import BudgetError
+from oomguard.engine.errors import BudgetError, UsageError
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
+from oomguard.probes.device import resolve_device
 from oomguard.probes.peak import held_bytes as gpu_held_bytes
 
 try:
@@ -130,23 +131,16 @@ def headroom_bytes(device: str | torch.device) -> int | None:
     return None
 
 
-def _device_str(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise BudgetError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps") from exc
-    if dev.type not in ("cpu", "cuda", "mps"):
-        raise BudgetError(f"budgets are supported on cpu, cuda and mps, not {dev.type!r}")
-    return dev
-
-
 def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.device:
     """Raise :class:`BudgetError` unless ``nbytes`` can be a budget on ``device``; return
     the device. The checks :func:`budget` makes on entry, for callers that apply the
     budget later or elsewhere (an isolated trial's child process)."""
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
         raise BudgetError(f"a budget must be a positive number of bytes, got {nbytes!r}")
-    dev = _device_str(device)
+    try:
+        dev = resolve_device(device)
+    except UsageError as exc:  # a budget's bad input is a BudgetError, whatever it is
+        raise BudgetError(str(exc)) from None
     if dev.type == "cpu":
         if not host_budgets_available():
             why = host.host_budget_unavailable() or ("host memory budgets are unavailable on "
@@ -275,7 +269,7 @@ def set_memory_fraction(fraction: float, device: str | torch.device = "cuda") ->
     it on exit even where torch cannot read it back (CUDA on torch < 2.6, MPS). Use this
     instead of ``torch.cuda.set_per_process_memory_fraction`` there; a fraction set
     directly with torch is invisible and comes back as the default after a budget."""
-    dev = _device_str(device)
+    dev = resolve_device(device)
     if dev.type == "mps":
         torch.mps.set_per_process_memory_fraction(float(fraction))
     elif dev.type == "cuda":

@@ -37,6 +37,7 @@ from oomguard.engine.core.memory import heap
 from oomguard.engine.core.memory.budget import active_budget, current_fraction, headroom_bytes
 from oomguard.engine.util.atomic import atomic_write
 from oomguard.probes import host
+from oomguard.probes.device import resolve_device
 from oomguard.probes.peak import cuda_async_backend
 
 # Alloc/free events kept for a snapshot (a ring buffer, several KB each): the value of
@@ -143,18 +144,6 @@ def capture(sizes: Mapping[str, int], device: Any = None,
             for n in names:
                 ev.sources.setdefault(n, f"none: reading failed ({type(exc).__name__}: {exc})")
     return ev
-
-
-def resolve_device(device: Any) -> torch.device:
-    """The device ``device`` names, with its CUDA index; None means the current CUDA device
-    where this process has a CUDA context, else the CPU."""
-    if device is None:
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return dev
 
 
 def _host(ev: OomEvent) -> None:

@@ -1,0 +1,44 @@
+"""``oomguard probe``: the memory of the host and of every GPU, measured now, with no
+torch import on a CPU-only machine."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from oomguard.engine.util.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from oomguard.probes import MemorySnapshot
+
+
+def add_probe(p: argparse.ArgumentParser) -> None:
+    p.description = "Memory of the host and of every GPU, measured now (well under a second)."
+    p.add_argument("--device", default=None, help="one device only (cpu, cuda:N, mps)")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+    p.set_defaults(func=cmd_probe)
+
+
+def probe_table(snapshots: Sequence[MemorySnapshot]) -> str:
+    """A plain-text table of memory snapshots, sizes in GiB."""
+    rows = [("device", "name", "total", "free", "this process", "other processes", "note")]
+    for s in snapshots:
+        rows.append((s.device, s.name, fmt_bytes(s.total_bytes, "GiB"),
+                     fmt_bytes(s.free_bytes, "GiB"), fmt_bytes(s.process_bytes, "GiB"),
+                     fmt_bytes(s.other_processes_bytes, "GiB"), s.reason or ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from oomguard.engine.util.jsonable import json_text
+    from oomguard.probes import probe, probe_all
+
+    snaps = [probe(args.device)] if args.device else probe_all()
+    if args.json:
+        print(json_text([s.to_dict() for s in snaps]), end="")
+    else:
+        print(probe_table(snaps))
+    return 0

@@ -1,0 +1,182 @@
+"""``oomguard bench`` (the maximum batch size of the built-in GPT-2 training step) and
+``oomguard search`` (the maximum safe size of each memory knob of a metric): a search
+planned and checked before it runs, one progress line per trial, a report.
+
+No torch import at module level: each command imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from oomguard.engine.cli.options import (
+    REQUIRED,
+    add_search_options,
+    add_workload_options,
+    budget_free_limit,
+    check_workload,
+    confirmed,
+    isolated,
+    search_config,
+)
+from oomguard.engine.cli.verify import workload_spec
+from oomguard.engine.errors import UsageError
+from oomguard.engine.jobs.progress import Progress
+from oomguard.engine.util.units import fmt_bytes
+from oomguard.probes.device import resolve_device
+
+
+def add_bench(p: argparse.ArgumentParser) -> None:
+    p.description = ("Search the maximum batch size of a training step (forward, backward, "
+                     "AdamW) of a small GPT-2 (random init, vocab 256) and write report.md, "
+                     "report.json and memory.png: about 2 minutes on 2 CPU cores with the "
+                     "defaults.")
+    add_workload_options(p, model="tiny-gpt2", seq_len=512)
+    add_search_options(p, start=32)
+    p.add_argument("--out", default="oomguard-report", help="report folder (oomguard-report)")
+    p.set_defaults(func=cmd_bench)
+
+
+def add_search(p: argparse.ArgumentParser) -> None:
+    p.description = ("The maximum safe size of each memory knob of a metric. Each trial runs "
+                     "the whole metric (time grows with --samples and --seq-len): --metric "
+                     "integrated_gradients takes about 13 minutes on 2 CPU cores with the "
+                     "defaults. A knob with a unit (`oomguard metrics`) is searched in "
+                     "multiples of it.")
+    add_workload_options(p, metric=REQUIRED, knob=(None, "default: each in turn"),
+                         model="tiny-gpt2", dtype="float32", samples=64, seq_len=128)
+    add_search_options(p, start=8)
+    p.add_argument("--out", default="oomguard-report", help="report folder (oomguard-report)")
+    p.set_defaults(func=cmd_search)
+
+
+def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
+    """Run one search planned (and checked) before; None (after one line) if no size fit."""
+    from oomguard.engine.core.search.search import search
+    from oomguard.engine.errors import NoSizeFits
+    from oomguard.metrics.workload import snap_to_unit
+
+    unit = getattr(config.strategy, "unit", 1)
+    limit = fmt_bytes(config.budget) if config.budget is not None else budget_free_limit(
+        config.device)
+    print(f"oomguard: searching {workload.name} on {config.device} under "
+          f"{limit} ({'isolated' if config.isolate else 'in-process'} trials"
+          f"{', the answer confirmed in fresh processes' if config.confirm else ''}"
+          f"{f', sizes in multiples of {unit}' if unit > 1 else ''})", file=sys.stderr, flush=True)
+    try:
+        result = search(workload, config, on_trial=Progress(context.get("knob", "batch"),
+                                                               config.confirm))
+    except NoSizeFits as exc:  # other knobs may still fit; TrialFailed goes to main()
+        print(f"oomguard: {exc}", file=sys.stderr)
+        return None
+    snap_to_unit(result, unit)
+    return result
+
+
+def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out: Path) -> int:
+    """Write the report into ``out`` and print the result; 0, or 1 and one line naming the
+    path when something could not be written (a full disk): the result is still printed."""
+    from oomguard.engine.util.jsonable import json_text
+    from oomguard.reports import write_report
+
+    paths: dict[str, Path] = {}
+    failure = None  # the one error line, if any
+    try:
+        paths = write_report(result, out, context=context)
+    except OSError as exc:
+        failure = (f"cannot write the report to {exc.filename or out}: "
+                   f"{exc.strerror or exc}; the result is on stdout")
+    try:
+        files = {k: str(v) for k, v in paths.items()}
+        if args.json:
+            print(json_text(result.to_dict() | {"files": files}), end="")
+        else:
+            what = f"maximum {context['knob']}" if "knob" in context else "maximum batch size"
+            print(f"{what}: {result.max_ok} (first OOM: {result.first_oom}); recommended: "
+                  f"{result.recommendation.safe}; {len(result.trials)} trials in "
+                  f"{result.seconds:.1f} s")
+            check = result.verification
+            if check:
+                print(f"verify: {check['steps']} steps at {check['size']}: "
+                      + ("ok" if check["ok"] else f"OUT OF MEMORY ({(check['error'] or '')[:80]})"))
+            if files:
+                print(f"report: {files['markdown']}\nplot:   {files['png']}\njson:   {files['json']}")
+        sys.stdout.flush()  # a full disk under a redirected stdout fails here, not at exit
+    except OSError as exc:
+        failure = f"cannot write to standard output: {exc.strerror or exc}"
+    if failure is not None:
+        print(f"oomguard: error: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from oomguard.engine.jobs.output import check_output_folder
+    from oomguard.metrics.models import check_seq_len, model_config
+    from oomguard.metrics.train_step import TrainStep
+
+    # Every input is checked before the model is built; the folder last (none left behind).
+    check_workload(args)
+    dev = resolve_device(args.device, check=True)
+    if isolated(args, dev) or confirmed(args):  # started now: imports overlap the checks
+        from oomguard.engine.core.search.isolate import start_forkserver
+
+        start_forkserver(TrainStep.preload + (TrainStep.__module__,))
+    check_seq_len(model_config(args.model), args.seq_len)
+    config = search_config(args, dev, args.max_size)
+    out = Path(args.out)
+    check_output_folder(out)
+    workload = TrainStep(model=args.model, seq_len=args.seq_len, device=args.device)
+    if not config.isolate:
+        # Warm up before the search probes free memory, so capacity excludes the model.
+        # Isolated, this process keeps nothing on the device: children measure alone.
+        workload.warmup()
+    context = workload.describe() | {"workload_spec": workload_spec(workload)}
+    context["title"] = f"{args.model} training step: Maximum Batch Size Report"
+    result = _search(workload, config, context)
+    return 1 if result is None else _report(args, result, context, out)
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from oomguard.engine.jobs.output import check_output_folder
+    from oomguard.metrics.base import get_metric
+    from oomguard.metrics.models import check_seq_len, model_config
+    from oomguard.metrics.workload import MetricTrial
+
+    check_workload(args)
+    metric = get_metric(args.metric)
+    knobs = [k.name for k in metric.memory_knobs()]
+    if args.knob and args.knob not in knobs:
+        raise UsageError(f"metric {args.metric!r} has no memory knob {args.knob!r}: "
+                         f"valid: {', '.join(knobs)}")
+    dev = resolve_device(args.device, check=True)
+    if isolated(args, dev) or confirmed(args):  # started now: imports overlap the planning
+        from oomguard.engine.core.search.isolate import start_forkserver, workload_preload
+
+        first = MetricTrial(metric=args.metric, knob=args.knob or knobs[0], model=args.model)
+        start_forkserver(workload_preload(first))
+    check_seq_len(model_config(args.model), args.seq_len)
+    plans = []  # every knob's search planned (and checked) before the first one runs
+    for knob in [args.knob] if args.knob else knobs:
+        trial = MetricTrial(metric=args.metric, knob=knob, model=args.model, dtype=args.dtype,
+                            device=args.device, n_samples=args.samples, seq_len=args.seq_len)
+        max_size = min(trial.max_size() or args.max_size, args.max_size)
+        out = Path(args.out) / knob if len(knobs) > 1 and not args.knob else Path(args.out)
+        ns = argparse.Namespace(**vars(args) | {"start": min(args.start, max_size)})
+        config = search_config(ns, dev, max_size, trial.unit())
+        plans.append((trial, config, trial.report_context() | {"workload_spec": workload_spec(trial)},
+                      out))
+    for *_, out in plans:  # last, so a bad option leaves no folder behind
+        check_output_folder(out)
+    status = 0
+    for trial, config, context, out in plans:
+        result = _search(trial, config, context)
+        if result is None:  # nothing fitted this knob; the others may still fit
+            status = 1
+            continue
+        if _report(args, result, context, out):
+            return 1  # nowhere to write (a full disk): the reports already written stay whole
+    return status
