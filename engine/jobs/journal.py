@@ -26,7 +26,7 @@ from typing import Any
 from oomguard.engine.jobs.records import now_iso
 from oomguard.engine.util.jsonable import json_text
 
-__all__ = ["Journal", "count_events", "last_events", "now_iso", "replay"]
+__all__ = ["Journal", "count_events", "last_events", "now_iso", "replay", "stamp"]
 
 log = logging.getLogger("oomguard.journal")
 
@@ -59,11 +59,11 @@ class Journal:
 
     def append(self, event: str, **fields: Any) -> dict[str, Any]:
         """Write one event durably and return the record written."""
-        return self.copy({"t": now_iso(), "pid": os.getpid(), "event": event, **fields})
+        return self.copy(stamp(event, **fields))
 
     def copy(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Write ``record`` as it is, durably: an event another journal holds (a Ray
-        worker's, with that worker's time and pid), or one :meth:`append` made."""
+        """Write ``record`` as it is, durably: an event stamped elsewhere (a Ray worker's
+        task, with its time and pid), or one :meth:`append` made."""
         line = json_text(record, indent=None) + "\n"
         fd = self._descriptor()
         os.write(fd, line.encode("utf-8"))
@@ -77,6 +77,11 @@ class Journal:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(replay(self.path))
+
+
+def stamp(event: str, **fields: Any) -> dict[str, Any]:
+    """The record of ``event`` happening now in this process: ``{"t", "pid", "event", ...}``."""
+    return {"t": now_iso(), "pid": os.getpid(), "event": event, **fields}
 
 
 def replay(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
