@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from oomguard.engine.jobs.records import now_iso
 from oomguard.engine.util.jsonable import json_text
 
-__all__ = ["Journal", "count_events", "last_events", "now_iso", "replay", "stamp"]
+__all__ = ["Journal", "now_iso", "replay", "stamp"]
 
 log = logging.getLogger("oomguard.journal")
 
@@ -75,9 +74,6 @@ class Journal:
             os.close(self._fd)
         self._fd = None
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        return iter(replay(self.path))
-
 
 def stamp(event: str, **fields: Any) -> dict[str, Any]:
     """The record of ``event`` happening now in this process: ``{"t", "pid", "event", ...}``."""
@@ -105,19 +101,3 @@ def replay(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 continue
             events.append(record)
     return events
-
-
-def last_events(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
-    """The last event of each task (``task`` field) in a journal."""
-    out: dict[str, dict[str, Any]] = {}
-    for record in replay(path):
-        task = record.get("task")
-        if isinstance(task, str):
-            out[task] = record
-    return out
-
-
-def count_events(path: str | os.PathLike[str], event: str, task: str | None = None) -> int:
-    """How many ``event`` records (for ``task``, if given) a journal holds."""
-    return sum(1 for r in replay(path)
-               if r.get("event") == event and (task is None or r.get("task") == task))

@@ -1,19 +1,16 @@
 """What the tasks of one job on Ray share: the job's outputs, and where each attempt runs.
 
-One :class:`Hub` actor per ``oomguard run --ray``, placed on the driver's node. Every
-output of every task (journal events, size-cache puts and lowers, result files) arrives
-here through the task's :class:`~oomguard.engine.jobs.sink.HubSink` and is written by a
-:class:`~oomguard.engine.jobs.sink.FileSink` into the driver's job folder and size cache,
-as the single-process job writes them. Ray runs an actor's methods one at a time, so
-concurrent tasks merge their sizes into the cache in turn and none overwrites another;
-the cache file is written under its file lock, so other jobs that share it merge as
-before. Workers need no shared storage.
+One :class:`Hub` actor per ``oomguard run --ray``, on the driver's node. Every task's
+outputs arrive here through its :class:`~oomguard.engine.jobs.sink.HubSink` and are
+written as the single-process job writes them, into the job's folder and the size cache
+(under its file lock: other jobs sharing it merge as before). Ray runs an actor's methods
+one at a time, so concurrent tasks merge their sizes in turn. Workers need no shared
+storage.
 
-Every attempt of a task reports itself (:meth:`Hub.begin`); its ``sizes`` and ``retry``
-events say the sizes it runs at. When a worker dies, Ray runs the task again with the
-same arguments; the new attempt learns from :meth:`Hub.begin` the sizes the dead one was
-running at (:mod:`~oomguard.engine.jobs.ray_task`). The driver reads :meth:`Hub.status`
-for its progress line and journal.
+Every attempt of a task reports itself (:meth:`Hub.begin`), and its ``sizes`` and
+``retry`` events the sizes it runs at; a retry after a worker died learns from
+:meth:`Hub.begin` where the dead one was (:mod:`~oomguard.engine.jobs.ray_task`). The
+driver reads :meth:`Hub.status` for its progress line and journal.
 
 This module does not import Ray: :func:`~oomguard.engine.jobs.ray_job.OnRay` makes the
 class an actor.
@@ -34,14 +31,10 @@ RUNNING, DONE, DIED = "running", "done", "died"
 
 
 class Hub:
-    """The job's folder ``out`` and the size cache at ``cache_path`` (None: the user's
-    default), and every attempt's state.
-
-    An attempt is a dict: ``attempt`` (1, 2, ...), ``host``, ``pid``, ``node``,
-    ``device`` (its identity), ``device_key``, ``cache_key``, ``state`` (running, done,
-    died), ``sizes`` (the sizes it runs at, once chosen), ``retries`` (OOM retries inside
-    the task).
-    """
+    """The job's folder ``out``, the size cache at ``cache_path`` (None: the user's
+    default), and every attempt: ``attempt`` (1, 2, ...), where it runs (``host``,
+    ``pid``, ``device``, ``device_key``, ``cache_key``), ``state`` (running,
+    done, died), ``sizes`` (once chosen) and ``retries`` (OOM retries inside the task)."""
 
     def __init__(self, out: str | os.PathLike[str],
                  cache_path: str | os.PathLike[str] | None) -> None:
@@ -49,8 +42,7 @@ class Hub:
         self.attempts: dict[str, list[dict[str, Any]]] = {}
 
     def entries(self, device: str) -> dict[str, dict[str, Any]]:
-        """The usable cache entries of ``device`` (a
-        :func:`~oomguard.engine.jobs.cache.device_key`) by key; {} if unreadable."""
+        """The usable cache entries of the device key ``device``; {} if unreadable."""
         try:
             entries = SizeCache(self.sink.cache_path).entries()
         except CacheError:  # the file cannot be read: tasks go on without it (a warning)
@@ -59,16 +51,18 @@ class Hub:
 
     def take(self, task: str, attempt: int, op: str, args: tuple[Any, ...],
              kw: Mapping[str, Any]) -> Any:
-        """One output of an attempt: the :class:`FileSink` method ``op`` applied; a journal
-        record gets the attempt's host and number, and its sizes are the attempt's."""
+        """One output of an attempt: the :class:`FileSink` method ``op`` applied, or a
+        journal ``record`` written with the attempt's host and number (its sizes, if any,
+        are the attempt's)."""
+        if op != "record":
+            return getattr(self.sink, op)(*args, **kw)
         a = self.attempts[task][attempt - 1]
-        if op == "record":
-            record = {**args[0], "host": a["host"], "attempt": attempt}
-            if record["event"] in ("sizes", "retry") and record.get("sizes"):
-                a["sizes"] = dict(record["sizes"])
-                a["retries"] += record["event"] == "retry"
-            args = (record,)
-        return getattr(self.sink, op)(*args, **kw)
+        record = {**args[0], "host": a["host"], "attempt": attempt}
+        if record["event"] in ("sizes", "retry") and record.get("sizes"):
+            a["sizes"] = dict(record["sizes"])
+            a["retries"] += record["event"] == "retry"
+        self.sink.journal.copy(record)
+        return None
 
     def begin(self, task: str, where: Mapping[str, Any]) -> dict[str, Any]:
         """A new attempt of ``task`` at ``where`` (host, pid, node, device, its keys);

@@ -15,11 +15,10 @@ GPU memory; oomguard adds it:
 - the tasks' outputs and the size cache go through one actor on this node
   (:mod:`~oomguard.engine.jobs.ray_hub`), which writes them into the job's folder.
 
-The job's folder gets what the single-process job writes: each task's results, journal
-events and ``job.log`` lines as they come (written by the hub), and from this process (the
-driver) the journal's ``running`` and ``worker-died`` (from the hub's attempts),
-``results.json``, the report and the plots. A rerun resumes from them. Progress shows what
-is done, what runs, and the retries per device.
+The job's folder gets what the single-process job writes: the tasks' outputs as they come
+(written by the hub), and from this process (the driver) the journal's ``running`` and
+``worker-died``, ``results.json``, the report and the plots. A rerun resumes from them.
+Progress shows what is done, what runs, and the retries per device.
 
 Ray is an optional dependency (``pip install 'oomguard[ray]'``): it is imported only here,
 only when a job asks for it.
@@ -210,16 +209,13 @@ class OnRay:
                           f"({type(exc).__name__}); see job.log")
             return record_failure(task, ctx, FileSink(ctx.out, ctx.cache_path), reason,
                                   str(exc), seconds)
-        t0 = time.perf_counter()
         took = payload["seconds"]
         # Where the time went: the task's own processes, what the worker added around them
-        # (device probe, hub calls, its outputs reaching the hub), what Ray and this
-        # process added (scheduling, transfer, reading the record), from submission on.
+        # (device probe, hub calls, outputs reaching the hub), all from submission on.
         journal.append("ray-task", task=task.key, run=ctx.run_id, attempt=payload["attempt"],
                        task_seconds=took["task"],
                        worker_seconds=round(took["worker"] - took["task"], 3),
-                       write_seconds=round(time.perf_counter() - t0, 3),
-                       submitted_to_written=round(seconds + time.perf_counter() - t0, 3))
+                       submitted_to_written=round(seconds, 3))
         return TaskResult.from_dict(payload["record"])
 
     def _watch(self, status: dict[str, list[dict[str, Any]]],

@@ -9,15 +9,12 @@ OOM, the remedy ladder), with two differences:
 - **The device is measured here**, on the worker: :func:`~oomguard.engine.jobs.plan.device_identity`
   probes the GPU Ray assigned (``CUDA_VISIBLE_DEVICES`` names it; the probe finds it in
   NVML by UUID), and the size cache is keyed by that device.
-- **Every output goes to the job's hub** (:mod:`~oomguard.engine.jobs.ray_hub`) through a
-  :class:`~oomguard.engine.jobs.sink.HubSink`, as it is made: journal events, cache puts
-  and lowers, the result. The hub writes them into the job's folder and cache on the
-  driver's node (no shared storage needed), and knows from the task's ``sizes`` and
-  ``retry`` events the sizes it runs at. If this worker dies, the attempt Ray starts
-  next halves them in the cache, labelled as a worker's death, not an OOM (each knob at
-  least its minimum), and starts from there, never from the same sizes. A worker that
-  died before its task chose sizes (during a search) leaves the cache as it was, and the
-  retry searches again.
+- **Every output goes to the job's hub** (:mod:`~oomguard.engine.jobs.ray_hub`) as it is
+  made, through a :class:`~oomguard.engine.jobs.sink.HubSink`, and the hub writes it on
+  the driver's node. If this worker dies, the attempt Ray starts next halves the sizes it
+  ran at in the cache (each knob at least its minimum), labelled as a death, not an OOM,
+  and starts from there. A worker that died before its task chose sizes (in a search)
+  leaves the cache as it was, and the retry searches again.
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from oomguard.engine.jobs.cache import device_key, entry_key
@@ -43,26 +41,16 @@ from oomguard.engine.jobs.spec import import_plugin
 from oomguard.engine.jobs.task_process import run_task
 from oomguard.metrics.base import get_metric
 
-DIED = "halved after worker death"  # the cache's label of sizes a dead attempt ran at, halved
+DEATH = "halved after worker death"  # the cache's label of sizes a dead attempt ran at, halved
 FORWARD_WAIT_S = 60.0  # for the last outputs to reach the hub, after the task's end
 
 
-class _GoOn:
-    """A job that never asks this task to stop: the driver cancels a Ray task by ending
-    its worker, which ends the task's process with it."""
-
-    signum = None
-
-
 def lowered_after_death(task: Task, previous: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The cache lower that makes the next attempt start below where a dead one ran.
-
-    ``previous`` is the dead attempt (:meth:`~oomguard.engine.jobs.ray_hub.Hub.begin`):
-    its sizes halved, each knob at least its minimum, as the keyword arguments of
-    :meth:`~oomguard.engine.jobs.cache.SizeCache.lower` of that attempt's cache key,
-    labelled :data:`DIED`. None when it had not chosen sizes yet (a search), when the job
-    file pins them, or when every knob is already at its minimum.
-    """
+    """The cache lower (:meth:`~oomguard.engine.jobs.cache.SizeCache.lower`'s arguments,
+    labelled :data:`DEATH`) that makes the next attempt start below where ``previous``, a
+    dead attempt (:meth:`~oomguard.engine.jobs.ray_hub.Hub.begin`), ran: its sizes halved,
+    each knob at least its minimum. None when it had not chosen sizes yet (a search), when
+    the job file pins them, or when every knob is already at its minimum."""
     sizes, key = previous.get("sizes"), previous.get("cache_key")
     if not sizes or not key or task.pinned:
         return None
@@ -71,15 +59,15 @@ def lowered_after_death(task: Task, previous: Mapping[str, Any]) -> dict[str, An
     if lowered == sizes:
         return None
     return {"key": key, "sizes": lowered, "device": previous.get("device"),
-            "workload": task.workload, "source": DIED,
+            "workload": task.workload, "source": DEATH,
             "reason": f"{task.key}: the Ray worker (pid {previous.get('pid')} on "
                       f"{previous.get('host')}) died while running at {dict(sizes)}"}
 
 
 def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
     """Run ``task`` on this Ray worker, its outputs written by the hub; returns
-    ``{"attempt", "where", "record" (the result as a dict), "seconds" {"task": the task
-    itself (its processes), "worker": all this function did}}``, measured here."""
+    ``{"attempt", "record" (the result as a dict), "seconds" {"task": the task itself (its
+    processes), "worker": all this function did}}``, measured here."""
     import ray  # only ever called inside a Ray worker
 
     t0 = time.perf_counter()
@@ -89,8 +77,7 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
     threads = ctx.threads
     if threads is None and ctx.job.device == "cpu":  # the CPUs Ray gave this task
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
-    where = {"host": socket.gethostname(), "pid": os.getpid(),
-             "node": ray.get_runtime_context().get_node_id(), "device": device,
+    where = {"host": socket.gethostname(), "pid": os.getpid(), "device": device,
              "device_key": device_key(device), "cache_key": entry_key(device, task.workload)}
     begun = ray.get(hub.begin.remote(task.key, where))
     attempt = begun["attempt"]
@@ -98,7 +85,7 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
     if halved is not None:  # before the entries are read: this attempt starts from them
         ray.get(hub.take.remote(task.key, attempt, "lower", (), halved))
         hub.take.remote(task.key, attempt, "record", (stamp(
-            "halved", task=task.key, run=ctx.run_id, sizes=halved["sizes"], source=DIED,
+            "halved", task=task.key, run=ctx.run_id, sizes=halved["sizes"], source=DEATH,
             reason=halved["reason"]),), {})
     entries = ray.get(hub.entries.remote(where["device_key"]))
     scratch = Path(tempfile.mkdtemp(prefix=f"oomguard-{task.key}-"))
@@ -112,7 +99,9 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
                                    start_method=child_start_method(ctx.job.device),
                                    threads=threads)
         t_task = time.perf_counter()
-        record = run_task(task, here, sink, _GoOn())  # never None: nothing asks it to stop
+        # Never asked to stop (never None): the driver cancels a Ray task by ending its
+        # worker, which ends the task's process with it.
+        record = run_task(task, here, sink, SimpleNamespace(signum=None))
         t_task = time.perf_counter() - t_task
         # What the task's process wrote outside its sink: allocator snapshots, its log.
         for path in sorted(p for p in (scratch / "snapshots").rglob("*") if p.is_file()):
@@ -125,6 +114,6 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
         shutil.rmtree(scratch, ignore_errors=True)
         hub.end.remote(task.key, attempt)  # after its outputs: one caller's calls run in order
     ray.get(refs)  # every output written (an error writing one is this task's)
-    return {"attempt": attempt, "where": where, "record": record.to_dict(),
+    return {"attempt": attempt, "record": record.to_dict(),
             "seconds": {"task": round(t_task, 3),
                         "worker": round(time.perf_counter() - t0, 3)}}

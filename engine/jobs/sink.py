@@ -1,28 +1,21 @@
 """Where a task's outputs go: its journal events, its size-cache puts and lowers, its files.
 
-A task (:func:`~oomguard.engine.jobs.task_process.run_task` and the process it starts,
-:func:`~oomguard.engine.jobs.child.child_main`) hands every output to one sink and opens
-none of the job's files itself, so the same task code runs in one process and on Ray:
-
-- :class:`FileSink`, in one process: each output written where it belongs, the journal
-  (:class:`~oomguard.engine.jobs.journal.Journal`), the size cache
-  (:class:`~oomguard.engine.jobs.cache.SizeCache`), a file of the job's folder (atomic).
-  It is picklable, and every process that holds it writes directly.
-- :class:`HubSink`, on a Ray worker: each output goes, in order, to the job's
-  :class:`~oomguard.engine.jobs.ray_hub.Hub` actor on the driver's node, which applies it
-  to its own :class:`FileSink`. The hub sees the sizes an attempt runs at as they are
-  chosen (its ``sizes`` and ``retry`` events), so the retry of a worker that died knows
-  them.
+A task (:func:`~oomguard.engine.jobs.task_process.run_task` and its process,
+:func:`~oomguard.engine.jobs.child.child_main`) hands every output to one sink (``event``,
+``put``, ``lower``, ``write``; ``cached`` reads the cache) and opens none of the job's
+files itself. :class:`FileSink`, in one process, writes them directly (it is picklable:
+the task's process writes too). :class:`HubSink`, on Ray, sends them in order to the
+job's :class:`~oomguard.engine.jobs.ray_hub.Hub` actor, which writes them with its own
+:class:`FileSink` on the driver's node, and learns from the ``sizes`` and ``retry`` events
+the sizes each attempt runs at.
 
 Why a pipe: the task runs in a child process of the Ray worker, and only a process that
-joined Ray can call an actor (the child would have to join the cluster as a driver of its
-own: seconds, and a connection per process). So the :class:`HubSink` the child inherits
-sends each output over a ``multiprocessing`` pipe, and a thread of the worker forwards
-them to the hub (:func:`forward`; Ray runs one caller's actor calls in the order they
-were made). The worker's own outputs (the task's ``start``, a failure it records) take the
-same pipe, so the hub gets them all in the order they happened; the child and the worker
-never write at the same time (the worker writes before a child starts or after it ended).
-A send is done once it returns, so a child that dies right after loses nothing it sent.
+joined Ray can call an actor (joining as a driver of its own costs seconds per process).
+So the child's :class:`HubSink` sends each output over a pipe it inherits, and a thread
+of the worker passes them on (:func:`forward`; Ray runs one caller's actor calls in
+order). The worker's own outputs (``start``, a failure it records) take the same pipe, so
+the hub gets all of them in the order they happened; the child and the worker never send
+at once. A send is done when it returns: a child that dies next loses nothing it sent.
 """
 
 from __future__ import annotations
@@ -42,55 +35,18 @@ __all__ = ["FileSink", "HubSink", "Sink", "forward"]
 log = logging.getLogger("oomguard.job")
 
 
-class Sink:
-    """Where a task's outputs go; :class:`FileSink` and :class:`HubSink` say how."""
-
-    def event(self, event: str, **fields: Any) -> None:
-        """Journal one event, stamped with this moment and this process's id."""
-        self.record(stamp(event, **fields))
-
-    def record(self, record: dict[str, Any]) -> None:
-        """Journal ``record`` (an event :meth:`event` stamped) as it is."""
-        raise NotImplementedError
-
-    def put(self, key: str, sizes: Mapping[str, int], **kw: Any) -> Any:
-        """Store sizes in the cache (:meth:`~oomguard.engine.jobs.cache.SizeCache.put`)."""
-        raise NotImplementedError
-
-    def lower(self, key: str, sizes: Mapping[str, int], **kw: Any) -> Any:
-        """Lower cached sizes (:meth:`~oomguard.engine.jobs.cache.SizeCache.lower`)."""
-        raise NotImplementedError
-
-    def cached(self, key: str) -> dict[str, Any] | None:
-        """The cache entry under ``key`` (:meth:`~oomguard.engine.jobs.cache.SizeCache.get`)."""
-        raise NotImplementedError
-
-    def write(self, rel: str, data: bytes | str, append: bool = False) -> None:
-        """Write the file ``rel`` of the job's folder: replaced atomically, or appended to."""
-        raise NotImplementedError
-
-
-def _write(out: Path, rel: str, data: bytes | str, append: bool) -> None:
-    path = out / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not append:
-        atomic_write(path, data)
-        return
-    with path.open("ab") as fh:
-        fh.write(data.encode("utf-8") if isinstance(data, str) else data)
-
-
-class FileSink(Sink):
+class FileSink:
     """The job's folder ``out`` (its journal and files) and the size cache at
-    ``cache_path`` (None: the user's default), written by whichever process holds it."""
+    ``cache_path`` (None: the user's default)."""
 
     def __init__(self, out: str | os.PathLike[str],
                  cache_path: str | os.PathLike[str] | None = None) -> None:
         self.out, self.cache_path = Path(out), cache_path
         self.journal = Journal(self.out / "journal.jsonl")
 
-    def record(self, record: dict[str, Any]) -> None:
-        self.journal.copy(record)
+    def event(self, event: str, **fields: Any) -> None:
+        """Journal one event, stamped with this moment and this process's id."""
+        self.journal.append(event, **fields)
 
     def put(self, key: str, sizes: Mapping[str, int], **kw: Any) -> bool:
         return SizeCache(self.cache_path).put(key, sizes, **kw)
@@ -102,25 +58,32 @@ class FileSink(Sink):
         return SizeCache(self.cache_path).get(key)
 
     def write(self, rel: str, data: bytes | str, append: bool = False) -> None:
-        _write(self.out, rel, data, append)
+        """The file ``rel`` of the job's folder: replaced atomically, or appended to."""
+        path = self.out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not append:
+            atomic_write(path, data)
+            return
+        with path.open("ab") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
-class HubSink(Sink):
-    """Outputs sent over ``conn`` (a pipe's sending end) for :func:`forward` to pass to the
-    hub. ``entries``: the hub's cache entries for this worker's device, read when the
-    attempt began (what :meth:`cached` answers). A file is also written into ``out``,
-    the worker's own folder, where the task reads its result back."""
+class HubSink(FileSink):
+    """Outputs sent over ``conn`` (a pipe's sending end) for :func:`forward`; files also
+    written into ``out``, the worker's folder, where the task reads its result back.
+    :meth:`cached` answers from ``entries``, the hub's when the attempt began."""
 
     def __init__(self, out: str | os.PathLike[str], entries: Mapping[str, dict[str, Any]],
                  conn: Any) -> None:
-        self.out, self.entries, self.conn = Path(out), dict(entries), conn
+        super().__init__(out)
+        self.entries, self.conn = dict(entries), conn
 
     def send(self, op: str, *args: Any, **kw: Any) -> None:
         """Send one output: the :class:`FileSink` method ``op`` and its arguments."""
         self.conn.send((op, args, kw))
 
-    def record(self, record: dict[str, Any]) -> None:
-        self.send("record", record)
+    def event(self, event: str, **fields: Any) -> None:
+        self.send("record", stamp(event, **fields))  # stamped here, in the task's process
 
     def put(self, key: str, sizes: Mapping[str, int], **kw: Any) -> None:
         self.send("put", key, dict(sizes), **kw)
@@ -132,20 +95,25 @@ class HubSink(Sink):
         return self.entries.get(key)
 
     def write(self, rel: str, data: bytes | str, append: bool = False) -> None:
-        _write(self.out, rel, data, append)
+        super().write(rel, data, append)
         self.send("write", rel, data, append)
+
+
+Sink = FileSink  # a HubSink is one whose outputs go to the hub
 
 
 def forward(receive: Any, hub: Any, task: str, attempt: int) -> list[Any]:
     """Pass what the pipe's receiving end gets to ``hub.take``, in order, until a None;
-    returns the calls' object refs (:func:`ray.get` them to know every output applied).
-
-    A stream cut by a process killed halfway through a send (its time limit) ends it too,
-    with a warning: what came after is lost, never misread."""
+    returns the calls' object refs (:func:`ray.get` them: every output applied). A process
+    killed halfway through a send (its time limit) tears a message, and what follows is
+    lost: a warning here, or a read that never ends (the worker stops waiting for it)."""
     refs = []
-    try:
-        for op, args, kw in iter(receive.recv, None):
-            refs.append(hub.take.remote(task, attempt, op, args, kw))
-    except Exception as exc:  # noqa: BLE001 - unpickling a torn message raises anything
-        log.warning("%s: outputs after a torn message were lost: %s", task, exc)
-    return refs
+    while True:
+        try:
+            message = receive.recv()
+        except Exception as exc:  # noqa: BLE001 - unpickling a torn message raises anything
+            log.warning("%s: outputs after a torn message were lost: %s", task, exc)
+            return refs
+        if message is None:
+            return refs
+        refs.append(hub.take.remote(task, attempt, *message))
