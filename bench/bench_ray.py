@@ -96,20 +96,20 @@ def main() -> None:
           "| | |")
     print("\nper task, seconds: the metric's process (model build, search, run), and on Ray "
           "what came on top: starting that process (fork, and on a worker's first task the "
-          "imports), the worker's own work (device probe, hub calls, scratch cache), the "
-          "driver's writing")
+          "imports), the worker's own work (device probe, hub calls, its outputs reaching the "
+          "hub)")
     print("| metric | one process, default | one process, 1 thread | Ray: process | "
-          "Ray: start | Ray: worker | Ray: write |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "Ray: start | Ray: worker |")
+    print("|---|---:|---:|---:|---:|---:|")
     added = []
     for key, e in events.items():
         proc = on_ray.results[key].total_seconds or 0.0
         start = e["task_seconds"] - proc
-        added.append(start + e["worker_seconds"] + e["write_seconds"])
+        added.append(start + e["worker_seconds"])
         print(f"| {key} | {default.results[key].total_seconds:.2f} | "
               f"{one.results[key].total_seconds:.2f} | {proc:.2f} | {start:.2f} | "
-              f"{e['worker_seconds']:.3f} | {e['write_seconds']:.3f} |")
-    print(f"\nRay adds per task (start + worker + write): median {statistics.median(added):.2f} s, "
+              f"{e['worker_seconds']:.3f} |")
+    print(f"\nRay adds per task (start + worker): median {statistics.median(added):.2f} s, "
           f"max {max(added):.2f} s, mean {statistics.mean(added):.2f} s")
 
 

@@ -1,7 +1,9 @@
 """Jobs on Ray (``oomguard run JOB --ray``), on a local Ray instance with 2 CPUs: the same
 ``results.json`` values as the single-process job, and a rerun that resumes; a worker
-killed mid-task (SIGKILL) whose task Ray runs again from halved sizes, nothing lost and
-nothing run twice; concurrent tasks that store different devices' sizes, all kept; and a
+killed mid-task (SIGKILL) whose task Ray runs again from halved sizes labelled as a death,
+nothing lost and nothing run twice; a worker killed during a search, which leaves the cache
+untouched and whose retry searches again; a task's outputs reaching the hub in order
+through its sink; concurrent tasks that store different devices' sizes, all kept; and a
 cluster that cannot be reached, a GPU job on a cluster without GPUs, or Ray missing, each
 a one-line error with exit code 2."""
 
@@ -15,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,8 +28,9 @@ from oomguard.engine.jobs.cache import SizeCache, device_key, entry_key  # noqa:
 from oomguard.engine.jobs.journal import replay  # noqa: E402
 from oomguard.engine.jobs.ray_hub import Hub  # noqa: E402
 from oomguard.engine.jobs.ray_job import OnRay  # noqa: E402
-from oomguard.engine.jobs.ray_task import cache_changes, lowered_after_death  # noqa: E402
+from oomguard.engine.jobs.ray_task import DEATH, lowered_after_death  # noqa: E402
 from oomguard.engine.jobs.runner import run_job  # noqa: E402
+from oomguard.engine.jobs.sink import HubSink, forward  # noqa: E402
 from oomguard.engine.jobs.spec import load_job  # noqa: E402
 
 # One worker runs them all: they share one local Ray instance.
@@ -154,29 +158,83 @@ def test_a_worker_killed_mid_task_is_retried_from_halved_sizes_and_nothing_is_lo
     entry = SizeCache(tmp_path / "sizes.json").get(result["sizes"]["cache_key"])
     assert entry["sizes"] == {"micro_batch_size": 4}
     assert "died while running" in entry["history"][-1]["reason"]
+    # Labelled as a worker's death, in the cache and the journal, never as an OOM.
+    assert entry["source"] == entry["history"][-1]["source"] == DEATH
+    assert all(h["source"] != "lowered after OOM" for h in entry["history"])
+    halved = _events(out, "halved", "test_steady")
+    assert len(halved) == 1 and halved[0]["sizes"] == {"micro_batch_size": 4}
+    assert halved[0]["source"] == DEATH and halved[0]["attempt"] == 2
+    assert not _events(out, "retry", "test_steady")  # no OOM inside the task either
     # Nothing lost, nothing run twice: one success per task, each result written once.
     assert sorted(e["task"] for e in _events(out, "success")) == ["loss", "test_steady"]
     assert json.loads((out / "results.json").read_text())["tasks"]["loss"]["status"] == "ok"
 
 
+# test_steady's twin that appends the size of each of its calls to MARK: its first call is
+# its first search trial (a new cache, nothing pinned).
+MARKED = PLUGIN.replace('"test_steady"', '"test_marked"').replace("class Steady", "class Marked")
+MARKED = MARKED.replace("        t0 = time.time()\n", "        with open(MARK, 'a') as fh:\n"
+                        "            fh.write(f'{micro_batch_size}\\n')\n        t0 = time.time()\n")
+
+
+def test_a_worker_killed_during_a_search_leaves_the_cache_untouched_and_its_retry_searches(
+        local_ray: Any, tmp_path: Path) -> None:
+    mark = tmp_path / "calls.txt"
+    (tmp_path / "marked_plugin.py").write_text(f"MARK = {str(mark)!r}\n{MARKED}")
+    path = _job(tmp_path, "searched", ["test_marked"])
+    path.write_text(path.read_text().replace("steady_plugin.py", "marked_plugin.py"))
+    out, cache = tmp_path / "searched", tmp_path / "sizes.json"
+    done: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: done.update(outcome=run_job(
+        load_job(path), cache_path=cache, progress=False, backend=OnRay())))
+    runner.start()
+    victim = None
+    deadline = time.monotonic() + 120
+    while victim is None and time.monotonic() < deadline and runner.is_alive():
+        if mark.exists() and (out / "journal.jsonl").exists():
+            victim = (_events(out, "running", "test_marked") or [None])[0]
+        time.sleep(0.05)
+    assert victim is not None, "test_marked never ran its search"
+    assert not _events(out, "sizes", "test_marked")  # still searching: no sizes chosen
+    os.kill(victim["pid"], signal.SIGKILL)
+    runner.join(180)
+    assert not runner.is_alive()
+    assert done["outcome"].exit_code == 0, done["outcome"].results
+    died = _events(out, "worker-died", "test_marked")
+    assert len(died) == 1 and died[0]["pid"] == victim["pid"] and died[0]["sizes"] is None
+    assert not _events(out, "halved")
+    # Both attempts started (each attempt's events reach the journal as they happen); only
+    # the retry finished a search, and it ran at the sizes that search found.
+    assert [e["attempt"] for e in _events(out, "start", "test_marked")] == [1, 2]
+    assert [e["attempt"] for e in _events(out, "search", "test_marked")] == [2]
+    result = json.loads((out / "results.json").read_text())["tasks"]["test_marked"]
+    assert result["status"] == "ok" and result["sizes"]["source"] == "search"
+    # The cache holds the retry's search and nothing from the dead attempt.
+    entries = SizeCache(cache).entries()
+    assert list(entries) == [result["sizes"]["cache_key"]]
+    assert [h["source"] for h in entries[result["sizes"]["cache_key"]]["history"]] == ["search"]
+
+
 @pytest.fixture
 def hub_on_ray(local_ray: Any, tmp_path: Path) -> Any:
-    hub = ray.remote(num_cpus=0)(Hub).remote(str(tmp_path / "shared.json"))
+    hub = ray.remote(num_cpus=0)(Hub).remote(str(tmp_path), str(tmp_path / "shared.json"))
     yield hub
     ray.kill(hub)
 
 
 def _store_for(device_name: str, scratch: str, hub: Any, start_at: float) -> int:
-    """What a task does with its cache copy: store its device's sizes, merge into the hub."""
+    """What a task's sink does when it stores its device's sizes: a put, sent to the hub."""
+    import multiprocessing
+
     device = {"name": device_name, "total_bytes": 80 << 30, "torch": "2.13.0"}
     workload = {"metric": "loss", "model_config": "abc", "dtype": "float32", "seq_len": 8}
-    copy = SizeCache(scratch)
-    before = copy.entries()
-    copy.put(entry_key(device, workload), {"micro_batch_size": 16}, source="search",
-             device=device, workload=workload)
-    changes = cache_changes(before, copy.entries())
+    attempt = ray.get(hub.begin.remote(device_name, {"host": "h"}))["attempt"]
+    receive, send = multiprocessing.Pipe(duplex=False)
+    HubSink(scratch, {}, send).put(entry_key(device, workload), {"micro_batch_size": 16},
+                                   source="search", device=device, workload=workload)
+    send.send(None)
     time.sleep(max(0.0, start_at - time.time()))  # both merge at the same moment
-    return ray.get(hub.apply.remote(changes))
+    return sum(ray.get(forward(receive, hub, device_name, attempt)))
 
 
 def test_two_tasks_storing_different_devices_sizes_at_once_both_stay(
@@ -244,27 +302,56 @@ def test_a_gpu_job_on_a_cluster_without_gpus_is_one_line(local_ray: Any,
     assert not (tmp_path / "gpu").exists()
 
 
-def test_what_a_task_changed_in_its_cache_copy_goes_back_as_puts_and_lowers(
+class _Here:
+    """A hub called in this process, as a Ray worker calls the actor (``take.remote``)."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.take = SimpleNamespace(remote=hub.take)
+
+
+def test_a_tasks_outputs_reach_the_hub_in_order_as_puts_lowers_events_and_files(
         tmp_path: Path) -> None:
+    import multiprocessing
+
     device = {"name": "NVIDIA H100 80GB HBM3", "total_bytes": 80 << 30}
-    copy = SizeCache(tmp_path / "copy.json")
-    copy.put("kept", {"micro_batch_size": 8}, source="search", device=device)
-    copy.put("lowered", {"micro_batch_size": 8}, source="search", device=device)
-    before = copy.entries()
-    copy.lower("lowered", {"micro_batch_size": 2}, reason="t: out of memory at 8")
-    copy.put("found", {"chunk_size": 4}, source="search", device=device, max_ok=5)
-    changes = {c["key"]: c for c in cache_changes(before, copy.entries())}
-    assert set(changes) == {"lowered", "found"}  # "kept" did not change
-    assert changes["lowered"]["op"] == "lower"
-    assert changes["lowered"]["reason"] == "t: out of memory at 8"
-    assert changes["found"]["op"] == "put" and changes["found"]["max_ok"] == 5
-    # Applied to the shared cache, where another task stored a smaller size meanwhile:
-    shared = Hub(tmp_path / "shared.json")
-    shared.cache.put("lowered", {"micro_batch_size": 1}, source="search", device=device)
-    assert shared.apply(list(changes.values())) == 2
+    (tmp_path / "job").mkdir()
+    hub = Hub(tmp_path / "job", tmp_path / "shared.json")
+    hub.sink.put("kept", {"micro_batch_size": 8}, source="search", device=device)
+    hub.sink.put("lowered", {"micro_batch_size": 8}, source="search", device=device)
+    hub.sink.put("smaller", {"micro_batch_size": 1}, source="search", device=device)
+    attempt = hub.begin("t", {"host": "worker-1"})["attempt"]
+    receive, send = multiprocessing.Pipe(duplex=False)
+    sink = HubSink(tmp_path / "scratch", SizeCache(tmp_path / "shared.json").entries(), send)
+    assert sink.cached("kept")["sizes"] == {"micro_batch_size": 8}  # read when it began
+    # The task's outputs, in the order it makes them, sent by its process (a child).
+    child = multiprocessing.get_context("fork").Process(target=_outputs, args=(sink,))
+    child.start()
+    child.join(30)
+    send.send(None)
+    assert forward(receive, _Here(hub), "t", attempt) == [True, True, True, None, None]
     entries = SizeCache(tmp_path / "shared.json").entries()
-    assert entries["lowered"]["sizes"] == {"micro_batch_size": 1}  # the smaller one kept
-    assert entries["found"]["sizes"] == {"chunk_size": 4}
+    assert entries["lowered"]["sizes"] == {"micro_batch_size": 2}
+    assert entries["lowered"]["history"][-1]["reason"] == "t: out of memory at 8"
+    assert entries["lowered"]["source"] == "lowered after OOM"
+    assert entries["smaller"]["sizes"] == {"micro_batch_size": 1}  # the smaller one kept
+    assert entries["found"]["sizes"] == {"chunk_size": 4} and entries["found"]["max_ok"] == 5
+    assert len(entries["kept"]["history"]) == 1  # nothing sent: untouched
+    # The journal's event, stamped in the task's process, with where it ran; its sizes
+    # are the attempt's now; the result file written into the job's folder and the worker's.
+    [event] = replay(tmp_path / "job" / "journal.jsonl")
+    assert event["event"] == "sizes" and event["pid"] == child.pid
+    assert event["host"] == "worker-1" and event["attempt"] == attempt
+    assert hub.status()["t"][0]["sizes"] == {"chunk_size": 4}
+    for folder in ("job", "scratch"):
+        assert (tmp_path / folder / "results" / "t.json").read_text() == '{"ok": true}'
+
+
+def _outputs(sink: HubSink) -> None:
+    sink.lower("lowered", {"micro_batch_size": 2}, reason="t: out of memory at 8")
+    sink.lower("smaller", {"micro_batch_size": 2}, reason="t: out of memory at 8")
+    sink.put("found", {"chunk_size": 4}, source="search", max_ok=5)
+    sink.event("sizes", task="t", sizes={"chunk_size": 4})
+    sink.write("results/t.json", '{"ok": true}')
 
 
 def test_ctrl_c_under_ray_keeps_what_finished_and_a_rerun_finishes_the_rest(

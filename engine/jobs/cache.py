@@ -290,10 +290,12 @@ class SizeCache:
 
     def lower(self, key: str, sizes: Mapping[str, int], *, reason: str,
               device: Mapping[str, Any] | None = None,
-              workload: Mapping[str, Any] | None = None) -> bool:
+              workload: Mapping[str, Any] | None = None,
+              source: str = "lowered after OOM") -> bool:
         """After an OOM: store ``sizes`` where each is at most the cached one.
 
         A concurrent job that already stored something smaller keeps its value.
+        ``source`` labels why (a Ray worker that died is not an OOM).
         Returns False, with a warning, if the cache cannot be written.
         """
 
@@ -304,9 +306,8 @@ class SizeCache:
             if old and new == cached:
                 return
             history = list(old.get("history", [])) if old else []
-            history.append({"t": now_iso(), "sizes": new, "source": "lowered after OOM",
-                            "reason": reason})
-            entries[key] = {**(old or {}), "sizes": new, "source": "lowered after OOM",
+            history.append({"t": now_iso(), "sizes": new, "source": source, "reason": reason})
+            entries[key] = {**(old or {}), "sizes": new, "source": source,
                             "updated": now_iso(), "history": history[-_HISTORY:],
                             **({"device": dict(device)} if device is not None else {}),
                             **({"workload": dict(workload)} if workload is not None else {})}

@@ -1,9 +1,10 @@
 """The child process of one job task: build, warm up, size, run, write the result.
 
 Runs in a process of its own (see :mod:`oomguard.engine.jobs.runner`). Whatever happens,
-it ends by writing ``results/<task>.json`` atomically (``ok`` with the
-summary, or ``failed`` with the reason and a traceback file) and a journal
-record; a crash or a kill leaves no result, and the parent records that.
+it ends by writing ``results/<task>.json`` (``ok`` with the summary, or ``failed`` with
+the reason and a traceback file) and a journal record, as every output, through its sink
+(:mod:`~oomguard.engine.jobs.sink`); a crash or a kill leaves no result, and the parent
+records that.
 
 Sizes, in order: pinned in the job file (``sizes``); the size cache; a
 bounded search of the first memory knob (in this process, under the job's
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import io
 import logging
 import os
 import signal
@@ -45,13 +47,12 @@ from oomguard.engine.core.memory.oom import release_memory
 from oomguard.engine.core.search.search import search
 from oomguard.engine.core.search.strategies import E10, Guided
 from oomguard.engine.errors import ExecutionFailed, NoSizeFits, RestartNeeded, TrialFailed
-from oomguard.engine.jobs.cache import SizeCache, entry_key
+from oomguard.engine.jobs.cache import entry_key
 from oomguard.engine.jobs.data import load_data
-from oomguard.engine.jobs.journal import Journal
 from oomguard.engine.jobs.records import OK, Context, Task, TaskResult, now_iso
+from oomguard.engine.jobs.sink import Sink
 from oomguard.engine.jobs.spec import import_plugin
-from oomguard.engine.util.atomic import atomic_write, atomic_write_json
-from oomguard.engine.util.jsonable import to_jsonable
+from oomguard.engine.util.jsonable import json_text, to_jsonable
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import build_model
 from oomguard.metrics.workload import SAMPLE_KNOBS, in_units, in_whole_units, snap_to_unit
@@ -77,9 +78,9 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def child_main(task: Task, ctx: Context, handoff: dict[str, Any] | None = None,
+def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | None = None,
                conn: Any = None) -> None:
-    """Entry point of the child: run ``task`` and record its result or failure.
+    """Entry point of the child: run ``task`` and record its result or failure in ``sink``.
 
     ``handoff``: what the task's previous process sent when its remedy ladder needed a
     fresh one (applied first: its environment must be in place before CUDA starts).
@@ -96,7 +97,6 @@ def child_main(task: Task, ctx: Context, handoff: dict[str, Any] | None = None,
     if ctx.threads:
         torch.set_num_threads(ctx.threads)
     out = Path(ctx.out)
-    journal = Journal(out / "journal.jsonl")
     state: dict[str, Any] = {"handoff": handoff or {}}
     t0 = time.perf_counter()
     try:
@@ -104,7 +104,7 @@ def child_main(task: Task, ctx: Context, handoff: dict[str, Any] | None = None,
             ctx.log_setup(out)
         for plugin in ctx.job.plugins:
             import_plugin(plugin)
-        record = _execute(task, ctx, journal, state, t0)
+        record = _execute(task, ctx, sink, state, t0)
     except RestartNeeded as exc:
         if conn is not None:  # the runner starts the next process; no result from this one
             info = _sizes_info(state)
@@ -114,37 +114,37 @@ def child_main(task: Task, ctx: Context, handoff: dict[str, Any] | None = None,
                        "attempts": info["attempts"], "errors": info["errors"],
                        "oom_events": _oom_events(state, out) or []})
             return
-        record = _failed(task, ctx, exc, state, out, journal, t0)
+        record = _failed(task, ctx, exc, state, out, sink, t0)
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, none escapes
-        record = _failed(task, ctx, exc, state, out, journal, t0)
+        record = _failed(task, ctx, exc, state, out, sink, t0)
     if record.ok:
-        atomic_write_json(out / "results" / f"{task.key}.json", record)
+        sink.write(f"results/{task.key}.json", json_text(record))
         sizes = record.sizes or {}
-        journal.append("success", task=task.key, run=ctx.run_id, seconds=record.seconds,
+        sink.event("success", task=task.key, run=ctx.run_id, seconds=record.seconds,
                        sizes=sizes.get("final"), source=sizes.get("source"),
                        retries=sizes.get("retries"), remedy=record.remedy)
 
 
 def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any], out: Path,
-            journal: Journal, t0: float) -> TaskResult:
+            sink: Sink, t0: float) -> TaskResult:
     """Record ``exc`` as the task's failure: result file, traceback file, journal."""
     if isinstance(exc, ExecutionFailed):
         reason = str(exc)  # names the workload and every size tried
     else:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         reason = f"{type(exc).__name__}: {first[:500]}"
-    tb = out / "tracebacks" / f"{task.key}.txt"
-    atomic_write(tb, "".join(traceback.format_exception(exc)))
+    tb = f"tracebacks/{task.key}.txt"
+    sink.write(tb, "".join(traceback.format_exception(exc)))
     del exc
-    record = TaskResult.failure(task, ctx.run_id, reason, str(tb.relative_to(out)),
+    record = TaskResult.failure(task, ctx.run_id, reason, tb,
                                 time.perf_counter() - t0, sizes=_sizes_info(state),
                                 search=state.get("search"),
                                 oom_events=_oom_events(state, out), device=ctx.device,
                                 **_ladder_info(state))
-    atomic_write_json(out / "results" / f"{task.key}.json", record)
-    journal.append("failure", task=task.key, run=ctx.run_id, reason=reason,
-                   traceback=record.traceback)
-    log.error("%s failed: %s (traceback in %s)", task.key, reason, tb)
+    sink.write(f"results/{task.key}.json", json_text(record))
+    sink.event("failure", task=task.key, run=ctx.run_id, reason=reason,
+               traceback=record.traceback)
+    log.error("%s failed: %s (traceback in %s)", task.key, reason, out / tb)
     return record
 
 
@@ -213,7 +213,7 @@ class _KnobTrial:
         self.call(**{**self.others, self.knob: size})
 
 
-def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Journal,
+def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, sink: Sink,
                   state: dict[str, Any]) -> dict[str, int]:
     knobs = metric.memory_knobs()
     defaults = {k.name: int(k.default) for k in knobs}
@@ -224,9 +224,8 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
     if task.pinned:
         state["source"] = "job file"
         return {**defaults, **task.pinned}
-    cache = SizeCache(ctx.cache_path)
     key = state["cache_key"] = entry_key(ctx.device, task.workload)
-    hit = cache.get(key)
+    hit = sink.cached(key)
     if hit and set(hit["sizes"]) == set(defaults):
         state["source"] = "cache"
         return {k: int(v) for k, v in hit["sizes"].items()}
@@ -254,7 +253,7 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
         res = exc.result
         state["search"] = {"trials": len(res.trials), "max_ok": None,
                            "seconds": round(res.seconds, 3), "stopped_because": "nothing fits"}
-        journal.append("search", task=task.key, run=ctx.run_id, **state["search"])
+        sink.event("search", task=task.key, run=ctx.run_id, **state["search"])
         state["source"] = "search (nothing fit; minimum)"
         return {k.name: int(k.minimum) for k in knobs}
     except TrialFailed as exc:  # not memory: the task fails, with the trials that ran recorded
@@ -262,7 +261,7 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
         state["search"] = {"trials": len(res.trials), "max_ok": res.max_ok,
                            "seconds": round(res.seconds, 3),
                            "stopped_because": res.stopped_because}
-        journal.append("search", task=task.key, run=ctx.run_id, **state["search"])
+        sink.event("search", task=task.key, run=ctx.run_id, **state["search"])
         raise
     snap_to_unit(result, unit)
     size = result.size_to_use
@@ -271,9 +270,9 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, journal: Jou
                        "strategy": result.strategy,
                        "seconds": round(result.seconds, 3),
                        "stopped_because": result.stopped_because, "unit": unit}
-    journal.append("search", task=task.key, run=ctx.run_id, **state["search"])
+    sink.event("search", task=task.key, run=ctx.run_id, **state["search"])
     sizes = {**defaults, primary: int(size)}
-    cache.put(key, sizes, source="search", device=ctx.device, workload=task.workload,
+    sink.put(key, sizes, source="search", device=ctx.device, workload=task.workload,
               max_ok=result.max_ok, trials=len(result.trials))
     state["source"] = "search"
     return sizes
@@ -295,9 +294,9 @@ class _Work:
     ``meter`` measures the peak of the device the metric runs on."""
 
     def __init__(self, task: Task, ctx: Context, metric: Any, model: Any, data: Any,
-                 journal: Journal) -> None:
+                 sink: Sink) -> None:
         self.task, self.ctx, self.metric, self.model, self.data = task, ctx, metric, model, data
-        self.journal = journal
+        self.sink = sink
         self.executor: Executor | None = None  # the run's, once it is made
         self.tolerates_lower_precision = bool(metric.tolerates_lower_precision)
         self.precision = ctx.job.dtype
@@ -306,8 +305,8 @@ class _Work:
     def __call__(self, **sizes: int) -> dict[str, Any]:
         rec = self.executor.history[-1] if self.executor else None
         if rec is not None and len(rec.attempts) > 1:
-            self.journal.append("retry", task=self.task.key, run=self.ctx.run_id, sizes=sizes,
-                                after=rec.errors[-1] if rec.errors else None)
+            self.sink.event("retry", task=self.task.key, run=self.ctx.run_id, sizes=sizes,
+                            after=rec.errors[-1] if rec.errors else None)
         return self.call(**sizes)
 
     def call(self, **sizes: int) -> dict[str, Any]:
@@ -332,7 +331,7 @@ class _Work:
         return self
 
 
-def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
+def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any],
              t0: float) -> TaskResult:
     job, out = ctx.job, Path(ctx.out)
     if ctx.snapshot_on_oom:  # from the task's start, so the snapshot shows the model too
@@ -342,7 +341,7 @@ def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
     data = load_data(job.data, model.config.vocab_size, seed=job.seed, device=job.device)
     _warm_up(model, data)
     # Only the workload holds the model and the data: a remedy may replace them.
-    work = _Work(task, ctx, metric, model, data, journal)
+    work = _Work(task, ctx, metric, model, data, sink)
     del model, data
     prior = state["handoff"]
     if prior:  # a fresh process of the same run: the sizes were chosen by the first one
@@ -350,9 +349,8 @@ def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
             state[key] = prior[key]
         start = prior["start"]
     else:
-        start = state["start"] = _choose_sizes(task, ctx, metric, work.call, journal, state)
-        journal.append("sizes", task=task.key, run=ctx.run_id, sizes=start,
-                       source=state["source"])
+        start = state["start"] = _choose_sizes(task, ctx, metric, work.call, sink, state)
+        sink.event("sizes", task=task.key, run=ctx.run_id, sizes=start, source=state["source"])
     minimum = {k.name: int(k.minimum) for k in metric.memory_knobs()}
     executor = work.executor = state["executor"] = Executor(
         device=job.device, snapshot_on_oom=out / "snapshots" if ctx.snapshot_on_oom else None,
@@ -369,16 +367,15 @@ def _execute(task: Task, ctx: Context, journal: Journal, state: dict[str, Any],
     same = executor.ladder is None or executor.ladder.produced in (None, "halve")
     if info["retries"] and state.get("cache_key") and rec.final and same:
         # (sizes that worked after a lower precision or on the CPU say nothing of this one)
-        SizeCache(ctx.cache_path).lower(state["cache_key"], rec.final, device=ctx.device,
-                                        workload=task.workload,
-                                        reason=f"{task.key}: {info['errors'][-1]}")
+        sink.lower(state["cache_key"], rec.final, device=ctx.device, workload=task.workload,
+                   reason=f"{task.key}: {info['errors'][-1]}")
     big: dict[str, Any] = {}
     _split_tensors(result, "", big)
     tensors = None
     if big:
-        pt = out / "results" / f"{task.key}.pt"
-        atomic_write(pt, lambda tmp: torch.save(big, tmp))
-        tensors = str(pt.relative_to(out))
+        tensors, blob = f"results/{task.key}.pt", io.BytesIO()
+        torch.save(big, blob)
+        sink.write(tensors, blob.getvalue())
     summary = metric.summary(result)
     return TaskResult(
         task=task.key, metric=task.metric, model=task.model, status=OK, run=ctx.run_id,

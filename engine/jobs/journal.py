@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from oomguard.engine.jobs.records import now_iso
 from oomguard.engine.util.jsonable import json_text
 
-__all__ = ["Journal", "count_events", "last_events", "now_iso", "replay"]
+__all__ = ["Journal", "now_iso", "replay", "stamp"]
 
 log = logging.getLogger("oomguard.journal")
 
@@ -59,11 +58,11 @@ class Journal:
 
     def append(self, event: str, **fields: Any) -> dict[str, Any]:
         """Write one event durably and return the record written."""
-        return self.copy({"t": now_iso(), "pid": os.getpid(), "event": event, **fields})
+        return self.copy(stamp(event, **fields))
 
     def copy(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Write ``record`` as it is, durably: an event another journal holds (a Ray
-        worker's, with that worker's time and pid), or one :meth:`append` made."""
+        """Write ``record`` as it is, durably: an event stamped elsewhere (a Ray worker's
+        task, with its time and pid), or one :meth:`append` made."""
         line = json_text(record, indent=None) + "\n"
         fd = self._descriptor()
         os.write(fd, line.encode("utf-8"))
@@ -75,8 +74,10 @@ class Journal:
             os.close(self._fd)
         self._fd = None
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        return iter(replay(self.path))
+
+def stamp(event: str, **fields: Any) -> dict[str, Any]:
+    """The record of ``event`` happening now in this process: ``{"t", "pid", "event", ...}``."""
+    return {"t": now_iso(), "pid": os.getpid(), "event": event, **fields}
 
 
 def replay(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -100,19 +101,3 @@ def replay(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 continue
             events.append(record)
     return events
-
-
-def last_events(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
-    """The last event of each task (``task`` field) in a journal."""
-    out: dict[str, dict[str, Any]] = {}
-    for record in replay(path):
-        task = record.get("task")
-        if isinstance(task, str):
-            out[task] = record
-    return out
-
-
-def count_events(path: str | os.PathLike[str], event: str, task: str | None = None) -> int:
-    """How many ``event`` records (for ``task``, if given) a journal holds."""
-    return sum(1 for r in replay(path)
-               if r.get("event") == event and (task is None or r.get("task") == task))

@@ -11,12 +11,13 @@ GPU memory; oomguard adds it:
 - an OOM is retried inside the task at half the size (the executor);
 - a worker that dies (the host's OOM killer, a driver fault) is retried by Ray
   (``max_retries``), and the new attempt starts from the dead one's sizes halved, through
-  the cache (:func:`~oomguard.engine.jobs.ray_task.lowered_after_death`);
-- the size cache is one actor on this node (:mod:`~oomguard.engine.jobs.ray_hub`).
+  the cache, labelled as a death (:func:`~oomguard.engine.jobs.ray_task.lowered_after_death`);
+- the tasks' outputs and the size cache go through one actor on this node
+  (:mod:`~oomguard.engine.jobs.ray_hub`), which writes them into the job's folder.
 
-This process (the driver) writes what the single-process job writes: each result as it
-arrives, the journal (the workers' events, plus ``running`` and ``worker-died`` from the
-hub), ``job.log``, ``results.json``, the report and the plots. A rerun resumes from them.
+The job's folder gets what the single-process job writes: the tasks' outputs as they come
+(written by the hub), and from this process (the driver) the journal's ``running`` and
+``worker-died``, ``results.json``, the report and the plots. A rerun resumes from them.
 Progress shows what is done, what runs, and the retries per device.
 
 Ray is an optional dependency (``pip install 'oomguard[ray]'``): it is imported only here,
@@ -30,7 +31,6 @@ import signal
 import socket
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from oomguard.engine.errors import JobError, UsageError
@@ -39,8 +39,8 @@ from oomguard.engine.jobs.journal import Journal
 from oomguard.engine.jobs.ray_hub import DIED, DONE, RUNNING, Hub
 from oomguard.engine.jobs.ray_task import run_on_worker
 from oomguard.engine.jobs.records import Context, Job, Task, TaskResult
+from oomguard.engine.jobs.sink import FileSink
 from oomguard.engine.jobs.task_process import record_failure
-from oomguard.engine.util.atomic import atomic_write
 
 log = logging.getLogger("oomguard.job")
 
@@ -135,10 +135,10 @@ class OnRay:
             return
         ray = self.ray
         here = ray.get_runtime_context().get_node_id()
-        # The hub (the size cache) lives on this node, beside the cache file.
+        # The hub lives on this node, beside the job's folder and the cache file.
         strategy = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(here, soft=False)
         cache = str(ctx.cache_path or default_cache_path())  # this process's, not the actor's
-        hub = ray.remote(num_cpus=0, scheduling_strategy=strategy)(Hub).remote(cache)
+        hub = ray.remote(num_cpus=0, scheduling_strategy=strategy)(Hub).remote(ctx.out, cache)
         ray.get(hub.status.remote())  # up before the first task asks it
         kind, each = (("GPU", 1) if ctx.job.device == "cuda" else ("CPU", self.cpus_per_task))
         remote = ray.remote(max_retries=self.max_retries, retry_exceptions=False,
@@ -190,10 +190,10 @@ class OnRay:
     # ------------------------------------------------------------ the driver's part
     def _collect(self, ref: Any, task: Task, ctx: Context, journal: Journal,
                  seconds: float, stop: Any) -> TaskResult | None:
-        """The task's outcome, written into the job's folder; a failure Ray reports (the
-        worker died ``max_retries + 1`` times, an error outside the metric) is recorded
-        as the task's failure. None: the job's own signal ended it (interrupted)."""
-        ray, out = self.ray, Path(ctx.out)
+        """The task's outcome (the hub wrote its files); a failure Ray reports (the worker
+        died ``max_retries + 1`` times, an error outside the metric) is recorded as the
+        task's failure. None: the job's own signal ended it (interrupted)."""
+        ray = self.ray
         try:
             payload = ray.get(ref)
         except ray.exceptions.RayError as exc:
@@ -207,26 +207,15 @@ class OnRay:
             else:  # the worker died every time it was tried
                 reason = (f"its Ray worker died {self.max_retries + 1} times "
                           f"({type(exc).__name__}); see job.log")
-            return record_failure(task, ctx, journal, reason, str(exc), seconds)
-        t0 = time.perf_counter()
-        for rel, blob in payload["files"].items():
-            (out / rel).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(out / rel, blob)
-        for event in payload["journal"]:
-            journal.copy({**event, "host": payload["where"]["host"],
-                          "attempt": payload["attempt"]})
-        if payload["log"]:
-            with (out / "job.log").open("a", encoding="utf-8") as fh:
-                fh.write(payload["log"])
+            return record_failure(task, ctx, FileSink(ctx.out, ctx.cache_path), reason,
+                                  str(exc), seconds)
         took = payload["seconds"]
         # Where the time went: the task's own processes, what the worker added around them
-        # (device probe, hub calls, scratch cache, outputs), what Ray and this process
-        # added (scheduling, transfer, writing here), all from submission to written.
+        # (device probe, hub calls, outputs reaching the hub), all from submission on.
         journal.append("ray-task", task=task.key, run=ctx.run_id, attempt=payload["attempt"],
                        task_seconds=took["task"],
                        worker_seconds=round(took["worker"] - took["task"], 3),
-                       write_seconds=round(time.perf_counter() - t0, 3),
-                       submitted_to_written=round(seconds + time.perf_counter() - t0, 3))
+                       submitted_to_written=round(seconds, 3))
         return TaskResult.from_dict(payload["record"])
 
     def _watch(self, status: dict[str, list[dict[str, Any]]],

@@ -1,29 +1,26 @@
-"""One task of a job on a Ray worker: measure the device, size for it, run, send it all back.
+"""One task of a job on a Ray worker: measure the device, size for it, run, through the hub.
 
 :func:`run_on_worker` is the body of the Ray task
 (:class:`~oomguard.engine.jobs.ray_job.OnRay` submits it). It runs the task exactly as the
 single-process job does (:func:`~oomguard.engine.jobs.task_process.run_task`: a child
 process, the time limit, the size cache or a search, the executor's retry at half on an
-OOM, the remedy ladder), with three differences:
+OOM, the remedy ladder), with two differences:
 
 - **The device is measured here**, on the worker: :func:`~oomguard.engine.jobs.plan.device_identity`
   probes the GPU Ray assigned (``CUDA_VISIBLE_DEVICES`` names it; the probe finds it in
   NVML by UUID), and the size cache is keyed by that device.
-- **The size cache is the job's hub** (:mod:`~oomguard.engine.jobs.ray_hub`): the task's
-  process works on a scratch copy of it, and what the task stored or lowered is merged
-  back into the hub when it ends. While it runs, the sizes it runs at are reported to the
-  hub, so that if this worker dies, the attempt Ray starts next lowers them in the cache
-  (halves each knob, not below its minimum) and starts from there, never from the same
-  sizes.
-- **Outputs go back to the driver**: the task writes into a scratch folder on the worker,
-  and the driver gets the result and traceback files, snapshots, journal events and
-  ``job.log`` lines to write into the job's folder (no shared storage needed).
+- **Every output goes to the job's hub** (:mod:`~oomguard.engine.jobs.ray_hub`) as it is
+  made, through a :class:`~oomguard.engine.jobs.sink.HubSink`, and the hub writes it on
+  the driver's node. If this worker dies, the attempt Ray starts next halves the sizes it
+  ran at in the cache (each knob at least its minimum), labelled as a death, not an OOM,
+  and starts from there. A worker that died before its task chose sizes (in a search)
+  leaves the cache as it was, and the retry searches again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import multiprocessing
 import os
 import shutil
 import socket
@@ -32,35 +29,28 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from oomguard.engine.jobs.cache import VERSION, SizeCache, device_key, entry_key
-from oomguard.engine.jobs.journal import Journal, replay
+from oomguard.engine.jobs.cache import device_key, entry_key
+from oomguard.engine.jobs.journal import stamp
 from oomguard.engine.jobs.plan import child_start_method, device_identity
 from oomguard.engine.jobs.records import Context, Task
+from oomguard.engine.jobs.sink import HubSink, forward
 from oomguard.engine.jobs.spec import import_plugin
 from oomguard.engine.jobs.task_process import run_task
-from oomguard.engine.util.atomic import atomic_write_json
 from oomguard.metrics.base import get_metric
 
-WATCH_S = 0.25  # how often the task's journal is read for the sizes it runs at
-
-
-class _GoOn:
-    """A job that never asks this task to stop: the driver cancels a Ray task by ending
-    its worker, which ends the task's process with it."""
-
-    signum = None
+DEATH = "halved after worker death"  # the cache's label of sizes a dead attempt ran at, halved
+FORWARD_WAIT_S = 60.0  # for the last outputs to reach the hub, after the task's end
 
 
 def lowered_after_death(task: Task, previous: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The cache change that makes the next attempt start below where a dead one ran.
-
-    ``previous`` is the dead attempt (:meth:`~oomguard.engine.jobs.ray_hub.Hub.begin`):
-    its sizes halved, each knob at least its minimum, as a ``lower`` of that attempt's
-    cache key (its device's). None when it had not chosen sizes yet, when the job file
-    pins them, or when every knob is already at its minimum.
-    """
+    """The cache lower (:meth:`~oomguard.engine.jobs.cache.SizeCache.lower`'s arguments,
+    labelled :data:`DEATH`) that makes the next attempt start below where ``previous``, a
+    dead attempt (:meth:`~oomguard.engine.jobs.ray_hub.Hub.begin`), ran: its sizes halved,
+    each knob at least its minimum. None when it had not chosen sizes yet (a search), when
+    the job file pins them, or when every knob is already at its minimum."""
     sizes, key = previous.get("sizes"), previous.get("cache_key")
     if not sizes or not key or task.pinned:
         return None
@@ -68,82 +58,16 @@ def lowered_after_death(task: Task, previous: Mapping[str, Any]) -> dict[str, An
     lowered = {k: max(minimum.get(k, 1), int(v) // 2) for k, v in sizes.items()}
     if lowered == sizes:
         return None
-    return {"op": "lower", "key": key, "sizes": lowered, "device": previous.get("device"),
-            "workload": task.workload,
+    return {"key": key, "sizes": lowered, "device": previous.get("device"),
+            "workload": task.workload, "source": DEATH,
             "reason": f"{task.key}: the Ray worker (pid {previous.get('pid')} on "
                       f"{previous.get('host')}) died while running at {dict(sizes)}"}
 
 
-def cache_changes(before: Mapping[str, Mapping[str, Any]],
-                  after: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """What a task's process changed in its copy of the cache, as the hub's changes."""
-    changes = []
-    for key, entry in after.items():
-        if before.get(key) == entry:  # (not by "updated": it is to the second)
-            continue
-        common = {"key": key, "sizes": entry["sizes"], "device": entry.get("device"),
-                  "workload": entry.get("workload")}
-        if entry.get("source") == "lowered after OOM":
-            reason = (entry.get("history") or [{}])[-1].get("reason", "an OOM")
-            changes.append({"op": "lower", **common, "reason": reason})
-        else:
-            extra = {k: v for k, v in entry.items()
-                     if k not in ("sizes", "source", "updated", "history", "device",
-                                  "workload")}
-            changes.append({"op": "put", **common, "source": entry.get("source", "search"),
-                            **extra})
-    return changes
-
-
-class _Watch(threading.Thread):
-    """Report the sizes the task runs at to the hub, from its journal's ``sizes`` and
-    ``retry`` events, while it runs."""
-
-    def __init__(self, path: Path, hub: Any, task: str, attempt: int, key: str) -> None:
-        super().__init__(daemon=True, name=f"oomguard-watch-{task}")
-        self.path, self.hub, self.task, self.attempt, self.key = path, hub, task, attempt, key
-        self.done = threading.Event()
-        self.offset = 0
-
-    def poll(self) -> None:
-        try:
-            with self.path.open("rb") as fh:
-                fh.seek(self.offset)
-                chunk = fh.read()
-        except FileNotFoundError:
-            return
-        whole = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits
-        self.offset += len(whole)
-        for line in whole.splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if event.get("event") in ("sizes", "retry") and event.get("sizes"):
-                self.hub.running.remote(self.task, self.attempt, event["sizes"], self.key,
-                                        retry=event["event"] == "retry")
-
-    def run(self) -> None:
-        while not self.done.wait(WATCH_S):
-            self.poll()
-        self.poll()
-
-
-def _files(scratch: Path, key: str) -> dict[str, bytes]:
-    """The task's files, by path relative to the job's folder."""
-    paths = [scratch / "results" / f"{key}.json", scratch / "results" / f"{key}.pt",
-             scratch / "tracebacks" / f"{key}.txt"]
-    paths += sorted(p for p in (scratch / "snapshots").rglob("*") if p.is_file())
-    return {str(p.relative_to(scratch)): p.read_bytes() for p in paths if p.is_file()}
-
-
 def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
-    """Run ``task`` on this Ray worker; returns what the driver writes.
-
-    ``{"attempt", "where", "record" (the result as a dict), "files" {path: bytes},
-    "journal" [events], "log" (job.log text), "seconds" {"task": the task itself (its
-    processes), "worker": all this function did}}``: measured on the worker.
-    """
+    """Run ``task`` on this Ray worker, its outputs written by the hub; returns
+    ``{"attempt", "record" (the result as a dict), "seconds" {"task": the task itself (its
+    processes), "worker": all this function did}}``, measured here."""
     import ray  # only ever called inside a Ray worker
 
     t0 = time.perf_counter()
@@ -153,46 +77,43 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
     threads = ctx.threads
     if threads is None and ctx.job.device == "cpu":  # the CPUs Ray gave this task
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
-    where = {"host": socket.gethostname(), "pid": os.getpid(),
-             "node": ray.get_runtime_context().get_node_id(), "device": device,
-             "device_key": device_key(device)}
+    where = {"host": socket.gethostname(), "pid": os.getpid(), "device": device,
+             "device_key": device_key(device), "cache_key": entry_key(device, task.workload)}
     begun = ray.get(hub.begin.remote(task.key, where))
-    attempt, previous = begun["attempt"], begun["previous"]
-    lowered = lowered_after_death(task, previous) if previous else None
-    if lowered is not None:
-        ray.get(hub.apply.remote([lowered]))
+    attempt = begun["attempt"]
+    halved = lowered_after_death(task, begun["previous"]) if begun["previous"] else None
+    if halved is not None:  # before the entries are read: this attempt starts from them
+        ray.get(hub.take.remote(task.key, attempt, "lower", (), halved))
+        hub.take.remote(task.key, attempt, "record", (stamp(
+            "halved", task=task.key, run=ctx.run_id, sizes=halved["sizes"], source=DEATH,
+            reason=halved["reason"]),), {})
+    entries = ray.get(hub.entries.remote(where["device_key"]))
     scratch = Path(tempfile.mkdtemp(prefix=f"oomguard-{task.key}-"))
+    receive, send = multiprocessing.Pipe(duplex=False)
+    sink, refs = HubSink(scratch, entries, send), []
+    pump = threading.Thread(target=lambda: refs.extend(forward(receive, hub, task.key, attempt)),
+                            daemon=True, name=f"oomguard-forward-{task.key}")
+    pump.start()
     try:
-        for sub in ("results", "tracebacks", "plots", "snapshots"):
-            (scratch / sub).mkdir()
-        seed = ray.get(hub.entries.remote(where["device_key"]))
-        atomic_write_json(scratch / "sizes.json", {"version": VERSION, "entries": seed})
         here = dataclasses.replace(ctx, out=str(scratch), device=device,
-                                   cache_path=str(scratch / "sizes.json"),
                                    start_method=child_start_method(ctx.job.device),
                                    threads=threads)
-        journal = Journal(scratch / "journal.jsonl")
-        watch = _Watch(journal.path, hub, task.key, attempt, entry_key(device, task.workload))
-        watch.start()
         t_task = time.perf_counter()
-        try:
-            record = run_task(task, here, journal, _GoOn())
-        finally:
-            t_task = time.perf_counter() - t_task
-            watch.done.set()
-            watch.join()
-            journal.close()
-        changes = cache_changes(seed, SizeCache(scratch / "sizes.json").entries())
-        if changes:
-            ray.get(hub.apply.remote(changes))
-        log = scratch / "job.log"
-        return {"attempt": attempt, "where": where,
-                "seconds": {"task": round(t_task, 3),
-                            "worker": round(time.perf_counter() - t0, 3)},
-                "record": record.to_dict(),  # never None: nothing here asks it to stop
-                "files": _files(scratch, task.key), "journal": replay(journal.path),
-                "log": log.read_text(encoding="utf-8", errors="replace")
-                if log.exists() else ""}
+        # Never asked to stop (never None): the driver cancels a Ray task by ending its
+        # worker, which ends the task's process with it.
+        record = run_task(task, here, sink, SimpleNamespace(signum=None))
+        t_task = time.perf_counter() - t_task
+        # What the task's process wrote outside its sink: allocator snapshots, its log.
+        for path in sorted(p for p in (scratch / "snapshots").rglob("*") if p.is_file()):
+            sink.send("write", str(path.relative_to(scratch)), path.read_bytes())
+        if (scratch / "job.log").exists():
+            sink.send("write", "job.log", (scratch / "job.log").read_bytes(), True)
     finally:
+        send.send(None)
+        pump.join(FORWARD_WAIT_S)
         shutil.rmtree(scratch, ignore_errors=True)
-        hub.end.remote(task.key, attempt)
+        hub.end.remote(task.key, attempt)  # after its outputs: one caller's calls run in order
+    ray.get(refs)  # every output written (an error writing one is this task's)
+    return {"attempt": attempt, "record": record.to_dict(),
+            "seconds": {"task": round(t_task, 3),
+                        "worker": round(time.perf_counter() - t0, 3)}}

@@ -80,6 +80,7 @@ from oomguard.engine.jobs.records import (
     TaskResult,
     now_iso,
 )
+from oomguard.engine.jobs.sink import FileSink
 from oomguard.engine.jobs.task_process import run_task
 from oomguard.engine.util.atomic import atomic_write, atomic_write_json
 from oomguard.reports.job_report import ReportInterrupted, write_job_report
@@ -154,7 +155,7 @@ class Sequential:
             if stop.signum is not None:
                 return
             progress.show(task.key)
-            record = run_task(task, ctx, journal, stop)
+            record = run_task(task, ctx, FileSink(ctx.out, ctx.cache_path), stop)
             if record is None:
                 progress.interrupted(task, ctx.run_id)
                 return

@@ -20,26 +20,27 @@ from typing import Any
 
 from oomguard.engine.core.search.isolate import forkserver_context
 from oomguard.engine.jobs.child import child_main
-from oomguard.engine.jobs.journal import Journal
 from oomguard.engine.jobs.output import read_result
 from oomguard.engine.jobs.plan import preload_modules, received, stop_child
 from oomguard.engine.jobs.records import Context, Task, TaskResult
-from oomguard.engine.util.atomic import atomic_write, atomic_write_json
+from oomguard.engine.jobs.sink import Sink
+from oomguard.engine.util.jsonable import json_text
 
 log = logging.getLogger("oomguard.job")
 
 
-def run_task(task: Task, ctx: Context, journal: Journal, stop: Any) -> TaskResult | None:
+def run_task(task: Task, ctx: Context, sink: Sink, stop: Any) -> TaskResult | None:
     """Run one task in a child, and in a fresh one each time its remedy ladder asks for one
     (``expandable_segments``, memory that did not come back; journal ``restart``); the
     record written, or None if the job was interrupted. The time limit covers them all.
+    Every output, the child's and this function's, goes to ``sink``.
 
     ``stop`` is anything with a ``signum`` attribute: None while the task may go on, a
     signal number once the job must stop (the child is then stopped and None returned).
     """
     out = Path(ctx.out)
-    journal.append("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
-                   time_limit_s=task.time_limit, start_method=ctx.start_method)
+    sink.event("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
+               time_limit_s=task.time_limit, start_method=ctx.start_method)
     if ctx.start_method == "forkserver":
         mp = forkserver_context(preload_modules(task))
     else:
@@ -53,7 +54,7 @@ def run_task(task: Task, ctx: Context, journal: Journal, stop: Any) -> TaskResul
     handoff: dict[str, Any] | None = None
     while True:
         receive, send = mp.Pipe(duplex=False)
-        proc = mp.Process(target=child_main, args=(task, ctx, handoff, send),
+        proc = mp.Process(target=child_main, args=(task, ctx, sink, handoff, send),
                           name=f"oomguard-{task.key}")
         proc.start()
         send.close()
@@ -63,9 +64,9 @@ def run_task(task: Task, ctx: Context, journal: Journal, stop: Any) -> TaskResul
             proc.join(0.2)
             if stop.signum is not None and proc.is_alive():
                 stop_child(proc)
-                journal.append("interrupted", task=task.key, run=ctx.run_id,
-                               signal=signal.Signals(stop.signum).name,
-                               seconds=round(time.monotonic() - t0, 3))
+                sink.event("interrupted", task=task.key, run=ctx.run_id,
+                           signal=signal.Signals(stop.signum).name,
+                           seconds=round(time.monotonic() - t0, 3))
                 return None
             if time.monotonic() - t0 > task.time_limit and proc.is_alive():
                 stop_child(proc)
@@ -74,37 +75,35 @@ def run_task(task: Task, ctx: Context, journal: Journal, stop: Any) -> TaskResul
         receive.close()
         if handoff is None or reason is not None or stop.signum is not None:
             break
-        journal.append("restart", task=task.key, run=ctx.run_id, why=handoff["why"],
-                       env=handoff["ladder"].get("env"), resume=handoff["ladder"].get("resume"),
-                       remedy=handoff["ladder"]["remedies"][handoff["ladder"]["at"]])
+        sink.event("restart", task=task.key, run=ctx.run_id, why=handoff["why"],
+                   env=handoff["ladder"].get("env"), resume=handoff["ladder"].get("resume"),
+                   remedy=handoff["ladder"]["remedies"][handoff["ladder"]["at"]])
         log.warning("%s: restarting in a fresh process: %s", task.key, handoff["why"])
     record = read_result(out, task.key)
     if record is not None and record.run == ctx.run_id and reason is None:
         return record
     if stop.signum is not None and reason is None:
-        journal.append("interrupted", task=task.key, run=ctx.run_id,
-                       signal=signal.Signals(stop.signum).name)
+        sink.event("interrupted", task=task.key, run=ctx.run_id,
+                   signal=signal.Signals(stop.signum).name)
         return None
     if reason is None:
         code = proc.exitcode
         how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
                else f"exited with code {code}")
         reason = f"the metric's process {how} without a result (crash?)"
-    return record_failure(task, ctx, journal, reason, "No Python traceback: the child "
+    return record_failure(task, ctx, sink, reason, "No Python traceback: the child "
                           "process was stopped or died (see job.log).",
                           time.monotonic() - t0)
 
 
-def record_failure(task: Task, ctx: Context, journal: Journal, reason: str, detail: str,
+def record_failure(task: Task, ctx: Context, sink: Sink, reason: str, detail: str,
                    seconds: float) -> TaskResult:
     """Record a task that ended without its process writing a result: the traceback file
     (``reason`` and ``detail``), the result file, the journal's ``failure``."""
-    out = Path(ctx.out)
-    tb = out / "tracebacks" / f"{task.key}.txt"
-    atomic_write(tb, f"{task.key}: {reason}\n{detail.rstrip()}\n")
-    record = TaskResult.failure(task, ctx.run_id, reason, str(tb.relative_to(out)), seconds,
-                                device=ctx.device)
-    atomic_write_json(out / "results" / f"{task.key}.json", record)
-    journal.append("failure", task=task.key, run=ctx.run_id, reason=reason,
-                   traceback=record.traceback)
+    tb = f"tracebacks/{task.key}.txt"
+    sink.write(tb, f"{task.key}: {reason}\n{detail.rstrip()}\n")
+    record = TaskResult.failure(task, ctx.run_id, reason, tb, seconds, device=ctx.device)
+    sink.write(f"results/{task.key}.json", json_text(record))
+    sink.event("failure", task=task.key, run=ctx.run_id, reason=reason,
+               traceback=record.traceback)
     return record
