@@ -45,8 +45,10 @@ transformers version that changes a config's defaults changes those hashes too.
 
 Several goldens hold the defects issue 24 fixes, and change when they are fixed: the
 reference's rows capped by the sample count are not marked as capped, and its cache key
-has no sample count; a job's sizes for ``integrated_gradients`` search only its first
-knob (``internal_batch_size`` stays at its default, 8, where the reference found 32).
+has no sample count; the sizes it stores for a job take only a metric's first knob
+(``integrated_gradients``' ``internal_batch_size`` stays at its default, 8, where the
+reference found 32). ``errors.json`` holds one input checked late: ``search --dtype
+float8`` starts the search (a second stderr line) and leaves its report folder behind.
 
 Cost: one job and one reference, run side by side once per module as a user runs them
 (``oomguard run`` and ``oomguard reference`` in processes of their own); the search, the
