@@ -31,10 +31,10 @@ def rate_basis(result: SearchResult) -> str:
             else "items per second of the trial's one step (first-step costs included)")
 
 
-def speed_and_verification(result: SearchResult) -> list[str]:
-    """Throughput per size (the largest is not always the fastest) and the verification."""
+def speed_and_verification(result: SearchResult, fastest: int | None) -> list[str]:
+    """Throughput per size (the largest is not always the fastest; ``fastest`` is
+    :func:`fastest_safe_size`) and the verification."""
     measured, out = rates(result), []
-    fastest = fastest_safe_size(result)
     if fastest is not None:
         out += ["", "### Throughput",
                 f"- **Fastest size that ran at or below the recommended size**: {fastest} "

@@ -98,6 +98,11 @@ class Trial:
         return out
 
 
+# Size knobs that split the samples (a training step's batch, a metric's micro-batches or
+# chunks): above the number of samples they all mean "everything at once".
+SAMPLE_KNOBS = frozenset({"micro_batch_size", "chunk_size", "batch_size"})
+
+
 class RebuiltInChild:
     """Mixin for picklable workloads whose ``warmup()`` fills ``self._state``.
 
