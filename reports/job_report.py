@@ -77,64 +77,49 @@ def _grids(task: Mapping[str, Any], out: Path) -> dict[str, Any]:
     return found
 
 
-def _plot(path: Path, draw: Callable[[Any, Any], None], *, grid: bool = True) -> Path:
-    fig, ax = style.figure(grid=grid)
-    draw(fig, ax)
-    return style.save(fig, path)
-
-
 def plot_peak_memory(summary: Mapping[str, Any], path: Path) -> Path | None:
     """Bar chart of measured peak bytes per metric that ran; None if none did."""
     tasks = [(k, t) for k, t in summary["tasks"].items() if t.get("peak_bytes") is not None]
     if not tasks:
         return None
     budget = summary["job"].get("budget_bytes")
-
-    def draw(fig: Any, ax: Any) -> None:
-        mib = [t["peak_bytes"] / 2**20 for _, t in tasks]
-        ax.bar([k for k, _ in tasks], mib, color="tab:blue")
-        if budget:
-            ax.axhline(budget / 2**20, color="tab:red", ls="--", label="budget")
-            ax.legend()
-        ax.set_ylabel("peak memory (MiB, measured)")
-        ax.set_title("Peak memory per metric")
-        ax.tick_params(axis="x", rotation=30)
-
-    return _plot(path, draw)
+    fig, ax = style.figure()
+    ax.bar([k for k, _ in tasks], [t["peak_bytes"] / 2**20 for _, t in tasks], color="tab:blue")
+    if budget:
+        ax.axhline(budget / 2**20, color="tab:red", ls="--", label="budget")
+        ax.legend()
+    ax.set_ylabel("peak memory (MiB, measured)")
+    ax.set_title("Peak memory per metric")
+    ax.tick_params(axis="x", rotation=30)
+    return style.save(fig, path)
 
 
 def plot_landscape(grid: Any, path: Path, title: str) -> Path:
     """Contour plot of a 2-D loss grid over the two directions' coordinates."""
-
-    def draw(fig: Any, ax: Any) -> None:
-        n, m = grid.shape
-        xs, ys = np.linspace(-1, 1, m), np.linspace(-1, 1, n)
-        cs = ax.contourf(xs, ys, grid, levels=20, cmap="viridis")
-        ax.contour(xs, ys, grid, levels=10, colors="k", linewidths=0.4)
-        fig.colorbar(cs, ax=ax, label="loss (nats/token)")
-        ax.plot([0], [0], "r+", ms=10)
-        ax.set_xlabel("direction 1 (relative step)")
-        ax.set_ylabel("direction 2 (relative step)")
-        ax.set_title(title)
-
-    return _plot(path, draw, grid=False)
+    fig, ax = style.figure(grid=False)
+    xs, ys = np.linspace(-1, 1, grid.shape[1]), np.linspace(-1, 1, grid.shape[0])
+    cs = ax.contourf(xs, ys, grid, levels=20, cmap="viridis")
+    ax.contour(xs, ys, grid, levels=10, colors="k", linewidths=0.4)
+    fig.colorbar(cs, ax=ax, label="loss (nats/token)")
+    ax.plot([0], [0], "r+", ms=10)
+    ax.set_xlabel("direction 1 (relative step)")
+    ax.set_ylabel("direction 2 (relative step)")
+    ax.set_title(title)
+    return style.save(fig, path)
 
 
 def plot_heatmap(grid: Any, path: Path, title: str) -> Path:
     """Heatmap of a layer x head array (attention entropy, nats)."""
-
-    def draw(fig: Any, ax: Any) -> None:
-        im = ax.imshow(grid, aspect="auto", cmap="magma")
-        fig.colorbar(im, ax=ax, label="entropy (nats)")
-        rows, cols = grid.shape
-        if rows <= 32 and cols <= 32:  # one tick per layer and head, numbered from 0
-            ax.set_yticks(range(rows))
-            ax.set_xticks(range(cols))
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_title(title)
-
-    return _plot(path, draw, grid=False)
+    fig, ax = style.figure(grid=False)
+    fig.colorbar(ax.imshow(grid, aspect="auto", cmap="magma"), ax=ax, label="entropy (nats)")
+    rows, cols = grid.shape
+    if rows <= 32 and cols <= 32:  # one tick per layer and head, numbered from 0
+        ax.set_yticks(range(rows))
+        ax.set_xticks(range(cols))
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(title)
+    return style.save(fig, path)
 
 
 def _task_plots(key: str, task: Mapping[str, Any], out: Path,
@@ -188,29 +173,29 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|") if text not in (None, "") else "-"
 
 
+# An OOM event's figures (OomEvent.to_dict()), in the order shown: the key that says
+# whether it was measured, and the words.
+_OOM_FIGURES = (
+    ("reserved_bytes", lambda e: f"reserved {fmt_bytes(e['reserved_bytes'])}, "
+                                 f"allocated {fmt_bytes(e.get('allocated_bytes'))}"),
+    ("fragmentation", lambda e: f"fragmentation {100 * e['fragmentation']:.1f}%"),
+    ("largest_free_block_bytes",
+     lambda e: f"largest free block {fmt_bytes(e['largest_free_block_bytes'])}"),
+    ("num_alloc_retries", lambda e: f"{e['num_alloc_retries']} alloc retries"),
+    ("vm_data_bytes", lambda e: f"VmData {fmt_bytes(e['vm_data_bytes'])}"),
+    ("rss_bytes", lambda e: f"RSS {fmt_bytes(e['rss_bytes'])}"),
+    ("free_heap_bytes", lambda e: f"free heap {fmt_bytes(e['free_heap_bytes'])}"),
+    ("budget_limit_bytes", lambda e: f"headroom {fmt_bytes(e.get('budget_headroom_bytes'))} "
+                                     f"under a limit of {fmt_bytes(e['budget_limit_bytes'])}"),
+)
+
+
 def oom_view(event: Mapping[str, Any]) -> str:
     """One line of an OOM event's figures (``OomEvent.to_dict()``); unknown ones left out."""
-    e = event.get
-    parts = []
-    if e("reserved_bytes") is not None:
-        parts.append(f"reserved {fmt_bytes(e('reserved_bytes'))}, "
-                     f"allocated {fmt_bytes(e('allocated_bytes'))}")
-    if e("fragmentation") is not None:
-        parts.append(f"fragmentation {100 * e('fragmentation'):.1f}%")
-    if e("largest_free_block_bytes") is not None:
-        parts.append(f"largest free block {fmt_bytes(e('largest_free_block_bytes'))}")
-    if e("num_alloc_retries") is not None:
-        parts.append(f"{e('num_alloc_retries')} alloc retries")
-    for key, label in (("vm_data_bytes", "VmData"), ("rss_bytes", "RSS"),
-                       ("free_heap_bytes", "free heap")):
-        if e(key) is not None:
-            parts.append(f"{label} {fmt_bytes(e(key))}")
-    if e("budget_limit_bytes") is not None:
-        parts.append(f"headroom {fmt_bytes(e('budget_headroom_bytes'))} under a limit "
-                     f"of {fmt_bytes(e('budget_limit_bytes'))}")
-    why_not = (e("sources") or {}).get("snapshot", "")
-    if e("snapshot"):
-        parts.append(f"snapshot `{e('snapshot')}`")
+    parts = [words(event) for key, words in _OOM_FIGURES if event.get(key) is not None]
+    why_not = (event.get("sources") or {}).get("snapshot", "")
+    if event.get("snapshot"):
+        parts.append(f"snapshot `{event['snapshot']}`")
     elif why_not.startswith("none: "):  # asked for, and not possible here
         parts.append(f"no snapshot ({why_not.removeprefix('none: ')})")
     return ", ".join(parts) or "-"

@@ -103,18 +103,25 @@ class _Bad(ValueError):
 class _Field:
     """One field of a table of the job file. ``kinds``: its TOML types (``expected`` names
     them in the message; None: ``convert`` checks). ``default`` when absent (``_ABSENT``:
-    the record's own). ``check(value)`` False: the ``message`` (``{v}`` is the value).
-    ``convert(value, fields read before it)``: the value kept; a ValueError's message
-    follows ``field:``. ``missing``: the message when a required field is absent."""
+    the record's own). ``convert(value, fields read before it)``: the value kept; a
+    ValueError's message follows ``field:``. ``missing``: the message when it is absent
+    and required."""
 
     key: str
     kinds: tuple[type, ...] | None
     expected: str = ""
     default: Any = _ABSENT
-    check: Callable[[Any], Any] | None = None
-    message: str = ""
     convert: Callable[[Any, dict[str, Any]], Any] | None = None
     missing: str | None = None
+
+
+def _must(test: Callable[[Any], Any], message: str) -> Callable[[Any, dict[str, Any]], Any]:
+    """A converter that keeps a value passing ``test``; else ``message`` (``{v}``: the value)."""
+    def check(value: Any, _: dict[str, Any]) -> Any:
+        if not test(value):
+            raise ValueError(message.format(v=value))
+        return value
+    return check
 
 
 def _budget(value: str | int, got: dict[str, Any]) -> int:
@@ -195,29 +202,30 @@ def _sizes(value: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
-_STR, _LIST, _TABLE = (str,), (list,), (dict,)
-_POSITIVE = {"kinds": (int,), "expected": "a positive integer", "check": lambda v: v > 0,
-             "message": "expected a positive integer, got {v!r}"}
+_STR, _TABLE = (str,), (dict,)
+_POSITIVE = {"kinds": (int,), "expected": "a positive integer",
+             "convert": _must(lambda v: v > 0, "expected a positive integer, got {v!r}")}
 _DURATION_FIELD = {"kinds": None, "convert": lambda v, _: parse_duration(v)}
 _LADDER = {"kinds": None, "default": None, "convert": _on_oom}
 # The tables of a job file, each in the order its fields are read.
 _JOB = (
-    _Field("device", _STR, "a string", "cpu", lambda v: re.match(r"^(cpu|mps|cuda(:\d+)?)$", v),
-           "unknown device {v!r}: use cpu, cuda, cuda:N or mps"),
-    _Field("dtype", _STR, "a string", "float32", lambda v: v in DTYPES,
-           "unknown dtype {v!r}: use one of " + ", ".join(DTYPES)),
-    _Field("seed", (int,), "an integer", 0, lambda v: 0 <= v < 2**63,  # torch's 64-bit seeds
-           "{v} is out of range: use 0 <= seed < 2**63"),
+    _Field("device", _STR, "a string", "cpu", _must(
+        lambda v: re.match(r"^(cpu|mps|cuda(:\d+)?)$", v),
+        "unknown device {v!r}: use cpu, cuda, cuda:N or mps")),
+    _Field("dtype", _STR, "a string", "float32", _must(
+        lambda v: v in DTYPES, "unknown dtype {v!r}: use one of " + ", ".join(DTYPES))),
+    _Field("seed", (int,), "an integer", 0, _must(  # torch's generators take 64-bit seeds
+        lambda v: 0 <= v < 2**63, "{v} is out of range: use 0 <= seed < 2**63")),
     _Field("output", _STR, "a string", "oomguard-job"),
     _Field("name", _STR, "a string"),  # default: the file's name
-    _Field("budget", (str, int), 'a size like "1GiB"', None, convert=_budget),
+    _Field("budget", (str, int), 'a size like "1GiB"', None, _budget),
     _Field("time_limit", default=1200.0, **_DURATION_FIELD),
-    _Field("models", (list, str), "a list of strings", ["tiny-gpt2"], convert=_models),
-    _Field("plugins", _LIST, "a list of strings", [], convert=_plugins),
+    _Field("models", (list, str), "a list of strings", ["tiny-gpt2"], _models),
+    _Field("plugins", (list,), "a list of strings", [], _plugins),
     _Field("on_oom", **_LADDER))
 _DATA = (
-    _Field("source", _STR, "a string", check=lambda v: v in _DATA_SOURCES,
-           message="unknown source {v!r}: use one of " + ", ".join(_DATA_SOURCES)),
+    _Field("source", _STR, "a string", convert=_must(lambda v: v in _DATA_SOURCES,
+           "unknown source {v!r}: use one of " + ", ".join(_DATA_SOURCES))),
     _Field("path", _STR, "a string"), _Field("seq_len", **_POSITIVE),
     _Field("n_samples", **_POSITIVE))
 _SEARCH = (_Field("enabled", (bool,), "true or false"), _Field("max_trials", **_POSITIVE),
@@ -226,10 +234,10 @@ _SEARCH = (_Field("enabled", (bool,), "true or false"), _Field("max_trials", **_
 _METRIC = (
     _Field("name", _STR, "a string", convert=lambda v, _: get_metric(v) and v,
            missing="missing: every [[metrics]] needs a name"),
-    _Field("id", _STR, "a string", check=lambda v: re.match(r"^[A-Za-z0-9_.-]+$", v),
-           message="{v!r}: use letters, digits, '_', '-', '.'"),
-    _Field("params", _TABLE, "a table", {}, convert=_params),
-    _Field("sizes", _TABLE, "a table", {}, convert=_sizes),
+    _Field("id", _STR, "a string", convert=_must(lambda v: re.match(r"^[A-Za-z0-9_.-]+$", v),
+           "{v!r}: use letters, digits, '_', '-', '.'")),
+    _Field("params", _TABLE, "a table", {}, _params),
+    _Field("sizes", _TABLE, "a table", {}, _sizes),
     _Field("time_limit", **_DURATION_FIELD), _Field("on_oom", **_LADDER))
 
 
@@ -285,8 +293,6 @@ class _Reader:
         if f.kinds is not None and (not isinstance(value, f.kinds)
                                     or (isinstance(value, bool) and bool not in f.kinds)):
             raise self.error(where, f"expected {f.expected}, got {type(value).__name__} {value!r}")
-        if f.check is not None and not f.check(value):
-            raise self.error(where, f.message.format(v=value))
         try:
             return f.convert(value, got) if f.convert else value
         except _Bad as exc:  # about part of the field: at the field's own line
