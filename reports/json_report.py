@@ -20,7 +20,6 @@ from oomguard.engine.core.search.strategies import bracket, predict_max
 from oomguard.engine.core.search.trial import SAMPLE_KNOBS, Trial
 from oomguard.engine.util.jsonable import to_jsonable
 from oomguard.engine.util.units import fmt_bytes
-from oomguard.reports.throughput import fastest_safe_size
 
 SCHEMA = "oomguard.search-report/1"
 
@@ -127,6 +126,29 @@ def scaling_verdict(result: SearchResult) -> str | None:
     if fit.r2 < 1 and fit.r2 * (fit.points - 2) < 4 * (1 - fit.r2):
         return "flat"
     return "confirmed" if fit.r2 >= 0.99 else "approximate" if fit.r2 >= 0.9 else "not supported"
+
+
+def rates(result: SearchResult) -> dict[int, float]:
+    """Measured items per second of every size that fitted (sizes without a rate left out)."""
+    return {t.size: t.items_per_second for t in result.trials if t.ok and t.items_per_second}
+
+
+def fastest_safe_size(result: SearchResult) -> int | None:
+    """The fastest size (the largest is not always): the highest measured items per second
+    among the sizes at or below the recommended size (at or below the maximum when none
+    ran there); None without rates or a recommendation."""
+    measured, rec = rates(result), result.recommendation
+    if rec is None or not measured:
+        return None
+    safe = {s: r for s, r in measured.items() if s <= rec.safe} or measured
+    return max(safe, key=safe.__getitem__)
+
+
+def rate_basis(result: SearchResult) -> str:
+    """What the rates measure, in words (the first step is left out when there are more)."""
+    steps = max((t.steps for t in result.trials), default=1)
+    return ("items per second over the steps after the first" if steps > 1
+            else "items per second of the trial's one step (first-step costs included)")
 
 
 def status_text(t: Trial) -> str:

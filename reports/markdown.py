@@ -18,8 +18,14 @@ from typing import Any
 
 from oomguard.engine.core.search.search import SearchResult
 from oomguard.engine.util.units import fmt_bytes
-from oomguard.reports.json_report import size_heading, status_text, summarise, utilisation
-from oomguard.reports.throughput import speed_and_verification
+from oomguard.reports.json_report import (
+    rate_basis,
+    rates,
+    size_heading,
+    status_text,
+    summarise,
+    utilisation,
+)
 
 _KNOWN_CONTEXT = {"model", "parameters", "architecture", "device_name", "dtype", "data", "title",
                   "workload_spec"}  # the last is for `oomguard verify`, not for readers
@@ -109,17 +115,13 @@ def _item(key: str, value: Any) -> list[str]:
 # ---------------------------------------------------------------- sections
 def _context(ctx: Mapping[str, Any]) -> list[str]:
     """What was measured: the known context keys first, then any other, in order."""
-    out = [f"- **Model**: {ctx['model']}"] if "model" in ctx else []
-    if "parameters" in ctx:
-        out.append(f"- **Parameters**: {_params(ctx['parameters'])}")
-    if isinstance(ctx.get("architecture"), Mapping):
-        out += _item("Architecture", ctx["architecture"])
-    if "dtype" in ctx:
-        out.append(f"- **Dtype**: {ctx['dtype']}")
-    for key, value in ctx.items():
-        if key not in _KNOWN_CONTEXT:
-            out += _item(_label(key), value)
-    return out
+    arch = ctx.get("architecture")
+    return [*([f"- **Model**: {ctx['model']}"] if "model" in ctx else []),
+            *([f"- **Parameters**: {_params(ctx['parameters'])}"] if "parameters" in ctx else []),
+            *(_item("Architecture", arch) if isinstance(arch, Mapping) else []),
+            *([f"- **Dtype**: {ctx['dtype']}"] if "dtype" in ctx else []),
+            *(line for key, value in ctx.items() if key not in _KNOWN_CONTEXT
+              for line in _item(_label(key), value))]
 
 
 def _budget(result: SearchResult) -> str:
@@ -325,8 +327,26 @@ def _recommendations(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
         f"- **Risk**: {risk}",
         f"- **Margin left at maximum**: {_bytes_exact(left)}",
         "- **Suitable for**: benchmarking, time-limited runs",
-        *speed_and_verification(result, s["fastest_safe_size"]),
+        *_speed_and_verification(result, s),
     ]
+
+
+def _speed_and_verification(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
+    """Throughput per size (the largest is not always the fastest) and the verification."""
+    measured, fastest, out = rates(result), s["fastest_safe_size"], []
+    if fastest is not None:
+        out += ["", "### Throughput",
+                f"- **Fastest size that ran at or below the recommended size**: {fastest} "
+                f"({measured[fastest]:,.1f} items/s; {rate_basis(result)}); plotted in "
+                "`throughput.png`",
+                "- **Measured**: " + ", ".join(f"{n}: {r:,.1f}/s" for n, r in sorted(measured.items()))]
+    check = result.verification
+    if check:
+        verdict = ("ran without running out of memory" if check["ok"]
+                   else f"RAN OUT OF MEMORY: {check['error']}")
+        out += ["", "### Verification",
+                f"- {check['steps']} further steps at {check['size']}: {verdict}"]
+    return out
 
 
 def cap_advice(result: SearchResult, s: Mapping[str, Any]) -> str | None:

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 from oomguard.engine.core.search.search import SearchResult
 from oomguard.engine.util.units import GiB, MiB, fmt_bytes
 from oomguard.reports import style
-from oomguard.reports.json_report import summarise
-from oomguard.reports.throughput import rate_basis, rates
+from oomguard.reports.json_report import rate_basis, rates, summarise
 
 if TYPE_CHECKING:  # for annotations only: matplotlib is imported when a figure is drawn
     from matplotlib.figure import Figure

@@ -7,8 +7,8 @@ whose one-line message names the field (``metrics[2].params.n_points``) and,
 where it can be found, the line of the file.
 
 Each table of the file (the top level, ``[data]``, ``[search]``, every ``[[metrics]]``)
-is declared once, as a tuple of :class:`_Field` (name, TOML types, default, check,
-converter), and read by one loop, :meth:`_Reader.read`; what spans tables (a data file's
+is declared once, as a tuple of :class:`_Field` (name, TOML types, default, a converter
+that checks the value), and read by one loop, :meth:`_Reader.read`; what spans tables (a data file's
 size, a model's positions against ``seq_len``, a metric that does not support a model,
 repeated ids) is checked after it.
 
@@ -37,7 +37,7 @@ else:  # pragma: no cover - Python 3.10
 
 from oomguard.engine.core.execute.remedies import parse_on_oom
 from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET
-from oomguard.engine.errors import JobError, UsageError
+from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.data import check_data
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec
@@ -73,16 +73,21 @@ def parse_duration(value: Any) -> float:
     return seconds
 
 
-def line_of(text: str, key: str, section: str | None = None, index: int = 0) -> int | None:
-    """Best-effort line number of ``key = ...`` in ``section`` (``[[section]]`` number ``index``)."""
+def line_of(text: str, where: str) -> int | None:
+    """Best-effort line of the field ``where`` names (``budget``, ``data.seq_len``,
+    ``metrics[2].params.x``; ``metrics[2]``: its ``name``): its ``key = ...`` line in its
+    table, else the table's header line."""
+    table, index, key = re.match(r"^([^.\[]+)(?:\[(\d+)\])?(?:\.([^.]+))?", where).groups()
     lines, start = text.splitlines(), 0
-    if section is not None:
-        header = re.compile(r"^\s*\[\[?\s*" + re.escape(section) + r"\s*\]\]?\s*(#.*)?$")
+    if index is None and key is None:  # a top-level field
+        table, key = None, table
+    if table is not None:
+        header = re.compile(r"^\s*\[\[?\s*" + re.escape(table) + r"\s*\]\]?\s*(#.*)?$")
         starts = [i + 1 for i, line in enumerate(lines) if header.match(line)]
-        if index >= len(starts):
+        if int(index or 0) >= len(starts):
             return None
-        start = starts[index]
-    pattern = re.compile(r"^\s*" + re.escape(key) + r"\s*=")
+        start = starts[int(index or 0)]
+    pattern = re.compile(r"^\s*" + re.escape(key or "name") + r"\s*=")
     for i in range(start, len(lines)):
         if re.match(r"^\s*\[", lines[i]):  # the next table
             break
@@ -165,13 +170,6 @@ def _plugins(value: list, got: dict[str, Any]) -> tuple[str, ...]:
     return tuple(plugins)
 
 
-def _on_oom(value: Any, _: dict[str, Any]) -> tuple[str, ...]:
-    try:
-        return parse_on_oom(value)
-    except UsageError as exc:
-        raise ValueError(str(exc).removeprefix("on_oom: ")) from None
-
-
 def _knobs(name: str) -> tuple[list[str], list[str]]:
     """The memory and the result knobs of metric ``name``, by name."""
     metric = get_metric(name)
@@ -206,7 +204,7 @@ _STR, _TABLE = (str,), (dict,)
 _POSITIVE = {"kinds": (int,), "expected": "a positive integer",
              "convert": _must(lambda v: v > 0, "expected a positive integer, got {v!r}")}
 _DURATION_FIELD = {"kinds": None, "convert": lambda v, _: parse_duration(v)}
-_LADDER = {"kinds": None, "default": None, "convert": _on_oom}
+_LADDER = {"kinds": None, "default": None, "convert": lambda v, _: parse_on_oom(v)}
 # The tables of a job file, each in the order its fields are read.
 _JOB = (
     _Field("device", _STR, "a string", "cpu", _must(
@@ -248,19 +246,9 @@ class _Reader:
     def __init__(self, path: str, text: str) -> None:
         self.path, self.text = path, text
 
-    def line(self, where: str) -> int | None:
-        parts = where.split(".")
-        m = re.match(r"^(\w+)\[(\d+)\]$", parts[0])
-        if m:  # metrics[2].params.x -> key after [[metrics]] number 2
-            return line_of(self.text, parts[1] if len(parts) > 1 else "name", m.group(1),
-                           int(m.group(2)))
-        if len(parts) >= 2:
-            return line_of(self.text, parts[1], parts[0])
-        return line_of(self.text, parts[0])
-
     def error(self, where: str, message: str, line_at: str | None = None) -> JobError:
         """``message`` about ``where``, at the line of ``line_at`` (default: ``where``)."""
-        line = self.line(line_at or where)
+        line = line_of(self.text, line_at or where)
         return JobError(f"{self.path}{f', line {line}' if line else ''}: {where}: {message}")
 
     def table(self, doc: dict[str, Any], key: str) -> dict[str, Any]:
@@ -297,8 +285,8 @@ class _Reader:
             return f.convert(value, got) if f.convert else value
         except _Bad as exc:  # about part of the field: at the field's own line
             raise self.error(prefix + exc.at, str(exc), where) from None
-        except ValueError as exc:
-            raise self.error(where, str(exc)) from None
+        except ValueError as exc:  # said once: "on_oom: on_oom: ..." reads as a stutter
+            raise self.error(where, str(exc).removeprefix(f"{f.key}: ")) from None
 
 
 def __getattr__(name: str) -> Any:
