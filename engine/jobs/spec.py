@@ -129,6 +129,10 @@ def _must(test: Callable[[Any], Any], message: str) -> Callable[[Any, dict[str, 
     return check
 
 
+def _result_knobs(metric: str) -> list[str]:
+    return sorted(k.name for k in get_metric(metric).result_knobs())
+
+
 def _budget(value: str | int, got: dict[str, Any]) -> int:
     nbytes = parse_size(value)
     if got["device"] == "cpu" and nbytes < MIN_CPU_BUDGET:  # larger than the device: plan.py
@@ -150,7 +154,7 @@ def _models(value: list | str, _: dict[str, Any]) -> dict[str, Any]:
             configs[spec] = model_config(spec)
         except (ValueError, OSError, KeyError) as exc:
             raise _Bad(str(exc).splitlines()[0], f"models[{i}]") from None
-    if len(configs) != len(specs) or len({model_label(m) for m in specs}) != len(specs):
+    if len({model_label(m) for m in specs}) != len(specs):
         raise ValueError("two models have the same label; list each model once")
     return configs
 
@@ -170,16 +174,10 @@ def _plugins(value: list, got: dict[str, Any]) -> tuple[str, ...]:
     return tuple(plugins)
 
 
-def _knobs(name: str) -> tuple[list[str], list[str]]:
-    """The memory and the result knobs of metric ``name``, by name."""
-    metric = get_metric(name)
-    return (sorted(k.name for k in metric.memory_knobs()),
-            sorted(k.name for k in metric.result_knobs()))
-
-
 def _params(value: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
     """Result-defining parameters only: a memory knob belongs under ``sizes``."""
-    memory, result = _knobs(got["name"])
+    metric = get_metric(got["name"])
+    memory, result = {k.name for k in metric.memory_knobs()}, _result_knobs(got["name"])
     for key in value:
         if key in memory:
             raise _Bad("is a memory knob (tuned, result-invariant): put it under sizes to pin "
@@ -192,7 +190,7 @@ def _params(value: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
 
 def _sizes(value: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
     """Pinned memory knobs only (their values are checked with the parameters')."""
-    memory = _knobs(got["name"])[0]
+    memory = sorted(k.name for k in get_metric(got["name"]).memory_knobs())
     for key in value:
         if key not in memory:
             raise _Bad(f"not a memory knob of {got['name']!r}; its memory knobs are "
@@ -408,7 +406,7 @@ def _metrics(r: _Reader, doc: dict[str, Any], time_limit: float) -> tuple[Metric
             raise r.error(f"metrics[{i}].params", str(exc)) from None
         out.append(MetricSpec(**{"id": got["name"], **got, "sizes": {
             k: int(full[k]) for k in got["sizes"]}, "params": {
-            k: full[k] for k in _knobs(got["name"])[1]}}))
+            k: full[k] for k in _result_knobs(got["name"])}}))
     ids = [m.id for m in out]
     for i, ident in enumerate(ids):
         if ids.index(ident) != i:
