@@ -41,35 +41,9 @@ _OPTIONS = ("max_size", "max_trials", "max_seconds")
 
 
 # ---------------------------------------------------------------- figures of one search
-def peak_at_max(result: SearchResult) -> Trial | None:
-    """The successful trial at ``max_ok`` (the last one if it ran twice), or None."""
-    hits = [t for t in result.trials if t.ok and t.size == result.max_ok]
-    return hits[-1] if hits else None
-
-
 def utilisation(peak: float | None, capacity: int | None) -> float | None:
     """``peak / capacity`` as a fraction, None if either is unknown."""
     return None if peak is None or not capacity else peak / capacity
-
-
-def capacity_label(result: SearchResult) -> str:
-    """What ``capacity_bytes`` stands for: the budget, or the free memory probed."""
-    if result.capacity_bytes is None:
-        return "unknown"
-    if result.budget_bytes is not None and result.capacity_bytes == result.budget_bytes:
-        return "budget"
-    return "free memory"
-
-
-def size_label(result: SearchResult) -> str:
-    """The searched size's name for prose: ``batch size`` for a batch, otherwise the
-    knob's own name as the user passes it (``chunk_size``, ``internal_batch_size``)."""
-    return "batch size" if result.size_name == "batch_size" else result.size_name
-
-
-def size_heading(result: SearchResult) -> str:
-    """:func:`size_label` for titles: ``Batch Size``, or the knob's name unchanged."""
-    return "Batch Size" if result.size_name == "batch_size" else result.size_name
 
 
 def closed(result: SearchResult) -> bool:
@@ -259,32 +233,41 @@ def oomguard_version() -> str:
         return "unknown"
 
 
+def _at_max(result: SearchResult) -> dict[str, Any]:
+    """The successful trial at the maximum (the last one if it ran twice), and how much of
+    the capacity (the budget, or the free memory probed) its peak used."""
+    best = next((t for t in reversed(result.trials) if t.ok and t.size == result.max_ok), None)
+    peak, cap = best.peak_bytes if best else None, result.capacity_bytes
+    return {
+        "peak_bytes_at_max": peak,
+        "seconds_at_max": best.seconds if best else None,
+        "value_at_max": best.value if best else None,
+        "capacity_kind": ("unknown" if cap is None else "budget" if cap == result.budget_bytes
+                          else "free memory"),
+        "utilisation": utilisation(peak, cap),
+        "margin_left_bytes": cap - peak if cap is not None and peak is not None else None,
+    }
+
+
 def summarise(result: SearchResult, context: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The derived figures of ``result`` (``report.json``'s ``summary``, before JSON):
     ``peak_bytes_at_max``, ``utilisation`` as a fraction, ``margin_left_bytes``, counts,
     ``capped_by`` (:func:`capped_by`), ``memory_scaling`` (:func:`scaling_verdict`), the
     search steps as prose, ...; ``context`` says how many samples there were."""
-    best = peak_at_max(result)
-    peak = best.peak_bytes if best else None
-    cap, fit = result.capacity_bytes, result.fit
+    cap, fit, size = result.capacity_bytes, result.fit, result.size_name
     n_ok = sum(t.ok for t in result.trials)
     return {
         "max_ok": result.max_ok,
         "first_oom": result.first_oom,
         "max_is_lower_bound": result.first_oom is None,
-        "peak_bytes_at_max": peak,
-        "seconds_at_max": best.seconds if best else None,
-        "value_at_max": best.value if best else None,
-        "capacity_kind": capacity_label(result),
-        "utilisation": utilisation(peak, cap),
-        "margin_left_bytes": cap - peak if cap is not None and peak is not None else None,
+        **_at_max(result),
         "trials": len(result.trials),
         "trials_ok": n_ok,
         "trials_oom": len(result.trials) - n_ok,
         "trial_seconds": sum(t.seconds for t in result.trials),
         "non_monotonic_oom_sizes": [t.size for t in result.trials if not t.ok
                                     and result.max_ok is not None and t.size < result.max_ok],
-        "size_label": size_label(result),
+        "size_label": "batch size" if size == "batch_size" else size,  # as the user says it
         "capped_by": capped_by(result, context or {}),
         "memory_scaling": scaling_verdict(result),
         "fitted_size_at_capacity": fit.largest_size_within(cap) if fit is not None and cap else None,

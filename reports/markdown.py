@@ -18,14 +18,7 @@ from typing import Any
 
 from oomguard.engine.core.search.search import SearchResult
 from oomguard.engine.util.units import fmt_bytes
-from oomguard.reports.json_report import (
-    rate_basis,
-    rates,
-    size_heading,
-    status_text,
-    summarise,
-    utilisation,
-)
+from oomguard.reports.json_report import rate_basis, rates, status_text, summarise, utilisation
 
 _KNOWN_CONTEXT = {"model", "parameters", "architecture", "device_name", "dtype", "data", "title",
                   "workload_spec"}  # the last is for `oomguard verify`, not for readers
@@ -82,6 +75,11 @@ def fmt_value(value: Any) -> str:
         return f"[{inner}{', ...' if len(value) > 4 else ''}]"
     text = str(value).replace("|", "\\|").replace("\n", " ")
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _heading(s: Mapping[str, Any]) -> str:
+    """The size's name for titles: ``Batch Size``, or the knob's name as it is."""
+    return "Batch Size" if s["size_label"] == "batch size" else s["size_label"]
 
 
 def _pct(frac: float | None) -> str:
@@ -170,11 +168,11 @@ def _strategy(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
 
 def _maximum(result: SearchResult, s: Mapping[str, Any]) -> str:
     if result.max_ok is None:
-        return f"### Maximum {size_heading(result)}: **-**"
+        return f"### Maximum {_heading(s)}: **-**"
     suffix = ("" if result.first_oom is not None
               else " (no OOM seen: the largest useful size, every sample at once)"
               if s["capped_by"] == "samples" else " (no OOM seen: a lower bound)")
-    return f"### Maximum {size_heading(result)}: **{result.max_ok}**{suffix}"
+    return f"### Maximum {_heading(s)}: **{result.max_ok}**{suffix}"
 
 
 def _performance(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
@@ -189,9 +187,9 @@ def _performance(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
             f"| Search wall time | {result.seconds:.2f} s |"]
 
 
-def _trial_table(result: SearchResult) -> list[str]:
+def _trial_table(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
     out = ["### Search Details",
-           f"| {size_heading(result)} | Status | Peak Memory | Seconds | Value |",
+           f"| {_heading(s)} | Status | Peak Memory | Seconds | Value |",
            "|-----------|--------|-------------|---------|-------|",
            *(f"| {t.size} | {status_text(t)} | {fmt_bytes(t.peak_bytes)} | {t.seconds:.3f} | "
              f"{fmt_value(t.value)} |" for t in result.trials)]
@@ -208,7 +206,7 @@ def _trial_table(result: SearchResult) -> list[str]:
 
 def _results(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
     return ["## Results", "", _maximum(result, s), "", *_performance(result, s), "",
-            *_trial_table(result)]
+            *_trial_table(result, s)]
 
 
 def _no_growth(result: SearchResult, s: Mapping[str, Any]) -> str:
@@ -427,7 +425,7 @@ def render_markdown(result: SearchResult, context: Mapping[str, Any] | None = No
     """
     ctx: Mapping[str, Any] = context or {}
     s = summary if summary is not None else summarise(result, ctx)
-    title = ctx.get("title") or f"{result.workload} Maximum {size_heading(result)} Report"
+    title = ctx.get("title") or f"{result.workload} Maximum {_heading(s)} Report"
     parts = [[f"# {title}"], _configuration(result, s, ctx), _data(ctx), _strategy(result, s),
              _results(result, s), _scaling(result, s), _recommendations(result, s),
              _observations(result, s), _conclusion(result, s, ctx)]
