@@ -164,9 +164,7 @@ def write_plots(summary: Mapping[str, Any], out: Path,
 
 
 def _sizes(s: Mapping[str, Any] | None) -> str:
-    if not s:
-        return "-"
-    return ", ".join(f"{k}={v}" for k, v in s.items()) or "-"
+    return ", ".join(f"{k}={v}" for k, v in (s or {}).items()) or "-"
 
 
 def _cell(text: Any) -> str:
@@ -222,10 +220,8 @@ def oom_events_section(tasks: Mapping[str, Any]) -> list[str]:
 
 def status_cell(task: Mapping[str, Any]) -> str:
     """A task's status, flagged when a remedy lowered its precision (never silent)."""
-    status = str(task.get("status"))
-    if task.get("lowered_precision"):
-        return f"{status} **(lowered precision: {task.get('precision')})**"
-    return status
+    lowered = f" **(lowered precision: {task.get('precision')})**"
+    return f"{task.get('status')}{lowered if task.get('lowered_precision') else ''}"
 
 
 def _remedies_of(key: str, t: Mapping[str, Any], dtype: str) -> list[str]:
