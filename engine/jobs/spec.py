@@ -106,11 +106,10 @@ class _Bad(ValueError):
 
 @dataclass(frozen=True)
 class _Field:
-    """One field of a table of the job file. ``kinds``: its TOML types (``expected`` names
-    them in the message; None: ``convert`` checks). ``default`` when absent (``_ABSENT``:
-    the record's own). ``convert(value, fields read before it)``: the value kept; a
-    ValueError's message follows ``field:``. ``missing``: the message when it is absent
-    and required."""
+    """A field of a job file's table: its TOML types (``expected`` names them; None: the
+    converter checks), its default (``_ABSENT``: the record's), ``convert(value, fields
+    read before it)`` (the value kept; a ValueError's message follows ``field:``), and
+    the message when a required field is ``missing``."""
 
     key: str
     kinds: tuple[type, ...] | None
