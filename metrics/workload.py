@@ -47,14 +47,12 @@ from typing import Any
 
 import torch
 
+from oomguard.engine.core.search.trial import SAMPLE_KNOBS
 from oomguard.engine.core.workload import RebuiltInChild
 from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.metrics.base import Metric, get_metric
 from oomguard.metrics.models import make_batch, model_config
 from oomguard.metrics.train_step import build_for
-
-# Memory knobs that split the samples: above n_samples they all mean "everything at once".
-SAMPLE_KNOBS = frozenset({"micro_batch_size", "chunk_size", "batch_size"})
 
 
 @dataclass

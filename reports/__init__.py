@@ -3,8 +3,9 @@
 ``write_report(result, out_dir)`` writes ``report.md``, ``report.json`` and
 ``memory.png`` (and ``throughput.png`` when trials measured a rate) into ``out_dir``, each with the one atomic writer
 (:func:`~oomguard.engine.util.atomic.atomic_write`: fsynced, then moved into
-place), so a reader never sees a half-written report. A job's report is
-:func:`oomguard.reports.job_report.write_job_report`.
+place), so a reader never sees a half-written report. All of them render one record: the
+figures :func:`~oomguard.reports.json_report.summarise` derives, computed once. A job's
+report is :func:`oomguard.reports.job_report.write_job_report`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from oomguard.engine.core.search.search import SearchResult
 from oomguard.engine.util.atomic import atomic_write, atomic_write_json
-from oomguard.reports.json_report import render_json
+from oomguard.reports.json_report import render_json, summarise
 from oomguard.reports.markdown import render_markdown
 from oomguard.reports.plot import plot_memory, plot_throughput
 
@@ -32,10 +33,11 @@ def write_report(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    summary = summarise(result, context)
     paths = {
-        "markdown": atomic_write(out / "report.md", render_markdown(result, context)),
-        "json": atomic_write_json(out / "report.json", render_json(result, context)),
-        "png": plot_memory(result, out / "memory.png"),
+        "markdown": atomic_write(out / "report.md", render_markdown(result, context, summary)),
+        "json": atomic_write_json(out / "report.json", render_json(result, context, summary)),
+        "png": plot_memory(result, out / "memory.png", summary),
     }
-    speed = plot_throughput(result, out / "throughput.png")
+    speed = plot_throughput(result, out / "throughput.png", summary)
     return paths | ({"throughput_png": speed} if speed is not None else {})

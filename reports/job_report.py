@@ -77,64 +77,72 @@ def _grids(task: Mapping[str, Any], out: Path) -> dict[str, Any]:
     return found
 
 
-def _plot(path: Path, draw: Callable[[Any, Any], None], *, grid: bool = True) -> Path:
-    fig, ax = style.figure(grid=grid)
-    draw(fig, ax)
-    return style.save(fig, path)
-
-
 def plot_peak_memory(summary: Mapping[str, Any], path: Path) -> Path | None:
     """Bar chart of measured peak bytes per metric that ran; None if none did."""
     tasks = [(k, t) for k, t in summary["tasks"].items() if t.get("peak_bytes") is not None]
     if not tasks:
         return None
     budget = summary["job"].get("budget_bytes")
-
-    def draw(fig: Any, ax: Any) -> None:
-        mib = [t["peak_bytes"] / 2**20 for _, t in tasks]
-        ax.bar([k for k, _ in tasks], mib, color="tab:blue")
-        if budget:
-            ax.axhline(budget / 2**20, color="tab:red", ls="--", label="budget")
-            ax.legend()
-        ax.set_ylabel("peak memory (MiB, measured)")
-        ax.set_title("Peak memory per metric")
-        ax.tick_params(axis="x", rotation=30)
-
-    return _plot(path, draw)
+    fig, ax = style.figure()
+    ax.bar([k for k, _ in tasks], [t["peak_bytes"] / 2**20 for _, t in tasks], color="tab:blue")
+    if budget:
+        ax.axhline(budget / 2**20, color="tab:red", ls="--", label="budget")
+        ax.legend()
+    ax.set_ylabel("peak memory (MiB, measured)")
+    ax.set_title("Peak memory per metric")
+    ax.tick_params(axis="x", rotation=30)
+    return style.save(fig, path)
 
 
 def plot_landscape(grid: Any, path: Path, title: str) -> Path:
     """Contour plot of a 2-D loss grid over the two directions' coordinates."""
-
-    def draw(fig: Any, ax: Any) -> None:
-        n, m = grid.shape
-        xs, ys = np.linspace(-1, 1, m), np.linspace(-1, 1, n)
-        cs = ax.contourf(xs, ys, grid, levels=20, cmap="viridis")
-        ax.contour(xs, ys, grid, levels=10, colors="k", linewidths=0.4)
-        fig.colorbar(cs, ax=ax, label="loss (nats/token)")
-        ax.plot([0], [0], "r+", ms=10)
-        ax.set_xlabel("direction 1 (relative step)")
-        ax.set_ylabel("direction 2 (relative step)")
-        ax.set_title(title)
-
-    return _plot(path, draw, grid=False)
+    fig, ax = style.figure(grid=False)
+    xs, ys = np.linspace(-1, 1, grid.shape[1]), np.linspace(-1, 1, grid.shape[0])
+    cs = ax.contourf(xs, ys, grid, levels=20, cmap="viridis")
+    ax.contour(xs, ys, grid, levels=10, colors="k", linewidths=0.4)
+    fig.colorbar(cs, ax=ax, label="loss (nats/token)")
+    ax.plot([0], [0], "r+", ms=10)
+    ax.set_xlabel("direction 1 (relative step)")
+    ax.set_ylabel("direction 2 (relative step)")
+    ax.set_title(title)
+    return style.save(fig, path)
 
 
 def plot_heatmap(grid: Any, path: Path, title: str) -> Path:
     """Heatmap of a layer x head array (attention entropy, nats)."""
+    fig, ax = style.figure(grid=False)
+    fig.colorbar(ax.imshow(grid, aspect="auto", cmap="magma"), ax=ax, label="entropy (nats)")
+    rows, cols = grid.shape
+    if rows <= 32 and cols <= 32:  # one tick per layer and head, numbered from 0
+        ax.set_yticks(range(rows))
+        ax.set_xticks(range(cols))
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(title)
+    return style.save(fig, path)
 
-    def draw(fig: Any, ax: Any) -> None:
-        im = ax.imshow(grid, aspect="auto", cmap="magma")
-        fig.colorbar(im, ax=ax, label="entropy (nats)")
-        rows, cols = grid.shape
-        if rows <= 32 and cols <= 32:  # one tick per layer and head, numbered from 0
-            ax.set_yticks(range(rows))
-            ax.set_xticks(range(cols))
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_title(title)
 
-    return _plot(path, draw, grid=False)
+def _task_plots(key: str, task: Mapping[str, Any], out: Path,
+                cancelled: Callable[[], bool] | None) -> dict[str, str]:
+    """A finished task's loss landscape and attention entropy plots, where its results hold
+    the 2-D arrays."""
+    plots: dict[str, str] = {}
+    grids = _grids(task, out)
+    if task.get("metric") == "loss_landscape" or any("landscape" in g for g in grids):
+        name = next((g for k in _LANDSCAPE_KEYS for g in grids if g.split(".")[-1] == k),
+                    next(iter(grids), None))
+        if name is not None:
+            _go_on(cancelled)
+            p = plot_landscape(grids[name], out / "plots" / f"{key}-landscape.png",
+                               f"{key}: loss landscape")
+            plots[f"{key}: loss landscape"] = str(p.relative_to(out))
+    name = next((n for n in grids if "entropy" in n.lower()), None)
+    if name is not None:
+        _go_on(cancelled)
+        p = plot_heatmap(grids[name], out / "plots" / f"{key}-entropy.png",
+                         f"{key}: {name} (layer x head)")
+        plots[f"{key}: {name}"] = str(p.relative_to(out))
+    return plots
 
 
 def write_plots(summary: Mapping[str, Any], out: Path,
@@ -151,60 +159,41 @@ def write_plots(summary: Mapping[str, Any], out: Path,
     if mem:
         plots["Peak memory per metric"] = str(mem.relative_to(out))
     for key, task in summary["tasks"].items():
-        if task.get("status") != "ok":
-            continue
-        grids = _grids(task, out)
-        if task.get("metric") == "loss_landscape" or any("landscape" in g for g in grids):
-            name = next((g for k in _LANDSCAPE_KEYS for g in grids if g.split(".")[-1] == k),
-                        next(iter(grids), None))
-            if name is not None:
-                _go_on(cancelled)
-                p = plot_landscape(grids[name], out / "plots" / f"{key}-landscape.png",
-                                   f"{key}: loss landscape")
-                plots[f"{key}: loss landscape"] = str(p.relative_to(out))
-        for name, grid in grids.items():
-            if "entropy" in name.lower():
-                _go_on(cancelled)
-                p = plot_heatmap(grid, out / "plots" / f"{key}-entropy.png",
-                                 f"{key}: {name} (layer x head)")
-                plots[f"{key}: {name}"] = str(p.relative_to(out))
-                break
+        plots |= _task_plots(key, task, out, cancelled) if task.get("status") == "ok" else {}
     return plots
 
 
 def _sizes(s: Mapping[str, Any] | None) -> str:
-    if not s:
-        return "-"
-    return ", ".join(f"{k}={v}" for k, v in s.items()) or "-"
+    return ", ".join(f"{k}={v}" for k, v in (s or {}).items()) or "-"
 
 
 def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|") if text not in (None, "") else "-"
 
 
+# An OOM event's figures (OomEvent.to_dict()), in the order shown: the key that says
+# whether it was measured, and the words.
+_OOM_FIGURES = (
+    ("reserved_bytes", lambda e: f"reserved {fmt_bytes(e['reserved_bytes'])}, "
+                                 f"allocated {fmt_bytes(e.get('allocated_bytes'))}"),
+    ("fragmentation", lambda e: f"fragmentation {100 * e['fragmentation']:.1f}%"),
+    ("largest_free_block_bytes",
+     lambda e: f"largest free block {fmt_bytes(e['largest_free_block_bytes'])}"),
+    ("num_alloc_retries", lambda e: f"{e['num_alloc_retries']} alloc retries"),
+    ("vm_data_bytes", lambda e: f"VmData {fmt_bytes(e['vm_data_bytes'])}"),
+    ("rss_bytes", lambda e: f"RSS {fmt_bytes(e['rss_bytes'])}"),
+    ("free_heap_bytes", lambda e: f"free heap {fmt_bytes(e['free_heap_bytes'])}"),
+    ("budget_limit_bytes", lambda e: f"headroom {fmt_bytes(e.get('budget_headroom_bytes'))} "
+                                     f"under a limit of {fmt_bytes(e['budget_limit_bytes'])}"),
+)
+
+
 def oom_view(event: Mapping[str, Any]) -> str:
     """One line of an OOM event's figures (``OomEvent.to_dict()``); unknown ones left out."""
-    e = event.get
-    parts = []
-    if e("reserved_bytes") is not None:
-        parts.append(f"reserved {fmt_bytes(e('reserved_bytes'))}, "
-                     f"allocated {fmt_bytes(e('allocated_bytes'))}")
-    if e("fragmentation") is not None:
-        parts.append(f"fragmentation {100 * e('fragmentation'):.1f}%")
-    if e("largest_free_block_bytes") is not None:
-        parts.append(f"largest free block {fmt_bytes(e('largest_free_block_bytes'))}")
-    if e("num_alloc_retries") is not None:
-        parts.append(f"{e('num_alloc_retries')} alloc retries")
-    for key, label in (("vm_data_bytes", "VmData"), ("rss_bytes", "RSS"),
-                       ("free_heap_bytes", "free heap")):
-        if e(key) is not None:
-            parts.append(f"{label} {fmt_bytes(e(key))}")
-    if e("budget_limit_bytes") is not None:
-        parts.append(f"headroom {fmt_bytes(e('budget_headroom_bytes'))} under a limit "
-                     f"of {fmt_bytes(e('budget_limit_bytes'))}")
-    why_not = (e("sources") or {}).get("snapshot", "")
-    if e("snapshot"):
-        parts.append(f"snapshot `{e('snapshot')}`")
+    parts = [words(event) for key, words in _OOM_FIGURES if event.get(key) is not None]
+    why_not = (event.get("sources") or {}).get("snapshot", "")
+    if event.get("snapshot"):
+        parts.append(f"snapshot `{event['snapshot']}`")
     elif why_not.startswith("none: "):  # asked for, and not possible here
         parts.append(f"no snapshot ({why_not.removeprefix('none: ')})")
     return ", ".join(parts) or "-"
@@ -231,32 +220,30 @@ def oom_events_section(tasks: Mapping[str, Any]) -> list[str]:
 
 def status_cell(task: Mapping[str, Any]) -> str:
     """A task's status, flagged when a remedy lowered its precision (never silent)."""
-    status = str(task.get("status"))
-    if task.get("lowered_precision"):
-        return f"{status} **(lowered precision: {task.get('precision')})**"
-    return status
+    lowered = f" **(lowered precision: {task.get('precision')})**"
+    return f"{task.get('status')}{lowered if task.get('lowered_precision') else ''}"
+
+
+def _remedies_of(key: str, t: Mapping[str, Any], dtype: str) -> list[str]:
+    """One metric's remedies: what produced its result and every rung tried; nothing for a
+    metric whose first attempt simply worked."""
+    rungs = t.get("remedies") or []
+    if not rungs or (len(rungs) == 1 and rungs[0].get("outcome") == "ok" and not t.get("remedy")):
+        return []
+    tried = "; ".join(f"{r['remedy']} {r['outcome']}" + (f" ({r['why']})" if r.get("why") else "")
+                      for r in rungs)
+    what = f"**{t.get('status')}**"
+    if t.get("status") == "ok":
+        what = f"result from **{t.get('remedy') or 'the first attempt'}**" + (
+            f", at **{t.get('precision')}** instead of {dtype}" if t.get("lowered_precision") else "")
+    return [f"- **{key}**: {what}. Tried: {tried}.",
+            *(f"  - fresh process: {why}" for why in t.get("restarts") or () if why not in tried)]
 
 
 def remedies_section(tasks: Mapping[str, Any], dtype: str) -> list[str]:
     """The report's "Remedies": per metric with a ladder that went past its first attempt,
     what produced its result (or that nothing did) and every remedy tried."""
-    lines: list[str] = []
-    for key, t in tasks.items():
-        rungs = t.get("remedies") or []
-        if not rungs or (len(rungs) == 1 and rungs[0].get("outcome") == "ok"
-                         and not t.get("remedy")):
-            continue
-        tried = "; ".join(f"{r['remedy']} {r['outcome']}" + (f" ({r['why']})" if r.get("why")
-                                                              else "") for r in rungs)
-        if t.get("status") == "ok":
-            what = f"result from **{t.get('remedy') or 'the first attempt'}**"
-            if t.get("lowered_precision"):
-                what += f", at **{t.get('precision')}** instead of {dtype}"
-        else:
-            what = f"**{t.get('status')}**"
-        lines.append(f"- **{key}**: {what}. Tried: {tried}.")
-        lines += [f"  - fresh process: {why}" for why in t.get("restarts") or ()
-                  if why not in tried]
+    lines = [line for key, t in tasks.items() for line in _remedies_of(key, t, dtype)]
     if not lines:
         return []
     return ["## Remedies", "", "What ran after an out-of-memory error at the minimum sizes "
@@ -272,97 +259,111 @@ def device_label(device: Mapping[str, Any] | None) -> str:
     return f"{device.get('name') or device.get('device')}{mig} ({fmt_bytes(device.get('total_bytes'))})"
 
 
-def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) -> str:
-    """The job's report.md."""
-    job, tasks = summary["job"], summary["tasks"]
-    dev = job.get("device") or {}
-    counts: dict[str, int] = {}
-    for t in tasks.values():
-        counts[t.get("status", "?")] = counts.get(t.get("status", "?"), 0) + 1
+def _header(summary: Mapping[str, Any], kinds: Counter[str]) -> list[str]:
+    job, dev = summary["job"], summary["job"].get("device") or {}
+    data = job["data"]
+    counts = Counter(t.get("status", "?") for t in summary["tasks"].values())
+    total = f", {fmt_bytes(dev['total_bytes'])} total" if dev.get("total_bytes") else ""
+    budget = fmt_bytes(job["budget_bytes"]) if job.get("budget_bytes") else "none"
+    where = f" `{data['path']}`" if data.get("path") else ""
     lines = [f"# oomguard job report: {job['name']}", "",
              f"- **Status**: {summary['status']} (exit code {summary['exit_code']}); "
              + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
              f"- **Job file**: `{job['path']}`",
-             f"- **Device**: {dev.get('device')} ({dev.get('name') or '?'}"
-             + (f", {fmt_bytes(dev['total_bytes'])} total)" if dev.get("total_bytes") else ")"),
-             f"- **Budget**: {fmt_bytes(job['budget_bytes']) if job.get('budget_bytes') else 'none'}",
+             f"- **Device**: {dev.get('device')} ({dev.get('name') or '?'}{total})",
+             f"- **Budget**: {budget}",
              f"- **Models**: {', '.join(job['models'])}; dtype {job['dtype']}",
-             f"- **Data**: {job['data']['source']}"
-             + (f" `{job['data']['path']}`" if job['data'].get('path') else "")
-             + f", {job['data']['n_samples']} samples x {job['data']['seq_len']} tokens",
-             f"- **Finished**: {summary['finished']} (run {summary['run']})", "",
-             "## Metrics", ""]
-    # Tasks that ran on several kinds of device (a job on Ray) say which, beside the sizes
-    # found for it.
-    kinds = Counter(device_label(t.get("device")) for t in tasks.values() if t.get("device"))
-    where = len(kinds) > 1
+             f"- **Data**: {data['source']}{where}, {data['n_samples']} samples x "
+             f"{data['seq_len']} tokens",
+             f"- **Finished**: {summary['finished']} (run {summary['run']})"]
     if dev.get("ray"):
-        lines.insert(lines.index("## Metrics") - 1, "- **Tasks ran on**: " + ", ".join(
+        lines.append("- **Tasks ran on**: " + ", ".join(
             f"{k} ({n} task{'' if n == 1 else 's'})" for k, n in kinds.items()))
-    lines += [f"| metric | status |{' device |' if where else ''} sizes used | from | retries "
-              "| seconds | peak memory |",
-              f"|---|---|{'---|' if where else ''}---|---|---:|---:|---:|"]
-    for key, t in tasks.items():
-        s = t.get("sizes") or {}
-        used = _sizes(s.get("final") or s.get("start"))
-        if not s.get("final") and len(s.get("attempts") or []) > 1:
-            used = "tried " + " > ".join(_sizes(a) for a in s["attempts"])
-        dev = f" {_cell(device_label(t.get('device')))} |" if where else ""
-        lines.append(f"| {key} | {status_cell(t)} |{dev} {used} "
-                     f"| {s.get('source') or '-'} | {s.get('retries', '-')} "
-                     f"| {t['seconds']:.2f} | {fmt_bytes(t.get('peak_bytes'))} |"
-                     if t.get("seconds") is not None else
-                     f"| {key} | {t.get('status')} |{' - |' if where else ''} - | - | - | - | - |")
-    lines += ["", "Peak memory is measured (what the meter counts is given per metric); "
-              "seconds are the metric's own run, without model build and search.", ""]
+    return [*lines, ""]
+
+
+def _metric_row(key: str, t: Mapping[str, Any], where: bool) -> str:
+    """A task's row: status, device (``where``), sizes and their source, retries, seconds,
+    peak; dashes for a task that did not run."""
+    if t.get("seconds") is None:
+        return f"| {key} | {t.get('status')} |{' - |' if where else ''} - | - | - | - | - |"
+    s = t.get("sizes") or {}
+    used = _sizes(s.get("final") or s.get("start"))
+    if not s.get("final") and len(s.get("attempts") or []) > 1:
+        used = "tried " + " > ".join(_sizes(a) for a in s["attempts"])
+    dev = f" {_cell(device_label(t.get('device')))} |" if where else ""
+    return (f"| {key} | {status_cell(t)} |{dev} {used} | {s.get('source') or '-'} "
+            f"| {s.get('retries', '-')} | {t['seconds']:.2f} | {fmt_bytes(t.get('peak_bytes'))} |")
+
+
+def _metrics(summary: Mapping[str, Any], kinds: Counter[str]) -> list[str]:
+    """The table of metrics; a device column when tasks ran on several kinds (a job on Ray)."""
+    where = len(kinds) > 1
+    lines = ["## Metrics", "",
+             f"| metric | status |{' device |' if where else ''} sizes used | from | retries "
+             "| seconds | peak memory |",
+             f"|---|---|{'---|' if where else ''}---|---|---:|---:|---:|",
+             *(_metric_row(key, t, where) for key, t in summary["tasks"].items()),
+             "", "Peak memory is measured (what the meter counts is given per metric); "
+             "seconds are the metric's own run, without model build and search.", ""]
     if summary["status"] == "interrupted":
         lines += ["The job was interrupted: run the same command again to finish it "
                   "(finished metrics are kept).", ""]
-    lines += remedies_section(tasks, job["dtype"])
-    lines += oom_events_section(tasks)
+    return lines
+
+
+def _reruns_and_failures(tasks: Mapping[str, Any]) -> list[str]:
     rerun = {k: t["rerun_because"] for k, t in tasks.items() if t.get("rerun_because")}
+    failed = {k: t for k, t in tasks.items() if t.get("status") == "failed"}
+    lines = []
     if rerun:
         lines += ["## Rerun because their inputs changed", "",
                   "The earlier results of these metrics no longer answered the job; they "
-                  "were moved to `results/stale/` and the metrics ran again.", ""]
-        lines += [f"- **{k}**: {'; '.join(why)}" for k, why in rerun.items()]
-        lines.append("")
-    failed = {k: t for k, t in tasks.items() if t.get("status") == "failed"}
+                  "were moved to `results/stale/` and the metrics ran again.", "",
+                  *(f"- **{k}**: {'; '.join(why)}" for k, why in rerun.items()), ""]
     if failed:
-        lines += ["## Failures", ""]
-        for key, t in failed.items():
-            lines.append(f"- **{key}**: {t.get('reason')} (traceback: `{t.get('traceback')}`)")
-        lines.append("")
+        lines += ["## Failures", "",
+                  *(f"- **{k}**: {t.get('reason')} (traceback: `{t.get('traceback')}`)"
+                    for k, t in failed.items()), ""]
+    return lines
+
+
+def _task(key: str, t: Mapping[str, Any], dtype: str) -> list[str]:
+    """A finished task's section: what ran where, its sizes, search and peak, its summary."""
+    s, se = t.get("sizes") or {}, t.get("search")
+    host = (t.get("device") or {}).get("host")
+    lines = [f"## {key}", "", f"- metric `{t['metric']}` on `{t['model']}`, "
+             f"parameters {json_text(t.get('params') or {}, indent=None)}",
+             f"- ran on {device_label(t.get('device'))}" + (f" on host `{host}`" if host else "")
+             + (f", {t['threads']} thread(s)" if t.get("threads") else ""),
+             f"- sizes: started at {_sizes(s.get('start'))} ({s.get('source')}), "
+             f"ran at {_sizes(s.get('final'))} after {s.get('retries', 0)} retries"]
+    if s.get("errors"):
+        lines.append(f"- OOMs: {'; '.join(s['errors'])}")
+    if t.get("lowered_precision"):
+        lines.append(f"- **precision: {t.get('precision')}** (the job's dtype is {dtype}), "
+                     f"lowered by the remedy `{t.get('remedy')}`")
+    if se:
+        n = se.get("trials")
+        lines.append(f"- search: {n} trial{'' if n == 1 else 's'} in {se.get('seconds')} s, "
+                     f"max ok {se.get('max_ok')}, stopped: {se.get('stopped_because')}")
+    lines.append(f"- peak memory {fmt_bytes(t.get('peak_bytes'))} ({t.get('peak_source')})")
+    if t.get("tensors"):
+        lines.append(f"- full tensors: `{t['tensors']}`")
+    return [*lines, "", "```json", json_text(t.get("summary")).rstrip("\n")[:4000], "```", ""]
+
+
+def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) -> str:
+    """The job's report.md, from the content of its ``results.json`` and the plots drawn
+    (``{title: path relative to the job folder}``)."""
+    tasks, dtype = summary["tasks"], summary["job"]["dtype"]
+    kinds = Counter(device_label(t.get("device")) for t in tasks.values() if t.get("device"))
+    lines = [*_header(summary, kinds), *_metrics(summary, kinds), *remedies_section(tasks, dtype),
+             *oom_events_section(tasks), *_reruns_and_failures(tasks)]
     for key, t in tasks.items():
-        if t.get("status") != "ok":
-            continue
-        s = t.get("sizes") or {}
-        host = (t.get("device") or {}).get("host")
-        lines += [f"## {key}", "", f"- metric `{t['metric']}` on `{t['model']}`, "
-                  f"parameters {json_text(t.get('params') or {}, indent=None)}",
-                  f"- ran on {device_label(t.get('device'))}"
-                  + (f" on host `{host}`" if host else "")
-                  + (f", {t['threads']} thread(s)" if t.get("threads") else ""),
-                  f"- sizes: started at {_sizes(s.get('start'))} ({s.get('source')}), "
-                  f"ran at {_sizes(s.get('final'))} after {s.get('retries', 0)} retries"]
-        if s.get("errors"):
-            lines.append(f"- OOMs: {'; '.join(s['errors'])}")
-        if t.get("lowered_precision"):
-            lines.append(f"- **precision: {t.get('precision')}** (the job's dtype is "
-                         f"{job['dtype']}), lowered by the remedy `{t.get('remedy')}`")
-        if t.get("search"):
-            se = t["search"]
-            trials = se.get("trials")
-            lines.append(f"- search: {trials} trial{'' if trials == 1 else 's'} in "
-                         f"{se.get('seconds')} s, "
-                         f"max ok {se.get('max_ok')}, stopped: {se.get('stopped_because')}")
-        lines.append(f"- peak memory {fmt_bytes(t.get('peak_bytes'))} ({t.get('peak_source')})")
-        if t.get("tensors"):
-            lines.append(f"- full tensors: `{t['tensors']}`")
-        lines += ["", "```json", json_text(t.get("summary")).rstrip("\n")[:4000], "```", ""]
+        lines += _task(key, t, dtype) if t.get("status") == "ok" else []
     if plots:
-        lines += ["## Plots", ""] + [f"![{title}]({path})" for title, path in plots.items()]
-        lines.append("")
+        lines += ["## Plots", "", *(f"![{title}]({path})" for title, path in plots.items()), ""]
     return "\n".join(lines)
 
 

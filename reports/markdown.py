@@ -1,13 +1,14 @@
 """Markdown report of a size search (a batch size or a metric's knob), in the shape of the
 E10 report.
 
-``render_markdown(result, context)`` turns a :class:`oomguard.engine.core.search.search.SearchResult`
-into the sections of the E10 Maximum Batch Size Report: Configuration, Data,
-Search Strategy, Results (performance metrics and the trial table), Memory
-Scaling Analysis, Recommendations, Key Observations and a Conclusion. Every
-number comes from the result; the prose around it is generated from the trial
-sequence, never hard-coded. Byte counts are printed in binary units (KiB, MiB,
-GiB) with :func:`oomguard.engine.util.units.fmt_bytes`.
+``render_markdown(result, context)`` renders the search's record (the trials of a
+:class:`~oomguard.engine.core.search.search.SearchResult` and the figures
+:func:`~oomguard.reports.json_report.summarise` derives from them, the same ones
+``report.json`` holds) as the sections of the E10 Maximum Batch Size Report:
+Configuration, Data, Search Strategy, Results (performance metrics and the trial table),
+Memory Scaling Analysis, Recommendations, Key Observations and a Conclusion. The prose
+around the numbers is generated from the trial sequence, never hard-coded. Byte counts
+are printed in binary units (KiB, MiB, GiB) with :func:`oomguard.engine.util.units.fmt_bytes`.
 """
 
 from __future__ import annotations
@@ -17,25 +18,46 @@ from typing import Any
 
 from oomguard.engine.core.search.search import SearchResult
 from oomguard.engine.util.units import fmt_bytes
-from oomguard.reports.json_report import (
-    PEAK_MEANING,
-    cap_advice,
-    capacity_label,
-    capped_by,
-    device_type,
-    non_monotonic,
-    peak_at_max,
-    scaling_verdict,
-    size_heading,
-    size_label,
-    status_text,
-    strategy_steps,
-    utilisation,
-)
-from oomguard.reports.throughput import speed_and_verification
+from oomguard.reports.json_report import rate_basis, rates, status_text, summarise, utilisation
 
 _KNOWN_CONTEXT = {"model", "parameters", "architecture", "device_name", "dtype", "data", "title",
                   "workload_spec"}  # the last is for `oomguard verify`, not for readers
+_BUDGET_HOW = {"cpu": "RLIMIT_DATA above the process's data size at the start",
+               "cuda": "torch.cuda.set_per_process_memory_fraction"}
+_MODE = {
+    "isolated": ("isolated: each trial ran in a fresh child process, so no trial inherits "
+                 "another's caches or heap fragments; this is the faithful maximum"),
+    "confirmed": ("confirmed: the search ran in-process, then the answer and the size above "
+                  "it ran again in fresh child processes, and the search went on there where "
+                  "they disagreed; the answer is the faithful maximum"),
+    "in-process": ("in-process: all trials ran in one process one after another; later "
+                   "trials inherit caches and heap fragments, so the result is "
+                   "history-dependent: lower than a fresh process's maximum when leftovers "
+                   "take room, higher under a CPU budget when free heap chunks are reused "
+                   "without counting (rerun isolated for the faithful figure)"),
+}
+_MODE_OBSERVATION = {
+    "in-process": ("**Mode caveat**: trials ran in-process; the maximum can differ from a "
+                   "fresh process's (lower: caches, heap fragments; higher under a CPU "
+                   "budget: reused free heap). Rerun with isolation for the faithful figure."),
+    "confirmed": ("**Mode**: the answer was confirmed in fresh processes (it fits there and "
+                  "the size above it does not), so it does not depend on the order of the "
+                  "trials."),
+    "isolated": ("**Mode**: each trial ran in a fresh process; the maximum does not depend "
+                 "on the order of the trials."),
+}
+_SCALING_OBSERVATION = {
+    None: "**Scaling unknown**: too few measured sizes for a fit.",
+    "flat": ("**No memory growth with {label}**: the measured peaks do not rise with the "
+             "size, so the fitted line predicts nothing beyond the sizes tried."),
+    "untested": ("**Scaling barely measured**: the line goes through two points, so its R² "
+                 "says nothing; treat fitted estimates as rough."),
+    "confirmed": ("**Linear memory scaling**: R² = {r2:.4f} over {points} points; memory "
+                  "grows predictably with {label}."),
+    "approximate": "**Roughly linear scaling**: R² = {r2:.4f}; fitted estimates are rough.",
+    "not supported": ("**Non-linear or noisy scaling**: R² = {r2:.4f}; do not trust the "
+                      "fitted estimates, rely on measured sizes only."),
+}
 
 
 def fmt_value(value: Any) -> str:
@@ -55,8 +77,17 @@ def fmt_value(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _heading(s: Mapping[str, Any]) -> str:
+    """The size's name for titles: ``Batch Size``, or the knob's name as it is."""
+    return "Batch Size" if s["size_label"] == "batch size" else s["size_label"]
+
+
 def _pct(frac: float | None) -> str:
     return "-" if frac is None else f"{frac * 100:.1f}%"
+
+
+def _bytes_exact(n: float | None) -> str:
+    return fmt_bytes(n) + (f" ({n:,} bytes)" if n is not None else "")
 
 
 def _params(n: Any) -> str:
@@ -72,74 +103,55 @@ def _label(key: str) -> str:
     return key.replace("_", " ").strip().capitalize()
 
 
-def _nested(value: Any, indent: str = "  ") -> list[str]:
+def _item(key: str, value: Any) -> list[str]:
+    """A context entry as a bullet; a mapping as a bullet with one sub-bullet per key."""
     if isinstance(value, Mapping):
-        return [f"{indent}- {_label(str(k))}: {v}" for k, v in value.items()]
-    return []
+        return [f"- **{key}**:", *(f"  - {_label(str(k))}: {v}" for k, v in value.items())]
+    return [f"- **{key}**: {value}"]
 
 
 # ---------------------------------------------------------------- sections
-def _configuration(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
-    out = ["## Configuration", f"- **Workload**: {result.workload}"]
-    if "model" in ctx:
-        out.append(f"- **Model**: {ctx['model']}")
-    if "parameters" in ctx:
-        out.append(f"- **Parameters**: {_params(ctx['parameters'])}")
-    if isinstance(ctx.get("architecture"), Mapping):
-        out.append("- **Architecture**:")
-        out.extend(_nested(ctx["architecture"]))
-    if "dtype" in ctx:
-        out.append(f"- **Dtype**: {ctx['dtype']}")
-    for key, value in ctx.items():
-        if key in _KNOWN_CONTEXT:
-            continue
-        if isinstance(value, Mapping):
-            out.append(f"- **{_label(key)}**:")
-            out.extend(_nested(value))
-        else:
-            out.append(f"- **{_label(key)}**: {value}")
-    dev = result.device
-    if ctx.get("device_name"):
-        dev = f"{ctx['device_name']} ({result.device})"
-    out.append(f"- **Device**: {dev}")
+def _context(ctx: Mapping[str, Any]) -> list[str]:
+    """What was measured: the known context keys first, then any other, in order."""
+    arch = ctx.get("architecture")
+    return [*([f"- **Model**: {ctx['model']}"] if "model" in ctx else []),
+            *([f"- **Parameters**: {_params(ctx['parameters'])}"] if "parameters" in ctx else []),
+            *(_item("Architecture", arch) if isinstance(arch, Mapping) else []),
+            *([f"- **Dtype**: {ctx['dtype']}"] if "dtype" in ctx else []),
+            *(line for key, value in ctx.items() if key not in _KNOWN_CONTEXT
+              for line in _item(_label(key), value))]
+
+
+def _budget(result: SearchResult) -> str:
     if result.budget_bytes is not None:
-        how = {"cpu": "RLIMIT_DATA above the process's data size at the start",
-               "cuda": "torch.cuda.set_per_process_memory_fraction"}.get(device_type(result), "")
-        out.append(f"- **Memory budget**: {fmt_bytes(result.budget_bytes)}"
-                   + (f" (enforced with {how}; OOMs are real allocator errors)" if how else ""))
-    elif result.limit:
-        out.append(f"- **Memory budget**: none; trials ran under a {result.limit['description']}: "
-                   "a watchdog stopped a trial past it, and sizes predicted past it did not run. "
-                   "The limit is estimated from the RAM available, not enforced by the OS")
-    else:
-        out.append("- **Memory budget**: none (the device's own limit)")
-    label = capacity_label(result)
-    if result.capacity_bytes is None:
-        out.append("- **Capacity**: unknown (no budget and free memory could not be probed; "
-                   "utilisation figures are omitted)")
-    elif label == "budget":
-        out.append(f"- **Capacity**: {fmt_bytes(result.capacity_bytes)} (the budget)")
-    else:
-        out.append(f"- **Capacity**: {fmt_bytes(result.capacity_bytes)} (free memory probed "
-                   "before the search: an estimate of headroom, not a limit)")
-    if result.mode == "isolated":
-        mode = ("isolated: each trial ran in a fresh child process, so no trial inherits another's "
-                "caches or heap fragments; this is the faithful maximum")
-    elif result.mode == "confirmed":
-        mode = ("confirmed: the search ran in-process, then the answer and the size above it "
-                "ran again in fresh child processes, and the search went on there where they "
-                "disagreed; the answer is the faithful maximum")
-    else:
-        mode = ("in-process: all trials ran in one process one after another; later trials "
-                "inherit caches and heap fragments, so the result is history-dependent: lower "
-                "than a fresh process's maximum when leftovers take room, higher under a CPU "
-                "budget when free heap chunks are reused without counting (rerun isolated for "
-                "the faithful figure)")
-    out.append(f"- **Mode**: {mode}")
-    cfg = result.config
-    if cfg:
-        out.append("- **Search settings**: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
-    return out
+        how = _BUDGET_HOW.get(result.device.split(":", 1)[0], "")
+        return (f"- **Memory budget**: {fmt_bytes(result.budget_bytes)}"
+                + (f" (enforced with {how}; OOMs are real allocator errors)" if how else ""))
+    if result.limit:
+        return (f"- **Memory budget**: none; trials ran under a {result.limit['description']}: "
+                "a watchdog stopped a trial past it, and sizes predicted past it did not run. "
+                "The limit is estimated from the RAM available, not enforced by the OS")
+    return "- **Memory budget**: none (the device's own limit)"
+
+
+def _capacity(result: SearchResult, s: Mapping[str, Any]) -> str:
+    cap = result.capacity_bytes
+    if cap is None:
+        return ("- **Capacity**: unknown (no budget and free memory could not be probed; "
+                "utilisation figures are omitted)")
+    if s["capacity_kind"] == "budget":
+        return f"- **Capacity**: {fmt_bytes(cap)} (the budget)"
+    return (f"- **Capacity**: {fmt_bytes(cap)} (free memory probed before the search: an "
+            "estimate of headroom, not a limit)")
+
+
+def _configuration(result: SearchResult, s: Mapping[str, Any], ctx: Mapping[str, Any]) -> list[str]:
+    where = f"{ctx['device_name']} ({result.device})" if ctx.get("device_name") else result.device
+    settings = ", ".join(f"{k}={v}" for k, v in result.config.items())
+    return ["## Configuration", f"- **Workload**: {result.workload}", *_context(ctx),
+            f"- **Device**: {where}", _budget(result), _capacity(result, s),
+            f"- **Mode**: {_MODE.get(result.mode, _MODE['in-process'])}",
+            *([f"- **Search settings**: {settings}"] if settings else [])]
 
 
 def _data(ctx: Mapping[str, Any]) -> list[str]:
@@ -149,54 +161,60 @@ def _data(ctx: Mapping[str, Any]) -> list[str]:
     return ["## Data Configuration", *(f"- **{_label(str(k))}**: {v}" for k, v in data.items())]
 
 
-def _results(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
-    best = peak_at_max(result)
-    cap = result.capacity_bytes
-    peak = best.peak_bytes if best else None
-    util = utilisation(peak, cap)
-    margin_left = cap - peak if cap is not None and peak is not None else None
-    shown = "-" if result.max_ok is None else str(result.max_ok)
-    suffix = ("" if result.first_oom is not None or result.max_ok is None
+def _strategy(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
+    return ["## Search Strategy", f"Strategy `{result.strategy}`: {result.strategy_description}",
+            "", *(f"{i}. {step}" for i, step in enumerate(s["search_steps"], 1))]
+
+
+def _maximum(result: SearchResult, s: Mapping[str, Any]) -> str:
+    if result.max_ok is None:
+        return f"### Maximum {_heading(s)}: **-**"
+    suffix = ("" if result.first_oom is not None
               else " (no OOM seen: the largest useful size, every sample at once)"
-              if capped_by(result, ctx) == "samples" else " (no OOM seen: a lower bound)")
-    of_cap = f" (of {fmt_bytes(cap)} {capacity_label(result)})" if cap else " (capacity unknown)"
-    out = [
-        "## Results", "", f"### Maximum {size_heading(result)}: **{shown}**{suffix}", "",
-        "### Performance Metrics", "| Metric | Value |", "|--------|-------|",
-        f"| Peak Memory at maximum | {fmt_bytes(peak)} |",
-        f"| Memory Utilization | {_pct(util)}{of_cap if util is not None else ''} |",
-        f"| Margin left | {fmt_bytes(margin_left)}"
-        + (f" ({margin_left:,} bytes)" if margin_left is not None else "") + " |",
-        f"| Seconds (trial at maximum) | {best.seconds:.3f} |" if best else "| Seconds (trial at maximum) | - |",
-        f"| Value returned at maximum | {fmt_value(best.value) if best else '-'} |",
-        f"| Search wall time | {result.seconds:.2f} s |",
-        "", "### Search Details",
-        f"| {size_heading(result)} | Status | Peak Memory | Seconds | Value |",
-        "|-----------|--------|-------------|---------|-------|",
-    ]
-    for t in result.trials:
-        out.append(f"| {t.size} | {status_text(t)} | {fmt_bytes(t.peak_bytes)} | "
-                   f"{t.seconds:.3f} | {fmt_value(t.value)} |")
+              if s["capped_by"] == "samples" else " (no OOM seen: a lower bound)")
+    return f"### Maximum {_heading(s)}: **{result.max_ok}**{suffix}"
+
+
+def _performance(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
+    cap, util, seconds = result.capacity_bytes, s["utilisation"], s["seconds_at_max"]
+    of_cap = f" (of {fmt_bytes(cap)} {s['capacity_kind']})" if cap else " (capacity unknown)"
+    return ["### Performance Metrics", "| Metric | Value |", "|--------|-------|",
+            f"| Peak Memory at maximum | {fmt_bytes(s['peak_bytes_at_max'])} |",
+            f"| Memory Utilization | {_pct(util)}{of_cap if util is not None else ''} |",
+            f"| Margin left | {_bytes_exact(s['margin_left_bytes'])} |",
+            f"| Seconds (trial at maximum) | {'-' if seconds is None else f'{seconds:.3f}'} |",
+            f"| Value returned at maximum | {fmt_value(s['value_at_max'])} |",
+            f"| Search wall time | {result.seconds:.2f} s |"]
+
+
+def _trial_table(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
+    out = ["### Search Details",
+           f"| {_heading(s)} | Status | Peak Memory | Seconds | Value |",
+           "|-----------|--------|-------------|---------|-------|",
+           *(f"| {t.size} | {status_text(t)} | {fmt_bytes(t.peak_bytes)} | {t.seconds:.3f} | "
+             f"{fmt_value(t.value)} |" for t in result.trials)]
     if any(not t.ok and not t.guarded for t in result.trials):
-        out.append("")
-        out.append("An OOM trial's peak is unknown (the allocation that failed never happened); "
-                   "its row shows `-`.")
+        out += ["", "An OOM trial's peak is unknown (the allocation that failed never "
+                "happened); its row shows `-`."]
     if any(t.guarded for t in result.trials):
-        out.append("")
-        out.append("A RAM guard row is the guard's verdict against its estimated limit, not an "
-                   "allocation that failed: its peak is what was measured until the trial was "
-                   "stopped, or `-` for a size that did not run because its predicted peak was "
-                   "over the limit.")
+        out += ["", "A RAM guard row is the guard's verdict against its estimated limit, not "
+                "an allocation that failed: its peak is what was measured until the trial was "
+                "stopped, or `-` for a size that did not run because its predicted peak was "
+                "over the limit."]
     return out
 
 
-def _no_growth(result: SearchResult) -> str:
+def _results(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
+    return ["## Results", "", _maximum(result, s), "", *_performance(result, s), "",
+            *_trial_table(result, s)]
+
+
+def _no_growth(result: SearchResult, s: Mapping[str, Any]) -> str:
     """The honest sentence for a fit that does not rise: memory is not what ``size`` costs."""
-    fit = result.fit
+    fit, label = result.fit, s["size_label"]
     assert fit is not None
-    label = size_label(result)
     sizes = sorted({t.size for t in result.trials if t.ok and t.peak_bytes is not None})
-    how = ("" if fit.per_item_bytes <= 0 else ": no more than the scatter of the measurements")
+    how = "" if fit.per_item_bytes <= 0 else ": no more than the scatter of the measurements"
     if result.first_oom is not None:
         why = (f"yet {label} {result.first_oom} ran out of memory, so the limit is elsewhere "
                "(memory the peak does not count, or a cost that jumps rather than grows): "
@@ -209,186 +227,206 @@ def _no_growth(result: SearchResult) -> str:
             f"per +1 of {label}{how}); {why}.")
 
 
-def _scaling(result: SearchResult) -> list[str]:
-    out = ["## Memory Scaling Analysis"]
-    meaning = PEAK_MEANING.get(device_type(result), "the device's peak bytes over the trial")
-    fit = result.fit
-    label = size_label(result)
-    verdict = scaling_verdict(result)
-    if fit is None:
-        out.append("- **No fit**: fewer than two distinct sizes ran with a measured peak, so no "
-                   "scaling line could be fitted.")
-    elif verdict == "flat":
-        out += [_no_growth(result),
-                f"- **Fit**: peak ≈ {fmt_bytes(fit.base_bytes)} + {fit.per_item_bytes:,.0f} "
-                f"bytes × {result.size_name}, a least-squares line over the {fit.points} "
-                "measured peaks of successful trials; it does not rise, so it says nothing "
-                "about sizes beyond those tried."]
-    else:
-        step = result.config.get("step")
-        lin = ("untested (only two points; R² is 1 by construction)" if verdict == "untested"
-               else verdict)
-        if isinstance(step, int) and step > 0:
-            out.append(f"- **Linear scaling {lin}** (R² = {fit.r2:.4f}): each +{step} {label} "
-                       f"increment adds ~{fmt_bytes(fit.per_item_bytes * step)} peak memory")
-        else:
-            out.append(f"- **Linear scaling {lin}** (R² = {fit.r2:.4f})")
-        out += [
-            f"- **Starting overhead** (intercept at size 0): ~{fmt_bytes(fit.base_bytes)}",
-            f"- **Per-item cost**: ~{fmt_bytes(fit.per_item_bytes)} per +1 of {label} "
-            f"({fit.per_item_bytes:,.0f} bytes)",
-            f"- **Fit**: peak ≈ {fmt_bytes(fit.base_bytes)} + {fmt_bytes(fit.per_item_bytes)} × "
-            f"{result.size_name}, a least-squares line over the {fit.points} measured peaks of successful "
-            "trials; sizes and peaks it predicts are estimates, not measurements.",
-        ]
-        if result.capacity_bytes:
-            pred = fit.largest_size_within(result.capacity_bytes)
-            out.append(f"- **Fitted size at capacity** (estimate): {pred} "
-                       f"(measured maximum: {result.max_ok})")
-            # Only an OOM shows that the line over-predicts; without one the search was capped.
-            if pred is not None and result.first_oom is not None and pred >= result.first_oom:
-                out.append("  - The line predicts more than ran: memory the peak does not count "
-                           "(allocator rounding and fragmentation, thread stacks, caches) uses "
-                           "the difference. Trust the measured maximum.")
-    out.append(f"- **What the peak measures**: {meaning}. It counts bytes above the state at the "
-               "start of each trial, not the model and data loaded before it.")
+def _linear(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
+    """The fitted line of a size whose memory grows, and what it predicts at capacity."""
+    fit, label, verdict, step = result.fit, s["size_label"], s["memory_scaling"], result.config.get("step")
+    assert fit is not None
+    lin = "untested (only two points; R² is 1 by construction)" if verdict == "untested" else verdict
+    each = (f": each +{step} {label} increment adds ~{fmt_bytes(fit.per_item_bytes * step)} peak "
+            "memory" if isinstance(step, int) and step > 0 else "")
+    out = [f"- **Linear scaling {lin}** (R² = {fit.r2:.4f}){each}",
+           f"- **Starting overhead** (intercept at size 0): ~{fmt_bytes(fit.base_bytes)}",
+           f"- **Per-item cost**: ~{fmt_bytes(fit.per_item_bytes)} per +1 of {label} "
+           f"({fit.per_item_bytes:,.0f} bytes)",
+           f"- **Fit**: peak ≈ {fmt_bytes(fit.base_bytes)} + {fmt_bytes(fit.per_item_bytes)} × "
+           f"{result.size_name}, a least-squares line over the {fit.points} measured peaks of "
+           "successful trials; sizes and peaks it predicts are estimates, not measurements."]
+    if not result.capacity_bytes:
+        return out
+    pred = s["fitted_size_at_capacity"]
+    out.append(f"- **Fitted size at capacity** (estimate): {pred} (measured maximum: "
+               f"{result.max_ok})")
+    # Only an OOM shows that the line over-predicts; without one the search was capped.
+    if pred is not None and result.first_oom is not None and pred >= result.first_oom:
+        out.append("  - The line predicts more than ran: memory the peak does not count "
+                   "(allocator rounding and fragmentation, thread stacks, caches) uses the "
+                   "difference. Trust the measured maximum.")
     return out
 
 
-def _recommendations(result: SearchResult) -> list[str]:
+def _scaling(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
+    fit = result.fit
+    if fit is None:
+        lines = ["- **No fit**: fewer than two distinct sizes ran with a measured peak, so no "
+                 "scaling line could be fitted."]
+    elif s["memory_scaling"] == "flat":
+        lines = [_no_growth(result, s),
+                 f"- **Fit**: peak ≈ {fmt_bytes(fit.base_bytes)} + {fit.per_item_bytes:,.0f} "
+                 f"bytes × {result.size_name}, a least-squares line over the {fit.points} "
+                 "measured peaks of successful trials; it does not rise, so it says nothing "
+                 "about sizes beyond those tried."]
+    else:
+        lines = _linear(result, s)
+    meaning = s["peak_measures"]
+    if meaning == "unknown":
+        meaning = "the device's peak bytes over the trial"
+    return ["## Memory Scaling Analysis", *lines,
+            f"- **What the peak measures**: {meaning}. It counts bytes above the state at the "
+            "start of each trial, not the model and data loaded before it."]
+
+
+def _estimate(result: SearchResult, size: int) -> str:
+    """The peak at ``size``: measured where a trial ran there, else from the fitted line."""
+    measured = {t.size: t.peak_bytes for t in result.trials
+                if t.ok and t.peak_bytes is not None}.get(size)
+    fit = result.fit
+    peak = measured if measured is not None else fit.predict(size) if fit else None
+    if peak is None:
+        return "peak unknown"
+    util = utilisation(peak, result.capacity_bytes)
+    return (f"{'measured' if measured is not None else 'estimated'} {fmt_bytes(peak)}"
+            + (f", {_pct(util)} utilization" if util is not None else ""))
+
+
+def _risk(result: SearchResult, peak: int | None) -> tuple[str, int | None]:
+    """How close the maximum's measured ``peak`` runs to capacity, and the bytes left."""
+    cap = result.capacity_bytes
+    left = cap - peak if cap is not None and peak is not None else None
+    util = utilisation(peak, cap)
+    tight = ("Margin unknown (no capacity or no measured peak)" if util is None
+             else "Very tight memory margin" if util >= 0.9
+             else "Tight memory margin" if util >= 0.8 else "Moderate memory margin")
+    risk = tight if util is None else f"{tight} ({fmt_bytes(left)} buffer)"
+    if result.mode == "in-process":
+        risk += "; found in-process, so a fresh process may fit more, a fragmented one less"
+    return risk, left
+
+
+def _recommendations(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
     rec = result.recommendation
     if rec is None:
         return ["## Recommendations", "- No recommendation: no size fitted."]
-    cap, fit = result.capacity_bytes, result.fit
-    by_size = {t.size: t.peak_bytes for t in result.trials if t.ok and t.peak_bytes is not None}
-
-    def est(size: int) -> str:
-        measured = by_size.get(size)
-        peak = measured if measured is not None else fit.predict(size) if fit else None
-        if peak is None:
-            return "peak unknown"
-        kind = "measured" if measured is not None else "estimated"
-        util = utilisation(peak, cap)
-        return f"{kind} {fmt_bytes(peak)}" + (f", {_pct(util)} utilization" if util is not None else "")
-
-    best = by_size.get(rec.maximum)
-    left = cap - best if cap is not None and best is not None else None
-    util = utilisation(best, cap)
-    if util is None:
-        risk = "Margin unknown (no capacity or no measured peak)"
-    elif util >= 0.9:
-        risk = f"Very tight memory margin ({fmt_bytes(left)} buffer)"
-    elif util >= 0.8:
-        risk = f"Tight memory margin ({fmt_bytes(left)} buffer)"
-    else:
-        risk = f"Moderate memory margin ({fmt_bytes(left)} buffer)"
-    if result.mode == "in-process":
-        risk += "; found in-process, so a fresh process may fit more, a fragmented one less"
-    lo_hi = (f"{rec.conservative}-{rec.safe}" if rec.conservative != rec.safe else str(rec.safe))
+    label = s["size_label"]
+    peak = next((t.peak_bytes for t in reversed(result.trials)
+                 if t.ok and t.size == rec.maximum and t.peak_bytes is not None), None)
+    risk, left = _risk(result, peak)
+    lo_hi = f"{rec.conservative}-{rec.safe}" if rec.conservative != rec.safe else str(rec.safe)
     return [
         "## Recommendations", "", "### Safe Production Settings",
         f"For production with a {rec.margin:.0%} safety margin of capacity "
         f"({rec.margin_source or 'fixed'}):",
-        f"- **Recommended {size_label(result)}**: {rec.safe} ({est(rec.safe)}); basis: {rec.basis}",
+        f"- **Recommended {label}**: {rec.safe} ({_estimate(result, rec.safe)}); basis: {rec.basis}",
         f"- **Recommended range**: {lo_hi}",
-        f"- **Conservative {size_label(result)}**: {rec.conservative} ({est(rec.conservative)}; "
-        + ("the largest size that ran whose measured peak is within the margin)" if cap
-           else "the largest size that ran at or below the recommended size)"),
+        f"- **Conservative {label}**: {rec.conservative} ({_estimate(result, rec.conservative)}; "
+        + ("the largest size that ran whose measured peak is within the margin)"
+           if result.capacity_bytes else "the largest size that ran at or below the recommended size)"),
         "", "### Maximum Throughput Setting",
-        f"- **Absolute maximum**: {rec.maximum} ({est(rec.maximum)})",
+        f"- **Absolute maximum**: {rec.maximum} ({_estimate(result, rec.maximum)})",
         f"- **Risk**: {risk}",
-        f"- **Margin left at maximum**: {fmt_bytes(left)}"
-        + (f" ({left:,} bytes)" if left is not None else ""),
+        f"- **Margin left at maximum**: {_bytes_exact(left)}",
         "- **Suitable for**: benchmarking, time-limited runs",
-    ] + speed_and_verification(result)
+        *_speed_and_verification(result, s),
+    ]
 
 
-def _scaling_observation(result: SearchResult) -> str:
-    fit, verdict = result.fit, scaling_verdict(result)
-    if fit is None:
-        return "**Scaling unknown**: too few measured sizes for a fit."
-    if verdict == "flat":
-        return (f"**No memory growth with {size_label(result)}**: the measured peaks do not "
-                "rise with the size, so the fitted line predicts nothing beyond the sizes tried.")
-    if verdict == "untested":
-        return ("**Scaling barely measured**: the line goes through two points, so its R² "
-                "says nothing; treat fitted estimates as rough.")
-    if verdict == "confirmed":
-        return (f"**Linear memory scaling**: R² = {fit.r2:.4f} over {fit.points} points; "
-                f"memory grows predictably with {size_label(result)}.")
-    if verdict == "approximate":
-        return f"**Roughly linear scaling**: R² = {fit.r2:.4f}; fitted estimates are rough."
-    return (f"**Non-linear or noisy scaling**: R² = {fit.r2:.4f}; do not trust the fitted "
-            "estimates, rely on measured sizes only.")
+def _speed_and_verification(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
+    """Throughput per size (the largest is not always the fastest) and the verification."""
+    measured, fastest, out = rates(result), s["fastest_safe_size"], []
+    if fastest is not None:
+        out += ["", "### Throughput",
+                f"- **Fastest size that ran at or below the recommended size**: {fastest} "
+                f"({measured[fastest]:,.1f} items/s; {rate_basis(result)}); plotted in "
+                "`throughput.png`",
+                "- **Measured**: " + ", ".join(f"{n}: {r:,.1f}/s" for n, r in sorted(measured.items()))]
+    check = result.verification
+    if check:
+        verdict = ("ran without running out of memory" if check["ok"]
+                   else f"RAN OUT OF MEMORY: {check['error']}")
+        out += ["", "### Verification",
+                f"- {check['steps']} further steps at {check['size']}: {verdict}"]
+    return out
 
 
-def _observations(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
-    obs: list[str] = [_scaling_observation(result)]
+def cap_advice(result: SearchResult, s: Mapping[str, Any]) -> str | None:
+    """What capped a search that did not close its bracket (``s["capped_by"]``), and which
+    option to change (a Markdown sentence; None if nothing did)."""
+    cause, label, cfg, top = s["capped_by"], s["size_label"], result.config, result.max_ok
+    lower = "so the reported maximum is a lower bound"
+    not_max_size = f"max_size ({cfg.get('max_size')}) was not reached"
+    if cause is None:
+        return None
+    if cause == "samples":
+        return (f"**Every useful {label} fits**: the search stopped at {label} {top}, the number "
+                f"of samples (--samples {cfg.get('max_size')}); {label} slices the samples, so a "
+                f"larger value runs them all at once just the same. No OOM was seen, so {top} is "
+                f"the largest useful {label} for this data and raising max_size changes nothing; "
+                "with more samples (--samples) it can go higher.")
+    if cause == "max_size":
+        return (f"**No OOM seen**: the search stopped at max_size ({cfg.get('max_size')}), "
+                f"{lower}; raise max_size (--max-size) to find the real limit.")
+    if cause == "strategy":
+        return (f"**No OOM seen**: the strategy stopped proposing sizes ({result.stopped_because}) "
+                f"before any size ran out of memory, {lower}; {not_max_size}.")
+    trials = cause == "max_trials"
+    spent = (f"all {cfg.get('max_trials')} trials (max_trials)" if trials
+             else f"its time (max_seconds = {cfg.get('max_seconds')})")
+    option = "raise max_trials (--max-trials)" if trials else "raise max_seconds"
+    if result.first_oom is not None:
+        return (f"**Bracket left open**: the search used {spent} before closing in; the limit "
+                f"lies between {top} (fits) and {result.first_oom} (OOM); {option} to narrow it.")
+    return (f"**No OOM seen**: the search used {spent} before any size ran out of memory, "
+            f"{lower}; {option}, start larger (--start) or grow faster (--strategy doubling); "
+            f"{not_max_size}.")
+
+
+def _observations(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
     fit = result.fit
-    n_ok = sum(t.ok for t in result.trials)
-    n = len(result.trials)
-    trial_s = sum(t.seconds for t in result.trials)
-    obs.append(f"**Search cost**: {n} trials ({n_ok} fitted, {n - n_ok} ran out of memory), "
-               f"{trial_s:.2f} s in trials, {result.seconds:.2f} s of search wall time.")
-    obs.append(f"**Stopped because**: {result.stopped_because}.")
-    advice = cap_advice(result, ctx)
-    if advice:
-        obs.append(advice)
-    bad = non_monotonic(result)
-    if bad:
-        sizes = ", ".join(str(t.size) for t in bad)
+    obs = [_SCALING_OBSERVATION[s["memory_scaling"]].format(
+               label=s["size_label"], r2=fit.r2 if fit else 0, points=fit.points if fit else 0),
+           f"**Search cost**: {s['trials']} trials ({s['trials_ok']} fitted, {s['trials_oom']} "
+           f"ran out of memory), {s['trial_seconds']:.2f} s in trials, {result.seconds:.2f} s of "
+           "search wall time.",
+           f"**Stopped because**: {result.stopped_because}."]
+    advice = cap_advice(result, s)
+    obs += [advice] if advice else []
+    if s["non_monotonic_oom_sizes"]:
+        sizes = ", ".join(str(n) for n in s["non_monotonic_oom_sizes"])
         obs.append(f"**Non-monotonic outcomes**: size(s) {sizes} ran out of memory although "
                    f"{result.max_ok} fitted; memory use depends on history or is noisy here, "
                    "so keep a wider margin.")
-    if result.mode == "in-process":
-        obs.append("**Mode caveat**: trials ran in-process; the maximum can differ from a fresh "
-                   "process's (lower: caches, heap fragments; higher under a CPU budget: reused "
-                   "free heap). Rerun with isolation for the faithful figure.")
-    elif result.mode == "confirmed":
-        obs.append("**Mode**: the answer was confirmed in fresh processes (it fits there and the "
-                   "size above it does not), so it does not depend on the order of the trials.")
-    else:
-        obs.append("**Mode**: each trial ran in a fresh process; the maximum does not depend on "
-                   "the order of the trials.")
+    obs.append(_MODE_OBSERVATION.get(result.mode, _MODE_OBSERVATION["isolated"]))
     if fit is not None and fit.base_bytes < 0:
         obs.append("**Negative intercept**: the fitted overhead is below zero, so the line is "
                    "only meaningful within the measured range.")
-    return [f"{i}. {o}" for i, o in enumerate(obs, 1)]
+    return ["## Key Observations", "", *(f"{i}. {o}" for i, o in enumerate(obs, 1))]
 
 
-def _conclusion(result: SearchResult, ctx: Mapping[str, Any]) -> list[str]:
+def _conclusion(result: SearchResult, s: Mapping[str, Any], ctx: Mapping[str, Any]) -> list[str]:
     if result.max_ok is None:
-        return ["## Conclusion", f"**{result.workload}: no {size_label(result)} fitted.**"]
-    best = peak_at_max(result)
-    util = utilisation(best.peak_bytes if best else None, result.capacity_bytes)
+        return ["## Conclusion", f"**{result.workload}: no {s['size_label']} fitted.**"]
+    util = s["utilisation"]
     where = ctx.get("device_name") or result.device
-    tail = f", utilizing {_pct(util)} of {capacity_label(result)}" if util is not None else ""
+    tail = f", utilizing {_pct(util)} of {s['capacity_kind']}" if util is not None else ""
     bound = "at least " if result.first_oom is None else ""
     return ["## Conclusion",
-            f"**{result.workload} runs on {where} at {size_label(result)} {bound}{result.max_ok} "
+            f"**{result.workload} runs on {where} at {s['size_label']} {bound}{result.max_ok} "
             f"({result.mode}){tail}.**"]
 
 
-def render_markdown(result: SearchResult, context: dict | None = None) -> str:
+def render_markdown(result: SearchResult, context: Mapping[str, Any] | None = None,
+                    summary: Mapping[str, Any] | None = None) -> str:
     """Render ``result`` as a Markdown report in the E10 report's shape.
 
     ``context`` describes what was measured: ``model`` (str), ``parameters``
     (int), ``architecture`` (dict), ``device_name``, ``dtype``, ``data``
-    (dict), ``title``; any other key is listed under Configuration. Byte
-    figures are shown in KiB/MiB/GiB; seconds are wall-clock seconds.
+    (dict), ``title``; any other key is listed under Configuration. ``summary`` is
+    :func:`~oomguard.reports.json_report.summarise` of them (computed here unless
+    given). Byte figures are shown in KiB/MiB/GiB; seconds are wall-clock seconds.
     """
     ctx: Mapping[str, Any] = context or {}
-    title = ctx.get("title") or f"{result.workload} Maximum {size_heading(result)} Report"
-    parts: list[list[str]] = [
-        [f"# {title}"],
-        _configuration(result, ctx),
-        _data(ctx),
-        ["## Search Strategy", f"Strategy `{result.strategy}`: {result.strategy_description}", "",
-         *(f"{i}. {s}" for i, s in enumerate(strategy_steps(result), 1))],
-        _results(result, ctx),
-        _scaling(result),
-        _recommendations(result),
-        ["## Key Observations", "", *_observations(result, ctx)],
-        _conclusion(result, ctx),
-    ]
+    s = summary if summary is not None else summarise(result, ctx)
+    title = ctx.get("title") or f"{result.workload} Maximum {_heading(s)} Report"
+    parts = [[f"# {title}"], _configuration(result, s, ctx), _data(ctx), _strategy(result, s),
+             _results(result, s), _scaling(result, s), _recommendations(result, s),
+             _observations(result, s), _conclusion(result, s, ctx)]
     return "\n\n".join("\n".join(p) for p in parts if p) + "\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from oomguard.engine.core.search.trial import Trial
 from oomguard.engine.util.units import MiB
 from oomguard.reports import plot_memory, render_json, render_markdown, style, write_report
 from oomguard.reports.job_report import write_job_report
-from oomguard.reports.plot import memory_figure
+from oomguard.reports.json_report import summarise
+from oomguard.reports.plot import memory_figure, throughput_figure
 
 BASE = 4 * MiB
 PER_ITEM = 2 * MiB
@@ -302,6 +304,42 @@ def test_cap_from_trials_or_time_names_that_option(limit: dict, option: str) -> 
     assert option in md and "max_size (65536) was not reached" in md
     assert render_json(res)["summary"]["capped_by"] == name
     assert memory_figure(res).axes[0].get_xlabel() == "batch size (items)"
+
+
+def test_markdown_json_and_plots_state_the_one_record() -> None:
+    # The figures are computed once (summarise); every output renders what it is given.
+    trials = [Trial(size=s, ok=True, peak_bytes=(4 + 2 * s) * MiB, seconds=0.1,
+                    items_per_second=100.0 * s) for s in (8, 16, 24)]
+    trials.append(Trial(size=32, ok=False, peak_bytes=None, seconds=0.1, error="oom"))
+    res = _hand_built(trials, 128 * MiB, fit=fit_line(trials), first_oom=32,
+                      stopped="max_trials (4) reached")
+    record = summarise(res, CONTEXT)
+    assert render_json(res, CONTEXT)["summary"] == json.loads(json.dumps(record))
+    record |= {"search_steps": ["From the record"], "utilisation": 0.125, "trials_ok": 99,
+               "size_label": "widgets", "capacity_kind": "budget", "fastest_safe_size": 16}
+    md = render_markdown(res, CONTEXT, record)
+    assert "1. From the record\n" in md and "| Memory Utilization | 12.5% (of" in md
+    assert "(99 fitted," in md and "**Recommended widgets**" in md
+    assert "utilizing 12.5% of budget.**" in md and "ran at or below the recommended size**: 16" in md
+    assert render_json(res, CONTEXT, record)["summary"]["trials_ok"] == 99
+    ax = memory_figure(res, record).axes[0]
+    assert ax.get_xlabel() == "widgets (items)"
+    assert ax.get_legend().get_texts()[0].get_text().startswith("capacity (budget): ")
+    assert "fastest at or below the recommendation: 16" in [
+        t.get_text() for t in throughput_figure(res, record).axes[0].get_legend().get_texts()]
+
+
+@pytest.mark.integration
+def test_write_report_of_a_plain_search_does_not_load_the_metrics(tmp_path: Path) -> None:
+    # Reports sit above the metrics in the layers; a search of a plain function needs none.
+    code = ("import sys\nimport oomguard\nfrom oomguard.engine.core.search.search import search\n"
+            "result = search(lambda n: n, start=2, step=2, max_size=8)\n"
+            f"oomguard.write_report(result, {str(tmp_path)!r})\n"
+            "print(sorted(m for m in sys.modules if m.startswith('oomguard.metrics')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout == "[]\n", done.stderr
+    assert {p.name for p in tmp_path.iterdir()} >= {"report.md", "report.json", "memory.png"}
 
 
 # ------------------------------------------------------------------- a job's report

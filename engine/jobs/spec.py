@@ -6,6 +6,12 @@ parameters, model specs, the data file. A problem is a :class:`JobError`
 whose one-line message names the field (``metrics[2].params.n_points``) and,
 where it can be found, the line of the file.
 
+Each table of the file (the top level, ``[data]``, ``[search]``, every ``[[metrics]]``)
+is declared once, as a tuple of :class:`_Field` (name, TOML types, default, a converter
+that checks the value), and read by one loop, :meth:`_Reader.read`; what spans tables (a data file's
+size, a model's positions against ``seq_len``, a metric that does not support a model,
+repeated ids) is checked after it.
+
 ``oomguard run --example`` prints every field, with comments
 (:func:`~oomguard.engine.jobs.example.example_text`; ``EXAMPLE`` here is the same text).
 The records a job parses into (:class:`Job`, :class:`DataSpec`, ...) live in
@@ -19,6 +25,8 @@ import importlib.util
 import math
 import re
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +37,7 @@ else:  # pragma: no cover - Python 3.10
 
 from oomguard.engine.core.execute.remedies import parse_on_oom
 from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET
-from oomguard.engine.errors import JobError, UsageError
+from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.data import check_data
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec
@@ -41,11 +49,11 @@ __all__ = ["DataSpec", "Job", "JobError", "MetricSpec", "SearchSpec", "example_t
            "import_plugin", "line_of", "load_job", "model_label", "parse_duration",
            "parse_job"]
 
-_DATA_SOURCES = ("generated", "text", "tokens", "bytes")
-_TOP = {"output", "device", "dtype", "seed", "models", "time_limit", "budget", "plugins", "data",
-        "search", "metrics", "name", "on_oom"}
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?\s*"
                        r"(?:(\d+(?:\.\d+)?)\s*s?)?\s*$")
+_DATA_SOURCES = ("generated", "text", "tokens", "bytes")
+_SECTIONS = ("data", "search", "metrics")  # tables of their own, read after the top level
+_ABSENT = object()  # no default: the record's own applies
 
 
 def parse_duration(value: Any) -> float:
@@ -65,84 +73,217 @@ def parse_duration(value: Any) -> float:
     return seconds
 
 
-def line_of(text: str, key: str, section: str | None = None, index: int = 0) -> int | None:
-    """Best-effort line number of ``key = ...`` in ``section`` (``[[section]]`` number ``index``)."""
-    lines = text.splitlines()
-    start, seen = 0, -1
-    if section is not None:
-        header = re.compile(r"^\s*\[\[?\s*" + re.escape(section) + r"\s*\]\]?\s*(#.*)?$")
-        for i, line in enumerate(lines):
-            if header.match(line):
-                seen += 1
-                if seen == index:
-                    start = i + 1
-                    break
-        else:
+def line_of(text: str, where: str) -> int | None:
+    """Best-effort line of the field ``where`` names (``budget``, ``data.seq_len``,
+    ``metrics[2].params.x``; ``metrics[2]``: its ``name``): its ``key = ...`` line in its
+    table, else the table's header line."""
+    table, index, key = re.match(r"^([^.\[]+)(?:\[(\d+)\])?(?:\.([^.]+))?", where).groups()
+    lines, start = text.splitlines(), 0
+    if index is None and key is None:  # a top-level field
+        table, key = None, table
+    if table is not None:
+        header = re.compile(r"^\s*\[\[?\s*" + re.escape(table) + r"\s*\]\]?\s*(#.*)?$")
+        starts = [i + 1 for i, line in enumerate(lines) if header.match(line)]
+        if int(index or 0) >= len(starts):
             return None
-    pattern = re.compile(r"^\s*" + re.escape(key) + r"\s*=")
+        start = starts[int(index or 0)]
+    pattern = re.compile(r"^\s*" + re.escape(key or "name") + r"\s*=")
     for i in range(start, len(lines)):
-        if section is not None and re.match(r"^\s*\[", lines[i]):
-            break
-        if section is None and re.match(r"^\s*\[", lines[i]):
+        if re.match(r"^\s*\[", lines[i]):  # the next table
             break
         if pattern.match(lines[i]):
             return i + 1
-    if section is not None and start:
-        return start  # the table's header line
-    return None
+    return start or None  # a table's header line
+
+
+class _Bad(ValueError):
+    """A converter's complaint about part ``at`` of its field (``models[1]``, ``params.zz``)."""
+
+    def __init__(self, message: str, at: str) -> None:
+        super().__init__(message)
+        self.at = at
+
+
+@dataclass(frozen=True)
+class _Field:
+    """A field of a job file's table: its TOML types (``expected`` names them; None: the
+    converter checks), its default (``_ABSENT``: the record's), ``convert(value, fields
+    read before it)`` (the value kept; a ValueError's message follows ``field:``), and
+    the message when a required field is ``missing``."""
+
+    key: str
+    kinds: tuple[type, ...] | None
+    expected: str = ""
+    default: Any = _ABSENT
+    convert: Callable[[Any, dict[str, Any]], Any] | None = None
+    missing: str | None = None
+
+
+def _must(test: Callable[[Any], Any], message: str) -> Callable[[Any, dict[str, Any]], Any]:
+    """A converter that keeps a value passing ``test``; else ``message`` (``{v}``: the value)."""
+    def check(value: Any, _: dict[str, Any]) -> Any:
+        if not test(value):
+            raise ValueError(message.format(v=value))
+        return value
+    return check
+
+
+def _result_knobs(metric: str) -> list[str]:
+    return sorted(k.name for k in get_metric(metric).result_knobs())
+
+
+def _budget(value: str | int, got: dict[str, Any]) -> int:
+    nbytes = parse_size(value)
+    if got["device"] == "cpu" and nbytes < MIN_CPU_BUDGET:  # larger than the device: plan.py
+        raise ValueError(f"{value!r} is too small for a CPU budget: thread pools need about "
+                         f"20 MiB of headroom; use at least {fmt_bytes(MIN_CPU_BUDGET)}")
+    return nbytes
+
+
+def _models(value: list | str, _: dict[str, Any]) -> dict[str, Any]:
+    """``{spec: transformers config}`` of each model, in order."""
+    specs = [value] if isinstance(value, str) else value
+    if not specs:
+        raise ValueError("give at least one model")
+    configs = {}
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, str):
+            raise _Bad(f"expected a string, got {spec!r}", f"models[{i}]")
+        try:
+            configs[spec] = model_config(spec)
+        except (ValueError, OSError, KeyError) as exc:
+            raise _Bad(str(exc).splitlines()[0], f"models[{i}]") from None
+    if len({model_label(m) for m in specs}) != len(specs):
+        raise ValueError("two models have the same label; list each model once")
+    return configs
+
+
+def _plugins(value: list, got: dict[str, Any]) -> tuple[str, ...]:
+    """Each plugin imported (a ``.py`` path resolved against the job file's folder)."""
+    plugins = []
+    for i, plug in enumerate(value):
+        if not isinstance(plug, str):
+            raise _Bad(f"expected a string, got {plug!r}", f"plugins[{i}]")
+        plug = str((got["base"] / plug).resolve()) if plug.endswith(".py") else plug
+        try:
+            import_plugin(plug)
+        except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
+            raise _Bad(f"cannot import {plug!r}: {exc}", f"plugins[{i}]") from None
+        plugins.append(plug)
+    return tuple(plugins)
+
+
+def _params(value: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """Result-defining parameters only: a memory knob belongs under ``sizes``."""
+    metric = get_metric(got["name"])
+    memory, result = {k.name for k in metric.memory_knobs()}, _result_knobs(got["name"])
+    for key in value:
+        if key in memory:
+            raise _Bad("is a memory knob (tuned, result-invariant): put it under sizes to pin "
+                       "it", f"params.{key}")
+        if key not in result:
+            raise _Bad(f"unknown parameter of {got['name']!r}; its result-defining parameters "
+                       f"are {', '.join(result) or '(none)'}", f"params.{key}")
+    return value
+
+
+def _sizes(value: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """Pinned memory knobs only (their values are checked with the parameters')."""
+    memory = sorted(k.name for k in get_metric(got["name"]).memory_knobs())
+    for key in value:
+        if key not in memory:
+            raise _Bad(f"not a memory knob of {got['name']!r}; its memory knobs are "
+                       f"{', '.join(memory) or '(none)'}", f"sizes.{key}")
+    return value
+
+
+_STR, _TABLE = (str,), (dict,)
+_POSITIVE = {"kinds": (int,), "expected": "a positive integer",
+             "convert": _must(lambda v: v > 0, "expected a positive integer, got {v!r}")}
+_DURATION_FIELD = {"kinds": None, "convert": lambda v, _: parse_duration(v)}
+_LADDER = {"kinds": None, "default": None, "convert": lambda v, _: parse_on_oom(v)}
+# The tables of a job file, each in the order its fields are read.
+_JOB = (
+    _Field("device", _STR, "a string", "cpu", _must(
+        lambda v: re.match(r"^(cpu|mps|cuda(:\d+)?)$", v),
+        "unknown device {v!r}: use cpu, cuda, cuda:N or mps")),
+    _Field("dtype", _STR, "a string", "float32", _must(
+        lambda v: v in DTYPES, "unknown dtype {v!r}: use one of " + ", ".join(DTYPES))),
+    _Field("seed", (int,), "an integer", 0, _must(  # torch's generators take 64-bit seeds
+        lambda v: 0 <= v < 2**63, "{v} is out of range: use 0 <= seed < 2**63")),
+    _Field("output", _STR, "a string", "oomguard-job"),
+    _Field("name", _STR, "a string"),  # default: the file's name
+    _Field("budget", (str, int), 'a size like "1GiB"', None, _budget),
+    _Field("time_limit", default=1200.0, **_DURATION_FIELD),
+    _Field("models", (list, str), "a list of strings", ["tiny-gpt2"], _models),
+    _Field("plugins", (list,), "a list of strings", [], _plugins),
+    _Field("on_oom", **_LADDER))
+_DATA = (
+    _Field("source", _STR, "a string", convert=_must(lambda v: v in _DATA_SOURCES,
+           "unknown source {v!r}: use one of " + ", ".join(_DATA_SOURCES))),
+    _Field("path", _STR, "a string"), _Field("seq_len", **_POSITIVE),
+    _Field("n_samples", **_POSITIVE))
+_SEARCH = (_Field("enabled", (bool,), "true or false"), _Field("max_trials", **_POSITIVE),
+           _Field("max_seconds", **_DURATION_FIELD), _Field("start", **_POSITIVE),
+           _Field("step", **_POSITIVE), _Field("max_size", **_POSITIVE))
+_METRIC = (
+    _Field("name", _STR, "a string", convert=lambda v, _: get_metric(v) and v,
+           missing="missing: every [[metrics]] needs a name"),
+    _Field("id", _STR, "a string", convert=_must(lambda v: re.match(r"^[A-Za-z0-9_.-]+$", v),
+           "{v!r}: use letters, digits, '_', '-', '.'")),
+    _Field("params", _TABLE, "a table", {}, _params),
+    _Field("sizes", _TABLE, "a table", {}, _sizes),
+    _Field("time_limit", **_DURATION_FIELD), _Field("on_oom", **_LADDER))
 
 
 class _Reader:
-    """Typed field access that raises :class:`JobError` naming the field and line."""
+    """Reads a job file's tables by their fields; every problem is a :class:`JobError`
+    naming the field and its line."""
 
     def __init__(self, path: str, text: str) -> None:
         self.path, self.text = path, text
 
-    def fail(self, where: str, message: str, line: int | None = None) -> JobError:
-        at = f", line {line}" if line else ""
-        return JobError(f"{self.path}{at}: {where}: {message}")
+    def error(self, where: str, message: str, line_at: str | None = None) -> JobError:
+        """``message`` about ``where``, at the line of ``line_at`` (default: ``where``)."""
+        line = line_of(self.text, line_at or where)
+        return JobError(f"{self.path}{f', line {line}' if line else ''}: {where}: {message}")
 
-    def line(self, where: str) -> int | None:
-        parts = where.split(".")
-        m = re.match(r"^(\w+)\[(\d+)\]$", parts[0])
-        if m:  # metrics[2].params.x -> key after [[metrics]] number 2
-            return line_of(self.text, parts[1] if len(parts) > 1 else "name", m.group(1),
-                           int(m.group(2)))
-        if len(parts) >= 2:
-            return line_of(self.text, parts[1], parts[0])
-        return line_of(self.text, parts[0])
-
-    def get(self, table: dict[str, Any], key: str, where: str, kinds: tuple[type, ...],
-            default: Any, type_name: str) -> Any:
-        if key not in table:
-            return default
-        value = table[key]
-        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-        if not ok:
-            raise self.fail(where, f"expected {type_name}, got {type(value).__name__} {value!r}",
-                            self.line(where))
+    def table(self, doc: dict[str, Any], key: str) -> dict[str, Any]:
+        value = doc.get(key, {})
+        if not isinstance(value, dict):
+            raise self.error(key, f"expected a table [{key}], got {type(value).__name__}")
         return value
 
-    def positive_int(self, table: dict[str, Any], key: str, where: str, default: int) -> int:
-        value = self.get(table, key, where, (int,), default, "a positive integer")
-        if value <= 0:
-            raise self.fail(where, f"expected a positive integer, got {value!r}", self.line(where))
-        return value
+    def read(self, table: dict[str, Any], fields: tuple[_Field, ...], prefix: str,
+             valid: str | None = None, **got: Any) -> dict[str, Any]:
+        """Every field of ``table`` (``prefix``: ``data.``, ``metrics[2].``) checked and
+        converted, or its default; ``got`` seeds what converters read and defaults from
+        elsewhere (the job file's folder, the job's time limit). ``valid``: the valid
+        fields as an unknown one's message lists them (default: ``valid:`` and their names)."""
+        extra = sorted(set(table) - {f.key for f in fields} - set(() if prefix else _SECTIONS))
+        if extra:
+            valid = valid or "valid: " + ", ".join(sorted(f.key for f in fields))
+            raise self.error(prefix + extra[0], f"unknown field; {valid}")
+        for f in fields:
+            if f.key in table:
+                got[f.key] = self._value(table[f.key], f, got, prefix)
+            elif f.missing:
+                raise self.error(prefix + f.key, f.missing)
+            elif f.default is not _ABSENT and f.key not in got:  # a default is converted too
+                got[f.key] = None if f.default is None else self._value(f.default, f, got, prefix)
+        return got
 
-    def on_oom(self, table: dict[str, Any], where: str) -> tuple[str, ...] | None:
-        """A remedy ladder (``on_oom``), checked; None where the table has none."""
+    def _value(self, value: Any, f: _Field, got: dict[str, Any], prefix: str) -> Any:
+        where = prefix + f.key
+        if f.kinds is not None and (not isinstance(value, f.kinds)
+                                    or (isinstance(value, bool) and bool not in f.kinds)):
+            raise self.error(where, f"expected {f.expected}, got {type(value).__name__} {value!r}")
         try:
-            return parse_on_oom(table["on_oom"]) if "on_oom" in table else None
-        except UsageError as exc:
-            raise self.fail(where, str(exc).removeprefix("on_oom: "), self.line(where)) from None
-
-    def duration(self, table: dict[str, Any], key: str, where: str, default: float) -> float:
-        if key not in table:
-            return default
-        try:
-            return parse_duration(table[key])
-        except ValueError as exc:
-            raise self.fail(where, str(exc), self.line(where)) from None
+            return f.convert(value, got) if f.convert else value
+        except _Bad as exc:  # about part of the field: at the field's own line
+            raise self.error(prefix + exc.at, str(exc), where) from None
+        except ValueError as exc:  # said once: "on_oom: on_oom: ..." reads as a stutter
+            raise self.error(where, str(exc).removeprefix(f"{f.key}: ")) from None
 
 
 def __getattr__(name: str) -> Any:
@@ -176,93 +317,34 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
               output: str | None = None) -> Job:
     """Parse job-file text; relative paths are resolved against ``base`` (data, plugins)
     and the current directory (output)."""
-    base = base or Path.cwd()
     r = _Reader(path, text)
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:  # the message carries "(at line L, column C)"
         raise JobError(f"{path}: not valid TOML: {exc}") from None
-    unknown = sorted(set(doc) - _TOP)
-    if unknown:
-        raise r.fail(unknown[0], f"unknown field; valid top-level fields are {', '.join(sorted(_TOP))}",
-                     line_of(text, unknown[0]))
-
-    device = r.get(doc, "device", "device", (str,), "cpu", "a string")
-    dtype = r.get(doc, "dtype", "dtype", (str,), "float32", "a string")
-    if dtype not in DTYPES:
-        raise r.fail("dtype", f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}",
-                     r.line("dtype"))
-    if not re.match(r"^(cpu|mps|cuda(:\d+)?)$", device):
-        raise r.fail("device", f"unknown device {device!r}: use cpu, cuda, cuda:N or mps",
-                     r.line("device"))
-    seed = r.get(doc, "seed", "seed", (int,), 0, "an integer")
-    if not 0 <= seed < 2**63:  # torch's generators take a 64-bit seed
-        raise r.fail("seed", f"{seed} is out of range: use 0 <= seed < 2**63", r.line("seed"))
-    out = output or r.get(doc, "output", "output", (str,), "oomguard-job", "a string")
-    name = r.get(doc, "name", "name", (str,), Path(path).stem, "a string")
-    budget = None
-    if "budget" in doc:
-        raw = r.get(doc, "budget", "budget", (str, int), None, "a size like \"1GiB\"")
-        try:
-            budget = parse_size(raw)
-        except ValueError as exc:
-            raise r.fail("budget", str(exc), r.line("budget")) from None
-        if device == "cpu" and budget < MIN_CPU_BUDGET:  # larger than the device: plan.py
-            raise r.fail("budget", f"{raw!r} is too small for a CPU budget: thread pools need "
-                         f"about 20 MiB of headroom; use at least {fmt_bytes(MIN_CPU_BUDGET)}",
-                         r.line("budget"))
-    time_limit = r.duration(doc, "time_limit", "time_limit", 1200.0)
-
-    models_raw = r.get(doc, "models", "models", (list, str), ["tiny-gpt2"], "a list of strings")
-    models_raw = [models_raw] if isinstance(models_raw, str) else models_raw
-    if not models_raw:
-        raise r.fail("models", "give at least one model", r.line("models"))
-    configs = []
-    for i, spec in enumerate(models_raw):
-        if not isinstance(spec, str):
-            raise r.fail(f"models[{i}]", f"expected a string, got {spec!r}", r.line("models"))
-        try:
-            configs.append(model_config(spec))
-        except (ValueError, OSError, KeyError) as exc:
-            raise r.fail(f"models[{i}]", str(exc).splitlines()[0], r.line("models")) from None
-    labels = [model_label(m) for m in models_raw]
-    if len(set(labels)) != len(labels):
-        raise r.fail("models", "two models have the same label; list each model once",
-                     r.line("models"))
-
-    plugins_raw = r.get(doc, "plugins", "plugins", (list,), [], "a list of strings")
-    plugins = []
-    for i, plug in enumerate(plugins_raw):
-        if not isinstance(plug, str):
-            raise r.fail(f"plugins[{i}]", f"expected a string, got {plug!r}", r.line("plugins"))
-        if plug.endswith(".py"):
-            plug = str((base / plug).resolve())
-        try:
-            import_plugin(plug)
-        except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
-            raise r.fail(f"plugins[{i}]", f"cannot import {plug!r}: {exc}",
-                         r.line("plugins")) from None
-        plugins.append(plug)
-
-    data = _parse_data(r, doc, base)
-    for i, config in enumerate(configs):
+    base = base or Path.cwd()
+    top = r.read(doc, _JOB, "", "valid top-level fields are " + ", ".join(
+        sorted([*(f.key for f in _JOB), *_SECTIONS])), name=Path(path).stem, base=base)
+    data = _data(r, doc, base)
+    for i, config in enumerate(top["models"].values()):
         try:
             check_seq_len(config, data.seq_len)
         except ValueError as exc:
-            raise r.fail("data.seq_len", f"models[{i}]: {exc}", r.line("data.seq_len")) from None
-    search = _parse_search(r, doc)
-    metrics = _parse_metrics(r, doc, time_limit)
-    for i, config in enumerate(configs):
+            raise r.error("data.seq_len", f"models[{i}]: {exc}") from None
+    search = SearchSpec(**r.read(r.table(doc, "search"), _SEARCH, "search."))
+    metrics = _metrics(r, doc, top["time_limit"])
+    for i, (spec, config) in enumerate(top["models"].items()):
         for index, m in enumerate(metrics):
             reason = get_metric(m.name).unsupported(config)
             if reason:
-                raise r.fail(f"metrics[{index}]", f"{m.name} does not support models[{i}] "
-                             f"({labels[i]}): {reason}; remove one of them",
-                             r.line(f"metrics[{index}].name"))
-    return Job(path=str(Path(path).resolve()) if path != "<job>" else path, text=text, name=name,
-               output=str(Path(out).expanduser().resolve()), device=device, dtype=dtype,
-               seed=seed, models=tuple(models_raw), data=data, search=search, metrics=metrics,
-               budget_bytes=budget, plugins=tuple(plugins), on_oom=r.on_oom(doc, "on_oom"))
+                raise r.error(f"metrics[{index}]", f"{m.name} does not support models[{i}] "
+                              f"({model_label(spec)}): {reason}; remove one of them",
+                              f"metrics[{index}].name")
+    return Job(path=str(Path(path).resolve()) if path != "<job>" else path, text=text,
+               name=top["name"], output=str(Path(output or top["output"]).expanduser().resolve()),
+               device=top["device"], dtype=top["dtype"], seed=top["seed"],
+               models=tuple(top["models"]), data=data, search=search, metrics=metrics,
+               budget_bytes=top["budget"], plugins=top["plugins"], on_oom=top["on_oom"])
 
 
 def import_plugin(spec: str) -> None:
@@ -285,109 +367,48 @@ def import_plugin(spec: str) -> None:
         importlib.import_module(spec)
 
 
-def _table(r: _Reader, doc: dict[str, Any], key: str) -> dict[str, Any]:
-    value = doc.get(key, {})
-    if not isinstance(value, dict):
-        raise r.fail(key, f"expected a table [{key}], got {type(value).__name__}", r.line(key))
-    return value
+def _data(r: _Reader, doc: dict[str, Any], base: Path) -> DataSpec:
+    """``[data]``; a file source's path resolved against ``base`` and its size checked."""
+    data = DataSpec(**r.read(r.table(doc, "data"), _DATA, "data.",
+                             "valid: " + ", ".join(f.key for f in _DATA)))
+    if data.source == "generated":
+        return data
+    if data.path is None:
+        raise r.error("data.path", f"source {data.source!r} needs a path", "data.source")
+    full = (base / Path(data.path).expanduser()).resolve()
+    if not full.is_file():
+        raise r.error("data.path", f"data file not found: {full}")
+    data = DataSpec(data.source, str(full), data.seq_len, data.n_samples)
+    try:
+        check_data(data)
+    except ValueError as exc:
+        raise r.error("data.path", str(exc)) from None
+    return data
 
 
-def _parse_data(r: _Reader, doc: dict[str, Any], base: Path) -> DataSpec:
-    t = _table(r, doc, "data")
-    for key in sorted(set(t) - {"source", "path", "seq_len", "n_samples"}):
-        raise r.fail(f"data.{key}", "unknown field; valid: source, path, seq_len, n_samples",
-                     r.line(f"data.{key}"))
-    source = r.get(t, "source", "data.source", (str,), "generated", "a string")
-    if source not in _DATA_SOURCES:
-        raise r.fail("data.source", f"unknown source {source!r}: use one of "
-                     f"{', '.join(_DATA_SOURCES)}", r.line("data.source"))
-    seq_len = r.positive_int(t, "seq_len", "data.seq_len", 32)
-    n = r.positive_int(t, "n_samples", "data.n_samples", 8)
-    path = r.get(t, "path", "data.path", (str,), None, "a string")
-    if source != "generated":
-        if path is None:
-            raise r.fail("data.path", f"source {source!r} needs a path", r.line("data.source"))
-        full = (base / Path(path).expanduser()).resolve()
-        if not full.is_file():
-            raise r.fail("data.path", f"data file not found: {full}", r.line("data.path"))
-        path = str(full)
-        try:
-            check_data(DataSpec(source, path, seq_len, n))
-        except ValueError as exc:
-            raise r.fail("data.path", str(exc), r.line("data.path")) from None
-    return DataSpec(source=source, path=path, seq_len=seq_len, n_samples=n)
-
-
-def _parse_search(r: _Reader, doc: dict[str, Any]) -> SearchSpec:
-    t = _table(r, doc, "search")
-    valid = {"enabled", "max_trials", "max_seconds", "start", "step", "max_size"}
-    for key in sorted(set(t) - valid):
-        raise r.fail(f"search.{key}", f"unknown field; valid: {', '.join(sorted(valid))}",
-                     r.line(f"search.{key}"))
-    d = SearchSpec()
-    return SearchSpec(
-        enabled=r.get(t, "enabled", "search.enabled", (bool,), d.enabled, "true or false"),
-        max_trials=r.positive_int(t, "max_trials", "search.max_trials", d.max_trials),
-        max_seconds=r.duration(t, "max_seconds", "search.max_seconds", d.max_seconds),
-        start=r.positive_int(t, "start", "search.start", d.start),
-        step=r.positive_int(t, "step", "search.step", 1) if "step" in t else None,
-        max_size=r.positive_int(t, "max_size", "search.max_size", d.max_size),
-    )
-
-
-def _parse_metrics(r: _Reader, doc: dict[str, Any], time_limit: float) -> tuple[MetricSpec, ...]:
+def _metrics(r: _Reader, doc: dict[str, Any], time_limit: float) -> tuple[MetricSpec, ...]:
+    """Every ``[[metrics]]`` table (``time_limit``: the job's, for those without their own);
+    each id once."""
     raw = doc.get("metrics")
     if raw is None:
-        raise r.fail("metrics", "no metrics: add at least one [[metrics]] table with a name", None)
+        raise JobError(f"{r.path}: metrics: no metrics: add at least one [[metrics]] table "
+                       "with a name")
     if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw) or not raw:
-        raise r.fail("metrics", "expected [[metrics]] tables", r.line("metrics"))
-    out: list[MetricSpec] = []
-    for i, m in enumerate(raw):
-        w = f"metrics[{i}]"
-        valid = {"name", "id", "params", "sizes", "time_limit", "on_oom"}
-        for key in sorted(set(m) - valid):
-            raise r.fail(f"{w}.{key}", f"unknown field; valid: {', '.join(sorted(valid))}",
-                         r.line(f"{w}.{key}"))
-        if "name" not in m:
-            raise r.fail(f"{w}.name", "missing: every [[metrics]] needs a name", r.line(f"{w}.name"))
-        name = r.get(m, "name", f"{w}.name", (str,), None, "a string")
-        try:
-            metric = get_metric(name)
+        raise r.error("metrics", "expected [[metrics]] tables")
+    out = []
+    for i, table in enumerate(raw):
+        got = r.read(table, _METRIC, f"metrics[{i}].", time_limit=time_limit)
+        metric = get_metric(got["name"])
+        try:  # every knob: the pinned sizes with the parameters, the defaults filled in
+            full = metric.validate({**got["params"], **got["sizes"]})
         except ValueError as exc:
-            raise r.fail(f"{w}.name", str(exc), r.line(f"{w}.name")) from None
-        ident = r.get(m, "id", f"{w}.id", (str,), name, "a string")
-        if not re.match(r"^[A-Za-z0-9_.-]+$", ident):
-            raise r.fail(f"{w}.id", f"{ident!r}: use letters, digits, '_', '-', '.'",
-                         r.line(f"{w}.id"))
-        params = r.get(m, "params", f"{w}.params", (dict,), {}, "a table")
-        sizes = r.get(m, "sizes", f"{w}.sizes", (dict,), {}, "a table")
-        memory = {k.name for k in metric.memory_knobs()}
-        result = {k.name for k in metric.result_knobs()}
-        for key in params:
-            if key in memory:
-                raise r.fail(f"{w}.params.{key}", "is a memory knob (tuned, result-invariant): "
-                             "put it under sizes to pin it", r.line(f"{w}.params"))
-            if key not in result:
-                raise r.fail(f"{w}.params.{key}", f"unknown parameter of {name!r}; its "
-                             f"result-defining parameters are {', '.join(sorted(result)) or '(none)'}",
-                             r.line(f"{w}.params"))
-        for key in sizes:
-            if key not in memory:
-                raise r.fail(f"{w}.sizes.{key}", f"not a memory knob of {name!r}; its memory "
-                             f"knobs are {', '.join(sorted(memory)) or '(none)'}",
-                             r.line(f"{w}.sizes"))
-        try:
-            full = metric.validate({**params, **sizes})
-        except ValueError as exc:
-            raise r.fail(f"{w}.params", str(exc), r.line(f"{w}.params")) from None
-        limit = r.duration(m, "time_limit", f"{w}.time_limit", time_limit)
-        out.append(MetricSpec(id=ident, name=name,
-                              params={k: full[k] for k in sorted(result)},
-                              sizes={k: int(full[k]) for k in sizes}, time_limit=limit,
-                              on_oom=r.on_oom(m, f"{w}.on_oom")))
+            raise r.error(f"metrics[{i}].params", str(exc)) from None
+        out.append(MetricSpec(**{"id": got["name"], **got, "sizes": {
+            k: int(full[k]) for k in got["sizes"]}, "params": {
+            k: full[k] for k in _result_knobs(got["name"])}}))
     ids = [m.id for m in out]
     for i, ident in enumerate(ids):
         if ids.index(ident) != i:
-            raise r.fail(f"metrics[{i}].id", f"{ident!r} appears twice: give each entry a "
-                         "distinct id", r.line(f"metrics[{i}].name"))
+            raise r.error(f"metrics[{i}].id", f"{ident!r} appears twice: give each entry a "
+                          "distinct id", f"metrics[{i}].name")
     return tuple(out)

@@ -89,6 +89,11 @@ class Trial:
         return out
 
 
+# Size knobs that split the samples (a training step's batch, a metric's micro-batches or
+# chunks): above the number of samples they all mean "everything at once".
+SAMPLE_KNOBS = frozenset({"micro_batch_size", "chunk_size", "batch_size"})
+
+
 def run_trial(
     fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
     guard: RamGuard | None = None, steps: int = 1,
