@@ -142,7 +142,9 @@ class TaskResult:
     two are never written to a result file). ``seconds`` is the metric's own
     run (ok) or the time until it failed; ``total_seconds`` adds model build,
     warm-up and search. ``sizes`` says where the sizes came from and every
-    attempt; ``search`` the search that ran, if any. ``oom_events`` has one
+    attempt; ``searches`` every knob's search that ran
+    (:class:`~oomguard.engine.jobs.sizing.SearchRecord` dicts), ``search`` the first of them
+    (None: none ran). ``oom_events`` has one
     :meth:`~oomguard.engine.core.memory.forensics.OomEvent.to_dict` per OOM of the run (sizes,
     memory measured at the OOM, what was done): ``[]`` for a run without one, None where
     nothing was recorded (the run never started, or a file written before this field,
@@ -174,6 +176,7 @@ class TaskResult:
     traceback: str | None = None
     sizes: dict[str, Any] | None = None
     search: dict[str, Any] | None = None
+    searches: list[dict[str, Any]] | None = None
     oom_events: list[dict[str, Any]] | None = None
     peak_bytes: int | None = None
     peak_source: str | None = None
