@@ -134,8 +134,29 @@ class Context:
     threads: int | None = None
 
 
+class Record:
+    """A dataclass written as a dict of its fields, with the keys it does not know (a file
+    written by another version, an evaluator's own figures) kept in its ``extra`` field."""
+
+    extra: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field (``extra`` merged in) as a plain dict, ready for the JSON sanitiser."""
+        out = dict(self.extra)
+        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                    if f.name != "extra"})
+        return out
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Any:
+        """The record ``doc`` holds; TypeError where it is not one."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in doc.items() if k in names},
+                   extra={k: v for k, v in doc.items() if k not in names})
+
+
 @dataclass
-class TaskResult:
+class TaskResult(Record):
     """What one task produced: ``results/<task>.json``, and one entry of ``results.json``.
 
     ``status`` is ``ok``, ``failed``, ``interrupted`` or ``pending`` (the last
@@ -215,19 +236,10 @@ class TaskResult:
                    run=run_id, fingerprint=task.fingerprint, params=dict(task.params),
                    inputs=dict(task.inputs), rerun_because=list(task.rerun_because) or None)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Every field (``extra`` merged in) as a plain dict, ready for the JSON sanitiser."""
-        out = dict(self.extra)
-        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                    if f.name != "extra"})
-        return out
-
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> TaskResult:
         """The record a result file holds; KeyError/TypeError if it is not one."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {k: v for k, v in doc.items() if k in names}
         for required in ("task", "metric", "model", "status"):
-            if not isinstance(known.get(required), str):
+            if not isinstance(doc.get(required), str):
                 raise KeyError(f"a task result needs a string {required!r}")
-        return cls(**known, extra={k: v for k, v in doc.items() if k not in names})
+        return super().from_dict(doc)

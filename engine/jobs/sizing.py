@@ -1,42 +1,29 @@
-"""Choosing a metric's memory-knob sizes: the one routine that jobs, the measured and the
-estimated reference, ``oomguard search`` and the Ray backend's retry use.
+"""Choosing a metric's memory-knob sizes: the one routine of jobs, the measured and the
+estimated reference, ``oomguard search`` and the Ray backend's retry.
 
-For every memory knob of a metric, in the order the metric declares them:
+Every memory knob, in the order the metric declares them, takes: the size the job file
+pins; else the size cache's (an entry for this device and workload holding every knob,
+read only when nothing is pinned: its key does not describe pins); else what
+``evaluate(knob, sizes, unit, cap)`` finds (a search, :func:`measure`, or an estimate),
+up to ``cap`` in multiples of ``unit``; else the metric's default, rounded down to the unit.
 
-1. **pinned**: the size the job file (or ``--sizes``) gives;
-2. **the size cache**: the entry for this device and workload, holding every knob; used
-   only when nothing is pinned (its key does not describe pins) and when no capped answer
-   in it is bounded by less than this request allows (below);
-3. **a search**, or an estimate: ``evaluate(knob, sizes, unit, cap)`` searches ``knob``
-   up to ``cap`` in multiples of ``unit``, the other knobs at ``sizes``
-   (:func:`measure` runs it; the estimated reference estimates instead);
-4. **the metric's default**, snapped down to the knob's unit, where nothing searches.
+Knobs combine in turn: each is searched with the knobs before it at their chosen sizes
+and the ones after it at their defaults, so the last search ran the combination used
+(knobs that multiply, as ``position_jacobian``'s ``micro_batch_size x vjp_block`` rows,
+cannot each take a size found with the other at its default); one search per knob. A
+knob where nothing fits takes its minimum, and the next is searched from there.
 
-How knobs combine: each knob is searched in turn, the knobs before it at the sizes just
-chosen and the ones after it at their defaults. The last search runs with every earlier
-knob at its chosen size, so the combination used is one that ran; searching each knob
-alone with the others at their defaults and combining the answers would not be
-(``position_jacobian`` holds ``micro_batch_size x vjp_block`` rows: two sizes safe apart
-multiply). It costs one search per knob. Where a knob's search finds nothing that fits,
-it takes its minimum and the next knob is searched from there.
-
-A search goes up to ``max_size`` or the knob's largest useful size, whichever is smaller
-(:func:`~oomguard.metrics.workload.largest_useful`: the sample count for knobs that slice
-the samples, captum's ``examples x n_steps``, ``vjp_block``'s hidden width). An answer
-that reached that bound without an OOM is *capped*: its record says by what
-(``capped_by``: ``samples``, ``largest useful size`` or ``max_size``) at which size
-(``cap``), and the cache entry lists it (``capped``: knob -> cap). A later request whose
-bound for that knob is larger (a job on 64 samples after a reference on 8) searches again
-instead of taking the capped size; one bounded no further takes it.
-
-Every knob's search is summarised in one :class:`SearchRecord`: a job's result
-(``search``: the first, ``searches``: all), the journal's ``search`` events, the cache
-entry (``search``) and the reference's rows.
+``cap`` is ``max_size`` or the knob's largest useful size, the smaller
+(:func:`~oomguard.metrics.workload.largest_useful`: the samples for knobs that slice
+them, captum's ``examples x n_steps``, ``vjp_block``'s hidden width). An answer that
+reached it without an OOM is *capped*: its :class:`SearchRecord` says by what
+(``capped_by``) and where (``cap``), the cache entry too (``capped``: knob -> cap), and a
+later request whose cap is larger (a job on 64 samples after a reference on 8) searches
+again instead of reusing it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +31,7 @@ from typing import Any
 from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
 from oomguard.engine.errors import NoSizeFits, TrialFailed
 from oomguard.engine.jobs.cache import SizeCache
+from oomguard.engine.jobs.records import Record
 from oomguard.metrics.base import Metric
 from oomguard.metrics.workload import largest_useful, snap_to_unit
 
@@ -53,18 +41,16 @@ _CAPS = {"samples": "the sample count", "largest useful size": "the knob's large
 
 
 @dataclass
-class SearchRecord:
-    """One knob's search (sizes in items, bytes in bytes, seconds in seconds).
+class SearchRecord(Record):
+    """One knob's search: a job's result (``search``: the first, ``searches``: all), the
+    journal's ``search`` events, a cache entry's ``search`` and a reference's rows.
 
-    ``max_ok`` ran; ``first_oom`` ran out of memory (None: none did); ``safe`` is the size
-    to use (the recommendation, never above ``max_ok``; None where nothing fits or the
-    search failed). ``peak_at_safe_bytes`` is measured where a trial ran at ``safe`` and
-    estimated from the fitted line otherwise (``peak_source``); ``seconds_per_item`` is
-    measured at ``max_ok``. ``source``: ``measured`` (searched now, or estimated: see
-    ``extra``) or ``cache``. ``unit``: the multiples searched; ``cap``: the largest size the
-    search could try; ``capped_by``: what set ``cap`` when the answer reached it without an
-    OOM (None: memory bounded it). ``others``: the metric's other knobs during the search.
-    ``extra``: an evaluator's own figures (the estimate's totals), merged into the dict.
+    Sizes in items, bytes in bytes, seconds in seconds. ``safe``: the size to use (None
+    where nothing fits or the search failed); ``peak_at_safe_bytes``: measured where a
+    trial ran at ``safe``, else from the fitted line (``peak_source``); ``source``:
+    ``measured`` or ``cache``; ``cap``: the largest size the search could try;
+    ``capped_by``: what set it, where the answer reached it without an OOM; ``others``:
+    the other knobs meanwhile; ``extra``: an evaluator's own figures (an estimate's).
     """
 
     metric: str
@@ -87,19 +73,6 @@ class SearchRecord:
     capped_by: str | None = None
     others: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dict(self.extra)
-        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                    if f.name != "extra"})
-        return out
-
-    @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> SearchRecord:
-        """The record ``doc`` holds; KeyError/TypeError where it is not one."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        return cls(**{k: v for k, v in doc.items() if k in names},
-                   extra={k: v for k, v in doc.items() if k not in names})
 
 
 Evaluate = Callable[[str, dict[str, int], int, int], SearchRecord]
