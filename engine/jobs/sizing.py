@@ -220,8 +220,9 @@ def _cached_records(req: Request, entry: Mapping[str, Any]) -> list[SearchRecord
             metric=req.metric.name, knob=knob, max_ok=None, safe=int(size),
             note=f"size cache ({entry.get('source', '?')}), no search record")
         rec.source = CACHE
-        if knob in stored:
-            rec.note = f"measured {entry.get('updated', '?')}"
+        if knob in stored:  # what capped it still holds
+            rec.note = f"measured {entry.get('updated', '?')}" + (
+                f"; {rec.note}" if rec.capped_by else "")
         out.append(rec)
     return out
 
