@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -39,6 +39,9 @@ class Knob:
     ``unit`` declares the knob's granularity when memory does not change at every
     +1: what one unit is (its size for given parameters is :meth:`Metric.size_unit`);
     a search proposes only multiples of it. Empty: every size counts.
+    ``largest``, for a knob above some size of the model's config changes nothing that
+    runs (``vjp_block`` above the hidden width), gives that size from the transformers
+    config (None: unknown); a search goes no further.
     """
 
     name: str
@@ -48,6 +51,7 @@ class Knob:
     scales_with: str = ""
     help: str = ""
     unit: str = ""
+    largest: Callable[[Any], int | None] | None = None
 
 
 class Metric:

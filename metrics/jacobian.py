@@ -41,6 +41,13 @@ from oomguard.metrics.common import JsonMetric, expand_rows, iter_micro_batches,
 from oomguard.metrics.integrated_gradients import defined_samples, last_positions
 
 
+def output_width(config: Any) -> int | None:
+    """Features of ``last_hidden_state`` (OPT projects it to ``word_embed_proj_dim``): the
+    largest useful ``vjp_block``, above which every block is the whole width."""
+    width = getattr(config, "word_embed_proj_dim", None) or getattr(config, "hidden_size", None)
+    return int(width) if width else None
+
+
 def _micro_batch_norms(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
                        vjp_block: int) -> torch.Tensor:
     """Per-position Jacobian Frobenius norms ``[b, seq_len]`` (float64) of one micro-batch."""
@@ -90,7 +97,7 @@ class PositionJacobian(JsonMetric):
         Knob("micro_batch_size", "memory", 32, 1, "micro_batch_size x vjp_block x seq_len x width",
              "samples per forward"),
         Knob("vjp_block", "memory", 8, 1, "micro_batch_size x vjp_block x seq_len x width",
-             "output features per backward (replicated rows)"),
+             "output features per backward (replicated rows)", largest=output_width),
     )
 
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],

@@ -41,7 +41,7 @@ summary on the full-length data, and the report says so.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,22 @@ from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.metrics.base import Metric, get_metric
 from oomguard.metrics.models import make_batch, model_config
 from oomguard.metrics.train_step import build_for
+
+
+def largest_useful(metric: Metric, knob: str, params: Mapping[str, Any], n_samples: int,
+                   config: Any) -> tuple[int | None, str]:
+    """``(size, what sets it)``: the size above which ``knob`` changes nothing that runs,
+    with the other knobs at ``params`` (validated) on ``n_samples`` samples of a model of
+    transformers ``config``; ``(None, "")`` where there is none. ``samples`` for knobs that
+    slice the samples, else ``largest useful size`` (what the metric or its ``Knob.largest``
+    declares: captum's ``examples x n_steps``, ``vjp_block``'s hidden width)."""
+    if knob in SAMPLE_KNOBS:
+        return n_samples, "samples"
+    size = metric.largest_size(knob, params, n_samples)
+    declared = next((k.largest for k in metric.knobs if k.name == knob), None)
+    if size is None and declared is not None:
+        size = declared(config)
+    return (size, "largest useful size") if size is not None else (None, "")
 
 
 @dataclass
@@ -110,13 +126,11 @@ class MetricTrial(RebuiltInChild):
         return get_metric(self.metric)
 
     def max_size(self) -> int | None:
-        """Largest useful size of the knob (``n_samples`` for knobs that slice samples, what
-        the metric declares for others, e.g. captum's ``examples x n_steps``), or None."""
-        if self.knob in SAMPLE_KNOBS:
-            return self.n_samples
+        """Largest useful size of the knob (:func:`largest_useful`), or None."""
         assert self.knob is not None
         metric = self._metric()
-        return metric.largest_size(self.knob, metric.validate(self.params), self.n_samples)
+        return largest_useful(metric, self.knob, metric.validate(self.params), self.n_samples,
+                              model_config(self.model))[0]
 
     def report_context(self) -> dict[str, Any]:
         """What a report of a search of this knob shows: the configuration, the data, and

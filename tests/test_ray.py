@@ -322,7 +322,7 @@ def test_a_tasks_outputs_reach_the_hub_in_order_as_puts_lowers_events_and_files(
     attempt = hub.begin("t", {"host": "worker-1"})["attempt"]
     receive, send = multiprocessing.Pipe(duplex=False)
     sink = HubSink(tmp_path / "scratch", SizeCache(tmp_path / "shared.json").entries(), send)
-    assert sink.cached("kept")["sizes"] == {"micro_batch_size": 8}  # read when it began
+    assert sink.get("kept")["sizes"] == {"micro_batch_size": 8}  # read when it began
     # The task's outputs, in the order it makes them, sent by its process (a child).
     child = multiprocessing.get_context("fork").Process(target=_outputs, args=(sink,))
     child.start()

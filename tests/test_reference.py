@@ -88,24 +88,27 @@ def test_a_job_on_the_same_device_and_workload_finds_the_references_sizes(
         tmp_path: Path) -> None:
     # The key a job's metric looks up (engine/jobs/child.py) is the one the reference
     # stored its job sizes under: same device identity, same workload fingerprint.
-    from oomguard.engine.jobs.reference import Reference, Row, _job_sizes
+    from oomguard.engine.jobs.sizing import Request, SearchRecord, Slot, choose_sizes
+    from oomguard.metrics.base import get_metric
+    from oomguard.metrics.models import model_config
 
     job = load_job(_job_file(tmp_path, ["loss"]))
     dev = device_identity(job)
     (task,) = plan(job)
     cache = SizeCache(tmp_path / "sizes.json")
-    ref = Reference(model="tiny-gpt2", dtype="float32", seq_len=16, n_samples=2, device=dev)
-    row = Row(metric="loss", knob="micro_batch_size", max_ok=2, first_oom=None, safe=2,
-              peak_at_safe_bytes=None, peak_source="", seconds_per_item=None,
-              source="measured", trials=1, seconds=0.1)
-    _job_sizes(ref, cache, entry_key(dev, task.workload), task, dev,
-               {"micro_batch_size": 32}, row)
+    slot = Slot(cache, entry_key(dev, task.workload), dev, task.workload, source="reference")
+    request = Request(get_metric("loss"), {}, 2, model_config("tiny-gpt2"))
+
+    def measured(knob: str, sizes: dict, unit: int, cap: int) -> SearchRecord:
+        return SearchRecord(metric="loss", knob=knob, max_ok=2, first_oom=None, safe=2,
+                            trials=1, seconds=0.1)
+
+    choose_sizes(request, evaluate=measured, slot=slot)
     assert cache.get(entry_key(device_identity(load_job(job.path)), task.workload))[
         "sizes"] == {"micro_batch_size": 2}
     # A job's own entry (lowered after an OOM in a real run) is never overwritten.
     cache.lower(entry_key(dev, task.workload), {"micro_batch_size": 1}, reason="test")
-    _job_sizes(ref, cache, entry_key(dev, task.workload), task, dev,
-               {"micro_batch_size": 32}, row)
+    choose_sizes(request, evaluate=measured, slot=slot)
     assert cache.get(entry_key(dev, task.workload))["sizes"] == {"micro_batch_size": 1}
 
 

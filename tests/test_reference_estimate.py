@@ -25,7 +25,7 @@ from oomguard.engine.jobs.reference_estimate import (
     GPUS,
     Estimator,
     compare_measured,
-    largest_fitting,
+    estimate_rows,
     layer_specs,
 )
 from oomguard.reports.reference_estimate import render_estimate_markdown
@@ -106,7 +106,7 @@ def test_search_lands_on_the_boundary_of_its_estimates():
     est = Estimator("tiny-gpt2", "float32", 8, "cpu")
     ends = est.totals("loss", "micro_batch_size", 4, [1, 4])
     capacity = (ends[1][0] + ends[4][0]) // 2
-    row = largest_fitting(est, "loss", "micro_batch_size", 4, capacity, 65536)
+    (row,) = estimate_rows(est, "loss", 4, capacity, 65536)
     assert row["exact"] and 1 < row["largest"] < 4 and row["next_size"] == row["largest"] + 1
     assert row["total_bytes"] <= capacity < row["next_total_bytes"]
     check = est.totals("loss", "micro_batch_size", 4, [row["largest"], row["next_size"]])

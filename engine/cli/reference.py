@@ -26,8 +26,9 @@ DEFAULT_OUT = "oomguard-reference"
 
 
 def add_reference(p: argparse.ArgumentParser) -> None:
-    p.description = ("Search every memory knob of every metric (the other knobs at their "
-                     "defaults) on one model, dtype and sequence length, and write "
+    p.description = ("Search every memory knob of every metric in turn (the knobs before "
+                     "each at their chosen sizes, the ones after it at their defaults, as a job "
+                     "sizes them) on one model, dtype and sequence length, and write "
                      "reference.md, reference.json and sizes.toml (a ready [[metrics]] block "
                      "for a job file, or `oomguard run JOB --sizes sizes.toml`). Answers go "
                      "in the size cache: a second run reads them back without a trial, and a "
@@ -91,14 +92,15 @@ def cmd_reference(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_output_folder(out)
 
-    def config_for(trial: Any) -> Any:
-        max_size = min(trial.max_size() or args.max_size, args.max_size)
-        ns = argparse.Namespace(**vars(args) | {"start": min(args.start, max_size)})
-        return search_config(ns, dev, max_size, trial.unit())
+    def config_for(trial: Any, cap: int) -> Any:
+        ns = argparse.Namespace(**vars(args) | {"start": min(args.start, cap)})
+        return search_config(ns, dev, cap, trial.unit())
 
     def show(row: Any) -> None:
         what = (f"maximum {row.max_ok}, safe {row.safe}" if row.max_ok is not None
                 else row.note)
+        if row.capped_by:
+            what += f" (capped by {row.capped_by} {row.cap}, not by memory)"
         print(f"oomguard: {row.metric}.{row.knob}: {what} ({row.source}, {row.trials} "
               f"trials)", file=sys.stderr, flush=True)
 
@@ -107,7 +109,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     ref = build_reference(args.model, str(dev), args.dtype, args.seq_len, args.samples,
                           budget_bytes=budget, cache_path=args.cache, config_for=config_for,
-                          metrics=names, on_trial=Progress("size", confirmed(args)), on_row=show)
+                          metrics=names, max_size=args.max_size, on_trial=Progress("size", confirmed(args)), on_row=show)
     doc = ref.to_dict()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -118,7 +120,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
         print(f"oomguard: cannot write {exc.filename or out}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
-    missing = [f"{r.metric}.{r.knob}" for r in ref.rows if r.max_ok is None]
+    missing = [f"{r.metric}.{r.knob}" for r in ref.rows if r.safe is None]
     print(f"reference: {out / 'reference.md'} ({len(ref.rows)} rows, {ref.trials} trials, "
           f"{ref.seconds:.1f} s)\nsizes:     {out / 'sizes.toml'}")
     if missing:

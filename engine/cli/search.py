@@ -55,9 +55,8 @@ def add_search(p: argparse.ArgumentParser) -> None:
 
 def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
     """Run one search planned (and checked) before; None (after one line) if no size fit."""
-    from oomguard.engine.core.search.search import search
     from oomguard.engine.errors import NoSizeFits
-    from oomguard.metrics.workload import snap_to_unit
+    from oomguard.engine.jobs.sizing import run_search
 
     unit = getattr(config.strategy, "unit", 1)
     limit = fmt_bytes(config.budget) if config.budget is not None else budget_free_limit(
@@ -67,13 +66,11 @@ def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
           f"{', the answer confirmed in fresh processes' if config.confirm else ''}"
           f"{f', sizes in multiples of {unit}' if unit > 1 else ''})", file=sys.stderr, flush=True)
     try:
-        result = search(workload, config, on_trial=Progress(context.get("knob", "batch"),
-                                                               config.confirm))
+        return run_search(workload, config, Progress(context.get("knob", "batch"),
+                                                     config.confirm))
     except NoSizeFits as exc:  # other knobs may still fit; TrialFailed goes to main()
         print(f"oomguard: {exc}", file=sys.stderr)
         return None
-    snap_to_unit(result, unit)
-    return result
 
 
 def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out: Path) -> int:

@@ -8,7 +8,14 @@ One JSON file (default ``user_cache_dir("oomguard")/sizes.json``)::
          "workload": {"model_config": ..., "dtype": ..., "seq_len": ..., "metric": ...,
                       "params": {...}},
          "sizes": {"micro_batch_size": 8}, "source": "search", "max_ok": 12,
+         "trials": 5, "capped": {}, "search": [...],
          "updated": "...Z", "history": [...]}}}
+
+``search`` holds each knob's search record
+(:class:`~oomguard.engine.jobs.sizing.SearchRecord`); ``capped`` the knobs whose answer
+reached a bound other than memory (the sample count, ``max_size``, the knob's largest
+useful size), with that bound: a request allowing more searches again
+(:mod:`~oomguard.engine.jobs.sizing`).
 
 The key is the device (name, total memory in bytes, and the job's budget if
 any: a budget is a smaller device) and a hash of the workload fingerprint

@@ -6,8 +6,8 @@ the reason and a traceback file) and a journal record, as every output, through 
 (:mod:`~oomguard.engine.jobs.sink`); a crash or a kill leaves no result, and the parent
 records that.
 
-Sizes, in order: pinned in the job file (``sizes``); the size cache; a
-bounded search of the first memory knob (in this process, under the job's
+Sizes (:mod:`~oomguard.engine.jobs.sizing`), per memory knob: pinned in the job file
+(``sizes``); the size cache; a bounded search (in this process, under the job's
 budget), stored in the cache; the metric's defaults. An OOM during the run
 retries at half (the executor) and lowers the cached sizes to what worked; each
 OOM of the run is in the result's ``oom_events`` (memory measured at the OOM;
@@ -44,9 +44,10 @@ from oomguard.engine.core.memory.budget import budget
 from oomguard.engine.core.memory.forensics import start_history
 from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.engine.core.memory.oom import release_memory
-from oomguard.engine.core.search.search import search
+from oomguard.engine.core.search.search import SearchConfig
 from oomguard.engine.core.search.strategies import E10, Guided
-from oomguard.engine.errors import ExecutionFailed, NoSizeFits, RestartNeeded, TrialFailed
+from oomguard.engine.errors import ExecutionFailed, RestartNeeded, TrialFailed
+from oomguard.engine.jobs import sizing
 from oomguard.engine.jobs.cache import entry_key
 from oomguard.engine.jobs.data import load_data
 from oomguard.engine.jobs.records import OK, Context, Task, TaskResult, now_iso
@@ -55,7 +56,7 @@ from oomguard.engine.jobs.spec import import_plugin
 from oomguard.engine.util.jsonable import json_text, to_jsonable
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import build_model
-from oomguard.metrics.workload import SAMPLE_KNOBS, in_units, in_whole_units, snap_to_unit
+from oomguard.metrics.workload import in_units, in_whole_units
 from oomguard.probes.peak import PeakMeter
 
 log = logging.getLogger("oomguard.job")
@@ -110,7 +111,8 @@ def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | N
             info = _sizes_info(state)
             conn.send({"why": exc.why, "ladder": exc.ladder.to_dict() if exc.ladder else {},
                        "start": state.get("start"), "source": state.get("source"),
-                       "search": state.get("search"), "cache_key": state.get("cache_key"),
+                       "search": state.get("search"), "searches": state.get("searches"),
+                       "cache_key": state.get("cache_key"),
                        "attempts": info["attempts"], "errors": info["errors"],
                        "oom_events": _oom_events(state, out) or []})
             return
@@ -138,7 +140,7 @@ def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any],
     del exc
     record = TaskResult.failure(task, ctx.run_id, reason, tb,
                                 time.perf_counter() - t0, sizes=_sizes_info(state),
-                                search=state.get("search"),
+                                search=state.get("search"), searches=state.get("searches"),
                                 oom_events=_oom_events(state, out), device=ctx.device,
                                 **_ladder_info(state))
     sink.write(f"results/{task.key}.json", json_text(record))
@@ -198,11 +200,6 @@ def _warm_up(model: Any, data: dict[str, Any]) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def _search_cap(knob: Any, n_samples: int, max_size: int) -> int:
-    """Sizes of per-sample knobs above the number of samples all do the same work."""
-    return min(max_size, n_samples) if knob.name in SAMPLE_KNOBS else max_size
-
-
 class _KnobTrial:
     """``fn(size)`` for the search: the metric at ``knob=size``, other knobs fixed."""
 
@@ -213,69 +210,61 @@ class _KnobTrial:
         self.call(**{**self.others, self.knob: size})
 
 
-def _choose_sizes(task: Task, ctx: Context, metric: Any, call: Any, sink: Sink,
+class _Search:
+    """The job's evaluator for :func:`~oomguard.engine.jobs.sizing.choose_sizes`: a bounded
+    search in this process, under the job's budget. Each knob's search gets
+    ``search.max_seconds``, at most a third of the task's time limit shared by its knobs.
+    A search that fails for a reason other than memory is journaled and fails the task."""
+
+    def __init__(self, task: Task, ctx: Context, call: Any, n_knobs: int,
+                 on_record: Any) -> None:
+        self.task, self.ctx, self.call, self.on_record = task, ctx, call, on_record
+        self.seconds = min(ctx.job.search.max_seconds, task.time_limit / 3 / max(1, n_knobs))
+
+    def __call__(self, knob: str, sizes: dict[str, int], unit: int, cap: int
+                 ) -> sizing.SearchRecord:
+        spec, job = self.ctx.job.search, self.ctx.job
+        trial = _KnobTrial(self.call, knob, {k: v for k, v in sizes.items() if k != knob},
+                           self.task.key)
+        # The default strategy (Guided) from ``start``; a ``step`` the job file gives names
+        # the E10 routine with that increment, as --step does on the command line.
+        unit, start, step = in_whole_units(spec.start, spec.step or 1, unit, cap)
+        inner = Guided(start=start) if spec.step is None else E10(start=start, step=step)
+        config = SearchConfig(strategy=in_units(inner, unit), max_size=cap,
+                              max_trials=spec.max_trials, max_seconds=self.seconds,
+                              device=job.device, budget=job.budget_bytes)
+        try:
+            return sizing.measure(trial, config, metric=self.task.metric, strict=True)
+        except TrialFailed as exc:  # the task fails, with the trials that ran recorded
+            self.on_record(sizing.record_of(exc.result, self.task.metric, knob, unit,
+                                            failure=exc))
+            raise
+
+
+def _choose_sizes(task: Task, ctx: Context, metric: Any, work: _Work, sink: Sink,
                   state: dict[str, Any]) -> dict[str, int]:
-    knobs = metric.memory_knobs()
-    defaults = {k.name: int(k.default) for k in knobs}
+    """The sizes the run starts at (:func:`~oomguard.engine.jobs.sizing.choose_sizes`);
+    every search journaled and kept in ``state``."""
     job = ctx.job
-    if not knobs:
-        state["source"] = "none (no memory knobs)"
-        return {}
-    if task.pinned:
-        state["source"] = "job file"
-        return {**defaults, **task.pinned}
-    key = state["cache_key"] = entry_key(ctx.device, task.workload)
-    hit = sink.cached(key)
-    if hit and set(hit["sizes"]) == set(defaults):
-        state["source"] = "cache"
-        return {k: int(v) for k, v in hit["sizes"].items()}
-    if not (ctx.search and job.search.enabled):
-        state["source"] = "metric default"
-        return defaults
-    primary = knobs[0].name
-    cap = _search_cap(knobs[0], job.data.n_samples, job.search.max_size)
-    seconds = min(job.search.max_seconds, task.time_limit / 3)
-    trial = _KnobTrial(call, primary, {k: v for k, v in defaults.items() if k != primary},
-                       task.key)
-    # A knob whose memory changes only at multiples of a unit is searched in whole units.
-    unit = metric.size_unit(primary, metric.validate({**task.params, **defaults}),
-                            job.data.n_samples)
-    # The default strategy (Guided) from ``start``; a ``step`` the job file gives names the
-    # E10 routine with that increment, as --step does on the command line (None: no step).
-    explicit_step = job.search.step
-    unit, start, step = in_whole_units(job.search.start, explicit_step or 1, unit, cap)
-    inner = Guided(start=start) if explicit_step is None else E10(start=start, step=step)
-    try:
-        result = search(trial, strategy=in_units(inner, unit), max_size=cap,
-                        max_trials=job.search.max_trials, max_seconds=seconds,
-                        device=job.device, budget=job.budget_bytes)
-    except NoSizeFits as exc:
-        res = exc.result
-        state["search"] = {"trials": len(res.trials), "max_ok": None,
-                           "seconds": round(res.seconds, 3), "stopped_because": "nothing fits"}
-        sink.event("search", task=task.key, run=ctx.run_id, **state["search"])
-        state["source"] = "search (nothing fit; minimum)"
-        return {k.name: int(k.minimum) for k in knobs}
-    except TrialFailed as exc:  # not memory: the task fails, with the trials that ran recorded
-        res = exc.result
-        state["search"] = {"trials": len(res.trials), "max_ok": res.max_ok,
-                           "seconds": round(res.seconds, 3),
-                           "stopped_because": res.stopped_because}
-        sink.event("search", task=task.key, run=ctx.run_id, **state["search"])
-        raise
-    snap_to_unit(result, unit)
-    size = result.size_to_use
-    state["search"] = {"trials": len(result.trials), "max_ok": result.max_ok,
-                       "first_oom": result.first_oom, "safe": size, "mode": result.mode,
-                       "strategy": result.strategy,
-                       "seconds": round(result.seconds, 3),
-                       "stopped_because": result.stopped_because, "unit": unit}
-    sink.event("search", task=task.key, run=ctx.run_id, **state["search"])
-    sizes = {**defaults, primary: int(size)}
-    sink.put(key, sizes, source="search", device=ctx.device, workload=task.workload,
-              max_ok=result.max_ok, trials=len(result.trials))
-    state["source"] = "search"
-    return sizes
+    searches: list[dict[str, Any]] = []
+
+    def record(rec: sizing.SearchRecord) -> None:
+        searches.append(rec.to_dict())
+        state["search"], state["searches"] = searches[0], searches
+        sink.event("search", task=task.key, run=ctx.run_id, **rec.to_dict())
+
+    slot = None
+    if metric.memory_knobs() and not task.pinned:
+        slot = sizing.Slot(sink, entry_key(ctx.device, task.workload), ctx.device,
+                           task.workload)
+        state["cache_key"] = slot.key
+    evaluate = (_Search(task, ctx, work.call, len(metric.memory_knobs()) - len(task.pinned),
+                        record) if ctx.search and job.search.enabled else None)
+    request = sizing.Request(metric, task.params, job.data.n_samples, work.model.config,
+                             job.search.max_size, task.pinned)
+    got = sizing.choose_sizes(request, evaluate=evaluate, slot=slot, on_record=record)
+    state["source"] = got.source
+    return got.sizes
 
 
 def _split_tensors(value: Any, prefix: str, big: dict[str, Any]) -> None:
@@ -345,13 +334,13 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any],
     del model, data
     prior = state["handoff"]
     if prior:  # a fresh process of the same run: the sizes were chosen by the first one
-        for key in ("start", "source", "search", "cache_key"):
+        for key in ("start", "source", "search", "searches", "cache_key"):
             state[key] = prior[key]
         start = prior["start"]
     else:
-        start = state["start"] = _choose_sizes(task, ctx, metric, work.call, sink, state)
+        start = state["start"] = _choose_sizes(task, ctx, metric, work, sink, state)
         sink.event("sizes", task=task.key, run=ctx.run_id, sizes=start, source=state["source"])
-    minimum = {k.name: int(k.minimum) for k in metric.memory_knobs()}
+    minimum = sizing.minimums(metric)
     executor = work.executor = state["executor"] = Executor(
         device=job.device, snapshot_on_oom=out / "snapshots" if ctx.snapshot_on_oom else None,
         on_oom=task.on_oom, fresh_process=True)
@@ -380,7 +369,8 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any],
     return TaskResult(
         task=task.key, metric=task.metric, model=task.model, status=OK, run=ctx.run_id,
         fingerprint=task.fingerprint, params=task.params, sizes=info,
-        search=state.get("search"), oom_events=_oom_events(state, out),
+        search=state.get("search"), searches=state.get("searches"),
+        oom_events=_oom_events(state, out),
         seconds=round(seconds, 3),
         total_seconds=round(time.perf_counter() - t0, 3), peak_bytes=peak,
         peak_source=f"measured: {work.meter.source}", budget_bytes=job.budget_bytes,

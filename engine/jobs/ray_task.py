@@ -37,6 +37,7 @@ from oomguard.engine.jobs.journal import stamp
 from oomguard.engine.jobs.plan import child_start_method, device_identity
 from oomguard.engine.jobs.records import Context, Task
 from oomguard.engine.jobs.sink import HubSink, forward
+from oomguard.engine.jobs.sizing import minimums
 from oomguard.engine.jobs.spec import import_plugin
 from oomguard.engine.jobs.task_process import run_task
 from oomguard.metrics.base import get_metric
@@ -54,7 +55,7 @@ def lowered_after_death(task: Task, previous: Mapping[str, Any]) -> dict[str, An
     sizes, key = previous.get("sizes"), previous.get("cache_key")
     if not sizes or not key or task.pinned:
         return None
-    minimum = {k.name: int(k.minimum) for k in get_metric(task.metric).memory_knobs()}
+    minimum = minimums(get_metric(task.metric))
     lowered = {k: max(minimum.get(k, 1), int(v) // 2) for k, v in sizes.items()}
     if lowered == sizes:
         return None

@@ -134,15 +134,38 @@ class Context:
     threads: int | None = None
 
 
+class Record:
+    """A dataclass written as a dict of its fields, with the keys it does not know (a file
+    written by another version, an evaluator's own figures) kept in its ``extra`` field."""
+
+    extra: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field (``extra`` merged in) as a plain dict, ready for the JSON sanitiser."""
+        out = dict(self.extra)
+        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                    if f.name != "extra"})
+        return out
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Any:
+        """The record ``doc`` holds; TypeError where it is not one."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in doc.items() if k in names},
+                   extra={k: v for k, v in doc.items() if k not in names})
+
+
 @dataclass
-class TaskResult:
+class TaskResult(Record):
     """What one task produced: ``results/<task>.json``, and one entry of ``results.json``.
 
     ``status`` is ``ok``, ``failed``, ``interrupted`` or ``pending`` (the last
     two are never written to a result file). ``seconds`` is the metric's own
     run (ok) or the time until it failed; ``total_seconds`` adds model build,
     warm-up and search. ``sizes`` says where the sizes came from and every
-    attempt; ``search`` the search that ran, if any. ``oom_events`` has one
+    attempt; ``searches`` every knob's search that ran
+    (:class:`~oomguard.engine.jobs.sizing.SearchRecord` dicts), ``search`` the first of them
+    (None: none ran). ``oom_events`` has one
     :meth:`~oomguard.engine.core.memory.forensics.OomEvent.to_dict` per OOM of the run (sizes,
     memory measured at the OOM, what was done): ``[]`` for a run without one, None where
     nothing was recorded (the run never started, or a file written before this field,
@@ -174,6 +197,7 @@ class TaskResult:
     traceback: str | None = None
     sizes: dict[str, Any] | None = None
     search: dict[str, Any] | None = None
+    searches: list[dict[str, Any]] | None = None
     oom_events: list[dict[str, Any]] | None = None
     peak_bytes: int | None = None
     peak_source: str | None = None
@@ -212,19 +236,10 @@ class TaskResult:
                    run=run_id, fingerprint=task.fingerprint, params=dict(task.params),
                    inputs=dict(task.inputs), rerun_because=list(task.rerun_because) or None)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Every field (``extra`` merged in) as a plain dict, ready for the JSON sanitiser."""
-        out = dict(self.extra)
-        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                    if f.name != "extra"})
-        return out
-
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> TaskResult:
         """The record a result file holds; KeyError/TypeError if it is not one."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {k: v for k, v in doc.items() if k in names}
         for required in ("task", "metric", "model", "status"):
-            if not isinstance(known.get(required), str):
+            if not isinstance(doc.get(required), str):
                 raise KeyError(f"a task result needs a string {required!r}")
-        return cls(**known, extra={k: v for k, v in doc.items() if k not in names})
+        return super().from_dict(doc)

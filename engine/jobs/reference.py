@@ -1,14 +1,16 @@
 """A measured quick reference: every metric's maximum and safe size for every memory knob
 on this device, from searches and the size cache.
 
-:func:`build_reference` searches each (metric, knob) of the catalogue on one model, dtype
-and sequence length, the other knobs at their defaults, as ``oomguard search`` does, and
-keeps each answer in the size cache. A second run on the same device and workload reads
-every row back from the cache and runs no trial. It also stores, for each metric, the
-sizes a job would store after its own search (the first knob's safe size, the others at
-their defaults) under the key a job looks up, so a later job on the same device, model,
-dtype and sequence length takes its sizes from there instead of searching. An entry a job
-already stored is never overwritten: it may have been lowered after an OOM in a real run.
+:func:`build_reference` sizes each metric of the catalogue on one model, dtype and
+sequence length with :func:`~oomguard.engine.jobs.sizing.choose_sizes`, as a job does:
+every memory knob searched in turn (each in a fresh process, as ``oomguard search``
+does), the knobs before it at their chosen sizes and the ones after it at their defaults.
+Its rows are the searches' records; the sizes go in the size cache under the key a job
+looks up, so a later job on the same device, model, dtype, sequence length and budget
+takes its sizes from there instead of searching (unless an answer the sample count or
+another bound capped allows it more), and a second reference reads every row back from
+the cache and runs no trial. An entry a job already stored is used, never overwritten: it
+may have been lowered after an OOM in a real run.
 
 :func:`sizes_toml` writes those sizes as a job file's ``[[metrics]]`` blocks, with a
 ``[reference]`` table saying what they were measured for; :func:`load_sizes` reads one
@@ -26,44 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.engine.core.search.isolate import start_forkserver, workload_preload
-from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
-from oomguard.engine.errors import JobError, NoSizeFits, TrialFailed
+from oomguard.engine.core.search.search import SearchConfig
+from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.cache import SizeCache, entry_key
 from oomguard.engine.jobs.plan import device_identity, plan
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec, now_iso
+from oomguard.engine.jobs.sizing import MEASURED, Request, Slot, choose_sizes, measure
+from oomguard.engine.jobs.sizing import SearchRecord as Row  # the name _measure_fresh uses
 from oomguard.metrics.base import get_metric, load_all
-from oomguard.metrics.workload import MetricTrial, snap_to_unit
-
-MEASURED, CACHE = "measured", "cache"
-
-
-@dataclass
-class Row:
-    """One metric's knob: what its search found (sizes in items, bytes in bytes).
-
-    ``max_ok`` ran; ``safe`` is the recommendation (the largest size whose peak keeps the
-    margin free, never above ``max_ok``); ``peak_at_safe_bytes`` is measured when a trial
-    ran at ``safe`` and estimated from the fitted line otherwise (``peak_source`` says
-    which); ``seconds_per_item`` is measured at ``max_ok`` after each trial's first step.
-    ``source``: ``measured`` (searched now) or ``cache`` (an earlier reference).
-    """
-
-    metric: str
-    knob: str
-    max_ok: int | None
-    first_oom: int | None
-    safe: int | None
-    peak_at_safe_bytes: int | None
-    peak_source: str
-    seconds_per_item: float | None
-    source: str
-    trials: int
-    seconds: float
-    mode: str = ""
-    note: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+from oomguard.metrics.models import model_config
+from oomguard.metrics.workload import MetricTrial
 
 
 @dataclass
@@ -75,7 +49,7 @@ class Reference:
     seq_len: int
     n_samples: int
     device: dict[str, Any]
-    rows: list[Row] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)  # one SearchRecord per metric and knob
     job_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
     job_sizes_source: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
@@ -109,63 +83,47 @@ def reference_job(model: str, device: str, dtype: str, seq_len: int, n_samples: 
 
 def build_reference(model: str, device: str, dtype: str, seq_len: int, n_samples: int, *,
                     budget_bytes: int | None, cache_path: str | Path | None,
-                    config_for: Callable[[MetricTrial], SearchConfig],
-                    metrics: Sequence[str] | None = None,
+                    config_for: Callable[[MetricTrial, int], SearchConfig],
+                    metrics: Sequence[str] | None = None, max_size: int = 65536,
                     on_trial: Callable[[Any], None] | None = None,
                     on_row: Callable[[Row], None] | None = None) -> Reference:
     """Measure (or read from the cache) every memory knob of ``metrics`` (default: all).
 
-    ``config_for(trial)`` gives each knob's search configuration (strategy, bounds,
-    budget, mode). A knob where nothing fits, or whose search fails for a reason other
-    than memory, gets a row saying so; the others still run.
+    ``config_for(trial, cap)`` gives each knob's search configuration (strategy, budget,
+    mode) up to ``cap`` (the smaller of ``max_size`` and the knob's largest useful size).
+    A knob where nothing fits, or whose search fails for a reason other than memory, gets
+    a row saying so; the others still run.
     """
     names = list(metrics) if metrics else sorted(load_all())
     job = reference_job(model, device, dtype, seq_len, n_samples, budget_bytes, names)
     dev = device_identity(job)
     cache = SizeCache(cache_path)
     ref = Reference(model=model, dtype=dtype, seq_len=seq_len, n_samples=n_samples, device=dev)
+    config = model_config(model)
     t0 = time.perf_counter()
     for task in plan(job):
-        metric = get_metric(task.metric)
-        knobs = metric.memory_knobs()
-        rows = []
-        for knob in knobs:
-            trial = MetricTrial(metric=task.metric, knob=knob.name, model=model, dtype=dtype,
-                                device=device, n_samples=n_samples, seq_len=seq_len)
-            key = entry_key(dev, {**task.workload, "knob": knob.name})
-            row = _cached_row(cache.get(key), task.metric, knob.name)
-            if row is None:
-                row = _measure_fresh(trial, config_for(trial), on_trial)
-                if row.max_ok is not None or row.note.startswith("nothing fits"):
-                    # A knob where nothing fits is an answer too (no sizes): kept, so a
-                    # second run measures nothing again.
-                    fits = {knob.name: row.safe or row.max_ok} if row.max_ok else {}
-                    cache.put(key, fits, source="reference", device=dev,
-                              workload={**task.workload, "knob": knob.name}, row=row.to_dict())
-            rows.append(row)
-            ref.rows.append(row)
-            if on_row is not None:
-                on_row(row)
-        if not knobs:
-            continue
-        _job_sizes(ref, cache, entry_key(dev, task.workload), task, dev,
-                   {k.name: int(k.default) for k in knobs}, rows[0])
+        def evaluate(knob: str, sizes: dict[str, int], unit: int, cap: int,
+                     name: str = task.metric) -> Row:
+            trial = MetricTrial(metric=name, knob=knob, model=model, dtype=dtype,
+                                device=device, n_samples=n_samples, seq_len=seq_len,
+                                params={k: v for k, v in sizes.items() if k != knob})
+            return _measure_fresh(trial, config_for(trial, cap), on_trial)
+
+        request = Request(get_metric(task.metric), task.params, n_samples, config, max_size)
+        got = choose_sizes(request, evaluate=evaluate, on_record=on_row, slot=Slot(
+            cache, entry_key(dev, task.workload), dev, task.workload, source="reference"))
+        ref.rows += got.records
+        if got.entry is not None:  # every row from the cache
+            for row in got.records:
+                if on_row is not None:
+                    on_row(row)
+            ref.job_sizes_source[task.metric] = f"size cache ({got.entry.get('source', '?')})"
+        elif got.source == "search":
+            ref.job_sizes_source[task.metric] = "reference"
+        if task.metric in ref.job_sizes_source:
+            ref.job_sizes[task.metric] = got.sizes
     ref.seconds = time.perf_counter() - t0
     return ref
-
-
-def _cached_row(entry: Mapping[str, Any] | None, metric: str, knob: str) -> Row | None:
-    doc = (entry or {}).get("row")
-    if not isinstance(doc, Mapping):
-        return None
-    try:
-        row = Row(**{f.name: doc[f.name] for f in dataclasses.fields(Row)})
-    except (KeyError, TypeError):  # written by another version: measure again
-        return None
-    if (row.metric, row.knob) != (metric, knob):
-        return None
-    row.source, row.note = CACHE, f"measured {entry.get('updated', '?')}"  # type: ignore[union-attr]
-    return row
 
 
 def _measure_fresh(trial: MetricTrial, config: SearchConfig,
@@ -213,62 +171,7 @@ def _measure_child(conn: Any, trial: MetricTrial, config: SearchConfig,
 def _measure(trial: MetricTrial, config: SearchConfig,
              on_trial: Callable[[Any], None] | None) -> Row:
     """Search one knob; a row even when nothing fits or the search fails."""
-    assert trial.knob is not None
-    blank = {"metric": trial.metric, "knob": trial.knob, "first_oom": None, "safe": None,
-             "peak_at_safe_bytes": None, "peak_source": "", "seconds_per_item": None,
-             "source": MEASURED}
-    try:
-        result = search(trial, config, on_trial=on_trial)
-    except NoSizeFits as exc:
-        r = exc.result
-        return Row(**blank, max_ok=None, trials=len(r.trials), seconds=round(r.seconds, 3),
-                   mode=r.mode, note="nothing fits: even the smallest size ran out of memory")
-    except TrialFailed as exc:
-        r = exc.result
-        return Row(**blank, max_ok=r.max_ok, trials=len(r.trials), seconds=round(r.seconds, 3),
-                   mode=r.mode, note=f"search failed: {str(exc)[:200]}")
-    snap_to_unit(result, trial.unit())
-    return _row(trial, result)
-
-
-def _row(trial: MetricTrial, result: SearchResult) -> Row:
-    safe = result.size_to_use
-    ran = {t.size: t for t in result.trials if t.ok}
-    if safe in ran:
-        peak, source = ran[safe].peak_bytes, "measured"
-    elif result.fit is not None and safe is not None:
-        peak, source = int(result.fit.predict(safe)), "estimated from the fitted line"
-    else:
-        peak, source = None, "not measured"
-    best = ran.get(result.max_ok) if result.max_ok is not None else None
-    rate = best.items_per_second if best is not None else None
-    note = (f"no OOM up to {result.max_ok}, the largest size tried"
-            if result.first_oom is None else "")
-    assert trial.knob is not None
-    return Row(metric=trial.metric, knob=trial.knob, max_ok=result.max_ok,
-               first_oom=result.first_oom, safe=safe, peak_at_safe_bytes=peak,
-               peak_source=source, seconds_per_item=1.0 / rate if rate else None,
-               source=MEASURED, trials=len(result.trials), seconds=round(result.seconds, 3),
-               mode=result.mode, note=note)
-
-
-def _job_sizes(ref: Reference, cache: SizeCache, key: str, task: Any, dev: dict[str, Any],
-               defaults: dict[str, int], first: Row) -> None:
-    """What a job on this device would use for ``task``: a job's own entry if there is one
-    (kept: it may have been lowered after an OOM), else the first knob's safe size with the
-    others at their defaults, stored under the job's key."""
-    hit = cache.get(key)
-    if hit and set(hit["sizes"]) == set(defaults):
-        ref.job_sizes[task.metric] = {k: int(v) for k, v in hit["sizes"].items()}
-        ref.job_sizes_source[task.metric] = f"size cache ({hit.get('source', '?')})"
-        return
-    if first.max_ok is None:
-        return
-    sizes = {**defaults, first.knob: int(first.safe or first.max_ok)}
-    cache.put(key, sizes, source="reference", device=dev, workload=task.workload,
-              max_ok=first.max_ok, trials=first.trials)
-    ref.job_sizes[task.metric] = sizes
-    ref.job_sizes_source[task.metric] = "reference"
+    return measure(trial, config, metric=trial.metric, on_trial=on_trial)
 
 
 def sizes_toml(ref: Reference) -> str:

@@ -16,10 +16,12 @@ every metric of it now takes about 3 minutes on 2 cores; docs/measurements.md#es
   (:func:`~oomguard.engine.core.estimate.estimate.shortcut`), and one warmed-up fake model per depth
   serves every size a knob's search asks for
   (:class:`~oomguard.engine.core.estimate.estimate.EstimateSession`).
-- **Size**: the knob's largest useful size first, then 1, then the size where the
-  line through the two nearest known points meets the memory (and the one above it),
-  until the largest fitting size and the smallest one that does not are adjacent or the
-  rounds run out (then both are reported).
+- **Size**: sized as a job sizes a metric (:func:`~oomguard.engine.jobs.sizing.choose_sizes`:
+  each knob in turn, the ones before it at their chosen sizes), with an evaluator that
+  estimates instead of running (:class:`EstimateSearch`): the knob's largest useful size
+  first, then 1, then the size where the line through the two nearest known points meets
+  the memory (and the one above it), until the largest fitting size and the smallest one
+  that does not are adjacent or the rounds run out (then both are reported).
 
 The total a size needs is the storage alive after the warm-up (weights, gradients the
 warm-up left, buffers, the data) plus the estimated peak above it. The memory it must fit
@@ -30,11 +32,12 @@ allocator cache and fragmentation, cuBLAS workspace).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from oomguard.engine.core.estimate.estimate import LABEL, EstimateSession
 from oomguard.engine.errors import UsageError
+from oomguard.engine.jobs.sizing import Request, SearchRecord, choose_sizes
 from oomguard.metrics.base import get_metric, load_all
 from oomguard.metrics.models import BUILTIN_CONFIGS, model_config
 from oomguard.metrics.workload import SAMPLE_KNOBS, MetricTrial
@@ -144,19 +147,21 @@ class Estimator:
         return (f"{LABEL}: fake tensors on the config with 1, 2 and 3 layers, extrapolated "
                 f"to its {self.layers[0]} layers by the quadratic through them")
 
-    def totals(self, metric: str, knob: str | None, n_samples: int, sizes: Sequence[int]
-               ) -> dict[int, tuple[int, int]]:
+    def totals(self, metric: str, knob: str | None, n_samples: int, sizes: Sequence[int],
+               params: Mapping[str, Any] | None = None) -> dict[int, tuple[int, int]]:
         """size -> (total bytes, peak bytes above the resident ones), both estimated at the
-        real depth."""
+        real depth, the metric's other knobs at ``params`` (None: their defaults)."""
+        fixed = tuple(sorted((params or {}).items()))
+
         def at(spec: str) -> dict[int, tuple[int, int]]:
             self.estimates += len(set(sizes))
-            key = (metric, knob, n_samples, spec)
+            key = (metric, knob, n_samples, fixed, spec)
             if key not in self._sessions:
-                if any(k[:3] != key[:3] for k in self._sessions):
+                if any(k[:4] != key[:4] for k in self._sessions):
                     self._sessions.clear()  # another workload: its fake models can go
                 self._sessions[key] = _session(MetricTrial(
                     metric, knob=knob, model=spec, dtype=self.dtype, n_samples=n_samples,
-                    seq_len=self.seq_len), self.device)
+                    seq_len=self.seq_len, params=dict(fixed)), self.device)
             session, work = self._sessions[key]
             got = session.at(sorted(set(sizes)))
             self.notes.update(n for e in got for n in e.notes if "read as 1" not in n)
@@ -186,60 +191,79 @@ def _quadratic(f: Sequence[int], depth: int) -> int:
     return max(f[2], f[0] + n * d1 + n * (n - 1) // 2 * d2)
 
 
-def largest_fitting(est: Estimator, metric: str, knob: str, n_samples: int, capacity: int,
-                    max_size: int) -> dict[str, Any]:
-    """One row: the largest size of ``knob`` whose estimated total fits ``capacity`` bytes
-    (at most the knob's largest useful size and ``max_size``), its total, and the next
-    size's; ``largest`` None where even the smallest size does not fit."""
-    t0, n0 = time.perf_counter(), est.estimates
-    trial = MetricTrial(metric, knob=knob, model=est.model, dtype=est.dtype,
-                        n_samples=n_samples, seq_len=est.seq_len)
-    unit = trial.unit()
-    top = max(1, min(trial.max_size() or max_size, max_size) // unit)  # in units
-    known: dict[int, tuple[int, int]] = {}
+class EstimateSearch:
+    """The estimated reference's evaluator for
+    :func:`~oomguard.engine.jobs.sizing.choose_sizes`: the largest size of a knob whose
+    estimated total fits ``capacity`` bytes, found by estimating instead of running. The
+    cap first (one micro-batch: the cheapest), size 1 only where it does not fit (peaks
+    grow with the size, so a fitting cap answers alone), then the line through the two
+    nearest known sizes, for at most :data:`ROUNDS` rounds."""
 
-    def probe(ks: Sequence[int]) -> None:
-        got = est.totals(metric, knob, n_samples, [k * unit for k in ks])
-        known.update({s // unit: v for s, v in got.items()})
+    def __init__(self, est: Estimator, metric: str, n_samples: int, capacity: int) -> None:
+        self.est, self.metric, self.n_samples, self.capacity = est, metric, n_samples, capacity
 
-    # The largest useful size first (one micro-batch: the cheapest), size 1 only where it
-    # does not fit: peaks grow with the size, so a fitting largest size answers alone.
-    probe([top])
-    if known[top][0] > capacity and top > 1:
-        probe([1])
-    row: dict[str, Any] = {"metric": metric, "knob": knob, "unit": unit,
-                           "largest_useful": top * unit, "kind": LABEL}
-    if 1 in known and known[1][0] > capacity:
-        fit, over = None, 1
-    elif known[top][0] <= capacity:
-        fit, over = top, None
-    else:
-        fit, over = 1, top
-        for _ in range(ROUNDS):
-            if over - fit <= 1:
-                break
-            slope = (known[over][0] - known[fit][0]) / (over - fit)
-            k = fit + int((capacity - known[fit][0]) // slope)
-            k = min(max(k, fit + 1), over - 1)
-            probe([k, k + 1] if k + 1 < over else [k])
-            fit = max(s for s, (t, _) in known.items() if t <= capacity)
-            over = min(s for s, (t, _) in known.items() if t > capacity)
-    row.update(largest=None if fit is None else fit * unit,
-               total_bytes=None if fit is None else known[fit][0],
-               peak_bytes=None if fit is None else known[fit][1],
-               next_size=None if over is None else over * unit,
-               next_total_bytes=None if over is None else known[over][0],
-               exact=over is None or fit is None or over - fit == 1,
-               estimates=est.estimates - n0, seconds=round(time.perf_counter() - t0, 3))
-    if fit is None:
-        row["note"] = f"does not fit: even size {unit} needs more than the memory less the margin"
-    elif over is None:
-        row["note"] = f"fits at the knob's largest useful size ({top * unit})"
-    elif not row["exact"]:
-        row["note"] = f"between {fit * unit} (fits) and {over * unit} (does not): rounds ran out"
-    else:
-        row["note"] = ""
-    return row
+    def __call__(self, knob: str, sizes: dict[str, int], unit: int, cap: int) -> SearchRecord:
+        t0, n0, capacity = time.perf_counter(), self.est.estimates, self.capacity
+        others = {k: v for k, v in sizes.items() if k != knob}
+        top = max(1, cap // unit)  # in units
+        known: dict[int, tuple[int, int]] = {}
+
+        def probe(ks: Sequence[int]) -> None:
+            got = self.est.totals(self.metric, knob, self.n_samples, [k * unit for k in ks],
+                                  others)
+            known.update({s // unit: v for s, v in got.items()})
+
+        probe([top])
+        if known[top][0] > capacity and top > 1:
+            probe([1])
+        if 1 in known and known[1][0] > capacity:
+            fit, over = None, 1
+        elif known[top][0] <= capacity:
+            fit, over = top, None
+        else:
+            fit, over = 1, top
+            for _ in range(ROUNDS):
+                if over - fit <= 1:
+                    break
+                slope = (known[over][0] - known[fit][0]) / (over - fit)
+                k = fit + int((capacity - known[fit][0]) // slope)
+                k = min(max(k, fit + 1), over - 1)
+                probe([k, k + 1] if k + 1 < over else [k])
+                fit = max(s for s, (t, _) in known.items() if t <= capacity)
+                over = min(s for s, (t, _) in known.items() if t > capacity)
+        largest = None if fit is None else fit * unit
+        exact = over is None or fit is None or over - fit == 1
+        note = ("" if exact else
+                f"between {largest} (fits) and {over * unit} (does not): rounds ran out")
+        if fit is None:
+            note = f"does not fit: even size {unit} needs more than the memory less the margin"
+        return SearchRecord(
+            metric=self.metric, knob=knob, max_ok=largest, safe=largest,
+            first_oom=None if over is None else over * unit, unit=unit, note=note,
+            trials=self.est.estimates - n0, seconds=round(time.perf_counter() - t0, 3),
+            extra={"kind": LABEL, "largest_useful": top * unit, "exact": exact,
+                   "total_bytes": None if fit is None else known[fit][0],
+                   "peak_bytes": None if fit is None else known[fit][1],
+                   "next_total_bytes": None if over is None else known[over][0]})
+
+
+def estimate_rows(est: Estimator, metric: str, n_samples: int, capacity: int,
+                  max_size: int) -> list[dict[str, Any]]:
+    """One row per memory knob of ``metric``: its largest size whose estimated total fits
+    ``capacity`` bytes (at most its largest useful size and ``max_size``), sized as a job
+    sizes it (:func:`~oomguard.engine.jobs.sizing.choose_sizes`), with its total and the
+    next size's; ``largest`` None where even the smallest size does not fit."""
+    request = Request(get_metric(metric), {}, n_samples, model_config(est.model), max_size)
+    got = choose_sizes(request, evaluate=EstimateSearch(est, metric, n_samples, capacity))
+    out = []
+    for rec in got.records:
+        row = {"metric": rec.metric, "knob": rec.knob, "unit": rec.unit, **rec.extra,
+               "largest": rec.max_ok, "next_size": rec.first_oom, "estimates": rec.trials,
+               "seconds": rec.seconds, "others": rec.others, "note": rec.note}
+        if rec.capped_by:
+            row["note"] = f"fits at the knob's largest useful size ({rec.max_ok})"
+        out.append(row)
+    return out
 
 
 def batch_table(est: Estimator, metrics: Sequence[str], batches: Sequence[int],
@@ -281,7 +305,8 @@ def compare_measured(est: Estimator, rows: list[dict[str, Any]], measured: dict[
         row["measured_max"] = m.get("max_ok")
         safe, peak = m.get("safe"), m.get("peak_at_safe_bytes")
         if safe and peak and m.get("peak_source") == "measured":
-            got = est.totals(row["metric"], row["knob"], n_samples, [safe])[safe][1]
+            got = est.totals(row["metric"], row["knob"], n_samples, [safe],
+                             m.get("others"))[safe][1]
             row.update(measured_size=safe, measured_peak_bytes=peak, estimated_peak_bytes=got,
                        relative_error=round((got - peak) / peak, 4))
 
@@ -302,8 +327,7 @@ def build_estimate_reference(model: str, dtype: str, seq_len: int, n_samples: in
     capacity = int(memory * (1 - margin))
     rows = []
     for name in names:
-        for knob in get_metric(name).memory_knobs():
-            row = largest_fitting(est, name, knob.name, n_samples, capacity, max_size)
+        for row in estimate_rows(est, name, n_samples, capacity, max_size):
             rows.append(row)
             if on_row is not None:
                 on_row(row)

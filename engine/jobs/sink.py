@@ -2,7 +2,7 @@
 
 A task (:func:`~oomguard.engine.jobs.task_process.run_task` and its process,
 :func:`~oomguard.engine.jobs.child.child_main`) hands every output to one sink (``event``,
-``put``, ``lower``, ``write``; ``cached`` reads the cache) and opens none of the job's
+``put``, ``lower``, ``write``; ``get`` reads the cache) and opens none of the job's
 files itself. :class:`FileSink`, in one process, writes them directly (it is picklable:
 the task's process writes too). :class:`HubSink`, on Ray, sends them in order to the
 job's :class:`~oomguard.engine.jobs.ray_hub.Hub` actor, which writes them with its own
@@ -54,7 +54,7 @@ class FileSink:
     def lower(self, key: str, sizes: Mapping[str, int], **kw: Any) -> bool:
         return SizeCache(self.cache_path).lower(key, sizes, **kw)
 
-    def cached(self, key: str) -> dict[str, Any] | None:
+    def get(self, key: str) -> dict[str, Any] | None:
         return SizeCache(self.cache_path).get(key)
 
     def write(self, rel: str, data: bytes | str, append: bool = False) -> None:
@@ -71,7 +71,7 @@ class FileSink:
 class HubSink(FileSink):
     """Outputs sent over ``conn`` (a pipe's sending end) for :func:`forward`; files also
     written into ``out``, the worker's folder, where the task reads its result back.
-    :meth:`cached` answers from ``entries``, the hub's when the attempt began."""
+    :meth:`get` answers from ``entries``, the hub's when the attempt began."""
 
     def __init__(self, out: str | os.PathLike[str], entries: Mapping[str, dict[str, Any]],
                  conn: Any) -> None:
@@ -91,7 +91,7 @@ class HubSink(FileSink):
     def lower(self, key: str, sizes: Mapping[str, int], **kw: Any) -> None:
         self.send("lower", key, dict(sizes), **kw)
 
-    def cached(self, key: str) -> dict[str, Any] | None:
+    def get(self, key: str) -> dict[str, Any] | None:
         return self.entries.get(key)
 
     def write(self, rel: str, data: bytes | str, append: bool = False) -> None:

@@ -1,0 +1,286 @@
+"""Choosing a metric's memory-knob sizes: the one routine of jobs, the measured and the
+estimated reference, ``oomguard search`` and the Ray backend's retry.
+
+Every memory knob, in the order the metric declares them, takes: the size the job file
+pins; else the size cache's (an entry for this device and workload holding every knob,
+read only when nothing is pinned: its key does not describe pins); else what
+``evaluate(knob, sizes, unit, cap)`` finds (a search, :func:`measure`, or an estimate),
+up to ``cap`` in multiples of ``unit``; else the metric's default, rounded down to the unit.
+
+Knobs combine in turn: each is searched with the knobs before it at their chosen sizes
+and the ones after it at their defaults, so the last search ran the combination used
+(knobs that multiply, as ``position_jacobian``'s ``micro_batch_size x vjp_block`` rows,
+cannot each take a size found with the other at its default); one search per knob. A
+knob where nothing fits takes its minimum, and the next is searched from there.
+
+``cap`` is ``max_size`` or the knob's largest useful size, the smaller
+(:func:`~oomguard.metrics.workload.largest_useful`: the samples for knobs that slice
+them, captum's ``examples x n_steps``, ``vjp_block``'s hidden width). An answer that
+reached it without an OOM is *capped*: its :class:`SearchRecord` says by what
+(``capped_by``) and where (``cap``), the cache entry too (``capped``: knob -> cap), and a
+later request whose cap is larger (a job on 64 samples after a reference on 8) searches
+again instead of reusing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
+from oomguard.engine.errors import NoSizeFits, TrialFailed
+from oomguard.engine.jobs.cache import SizeCache
+from oomguard.engine.jobs.records import Record
+from oomguard.engine.jobs.sink import Sink
+from oomguard.metrics.base import Metric
+from oomguard.metrics.workload import largest_useful, snap_to_unit
+
+MEASURED, CACHE = "measured", "cache"
+_CAPS = {"samples": "the sample count", "largest useful size": "the knob's largest useful size",
+         "max_size": "max_size"}
+
+
+@dataclass
+class SearchRecord(Record):
+    """One knob's search: a job's result (``search``: the first, ``searches``: all), the
+    journal's ``search`` events, a cache entry's ``search`` and a reference's rows.
+
+    Sizes in items, bytes in bytes, seconds in seconds. ``safe``: the size to use (None
+    where nothing fits or the search failed); ``peak_at_safe_bytes``: measured where a
+    trial ran at ``safe``, else from the fitted line (``peak_source``); ``source``:
+    ``measured`` or ``cache``; ``cap``: the largest size the search could try;
+    ``capped_by``: what set it, where the answer reached it without an OOM; ``others``:
+    the other knobs meanwhile; ``extra``: an evaluator's own figures (an estimate's).
+    """
+
+    metric: str
+    knob: str
+    max_ok: int | None
+    first_oom: int | None = None
+    safe: int | None = None
+    peak_at_safe_bytes: int | None = None
+    peak_source: str = ""
+    seconds_per_item: float | None = None
+    source: str = MEASURED
+    trials: int = 0
+    seconds: float = 0.0
+    mode: str = ""
+    note: str = ""
+    strategy: str = ""
+    stopped_because: str = ""
+    unit: int = 1
+    cap: int | None = None
+    capped_by: str | None = None
+    others: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Evaluate = Callable[[str, dict[str, int], int, int], SearchRecord]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What is sized: ``metric`` with its result ``params`` on ``n_samples`` samples of a
+    model of transformers ``config``; searches go up to ``max_size``; ``pinned`` sizes are
+    the job file's."""
+
+    metric: Metric
+    params: Mapping[str, Any]
+    n_samples: int
+    config: Any
+    max_size: int = 65536
+    pinned: Mapping[str, int] = field(default_factory=dict)
+
+    def bounds(self, knob: str, sizes: Mapping[str, int]) -> tuple[int, int, str]:
+        """``(unit, cap, what sets cap)`` of ``knob`` with the other knobs at ``sizes``: a
+        unit larger than the cap becomes 1 (no whole unit fits: every size counts)."""
+        params = self.metric.validate({**self.params, **sizes})
+        useful, why = largest_useful(self.metric, knob, params, self.n_samples, self.config)
+        cap, why = ((useful, why) if useful is not None and useful <= self.max_size
+                    else (self.max_size, "max_size"))
+        unit = self.metric.size_unit(knob, params, self.n_samples)
+        return (unit if unit <= cap else 1), cap, why
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a metric's sizes live in the size cache: ``key`` of ``cache`` (a
+    :class:`~oomguard.engine.jobs.cache.SizeCache`, or a task's
+    :class:`~oomguard.engine.jobs.sink.Sink`: both ``get`` and ``put``), with the device and
+    workload stored beside them; ``source`` labels what a search stores there."""
+
+    cache: SizeCache | Sink
+    key: str
+    device: Mapping[str, Any]
+    workload: Mapping[str, Any]
+    source: str = "search"
+
+
+@dataclass
+class Sizing:
+    """The sizes chosen, where they came from (``job file``, ``cache``, ``search``,
+    ``metric default``, joined by `` + `` where knobs differ), every knob's record (searched
+    now, or read from the cache), and the cache entry used (None: none)."""
+
+    sizes: dict[str, int]
+    source: str
+    records: list[SearchRecord]
+    entry: dict[str, Any] | None = None
+
+
+def minimums(metric: Metric) -> dict[str, int]:
+    """Each memory knob's smallest allowed size."""
+    return {k.name: int(k.minimum) for k in metric.memory_knobs()}
+
+
+def snap(size: int, unit: int) -> int:
+    """``size`` rounded down to a multiple of ``unit``, at least one unit."""
+    return max(unit, size // unit * unit)
+
+
+def choose_sizes(req: Request, *, evaluate: Evaluate | None = None, slot: Slot | None = None,
+                 on_record: Callable[[SearchRecord], None] | None = None) -> Sizing:
+    """Every memory knob's size for ``req``: pinned, else the cache (``slot``), else
+    ``evaluate`` (None: no search), else the default (see the module docstring).
+    ``on_record`` sees each new record as its search ends; what a search found for every
+    knob is stored in the cache (nothing is stored while a knob is pinned or found no size).
+    """
+    knobs = req.metric.memory_knobs()
+    if not knobs:
+        return Sizing({}, "none (no memory knobs)", [])
+    sizes = {k.name: int(k.default) for k in knobs} | dict(req.pinned)
+    entry = slot.cache.get(slot.key) if slot is not None and not req.pinned else None
+    if entry is not None and _reusable(req, entry, sizes):
+        return Sizing({k: int(v) for k, v in entry["sizes"].items()}, CACHE,
+                      _cached_records(req, entry), entry)
+    records: list[SearchRecord] = []
+    sources = []
+    for knob in knobs:
+        name = knob.name
+        if name in req.pinned:
+            sources.append("job file")
+            continue
+        unit, cap, why = req.bounds(name, sizes)
+        if evaluate is None:
+            sizes[name] = snap(sizes[name], unit)
+            sources.append("metric default")
+            continue
+        rec = evaluate(name, dict(sizes), unit, cap)
+        rec.others = {k: v for k, v in sizes.items() if k != name}
+        _mark_cap(rec, cap, why)
+        records.append(rec)
+        if on_record is not None:
+            on_record(rec)
+        sizes[name] = rec.safe if rec.safe is not None else int(knob.minimum)
+        sources.append("search" if rec.safe is not None else "search (nothing fit; minimum)"
+                       if rec.max_ok is None else "search (failed; minimum)")
+    if slot is not None and records and not req.pinned and all(
+            r.safe is not None for r in records):
+        slot.cache.put(slot.key, sizes, source=slot.source, device=slot.device,
+                       workload=slot.workload, max_ok=records[0].max_ok,
+                       trials=sum(r.trials for r in records),
+                       capped={r.knob: r.cap for r in records if r.capped_by},
+                       search=[r.to_dict() for r in records])
+    return Sizing(sizes, " + ".join(dict.fromkeys(sources)), records)
+
+
+def _mark_cap(rec: SearchRecord, cap: int, why: str) -> None:
+    """Record the bound of ``rec``'s search, and ``why`` where the answer reached it."""
+    rec.cap = cap
+    if rec.first_oom is None and rec.max_ok is not None and rec.max_ok + rec.unit > cap:
+        rec.capped_by = why
+        rec.note = (f"no OOM up to {rec.max_ok}: capped by {_CAPS[why]} ({cap}), not by "
+                    "memory; a request allowing larger sizes searches again")
+
+
+def _reusable(req: Request, entry: Mapping[str, Any], defaults: Mapping[str, int]) -> bool:
+    """Whether a cache entry answers ``req``: a size for every knob, and no capped answer
+    whose cap is below what ``req`` allows for that knob."""
+    sizes = entry["sizes"]
+    if set(sizes) != set(defaults):
+        return False
+    capped = entry.get("capped")
+    if not isinstance(capped, Mapping):
+        return True
+    return all(isinstance(cap, int) and knob in sizes and req.bounds(knob, sizes)[1] <= cap
+               for knob, cap in capped.items())
+
+
+def _cached_records(req: Request, entry: Mapping[str, Any]) -> list[SearchRecord]:
+    """The records an entry holds for each knob (``source`` cache); one holding only the
+    sizes (an entry written by another version) where it has none."""
+    stored: dict[str, SearchRecord] = {}
+    for doc in entry.get("search") or []:
+        try:
+            rec = SearchRecord.from_dict(doc)
+        except (KeyError, TypeError):
+            continue
+        stored[rec.knob] = rec
+    out = []
+    for knob, size in entry["sizes"].items():
+        rec = stored.get(knob) or SearchRecord(
+            metric=req.metric.name, knob=knob, max_ok=None, safe=int(size),
+            note=f"size cache ({entry.get('source', '?')}), no search record")
+        rec.source = CACHE
+        if knob in stored:  # what capped it still holds
+            rec.note = f"measured {entry.get('updated', '?')}" + (
+                f"; {rec.note}" if rec.capped_by else "")
+        out.append(rec)
+    return out
+
+
+def run_search(fn: Any, config: SearchConfig,
+               on_trial: Callable[[Any], None] | None = None) -> SearchResult:
+    """:func:`~oomguard.engine.core.search.search.search`, its recommendation rounded down
+    to a multiple of the strategy's unit (where it proposes only multiples of one)."""
+    result = search(fn, config, on_trial=on_trial)
+    snap_to_unit(result, getattr(config.strategy, "unit", 1))
+    return result
+
+
+def measure(fn: Any, config: SearchConfig, *, metric: str,
+            on_trial: Callable[[Any], None] | None = None, strict: bool = False
+            ) -> SearchRecord:
+    """Search ``fn`` (its ``knob`` is the knob searched) and summarise it: a record also
+    where nothing fits. A search that fails for a reason other than memory is a record
+    saying so, or, with ``strict``, raises its :class:`TrialFailed`."""
+    unit = getattr(config.strategy, "unit", 1)
+    try:
+        return record_of(run_search(fn, config, on_trial), metric, fn.knob, unit)
+    except NoSizeFits as exc:
+        return record_of(exc.result, metric, fn.knob, unit)
+    except TrialFailed as exc:
+        if strict:
+            raise
+        return record_of(exc.result, metric, fn.knob, unit, failure=exc)
+
+
+def record_of(result: SearchResult, metric: str, knob: str, unit: int,
+              failure: BaseException | None = None) -> SearchRecord:
+    """The record of a finished search, of one where nothing fits, or of one that
+    ``failure`` ended."""
+    common = {"metric": metric, "knob": knob, "max_ok": result.max_ok,
+              "first_oom": result.first_oom, "trials": len(result.trials),
+              "seconds": round(result.seconds, 3), "mode": result.mode,
+              "strategy": result.strategy, "stopped_because": result.stopped_because,
+              "unit": unit}
+    if failure is not None:
+        return SearchRecord(**common, note=f"search failed: {str(failure)[:200]}")
+    if result.max_ok is None:
+        return SearchRecord(**common,
+                            note="nothing fits: even the smallest size ran out of memory")
+    safe = result.size_to_use
+    ran = {t.size: t for t in result.trials if t.ok}
+    if safe in ran:
+        peak, source = ran[safe].peak_bytes, "measured"
+    elif result.fit is not None and safe is not None:
+        peak, source = int(result.fit.predict(safe)), "estimated from the fitted line"
+    else:
+        peak, source = None, "not measured"
+    best = ran.get(result.max_ok)
+    rate = best.items_per_second if best is not None else None
+    note = (f"no OOM up to {result.max_ok}, the largest size tried"
+            if result.first_oom is None else "")
+    return SearchRecord(**common, safe=safe, peak_at_safe_bytes=peak, peak_source=source,
+                        seconds_per_item=1.0 / rate if rate else None, note=note)
