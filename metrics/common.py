@@ -1,25 +1,10 @@
 """Shared pieces of every metric: micro-batches, token counts, exact losses, parameter groups.
 
-Every metric here is a workload with *memory* knobs (micro-batch, chunk) that
-must not change its result beyond float rounding. The helpers make that easy
-to get right, once:
-
-- :func:`iter_micro_batches` slices a data dict along dim 0 (samples);
-- :func:`token_count` / :func:`total_tokens` count the tokens a causal LM is
-  scored on (shifted labels that are not ``-100``);
-- :func:`token_nll_sum` is the *summed* per-token negative log-likelihood of a
-  batch (nats, float64, differentiable): summing it over micro-batches and
-  dividing by :func:`total_tokens` gives the token-weighted mean loss of the
-  whole data exactly, whatever the micro-batch size;
-- :func:`mean_loss_grad` / :func:`mean_loss_hvp` accumulate the gradient and
-  Hessian-vector products of that mean loss over micro-batches in float64;
-- :func:`param_groups` groups parameters by their names (embeddings, each
-  transformer block, final norm, head), for any transformers model;
-- :class:`JsonMetric` summarises a result as small JSON (the one sanitiser, big tensors as shape and mean).
-
-Low-precision models (bfloat16, float16) run in their dtype; logits are
-up-cast to float32 before the log-softmax and every reduction is accumulated
-in float64.
+A metric's *memory* knobs (micro-batch, chunk) must not change its result beyond float
+rounding; the helpers here make that easy to get right once: sums over micro-batches are
+exact (float64) and divided by the whole data's token count at the end. Low-precision
+models (bfloat16, float16) run in their dtype; logits are up-cast to float32 before the
+log-softmax and every reduction is accumulated in float64.
 """
 
 from __future__ import annotations
@@ -187,6 +172,16 @@ def token_nll_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64, device=batch["input_ids"].device)
     logits = model(**model_inputs(scored)).logits
     return logits_nll(logits, labels_of(scored))
+
+
+def nll_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int) -> float:
+    """Summed per-token NLL (nats) of all ``data``, without gradients, ``micro_batch_size``
+    samples per forward (float64 sums: the size changes nothing beyond rounding)."""
+    total = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for mb in iter_micro_batches(data, micro_batch_size):
+            total += token_nll_sum(model, mb).cpu()
+    return float(total)
 
 
 def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int,

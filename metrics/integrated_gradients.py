@@ -16,29 +16,18 @@ summed over the hidden dimension: one number per token (float64 on output;
 captum multiplies gradients by float32 step sizes, so sums are float32 at
 least for bfloat16/float16 models). Padding positions are set to zero.
 
-Knobs:
+Knobs: ``n_steps`` (result: integration points, recorded); ``chunk_size`` (memory:
+examples per captum ``attribute`` call, results concatenated) and ``internal_batch_size``
+(memory: captum's, it splits the *steps*, whose attributions are summed). Neither memory
+knob changes more than float rounding.
 
-- ``n_steps`` (result): integration points; recorded, never tuned.
-- ``chunk_size`` (memory): examples per captum ``attribute`` call. Chunks are
-  independent, results are concatenated: no dependence beyond float rounding.
-- ``internal_batch_size`` (memory): captum's; it splits the *steps*, and each
-  step batch's attributions are summed, so it too changes only rounding.
-
-How the two interact (measured here on torch 2.13 / captum 0.9): one forward
-pass gets ``rows_per_forward(chunk, internal) = examples x max(1, internal //
-examples)`` rows (capped at ``examples x n_steps``), where ``examples =
-min(chunk_size, samples left)``. So ``internal_batch_size`` only saves memory
-while it is larger than the chunk; once ``chunk_size >= internal_batch_size``
-the peak grows with ``chunk_size`` alone (captum warns and we silence that
-warning). Without internal batching (``internal >= examples x n_steps``) a
-forward gets all ``examples x n_steps`` rows.
-
-So ``internal_batch_size`` is declared in units of ``examples`` (``Knob.unit``): peak
-memory changes only at its multiples (checked with forward hooks: 16 samples, rows per
-forward 16 for internal 1..31, 32 for 32..47, 48 for 48..63), and it changes nothing
-above ``examples x n_steps``. A search steps in those units, not by +8. When the samples
-do not divide into chunks, the last, smaller chunk can step in between two multiples;
-the multiples still bracket it (its rows never exceed the next multiple).
+How they interact (measured on torch 2.13 / captum 0.9): one forward gets
+:func:`rows_per_forward` rows, so ``internal_batch_size`` only saves memory while it is
+larger than the chunk, and changes nothing above ``examples x n_steps``. It is declared in
+units of ``examples = min(chunk_size, samples left)`` (``Knob.unit``): peak memory changes
+only at its multiples (checked with forward hooks: 16 samples, rows per forward 16 for
+internal 1..31, 32 for 32..47, 48 for 48..63), so a search steps in those units. A last,
+smaller chunk can step in between two multiples; the multiples still bracket it.
 
 Completeness: captum's convergence delta per sample is ``sum(attributions) -
 (f(x) - f(baseline))``; we report its absolute max and mean (nats).
@@ -46,9 +35,8 @@ Completeness: captum's convergence delta per sample is ``sum(attributions) -
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -156,12 +144,17 @@ def target_args(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return mask, last - 1, batch["input_ids"][rows, last]
 
 
-@contextlib.contextmanager
-def captum_quiet() -> Iterator[None]:
-    """Silence captum's expected warning that internal_batch_size < examples."""
-    with warnings.catch_warnings():
+def attribute(lig: Any, ids: torch.Tensor, args: tuple[torch.Tensor, ...], base_id: int,
+              n_steps: int, internal_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """captum's attributions of ``ids`` along the path from all-``base_id`` (float64, detached),
+    and its convergence delta per sample (``[rows]``, float64)."""
+    with warnings.catch_warnings():  # captum's expected warning: internal_batch_size < examples
         warnings.filterwarnings("ignore", message="Internal batch size cannot be less")
-        yield
+        attr, delta = lig.attribute(
+            ids, baselines=torch.full_like(ids, base_id), additional_forward_args=args,
+            n_steps=n_steps, method=METHOD, internal_batch_size=internal_batch_size,
+            return_convergence_delta=True)
+    return attr.detach().to(torch.float64), delta.detach().to(torch.float64).reshape(-1)
 
 
 def captum_knobs(chunk_default: int) -> tuple[Knob, ...]:
@@ -235,15 +228,10 @@ class IntegratedGradients(CaptumMetric):
         deltas: list[torch.Tensor] = []
         for mb in iter_micro_batches(work, chunk_size):
             args = target_args(mb)
-            ids = mb["input_ids"]
-            with captum_quiet():
-                attr, delta = lig.attribute(
-                    ids, baselines=torch.full_like(ids, base_id), additional_forward_args=args,
-                    n_steps=n_steps, method=METHOD, internal_batch_size=internal_batch_size,
-                    return_convergence_delta=True)
-            per_token = attr.detach().to(torch.float64).sum(dim=-1)
-            attrs.append(per_token * args[0].to(torch.float64))
-            deltas.append(delta.detach().to(torch.float64).reshape(-1))
+            attr, delta = attribute(lig, mb["input_ids"], args, base_id, n_steps,
+                                    internal_batch_size)
+            attrs.append(attr.sum(dim=-1) * args[0].to(torch.float64))
+            deltas.append(delta)
             del attr, delta
         delta_all = torch.cat(deltas).cpu()
         return {
