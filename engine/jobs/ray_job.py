@@ -106,8 +106,6 @@ class OnRay:
                 if why is not None:
                     raise UsageError(f"cannot reach the Ray cluster at {self.address}: {why}; "
                                      f"{START}")
-            # No address: Ray's own default (RAY_ADDRESS, else a cluster `ray start` began on
-            # this machine, else a new local instance); with num_cpus, always a new one.
             local = self.address is None and self.num_cpus is not None
             try:
                 ray.init(address="local" if local else self.address,
