@@ -88,14 +88,17 @@ def pad_id(model: torch.nn.Module) -> int:
     return 0
 
 
+def _needs(min_valid: int) -> str:
+    return ("2 valid tokens for a next-token target" if min_valid == 2
+            else f"{min_valid} valid token(s)")
+
+
 def last_positions(attention_mask: torch.Tensor, min_valid: int = 2) -> torch.Tensor:
     """Index of each row's last valid (mask 1) position; UsageError if a row has fewer
     than ``min_valid`` valid tokens (2 for a next-token target, the default)."""
     mask = attention_mask.long()
     if bool((mask.sum(dim=1) < min_valid).any()):
-        if min_valid == 2:
-            raise UsageError("every sample needs at least 2 valid tokens for a next-token target")
-        raise UsageError(f"every sample needs at least {min_valid} valid token(s)")
+        raise UsageError(f"every sample needs at least {_needs(min_valid)}")
     pos = torch.arange(mask.shape[1], device=mask.device)
     return (mask * (pos + 1)).argmax(dim=1)
 
@@ -109,9 +112,7 @@ def defined_samples(data: Mapping[str, torch.Tensor],
     UsageError if no sample qualifies."""
     keep = (valid_tokens(data) >= min_valid).cpu()
     if not bool(keep.any()):
-        need = "2 valid tokens for a next-token target" if min_valid == 2 else (
-            f"{min_valid} valid token(s)")
-        raise UsageError(f"no sample has {need}: give data with longer samples")
+        raise UsageError(f"no sample has {_needs(min_valid)}: give data with longer samples")
     return keep, (dict(data) if bool(keep.all()) else select_samples(data, keep))
 
 
@@ -206,6 +207,18 @@ class CaptumMetric(JsonMetric):
             return None
         return self.size_unit(knob, params, n_samples) * int(params["n_steps"])
 
+    @staticmethod
+    def completeness(data: Mapping[str, torch.Tensor], keep: torch.Tensor,
+                     deltas: list[torch.Tensor], base_id: int) -> dict[str, Any]:
+        """The result's entries every captum metric has: convergence deltas (per sample,
+        NaN on samples left out; their absolute max and mean), baseline and sample counts."""
+        delta_all = torch.cat(deltas).cpu()
+        return {"delta": expand_rows(delta_all, keep),
+                "delta_max": float(delta_all.abs().max()),
+                "delta_mean": float(delta_all.abs().mean()),
+                "baseline_token": base_id, "method": METHOD, "n_samples": n_samples(data),
+                "n_samples_attributed": int(keep.sum())}
+
 
 @register
 class IntegratedGradients(CaptumMetric):
@@ -233,14 +246,5 @@ class IntegratedGradients(CaptumMetric):
             attrs.append(attr.sum(dim=-1) * args[0].to(torch.float64))
             deltas.append(delta)
             del attr, delta
-        delta_all = torch.cat(deltas).cpu()
-        return {
-            "attributions": expand_rows(torch.cat(attrs).cpu(), keep),
-            "delta": expand_rows(delta_all, keep),
-            "delta_max": float(delta_all.abs().max()),
-            "delta_mean": float(delta_all.abs().mean()),
-            "baseline_token": base_id,
-            "method": METHOD,
-            "n_samples": n_samples(data),
-            "n_samples_attributed": int(keep.sum()),
-        }
+        return {"attributions": expand_rows(torch.cat(attrs).cpu(), keep),
+                **self.completeness(data, keep, deltas, base_id)}

@@ -31,9 +31,8 @@ import torch
 
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import register
-from oomguard.metrics.common import expand_rows, iter_micro_batches, n_samples
+from oomguard.metrics.common import expand_rows, iter_micro_batches
 from oomguard.metrics.integrated_gradients import (
-    METHOD,
     CaptumMetric,
     attribute,
     captum_knobs,
@@ -125,16 +124,6 @@ class LayerAttribution(CaptumMetric):
             scores.append(torch.stack(s_cols, dim=1))
             totals.append(torch.stack(t_cols, dim=1))
             deltas.append(torch.stack(d_cols, dim=1))
-        delta_all = torch.cat(deltas).cpu()
-        return {
-            "scores": expand_rows(torch.cat(scores).cpu(), keep),
-            "totals": expand_rows(torch.cat(totals).cpu(), keep),
-            "delta": expand_rows(delta_all, keep),
-            "delta_max": float(delta_all.abs().max()),
-            "delta_mean": float(delta_all.abs().mean()),
-            "n_layers": len(blocks),
-            "baseline_token": base_id,
-            "method": METHOD,
-            "n_samples": n_samples(data),
-            "n_samples_attributed": int(keep.sum()),
-        }
+        return {"scores": expand_rows(torch.cat(scores).cpu(), keep),
+                "totals": expand_rows(torch.cat(totals).cpu(), keep), "n_layers": len(blocks),
+                **self.completeness(data, keep, deltas, base_id)}
