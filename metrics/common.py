@@ -210,12 +210,8 @@ def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: in
 
 def mean_loss_grad(model: torch.nn.Module, data: Batch, micro_batch_size: int,
                    params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Gradient of the token-weighted mean loss over all ``data``, one float64 tensor per parameter.
-
-    Each micro-batch contributes ``grad(nll_sum(mb)) / total_tokens``; the sum is
-    accumulated in float64, so the result depends on ``micro_batch_size`` only
-    through float rounding. ``model``'s ``.grad`` fields are not touched.
-    """
+    """Gradient of the token-weighted mean loss over all ``data``, one float64 tensor per
+    parameter (:func:`token_weighted_sum`); ``model``'s ``.grad`` fields are not touched."""
     def grad(mb: Batch, ps: list[torch.Tensor]) -> Sequence[Any]:
         return torch.autograd.grad(token_nll_sum(model, mb), ps, allow_unused=True)
 
@@ -228,8 +224,8 @@ def mean_loss_hvp(model: torch.nn.Module, data: Batch, micro_batch_size: int,
     """Hessian-vector product ``H v`` of the token-weighted mean loss over all ``data``.
 
     ``vec`` holds one tensor per parameter (any float dtype; cast to the
-    parameter's dtype for the product). Each micro-batch's HVP (double
-    backward) is weighted by its token share and summed in float64.
+    parameter's dtype for the product); each micro-batch's HVP is a double backward,
+    reduced by :func:`token_weighted_sum`.
     """
     params = list(params if params is not None else trainable(model))
     v = [x.to(p.dtype) for x, p in zip(vec, params, strict=True)]

@@ -5,8 +5,7 @@ sample ``s``'s mean NLL over its scored tokens (nats/token) and ``n`` the
 number of samples with at least one scored token. Per-sample gradients come
 from ``torch.func`` (``vmap(grad(functional_call))``) over micro-batches of
 samples; their squares are summed in float64 and divided by ``n`` once, so
-``micro_batch_size`` changes nothing beyond float rounding. Memory grows with
-``micro_batch_size x parameters`` (one gradient per sample) plus activations.
+``micro_batch_size`` changes nothing beyond float rounding.
 
 Reported per group: ``trace`` (sum of the diagonal) and ``mean`` (trace per
 parameter); and the total trace. ``n_samples`` (the data size) defines the

@@ -19,9 +19,8 @@ token) over *all* data (:func:`metrics.common.nll_sum`). ``grid``, ``span`` and
 
 The model's parameters are restored bit-for-bit afterwards (from a copy in
 their own dtype), also after an error such as an OOM. Memory: the copy and
-the two directions cost 3x the parameters (fixed); the forward grows with
-``micro_batch_size x seq_len x vocab`` (logits). Cost: ``grid^2`` passes over
-the data.
+the two directions cost 3x the parameters (fixed), beside the forward. Cost:
+``grid^2`` passes over the data.
 """
 
 from __future__ import annotations
