@@ -60,8 +60,7 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
 
     def looped_grad(ps: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
                     labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The same per-sample gradients, one backward per sample (exact; for models
-        with autograd.Functions that torch.func cannot transform, e.g. Bloom's GeLU)."""
+        """The same per-sample gradients, one backward per sample (exact; :data:`LOOP`)."""
         rows = []
         for i in range(ids.shape[0]):
             leaves = {n: p.detach().requires_grad_(True) for n, p in ps.items()}

@@ -3,10 +3,8 @@
 ``add_run`` and ``add_cache`` fill in their parsers (the main CLI's table names them);
 the exit codes are listed in :data:`RUN_HELP`.
 
-Logging is set up here, never in the library: records at INFO and above go to
-stderr (:func:`~oomguard.engine.cli.logs.setup_logging`), and a job's records,
-from this process and from every metric's process, to ``<output>/job.log``
-(:class:`JobLog`, handed to :func:`~oomguard.engine.jobs.runner.run_job`).
+A job's log records, from this process and from every metric's process, also go to
+``<output>/job.log`` (:class:`JobLog`, handed to :func:`~oomguard.engine.jobs.runner.run_job`).
 This module imports nothing heavy at module level: ``oomguard --help`` and
 ``oomguard run --example`` must not load torch (docs/measurements.md#start-up-time).
 """
