@@ -11,8 +11,7 @@ Samples are processed ``chunk_size`` at a time; each chunk adds float64 sums
 and the count of valid queries, and the means are taken once at the end, so
 ``chunk_size`` changes nothing beyond float rounding. Needs attention
 probabilities (``output_attentions=True``), so the model must use eager
-attention (``build_model(..., attn_implementation="eager")``). Memory grows
-with ``chunk_size x layers x heads x seq_len^2``.
+attention (``build_model(..., attn_implementation="eager")``).
 """
 
 from __future__ import annotations

@@ -19,10 +19,7 @@ removes any shift exactly. The result depends on ``chunk_size`` only through
 float rounding; the diagonal is 1 up to rounding.
 
 Memory: the accumulator is ``((L + 1) d)^2`` float64 (fixed; 1.2 MB for
-tiny-gpt2, ~0.8 GB for GPT-2 small), plus a forward over ``chunk_size``
-samples (grows with ``chunk_size x seq_len x (L + 1) x d``). Each layer's
-width is read from its hidden state: layers of a model that projects its
-embeddings or output (OPT's ``word_embed_proj_dim``) may differ.
+tiny-gpt2, ~0.8 GB for GPT-2 small), plus a forward over ``chunk_size`` samples.
 """
 
 from __future__ import annotations

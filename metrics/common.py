@@ -1,25 +1,10 @@
 """Shared pieces of every metric: micro-batches, token counts, exact losses, parameter groups.
 
-Every metric here is a workload with *memory* knobs (micro-batch, chunk) that
-must not change its result beyond float rounding. The helpers make that easy
-to get right, once:
-
-- :func:`iter_micro_batches` slices a data dict along dim 0 (samples);
-- :func:`token_count` / :func:`total_tokens` count the tokens a causal LM is
-  scored on (shifted labels that are not ``-100``);
-- :func:`token_nll_sum` is the *summed* per-token negative log-likelihood of a
-  batch (nats, float64, differentiable): summing it over micro-batches and
-  dividing by :func:`total_tokens` gives the token-weighted mean loss of the
-  whole data exactly, whatever the micro-batch size;
-- :func:`mean_loss_grad` / :func:`mean_loss_hvp` accumulate the gradient and
-  Hessian-vector products of that mean loss over micro-batches in float64;
-- :func:`param_groups` groups parameters by their names (embeddings, each
-  transformer block, final norm, head), for any transformers model;
-- :class:`JsonMetric` summarises a result as small JSON (the one sanitiser, big tensors as shape and mean).
-
-Low-precision models (bfloat16, float16) run in their dtype; logits are
-up-cast to float32 before the log-softmax and every reduction is accumulated
-in float64.
+A metric's *memory* knobs (micro-batch, chunk) must not change its result beyond float
+rounding; the helpers here make that easy to get right once: sums over micro-batches are
+exact (float64) and divided by the whole data's token count at the end. Low-precision
+models (bfloat16, float16) run in their dtype; logits are up-cast to float32 before the
+log-softmax and every reduction is accumulated in float64.
 """
 
 from __future__ import annotations
@@ -189,6 +174,16 @@ def token_nll_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return logits_nll(logits, labels_of(scored))
 
 
+def nll_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int) -> float:
+    """Summed per-token NLL (nats) of all ``data``, without gradients, ``micro_batch_size``
+    samples per forward (float64 sums: the size changes nothing beyond rounding)."""
+    total = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for mb in iter_micro_batches(data, micro_batch_size):
+            total += token_nll_sum(model, mb).cpu()
+    return float(total)
+
+
 def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int,
                        per_batch: Callable[[Batch, list[torch.Tensor]], Sequence[Any]],
                        params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -215,12 +210,8 @@ def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: in
 
 def mean_loss_grad(model: torch.nn.Module, data: Batch, micro_batch_size: int,
                    params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Gradient of the token-weighted mean loss over all ``data``, one float64 tensor per parameter.
-
-    Each micro-batch contributes ``grad(nll_sum(mb)) / total_tokens``; the sum is
-    accumulated in float64, so the result depends on ``micro_batch_size`` only
-    through float rounding. ``model``'s ``.grad`` fields are not touched.
-    """
+    """Gradient of the token-weighted mean loss over all ``data``, one float64 tensor per
+    parameter (:func:`token_weighted_sum`); ``model``'s ``.grad`` fields are not touched."""
     def grad(mb: Batch, ps: list[torch.Tensor]) -> Sequence[Any]:
         return torch.autograd.grad(token_nll_sum(model, mb), ps, allow_unused=True)
 
@@ -233,8 +224,8 @@ def mean_loss_hvp(model: torch.nn.Module, data: Batch, micro_batch_size: int,
     """Hessian-vector product ``H v`` of the token-weighted mean loss over all ``data``.
 
     ``vec`` holds one tensor per parameter (any float dtype; cast to the
-    parameter's dtype for the product). Each micro-batch's HVP (double
-    backward) is weighted by its token share and summed in float64.
+    parameter's dtype for the product); each micro-batch's HVP is a double backward,
+    reduced by :func:`token_weighted_sum`.
     """
     params = list(params if params is not None else trainable(model))
     v = [x.to(p.dtype) for x, p in zip(vec, params, strict=True)]

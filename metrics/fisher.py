@@ -5,8 +5,7 @@ sample ``s``'s mean NLL over its scored tokens (nats/token) and ``n`` the
 number of samples with at least one scored token. Per-sample gradients come
 from ``torch.func`` (``vmap(grad(functional_call))``) over micro-batches of
 samples; their squares are summed in float64 and divided by ``n`` once, so
-``micro_batch_size`` changes nothing beyond float rounding. Memory grows with
-``micro_batch_size x parameters`` (one gradient per sample) plus activations.
+``micro_batch_size`` changes nothing beyond float rounding.
 
 Reported per group: ``trace`` (sum of the diagonal) and ``mean`` (trace per
 parameter); and the total trace. ``n_samples`` (the data size) defines the
@@ -61,8 +60,7 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
 
     def looped_grad(ps: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
                     labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The same per-sample gradients, one backward per sample (exact; for models
-        with autograd.Functions that torch.func cannot transform, e.g. Bloom's GeLU)."""
+        """The same per-sample gradients, one backward per sample (exact; :data:`LOOP`)."""
         rows = []
         for i in range(ids.shape[0]):
             leaves = {n: p.detach().requires_grad_(True) for n, p in ps.items()}

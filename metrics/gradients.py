@@ -1,12 +1,9 @@
 """``gradient_stats``: norms of the full-data mean-loss gradient, per parameter group.
 
 Measured: the gradient of the token-weighted mean loss over *all* data
-(:func:`metrics.common.mean_loss_grad`: per-micro-batch gradients of the
-summed NLL, accumulated in float64, divided by the total token count once),
-then its L2 norm per parameter group (:func:`metrics.common.param_groups`:
-embeddings, each transformer block, final norm, head) and in total. Units:
-nats/token per unit parameter. ``micro_batch_size`` changes nothing beyond
-float rounding; memory grows with it (activations kept for backward).
+(:func:`metrics.common.mean_loss_grad`), then its L2 norm per parameter group
+(:func:`metrics.common.param_groups`) and in total, in nats/token per unit parameter.
+``micro_batch_size`` changes nothing beyond float rounding.
 """
 
 from __future__ import annotations

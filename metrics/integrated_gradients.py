@@ -16,29 +16,18 @@ summed over the hidden dimension: one number per token (float64 on output;
 captum multiplies gradients by float32 step sizes, so sums are float32 at
 least for bfloat16/float16 models). Padding positions are set to zero.
 
-Knobs:
+Knobs: ``n_steps`` (result: integration points, recorded); ``chunk_size`` (memory:
+examples per captum ``attribute`` call, results concatenated) and ``internal_batch_size``
+(memory: captum's, it splits the *steps*, whose attributions are summed). Neither memory
+knob changes more than float rounding.
 
-- ``n_steps`` (result): integration points; recorded, never tuned.
-- ``chunk_size`` (memory): examples per captum ``attribute`` call. Chunks are
-  independent, results are concatenated: no dependence beyond float rounding.
-- ``internal_batch_size`` (memory): captum's; it splits the *steps*, and each
-  step batch's attributions are summed, so it too changes only rounding.
-
-How the two interact (measured here on torch 2.13 / captum 0.9): one forward
-pass gets ``rows_per_forward(chunk, internal) = examples x max(1, internal //
-examples)`` rows (capped at ``examples x n_steps``), where ``examples =
-min(chunk_size, samples left)``. So ``internal_batch_size`` only saves memory
-while it is larger than the chunk; once ``chunk_size >= internal_batch_size``
-the peak grows with ``chunk_size`` alone (captum warns and we silence that
-warning). Without internal batching (``internal >= examples x n_steps``) a
-forward gets all ``examples x n_steps`` rows.
-
-So ``internal_batch_size`` is declared in units of ``examples`` (``Knob.unit``): peak
-memory changes only at its multiples (checked with forward hooks: 16 samples, rows per
-forward 16 for internal 1..31, 32 for 32..47, 48 for 48..63), and it changes nothing
-above ``examples x n_steps``. A search steps in those units, not by +8. When the samples
-do not divide into chunks, the last, smaller chunk can step in between two multiples;
-the multiples still bracket it (its rows never exceed the next multiple).
+How they interact (measured on torch 2.13 / captum 0.9): one forward gets
+:func:`rows_per_forward` rows, so ``internal_batch_size`` only saves memory while it is
+larger than the chunk, and changes nothing above ``examples x n_steps``. It is declared in
+units of ``examples = min(chunk_size, samples left)`` (``Knob.unit``): peak memory changes
+only at its multiples (checked with forward hooks: 16 samples, rows per forward 16 for
+internal 1..31, 32 for 32..47, 48 for 48..63), so a search steps in those units. A last,
+smaller chunk can step in between two multiples; the multiples still bracket it.
 
 Completeness: captum's convergence delta per sample is ``sum(attributions) -
 (f(x) - f(baseline))``; we report its absolute max and mean (nats).
@@ -46,9 +35,8 @@ Completeness: captum's convergence delta per sample is ``sum(attributions) -
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -100,14 +88,17 @@ def pad_id(model: torch.nn.Module) -> int:
     return 0
 
 
+def _needs(min_valid: int) -> str:
+    return ("2 valid tokens for a next-token target" if min_valid == 2
+            else f"{min_valid} valid token(s)")
+
+
 def last_positions(attention_mask: torch.Tensor, min_valid: int = 2) -> torch.Tensor:
     """Index of each row's last valid (mask 1) position; UsageError if a row has fewer
     than ``min_valid`` valid tokens (2 for a next-token target, the default)."""
     mask = attention_mask.long()
     if bool((mask.sum(dim=1) < min_valid).any()):
-        if min_valid == 2:
-            raise UsageError("every sample needs at least 2 valid tokens for a next-token target")
-        raise UsageError(f"every sample needs at least {min_valid} valid token(s)")
+        raise UsageError(f"every sample needs at least {_needs(min_valid)}")
     pos = torch.arange(mask.shape[1], device=mask.device)
     return (mask * (pos + 1)).argmax(dim=1)
 
@@ -121,9 +112,7 @@ def defined_samples(data: Mapping[str, torch.Tensor],
     UsageError if no sample qualifies."""
     keep = (valid_tokens(data) >= min_valid).cpu()
     if not bool(keep.any()):
-        need = "2 valid tokens for a next-token target" if min_valid == 2 else (
-            f"{min_valid} valid token(s)")
-        raise UsageError(f"no sample has {need}: give data with longer samples")
+        raise UsageError(f"no sample has {_needs(min_valid)}: give data with longer samples")
     return keep, (dict(data) if bool(keep.all()) else select_samples(data, keep))
 
 
@@ -156,12 +145,17 @@ def target_args(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return mask, last - 1, batch["input_ids"][rows, last]
 
 
-@contextlib.contextmanager
-def captum_quiet() -> Iterator[None]:
-    """Silence captum's expected warning that internal_batch_size < examples."""
-    with warnings.catch_warnings():
+def attribute(lig: Any, ids: torch.Tensor, args: tuple[torch.Tensor, ...], base_id: int,
+              n_steps: int, internal_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """captum's attributions of ``ids`` along the path from all-``base_id`` (float64, detached),
+    and its convergence delta per sample (``[rows]``, float64)."""
+    with warnings.catch_warnings():  # captum's expected warning: internal_batch_size < examples
         warnings.filterwarnings("ignore", message="Internal batch size cannot be less")
-        yield
+        attr, delta = lig.attribute(
+            ids, baselines=torch.full_like(ids, base_id), additional_forward_args=args,
+            n_steps=n_steps, method=METHOD, internal_batch_size=internal_batch_size,
+            return_convergence_delta=True)
+    return attr.detach().to(torch.float64), delta.detach().to(torch.float64).reshape(-1)
 
 
 def captum_knobs(chunk_default: int) -> tuple[Knob, ...]:
@@ -213,6 +207,18 @@ class CaptumMetric(JsonMetric):
             return None
         return self.size_unit(knob, params, n_samples) * int(params["n_steps"])
 
+    @staticmethod
+    def completeness(data: Mapping[str, torch.Tensor], keep: torch.Tensor,
+                     deltas: list[torch.Tensor], base_id: int) -> dict[str, Any]:
+        """The result's entries every captum metric has: convergence deltas (per sample,
+        NaN on samples left out; their absolute max and mean), baseline and sample counts."""
+        delta_all = torch.cat(deltas).cpu()
+        return {"delta": expand_rows(delta_all, keep),
+                "delta_max": float(delta_all.abs().max()),
+                "delta_mean": float(delta_all.abs().mean()),
+                "baseline_token": base_id, "method": METHOD, "n_samples": n_samples(data),
+                "n_samples_attributed": int(keep.sum())}
+
 
 @register
 class IntegratedGradients(CaptumMetric):
@@ -235,24 +241,10 @@ class IntegratedGradients(CaptumMetric):
         deltas: list[torch.Tensor] = []
         for mb in iter_micro_batches(work, chunk_size):
             args = target_args(mb)
-            ids = mb["input_ids"]
-            with captum_quiet():
-                attr, delta = lig.attribute(
-                    ids, baselines=torch.full_like(ids, base_id), additional_forward_args=args,
-                    n_steps=n_steps, method=METHOD, internal_batch_size=internal_batch_size,
-                    return_convergence_delta=True)
-            per_token = attr.detach().to(torch.float64).sum(dim=-1)
-            attrs.append(per_token * args[0].to(torch.float64))
-            deltas.append(delta.detach().to(torch.float64).reshape(-1))
+            attr, delta = attribute(lig, mb["input_ids"], args, base_id, n_steps,
+                                    internal_batch_size)
+            attrs.append(attr.sum(dim=-1) * args[0].to(torch.float64))
+            deltas.append(delta)
             del attr, delta
-        delta_all = torch.cat(deltas).cpu()
-        return {
-            "attributions": expand_rows(torch.cat(attrs).cpu(), keep),
-            "delta": expand_rows(delta_all, keep),
-            "delta_max": float(delta_all.abs().max()),
-            "delta_mean": float(delta_all.abs().mean()),
-            "baseline_token": base_id,
-            "method": METHOD,
-            "n_samples": n_samples(data),
-            "n_samples_attributed": int(keep.sum()),
-        }
+        return {"attributions": expand_rows(torch.cat(attrs).cpu(), keep),
+                **self.completeness(data, keep, deltas, base_id)}

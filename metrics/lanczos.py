@@ -11,8 +11,7 @@ error (exact when ``iterations`` reaches the parameter count).
 Each matrix-vector product is summed over micro-batches, each weighted by its
 token share (:func:`metrics.common.mean_loss_hvp`), so ``micro_batch_size``
 changes nothing beyond float rounding. ``k``, ``iterations`` and ``seed``
-define the result and are recorded. Memory grows with ``micro_batch_size``
-(double-backward activations) and ``iterations x parameters`` (the basis).
+define the result and are recorded.
 """
 
 from __future__ import annotations

@@ -14,15 +14,13 @@ On the ``grid x grid`` points ``(a_i, b_j)`` with ``a_i = span * (2 i / (grid -
 1) - 1)`` (so the middle point of an odd grid is exactly 0), the parameters
 are set to ``theta + a_i d1 + b_j d2`` (computed in float32 at least, stored
 in the model's dtype) and the loss is the token-weighted mean NLL (nats per
-token) over *all* data: summed per-token NLL over micro-batches (float64)
-divided by the total token count, so ``micro_batch_size`` changes nothing
-beyond rounding. ``grid``, ``span`` and ``seed`` are result knobs (recorded).
+token) over *all* data (:func:`metrics.common.nll_sum`). ``grid``, ``span`` and
+``seed`` are result knobs (recorded).
 
 The model's parameters are restored bit-for-bit afterwards (from a copy in
 their own dtype), also after an error such as an OOM. Memory: the copy and
-the two directions cost 3x the parameters (fixed); the forward grows with
-``micro_batch_size x seq_len x vocab`` (logits). Cost: ``grid^2`` passes over
-the data.
+the two directions cost 3x the parameters (fixed), beside the forward. Cost:
+``grid^2`` passes over the data.
 """
 
 from __future__ import annotations
@@ -36,10 +34,8 @@ from oomguard.engine.core.workload import host_device, shortcut
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,
-    iter_micro_batches,
     n_samples,
-    token_count,
-    token_nll_sum,
+    nll_sum,
     total_tokens,
 )
 
@@ -69,17 +65,6 @@ def filter_normalised_direction(params: list[torch.Tensor], generator: torch.Gen
             d = d * (ref.norm() / d.norm().clamp_min(1e-30))
         out.append(d.to(device=p.device, dtype=wd))
     return out
-
-
-def mean_loss(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
-              micro_batch_size: int, n_tokens: int) -> float:
-    """Token-weighted mean NLL (nats/token) over all ``data``: exact sum / ``n_tokens``."""
-    nll = torch.zeros((), dtype=torch.float64)
-    with torch.no_grad():
-        for mb in iter_micro_batches(data, micro_batch_size):
-            if token_count(mb):
-                nll += token_nll_sum(model, mb).cpu()
-    return float(nll) / n_tokens
 
 
 def axis(grid: int, span: float) -> torch.Tensor:
@@ -113,7 +98,7 @@ class LossLandscape(JsonMetric):
                 micro_batch_size: int = 16) -> dict[str, Any]:
         n_tok = total_tokens(data)
         params = [p for _, p in model.named_parameters()]
-        center = mean_loss(model, data, micro_batch_size, n_tok)
+        center = nll_sum(model, data, micro_batch_size) / n_tok
         gen = torch.Generator().manual_seed(seed)
         d1 = filter_normalised_direction(params, gen)
         d2 = filter_normalised_direction(params, gen)
@@ -129,7 +114,7 @@ class LossLandscape(JsonMetric):
                     for j, b in enumerate(coords.tolist()):
                         for p, p0, u, v in zip(params, saved, d1, d2, strict=True):
                             p.copy_(p0.to(u.dtype) + a * u + b * v)
-                        losses[i, j] = mean_loss(model, data, micro_batch_size, n_tok)
+                        losses[i, j] = nll_sum(model, data, micro_batch_size) / n_tok
         finally:
             with torch.no_grad():
                 for p, p0 in zip(params, saved, strict=True):

@@ -19,12 +19,7 @@ Result per sample and block (float64, ``[n_samples, n_layers]``):
   of the residual stream), so it is reported as a check, with ``delta`` =
   captum's convergence delta per sample and block.
 
-Knobs: ``n_steps`` (result, recorded); ``chunk_size`` (memory, examples per
-captum call, concatenated) and ``internal_batch_size`` (memory, captum's, splits
-the steps; summed). They interact exactly as in ``integrated_gradients``:
-one forward gets ``rows_per_forward(chunk, internal)`` rows (see
-:func:`metrics.integrated_gradients.rows_per_forward`), so ``internal_batch_size``
-steps in units of ``min(chunk_size, samples)`` here too.
+Knobs: as in ``integrated_gradients``, whose module docstring says how they interact.
 """
 
 from __future__ import annotations
@@ -36,12 +31,11 @@ import torch
 
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import register
-from oomguard.metrics.common import expand_rows, iter_micro_batches, n_samples
+from oomguard.metrics.common import expand_rows, iter_micro_batches
 from oomguard.metrics.integrated_gradients import (
-    METHOD,
     CaptumMetric,
+    attribute,
     captum_knobs,
-    captum_quiet,
     defined_samples,
     pad_id,
     target_args,
@@ -112,39 +106,24 @@ class LayerAttribution(CaptumMetric):
         deltas: list[torch.Tensor] = []
         for mb in iter_micro_batches(work, chunk_size):
             args = target_args(mb)
-            ids = mb["input_ids"]
             valid = args[0].to(torch.float64).unsqueeze(-1)
             s_cols, t_cols, d_cols = [], [], []
             for block in blocks:
                 tap, handle = hidden_tap(block)
                 try:
-                    lig = LayerIntegratedGradients(forward, tap)
-                    with captum_quiet():
-                        attr, delta = lig.attribute(
-                            ids, baselines=torch.full_like(ids, base_id),
-                            additional_forward_args=args, n_steps=n_steps, method=METHOD,
-                            internal_batch_size=internal_batch_size,
-                            return_convergence_delta=True)
+                    attr, delta = attribute(LayerIntegratedGradients(forward, tap),
+                                            mb["input_ids"], args, base_id, n_steps,
+                                            internal_batch_size)
                 finally:
                     handle.remove()
-                a = attr.detach().to(torch.float64) * valid
+                a = attr * valid
                 s_cols.append(a.abs().sum(dim=(1, 2)))
                 t_cols.append(a.sum(dim=(1, 2)))
-                d_cols.append(delta.detach().to(torch.float64).reshape(-1))
+                d_cols.append(delta)
                 del attr, delta, a
             scores.append(torch.stack(s_cols, dim=1))
             totals.append(torch.stack(t_cols, dim=1))
             deltas.append(torch.stack(d_cols, dim=1))
-        delta_all = torch.cat(deltas).cpu()
-        return {
-            "scores": expand_rows(torch.cat(scores).cpu(), keep),
-            "totals": expand_rows(torch.cat(totals).cpu(), keep),
-            "delta": expand_rows(delta_all, keep),
-            "delta_max": float(delta_all.abs().max()),
-            "delta_mean": float(delta_all.abs().mean()),
-            "n_layers": len(blocks),
-            "baseline_token": base_id,
-            "method": METHOD,
-            "n_samples": n_samples(data),
-            "n_samples_attributed": int(keep.sum()),
-        }
+        return {"scores": expand_rows(torch.cat(scores).cpu(), keep),
+                "totals": expand_rows(torch.cat(totals).cpu(), keep), "n_layers": len(blocks),
+                **self.completeness(data, keep, deltas, base_id)}

@@ -1,10 +1,7 @@
 """``loss``: token-weighted mean loss and perplexity of a causal LM over all data.
 
-Measured: the sum of per-token negative log-likelihoods (nats) over every
-scored token (shifted labels that are not ``-100``), divided by the number of
-such tokens; perplexity is ``exp`` of that mean. Micro-batches only split the
-sum (float64), so ``micro_batch_size`` changes nothing beyond float rounding.
-Memory grows with ``micro_batch_size x seq_len x vocab`` (the logits).
+Measured: the summed per-token NLL (nats) of every scored token
+(:func:`metrics.common.nll_sum`) over their count; perplexity is ``exp`` of that mean.
 """
 
 from __future__ import annotations
@@ -18,10 +15,8 @@ import torch
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,
-    iter_micro_batches,
     n_samples,
-    token_count,
-    token_nll_sum,
+    nll_sum,
     total_tokens,
 )
 
@@ -43,12 +38,8 @@ class Loss(JsonMetric):
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 micro_batch_size: int = 32) -> dict[str, Any]:
         n_tok = total_tokens(data)
-        nll = torch.zeros((), dtype=torch.float64)
-        with torch.no_grad():
-            for mb in iter_micro_batches(data, micro_batch_size):
-                if token_count(mb):
-                    nll += token_nll_sum(model, mb).cpu()
-        mean = float(nll) / n_tok
+        nll = nll_sum(model, data, micro_batch_size)
+        mean = nll / n_tok
         return {"loss": mean, "perplexity": math.exp(mean) if mean < 700 else math.inf,
-                "nll_sum": float(nll), "n_tokens": n_tok, "n_samples": n_samples(data)}
+                "nll_sum": nll, "n_tokens": n_tok, "n_samples": n_samples(data)}
 

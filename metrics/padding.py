@@ -19,9 +19,8 @@ What it changes, and what not:
   Phi, GPT-NeoX, GPT-J, Falcon), ALiBi (Bloom), OPT's learned positions (from
   the mask's cumulative sum). Left- and right-padded data give the same results
   up to float rounding;
-- for absolute positions counted from 0 (GPT-2), a left-padded sample used to
-  be read at positions shifted by its padding; right-aligned, it is read as it
-  would be without padding, which is what transformers recommends for them;
+- for absolute positions counted from 0 (GPT-2), a sample is read as it would be
+  without padding (what transformers recommends), not shifted by its padding;
 - positions a metric reports (``last_positions``, per-position norms, the
   attention weight on the first token) count from each sample's first valid
   token.

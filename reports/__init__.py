@@ -1,11 +1,10 @@
 """Reports: render what a search or a job produced (Markdown, JSON and PNG).
 
-``write_report(result, out_dir)`` writes ``report.md``, ``report.json`` and
-``memory.png`` (and ``throughput.png`` when trials measured a rate) into ``out_dir``, each with the one atomic writer
-(:func:`~oomguard.engine.util.atomic.atomic_write`: fsynced, then moved into
-place), so a reader never sees a half-written report. All of them render one record: the
-figures :func:`~oomguard.reports.json_report.summarise` derives, computed once. A job's
-report is :func:`oomguard.reports.job_report.write_job_report`.
+A search's files (:func:`write_report`) are written with the one atomic writer
+(:func:`~oomguard.engine.util.atomic.atomic_write`: fsynced, then moved into place), so a
+reader never sees a half-written report, and all render one record, the figures
+:func:`~oomguard.reports.json_report.summarise` derives. A job's report is
+:func:`oomguard.reports.job_report.write_job_report`.
 """
 
 from __future__ import annotations

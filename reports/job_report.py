@@ -6,14 +6,9 @@ meter counts) and the result summary; failures with their reason and
 traceback file; every out-of-memory event of the metrics' runs, with memory as
 measured at the OOM (:mod:`oomguard.engine.core.memory.forensics`); and, for metrics with a
 remedy ladder (``on_oom``), every remedy tried, with a result computed at a lower
-precision flagged in the table itself (:mod:`oomguard.engine.core.execute.remedies`). Plots, where a picture says more, in the one plot style
-(:mod:`oomguard.reports.style`):
-
-- ``plots/memory.png``: measured peak memory per metric (bar chart, budget line);
-- ``plots/<task>-landscape.png``: a loss landscape as a contour plot, for any
-  result holding a 2-D loss grid;
-- ``plots/<task>-entropy.png``: attention entropy as a layer x head heatmap,
-  for any result holding a 2-D array whose name contains ``entropy``.
+precision flagged in the table itself (:mod:`oomguard.engine.core.execute.remedies`).
+Plots (``plots/``: peak memory per metric, loss landscapes, attention entropy) are
+drawn in the one plot style (:mod:`oomguard.reports.style`).
 
 The input is the content of the job's ``results.json`` (plain JSON types), so
 a report can be rewritten from that file alone. Every file is written

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard.engine.util.atomic import atomic_write
 
-if TYPE_CHECKING:  # why: for annotations only; figure() imports matplotlib when it draws
-    # (~0.9 s: docs/measurements.md#matplotlib-import)
+if TYPE_CHECKING:  # why: matplotlib takes ~0.9 s to import (docs/measurements.md#matplotlib-import);
+    # only figure() needs it, not every importer of oomguard.reports
     from matplotlib.figure import Figure
 
 SIZE = (8.0, 5.0)  # inches; wide plots (a search with its legend below) pass their own
@@ -32,8 +32,6 @@ def figure(size: tuple[float, float] = SIZE, *, grid: bool = True) -> tuple[Figu
 
     ``grid=False`` for images (heatmaps, contours) where grid lines would cross the data.
     """
-    # why: matplotlib takes about 0.9 s to import; only drawing needs it, not every
-    # importer of oomguard.reports (the job runner, `oomguard.write_report` users).
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -1,14 +1,10 @@
 """``oomguard run`` and ``oomguard cache``: overnight jobs and the size cache.
 
 ``add_run`` and ``add_cache`` fill in their parsers (the main CLI's table names them);
-each handler returns the exit code: 0 all metrics done, 1 some failed (listed),
-2 a bad job file or arguments, 130/143 stopped by SIGINT/SIGTERM (what was
-done is kept; run the same command again to resume).
+the exit codes are listed in :data:`RUN_HELP`.
 
-Logging is set up here, never in the library: records at INFO and above go to
-stderr (:func:`~oomguard.engine.cli.logs.setup_logging`), and a job's records,
-from this process and from every metric's process, to ``<output>/job.log``
-(:class:`JobLog`, handed to :func:`~oomguard.engine.jobs.runner.run_job`).
+A job's log records, from this process and from every metric's process, also go to
+``<output>/job.log`` (:class:`JobLog`, handed to :func:`~oomguard.engine.jobs.runner.run_job`).
 This module imports nothing heavy at module level: ``oomguard --help`` and
 ``oomguard run --example`` must not load torch (docs/measurements.md#start-up-time).
 """
@@ -110,11 +106,6 @@ class JobLog:
             self.handler = None
 
 
-def _error(message: str) -> int:
-    print(f"oomguard: error: {message}", file=sys.stderr)
-    return 2
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     """Handler of ``oomguard run``."""
     if args.example:
@@ -123,7 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.job and args.ray and args.ray.endswith(".toml"):  # `run --ray JOB.toml`
         args.job, args.ray = args.ray, ""
     if not args.job:
-        return _error("run: give a job file (oomguard run JOB.toml), or --example")
+        raise UsageError("run: give a job file (oomguard run JOB.toml), or --example")
     setup_logging(logging.INFO)
     # why: the runner imports torch and transformers (seconds); only a real run needs them.
     from oomguard.engine.jobs.plan import child_start_method
@@ -151,8 +142,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                           start_method=child_start_method(job.device), log_setup=job_log,
                           force=args.force, snapshot_on_oom=args.snapshot_on_oom,
                           backend=backend)
-    except UsageError as exc:  # a bad job file, a missing device, an output folder in use
-        return _error(str(exc))
     except OSError as exc:  # a full disk: what finished is on disk; say where it stopped
         print(f"oomguard: error: cannot write {exc.filename or 'the output'}: "
               f"{exc.strerror or exc}; results finished before this are kept", file=sys.stderr)
@@ -176,16 +165,13 @@ def cmd_cache(args: argparse.Namespace) -> int:
     # why: kept out of `oomguard --help`'s imports, like the runner's.
     from oomguard.engine.jobs.cache import SizeCache, format_entries
 
-    cache = SizeCache(args.cache)
-    try:
-        if args.action == "clear":
-            n = cache.clear()
-            print(json_text({"cleared": n, "path": cache.path}, indent=None) if args.json
-                  else f"cleared {n} entries from {cache.path}")
-            return 0
-        entries = cache.entries()
-    except UsageError as exc:  # CacheError: show cannot read the file, clear cannot write it
-        return _error(str(exc))
+    cache = SizeCache(args.cache)  # a file it cannot read or write: main's one-line error
+    if args.action == "clear":
+        n = cache.clear()
+        print(json_text({"cleared": n, "path": cache.path}, indent=None) if args.json
+              else f"cleared {n} entries from {cache.path}")
+        return 0
+    entries = cache.entries()
     if args.json:
         print(json_text({"path": cache.path, "entries": entries}), end="")
     elif not entries:

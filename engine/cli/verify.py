@@ -4,8 +4,7 @@ trials ran (same workload, device, budget and mode), and say whether any ran out
 A search trial runs a few steps; a real run takes thousands, and the sizes peer tools
 find most often fail later in the run. ``bench`` and ``search`` therefore record the
 workload they searched in ``report.json`` (``context.workload_spec``), and this command
-rebuilds it from there. What it finds is printed, written to ``verify.json`` beside the
-report (atomically), and is the exit code: 0 when every step fitted, 1 on an OOM.
+rebuilds it from there.
 
 No torch import at module level: ``oomguard verify --help`` stays fast.
 """

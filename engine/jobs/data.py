@@ -111,11 +111,3 @@ def load_data(spec: DataSpec, vocab_size: int, seed: int = 0,
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
             "labels": input_ids.clone()}
 
-
-def describe_data(spec: DataSpec) -> str:
-    """One line for reports, e.g. ``bytes: /data/pile.txt (memmap, seeded random windows), 8 x 32``."""
-    how = {"generated": "generated random tokens (seeded, padded)",
-           "text": f"text file {spec.path} (bytes as tokens, consecutive windows)",
-           "tokens": f"token ids from {spec.path}",
-           "bytes": f"byte-level file {spec.path} (numpy.memmap, seeded random windows)"}
-    return f"{how.get(spec.source, spec.source)}; {spec.n_samples} samples x {spec.seq_len} tokens"

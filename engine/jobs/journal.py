@@ -1,17 +1,11 @@
 """The job journal: an append-only, fsynced JSON-lines record of every event.
 
-The journal is a JSON-lines file: one event per line (``start``, ``sizes``,
-``retry``, ``success``, ``failure``, ``skip``, ``interrupted``, ...), each
-written with a single ``os.write`` on a descriptor opened with ``O_APPEND``
-and followed by ``os.fsync``. An event that :meth:`Journal.append` returned
-from is on disk. Several processes may append to one journal (the job's
-parent and its metric children): ``O_APPEND`` puts every record at the end.
-
-A ``kill -9`` in the middle of a write can leave a torn last line;
-:func:`replay` skips lines that do not parse, with a warning, so a journal is
-always readable. Every line is one :func:`~oomguard.engine.util.jsonable.json_text`
-of its record (the one JSON sanitiser); whole files are written with
-:func:`~oomguard.engine.util.atomic.atomic_write`.
+One event per line (``start``, ``sizes``, ``retry``, ``success``, ``failure``, ``skip``,
+``interrupted``, ...), each one :func:`~oomguard.engine.util.jsonable.json_text` written
+with a single ``os.write`` on a descriptor opened with ``O_APPEND``, then ``os.fsync``:
+an event :meth:`Journal.append` returned from is on disk, and several processes (the
+job's parent and its metric children) may append to one journal. A line torn by a
+``kill -9`` is skipped by :func:`replay`, so a journal is always readable.
 """
 
 from __future__ import annotations

@@ -7,10 +7,8 @@ written as the single-process job writes them, into the job's folder and the siz
 one at a time, so concurrent tasks merge their sizes in turn. Workers need no shared
 storage.
 
-Every attempt of a task reports itself (:meth:`Hub.begin`), and its ``sizes`` and
-``retry`` events the sizes it runs at; a retry after a worker died learns from
-:meth:`Hub.begin` where the dead one was (:mod:`~oomguard.engine.jobs.ray_task`). The
-driver reads :meth:`Hub.status` for its progress line and journal.
+The hub also keeps where each attempt runs (:meth:`Hub.begin`), for a retry after a
+worker died and for the driver's progress line and journal (:meth:`Hub.status`).
 
 This module does not import Ray: :func:`~oomguard.engine.jobs.ray_job.OnRay` makes the
 class an actor.

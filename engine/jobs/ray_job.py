@@ -13,12 +13,10 @@ GPU memory; oomguard adds it:
   (``max_retries``), and the new attempt starts from the dead one's sizes halved, through
   the cache, labelled as a death (:func:`~oomguard.engine.jobs.ray_task.lowered_after_death`);
 - the tasks' outputs and the size cache go through one actor on this node
-  (:mod:`~oomguard.engine.jobs.ray_hub`), which writes them into the job's folder.
+  (:mod:`~oomguard.engine.jobs.ray_hub`); this process (the driver) writes the journal's
+  ``running`` and ``worker-died``, ``results.json``, the report and the plots.
 
-The job's folder gets what the single-process job writes: the tasks' outputs as they come
-(written by the hub), and from this process (the driver) the journal's ``running`` and
-``worker-died``, ``results.json``, the report and the plots. A rerun resumes from them.
-Progress shows what is done, what runs, and the retries per device.
+The job's folder is what the single-process job writes, and a rerun resumes from it.
 
 Ray is an optional dependency (``pip install 'oomguard[ray]'``): it is imported only here,
 only when a job asks for it.
@@ -106,8 +104,6 @@ class OnRay:
                 if why is not None:
                     raise UsageError(f"cannot reach the Ray cluster at {self.address}: {why}; "
                                      f"{START}")
-            # No address: Ray's own default (RAY_ADDRESS, else a cluster `ray start` began on
-            # this machine, else a new local instance); with num_cpus, always a new one.
             local = self.address is None and self.num_cpus is not None
             try:
                 ray.init(address="local" if local else self.address,

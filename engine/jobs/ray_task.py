@@ -11,10 +11,8 @@ OOM, the remedy ladder), with two differences:
   NVML by UUID), and the size cache is keyed by that device.
 - **Every output goes to the job's hub** (:mod:`~oomguard.engine.jobs.ray_hub`) as it is
   made, through a :class:`~oomguard.engine.jobs.sink.HubSink`, and the hub writes it on
-  the driver's node. If this worker dies, the attempt Ray starts next halves the sizes it
-  ran at in the cache (each knob at least its minimum), labelled as a death, not an OOM,
-  and starts from there. A worker that died before its task chose sizes (in a search)
-  leaves the cache as it was, and the retry searches again.
+  the driver's node. If this worker dies, the next attempt starts from
+  :func:`lowered_after_death`.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ A task (:func:`~oomguard.engine.jobs.task_process.run_task` and its process,
 files itself. :class:`FileSink`, in one process, writes them directly (it is picklable:
 the task's process writes too). :class:`HubSink`, on Ray, sends them in order to the
 job's :class:`~oomguard.engine.jobs.ray_hub.Hub` actor, which writes them with its own
-:class:`FileSink` on the driver's node, and learns from the ``sizes`` and ``retry`` events
-the sizes each attempt runs at.
+:class:`FileSink`.
 
 Why a pipe: the task runs in a child process of the Ray worker, and only a process that
 joined Ray can call an actor (joining as a driver of its own costs seconds per process).
