@@ -49,8 +49,9 @@ def render_reference_markdown(doc: Mapping[str, Any]) -> str:
         out.append(f"| {r['metric']} | {r['knob']} | {_size(r['max_ok'])} | {_size(r['safe'])} "
                    f"| {_peak(r)} | {_rate(r['seconds_per_item'])} | {r['source']} "
                    f"| {r['note']} |")
-    out += ["", "- **maximum**: the largest size that ran (measured), the other knobs of the "
-            "metric at their defaults. **safe**: the recommendation, which keeps the search's "
+    out += ["", "- **maximum**: the largest size that ran (measured), the metric's knobs before "
+            "this one at their chosen sizes, the ones after it at their defaults (`others` in "
+            "reference.json). **safe**: the recommendation, which keeps the search's "
             "margin of the capacity free, never above the maximum.",
             "- **peak at safe**: measured when a trial ran at the safe size, else estimated "
             "from the line fitted to the measured peaks (est.).",

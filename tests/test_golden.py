@@ -43,11 +43,12 @@ rounded to 6 significant digits. Hashes that are deterministic (model config, ca
 file digests) are kept: a change to them invalidates users' caches. A change of the
 transformers version that changes a config's defaults changes those hashes too.
 
-Several goldens hold the defects issue 24 fixes, and change when they are fixed: the
-reference's rows capped by the sample count are not marked as capped, and its cache key
-has no sample count; the sizes it stores for a job take only a metric's first knob
-(``integrated_gradients``' ``internal_batch_size`` stays at its default, 8, where the
-reference found 32). ``errors.json`` holds one input checked late: ``search --dtype
+The goldens were written before issue 24's redesign and rewritten once after it, for the
+defects it fixed: answers capped by the sample count or a knob's largest useful size are
+marked as capped (``capped_by``, ``cap``, the cache entry's ``capped``), every knob is
+sized for a job (``integrated_gradients``' ``internal_batch_size`` 32, where it stayed at
+its default 8), and a search's record carries the same keys in results, the journal and
+the cache. ``errors.json`` holds one input checked late: ``search --dtype
 float8`` starts the search (a second stderr line) and leaves its report folder behind.
 
 Cost: one job and one reference, run side by side once per module as a user runs them
@@ -112,7 +113,7 @@ _LONG_FLOAT = re.compile(r"-?\d+\.\d{7,}(?:e[-+]?\d+)?")
 _BYTES = re.compile(r"-?\d[\d,]*(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB)\b")
 _BYTE_COUNT = re.compile(r"\b\d{1,3}(?:,\d{3})+ bytes\b")
 _SECONDS = re.compile(r"\b\d+(?:\.\d+)? ?(?:s|ms)\b")
-_RATE = re.compile(r"\b\d+(?:\.\d+)?(?= items/s|/s\b)")
+_RATE = re.compile(r"\b\d[\d,]*(?:\.\d+)?(?= items/s|/s\b)")  # 1,234.5 too
 _PERCENT = re.compile(r"\b\d+\.\d+%")
 _THREADS = re.compile(r"\b\d+ thread\(s\)")
 _HOST = re.compile(r"host `[^`]*`")
