@@ -43,7 +43,8 @@ from typing import Any, ClassVar
 from peer_algorithms import DERIVED, PEERS, PeerStrategy
 from peer_workloads import PRELOAD, Workload, workloads
 
-from oomguard.engine.core.search.isolate import IsolatedRunner, forkserver_context
+from oomguard.engine.core.child import forkserver_context
+from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
 from oomguard.engine.core.search.strategies import E10, Doubling, Guided, Strategy, bracket
 from oomguard.engine.core.search.trial import Trial

@@ -34,9 +34,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from oomguard.engine.core.child import start_method
 from oomguard.engine.jobs.cache import VERSION, SizeCache, device_key, entry_key
 from oomguard.engine.jobs.journal import Journal, replay
-from oomguard.engine.jobs.plan import child_start_method, device_identity
+from oomguard.engine.jobs.plan import device_identity
 from oomguard.engine.jobs.records import Context, Task
 from oomguard.engine.jobs.spec import import_plugin
 from oomguard.engine.jobs.task_process import run_task
@@ -169,7 +170,7 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
         atomic_write_json(scratch / "sizes.json", {"version": VERSION, "entries": seed})
         here = dataclasses.replace(ctx, out=str(scratch), device=device,
                                    cache_path=str(scratch / "sizes.json"),
-                                   start_method=child_start_method(ctx.job.device),
+                                   start_method=start_method(ctx.job.device),
                                    threads=threads)
         journal = Journal(scratch / "journal.jsonl")
         watch = _Watch(journal.path, hub, task.key, attempt, entry_key(device, task.workload))
