@@ -1,26 +1,18 @@
-"""Child processes: how one starts, what it is given, and how its result or its death
-comes back. Isolated trials, the measured reference, a job's tasks and the tests' fresh
-processes all start theirs here.
+"""Child processes: how one starts, what it is given, how its result or its death comes
+back. Isolated trials, the measured reference, a job's tasks and the tests' fresh
+processes all start theirs here (:class:`Child`).
 
-- **Start.** :func:`context` gives where children come from: ``fork`` only where no CUDA
-  can have been initialised (a CPU job from the command line, whose parent only parses and
-  plans: "Cannot re-initialize CUDA in forked subprocess" otherwise), else a
-  ``forkserver`` that has imported torch and the workload's modules (``spawn`` where there
-  is none). A forkserver or spawn child re-runs the parent's main module: a script must
-  guard its work with ``if __name__ == "__main__":``.
-- **Hand over.** :class:`Child` runs a picklable ``fn(*args)`` in the child. The child says
-  ``started`` once it runs (its start-up, the main module's re-import and the unpickling,
-  went through), may :func:`tell_parent` things while it runs (an isolated trial's budget
-  limit, a job task's restart hand-off), and sends what ``fn`` returned or raised.
-- **Read the end.** :meth:`Child.wait` gives an :class:`Ended`: the value, the exception
-  (re-raised here with the child's traceback as a note), or the death: exit code or
-  signal, and its captured stderr for the OOM evidence (:func:`oom_evidence`,
-  :class:`LimitWatch`). A time limit stops the child and is reported as a timeout, never
-  as an OOM.
-- **Never outlive the command.** On Linux every child, and every forkserver, asks for
-  SIGKILL when its parent dies (:func:`die_with_parent`): a ``kill -9`` of oomguard leaves
-  no process behind. Children and forkservers ignore SIGINT: Ctrl-C reaches the whole
-  process group, and only the command decides (it stops its children and prints one line).
+- Start: ``fork`` only where no CUDA can have been initialised ("Cannot re-initialize
+  CUDA in forked subprocess"; :func:`start_method`), else a forkserver that has imported
+  torch and the workload's modules. Its children re-run the parent's main module: a
+  script must guard its work with ``if __name__ == "__main__":``.
+- The child runs a picklable ``fn(*args)``, says ``started``, may :func:`tell_parent`
+  things while it runs, and sends what ``fn`` returned or raised; the parent reads that
+  or the death (exit code or signal, the OOM evidence) as an :class:`Ended`. A time
+  limit stops the child and is a timeout, never an OOM.
+- Every child and forkserver asks Linux for SIGKILL when its parent dies
+  (:func:`die_with_parent`), and ignores SIGINT: Ctrl-C reaches the whole process group,
+  and the command alone decides (it kills its children and prints one line).
 
 A child that dies after it started is an OOM only with evidence (the module docstring of
 :mod:`oomguard.engine.core.search.isolate` lists the kinds): an allocation failure reported
@@ -60,20 +52,15 @@ _SERVER_PRELOAD = ("oomguard.engine.core.in_forkserver", "torch", "torch._dynamo
                    "oomguard.engine.core.search.isolate")
 _preload: dict[str, None] = {}  # every module asked for so far, in order (a set)
 
-# What a child sends its parent: (kind, payload).
+# What a child sends (kind, payload), and how it ended (:attr:`Ended.how`).
 STARTED, MESSAGE, RETURNED, RAISED = "started", "message", "returned", "raised"
-# How a child ended (:attr:`Ended.how`), besides RETURNED and RAISED.
 DIED, TIMED_OUT, STOPPED = "died", "timed out", "stopped"
-
-
-# ------------------------------------------------------------------------- starting
 
 
 def start_method(device: str) -> str:
     """How a job's task processes start for ``device``, from a process that has run no
     torch code (the command line's): ``fork`` for CPU jobs on Linux (cheapest), else
-    ``forkserver``. A GPU job never forks: a child forked after the parent touched CUDA
-    cannot use it, and the parent probes the device before it starts any child."""
+    ``forkserver``: the parent probes the device before it starts any child."""
     return "fork" if device == "cpu" and sys.platform.startswith("linux") else "forkserver"
 
 
@@ -84,13 +71,9 @@ def workload_preload(fn: Any) -> tuple[str, ...]:
 
 
 def forkserver_context(preload: Iterable[str] = ()) -> Any:
-    """The forkserver context, with torch and ``preload`` named for the server to import.
-
-    The forkserver is shared by the whole process: it imports the union of what every
-    call named before it started (:func:`start_forkserver`, or the first child);
-    modules named after it started are imported by each child instead (slower, still
-    correct). Where there is no forkserver (Windows), the spawn context.
-    """
+    """The forkserver context (spawn where there is none), with torch and ``preload`` named
+    for the server to import. The server is shared by the whole process: it imports what
+    every call named before it started; a module named later is imported by each child."""
     if sys.platform == "win32" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -100,16 +83,12 @@ def forkserver_context(preload: Iterable[str] = ()) -> Any:
 
 
 def start_forkserver(preload: Iterable[str] = ()) -> Any:
-    """Start the forkserver now, in the background, and return the context children come from.
-
-    Call it as soon as children are planned, before other work: the server imports torch
-    and ``preload`` while this process goes on (it does not wait), and the first child
-    waits only for what is left of that start-up (several seconds measured,
-    docs/measurements.md#isolated-children-start-up). Calling it again reuses the server.
-    The server starts with SIGINT ignored, so its imports are never interrupted and every
-    child it forks inherits that (a handler set while it is started would be reset by
-    ``exec``, an ignored signal is not).
-    """
+    """Start the forkserver now, in the background, and return the context children come
+    from. Call it as soon as children are planned: the server imports torch and ``preload``
+    while this process goes on, and the first child waits only for what is left of that
+    (docs/measurements.md#isolated-children-start-up). The server starts with SIGINT
+    ignored (an ignored signal survives ``exec``, a handler does not), so its imports are
+    never interrupted and every child it forks inherits that."""
     ctx = forkserver_context(preload)
     if ctx.get_start_method() == "forkserver":
         from multiprocessing import forkserver
@@ -125,8 +104,8 @@ def start_forkserver(preload: Iterable[str] = ()) -> Any:
 
 
 def context(method: str = "forkserver", preload: Iterable[str] = ()) -> Any:
-    """Where children come from: ``forkserver`` (:func:`start_forkserver`) or ``fork``,
-    ``preload`` then imported here once, inherited by every child (see :func:`start_method`)."""
+    """Where children come from: :func:`start_forkserver`, or ``fork`` with ``preload``
+    imported here once, inherited by every child (:func:`start_method`)."""
     if method != "fork":
         return start_forkserver(preload)
     for module in preload:
@@ -138,13 +117,9 @@ def context(method: str = "forkserver", preload: Iterable[str] = ()) -> Any:
 
 
 def die_with_parent(parent: int | None = None) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no orphans after kill -9).
-
-    ``parent``: the pid the parent should have; if it has already died (this process
-    was re-parented before the request took effect), exit now. The signal comes when
-    the parent's *thread* that started this process ends: children are started from
-    the thread that waits for them.
-    """
+    """Ask Linux to SIGKILL this process when its parent dies (no orphans after kill -9);
+    exit now if the parent is no longer ``parent`` (it died before the request took
+    effect). The signal comes when the parent's *thread* that started this one ends."""
     if not sys.platform.startswith("linux"):
         return
     expected = os.getppid() if parent is None else parent
@@ -156,22 +131,18 @@ def die_with_parent(parent: int | None = None) -> None:
         os._exit(1)
 
 
-# ------------------------------------------------------------------------- in the child
-
-_to_parent: Any = None  # the child's end of its pipe, set by _enter
-
-
-def tell_parent(message: Any) -> None:
-    """In a child started by :class:`Child`: send ``message`` (picklable) to the parent now;
-    it is in :attr:`Child.messages` (and :attr:`Ended.messages`)."""
-    _to_parent.send((MESSAGE, message))
+_to_parent: Any = None  # in a child: its end of the pipe
 
 
 class ToParent:
-    """A connection-like object for code that sends its parent messages with ``.send``."""
+    """In a child: ``send(message)`` (picklable) reaches the parent now, in
+    :attr:`Child.messages`. Pass one to code that sends its parent messages."""
 
     def send(self, message: Any) -> None:
-        tell_parent(message)
+        _to_parent.send((MESSAGE, message))
+
+
+tell_parent = ToParent().send
 
 
 def _enter(conn: Any, parent: int | None, stderr_path: str | None, fn: Callable[..., Any],
@@ -223,16 +194,13 @@ def _described(exc: BaseException) -> tuple[bytes | None, str, str]:
     return pickled, summary, "".join(traceback.format_exception(exc))
 
 
-# ------------------------------------------------------------------------- in the parent
-
-
 @dataclass
 class Ended:
     """How a child ended. ``how``: :data:`RETURNED` (``value``), :data:`RAISED`
     (:meth:`error`), :data:`DIED` (``exitcode``: a code, or minus the signal),
-    :data:`TIMED_OUT` or :data:`STOPPED` (the parent ended it). ``started``: the child
-    got as far as running ``fn``. ``seconds`` from its start to its end; ``stderr``: what
-    it wrote there, when captured; ``messages``: what it told the parent meanwhile."""
+    :data:`TIMED_OUT` or :data:`STOPPED` (the parent ended it). ``started``: it got as far
+    as running ``fn``; ``seconds`` from its start to its end; ``stderr`` when captured;
+    ``messages``: what it told the parent meanwhile."""
 
     how: str
     started: bool
@@ -242,11 +210,6 @@ class Ended:
     raised: tuple[bytes | None, str, str] | None = None
     stderr: str = ""
     messages: list[Any] = field(default_factory=list)
-
-    @property
-    def summary(self) -> str:
-        """The exception's type and first line (RAISED), else how the process ended."""
-        return self.raised[1] if self.raised else f"the child process {how_it_ended(self.exitcode)}"
 
     def error(self, where: str = "a child process") -> BaseException:
         """The child's exception rebuilt here (a RuntimeError with its text where it cannot
@@ -276,14 +239,12 @@ class Ended:
 
 
 class Child:
-    """A child process running ``fn(*args)`` (``fn`` and ``args`` picklable), started at once
-    from ``ctx`` (:func:`context`). A context manager: leaving the block kills a child still
-    running (an interrupt, an error here), so none outlives what started it.
+    """A child process running ``fn(*args)`` (picklable), started at once from ``ctx``
+    (:func:`context`). As a context manager, leaving the block kills it if it still runs.
 
-    ``capture_stderr``: the child's fd 2 goes to a temporary file, copied to this process's
-    stderr when it ends and kept in :attr:`Ended.stderr` (the OOM evidence). ``every``
-    (seconds, or None): how often :meth:`wait` calls its ``tick`` while the child runs;
-    it may be changed from ``tick``.
+    ``capture_stderr``: its fd 2 goes to a temporary file, copied to this process's stderr
+    when it ends and kept in :attr:`Ended.stderr` (the OOM evidence). ``every`` (seconds,
+    or None): how often :meth:`wait` calls its ``tick`` while it runs.
     """
 
     def __init__(self, ctx: Any, fn: Callable[..., Any], *args: Any, name: str | None = None,
@@ -297,8 +258,7 @@ class Child:
         self.proc = ctx.Process(target=_enter, name=name,
                                 args=(send, parent, self.stderr_path, fn, tuple(args)))
         self.every: float | None = None
-        self.started = False
-        self.messages: list[Any] = []
+        self.started, self.messages = False, []
         self._answer: tuple[str, Any] | None = None
         self.t0 = time.monotonic()
         self.proc.start()
@@ -312,17 +272,12 @@ class Child:
         self.conn.close()
         self._stderr()
 
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid
-
     def wait(self, timeout: float | None = None, tick: Callable[[Child], bool] | None = None,
              grace: float = 0.0) -> Ended:
-        """Wait for the child's end. ``timeout`` seconds from its start (None: none): the
-        child is then stopped (SIGTERM, SIGKILL ``grace`` seconds later; at once with 0)
-        and the end is :data:`TIMED_OUT`. ``tick(child)`` is called every :attr:`every`
-        seconds and after each message; when it returns True the child is stopped the
-        same way (:data:`STOPPED`)."""
+        """Wait for the child's end. ``timeout`` seconds from its start (None: none): it is
+        then stopped (:meth:`stop` with ``grace``), :data:`TIMED_OUT`. ``tick(child)`` is
+        called every :attr:`every` seconds and after each message; if it returns True the
+        child is stopped the same way, :data:`STOPPED`."""
         deadline = None if timeout is None else self.t0 + timeout
         how = None
         while how is None:
@@ -334,27 +289,28 @@ class Child:
                 break
             elif tick is not None and tick(self):
                 how = STOPPED
-        if how is not None:
-            self.stop(grace)
-        else:  # it answered or closed its pipe: it is ending by itself
+        if how is None:  # it answered or closed its pipe: it is ending by itself
             self.proc.join(30)
-            self.stop(0)
-        return self._ended(how)
+        self.stop(grace if how else 0)
+        kind, payload = self._answer or (how or DIED, None)
+        return Ended(how=kind, started=self.started, exitcode=self.proc.exitcode,
+                     seconds=time.monotonic() - self.t0,
+                     value=payload if kind == RETURNED else None,
+                     raised=payload if kind == RAISED else None, stderr=self._stderr(),
+                     messages=self.messages)
 
     def result(self, timeout: float | None = None) -> Any:
         """What ``fn`` returned (see :meth:`Ended.result`)."""
         return self.wait(timeout).result()
 
     def stop(self, grace: float = KILL_GRACE_S) -> None:
-        """Stop the child if it runs: SIGTERM, then SIGKILL after ``grace`` seconds (at once
-        with 0)."""
+        """Stop the child if it runs: SIGTERM, SIGKILL ``grace`` seconds later (0: at once)."""
         if self.proc.is_alive() and grace > 0:
             self.proc.terminate()
             self.proc.join(grace)
         if self.proc.is_alive():
             self.proc.kill()
-        if self.proc.pid is not None:
-            self.proc.join()
+        self.proc.join()
 
     def _receive(self, timeout: float | None) -> bool:
         """Read what the child sent within ``timeout`` seconds; True once it answered or is gone."""
@@ -370,16 +326,7 @@ class Child:
             self.messages.append(payload)
         else:
             self._answer = (kind, payload)
-            return True
-        return False
-
-    def _ended(self, how: str | None) -> Ended:
-        seconds = time.monotonic() - self.t0
-        kind, payload = self._answer or (how or DIED, None)
-        return Ended(how=kind, started=self.started, exitcode=self.proc.exitcode,
-                     seconds=seconds, value=payload if kind == RETURNED else None,
-                     raised=payload if kind == RAISED else None, stderr=self._stderr(),
-                     messages=self.messages)
+        return kind in (RETURNED, RAISED)
 
     def _stderr(self) -> str:
         """The child's captured stderr, once: also written to this process's stderr."""
@@ -392,20 +339,16 @@ class Child:
             os.unlink(path)
         except OSError:
             return ""
-        if text:
-            sys.stderr.write(text)
-            sys.stderr.flush()
+        sys.stderr.write(text)
+        sys.stderr.flush()
         return text
 
 
 def _server_pid() -> int | None:
-    """The running forkserver's pid (a forkserver child's parent), or None if unknown."""
+    """The running forkserver's pid (its children's parent), or None if unknown."""
     from multiprocessing import forkserver
 
     return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-
-
-# ------------------------------------------------------------------------- a child's death
 
 
 # Text a child writes on stderr when it dies for want of memory (lower-case). libgomp
@@ -458,7 +401,8 @@ def how_it_ended(exitcode: int | None) -> str:
 
 class LimitWatch:
     """The parent's view of a budgeted child's data segment (``VmData``, what its
-    ``RLIMIT_DATA`` counts), sampled every ``interval`` seconds while it runs.
+    ``RLIMIT_DATA`` counts), sampled every ``interval`` seconds while it runs: the
+    ``tick`` of :meth:`Child.wait`, from the moment the child tells its limit (bytes).
 
     Some native code does not check what ``malloc`` returns: under a CPU budget, an
     allocation refused at the limit can then kill the child with SIGSEGV instead of
@@ -469,28 +413,34 @@ class LimitWatch:
     ran out of memory; one that died far from it crashed.
     """
 
-    def __init__(self, pid: int, limit: int, budget: int) -> None:
+    def __init__(self, budget: int) -> None:
         # Imported here: it imports torch, and the forkserver imports this module before
         # torch, to die with its parent from its first second.
         from oomguard.probes.peak import DATA_INTERVAL_S
 
         self.interval = DATA_INTERVAL_S  # seconds between two samples
-        self.limit, self.peak = limit, None
         self.near = max(NEAR_LIMIT_MIN, int(budget * NEAR_LIMIT_FRACTION))
-        self._data = host.DataSize(pid)
-        self.sample()
+        self.limit: int | None = None
+        self.peak: int | None = None
+        self._data: Any = None
 
-    def sample(self) -> None:
-        value = self._data.read()
-        if value is not None and (self.peak is None or value > self.peak):
-            self.peak = value
+    def __call__(self, child: Child) -> bool:
+        if self._data is None and child.messages and child.proc.pid is not None:
+            self.limit, self._data = child.messages[0], host.DataSize(child.proc.pid)
+            child.every = self.interval
+        if self._data is not None:
+            value = self._data.read()
+            if value is not None and (self.peak is None or value > self.peak):
+                self.peak = value
+        return False  # never stops the child
 
     def close(self) -> None:
-        self._data.close()
+        if self._data is not None:
+            self._data.close()
 
     def evidence(self, exitcode: int | None) -> str | None:
         """Why the child's death was an OOM, or None: a signal, and the peak near the limit."""
-        if exitcode is None or exitcode >= 0 or self.peak is None:
+        if exitcode is None or exitcode >= 0 or self.peak is None or self.limit is None:
             return None
         left = self.limit - self.peak
         if left > self.near:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.core.child import RAISED, RETURNED, Child, start_forkserver, workload_preload
+from oomguard.engine.core.child import DIED, Child, start_forkserver, workload_preload
 from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
 from oomguard.engine.errors import JobError, NoSizeFits, TrialFailed
 from oomguard.engine.jobs.cache import SizeCache, entry_key
@@ -177,10 +177,8 @@ def _measure_fresh(trial: MetricTrial, config: SearchConfig,
     with Child(start_forkserver(workload_preload(trial)), _measure, trial, config,
                on_trial) as child:
         ended = child.wait()
-    if ended.how == RAISED:
-        raise ended.error()
-    if ended.how == RETURNED:
-        return ended.value
+    if ended.how != DIED:  # what it returned, or its exception raised here
+        return ended.result()
     assert trial.knob is not None
     return Row(metric=trial.metric, knob=trial.knob, max_ok=None, first_oom=None,
                safe=None, peak_at_safe_bytes=None, peak_source="", seconds_per_item=None,

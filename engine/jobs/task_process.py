@@ -16,15 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.core.child import (
-    KILL_GRACE_S,
-    STOPPED,
-    TIMED_OUT,
-    Child,
-    ToParent,
-    context,
-    how_it_ended,
-)
+from oomguard.engine.core import child as launcher
 from oomguard.engine.jobs.child import child_main
 from oomguard.engine.jobs.journal import Journal
 from oomguard.engine.jobs.output import read_result
@@ -48,22 +40,22 @@ def run_task(task: Task, ctx: Context, journal: Journal, stop: Any) -> TaskResul
     """
     journal.append("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
                    time_limit_s=task.time_limit, start_method=ctx.start_method)
-    mp = context(ctx.start_method, preload_modules(task))
+    mp = launcher.context(ctx.start_method, preload_modules(task))
     t0 = time.monotonic()
     handoff: dict[str, Any] | None = None
     while True:
-        with Child(mp, child_main, task, ctx, handoff, ToParent(),
-                   name=f"oomguard-{task.key}") as child:
+        with launcher.Child(mp, child_main, task, ctx, handoff, launcher.ToParent(),
+                            name=f"oomguard-{task.key}") as child:
             child.every = STOP_POLL_S
             ended = child.wait(task.time_limit - (time.monotonic() - t0),
-                               lambda _: stop.signum is not None, grace=KILL_GRACE_S)
-        if ended.how == STOPPED:
+                               lambda _: stop.signum is not None, grace=launcher.KILL_GRACE_S)
+        if ended.how == launcher.STOPPED:
             journal.append("interrupted", task=task.key, run=ctx.run_id,
                            signal=signal.Signals(stop.signum).name,
                            seconds=round(time.monotonic() - t0, 3))
             return None
         handoff = ended.messages[-1] if ended.messages else None
-        if handoff is None or ended.how == TIMED_OUT or stop.signum is not None:
+        if handoff is None or ended.how == launcher.TIMED_OUT or stop.signum is not None:
             break
         journal.append("restart", task=task.key, run=ctx.run_id, why=handoff["why"],
                        env=handoff["ladder"].get("env"), resume=handoff["ladder"].get("resume"),
@@ -72,10 +64,10 @@ def run_task(task: Task, ctx: Context, journal: Journal, stop: Any) -> TaskResul
     return _ended(task, ctx, journal, stop, ended, time.monotonic() - t0)
 
 
-def _ended(task: Task, ctx: Context, journal: Journal, stop: Any, ended: Any,
+def _ended(task: Task, ctx: Context, journal: Journal, stop: Any, ended: launcher.Ended,
            seconds: float) -> TaskResult | None:
     """The task's record once its last process ended: the one it wrote, or its failure."""
-    timed_out = ended.how == TIMED_OUT
+    timed_out = ended.how == launcher.TIMED_OUT
     record = read_result(Path(ctx.out), task.key)
     if record is not None and record.run == ctx.run_id and not timed_out:
         return record
@@ -83,8 +75,9 @@ def _ended(task: Task, ctx: Context, journal: Journal, stop: Any, ended: Any,
         journal.append("interrupted", task=task.key, run=ctx.run_id,
                        signal=signal.Signals(stop.signum).name)
         return None
-    reason = (f"time limit of {task.time_limit:g} s exceeded (stopped)" if timed_out else
-              f"the metric's process {how_it_ended(ended.exitcode)} without a result (crash?)")
+    how = launcher.how_it_ended(ended.exitcode)
+    reason = (f"time limit of {task.time_limit:g} s exceeded (stopped)" if timed_out
+              else f"the metric's process {how} without a result (crash?)")
     return record_failure(task, ctx, journal, reason, "No Python traceback: the child "
                           "process was stopped or died (see job.log).", seconds)
 

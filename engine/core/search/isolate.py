@@ -4,19 +4,14 @@ In-process trials inherit the caches, JIT kernels and heap fragments of every
 earlier trial, so their headroom shrinks as a search runs; a fresh child per
 trial measures the true maximum (docs/measurements.md#in-process-vs-isolated).
 
-Children come from the launcher's ``forkserver`` (:mod:`oomguard.engine.core.child`), which
-has already imported torch, ``torch._dynamo`` (which optimizers import when built) and the
-workload's ``preload`` modules, so a trial pays a fork and the workload's own ``warmup()``,
-not an interpreter start (docs/measurements.md#isolated-children-start-up). The forkserver
-starts in the background as soon as an isolated search is planned (:class:`IsolatedRunner`
-is built, or :func:`~oomguard.engine.core.child.start_forkserver` is called), so the
-parent's own work overlaps its start-up instead of the first trial waiting for it. In the
-child, in order: send ``started`` and fd 2 to a temporary file (the launcher); keep every
-object inherited from the forkserver out of the child's collections (``gc.freeze``); make
-glibc give freed memory back and trim its heap (docs/measurements.md#return-freed-memory),
-before anything else allocates, so the warm-up leaves no free heap for the budget to miss;
-unpickle the workload; ``warmup()``; the budget (if any); one trial; send the
-:class:`~oomguard.engine.core.search.trial.Trial` back.
+Children come from the launcher's forkserver (:mod:`oomguard.engine.core.child`), which
+has already imported torch, ``torch._dynamo`` and the workload's ``preload`` modules, so a
+trial pays a fork and the workload's own ``warmup()``, not an interpreter start
+(docs/measurements.md#isolated-children-start-up); it starts as soon as
+:class:`IsolatedRunner` is built, so the parent's work overlaps its start-up. In the
+child, in order (:func:`_trial`): freeze what the forkserver imported out of the
+collections; make glibc give freed memory back; unpickle the workload; ``warmup()``; the
+budget (if any); one trial; the :class:`~oomguard.engine.core.search.trial.Trial` back.
 
 How the parent reads a child's end:
 
@@ -54,18 +49,6 @@ from typing import Any
 import torch
 
 from oomguard.engine.core import child as launcher
-from oomguard.engine.core.child import (
-    RAISED,
-    RETURNED,
-    TIMED_OUT,
-    Child,
-    Ended,
-    LimitWatch,
-    how_it_ended,
-    oom_evidence,
-    tell_parent,
-    workload_preload,
-)
 from oomguard.engine.core.memory.budget import budget
 from oomguard.engine.core.memory.heap import (
     ISOLATED_MMAP_THRESHOLD_BYTES,
@@ -115,7 +98,7 @@ def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
         budget(budget_bytes, device) if budget_bytes is not None else nullcontext())
     with gc_frozen(), guard as entered:
         if entered is not None and entered.device == "cpu":  # the parent watches it
-            tell_parent(entered.limit)
+            launcher.tell_parent(entered.limit)
         return run_trial(fn, size, device, ram_guard, steps)
 
 
@@ -133,22 +116,6 @@ def _main_program() -> str | None:
         return name
     path = getattr(main, "__file__", None)
     return path if path and os.path.isfile(path) else None
-
-
-class _Watch:
-    """The child's ``tick``: once it says its budget's limit, its data segment is sampled
-    (:class:`LimitWatch`) every ``interval`` seconds until it ends."""
-
-    def __init__(self, budget: int | None) -> None:
-        self.budget, self.watch = budget or 0, None
-
-    def __call__(self, child: Child) -> bool:
-        if self.watch is None and child.messages and child.pid is not None:
-            self.watch = LimitWatch(child.pid, child.messages[0], self.budget)
-            child.every = self.watch.interval
-        if self.watch is not None:
-            self.watch.sample()
-        return False  # never stops the child
 
 
 class IsolatedRunner:
@@ -184,7 +151,7 @@ class IsolatedRunner:
         self.guard = guard
         # Started now, in the background: the parent's work until the first trial (its
         # report header, a probe) overlaps the forkserver's imports.
-        self.ctx = launcher.start_forkserver(workload_preload(fn))
+        self.ctx = launcher.start_forkserver(launcher.workload_preload(fn))
 
     def __enter__(self) -> IsolatedRunner:
         return self
@@ -193,30 +160,29 @@ class IsolatedRunner:
         return None
 
     def __call__(self, size: int, steps: int = 1) -> Trial:
-        watch = _Watch(self.budget)
-        with Child(self.ctx, _trial, self.payload, size, self.device, self.budget, self.guard,
-                   steps, capture_stderr=True) as child:
+        watch = launcher.LimitWatch(self.budget or 0)
+        with launcher.Child(self.ctx, _trial, self.payload, size, self.device, self.budget,
+                            self.guard, steps, capture_stderr=True) as child:
             try:
                 ended = child.wait(self.timeout, watch)
             finally:
-                if watch.watch is not None:
-                    watch.watch.close()
-        if ended.how == TIMED_OUT:
+                watch.close()
+        if ended.how == launcher.TIMED_OUT:
             raise ChildCrashed(f"isolated trial at size {size}: no result after "
                                f"{self.timeout:g} s; the child process was killed")
         if not ended.started:
             raise _start_failure(size, ended.exitcode)
-        if ended.how == RAISED:
+        if ended.how == launcher.RAISED:
             raise self._raised(size, ended)
-        if ended.how != RETURNED:
-            return self._died(size, ended, watch.watch)
+        if ended.how != launcher.RETURNED:
+            return self._died(size, ended, watch)
         trial: Trial = ended.value
         trial.mode = "isolated"
         log.debug("isolated trial %d: %.2f s in the child, %.2f s in all", size, trial.seconds,
                   ended.seconds)
         return trial
 
-    def _raised(self, size: int, ended: Ended) -> Exception:
+    def _raised(self, size: int, ended: launcher.Ended) -> Exception:
         """What to raise for an exception in the child: the workload's own, re-raised."""
         assert ended.raised is not None
         log.debug("isolated trial at size %d failed:\n%s", size, ended.raised[2])
@@ -229,14 +195,14 @@ class IsolatedRunner:
                                     f"{MODULE_LEVEL_FIX}")
         if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: not ours to raise
             return ChildCrashed(f"isolated trial at size {size}: the workload raised "
-                                f"{ended.summary} in the child process")
+                                f"{ended.raised[1]} in the child process")
         return exc
 
-    def _died(self, size: int, ended: Ended, watch: LimitWatch | None = None) -> Trial:
+    def _died(self, size: int, ended: launcher.Ended, watch: launcher.LimitWatch) -> Trial:
         exitcode = ended.exitcode
-        how = how_it_ended(exitcode)
-        evidence = oom_evidence(exitcode, ended.stderr, self.budget is not None) or (
-            watch.evidence(exitcode) if watch is not None else None)
+        how = launcher.how_it_ended(exitcode)
+        evidence = (launcher.oom_evidence(exitcode, ended.stderr, self.budget is not None)
+                    or watch.evidence(exitcode))
         if evidence is not None:
             return Trial(size=size, ok=False, peak_bytes=None, seconds=ended.seconds,
                          mode="isolated", error=f"child process {how} ({evidence})")
@@ -254,8 +220,9 @@ def _start_failure(size: int, exitcode: int | None) -> ChildStartFailed:
     else:
         cause = (f"the main program is not a file a child can import (python -c, stdin, a "
                  f"notebook): {MODULE_LEVEL_FIX}")
-    return ChildStartFailed(f"isolated trial at size {size}: the child process {how_it_ended(exitcode)} "
-                            f"before it started (its error is above); likely cause: {cause}")
+    return ChildStartFailed(f"isolated trial at size {size}: the child process "
+                            f"{launcher.how_it_ended(exitcode)} before it started (its error is "
+                            f"above); likely cause: {cause}")
 
 
 def _name(fn: Any) -> str:
