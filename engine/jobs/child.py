@@ -64,7 +64,8 @@ def child_main(task: Task, ctx: Context, handoff: dict[str, Any] | None = None,
 
     ``handoff``: what the task's previous process sent when its remedy ladder needed a
     fresh one (applied first: its environment must be in place before CUDA starts).
-    ``conn``: where this process sends its own handoff (a ``multiprocessing`` connection).
+    ``conn``: where this process sends its own handoff (a
+    :class:`~oomguard.engine.core.child.ToParent`).
     """
     if handoff is not None:
         apply_env(handoff["ladder"]["env"])
