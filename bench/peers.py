@@ -173,7 +173,7 @@ def _in_fresh_process(ctx: Any, fn: Any, *args: Any) -> Any:
     """``fn(*args)`` in a fresh, non-daemonic process (a pool's workers cannot start the
     children a confirmed search runs its fresh trials in)."""
     with Child(ctx, fn, *args) as child:
-        return child.result()
+        return child.wait().result()
 
 
 def run_workload(w: Workload, ctx: Any) -> dict[str, Any]:

@@ -129,7 +129,7 @@ def in_fresh_processes(fn, arg_lists, workers: int = 1):
         with contextlib.ExitStack() as running:
             children = [running.enter_context(Child(ctx, fn, *args))
                         for args in arg_lists[i:i + workers]]
-            results += [child.result() for child in children]
+            results += [child.wait().result() for child in children]
     return results
 
 

@@ -26,8 +26,8 @@ from oomguard.engine.core.child import (
     STOPPED,
     TIMED_OUT,
     Child,
+    ToParent,
     context,
-    tell_parent,
 )
 from oomguard.engine.errors import ChildCrashed
 
@@ -69,7 +69,7 @@ def _sleeps(seconds: float) -> float:
 
 
 def _tells_then_sleeps(message: str, seconds: float) -> None:
-    tell_parent(message)
+    ToParent().send(message)
     time.sleep(seconds)
 
 
@@ -95,7 +95,7 @@ def test_a_childs_result_comes_back(ctx) -> None:
         ended = child.wait()
     assert (ended.how, ended.value, ended.exitcode, ended.started) == (RETURNED, 5, 0, True)
     with Child(ctx, _add, "a", "b") as child:
-        assert child.result() == "ab"
+        assert child.wait().result() == "ab"
 
 
 def test_an_exception_in_the_child_is_re_raised_with_its_traceback(ctx) -> None:
@@ -109,7 +109,7 @@ def test_an_exception_in_the_child_is_re_raised_with_its_traceback(ctx) -> None:
     # An exception that does not pickle comes back as its text.
     with Child(ctx, _raises_unpicklable) as child, \
             pytest.raises(RuntimeError, match="_Unpicklable: kept as text"):
-        child.result()
+        child.wait().result()
 
 
 def test_a_death_comes_back_with_its_exit_code_or_signal(ctx) -> None:
@@ -120,7 +120,7 @@ def test_a_death_comes_back_with_its_exit_code_or_signal(ctx) -> None:
         ended.result()
     with Child(ctx, _kills_itself) as child, \
             pytest.raises(ChildCrashed, match="was killed by SIGKILL without a result"):
-        child.result()
+        child.wait().result()
 
 
 def test_a_time_limit_stops_the_child_and_is_a_timeout_not_an_oom(ctx) -> None:
@@ -159,7 +159,7 @@ def test_captured_stderr_is_kept_and_passed_through(ctx, capfd) -> None:
 
 def test_a_child_ignores_sigint_and_dies_with_its_parent(ctx) -> None:
     with Child(ctx, _its_signals) as child:
-        assert child.result() == (True, signal.SIGKILL)
+        assert child.wait().result() == (True, signal.SIGKILL)
 
 
 # ------------------------------------------------------------------ the command line

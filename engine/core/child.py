@@ -1,27 +1,24 @@
 """Child processes: how one starts, what it is given, how its result or its death comes
-back. Isolated trials, the measured reference, a job's tasks and the tests' fresh
-processes all start theirs here (:class:`Child`).
+back. Isolated trials, the measured reference, job tasks and the tests all use :class:`Child`.
 
-- Start: ``fork`` only where no CUDA can have been initialised ("Cannot re-initialize
-  CUDA in forked subprocess"; :func:`start_method`), else a forkserver that has imported
-  torch and the workload's modules. Its children re-run the parent's main module: a
-  script must guard its work with ``if __name__ == "__main__":``.
-- The child runs a picklable ``fn(*args)``, says ``started``, may :func:`tell_parent`
-  things while it runs, and sends what ``fn`` returned or raised; the parent reads that
-  or the death (exit code or signal, the OOM evidence) as an :class:`Ended`. A time
-  limit stops the child and is a timeout, never an OOM.
-- Every child and forkserver asks Linux for SIGKILL when its parent dies
-  (:func:`die_with_parent`), and ignores SIGINT: Ctrl-C reaches the whole process group,
-  and the command alone decides (it kills its children and prints one line).
+``fork`` only where no CUDA can have been initialised ("Cannot re-initialize CUDA in
+forked subprocess"; :func:`start_method`), else a forkserver that has imported torch (its
+children re-run the parent's main module: a script needs ``if __name__ == "__main__":``).
+The child runs a picklable ``fn(*args)``, says ``started``, may tell the parent things
+(:class:`ToParent`) and sends what ``fn`` returned or raised; the parent reads that, or
+the death with its evidence, as an :class:`Ended`; a time limit is a timeout, never an
+OOM. Every child and forkserver dies with its parent (:func:`die_with_parent`) and
+ignores SIGINT: Ctrl-C reaches the whole process group, and the command alone decides.
 
-A child that dies after it started is an OOM only with evidence (the module docstring of
-:mod:`oomguard.engine.core.search.isolate` lists the kinds): an allocation failure reported
-on its stderr, SIGKILL under a memory limit, or, under a CPU budget, death by a signal
-after its data segment came close to the limit.
+A death after ``started`` is an OOM only with evidence (the kinds are listed in
+:mod:`oomguard.engine.core.search.isolate`): an allocation failure reported on stderr,
+SIGKILL under a memory limit, or under a CPU budget a signal after the data segment came
+close to the limit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import multiprocessing as mp
@@ -35,6 +32,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -43,11 +41,9 @@ from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
 
 KILL_GRACE_S = 5.0  # seconds between SIGTERM and SIGKILL when a child is asked to stop
-_PR_SET_PDEATHSIG = 1
-# The forkserver imports these first: its parent-death signal, then torch (1.3-1.8 s that
-# no child pays again), torch._dynamo, which building any torch.optim optimizer imports
-# (1.5-3 s every child paid in its warm-up; docs/measurements.md#isolated-children-start-up),
-# and what an isolated trial's child runs.
+# The forkserver's first imports: its parent-death signal, torch, torch._dynamo (any torch.optim
+# optimizer imports it: 1.5-3 s in every child, docs/measurements.md#isolated-children-start-up)
+# and what an isolated trial runs.
 _SERVER_PRELOAD = ("oomguard.engine.core.in_forkserver", "torch", "torch._dynamo",
                    "oomguard.engine.core.search.isolate")
 _preload: dict[str, None] = {}  # every module asked for so far, in order (a set)
@@ -58,9 +54,8 @@ DIED, TIMED_OUT, STOPPED = "died", "timed out", "stopped"
 
 
 def start_method(device: str) -> str:
-    """How a job's task processes start for ``device``, from a process that has run no
-    torch code (the command line's): ``fork`` for CPU jobs on Linux (cheapest), else
-    ``forkserver``: the parent probes the device before it starts any child."""
+    """How a job's tasks start from a process that ran no torch code (the command line's):
+    ``fork`` for CPU jobs on Linux, else ``forkserver`` (the parent probed the device)."""
     return "fork" if device == "cpu" and sys.platform.startswith("linux") else "forkserver"
 
 
@@ -71,9 +66,8 @@ def workload_preload(fn: Any) -> tuple[str, ...]:
 
 
 def forkserver_context(preload: Iterable[str] = ()) -> Any:
-    """The forkserver context (spawn where there is none), with torch and ``preload`` named
-    for the server to import. The server is shared by the whole process: it imports what
-    every call named before it started; a module named later is imported by each child."""
+    """The forkserver context (spawn where there is none), ``preload`` named for the server,
+    which is shared: it imports what every call named before it started."""
     if sys.platform == "win32" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -83,16 +77,11 @@ def forkserver_context(preload: Iterable[str] = ()) -> Any:
 
 
 def start_forkserver(preload: Iterable[str] = ()) -> Any:
-    """Start the forkserver now, in the background, and return the context children come
-    from. Call it as soon as children are planned: the server imports torch and ``preload``
-    while this process goes on, and the first child waits only for what is left of that
-    (docs/measurements.md#isolated-children-start-up). The server starts with SIGINT
-    ignored (an ignored signal survives ``exec``, a handler does not), so its imports are
-    never interrupted and every child it forks inherits that."""
+    """Start the forkserver in the background (its imports overlap this process's work,
+    docs/measurements.md#isolated-children-start-up), with SIGINT ignored (that survives
+    ``exec``, a handler would not) like every child it forks; the context to use."""
     ctx = forkserver_context(preload)
     if ctx.get_start_method() == "forkserver":
-        from multiprocessing import forkserver
-
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
@@ -104,27 +93,23 @@ def start_forkserver(preload: Iterable[str] = ()) -> Any:
 
 
 def context(method: str = "forkserver", preload: Iterable[str] = ()) -> Any:
-    """Where children come from: :func:`start_forkserver`, or ``fork`` with ``preload``
-    imported here once, inherited by every child (:func:`start_method`)."""
+    """:func:`start_forkserver`, or ``fork`` with ``preload`` imported here, once for all."""
     if method != "fork":
         return start_forkserver(preload)
     for module in preload:
-        try:
+        with contextlib.suppress(ImportError):  # preloading is an optimisation only
             importlib.import_module(module)
-        except ImportError:  # preloading is an optimisation only
-            pass
     return mp.get_context("fork")
 
 
 def die_with_parent(parent: int | None = None) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no orphans after kill -9);
-    exit now if the parent is no longer ``parent`` (it died before the request took
-    effect). The signal comes when the parent's *thread* that started this one ends."""
+    """Ask Linux to SIGKILL this process when its parent (the *thread* that started it)
+    dies; exit now if the parent is no longer ``parent`` (it died before that)."""
     if not sys.platform.startswith("linux"):
         return
     expected = os.getppid() if parent is None else parent
     try:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
     if os.getppid() != expected:
@@ -135,14 +120,10 @@ _to_parent: Any = None  # in a child: its end of the pipe
 
 
 class ToParent:
-    """In a child: ``send(message)`` (picklable) reaches the parent now, in
-    :attr:`Child.messages`. Pass one to code that sends its parent messages."""
+    """In a child: ``send(message)`` reaches the parent now (:attr:`Child.messages`)."""
 
     def send(self, message: Any) -> None:
         _to_parent.send((MESSAGE, message))
-
-
-tell_parent = ToParent().send
 
 
 def _enter(conn: Any, parent: int | None, stderr_path: str | None, fn: Callable[..., Any],
@@ -156,13 +137,11 @@ def _enter(conn: Any, parent: int | None, stderr_path: str | None, fn: Callable[
     _to_parent = conn
     _send(conn, (STARTED, None))
     if stderr_path is not None:
-        try:
+        with contextlib.suppress(OSError):  # else the inherited stderr: nothing is lost
             sys.stderr.flush()
             fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
             os.dup2(fd, 2)
             os.close(fd)
-        except OSError:  # keep the inherited stderr; nothing is lost
-            pass
     try:
         answer: tuple[str, Any] = (RETURNED, fn(*args))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
@@ -177,14 +156,12 @@ def _send(conn: Any, answer: tuple[str, Any]) -> None:
         data = ForkingPickler.dumps(answer)
     except Exception as exc:  # noqa: BLE001 - a value or an exception that does not pickle
         data = ForkingPickler.dumps((RAISED, _described(exc)))
-    try:
+    with contextlib.suppress(OSError):  # the parent stopped listening (it was interrupted)
         conn.send_bytes(data)
-    except OSError:  # the parent stopped listening (it was interrupted): nobody to tell
-        pass
 
 
 def _described(exc: BaseException) -> tuple[bytes | None, str, str]:
-    """The exception pickled (None where it does not pickle), its first line, its traceback."""
+    """The exception pickled (or None), its first line, its traceback."""
     try:
         pickled: bytes | None = pickle.dumps(exc)
     except Exception:  # noqa: BLE001 - the exception itself may not pickle
@@ -196,11 +173,9 @@ def _described(exc: BaseException) -> tuple[bytes | None, str, str]:
 
 @dataclass
 class Ended:
-    """How a child ended. ``how``: :data:`RETURNED` (``value``), :data:`RAISED`
-    (:meth:`error`), :data:`DIED` (``exitcode``: a code, or minus the signal),
-    :data:`TIMED_OUT` or :data:`STOPPED` (the parent ended it). ``started``: it got as far
-    as running ``fn``; ``seconds`` from its start to its end; ``stderr`` when captured;
-    ``messages``: what it told the parent meanwhile."""
+    """How a child ended (``how``): RETURNED ``value``, RAISED (:meth:`error`), DIED
+    (``exitcode``: a code, or minus the signal), TIMED_OUT or STOPPED by the parent.
+    ``started``: it reached ``fn``; ``seconds`` from start to end."""
 
     how: str
     started: bool
@@ -212,8 +187,7 @@ class Ended:
     messages: list[Any] = field(default_factory=list)
 
     def error(self, where: str = "a child process") -> BaseException:
-        """The child's exception rebuilt here (a RuntimeError with its text where it cannot
-        be), with the child's traceback as a note: "raised in ``where``"."""
+        """The child's exception (else a RuntimeError with its text), its traceback a note."""
         assert self.raised is not None
         pickled, summary, text = self.raised
         try:
@@ -226,26 +200,20 @@ class Ended:
         return exc
 
     def result(self) -> Any:
-        """What ``fn`` returned; its exception re-raised; :class:`ChildCrashed` for a child
-        that died, ran out of time or was stopped."""
+        """What ``fn`` returned, or its exception raised, or :class:`ChildCrashed`."""
         if self.how == RETURNED:
             return self.value
         if self.how == RAISED:
             raise self.error()
-        if self.how == DIED:
-            raise ChildCrashed(f"the child process {how_it_ended(self.exitcode)} without a result")
-        raise ChildCrashed(f"the child process {self.how} after {self.seconds:.3g} s, "
-                           "without a result")
+        how = how_it_ended(self.exitcode) if self.how == DIED else (
+            f"{self.how} after {self.seconds:.3g} s,")
+        raise ChildCrashed(f"the child process {how} without a result")
 
 
 class Child:
-    """A child process running ``fn(*args)`` (picklable), started at once from ``ctx``
-    (:func:`context`). As a context manager, leaving the block kills it if it still runs.
-
-    ``capture_stderr``: its fd 2 goes to a temporary file, copied to this process's stderr
-    when it ends and kept in :attr:`Ended.stderr` (the OOM evidence). ``every`` (seconds,
-    or None): how often :meth:`wait` calls its ``tick`` while it runs.
-    """
+    """``fn(*args)`` (picklable) in a child started now from ``ctx`` (:func:`context`);
+    leaving the ``with`` block kills it if it still runs. ``capture_stderr``: its fd 2 goes
+    to a file, copied to this stderr at its end and kept (:attr:`Ended.stderr`)."""
 
     def __init__(self, ctx: Any, fn: Callable[..., Any], *args: Any, name: str | None = None,
                  capture_stderr: bool = False) -> None:
@@ -254,7 +222,9 @@ class Child:
         if capture_stderr:
             fd, self.stderr_path = tempfile.mkstemp(prefix="oomguard-child-", suffix=".stderr")
             os.close(fd)
-        parent = os.getpid() if ctx.get_start_method() == "fork" else _server_pid()
+        # The child's parent: this process, or the forkserver (None: not known).
+        parent = os.getpid() if ctx.get_start_method() == "fork" else getattr(
+            getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
         self.proc = ctx.Process(target=_enter, name=name,
                                 args=(send, parent, self.stderr_path, fn, tuple(args)))
         self.every: float | None = None
@@ -274,10 +244,9 @@ class Child:
 
     def wait(self, timeout: float | None = None, tick: Callable[[Child], bool] | None = None,
              grace: float = 0.0) -> Ended:
-        """Wait for the child's end. ``timeout`` seconds from its start (None: none): it is
-        then stopped (:meth:`stop` with ``grace``), :data:`TIMED_OUT`. ``tick(child)`` is
-        called every :attr:`every` seconds and after each message; if it returns True the
-        child is stopped the same way, :data:`STOPPED`."""
+        """The child's end. After ``timeout`` seconds from its start it is stopped
+        (:meth:`stop` with ``grace``): TIMED_OUT. ``tick(child)`` runs every :attr:`every`
+        seconds (None: never) and after each message; True stops it: STOPPED."""
         deadline = None if timeout is None else self.t0 + timeout
         how = None
         while how is None:
@@ -293,15 +262,9 @@ class Child:
             self.proc.join(30)
         self.stop(grace if how else 0)
         kind, payload = self._answer or (how or DIED, None)
-        return Ended(how=kind, started=self.started, exitcode=self.proc.exitcode,
-                     seconds=time.monotonic() - self.t0,
-                     value=payload if kind == RETURNED else None,
-                     raised=payload if kind == RAISED else None, stderr=self._stderr(),
-                     messages=self.messages)
-
-    def result(self, timeout: float | None = None) -> Any:
-        """What ``fn`` returned (see :meth:`Ended.result`)."""
-        return self.wait(timeout).result()
+        return Ended(kind, self.started, self.proc.exitcode, time.monotonic() - self.t0,
+                     payload if kind == RETURNED else None, payload if kind == RAISED else None,
+                     self._stderr(), self.messages)
 
     def stop(self, grace: float = KILL_GRACE_S) -> None:
         """Stop the child if it runs: SIGTERM, SIGKILL ``grace`` seconds later (0: at once)."""
@@ -313,7 +276,7 @@ class Child:
         self.proc.join()
 
     def _receive(self, timeout: float | None) -> bool:
-        """Read what the child sent within ``timeout`` seconds; True once it answered or is gone."""
+        """Read what came within ``timeout`` seconds; True once it answered or is gone."""
         try:
             if not self.conn.poll(timeout):
                 return False
@@ -333,22 +296,14 @@ class Child:
         path, self.stderr_path = self.stderr_path, None
         if path is None:
             return ""
-        try:
+        text = ""
+        with contextlib.suppress(OSError):
             with open(path, encoding="utf-8", errors="replace") as f:
                 text = f.read()
             os.unlink(path)
-        except OSError:
-            return ""
         sys.stderr.write(text)
         sys.stderr.flush()
         return text
-
-
-def _server_pid() -> int | None:
-    """The running forkserver's pid (its children's parent), or None if unknown."""
-    from multiprocessing import forkserver
-
-    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
 
 
 # Text a child writes on stderr when it dies for want of memory (lower-case). libgomp
@@ -400,27 +355,23 @@ def how_it_ended(exitcode: int | None) -> str:
 
 
 class LimitWatch:
-    """The parent's view of a budgeted child's data segment (``VmData``, what its
-    ``RLIMIT_DATA`` counts), sampled every ``interval`` seconds while it runs: the
-    ``tick`` of :meth:`Child.wait`, from the moment the child tells its limit (bytes).
+    """A budgeted child's data segment (``VmData``, what ``RLIMIT_DATA`` counts), sampled
+    every ``interval`` seconds once it told its limit (bytes): :meth:`Child.wait`'s tick.
 
-    Some native code does not check what ``malloc`` returns: under a CPU budget, an
-    allocation refused at the limit can then kill the child with SIGSEGV instead of
-    raising. A LSTM step's backward did, 1 time in 40 at the size above the maximum,
-    with glibc's 4 KiB mmap threshold (docs/measurements.md#crashes-at-the-limit). A
-    child that died by a signal after its data segment came within ``near`` bytes of
-    the limit (:data:`NEAR_LIMIT_FRACTION` of the budget, at least :data:`NEAR_LIMIT_MIN`)
-    ran out of memory; one that died far from it crashed.
+    Native code that does not check ``malloc`` can die of SIGSEGV at a CPU budget's limit
+    instead of raising (a LSTM step's backward, 1 time in 40 at the size above the maximum,
+    docs/measurements.md#crashes-at-the-limit): a child that died by a signal within
+    ``near`` bytes of the limit (:data:`NEAR_LIMIT_FRACTION` of the budget, at least
+    :data:`NEAR_LIMIT_MIN`) ran out of memory; one that died far from it crashed.
     """
 
     def __init__(self, budget: int) -> None:
-        # Imported here: it imports torch, and the forkserver imports this module before
-        # torch, to die with its parent from its first second.
+        # Not at the top: it imports torch, which the forkserver imports after this module.
         from oomguard.probes.peak import DATA_INTERVAL_S
 
         self.interval = DATA_INTERVAL_S  # seconds between two samples
         self.near = max(NEAR_LIMIT_MIN, int(budget * NEAR_LIMIT_FRACTION))
-        self.limit: int | None = None
+        self.limit: int | None = None  # bytes, as the child told them
         self.peak: int | None = None
         self._data: Any = None
 

@@ -98,7 +98,7 @@ def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
         budget(budget_bytes, device) if budget_bytes is not None else nullcontext())
     with gc_frozen(), guard as entered:
         if entered is not None and entered.device == "cpu":  # the parent watches it
-            launcher.tell_parent(entered.limit)
+            launcher.ToParent().send(entered.limit)
         return run_trial(fn, size, device, ram_guard, steps)
 
 
