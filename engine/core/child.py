@@ -41,9 +41,8 @@ from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
 
 KILL_GRACE_S = 5.0  # seconds between SIGTERM and SIGKILL when a child is asked to stop
-# The forkserver's first imports: its parent-death signal, torch, torch._dynamo (any torch.optim
-# optimizer imports it: 1.5-3 s in every child, docs/measurements.md#isolated-children-start-up)
-# and what an isolated trial runs.
+# The forkserver's imports: its parent-death signal first, torch, torch._dynamo (1.5-3 s in every
+# child otherwise, docs/measurements.md#isolated-children-start-up), an isolated trial's code.
 _SERVER_PRELOAD = ("oomguard.engine.core.in_forkserver", "torch", "torch._dynamo",
                    "oomguard.engine.core.search.isolate")
 _preload: dict[str, None] = {}  # every module asked for so far, in order (a set)
@@ -82,12 +81,14 @@ def start_forkserver(preload: Iterable[str] = ()) -> Any:
     ``exec``, a handler would not) like every child it forks; the context to use."""
     ctx = forkserver_context(preload)
     if ctx.get_start_method() == "forkserver":
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        previous = signal.getsignal(signal.SIGINT)  # None: a handler Python cannot restore
+        swap = previous is not None and threading.current_thread() is threading.main_thread()
+        if swap:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             forkserver.ensure_running()  # spawns the server and returns
         finally:
-            if main:
+            if swap:
                 signal.signal(signal.SIGINT, previous)
     return ctx
 
@@ -210,7 +211,7 @@ class Ended:
         raise ChildCrashed(f"the child process {how} without a result")
 
 
-class Child:
+class Child(contextlib.AbstractContextManager["Child"]):
     """``fn(*args)`` (picklable) in a child started now from ``ctx`` (:func:`context`);
     leaving the ``with`` block kills it if it still runs. ``capture_stderr``: its fd 2 goes
     to a file, copied to this stderr at its end and kept (:attr:`Ended.stderr`)."""
@@ -222,9 +223,11 @@ class Child:
         if capture_stderr:
             fd, self.stderr_path = tempfile.mkstemp(prefix="oomguard-child-", suffix=".stderr")
             os.close(fd)
-        # The child's parent: this process, or the forkserver (None: not known).
-        parent = os.getpid() if ctx.get_start_method() == "fork" else getattr(
-            getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+        if ctx.get_start_method() == "fork":
+            parent: int | None = os.getpid()
+        else:  # the forkserver, running from here on (one that died is started again)
+            start_forkserver()
+            parent = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
         self.proc = ctx.Process(target=_enter, name=name,
                                 args=(send, parent, self.stderr_path, fn, tuple(args)))
         self.every: float | None = None
@@ -233,9 +236,6 @@ class Child:
         self.t0 = time.monotonic()
         self.proc.start()
         send.close()
-
-    def __enter__(self) -> Child:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop(0)
