@@ -18,7 +18,7 @@ import argparse
 import multiprocessing as mp
 import time
 
-from oomguard.engine.core.search.isolate import forkserver_context
+from oomguard.engine.core.child import forkserver_context
 from oomguard.engine.core.search.search import SearchConfig, search
 from oomguard.engine.core.search.strategies import E10, Doubling, LinearJump
 from oomguard.metrics.synthetic import e10_line

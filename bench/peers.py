@@ -43,7 +43,8 @@ from typing import Any, ClassVar
 from peer_algorithms import DERIVED, PEERS, PeerStrategy
 from peer_workloads import PRELOAD, Workload, workloads
 
-from oomguard.engine.core.search.isolate import IsolatedRunner, forkserver_context
+from oomguard.engine.core.child import Child, forkserver_context
+from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
 from oomguard.engine.core.search.strategies import E10, Doubling, Guided, Strategy, bracket
 from oomguard.engine.core.search.trial import Trial
@@ -169,22 +170,11 @@ class Fresh:
                 "search_trials": len(result.trials), "search_seconds": seconds}
 
 
-def _send_result(conn: Any, fn: Any, args: tuple[Any, ...]) -> None:
-    conn.send(fn(*args))
-    conn.close()
-
-
 def _in_fresh_process(ctx: Any, fn: Any, *args: Any) -> Any:
     """``fn(*args)`` in a fresh, non-daemonic process (a pool's workers cannot start the
     children a confirmed search runs its fresh trials in)."""
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_send_result, args=(child, fn, args))
-    proc.start()
-    child.close()
-    try:
-        return parent.recv()
-    finally:
-        proc.join()
+    with Child(ctx, fn, *args) as child:
+        return child.wait().result()
 
 
 def run_workload(w: Workload, ctx: Any) -> dict[str, Any]:

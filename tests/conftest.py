@@ -118,14 +118,19 @@ def in_fresh_process(fn, *args):
 def in_fresh_processes(fn, arg_lists, workers: int = 1):
     """``[fn(*args) for args in arg_lists]``, each call in a fresh child of its own (as
     :func:`in_fresh_process`), ``workers`` at a time: a budget is per process, so calls
-    that each set their own (single-threaded) can share the cores."""
-    import multiprocessing as mp
+    that each set their own (single-threaded) can share the cores. An exception in a child
+    is raised here; a child that dies raises ChildCrashed."""
+    from oomguard.engine.core.child import Child, start_forkserver
 
-    from oomguard.engine.core.search.isolate import forkserver_context
-
-    forkserver_context(("transformers", "oomguard.metrics.train_step", "oomguard.metrics.synthetic"))
-    with mp.get_context("forkserver").Pool(workers, maxtasksperchild=1) as pool:
-        return pool.starmap(fn, [tuple(a) for a in arg_lists], chunksize=1)
+    ctx = start_forkserver(("transformers", "oomguard.metrics.train_step",
+                            "oomguard.metrics.synthetic"))
+    arg_lists, results = [tuple(a) for a in arg_lists], []
+    for i in range(0, len(arg_lists), workers):
+        with contextlib.ExitStack() as running:
+            children = [running.enter_context(Child(ctx, fn, *args))
+                        for args in arg_lists[i:i + workers]]
+            results += [child.wait().result() for child in children]
+    return results
 
 
 @dataclass

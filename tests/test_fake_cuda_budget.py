@@ -171,6 +171,7 @@ def test_fake_cuda_isolated_bench_parent_holds_nothing_while_children_run(
     # Item 7: the parent warmed its model up on the GPU (describe()) and kept it there
     # while the isolated children measured beside it.
     from oomguard.engine.cli.main import main
+    from oomguard.engine.core import child as launcher
     from oomguard.engine.core.search import isolate
     from oomguard.engine.core.search.trial import Trial
     from oomguard.metrics.models import build_model
@@ -193,7 +194,7 @@ def test_fake_cuda_isolated_bench_parent_holds_nothing_while_children_run(
 
     monkeypatch.setattr(TrainStep, "warmup", warmup_on_the_fake_gpu)
     monkeypatch.setattr(isolate.IsolatedRunner, "__call__", child)
-    monkeypatch.setattr(isolate, "start_forkserver", lambda preload=(): None)  # no server
+    monkeypatch.setattr(launcher, "start_forkserver", lambda preload=(): None)  # no server
     code = main(["bench", "--device", "cuda", "--isolate", "--budget", "1GiB", "--seq-len", "16",
                  "--max-size", "64", "--out", str(tmp_path / "r"), "--json"])
     assert code == 0 and seen and set(seen) == {(0, 0)}

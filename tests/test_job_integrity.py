@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.engine.core.child import start_method
 from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.fingerprint import Digests, describe_changes
 from oomguard.engine.jobs.journal import replay
-from oomguard.engine.jobs.plan import child_start_method
 from oomguard.engine.jobs.runner import run_job
 from oomguard.engine.jobs.spec import load_job, parse_job
 
@@ -206,10 +206,10 @@ def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, kind):
 
 
 def test_children_fork_only_for_cpu_jobs_never_for_a_gpu():
-    assert child_start_method("cpu") == ("fork" if sys.platform.startswith("linux")
+    assert start_method("cpu") == ("fork" if sys.platform.startswith("linux")
                                          else "forkserver")
     for device in ("cuda", "cuda:1", "mps"):
-        assert child_start_method(device) == "forkserver"
+        assert start_method(device) == "forkserver"
 
 
 @pytest.mark.integration
@@ -217,7 +217,7 @@ def test_a_cpu_job_from_the_command_line_forks_its_children(tmp_path):
     path = _job(tmp_path, '[[metrics]]\nname = "loss"\n')
     assert _cli("run", str(path)).returncode == 0
     starts = _events(tmp_path / "out", "start")
-    assert [e["start_method"] for e in starts] == [child_start_method("cpu")]
+    assert [e["start_method"] for e in starts] == [start_method("cpu")]
 
 
 @pytest.mark.integration

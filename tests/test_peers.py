@@ -26,7 +26,7 @@ from peer_algorithms import PEERS  # noqa: E402
 from peer_workloads import PRELOAD, Workload, workloads  # noqa: E402
 from peers import ISOLATED, Fresh, run_algorithm  # noqa: E402
 
-from oomguard.engine.core.search.isolate import forkserver_context  # noqa: E402
+from oomguard.engine.core.child import forkserver_context  # noqa: E402
 from oomguard.engine.core.search.trial import Trial  # noqa: E402
 
 # Before any test starts the forkserver: a child then imports none of these itself

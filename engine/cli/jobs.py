@@ -117,7 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("run: give a job file (oomguard run JOB.toml), or --example")
     setup_logging(logging.INFO)
     # why: the runner imports torch and transformers (seconds); only a real run needs them.
-    from oomguard.engine.jobs.plan import child_start_method
+    from oomguard.engine.core.child import start_method
     from oomguard.engine.jobs.runner import format_outcome, run_job
     from oomguard.engine.jobs.spec import load_job
 
@@ -139,7 +139,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             backend = OnRay(args.ray or None)
         outcome = run_job(job, cache_path=args.cache, search=not args.no_search,
-                          start_method=child_start_method(job.device), log_setup=job_log,
+                          start_method=start_method(job.device), log_setup=job_log,
                           force=args.force, snapshot_on_oom=args.snapshot_on_oom,
                           backend=backend)
     except OSError as exc:  # a full disk: what finished is on disk; say where it stopped

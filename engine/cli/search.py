@@ -119,7 +119,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_workload(args)
     dev = resolve_device(args.device, check=True)
     if isolated(args, dev) or confirmed(args):  # started now: imports overlap the checks
-        from oomguard.engine.core.search.isolate import start_forkserver
+        from oomguard.engine.core.child import start_forkserver
 
         start_forkserver(TrainStep.preload + (TrainStep.__module__,))
     check_seq_len(model_config(args.model), args.seq_len)
@@ -151,7 +151,8 @@ def cmd_search(args: argparse.Namespace) -> int:
                          f"valid: {', '.join(knobs)}")
     dev = resolve_device(args.device, check=True)
     if isolated(args, dev) or confirmed(args):  # started now: imports overlap the planning
-        from oomguard.engine.core.search.isolate import start_forkserver, workload_preload
+        from oomguard.engine.core.child import start_forkserver
+        from oomguard.engine.core.workload import workload_preload
 
         first = MetricTrial(metric=args.metric, knob=args.knob or knobs[0], model=args.model)
         start_forkserver(workload_preload(first))

@@ -1,18 +1,304 @@
-"""How the parent reads an isolated child's death: out of memory, or a crash.
+"""Child processes: how one starts, what it is given, how its result or its death comes
+back. Isolated trials, the measured reference, job tasks and the tests all use :class:`Child`.
 
-A child that dies after it started is an OOM only with evidence (the module
-docstring of :mod:`oomguard.engine.core.search.isolate` lists the kinds): an allocation
-failure reported on its stderr, SIGKILL under a memory limit, or, under a CPU
-budget, death by a signal after its data segment came close to the limit.
+``fork`` only where no CUDA can have been initialised ("Cannot re-initialize CUDA in
+forked subprocess"; :func:`start_method`), else a forkserver that has imported torch (its
+children re-run the parent's main module: a script needs ``if __name__ == "__main__":``).
+The child runs a picklable ``fn(*args)``, says ``started``, may tell the parent things
+(:class:`ToParent`) and sends what ``fn`` returned or raised; the parent reads that, or
+the death with its evidence, as an :class:`Ended`; a time limit is a timeout, never an
+OOM. Every child and forkserver dies with its parent (:func:`die_with_parent`) and
+ignores SIGINT: Ctrl-C reaches the whole process group, and the command alone decides.
+
+A death after ``started`` is an OOM only with evidence (the kinds are listed in
+:mod:`oomguard.engine.core.search.isolate`): an allocation failure reported on stderr,
+SIGKILL under a memory limit, or under a CPU budget a signal after the data segment came
+close to the limit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import importlib
+import multiprocessing as mp
+import os
+import pickle
 import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from multiprocessing import forkserver
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
+from oomguard.engine.errors import ChildCrashed
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
-from oomguard.probes.peak import DATA_INTERVAL_S
+
+KILL_GRACE_S = 5.0  # seconds between SIGTERM and SIGKILL when a child is asked to stop
+# The forkserver's imports: its parent-death signal first, torch, torch._dynamo (1.5-3 s in every
+# child otherwise, docs/measurements.md#isolated-children-start-up), an isolated trial's code.
+_SERVER_PRELOAD = ("oomguard.engine.core.in_forkserver", "torch", "torch._dynamo",
+                   "oomguard.engine.core.search.isolate")
+_preload: dict[str, None] = {}  # every module asked for so far, in order (a set)
+
+# What a child sends (kind, payload), and how it ended (:attr:`Ended.how`).
+STARTED, MESSAGE, RETURNED, RAISED = "started", "message", "returned", "raised"
+DIED, TIMED_OUT, STOPPED = "died", "timed out", "stopped"
+
+
+def start_method(device: str) -> str:
+    """How a job's tasks start from a process that ran no torch code (the command line's):
+    ``fork`` for CPU jobs on Linux, else ``forkserver`` (the parent probed the device)."""
+    return "fork" if device == "cpu" and sys.platform.startswith("linux") else "forkserver"
+
+
+def forkserver_context(preload: Iterable[str] = ()) -> Any:
+    """The forkserver context (spawn where there is none), ``preload`` named for the server,
+    which is shared: it imports what every call named before it started."""
+    if sys.platform == "win32" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    _preload.update(dict.fromkeys(_SERVER_PRELOAD + tuple(m for m in preload if m != "__main__")))
+    ctx.set_forkserver_preload(list(_preload))  # no effect once the server runs
+    return ctx
+
+
+def start_forkserver(preload: Iterable[str] = ()) -> Any:
+    """Start the forkserver in the background (its imports overlap this process's work,
+    docs/measurements.md#isolated-children-start-up), with SIGINT ignored (that survives
+    ``exec``, a handler would not) like every child it forks; the context to use."""
+    ctx = forkserver_context(preload)
+    if ctx.get_start_method() == "forkserver":
+        previous = signal.getsignal(signal.SIGINT)  # None: a handler Python cannot restore
+        swap = previous is not None and threading.current_thread() is threading.main_thread()
+        if swap:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            forkserver.ensure_running()  # spawns the server and returns
+        finally:
+            if swap:
+                signal.signal(signal.SIGINT, previous)
+    return ctx
+
+
+def context(method: str = "forkserver", preload: Iterable[str] = ()) -> Any:
+    """:func:`start_forkserver`, or ``fork`` with ``preload`` imported here, once for all."""
+    if method != "fork":
+        return start_forkserver(preload)
+    for module in preload:
+        with contextlib.suppress(ImportError):  # preloading is an optimisation only
+            importlib.import_module(module)
+    return mp.get_context("fork")
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Ask Linux to SIGKILL this process when its parent (the *thread* that started it)
+    dies; exit now if the parent is no longer ``parent`` (it died before that)."""
+    if not sys.platform.startswith("linux"):
+        return
+    expected = os.getppid() if parent is None else parent
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != expected:
+        os._exit(1)
+
+
+_to_parent: Any = None  # in a child: its end of the pipe
+
+
+class ToParent:
+    """In a child: ``send(message)`` reaches the parent now (:attr:`Child.messages`)."""
+
+    def send(self, message: Any) -> None:
+        _to_parent.send((MESSAGE, message))
+
+
+def _enter(conn: Any, parent: int | None, stderr_path: str | None, fn: Callable[..., Any],
+           args: tuple[Any, ...]) -> None:
+    """Runs in the child: die with the parent, leave SIGINT to it, say it started, run."""
+    global _to_parent
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A forked child inherits the parent's handler (a job's stop flag): SIGTERM must stop it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _to_parent = conn
+    _send(conn, (STARTED, None))
+    if stderr_path is not None:
+        with contextlib.suppress(OSError):  # else the inherited stderr: nothing is lost
+            sys.stderr.flush()
+            fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
+            os.dup2(fd, 2)
+            os.close(fd)
+    try:
+        answer: tuple[str, Any] = (RETURNED, fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        answer = (RAISED, _described(exc))
+    sys.stderr.flush()
+    _send(conn, answer)
+    conn.close()
+
+
+def _send(conn: Any, answer: tuple[str, Any]) -> None:
+    try:
+        data = ForkingPickler.dumps(answer)
+    except Exception as exc:  # noqa: BLE001 - a value or an exception that does not pickle
+        data = ForkingPickler.dumps((RAISED, _described(exc)))
+    with contextlib.suppress(OSError):  # the parent stopped listening (it was interrupted)
+        conn.send_bytes(data)
+
+
+def _described(exc: BaseException) -> tuple[bytes | None, str, str]:
+    """The exception pickled (or None), its first line, its traceback."""
+    try:
+        pickled: bytes | None = pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - the exception itself may not pickle
+        pickled = None
+    text = str(exc).strip()
+    summary = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    return pickled, summary, "".join(traceback.format_exception(exc))
+
+
+@dataclass
+class Ended:
+    """How a child ended (``how``): RETURNED ``value``, RAISED (:meth:`error`), DIED
+    (``exitcode``: a code, or minus the signal), TIMED_OUT or STOPPED by the parent.
+    ``started``: it reached ``fn``; ``seconds`` from start to end."""
+
+    how: str
+    started: bool
+    exitcode: int | None
+    seconds: float
+    value: Any = None
+    raised: tuple[bytes | None, str, str] | None = None
+    stderr: str = ""
+    messages: list[Any] = field(default_factory=list)
+
+    def error(self, where: str = "a child process") -> BaseException:
+        """The child's exception (else a RuntimeError with its text), its traceback a note."""
+        assert self.raised is not None
+        pickled, summary, text = self.raised
+        try:
+            exc = pickle.loads(pickled) if pickled is not None else None
+        except Exception:  # noqa: BLE001 - its class or arguments do not unpickle here
+            exc = None
+        if not isinstance(exc, BaseException):
+            exc = RuntimeError(summary)
+        exc.add_note(f"raised in {where}:\n{text}")
+        return exc
+
+    def result(self) -> Any:
+        """What ``fn`` returned, or its exception raised, or :class:`ChildCrashed`."""
+        if self.how == RETURNED:
+            return self.value
+        if self.how == RAISED:
+            raise self.error()
+        how = how_it_ended(self.exitcode) if self.how == DIED else (
+            f"{self.how} after {self.seconds:.3g} s,")
+        raise ChildCrashed(f"the child process {how} without a result")
+
+
+class Child(contextlib.AbstractContextManager["Child"]):
+    """``fn(*args)`` (picklable) in a child started now from ``ctx`` (:func:`context`);
+    leaving the ``with`` block kills it if it still runs. ``capture_stderr``: its fd 2 goes
+    to a file, copied to this stderr at its end and kept (:attr:`Ended.stderr`)."""
+
+    def __init__(self, ctx: Any, fn: Callable[..., Any], *args: Any, name: str | None = None,
+                 capture_stderr: bool = False) -> None:
+        self.conn, send = ctx.Pipe(duplex=False)
+        self.stderr_path: str | None = None
+        if capture_stderr:
+            fd, self.stderr_path = tempfile.mkstemp(prefix="oomguard-child-", suffix=".stderr")
+            os.close(fd)
+        if ctx.get_start_method() == "fork":
+            parent: int | None = os.getpid()
+        else:  # the forkserver, running from here on (one that died is started again)
+            start_forkserver()
+            parent = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+        self.proc = ctx.Process(target=_enter, name=name,
+                                args=(send, parent, self.stderr_path, fn, tuple(args)))
+        self.every: float | None = None
+        self.started, self.messages = False, []
+        self._answer: tuple[str, Any] | None = None
+        self.t0 = time.monotonic()
+        self.proc.start()
+        send.close()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(0)
+        self.conn.close()
+        self._stderr()
+
+    def wait(self, timeout: float | None = None, tick: Callable[[Child], bool] | None = None,
+             grace: float = 0.0) -> Ended:
+        """The child's end. After ``timeout`` seconds from its start it is stopped
+        (:meth:`stop` with ``grace``): TIMED_OUT. ``tick(child)`` runs every :attr:`every`
+        seconds (None: never) and after each message; True stops it: STOPPED."""
+        deadline = None if timeout is None else self.t0 + timeout
+        how = None
+        while how is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                how = TIMED_OUT
+            elif self._receive(min((t for t in (left, self.every) if t is not None),
+                                   default=None)):
+                break
+            elif tick is not None and tick(self):
+                how = STOPPED
+        if how is None:  # it answered or closed its pipe: it is ending by itself
+            self.proc.join(30)
+        self.stop(grace if how else 0)
+        kind, payload = self._answer or (how or DIED, None)
+        return Ended(kind, self.started, self.proc.exitcode, time.monotonic() - self.t0,
+                     payload if kind == RETURNED else None, payload if kind == RAISED else None,
+                     self._stderr(), self.messages)
+
+    def stop(self, grace: float = KILL_GRACE_S) -> None:
+        """Stop the child if it runs: SIGTERM, SIGKILL ``grace`` seconds later (0: at once)."""
+        if self.proc.is_alive() and grace > 0:
+            self.proc.terminate()
+            self.proc.join(grace)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
+
+    def _receive(self, timeout: float | None) -> bool:
+        """Read what came within ``timeout`` seconds; True once it answered or is gone."""
+        try:
+            if not self.conn.poll(timeout):
+                return False
+            kind, payload = self.conn.recv()
+        except (EOFError, OSError):  # the child closed its end: it died, or ended
+            return True
+        if kind == STARTED:
+            self.started = True
+        elif kind == MESSAGE:
+            self.messages.append(payload)
+        else:
+            self._answer = (kind, payload)
+        return kind in (RETURNED, RAISED)
+
+    def _stderr(self) -> str:
+        """The child's captured stderr, once: also written to this process's stderr."""
+        path, self.stderr_path = self.stderr_path, None
+        if path is None:
+            return ""
+        text = ""
+        with contextlib.suppress(OSError):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+            os.unlink(path)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        return text
+
 
 # Text a child writes on stderr when it dies for want of memory (lower-case). libgomp
 # prints "libgomp: Thread creation failed: Resource temporarily unavailable" and exits
@@ -63,40 +349,46 @@ def how_it_ended(exitcode: int | None) -> str:
 
 
 class LimitWatch:
-    """The parent's view of a budgeted child's data segment (``VmData``, what its
-    ``RLIMIT_DATA`` counts), sampled every ``interval`` seconds while it runs.
+    """A budgeted child's data segment (``VmData``, what ``RLIMIT_DATA`` counts), sampled
+    every ``interval`` seconds once it told its limit (bytes): :meth:`Child.wait`'s tick.
 
-    Some native code does not check what ``malloc`` returns: under a CPU budget, an
-    allocation refused at the limit can then kill the child with SIGSEGV instead of
-    raising. A LSTM step's backward did, 1 time in 40 at the size above the maximum,
-    with glibc's 4 KiB mmap threshold (docs/measurements.md#crashes-at-the-limit). A
-    child that died by a signal after its data segment came within ``near`` bytes of
-    the limit (:data:`NEAR_LIMIT_FRACTION` of the budget, at least :data:`NEAR_LIMIT_MIN`)
-    ran out of memory; one that died far from it crashed.
+    Native code that does not check ``malloc`` can die of SIGSEGV at a CPU budget's limit
+    instead of raising (a LSTM step's backward, 1 time in 40 at the size above the maximum,
+    docs/measurements.md#crashes-at-the-limit): a child that died by a signal within
+    ``near`` bytes of the limit (:data:`NEAR_LIMIT_FRACTION` of the budget, at least
+    :data:`NEAR_LIMIT_MIN`) ran out of memory; one that died far from it crashed.
     """
 
-    interval = DATA_INTERVAL_S  # seconds between two samples
+    def __init__(self, budget: int) -> None:
+        # Not at the top: it imports torch, which the forkserver imports after this module.
+        from oomguard.probes.peak import DATA_INTERVAL_S
 
-    def __init__(self, pid: int, limit: int, budget: int) -> None:
-        self.limit, self.peak = limit, None
+        self.interval = DATA_INTERVAL_S  # seconds between two samples
         self.near = max(NEAR_LIMIT_MIN, int(budget * NEAR_LIMIT_FRACTION))
-        self._data = host.DataSize(pid)
-        self.sample()
+        self.limit: int | None = None  # bytes, as the child told them
+        self.peak: int | None = None
+        self._data: Any = None
 
-    def sample(self) -> None:
-        value = self._data.read()
-        if value is not None and (self.peak is None or value > self.peak):
-            self.peak = value
+    def __call__(self, child: Child) -> bool:
+        if self._data is None and child.messages and child.proc.pid is not None:
+            self.limit, self._data = child.messages[0], host.DataSize(child.proc.pid)
+            child.every = self.interval
+        if self._data is not None:
+            value = self._data.read()
+            if value is not None and (self.peak is None or value > self.peak):
+                self.peak = value
+        return False  # never stops the child
 
     def close(self) -> None:
-        self._data.close()
+        if self._data is not None:
+            self._data.close()
 
     def evidence(self, exitcode: int | None) -> str | None:
         """Why the child's death was an OOM, or None: a signal, and the peak near the limit."""
-        if exitcode is None or exitcode >= 0 or self.peak is None:
+        if exitcode is None or exitcode >= 0 or self.peak is None or self.limit is None:
             return None
         left = self.limit - self.peak
         if left > self.near:
             return None
         return (f"its data segment came within {fmt_bytes(max(left, 0))} of the budget's "
-                f"limit, sampled every {DATA_INTERVAL_S * 1000:g} ms")
+                f"limit, sampled every {self.interval * 1000:g} ms")

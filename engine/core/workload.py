@@ -105,6 +105,12 @@ def preload_of(fn: Any) -> tuple[str, ...]:
     return tuple(getattr(fn, "preload", ()))
 
 
+def workload_preload(fn: Any) -> tuple[str, ...]:
+    """The modules a forkserver should import for ``fn``: its ``preload`` and its module."""
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return preload_of(fn) + (module,)
+
+
 def _method(fn: Any, hook: str, signature: str) -> Callable[..., Any] | None:
     """``fn``'s method ``hook``, or None when it has none (or it is None); :class:`UsageError`
     when it is something that cannot be called."""

@@ -23,13 +23,9 @@ a result; the runner starts the next process with it (:func:`child_main`'s ``han
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import io
 import logging
-import os
-import signal
-import sys
 import time
 import traceback
 from contextlib import nullcontext
@@ -61,22 +57,7 @@ from oomguard.probes.peak import PeakMeter
 
 log = logging.getLogger("oomguard.job")
 
-_PR_SET_PDEATHSIG = 1
 TENSOR_INLINE_MAX = 64  # tensors with more elements go to results/<task>.pt
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no orphans after kill -9)."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | None = None,
@@ -85,13 +66,11 @@ def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | N
 
     ``handoff``: what the task's previous process sent when its remedy ladder needed a
     fresh one (applied first: its environment must be in place before CUDA starts).
-    ``conn``: where this process sends its own handoff (a ``multiprocessing`` connection).
+    ``conn``: where this process sends its own handoff (a
+    :class:`~oomguard.engine.core.child.ToParent`).
     """
     if handoff is not None:
         apply_env(handoff["ladder"]["env"])
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent decides
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked child inherits the parent's handler
     # Freed tensors must go back to the kernel, or the resident peak meter sees
     # a reused heap as 0 bytes and budgets drift (docs/measurements.md#return-freed-memory).
     return_freed_memory_to_os()
@@ -123,8 +102,8 @@ def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | N
         sink.write(f"results/{task.key}.json", json_text(record))
         sizes = record.sizes or {}
         sink.event("success", task=task.key, run=ctx.run_id, seconds=record.seconds,
-                       sizes=sizes.get("final"), source=sizes.get("source"),
-                       retries=sizes.get("retries"), remedy=record.remedy)
+                   sizes=sizes.get("final"), source=sizes.get("source"),
+                   retries=sizes.get("retries"), remedy=record.remedy)
 
 
 def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any], out: Path,

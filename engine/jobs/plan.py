@@ -1,11 +1,9 @@
 """A job's plan: its tasks (one per model and metric, each with the inputs that define
-its result) and the device it runs on, measured before anything starts; and how the
-tasks' processes are started, stopped and heard from."""
+its result) and the device it runs on, measured before anything starts."""
 
 from __future__ import annotations
 
 import socket
-import sys
 from typing import Any
 
 import torch
@@ -16,14 +14,9 @@ from oomguard.engine.jobs.records import Job, Task
 from oomguard.engine.jobs.spec import model_label
 from oomguard.engine.util.jsonable import stable_hash
 from oomguard.engine.util.units import fmt_bytes
-from oomguard.metrics.base import get_metric
-from oomguard.metrics.models import model_config
 from oomguard.probes import nvml, probe
 
-__all__ = ["child_start_method", "device_identity", "plan", "preload_modules", "received",
-           "stop_child"]
-
-KILL_GRACE_S = 5.0  # after SIGTERM, before SIGKILL
+__all__ = ["device_identity", "plan"]
 
 
 def plan(job: Job, digests: Digests | None = None) -> list[Task]:
@@ -49,15 +42,6 @@ def plan(job: Job, digests: Digests | None = None) -> list[Task]:
                               fingerprint=stable_hash(inputs), inputs=inputs,
                               on_oom=m.on_oom if m.on_oom is not None else job.on_oom))
     return tasks
-
-
-def child_start_method(device: str) -> str:
-    """How a job's metric processes are started for ``device``, from a process that has
-    run no torch code (the command line's): ``fork`` for CPU jobs on Linux (cheapest),
-    else ``forkserver``. A GPU job never forks: a child forked after the parent touched
-    CUDA cannot use it ("Cannot re-initialize CUDA in forked subprocess"), and the parent
-    probes the device before it starts any child."""
-    return "fork" if device == "cpu" and sys.platform.startswith("linux") else "forkserver"
 
 
 def device_identity(job: Job) -> dict[str, Any]:
@@ -87,32 +71,3 @@ def device_identity(job: Job) -> dict[str, Any]:
         ident.update({"mig_profile": snap.extra.get("mig_profile"),
                       "driver": nvml.driver_version(), "uuid": snap.extra.get("uuid")})
     return ident
-
-
-def preload_modules(task: Task) -> tuple[str, ...]:
-    """Modules a task's process needs, for its parent (or forkserver) to import once."""
-    mods = ["transformers", "oomguard.metrics.models", "oomguard.metrics.base",
-            "oomguard.engine.jobs.child", type(get_metric(task.metric)).__module__]
-    try:
-        mt = model_config(task.model).model_type.replace("-", "_")
-        mods.append(f"transformers.models.{mt}.modeling_{mt}")
-    except Exception:  # noqa: BLE001 - preloading is an optimisation only
-        pass
-    return tuple(m for m in mods if not m.startswith("oomguard_plugin_"))
-
-
-def received(receive: Any) -> dict[str, Any] | None:
-    """The child's handoff, once sent (read while it runs: a large one fills the pipe)."""
-    try:
-        return receive.recv() if receive.poll() else None
-    except (EOFError, OSError):  # the child ended without sending one
-        return None
-
-
-def stop_child(proc: Any) -> None:
-    """Stop a task's process: SIGTERM, then SIGKILL after :data:`KILL_GRACE_S`."""
-    proc.terminate()
-    proc.join(KILL_GRACE_S)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()

@@ -30,9 +30,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from oomguard.engine.core.child import start_method
 from oomguard.engine.jobs.cache import device_key, entry_key
 from oomguard.engine.jobs.journal import stamp
-from oomguard.engine.jobs.plan import child_start_method, device_identity
+from oomguard.engine.jobs.plan import device_identity
 from oomguard.engine.jobs.records import Context, Task
 from oomguard.engine.jobs.sink import HubSink, forward
 from oomguard.engine.jobs.sizing import minimums
@@ -95,7 +96,7 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
     pump.start()
     try:
         here = dataclasses.replace(ctx, out=str(scratch), device=device,
-                                   start_method=child_start_method(ctx.job.device),
+                                   start_method=start_method(ctx.job.device),
                                    threads=threads)
         t_task = time.perf_counter()
         # Never asked to stop (never None): the driver cancels a Ray task by ending its

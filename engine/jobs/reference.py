@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.core.search.isolate import start_forkserver, workload_preload
+from oomguard.engine.core.child import DIED, Child, start_forkserver
 from oomguard.engine.core.search.search import SearchConfig
+from oomguard.engine.core.workload import workload_preload
 from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.cache import SizeCache, entry_key
 from oomguard.engine.jobs.plan import device_identity, plan
@@ -132,40 +133,16 @@ def _measure_fresh(trial: MetricTrial, config: SearchConfig,
     search inherits the free heap, caches or peaks of the ones before it: run one after
     another in one process, later searches found 30-60 MiB of reusable free heap at their
     budget's entry and measured peaks of 4 KiB. ``on_trial`` must pickle."""
-    ctx = start_forkserver(workload_preload(trial))
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_measure_child, args=(child, trial, config, on_trial))
-    proc.start()
-    child.close()
-    try:
-        got: Row | BaseException | None = parent.recv()
-    except EOFError:  # the process died without a word
-        got = None
-    finally:
-        parent.close()
-        proc.join()
-    if isinstance(got, BaseException):
-        raise got
-    if got is None:
-        assert trial.knob is not None
-        return Row(metric=trial.metric, knob=trial.knob, max_ok=None, first_oom=None,
-                   safe=None, peak_at_safe_bytes=None, peak_source="", seconds_per_item=None,
-                   source=MEASURED, trials=0, seconds=0.0,
-                   note=f"the search's process died (exit code {proc.exitcode})")
-    return got
-
-
-def _measure_child(conn: Any, trial: MetricTrial, config: SearchConfig,
-                   on_trial: Callable[[Any], None] | None) -> None:
-    try:
-        got: Row | BaseException = _measure(trial, config, on_trial)
-    except BaseException as exc:  # noqa: BLE001 - the parent raises it
-        got = exc
-    try:
-        conn.send(got)
-    except Exception as exc:  # noqa: BLE001 - an exception that does not pickle
-        conn.send(RuntimeError(f"{type(got).__name__}: {got} ({exc})"))
-    conn.close()
+    with Child(start_forkserver(workload_preload(trial)), _measure, trial, config,
+               on_trial) as child:
+        ended = child.wait()
+    if ended.how != DIED:  # what it returned, or its exception raised here
+        return ended.result()
+    assert trial.knob is not None
+    return Row(metric=trial.metric, knob=trial.knob, max_ok=None, first_oom=None,
+               safe=None, peak_at_safe_bytes=None, peak_source="", seconds_per_item=None,
+               source=MEASURED, trials=0, seconds=0.0,
+               note=f"the search's process died (exit code {ended.exitcode})")
 
 
 def _measure(trial: MetricTrial, config: SearchConfig,

@@ -187,9 +187,9 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
     ``start_method`` starts each task's process: ``forkserver`` (safe from any
     process), or ``fork`` (faster; only from a process that has not run torch
     code yet, because a fork after OpenMP ran hangs the child,
-    docs/measurements.md#fork-after-openmp: the CLI uses it for CPU jobs, since
-    its parent only parses, plans and waits; :func:`child_start_method`). A job
-    on a GPU always uses ``forkserver``: CUDA cannot be used in a forked child.
+    docs/measurements.md#fork-after-openmp: the CLI uses it for CPU jobs, since its
+    parent only parses, plans and waits; :func:`~oomguard.engine.core.child.start_method`).
+    A job on a GPU always uses ``forkserver``: CUDA cannot be used in a forked child.
 
     ``log_setup(out)``, if given, is called with the output folder once the
     folder is locked, in this process, and again at the start of every

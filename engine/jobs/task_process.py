@@ -10,90 +10,89 @@ records a process that died or was stopped without a result as the task's failur
 
 from __future__ import annotations
 
-import importlib
 import logging
-import multiprocessing
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.core.search.isolate import forkserver_context
+from oomguard.engine.core import child as launcher
 from oomguard.engine.jobs.child import child_main
 from oomguard.engine.jobs.output import read_result
-from oomguard.engine.jobs.plan import preload_modules, received, stop_child
 from oomguard.engine.jobs.records import Context, Task, TaskResult
 from oomguard.engine.jobs.sink import Sink
 from oomguard.engine.util.jsonable import json_text
+from oomguard.metrics.base import get_metric
+from oomguard.metrics.models import model_config
 
 log = logging.getLogger("oomguard.job")
+
+STOP_POLL_S = 0.2  # how often a running task's process looks whether the job must stop
 
 
 def run_task(task: Task, ctx: Context, sink: Sink, stop: Any) -> TaskResult | None:
     """Run one task in a child, and in a fresh one each time its remedy ladder asks for one
     (``expandable_segments``, memory that did not come back; journal ``restart``); the
     record written, or None if the job was interrupted. The time limit covers them all.
-    Every output, the child's and this function's, goes to ``sink``.
 
     ``stop`` is anything with a ``signum`` attribute: None while the task may go on, a
     signal number once the job must stop (the child is then stopped and None returned).
+    Every output, the child's and this function's, goes to ``sink``.
     """
-    out = Path(ctx.out)
     sink.event("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
                time_limit_s=task.time_limit, start_method=ctx.start_method)
-    if ctx.start_method == "forkserver":
-        mp = forkserver_context(preload_modules(task))
-    else:
-        for module in preload_modules(task):  # imported once here, inherited by every child
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                pass
-        mp = multiprocessing.get_context(ctx.start_method)
+    mp = launcher.context(ctx.start_method, preload_modules(task))
     t0 = time.monotonic()
     handoff: dict[str, Any] | None = None
     while True:
-        receive, send = mp.Pipe(duplex=False)
-        proc = mp.Process(target=child_main, args=(task, ctx, sink, handoff, send),
-                          name=f"oomguard-{task.key}")
-        proc.start()
-        send.close()
-        handoff, reason = None, None
-        while proc.is_alive():
-            handoff = handoff or received(receive)
-            proc.join(0.2)
-            if stop.signum is not None and proc.is_alive():
-                stop_child(proc)
-                sink.event("interrupted", task=task.key, run=ctx.run_id,
-                           signal=signal.Signals(stop.signum).name,
-                           seconds=round(time.monotonic() - t0, 3))
-                return None
-            if time.monotonic() - t0 > task.time_limit and proc.is_alive():
-                stop_child(proc)
-                reason = f"time limit of {task.time_limit:g} s exceeded (stopped)"
-        handoff = handoff or received(receive)
-        receive.close()
-        if handoff is None or reason is not None or stop.signum is not None:
+        with launcher.Child(mp, child_main, task, ctx, sink, handoff, launcher.ToParent(),
+                            name=f"oomguard-{task.key}") as child:
+            child.every = STOP_POLL_S
+            ended = child.wait(task.time_limit - (time.monotonic() - t0),
+                               lambda _: stop.signum is not None, grace=launcher.KILL_GRACE_S)
+        if ended.how == launcher.STOPPED:
+            sink.event("interrupted", task=task.key, run=ctx.run_id,
+                       signal=signal.Signals(stop.signum).name,
+                       seconds=round(time.monotonic() - t0, 3))
+            return None
+        handoff = ended.messages[-1] if ended.messages else None
+        if handoff is None or ended.how == launcher.TIMED_OUT or stop.signum is not None:
             break
         sink.event("restart", task=task.key, run=ctx.run_id, why=handoff["why"],
                    env=handoff["ladder"].get("env"), resume=handoff["ladder"].get("resume"),
                    remedy=handoff["ladder"]["remedies"][handoff["ladder"]["at"]])
         log.warning("%s: restarting in a fresh process: %s", task.key, handoff["why"])
-    record = read_result(out, task.key)
-    if record is not None and record.run == ctx.run_id and reason is None:
+    return _ended(task, ctx, sink, stop, ended, time.monotonic() - t0)
+
+
+def _ended(task: Task, ctx: Context, sink: Sink, stop: Any, ended: launcher.Ended,
+           seconds: float) -> TaskResult | None:
+    """The task's record once its last process ended: the one it wrote, or its failure."""
+    timed_out = ended.how == launcher.TIMED_OUT
+    record = read_result(Path(ctx.out), task.key)
+    if record is not None and record.run == ctx.run_id and not timed_out:
         return record
-    if stop.signum is not None and reason is None:
+    if stop.signum is not None and not timed_out:
         sink.event("interrupted", task=task.key, run=ctx.run_id,
                    signal=signal.Signals(stop.signum).name)
         return None
-    if reason is None:
-        code = proc.exitcode
-        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
-               else f"exited with code {code}")
-        reason = f"the metric's process {how} without a result (crash?)"
+    how = launcher.how_it_ended(ended.exitcode)
+    reason = (f"time limit of {task.time_limit:g} s exceeded (stopped)" if timed_out
+              else f"the metric's process {how} without a result (crash?)")
     return record_failure(task, ctx, sink, reason, "No Python traceback: the child "
-                          "process was stopped or died (see job.log).",
-                          time.monotonic() - t0)
+                          "process was stopped or died (see job.log).", seconds)
+
+
+def preload_modules(task: Task) -> tuple[str, ...]:
+    """Modules a task's process needs, for its parent (or forkserver) to import once."""
+    mods = ["transformers", "oomguard.metrics.models", "oomguard.metrics.base",
+            "oomguard.engine.jobs.child", type(get_metric(task.metric)).__module__]
+    try:
+        mt = model_config(task.model).model_type.replace("-", "_")
+        mods.append(f"transformers.models.{mt}.modeling_{mt}")
+    except Exception:  # noqa: BLE001 - preloading is an optimisation only
+        pass
+    return tuple(m for m in mods if not m.startswith("oomguard_plugin_"))
 
 
 def record_failure(task: Task, ctx: Context, sink: Sink, reason: str, detail: str,

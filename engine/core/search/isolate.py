@@ -4,19 +4,14 @@ In-process trials inherit the caches, JIT kernels and heap fragments of every
 earlier trial, so their headroom shrinks as a search runs; a fresh child per
 trial measures the true maximum (docs/measurements.md#in-process-vs-isolated).
 
-Children come from a ``forkserver`` that has already imported torch, ``torch._dynamo``
-(which optimizers import when built) and the workload's ``preload`` modules, so a trial
-pays a fork and the workload's own ``warmup()``, not an interpreter start
-(docs/measurements.md#isolated-children-start-up). The forkserver starts in the
-background as soon as an isolated search is planned (:class:`IsolatedRunner` is built,
-or :func:`start_forkserver` is called), so the parent's own work overlaps its start-up
-instead of the first trial waiting for it. In the child, in order: send ``started``;
-keep every object inherited from the forkserver out of the child's collections
-(``gc.freeze``); make glibc give freed memory back and trim its heap
-(docs/measurements.md#return-freed-memory), before anything else allocates, so the
-warm-up leaves no free heap for the budget to miss; send fd 2 to a temporary file;
-unpickle the workload; ``warmup()``; the budget (if any); one trial; send the
-:class:`~oomguard.engine.core.search.trial.Trial` back.
+Children come from the launcher's forkserver (:mod:`oomguard.engine.core.child`), which
+has already imported torch, ``torch._dynamo`` and the workload's ``preload`` modules, so a
+trial pays a fork and the workload's own ``warmup()``, not an interpreter start
+(docs/measurements.md#isolated-children-start-up); it starts as soon as
+:class:`IsolatedRunner` is built, so the parent's work overlaps its start-up. In the
+child, in order (:func:`_trial`): freeze what the forkserver imported out of the
+collections; make glibc give freed memory back; unpickle the workload; ``warmup()``; the
+budget (if any); one trial; the :class:`~oomguard.engine.core.search.trial.Trial` back.
 
 How the parent reads a child's end:
 
@@ -47,16 +42,13 @@ import os
 import pickle
 import signal
 import sys
-import tempfile
-import time
-import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
-from oomguard.engine.core.child import LimitWatch, how_it_ended, oom_evidence
+from oomguard.engine.core import child as launcher
 from oomguard.engine.core.memory.budget import budget
 from oomguard.engine.core.memory.heap import (
     ISOLATED_MMAP_THRESHOLD_BYTES,
@@ -66,27 +58,24 @@ from oomguard.engine.core.memory.heap import (
 from oomguard.engine.core.memory.oom import gc_frozen
 from oomguard.engine.core.memory.ramguard import RamGuard
 from oomguard.engine.core.search.trial import Trial, run_trial
-from oomguard.engine.core.workload import preload_of, warm_up
+from oomguard.engine.core.workload import warm_up, workload_preload
 from oomguard.engine.errors import ChildCrashed, ChildStartFailed, UsageError
 
 log = logging.getLogger("oomguard.isolate")
-
-# torch._dynamo: building any torch.optim optimizer imports it (so do oomguard's metrics
-# through transformers): 1.5-3 s that every child paid in its warm-up
-# (docs/measurements.md#isolated-children-start-up).
-_BASE_PRELOAD = ("torch", "torch._dynamo", "oomguard.engine.core.search.isolate",
-                 "oomguard.engine.core.search.trial", "oomguard.engine.core.memory.budget",
-                 "oomguard.probes.peak")
 
 MODULE_LEVEL_FIX = ("define the workload as a module-level function or a picklable class "
                     "in an importable file")
 MAIN_GUARD_FIX = 'guard the script with `if __name__ == "__main__":`'
 
 
-def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, conn: Any,
-           stderr_path: str, ram_guard: RamGuard | None = None, steps: int = 1) -> None:
-    """Runs in the child: say it started, then unpickle, warm up, budget, one trial."""
-    conn.send(("started",))
+class _CannotUnpickle(Exception):
+    """The child could not rebuild the workload (its first line of why)."""
+
+
+def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
+           ram_guard: RamGuard | None = None, steps: int = 1) -> Trial:
+    """Runs in the child, once the launcher has started it: unpickle, warm up, budget, one
+    trial. Under a CPU budget, the budget's limit is told to the parent, which watches it."""
     # What the forkserver imported is the same in every child and is never a trial's
     # garbage: frozen, the child's collections (the budget's, the trial's) scan only
     # what the child itself creates; with torch._dynamo loaded a full collection took
@@ -100,39 +89,17 @@ def _child(payload: bytes, size: int, device: str, budget_bytes: int | None, con
     return_freed_memory_to_os(ISOLATED_MMAP_THRESHOLD_BYTES)
     trim_heap()
     try:
-        sys.stderr.flush()
-        fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
-        os.dup2(fd, 2)
-        os.close(fd)
-    except OSError:  # keep the inherited stderr; nothing is lost
-        pass
-    try:
         fn = pickle.loads(payload)
     except BaseException as exc:  # noqa: BLE001 - any failure to rebuild the workload
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        conn.send(("unpickle-failed", f"{type(exc).__name__}: {first}"))
-        conn.close()
-        return
-    try:
-        warm_up(fn)
-        guard: AbstractContextManager[Any] = (
-            budget(budget_bytes, device) if budget_bytes is not None else nullcontext())
-        with gc_frozen(), guard as entered:
-            if entered is not None and entered.device == "cpu":  # the parent watches it
-                conn.send(("limit", entered.limit))
-            trial = run_trial(fn, size, device, ram_guard, steps)
-        conn.send(("ok", trial))
-    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
-        text = "".join(traceback.format_exception(exc))
-        try:
-            pickled: bytes | None = pickle.dumps(exc)
-        except Exception:  # the exception itself may not pickle
-            pickled = None
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        conn.send(("error", pickled, f"{type(exc).__name__}: {first}", text))
-    finally:
-        sys.stderr.flush()
-        conn.close()
+        raise _CannotUnpickle(f"{type(exc).__name__}: {first}") from None
+    warm_up(fn)
+    guard: AbstractContextManager[Any] = (
+        budget(budget_bytes, device) if budget_bytes is not None else nullcontext())
+    with gc_frozen(), guard as entered:
+        if entered is not None and entered.device == "cpu":  # the parent watches it
+            launcher.ToParent().send(entered.limit)
+        return run_trial(fn, size, device, ram_guard, steps)
 
 
 def _in_bootstrapping_child() -> bool:
@@ -184,7 +151,7 @@ class IsolatedRunner:
         self.guard = guard
         # Started now, in the background: the parent's work until the first trial (its
         # report header, a probe) overlaps the forkserver's imports.
-        self.ctx = start_forkserver(workload_preload(fn))
+        self.ctx = launcher.start_forkserver(workload_preload(fn))
 
     def __enter__(self) -> IsolatedRunner:
         return self
@@ -193,105 +160,56 @@ class IsolatedRunner:
         return None
 
     def __call__(self, size: int, steps: int = 1) -> Trial:
-        fd, stderr_path = tempfile.mkstemp(prefix="oomguard-child-", suffix=".stderr")
-        os.close(fd)
-        try:
-            return self._run(size, stderr_path, steps)
-        finally:
+        watch = launcher.LimitWatch(self.budget or 0)
+        with launcher.Child(self.ctx, _trial, self.payload, size, self.device, self.budget,
+                            self.guard, steps, capture_stderr=True) as child:
             try:
-                os.unlink(stderr_path)
-            except OSError:
-                pass
-
-    def _run(self, size: int, stderr_path: str, steps: int = 1) -> Trial:
-        parent, child = self.ctx.Pipe(duplex=False)
-        proc = self.ctx.Process(target=_child, daemon=True, args=(
-            self.payload, size, self.device, self.budget, child, stderr_path, self.guard, steps))
-        start = time.perf_counter()
-        proc.start()
-        child.close()
-        started, message, timed_out = False, None, False
-        watch: LimitWatch | None = None
-        while message is None:
-            left = self.timeout - (time.perf_counter() - start)
-            if left <= 0:
-                timed_out = True
-                break
-            if not parent.poll(left if watch is None else min(left, watch.interval)):
-                if watch is None:
-                    timed_out = True
-                    break
-                watch.sample()
-                continue
-            try:
-                received = parent.recv()
-            except EOFError:  # the child is gone
-                break
-            if received[0] == "started":
-                started = True
-            elif received[0] == "limit":
-                watch = LimitWatch(proc.pid, received[1], self.budget or 0)
-            else:
-                message = received
-        if watch is not None:
-            watch.close()
-        parent.close()
-        proc.join(timeout=0 if timed_out else 30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        elapsed = time.perf_counter() - start
-        stderr = _pass_through(stderr_path)
-        if timed_out:
+                ended = child.wait(self.timeout, watch)
+            finally:
+                watch.close()
+        if ended.how == launcher.TIMED_OUT:
             raise ChildCrashed(f"isolated trial at size {size}: no result after "
                                f"{self.timeout:g} s; the child process was killed")
-        if not started:
-            raise _start_failure(size, proc.exitcode)
-        if message is None:
-            return self._died(size, proc.exitcode, stderr, elapsed, watch)
-        if message[0] == "unpickle-failed":
-            where = (" (a child cannot import what python -c, stdin or a notebook defines)"
-                     if _main_program() is None else "")
-            raise ChildStartFailed(f"isolated trial at size {size}: the child process cannot "
-                                   f"unpickle {_name(self.fn)} ({message[1]}){where}: "
-                                   f"{MODULE_LEVEL_FIX}")
-        if message[0] == "error":
-            _, pickled, summary, text = message
-            log.debug("isolated trial at size %d failed:\n%s", size, text)
-            exc = _rebuild(pickled, summary)
-            if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: not ours to raise
-                raise ChildCrashed(f"isolated trial at size {size}: the workload raised "
-                                   f"{summary} in the child process")
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"raised in the isolated child process at size {size}:\n{text}")
-            raise exc
-        trial: Trial = message[1]
+        if not ended.started:
+            raise _start_failure(size, ended.exitcode)
+        if ended.how == launcher.RAISED:
+            raise self._raised(size, ended)
+        if ended.how != launcher.RETURNED:
+            return self._died(size, ended, watch)
+        trial: Trial = ended.value
         trial.mode = "isolated"
         log.debug("isolated trial %d: %.2f s in the child, %.2f s in all", size, trial.seconds,
-                  elapsed)
+                  ended.seconds)
         return trial
 
-    def _died(self, size: int, exitcode: int | None, stderr: str, elapsed: float,
-              watch: LimitWatch | None = None) -> Trial:
-        how = how_it_ended(exitcode)
-        evidence = oom_evidence(exitcode, stderr, self.budget is not None) or (
-            watch.evidence(exitcode) if watch is not None else None)
+    def _raised(self, size: int, ended: launcher.Ended) -> Exception:
+        """What to raise for an exception in the child: the workload's own, re-raised."""
+        assert ended.raised is not None
+        log.debug("isolated trial at size %d failed:\n%s", size, ended.raised[2])
+        exc = ended.error(f"the isolated child process at size {size}")
+        if isinstance(exc, _CannotUnpickle):
+            where = (" (a child cannot import what python -c, stdin or a notebook defines)"
+                     if _main_program() is None else "")
+            return ChildStartFailed(f"isolated trial at size {size}: the child process cannot "
+                                    f"unpickle {_name(self.fn)} ({exc}){where}: "
+                                    f"{MODULE_LEVEL_FIX}")
+        if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: not ours to raise
+            return ChildCrashed(f"isolated trial at size {size}: the workload raised "
+                                f"{ended.raised[1]} in the child process")
+        return exc
+
+    def _died(self, size: int, ended: launcher.Ended, watch: launcher.LimitWatch) -> Trial:
+        exitcode = ended.exitcode
+        how = launcher.how_it_ended(exitcode)
+        evidence = (launcher.oom_evidence(exitcode, ended.stderr, self.budget is not None)
+                    or watch.evidence(exitcode))
         if evidence is not None:
-            return Trial(size=size, ok=False, peak_bytes=None, seconds=elapsed, mode="isolated",
-                         error=f"child process {how} ({evidence})")
+            return Trial(size=size, ok=False, peak_bytes=None, seconds=ended.seconds,
+                         mode="isolated", error=f"child process {how} ({evidence})")
         hint = (" (SIGKILL without a memory limit: the kernel's OOM killer or another process;"
                 " see dmesg)" if exitcode == -signal.SIGKILL else "")
         raise ChildCrashed(f"isolated trial at size {size}: the child process {how} while "
                            f"running the workload, with no sign of running out of memory{hint}")
-
-
-def _rebuild(pickled: bytes | None, summary: str) -> BaseException:
-    """The child's exception, or a RuntimeError with its text where it cannot be rebuilt here."""
-    try:
-        exc = pickle.loads(pickled) if pickled is not None else None
-    except Exception:  # its class or arguments do not unpickle in this process
-        exc = None
-    return exc if isinstance(exc, BaseException) else RuntimeError(summary)
 
 
 def _start_failure(size: int, exitcode: int | None) -> ChildStartFailed:
@@ -302,67 +220,10 @@ def _start_failure(size: int, exitcode: int | None) -> ChildStartFailed:
     else:
         cause = (f"the main program is not a file a child can import (python -c, stdin, a "
                  f"notebook): {MODULE_LEVEL_FIX}")
-    return ChildStartFailed(f"isolated trial at size {size}: the child process {how_it_ended(exitcode)} "
-                            f"before it started (its error is above); likely cause: {cause}")
-
-
-def _pass_through(path: str) -> str:
-    """The child's captured stderr, also written to this process's stderr."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return ""
-    if text:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-    return text
+    return ChildStartFailed(f"isolated trial at size {size}: the child process "
+                            f"{launcher.how_it_ended(exitcode)} before it started (its error is "
+                            f"above); likely cause: {cause}")
 
 
 def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
-
-
-def workload_preload(fn: Any) -> tuple[str, ...]:
-    """The modules a forkserver should import for ``fn``: its ``preload`` and its module."""
-    module = getattr(fn, "__module__", None) or type(fn).__module__
-    return preload_of(fn) + (module,)
-
-
-def start_forkserver(preload: Iterable[str] = ()) -> Any:
-    """Start the forkserver now, in the background, and return the context children come from.
-
-    Call it as soon as isolated trials are planned, before other work: the server
-    process imports torch and ``preload`` while this process goes on (it does not
-    wait), and the first trial waits only for what is left of that start-up (several
-    seconds measured, docs/measurements.md#isolated-children-start-up). The server
-    imports what every call named until it started (see :func:`forkserver_context`);
-    calling this again, or building :class:`IsolatedRunner` after it, reuses it.
-    Where there is no forkserver (Windows), it returns the spawn context and starts nothing.
-    """
-    ctx = forkserver_context(tuple(preload))
-    if ctx.get_start_method() == "forkserver":
-        from multiprocessing import forkserver
-
-        # Spawns the server and returns: its imports run while this process goes on.
-        forkserver.ensure_running()
-    return ctx
-
-
-_preload: dict[str, None] = {}  # every module asked for so far, in order (a set)
-
-
-def forkserver_context(preload: tuple[str, ...]) -> Any:
-    """The forkserver context, with torch and ``preload`` named for the server to import.
-
-    The forkserver is shared by the whole process: it imports the union of what every
-    call named before it started (:func:`start_forkserver`, or the first child);
-    modules named after it started are imported by each child instead (slower, still
-    correct).
-    """
-    if sys.platform == "win32" or "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    _preload.update(dict.fromkeys(_BASE_PRELOAD + tuple(m for m in preload if m != "__main__")))
-    ctx.set_forkserver_preload(list(_preload))  # no effect once the server runs
-    return ctx
