@@ -6,9 +6,8 @@ samples) before ``backward()``, so ``.grad`` -- and the parameters after the
 optimizer step -- equal those of the whole batch within float rounding. The
 micro-batch size is run by the core's one size controller
 (:class:`~oomguard.engine.core.execute.executor.SizeController`): halved on OOM,
-remembered, optionally grown back, agreed between ranks. Under
-``torch.distributed`` calls are therefore **collective**: every rank makes
-each one (``sync_ranks=False``: no collective, each rank keeps its own size).
+remembered, optionally grown back, agreed between ranks (collective calls:
+:mod:`~oomguard.engine.training.distributed`).
 
 How the loss must be defined for the scaling to be exact
 --------------------------------------------------------
@@ -34,12 +33,9 @@ OOM in the middle of an accumulation
 ------------------------------------
 A micro-batch that runs out of memory during ``backward`` may already have
 added part of its gradient to some ``.grad`` tensors, so partial sums cannot
-be trusted. The choice here: **zero and redo**. Every attempt starts by
-setting the gradients of ``params`` to ``None`` and runs the whole batch at
-the attempt's micro-batch size, so nothing is counted twice; the cost of an
-OOM is at most one batch's compute. Consequently :func:`accumulate` *replaces*
-``.grad`` (like ``optimizer.zero_grad(set_to_none=True)`` followed by a
-backward of the whole batch); the caller need not zero gradients itself.
+be trusted: every attempt sets the gradients of ``params`` to ``None`` and runs
+the whole batch again (an OOM costs at most one batch's compute). So
+:func:`accumulate` *replaces* ``.grad``; the caller need not zero gradients.
 """
 
 from __future__ import annotations
@@ -142,16 +138,12 @@ class Accumulator:
     tried; None means the whole batch. On OOM it shrinks by ``policy``
     (halving) down to ``minimum``, is remembered for later calls, grows back
     after ``grow_after`` clean calls when set (never to a size that failed),
-    and is agreed between the ranks of ``group`` under ``torch.distributed``:
-    every rank must make each call (collective; a first call made by some
-    ranks only raises after a short wait instead of hanging), unless
-    ``sync_ranks=False`` (no collective, each rank keeps its own size). See
-    the module docstring for ``weight_by`` and ``reduction``.
+    and is agreed between the ranks of ``group`` (``sync_ranks=False``: not).
+    The module docstring says how ``weight_by`` and ``reduction`` scale the loss.
 
-    ``size`` runs this accumulator with an existing size controller (what
-    :func:`accumulate` does to share the size found between calls); then the
-    controller's own options apply and ``micro_batch_size`` only bounds this
-    accumulator's micro-batches.
+    ``size``: an existing size controller to run with (how :func:`accumulate`
+    shares the size found between calls); its options then apply, and
+    ``micro_batch_size`` only bounds this accumulator's micro-batches.
     """
 
     def __init__(self, step_fn: Callable[[Batch], torch.Tensor], params: Params, *,
@@ -186,11 +178,8 @@ class Accumulator:
         self.params = _param_list(params)
 
     def __call__(self, batch: Batch) -> torch.Tensor:
-        """Compute the gradients of the whole batch's loss into ``.grad``; return that loss.
-
-        The loss returned is detached: the whole batch's mean (or sum) over
-        its units, assembled from the micro-batches.
-        """
+        """Compute the gradients of the whole batch's loss into ``.grad``; return that loss
+        (detached: the whole batch's mean, or sum, over its units)."""
         n = batch_length(batch)
         cap = n if self.limit is None else min(n, self.limit)
         weights: dict[str, Any] = {}  # units per row, computed once and only when splitting
@@ -277,9 +266,7 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
 
     The function form of :class:`Accumulator`. Options (``weight_by``,
     ``reduction``, ``grow_after``, ``minimum``, ``sync_ranks``, ...) apply to
-    this call only. Under ``torch.distributed`` the call is collective (every
-    rank makes it) unless ``sync_ranks=False``; see :class:`Accumulator`.
-    What persists is the micro-batch size found: per ``params`` object and
+    this call only. What persists is the micro-batch size found: per ``params`` object and
     ``name`` (default: the step function's qualified name), so a step
     function defined anew every iteration keeps its size, and only while
     ``params`` (the model or optimizer) lives; nothing here keeps it alive.

@@ -1,28 +1,11 @@
 """Adaptive sizes inside training scripts: a decorator, an accelerate-shaped helper, stats.
 
 Both wrappers are thin layers over the core's one size controller
-(:class:`~oomguard.engine.core.execute.executor.SizeController`): the batch size
-shrinks on OOM, is remembered for the wrapper's later calls, may grow back,
-and is agreed between ranks under ``torch.distributed`` (the controller's
-agreement strategy is :class:`~oomguard.engine.training.distributed.RankAgreement`).
-What is learnt lives on the decorated function and goes with it.
-
-Under ``torch.distributed`` the calls are **collective**: every rank of the
-group must make each call (the agreement is an ``all_reduce``). A first call
-made on some ranks only raises one clear error after
-:data:`~oomguard.engine.training.distributed.FIRST_CALL_TIMEOUT_S` seconds
-instead of hanging. For work only some ranks do (an evaluation on rank 0),
-pass ``sync_ranks=False``: no collective is made and each rank keeps its own
-size.
-
-Hot path: a call that does not run out of memory costs one
-:func:`oomguard.engine.core.memory.oom.call_catching_oom` and a few attribute reads
-(about a microsecond here, plus one 16-byte collective per call under
-``torch.distributed``); tenacity's retry loop is entered only after an OOM.
-
-Every change of size is logged on the ``oomguard.adaptive`` logger (WARNING
-when it shrinks, INFO when it grows or is agreed) and counted in
-:func:`stats`.
+(:class:`~oomguard.engine.core.execute.executor.SizeController`, which describes the
+retry and its cost): the batch size shrinks on OOM, is remembered on the decorated
+function, may grow back, and is agreed between ranks under ``torch.distributed``
+(collective calls: :mod:`~oomguard.engine.training.distributed`). Size changes are
+logged on the ``oomguard.adaptive`` logger and counted in :func:`stats`.
 """
 
 from __future__ import annotations
@@ -65,11 +48,8 @@ def make_controller(name: str, key: str, start: int | None | SizeMemory, *, mini
                maximum: int | None = None, policy: RetryPolicy | None = None,
                grow_after: int | None = None, device: Any = None, group: Any = None,
                sync_ranks: bool = True, failure_message: str | None = None) -> SizeController:
-    """The size controller of a training-script helper: one knob ``key``.
-
-    With ``sync_ranks`` the ranks of ``group`` agree on it under
-    ``torch.distributed`` (collective calls); without, this process decides alone.
-    """
+    """The size controller of a training-script helper: one knob ``key``, agreed between
+    the ranks of ``group`` with ``sync_ranks``."""
     if not isinstance(start, SizeMemory):
         check_positive_int("start", start, optional=True)
         start = remembered(name, key, start)
@@ -132,14 +112,10 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
     untouched. The size that worked is kept for later calls; ``grow_after``
     clean calls let it grow back, never above ``maximum`` (default
     ``batch_size``) nor to a size that failed. Under ``torch.distributed``
-    every rank of ``group`` takes the same size (see
-    :mod:`oomguard.engine.training.distributed`), so each call is
-    **collective**: every rank must make it (a first call made by some ranks
-    only raises after a short wait instead of hanging); a rank whose call
-    succeeded runs again at the agreed smaller size when another rank ran out
-    of memory, so ``fn`` must be safe to re-run, as after an OOM.
-    ``sync_ranks=False``: no collective, each rank keeps its own size (for
-    work only some ranks do). The wrapper's ``adaptive_size`` attribute is its
+    each call is collective (:mod:`oomguard.engine.training.distributed`;
+    ``sync_ranks=False``: none); a rank whose call succeeded runs again at
+    the agreed smaller size when another rank ran out of memory, so ``fn``
+    must be safe to re-run. The wrapper's ``adaptive_size`` attribute is its
     :class:`~oomguard.engine.core.execute.executor.SizeController`. Usable as
     ``@adaptive`` or ``@adaptive(batch_size=...)``.
     """
@@ -164,10 +140,9 @@ def find_executable_batch_size(function: Callable[..., T] | None = None,
     returns (either ``fn(size) -> int`` or accelerate's zero-argument form
     ``fn() -> int``). At zero, ``RuntimeError("No executable batch size found,
     reached zero.")`` (a :class:`NoExecutableBatchSize`). Unlike accelerate's,
-    under ``torch.distributed`` every rank takes the same size, so calls are
-    collective: every rank must make them (a first call made by some ranks only
-    raises after a short wait instead of hanging); ``sync_ranks=False``
-    restores accelerate's per-rank behaviour, with no collective. Usable as
+    under ``torch.distributed`` every rank takes the same size (collective calls,
+    as :func:`adaptive`); ``sync_ranks=False`` restores accelerate's per-rank
+    behaviour. Usable as
     ``@find_executable_batch_size``, ``@find_executable_batch_size(starting_batch_size=64)``
     or ``find_executable_batch_size(fn, 64)``.
     """
