@@ -1,36 +1,21 @@
 """The executor and the one size controller and retry loop behind every adaptive wrapper.
 
-:class:`SizeController` runs ``attempt(sizes)``; on OOM it asks its retry policy for
-smaller sizes and runs again, down to the minimums, then raises
-:class:`~oomguard.engine.errors.NoExecutableBatchSize`. :class:`Executor`, ``@adaptive``,
-``find_executable_batch_size`` and ``accumulate`` all go through
-:meth:`SizeController.run`. It is composed of small objects, like tenacity's
-``stop``/``wait``/``retry``:
+:class:`SizeController` runs ``attempt(sizes)``; on OOM it asks its retry policy
+(:mod:`~oomguard.engine.core.execute.retry`) for smaller sizes and runs again, down to
+the minimums, then raises :class:`~oomguard.engine.errors.NoExecutableBatchSize`.
+:class:`Executor`, ``@adaptive``, ``find_executable_batch_size`` and ``accumulate`` all
+go through it. A :class:`SizeAgreement` makes several processes take the same decision;
+a :class:`SizeMemory` holds what is learnt across calls (numbers only, no reference to
+the user's function, model or data, so whoever keeps it decides how long it lives).
 
-- a :class:`~oomguard.engine.core.execute.retry.RetryPolicy` says the next sizes after an
-  OOM (:class:`~oomguard.engine.core.execute.retry.Halve` by default,
-  :class:`~oomguard.engine.core.execute.retry.ReduceWith` for any other rule);
-- a :class:`SizeAgreement` makes several processes take the same decision
-  (:class:`NoAgreement`, the default, is a single process; the training layer
-  plugs in one ``all_reduce`` per attempt under ``torch.distributed``);
-- a :class:`SizeMemory` holds what is learnt across calls: the sizes that
-  work, the smallest that failed, clean calls since the last change, counters.
-  It holds no reference to the user's function, model or data, so whoever
-  keeps it (a decorated function, an executor, a weak map keyed by a model)
-  decides how long it lives.
-
-Only out-of-memory errors are retried; any other error propagates at once, untouched.
-The OOM's exception and traceback are dropped *before* memory is released, so the failed
-attempt's tensors are really freed between attempts. Hot path: the first attempt is a
-plain :func:`~oomguard.engine.core.memory.oom.call_catching_oom` (about a microsecond);
+Only out-of-memory errors are retried; any other error propagates untouched. The OOM's
+exception and traceback are dropped *before* memory is released, so the failed attempt's
+tensors are really freed. Hot path: the first attempt is a plain
+:func:`~oomguard.engine.core.memory.oom.call_catching_oom` (about a microsecond);
 tenacity's ``Retrying`` is built only after a first OOM. Every change of size is logged
 (WARNING when it shrinks, INFO otherwise) and counted in the memory's
-:class:`~oomguard.engine.core.execute.stats.SizeStats`. A caller that keeps a
-:class:`RunRecord` (the executor) also gets an
-:class:`~oomguard.engine.core.memory.forensics.OomEvent` per OOM, with memory as the
-allocator and the host saw it, measured before the memory of the failed attempt is
-released. Past the minimum, the executor's ``on_oom`` ladder takes over
-(:mod:`~oomguard.engine.core.execute.remedies`).
+:class:`~oomguard.engine.core.execute.stats.SizeStats`. Past the minimum, the executor's
+``on_oom`` ladder takes over (:mod:`~oomguard.engine.core.execute.remedies`).
 """
 
 from __future__ import annotations
@@ -76,13 +61,11 @@ MAX_NAMES_KEPT = 1024  # named workloads whose sizes one executor remembers
 class SizeAgreement(Protocol):
     """How the processes running one workload agree on its size after each attempt.
 
-    ``active()`` is asked once per call: False means this process decides
-    alone and :meth:`agree` is not called. When active, :meth:`agree` is
-    called once after *every* attempt on every process, with the sizes this
-    process proposes next (the sizes it just ran after a success, smaller ones
-    after an OOM, zeros when it cannot go lower) and whether it ran out of
-    memory; it returns the sizes every process takes and whether any of them
-    ran out of memory.
+    ``active()`` is asked once per call (False: this process decides alone). When
+    active, :meth:`agree` is called after *every* attempt on every process with the
+    sizes this process proposes next (zeros: it cannot go lower) and whether it ran out
+    of memory; it returns the sizes every process takes and whether any ran out of memory
+    (:mod:`~oomguard.engine.training.distributed` has the protocol).
     """
 
     def active(self) -> bool: ...
@@ -106,8 +89,7 @@ NO_AGREEMENT = NoAgreement()
 @dataclass
 class RunRecord:
     """What one run did: the sizes of each attempt, each OOM's message, the sizes that worked,
-    and ``events``: one :class:`~oomguard.engine.core.memory.forensics.OomEvent` per OOM of this
-    process (sizes, memory measured at the OOM, what was done about it)."""
+    and one :class:`~oomguard.engine.core.memory.forensics.OomEvent` per OOM of this process."""
 
     workload: str
     attempts: list[Sizes] = field(default_factory=list)
@@ -186,10 +168,9 @@ class SizeController:
     (never that size or above), else twice the size, never above ``maximum``.
     ``agreement`` (default :data:`NO_AGREEMENT`) makes several processes take
     the same sizes. ``failure_message`` is the whole ``str()`` of
-    :class:`~oomguard.engine.errors.NoExecutableBatchSize` (its ``tried``,
-    ``errors`` and ``detail`` still say what ran). Size changes go to
-    ``logger`` (default ``oomguard.executor``). ``snapshot_dir``: where a run with a record writes a CUDA allocator
-    snapshot at each OOM (after :func:`~oomguard.engine.core.memory.forensics.start_history`).
+    :class:`~oomguard.engine.errors.NoExecutableBatchSize` (its attributes still
+    say what ran). Size changes go to ``logger`` (default ``oomguard.executor``).
+    ``snapshot_dir``: where a run with a record writes a CUDA allocator snapshot per OOM.
     """
 
     def __init__(self, name: str, memory: SizeMemory | Start, *,
@@ -409,26 +390,21 @@ class Executor:
     ``policy`` decides the retry sizes (default :class:`Halve`); ``device`` is
     the one whose cache is emptied between attempts; ``agreement`` (default:
     none, one process) makes several processes take the same sizes.
-    ``history`` holds a :class:`RunRecord` per call (the last 1024), each OOM
-    in its ``events``. ``snapshot_on_oom``: a folder where every OOM writes a
-    CUDA allocator snapshot (``<name>-oom<k>.pickle``, for pytorch.org/memory_viz;
-    allocation history is recorded from the first run on, for the rest of the
-    process). On another device the events say why there is none.
+    ``history`` holds a :class:`RunRecord` per call (the last 1024).
+    ``snapshot_on_oom``: a folder where every OOM writes a CUDA allocator snapshot
+    (``<name>-oom<k>.pickle``, for pytorch.org/memory_viz; history is recorded from
+    the first run on, for the rest of the process).
 
-    ``on_oom`` (default None: retry at half only, as always) is a remedy ladder such as
-    ``["halve", "bfloat16", "cpu"]`` (:func:`~oomguard.engine.core.execute.remedies.parse_on_oom`):
-    after the minimum it tries each remedy in turn, and ``ladder`` holds what the last
-    run's did (:class:`~oomguard.engine.core.execute.remedies.Ladder`); the workload hooks
-    they need are in :mod:`~oomguard.engine.core.workload`. ``fresh_process``: the caller
-    can restart the run in a fresh process (a job's runner), so ``expandable_segments`` and memory that did not come back raise
+    ``on_oom`` (default None: halve only) is a remedy ladder such as
+    ``["halve", "bfloat16", "cpu"]`` (:mod:`~oomguard.engine.core.execute.remedies`),
+    tried after the minimum; ``ladder`` holds what the last run's did. ``fresh_process``:
+    the caller can restart the run in a fresh process (a job's runner), so
+    ``expandable_segments`` and memory that did not come back raise
     :class:`~oomguard.engine.errors.RestartNeeded` carrying the ladder to resume.
 
-    What worked lives on this executor: per ``name=`` when one is given (the
-    last 1024 names), else per function object while that object lives. A
-    later call of the same workload starts at the remembered sizes when they
-    are smaller than the sizes asked for. Two functions never share what was
-    learnt, even with the same ``__qualname__``; a function created anew for
-    every call needs a ``name=`` to be remembered.
+    What worked is remembered per ``name=`` (the last 1024 names), else per function
+    object while it lives (a function created anew for every call needs a ``name=``);
+    a later call starts at the remembered sizes when they are smaller than those asked.
     """
 
     def __init__(self, policy: RetryPolicy | None = None,
@@ -464,10 +440,8 @@ class Executor:
 
         On OOM the sizes shrink by the policy and ``fn`` runs again; when they
         cannot shrink any more, :class:`~oomguard.engine.errors.ExecutionFailed`
-        (a :class:`~oomguard.engine.errors.NoExecutableBatchSize`) names the
-        workload and every size tried. Any error that is not an OOM propagates
-        unchanged. Sizes must be positive integers (``ValueError`` otherwise).
-        With ``on_oom``, the remedies follow the minimum; ``ladder`` resumes one that a
+        names the workload and every size tried. Sizes must be positive integers
+        (``ValueError`` otherwise). ``ladder`` resumes one that a
         :class:`~oomguard.engine.errors.RestartNeeded` carried out of another process.
         """
         if (batch_size is None) == (sizes is None):
