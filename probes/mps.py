@@ -28,10 +28,8 @@ def unavailable_reason() -> str | None:
 
 
 def stats() -> dict[str, int | None]:
-    """``allocated``, ``driver_allocated`` (measured) and ``recommended_max`` (None if unknown).
-
-    Raises ``RuntimeError`` where MPS is unavailable.
-    """
+    """``allocated``, ``driver_allocated`` (measured) and ``recommended_max`` (None if
+    unknown), in bytes; ``RuntimeError`` where MPS is unavailable."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)

@@ -65,12 +65,9 @@ DATA_INTERVAL_S = 0.0005
 
 
 class PeakMeter:
-    """Measures the peak bytes a piece of work adds on ``device``.
-
-    With ``limit_units`` on the CPU it also samples the data segment (``VmData``,
-    what ``RLIMIT_DATA`` and so a CPU budget count) every 0.5 ms, for
-    :meth:`limit_read`; on a GPU the peak is already in the units its cap counts.
-    """
+    """Measures the peak bytes a piece of work adds on ``device`` (module docstring). With
+    ``limit_units`` on the CPU it also samples ``VmData`` (what a CPU budget counts) for
+    :meth:`limit_read`; on a GPU the peak is already in the units its cap counts."""
 
     def __init__(self, device: str | torch.device = "cpu", limit_units: bool = False) -> None:
         self.device = torch.device(device)
@@ -109,9 +106,8 @@ class PeakMeter:
         return self.baseline
 
     def restart_peak(self) -> None:
-        """Restart the device's high-water mark, keeping the baseline: a later
-        :meth:`read` is the peak since now, above the baseline of :meth:`reset`
-        (on an OS whose peak cannot be reset, the lifetime peak, an upper bound)."""
+        """Restart the device's high-water mark, keeping the baseline of :meth:`reset` (where
+        the peak cannot be reset, a later :meth:`read` is an upper bound)."""
         kind = self.device.type
         if kind == "cpu":
             host.reset_peak()
@@ -136,10 +132,10 @@ class PeakMeter:
         return max(0, self.absolute() - self.baseline)
 
     def limit_read(self) -> int | None:
-        """Peak bytes above the start since :meth:`reset`, in the units the device's limit
-        counts: the sampled data segment on the CPU (a lower bound: a rise shorter than
-        0.5 ms is missed; None without ``limit_units`` or where it cannot be read), else
-        :meth:`read`. Stops the sampling."""
+        """Peak bytes since :meth:`reset` in the units the device's limit counts: on the CPU
+        the sampled data segment (a lower bound: a rise shorter than the interval is missed;
+        None without ``limit_units`` or where it cannot be read), else :meth:`read`. Stops
+        the sampling."""
         if self.device.type != "cpu":
             return self.read()
         if self._sampler is None or self._data is None:
