@@ -15,16 +15,12 @@ _PCI_RE = re.compile(r"^(?:([0-9a-fA-F]+):)?([0-9a-fA-F]+):([0-9a-fA-F]+)(?:\.[0
 
 
 def normalize_pci_bus_id(bus_id: str) -> str | None:
-    """``"00000000:3B:00.0"`` or ``"0000:3b:00.0"`` -> ``"0000:3b:00"`` (None if unparsable).
-
-    NVML writes an 8-digit domain, CUDA a 4-digit one; the PCI function is
-    dropped because a GPU is one function.
-    """
+    """``"00000000:3B:00.0"`` or ``"0000:3b:00.0"`` -> ``"0000:3b:00"`` (None if unparsable):
+    NVML writes an 8-digit domain, CUDA a 4-digit one; a GPU is one PCI function."""
     m = _PCI_RE.match(bus_id.strip())
     if m is None:
         return None
-    domain, bus, dev = (int(g, 16) if g else 0 for g in m.groups())
-    return f"{domain:04x}:{bus:02x}:{dev:02x}"
+    return pci_bus_id_from_ints(*(int(g, 16) if g else 0 for g in m.groups()))
 
 
 def pci_bus_id_from_ints(domain: int, bus: int, device: int) -> str:

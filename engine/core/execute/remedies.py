@@ -4,8 +4,8 @@
 in a job file) runs the rungs in the order given; each one runs the workload again
 through the executor's retry at half, from the call's start sizes:
 
-- ``halve``: the executor's own retry at half down to the minimums; always first. Without
-  ``on_oom`` it is all there is, exactly as before (and none of the checks below run).
+- ``halve``: the executor's own retry at half down to the minimums; always first (without
+  ``on_oom`` it is all there is, and none of the checks below run).
 - ``bfloat16`` / ``float16``: the workload at that precision (its ``at_precision(dtype)``),
   only when it declares ``tolerates_lower_precision = True`` (the metrics say which of
   them does, :class:`~oomguard.metrics.base.Metric`); its result is flagged.
@@ -173,9 +173,8 @@ def _restart(name: str, record: RunRecord, ladder: Ladder, why: str, shown: str)
 
 def live_bytes(device: Any) -> tuple[int | None, str]:
     """Bytes this process has in use on ``device`` now (measured), and how: CPU ``VmData``
-    minus glibc's free heap chunks (reusable, so not lost); CUDA ``memory_allocated``
-    (after :func:`~oomguard.engine.core.memory.oom.release_memory` emptied the cache). None where
-    it cannot be read (no procfs; MPS). ``device`` None: as :func:`device_kind` says."""
+    minus glibc's free heap chunks (reusable, so not lost); CUDA ``memory_allocated``. None
+    where it cannot be read (no procfs; MPS). ``device`` None: as :func:`device_kind` says."""
     dev = resolve_device(device)
     if dev.type == "cuda":
         # why: probes.cuda imports CUDA helpers; only a CUDA run needs them.
@@ -309,12 +308,11 @@ def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
                run_rung: Callable[[Callable[[Sizes], Any], Sizes, bool, Any], T],
                record: RunRecord, name: str, device: Any, fresh_process: bool,
                positional: bool) -> T:
-    """Run ``fn`` through the rungs of ``ladder`` from ``ladder.at``; see the module docstring.
-
-    ``run_rung(attempt, sizes, fresh, device)`` is one run of the executor's retry at half
-    from ``sizes`` (``fresh``: with nothing remembered). Returns the first result; raises
-    :class:`NoExecutableBatchSize` whose message lists every remedy and why it failed or
-    was skipped, :class:`NoProgress`, or :class:`RestartNeeded`.
+    """Run ``fn`` through the rungs of ``ladder`` from ``ladder.at`` (module docstring);
+    return the first result. ``run_rung(attempt, sizes, fresh, device)`` is one run of the
+    executor's retry at half from ``sizes`` (``fresh``: with nothing remembered). Raises
+    :class:`NoExecutableBatchSize` listing every remedy and why it failed or was skipped,
+    :class:`NoProgress`, or :class:`RestartNeeded`.
     """
     work = fn
     if ladder.device is not None:  # what earlier rungs changed, again in a fresh process
@@ -373,8 +371,7 @@ def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
 
 
 def sized_call(work: Any, positional: bool) -> Callable[[Sizes], Any]:
-    """An attempt function for ``work``: ``work(batch_size)`` when ``positional``, else
-    ``work(**sizes)``."""
+    """``work(batch_size)`` when ``positional``, else ``work(**sizes)``, as an attempt."""
     if positional:
         return lambda s: work(s["batch_size"])
     return lambda s: work(**s)
