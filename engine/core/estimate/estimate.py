@@ -72,11 +72,10 @@ _RUNNING: contextvars.ContextVar[_Running | None] = contextvars.ContextVar(
 
 @dataclass
 class Estimate:
-    """The estimated peak bytes of a workload at ``size``: the peak above what existed
-    before that size ran (a trial's ``peak_bytes`` units), for ``device``, computed with fake
-    tensors on ``estimated_on``. ``method`` says how; ``notes`` what it left out or assumed.
-    An estimate (``kind``), but ``workspace_bytes`` (what the matrix multiplies' workspace adds
-    to it; None: not counted) is measured on this host (module docstring)."""
+    """The estimated peak bytes of a workload at ``size`` above what existed before that size
+    ran (a trial's ``peak_bytes`` units), for ``device``, computed with fake tensors on
+    ``estimated_on``; ``notes`` say what it left out or assumed. ``workspace_bytes`` (None:
+    not counted) is measured on this host (module docstring)."""
 
     size: int
     peak_bytes: int
@@ -116,15 +115,12 @@ def _tensors(*objs: Any) -> list[torch.Tensor]:
 class StorageCounter(TorchDispatchMode):
     """Counts the bytes of the tensor storages that operations create while it is active.
 
-    A storage an operation returns that no operation saw before is new: its bytes
-    (rounded up to ``block``) count until it is freed (a weak reference's callback).
-    Storages first seen as *inputs* existed before (weights, optimizer state) and count
-    nothing, also when an operation writes into them, except by what a resize adds.
-    ``current`` and ``peak`` are bytes above where :meth:`start` left them.
-
-    With a ``fake_mode`` (inside it), it also decides what runs for real (module docstring);
-    without one it counts a real run (a check of the fake one). With ``device_type``, only
-    tensors on devices of that type count (the target's; not the host's bookkeeping).
+    A storage an operation returns that no operation saw before is new: its bytes (rounded
+    up to ``block``) count until it is freed. Storages first seen as *inputs* existed before
+    (weights, optimizer state) and count only what a resize adds. ``current`` and ``peak``
+    are bytes above where :meth:`start` left them. With a ``fake_mode`` it also decides what
+    runs for real (module docstring); without one it counts a real run. With
+    ``device_type``, only tensors on devices of that type count.
     """
 
     def __init__(self, fake_mode: Any | None = None, block: int = 1,
@@ -316,11 +312,9 @@ def fake_device(device: str | torch.device) -> tuple[torch.device, list[str]]:
 def estimate(fn: Callable[[int], Any], sizes: Sequence[int], device: str | torch.device = "cpu",
              workspace: bool = True, shortcuts: bool = True) -> list[Estimate]:
     """Estimate the peak bytes of ``fn(size)`` for each of ``sizes`` on ``device`` (cpu,
-    cuda, cuda:N) without running the work (module docstring): per size, an
-    :class:`Estimate` of the peak above what existed before it ran, in bytes; sizes run in
-    order after one warm-up (``fn.warmup()``) on fake tensors. For cpu with ``workspace``,
-    the matrix multiplies' workspace is measured on this host and included. With
-    ``shortcuts``, the work may run once what it would repeat identically (:func:`shortcut`).
+    cuda, cuda:N) without running the work (module docstring): one :class:`Estimate` per
+    size, in order after one warm-up on fake tensors. ``workspace`` (cpu): measure the
+    matrix multiplies' workspace on this host; ``shortcuts``: allow :func:`shortcut`.
 
     Raises :class:`UsageError` for no sizes, a size that is not a positive integer, a
     device other than cpu or cuda, or a workload whose memory depends on values only a
