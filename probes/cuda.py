@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from oomguard.probes.nvml import pci_bus_id_from_ints
+from oomguard.probes.nvml_ids import pci_bus_id_from_ints
 
 log = logging.getLogger("oomguard.probes.cuda")
 

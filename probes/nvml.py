@@ -11,8 +11,8 @@ A missing library or driver (``NVMLError_LibraryNotFound``,
 functions here return a reason string, they do not raise.
 
 NVML numbers devices in PCI bus order and ignores ``CUDA_VISIBLE_DEVICES``;
-torch numbers the visible devices only, in CUDA's order. :func:`map_visible_devices`
-(pure, in :mod:`oomguard.probes.nvml_ids`) translates torch indices to NVML indices. A MIG
+torch numbers the visible devices only, in CUDA's order. The pure rules in
+:mod:`oomguard.probes.nvml_ids` translate torch indices to NVML indices. A MIG
 slice is matched by its ``MIG-`` UUID and measured through its own MIG handle:
 its parent shares the PCI bus id with every other slice, so a bus-id match
 would report the whole card.
@@ -34,22 +34,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomguard.probes.nvml_ids import (  # re-exported: the mapping rules live there
-    MigIdentity,
-    map_visible_devices,
-    match_device,
-    match_mig,
-    misparses_v3,
-    normalize_pci_bus_id,
-    normalize_uuid,
-    nvml_index_for,
-    pci_bus_id_from_ints,
-)
-
-__all__ = ["MigIdentity", "NvmlDevice", "device_count", "driver_version", "identities",
-           "map_visible_devices", "match_device", "match_mig", "mig_devices", "misparses_v3",
-           "normalize_pci_bus_id", "normalize_uuid", "nvml_index_for", "pci_bus_id_from_ints",
-           "query", "query_for_torch_index", "query_mig", "unavailable_reason"]
+from oomguard.probes.nvml_ids import MigIdentity, match_mig, misparses_v3, nvml_index_for
 
 log = logging.getLogger("oomguard.probes.nvml")
 
