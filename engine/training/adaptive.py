@@ -1,11 +1,12 @@
-"""Adaptive sizes inside training scripts: a decorator, an accelerate-shaped helper, stats.
+"""Adaptive sizes inside training scripts: a decorator and an accelerate-shaped helper.
 
 Both wrappers are thin layers over the core's one size controller
 (:class:`~oomguard.engine.core.execute.executor.SizeController`, which describes the
 retry and its cost): the batch size shrinks on OOM, is remembered on the decorated
 function, may grow back, and is agreed between ranks under ``torch.distributed``
 (collective calls: :mod:`~oomguard.engine.training.distributed`). Size changes are
-logged on the ``oomguard.adaptive`` logger and counted in :func:`stats`.
+logged on the ``oomguard.adaptive`` logger and counted in
+:func:`~oomguard.engine.core.execute.stats.stats`.
 """
 
 from __future__ import annotations
@@ -18,19 +19,9 @@ from typing import Any, TypeVar
 
 from oomguard.engine.core.execute.executor import SizeController, SizeMemory
 from oomguard.engine.core.execute.retry import Halve, ReduceWith, RetryPolicy
-from oomguard.engine.core.execute.stats import (
-    SizeChange,
-    SizeStats,
-    Stats,
-    register,
-    reset_stats,
-    stats,
-)
+from oomguard.engine.core.execute.stats import register
 from oomguard.engine.errors import NoExecutableBatchSize, check_positive_int
 from oomguard.engine.training.distributed import RankAgreement
-
-__all__ = ["NoExecutableBatchSize", "SizeChange", "SizeStats", "Stats", "adaptive",
-           "find_executable_batch_size", "remembered", "reset_stats", "stats"]
 
 log = logging.getLogger("oomguard.adaptive")
 
@@ -40,7 +31,7 @@ ZERO_MESSAGE = "No executable batch size found, reached zero."  # accelerate's w
 
 
 def remembered(name: str, key: str, start: int | None) -> SizeMemory:
-    """A new memory for one adaptive size ``key``, registered for :func:`stats`."""
+    """A new memory for one adaptive size ``key``, registered for ``stats()``."""
     return SizeMemory(register(name, start), {key: start})
 
 
