@@ -18,9 +18,9 @@ import pytest
 import torch
 from conftest import budget_after_warmup, in_fresh_process
 
-from oomguard.engine.core.execute.executor import ExecutionFailed, SizeController
+from oomguard.engine.core.execute.executor import SizeController
 from oomguard.engine.core.execute.stats import MAX_SIZES_KEPT, register, reset_stats, stats
-from oomguard.engine.errors import NoExecutableBatchSize
+from oomguard.engine.errors import ExecutionFailed, NoExecutableBatchSize
 from oomguard.engine.training import distributed
 from oomguard.engine.training.adaptive import adaptive, find_executable_batch_size
 

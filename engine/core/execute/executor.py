@@ -32,22 +32,17 @@ import torch
 from tenacity import RetryCallState, Retrying, retry_if_result, wait_none
 
 from oomguard.engine.core.execute.remedies import Ladder, parse_on_oom, run_ladder, sized_call
-from oomguard.engine.core.execute.retry import Halve, ReduceWith, RetryPolicy, Sizes
+from oomguard.engine.core.execute.retry import Halve, RetryPolicy, Sizes
 from oomguard.engine.core.execute.stats import SizeChange, SizeStats
 from oomguard.engine.core.memory.forensics import OomEvent, OomWatch, start_history
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom
 from oomguard.engine.errors import (
-    ExecutionFailed,
     NoExecutableBatchSize,
     UsageError,
     check_positive_int,
     format_sizes,
 )
 from oomguard.engine.util.weakmap import WeakIdMap
-
-__all__ = ["NO_AGREEMENT", "ExecutionFailed", "Executor", "Halve", "NoAgreement",
-           "NoExecutableBatchSize", "ReduceWith", "RetryPolicy", "RunRecord", "SizeAgreement",
-           "SizeController", "SizeMemory", "Sizes"]
 
 T = TypeVar("T")
 # Sizes that may be unknown: None means "whatever the call's cap is" (the whole input).
