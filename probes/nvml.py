@@ -43,11 +43,8 @@ _state: dict[str, Any] = {"tried": False, "error": None, "module": None}
 
 
 def _nvml() -> tuple[Any | None, str | None]:
-    """(pynvml module, None) once NVML is initialised, else (None, reason).
-
-    ``nvmlInit`` runs at most once per process: a failure is remembered, so a
-    machine without a driver pays for the attempt once.
-    """
+    """(pynvml module, None) once NVML is initialised, else (None, reason). ``nvmlInit``
+    runs at most once per process: a machine without a driver pays for the attempt once."""
     with _lock:
         if not _state["tried"]:
             _state["tried"] = True
@@ -289,12 +286,9 @@ def query(nvml_index: int) -> NvmlDevice | str:
 
 
 def query_mig(mig: MigIdentity) -> NvmlDevice | str:
-    """Measure one MIG slice through its own handle: its memory, its processes, its profile.
-
-    ``index`` is the parent's NVML index and ``pci_bus_id`` the parent's (a
-    slice has none of its own); ``mig_profile`` is read from the name NVML
-    gives the slice (``"... MIG 1g.5gb"``), None if it names none.
-    """
+    """Measure one MIG slice through its own handle: its memory, its processes, its profile
+    (from the name NVML gives it, ``"... MIG 1g.5gb"``). ``index`` and ``pci_bus_id`` are
+    the parent's (a slice has none of its own)."""
     nv, reason = _nvml()
     if nv is None:
         return f"NVML: {reason}"
@@ -314,11 +308,9 @@ def query_mig(mig: MigIdentity) -> NvmlDevice | str:
 
 def query_for_torch_index(torch_index: int, *, uuid: str | None = None,
                           pci_bus_id: str | None = None) -> tuple[NvmlDevice | None, str]:
-    """NVML's view of torch's ``cuda:torch_index``: (device or None, how it was mapped / why not).
-
-    ``uuid`` and ``pci_bus_id`` are torch's identity of the device, where
-    known. A MIG slice is found by its UUID; a device that maps only to a
-    MIG-enabled parent (by bus id or index) is not reported as the whole card.
+    """NVML's view of torch's ``cuda:torch_index``: (device or None, how it was mapped / why
+    not), from torch's ``uuid`` and ``pci_bus_id`` where known. A MIG slice is found by its
+    UUID; a device that maps only to a MIG-enabled parent is not reported as the whole card.
     """
     reason = unavailable_reason()
     if reason is not None:

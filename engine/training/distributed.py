@@ -74,12 +74,8 @@ def _collective_device(group: Any = None) -> torch.device:
 
 def agree(proposed: int, oom: bool, group: Any = None) -> Agreement:
     """Agree with every rank of ``group`` on the next size: one ``all_reduce(MIN)``.
-
-    ``proposed`` is this rank's next size in items (0: it cannot go lower);
-    ``oom`` whether its last attempt ran out of memory. Without an initialised
-    process group this returns ``Agreement(proposed, oom)`` and communicates
-    nothing.
-    """
+    ``proposed``: this rank's next size in items (0: it cannot go lower); ``oom``: whether
+    its last attempt ran out of memory. Without a process group, nothing is communicated."""
     if not is_active():
         return Agreement(proposed, oom)
     size, flag = _min_over_ranks([proposed, -int(oom)], group)
@@ -97,12 +93,12 @@ def check_every_rank_calls(what: str, group: Any = None,
                            timeout_s: float | None = None) -> None:
     """Return once every rank of ``group`` has made this call; raise if one does not.
 
-    Collective: each rank sets one key in the default process group's store
-    and waits up to ``timeout_s`` seconds (default :data:`FIRST_CALL_TIMEOUT_S`)
-    for the keys of the others. A rank that waits in vain withdraws its key
-    and raises one :class:`~oomguard.engine.errors.CollectiveMismatch` naming ``what``
-    and the ranks that did not come. No collective is made, so the process
-    group stays usable. Free without ``torch.distributed``, or with one rank.
+    Each rank sets one key in the default process group's store and waits up to
+    ``timeout_s`` seconds (default :data:`FIRST_CALL_TIMEOUT_S`) for the others'. A rank
+    that waits in vain withdraws its key and raises one
+    :class:`~oomguard.engine.errors.CollectiveMismatch` naming ``what`` and the missing
+    ranks; no collective was made, so the process group stays usable. Free without
+    ``torch.distributed``, or with one rank.
     """
     if not is_active():
         return
@@ -171,13 +167,9 @@ class RankAgreement:
 
 def all_reduce_gradients(params: Iterable[torch.Tensor], group: Any = None,
                          average: bool = True) -> None:
-    """Sum (or average, the DDP convention) the ``.grad`` of ``params`` over all ranks.
-
-    The gradients are flattened into one buffer so this is one collective,
-    whatever the number of parameters. A parameter without a gradient counts
-    as zeros (every rank must contribute the same buffer). A no-op outside
-    ``torch.distributed``.
-    """
+    """Sum (or average, the DDP convention) the ``.grad`` of ``params`` over all ranks, in one
+    collective over one flat buffer. A parameter without a gradient counts as zeros (every
+    rank must contribute the same buffer). A no-op outside ``torch.distributed``."""
     if not is_active():
         return
     params = [p for p in params if p.requires_grad]

@@ -108,13 +108,10 @@ def shown(sizes: Mapping[str, int | None] | None) -> Any:
 
 @dataclass(eq=False)
 class SizeMemory:
-    """What one adaptive size has learnt across calls (numbers only).
-
-    ``sizes`` are the sizes the next call starts at (a value None: the call's
-    cap, i.e. the whole input); ``failed`` the smallest size per knob that ran
-    out of memory on any process; ``last_good`` the sizes of the last attempt
-    that worked; ``clean`` the calls without an OOM since the last change.
-    """
+    """What one adaptive size has learnt across calls: ``sizes`` the next call starts at
+    (None: the call's cap, the whole input); ``failed`` the smallest size per knob that ran
+    out of memory on any process; ``last_good`` the sizes of the last attempt that worked;
+    ``clean`` the calls without an OOM since the last change."""
 
     stats: SizeStats
     sizes: dict[str, int | None]
@@ -210,13 +207,11 @@ class SizeController:
             record: RunRecord | None = None) -> T:
         """Return ``attempt(sizes)``, retrying at smaller sizes on OOM.
 
-        ``cap`` bounds the sizes of this call only (e.g. the length of this
-        batch, or the sizes a caller asked for) without changing what is
-        remembered. ``record`` (optional) gets every attempt's sizes before it
-        runs, every OOM's message and event (measured only for a record: callers
-        that keep none pay nothing), and the final sizes. Raises
-        :class:`~oomguard.engine.errors.NoExecutableBatchSize` when no size
-        fits on every process; any other error propagates untouched.
+        ``cap`` bounds the sizes of this call only (the length of this batch, the sizes a
+        caller asked for) without changing what is remembered. ``record`` gets every
+        attempt's sizes, every OOM's message and event (measured only for a record), and
+        the final sizes. Raises :class:`~oomguard.engine.errors.NoExecutableBatchSize`
+        when no size fits on every process.
         """
         mem = self.memory
         mem.stats.calls += 1
