@@ -264,15 +264,12 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
                name: str | None = None, **options: Any) -> torch.Tensor:
     """Gradients of ``step_fn`` over the whole ``batch``, in micro-batches if it does not fit.
 
-    The function form of :class:`Accumulator`. Options (``weight_by``,
-    ``reduction``, ``grow_after``, ``minimum``, ``sync_ranks``, ...) apply to
-    this call only. What persists is the micro-batch size found: per ``params`` object and
-    ``name`` (default: the step function's qualified name), so a step
-    function defined anew every iteration keeps its size, and only while
-    ``params`` (the model or optimizer) lives; nothing here keeps it alive.
-    ``micro_batch_size`` is the first size tried when nothing is remembered,
-    and bounds this call's micro-batches. Replaces the ``.grad`` of
-    ``params``; returns the whole batch's loss (detached). Typical use::
+    The function form of :class:`Accumulator`; its options apply to this call only. What
+    persists is the micro-batch size found, per ``params`` object (while it lives) and
+    ``name`` (default: the step function's qualified name, so a step function defined
+    anew every iteration keeps its size). ``micro_batch_size`` is the first size tried
+    when nothing is remembered, and bounds this call's micro-batches. Replaces the
+    ``.grad`` of ``params``; returns the whole batch's loss (detached). Typical use::
 
         loss = oomguard.accumulate(lambda mb: model(**mb).loss, batch, params=model,
                                    weight_by="causal-tokens")

@@ -95,20 +95,16 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
              sync_ranks: bool = True, name: str | None = None) -> Any:
     """Decorate ``fn(batch_size, ...)`` so that an OOM costs a retry at a smaller size.
 
-    The decorated function is called without its batch size: the decorator
-    supplies it (passing one raises ``TypeError``). On OOM it is called again
-    at half the size (or by ``policy``) down to ``minimum``; then
-    :class:`NoExecutableBatchSize` ("no executable batch size: every size down
-    to 1 ran out of memory", with the sizes tried). Any other error propagates
-    untouched. The size that worked is kept for later calls; ``grow_after``
-    clean calls let it grow back, never above ``maximum`` (default
-    ``batch_size``) nor to a size that failed. Under ``torch.distributed``
-    each call is collective (:mod:`oomguard.engine.training.distributed`;
-    ``sync_ranks=False``: none); a rank whose call succeeded runs again at
-    the agreed smaller size when another rank ran out of memory, so ``fn``
-    must be safe to re-run. The wrapper's ``adaptive_size`` attribute is its
-    :class:`~oomguard.engine.core.execute.executor.SizeController`. Usable as
-    ``@adaptive`` or ``@adaptive(batch_size=...)``.
+    The decorator supplies the batch size (passing one raises ``TypeError``). On OOM
+    ``fn`` runs again at half the size (or by ``policy``) down to ``minimum``, then
+    raises :class:`NoExecutableBatchSize` with the sizes tried. The size that worked is
+    kept; ``grow_after`` clean calls let it grow back, never above ``maximum`` (default
+    ``batch_size``) nor to a size that failed. Under ``torch.distributed`` each call is
+    collective (``sync_ranks=False``: not), and a rank whose call succeeded runs again at
+    the agreed smaller size when another rank ran out of memory, so ``fn`` must be safe to
+    re-run. ``adaptive_size``: the wrapper's
+    :class:`~oomguard.engine.core.execute.executor.SizeController`. Usable as ``@adaptive``
+    or ``@adaptive(batch_size=...)``.
     """
     def decorate(f: Callable[..., T]) -> Callable[..., T]:
         size = make_controller(name or _qualname(f), KEY, batch_size, minimum=minimum,
@@ -126,11 +122,10 @@ def find_executable_batch_size(function: Callable[..., T] | None = None,
                                sync_ranks: bool = True) -> Any:
     """accelerate's helper, same call shape: switch with one import line.
 
-    ``function(batch_size, ...)`` is called at ``starting_batch_size``, then,
-    after each OOM, at half the size or at what ``reduce_batch_size_fn``
-    returns (either ``fn(size) -> int`` or accelerate's zero-argument form
-    ``fn() -> int``). At zero, ``RuntimeError("No executable batch size found,
-    reached zero.")`` (a :class:`NoExecutableBatchSize`). Unlike accelerate's,
+    ``function(batch_size, ...)`` is called at ``starting_batch_size``, then after each
+    OOM at half the size or at what ``reduce_batch_size_fn`` returns (``fn(size) -> int``
+    or accelerate's ``fn() -> int``). At zero, accelerate's :data:`ZERO_MESSAGE` (a
+    :class:`NoExecutableBatchSize`). Unlike accelerate's,
     under ``torch.distributed`` every rank takes the same size (collective calls,
     as :func:`adaptive`); ``sync_ranks=False`` restores accelerate's per-rank
     behaviour. Usable as

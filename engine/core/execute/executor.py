@@ -150,19 +150,14 @@ def _nothing_left(rs: RetryCallState) -> bool:
 class SizeController:
     """Runs attempts at adaptive sizes: shrink on OOM, remember, optionally grow back, agree.
 
-    ``memory`` is the :class:`SizeMemory` to use (shared by controllers that
-    run the same workload) or the start sizes for a new one. On OOM the next
-    sizes come from ``policy`` (default :class:`~oomguard.engine.core.execute.retry.Halve`)
-    down to ``minimum`` (per knob, default 1); after an OOM at sizes reached by
-    growing, it falls back to the last sizes that worked. ``grow_after``
-    (off by default, for bit-for-bit reproducible runs) tries larger sizes
-    after that many clean calls: halfway to the smallest size that failed
-    (never that size or above), else twice the size, never above ``maximum``.
-    ``agreement`` (default :data:`NO_AGREEMENT`) makes several processes take
-    the same sizes. ``failure_message`` is the whole ``str()`` of
-    :class:`~oomguard.engine.errors.NoExecutableBatchSize` (its attributes still
-    say what ran). Size changes go to ``logger`` (default ``oomguard.executor``).
-    ``snapshot_dir``: where a run with a record writes a CUDA allocator snapshot per OOM.
+    ``memory``: the :class:`SizeMemory` to use (shared by controllers of one workload) or
+    the start sizes for a new one. On OOM the next sizes come from ``policy`` (default
+    :class:`Halve`) down to ``minimum`` (per knob, default 1); an OOM at grown sizes falls
+    back to the last sizes that worked. ``grow_after`` (off by default, for reproducible
+    runs) tries larger sizes after that many clean calls: halfway to the smallest size
+    that failed, else twice the size, never above ``maximum``. ``failure_message``: the
+    whole ``str()`` of :class:`~oomguard.engine.errors.NoExecutableBatchSize`. Size
+    changes go to ``logger``; ``snapshot_dir`` gets a CUDA allocator snapshot per OOM.
     """
 
     def __init__(self, name: str, memory: SizeMemory | Start, *,
