@@ -1,24 +1,15 @@
 """The host (CPU RAM) backend: what this process may still allocate, in bytes.
 
-Linux (``/proc`` readable): three limits can stop a CPU allocation: the memory
-the kernel says is available (``MemAvailable``), the cgroup's ``memory.max``
-(v2) or ``memory.limit_in_bytes`` (v1), and the process's ``RLIMIT_DATA``. The
-smallest wins, and the snapshot says which one it was. Peaks are the kernel's
-high-water mark of resident memory: writing ``5`` to ``/proc/self/clear_refs``
-resets ``VmHWM``, which is then read back from ``/proc/self/status``: measured
-resident memory, resettable per piece of work.
+Linux (``/proc`` readable): three limits can stop a CPU allocation: the memory the
+kernel says is available (``MemAvailable``), the cgroup's ``memory.max`` (v2) or
+``memory.limit_in_bytes`` (v1), and the process's ``RLIMIT_DATA``. The smallest wins,
+and the snapshot says which one it was. Peaks are the resident high-water mark
+``VmHWM``, reset per piece of work through ``/proc/self/clear_refs``.
 
-macOS: total RAM from ``sysctl -n hw.memsize``; available RAM is an *estimate*
-from ``vm_stat`` (free + speculative + inactive pages, as psutil counts it);
-the peak is ``ru_maxrss`` (bytes on Darwin), the process's lifetime high-water
-mark: measured, but not resettable.
-
-Windows: ``GlobalMemoryStatusEx`` (total and available physical RAM) and
-``K32GetProcessMemoryInfo`` (working set and its lifetime peak), through ctypes.
-
-CPU budgets (``RLIMIT_DATA`` above ``VmData``) are enforced only on Linux:
-:func:`host_budget_unavailable` says why not elsewhere. A figure that cannot be
-read is None, never 0.
+macOS and Windows (:mod:`oomguard.probes.host_os`): total and available RAM (an
+*estimate* from ``vm_stat`` on macOS) and a lifetime peak, measured but not resettable.
+CPU budgets are enforced only on Linux (:func:`host_budget_unavailable`). A figure that
+cannot be read is None, never 0.
 """
 
 from __future__ import annotations

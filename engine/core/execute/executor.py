@@ -365,7 +365,7 @@ class SizeController:
         else:
             st.grows += new != old
         (self.log.warning if shrink else self.log.info)(
-            "%s: %s -> %s: %s", self.name, _show(old), _show(new, key=False), reason)
+            "%s: %s -> %s: %s", self.name, _show(old), format_sizes(new), reason)
         st.changes.append(SizeChange(self.name, shown(old), shown(new), reason, time.time()))
 
 
@@ -490,9 +490,9 @@ def _no_sleep(seconds: float) -> None:
     """Retries follow each other at once: memory was released before the next attempt."""
 
 
-def _show(sizes: Mapping[str, int | None], key: bool = True) -> str:
-    """``batch_size 64`` (or ``64``) for one knob, ``(a=1, b=2)`` for several."""
+def _show(sizes: Mapping[str, int | None]) -> str:
+    """``batch_size 64`` for one knob, ``(a=1, b=2)`` for several."""
     if len(sizes) == 1:
         name, value = next(iter(sizes.items()))
-        return f"{name} {value}" if key else str(value)
+        return f"{name} {value}"
     return format_sizes(sizes)  # type: ignore[arg-type]

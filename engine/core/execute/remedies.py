@@ -120,8 +120,7 @@ class Rung:
 
 @dataclass
 class Ladder:
-    """The state of one workload's ladder (plain data: it crosses into a fresh process).
-
+    """The state of one workload's ladder (plain data: it crosses into a fresh process):
     ``at`` is the rung running now; ``resume`` the sizes it goes on at in a fresh process;
     ``precision``/``device`` what earlier rungs changed (None: the workload's own);
     ``fresh_for`` the rung this process was started for; ``env`` the variables the next

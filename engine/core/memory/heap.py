@@ -52,11 +52,8 @@ def _libc() -> ctypes.CDLL | None:
 def return_freed_memory_to_os(threshold: int = _MMAP_THRESHOLD_BYTES) -> bool:
     """Make glibc serve allocations of ``threshold`` bytes or more (128 KiB by default)
     with mmap, so that frees go back to the OS (docs/measurements.md#return-freed-memory).
-
-    A lower threshold already set in this process is kept (an isolated child's
-    :data:`ISOLATED_MMAP_THRESHOLD_BYTES`, which its budget must not undo). Returns
-    False where there is no glibc (budgets still work, less deterministically).
-    """
+    A lower threshold already set in this process (an isolated child's) is kept. False
+    where there is no glibc (budgets still work, less deterministically)."""
     if _mmap_threshold:
         threshold = min(threshold, _mmap_threshold[0])
     libc = _libc()
