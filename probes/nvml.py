@@ -1,14 +1,10 @@
 """The NVML backend: what a physical NVIDIA GPU holds, all processes included, in bytes.
 
-NVML (``pynvml``, distribution ``nvidia-ml-py``) sees the device as the driver
-does: total, free and used memory of the whole GPU, and the memory of every
-process with a context on it. These are *measured* figures (driver-side), so
-``free`` already accounts for other processes, which torch's allocator cannot
-see.
-
-A missing library or driver (``NVMLError_LibraryNotFound``,
-``NVMLError_DriverNotLoaded``, any ``NVMLError``) is a normal answer: the
-functions here return a reason string, they do not raise.
+NVML (``pynvml``, distribution ``nvidia-ml-py``) sees the device as the driver does:
+total, free and used memory of the whole GPU, and the memory of every process with a
+context on it; measured, so ``free`` accounts for other processes, which torch's
+allocator cannot see. A missing library or driver is a normal answer: the functions
+here return a reason string, they do not raise.
 
 NVML numbers devices in PCI bus order and ignores ``CUDA_VISIBLE_DEVICES``;
 torch numbers the visible devices only, in CUDA's order. The pure rules in

@@ -3,24 +3,18 @@
 ``estimate(fn, [8, 32])`` runs ``fn`` under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`
 (tensors with shape, dtype and device but no data or memory: a 7B model's training step is
 estimated on a laptop for a GPU it does not have), and a dispatch mode counts the bytes of
-every tensor storage the work creates and frees (MemTracker's bookkeeping). The estimate is
-the highest count above what existed before the size ran: what a trial measures above the
-warmed-up process (:func:`~oomguard.engine.core.search.trial.run_trial`). An operation on real
-inputs only (token ids, masks) runs for real when its outputs are small (:data:`REAL_LIMIT`,
-:data:`REAL_FLOAT_LIMIT`), so control flow follows the data; a Python number read from a
-fake tensor (``float(loss)``) reads as 1, and the notes count them. A workload takes part
-through the workload protocol (:mod:`oomguard.engine.core.workload`, where workloads import
-this module's hooks): its own ``estimate_peak(size, device)``, a ``for_estimate(device)``
-copy (whose ``warmup()`` builds the model with :func:`fake_module`: no weights), or as it is.
+every tensor storage the work creates and frees. The estimate is the highest count above
+what existed before the size ran: what a trial measures above the warmed-up process. An
+operation on real inputs only (token ids, masks) runs for real when its outputs are small
+(:data:`REAL_LIMIT`, :data:`REAL_FLOAT_LIMIT`), so control flow follows the data; a Python
+number read from a fake tensor (``float(loss)``) reads as 1, and the notes count them. A
+workload takes part through the hooks of :mod:`oomguard.engine.core.workload`.
 
-Matrix-multiply workspace (CPU) is measured, not predicted: the distinct matrix multiplies
-the fake run made are replayed on this host (:mod:`oomguard.engine.core.estimate.workspace`).
-Only the target device's memory counts: for a cuda estimate, what a workload keeps on the
-host (a Lanczos basis) does not. Workloads put such bookkeeping on :func:`host_device`,
-which is ``cpu`` except while an estimate for cuda runs on a torch build without CUDA
-(fake tensors then stand on cpu for cuda, and the host's part goes to ``meta``, uncounted).
-A workload may run once, in an estimate, a step it would repeat identically
-(:func:`shortcut`: Lanczos steps, landscape points, VJP blocks); the notes say where.
+Matrix-multiply workspace (CPU) is measured, not predicted
+(:mod:`oomguard.engine.core.estimate.workspace`). Only the target device's memory counts:
+workloads put host-side bookkeeping (a Lanczos basis) on :func:`host_device`, which is
+``cpu`` except while an estimate for cuda runs on a torch build without CUDA (fake tensors
+then stand on cpu for cuda, and the host's part goes to ``meta``, uncounted).
 
 Not counted: other operators' workspace, free heap a real run reuses (the other way), the
 allocator's rounding beyond CUDA's 512-byte blocks and its cache, cuBLAS's workspace, the

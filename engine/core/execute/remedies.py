@@ -17,17 +17,11 @@ through the executor's retry at half, from the call's start sizes:
 
 A rung keeps what the rungs before it changed (a lower precision stays), except that
 ``on_device`` gives what it gives (a job builds the model again at its own dtype).
-Two checks run between attempts, in the one wrapper :class:`_Checked`:
-
-- memory came back: :func:`live_bytes` before a retry against its value before the failed
-  attempt; more than :data:`MEMORY_BACK_TOLERANCE` bytes still in use means something
-  keeps the failed attempt's tensors, and the task goes on in a fresh process
-  (:class:`RestartNeeded`) instead of looping in this one;
-- progress: two failed attempts in a row with the same remedy, sizes and error stop the
-  ladder (:class:`NoProgress`, one line).
-
-Everything a rung did is in :attr:`Ladder.rungs`; :class:`Ladder` is plain data (JSON
-round trip), so it crosses into a restarted process.
+Two checks run between attempts (:class:`_Checked`): memory came back
+(:func:`live_bytes` more than :data:`MEMORY_BACK_TOLERANCE` above its value before the
+failed attempt means something keeps its tensors: :class:`RestartNeeded`, a fresh
+process), and progress (two failed attempts in a row with the same remedy, sizes and
+error: :class:`NoProgress`). Everything a rung did is in :attr:`Ladder.rungs`.
 """
 
 from __future__ import annotations
