@@ -79,14 +79,11 @@ def _text(value: Any) -> str:
 class NvmlDevice:
     """One GPU, or one MIG slice of it, as NVML measures it. Bytes; None = not reported.
 
-    ``total`` is NVML's total; with ``memory_api`` ``nvmlDeviceGetMemoryInfo_v2``
-    ``reserved`` is the driver-reserved part CUDA cannot use (``usable``); the
-    v1 API folds it into ``total`` and ``used`` and leaves ``reserved`` None.
-    ``process_bytes`` is this process's usage (matched by pid; in a container
-    with its own PID namespace NVML reports host pids and the match can fail,
-    then ``pid_matched`` is False); None when NVML did not report it.
-    ``other_processes_bytes`` sums the others, None when any of them is
-    unknown (``unknown_pids``); ``other_processes_known_bytes`` is then a lower bound.
+    ``reserved`` (v2 API only; v1 folds it into ``total`` and ``used``) is the
+    driver-reserved part CUDA cannot use. ``process_bytes`` is this process's usage,
+    matched by pid (``pid_matched`` False: in a container with its own PID namespace NVML
+    reports host pids). ``other_processes_bytes`` sums the others, None when any is
+    unknown (``unknown_pids``; ``other_processes_known_bytes`` is then a lower bound).
     """
 
     index: int

@@ -38,14 +38,11 @@ def map_visible_devices(cuda_visible_devices: str | None,
                         nvml_devices: Sequence[tuple[str, str]]) -> list[int]:
     """NVML indices of the devices CUDA exposes, in torch's order (torch index -> position).
 
-    ``cuda_visible_devices`` is the environment variable's value (None when
-    unset: every device, in NVML's order). ``nvml_devices`` lists ``(uuid,
-    pci_bus_id)`` per NVML index. Entries are integers (NVML/PCI order, which
-    is CUDA's order only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical
-    GPUs; prefer UUIDs or :func:`match_device`), ``GPU-`` UUIDs or unique UUID
-    prefixes. As CUDA does, parsing stops at the first entry that names no
-    device, and a device is listed at most once. ``MIG-`` entries name no
-    whole GPU and stop the list too.
+    ``cuda_visible_devices``: the variable's value (None: every device, in NVML's order);
+    ``nvml_devices``: ``(uuid, pci_bus_id)`` per NVML index. Entries are integers (PCI
+    order, CUDA's only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical GPUs: prefer
+    :func:`match_device`), ``GPU-`` UUIDs or unique prefixes. As in CUDA, parsing stops at
+    the first entry that names no whole GPU (``MIG-`` included); no device is listed twice.
     """
     n = len(nvml_devices)
     if cuda_visible_devices is None:
@@ -86,12 +83,9 @@ def match_device(nvml_devices: Sequence[tuple[str, str]], *, uuid: str | None = 
 def nvml_index_for(torch_index: int, nvml_devices: Sequence[tuple[str, str]], *,
                    cuda_visible_devices: str | None, uuid: str | None = None,
                    pci_bus_id: str | None = None) -> tuple[int | None, str]:
-    """Map torch's ``cuda:torch_index`` to an NVML index; return (index or None, how).
-
-    Tries torch's own identity of the device first (UUID, then PCI bus id),
-    which is exact whatever ``CUDA_DEVICE_ORDER`` is; falls back to parsing
-    ``CUDA_VISIBLE_DEVICES``. ``how`` names the method or why it failed.
-    """
+    """Map torch's ``cuda:torch_index`` to an NVML index; return (index or None, how): by
+    torch's own identity of the device (UUID, then PCI bus id: exact whatever
+    ``CUDA_DEVICE_ORDER`` is), else by parsing ``CUDA_VISIBLE_DEVICES``."""
     by_id = match_device(nvml_devices, uuid=uuid, pci_bus_id=pci_bus_id)
     if by_id is not None:
         how = "uuid" if uuid and normalize_uuid(nvml_devices[by_id][0]) == normalize_uuid(uuid) \
@@ -116,13 +110,10 @@ class MigIdentity:
 
 def match_mig(migs: Sequence[MigIdentity], torch_index: int, *, uuid: str | None,
               cuda_visible_devices: str | None) -> tuple[MigIdentity | None, str]:
-    """The MIG device that is torch's ``cuda:torch_index``, or (None, why not).
-
-    torch's own UUID of the device decides first; otherwise the
-    ``torch_index``-th ``MIG-`` entry of ``CUDA_VISIBLE_DEVICES`` (a unique
-    UUID prefix, as CUDA accepts). The pre-R470 form ``MIG-GPU-<uuid>/gi/ci``
-    names no MIG UUID and matches nothing.
-    """
+    """The MIG device that is torch's ``cuda:torch_index``, or (None, why not): by torch's
+    own UUID of the device, else the ``torch_index``-th ``MIG-`` entry of
+    ``CUDA_VISIBLE_DEVICES`` (a unique UUID prefix, as CUDA accepts; the pre-R470 form
+    ``MIG-GPU-<uuid>/gi/ci`` names no MIG UUID and matches nothing)."""
     if uuid:
         want = normalize_uuid(uuid)
         for m in migs:
@@ -142,11 +133,8 @@ _MISPARSE_V3 = ((535, 43), (535, 86))  # inclusive, by (major, minor)
 
 
 def misparses_v3(driver: str | None) -> bool:
-    """Whether this driver fills ``_v3`` process lists with the struct pynvml does not read.
-
-    Drivers 535.43-535.86 wrote ``nvmlProcessInfo_v3_t`` (32 bytes, with
-    ``usedGpuCcProtectedMemory``) where nvidia-ml-py reads the 24-byte v2
-    struct, so every entry after the first is read at the wrong offset.
-    """
+    """Whether this driver fills ``_v3`` process lists with a struct pynvml does not read:
+    drivers 535.43-535.86 wrote ``nvmlProcessInfo_v3_t`` (32 bytes) where nvidia-ml-py reads
+    the 24-byte v2 struct, so every entry after the first is read at the wrong offset."""
     m = re.match(r"^(\d+)\.(\d+)", driver or "")
     return m is not None and _MISPARSE_V3[0] <= (int(m[1]), int(m[2])) <= _MISPARSE_V3[1]
