@@ -70,11 +70,9 @@ class RamLimitReached(OomguardError, MemoryError):
 class ExecutionFailed(OomguardError, RuntimeError):
     """Every size down to the minimum ran out of memory.
 
-    ``workload`` names what ran; ``tried`` lists the sizes of each attempt in
-    order; ``errors`` the OOM message of each; ``detail`` is one line with all
-    of it. ``str()`` is ``detail``, or with ``verbatim`` just ``message``: the
-    accelerate-compatible helper gives accelerate's exact words ("No executable
-    batch size found, reached zero.") to code that compares them.
+    ``workload`` names what ran; ``tried`` lists the sizes of each attempt in order;
+    ``errors`` the OOM message of each; ``detail`` is one line with all of it. ``str()`` is
+    ``detail``, or with ``verbatim`` just ``message`` (accelerate's exact words).
     """
 
     # The message quotes the last OOM, but giving up is not itself an OOM: an

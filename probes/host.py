@@ -40,11 +40,10 @@ def system() -> str:
 
 
 class DataSize:
-    """Reads a process's data segment in bytes, cheaply enough to sample every
-    millisecond: ``/proc/<pid>/statm``'s data field (pages of data + stack, read from an
-    open descriptor, ~2 us) minus the stack at open, so it follows ``VmData``, the figure
-    ``RLIMIT_DATA`` limits. ``pid``: this process by default, or a child's. :meth:`read`
-    returns None where there is no statm (or the process is gone)."""
+    """Reads a process's data segment in bytes, cheaply enough to sample every millisecond:
+    ``/proc/<pid>/statm``'s data field from an open descriptor (~2 us) minus the stack at
+    open, so it follows ``VmData``, the figure ``RLIMIT_DATA`` limits. ``pid``: this process
+    by default. :meth:`read` returns None where there is no statm (or the process is gone)."""
 
     def __init__(self, pid: int | None = None) -> None:
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

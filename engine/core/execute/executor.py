@@ -155,9 +155,11 @@ class SizeController:
     :class:`Halve`) down to ``minimum`` (per knob, default 1); an OOM at grown sizes falls
     back to the last sizes that worked. ``grow_after`` (off by default, for reproducible
     runs) tries larger sizes after that many clean calls: halfway to the smallest size
-    that failed, else twice the size, never above ``maximum``. ``failure_message``: the
-    whole ``str()`` of :class:`~oomguard.engine.errors.NoExecutableBatchSize`. Size
-    changes go to ``logger``; ``snapshot_dir`` gets a CUDA allocator snapshot per OOM.
+    that failed, else twice the size, never above ``maximum``. ``device``: whose cache is
+    emptied between attempts; ``agreement`` (default :data:`NO_AGREEMENT`) makes several
+    processes take the same sizes. ``failure_message``: the whole ``str()`` of
+    :class:`~oomguard.engine.errors.NoExecutableBatchSize`. Size changes go to ``logger``;
+    ``snapshot_dir`` gets a CUDA allocator snapshot per OOM.
     """
 
     def __init__(self, name: str, memory: SizeMemory | Start, *,
@@ -372,13 +374,10 @@ class SizeController:
 class Executor:
     """Runs workloads; on OOM retries at smaller sizes; remembers what worked.
 
-    ``policy`` decides the retry sizes (default :class:`Halve`); ``device`` is
-    the one whose cache is emptied between attempts; ``agreement`` (default:
-    none, one process) makes several processes take the same sizes.
-    ``history`` holds a :class:`RunRecord` per call (the last 1024).
-    ``snapshot_on_oom``: a folder where every OOM writes a CUDA allocator snapshot
-    (``<name>-oom<k>.pickle``, for pytorch.org/memory_viz; history is recorded from
-    the first run on, for the rest of the process).
+    ``policy``, ``device`` and ``agreement`` as in :class:`SizeController`. ``history``
+    holds a :class:`RunRecord` per call (the last 1024). ``snapshot_on_oom``: a folder
+    where every OOM writes a CUDA allocator snapshot (``<name>-oom<k>.pickle``, for
+    pytorch.org/memory_viz; history is recorded from the first run on).
 
     ``on_oom`` (default None: halve only) is a remedy ladder such as
     ``["halve", "bfloat16", "cpu"]`` (:mod:`~oomguard.engine.core.execute.remedies`),
