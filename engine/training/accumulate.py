@@ -40,6 +40,7 @@ the whole batch again (an OOM costs at most one batch's compute). So
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,14 +193,9 @@ class Accumulator:
                 rows: list[float] = []  # computed per micro-batch in _run_at
                 cache["prefix"], cache["total"] = rows, float(self.weight_by(batch))
             else:
-                if self.weight_by == "samples":
-                    per_row = [1] * n
-                else:
-                    per_row = _row_units(batch, self.weight_by, self.labels_key,
-                                         self.ignore_index)
-                prefix = [0.0]
-                for u in per_row:
-                    prefix.append(prefix[-1] + u)
+                per_row = [1] * n if self.weight_by == "samples" else _row_units(
+                    batch, self.weight_by, self.labels_key, self.ignore_index)
+                prefix = [0.0, *itertools.accumulate(map(float, per_row))]
                 cache["prefix"], cache["total"] = prefix, prefix[-1]
             if cache["total"] <= 0:
                 raise ValueError("the batch has no units to weight the loss by (every label "
