@@ -32,10 +32,9 @@ def cuda_async_backend() -> bool:
 
 
 def held_bytes(device: str | torch.device) -> int:
-    """Bytes this process holds on a GPU ``device``, in the units its allocator's cap and
-    its peaks count, measured after the cache is emptied (cached free blocks would serve
-    new work without counting): reserved bytes (CUDA's native allocator), bytes in use
-    (cudaMallocAsync), the Metal driver's allocated bytes (MPS)."""
+    """Bytes this process holds on a GPU ``device``, in the units its allocator's cap and its
+    peaks count (module docstring), measured after the cache is emptied: cached free blocks
+    are released before an allocation meets the cap, so counting them would enlarge a budget."""
     dev = torch.device(device)
     if dev.type == "mps":
         torch.mps.empty_cache()

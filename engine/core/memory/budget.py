@@ -9,20 +9,15 @@ error:
   (``mallopt(M_MMAP_THRESHOLD)``) so freed tensors really go back to the kernel;
   without it the heap keeps fragments and the same size fits on one try and not
   the next (docs/measurements.md#return-freed-memory).
-- CUDA: ``torch.cuda.set_per_process_memory_fraction((held + budget) / total)``.
-  The cap counts what the allocator backend counts (c10/cuda/CUDACachingAllocator.cpp:
-  reserved segments; c10/cuda/CUDAMallocAsyncAllocator.cpp: bytes in use), so ``held`` is
-  measured in those units, after ``empty_cache()``: cached free blocks are released
-  before an allocation meets the cap, and counting them would enlarge the budget.
+- CUDA: ``torch.cuda.set_per_process_memory_fraction((held + budget) / total)``, ``held``
+  in the units the cap counts, after ``empty_cache()`` (:func:`gpu_held_bytes`).
 - MPS: ``torch.mps.set_per_process_memory_fraction((driver allocated + budget) /
   recommended_max_memory)``: the MPS allocator compares the Metal driver's allocated
   bytes with that fraction of the recommended working-set size (MPSAllocator.mm).
 
-Each budget counts bytes *above what the process holds when it is entered*
-(virtual data size on CPU, the allocator's units on a GPU) and is kept there:
-:func:`tighten_active_budget` lowers it to the smallest usage seen. The previous
-limit is restored on exit, also after an error. Host (CPU) budgets need
-``RLIMIT_DATA`` (Linux); elsewhere they raise :class:`BudgetError`.
+Each budget counts bytes *above what the process holds when it is entered* and is kept
+there (:func:`tighten_active_budget`). The previous limit is restored on exit, also
+after an error. Host budgets need ``RLIMIT_DATA`` (Linux); elsewhere :class:`BudgetError`.
 """
 
 from __future__ import annotations
