@@ -134,12 +134,10 @@ def _param_list(params: Params) -> list[torch.Tensor]:
 class Accumulator:
     """Runs ``step_fn`` over a batch in micro-batches with exact gradient accumulation.
 
-    ``params`` (a module, an optimizer, or tensors) are the tensors whose
-    ``.grad`` one call computes. ``micro_batch_size`` (rows) is the first size
-    tried; None means the whole batch. On OOM it shrinks by ``policy``
-    (halving) down to ``minimum``, is remembered for later calls, grows back
-    after ``grow_after`` clean calls when set (never to a size that failed),
-    and is agreed between the ranks of ``group`` (``sync_ranks=False``: not).
+    ``params`` (a module, an optimizer, or tensors) are the tensors whose ``.grad`` one
+    call computes. ``micro_batch_size`` (rows) is the first size tried (None: the whole
+    batch); the size controller's options (``policy``, ``minimum``, ``grow_after``,
+    ``group``, ``sync_ranks``) are :class:`~oomguard.engine.core.execute.executor.SizeController`'s.
     The module docstring says how ``weight_by`` and ``reduction`` scale the loss.
 
     ``size``: an existing size controller to run with (how :func:`accumulate`

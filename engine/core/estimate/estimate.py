@@ -309,10 +309,8 @@ def estimate(fn: Callable[[int], Any], sizes: Sequence[int], device: str | torch
     cuda, cuda:N) without running the work (module docstring): one :class:`Estimate` per
     size, in order after one warm-up on fake tensors. ``workspace`` (cpu): measure the
     matrix multiplies' workspace on this host; ``shortcuts``: allow :func:`shortcut`.
-
-    Raises :class:`UsageError` for no sizes, a size that is not a positive integer, a
-    device other than cpu or cuda, or a workload whose memory depends on values only a
-    real run computes (a tensor whose shape depends on the model's outputs).
+    :class:`UsageError` for bad sizes or devices, or a workload whose memory depends on
+    values only a real run computes (a tensor whose shape depends on the model's outputs).
     """
     from oomguard.engine.core.workload import own_estimate  # why: it imports this module
     sizes = list(sizes)
