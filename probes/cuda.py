@@ -1,12 +1,8 @@
 """The torch CUDA allocator backend: what *this process's* caching allocator holds, in bytes.
 
-- ``torch.cuda.mem_get_info`` (cudaMemGetInfo): free and total bytes of the
-  device, measured by the driver, other processes included.
-- ``memory_allocated`` / ``memory_reserved``: bytes in live tensors / bytes the
-  caching allocator holds from the driver (allocated + cached). Measured.
-- ``max_memory_allocated`` / ``max_memory_reserved``: peaks since the last
-  ``reset_peak_memory_stats``. Measured.
-
+All measured: ``torch.cuda.mem_get_info`` (the driver's free and total bytes, other
+processes included), ``memory_allocated`` / ``memory_reserved`` (bytes in live tensors /
+bytes the caching allocator holds) and their peaks since ``reset_peak_memory_stats``.
 Everything is gated on ``torch.cuda.is_available()``: on a CPU-only build
 ``memory_allocated()`` silently returns 0 and ``mem_get_info()`` raises an
 ``AssertionError`` (measured on torch 2.13 CPU), so an ungated 0 would be a lie.

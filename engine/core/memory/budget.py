@@ -81,14 +81,11 @@ def host_budgets_available() -> bool:
 
 
 def tighten_active_budget() -> None:
-    """Keep an active budget at ``nbytes`` above the *smallest* usage seen: lower the limit
-    to ``usage now + nbytes`` when that is smaller (``VmData`` on CPU, :func:`gpu_held_bytes`
-    on a GPU). Called before each trial.
-
-    Memory counted in the baseline can be released after the budget starts (thread stacks,
-    trimmed malloc arenas, the warm-up's tensors), which would silently enlarge the budget
-    (docs/measurements.md#free-heap-at-budget-entry). The limit is never raised, so memory
-    that trials leave behind keeps counting, as it would on a device.
+    """Keep an active budget at ``nbytes`` above the *smallest* usage seen (``VmData`` on
+    CPU, :func:`gpu_held_bytes` on a GPU); called before each trial. Memory in the baseline
+    can be released after entry (thread stacks, malloc arenas, the warm-up's tensors) and
+    would silently enlarge the budget (docs/measurements.md#free-heap-at-budget-entry); the
+    limit is never raised, so memory that trials leave behind keeps counting.
     """
     b = active_budget()
     if b is None:
