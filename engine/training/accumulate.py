@@ -47,10 +47,10 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.execute.executor import SizeController, SizeMemory
+from oomguard.engine.core.execute.executor import SizeController, SizeMemory, qualname
 from oomguard.engine.core.execute.retry import RetryPolicy
 from oomguard.engine.errors import check_positive_int
-from oomguard.engine.training.adaptive import _qualname, make_controller, remembered
+from oomguard.engine.training.adaptive import make_controller, remembered
 from oomguard.engine.util.weakmap import WeakIdMap
 
 Batch = Any  # a tensor, a Mapping of tensors, or a tuple/list of them, rows on dim 0
@@ -163,7 +163,7 @@ class Accumulator:
         self.set_params(params)
         self.limit = micro_batch_size if size is not None else None
         self.size = size or make_controller(
-            name or f"{_qualname(step_fn)}:micro_batch", KEY, micro_batch_size, minimum=minimum,
+            name or f"{qualname(step_fn)}:micro_batch", KEY, micro_batch_size, minimum=minimum,
             policy=policy, grow_after=grow_after, device=device, group=group,
             sync_ranks=sync_ranks)
 
@@ -271,7 +271,7 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
     """
     tensors = _param_list(params)
     check_positive_int("micro_batch_size", micro_batch_size, optional=True)
-    key = name or f"{_qualname(step_fn)}:micro_batch"
+    key = name or f"{qualname(step_fn)}:micro_batch"
     anchor = params if isinstance(params, (torch.nn.Module, torch.optim.Optimizer)) \
         else (tensors[0] if tensors else None)
     known = _MEMORY.get(anchor) if anchor is not None else None

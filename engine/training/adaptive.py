@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from oomguard.engine.core.execute.executor import SizeController, SizeMemory
+from oomguard.engine.core.execute.executor import SizeController, SizeMemory, qualname
 from oomguard.engine.core.execute.retry import Halve, ReduceWith, RetryPolicy
 from oomguard.engine.core.execute.stats import register
 from oomguard.engine.errors import NoExecutableBatchSize, check_positive_int
@@ -82,7 +82,7 @@ def _wrap(fn: Callable[..., T], size: SizeController | None) -> Callable[..., T]
     def call(*args: Any, **kwargs: Any) -> T:
         guard(args, kwargs)
         if size is None:  # find_executable_batch_size(starting_batch_size=0)
-            raise NoExecutableBatchSize(_qualname(fn), [], [], ZERO_MESSAGE, verbatim=True)
+            raise NoExecutableBatchSize(qualname(fn), [], [], ZERO_MESSAGE, verbatim=True)
         return size.run(lambda sizes: fn(sizes[KEY], *args, **kwargs))
 
     call.adaptive_size = size  # type: ignore[attr-defined]
@@ -107,7 +107,7 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
     or ``@adaptive(batch_size=...)``.
     """
     def decorate(f: Callable[..., T]) -> Callable[..., T]:
-        size = make_controller(name or _qualname(f), KEY, batch_size, minimum=minimum,
+        size = make_controller(name or qualname(f), KEY, batch_size, minimum=minimum,
                                maximum=maximum or batch_size, policy=policy,
                                grow_after=grow_after, device=device, group=group,
                                sync_ranks=sync_ranks)
@@ -140,7 +140,7 @@ def find_executable_batch_size(function: Callable[..., T] | None = None,
     if starting_batch_size <= 0:
         return _wrap(function, None)
     policy = Halve() if reduce_batch_size_fn is None else ReduceWith(_unary(reduce_batch_size_fn))
-    size = make_controller(_qualname(function), KEY, starting_batch_size, policy=policy,
+    size = make_controller(qualname(function), KEY, starting_batch_size, policy=policy,
                            sync_ranks=sync_ranks, failure_message=ZERO_MESSAGE)
     return _wrap(function, size)
 
@@ -153,7 +153,3 @@ def _unary(fn: Callable[..., int]) -> Callable[[int], int]:
     except (TypeError, ValueError):
         takes_size = True
     return fn if takes_size else (lambda _size: fn())
-
-
-def _qualname(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__

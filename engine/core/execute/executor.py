@@ -434,7 +434,7 @@ class Executor:
         start: Sizes = {"batch_size": batch_size} if positional else dict(sizes)  # type: ignore[arg-type]
         for key, value in start.items():
             check_positive_int(key, value)
-        label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+        label = name or qualname(fn)
         if self.snapshot_on_oom is not None:
             start_history(self.device)  # once per process: the snapshot needs the history
         record = RunRecord(workload=label)
@@ -483,6 +483,11 @@ class Executor:
             except TypeError:  # not weakly referenceable: nothing is remembered
                 pass
         return memory
+
+
+def qualname(fn: Any) -> str:
+    """What a workload is called by default: its ``__qualname__``, else its type's name."""
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def _no_sleep(seconds: float) -> None:
