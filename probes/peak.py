@@ -3,18 +3,16 @@
 ``PeakMeter(device).reset()`` before the work, ``.read()`` after it: the
 result is the peak *above what was in use at reset*, measured, not estimated.
 
-- CPU: resident high-water mark (``VmHWM`` after ``clear_refs``) minus the
-  resident bytes at reset. Resident, so pages reserved but never touched are
-  not counted.
-- CUDA, native allocator: ``torch.cuda.max_memory_reserved`` minus the reserved
-  bytes at reset; reserved, not allocated, because its fraction cap and its OOM
-  count reserved segments (c10/cuda/CUDACachingAllocator.cpp).
-- CUDA, ``backend:cudaMallocAsync``: ``max_memory_allocated`` minus the bytes in
-  use at reset, because that allocator's cap counts bytes in use while its
-  "reserved" is the driver pool's, which keeps freed memory
-  (c10/cuda/CUDAMallocAsyncAllocator.cpp).
-- MPS: ``torch.mps.driver_allocated_memory`` after minus before, the units its
-  cap counts (the MPS backend keeps no peak; this is a lower bound).
+- CPU: resident high-water mark (``VmHWM`` after ``clear_refs``) minus the resident
+  bytes at reset (pages reserved but never touched are not counted).
+- CUDA, native allocator: ``torch.cuda.max_memory_reserved`` minus the reserved bytes at
+  reset: its fraction cap and its OOM count reserved segments
+  (c10/cuda/CUDACachingAllocator.cpp).
+- CUDA, ``backend:cudaMallocAsync``: ``max_memory_allocated`` minus the bytes in use at
+  reset: its cap counts bytes in use, while its "reserved" is the driver pool's, which
+  keeps freed memory (c10/cuda/CUDAMallocAsyncAllocator.cpp).
+- MPS: ``torch.mps.driver_allocated_memory`` after minus before, the units its cap
+  counts (the MPS backend keeps no peak: a lower bound).
 """
 
 from __future__ import annotations

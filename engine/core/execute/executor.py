@@ -54,14 +54,11 @@ MAX_NAMES_KEPT = 1024  # named workloads whose sizes one executor remembers
 
 
 class SizeAgreement(Protocol):
-    """How the processes running one workload agree on its size after each attempt.
-
-    ``active()`` is asked once per call (False: this process decides alone). When
-    active, :meth:`agree` is called after *every* attempt on every process with the
-    sizes this process proposes next (zeros: it cannot go lower) and whether it ran out
-    of memory; it returns the sizes every process takes and whether any ran out of memory
-    (:mod:`~oomguard.engine.training.distributed` has the protocol).
-    """
+    """How the processes running one workload agree on its size after each attempt
+    (:mod:`~oomguard.engine.training.distributed` has the protocol). ``active()`` is asked
+    once per call (False: this process decides alone); then :meth:`agree` after *every*
+    attempt with this process's next sizes (zeros: it cannot go lower) and whether it ran
+    out of memory, returning the sizes every process takes and whether any ran out."""
 
     def active(self) -> bool: ...
 
@@ -422,10 +419,9 @@ class Executor:
     ) -> Any:
         """Run ``fn(batch_size)``, or ``fn(**sizes)`` for several tunable sizes.
 
-        On OOM the sizes shrink by the policy and ``fn`` runs again; when they
-        cannot shrink any more, :class:`~oomguard.engine.errors.ExecutionFailed`
-        names the workload and every size tried. Sizes must be positive integers
-        (``ValueError`` otherwise). ``ladder`` resumes one that a
+        On OOM the sizes shrink by the policy and ``fn`` runs again, down to
+        :class:`~oomguard.engine.errors.ExecutionFailed` naming every size tried. Sizes
+        must be positive integers. ``ladder`` resumes one that a
         :class:`~oomguard.engine.errors.RestartNeeded` carried out of another process.
         """
         if (batch_size is None) == (sizes is None):
