@@ -1,28 +1,16 @@
 """The one exception tree of oomguard.
 
-Every error oomguard raises on purpose derives from :class:`OomguardError`.
-Three families matter to a caller:
+Every error oomguard raises on purpose derives from :class:`OomguardError`. Three
+families matter to a caller:
 
-- :class:`UsageError` -- bad input from the user (a size <= 0, an unknown
-  metric, a corrupt job file, a GPU asked for where there is none). Its message
-  is one line that says what to do. The command line prints it and exits 2;
-  it is the *only* family the command line treats that way, so a bug inside a
-  metric (a plain ``ValueError``) keeps its traceback. It is also a
-  ``ValueError``, so ``except ValueError`` in user code keeps working.
-- :class:`ExecutionFailed` -- the executor or an adaptive wrapper gave up: every
-  size down to the minimum ran out of memory. It names the workload and every
-  size tried (the accelerate-compatible helper's text is accelerate's own; the
-  sizes are then on its attributes). Giving up is *not* itself an OOM
-  (``oomguard_is_oom = False``), so an outer handler never retries it as one.
-- :class:`SearchFailed` -- a search ended without an answer. It always carries
-  the partial :class:`~oomguard.engine.core.search.search.SearchResult` (every trial
-  that ran), so nothing measured is lost: :class:`NoSizeFits` when even the
-  smallest size ran out of memory, :class:`TrialFailed` when a trial failed for
-  a reason other than memory (the original error is ``__cause__``).
-
-:class:`IsolationError` says why an isolated trial's child process failed when
-the reason was not memory: it could not start (:class:`ChildStartFailed`) or
-it died (:class:`ChildCrashed`).
+- :class:`UsageError` -- bad input from the user, in one line that says what to do.
+  The command line prints it and exits 2; it is the *only* family treated that way,
+  so a bug inside a metric (a plain ``ValueError``) keeps its traceback.
+- :class:`ExecutionFailed` -- the executor or an adaptive wrapper gave up: every size
+  down to the minimum ran out of memory. Giving up is *not* itself an OOM, so an outer
+  handler never retries it as one.
+- :class:`SearchFailed` -- a search ended without an answer; it carries the partial
+  :class:`~oomguard.engine.core.search.search.SearchResult`, so nothing measured is lost.
 
 This module imports nothing, so every layer may use it.
 """
@@ -38,7 +26,9 @@ class OomguardError(Exception):
 
 
 class UsageError(OomguardError, ValueError):
-    """Bad input from the user: a one-line message saying what to do (CLI: exit code 2)."""
+    """Bad input from the user (a size <= 0, an unknown metric, a corrupt job file, a GPU
+    asked for where there is none): a one-line message saying what to do (CLI: exit code 2).
+    A ``ValueError``, so ``except ValueError`` in user code keeps working."""
 
 
 def check_positive_int(name: str, value: Any, *, optional: bool = False) -> None:
@@ -80,11 +70,9 @@ class RamLimitReached(OomguardError, MemoryError):
 class ExecutionFailed(OomguardError, RuntimeError):
     """Every size down to the minimum ran out of memory.
 
-    ``workload`` names what ran; ``tried`` lists the sizes of each attempt in
-    order; ``errors`` the OOM message of each; ``detail`` is one line with all
-    of it. ``str()`` is ``detail``, or with ``verbatim`` just ``message``: the
-    accelerate-compatible helper gives accelerate's exact words ("No executable
-    batch size found, reached zero.") to code that compares them.
+    ``workload`` names what ran; ``tried`` lists the sizes of each attempt in order;
+    ``errors`` the OOM message of each; ``detail`` is one line with all of it. ``str()`` is
+    ``detail``, or with ``verbatim`` just ``message`` (accelerate's exact words).
     """
 
     # The message quotes the last OOM, but giving up is not itself an OOM: an

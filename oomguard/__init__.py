@@ -38,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     "Executor": "oomguard.engine.core.execute.executor",
     "adaptive": "oomguard.engine.training.adaptive",
     "find_executable_batch_size": "oomguard.engine.training.adaptive",
-    "stats": "oomguard.engine.training.adaptive",
+    "stats": "oomguard.engine.core.execute.stats",
     "accumulate": "oomguard.engine.training.accumulate",
     "write_report": "oomguard.reports",
     # the errors a caller catches; the whole tree is oomguard.errors
@@ -77,6 +77,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names ("as": re-expor
     from oomguard import training as training
     from oomguard.engine.core.estimate.estimate import estimate as estimate
     from oomguard.engine.core.execute.executor import Executor as Executor
+    from oomguard.engine.core.execute.stats import stats as stats
     from oomguard.engine.core.memory.budget import budget as budget
     from oomguard.engine.core.memory.oom import is_oom as is_oom
     from oomguard.engine.core.memory.oom import release_memory as release_memory
@@ -93,6 +94,5 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names ("as": re-expor
     from oomguard.engine.training.adaptive import (
         find_executable_batch_size as find_executable_batch_size,
     )
-    from oomguard.engine.training.adaptive import stats as stats
     from oomguard.probes import probe as probe
     from oomguard.reports import write_report as write_report

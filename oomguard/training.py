@@ -2,7 +2,7 @@
 ``accumulate`` and ``stats``: the :class:`Accumulator` that ``accumulate`` runs (for a
 step that keeps its own), and :func:`reset_stats` (zero the counters ``stats`` shows)."""
 
+from oomguard.engine.core.execute.stats import reset_stats
 from oomguard.engine.training.accumulate import Accumulator
-from oomguard.engine.training.adaptive import reset_stats
 
 __all__ = ["Accumulator", "reset_stats"]

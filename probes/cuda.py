@@ -1,12 +1,8 @@
 """The torch CUDA allocator backend: what *this process's* caching allocator holds, in bytes.
 
-- ``torch.cuda.mem_get_info`` (cudaMemGetInfo): free and total bytes of the
-  device, measured by the driver, other processes included.
-- ``memory_allocated`` / ``memory_reserved``: bytes in live tensors / bytes the
-  caching allocator holds from the driver (allocated + cached). Measured.
-- ``max_memory_allocated`` / ``max_memory_reserved``: peaks since the last
-  ``reset_peak_memory_stats``. Measured.
-
+All measured: ``torch.cuda.mem_get_info`` (the driver's free and total bytes, other
+processes included), ``memory_allocated`` / ``memory_reserved`` (bytes in live tensors /
+bytes the caching allocator holds) and their peaks since ``reset_peak_memory_stats``.
 Everything is gated on ``torch.cuda.is_available()``: on a CPU-only build
 ``memory_allocated()`` silently returns 0 and ``mem_get_info()`` raises an
 ``AssertionError`` (measured on torch 2.13 CPU), so an ungated 0 would be a lie.
@@ -19,7 +15,7 @@ from typing import Any
 
 import torch
 
-from oomguard.probes.nvml import pci_bus_id_from_ints
+from oomguard.probes.nvml_ids import pci_bus_id_from_ints
 
 log = logging.getLogger("oomguard.probes.cuda")
 
@@ -34,6 +30,12 @@ def unavailable_reason() -> str | None:
     except Exception as exc:  # noqa: BLE001 - a broken driver may raise here; report it
         return f"torch.cuda.is_available() failed: {exc}"
     return "torch.cuda.is_available() is False (no usable NVIDIA driver or device)"
+
+
+def _require_cuda() -> None:
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
 
 
 def torch_has_cuda() -> bool:
@@ -52,10 +54,8 @@ def device_count() -> int:
 
 
 def identity(index: int) -> dict[str, Any]:
-    """Name, total bytes, UUID and PCI bus id of ``cuda:index`` as torch reports them.
-
-    Keys whose property this torch build lacks are left out.
-    """
+    """Name, total bytes, UUID and PCI bus id of ``cuda:index`` as torch reports them
+    (without the keys whose property this torch build lacks)."""
     props = torch.cuda.get_device_properties(index)
     out: dict[str, Any] = {"name": props.name, "total": int(props.total_memory)}
     uuid = getattr(props, "uuid", None)
@@ -70,40 +70,26 @@ def identity(index: int) -> dict[str, Any]:
 
 
 def has_context(index: int) -> bool:
-    """Whether this process already has a CUDA context on ``cuda:index``.
-
-    ``mem_get_info`` creates one (hundreds of MiB of device memory) if not, so
-    a probe that only wants to look avoids it when NVML can answer instead.
-    """
+    """Whether this process already has a CUDA context on ``cuda:index`` (``mem_get_info``
+    would create one: hundreds of MiB of device memory, avoided where NVML can answer)."""
     check = getattr(torch._C, "_cuda_hasPrimaryContext", None)
     return bool(check(index)) if check is not None else torch.cuda.is_initialized()
 
 
 def mem_get_info(index: int) -> tuple[int, int]:
     """(free, total) bytes of ``cuda:index`` from ``cudaMemGetInfo``: measured, all processes.
-
-    Creates a CUDA context on the device if there is none. Raises
-    ``RuntimeError`` without CUDA.
-    """
-    reason = unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+    Creates a CUDA context on the device if there is none. ``RuntimeError`` without CUDA."""
+    _require_cuda()
     free, total = torch.cuda.mem_get_info(index)
     return int(free), int(total)
 
 
 def allocator_stats(index: int) -> dict[str, int]:
-    """Measured bytes of this process's caching allocator on ``cuda:index``.
-
-    Keys: ``allocated``, ``reserved``, ``peak_allocated``, ``peak_reserved``
-    (peaks since the last ``reset_peak_memory_stats``) and ``fraction_cap``
-    (the per-process cap set by ``set_per_process_memory_fraction``, in bytes;
-    the device's total when none). Creates no context. Raises
-    ``RuntimeError`` without CUDA: check :func:`unavailable_reason` first.
-    """
-    reason = unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
+    """Measured bytes of this process's caching allocator on ``cuda:index``: ``allocated``,
+    ``reserved``, ``peak_allocated``, ``peak_reserved`` and ``fraction_cap`` (the cap of
+    ``set_per_process_memory_fraction``; the device's total when none). Creates no context.
+    ``RuntimeError`` without CUDA: check :func:`unavailable_reason` first."""
+    _require_cuda()
     total = int(torch.cuda.get_device_properties(index).total_memory)
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     fraction = float(getter(index)) if getter is not None else 1.0

@@ -1,24 +1,15 @@
 """The host (CPU RAM) backend: what this process may still allocate, in bytes.
 
-Linux (``/proc`` readable): three limits can stop a CPU allocation: the memory
-the kernel says is available (``MemAvailable``), the cgroup's ``memory.max``
-(v2) or ``memory.limit_in_bytes`` (v1), and the process's ``RLIMIT_DATA``. The
-smallest wins, and the snapshot says which one it was. Peaks are the kernel's
-high-water mark of resident memory: writing ``5`` to ``/proc/self/clear_refs``
-resets ``VmHWM``, which is then read back from ``/proc/self/status``: measured
-resident memory, resettable per piece of work.
+Linux (``/proc`` readable): three limits can stop a CPU allocation: the memory the
+kernel says is available (``MemAvailable``), the cgroup's ``memory.max`` (v2) or
+``memory.limit_in_bytes`` (v1), and the process's ``RLIMIT_DATA``. The smallest wins,
+and the snapshot says which one it was. Peaks are the resident high-water mark
+``VmHWM``, reset per piece of work through ``/proc/self/clear_refs``.
 
-macOS: total RAM from ``sysctl -n hw.memsize``; available RAM is an *estimate*
-from ``vm_stat`` (free + speculative + inactive pages, as psutil counts it);
-the peak is ``ru_maxrss`` (bytes on Darwin), the process's lifetime high-water
-mark: measured, but not resettable.
-
-Windows: ``GlobalMemoryStatusEx`` (total and available physical RAM) and
-``K32GetProcessMemoryInfo`` (working set and its lifetime peak), through ctypes.
-
-CPU budgets (``RLIMIT_DATA`` above ``VmData``) are enforced only on Linux:
-:func:`host_budget_unavailable` says why not elsewhere. A figure that cannot be
-read is None, never 0.
+macOS and Windows (:mod:`oomguard.probes.host_os`): total and available RAM (an
+*estimate* from ``vm_stat`` on macOS) and a lifetime peak, measured but not resettable.
+CPU budgets are enforced only on Linux (:func:`host_budget_unavailable`). A figure that
+cannot be read is None, never 0.
 """
 
 from __future__ import annotations
@@ -49,11 +40,10 @@ def system() -> str:
 
 
 class DataSize:
-    """Reads a process's data segment in bytes, cheaply enough to sample every
-    millisecond: ``/proc/<pid>/statm``'s data field (pages of data + stack, read from an
-    open descriptor, ~2 us) minus the stack at open, so it follows ``VmData``, the figure
-    ``RLIMIT_DATA`` limits. ``pid``: this process by default, or a child's. :meth:`read`
-    returns None where there is no statm (or the process is gone)."""
+    """Reads a process's data segment in bytes, cheaply enough to sample every millisecond:
+    ``/proc/<pid>/statm``'s data field from an open descriptor (~2 us) minus the stack at
+    open, so it follows ``VmData``, the figure ``RLIMIT_DATA`` limits. ``pid``: this process
+    by default. :meth:`read` returns None where there is no statm (or the process is gone)."""
 
     def __init__(self, pid: int | None = None) -> None:
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -155,11 +145,7 @@ def data_limit() -> int | None:
 
 def host_budget_unavailable() -> str | None:
     """Why a CPU budget (``RLIMIT_DATA`` set to ``VmData`` + budget) cannot be enforced
-    here, in one line; None where it can (Linux with ``/proc``).
-
-    Elsewhere a search can still run against the probed available RAM, but its
-    limit is an estimate, not enforced.
-    """
+    here, in one line; None where it can (Linux with ``/proc``)."""
     name = system()
     if resource is None or not hasattr(resource, "RLIMIT_DATA"):
         return (f"CPU budgets are not available on {name}: it has no RLIMIT_DATA; "
@@ -191,14 +177,10 @@ def resident_bytes() -> tuple[int | None, str]:
 
 
 def host_memory() -> dict:
-    """Total, free and used bytes of the host as this process sees them.
-
-    Returns a dict with ``total``, ``free``, ``process`` (this process's
-    resident bytes), ``limited_by`` (which limit set ``free``), ``sources``,
-    ``budget`` (:func:`host_budget_unavailable`: None where CPU budgets are
-    enforced) and ``peak`` (how peaks are measured here, or why they cannot be).
-    A figure that cannot be read is None; ``sources`` says "estimate" where it is one.
-    """
+    """Bytes of the host as this process sees them: ``total``, ``free``, ``process`` (its
+    resident bytes), ``limited_by`` (which limit set ``free``), ``sources`` ("estimate"
+    where one is), ``budget`` (:func:`host_budget_unavailable`) and ``peak`` (how peaks
+    are measured here, or why they cannot be)."""
     name = system()
     sources: dict[str, str] = {}
     limited_by = "MemAvailable"
@@ -218,20 +200,18 @@ def host_memory() -> dict:
         sources = {"total": "/proc/meminfo MemTotal", "free": "/proc/meminfo MemAvailable"}
     if name == "Linux":
         cg_limit, cg_usage = cgroup_limit()
-        if cg_limit is not None:
-            cg_free = max(0, cg_limit - (cg_usage or 0))
-            if total is None or cg_limit < total:
-                total, sources["total"] = cg_limit, "cgroup memory limit"
-            if free is None or cg_free < free:
-                free, sources["free"], limited_by = cg_free, "cgroup limit - usage", "cgroup"
-        rl, vm_data = data_limit(), proc_status("VmData")
         # RLIMIT_DATA bounds malloc only on Linux, and only VmData says how much is used.
-        if rl is not None and vm_data is not None:
-            rl_free = max(0, rl - vm_data)
-            if total is None or rl < total:
-                total, sources["total"] = rl, "RLIMIT_DATA"
-            if free is None or rl_free < free:
-                free, sources["free"], limited_by = rl_free, "RLIMIT_DATA - VmData", "RLIMIT_DATA"
+        for limit, used, total_source, free_source, label in (
+                (cg_limit, cg_usage or 0, "cgroup memory limit", "cgroup limit - usage", "cgroup"),
+                (data_limit(), proc_status("VmData"), "RLIMIT_DATA", "RLIMIT_DATA - VmData",
+                 "RLIMIT_DATA")):
+            if limit is None or used is None:
+                continue
+            if total is None or limit < total:
+                total, sources["total"] = limit, total_source
+            room = max(0, limit - used)
+            if free is None or room < free:
+                free, sources["free"], limited_by = room, free_source, label
     for key, value in (("total", total), ("free", free)):
         if value is None:
             sources[key] = f"unknown: {sources[key]} could not be read"
@@ -251,14 +231,9 @@ def host_memory() -> dict:
 
 @dataclass(frozen=True)
 class PeakMethod:
-    """How CPU peaks are measured on this host.
-
-    ``source``: what :func:`read_peak` returns (None where nothing can be read,
-    with ``reason``). ``resettable``: whether :func:`reset_peak` restarts the
-    high-water mark (Linux ``clear_refs``). Where it is not, a read is the
-    process's lifetime peak: exact for work that raised it, an upper bound for
-    work that stayed below an earlier peak.
-    """
+    """How CPU peaks are measured on this host: ``source`` (None where nothing can be read,
+    with ``reason``) and ``resettable`` (Linux ``clear_refs``). Where it is not, a read is
+    the process's lifetime peak: an upper bound for work below an earlier peak."""
 
     source: str | None
     resettable: bool
@@ -281,13 +256,8 @@ def peak_method() -> PeakMethod:
 
 
 def reset_peak() -> int | None:
-    """Start a peak measurement; return the resident bytes now (the baseline), None
-    where they cannot be read.
-
-    Linux: writes ``5`` to ``/proc/self/clear_refs`` (where that is not allowed
-    the peak keeps its old value and later reads are upper bounds). Elsewhere
-    the high-water mark cannot be reset (see :class:`PeakMethod`).
-    """
+    """Start a peak measurement (Linux: ``5`` to ``/proc/self/clear_refs``; where that is not
+    allowed, later reads are upper bounds); return the resident bytes now (None: unknown)."""
     if system() != "Windows":
         try:
             with open(PROC / "self" / "clear_refs", "w") as f:

@@ -1,9 +1,8 @@
 """macOS and Windows memory readers for the host backend (:mod:`oomguard.probes.host`).
 
-What each OS gives without extra packages: on macOS the ``sysctl``, ``vm_stat``
-and ``ps`` tools (and psutil, a dependency there, for the resident size); on Windows ``GlobalMemoryStatusEx`` and
-``K32GetProcessMemoryInfo`` through ctypes. Every reader returns None where
-its source is absent or fails, never 0.
+On macOS the ``sysctl``, ``vm_stat`` and ``ps`` tools (and psutil, a dependency there, for
+the resident size); on Windows ``GlobalMemoryStatusEx`` and ``K32GetProcessMemoryInfo``
+through ctypes. Every reader returns None where its source is absent or fails, never 0.
 """
 
 from __future__ import annotations
@@ -29,12 +28,10 @@ def _tool(*args: str) -> str | None:
 
 
 def parse_vm_stat(text: str) -> int | None:
-    """Bytes macOS can give without swapping, estimated from ``vm_stat`` output:
-    (free + speculative + inactive pages) x the page size its header states.
-
-    ``vm_stat``'s "Pages free" excludes speculative pages (read-ahead file cache,
-    reclaimed first); inactive pages are reclaimable too; psutil's macOS
-    ``available`` counts the same pages. None when the text is not vm_stat's.
+    """Bytes macOS can give without swapping, estimated from ``vm_stat`` output: (free +
+    speculative + inactive pages) x the page size its header states, the pages psutil's
+    macOS ``available`` counts ("Pages free" excludes speculative pages, the read-ahead file
+    cache reclaimed first). None when the text is not vm_stat's.
     """
     lines = text.splitlines()
     if not lines or "page size of" not in lines[0]:

@@ -1,15 +1,11 @@
 """The Apple MPS backend, in bytes.
 
-- ``torch.mps.current_allocated_memory``: bytes in live tensors (measured).
-- ``torch.mps.driver_allocated_memory``: bytes the Metal driver holds for this
-  process, allocator cache included (measured).
-- ``torch.mps.recommended_max_memory``: Metal's recommended working-set size,
-  the practical ceiling before the system starts paging (reported by Metal;
-  newer torch only).
-
-MPS shares unified memory with the CPU, so ``free`` here is an *estimate*:
-the recommended ceiling minus what the driver holds for this process. Other
-processes' GPU usage is not visible.
+Measured: ``torch.mps.current_allocated_memory`` (bytes in live tensors) and
+``driver_allocated_memory`` (what the Metal driver holds for this process, cache
+included). ``recommended_max_memory`` (newer torch) is Metal's recommended working-set
+size, the ceiling before the system pages. MPS shares unified memory with the CPU, so
+``free`` is an *estimate*: that ceiling minus the driver's bytes; other processes are
+not visible.
 """
 
 from __future__ import annotations
@@ -28,10 +24,8 @@ def unavailable_reason() -> str | None:
 
 
 def stats() -> dict[str, int | None]:
-    """``allocated``, ``driver_allocated`` (measured) and ``recommended_max`` (None if unknown).
-
-    Raises ``RuntimeError`` where MPS is unavailable.
-    """
+    """``allocated``, ``driver_allocated`` (measured) and ``recommended_max`` (None if
+    unknown), in bytes; ``RuntimeError`` where MPS is unavailable."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)

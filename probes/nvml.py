@@ -1,18 +1,14 @@
 """The NVML backend: what a physical NVIDIA GPU holds, all processes included, in bytes.
 
-NVML (``pynvml``, distribution ``nvidia-ml-py``) sees the device as the driver
-does: total, free and used memory of the whole GPU, and the memory of every
-process with a context on it. These are *measured* figures (driver-side), so
-``free`` already accounts for other processes, which torch's allocator cannot
-see.
-
-A missing library or driver (``NVMLError_LibraryNotFound``,
-``NVMLError_DriverNotLoaded``, any ``NVMLError``) is a normal answer: the
-functions here return a reason string, they do not raise.
+NVML (``pynvml``, distribution ``nvidia-ml-py``) sees the device as the driver does:
+total, free and used memory of the whole GPU, and the memory of every process with a
+context on it; measured, so ``free`` accounts for other processes, which torch's
+allocator cannot see. A missing library or driver is a normal answer: the functions
+here return a reason string, they do not raise.
 
 NVML numbers devices in PCI bus order and ignores ``CUDA_VISIBLE_DEVICES``;
-torch numbers the visible devices only, in CUDA's order. :func:`map_visible_devices`
-(pure, in :mod:`oomguard.probes.nvml_ids`) translates torch indices to NVML indices. A MIG
+torch numbers the visible devices only, in CUDA's order. The pure rules in
+:mod:`oomguard.probes.nvml_ids` translate torch indices to NVML indices. A MIG
 slice is matched by its ``MIG-`` UUID and measured through its own MIG handle:
 its parent shares the PCI bus id with every other slice, so a bus-id match
 would report the whole card.
@@ -34,22 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomguard.probes.nvml_ids import (  # re-exported: the mapping rules live there
-    MigIdentity,
-    map_visible_devices,
-    match_device,
-    match_mig,
-    misparses_v3,
-    normalize_pci_bus_id,
-    normalize_uuid,
-    nvml_index_for,
-    pci_bus_id_from_ints,
-)
-
-__all__ = ["MigIdentity", "NvmlDevice", "device_count", "driver_version", "identities",
-           "map_visible_devices", "match_device", "match_mig", "mig_devices", "misparses_v3",
-           "normalize_pci_bus_id", "normalize_uuid", "nvml_index_for", "pci_bus_id_from_ints",
-           "query", "query_for_torch_index", "query_mig", "unavailable_reason"]
+from oomguard.probes.nvml_ids import MigIdentity, match_mig, misparses_v3, nvml_index_for
 
 log = logging.getLogger("oomguard.probes.nvml")
 
@@ -58,11 +39,8 @@ _state: dict[str, Any] = {"tried": False, "error": None, "module": None}
 
 
 def _nvml() -> tuple[Any | None, str | None]:
-    """(pynvml module, None) once NVML is initialised, else (None, reason).
-
-    ``nvmlInit`` runs at most once per process: a failure is remembered, so a
-    machine without a driver pays for the attempt once.
-    """
+    """(pynvml module, None) once NVML is initialised, else (None, reason). ``nvmlInit``
+    runs at most once per process: a machine without a driver pays for the attempt once."""
     with _lock:
         if not _state["tried"]:
             _state["tried"] = True
@@ -101,14 +79,11 @@ def _text(value: Any) -> str:
 class NvmlDevice:
     """One GPU, or one MIG slice of it, as NVML measures it. Bytes; None = not reported.
 
-    ``total`` is NVML's total; with ``memory_api`` ``nvmlDeviceGetMemoryInfo_v2``
-    ``reserved`` is the driver-reserved part CUDA cannot use (``usable``); the
-    v1 API folds it into ``total`` and ``used`` and leaves ``reserved`` None.
-    ``process_bytes`` is this process's usage (matched by pid; in a container
-    with its own PID namespace NVML reports host pids and the match can fail,
-    then ``pid_matched`` is False); None when NVML did not report it.
-    ``other_processes_bytes`` sums the others, None when any of them is
-    unknown (``unknown_pids``); ``other_processes_known_bytes`` is then a lower bound.
+    ``reserved`` (v2 API only; v1 folds it into ``total`` and ``used``) is the
+    driver-reserved part CUDA cannot use. ``process_bytes`` is this process's usage,
+    matched by pid (``pid_matched`` False: in a container with its own PID namespace NVML
+    reports host pids). ``other_processes_bytes`` sums the others, None when any is
+    unknown (``unknown_pids``; ``other_processes_known_bytes`` is then a lower bound).
     """
 
     index: int
@@ -304,12 +279,9 @@ def query(nvml_index: int) -> NvmlDevice | str:
 
 
 def query_mig(mig: MigIdentity) -> NvmlDevice | str:
-    """Measure one MIG slice through its own handle: its memory, its processes, its profile.
-
-    ``index`` is the parent's NVML index and ``pci_bus_id`` the parent's (a
-    slice has none of its own); ``mig_profile`` is read from the name NVML
-    gives the slice (``"... MIG 1g.5gb"``), None if it names none.
-    """
+    """Measure one MIG slice through its own handle: its memory, its processes, its profile
+    (from the name NVML gives it, ``"... MIG 1g.5gb"``). ``index`` and ``pci_bus_id`` are
+    the parent's (a slice has none of its own)."""
     nv, reason = _nvml()
     if nv is None:
         return f"NVML: {reason}"
@@ -329,11 +301,9 @@ def query_mig(mig: MigIdentity) -> NvmlDevice | str:
 
 def query_for_torch_index(torch_index: int, *, uuid: str | None = None,
                           pci_bus_id: str | None = None) -> tuple[NvmlDevice | None, str]:
-    """NVML's view of torch's ``cuda:torch_index``: (device or None, how it was mapped / why not).
-
-    ``uuid`` and ``pci_bus_id`` are torch's identity of the device, where
-    known. A MIG slice is found by its UUID; a device that maps only to a
-    MIG-enabled parent (by bus id or index) is not reported as the whole card.
+    """NVML's view of torch's ``cuda:torch_index``: (device or None, how it was mapped / why
+    not), from torch's ``uuid`` and ``pci_bus_id`` where known. A MIG slice is found by its
+    UUID; a device that maps only to a MIG-enabled parent is not reported as the whole card.
     """
     reason = unavailable_reason()
     if reason is not None:

@@ -15,16 +15,12 @@ _PCI_RE = re.compile(r"^(?:([0-9a-fA-F]+):)?([0-9a-fA-F]+):([0-9a-fA-F]+)(?:\.[0
 
 
 def normalize_pci_bus_id(bus_id: str) -> str | None:
-    """``"00000000:3B:00.0"`` or ``"0000:3b:00.0"`` -> ``"0000:3b:00"`` (None if unparsable).
-
-    NVML writes an 8-digit domain, CUDA a 4-digit one; the PCI function is
-    dropped because a GPU is one function.
-    """
+    """``"00000000:3B:00.0"`` or ``"0000:3b:00.0"`` -> ``"0000:3b:00"`` (None if unparsable):
+    NVML writes an 8-digit domain, CUDA a 4-digit one; a GPU is one PCI function."""
     m = _PCI_RE.match(bus_id.strip())
     if m is None:
         return None
-    domain, bus, dev = (int(g, 16) if g else 0 for g in m.groups())
-    return f"{domain:04x}:{bus:02x}:{dev:02x}"
+    return pci_bus_id_from_ints(*(int(g, 16) if g else 0 for g in m.groups()))
 
 
 def pci_bus_id_from_ints(domain: int, bus: int, device: int) -> str:
@@ -42,14 +38,11 @@ def map_visible_devices(cuda_visible_devices: str | None,
                         nvml_devices: Sequence[tuple[str, str]]) -> list[int]:
     """NVML indices of the devices CUDA exposes, in torch's order (torch index -> position).
 
-    ``cuda_visible_devices`` is the environment variable's value (None when
-    unset: every device, in NVML's order). ``nvml_devices`` lists ``(uuid,
-    pci_bus_id)`` per NVML index. Entries are integers (NVML/PCI order, which
-    is CUDA's order only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical
-    GPUs; prefer UUIDs or :func:`match_device`), ``GPU-`` UUIDs or unique UUID
-    prefixes. As CUDA does, parsing stops at the first entry that names no
-    device, and a device is listed at most once. ``MIG-`` entries name no
-    whole GPU and stop the list too.
+    ``cuda_visible_devices``: the variable's value (None: every device, in NVML's order);
+    ``nvml_devices``: ``(uuid, pci_bus_id)`` per NVML index. Entries are integers (PCI
+    order, CUDA's only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical GPUs: prefer
+    :func:`match_device`), ``GPU-`` UUIDs or unique prefixes. As in CUDA, parsing stops at
+    the first entry that names no whole GPU (``MIG-`` included); no device is listed twice.
     """
     n = len(nvml_devices)
     if cuda_visible_devices is None:
@@ -90,12 +83,9 @@ def match_device(nvml_devices: Sequence[tuple[str, str]], *, uuid: str | None = 
 def nvml_index_for(torch_index: int, nvml_devices: Sequence[tuple[str, str]], *,
                    cuda_visible_devices: str | None, uuid: str | None = None,
                    pci_bus_id: str | None = None) -> tuple[int | None, str]:
-    """Map torch's ``cuda:torch_index`` to an NVML index; return (index or None, how).
-
-    Tries torch's own identity of the device first (UUID, then PCI bus id),
-    which is exact whatever ``CUDA_DEVICE_ORDER`` is; falls back to parsing
-    ``CUDA_VISIBLE_DEVICES``. ``how`` names the method or why it failed.
-    """
+    """Map torch's ``cuda:torch_index`` to an NVML index; return (index or None, how): by
+    torch's own identity of the device (UUID, then PCI bus id: exact whatever
+    ``CUDA_DEVICE_ORDER`` is), else by parsing ``CUDA_VISIBLE_DEVICES``."""
     by_id = match_device(nvml_devices, uuid=uuid, pci_bus_id=pci_bus_id)
     if by_id is not None:
         how = "uuid" if uuid and normalize_uuid(nvml_devices[by_id][0]) == normalize_uuid(uuid) \
@@ -120,13 +110,10 @@ class MigIdentity:
 
 def match_mig(migs: Sequence[MigIdentity], torch_index: int, *, uuid: str | None,
               cuda_visible_devices: str | None) -> tuple[MigIdentity | None, str]:
-    """The MIG device that is torch's ``cuda:torch_index``, or (None, why not).
-
-    torch's own UUID of the device decides first; otherwise the
-    ``torch_index``-th ``MIG-`` entry of ``CUDA_VISIBLE_DEVICES`` (a unique
-    UUID prefix, as CUDA accepts). The pre-R470 form ``MIG-GPU-<uuid>/gi/ci``
-    names no MIG UUID and matches nothing.
-    """
+    """The MIG device that is torch's ``cuda:torch_index``, or (None, why not): by torch's
+    own UUID of the device, else the ``torch_index``-th ``MIG-`` entry of
+    ``CUDA_VISIBLE_DEVICES`` (a unique UUID prefix, as CUDA accepts; the pre-R470 form
+    ``MIG-GPU-<uuid>/gi/ci`` names no MIG UUID and matches nothing)."""
     if uuid:
         want = normalize_uuid(uuid)
         for m in migs:
@@ -146,11 +133,8 @@ _MISPARSE_V3 = ((535, 43), (535, 86))  # inclusive, by (major, minor)
 
 
 def misparses_v3(driver: str | None) -> bool:
-    """Whether this driver fills ``_v3`` process lists with the struct pynvml does not read.
-
-    Drivers 535.43-535.86 wrote ``nvmlProcessInfo_v3_t`` (32 bytes, with
-    ``usedGpuCcProtectedMemory``) where nvidia-ml-py reads the 24-byte v2
-    struct, so every entry after the first is read at the wrong offset.
-    """
+    """Whether this driver fills ``_v3`` process lists with a struct pynvml does not read:
+    drivers 535.43-535.86 wrote ``nvmlProcessInfo_v3_t`` (32 bytes) where nvidia-ml-py reads
+    the 24-byte v2 struct, so every entry after the first is read at the wrong offset."""
     m = re.match(r"^(\d+)\.(\d+)", driver or "")
     return m is not None and _MISPARSE_V3[0] <= (int(m[1]), int(m[2])) <= _MISPARSE_V3[1]

@@ -3,18 +3,16 @@
 ``PeakMeter(device).reset()`` before the work, ``.read()`` after it: the
 result is the peak *above what was in use at reset*, measured, not estimated.
 
-- CPU: resident high-water mark (``VmHWM`` after ``clear_refs``) minus the
-  resident bytes at reset. Resident, so pages reserved but never touched are
-  not counted.
-- CUDA, native allocator: ``torch.cuda.max_memory_reserved`` minus the reserved
-  bytes at reset; reserved, not allocated, because its fraction cap and its OOM
-  count reserved segments (c10/cuda/CUDACachingAllocator.cpp).
-- CUDA, ``backend:cudaMallocAsync``: ``max_memory_allocated`` minus the bytes in
-  use at reset, because that allocator's cap counts bytes in use while its
-  "reserved" is the driver pool's, which keeps freed memory
-  (c10/cuda/CUDAMallocAsyncAllocator.cpp).
-- MPS: ``torch.mps.driver_allocated_memory`` after minus before, the units its
-  cap counts (the MPS backend keeps no peak; this is a lower bound).
+- CPU: resident high-water mark (``VmHWM`` after ``clear_refs``) minus the resident
+  bytes at reset (pages reserved but never touched are not counted).
+- CUDA, native allocator: ``torch.cuda.max_memory_reserved`` minus the reserved bytes at
+  reset: its fraction cap and its OOM count reserved segments
+  (c10/cuda/CUDACachingAllocator.cpp).
+- CUDA, ``backend:cudaMallocAsync``: ``max_memory_allocated`` minus the bytes in use at
+  reset: its cap counts bytes in use, while its "reserved" is the driver pool's, which
+  keeps freed memory (c10/cuda/CUDAMallocAsyncAllocator.cpp).
+- MPS: ``torch.mps.driver_allocated_memory`` after minus before, the units its cap
+  counts (the MPS backend keeps no peak: a lower bound).
 """
 
 from __future__ import annotations
@@ -32,10 +30,9 @@ def cuda_async_backend() -> bool:
 
 
 def held_bytes(device: str | torch.device) -> int:
-    """Bytes this process holds on a GPU ``device``, in the units its allocator's cap and
-    its peaks count, measured after the cache is emptied (cached free blocks would serve
-    new work without counting): reserved bytes (CUDA's native allocator), bytes in use
-    (cudaMallocAsync), the Metal driver's allocated bytes (MPS)."""
+    """Bytes this process holds on a GPU ``device``, in the units its allocator's cap and its
+    peaks count (module docstring), measured after the cache is emptied: cached free blocks
+    are released before an allocation meets the cap, so counting them would enlarge a budget."""
     dev = torch.device(device)
     if dev.type == "mps":
         torch.mps.empty_cache()
@@ -65,12 +62,9 @@ DATA_INTERVAL_S = 0.0005
 
 
 class PeakMeter:
-    """Measures the peak bytes a piece of work adds on ``device``.
-
-    With ``limit_units`` on the CPU it also samples the data segment (``VmData``,
-    what ``RLIMIT_DATA`` and so a CPU budget count) every 0.5 ms, for
-    :meth:`limit_read`; on a GPU the peak is already in the units its cap counts.
-    """
+    """Measures the peak bytes a piece of work adds on ``device`` (module docstring). With
+    ``limit_units`` on the CPU it also samples ``VmData`` (what a CPU budget counts) for
+    :meth:`limit_read`; on a GPU the peak is already in the units its cap counts."""
 
     def __init__(self, device: str | torch.device = "cpu", limit_units: bool = False) -> None:
         self.device = torch.device(device)
@@ -109,9 +103,8 @@ class PeakMeter:
         return self.baseline
 
     def restart_peak(self) -> None:
-        """Restart the device's high-water mark, keeping the baseline: a later
-        :meth:`read` is the peak since now, above the baseline of :meth:`reset`
-        (on an OS whose peak cannot be reset, the lifetime peak, an upper bound)."""
+        """Restart the device's high-water mark, keeping the baseline of :meth:`reset` (where
+        the peak cannot be reset, a later :meth:`read` is an upper bound)."""
         kind = self.device.type
         if kind == "cpu":
             host.reset_peak()
@@ -136,10 +129,10 @@ class PeakMeter:
         return max(0, self.absolute() - self.baseline)
 
     def limit_read(self) -> int | None:
-        """Peak bytes above the start since :meth:`reset`, in the units the device's limit
-        counts: the sampled data segment on the CPU (a lower bound: a rise shorter than
-        0.5 ms is missed; None without ``limit_units`` or where it cannot be read), else
-        :meth:`read`. Stops the sampling."""
+        """Peak bytes since :meth:`reset` in the units the device's limit counts: on the CPU
+        the sampled data segment (a lower bound: a rise shorter than the interval is missed;
+        None without ``limit_units`` or where it cannot be read), else :meth:`read`. Stops
+        the sampling."""
         if self.device.type != "cpu":
             return self.read()
         if self._sampler is None or self._data is None:

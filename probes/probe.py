@@ -20,12 +20,9 @@ from oomguard.probes.device import parse_device
 
 @dataclass
 class MemorySnapshot:
-    """Memory of one device at one moment, in bytes.
-
-    ``free_bytes`` is what a new allocation could still get (the smallest of
-    the limits that apply). Figures that could not be measured are None, and
-    ``sources`` names where each measured figure came from.
-    """
+    """Memory of one device at one moment, in bytes. ``free_bytes`` is what a new allocation
+    could still get (the smallest of the limits that apply); a figure that could not be
+    measured is None, and ``sources`` names where each measured one came from."""
 
     device: str
     name: str
@@ -194,13 +191,10 @@ def _mps_snapshot() -> MemorySnapshot:
 def probe(device: Any = "cpu") -> MemorySnapshot:
     """Measure the memory of ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``), in bytes.
 
-    CUDA merges NVML (device total/free with other processes, per-process
-    usage) with this process's allocator counters in ``extra`` (``allocated``,
-    ``reserved``, ``peak_allocated``, ``peak_reserved``); ``sources`` names
-    where each figure came from. Never raises for a missing GPU or driver: the
-    snapshot has ``available=False`` and a ``reason``. Raises
-    :class:`~oomguard.engine.errors.UsageError` (one line; a ``ValueError``) for any
-    other device string.
+    CUDA merges NVML (device total/free with other processes, per-process usage) with
+    this process's allocator counters in ``extra``. A missing GPU or driver gives
+    ``available=False`` and a ``reason``; any other device string raises
+    :class:`~oomguard.engine.errors.UsageError`.
     """
     kind, index = parse_device(device)
     if kind == "cpu":
@@ -211,21 +205,15 @@ def probe(device: Any = "cpu") -> MemorySnapshot:
 
 
 def _may_have_gpu_torch_sees() -> bool:
-    """Whether asking torch about CUDA could find a device: worth importing torch for.
-
-    True when torch is already imported (the question is free), NVML sees an
-    NVIDIA GPU, or a ROCm device node exists (ROCm has no NVML).
-    """
+    """Whether asking torch about CUDA could find a device (worth importing torch for):
+    torch is already imported, NVML sees a GPU, or a ROCm device node exists (no NVML)."""
     return "torch" in sys.modules or nvml.device_count() > 0 or os.path.exists("/dev/kfd")
 
 
 def probe_all() -> list[MemorySnapshot]:
-    """The host, every CUDA device torch can see, and MPS where available.
-
-    Where torch cannot use CUDA but NVML sees GPUs (a CPU-only torch on a GPU
-    host), one unavailable ``cuda`` row says so; a host with no NVIDIA driver
-    gets no CUDA row.
-    """
+    """The host, every CUDA device torch can see, and MPS where available. Where torch
+    cannot use CUDA but NVML sees GPUs (a CPU-only torch), one unavailable ``cuda`` row
+    says so; a host with no NVIDIA driver gets no CUDA row."""
     snaps = [_cpu_snapshot()]
     if _may_have_gpu_torch_sees():
         cuda = _cuda_backend()

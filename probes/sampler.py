@@ -16,13 +16,10 @@ STACK_BYTES = 256 * 1024  # enough for a loop of small reads; the default is 8 M
 
 
 class Sampler:
-    """Calls ``read()`` every ``interval`` seconds on a daemon thread between
-    :meth:`start` and :meth:`stop` (or as a context manager).
-
-    ``peak`` is the largest value read (the first read is taken in
-    :meth:`start`, in the calling thread); ``on_sample(value)`` is called with
-    each later value and stops the sampling by returning True. A read that
-    returns None is skipped.
+    """Calls ``read()`` every ``interval`` seconds on a daemon thread between :meth:`start`
+    and :meth:`stop` (or as a context manager). ``peak`` is the largest value read (the
+    first in :meth:`start`, in the calling thread); ``on_sample(value)`` sees each later
+    value and stops the sampling by returning True. A read that returns None is skipped.
     """
 
     def __init__(self, read: Callable[[], int | None], interval: float,
@@ -31,7 +28,6 @@ class Sampler:
         self.read, self.interval, self.on_sample, self.name = read, interval, on_sample, name
         self.first: int | None = None
         self.peak: int | None = None
-        self.samples = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -55,7 +51,6 @@ class Sampler:
             value = self.read()
             if value is None:
                 continue
-            self.samples += 1
             if self.peak is None or value > self.peak:
                 self.peak = value
             if self.on_sample is not None and self.on_sample(value):

@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import budget_after_warmup, in_fresh_process
 
+from oomguard.engine.core.execute.stats import stats
 from oomguard.engine.training import accumulate as accumulate_module
 from oomguard.engine.training.accumulate import (
     Accumulator,
@@ -25,7 +26,6 @@ from oomguard.engine.training.accumulate import (
     forget,
     slice_batch,
 )
-from oomguard.engine.training.adaptive import stats
 from oomguard.metrics.models import build_model, make_batch
 
 MiB = 1024**2

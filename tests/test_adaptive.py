@@ -18,16 +18,11 @@ import pytest
 import torch
 from conftest import budget_after_warmup, in_fresh_process
 
-from oomguard.engine.core.execute.executor import ExecutionFailed, SizeController
-from oomguard.engine.core.execute.stats import MAX_SIZES_KEPT, register
+from oomguard.engine.core.execute.executor import SizeController
+from oomguard.engine.core.execute.stats import MAX_SIZES_KEPT, register, reset_stats, stats
+from oomguard.engine.errors import ExecutionFailed, NoExecutableBatchSize
 from oomguard.engine.training import distributed
-from oomguard.engine.training.adaptive import (
-    NoExecutableBatchSize,
-    adaptive,
-    find_executable_batch_size,
-    reset_stats,
-    stats,
-)
+from oomguard.engine.training.adaptive import adaptive, find_executable_batch_size
 
 MiB = 1024**2
 PER_SAMPLE = 2 * MiB  # float32 [512, 1024]

@@ -29,10 +29,11 @@ import torch.multiprocessing as mp
 from conftest import budget_after_warmup
 from test_accumulate import mlp, regression_step, rows
 
+from oomguard.engine.core.execute.stats import stats
 from oomguard.engine.errors import OomguardError
 from oomguard.engine.training import distributed
 from oomguard.engine.training.accumulate import Accumulator, accumulate
-from oomguard.engine.training.adaptive import adaptive, find_executable_batch_size, stats
+from oomguard.engine.training.adaptive import adaptive, find_executable_batch_size
 from oomguard.engine.training.distributed import agree, all_reduce_gradients
 
 MiB = 1024**2

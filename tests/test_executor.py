@@ -13,8 +13,10 @@ import torch
 from conftest import budget_after_warmup, in_fresh_process
 from test_adaptive import logged
 
-from oomguard.engine.core.execute.executor import ExecutionFailed, Executor, Halve, ReduceWith
+from oomguard.engine.core.execute.executor import Executor
+from oomguard.engine.core.execute.retry import Halve, ReduceWith
 from oomguard.engine.core.memory.oom import is_oom
+from oomguard.engine.errors import ExecutionFailed
 from oomguard.probes.host import proc_status
 
 MiB = 1024**2

@@ -26,11 +26,12 @@ import torch
 from conftest import budget_after_warmup, in_fresh_process
 from fakes.fake_cuda import FakeCuda, GiB, MiB
 
-from oomguard.engine.core.execute.executor import ExecutionFailed, Executor
+from oomguard.engine.core.execute.executor import Executor
 from oomguard.engine.core.memory import budget as budget_mod
 from oomguard.engine.core.memory import forensics
 from oomguard.engine.core.memory.budget import budget
 from oomguard.engine.core.memory.forensics import HISTORY_MAX_ENTRIES, OomEvent, cuda_view
+from oomguard.engine.errors import ExecutionFailed
 from oomguard.engine.jobs.records import TaskResult
 from oomguard.probes.host import proc_status
 from oomguard.reports.job_report import oom_events_section, oom_view

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from oomguard.engine.cli.probe import probe_table
-from oomguard.probes import PeakMeter, nvml, probe, probe_all
+from oomguard.probes import PeakMeter, nvml, nvml_ids, probe, probe_all
 from oomguard.probes import cuda as cuda_backend
 from oomguard.probes.host import proc_status
 
@@ -141,7 +141,7 @@ FAKE_GPUS = [  # (uuid, pci bus id) as NVML reports them, in NVML (PCI) order
     ("MIG-1234,0", []),
 ])
 def test_fake_nvml_maps_visible_devices(cvd: str | None, expected: list[int]) -> None:
-    assert nvml.map_visible_devices(cvd, FAKE_GPUS) == expected
+    assert nvml_ids.map_visible_devices(cvd, FAKE_GPUS) == expected
 
 
 def test_fake_nvml_maps_torch_device_by_uuid_before_visible_devices() -> None:
@@ -152,7 +152,7 @@ def test_fake_nvml_maps_torch_device_by_uuid_before_visible_devices() -> None:
 
 
 def test_fake_nvml_maps_torch_device_by_pci_bus_id() -> None:
-    pci = nvml.pci_bus_id_from_ints(1, 0xAF, 0)  # torch's pci_domain/bus/device ids
+    pci = nvml_ids.pci_bus_id_from_ints(1, 0xAF, 0)  # torch's pci_domain/bus/device ids
     assert pci == "0001:af:00"
     assert nvml.nvml_index_for(0, FAKE_GPUS, cuda_visible_devices=None, pci_bus_id=pci) == (
         3, "pci bus id")
@@ -171,7 +171,7 @@ def test_fake_nvml_falls_back_to_visible_devices_then_says_why_not() -> None:
     ("nonsense", None),
 ])
 def test_pci_bus_ids_normalise(raw: str, norm: str | None) -> None:
-    assert nvml.normalize_pci_bus_id(raw) == norm
+    assert nvml_ids.normalize_pci_bus_id(raw) == norm
 
 
 # --- NVML queries and the CUDA merge, through a fake pynvml -------------------

@@ -70,12 +70,8 @@ class Workload(Protocol):
 
 
 class RebuiltInChild:
-    """Mixin for picklable workloads whose ``warmup()`` fills ``self._state``.
-
-    What warmup built (model, data, optimizer) is dropped from the pickle, so
-    an isolated trial ships only the workload's description and rebuilds the
-    rest in the child, where the budget must not count it.
-    """
+    """Mixin for picklable workloads whose ``warmup()`` fills ``self._state``: that state is
+    dropped from the pickle, so an isolated trial ships only the description."""
 
     _state: dict[str, Any]
 
@@ -130,11 +126,8 @@ def warm_up(fn: Any) -> None:
 
 def worst_case_maker(fn: Any) -> Callable[[int], Any] | None:
     """``fn.worst_case_batch`` if ``fn`` offers one, else None (``fn`` is called ``fn(size)``).
-
-    Raises :class:`UsageError` when ``worst_case_batch`` is not callable, or when
-    ``fn``'s signature shows that it takes no ``batch`` keyword: a trial would
-    otherwise fail at its first step, after the warm-up, with a bare TypeError.
-    """
+    :class:`UsageError` when it is not callable, or when ``fn`` takes no ``batch`` keyword
+    (else a trial would fail at its first step, after the warm-up, with a bare TypeError)."""
     maker = _method(fn, "worst_case_batch", "worst_case_batch(size) returning a batch")
     if maker is None:
         return None

@@ -6,9 +6,8 @@ samples) before ``backward()``, so ``.grad`` -- and the parameters after the
 optimizer step -- equal those of the whole batch within float rounding. The
 micro-batch size is run by the core's one size controller
 (:class:`~oomguard.engine.core.execute.executor.SizeController`): halved on OOM,
-remembered, optionally grown back, agreed between ranks. Under
-``torch.distributed`` calls are therefore **collective**: every rank makes
-each one (``sync_ranks=False``: no collective, each rank keeps its own size).
+remembered, optionally grown back, agreed between ranks (collective calls:
+:mod:`~oomguard.engine.training.distributed`).
 
 How the loss must be defined for the scaling to be exact
 --------------------------------------------------------
@@ -34,26 +33,24 @@ OOM in the middle of an accumulation
 ------------------------------------
 A micro-batch that runs out of memory during ``backward`` may already have
 added part of its gradient to some ``.grad`` tensors, so partial sums cannot
-be trusted. The choice here: **zero and redo**. Every attempt starts by
-setting the gradients of ``params`` to ``None`` and runs the whole batch at
-the attempt's micro-batch size, so nothing is counted twice; the cost of an
-OOM is at most one batch's compute. Consequently :func:`accumulate` *replaces*
-``.grad`` (like ``optimizer.zero_grad(set_to_none=True)`` followed by a
-backward of the whole batch); the caller need not zero gradients itself.
+be trusted: every attempt sets the gradients of ``params`` to ``None`` and runs
+the whole batch again (an OOM costs at most one batch's compute). So
+:func:`accumulate` *replaces* ``.grad``; the caller need not zero gradients.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from oomguard.engine.core.execute.executor import SizeController, SizeMemory
+from oomguard.engine.core.execute.executor import SizeController, SizeMemory, qualname
 from oomguard.engine.core.execute.retry import RetryPolicy
 from oomguard.engine.errors import check_positive_int
-from oomguard.engine.training.adaptive import _qualname, make_controller, remembered
+from oomguard.engine.training.adaptive import make_controller, remembered
 from oomguard.engine.util.weakmap import WeakIdMap
 
 Batch = Any  # a tensor, a Mapping of tensors, or a tuple/list of them, rows on dim 0
@@ -137,21 +134,15 @@ def _param_list(params: Params) -> list[torch.Tensor]:
 class Accumulator:
     """Runs ``step_fn`` over a batch in micro-batches with exact gradient accumulation.
 
-    ``params`` (a module, an optimizer, or tensors) are the tensors whose
-    ``.grad`` one call computes. ``micro_batch_size`` (rows) is the first size
-    tried; None means the whole batch. On OOM it shrinks by ``policy``
-    (halving) down to ``minimum``, is remembered for later calls, grows back
-    after ``grow_after`` clean calls when set (never to a size that failed),
-    and is agreed between the ranks of ``group`` under ``torch.distributed``:
-    every rank must make each call (collective; a first call made by some
-    ranks only raises after a short wait instead of hanging), unless
-    ``sync_ranks=False`` (no collective, each rank keeps its own size). See
-    the module docstring for ``weight_by`` and ``reduction``.
+    ``params`` (a module, an optimizer, or tensors) are the tensors whose ``.grad`` one
+    call computes. ``micro_batch_size`` (rows) is the first size tried (None: the whole
+    batch); the size controller's options (``policy``, ``minimum``, ``grow_after``,
+    ``group``, ``sync_ranks``) are :class:`~oomguard.engine.core.execute.executor.SizeController`'s.
+    The module docstring says how ``weight_by`` and ``reduction`` scale the loss.
 
-    ``size`` runs this accumulator with an existing size controller (what
-    :func:`accumulate` does to share the size found between calls); then the
-    controller's own options apply and ``micro_batch_size`` only bounds this
-    accumulator's micro-batches.
+    ``size``: an existing size controller to run with (how :func:`accumulate`
+    shares the size found between calls); its options then apply, and
+    ``micro_batch_size`` only bounds this accumulator's micro-batches.
     """
 
     def __init__(self, step_fn: Callable[[Batch], torch.Tensor], params: Params, *,
@@ -172,7 +163,7 @@ class Accumulator:
         self.set_params(params)
         self.limit = micro_batch_size if size is not None else None
         self.size = size or make_controller(
-            name or f"{_qualname(step_fn)}:micro_batch", KEY, micro_batch_size, minimum=minimum,
+            name or f"{qualname(step_fn)}:micro_batch", KEY, micro_batch_size, minimum=minimum,
             policy=policy, grow_after=grow_after, device=device, group=group,
             sync_ranks=sync_ranks)
 
@@ -186,11 +177,8 @@ class Accumulator:
         self.params = _param_list(params)
 
     def __call__(self, batch: Batch) -> torch.Tensor:
-        """Compute the gradients of the whole batch's loss into ``.grad``; return that loss.
-
-        The loss returned is detached: the whole batch's mean (or sum) over
-        its units, assembled from the micro-batches.
-        """
+        """Compute the gradients of the whole batch's loss into ``.grad``; return that loss
+        (detached: the whole batch's mean, or sum, over its units)."""
         n = batch_length(batch)
         cap = n if self.limit is None else min(n, self.limit)
         weights: dict[str, Any] = {}  # units per row, computed once and only when splitting
@@ -203,14 +191,9 @@ class Accumulator:
                 rows: list[float] = []  # computed per micro-batch in _run_at
                 cache["prefix"], cache["total"] = rows, float(self.weight_by(batch))
             else:
-                if self.weight_by == "samples":
-                    per_row = [1] * n
-                else:
-                    per_row = _row_units(batch, self.weight_by, self.labels_key,
-                                         self.ignore_index)
-                prefix = [0.0]
-                for u in per_row:
-                    prefix.append(prefix[-1] + u)
+                per_row = [1] * n if self.weight_by == "samples" else _row_units(
+                    batch, self.weight_by, self.labels_key, self.ignore_index)
+                prefix = [0.0, *itertools.accumulate(map(float, per_row))]
                 cache["prefix"], cache["total"] = prefix, prefix[-1]
             if cache["total"] <= 0:
                 raise ValueError("the batch has no units to weight the loss by (every label "
@@ -275,17 +258,12 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
                name: str | None = None, **options: Any) -> torch.Tensor:
     """Gradients of ``step_fn`` over the whole ``batch``, in micro-batches if it does not fit.
 
-    The function form of :class:`Accumulator`. Options (``weight_by``,
-    ``reduction``, ``grow_after``, ``minimum``, ``sync_ranks``, ...) apply to
-    this call only. Under ``torch.distributed`` the call is collective (every
-    rank makes it) unless ``sync_ranks=False``; see :class:`Accumulator`.
-    What persists is the micro-batch size found: per ``params`` object and
-    ``name`` (default: the step function's qualified name), so a step
-    function defined anew every iteration keeps its size, and only while
-    ``params`` (the model or optimizer) lives; nothing here keeps it alive.
-    ``micro_batch_size`` is the first size tried when nothing is remembered,
-    and bounds this call's micro-batches. Replaces the ``.grad`` of
-    ``params``; returns the whole batch's loss (detached). Typical use::
+    The function form of :class:`Accumulator`; its options apply to this call only. What
+    persists is the micro-batch size found, per ``params`` object (while it lives) and
+    ``name`` (default: the step function's qualified name, so a step function defined
+    anew every iteration keeps its size). ``micro_batch_size`` is the first size tried
+    when nothing is remembered, and bounds this call's micro-batches. Replaces the
+    ``.grad`` of ``params``; returns the whole batch's loss (detached). Typical use::
 
         loss = oomguard.accumulate(lambda mb: model(**mb).loss, batch, params=model,
                                    weight_by="causal-tokens")
@@ -293,7 +271,7 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
     """
     tensors = _param_list(params)
     check_positive_int("micro_batch_size", micro_batch_size, optional=True)
-    key = name or f"{_qualname(step_fn)}:micro_batch"
+    key = name or f"{qualname(step_fn)}:micro_batch"
     anchor = params if isinstance(params, (torch.nn.Module, torch.optim.Optimizer)) \
         else (tensors[0] if tensors else None)
     known = _MEMORY.get(anchor) if anchor is not None else None

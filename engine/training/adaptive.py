@@ -1,28 +1,12 @@
-"""Adaptive sizes inside training scripts: a decorator, an accelerate-shaped helper, stats.
+"""Adaptive sizes inside training scripts: a decorator and an accelerate-shaped helper.
 
 Both wrappers are thin layers over the core's one size controller
-(:class:`~oomguard.engine.core.execute.executor.SizeController`): the batch size
-shrinks on OOM, is remembered for the wrapper's later calls, may grow back,
-and is agreed between ranks under ``torch.distributed`` (the controller's
-agreement strategy is :class:`~oomguard.engine.training.distributed.RankAgreement`).
-What is learnt lives on the decorated function and goes with it.
-
-Under ``torch.distributed`` the calls are **collective**: every rank of the
-group must make each call (the agreement is an ``all_reduce``). A first call
-made on some ranks only raises one clear error after
-:data:`~oomguard.engine.training.distributed.FIRST_CALL_TIMEOUT_S` seconds
-instead of hanging. For work only some ranks do (an evaluation on rank 0),
-pass ``sync_ranks=False``: no collective is made and each rank keeps its own
-size.
-
-Hot path: a call that does not run out of memory costs one
-:func:`oomguard.engine.core.memory.oom.call_catching_oom` and a few attribute reads
-(about a microsecond here, plus one 16-byte collective per call under
-``torch.distributed``); tenacity's retry loop is entered only after an OOM.
-
-Every change of size is logged on the ``oomguard.adaptive`` logger (WARNING
-when it shrinks, INFO when it grows or is agreed) and counted in
-:func:`stats`.
+(:class:`~oomguard.engine.core.execute.executor.SizeController`, which describes the
+retry and its cost): the batch size shrinks on OOM, is remembered on the decorated
+function, may grow back, and is agreed between ranks under ``torch.distributed``
+(collective calls: :mod:`~oomguard.engine.training.distributed`). Size changes are
+logged on the ``oomguard.adaptive`` logger and counted in
+:func:`~oomguard.engine.core.execute.stats.stats`.
 """
 
 from __future__ import annotations
@@ -33,21 +17,11 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from oomguard.engine.core.execute.executor import SizeController, SizeMemory
+from oomguard.engine.core.execute.executor import SizeController, SizeMemory, qualname
 from oomguard.engine.core.execute.retry import Halve, ReduceWith, RetryPolicy
-from oomguard.engine.core.execute.stats import (
-    SizeChange,
-    SizeStats,
-    Stats,
-    register,
-    reset_stats,
-    stats,
-)
+from oomguard.engine.core.execute.stats import register
 from oomguard.engine.errors import NoExecutableBatchSize, check_positive_int
 from oomguard.engine.training.distributed import RankAgreement
-
-__all__ = ["NoExecutableBatchSize", "SizeChange", "SizeStats", "Stats", "adaptive",
-           "find_executable_batch_size", "remembered", "reset_stats", "stats"]
 
 log = logging.getLogger("oomguard.adaptive")
 
@@ -57,7 +31,7 @@ ZERO_MESSAGE = "No executable batch size found, reached zero."  # accelerate's w
 
 
 def remembered(name: str, key: str, start: int | None) -> SizeMemory:
-    """A new memory for one adaptive size ``key``, registered for :func:`stats`."""
+    """A new memory for one adaptive size ``key``, registered for ``stats()``."""
     return SizeMemory(register(name, start), {key: start})
 
 
@@ -65,11 +39,8 @@ def make_controller(name: str, key: str, start: int | None | SizeMemory, *, mini
                maximum: int | None = None, policy: RetryPolicy | None = None,
                grow_after: int | None = None, device: Any = None, group: Any = None,
                sync_ranks: bool = True, failure_message: str | None = None) -> SizeController:
-    """The size controller of a training-script helper: one knob ``key``.
-
-    With ``sync_ranks`` the ranks of ``group`` agree on it under
-    ``torch.distributed`` (collective calls); without, this process decides alone.
-    """
+    """The size controller of a training-script helper: one knob ``key``, agreed between
+    the ranks of ``group`` with ``sync_ranks``."""
     if not isinstance(start, SizeMemory):
         check_positive_int("start", start, optional=True)
         start = remembered(name, key, start)
@@ -111,7 +82,7 @@ def _wrap(fn: Callable[..., T], size: SizeController | None) -> Callable[..., T]
     def call(*args: Any, **kwargs: Any) -> T:
         guard(args, kwargs)
         if size is None:  # find_executable_batch_size(starting_batch_size=0)
-            raise NoExecutableBatchSize(_qualname(fn), [], [], ZERO_MESSAGE, verbatim=True)
+            raise NoExecutableBatchSize(qualname(fn), [], [], ZERO_MESSAGE, verbatim=True)
         return size.run(lambda sizes: fn(sizes[KEY], *args, **kwargs))
 
     call.adaptive_size = size  # type: ignore[attr-defined]
@@ -124,27 +95,19 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
              sync_ranks: bool = True, name: str | None = None) -> Any:
     """Decorate ``fn(batch_size, ...)`` so that an OOM costs a retry at a smaller size.
 
-    The decorated function is called without its batch size: the decorator
-    supplies it (passing one raises ``TypeError``). On OOM it is called again
-    at half the size (or by ``policy``) down to ``minimum``; then
-    :class:`NoExecutableBatchSize` ("no executable batch size: every size down
-    to 1 ran out of memory", with the sizes tried). Any other error propagates
-    untouched. The size that worked is kept for later calls; ``grow_after``
-    clean calls let it grow back, never above ``maximum`` (default
-    ``batch_size``) nor to a size that failed. Under ``torch.distributed``
-    every rank of ``group`` takes the same size (see
-    :mod:`oomguard.engine.training.distributed`), so each call is
-    **collective**: every rank must make it (a first call made by some ranks
-    only raises after a short wait instead of hanging); a rank whose call
-    succeeded runs again at the agreed smaller size when another rank ran out
-    of memory, so ``fn`` must be safe to re-run, as after an OOM.
-    ``sync_ranks=False``: no collective, each rank keeps its own size (for
-    work only some ranks do). The wrapper's ``adaptive_size`` attribute is its
-    :class:`~oomguard.engine.core.execute.executor.SizeController`. Usable as
-    ``@adaptive`` or ``@adaptive(batch_size=...)``.
+    The decorator supplies the batch size (passing one raises ``TypeError``). On OOM
+    ``fn`` runs again at half the size (or by ``policy``) down to ``minimum``, then
+    raises :class:`NoExecutableBatchSize` with the sizes tried. The size that worked is
+    kept; ``grow_after`` clean calls let it grow back, never above ``maximum`` (default
+    ``batch_size``) nor to a size that failed. Under ``torch.distributed`` each call is
+    collective (``sync_ranks=False``: not), and a rank whose call succeeded runs again at
+    the agreed smaller size when another rank ran out of memory, so ``fn`` must be safe to
+    re-run. ``adaptive_size``: the wrapper's
+    :class:`~oomguard.engine.core.execute.executor.SizeController`. Usable as ``@adaptive``
+    or ``@adaptive(batch_size=...)``.
     """
     def decorate(f: Callable[..., T]) -> Callable[..., T]:
-        size = make_controller(name or _qualname(f), KEY, batch_size, minimum=minimum,
+        size = make_controller(name or qualname(f), KEY, batch_size, minimum=minimum,
                                maximum=maximum or batch_size, policy=policy,
                                grow_after=grow_after, device=device, group=group,
                                sync_ranks=sync_ranks)
@@ -159,15 +122,13 @@ def find_executable_batch_size(function: Callable[..., T] | None = None,
                                sync_ranks: bool = True) -> Any:
     """accelerate's helper, same call shape: switch with one import line.
 
-    ``function(batch_size, ...)`` is called at ``starting_batch_size``, then,
-    after each OOM, at half the size or at what ``reduce_batch_size_fn``
-    returns (either ``fn(size) -> int`` or accelerate's zero-argument form
-    ``fn() -> int``). At zero, ``RuntimeError("No executable batch size found,
-    reached zero.")`` (a :class:`NoExecutableBatchSize`). Unlike accelerate's,
-    under ``torch.distributed`` every rank takes the same size, so calls are
-    collective: every rank must make them (a first call made by some ranks only
-    raises after a short wait instead of hanging); ``sync_ranks=False``
-    restores accelerate's per-rank behaviour, with no collective. Usable as
+    ``function(batch_size, ...)`` is called at ``starting_batch_size``, then after each
+    OOM at half the size or at what ``reduce_batch_size_fn`` returns (``fn(size) -> int``
+    or accelerate's ``fn() -> int``). At zero, accelerate's :data:`ZERO_MESSAGE` (a
+    :class:`NoExecutableBatchSize`). Unlike accelerate's,
+    under ``torch.distributed`` every rank takes the same size (collective calls,
+    as :func:`adaptive`); ``sync_ranks=False`` restores accelerate's per-rank
+    behaviour. Usable as
     ``@find_executable_batch_size``, ``@find_executable_batch_size(starting_batch_size=64)``
     or ``find_executable_batch_size(fn, 64)``.
     """
@@ -179,7 +140,7 @@ def find_executable_batch_size(function: Callable[..., T] | None = None,
     if starting_batch_size <= 0:
         return _wrap(function, None)
     policy = Halve() if reduce_batch_size_fn is None else ReduceWith(_unary(reduce_batch_size_fn))
-    size = make_controller(_qualname(function), KEY, starting_batch_size, policy=policy,
+    size = make_controller(qualname(function), KEY, starting_batch_size, policy=policy,
                            sync_ranks=sync_ranks, failure_message=ZERO_MESSAGE)
     return _wrap(function, size)
 
@@ -192,7 +153,3 @@ def _unary(fn: Callable[..., int]) -> Callable[[int], int]:
     except (TypeError, ValueError):
         takes_size = True
     return fn if takes_size else (lambda _size: fn())
-
-
-def _qualname(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__

@@ -1,50 +1,29 @@
 """Agreement between ranks on an adaptive size: one collective per attempt.
 
-Under ``torch.distributed`` an OOM on one rank must move *every* rank to the
-same smaller size, or the ranks run different batches (and, with gradient
-synchronisation, wait on each other forever). After each attempt of an
-adaptive call, every rank calls :func:`agree` exactly once with
+Under ``torch.distributed`` an OOM on one rank must move *every* rank to the same
+smaller size, or the ranks run different batches (and, with gradient
+synchronisation, wait on each other forever). After each attempt every rank calls
+:func:`agree` once with the size it proposes next (the size it just ran after a
+success, the policy's smaller size after an OOM, ``0`` when it has nothing smaller)
+and whether it ran out of memory; one ``all_reduce(MIN)`` over ``[proposal, -oom]``
+(16 bytes) gives every rank the same decision: done, retry at the agreed size, or
+give up together. An adaptive object also agrees once on its starting size.
 
-- the size it proposes next (the size it just ran after a success, the
-  policy's smaller size after an OOM, ``0`` when it has nothing smaller), and
-- whether it ran out of memory,
+The calls are **collective**: every rank calls the adaptive function (or
+``accumulate``) the same number of times, in the same order, and the function runs
+no collective itself (an OOM on one rank between two collectives would leave the
+others waiting). With DDP, run the micro-batches under ``model.no_sync()`` with
+``broadcast_buffers=False`` and synchronise with :func:`all_reduce_gradients`.
+Without an initialised process group nothing is communicated; ``sync_ranks=False``
+makes no collective at all (each rank keeps its own size: work only some ranks do).
 
-and one ``all_reduce(MIN)`` over the two int64 values ``[proposal, -oom]``
-returns the smallest proposal and whether *any* rank ran out of memory. All
-ranks then take the same decision: done, retry at the agreed size, or give up
-together. That is the one collective oomguard adds per attempt (16 bytes); on
-the path without an OOM it is one collective per call. An adaptive object
-also agrees once on its starting size the first time it runs under
-``torch.distributed`` (so ranks started with different sizes converge).
-
-The calls are **collective**: every rank of the group calls the adaptive
-function (or ``accumulate``) the same number of times, in the same order, and
-the function itself runs no collective (an OOM on one rank between
-two collectives would leave the others waiting). With DDP, run the
-micro-batches under ``model.no_sync()`` with ``broadcast_buffers=False`` and
-synchronise gradients afterwards with :func:`all_reduce_gradients`.
-
-When ``torch.distributed`` is not available or not initialised, :func:`agree`
-returns its inputs and costs nothing. With ``sync_ranks=False`` an adaptive
-object makes no collective at all: each rank keeps its own size (for work only
-some ranks do, such as an evaluation on rank 0).
-
-A call made on some ranks only would block in its ``all_reduce`` until the
-backend's timeout (30 minutes on gloo). So the first call of each adaptive
-object first checks that every rank makes it: each rank sets one key in the
-process group's store and waits up to :data:`FIRST_CALL_TIMEOUT_S` seconds for
-the keys of the others; a rank that waits in vain raises one clear error
-naming the ranks that did not come. The check goes through the store, not a
-collective, so nothing is left pending and the process group stays usable
-(a timed-out ``all_reduce`` would stay queued on gloo and pair with the
-peers' next collective: measured, docs/measurements.md#rank-presence-check).
-Later calls are not checked: an adaptive object that every rank used once
-and only some ranks call later still blocks.
-
-:class:`RankAgreement` is how this plugs into the core's
-:class:`~oomguard.engine.core.execute.executor.SizeController`: it is the controller's
-``agreement`` strategy (the core's default, for one process, agrees with
-nobody).
+A call made on some ranks only would block until the backend's timeout (30 minutes
+on gloo), so the first call of each adaptive object checks through the process
+group's store, not a collective, that every rank makes it
+(:func:`check_every_rank_calls`; why not a collective:
+docs/measurements.md#rank-presence-check). Later calls are not checked.
+:class:`RankAgreement` is the core
+:class:`~oomguard.engine.core.execute.executor.SizeController`'s ``agreement`` here.
 """
 
 from __future__ import annotations
@@ -95,12 +74,8 @@ def _collective_device(group: Any = None) -> torch.device:
 
 def agree(proposed: int, oom: bool, group: Any = None) -> Agreement:
     """Agree with every rank of ``group`` on the next size: one ``all_reduce(MIN)``.
-
-    ``proposed`` is this rank's next size in items (0: it cannot go lower);
-    ``oom`` whether its last attempt ran out of memory. Without an initialised
-    process group this returns ``Agreement(proposed, oom)`` and communicates
-    nothing.
-    """
+    ``proposed``: this rank's next size in items (0: it cannot go lower); ``oom``: whether
+    its last attempt ran out of memory. Without a process group, nothing is communicated."""
     if not is_active():
         return Agreement(proposed, oom)
     size, flag = _min_over_ranks([proposed, -int(oom)], group)
@@ -118,12 +93,12 @@ def check_every_rank_calls(what: str, group: Any = None,
                            timeout_s: float | None = None) -> None:
     """Return once every rank of ``group`` has made this call; raise if one does not.
 
-    Collective: each rank sets one key in the default process group's store
-    and waits up to ``timeout_s`` seconds (default :data:`FIRST_CALL_TIMEOUT_S`)
-    for the keys of the others. A rank that waits in vain withdraws its key
-    and raises one :class:`~oomguard.engine.errors.CollectiveMismatch` naming ``what``
-    and the ranks that did not come. No collective is made, so the process
-    group stays usable. Free without ``torch.distributed``, or with one rank.
+    Each rank sets one key in the default process group's store and waits up to
+    ``timeout_s`` seconds (default :data:`FIRST_CALL_TIMEOUT_S`) for the others'. A rank
+    that waits in vain withdraws its key and raises one
+    :class:`~oomguard.engine.errors.CollectiveMismatch` naming ``what`` and the missing
+    ranks; no collective was made, so the process group stays usable. Free without
+    ``torch.distributed``, or with one rank.
     """
     if not is_active():
         return
@@ -164,14 +139,9 @@ def _store() -> Any:
 
 
 class RankAgreement:
-    """The ranks of ``group`` agree on a size after every attempt: one ``all_reduce(MIN)``.
-
-    The agreement strategy of a
-    :class:`~oomguard.engine.core.execute.executor.SizeController` under
-    ``torch.distributed``: the reduced vector is the proposed sizes and
-    ``-oom`` (16 bytes for one size). Inactive, and free, while no process
-    group is initialised. The first :meth:`active` under ``torch.distributed``
-    (the start of the controller's first call, before any collective) runs
+    """The ranks of ``group`` agree on sizes after every attempt: one ``all_reduce(MIN)`` over
+    the proposed sizes and ``-oom``. Inactive, and free, while no process group is initialised.
+    The first :meth:`active` under ``torch.distributed`` (before any collective) runs
     :func:`check_every_rank_calls` for ``what`` with ``timeout_s``.
     """
 
@@ -197,13 +167,9 @@ class RankAgreement:
 
 def all_reduce_gradients(params: Iterable[torch.Tensor], group: Any = None,
                          average: bool = True) -> None:
-    """Sum (or average, the DDP convention) the ``.grad`` of ``params`` over all ranks.
-
-    The gradients are flattened into one buffer so this is one collective,
-    whatever the number of parameters. A parameter without a gradient counts
-    as zeros (every rank must contribute the same buffer). A no-op outside
-    ``torch.distributed``.
-    """
+    """Sum (or average, the DDP convention) the ``.grad`` of ``params`` over all ranks, in one
+    collective over one flat buffer. A parameter without a gradient counts as zeros (every
+    rank must contribute the same buffer). A no-op outside ``torch.distributed``."""
     if not is_active():
         return
     params = [p for p in params if p.requires_grad]

@@ -35,12 +35,9 @@ def _fsync_dir(folder: Path) -> None:
 
 def atomic_write(path: str | os.PathLike[str], content: Content, mode: int = 0o644) -> Path:
     """Replace ``path`` with ``content`` atomically and durably; returns the path.
-
-    ``content`` is bytes, text (UTF-8), or a callable ``write(tmp_path)`` that
-    writes the file itself (e.g. matplotlib's ``savefig``). The folder must
-    exist. On any error the temporary file is removed and the old ``path``
-    (if any) is left untouched; an ``OSError`` (a full disk) names ``path``.
-    """
+    ``content`` is bytes, text (UTF-8), or a callable ``write(tmp_path)`` that writes the
+    file itself (matplotlib's ``savefig``). The folder must exist. On any error the old
+    ``path`` is left untouched; an ``OSError`` (a full disk) names ``path``."""
     target = Path(path)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
                                     suffix=f".tmp{target.suffix}")

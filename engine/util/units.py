@@ -32,13 +32,10 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(text: str | int) -> int:
-    """Parse a memory size into bytes.
-
-    Accepts plain bytes (``"1048576"``), SI units (``"2GB"`` = 2 * 10**9 bytes)
-    and binary units (``"1.5GiB"``, ``"512MiB"``); bare ``K/M/G/T`` are binary.
-    Raises :class:`~oomguard.engine.errors.UsageError` with a one-line message for anything else, including
-    sizes that are not positive.
-    """
+    """Parse a memory size into bytes: plain bytes (``"1048576"``), SI units (``"2GB"`` =
+    2 * 10**9 bytes) or binary units (``"1.5GiB"``; bare ``K/M/G/T`` are binary). Anything
+    else, or a size that is not positive, is a one-line
+    :class:`~oomguard.engine.errors.UsageError`."""
     if isinstance(text, bool):
         raise UsageError(f"invalid size {text!r}: give bytes or a unit, e.g. 2GiB, 512MiB, 2GB")
     if isinstance(text, int):
@@ -63,8 +60,7 @@ def fmt_bytes(n: float | int | None, unit: str | None = None) -> str:
         return "-"
     if unit is None:
         unit = "GiB" if abs(n) >= 1024**3 else "MiB" if abs(n) >= 1024**2 else "KiB"
-    scale = {"KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}[unit]
-    return f"{n / scale:.2f} {unit}"
+    return f"{n / _UNITS[unit.upper()]:.2f} {unit}"
 
 
 GiB = 1024**3

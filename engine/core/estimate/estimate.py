@@ -3,24 +3,18 @@
 ``estimate(fn, [8, 32])`` runs ``fn`` under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`
 (tensors with shape, dtype and device but no data or memory: a 7B model's training step is
 estimated on a laptop for a GPU it does not have), and a dispatch mode counts the bytes of
-every tensor storage the work creates and frees (MemTracker's bookkeeping). The estimate is
-the highest count above what existed before the size ran: what a trial measures above the
-warmed-up process (:func:`~oomguard.engine.core.search.trial.run_trial`). An operation on real
-inputs only (token ids, masks) runs for real when its outputs are small (:data:`REAL_LIMIT`,
-:data:`REAL_FLOAT_LIMIT`), so control flow follows the data; a Python number read from a
-fake tensor (``float(loss)``) reads as 1, and the notes count them. A workload takes part
-through the workload protocol (:mod:`oomguard.engine.core.workload`, where workloads import
-this module's hooks): its own ``estimate_peak(size, device)``, a ``for_estimate(device)``
-copy (whose ``warmup()`` builds the model with :func:`fake_module`: no weights), or as it is.
+every tensor storage the work creates and frees. The estimate is the highest count above
+what existed before the size ran: what a trial measures above the warmed-up process. An
+operation on real inputs only (token ids, masks) runs for real when its outputs are small
+(:data:`REAL_LIMIT`, :data:`REAL_FLOAT_LIMIT`), so control flow follows the data; a Python
+number read from a fake tensor (``float(loss)``) reads as 1, and the notes count them. A
+workload takes part through the hooks of :mod:`oomguard.engine.core.workload`.
 
-Matrix-multiply workspace (CPU) is measured, not predicted: the distinct matrix multiplies
-the fake run made are replayed on this host (:mod:`oomguard.engine.core.estimate.workspace`).
-Only the target device's memory counts: for a cuda estimate, what a workload keeps on the
-host (a Lanczos basis) does not. Workloads put such bookkeeping on :func:`host_device`,
-which is ``cpu`` except while an estimate for cuda runs on a torch build without CUDA
-(fake tensors then stand on cpu for cuda, and the host's part goes to ``meta``, uncounted).
-A workload may run once, in an estimate, a step it would repeat identically
-(:func:`shortcut`: Lanczos steps, landscape points, VJP blocks); the notes say where.
+Matrix-multiply workspace (CPU) is measured, not predicted
+(:mod:`oomguard.engine.core.estimate.workspace`). Only the target device's memory counts:
+workloads put host-side bookkeeping (a Lanczos basis) on :func:`host_device`, which is
+``cpu`` except while an estimate for cuda runs on a torch build without CUDA (fake tensors
+then stand on cpu for cuda, and the host's part goes to ``meta``, uncounted).
 
 Not counted: other operators' workspace, free heap a real run reuses (the other way), the
 allocator's rounding beyond CUDA's 512-byte blocks and its cache, cuBLAS's workspace, the
@@ -72,11 +66,10 @@ _RUNNING: contextvars.ContextVar[_Running | None] = contextvars.ContextVar(
 
 @dataclass
 class Estimate:
-    """The estimated peak bytes of a workload at ``size``: the peak above what existed
-    before that size ran (a trial's ``peak_bytes`` units), for ``device``, computed with fake
-    tensors on ``estimated_on``. ``method`` says how; ``notes`` what it left out or assumed.
-    An estimate (``kind``), but ``workspace_bytes`` (what the matrix multiplies' workspace adds
-    to it; None: not counted) is measured on this host (module docstring)."""
+    """The estimated peak bytes of a workload at ``size`` above what existed before that size
+    ran (a trial's ``peak_bytes`` units), for ``device``, computed with fake tensors on
+    ``estimated_on``; ``notes`` say what it left out or assumed. ``workspace_bytes`` (None:
+    not counted) is measured on this host (module docstring)."""
 
     size: int
     peak_bytes: int
@@ -116,15 +109,12 @@ def _tensors(*objs: Any) -> list[torch.Tensor]:
 class StorageCounter(TorchDispatchMode):
     """Counts the bytes of the tensor storages that operations create while it is active.
 
-    A storage an operation returns that no operation saw before is new: its bytes
-    (rounded up to ``block``) count until it is freed (a weak reference's callback).
-    Storages first seen as *inputs* existed before (weights, optimizer state) and count
-    nothing, also when an operation writes into them, except by what a resize adds.
-    ``current`` and ``peak`` are bytes above where :meth:`start` left them.
-
-    With a ``fake_mode`` (inside it), it also decides what runs for real (module docstring);
-    without one it counts a real run (a check of the fake one). With ``device_type``, only
-    tensors on devices of that type count (the target's; not the host's bookkeeping).
+    A storage an operation returns that no operation saw before is new: its bytes (rounded
+    up to ``block``) count until it is freed. Storages first seen as *inputs* existed before
+    (weights, optimizer state) and count only what a resize adds. ``current`` and ``peak``
+    are bytes above where :meth:`start` left them. With a ``fake_mode`` it also decides what
+    runs for real (module docstring); without one it counts a real run. With
+    ``device_type``, only tensors on devices of that type count.
     """
 
     def __init__(self, fake_mode: Any | None = None, block: int = 1,
@@ -316,15 +306,11 @@ def fake_device(device: str | torch.device) -> tuple[torch.device, list[str]]:
 def estimate(fn: Callable[[int], Any], sizes: Sequence[int], device: str | torch.device = "cpu",
              workspace: bool = True, shortcuts: bool = True) -> list[Estimate]:
     """Estimate the peak bytes of ``fn(size)`` for each of ``sizes`` on ``device`` (cpu,
-    cuda, cuda:N) without running the work (module docstring): per size, an
-    :class:`Estimate` of the peak above what existed before it ran, in bytes; sizes run in
-    order after one warm-up (``fn.warmup()``) on fake tensors. For cpu with ``workspace``,
-    the matrix multiplies' workspace is measured on this host and included. With
-    ``shortcuts``, the work may run once what it would repeat identically (:func:`shortcut`).
-
-    Raises :class:`UsageError` for no sizes, a size that is not a positive integer, a
-    device other than cpu or cuda, or a workload whose memory depends on values only a
-    real run computes (a tensor whose shape depends on the model's outputs).
+    cuda, cuda:N) without running the work (module docstring): one :class:`Estimate` per
+    size, in order after one warm-up on fake tensors. ``workspace`` (cpu): measure the
+    matrix multiplies' workspace on this host; ``shortcuts``: allow :func:`shortcut`.
+    :class:`UsageError` for bad sizes or devices, or a workload whose memory depends on
+    values only a real run computes (a tensor whose shape depends on the model's outputs).
     """
     from oomguard.engine.core.workload import own_estimate  # why: it imports this module
     sizes = list(sizes)

@@ -1,14 +1,12 @@
 """Matrix-multiply workspace of an estimate, measured on this host.
 
 The BLAS library packs a matrix multiply's operands into buffers it allocates at its first
-call of a kind and keeps for the life of the process. An estimate
-(:func:`oomguard.engine.core.estimate.estimate.estimate`) records the distinct matrix multiplies its
-fake run made (the warm-up's, then the size's); :func:`add_workspace` replays them on zero
-tensors in an isolated child with this process's threads and counts the resident bytes each
-keeps from its first call on: what they add to the peak. That is a size's cost after the
-warm-up alone (an isolated trial, a search's first; after a larger size in one process, it
-reads high by up to that). Too big to replay cheaply (:data:`REPLAY_LIMIT`,
-:data:`REPLAY_MACS`): not counted, and the estimate's notes say so.
+call of a kind and keeps for the life of the process. An estimate records the distinct
+matrix multiplies its fake run made (the warm-up's, then the size's); :func:`add_workspace`
+replays them on zero tensors in an isolated child with this process's threads and counts
+the resident bytes each keeps: what they add to the peak of a size after the warm-up alone
+(after a larger size in one process it reads high by up to that). Too big to replay
+cheaply (:data:`REPLAY_LIMIT`, :data:`REPLAY_MACS`): not counted, and the notes say so.
 """
 
 from __future__ import annotations

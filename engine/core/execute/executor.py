@@ -1,36 +1,21 @@
 """The executor and the one size controller and retry loop behind every adaptive wrapper.
 
-:class:`SizeController` runs ``attempt(sizes)``; on OOM it asks its retry policy for
-smaller sizes and runs again, down to the minimums, then raises
-:class:`~oomguard.engine.errors.NoExecutableBatchSize`. :class:`Executor`, ``@adaptive``,
-``find_executable_batch_size`` and ``accumulate`` all go through
-:meth:`SizeController.run`. It is composed of small objects, like tenacity's
-``stop``/``wait``/``retry``:
+:class:`SizeController` runs ``attempt(sizes)``; on OOM it asks its retry policy
+(:mod:`~oomguard.engine.core.execute.retry`) for smaller sizes and runs again, down to
+the minimums, then raises :class:`~oomguard.engine.errors.NoExecutableBatchSize`.
+:class:`Executor`, ``@adaptive``, ``find_executable_batch_size`` and ``accumulate`` all
+go through it. A :class:`SizeAgreement` makes several processes take the same decision;
+a :class:`SizeMemory` holds what is learnt across calls (numbers only, no reference to
+the user's function, model or data, so whoever keeps it decides how long it lives).
 
-- a :class:`~oomguard.engine.core.execute.retry.RetryPolicy` says the next sizes after an
-  OOM (:class:`~oomguard.engine.core.execute.retry.Halve` by default,
-  :class:`~oomguard.engine.core.execute.retry.ReduceWith` for any other rule);
-- a :class:`SizeAgreement` makes several processes take the same decision
-  (:class:`NoAgreement`, the default, is a single process; the training layer
-  plugs in one ``all_reduce`` per attempt under ``torch.distributed``);
-- a :class:`SizeMemory` holds what is learnt across calls: the sizes that
-  work, the smallest that failed, clean calls since the last change, counters.
-  It holds no reference to the user's function, model or data, so whoever
-  keeps it (a decorated function, an executor, a weak map keyed by a model)
-  decides how long it lives.
-
-Only out-of-memory errors are retried; any other error propagates at once, untouched.
-The OOM's exception and traceback are dropped *before* memory is released, so the failed
-attempt's tensors are really freed between attempts. Hot path: the first attempt is a
-plain :func:`~oomguard.engine.core.memory.oom.call_catching_oom` (about a microsecond);
+Only out-of-memory errors are retried; any other error propagates untouched. The OOM's
+exception and traceback are dropped *before* memory is released, so the failed attempt's
+tensors are really freed. Hot path: the first attempt is a plain
+:func:`~oomguard.engine.core.memory.oom.call_catching_oom` (about a microsecond);
 tenacity's ``Retrying`` is built only after a first OOM. Every change of size is logged
 (WARNING when it shrinks, INFO otherwise) and counted in the memory's
-:class:`~oomguard.engine.core.execute.stats.SizeStats`. A caller that keeps a
-:class:`RunRecord` (the executor) also gets an
-:class:`~oomguard.engine.core.memory.forensics.OomEvent` per OOM, with memory as the
-allocator and the host saw it, measured before the memory of the failed attempt is
-released. Past the minimum, the executor's ``on_oom`` ladder takes over
-(:mod:`~oomguard.engine.core.execute.remedies`).
+:class:`~oomguard.engine.core.execute.stats.SizeStats`. Past the minimum, the executor's
+``on_oom`` ladder takes over (:mod:`~oomguard.engine.core.execute.remedies`).
 """
 
 from __future__ import annotations
@@ -47,22 +32,17 @@ import torch
 from tenacity import RetryCallState, Retrying, retry_if_result, wait_none
 
 from oomguard.engine.core.execute.remedies import Ladder, parse_on_oom, run_ladder, sized_call
-from oomguard.engine.core.execute.retry import Halve, ReduceWith, RetryPolicy, Sizes
+from oomguard.engine.core.execute.retry import Halve, RetryPolicy, Sizes
 from oomguard.engine.core.execute.stats import SizeChange, SizeStats
 from oomguard.engine.core.memory.forensics import OomEvent, OomWatch, start_history
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom
 from oomguard.engine.errors import (
-    ExecutionFailed,
     NoExecutableBatchSize,
     UsageError,
     check_positive_int,
     format_sizes,
 )
 from oomguard.engine.util.weakmap import WeakIdMap
-
-__all__ = ["NO_AGREEMENT", "ExecutionFailed", "Executor", "Halve", "NoAgreement",
-           "NoExecutableBatchSize", "ReduceWith", "RetryPolicy", "RunRecord", "SizeAgreement",
-           "SizeController", "SizeMemory", "Sizes"]
 
 T = TypeVar("T")
 # Sizes that may be unknown: None means "whatever the call's cap is" (the whole input).
@@ -74,16 +54,11 @@ MAX_NAMES_KEPT = 1024  # named workloads whose sizes one executor remembers
 
 
 class SizeAgreement(Protocol):
-    """How the processes running one workload agree on its size after each attempt.
-
-    ``active()`` is asked once per call: False means this process decides
-    alone and :meth:`agree` is not called. When active, :meth:`agree` is
-    called once after *every* attempt on every process, with the sizes this
-    process proposes next (the sizes it just ran after a success, smaller ones
-    after an OOM, zeros when it cannot go lower) and whether it ran out of
-    memory; it returns the sizes every process takes and whether any of them
-    ran out of memory.
-    """
+    """How the processes running one workload agree on its size after each attempt
+    (:mod:`~oomguard.engine.training.distributed` has the protocol). ``active()`` is asked
+    once per call (False: this process decides alone); then :meth:`agree` after *every*
+    attempt with this process's next sizes (zeros: it cannot go lower) and whether it ran
+    out of memory, returning the sizes every process takes and whether any ran out."""
 
     def active(self) -> bool: ...
 
@@ -106,8 +81,7 @@ NO_AGREEMENT = NoAgreement()
 @dataclass
 class RunRecord:
     """What one run did: the sizes of each attempt, each OOM's message, the sizes that worked,
-    and ``events``: one :class:`~oomguard.engine.core.memory.forensics.OomEvent` per OOM of this
-    process (sizes, memory measured at the OOM, what was done about it)."""
+    and one :class:`~oomguard.engine.core.memory.forensics.OomEvent` per OOM of this process."""
 
     workload: str
     attempts: list[Sizes] = field(default_factory=list)
@@ -131,13 +105,10 @@ def shown(sizes: Mapping[str, int | None] | None) -> Any:
 
 @dataclass(eq=False)
 class SizeMemory:
-    """What one adaptive size has learnt across calls (numbers only).
-
-    ``sizes`` are the sizes the next call starts at (a value None: the call's
-    cap, i.e. the whole input); ``failed`` the smallest size per knob that ran
-    out of memory on any process; ``last_good`` the sizes of the last attempt
-    that worked; ``clean`` the calls without an OOM since the last change.
-    """
+    """What one adaptive size has learnt across calls: ``sizes`` the next call starts at
+    (None: the call's cap, the whole input); ``failed`` the smallest size per knob that ran
+    out of memory on any process; ``last_good`` the sizes of the last attempt that worked;
+    ``clean`` the calls without an OOM since the last change."""
 
     stats: SizeStats
     sizes: dict[str, int | None]
@@ -176,20 +147,16 @@ def _nothing_left(rs: RetryCallState) -> bool:
 class SizeController:
     """Runs attempts at adaptive sizes: shrink on OOM, remember, optionally grow back, agree.
 
-    ``memory`` is the :class:`SizeMemory` to use (shared by controllers that
-    run the same workload) or the start sizes for a new one. On OOM the next
-    sizes come from ``policy`` (default :class:`~oomguard.engine.core.execute.retry.Halve`)
-    down to ``minimum`` (per knob, default 1); after an OOM at sizes reached by
-    growing, it falls back to the last sizes that worked. ``grow_after``
-    (off by default, for bit-for-bit reproducible runs) tries larger sizes
-    after that many clean calls: halfway to the smallest size that failed
-    (never that size or above), else twice the size, never above ``maximum``.
-    ``agreement`` (default :data:`NO_AGREEMENT`) makes several processes take
-    the same sizes. ``failure_message`` is the whole ``str()`` of
-    :class:`~oomguard.engine.errors.NoExecutableBatchSize` (its ``tried``,
-    ``errors`` and ``detail`` still say what ran). Size changes go to
-    ``logger`` (default ``oomguard.executor``). ``snapshot_dir``: where a run with a record writes a CUDA allocator
-    snapshot at each OOM (after :func:`~oomguard.engine.core.memory.forensics.start_history`).
+    ``memory``: the :class:`SizeMemory` to use (shared by controllers of one workload) or
+    the start sizes for a new one. On OOM the next sizes come from ``policy`` (default
+    :class:`Halve`) down to ``minimum`` (per knob, default 1); an OOM at grown sizes falls
+    back to the last sizes that worked. ``grow_after`` (off by default, for reproducible
+    runs) tries larger sizes after that many clean calls: halfway to the smallest size
+    that failed, else twice the size, never above ``maximum``. ``device``: whose cache is
+    emptied between attempts; ``agreement`` (default :data:`NO_AGREEMENT`) makes several
+    processes take the same sizes. ``failure_message``: the whole ``str()`` of
+    :class:`~oomguard.engine.errors.NoExecutableBatchSize`. Size changes go to ``logger``;
+    ``snapshot_dir`` gets a CUDA allocator snapshot per OOM.
     """
 
     def __init__(self, name: str, memory: SizeMemory | Start, *,
@@ -234,13 +201,11 @@ class SizeController:
             record: RunRecord | None = None) -> T:
         """Return ``attempt(sizes)``, retrying at smaller sizes on OOM.
 
-        ``cap`` bounds the sizes of this call only (e.g. the length of this
-        batch, or the sizes a caller asked for) without changing what is
-        remembered. ``record`` (optional) gets every attempt's sizes before it
-        runs, every OOM's message and event (measured only for a record: callers
-        that keep none pay nothing), and the final sizes. Raises
-        :class:`~oomguard.engine.errors.NoExecutableBatchSize` when no size
-        fits on every process; any other error propagates untouched.
+        ``cap`` bounds the sizes of this call only (the length of this batch, the sizes a
+        caller asked for) without changing what is remembered. ``record`` gets every
+        attempt's sizes, every OOM's message and event (measured only for a record), and
+        the final sizes. Raises :class:`~oomguard.engine.errors.NoExecutableBatchSize`
+        when no size fits on every process.
         """
         mem = self.memory
         mem.stats.calls += 1
@@ -399,36 +364,28 @@ class SizeController:
         else:
             st.grows += new != old
         (self.log.warning if shrink else self.log.info)(
-            "%s: %s -> %s: %s", self.name, _show(old), _show(new, key=False), reason)
+            "%s: %s -> %s: %s", self.name, _show(old), format_sizes(new), reason)
         st.changes.append(SizeChange(self.name, shown(old), shown(new), reason, time.time()))
 
 
 class Executor:
     """Runs workloads; on OOM retries at smaller sizes; remembers what worked.
 
-    ``policy`` decides the retry sizes (default :class:`Halve`); ``device`` is
-    the one whose cache is emptied between attempts; ``agreement`` (default:
-    none, one process) makes several processes take the same sizes.
-    ``history`` holds a :class:`RunRecord` per call (the last 1024), each OOM
-    in its ``events``. ``snapshot_on_oom``: a folder where every OOM writes a
-    CUDA allocator snapshot (``<name>-oom<k>.pickle``, for pytorch.org/memory_viz;
-    allocation history is recorded from the first run on, for the rest of the
-    process). On another device the events say why there is none.
+    ``policy``, ``device`` and ``agreement`` as in :class:`SizeController`. ``history``
+    holds a :class:`RunRecord` per call (the last 1024). ``snapshot_on_oom``: a folder
+    where every OOM writes a CUDA allocator snapshot (``<name>-oom<k>.pickle``, for
+    pytorch.org/memory_viz; history is recorded from the first run on).
 
-    ``on_oom`` (default None: retry at half only, as always) is a remedy ladder such as
-    ``["halve", "bfloat16", "cpu"]`` (:func:`~oomguard.engine.core.execute.remedies.parse_on_oom`):
-    after the minimum it tries each remedy in turn, and ``ladder`` holds what the last
-    run's did (:class:`~oomguard.engine.core.execute.remedies.Ladder`); the workload hooks
-    they need are in :mod:`~oomguard.engine.core.workload`. ``fresh_process``: the caller
-    can restart the run in a fresh process (a job's runner), so ``expandable_segments`` and memory that did not come back raise
+    ``on_oom`` (default None: halve only) is a remedy ladder such as
+    ``["halve", "bfloat16", "cpu"]`` (:mod:`~oomguard.engine.core.execute.remedies`),
+    tried after the minimum; ``ladder`` holds what the last run's did. ``fresh_process``:
+    the caller can restart the run in a fresh process (a job's runner), so
+    ``expandable_segments`` and memory that did not come back raise
     :class:`~oomguard.engine.errors.RestartNeeded` carrying the ladder to resume.
 
-    What worked lives on this executor: per ``name=`` when one is given (the
-    last 1024 names), else per function object while that object lives. A
-    later call of the same workload starts at the remembered sizes when they
-    are smaller than the sizes asked for. Two functions never share what was
-    learnt, even with the same ``__qualname__``; a function created anew for
-    every call needs a ``name=`` to be remembered.
+    What worked is remembered per ``name=`` (the last 1024 names), else per function
+    object while it lives (a function created anew for every call needs a ``name=``);
+    a later call starts at the remembered sizes when they are smaller than those asked.
     """
 
     def __init__(self, policy: RetryPolicy | None = None,
@@ -462,12 +419,9 @@ class Executor:
     ) -> Any:
         """Run ``fn(batch_size)``, or ``fn(**sizes)`` for several tunable sizes.
 
-        On OOM the sizes shrink by the policy and ``fn`` runs again; when they
-        cannot shrink any more, :class:`~oomguard.engine.errors.ExecutionFailed`
-        (a :class:`~oomguard.engine.errors.NoExecutableBatchSize`) names the
-        workload and every size tried. Any error that is not an OOM propagates
-        unchanged. Sizes must be positive integers (``ValueError`` otherwise).
-        With ``on_oom``, the remedies follow the minimum; ``ladder`` resumes one that a
+        On OOM the sizes shrink by the policy and ``fn`` runs again, down to
+        :class:`~oomguard.engine.errors.ExecutionFailed` naming every size tried. Sizes
+        must be positive integers. ``ladder`` resumes one that a
         :class:`~oomguard.engine.errors.RestartNeeded` carried out of another process.
         """
         if (batch_size is None) == (sizes is None):
@@ -476,7 +430,7 @@ class Executor:
         start: Sizes = {"batch_size": batch_size} if positional else dict(sizes)  # type: ignore[arg-type]
         for key, value in start.items():
             check_positive_int(key, value)
-        label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+        label = name or qualname(fn)
         if self.snapshot_on_oom is not None:
             start_history(self.device)  # once per process: the snapshot needs the history
         record = RunRecord(workload=label)
@@ -527,13 +481,18 @@ class Executor:
         return memory
 
 
+def qualname(fn: Any) -> str:
+    """What a workload is called by default: its ``__qualname__``, else its type's name."""
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
 def _no_sleep(seconds: float) -> None:
     """Retries follow each other at once: memory was released before the next attempt."""
 
 
-def _show(sizes: Mapping[str, int | None], key: bool = True) -> str:
-    """``batch_size 64`` (or ``64``) for one knob, ``(a=1, b=2)`` for several."""
+def _show(sizes: Mapping[str, int | None]) -> str:
+    """``batch_size 64`` for one knob, ``(a=1, b=2)`` for several."""
     if len(sizes) == 1:
         name, value = next(iter(sizes.items()))
-        return f"{name} {value}" if key else str(value)
+        return f"{name} {value}"
     return format_sizes(sizes)  # type: ignore[arg-type]

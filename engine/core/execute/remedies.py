@@ -4,8 +4,8 @@
 in a job file) runs the rungs in the order given; each one runs the workload again
 through the executor's retry at half, from the call's start sizes:
 
-- ``halve``: the executor's own retry at half down to the minimums; always first. Without
-  ``on_oom`` it is all there is, exactly as before (and none of the checks below run).
+- ``halve``: the executor's own retry at half down to the minimums; always first (without
+  ``on_oom`` it is all there is, and none of the checks below run).
 - ``bfloat16`` / ``float16``: the workload at that precision (its ``at_precision(dtype)``),
   only when it declares ``tolerates_lower_precision = True`` (the metrics say which of
   them does, :class:`~oomguard.metrics.base.Metric`); its result is flagged.
@@ -17,17 +17,11 @@ through the executor's retry at half, from the call's start sizes:
 
 A rung keeps what the rungs before it changed (a lower precision stays), except that
 ``on_device`` gives what it gives (a job builds the model again at its own dtype).
-Two checks run between attempts, in the one wrapper :class:`_Checked`:
-
-- memory came back: :func:`live_bytes` before a retry against its value before the failed
-  attempt; more than :data:`MEMORY_BACK_TOLERANCE` bytes still in use means something
-  keeps the failed attempt's tensors, and the task goes on in a fresh process
-  (:class:`RestartNeeded`) instead of looping in this one;
-- progress: two failed attempts in a row with the same remedy, sizes and error stop the
-  ladder (:class:`NoProgress`, one line).
-
-Everything a rung did is in :attr:`Ladder.rungs`; :class:`Ladder` is plain data (JSON
-round trip), so it crosses into a restarted process.
+Two checks run between attempts (:class:`_Checked`): memory came back
+(:func:`live_bytes` more than :data:`MEMORY_BACK_TOLERANCE` above its value before the
+failed attempt means something keeps its tensors: :class:`RestartNeeded`, a fresh
+process), and progress (two failed attempts in a row with the same remedy, sizes and
+error: :class:`NoProgress`). Everything a rung did is in :attr:`Ladder.rungs`.
 """
 
 from __future__ import annotations
@@ -120,8 +114,7 @@ class Rung:
 
 @dataclass
 class Ladder:
-    """The state of one workload's ladder (plain data: it crosses into a fresh process).
-
+    """The state of one workload's ladder (plain data: it crosses into a fresh process):
     ``at`` is the rung running now; ``resume`` the sizes it goes on at in a fresh process;
     ``precision``/``device`` what earlier rungs changed (None: the workload's own);
     ``fresh_for`` the rung this process was started for; ``env`` the variables the next
@@ -173,9 +166,8 @@ def _restart(name: str, record: RunRecord, ladder: Ladder, why: str, shown: str)
 
 def live_bytes(device: Any) -> tuple[int | None, str]:
     """Bytes this process has in use on ``device`` now (measured), and how: CPU ``VmData``
-    minus glibc's free heap chunks (reusable, so not lost); CUDA ``memory_allocated``
-    (after :func:`~oomguard.engine.core.memory.oom.release_memory` emptied the cache). None where
-    it cannot be read (no procfs; MPS). ``device`` None: as :func:`device_kind` says."""
+    minus glibc's free heap chunks (reusable, so not lost); CUDA ``memory_allocated``. None
+    where it cannot be read (no procfs; MPS). ``device`` None: as :func:`device_kind` says."""
     dev = resolve_device(device)
     if dev.type == "cuda":
         # why: probes.cuda imports CUDA helpers; only a CUDA run needs them.
@@ -309,12 +301,11 @@ def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
                run_rung: Callable[[Callable[[Sizes], Any], Sizes, bool, Any], T],
                record: RunRecord, name: str, device: Any, fresh_process: bool,
                positional: bool) -> T:
-    """Run ``fn`` through the rungs of ``ladder`` from ``ladder.at``; see the module docstring.
-
-    ``run_rung(attempt, sizes, fresh, device)`` is one run of the executor's retry at half
-    from ``sizes`` (``fresh``: with nothing remembered). Returns the first result; raises
-    :class:`NoExecutableBatchSize` whose message lists every remedy and why it failed or
-    was skipped, :class:`NoProgress`, or :class:`RestartNeeded`.
+    """Run ``fn`` through the rungs of ``ladder`` from ``ladder.at`` (module docstring);
+    return the first result. ``run_rung(attempt, sizes, fresh, device)`` is one run of the
+    executor's retry at half from ``sizes`` (``fresh``: with nothing remembered). Raises
+    :class:`NoExecutableBatchSize` listing every remedy and why it failed or was skipped,
+    :class:`NoProgress`, or :class:`RestartNeeded`.
     """
     work = fn
     if ladder.device is not None:  # what earlier rungs changed, again in a fresh process
@@ -373,8 +364,7 @@ def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
 
 
 def sized_call(work: Any, positional: bool) -> Callable[[Sizes], Any]:
-    """An attempt function for ``work``: ``work(batch_size)`` when ``positional``, else
-    ``work(**sizes)``."""
+    """``work(batch_size)`` when ``positional``, else ``work(**sizes)``, as an attempt."""
     if positional:
         return lambda s: work(s["batch_size"])
     return lambda s: work(**s)

@@ -1,10 +1,9 @@
 """Retry policies: what sizes to try after an out-of-memory error.
 
-A policy is a small object with one method, :meth:`RetryPolicy.shrink`: given
-the sizes that ran out of memory and their minimums, it returns the next
-(smaller) sizes, or None when nothing smaller is allowed -- then retrying
-stops. :class:`~oomguard.engine.core.execute.executor.SizeController` asks it after
-every OOM; it is the only place where a retry size is decided.
+A policy's one method, :meth:`RetryPolicy.shrink`, gets the sizes that ran out of memory
+and their minimums and returns the next (smaller) sizes, or None when nothing smaller is
+allowed (retrying stops). :class:`~oomguard.engine.core.execute.executor.SizeController`
+asks it after every OOM; it is the only place where a retry size is decided.
 """
 
 from __future__ import annotations
@@ -24,10 +23,8 @@ class RetryPolicy(Protocol):
 
 @dataclass(frozen=True)
 class ReduceWith:
-    """Shrink every size with ``fn`` (e.g. ``lambda n: n * 3 // 4``), never below its minimum.
-
-    Sizes already at their minimum stay; when none can shrink, retrying stops.
-    """
+    """Shrink every size with ``fn`` (e.g. ``lambda n: n * 3 // 4``), never below its minimum
+    (sizes already there stay; when none can shrink, retrying stops)."""
 
     fn: Callable[[int], int]
 

@@ -1,13 +1,11 @@
 """What adaptive sizes did: counters per size, and a bounded registry for :func:`stats`.
 
 Every :class:`~oomguard.engine.core.execute.executor.SizeController` counts into a
-:class:`SizeStats` of its own. Those of the training-script helpers (``@adaptive``,
-``find_executable_batch_size``, ``accumulate``) are also registered here, so
-that :func:`stats` can summarise them. The registry keeps the most recent
-:data:`MAX_SIZES_KEPT` sizes (older ones are dropped) and holds plain numbers
-only, never a user's function, model or tensor. Registering is O(1): a name
-taken by a size still kept gets a ``#N`` suffix (N from one process-wide
-counter), so names are unique among the sizes kept.
+:class:`SizeStats` of its own; those of the training-script helpers (``@adaptive``,
+``find_executable_batch_size``, ``accumulate``) are also registered here for
+:func:`stats`. The registry keeps the most recent :data:`MAX_SIZES_KEPT` sizes, as plain
+numbers only (never a user's function, model or tensor); a name taken by a size still
+kept gets a ``#N`` suffix.
 """
 
 from __future__ import annotations
@@ -96,10 +94,8 @@ _SERIAL = itertools.count(2)
 
 
 def register(name: str, start: Shown) -> SizeStats:
-    """A new :class:`SizeStats` under ``name`` (``name#N`` if taken), in the registry.
-
-    Constant time; the oldest size is dropped beyond :data:`MAX_SIZES_KEPT`.
-    """
+    """A new :class:`SizeStats` under ``name`` (``name#N`` if taken), in the registry (the
+    oldest size is dropped beyond :data:`MAX_SIZES_KEPT`)."""
     unique = name if name not in _REGISTRY else f"{name}#{next(_SERIAL)}"
     record = _REGISTRY[unique] = SizeStats(name=unique, start=start, current=start)
     if len(_REGISTRY) > MAX_SIZES_KEPT:
@@ -108,10 +104,8 @@ def register(name: str, start: Shown) -> SizeStats:
 
 
 def stats() -> Stats:
-    """A snapshot of the adaptive sizes of this process (the most recent 1024).
-
-    Sizes, OOMs, shrinks and grows per size; the copies do not change afterwards.
-    """
+    """A snapshot of the adaptive sizes of this process (the most recent 1024): sizes, OOMs,
+    shrinks and grows per size, in copies that do not change afterwards."""
     return Stats({name: s.copy() for name, s in _REGISTRY.items()})
 
 

@@ -9,20 +9,15 @@ error:
   (``mallopt(M_MMAP_THRESHOLD)``) so freed tensors really go back to the kernel;
   without it the heap keeps fragments and the same size fits on one try and not
   the next (docs/measurements.md#return-freed-memory).
-- CUDA: ``torch.cuda.set_per_process_memory_fraction((held + budget) / total)``.
-  The cap counts what the allocator backend counts (c10/cuda/CUDACachingAllocator.cpp:
-  reserved segments; c10/cuda/CUDAMallocAsyncAllocator.cpp: bytes in use), so ``held`` is
-  measured in those units, after ``empty_cache()``: cached free blocks are released
-  before an allocation meets the cap, and counting them would enlarge the budget.
+- CUDA: ``torch.cuda.set_per_process_memory_fraction((held + budget) / total)``, ``held``
+  in the units the cap counts, after ``empty_cache()`` (:func:`gpu_held_bytes`).
 - MPS: ``torch.mps.set_per_process_memory_fraction((driver allocated + budget) /
   recommended_max_memory)``: the MPS allocator compares the Metal driver's allocated
   bytes with that fraction of the recommended working-set size (MPSAllocator.mm).
 
-Each budget counts bytes *above what the process holds when it is entered*
-(virtual data size on CPU, the allocator's units on a GPU) and is kept there:
-:func:`tighten_active_budget` lowers it to the smallest usage seen. The previous
-limit is restored on exit, also after an error. Host (CPU) budgets need
-``RLIMIT_DATA`` (Linux); elsewhere they raise :class:`BudgetError`.
+Each budget counts bytes *above what the process holds when it is entered* and is kept
+there (:func:`tighten_active_budget`). The previous limit is restored on exit, also
+after an error. Host budgets need ``RLIMIT_DATA`` (Linux); elsewhere :class:`BudgetError`.
 """
 
 from __future__ import annotations
@@ -86,15 +81,11 @@ def host_budgets_available() -> bool:
 
 
 def tighten_active_budget() -> None:
-    """Keep an active budget at ``nbytes`` above the *smallest* usage seen.
-
-    Memory counted in the baseline can be released after the budget starts
-    (thread stacks of finished pools, trimmed malloc arenas; on a GPU the
-    warm-up's tensors freed later), which would silently enlarge the budget
-    (docs/measurements.md#free-heap-at-budget-entry). Called before each trial,
-    this lowers the limit to ``usage now + nbytes`` when that is smaller (``VmData``
-    on CPU, :func:`gpu_held_bytes` on a GPU). It never raises the limit, so memory
-    that trials leave behind keeps counting, as it would on a device.
+    """Keep an active budget at ``nbytes`` above the *smallest* usage seen (``VmData`` on
+    CPU, :func:`gpu_held_bytes` on a GPU); called before each trial. Memory in the baseline
+    can be released after entry (thread stacks, malloc arenas, the warm-up's tensors) and
+    would silently enlarge the budget (docs/measurements.md#free-heap-at-budget-entry); the
+    limit is never raised, so memory that trials leave behind keeps counting.
     """
     b = active_budget()
     if b is None:
@@ -162,11 +153,10 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
         return _check_mps(nbytes, dev)
     if not torch.cuda.is_available():
         raise BudgetError("no CUDA device is available here: use --device cpu")
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory
+    total = _gpu_size(dev)
     if nbytes > total:
         raise BudgetError(
-            f"budget {fmt_bytes(nbytes)} is more than cuda:{index}'s {fmt_bytes(total)}; "
+            f"budget {fmt_bytes(nbytes)} is more than {_key(dev)}'s {fmt_bytes(total)}; "
             "choose a smaller --budget"
         )
     return dev
@@ -174,17 +164,12 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
 
 @contextmanager
 def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
-    """Cap the memory the code inside may allocate to ``nbytes`` bytes.
+    """Cap the memory the code inside may allocate to ``nbytes`` bytes above what the
+    process holds now (the module docstring says how, per device).
 
-    On CPU the budget is on top of the process's current virtual data size
-    (``VmData``); enter it after one small warm-up step so that thread pools
-    and kernels that the step creates once are not charged to it. On CUDA and
-    MPS it is the allocator's per-process fraction, set to (:func:`gpu_held_bytes`
-    after emptying the cache + ``nbytes``) over the device's size, so it too counts
-    bytes above what the process holds. Raises :class:`BudgetError` if ``nbytes`` is
-    not positive, below :data:`MIN_CPU_BUDGET` on CPU, larger than the device can
-    give, or on CPU where the OS has no ``RLIMIT_DATA``. Nested budgets may only
-    shrink the limit.
+    On CPU, enter it after one small warm-up step so that thread pools and kernels that
+    the step creates once are not charged to it. Raises :class:`BudgetError` where
+    :func:`check_budget` does. Nested budgets may only shrink the limit.
     """
     dev = check_budget(nbytes, device)
     manager = _cpu_budget(nbytes) if dev.type == "cpu" else _gpu_budget(nbytes, dev)

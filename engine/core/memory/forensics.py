@@ -2,10 +2,9 @@
 
 Every OOM the size controller catches for a caller keeping a
 :class:`~oomguard.engine.core.execute.executor.RunRecord` (the executor, so every job metric)
-becomes an :class:`OomEvent`. :class:`OomWatch` measures it *inside* the ``except``
-block, while the failed attempt's tensors are alive and before
-:func:`~oomguard.engine.core.memory.oom.call_catching_oom` collects garbage and empties the
-cache for the retry: afterwards the figures would describe the cleaned-up state.
+becomes an :class:`OomEvent`, measured by :class:`OomWatch` *inside* the ``except`` block,
+before :func:`~oomguard.engine.core.memory.oom.call_catching_oom` releases memory for the
+retry (afterwards the figures would describe the cleaned-up state).
 
 - Host, any device: ``VmData``, resident bytes (``VmRSS`` on Linux), glibc's free heap
   chunks, and under an oomguard budget on the device its limit in force and headroom.
@@ -51,13 +50,10 @@ _BUDGET = ("budget_bytes", "budget_limit_bytes", "budget_headroom_bytes")
 
 @dataclass
 class OomEvent:
-    """One OOM: the sizes it happened at, what was done, and memory as it was then.
-
-    ``action`` is ``retried at <sizes>`` or ``gave up: <why>``; ``at`` Unix seconds.
-    Byte figures are measured at the OOM (limits read); ``fragmentation`` is a fraction
-    of the reserved bytes. ``sources`` says, for every figure and ``snapshot``, how it
-    was measured or why it is None.
-    """
+    """One OOM: the sizes it happened at, what was done (``action``: ``retried at <sizes>``
+    or ``gave up: <why>``), when (``at``, Unix seconds) and memory as it was then (bytes;
+    ``fragmentation`` a fraction of the reserved bytes). ``sources`` says, for every figure
+    and ``snapshot``, how it was measured or why it is None."""
 
     sizes: dict[str, int]
     device: str
@@ -123,12 +119,10 @@ class OomWatch:
 def capture(sizes: Mapping[str, int], device: Any = None,
             snapshot_dir: str | os.PathLike[str] | None = None,
             name: str = "workload") -> OomEvent:
-    """Measure memory now (call it at the OOM); see the module docstring for each figure.
-
-    ``device`` None means the current CUDA device where this process has a CUDA context,
-    else the CPU. ``snapshot_dir``: write an allocator snapshot there (CUDA, after
-    :func:`start_history`). Never raises for a reading that fails; the event says so.
-    """
+    """Measure memory now (call it at the OOM; the module docstring lists the figures).
+    ``device`` None: as :func:`~oomguard.probes.device.resolve_device`. ``snapshot_dir``:
+    write an allocator snapshot there (CUDA, after :func:`start_history`). A reading that
+    fails is said in the event, never raised."""
     dev = resolve_device(device)
     ev = OomEvent(sizes=dict(sizes), device=str(dev), at=time.time())
     steps: list[tuple[tuple[str, ...], Callable[[], None]]] = [

@@ -29,13 +29,9 @@ class _MallInfo2(ctypes.Structure):
 
 
 def free_heap_bytes() -> int | None:
-    """Bytes in free chunks inside glibc's heaps (all arenas; ``mallinfo2().fordblks``).
-
-    They are counted in ``VmData`` yet can serve new allocations without growing
-    it, so a CPU budget entered while they exist allows up to this much more
-    than asked (docs/measurements.md#free-heap-at-budget-entry). None where
-    glibc >= 2.33 is not available.
-    """
+    """Bytes in free chunks inside glibc's heaps (all arenas; ``mallinfo2().fordblks``): a
+    CPU budget entered while they exist allows up to this much more than asked
+    (docs/measurements.md#free-heap-at-budget-entry). None without glibc >= 2.33."""
     libc = _libc()
     fn = getattr(libc, "mallinfo2", None) if libc else None
     if fn is None:
@@ -56,11 +52,8 @@ def _libc() -> ctypes.CDLL | None:
 def return_freed_memory_to_os(threshold: int = _MMAP_THRESHOLD_BYTES) -> bool:
     """Make glibc serve allocations of ``threshold`` bytes or more (128 KiB by default)
     with mmap, so that frees go back to the OS (docs/measurements.md#return-freed-memory).
-
-    A lower threshold already set in this process is kept (an isolated child's
-    :data:`ISOLATED_MMAP_THRESHOLD_BYTES`, which its budget must not undo). Returns
-    False where there is no glibc (budgets still work, less deterministically).
-    """
+    A lower threshold already set in this process (an isolated child's) is kept. False
+    where there is no glibc (budgets still work, less deterministically)."""
     if _mmap_threshold:
         threshold = min(threshold, _mmap_threshold[0])
     libc = _libc()
@@ -74,10 +67,7 @@ def return_freed_memory_to_os(threshold: int = _MMAP_THRESHOLD_BYTES) -> bool:
 
 
 def trim_heap() -> bool:
-    """Give the free memory at the top of glibc's heaps back to the OS (``malloc_trim(0)``).
-
-    Returns False where there is no glibc.
-    """
+    """Give the free memory at the top of glibc's heaps back to the OS (``malloc_trim(0)``)."""
     libc = _libc()
     try:
         return bool(libc.malloc_trim(0)) if libc else False

@@ -121,12 +121,10 @@ def memory_limit_near() -> bool:
 
 
 def cuda_memory_near_limit() -> bool:
-    """True when a CUDA device this process has a context on is within 10% of its limit.
-
-    Measured per device: the caching allocator's reserved bytes against the
-    ``set_per_process_memory_fraction`` cap, and ``cudaMemGetInfo``'s free bytes
-    (all processes) against its total. Devices without a context are skipped
-    (reading them would create one); a device that cannot be read counts as no evidence.
+    """True when a CUDA device this process has a context on is within 10% of its limit:
+    reserved bytes against the per-process fraction's cap, or ``cudaMemGetInfo``'s free
+    bytes against its total. Devices without a context are skipped (reading them would
+    create one); a device that cannot be read counts as no evidence.
     """
     # why: probes.cuda imports torch's CUDA helpers; only needed once a GPU row matched.
     from oomguard.probes import cuda
@@ -149,19 +147,13 @@ def cuda_memory_near_limit() -> bool:
 def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> bool:
     """Return True if ``exc`` is an out-of-memory error.
 
-    An exception with an ``oomguard_is_oom`` attribute decides for itself
-    (oomguard's own "gave up" errors say False). Otherwise decided by type
-    (``torch.OutOfMemoryError``, ``MemoryError``), then by the rows of
-    :data:`OOM_TABLE`, the one list of recognised messages: a row matches when
-    ``exc`` is one of its types and its text is in ``str(exc)``. A row marked
-    ``evidence`` (oneDNN's ``could not create a primitive``, ``can't start new
-    thread``, a ``SystemError`` "returned NULL without setting an exception",
-    an ``ImportError`` from dlopen; on CUDA cuDNN's "unable to find an engine"
-    and ``CUBLAS_STATUS_NOT_INITIALIZED``) counts only while
-    ``memory_constrained``; when that is ``None`` it is the row's limit,
-    :func:`memory_limit_near` (host) or :func:`cuda_memory_near_limit`, read
-    only if such a row matches. ``cuDNN error: CUDNN_STATUS_NOT_SUPPORTED``
-    counts without evidence, as in accelerate (see its row).
+    An exception with an ``oomguard_is_oom`` attribute decides for itself (oomguard's
+    own "gave up" errors say False). Otherwise decided by type (``torch.OutOfMemoryError``,
+    ``MemoryError``), then by the rows of :data:`OOM_TABLE`: a row matches when ``exc``
+    is one of its types and its text is in ``str(exc)``. A row marked ``evidence``
+    counts only while ``memory_constrained``; when that is ``None``, while the row's
+    limit is near (:func:`memory_limit_near` or :func:`cuda_memory_near_limit`, read
+    only if such a row matches).
     """
     verdict = getattr(exc, "oomguard_is_oom", None)  # an exception that says what it is
     if verdict is not None:
@@ -190,11 +182,8 @@ def oom_summary(exc: BaseException) -> str:
 
 
 def release_memory(device: str | torch.device | None = None) -> None:
-    """Return freed memory to the device: ``gc.collect()`` then the allocator cache.
-
-    Call this only outside an ``except`` block, or the live traceback keeps the
-    failed step's tensors alive.
-    """
+    """Return freed memory to the device: ``gc.collect()`` then the allocator cache. Call it
+    outside an ``except`` block, or the live traceback keeps the failed step's tensors."""
     gc.collect()
     kind = torch.device(device).type if device is not None else None
     if kind in (None, "cuda") and torch.cuda.is_available():
@@ -233,13 +222,10 @@ def call_catching_oom(
     fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None,
     on_oom: Callable[[BaseException], None] | None = None, **kwargs: Any
 ) -> Any | OOM:
-    """Call ``fn``; return its value, or an :class:`OOM` record if it ran out of memory.
-
-    Any other exception propagates unchanged. After an OOM the exception and
-    its traceback are gone before :func:`release_memory` runs, so the failed
-    step's tensors are really freed. ``on_oom(exc)`` is called first, while they
-    are still alive (to measure memory as the OOM left it); an error it raises
-    is ignored, so it never hides the OOM.
+    """Call ``fn``; return its value, or an :class:`OOM` record if it ran out of memory
+    (any other exception propagates), after :func:`release_memory` ran outside the
+    ``except`` block (module docstring). ``on_oom(exc)`` is called first, while the
+    tensors are alive (to measure memory as the OOM left it); an error it raises is ignored.
     """
     failure: OOM | None = None
     try:

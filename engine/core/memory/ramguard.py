@@ -1,26 +1,21 @@
 """The RAM guard: an estimated limit for CPU searches that run without a budget.
 
-Where the OS cannot cap a process's memory (macOS, Windows), or a caller gives
-no budget, a CPU trial is bounded only by ``max_size``: one size past the RAM
-makes the host swap, or its OOM killer ends the whole run. The guard stands in
-for a budget, and says that it is an estimate:
+Where the OS cannot cap a process's memory (macOS, Windows), or a caller gives no
+budget, a CPU trial is bounded only by ``max_size``: one size past the RAM makes the
+host swap, or its OOM killer ends the whole run. The guard stands in for a budget:
 
-- **Its limit** is ``fraction`` of the RAM available after the warm-up
-  (probed: ``MemAvailable`` on Linux, an estimate from ``vm_stat`` on macOS,
-  ``ullAvailPhys`` on Windows), counted as bytes a trial may add to the
+- **Its limit** is ``fraction`` of the RAM available after the warm-up (probed:
+  :func:`~oomguard.probes.host.host_memory`), counted as bytes a trial may add to the
   resident bytes at its start: the units of a trial's measured CPU peak.
-- **Before a trial** the peak is predicted from the peaks measured so far (the
-  fitted line; proportional to the size from a single one). A size predicted
+- **Before a trial** a size whose peak, predicted from the peaks measured so far, is
   past the limit does not run.
-- **During a trial** a watchdog thread reads the resident bytes every
-  ``interval`` seconds. Past the limit it raises :class:`RamLimitReached` (a
-  ``MemoryError``, so an OOM) in the trial's thread at its next Python bytecode.
-  A single operation that allocates more than the headroom on its own finishes
-  first: the guard stops work between operations, not inside one.
+- **During a trial** a watchdog raises :class:`RamLimitReached` (a ``MemoryError``,
+  so an OOM) in the trial's thread at its next bytecode once the resident bytes pass
+  the limit; a single operation that allocates more than the headroom finishes first.
 - **After a trial** a measured peak past the limit counts as out of memory.
 
-Every verdict of the guard is marked on its trial (``Trial.guarded``), and the
-search result says that its limit was estimated, not enforced.
+Every verdict is marked on its trial (``Trial.guarded``), and the search result says
+that its limit was estimated, not enforced.
 """
 
 from __future__ import annotations
@@ -52,13 +47,10 @@ SLOW_INTERVAL_S = 0.25
 
 @dataclass(frozen=True)
 class RamGuard:
-    """An estimated, not enforced, limit on the bytes one CPU trial may add.
-
-    ``limit_bytes``: the most a trial may add to the resident bytes at its start.
-    ``available_bytes``: the RAM available when the guard was made, and
-    ``source`` where that figure came from (None and "given" for a guard built
-    from a number). ``interval``: seconds between the watchdog's reads.
-    """
+    """An estimated, not enforced, limit: ``limit_bytes`` a CPU trial may add to the resident
+    bytes at its start. ``available_bytes``: the RAM available when the guard was made, and
+    ``source`` where that figure came from (None and "given" for a guard built from a
+    number). ``interval``: seconds between the watchdog's reads."""
 
     limit_bytes: int
     available_bytes: int | None = None
