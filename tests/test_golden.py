@@ -48,8 +48,8 @@ defects it fixed: answers capped by the sample count or a knob's largest useful 
 marked as capped (``capped_by``, ``cap``, the cache entry's ``capped``), every knob is
 sized for a job (``integrated_gradients``' ``internal_batch_size`` 32, where it stayed at
 its default 8), and a search's record carries the same keys in results, the journal and
-the cache. ``errors.json`` holds one input checked late: ``search --dtype
-float8`` starts the search (a second stderr line) and leaves its report folder behind.
+the cache; ``search --dtype float8``, which started the search and left its report folder
+behind, is refused before any work.
 
 Cost: one job and one reference, run side by side once per module as a user runs them
 (``oomguard run`` and ``oomguard reference`` in processes of their own); the search, the

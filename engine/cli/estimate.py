@@ -61,10 +61,9 @@ def parse_sizes(text: str) -> list[int]:
 
 def build_workload(args: argparse.Namespace) -> Any:
     """The workload the options describe, every option checked (UsageError, one line)."""
-    from oomguard.metrics.models import check_seq_len, model_config, parse_dtype
+    from oomguard.metrics.models import check_seq_len, model_config
 
     check_workload(args)
-    parse_dtype(args.dtype)
     if args.workload == TRAIN_STEP:
         for option, value in (("--knob", args.knob), ("--samples", args.samples)):
             if value is not None:

@@ -78,12 +78,16 @@ def add_workload_options(p: argparse.ArgumentParser, **defaults: Any) -> None:
 
 
 def check_workload(args: argparse.Namespace) -> None:
-    """UsageError (one line) for a ``--seq-len`` or ``--samples`` that is given and not a
-    positive integer."""
+    """UsageError (one line), before any work, for a ``--seq-len`` or ``--samples`` that is
+    given and not a positive integer, or a ``--dtype`` torch does not have."""
     for dest in ("seq_len", "samples"):
         value = getattr(args, dest, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{dest.replace('_', '-')} must be a positive integer, got {value}")
+    if getattr(args, "dtype", None) is not None:
+        from oomguard.metrics.models import parse_dtype
+
+        parse_dtype(args.dtype)
 
 
 def strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size: int) -> Any:

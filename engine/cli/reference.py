@@ -137,7 +137,7 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     from oomguard.engine.jobs.reference_estimate import build_estimate_reference, gpu_memory
     from oomguard.engine.util.atomic import atomic_write, atomic_write_json
     from oomguard.engine.util.units import fmt_bytes
-    from oomguard.metrics.models import check_seq_len, model_config, parse_dtype
+    from oomguard.metrics.models import check_seq_len, model_config
     from oomguard.reports.reference_estimate import render_estimate_markdown
 
     if (args.gpu is None) == (args.memory is None):
@@ -154,7 +154,6 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
         raise UsageError("--margin for --estimate is a fraction in [0, 1) (nothing is "
                          "measured, so 'measured' has no spread to read)")
     names = _metric_names(args.metrics)
-    parse_dtype(args.dtype)
     check_seq_len(model_config(args.model), args.seq_len)
     batches = parse_sizes(args.batches) if args.batches else []
     measured = None
