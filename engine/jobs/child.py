@@ -42,7 +42,7 @@ from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.engine.core.memory.oom import release_memory
 from oomguard.engine.core.search.search import SearchConfig
 from oomguard.engine.core.search.strategies import E10, Guided
-from oomguard.engine.errors import ExecutionFailed, RestartNeeded, TrialFailed
+from oomguard.engine.errors import ExecutionFailed, RestartNeeded, TrialFailed, first_line
 from oomguard.engine.jobs import sizing
 from oomguard.engine.jobs.cache import entry_key
 from oomguard.engine.jobs.data import load_data
@@ -112,8 +112,7 @@ def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any],
     if isinstance(exc, ExecutionFailed):
         reason = str(exc)  # names the workload and every size tried
     else:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        reason = f"{type(exc).__name__}: {first[:500]}"
+        reason = f"{type(exc).__name__}: {first_line(exc)[:500]}"
     tb = f"tracebacks/{task.key}.txt"
     sink.write(tb, "".join(traceback.format_exception(exc)))
     del exc

@@ -47,7 +47,13 @@ from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.core.search.strategies import Confirm, Strategy, bracket
 from oomguard.engine.core.search.trial import Trial, run_trial
 from oomguard.engine.core.workload import knob_of, name_of, steps_of, warm_up
-from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError, check_positive_int
+from oomguard.engine.errors import (
+    NoSizeFits,
+    TrialFailed,
+    UsageError,
+    check_positive_int,
+    first_line,
+)
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import probe
 
@@ -336,10 +342,9 @@ def _limit_reached(cfg: SearchConfig, done: int, seconds: float) -> str | None:
 
 def _failure_text(name: str, size: int, exc: BaseException, partial: SearchResult) -> str:
     """One line: what failed, at which size, and what the trials before it found."""
-    first = str(exc).strip().splitlines()[0][:400] if str(exc).strip() else ""
     ran = (f"{len(partial.trials)} trial(s) ran before it, largest that fit: "
            f"{partial.max_ok if partial.max_ok is not None else 'none'}")
-    return f"{name}: the trial at size {size} failed ({type(exc).__name__}: {first}); {ran}"
+    return f"{name}: the trial at size {size} failed ({type(exc).__name__}: {first_line(exc)[:400]}); {ran}"
 
 
 def _free_bytes(dev: torch.device) -> int | None:
