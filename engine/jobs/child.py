@@ -6,12 +6,11 @@ the reason and a traceback file) and a journal record, as every output, through 
 (:mod:`~oomguard.engine.jobs.sink`); a crash or a kill leaves no result, and the parent
 records that.
 
-Sizes (:mod:`~oomguard.engine.jobs.sizing`), per memory knob: pinned in the job file
-(``sizes``); the size cache; a bounded search (in this process, under the job's
-budget), stored in the cache; the metric's defaults. An OOM during the run
-retries at half (the executor) and lowers the cached sizes to what worked; each
-OOM of the run is in the result's ``oom_events`` (memory measured at the OOM;
-with ``snapshot_on_oom``, an allocator snapshot in ``snapshots/`` on CUDA).
+Sizes are chosen by :func:`~oomguard.engine.jobs.sizing.choose_sizes` (a search runs in
+this process, under the job's budget). An OOM during the run retries at half (the
+executor) and lowers the cached sizes to what worked; each OOM of the run is in the
+result's ``oom_events`` (memory measured at the OOM; with ``snapshot_on_oom``, an
+allocator snapshot in ``snapshots/`` on CUDA).
 
 With a remedy ladder (``on_oom``) the executor goes on past the minimum
 (:mod:`~oomguard.engine.core.execute.remedies`): :class:`_Work` lowers the model's precision
@@ -344,15 +343,12 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any],
         torch.save(big, blob)
         sink.write(tensors, blob.getvalue())
     summary = metric.summary(result)
-    return TaskResult(
-        task=task.key, metric=task.metric, model=task.model, status=OK, run=ctx.run_id,
-        fingerprint=task.fingerprint, params=task.params, sizes=info,
-        search=state.get("search"), searches=state.get("searches"),
-        oom_events=_oom_events(state, out),
-        seconds=round(seconds, 3),
-        total_seconds=round(time.perf_counter() - t0, 3), peak_bytes=peak,
-        peak_source=f"measured: {work.meter.source}", budget_bytes=job.budget_bytes,
+    return TaskResult.of(
+        task, ctx.run_id, OK, sizes=info, search=state.get("search"),
+        searches=state.get("searches"), oom_events=_oom_events(state, out),
+        seconds=round(seconds, 3), total_seconds=round(time.perf_counter() - t0, 3),
+        peak_bytes=peak, peak_source=f"measured: {work.meter.source}",
+        budget_bytes=job.budget_bytes,
         summary=to_jsonable(summary, max_items=TENSOR_INLINE_MAX), tensors=tensors,
-        inputs=dict(task.inputs), rerun_because=list(task.rerun_because) or None,
         finished=now_iso(), device=ctx.device, threads=torch.get_num_threads(),
         **_ladder_info(state, work, job.dtype))

@@ -67,7 +67,7 @@ class Progress:
                       record.reason)
 
     def interrupted(self, task: Task, run_id: str) -> None:
-        self.results[task.key] = TaskResult.placeholder(task, run_id, INTERRUPTED)
+        self.results[task.key] = TaskResult.of(task, run_id, INTERRUPTED)
 
     def show(self, text: str) -> None:
         self.bar.set_postfix_str(text, refresh=True)

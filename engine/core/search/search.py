@@ -100,11 +100,6 @@ class SearchResult:
         rec = self.recommendation
         return self.max_ok if self.first_oom is None or rec is None else rec.safe
 
-    @property
-    def size_label(self) -> str:
-        """The size's name for prose: ``batch size``, ``internal batch size``."""
-        return self.size_name.replace("_", " ")
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "workload": self.workload,
@@ -344,7 +339,8 @@ def _failure_text(name: str, size: int, exc: BaseException, partial: SearchResul
     """One line: what failed, at which size, and what the trials before it found."""
     ran = (f"{len(partial.trials)} trial(s) ran before it, largest that fit: "
            f"{partial.max_ok if partial.max_ok is not None else 'none'}")
-    return f"{name}: the trial at size {size} failed ({type(exc).__name__}: {first_line(exc)[:400]}); {ran}"
+    return (f"{name}: the trial at size {size} failed ({type(exc).__name__}: "
+            f"{first_line(exc)[:400]}); {ran}")
 
 
 def _free_bytes(dev: torch.device) -> int | None:
