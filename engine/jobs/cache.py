@@ -17,10 +17,9 @@ reached a bound other than memory (the sample count, ``max_size``, the knob's la
 useful size), with that bound: a request allowing more searches again
 (:mod:`~oomguard.engine.jobs.sizing`).
 
-The key is the device (name, total memory in bytes, and the job's budget if
-any: a budget is a smaller device) and a hash of the workload fingerprint
-(model config hash, dtype, sequence length, metric and its result-defining
-parameters).
+The key (:func:`entry_key`) is the device (:func:`device_key`: a budget is a smaller
+device) and a hash of the workload (model config hash, dtype, sequence length, metric
+and its result-defining parameters).
 
 Writing: every read-modify-write holds a :class:`filelock.FileLock` on
 ``<file>.lock`` and ends with the one atomic replace, so two jobs can share
