@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -101,26 +101,12 @@ class SearchResult:
         return self.max_ok if self.first_oom is None or rec is None else rec.safe
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "workload": self.workload,
-            "size_name": self.size_name,
-            "device": self.device,
-            "mode": self.mode,
-            "strategy": self.strategy,
-            "strategy_description": self.strategy_description,
-            "max_ok": self.max_ok,
-            "first_oom": self.first_oom,
-            "trials": [t.to_dict() for t in self.trials],
-            "fit": self.fit.to_dict() if self.fit else None,
-            "recommendation": self.recommendation.to_dict() if self.recommendation else None,
-            "capacity_bytes": self.capacity_bytes,
-            "budget_bytes": self.budget_bytes,
-            "stopped_because": self.stopped_because,
-            "seconds": self.seconds,
-            "config": self.config,
-            "limit": self.limit,
-            "verification": self.verification,
-        }
+        out: dict[str, Any] = {"workload": self.workload, "size_name": self.size_name}
+        out |= {f.name: getattr(self, f.name) for f in fields(self)}  # size_name stays 2nd
+        out |= {"trials": [t.to_dict() for t in self.trials],
+                "fit": self.fit.to_dict() if self.fit else None,
+                "recommendation": self.recommendation.to_dict() if self.recommendation else None}
+        return out
 
 
 def search(
