@@ -57,6 +57,8 @@ from oomguard.probes.peak import PeakMeter
 log = logging.getLogger("oomguard.job")
 
 TENSOR_INLINE_MAX = 64  # tensors with more elements go to results/<task>.pt
+# What the task's first process chose, handed to the next one (a restart keeps the sizes).
+_CHOSEN = ("start", "source", "search", "searches", "cache_key")
 
 
 def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | None = None,
@@ -88,9 +90,7 @@ def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | N
         if conn is not None:  # the runner starts the next process; no result from this one
             info = _sizes_info(state)
             conn.send({"why": exc.why, "ladder": exc.ladder.to_dict() if exc.ladder else {},
-                       "start": state.get("start"), "source": state.get("source"),
-                       "search": state.get("search"), "searches": state.get("searches"),
-                       "cache_key": state.get("cache_key"),
+                       **{key: state.get(key) for key in _CHOSEN},
                        "attempts": info["attempts"], "errors": info["errors"],
                        "oom_events": _oom_events(state, out) or []})
             return
@@ -311,7 +311,7 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any],
     del model, data
     prior = state["handoff"]
     if prior:  # a fresh process of the same run: the sizes were chosen by the first one
-        for key in ("start", "source", "search", "searches", "cache_key"):
+        for key in _CHOSEN:
             state[key] = prior[key]
         start = prior["start"]
     else:
