@@ -53,11 +53,22 @@ class CacheError(UsageError):
     """The size cache cannot be locked or written (a read-only folder, a lock held elsewhere)."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``str(exc)`` without surrounding blanks; ``""`` for an empty message."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def size_list(sizes: Mapping[str, Any] | None) -> str:
+    """``chunk_size=8, internal_batch_size=4``: every size by name; ``""`` for none."""
+    return ", ".join(f"{k}={v}" for k, v in (sizes or {}).items())
+
+
 def format_sizes(sizes: Mapping[str, int]) -> str:
     """``64`` for one size, ``(chunk_size=8, internal_batch_size=4)`` for several."""
     if len(sizes) == 1:
         return str(next(iter(sizes.values())))
-    return "(" + ", ".join(f"{k}={v}" for k, v in sizes.items()) + ")"
+    return f"({size_list(sizes)})"
 
 
 class RamLimitReached(OomguardError, MemoryError):

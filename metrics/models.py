@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.errors import UsageError
+from oomguard.engine.errors import UsageError, first_line
 from oomguard.engine.util.jsonable import stable_hash
 
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
@@ -65,8 +65,8 @@ def model_config(spec: str) -> Any:
         try:
             return AutoConfig.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UsageError(f"{spec}: not a transformers checkpoint folder ({first}); give a "
+            why = first_line(exc) or type(exc).__name__
+            raise UsageError(f"{spec}: not a transformers checkpoint folder ({why}); give a "
                              "folder written by save_pretrained, or a built-in model") from None
     model_type, _, rest = spec.partition(":")
     kw = {}
@@ -93,8 +93,8 @@ def model_config(spec: str) -> Any:
         config = AutoConfig.for_model(model_type, **kw)
     except (StrictDataclassError, ValueError, TypeError) as exc:
         cause = exc.__cause__ if exc.__cause__ is not None else exc
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        raise UsageError(f"bad model spec {spec!r}: {first}") from None
+        raise UsageError(f"bad model spec {spec!r}: {first_line(cause) or type(cause).__name__}"
+                         ) from None
     _check_keys(spec, model_type, default, config, kw)
     return config
 

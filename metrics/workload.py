@@ -1,41 +1,24 @@
 """``MetricTrial``: one metric at one memory knob, as a searchable, picklable workload.
 
-``oomguard.engine.core.search.search.search(MetricTrial("fisher_diagonal"), budget=...)`` finds the
-largest ``micro_batch_size`` the Fisher metric runs at, in-process or isolated:
-
-- ``warmup()`` builds the model and the data once (seeded, offline) and runs
-  the metric once at the knob's minimum on one sample, so weights, thread pools and kernels
-  exist before a budget is applied;
-- ``trial(size)`` runs the metric with the searched knob set to ``size`` and
-  returns its small JSON-friendly summary;
-- a search's trials run it on its worst case instead, ``trial(size,
-  batch=trial.worst_case_batch(size))`` (see
-  :func:`~oomguard.engine.core.search.trial.run_trial`): the same tokens with every sample
-  at the full sequence length, so that the maximum found never rests on the
-  padding the generated data happen to have;
-- the built state is dropped from the pickle and rebuilt by ``warmup`` in the
-  receiving process; ``preload`` names the modules a forkserver may import
-  first.
-
-Knobs that slice the samples (``micro_batch_size``, ``chunk_size``) gain
-nothing above the number of samples: :meth:`MetricTrial.max_size` says so, for
-the caller to pass as ``search(..., max_size=...)``.
-
-Knobs whose memory changes only at multiples of a unit (captum's
-``internal_batch_size``: examples per call) say so in :meth:`MetricTrial.unit`;
-:class:`InUnits` makes any strategy propose only those multiples, so a search
-neither spends trials between two of them nor reports a size that is not one.
+``search(MetricTrial("fisher_diagonal"), budget=...)`` finds the largest
+``micro_batch_size`` the Fisher metric runs at, in-process or isolated. It follows the
+workload protocol (:mod:`oomguard.engine.core.workload`): ``warmup()`` builds the model
+and the data once (seeded, offline) and runs the metric at the knob's minimum on one
+sample, before any budget; a search's trials run on :meth:`MetricTrial.worst_case_batch`;
+the built state is dropped from the pickle and rebuilt in the receiving process, whose
+forkserver may import ``preload`` first. :meth:`MetricTrial.max_size` is the knob's
+largest useful size, :meth:`MetricTrial.unit` its granularity (captum's
+``internal_batch_size`` changes memory only at multiples of its examples per call):
+:class:`InUnits` makes any strategy propose only those multiples.
 
 Which data define what. The metric's result is defined by the padded data
-(``make_batch``: sample ``i`` has a seeded length in ``[seq_len/2, seq_len]``):
-``trial(size)`` computes on them, as it always has. A trial's memory is defined
-by the worst case, every sample at ``seq_len``. For the built-in metrics on these
-data the two cost the same (tensors stay ``[samples, seq_len]`` whatever the
-padding; measured for every metric and knob at 8 samples x 64 tokens: the same
-peaks within run-to-run noise), but a metric may skip padded positions or whole
-samples (integrated gradients leaves out samples with fewer than 2 valid
-tokens), so the worst case is what a maximum must hold for. So the values a search's trials record (``Trial.value``) are the metric's
-summary on the full-length data, and the report says so.
+(``make_batch``: sample ``i`` has a seeded length in ``[seq_len/2, seq_len]``); a trial's
+memory by the worst case, every sample at ``seq_len``. For the built-in metrics the two
+cost the same (measured for every metric and knob at 8 samples x 64 tokens: the same
+peaks within run-to-run noise), but a metric may skip padded positions or whole samples
+(integrated gradients leaves out samples with fewer than 2 valid tokens), so a maximum
+must hold for the worst case, and the values a search's trials record (``Trial.value``)
+are the metric's summary on it, as the report says.
 """
 
 from __future__ import annotations

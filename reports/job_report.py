@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from oomguard.engine.errors import size_list
 from oomguard.engine.util.atomic import atomic_write
 from oomguard.engine.util.jsonable import json_text
 from oomguard.engine.util.units import fmt_bytes
@@ -159,7 +160,7 @@ def write_plots(summary: Mapping[str, Any], out: Path,
 
 
 def _sizes(s: Mapping[str, Any] | None) -> str:
-    return ", ".join(f"{k}={v}" for k, v in (s or {}).items()) or "-"
+    return size_list(s) or "-"
 
 
 def _cell(text: Any) -> str:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from oomguard.engine.core.search.search import SearchResult
+from oomguard.engine.errors import size_list
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.reports.json_report import rate_basis, rates, status_text, summarise, utilisation
 
@@ -147,7 +148,7 @@ def _capacity(result: SearchResult, s: Mapping[str, Any]) -> str:
 
 def _configuration(result: SearchResult, s: Mapping[str, Any], ctx: Mapping[str, Any]) -> list[str]:
     where = f"{ctx['device_name']} ({result.device})" if ctx.get("device_name") else result.device
-    settings = ", ".join(f"{k}={v}" for k, v in result.config.items())
+    settings = size_list(result.config)
     return ["## Configuration", f"- **Workload**: {result.workload}", *_context(ctx),
             f"- **Device**: {where}", _budget(result), _capacity(result, s),
             f"- **Mode**: {_MODE.get(result.mode, _MODE['in-process'])}",

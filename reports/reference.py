@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from oomguard.engine.errors import size_list
 from oomguard.engine.util.units import fmt_bytes
 
 
@@ -64,8 +65,7 @@ def render_reference_markdown(doc: Mapping[str, Any]) -> str:
             "`oomguard run JOB.toml --sizes sizes.toml`.", "",
             "| metric | sizes | from |", "|---|---|---|"]
     for metric, sizes in doc["job_sizes"].items():
-        shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
-        out.append(f"| {metric} | {shown} | {doc['job_sizes_source'].get(metric, '')} |")
+        out.append(f"| {metric} | {size_list(sizes)} | {doc['job_sizes_source'].get(metric, '')} |")
     if not doc["job_sizes"]:
         out.append("| (none: no metric fitted) | | |")
     return "\n".join(out) + "\n"

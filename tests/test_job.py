@@ -219,7 +219,7 @@ def test_task_result_round_trips_and_keeps_unknown_keys() -> None:
     assert kept.ok and kept.extra == {"energy_joules": 12.5} and kept.to_dict() == newer
     with pytest.raises(KeyError, match="'status'"):
         TaskResult.from_dict({"task": "loss", "metric": "loss", "model": "m"})
-    pending = TaskResult.placeholder(_task(), "run1", "pending")
+    pending = TaskResult.of(_task(), "run1", "pending")
     assert (pending.status, pending.seconds, pending.fingerprint) == ("pending", None, "f" * 16)
 
 

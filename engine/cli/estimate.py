@@ -92,15 +92,13 @@ def build_workload(args: argparse.Namespace) -> Any:
 def table(estimates: list[Any]) -> str:
     """A plain-text table: size, estimated peak (bytes and for people), the part of it that
     is the matrix multiplies' measured workspace ("-": not counted), kind."""
+    from oomguard.engine.util.table import text_table
     from oomguard.engine.util.units import fmt_bytes
 
     rows = [("size", "estimated peak (bytes)", "estimated peak", "of which workspace", "")]
     rows += [(str(e.size), str(e.peak_bytes), fmt_bytes(e.peak_bytes),
               fmt_bytes(e.workspace_bytes), e.kind) for e in estimates]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if i < 4 else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
-                     for r in rows)
+    return text_table(rows, right=4)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:

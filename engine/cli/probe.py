@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from oomguard.engine.util.table import text_table
 from oomguard.engine.util.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -27,9 +28,7 @@ def probe_table(snapshots: Sequence[MemorySnapshot]) -> str:
         rows.append((s.device, s.name, fmt_bytes(s.total_bytes, "GiB"),
                      fmt_bytes(s.free_bytes, "GiB"), fmt_bytes(s.process_bytes, "GiB"),
                      fmt_bytes(s.other_processes_bytes, "GiB"), s.reason or ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                     for r in rows)
+    return text_table(rows)
 
 
 def cmd_probe(args: argparse.Namespace) -> int:

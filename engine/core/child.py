@@ -36,7 +36,7 @@ from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from oomguard.engine.errors import ChildCrashed
+from oomguard.engine.errors import ChildCrashed, first_line
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
 
@@ -161,8 +161,7 @@ def _described(exc: BaseException) -> tuple[bytes | None, str, str]:
         pickled: bytes | None = pickle.dumps(exc)
     except Exception:  # noqa: BLE001 - the exception itself may not pickle
         pickled = None
-    text = str(exc).strip()
-    summary = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    summary = f"{type(exc).__name__}: {first_line(exc)}"
     return pickled, summary, "".join(traceback.format_exception(exc))
 
 

@@ -86,6 +86,11 @@ def name_of(fn: Any) -> str:
     return getattr(fn, "name", None) or getattr(fn, "__name__", type(fn).__name__)
 
 
+def qualname(fn: Any) -> str:
+    """What a workload is called by default: its ``__qualname__``, else its type's name."""
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
 def knob_of(fn: Any) -> str:
     """What the workload's size is called: its ``knob``, else ``batch_size``."""
     return getattr(fn, "knob", None) or "batch_size"

@@ -17,10 +17,9 @@ reached a bound other than memory (the sample count, ``max_size``, the knob's la
 useful size), with that bound: a request allowing more searches again
 (:mod:`~oomguard.engine.jobs.sizing`).
 
-The key is the device (name, total memory in bytes, and the job's budget if
-any: a budget is a smaller device) and a hash of the workload fingerprint
-(model config hash, dtype, sequence length, metric and its result-defining
-parameters).
+The key (:func:`entry_key`) is the device (:func:`device_key`: a budget is a smaller
+device) and a hash of the workload (model config hash, dtype, sequence length, metric
+and its result-defining parameters).
 
 Writing: every read-modify-write holds a :class:`filelock.FileLock` on
 ``<file>.lock`` and ends with the one atomic replace, so two jobs can share
@@ -65,10 +64,11 @@ from typing import Any
 from filelock import FileLock, Timeout
 from platformdirs import user_cache_dir
 
-from oomguard.engine.errors import CacheError, UsageError, check_positive_int
+from oomguard.engine.errors import CacheError, UsageError, check_positive_int, size_list
 from oomguard.engine.jobs.records import now_iso
 from oomguard.engine.util.atomic import atomic_write_json, unused_path
 from oomguard.engine.util.jsonable import stable_hash
+from oomguard.engine.util.table import text_table
 
 log = logging.getLogger("oomguard.cache")
 
@@ -145,7 +145,6 @@ class SizeCache:
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path).expanduser() if path is not None else default_cache_path()
         self.lock = FileLock(str(self.path) + ".lock", timeout=LOCK_TIMEOUT_S)
-        self.moved_aside: Path | None = None
 
     # ------------------------------------------------------------- reading
     def _parse(self) -> dict[str, Any] | None:
@@ -221,7 +220,6 @@ class SizeCache:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         aside = unused_path(self.path.with_name(f"{self.path.name}.corrupt-{stamp}"))
         os.replace(self.path, aside)
-        self.moved_aside = aside
         log.warning("size cache %s is not a valid cache file; moved it aside to %s and "
                     "started an empty cache", self.path, aside)
         return _empty()
@@ -344,11 +342,9 @@ def format_entries(entries: Mapping[str, Mapping[str, Any]]) -> str:
     rows = [("device", "metric", "model config", "dtype", "seq", "sizes", "source", "updated")]
     for key, e in sorted(entries.items()):
         w = e.get("workload", {})
-        sizes = ", ".join(f"{k}={v}" for k, v in e.get("sizes", {}).items()) or "-"
+        sizes = size_list(e.get("sizes")) or "-"
         rows.append((key.split("|", 1)[0], str(w.get("metric", "?")),
                      str(w.get("model_config", "?")), str(w.get("dtype", "?")),
                      str(w.get("seq_len", "?")), sizes, str(e.get("source", "?")),
                      str(e.get("updated", "?"))))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                     for r in rows)
+    return text_table(rows)

@@ -6,12 +6,11 @@ the reason and a traceback file) and a journal record, as every output, through 
 (:mod:`~oomguard.engine.jobs.sink`); a crash or a kill leaves no result, and the parent
 records that.
 
-Sizes (:mod:`~oomguard.engine.jobs.sizing`), per memory knob: pinned in the job file
-(``sizes``); the size cache; a bounded search (in this process, under the job's
-budget), stored in the cache; the metric's defaults. An OOM during the run
-retries at half (the executor) and lowers the cached sizes to what worked; each
-OOM of the run is in the result's ``oom_events`` (memory measured at the OOM;
-with ``snapshot_on_oom``, an allocator snapshot in ``snapshots/`` on CUDA).
+Sizes are chosen by :func:`~oomguard.engine.jobs.sizing.choose_sizes` (a search runs in
+this process, under the job's budget). An OOM during the run retries at half (the
+executor) and lowers the cached sizes to what worked; each OOM of the run is in the
+result's ``oom_events`` (memory measured at the OOM; with ``snapshot_on_oom``, an
+allocator snapshot in ``snapshots/`` on CUDA).
 
 With a remedy ladder (``on_oom``) the executor goes on past the minimum
 (:mod:`~oomguard.engine.core.execute.remedies`): :class:`_Work` lowers the model's precision
@@ -42,7 +41,7 @@ from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.engine.core.memory.oom import release_memory
 from oomguard.engine.core.search.search import SearchConfig
 from oomguard.engine.core.search.strategies import E10, Guided
-from oomguard.engine.errors import ExecutionFailed, RestartNeeded, TrialFailed
+from oomguard.engine.errors import ExecutionFailed, RestartNeeded, TrialFailed, first_line
 from oomguard.engine.jobs import sizing
 from oomguard.engine.jobs.cache import entry_key
 from oomguard.engine.jobs.data import load_data
@@ -58,6 +57,8 @@ from oomguard.probes.peak import PeakMeter
 log = logging.getLogger("oomguard.job")
 
 TENSOR_INLINE_MAX = 64  # tensors with more elements go to results/<task>.pt
+# What the task's first process chose, handed to the next one (a restart keeps the sizes).
+_CHOSEN = ("start", "source", "search", "searches", "cache_key")
 
 
 def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | None = None,
@@ -89,9 +90,7 @@ def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | N
         if conn is not None:  # the runner starts the next process; no result from this one
             info = _sizes_info(state)
             conn.send({"why": exc.why, "ladder": exc.ladder.to_dict() if exc.ladder else {},
-                       "start": state.get("start"), "source": state.get("source"),
-                       "search": state.get("search"), "searches": state.get("searches"),
-                       "cache_key": state.get("cache_key"),
+                       **{key: state.get(key) for key in _CHOSEN},
                        "attempts": info["attempts"], "errors": info["errors"],
                        "oom_events": _oom_events(state, out) or []})
             return
@@ -112,8 +111,7 @@ def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any],
     if isinstance(exc, ExecutionFailed):
         reason = str(exc)  # names the workload and every size tried
     else:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        reason = f"{type(exc).__name__}: {first[:500]}"
+        reason = f"{type(exc).__name__}: {first_line(exc)[:500]}"
     tb = f"tracebacks/{task.key}.txt"
     sink.write(tb, "".join(traceback.format_exception(exc)))
     del exc
@@ -313,7 +311,7 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any],
     del model, data
     prior = state["handoff"]
     if prior:  # a fresh process of the same run: the sizes were chosen by the first one
-        for key in ("start", "source", "search", "searches", "cache_key"):
+        for key in _CHOSEN:
             state[key] = prior[key]
         start = prior["start"]
     else:
@@ -345,15 +343,12 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any],
         torch.save(big, blob)
         sink.write(tensors, blob.getvalue())
     summary = metric.summary(result)
-    return TaskResult(
-        task=task.key, metric=task.metric, model=task.model, status=OK, run=ctx.run_id,
-        fingerprint=task.fingerprint, params=task.params, sizes=info,
-        search=state.get("search"), searches=state.get("searches"),
-        oom_events=_oom_events(state, out),
-        seconds=round(seconds, 3),
-        total_seconds=round(time.perf_counter() - t0, 3), peak_bytes=peak,
-        peak_source=f"measured: {work.meter.source}", budget_bytes=job.budget_bytes,
+    return TaskResult.of(
+        task, ctx.run_id, OK, sizes=info, search=state.get("search"),
+        searches=state.get("searches"), oom_events=_oom_events(state, out),
+        seconds=round(seconds, 3), total_seconds=round(time.perf_counter() - t0, 3),
+        peak_bytes=peak, peak_source=f"measured: {work.meter.source}",
+        budget_bytes=job.budget_bytes,
         summary=to_jsonable(summary, max_items=TENSOR_INLINE_MAX), tensors=tensors,
-        inputs=dict(task.inputs), rerun_because=list(task.rerun_because) or None,
         finished=now_iso(), device=ctx.device, threads=torch.get_num_threads(),
         **_ladder_info(state, work, job.dtype))

@@ -97,16 +97,9 @@ class Digests:
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:
-    files = []
-    for p in sorted(folder.iterdir()):
-        if not p.is_file() or p.name.startswith("."):
-            continue
-        if p.name.startswith(_NOT_WEIGHTS):
-            continue
-        if p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES) \
-                or p.name.endswith(".index.json"):
-            files.append(p)
-    return files
+    return [p for p in sorted(folder.iterdir())
+            if p.is_file() and not p.name.startswith((".", *_NOT_WEIGHTS))
+            and (p.name == "config.json" or p.name.endswith((*WEIGHT_SUFFIXES, ".index.json")))]
 
 
 def model_inputs(spec: str, digests: Digests) -> dict[str, Any]:
@@ -139,11 +132,15 @@ _LABELS = {"model": "the model", "data": "the data", "dtype": "the dtype", "seed
            "plugins": "a plugin", "oomguard": "oomguard's version"}
 
 
+def _differ(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """The keys whose values differ between ``old`` and ``new`` (either may lack one)."""
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
 def _what(part: str, old: Any, new: Any) -> str:
     label = _LABELS.get(part, part)
     if part == "model" and isinstance(old, dict) and isinstance(new, dict):
-        files = sorted(k for k in set(old.get("files", {})) | set(new.get("files", {}))
-                       if old.get("files", {}).get(k) != new.get("files", {}).get(k))
+        files = _differ(old.get("files", {}), new.get("files", {}))
         if files:
             return f"the checkpoint's files changed ({', '.join(files)})"
         if old.get("config") != new.get("config"):
@@ -151,11 +148,9 @@ def _what(part: str, old: Any, new: Any) -> str:
     if part == "data" and isinstance(old, dict) and isinstance(new, dict):
         if old.get("path") == new.get("path") and old.get("sha256") != new.get("sha256"):
             return f"the data file's content changed ({new.get('path')})"
-        keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        return f"the data changed ({', '.join(keys)})"
+        return f"the data changed ({', '.join(_differ(old, new))})"
     if part == "plugins" and isinstance(old, dict) and isinstance(new, dict):
-        names = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        return f"a plugin changed ({', '.join(Path(n).name for n in names)})"
+        return f"a plugin changed ({', '.join(Path(n).name for n in _differ(old, new))})"
     if isinstance(old, (dict, list)) or isinstance(new, (dict, list)):
         return f"{label} changed"
     return f"{label} changed ({old} -> {new})"
@@ -169,5 +164,4 @@ def describe_changes(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> l
     """
     if not isinstance(old, Mapping):
         return ["the result has no record of its inputs (written by an older oomguard?)"]
-    return [_what(part, old.get(part), new.get(part))
-            for part in sorted(set(old) | set(new)) if old.get(part) != new.get(part)]
+    return [_what(part, old.get(part), new.get(part)) for part in _differ(old, new)]

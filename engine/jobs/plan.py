@@ -22,10 +22,9 @@ __all__ = ["device_identity", "plan"]
 def plan(job: Job, digests: Digests | None = None) -> list[Task]:
     """The job's tasks in order (model-major); task keys are file-name safe.
 
-    Each task carries its inputs (what defines its result: model config and
-    checkpoint files, data content, dtype, seed, device, metric parameters,
-    plugins, oomguard's version; :mod:`~oomguard.engine.jobs.fingerprint`) and
-    their hash. ``digests`` memoises file contents (default: in memory only).
+    Each task carries its inputs (what defines its result:
+    :func:`~oomguard.engine.jobs.fingerprint.task_inputs`) and their hash. ``digests``
+    memoises file contents (default: in memory only).
     """
     digests = digests if digests is not None else Digests()
     tasks = []

@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from oomguard.engine.errors import size_list
 from oomguard.engine.jobs.records import INTERRUPTED, Task, TaskResult
 from oomguard.engine.util.units import fmt_bytes
 
@@ -56,7 +57,7 @@ class Progress:
     def finished(self, record: TaskResult) -> None:
         self.skipped(record)
         sizes = record.sizes or {}
-        final = ", ".join(f"{k}={v}" for k, v in (sizes.get("final") or {}).items()) or "-"
+        final = size_list(sizes.get("final")) or "-"
         if record.ok:
             log.info("[%d/%d] %s: ok in %.1f s at %s (from %s, %d retries)", self.count,
                      self.n_tasks, record.task, record.seconds or 0.0, final,
@@ -66,7 +67,7 @@ class Progress:
                       record.reason)
 
     def interrupted(self, task: Task, run_id: str) -> None:
-        self.results[task.key] = TaskResult.placeholder(task, run_id, INTERRUPTED)
+        self.results[task.key] = TaskResult.of(task, run_id, INTERRUPTED)
 
     def show(self, text: str) -> None:
         self.bar.set_postfix_str(text, refresh=True)

@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from oomguard.engine.errors import JobError, UsageError
+from oomguard.engine.errors import JobError, UsageError, first_line
 from oomguard.engine.jobs.cache import default_cache_path
 from oomguard.engine.jobs.journal import Journal
 from oomguard.engine.jobs.ray_hub import DIED, DONE, RUNNING, Hub
@@ -110,9 +110,8 @@ class OnRay:
                          num_cpus=self.num_cpus if local else None, include_dashboard=False,
                          log_to_driver=False, logging_level=logging.WARNING)
             except (ConnectionError, RuntimeError, ValueError) as exc:
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise UsageError(f"cannot start or join Ray at {self.address or 'this machine'}"
-                                 f": {first}; {START}") from None
+                                 f": {first_line(exc) or type(exc).__name__}; {START}") from None
             self.owns = True
         resources = ray.cluster_resources()
         if job.device == "cuda" and resources.get("GPU", 0) < 1:
@@ -198,8 +197,7 @@ class OnRay:
                 return None
             if isinstance(exc, ray.exceptions.RayTaskError):  # raised outside the metric
                 cause = exc.cause if exc.cause is not None else exc
-                first = (str(cause).strip().splitlines() or [""])[0][:500]
-                reason = f"{type(cause).__name__}: {first}"
+                reason = f"{type(cause).__name__}: {first_line(cause)[:500]}"
             else:  # the worker died every time it was tried
                 reason = (f"its Ray worker died {self.max_retries + 1} times "
                           f"({type(exc).__name__}); see job.log")

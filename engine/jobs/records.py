@@ -223,18 +223,17 @@ class TaskResult(Record):
     def failure(cls, task: Task, run_id: str, reason: str, traceback: str | None,
                 seconds: float, **fields: Any) -> TaskResult:
         """The record of a failed task (``traceback``: the file, relative to the output)."""
-        return cls(task=task.key, metric=task.metric, model=task.model, status=FAILED,
-                   run=run_id, fingerprint=task.fingerprint, params=dict(task.params),
-                   reason=reason, traceback=traceback, seconds=round(seconds, 3),
-                   finished=now_iso(), inputs=dict(task.inputs),
-                   rerun_because=list(task.rerun_because) or None, **fields)
+        return cls.of(task, run_id, FAILED, reason=reason, traceback=traceback,
+                      seconds=round(seconds, 3), finished=now_iso(), **fields)
 
     @classmethod
-    def placeholder(cls, task: Task, run_id: str, status: str) -> TaskResult:
-        """A task that did not finish in this run: ``interrupted`` or ``pending``."""
+    def of(cls, task: Task, run_id: str, status: str, **fields: Any) -> TaskResult:
+        """The record of ``task`` in run ``run_id``: what identifies the task, ``status``
+        (alone: a task that did not finish, ``interrupted`` or ``pending``) and ``fields``."""
         return cls(task=task.key, metric=task.metric, model=task.model, status=status,
                    run=run_id, fingerprint=task.fingerprint, params=dict(task.params),
-                   inputs=dict(task.inputs), rerun_because=list(task.rerun_because) or None)
+                   inputs=dict(task.inputs), rerun_because=list(task.rerun_because) or None,
+                   **fields)
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> TaskResult:

@@ -34,8 +34,7 @@ from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.cache import SizeCache, entry_key
 from oomguard.engine.jobs.plan import device_identity, plan
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec, now_iso
-from oomguard.engine.jobs.sizing import MEASURED, Request, Slot, choose_sizes, measure
-from oomguard.engine.jobs.sizing import SearchRecord as Row  # the name _measure_fresh uses
+from oomguard.engine.jobs.sizing import MEASURED, Request, SearchRecord, Slot, choose_sizes, measure
 from oomguard.metrics.base import get_metric, load_all
 from oomguard.metrics.models import model_config
 from oomguard.metrics.workload import MetricTrial
@@ -50,7 +49,7 @@ class Reference:
     seq_len: int
     n_samples: int
     device: dict[str, Any]
-    rows: list[Row] = field(default_factory=list)  # one SearchRecord per metric and knob
+    rows: list[SearchRecord] = field(default_factory=list)  # one per metric and knob
     job_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
     job_sizes_source: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
@@ -87,7 +86,7 @@ def build_reference(model: str, device: str, dtype: str, seq_len: int, n_samples
                     config_for: Callable[[MetricTrial, int], SearchConfig],
                     metrics: Sequence[str] | None = None, max_size: int = 65536,
                     on_trial: Callable[[Any], None] | None = None,
-                    on_row: Callable[[Row], None] | None = None) -> Reference:
+                    on_row: Callable[[SearchRecord], None] | None = None) -> Reference:
     """Measure (or read from the cache) every memory knob of ``metrics`` (default: all).
 
     ``config_for(trial, cap)`` gives each knob's search configuration (strategy, budget,
@@ -104,7 +103,7 @@ def build_reference(model: str, device: str, dtype: str, seq_len: int, n_samples
     t0 = time.perf_counter()
     for task in plan(job):
         def evaluate(knob: str, sizes: dict[str, int], unit: int, cap: int,
-                     name: str = task.metric) -> Row:
+                     name: str = task.metric) -> SearchRecord:
             trial = MetricTrial(metric=name, knob=knob, model=model, dtype=dtype,
                                 device=device, n_samples=n_samples, seq_len=seq_len,
                                 params={k: v for k, v in sizes.items() if k != knob})
@@ -128,7 +127,7 @@ def build_reference(model: str, device: str, dtype: str, seq_len: int, n_samples
 
 
 def _measure_fresh(trial: MetricTrial, config: SearchConfig,
-                   on_trial: Callable[[Any], None] | None) -> Row:
+                   on_trial: Callable[[Any], None] | None) -> SearchRecord:
     """:func:`_measure` in a fresh process of its own (a forkserver's child), so that no
     search inherits the free heap, caches or peaks of the ones before it: run one after
     another in one process, later searches found 30-60 MiB of reusable free heap at their
@@ -139,14 +138,12 @@ def _measure_fresh(trial: MetricTrial, config: SearchConfig,
     if ended.how != DIED:  # what it returned, or its exception raised here
         return ended.result()
     assert trial.knob is not None
-    return Row(metric=trial.metric, knob=trial.knob, max_ok=None, first_oom=None,
-               safe=None, peak_at_safe_bytes=None, peak_source="", seconds_per_item=None,
-               source=MEASURED, trials=0, seconds=0.0,
-               note=f"the search's process died (exit code {ended.exitcode})")
+    return SearchRecord(metric=trial.metric, knob=trial.knob, max_ok=None,
+                        note=f"the search's process died (exit code {ended.exitcode})")
 
 
 def _measure(trial: MetricTrial, config: SearchConfig,
-             on_trial: Callable[[Any], None] | None) -> Row:
+             on_trial: Callable[[Any], None] | None) -> SearchRecord:
     """Search one knob; a row even when nothing fits or the search fails."""
     return measure(trial, config, metric=trial.metric, on_trial=on_trial)
 

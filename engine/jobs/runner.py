@@ -17,11 +17,10 @@ starts with a fresh heap. The limit covers everything the task does (model
 build, search, run); the search itself is bounded by ``search.max_trials``
 and ``search.max_seconds`` (at most a third of the metric's limit).
 
-Resume: a task whose result file says ``ok`` and still answers it (same
-inputs: model config and checkpoint files, data content, dtype, seed, device,
-metric parameters, plugins, oomguard's version; its tensor file present) is
-skipped and its file is never rewritten; a stale one is moved to
-``results/stale/`` and rerun, saying why (:mod:`~oomguard.engine.jobs.output`).
+Resume: a task whose result file says ``ok`` and still answers it (the same inputs,
+:mod:`~oomguard.engine.jobs.fingerprint`; its tensor file present) is skipped and its
+file is never rewritten; a stale one is moved to ``results/stale/`` and rerun, saying
+why (:mod:`~oomguard.engine.jobs.output`).
 Failed and interrupted tasks run again. SIGINT/SIGTERM stop cleanly: the
 running task is recorded as interrupted, its child is stopped, and the report
 is written (a signal during the report stops it before its next file;
@@ -280,7 +279,7 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
             backend.run(todo, ctx, journal, stop, sink)
         for task in tasks:
             if task.key not in results:
-                results[task.key] = TaskResult.placeholder(task, run_id, PENDING)
+                results[task.key] = TaskResult.of(task, run_id, PENDING)
         results = {task.key: results[task.key] for task in tasks}  # job order (the report's)
         code, status = _finish(job, ctx.device, run_id, results, out, journal, stop)
     log.info("job %s: %s (%s) in %.1f s; results in %s", job.name, status,

@@ -37,7 +37,7 @@ else:  # pragma: no cover - Python 3.10
 
 from oomguard.engine.core.execute.remedies import parse_on_oom
 from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET
-from oomguard.engine.errors import JobError
+from oomguard.engine.errors import JobError, first_line
 from oomguard.engine.jobs.data import check_data
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec
@@ -152,7 +152,7 @@ def _models(value: list | str, _: dict[str, Any]) -> dict[str, Any]:
         try:
             configs[spec] = model_config(spec)
         except (ValueError, OSError, KeyError) as exc:
-            raise _Bad(str(exc).splitlines()[0], f"models[{i}]") from None
+            raise _Bad(first_line(exc), f"models[{i}]") from None
     if len({model_label(m) for m in specs}) != len(specs):
         raise ValueError("two models have the same label; list each model once")
     return configs

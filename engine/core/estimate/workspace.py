@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from oomguard.engine.errors import IsolationError
+from oomguard.engine.errors import IsolationError, first_line
 
 if TYPE_CHECKING:  # estimate.py imports this module: no cycle at run time
     from oomguard.engine.core.estimate.estimate import Estimate
@@ -87,7 +87,7 @@ def add_workspace(e: Estimate, fn: Any, warm: dict[tuple, tuple[int, int]],
                                                    preload_of(fn)), "cpu", timeout=600)(1)
             why = None if trial.ok else "OOM"
         except (IsolationError, RuntimeError) as exc:
-            why = str(exc).splitlines()[0]
+            why = first_line(exc)
         if why is None:
             kept = [0, *itertools.accumulate(trial.value)]
             peak = max(seg + kept[k] for k, seg in enumerate(segments))

@@ -36,6 +36,7 @@ from oomguard.engine.core.execute.retry import Halve, RetryPolicy, Sizes
 from oomguard.engine.core.execute.stats import SizeChange, SizeStats
 from oomguard.engine.core.memory.forensics import OomEvent, OomWatch, start_history
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom
+from oomguard.engine.core.workload import qualname
 from oomguard.engine.errors import (
     NoExecutableBatchSize,
     UsageError,
@@ -479,11 +480,6 @@ class Executor:
             except TypeError:  # not weakly referenceable: nothing is remembered
                 pass
         return memory
-
-
-def qualname(fn: Any) -> str:
-    """What a workload is called by default: its ``__qualname__``, else its type's name."""
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def _no_sleep(seconds: float) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from oomguard.engine.core.memory import heap
 from oomguard.engine.core.memory.budget import active_budget, current_fraction, headroom_bytes
+from oomguard.engine.errors import size_list
 from oomguard.engine.util.atomic import atomic_write
 from oomguard.probes import host
 from oomguard.probes.device import resolve_device
@@ -80,7 +81,7 @@ class OomEvent:
 
     def settle(self, nxt: Mapping[str, int] | None, gave_up: str) -> OomEvent:
         """Say what was done: retried at the sizes ``nxt``, else gave up because ``gave_up``."""
-        self.action = (f"retried at {', '.join(f'{k}={v}' for k, v in nxt.items())}"
+        self.action = (f"retried at {size_list(nxt)}"
                        if nxt is not None else f"gave up: {gave_up}")
         return self
 

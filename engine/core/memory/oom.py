@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from oomguard.engine.core.memory.budget import active_budget
+from oomguard.engine.errors import first_line
 from oomguard.probes import host
 
 
@@ -177,8 +178,7 @@ def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> boo
 
 def oom_summary(exc: BaseException) -> str:
     """One line describing an OOM, without keeping a reference to ``exc``."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first[:300]}"
+    return f"{type(exc).__name__}: {first_line(exc)[:300]}"
 
 
 def release_memory(device: str | torch.device | None = None) -> None:

@@ -58,8 +58,8 @@ from oomguard.engine.core.memory.heap import (
 from oomguard.engine.core.memory.oom import gc_frozen
 from oomguard.engine.core.memory.ramguard import RamGuard
 from oomguard.engine.core.search.trial import Trial, run_trial
-from oomguard.engine.core.workload import warm_up, workload_preload
-from oomguard.engine.errors import ChildCrashed, ChildStartFailed, UsageError
+from oomguard.engine.core.workload import qualname, warm_up, workload_preload
+from oomguard.engine.errors import ChildCrashed, ChildStartFailed, UsageError, first_line
 
 log = logging.getLogger("oomguard.isolate")
 
@@ -91,8 +91,7 @@ def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
     try:
         fn = pickle.loads(payload)
     except BaseException as exc:  # noqa: BLE001 - any failure to rebuild the workload
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise _CannotUnpickle(f"{type(exc).__name__}: {first}") from None
+        raise _CannotUnpickle(f"{type(exc).__name__}: {first_line(exc)}") from None
     warm_up(fn)
     guard: AbstractContextManager[Any] = (
         budget(budget_bytes, device) if budget_bytes is not None else nullcontext())
@@ -145,8 +144,8 @@ class IsolatedRunner:
             self.payload = pickle.dumps(fn)
         except Exception as exc:  # PicklingError, AttributeError, TypeError
             raise ChildStartFailed(
-                f"isolated trials cannot send {_name(fn)} to a child process ({type(exc).__name__}:"
-                f" {str(exc).splitlines()[0] if str(exc) else ''}): {MODULE_LEVEL_FIX}") from exc
+                f"isolated trials cannot send {qualname(fn)} to a child process ({type(exc).__name__}:"
+                f" {first_line(exc)}): {MODULE_LEVEL_FIX}") from exc
         self.fn, self.device, self.budget, self.timeout = fn, str(device), budget, timeout
         self.guard = guard
         # Started now, in the background: the parent's work until the first trial (its
@@ -191,7 +190,7 @@ class IsolatedRunner:
             where = (" (a child cannot import what python -c, stdin or a notebook defines)"
                      if _main_program() is None else "")
             return ChildStartFailed(f"isolated trial at size {size}: the child process cannot "
-                                    f"unpickle {_name(self.fn)} ({exc}){where}: "
+                                    f"unpickle {qualname(self.fn)} ({exc}){where}: "
                                     f"{MODULE_LEVEL_FIX}")
         if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: not ours to raise
             return ChildCrashed(f"isolated trial at size {size}: the workload raised "
@@ -223,7 +222,3 @@ def _start_failure(size: int, exitcode: int | None) -> ChildStartFailed:
     return ChildStartFailed(f"isolated trial at size {size}: the child process "
                             f"{launcher.how_it_ended(exitcode)} before it started (its error is "
                             f"above); likely cause: {cause}")
-
-
-def _name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__qualname__

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -47,7 +47,13 @@ from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.core.search.strategies import Confirm, Strategy, bracket
 from oomguard.engine.core.search.trial import Trial, run_trial
 from oomguard.engine.core.workload import knob_of, name_of, steps_of, warm_up
-from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError, check_positive_int
+from oomguard.engine.errors import (
+    NoSizeFits,
+    TrialFailed,
+    UsageError,
+    check_positive_int,
+    first_line,
+)
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import probe
 
@@ -94,32 +100,13 @@ class SearchResult:
         rec = self.recommendation
         return self.max_ok if self.first_oom is None or rec is None else rec.safe
 
-    @property
-    def size_label(self) -> str:
-        """The size's name for prose: ``batch size``, ``internal batch size``."""
-        return self.size_name.replace("_", " ")
-
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "workload": self.workload,
-            "size_name": self.size_name,
-            "device": self.device,
-            "mode": self.mode,
-            "strategy": self.strategy,
-            "strategy_description": self.strategy_description,
-            "max_ok": self.max_ok,
-            "first_oom": self.first_oom,
-            "trials": [t.to_dict() for t in self.trials],
-            "fit": self.fit.to_dict() if self.fit else None,
-            "recommendation": self.recommendation.to_dict() if self.recommendation else None,
-            "capacity_bytes": self.capacity_bytes,
-            "budget_bytes": self.budget_bytes,
-            "stopped_because": self.stopped_because,
-            "seconds": self.seconds,
-            "config": self.config,
-            "limit": self.limit,
-            "verification": self.verification,
-        }
+        out: dict[str, Any] = {"workload": self.workload, "size_name": self.size_name}
+        out |= {f.name: getattr(self, f.name) for f in fields(self)}  # size_name stays 2nd
+        out |= {"trials": [t.to_dict() for t in self.trials],
+                "fit": self.fit.to_dict() if self.fit else None,
+                "recommendation": self.recommendation.to_dict() if self.recommendation else None}
+        return out
 
 
 def search(
@@ -336,10 +323,10 @@ def _limit_reached(cfg: SearchConfig, done: int, seconds: float) -> str | None:
 
 def _failure_text(name: str, size: int, exc: BaseException, partial: SearchResult) -> str:
     """One line: what failed, at which size, and what the trials before it found."""
-    first = str(exc).strip().splitlines()[0][:400] if str(exc).strip() else ""
     ran = (f"{len(partial.trials)} trial(s) ran before it, largest that fit: "
            f"{partial.max_ok if partial.max_ok is not None else 'none'}")
-    return f"{name}: the trial at size {size} failed ({type(exc).__name__}: {first}); {ran}"
+    return (f"{name}: the trial at size {size} failed ({type(exc).__name__}: "
+            f"{first_line(exc)[:400]}); {ran}")
 
 
 def _free_bytes(dev: torch.device) -> int | None:

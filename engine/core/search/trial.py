@@ -57,9 +57,8 @@ class Trial:
     ``headroom_bytes``: what the limit left at the trial's start, in those units
     (None where no limit is known). ``items_per_second``: ``size`` items per
     second of the steps after the first (of the only step when ``steps`` is 1).
-    ``worst_case``: each step ran ``fn(size, batch=fn.worst_case_batch(size))``,
-    the batch built inside the measured step (so ``peak_bytes`` includes it);
-    False: each step ran ``fn(size)`` (the workload has no ``worst_case_batch``).
+    ``worst_case``: whether each step ran on the worst-case batch (module docstring;
+    ``peak_bytes`` then includes it).
     """
 
     size: int
