@@ -45,6 +45,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.reverse()
 
 
+# The fast layer (-m "not slow") stays fast only if what is slow says so. The call phase
+# alone is timed (fixtures that build a model once per module are shared, not the test's
+# own cost); 5 s leaves a loaded machine room, against tests that take 0.01-1 s idle.
+UNMARKED_SECONDS = 5.0
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    report = yield
+    if (call.when == "call" and report.passed and call.duration > UNMARKED_SECONDS
+            and item.get_closest_marker("slow") is None):
+        report.outcome = "failed"
+        report.longrepr = (f"took {call.duration:.1f} s, over the {UNMARKED_SECONDS:g} s an "
+                           "unmarked test may take: mark it @pytest.mark.slow or make it faster")
+    return report
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _frozen_gc():
     """Every trial and every retry starts with ``gc.collect()``, which took ~150 ms in a

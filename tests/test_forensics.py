@@ -61,7 +61,7 @@ def _cpu_run(folder: str) -> dict[str, Any]:
             "last": [e.to_dict() for e in ex.history[1].events]}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_cpu_oom_is_measured_before_its_memory_is_released(tmp_path: Path) -> None:
     got = in_fresh_process(_cpu_run, str(tmp_path / "snapshots"))
     assert got["value"] == 2.0 and got["attempts"] == [{"batch_size": 64}, {"batch_size": 32}]
@@ -108,7 +108,7 @@ class TwoBlocks(Metric):
 '''
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_job_results_and_report_carry_the_oom_events(tmp_path: Path) -> None:
     plugin = tmp_path / "forensics_plugin.py"
     plugin.write_text(PLUGIN, encoding="utf-8")

@@ -67,7 +67,7 @@ def _result(out: Path, key: str) -> dict:
     return json.loads((out / "results" / f"{key}.json").read_text())
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_changed_data_or_missing_tensor_file_reruns_and_keeps_the_old_result(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"the quick brown fox jumps over the lazy dog " * 4)
@@ -106,7 +106,7 @@ def test_changed_data_or_missing_tensor_file_reruns_and_keeps_the_old_result(tmp
     assert "Rerun because their inputs changed" in report and "data file's content" in report
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_a_resaved_checkpoint_reruns_its_results(tmp_path):
     from oomguard.metrics.models import build_model
 
@@ -145,7 +145,7 @@ def test_describe_changes_names_each_part():
         "the result has no record of its inputs (written by an older oomguard?)"]
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_an_output_folder_belongs_to_one_job(tmp_path):
     a = _job(tmp_path, '[[metrics]]\nname = "test_grid"\n', name="a.toml")
     b = _job(tmp_path, '[[metrics]]\nname = "loss"\n', name="b.toml")
@@ -182,6 +182,7 @@ def test_values_that_cannot_work_fail_when_the_job_is_read(tmp_path, top, messag
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_budget_larger_than_the_device_fails_before_the_output_folder(tmp_path):
     path = _job(tmp_path, '[[metrics]]\nname = "loss"\n')
     path.write_text('budget = "100TiB"\n' + path.read_text())
@@ -191,6 +192,7 @@ def test_a_budget_larger_than_the_device_fails_before_the_output_folder(tmp_path
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["file", "unwritable"])
 def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, kind):
     path = _job(tmp_path, '[[metrics]]\nname = "loss"\n')
@@ -212,7 +214,7 @@ def test_children_fork_only_for_cpu_jobs_never_for_a_gpu():
         assert child_start_method(device) == "forkserver"
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_a_cpu_job_from_the_command_line_forks_its_children(tmp_path):
     path = _job(tmp_path, '[[metrics]]\nname = "loss"\n')
     assert _cli("run", str(path)).returncode == 0
@@ -220,7 +222,7 @@ def test_a_cpu_job_from_the_command_line_forks_its_children(tmp_path):
     assert [e["start_method"] for e in starts] == [child_start_method("cpu")]
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_a_full_disk_ends_in_one_line_and_keeps_finished_results(tmp_path):
     path = _job(tmp_path, '[[metrics]]\nname = "loss"\n')
     # 8 KiB per file: the job's JSON files fit (2-3 KiB), the memory plot (18 KiB) does not.
@@ -236,7 +238,7 @@ def test_a_full_disk_ends_in_one_line_and_keeps_finished_results(tmp_path):
     assert json.loads((out / "results.json").read_text())["status"] == "complete"
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_an_interrupt_during_the_final_report_is_recorded_and_a_rerun_finishes_it(tmp_path):
     metrics = "".join(f'[[metrics]]\nname = "test_grid"\nid = "grid{i}"\n' for i in range(6))
     path = _job(tmp_path, metrics)
@@ -293,7 +295,7 @@ class Quads(Metric):
 '''
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_a_job_searches_a_knob_with_a_unit_in_whole_units(tmp_path):
     plugin = tmp_path / "quads_plugin.py"
     log = tmp_path / "sizes.txt"

@@ -55,6 +55,7 @@ def _check_labelled(md: str) -> None:
                 assert line[m.end():].startswith((" (est.)", " (measured)")), line
 
 
+@pytest.mark.slow
 def test_7b_llama_for_80gib_is_fast_and_allocates_no_weights(tmp_path):
     t0 = time.perf_counter()
     got = subprocess.run(
@@ -79,6 +80,7 @@ def test_7b_llama_for_80gib_is_fast_and_allocates_no_weights(tmp_path):
     assert not (tmp_path / "ref" / "reference.json").exists()  # never confused with measured
 
 
+@pytest.mark.slow
 def test_weights_beyond_the_memory_get_the_does_not_fit_row(tmp_path):
     got = _oomguard("reference", "--estimate", "--memory", "1MiB", "--metrics", "loss",
                     "--samples", "2", "--seq-len", "16", "--batches", "1,2",
@@ -95,6 +97,7 @@ def test_weights_beyond_the_memory_get_the_does_not_fit_row(tmp_path):
     _check_labelled(md)
 
 
+@pytest.mark.slow
 def test_unknown_gpu_is_one_line_listing_the_valid_ones(tmp_path):
     got = _oomguard("reference", "--estimate", "--gpu", "H200", cwd=tmp_path)
     assert got.returncode == 2
@@ -102,6 +105,7 @@ def test_unknown_gpu_is_one_line_listing_the_valid_ones(tmp_path):
     assert len(lines) == 1 and all(repr(name) in lines[0] for name in GPUS), got.stderr
 
 
+@pytest.mark.slow
 def test_search_lands_on_the_boundary_of_its_estimates():
     est = Estimator("tiny-gpt2", "float32", 8, "cpu")
     ends = est.totals("loss", "micro_batch_size", 4, [1, 4])
@@ -133,6 +137,7 @@ def test_search_lands_on_the_boundary_of_its_estimates():
         compare_measured(est, [row], {**measured, "seq_len": 16}, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metric", ["cka", "attention_stats"])
 def test_depth_extrapolation_matches_full_depth(metric):
     # loss: per-layer parts; cka: a per-pair-of-layers Gram matrix (quadratic in depth);
