@@ -200,13 +200,12 @@ class _Search:
 
     def result(self, stopped: str) -> SearchResult:
         max_ok, first_oom = bracket(self.answer)
-        cfg = self.cfg
         return SearchResult(
             workload=self.name, device=str(self.dev), mode=self.mode, strategy=self.strategy.name,
             strategy_description=self.strategy.describe(), max_ok=max_ok, first_oom=first_oom,
             trials=list(self.trials), fit=fit_line(self.trials), recommendation=None,
-            capacity_bytes=self.capacity, budget_bytes=cfg.budget, stopped_because=stopped,
-            seconds=time.perf_counter() - self.t0, config=cfg.to_dict(),
+            capacity_bytes=self.capacity, budget_bytes=self.cfg.budget, stopped_because=stopped,
+            seconds=time.perf_counter() - self.t0, config=self.cfg.to_dict(),
             size_name=knob_of(self.fn),
             limit=self.guard.to_dict() if self.guard is not None else None)
 
