@@ -330,7 +330,7 @@ def test_markdown_json_and_plots_state_the_one_record() -> None:
         t.get_text() for t in throughput_figure(res, record).axes[0].get_legend().get_texts()]
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_write_report_of_a_plain_search_does_not_load_the_metrics(tmp_path: Path) -> None:
     # Reports sit above the metrics in the layers; a search of a plain function needs none.
     code = ("import sys\nimport oomguard\nfrom oomguard.engine.core.search.search import search\n"
