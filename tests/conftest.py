@@ -45,6 +45,48 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.reverse()
 
 
+# The fast layer (-m "not slow") stays fast only if what is slow says so: a test not marked
+# slow fails when its call (fixtures excluded: a module's shared model is built once) takes
+# over 5 s, against 0.01-1 s for the unit tests on an idle machine. On a loaded one a test
+# waits for a core for most of its time (measured: 0.7 s tests took 6-11 s beside other
+# suites), so the time the test thread spent runnable but not running (Linux schedstat)
+# is not counted: what is left is what an idle machine would take.
+UNMARKED_SECONDS = 5.0
+_waited = pytest.StashKey[float]()
+
+
+def _runqueue_seconds() -> float:
+    """Seconds this thread has waited for a CPU so far (0 where the kernel does not say)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    before = _runqueue_seconds()
+    try:
+        return (yield)
+    finally:
+        item.stash[_waited] = _runqueue_seconds() - before
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    report = yield
+    if call.when != "call" or not report.passed or item.get_closest_marker("slow") is not None:
+        return report
+    seconds = call.duration - item.stash.get(_waited, 0.0)
+    if seconds > UNMARKED_SECONDS:
+        report.outcome = "failed"
+        report.longrepr = (f"took {seconds:.1f} s ({call.duration:.1f} s with the waits for a "
+                           f"CPU), over the {UNMARKED_SECONDS:g} s an unmarked test may take: "
+                           "mark it @pytest.mark.slow or make it faster")
+    return report
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _frozen_gc():
     """Every trial and every retry starts with ``gc.collect()``, which took ~150 ms in a

@@ -61,7 +61,7 @@ def _causal_lm_at_24_mib() -> dict:
             "grads": max(grad_errors), "params": max(param_errors)}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_causal_lm_step_under_budget_equals_the_whole_batch_step():
     got = in_fresh_process(_causal_lm_at_24_mib)
     assert got["padded"] is True
@@ -116,7 +116,7 @@ def _oom_in_the_middle() -> dict:
                                                        strict=True))}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_oom_in_the_middle_redoes_the_batch_without_double_counting():
     got = in_fresh_process(_oom_in_the_middle)
     # 64 rows: OOM; 32: the short half ran (its gradient was accumulated), the long half
@@ -136,7 +136,7 @@ def _grow_back_at_40_mib() -> list[tuple[int, int]]:
     return [(c.old, c.new) for c in acc.size.stats.changes]
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_grow_back_after_clean_steps_never_to_a_size_that_failed():
     changes = in_fresh_process(_grow_back_at_40_mib)
     assert changes[0] == (64, 32)  # the whole batch ran out of memory
@@ -262,7 +262,7 @@ def _collected_after_an_oom() -> dict:
             "entries": len(accumulate_module._MEMORY)}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_function_form_does_not_keep_the_model_alive_after_an_oom():
     got = in_fresh_process(_collected_after_an_oom)
     assert got["ooms"] >= 1  # the retry loop really ran
@@ -299,6 +299,7 @@ def test_each_call_uses_its_own_options():
     assert float(total) > 4 * float(mean)  # a sum over 8 rows, not their mean
 
 
+@pytest.mark.slow
 def test_a_later_call_may_ask_for_smaller_micro_batches():
     model = mlp()
     seen: list[int] = []
@@ -309,6 +310,7 @@ def test_a_later_call_may_ask_for_smaller_micro_batches():
     assert stats()["bounded"].current is None  # what is remembered: the whole batch fits
 
 
+@pytest.mark.slow
 def test_the_parameters_zeroed_are_the_models_trainable_ones():
     model = build_model("tiny-gpt2", dtype="float32", seed=0)  # tied embeddings
     frozen = model.transformer.h[0].attn.c_attn.weight.requires_grad_(False)

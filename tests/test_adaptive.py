@@ -69,7 +69,7 @@ def _decorator_at_48_mib() -> dict:
             "changes": [(c.old, c.new) for c in s.changes], "messages": messages}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_decorator_ooms_at_64_and_32_and_returns_the_result_at_16():
     got = in_fresh_process(_decorator_at_48_mib)
     assert got["tried"] == [64, 32, 16, 16]
@@ -99,7 +99,7 @@ def _every_size_runs_out() -> dict:
             "errors": info.value.errors}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_every_size_out_of_memory_is_a_clear_error():
     got = in_fresh_process(_every_size_runs_out)
     assert got["tried"] == [8, 4, 2, 1]
@@ -153,7 +153,7 @@ def _grow_back_at_52_mib() -> dict:
     return {"calls": calls, "changes": [(c.old, c.new, c.reason) for c in changes]}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_grow_back_never_reaches_a_size_that_failed():
     got = in_fresh_process(_grow_back_at_52_mib)
     calls = got["calls"]
@@ -263,7 +263,7 @@ def _halving_from_128() -> tuple[tuple[int, str], list[int]]:
         return train("hello"), tried
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_halving_sequence_from_128():
     result, tried = in_fresh_process(_halving_from_128)
     assert result == (8, "hello")
@@ -307,7 +307,7 @@ def _reduced_by_40(form: str, arity: str) -> tuple[int, list[int]]:
         return wrapped(), tried
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["decorator", "direct"])
 @pytest.mark.parametrize("arity", ["unary", "accelerate-nullary"])
 def test_reduce_batch_size_fn_is_honoured(form, arity):
@@ -338,7 +338,7 @@ def _approaching_zero() -> tuple[str, list[int]]:
     return str(info.value), tried
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_approaching_zero_raises():
     text, tried = in_fresh_process(_approaching_zero)
     assert "No executable batch size found, reached zero." in text

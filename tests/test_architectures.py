@@ -91,6 +91,7 @@ def metric_names() -> list[str]:
     return sorted(n for n, m in builtin_metrics().items() if m.memory_knobs())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_metric_is_finite_and_invariant_on_every_family(family: str, dtype: str) -> None:
@@ -161,6 +162,7 @@ def test_integrated_gradients_match_captum_called_directly() -> None:
         assert (ours["attributions"][i, n:] == 0).all()
 
 
+@pytest.mark.slow
 def test_a_metric_that_cannot_run_says_so_in_one_line_before_any_work() -> None:
     model = build_model(MAMBA, dtype="float32", seed=0)
     with pytest.raises(UsageError, match="attention_stats does not support mamba models: the "

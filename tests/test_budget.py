@@ -44,7 +44,7 @@ def _oom_over_the_budget() -> dict:
     return seen
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_allocation_over_the_budget_is_a_real_cpu_oom() -> None:
     seen = in_fresh_process(_oom_over_the_budget)
     assert seen["mechanism"] == "RLIMIT_DATA" and seen["active"]
@@ -77,7 +77,7 @@ def _limits_around_budgets() -> list:
     return seen
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_rlimit_is_restored_on_exit_and_after_an_error_inside() -> None:
     assert in_fresh_process(_limits_around_budgets) == [True] * 6 + ["allocated after"]
 
@@ -105,7 +105,7 @@ def _nested_budgets() -> list:
     return seen
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_nested_budgets_only_shrink() -> None:
     assert in_fresh_process(_nested_budgets) == [True] * 9
 

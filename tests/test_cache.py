@@ -82,7 +82,7 @@ def _writer(path: str, worker: int, n: int) -> None:
         cache.put(key, {"micro_batch_size": i + 1}, source="search")
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_concurrent_processes_keep_valid_json_with_every_entry(tmp_path: Path) -> None:
     path = str(tmp_path / "sizes.json")
     ctx = mp.get_context("spawn")
@@ -223,6 +223,7 @@ def _console(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_console_cache_commands_never_print_a_traceback(tmp_path: Path) -> None:
     folder = tmp_path / "folder.json"
     folder.mkdir()
@@ -305,7 +306,7 @@ def _run(job: Job, cache: Path) -> tuple[TaskResult, str]:
     return outcome.results["loss"], (Path(outcome.out) / "job.log").read_text()
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_job_computes_its_metric_with_an_unwritable_cache(tmp_path: Path,
                                                           unwritable: Path) -> None:
     job = _tiny_job(tmp_path, "max_trials = 2\nstart = 1\nstep = 2")
@@ -317,7 +318,7 @@ def test_job_computes_its_metric_with_an_unwritable_cache(tmp_path: Path,
     assert not unwritable.exists()
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_job_ignores_a_bad_cached_size(tmp_path: Path) -> None:
     job = _tiny_job(tmp_path, "enabled = false")
     (task,) = plan(job)

@@ -201,7 +201,7 @@ def _reference_in_a_session(tmp_path: Path, *options: str) -> tuple[subprocess.P
     return proc, err
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_no_process_is_left_two_seconds_after_kill_9_of_reference(tmp_path: Path) -> None:
     proc, err = _reference_in_a_session(tmp_path, "--isolate")
     try:
@@ -216,7 +216,7 @@ def test_no_process_is_left_two_seconds_after_kill_9_of_reference(tmp_path: Path
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_ctrl_c_in_reference_is_one_line_and_exit_130(tmp_path: Path) -> None:
     proc, err = _reference_in_a_session(tmp_path)
     try:

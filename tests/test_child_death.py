@@ -45,12 +45,14 @@ class SegfaultsLeaving:
         del held
 
 
+@pytest.mark.slow
 def test_a_segfault_within_the_limits_reach_is_an_oom() -> None:
     trial = IsolatedRunner(SegfaultsLeaving(leave_bytes=1 * MiB), budget=BUDGET)(1)
     assert not trial.ok and "SIGSEGV" in trial.error, trial.error
     assert "of the budget's limit" in trial.error, trial.error
 
 
+@pytest.mark.slow
 def test_a_segfault_far_from_the_limit_is_a_crash() -> None:
     with pytest.raises(ChildCrashed, match="SIGSEGV.*no sign of running out of memory"):
         IsolatedRunner(SegfaultsLeaving(leave_bytes=40 * MiB), budget=BUDGET)(1)

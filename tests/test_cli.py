@@ -53,6 +53,7 @@ def test_budget_strings(text, nbytes):
     assert parse_size(text) == nbytes
 
 
+@pytest.mark.slow
 def test_probe_without_gpu_is_a_normal_answer(capsys):
     assert main(["probe", "--json"]) == 0
     snaps = json.loads(capsys.readouterr().out)
@@ -62,6 +63,7 @@ def test_probe_without_gpu_is_a_normal_answer(capsys):
         assert "CUDA" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_writes_the_report(tmp_path, capsys):
     out = tmp_path / "rep"
     code = main(["bench", "--model", "gpt2:n_embd=32,n_layer=1,n_head=2,vocab_size=256,"
@@ -78,6 +80,7 @@ def test_bench_writes_the_report(tmp_path, capsys):
     assert json.loads((out / "report.json").read_text())["result"]["max_ok"] == result["max_ok"]
 
 
+@pytest.mark.slow
 def test_python_dash_m_oomguard_help():
     done = subprocess.run([sys.executable, "-m", "oomguard", "bench", "--help"],
                           capture_output=True, text=True, timeout=60)
@@ -104,6 +107,7 @@ sys.exit(main(["search", "--metric", "buggy", "--samples", "2", "--seq-len", "8"
 """
 
 
+@pytest.mark.slow
 def test_a_bug_inside_a_metric_keeps_its_traceback_and_is_not_a_usage_error(tmp_path):
     done = subprocess.run([sys.executable, "-c", BUGGY_METRIC, str(tmp_path)],
                           capture_output=True, text=True, timeout=240)
@@ -113,6 +117,7 @@ def test_a_bug_inside_a_metric_keeps_its_traceback_and_is_not_a_usage_error(tmp_
     assert "oomguard: error:" not in done.stderr  # the usage-error line is for bad input only
 
 
+@pytest.mark.slow
 def test_no_size_fits_is_one_line_and_exit_code_1(tmp_path):
     # A memory boundary, so a fresh process: in this one, heap that earlier tests freed
     # (44 MiB once in a shuffled CI run) absorbed batch 1 under the 24 MiB budget. Even a
@@ -140,6 +145,7 @@ def test_local_checkpoint_directory_loads_offline(tmp_path):
     assert config_fingerprint(str(tmp_path)) == config_fingerprint("tiny-llama")
 
 
+@pytest.mark.slow
 def test_metric_search_report_names_the_knob(tmp_path, capsys):
     out = tmp_path / "rep"
     code = main(["search", "--metric", "loss", "--samples", "8", "--seq-len", "16",
@@ -200,6 +206,7 @@ FULL_DISK = """ulimit -f 1; exec "$0" -m oomguard bench --model {model} --seq-le
 --budget 48MiB --start 1 --max-size 2 --out {out} --json"""
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_naming_the_path_and_keeps_every_result(tmp_path):
     # `ulimit -f 1`: files may not grow past 1 KiB, so every report write fails with
     # EFBIG (Python ignores SIGXFSZ) -- a full disk for this process and nothing else.

@@ -25,6 +25,7 @@ from oomguard.engine.cli.options import search_config  # noqa: E402
 from oomguard.engine.errors import UsageError  # noqa: E402
 
 
+@pytest.mark.slow
 def test_a_confirmed_answer_is_the_fresh_process_maximum() -> None:
     w = workloads(small=True)["attention"]
     result = search(w.make(), budget=w.budget_bytes, max_size=w.max_size, confirm=True)

@@ -116,7 +116,7 @@ def run_ranks(fn, args: tuple, timeout_s: float, nprocs: int = 2) -> None:
             p.join(5)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_two_ranks_agree_on_the_size_and_the_parameters(tmp_path):
     run_ranks(worker, (2, free_port(), str(tmp_path)), TIMEOUT_S)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -173,14 +173,14 @@ def one_rank_run(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_with_sync_ranks_false_a_call_on_rank_0_only_makes_no_collective(one_rank_run):
     r0 = one_rank_run[0]
     assert r0["unsynced"] == [8, 16, True]
     assert r0["unsynced_s"] < 1.5  # returned at once, no wait for rank 1 (in a barrier)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_a_first_call_on_rank_0_only_raises_one_clear_error_instead_of_hanging(one_rank_run):
     r0, r1 = one_rank_run
     error = r0["error"]

@@ -46,12 +46,14 @@ def _error(workload, size: int) -> tuple[int, int, int, float]:
         (e.peak_bytes - trial.peak_bytes) / trial.peak_bytes)
 
 
+@pytest.mark.slow
 def test_train_step_estimate_within_2_percent_of_measured():
     est, workspace, meas, err = _error(TrainStep(seq_len=256), 2)
     assert abs(err) < 0.02, f"batch 2: estimated {est}, measured {meas} ({err:+.2%})"
     assert workspace > 0  # batch 2's matrix multiplies are new after the warm-up's batch 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metric", ["loss", "gradient_stats"])
 def test_metric_estimate_within_5_percent_of_measured(metric):
     est, workspace, meas, err = _error(MetricTrial(metric, n_samples=4, seq_len=256), 4)
@@ -61,6 +63,7 @@ def test_metric_estimate_within_5_percent_of_measured(metric):
     assert (meas - (est - workspace)) / meas > 0.02
 
 
+@pytest.mark.slow
 def test_llama_training_step_is_estimated_without_its_weights():
     step = TrainStep(model=LLAMA_2_LAYERS, seq_len=64, dtype="bfloat16")
     estimate(_two_buffers, [1])  # the fake mode's one-off imports are not the estimate's
@@ -175,6 +178,7 @@ def test_parse_sizes():
     assert parse_sizes("1, 8,32") == [1, 8, 32]
 
 
+@pytest.mark.slow
 def test_cli_prints_estimates_labelled_as_such(capsys):
     args = _cli("--workload", "loss", "--samples", "4", "--seq-len", "16", "--sizes", "2,4",
                 "--no-workspace")

@@ -16,6 +16,8 @@ from oomguard.engine.core.workload import host_device, shortcut
 from oomguard.metrics.workload import MetricTrial
 
 # One layer, 16 wide: fake tensors cost ~1 ms an operation, so the fewer the better.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SMALL = "gpt2:vocab_size=64,n_embd=16,n_layer=1,n_head=2,n_positions=16"
 
 
@@ -30,17 +32,20 @@ def _both(trial: MetricTrial, device: str) -> tuple[int, int, list[str]]:
     return cut.peak_bytes, full.peak_bytes, cut.notes
 
 
+@pytest.mark.slow
 def test_two_lanczos_steps_hold_what_every_step_holds_on_a_gpu():
     cut, full, notes = _both(_trial("hessian_eigenvalues", iterations=4, k=1), "cuda")
     assert cut == full and any("2 Lanczos steps of 4" in n for n in notes)
 
 
+@pytest.mark.slow
 def test_on_the_cpu_every_lanczos_step_runs():
     # there the basis is the device's memory: it grows with the steps, so none is cut
     (e,) = estimate(_trial("ggn_eigenvalues", iterations=3, k=1), [1], workspace=False)
     assert not any("Lanczos" in n for n in e.notes)
 
 
+@pytest.mark.slow
 def test_one_landscape_point_holds_what_every_point_holds():
     trial = _trial("loss_landscape", grid=2)
     for device in ("cpu", "cuda"):
@@ -50,6 +55,7 @@ def test_one_landscape_point_holds_what_every_point_holds():
         assert 0 <= full - cut <= ((4 + 2 - 2) * 8 if device == "cpu" else 0)
 
 
+@pytest.mark.slow
 def test_two_vjp_blocks_hold_what_every_block_holds():
     cut, full, notes = _both(_trial("position_jacobian", "micro_batch_size", vjp_block=4),
                              "cuda")
@@ -70,6 +76,7 @@ def test_no_shortcut_outside_an_estimate_and_host_is_meta_only_for_cuda_on_cpu()
     assert host_device() == "cpu" and not shortcut("outside", devices=("cpu", "cuda"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metric", ["hessian_eigenvalues", "loss_landscape"])
 def test_shortcuts_never_change_a_real_result(metric):
     params = {"iterations": 3, "k": 1} if metric == "hessian_eigenvalues" else {"grid": 2}

@@ -50,7 +50,7 @@ def _oom_at_64() -> dict:
             "messages": messages, "next": ex.history[-1].attempts}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_oom_at_64_becomes_success_at_32_equal_to_a_direct_run():
     got = in_fresh_process(_oom_at_64)
     assert got["attempts"] == [{"batch_size": 64}, {"batch_size": 32}]
@@ -86,7 +86,7 @@ def _nothing_fits() -> dict:
     return {"tried": info.value.tried, "text": str(info.value), "workload": info.value.workload}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_gives_up_naming_the_workload_and_every_size():
     got = in_fresh_process(_nothing_fits)
     assert got["tried"] == [{"batch_size": s} for s in (8, 4, 2, 1)]
@@ -109,7 +109,7 @@ def _two_knobs() -> tuple[list[tuple[int, int]], int]:
     return seen, out
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_several_knobs_halve_together_down_to_their_minimums():
     seen, out = in_fresh_process(_two_knobs)
     assert seen == [(16, 8), (8, 4), (4, 4)]
@@ -123,7 +123,7 @@ def _minus_10_from_40() -> list[int]:
     return [a["batch_size"] for a in ex.history[-1].attempts]
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_custom_policy_is_used():
     assert in_fresh_process(_minus_10_from_40) == [40, 30, 20]
 
@@ -147,7 +147,7 @@ def _twenty_cycles() -> dict:
     return {"attempts": [len(r.attempts) for r in ex.history], "before": before, "after": after}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_memory_returns_after_20_oom_retry_cycles():
     got = in_fresh_process(_twenty_cycles)
     assert got["attempts"] == [2] * 21
@@ -173,7 +173,7 @@ def _two_lambdas_from_one_factory() -> dict:
     return runs
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_two_lambdas_from_one_factory_do_not_share_what_was_learnt():
     runs = in_fresh_process(_two_lambdas_from_one_factory)
     assert runs["big"] == ([64, 32, 16, 8], 8.0)

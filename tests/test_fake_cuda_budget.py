@@ -57,6 +57,7 @@ class FakeStep:
         return size
 
 
+@pytest.mark.slow
 def test_fake_cuda_default_search_after_warmup_meets_the_device_limit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Item 1: the default budget used to be the free memory probed before the warm-up,

@@ -75,6 +75,7 @@ from typing import Any
 import pytest
 
 from oomguard.engine.cli.main import main
+from oomguard.metrics.base import METRICS, load_all
 
 UPDATE = os.environ.get("OOMGUARD_UPDATE_GOLDEN") == "1"
 GOLDEN = Path(__file__).parent / "golden"
@@ -257,7 +258,7 @@ def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
 # ----------------------------------------------------------------------------------------
 # A search and a bench, in this process.
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_search_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "rep"
     code, stdout, stderr = _cli(["search", "--metric", "loss", "--model", TINY, "--samples", "4",
@@ -273,7 +274,7 @@ def test_search_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         "memory.png", "report.json", "report.md", "throughput.png"]
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_bench_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "rep"
     code, stdout, stderr = _cli(["bench", "--model", TINY, "--seq-len", "16", "--budget",
@@ -382,7 +383,7 @@ def _job_norm(done: Done) -> Norm:
                 keep=("256.00 MiB",))
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.xdist_group("golden")
 def test_job_results(runs: dict[str, Done]) -> None:
     job = runs["job"]
@@ -400,7 +401,7 @@ def test_job_results(runs: dict[str, Done]) -> None:
     assert traceback[-1] == "ValueError: boom: a bug in the metric"
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.xdist_group("golden")
 def test_job_journal(runs: dict[str, Done]) -> None:
     job = runs["job"]
@@ -411,7 +412,7 @@ def test_job_journal(runs: dict[str, Done]) -> None:
                                        for e in events))
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.xdist_group("golden")
 def test_job_report_and_what_it_prints(runs: dict[str, Done]) -> None:
     job = runs["job"]
@@ -423,7 +424,7 @@ def test_job_report_and_what_it_prints(runs: dict[str, Done]) -> None:
     check("job/stderr.txt", norm.text(job.stderr))
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.xdist_group("golden")
 def test_job_cache(runs: dict[str, Done]) -> None:
     job = runs["job"]
@@ -435,7 +436,7 @@ def _reference_norm(done: Done) -> Norm:
     return Norm({str(done.cwd): "<tmp>", **_device_literals(device)}, keep=("256.00 MiB",))
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.xdist_group("golden")
 def test_reference_outputs(runs: dict[str, Done]) -> None:
     ref = runs["reference"]
@@ -448,7 +449,7 @@ def test_reference_outputs(runs: dict[str, Done]) -> None:
     check("reference/stderr.txt", norm.text(ref.stderr))
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.xdist_group("golden")
 def test_reference_cache_and_cache_show(runs: dict[str, Done],
                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -561,6 +562,12 @@ def _stderr(err: str) -> str:
 
 def test_one_line_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                          capsys: pytest.CaptureFixture[str]) -> None:
+    # The catalogue a fresh ``oomguard`` has: other test modules in this process register
+    # metrics of their own (test_remedies when it is imported), and the errors list them.
+    load_all()
+    for name, metric in list(METRICS.items()):
+        if not type(metric).__module__.startswith("oomguard.metrics."):
+            monkeypatch.delitem(METRICS, name)
     for name, text in FILES.items():
         (tmp_path / name).write_text(text, encoding="utf-8")
     monkeypatch.chdir(tmp_path)  # the messages name the files as given

@@ -14,6 +14,7 @@ import gc
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 from conftest import in_fresh_process
 
@@ -33,6 +34,7 @@ def _line_search() -> dict:
     return search(line, budget=budget).to_dict()
 
 
+@pytest.mark.slow
 def test_guided_finds_the_e10_line_maximum_in_at_most_five_trials() -> None:
     result = in_fresh_process(_line_search)
     assert result["strategy"] == "guided"
@@ -48,6 +50,7 @@ def _train_step_search() -> dict:
     return search(TrainStep(seq_len=64), budget=192 * MiB, steps_per_trial=1).to_dict()
 
 
+@pytest.mark.slow
 def test_guided_closes_the_bracket_on_the_gpt2_step_in_at_most_five_trials() -> None:
     result = in_fresh_process(_train_step_search)
     assert result["max_ok"] is not None and result["first_oom"] == result["max_ok"] + 1
@@ -132,6 +135,7 @@ def _quadratic_searches() -> dict:
     return {"full": full.to_dict(), "capped": capped.to_dict()}
 
 
+@pytest.mark.slow
 def test_a_poor_fit_falls_back_and_the_search_ends_within_max_trials() -> None:
     got = in_fresh_process(_quadratic_searches)
     full, capped = got["full"], got["capped"]
@@ -174,6 +178,7 @@ def _steps_and_verify() -> dict:
     return {"one": one.to_dict(), "two": two.to_dict()}
 
 
+@pytest.mark.slow
 def test_two_steps_per_trial_catch_a_second_step_that_needs_more_memory() -> None:
     got = in_fresh_process(_steps_and_verify)
     one, two = got["one"], got["two"]
@@ -187,6 +192,7 @@ def test_two_steps_per_trial_catch_a_second_step_that_needs_more_memory() -> Non
     assert check["steps"] == 2 and check["ok"] is False and check["size"] == one["max_ok"]
 
 
+@pytest.mark.slow
 def test_trials_report_throughput_after_the_first_step() -> None:
     result = search(lambda n: torch.ones(n, 1024).sum().item(), strategy=Guided(start=4),
                     max_size=16, steps_per_trial=3, ram_guard=False)
@@ -194,6 +200,7 @@ def test_trials_report_throughput_after_the_first_step() -> None:
     assert all(t.items_per_second and t.items_per_second > 0 and t.steps == 3 for t in ran)
 
 
+@pytest.mark.slow
 def test_gc_freeze_is_undone_after_an_in_process_search() -> None:
     gc.unfreeze()  # the test session freezes its start-up objects; a user's process does not
     try:

@@ -1,6 +1,6 @@
 """Isolated trials tell an OOM from a crash and from a child that never started.
 
-Real child processes (integration): a real allocator OOM, a libgomp thread
+Real child processes (slow): a real allocator OOM, a libgomp thread
 failure and a SIGKILL under a budget are OOMs; an ``os._exit(3)`` is a crash
 that ends the search with the trials before it; a script without a main guard
 and a workload defined in ``python -c`` say what to fix. The evidence rules
@@ -194,10 +194,10 @@ def test_a_workload_that_cannot_be_pickled_is_refused_before_any_child(fn):
     assert "\n" not in text
 
 
-# ------------------------------------------------------------------ real children (integration)
+# ------------------------------------------------------------------ real children (slow)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_a_real_oom_in_an_isolated_child_is_still_an_oom():
     w = LinearAlloc(base_bytes=8 * MiB, per_item_bytes=4 * MiB)
     nbytes = (w.bytes_at(13) + w.bytes_at(14)) // 2
@@ -209,7 +209,7 @@ def test_a_real_oom_in_an_isolated_child_is_still_an_oom():
     assert all(t.value == w.bytes_at(t.size) for t in result.trials if t.ok)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_a_crash_under_a_budget_ends_the_search_with_the_trials_before_it():
     with pytest.raises(TrialFailed) as info:
         search(ExitsAt(41), strategy=E10(start=25, step=8), budget=128 * MiB, isolate=True)
@@ -223,7 +223,7 @@ def test_a_crash_under_a_budget_ends_the_search_with_the_trials_before_it():
     assert exc.result.stopped_because == "trial at size 41 failed: ChildCrashed"
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_libgomp_thread_failure_is_an_oom_and_the_childs_stderr_reaches_ours(capfd):
     result = search(ThreadHungry(12), start=8, step=2, budget=64 * MiB, isolate=True)
     assert _ran(result) == [(8, True), (10, True), (12, False), (11, True)]
@@ -235,7 +235,7 @@ def test_libgomp_thread_failure_is_an_oom_and_the_childs_stderr_reaches_ours(cap
     assert [f"child at {s} says hello" in err for s in (8, 10, 12, 11)] == [True] * 4
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_sigkill_is_an_oom_under_a_budget_and_a_crash_without_a_limit():
     trial = IsolatedRunner(KilledAt(5), budget=64 * MiB)(5)
     assert not trial.ok and trial.error == (
@@ -248,7 +248,7 @@ def test_sigkill_is_an_oom_under_a_budget_and_a_crash_without_a_limit():
         IsolatedRunner(KilledAt(5))(5)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_an_error_in_the_child_is_re_raised_with_its_traceback_and_the_partial_result():
     with pytest.raises(TrialFailed) as info:
         search(RaisesAt(48), start=40, step=8, isolate=True)
@@ -259,7 +259,7 @@ def test_an_error_in_the_child_is_re_raised_with_its_traceback_and_the_partial_r
     assert _ran(info.value.result) == [(40, True)]
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_sys_exit_and_a_hung_trial_in_the_child_are_crashes_not_ooms():
     with pytest.raises(TrialFailed) as info:
         search(ExitsCleanlyAt(48), start=40, step=8, isolate=True)
@@ -273,7 +273,7 @@ def test_sys_exit_and_a_hung_trial_in_the_child_are_crashes_not_ooms():
     assert time.perf_counter() - t0 < 30
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_trial_timeout_is_set_from_search_and_a_timeout_is_a_crash_not_an_oom():
     t0 = time.perf_counter()
     with pytest.raises(TrialFailed) as info:
@@ -313,7 +313,7 @@ def _python(args: list[str], cwd) -> subprocess.CompletedProcess:
                           timeout=240)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text(SCRIPT + "\nmain()\n")
@@ -331,7 +331,7 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     assert (run.returncode, run.stdout) == (0, "max 8\n"), run.stderr
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_a_workload_defined_in_python_c_is_told_to_be_module_level(tmp_path):
     code = textwrap.dedent("""
         import oomguard
@@ -422,7 +422,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_forkserver_starts_ahead_and_a_childs_warm_up_leaves_no_free_heap(tmp_path):
     script = tmp_path / "ahead.py"
@@ -437,7 +437,7 @@ def test_the_forkserver_starts_ahead_and_a_childs_warm_up_leaves_no_free_heap(tm
     assert "free heap chunks at budget entry" not in run.stderr
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_isolated_answers_repeat_and_equal_single_trials_in_fresh_processes():
     answers = [search(HoldsMiB(), strategy=Guided(start=8), max_size=64, budget=HOLDS_BUDGET,
                       isolate=True).max_ok for _ in range(2)]

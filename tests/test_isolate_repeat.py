@@ -46,6 +46,7 @@ class FreesSmallBlocks:
         return None if before is None or after is None else after - before
 
 
+@pytest.mark.slow
 def test_a_childs_freed_64_kib_blocks_go_back_to_the_kernel() -> None:
     # With glibc's default 128 KiB threshold the 64 freed blocks (4 MiB) stay in the heap.
     trial = IsolatedRunner(FreesSmallBlocks(), budget=BUDGET)(1)
@@ -55,6 +56,7 @@ def test_a_childs_freed_64_kib_blocks_go_back_to_the_kernel() -> None:
     assert trial.value < 256 * KiB, trial.value
 
 
+@pytest.mark.slow
 def test_isolated_searches_and_fresh_children_agree_on_the_maximum() -> None:
     work = RnnLmStep(cell="gru", seq_len=224, hidden=256)
     first = search(work, budget=BUDGET, isolate=True, max_size=4096)

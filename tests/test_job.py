@@ -78,7 +78,7 @@ def test_example_is_package_data() -> None:
     assert "example.toml" in listed
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_example_needs_no_torch() -> None:
     """``oomguard run --example`` (and ``--help``) must not pay for importing torch."""
     code = ("import sys\nfrom oomguard.engine.cli.main import main\n"

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from oomguard.engine.cli.main import main
 from oomguard.engine.core.search.strategies import E10, Doubling
 from oomguard.engine.core.search.trial import Trial
 from oomguard.metrics.workload import InUnits, MetricTrial
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _drive(strategy, fits, max_size: int = 65536) -> list[int]:
@@ -31,6 +35,7 @@ def test_in_units_proposes_only_multiples_and_closes_one_unit_apart():
     assert capped == [64 * k for k in range(1, 17)]
 
 
+@pytest.mark.slow
 def test_internal_batch_size_unit_is_where_captum_changes_its_rows():
     trial = MetricTrial("integrated_gradients", "internal_batch_size", n_samples=3, seq_len=8,
                         params={"n_steps": 4})
@@ -52,6 +57,7 @@ def test_internal_batch_size_unit_is_where_captum_changes_its_rows():
     assert most[3] < most[6] < most[9] < most[12]  # and it does change at each multiple
 
 
+@pytest.mark.slow
 def test_search_of_internal_batch_size_runs_only_multiples_and_ends_with_an_answer(tmp_path,
                                                                                    capsys):
     code = main(["search", "--metric", "integrated_gradients", "--knob", "internal_batch_size",

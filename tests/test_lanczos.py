@@ -61,6 +61,7 @@ def test_lanczos_on_a_known_matrix() -> None:
     assert torch.equal(again, lanczos(lambda v: a @ v, 40, 10, seed=0)["eigenvalues"])
 
 
+@pytest.mark.slow
 def test_hessian_eigenvalues_match_eigvalsh(small) -> None:
     model, data, flat, logits_of = small
     h = hessian(lambda x: logits_nll(logits_of(x), data["labels"]) / total_tokens(data), flat)
@@ -75,6 +76,7 @@ def test_hessian_eigenvalues_match_eigvalsh(small) -> None:
     assert result["n_params"] == flat.numel()
 
 
+@pytest.mark.slow
 def test_ggn_eigenvalues_match_eigvalsh(small) -> None:
     model, data, flat, logits_of = small
     jac = jacrev(logits_of)(flat)  # [n, L, V, P]

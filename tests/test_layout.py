@@ -41,7 +41,7 @@ def deit_style_repo(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_import_and_a_decorated_step_work_beside_a_users_engine_and_metrics(tmp_path: Path):
     repo = deit_style_repo(tmp_path)
     done = python("""
@@ -75,7 +75,7 @@ def test_import_and_a_decorated_step_work_beside_a_users_engine_and_metrics(tmp_
     assert Path(done.stdout.split()[1]).parent.parent != repo
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_python_dash_m_and_the_console_script_answer_help_from_such_a_repo(tmp_path: Path):
     repo = deit_style_repo(tmp_path)
     done = subprocess.run([sys.executable, "-m", "oomguard", "--help"], cwd=repo,
@@ -88,6 +88,7 @@ def test_python_dash_m_and_the_console_script_answer_help_from_such_a_repo(tmp_p
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_bare_generic_names_are_not_importable_from_the_install(tmp_path: Path):
     done = python("""
         import importlib.util
@@ -98,6 +99,7 @@ def test_bare_generic_names_are_not_importable_from_the_install(tmp_path: Path):
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_import_oomguard_and_help_and_probe_load_no_torch(tmp_path: Path):
     done = python("""
         import sys
@@ -203,12 +205,6 @@ def test_no_module_imports_a_bare_generic_name_or_the_public_face():
     assert not bad, bad
 
 
-def test_no_module_is_over_400_lines():
-    long = {str(p.relative_to(ROOT)): n for p in _modules()
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400}
-    assert not long, long
-
-
 # The design documents and measurement notes the project grew from live outside the
 # repository; code must not point at them. Spelled in pieces so this file does not.
 OUTSIDE_DOCS = re.compile("|".join(["CPU-OOM-" + "FACTS", "DESIGN" + r"\.md", r"\.\./" + "shared"]))
@@ -247,7 +243,7 @@ def _lint(site: Path) -> subprocess.CompletedProcess[str]:
                           env=env, capture_output=True, text=True, timeout=240)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_import_contracts_hold_and_catch_a_wrong_import(tmp_path: Path):
     site = _stage(tmp_path)
     done = _lint(site)

@@ -55,6 +55,7 @@ def _search_here(extra: float, margin: Any):
                   budget=512 * MiB, steps_per_trial=2, margin=margin)
 
 
+@pytest.mark.slow
 def test_measured_margin_is_twice_the_spread_of_step_peaks_and_the_report_says_so() -> None:
     result = _search(0.25, margin="measured")
     rec = result.recommendation
@@ -67,6 +68,7 @@ def test_measured_margin_is_twice_the_spread_of_step_peaks_and_the_report_says_s
     assert result.to_dict()["recommendation"]["margin_source"] == rec.margin_source
 
 
+@pytest.mark.slow
 def test_steady_steps_measure_a_smaller_margin_than_the_fixed_one() -> None:
     measured = _search(0.0, margin="measured").recommendation
     fixed = _search(0.0).recommendation
@@ -91,6 +93,7 @@ def _verify_alternating() -> dict:
     return verify(AlternatingSteps(0.5), 4, 3, budget=256 * MiB)
 
 
+@pytest.mark.slow
 def test_verify_runs_the_steps_and_reports_an_oom_instead_of_raising() -> None:
     # A fresh process: resident free heap left by earlier tests would serve the steps'
     # allocations unseen by the peak meter.
@@ -112,6 +115,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return out
 
 
+@pytest.mark.slow
 def test_cli_verify_reruns_the_reports_workload_and_writes_verify_json(report, capsys) -> None:
     assert main(["verify", str(report), "--steps", "2"]) == 0
     out = capsys.readouterr().out

@@ -13,6 +13,8 @@ import torch
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import build_model, make_batch
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 OPT = ("opt:hidden_size=16,word_embed_proj_dim={proj},num_hidden_layers=2,ffn_dim=32,"
        "num_attention_heads=2,vocab_size=64,max_position_embeddings=32")
 
@@ -53,6 +55,7 @@ def _cka_reference(model: torch.nn.Module, data: dict) -> np.ndarray:
                      for x in centred])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proj", [8, 24], ids=["narrower", "wider"])
 def test_position_jacobian_uses_the_width_of_the_hidden_state(proj: int) -> None:
     model = _model(proj)
@@ -73,6 +76,7 @@ def test_cka_handles_layers_of_different_widths(proj: int) -> None:
     np.testing.assert_allclose(result["cka"].numpy(), _cka_reference(model, data), rtol=1e-9)
 
 
+@pytest.mark.slow
 def test_position_jacobian_of_a_sample_with_one_valid_token() -> None:
     model = build_model("tiny-gpt2", dtype="float64")
     data = make_batch(2, 6, 256, seed=4)
@@ -92,6 +96,7 @@ TUPLE_BLOCKS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(TUPLE_BLOCKS))
 def test_layer_attribution_on_blocks_that_return_tuples(family: str) -> None:
     model = build_model(TUPLE_BLOCKS[family], dtype="float64", seed=5)
@@ -104,6 +109,7 @@ def test_layer_attribution_on_blocks_that_return_tuples(family: str) -> None:
     assert big["delta_max"] < 1e-2  # completeness holds: every block's output was attributed
 
 
+@pytest.mark.slow
 def test_layer_attribution_matches_captum_called_directly() -> None:
     from captum.attr import LayerIntegratedGradients
 
@@ -142,6 +148,7 @@ def _fisher_reference(model: torch.nn.Module, data: dict) -> float:
     return total / counted
 
 
+@pytest.mark.slow
 def test_fisher_falls_back_to_an_exact_loop_where_torch_func_cannot_run() -> None:
     # Bloom's GeLU is a torch.autograd.Function without setup_context: vmap refuses it.
     model = build_model(TUPLE_BLOCKS["bloom"], dtype="float64", seed=8)
@@ -151,6 +158,7 @@ def test_fisher_falls_back_to_an_exact_loop_where_torch_func_cannot_run() -> Non
     assert result["total_trace"] == pytest.approx(_fisher_reference(model, data), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_fisher_ignores_an_all_padding_sample_however_batched() -> None:
     model = build_model("tiny-llama", dtype="float64", seed=10)
     data = make_batch(4, 8, 256, seed=11)

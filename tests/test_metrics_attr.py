@@ -92,6 +92,7 @@ def run_small_large(name: str, arch: str) -> tuple[dict[str, Any], dict[str, Any
     return r["small"], r["large"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_result_does_not_depend_on_memory_sizes(name: str, arch: str) -> None:
     small, large = run_small_large(name, arch)
@@ -235,7 +236,7 @@ def budget_reports() -> dict[str, dict[str, Any]]:
     return dict(zip(OOM_CASES, got, strict=True))
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OOM_CASES))
 def test_executor_under_budget_returns_unconstrained_result(
         name: str, budget_reports: dict[str, dict[str, Any]]) -> None:

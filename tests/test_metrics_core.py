@@ -88,6 +88,7 @@ def test_common_helpers(arch: str) -> None:
 # ----------------------------------------------------------------------------- invariance
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CORE))
 def test_result_does_not_depend_on_memory_knob(arch: str, name: str) -> None:
     model, data = tiny_model(arch, "float64"), tiny_data(n=6, seq_len=16)
@@ -146,7 +147,7 @@ def oom_scenario(name: str) -> dict[str, Any]:
             "attempts": record.attempts, "default": int(knob.default), "knob": knob.name}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OOM_CASES))
 def test_executor_survives_real_oom(name: str) -> None:
     got = in_fresh_process(oom_scenario, name)
@@ -194,7 +195,7 @@ def metric_trial_search() -> tuple[int | None, int | None, list[int]]:
     return found.max_ok, found.first_oom, [t.size for t in found.trials]
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_metric_trial_search_finds_the_boundary_in_a_fresh_process() -> None:
     # In a long test process the heap holds reusable freed memory that the budget does not
     # count (docs/measurements.md#free-heap-at-budget-entry): the boundary is asserted fresh.

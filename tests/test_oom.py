@@ -105,6 +105,7 @@ def test_cuda_driver_api_oom_message() -> None:
     assert is_oom(RuntimeError("Triton Error [CUDA]: out of memory"))
 
 
+@pytest.mark.slow
 def test_onednn_primitive_failure_counts_only_under_a_budget() -> None:
     exc = RuntimeError("could not create a primitive")
     assert not is_oom(exc)
@@ -116,6 +117,7 @@ def test_onednn_primitive_failure_counts_only_under_a_budget() -> None:
     assert not is_oom(exc)
 
 
+@pytest.mark.slow
 def test_onednn_primitive_failure_counts_near_an_rlimit_set_by_someone_else() -> None:
     exc = RuntimeError("could not create a primitive")
     vm_data = proc_status("VmData")
@@ -148,7 +150,7 @@ def _oom_caught_and_memory_returned() -> dict:
             "grew": after - baseline, "again": again}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_real_cpu_oom_under_budget_is_caught_and_memory_returns() -> None:
     seen = in_fresh_process(_oom_caught_and_memory_returned)
     assert seen["oom"] and "DefaultCPUAllocator" in seen["message"]
@@ -163,7 +165,7 @@ def _numpy_oom() -> str | None:
     return result.message if isinstance(result, OOM) else None
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_real_numpy_memory_error_under_budget_is_an_oom() -> None:
     message = in_fresh_process(_numpy_oom)
     assert message is not None and message.startswith("MemoryError")
@@ -248,7 +250,7 @@ def _thread_start_under_budget() -> dict:
     return seen
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_real_thread_start_failure_is_an_oom_only_under_a_memory_limit() -> None:
     seen = in_fresh_process(_thread_start_under_budget)
     assert (seen["type"], seen["text"]) == ("RuntimeError", "can't start new thread")
@@ -283,7 +285,7 @@ def _import_under_budget(module: str, lefts: list[int], path: str | None = None)
     return {"failures": failures}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_real_import_systemerror_is_an_oom_only_under_a_memory_limit(tmp_path: Path) -> None:
     # Compiling a module's source copies it whole; under a limit that copy fails
     # without MemoryError (docs/measurements.md#cpu-oom-without-memoryerror): for
@@ -300,7 +302,7 @@ def test_real_import_systemerror_is_an_oom_only_under_a_memory_limit(tmp_path: P
     assert not any(outside for *_, outside, _ in system)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_real_import_dlopen_failure_is_an_oom_only_under_a_memory_limit() -> None:
     # tokenizers (a transformers dependency) is a C extension with large writable segments.
     lefts = list(range(16 * KiB, 2048 * KiB, 32 * KiB))
@@ -329,7 +331,7 @@ def _shim_gives_up() -> list[int]:
     return tried
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_shim_gives_up_with_accelerates_exact_words_and_keeps_the_sizes() -> None:
     # The child's error crosses the process boundary: it must pickle, too.
     with pytest.raises(RuntimeError) as info:

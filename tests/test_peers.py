@@ -35,6 +35,7 @@ forkserver_context(PRELOAD)
 SMALL = workloads(small=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(SMALL))
 def test_guided_isolated_finds_the_fresh_maximum(key: str) -> None:
     w = SMALL[key]

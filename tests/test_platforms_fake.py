@@ -51,6 +51,7 @@ def _cpu_row(report: dict) -> dict:
     return next(r for r in rows if r["device"] == "cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("os_name", ["Windows", "Darwin"])
 def test_fake_os_imports_every_module_and_runs_probe_and_metrics(
         fake_os_reports: dict[str, dict], os_name: str) -> None:
@@ -72,6 +73,7 @@ def test_fake_os_imports_every_module_and_runs_probe_and_metrics(
     assert cpu["extra"]["peak"] == report["host"]["peak_source"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("os_name", ["Windows", "Darwin"])
 def test_fake_os_search_without_budget_runs_under_an_estimated_ram_guard(
         fake_os_reports: dict[str, dict], os_name: str) -> None:
@@ -84,6 +86,7 @@ def test_fake_os_search_without_budget_runs_under_an_estimated_ram_guard(
     assert "not available" in found["first_line"]  # and it says why there is no budget
 
 
+@pytest.mark.slow
 def test_fake_windows_reads_win32_memory_apis(fake_os_reports: dict[str, dict]) -> None:
     report = fake_os_reports["Windows"]
     cpu = _cpu_row(report)
@@ -93,6 +96,7 @@ def test_fake_windows_reads_win32_memory_apis(fake_os_reports: dict[str, dict]) 
     assert "PeakWorkingSetSize" in report["host"]["peak_source"]
 
 
+@pytest.mark.slow
 def test_fake_macos_reads_sysctl_vm_stat_and_ru_maxrss(fake_os_reports: dict[str, dict]) -> None:
     report = fake_os_reports["Darwin"]
     cpu = _cpu_row(report)
@@ -125,6 +129,7 @@ def test_fake_macos_peak_is_ru_maxrss_in_bytes(
                                                  resettable=False)
 
 
+@pytest.mark.slow
 def test_fake_macos_host_memory_from_sysctl_and_vm_stat(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     darwin_tools(tmp_path / "bin")

@@ -43,6 +43,7 @@ def test_cpu_probe_figures_agree_with_proc_meminfo() -> None:
     assert set(snap.sources) >= {"total", "free", "process"}
 
 
+@pytest.mark.slow
 def test_rlimit_data_lowers_free_bytes() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     limit = proc_status("VmData") + 512 * MiB

@@ -45,6 +45,7 @@ def _stopped_trial() -> dict:
     return {"trial": trial.to_dict(), "after": after}
 
 
+@pytest.mark.slow
 def test_watchdog_stops_a_trial_that_grows_past_the_limit() -> None:
     got = in_fresh_process(_stopped_trial)
     trial = got["trial"]
@@ -61,6 +62,7 @@ def _guarded_search() -> dict:
     return result.to_dict()
 
 
+@pytest.mark.slow
 def test_search_without_budget_stays_under_the_guard_and_says_it_is_estimated(tmp_path) -> None:
     result = in_fresh_process(_guarded_search)
     trials = result["trials"]
@@ -147,6 +149,7 @@ def test_ram_guard_option_is_checked_before_any_trial() -> None:
         RamGuard.for_host(fraction=1.5)
 
 
+@pytest.mark.slow
 def test_default_guard_is_a_share_of_the_available_ram_on_cpu_without_budget() -> None:
     result = search(lambda n: n, strategy=Doubling(start=1), max_size=4)
     assert result.limit is not None and result.limit["enforced"] is False

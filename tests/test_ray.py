@@ -34,7 +34,7 @@ from oomguard.engine.jobs.sink import HubSink, forward  # noqa: E402
 from oomguard.engine.jobs.spec import load_job  # noqa: E402
 
 # One worker runs them all: they share one local Ray instance.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("ray")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 ROOT = Path(__file__).resolve().parents[1]
 

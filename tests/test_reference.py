@@ -47,7 +47,7 @@ def _job_file(tmp_path: Path, metrics: list[str]) -> Path:
     return path
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_reference_covers_every_knob_is_cached_and_its_sizes_run_in_a_job(tmp_path: Path) -> None:
     cache = tmp_path / "sizes.json"
     first = _oomguard("reference", *SETTINGS, "--cache", str(cache), "--out", "ref",

@@ -15,10 +15,10 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from oomguard.engine.cli.main import main
 from oomguard.engine.core.estimate.estimate import LABEL
 from oomguard.engine.errors import UsageError
 from oomguard.engine.jobs.reference_estimate import (
@@ -40,9 +40,11 @@ RSS_WRAPPER = ("import resource, subprocess, sys; "
                "print('maxrss', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, rc)")
 
 
-def _oomguard(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "oomguard", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=300)
+def _oomguard(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``oomguard *args`` in this process (an estimate allocates nothing): the exit code and
+    what went to stderr."""
+    code = main(list(args))
+    return code, capsys.readouterr().err
 
 
 def _check_labelled(md: str) -> None:
@@ -55,6 +57,7 @@ def _check_labelled(md: str) -> None:
                 assert line[m.end():].startswith((" (est.)", " (measured)")), line
 
 
+@pytest.mark.slow
 def test_7b_llama_for_80gib_is_fast_and_allocates_no_weights(tmp_path):
     t0 = time.perf_counter()
     got = subprocess.run(
@@ -79,12 +82,14 @@ def test_7b_llama_for_80gib_is_fast_and_allocates_no_weights(tmp_path):
     assert not (tmp_path / "ref" / "reference.json").exists()  # never confused with measured
 
 
-def test_weights_beyond_the_memory_get_the_does_not_fit_row(tmp_path):
-    got = _oomguard("reference", "--estimate", "--memory", "1MiB", "--metrics", "loss",
-                    "--samples", "2", "--seq-len", "16", "--batches", "1,2",
-                    "--out", "ref", cwd=tmp_path)
-    assert got.returncode == 1, got.stderr
-    assert "estimated not to fit even at size 1: loss.micro_batch_size" in got.stderr
+@pytest.mark.slow
+def test_weights_beyond_the_memory_get_the_does_not_fit_row(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = _oomguard(capsys, "reference", "--estimate", "--memory", "1MiB", "--metrics",
+                          "loss", "--samples", "2", "--seq-len", "16", "--batches", "1,2",
+                          "--out", "ref")
+    assert code == 1, err
+    assert "estimated not to fit even at size 1: loss.micro_batch_size" in err
     doc = json.loads((tmp_path / "ref" / "estimate-reference.json").read_text())
     (row,) = doc["rows"]
     assert row["largest"] is None and row["next_size"] == 1
@@ -95,13 +100,15 @@ def test_weights_beyond_the_memory_get_the_does_not_fit_row(tmp_path):
     _check_labelled(md)
 
 
-def test_unknown_gpu_is_one_line_listing_the_valid_ones(tmp_path):
-    got = _oomguard("reference", "--estimate", "--gpu", "H200", cwd=tmp_path)
-    assert got.returncode == 2
-    lines = got.stderr.strip().splitlines()
-    assert len(lines) == 1 and all(repr(name) in lines[0] for name in GPUS), got.stderr
+def test_unknown_gpu_is_one_line_listing_the_valid_ones(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = _oomguard(capsys, "reference", "--estimate", "--gpu", "H200")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and all(repr(name) in lines[0] for name in GPUS), err
 
 
+@pytest.mark.slow
 def test_search_lands_on_the_boundary_of_its_estimates():
     est = Estimator("tiny-gpt2", "float32", 8, "cpu")
     ends = est.totals("loss", "micro_batch_size", 4, [1, 4])
@@ -133,6 +140,7 @@ def test_search_lands_on_the_boundary_of_its_estimates():
         compare_measured(est, [row], {**measured, "seq_len": 16}, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metric", ["cka", "attention_stats"])
 def test_depth_extrapolation_matches_full_depth(metric):
     # loss: per-layer parts; cka: a per-pair-of-layers Gram matrix (quadratic in depth);

@@ -130,7 +130,7 @@ def test_unknown_remedy_is_a_one_line_usage_error(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ a job, end to end
-@pytest.mark.integration
+@pytest.mark.slow
 def test_job_ladder_lower_precision_fits_nowhere_and_restart(tmp_path: Path) -> None:
     metrics = ('[[metrics]]\nname = "test_fits_in_bf16"\n'
                '[[metrics]]\nname = "test_fits_nowhere"\n'
@@ -252,7 +252,7 @@ def _api_ladders() -> dict:
     return out
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_api_no_progress_stops_and_fake_gpu_moves_to_cpu_after_an_estimate() -> None:
     got = in_fresh_process(_api_ladders)
     # Two attempts at the same sizes, same remedy, same OOM: stopped, in one line.
@@ -303,7 +303,7 @@ def _fake_cuda_expandable_segments() -> dict:
     return out
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_fake_cuda_expandable_segments_runs_once_in_a_fresh_process_with_the_variable() -> None:
     got = in_fresh_process(_fake_cuda_expandable_segments)
     assert got["why"] == f"expandable_segments: a fresh process with {ALLOC_CONF}=" \

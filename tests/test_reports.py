@@ -84,7 +84,7 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_search_is_real(result: SearchResult) -> None:
     assert result.mode == "in-process"
     assert result.first_oom == result.max_ok + 1
@@ -94,7 +94,7 @@ def test_search_is_real(result: SearchResult) -> None:
     assert result.fit is not None and result.fit.r2 > 0.95
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_markdown_sections_and_table(result: SearchResult) -> None:
     md = render_markdown(result, CONTEXT)
     assert md.startswith("# linear-alloc Maximum Batch Size Report")
@@ -114,7 +114,7 @@ def test_markdown_sections_and_table(result: SearchResult) -> None:
     assert "1,234,567" in md and "synthetic" in md
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_json_round_trips(result: SearchResult) -> None:
     doc = json.loads(json.dumps(render_json(result, CONTEXT)))
     assert [t["size"] for t in doc["result"]["trials"]] == [t.size for t in result.trials]
@@ -129,7 +129,7 @@ def test_json_round_trips(result: SearchResult) -> None:
         doc["summary"]["peak_bytes_at_max"] / BUDGET)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_write_report_files(result: SearchResult, tmp_path) -> None:
     paths = write_report(result, tmp_path / "out" / "nested", CONTEXT)
     assert {p.name for p in paths.values()} == {"report.md", "report.json", "memory.png",
@@ -222,6 +222,7 @@ def _knob_search() -> SearchResult:
     return search(KnobAlloc(MiB, "chunk_size"), start=4, step=4, max_size=16)
 
 
+@pytest.mark.slow
 def test_report_names_the_knob_searched(tmp_path: Path) -> None:
     # A real search, no budget: memory grows 1 MiB per unit of chunk_size. In a fresh
     # process: resident free heap left by earlier tests would serve the allocations
@@ -329,7 +330,7 @@ def test_markdown_json_and_plots_state_the_one_record() -> None:
         t.get_text() for t in throughput_figure(res, record).axes[0].get_legend().get_texts()]
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_write_report_of_a_plain_search_does_not_load_the_metrics(tmp_path: Path) -> None:
     # Reports sit above the metrics in the layers; a search of a plain function needs none.
     code = ("import sys\nimport oomguard\nfrom oomguard.engine.core.search.search import search\n"

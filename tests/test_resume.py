@@ -29,7 +29,7 @@ from oomguard.engine.jobs.journal import replay
 from oomguard.engine.jobs.runner import run_job
 from oomguard.engine.jobs.spec import load_job
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"

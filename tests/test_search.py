@@ -2,7 +2,7 @@
 with trial records), what ``search()`` accepts and records and how it ends (on a
 workload that never runs out of memory), and the E10 sequence, the linear jump,
 "nothing fits" and brute-force agreement on real OOMs under a CPU budget
-(integration, each in a fresh process)."""
+(slow, each in a fresh process)."""
 
 from __future__ import annotations
 
@@ -269,7 +269,7 @@ def test_a_strategy_proposing_an_impossible_size_is_a_usage_error():
         search(Echo(), strategy=Zero())
 
 
-# ------------------------------------------------------------------ real OOMs (integration)
+# ------------------------------------------------------------------ real OOMs (slow)
 
 
 def _warm() -> None:
@@ -294,7 +294,7 @@ def _e10_search(strategy_name: str | None = None):
     return search(w, strategy=strategy, budget=nbytes)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_e10_report_search_table_is_reproduced_under_a_real_budget():
     w = e10_line()
     result = in_fresh_process(_e10_search)
@@ -308,7 +308,7 @@ def test_e10_report_search_table_is_reproduced_under_a_real_budget():
     assert rec is not None and rec.maximum == 114 and rec.conservative <= rec.safe <= 114
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_linear_jump_finds_the_e10_answer_in_fewer_trials_under_a_real_budget():
     result = in_fresh_process(_e10_search, "linear")
     assert (result.max_ok, result.first_oom) == (114, 115)
@@ -326,7 +326,7 @@ def _search_that_fits_nothing() -> tuple[list[tuple[int, bool]], str]:
     return [], "no NoSizeFits"
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_nothing_fits_under_a_real_budget():
     assert in_fresh_process(_search_that_fits_nothing) == (
         [(8, False), (4, False), (2, False), (1, False)], "nothing fits")
@@ -416,7 +416,7 @@ def _free_heap_seen_by_a_trial(isolate: bool) -> int:
     return result.trials[0].value
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_a_warm_up_leaves_no_free_heap_for_budgeted_trials_to_reuse():
     # Free heap is counted in the budget's baseline yet serves a trial's allocations, so
     # each MiB of it is a MiB more budget; in-process (fresh process, as a user runs it)
@@ -425,7 +425,7 @@ def test_a_warm_up_leaves_no_free_heap_for_budgeted_trials_to_reuse():
     assert _free_heap_seen_by_a_trial(True) < 4 * MiB
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_gpt2_step_search_matches_brute_force_in_process(gpt2_boundary):
     # In-process answers depend on the process's history, so each side starts
     # from the same state: its own fresh process, model built, one warm-up step.
@@ -434,7 +434,7 @@ def test_gpt2_step_search_matches_brute_force_in_process(gpt2_boundary):
     assert in_fresh_process(_search_in_fresh_process, nbytes) == (brute, brute + 1)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_gpt2_step_search_isolated_matches_brute_force(gpt2_boundary):
     # Every isolated trial is a fresh process, so the bracket it closes is the
     # fresh-process boundary; with the same heap preparation on both sides and the

@@ -192,7 +192,7 @@ def test_vjp_block_is_searched_only_up_to_the_hidden_width() -> None:
     assert len([s for s in tried if s > 8]) <= 5, tried  # 65536 took 9 trials
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_a_real_job_searches_past_a_capped_answer_in_the_cache(tmp_path: Path) -> None:
     from oomguard.engine.jobs.plan import device_identity, plan
     from oomguard.engine.jobs.runner import run_job

@@ -85,7 +85,7 @@ def worst_case_and_lucky_maxima() -> dict:
             "lucky_on_longest": lucky_on_longest.ok, "worst_again": worst_again.ok}
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_search_with_worst_case_batch_finds_a_maximum_that_holds_for_the_longest_batch():
     got = in_fresh_process(worst_case_and_lucky_maxima)
     # 4 MiB per item at full length under 46 MiB: 11 items (44 MiB) fit, 12 (48 MiB) do
@@ -167,12 +167,14 @@ def test_worst_case_batch_without_a_batch_argument_is_a_usage_error():
         run_trial(NotCallable(), 2)
 
 
+@pytest.mark.slow
 def test_isolated_trial_runs_the_worst_case_in_the_child():
     with IsolatedRunner(PadsToLongest()) as runner:
         trial = runner(2)
     assert trial.ok and trial.worst_case and trial.value == MAX_LEN
 
 
+@pytest.mark.slow
 def test_train_step_worst_case_batch_is_every_sample_at_full_length():
     assert TrainStep.steps_per_trial == 2
     own = TrainStep(seq_len=16)
@@ -189,6 +191,7 @@ def test_train_step_worst_case_batch_is_every_sample_at_full_length():
         own(3, batch=batch[:2])
 
 
+@pytest.mark.slow
 def test_metric_trial_worst_case_is_its_tokens_at_full_length():
     trial = MetricTrial("loss", n_samples=6, seq_len=16, seed=1)
     worst = trial.worst_case_batch(2)

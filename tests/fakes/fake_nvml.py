@@ -115,130 +115,140 @@ def make_fake_pynvml(driver: FakeDriver) -> types.ModuleType:
         if name.startswith(("NVML", "nvmlMemory", "c_nvml", "NVMLError")) or name in (
                 "nvmlStructToFriendlyObject", "nvmlFriendlyObject", "nvmlExceptionClass"):
             setattr(m, name, getattr(real, name))
-    major_minor = driver.generation()
-    has_v3 = major_minor >= (510, 0)
-    v3_struct = (535, 43) <= major_minor <= (535, 86)
+    lib = _Library(driver)
+    for name in dir(_Library):
+        if name.startswith("nvml"):
+            setattr(m, name, getattr(lib, name))
+    for kind in ("Compute", "Graphics"):
+        v3, v2, unversioned = _process_queries(lib, kind)
+        setattr(m, f"nvmlDeviceGet{kind}RunningProcesses_v3", v3)
+        setattr(m, f"nvmlDeviceGet{kind}RunningProcesses_v2", v2)
+        setattr(m, f"nvmlDeviceGet{kind}RunningProcesses", unversioned)
+    return m
 
-    def symbol(name: str) -> None:
+
+class _Library:
+    """The driver's answers as pynvml's wrappers return them: each ``nvml*`` method is the
+    pynvml function of that name."""
+
+    def __init__(self, driver: FakeDriver) -> None:
+        self.driver = driver
+        major_minor = driver.generation()
+        self.has_v3 = major_minor >= (510, 0)
+        self.v3_struct = (535, 43) <= major_minor <= (535, 86)
+
+    def symbol(self, name: str) -> None:
         """``_nvmlGetFunctionPointer``: the driver lacks the symbol -> FUNCTION_NOT_FOUND."""
-        if not has_v3 and (name.endswith("_v3") or name == "nvmlDeviceGetMemoryInfo_v2"):
+        if not self.has_v3 and (name.endswith("_v3") or name == "nvmlDeviceGetMemoryInfo_v2"):
             raise _err(real.NVML_ERROR_FUNCTION_NOT_FOUND)
 
-    def gpu(h: _Handle) -> FakeGpu:
-        return driver.gpus[h.gpu]
+    def gpu(self, h: _Handle) -> FakeGpu:
+        return self.driver.gpus[h.gpu]
 
-    def node(h: _Handle) -> FakeGpu | FakeMig:
-        return gpu(h) if h.mig is None else gpu(h).migs[h.mig]
+    def node(self, h: _Handle) -> FakeGpu | FakeMig:
+        return self.gpu(h) if h.mig is None else self.gpu(h).migs[h.mig]
 
-    def nvmlInit() -> None:
+    def nvmlInit(self) -> None:
         return None
 
-    def nvmlSystemGetDriverVersion() -> str:
-        return driver.version
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self.driver.version
 
-    def nvmlDeviceGetCount() -> int:
-        return len(driver.gpus)
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.driver.gpus)
 
-    def nvmlDeviceGetHandleByIndex(index: int) -> _Handle:
-        if not 0 <= index < len(driver.gpus):
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
+        if not 0 <= index < len(self.driver.gpus):
             raise _err(real.NVML_ERROR_INVALID_ARGUMENT)
         return _Handle(index)
 
-    def nvmlDeviceGetName(handle: _Handle) -> str:
-        g = gpu(handle)
+    def nvmlDeviceGetName(self, handle: _Handle) -> str:
+        g = self.gpu(handle)
         return g.name if handle.mig is None else f"{g.name} MIG {g.migs[handle.mig].profile}"
 
-    def nvmlDeviceGetUUID(handle: _Handle) -> str:
-        return node(handle).uuid
+    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:
+        return self.node(handle).uuid
 
-    def nvmlDeviceGetPciInfo(handle: _Handle) -> object:
+    def nvmlDeviceGetPciInfo(self, handle: _Handle) -> object:
         if handle.mig is not None:
             raise _err(real.NVML_ERROR_NOT_SUPPORTED)
         info = real.nvmlPciInfo_t()  # what nvmlDeviceGetPciInfo_v3 fills
-        info.busId = gpu(handle).pci_bus_id.encode()
+        info.busId = self.gpu(handle).pci_bus_id.encode()
         return info
 
-    def nvmlDeviceGetMemoryInfo(handle: _Handle, version: int | None = None) -> object:
-        n = node(handle)
+    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> object:
+        n = self.node(handle)
         free = n.total - n.reserved - n.used
         if not version:
             mem = real.c_nvmlMemory_t()
             mem.total, mem.free, mem.used = n.total, free, n.used + n.reserved
             return mem
-        symbol("nvmlDeviceGetMemoryInfo_v2")
+        self.symbol("nvmlDeviceGetMemoryInfo_v2")
         mem = real.c_nvmlMemory_v2_t()
         mem.version = version
         mem.total, mem.reserved, mem.free, mem.used = n.total, n.reserved, free, n.used
         return mem
 
-    def _read(entries: list[tuple[int, int | None]], struct: type) -> list:
-        """The real wrapper's second call: the driver fills a ``c_nvmlProcessInfo_v2_t``
-        array sized count * 2 + 5 with ``struct`` records; pynvml reads ``count`` v2 records."""
-        if not entries:
-            return []
-        buf = (real.c_nvmlProcessInfo_v2_t * (len(entries) * 2 + 5))()
-        records = (struct * len(entries)).from_buffer(buf)
-        for rec, (pid, used) in zip(records, entries, strict=True):
-            rec.pid = pid
-            rec.usedGpuMemory = real.NVML_VALUE_NOT_AVAILABLE_ulonglong.value if used is None else used
-        procs = []
-        for i in range(len(entries)):
-            obj = real.nvmlStructToFriendlyObject(buf[i])
-            if obj.usedGpuMemory == real.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
-                obj.usedGpuMemory = None
-            procs.append(obj)
-        return procs
-
-    def _lists(kind: str) -> tuple:
-        def entries(handle: _Handle) -> list[tuple[int, int | None]]:
-            n = node(handle)
-            return n.processes if kind == "Compute" else getattr(n, "graphics", [])
-
-        def v3(handle: _Handle) -> list:
-            symbol(f"nvmlDevice{kind}RunningProcesses_v3")
-            return _read(entries(handle), c_nvmlProcessInfo_v3_t if v3_struct
-                         else real.c_nvmlProcessInfo_v2_t)
-
-        def v2(handle: _Handle) -> list:
-            return _read(entries(handle), real.c_nvmlProcessInfo_v2_t)
-
-        def unversioned(handle: _Handle) -> list:
-            return v3(handle)
-
-        unversioned.__name__ = f"nvmlDeviceGet{kind}RunningProcesses"  # the decorator quotes it
-        return v3, v2, real.throwOnVersionMismatch(unversioned)
-
-    (m.nvmlDeviceGetComputeRunningProcesses_v3, m.nvmlDeviceGetComputeRunningProcesses_v2,
-     m.nvmlDeviceGetComputeRunningProcesses) = _lists("Compute")
-    (m.nvmlDeviceGetGraphicsRunningProcesses_v3, m.nvmlDeviceGetGraphicsRunningProcesses_v2,
-     m.nvmlDeviceGetGraphicsRunningProcesses) = _lists("Graphics")
-
-    def nvmlDeviceGetMigMode(device: _Handle) -> list[int]:
-        g = gpu(device)
+    def nvmlDeviceGetMigMode(self, device: _Handle) -> list[int]:
+        g = self.gpu(device)
         if g.mig_slots == 0 or device.mig is not None:
             raise _err(real.NVML_ERROR_NOT_SUPPORTED)
         mode = real.NVML_DEVICE_MIG_ENABLE if g.migs else real.NVML_DEVICE_MIG_DISABLE
         return [mode, mode]
 
-    def nvmlDeviceGetMaxMigDeviceCount(device: _Handle) -> int:
-        if gpu(device).mig_slots == 0:
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: _Handle) -> int:
+        if self.gpu(device).mig_slots == 0:
             raise _err(real.NVML_ERROR_NOT_SUPPORTED)
-        return gpu(device).mig_slots
+        return self.gpu(device).mig_slots
 
-    def nvmlDeviceGetMigDeviceHandleByIndex(device: _Handle, index: int) -> _Handle:
-        g = gpu(device)
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: _Handle, index: int) -> _Handle:
+        g = self.gpu(device)
         if not g.migs or not 0 <= index < g.mig_slots:
             raise _err(real.NVML_ERROR_INVALID_ARGUMENT)
         if index not in g.migs:
             raise _err(real.NVML_ERROR_NOT_FOUND)
         return _Handle(device.gpu, index)
 
-    for fn in (nvmlInit, nvmlSystemGetDriverVersion, nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex,
-               nvmlDeviceGetName, nvmlDeviceGetUUID, nvmlDeviceGetPciInfo, nvmlDeviceGetMemoryInfo,
-               nvmlDeviceGetMigMode, nvmlDeviceGetMaxMigDeviceCount,
-               nvmlDeviceGetMigDeviceHandleByIndex):
-        setattr(m, fn.__name__, fn)
-    return m
+
+def _read(entries: list[tuple[int, int | None]], struct: type) -> list:
+    """The real wrapper's second call: the driver fills a ``c_nvmlProcessInfo_v2_t``
+    array sized count * 2 + 5 with ``struct`` records; pynvml reads ``count`` v2 records."""
+    if not entries:
+        return []
+    buf = (real.c_nvmlProcessInfo_v2_t * (len(entries) * 2 + 5))()
+    records = (struct * len(entries)).from_buffer(buf)
+    for rec, (pid, used) in zip(records, entries, strict=True):
+        rec.pid = pid
+        rec.usedGpuMemory = real.NVML_VALUE_NOT_AVAILABLE_ulonglong.value if used is None else used
+    procs = []
+    for i in range(len(entries)):
+        obj = real.nvmlStructToFriendlyObject(buf[i])
+        if obj.usedGpuMemory == real.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
+            obj.usedGpuMemory = None
+        procs.append(obj)
+    return procs
+
+
+def _process_queries(lib: _Library, kind: str) -> tuple:
+    """pynvml's ``_v3``, ``_v2`` and unversioned ``nvmlDeviceGet{kind}RunningProcesses``."""
+
+    def entries(handle: _Handle) -> list[tuple[int, int | None]]:
+        n = lib.node(handle)
+        return n.processes if kind == "Compute" else getattr(n, "graphics", [])
+
+    def v3(handle: _Handle) -> list:
+        lib.symbol(f"nvmlDeviceGet{kind}RunningProcesses_v3")
+        return _read(entries(handle), c_nvmlProcessInfo_v3_t if lib.v3_struct
+                     else real.c_nvmlProcessInfo_v2_t)
+
+    def v2(handle: _Handle) -> list:
+        return _read(entries(handle), real.c_nvmlProcessInfo_v2_t)
+
+    def unversioned(handle: _Handle) -> list:
+        return v3(handle)
+
+    unversioned.__name__ = f"nvmlDeviceGet{kind}RunningProcesses"  # the decorator quotes it
+    return v3, v2, real.throwOnVersionMismatch(unversioned)
 
 
 # --- torch.cuda as the probe reads it (torch 2.13) ----------------------------

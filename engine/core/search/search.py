@@ -141,39 +141,68 @@ def search(
     another reason; both carry the partial result with every trial that ran.
     """
     cfg = resolve(config, start, step, options)
-    strategy = cfg.strategy
-    assert strategy is not None
     dev = torch.device(cfg.device)
     if cfg.budget is not None:
         check_budget(cfg.budget, dev)
-    name = name_of(fn)
-    capacity = cfg.capacity_bytes
-    mode = "isolated" if cfg.isolate else "confirmed" if cfg.confirm else "in-process"
-    log.info("searching %s on %s (%s, %s)", name, dev, mode, strategy.name)
+    run = _Search(fn, cfg, dev, on_trial)
+    with ExitStack() as stack:
+        # Built first: a workload that cannot be pickled fails before any trial, and the
+        # forkserver starts while this process warms up.
+        fresh = (stack.enter_context(IsolatedRunner(fn, device=dev, budget=cfg.budget,
+                                                    timeout=cfg.trial_timeout,
+                                                    guard=_guard(cfg, dev)))
+                 if cfg.confirm else None)
+        runner, run.guard = _runner(fn, cfg, dev, stack)
+        if run.capacity is None:  # after the warm-up: free memory then leaves the model out
+            run.capacity = cfg.budget if cfg.budget is not None else _free_bytes(dev)
+        run.t_trials = time.perf_counter()  # max_seconds bounds the trials, not the warm-up
+        stopped = run.phase(run.strategy, run.trials, runner,
+                            "isolated" if cfg.isolate else "in-process")
+        if fresh is not None:
+            stopped = run.confirm(fresh, stopped)
+        final = run.answered(stopped)
+        if cfg.verify_steps:
+            final.verification = _verify(fresh or runner, final.recommendation.safe,
+                                         cfg.verify_steps, "isolated" if fresh else run.mode)
+    return final
 
-    trials: list[Trial] = []  # every trial, in the order they ran
-    answer = trials  # the trials the answer comes from: with confirm, the fresh ones
-    t0 = time.perf_counter()
 
-    def result(stopped: str) -> SearchResult:
-        max_ok, first_oom = bracket(answer)
+class _Search:
+    """One search's state: the trials that ran, the clock, and how its result is built."""
+
+    def __init__(self, fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device,
+                 on_trial: Callable[[Trial], None] | None) -> None:
+        assert cfg.strategy is not None
+        self.fn, self.cfg, self.dev, self.on_trial = fn, cfg, dev, on_trial
+        self.strategy: Strategy = cfg.strategy
+        self.name = name_of(fn)
+        self.capacity = cfg.capacity_bytes
+        self.mode = "isolated" if cfg.isolate else "confirmed" if cfg.confirm else "in-process"
+        log.info("searching %s on %s (%s, %s)", self.name, dev, self.mode, self.strategy.name)
+        self.trials: list[Trial] = []  # every trial, in the order they ran
+        self.answer = self.trials  # the trials the answer comes from: with confirm, the fresh ones
+        self.steps = cfg.steps_per_trial or steps_of(fn)
+        self.guard: RamGuard | None = None
+        self.t0 = self.t_trials = time.perf_counter()
+
+    def result(self, stopped: str) -> SearchResult:
+        max_ok, first_oom = bracket(self.answer)
         return SearchResult(
-            workload=name, device=str(dev), mode=mode, strategy=strategy.name,
-            strategy_description=strategy.describe(), max_ok=max_ok, first_oom=first_oom,
-            trials=list(trials), fit=fit_line(trials), recommendation=None,
-            capacity_bytes=capacity, budget_bytes=cfg.budget, stopped_because=stopped,
-            seconds=time.perf_counter() - t0, config=cfg.to_dict(),
-            size_name=knob_of(fn),
-            limit=guard.to_dict() if guard is not None else None)
+            workload=self.name, device=str(self.dev), mode=self.mode, strategy=self.strategy.name,
+            strategy_description=self.strategy.describe(), max_ok=max_ok, first_oom=first_oom,
+            trials=list(self.trials), fit=fit_line(self.trials), recommendation=None,
+            capacity_bytes=self.capacity, budget_bytes=self.cfg.budget, stopped_because=stopped,
+            seconds=time.perf_counter() - self.t0, config=self.cfg.to_dict(),
+            size_name=knob_of(self.fn),
+            limit=self.guard.to_dict() if self.guard is not None else None)
 
-    steps = cfg.steps_per_trial or steps_of(fn)
-
-    def run_phase(proposer: Strategy, phase: list[Trial], run: Callable[[int, int], Trial],
-                  trial_mode: str) -> str:
+    def phase(self, proposer: Strategy, phase: list[Trial], run: Callable[[int, int], Trial],
+              trial_mode: str) -> str:
         """Run the sizes ``proposer`` proposes from ``phase`` until it stops or a limit is
         reached; return why it stopped."""
+        cfg = self.cfg
         while True:
-            stopped = _limit_reached(cfg, len(trials), time.perf_counter() - t_trials)
+            stopped = _limit_reached(cfg, len(self.trials), time.perf_counter() - self.t_trials)
             if stopped:
                 return stopped
             size = proposer.next(phase, cfg.max_size)
@@ -186,57 +215,46 @@ def search(
                                  f"be integers from 1 to max_size ({cfg.max_size})")
             if any(t.size == size for t in phase):  # a strategy that repeats itself is done
                 return f"strategy proposed size {size} again"
-            refused = guard.refuse(phase, size) if guard is not None else None
+            refused = self.guard.refuse(phase, size) if self.guard is not None else None
             try:
                 trial = (Trial(size, ok=False, peak_bytes=None, seconds=0.0, error=refused,
-                               guarded=True) if refused else run(size, steps))
+                               guarded=True) if refused else run(size, self.steps))
             except Exception as exc:  # not an OOM: the search cannot go on
-                partial = result(f"trial at size {size} failed: {type(exc).__name__}")
-                raise TrialFailed(_failure_text(name, size, exc, partial), partial) from exc
+                partial = self.result(f"trial at size {size} failed: {type(exc).__name__}")
+                raise TrialFailed(_failure_text(self.name, size, exc, partial), partial) from exc
             trial.mode = trial_mode
             phase.append(trial)
-            if phase is not trials:
-                trials.append(trial)
-            log.info("trial %2d: size %d %s%s (%.2f s)", len(trials), size, trial.outcome.upper(),
+            if phase is not self.trials:
+                self.trials.append(trial)
+            log.info("trial %2d: size %d %s%s (%.2f s)", len(self.trials), size,
+                     trial.outcome.upper(),
                      f", peak {fmt_bytes(trial.peak_bytes)}" if trial.ok else "", trial.seconds)
-            if on_trial is not None:
-                on_trial(trial)
+            if self.on_trial is not None:
+                self.on_trial(trial)
 
-    guard: RamGuard | None = None
-    with ExitStack() as stack:
-        # Built first: a workload that cannot be pickled fails before any trial, and the
-        # forkserver starts while this process warms up.
-        fresh = (stack.enter_context(IsolatedRunner(fn, device=dev, budget=cfg.budget,
-                                                    timeout=cfg.trial_timeout,
-                                                    guard=_guard(cfg, dev)))
-                 if cfg.confirm else None)
-        runner, guard = _runner(fn, cfg, dev, stack)
-        if capacity is None:  # after the warm-up: free memory then leaves the model out
-            capacity = cfg.budget if cfg.budget is not None else _free_bytes(dev)
-        t_trials = time.perf_counter()  # max_seconds bounds the trials, not the warm-up
-        stopped = run_phase(strategy, trials, runner, "isolated" if cfg.isolate else "in-process")
-        lo, _ = bracket(trials)
-        if fresh is not None:
-            if lo is not None and (stopped == "bracket closed" or stopped.startswith("max_size")):
-                answer = []
-                stopped = run_phase(Confirm(start=lo), answer, fresh, "isolated")
-                stopped = f"{stopped} (confirmed in fresh processes from {lo})"
-            else:  # nothing to confirm: the answer stays the in-process one, and says so
-                mode = "in-process"
-                stopped += " (not confirmed)"
+    def confirm(self, fresh: Callable[[int, int], Trial], stopped: str) -> str:
+        """Confirm the in-process answer in fresh processes, from its largest fit up; why
+        the search stopped."""
+        lo, _ = bracket(self.trials)
+        if lo is not None and (stopped == "bracket closed" or stopped.startswith("max_size")):
+            self.answer = []
+            stopped = self.phase(Confirm(start=lo), self.answer, fresh, "isolated")
+            return f"{stopped} (confirmed in fresh processes from {lo})"
+        # nothing to confirm: the answer stays the in-process one, and says so
+        self.mode = "in-process"
+        return stopped + " (not confirmed)"
 
-        final = result(stopped)
+    def answered(self, stopped: str) -> SearchResult:
+        """The result with its recommendation; :class:`NoSizeFits` when nothing fitted."""
+        final = self.result(stopped)
         if final.max_ok is None:
             final.stopped_because = "nothing fits" + ("" if stopped.startswith("bracket closed")
                                                        else f" ({stopped})")
             raise NoSizeFits(final)
-        margin, source = choose_margin(cfg.margin, answer)
-        final.recommendation = recommend(answer, final.max_ok, capacity, final.fit, margin,
-                                         final.first_oom, source)
-        if cfg.verify_steps:
-            final.verification = _verify(fresh or runner, final.recommendation.safe,
-                                         cfg.verify_steps, "isolated" if fresh else mode)
-    return final
+        margin, source = choose_margin(self.cfg.margin, self.answer)
+        final.recommendation = recommend(self.answer, final.max_ok, self.capacity, final.fit,
+                                         margin, final.first_oom, source)
+        return final
 
 
 def verify(fn: Callable[[int], Any], size: int, steps: int, config: SearchConfig | None = None,
