@@ -1,7 +1,7 @@
 """The child-process launcher: a child's result, its exception, its death and its time
 limit come back to the parent; every child dies with its parent and leaves Ctrl-C to it.
 
-The unit tests fork their children (milliseconds each). The two integration tests run
+The unit tests fork their children (milliseconds each). The two slow tests run
 ``oomguard reference`` as a user does, in a session of its own, and kill it: with
 ``kill -9`` (no process it started may be left 2 s later) and with Ctrl-C (one line,
 ``oomguard: interrupted``, exit 130, no traceback).

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import io
 import json
 import math
 import os
@@ -73,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import in_fresh_process
 
 from oomguard.engine.cli.main import main
 from oomguard.metrics.base import METRICS, load_all
@@ -255,15 +257,33 @@ def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
     return code, out, err
 
 
+def _cli_in_fresh_process(argv: list[str]) -> tuple[int, str, str]:
+    """``oomguard ARGV`` in a fresh process (see :func:`_fresh_cli`)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 2
+    return code, out.getvalue(), err.getvalue()
+
+
+def _fresh_cli(argv: list[str]) -> tuple[int, str, str]:
+    """A search under a budget in a fresh process: in a process that ran other tests, free
+    heap left behind is reused without counting against the budget (a warning, and peaks
+    of 0 bytes), so the report would depend on which tests ran before."""
+    return in_fresh_process(_cli_in_fresh_process, argv)
+
+
 # ----------------------------------------------------------------------------------------
-# A search and a bench, in this process.
+# A search and a bench, each in a fresh process.
 
 @pytest.mark.slow
-def test_search_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_search_report(tmp_path: Path) -> None:
     out = tmp_path / "rep"
-    code, stdout, stderr = _cli(["search", "--metric", "loss", "--model", TINY, "--samples", "4",
-                                 "--seq-len", "8", "--budget", "64MiB", "--out", str(out)],
-                                capsys)
+    code, stdout, stderr = _fresh_cli(["search", "--metric", "loss", "--model", TINY,
+                                       "--samples", "4", "--seq-len", "8", "--budget", "64MiB",
+                                       "--out", str(out)])
     assert code == 0, stderr
     norm = Norm({str(tmp_path): "<tmp>"}, keep=("64.00 MiB",))
     check_json("search/report.json", _read_json(out / "report.json"), norm)
@@ -275,11 +295,11 @@ def test_search_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 
 @pytest.mark.slow
-def test_bench_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_report(tmp_path: Path) -> None:
     out = tmp_path / "rep"
-    code, stdout, stderr = _cli(["bench", "--model", TINY, "--seq-len", "16", "--budget",
-                                 "48MiB", "--start", "2", "--max-size", "2", "--out", str(out),
-                                 "--json"], capsys)
+    code, stdout, stderr = _fresh_cli(["bench", "--model", TINY, "--seq-len", "16", "--budget",
+                                       "48MiB", "--start", "2", "--max-size", "2", "--out",
+                                       str(out), "--json"])
     assert code == 0, stderr
     norm = Norm({str(tmp_path): "<tmp>"}, keep=("48.00 MiB",))
     check_json("bench/stdout.json", json.loads(stdout), norm)

@@ -4,7 +4,7 @@ by something other than memory recorded as capped, and searched again by a reque
 do not bound; ``vjp_block`` searched only up to the hidden width.
 
 The unit tests drive the routine with small evaluators: no child process, no budget. The
-one integration test runs a real job after a capped cache entry.
+one slow test runs a real job after a capped cache entry.
 """
 
 from __future__ import annotations
