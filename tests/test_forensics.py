@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,6 @@ import torch
 from conftest import budget_after_warmup, in_fresh_process
 from fakes.fake_cuda import FakeCuda, GiB, MiB
 
-from oomguard.engine.cli.main import main
 from oomguard.engine.core.execute.executor import Executor
 from oomguard.engine.core.memory import budget as budget_mod
 from oomguard.engine.core.memory import forensics
@@ -34,6 +35,8 @@ from oomguard.engine.errors import ExecutionFailed
 from oomguard.engine.jobs.records import TaskResult
 from oomguard.probes.host import proc_status
 from oomguard.reports.job_report import oom_events_section, oom_view
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def two_blocks(batch_size: int) -> float:
@@ -107,8 +110,7 @@ class TwoBlocks(Metric):
 
 
 @pytest.mark.slow
-def test_job_results_and_report_carry_the_oom_events(tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_job_results_and_report_carry_the_oom_events(tmp_path: Path) -> None:
     plugin = tmp_path / "forensics_plugin.py"
     plugin.write_text(PLUGIN, encoding="utf-8")
     out = tmp_path / "out"
@@ -117,9 +119,10 @@ def test_job_results_and_report_carry_the_oom_events(tmp_path: Path,
                    'budget = "64MiB"\n[data]\nseq_len = 8\nn_samples = 2\n[search]\n'
                    'enabled = false\n[[metrics]]\nname = "test_two_blocks"\n'
                    '[[metrics]]\nname = "loss"\n', encoding="utf-8")
-    # In this process: the budget and the OOM are the metric child's, not this one's.
-    code = main(["run", str(job), "--cache", str(tmp_path / "cache.json"), "--snapshot-on-oom"])
-    assert code == 0, capsys.readouterr().err
+    done = subprocess.run([sys.executable, "-m", "oomguard", "run", str(job),
+                           "--cache", str(tmp_path / "cache.json"), "--snapshot-on-oom"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
     tasks = json.loads((out / "results.json").read_text())["tasks"]
     [ev] = tasks["test_two_blocks"]["oom_events"]
     assert tasks["test_two_blocks"]["sizes"]["final"] == {"chunk": 4}
