@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.engine.cli.main import main
 from oomguard.engine.core.child import start_method
 from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.fingerprint import Digests, describe_changes
@@ -55,11 +54,9 @@ def _job(tmp_path: Path, metrics: str, *, name: str = "job.toml", out: str = "ou
     return path
 
 
-def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    """``oomguard *args`` in this process, where the test is not about the process (no
-    interpreter to start): the exit code and what went to stderr."""
-    code = main(list(args))
-    return code, capsys.readouterr().err
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "oomguard", *args], cwd=kw.pop("cwd", ROOT),
+                          capture_output=True, text=True, timeout=300, **kw)
 
 
 def _events(out: Path, event: str) -> list[dict]:
@@ -149,27 +146,27 @@ def test_describe_changes_names_each_part():
 
 
 @pytest.mark.slow
-def test_an_output_folder_belongs_to_one_job(tmp_path, capsys):
+def test_an_output_folder_belongs_to_one_job(tmp_path):
     a = _job(tmp_path, '[[metrics]]\nname = "test_grid"\n', name="a.toml")
     b = _job(tmp_path, '[[metrics]]\nname = "loss"\n', name="b.toml")
     out = tmp_path / "out"
-    assert _main(capsys, "run", str(a))[0] == 0
+    assert _cli("run", str(a)).returncode == 0
     a_results = (out / "results.json").read_bytes()
 
-    code, err = _main(capsys, "run", str(b))
-    assert code == 2
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert "holds the results of another job ('a'" in err and "--force" in err
+    refused = _cli("run", str(b))
+    assert refused.returncode == 2
+    assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+    assert "holds the results of another job ('a'" in refused.stderr and "--force" in refused.stderr
     assert (out / "results.json").read_bytes() == a_results  # nothing of A touched
 
-    code, err = _main(capsys, "run", str(b), "--force")
-    assert code == 0, err
+    forced = _cli("run", str(b), "--force")
+    assert forced.returncode == 0, forced.stderr
     moved = list((out / "moved-aside").iterdir())
     assert len(moved) == 1 and (moved[0] / "results.json").read_bytes() == a_results
     assert (moved[0] / "results" / "test_grid.pt").is_file()
     assert sorted(json.loads((out / "results.json").read_text())["tasks"]) == ["loss"]
     # The same job file again is the same job: it resumes.
-    assert _main(capsys, "run", str(b))[0] == 0
+    assert _cli("run", str(b)).returncode == 0
     assert [e["task"] for e in _events(out, "skip")] == ["loss"]
 
 
@@ -185,17 +182,19 @@ def test_values_that_cannot_work_fail_when_the_job_is_read(tmp_path, top, messag
     assert not (tmp_path / "out").exists()
 
 
-def test_a_budget_larger_than_the_device_fails_before_the_output_folder(tmp_path, capsys):
+@pytest.mark.slow
+def test_a_budget_larger_than_the_device_fails_before_the_output_folder(tmp_path):
     path = _job(tmp_path, '[[metrics]]\nname = "loss"\n')
     path.write_text('budget = "100TiB"\n' + path.read_text())
-    code, err = _main(capsys, "run", str(path))
-    assert code == 2 and err.count("\n") == 1
-    assert "budget: 102400.00 GiB is more than cpu's" in err
+    done = _cli("run", str(path))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "budget: 102400.00 GiB is more than cpu's" in done.stderr
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["file", "unwritable"])
-def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, kind, capsys):
+def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, kind):
     path = _job(tmp_path, '[[metrics]]\nname = "loss"\n')
     if kind == "file":
         out = tmp_path / "taken"
@@ -203,9 +202,9 @@ def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, kind, 
     else:  # under a regular file: not creatable, for root too
         out = tmp_path / "taken" / "out"
         (tmp_path / "taken").write_text("not a folder")
-    code, err = _main(capsys, "run", str(path), "--out", str(out))
-    assert code == 2 and err.count("\n") == 1, err
-    assert "Traceback" not in err and str(tmp_path / "taken") in err
+    done = _cli("run", str(path), "--out", str(out))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr and str(tmp_path / "taken") in done.stderr
 
 
 def test_children_fork_only_for_cpu_jobs_never_for_a_gpu():
@@ -216,9 +215,9 @@ def test_children_fork_only_for_cpu_jobs_never_for_a_gpu():
 
 
 @pytest.mark.slow
-def test_a_cpu_job_from_the_command_line_forks_its_children(tmp_path, capsys):
+def test_a_cpu_job_from_the_command_line_forks_its_children(tmp_path):
     path = _job(tmp_path, '[[metrics]]\nname = "loss"\n')
-    assert _main(capsys, "run", str(path))[0] == 0
+    assert _cli("run", str(path)).returncode == 0
     starts = _events(tmp_path / "out", "start")
     assert [e["start_method"] for e in starts] == [start_method("cpu")]
 
@@ -240,12 +239,11 @@ def test_a_full_disk_ends_in_one_line_and_keeps_finished_results(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_interrupt_during_the_final_report_is_recorded_and_a_rerun_finishes_it(tmp_path,
-                                                                                 capsys):
+def test_an_interrupt_during_the_final_report_is_recorded_and_a_rerun_finishes_it(tmp_path):
     metrics = "".join(f'[[metrics]]\nname = "test_grid"\nid = "grid{i}"\n' for i in range(6))
     path = _job(tmp_path, metrics)
     out = tmp_path / "out"
-    assert _main(capsys, "run", str(path))[0] == 0
+    assert _cli("run", str(path)).returncode == 0
     for png in (out / "plots").glob("*.png"):
         png.unlink()
     (out / "report.md").unlink()
@@ -266,7 +264,8 @@ def test_an_interrupt_during_the_final_report_is_recorded_and_a_rerun_finishes_i
     assert summary["status"] == end["status"] == (
         "interrupted" if proc.returncode == 130 else "complete")
     assert summary["exit_code"] == end["exit_code"] == proc.returncode
-    assert _main(capsys, "run", str(path))[0] == 0 and (out / "report.md").is_file()
+    rerun = _cli("run", str(path))
+    assert rerun.returncode == 0 and (out / "report.md").is_file()
     assert json.loads((out / "results.json").read_text())["status"] == "complete"
     assert (out / "plots" / "memory.png").is_file()
 
