@@ -46,6 +46,7 @@ KILL_GRACE_S = 5.0  # seconds between SIGTERM and SIGKILL when a child is asked 
 _SERVER_PRELOAD = ("oomguard.engine.core.in_forkserver", "torch", "torch._dynamo",
                    "oomguard.engine.core.search.isolate")
 _preload: dict[str, None] = {}  # every module asked for so far, in order (a set)
+PARENT_ENV = "OOMGUARD_FORKSERVER_PARENT"  # the pid that started a forkserver, for the server
 
 # What a child sends (kind, payload), and how it ended (:attr:`Ended.how`).
 STARTED, MESSAGE, RETURNED, RAISED = "started", "message", "returned", "raised"
@@ -79,9 +80,14 @@ def start_forkserver(preload: Iterable[str] = ()) -> Any:
         swap = previous is not None and threading.current_thread() is threading.main_thread()
         if swap:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # The server learns who started it from its environment: if this process dies
+        # while the server's interpreter starts (seconds under load), the server's parent
+        # is already the reaper when it asks for the death signal, and it must exit.
+        os.environ[PARENT_ENV] = str(os.getpid())
         try:
             forkserver.ensure_running()  # spawns the server and returns
         finally:
+            os.environ.pop(PARENT_ENV, None)
             if swap:
                 signal.signal(signal.SIGINT, previous)
     return ctx
