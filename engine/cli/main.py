@@ -65,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(sys.argv[1:] if argv is None else list(argv))
     except KeyboardInterrupt:
+        if "multiprocessing" in sys.modules:  # children (they ignore SIGINT) end first
+            from oomguard.engine.core.child import stop_children
+
+            stop_children()
         print("oomguard: interrupted", file=sys.stderr)
         return 130
 

@@ -103,6 +103,16 @@ def context(method: str = "forkserver", preload: Iterable[str] = ()) -> Any:
     return mp.get_context("fork")
 
 
+def stop_children() -> None:
+    """SIGKILL every child process this process started and wait for each to end (their own
+    children die with them): for a command's last word after Ctrl-C, so that nothing a
+    child was still writing (a child started just as the interrupt came was never waited
+    for) follows it."""
+    for proc in mp.active_children():
+        proc.kill()
+        proc.join(5)
+
+
 def die_with_parent(parent: int | None = None) -> None:
     """Ask Linux to SIGKILL this process when its parent (the *thread* that started it)
     dies; exit now if the parent is no longer ``parent`` (it died before that)."""
