@@ -86,7 +86,7 @@ def test_reference_covers_every_knob_is_cached_and_its_sizes_run_in_a_job(tmp_pa
 
 def test_a_job_on_the_same_device_and_workload_finds_the_references_sizes(
         tmp_path: Path) -> None:
-    # The key a job's metric looks up (engine/jobs/child.py) is the one the reference
+    # The key a job's metric looks up (engine/jobs/task_child.py) is the one the reference
     # stored its job sizes under: same device identity, same workload fingerprint.
     from oomguard.engine.jobs.sizing import Request, SearchRecord, Slot, choose_sizes
     from oomguard.metrics.base import get_metric

@@ -1,7 +1,7 @@
 """Where a task's outputs go: its journal events, its size-cache puts and lowers, its files.
 
 A task (:func:`~oomguard.engine.jobs.task_process.run_task` and its process,
-:func:`~oomguard.engine.jobs.child.child_main`) hands every output to one sink (``event``,
+:func:`~oomguard.engine.jobs.task_child.child_main`) hands every output to one sink (``event``,
 ``put``, ``lower``, ``write``; ``get`` reads the cache) and opens none of the job's
 files itself. :class:`FileSink`, in one process, writes them directly (it is picklable:
 the task's process writes too). :class:`HubSink`, on Ray, sends them in order to the

@@ -3,7 +3,7 @@
 :func:`run_task` is the one way a task runs, whoever asks: the job's own process
 (:mod:`~oomguard.engine.jobs.runner`) or a Ray worker
 (:mod:`~oomguard.engine.jobs.ray_task`). It starts the task's process
-(:func:`~oomguard.engine.jobs.child.child_main`), enforces the task's time limit (SIGTERM,
+(:func:`~oomguard.engine.jobs.task_child.child_main`), enforces the task's time limit (SIGTERM,
 then SIGKILL), starts a fresh process whenever the remedy ladder hands one over, and
 records a process that died or was stopped without a result as the task's failure.
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.engine.core import child as launcher
-from oomguard.engine.jobs.child import child_main
 from oomguard.engine.jobs.output import read_result
 from oomguard.engine.jobs.records import Context, Task, TaskResult
 from oomguard.engine.jobs.sink import Sink
+from oomguard.engine.jobs.task_child import child_main
 from oomguard.engine.util.jsonable import json_text
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import model_config
@@ -86,7 +86,7 @@ def _ended(task: Task, ctx: Context, sink: Sink, stop: Any, ended: launcher.Ende
 def preload_modules(task: Task) -> tuple[str, ...]:
     """Modules a task's process needs, for its parent (or forkserver) to import once."""
     mods = ["transformers", "oomguard.metrics.models", "oomguard.metrics.base",
-            "oomguard.engine.jobs.child", type(get_metric(task.metric)).__module__]
+            "oomguard.engine.jobs.task_child", type(get_metric(task.metric)).__module__]
     try:
         mt = model_config(task.model).model_type.replace("-", "_")
         mods.append(f"transformers.models.{mt}.modeling_{mt}")
