@@ -1,18 +1,12 @@
-"""``report.md`` and plots of an overnight job (``oomguard run``).
+"""``report.md`` and plots of an overnight job (``oomguard run``), from the content of its
+``results.json`` alone (plain JSON types), every file written atomically.
 
-Per metric: status, the sizes used and where they came from (cache, search,
-defaults, job file), retries, seconds, peak memory (measured, with what the
-meter counts) and the result summary; failures with their reason and
-traceback file; every out-of-memory event of the metrics' runs, with memory as
-measured at the OOM (:mod:`oomguard.engine.core.memory.forensics`); and, for metrics with a
-remedy ladder (``on_oom``), every remedy tried, with a result computed at a lower
-precision flagged in the table itself (:mod:`oomguard.engine.core.execute.remedies`).
-Plots (``plots/``: peak memory per metric, loss landscapes, attention entropy) are
-drawn in the one plot style (:mod:`oomguard.reports.style`).
-
-The input is the content of the job's ``results.json`` (plain JSON types), so
-a report can be rewritten from that file alone. Every file is written
-atomically.
+Per metric: status, the sizes used and where they came from, retries, seconds, peak memory
+(measured) and the result summary; failures with their reason and traceback file; every
+out-of-memory event of the metrics' runs, with memory as measured at the OOM; every remedy
+tried (``on_oom``), a result at a lower precision flagged in the table itself. Plots
+(``plots/``: peak memory per metric, loss landscapes, attention entropy) use
+:mod:`oomguard.reports.style`.
 """
 
 from __future__ import annotations
@@ -42,6 +36,7 @@ class ReportInterrupted(Exception):
 def _go_on(cancelled: Callable[[], bool] | None) -> None:
     if cancelled is not None and cancelled():
         raise ReportInterrupted
+
 
 _LANDSCAPE_KEYS = ("loss_grid", "losses", "grid", "surface", "loss")
 
@@ -84,8 +79,7 @@ def plot_peak_memory(summary: Mapping[str, Any], path: Path) -> Path | None:
     if budget:
         ax.axhline(budget / 2**20, color="tab:red", ls="--", label="budget")
         ax.legend()
-    ax.set_ylabel("peak memory (MiB, measured)")
-    ax.set_title("Peak memory per metric")
+    ax.set(ylabel="peak memory (MiB, measured)", title="Peak memory per metric")
     ax.tick_params(axis="x", rotation=30)
     return style.save(fig, path)
 
@@ -98,9 +92,7 @@ def plot_landscape(grid: Any, path: Path, title: str) -> Path:
     ax.contour(xs, ys, grid, levels=10, colors="k", linewidths=0.4)
     fig.colorbar(cs, ax=ax, label="loss (nats/token)")
     ax.plot([0], [0], "r+", ms=10)
-    ax.set_xlabel("direction 1 (relative step)")
-    ax.set_ylabel("direction 2 (relative step)")
-    ax.set_title(title)
+    ax.set(xlabel="direction 1 (relative step)", ylabel="direction 2 (relative step)", title=title)
     return style.save(fig, path)
 
 
@@ -110,11 +102,8 @@ def plot_heatmap(grid: Any, path: Path, title: str) -> Path:
     fig.colorbar(ax.imshow(grid, aspect="auto", cmap="magma"), ax=ax, label="entropy (nats)")
     rows, cols = grid.shape
     if rows <= 32 and cols <= 32:  # one tick per layer and head, numbered from 0
-        ax.set_yticks(range(rows))
-        ax.set_xticks(range(cols))
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
-    ax.set_title(title)
+        ax.set(yticks=range(rows), xticks=range(cols))
+    ax.set(xlabel="head", ylabel="layer", title=title)
     return style.save(fig, path)
 
 

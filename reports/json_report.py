@@ -158,12 +158,6 @@ def _guided_reason(seen: list[Trial], t: Trial) -> str:
     return "doubling or bisection (the predictions were not reliable)"
 
 
-def _guided_steps(result: SearchResult) -> list[str]:
-    trials, name = result.trials, result.size_name
-    return [f"Tried {name}={t.size}, {_guided_reason(trials[:i], t)} ({status_text(t)})"
-            for i, t in enumerate(trials) if i]
-
-
 def _groups(trials: list[Trial]) -> list[tuple[str, int | None, int | None, list[Trial]]]:
     """Runs of trials that expanded, halved or refined the bracket, with the bracket
     ``(lo, hi)`` each run started from."""
@@ -218,15 +212,16 @@ def strategy_steps(result: SearchResult) -> list[str]:
     """Numbered-list items describing the search as it actually ran, from the trials."""
     if not result.trials:
         return [f"No trial ran ({result.stopped_because})."]
-    first = result.trials[0]
-    middle = _guided_steps(result) if result.strategy == "guided" else _stepped(result)
-    return [f"Started with {result.size_name}={first.size} ({status_text(first)})", *middle,
+    trials, name = result.trials, result.size_name
+    middle = ([f"Tried {name}={t.size}, {_guided_reason(trials[:i], t)} ({status_text(t)})"
+               for i, t in enumerate(trials) if i] if result.strategy == "guided"
+              else _stepped(result))
+    return [f"Started with {name}={trials[0].size} ({status_text(trials[0])})", *middle,
             _ending(result)]
 
 
 # ---------------------------------------------------------------- the record
 def oomguard_version() -> str:
-    """The installed oomguard version, or ``"unknown"``."""
     try:
         return version("oomguard")
     except PackageNotFoundError:
@@ -250,10 +245,8 @@ def _at_max(result: SearchResult) -> dict[str, Any]:
 
 
 def summarise(result: SearchResult, context: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The derived figures of ``result`` (``report.json``'s ``summary``, before JSON):
-    ``peak_bytes_at_max``, ``utilisation`` as a fraction, ``margin_left_bytes``, counts,
-    ``capped_by`` (:func:`capped_by`), ``memory_scaling`` (:func:`scaling_verdict`), the
-    search steps as prose, ...; ``context`` says how many samples there were."""
+    """The derived figures of ``result``, ``report.json``'s ``summary`` (module docstring);
+    ``context`` says how many samples there were (for :func:`capped_by`)."""
     cap, fit, size = result.capacity_bytes, result.fit, result.size_name
     n_ok = sum(t.ok for t in result.trials)
     return {
@@ -282,13 +275,9 @@ def summarise(result: SearchResult, context: Mapping[str, Any] | None = None) ->
 
 def render_json(result: SearchResult, context: dict | None = None,
                 summary: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Every figure of ``result`` (and ``context``) as a JSON-serialisable dict.
-
-    Keys: ``schema``, ``oomguard_version``, ``generated_at`` (UTC ISO 8601),
-    ``context``, ``result`` (:meth:`SearchResult.to_dict`: all trials, fit,
-    recommendation, capacity, budget, config) and ``summary`` (:func:`summarise`,
-    computed here unless given).
-    """
+    """``report.json``: ``schema``, ``oomguard_version``, ``generated_at`` (UTC ISO 8601),
+    ``context``, ``result`` (:meth:`SearchResult.to_dict`: trials, fit, recommendation,
+    capacity, budget, config) and ``summary`` (:func:`summarise`, computed unless given)."""
     return to_jsonable({
         "schema": SCHEMA,
         "oomguard_version": oomguard_version(),

@@ -135,15 +135,13 @@ def memory_figure(result: SearchResult, summary: Mapping[str, Any] | None = None
     _maximum(ax, result)
     if result.recommendation is not None and result.recommendation.safe != result.max_ok:
         _safe(ax, result)
-    device = result.device.split(":", 1)[0]
-    ax.set_xlabel(f"{s['size_label']} (items)")
-    ax.set_ylabel(f"peak memory above trial start ({unit}, {_METER.get(device, 'measured')})")
-    ax.set_title(f"{result.workload}: peak memory vs {s['size_label']}\n"
-                 f"{result.device} · {_MODE.get(result.mode, _MODE['in-process'])} · strategy "
-                 f"{result.strategy}")
-    ax.set_xlim(0, x_max)
+    meter = _METER.get(result.device.split(":", 1)[0], "measured")
     y_top = max(values, default=div) / div
-    ax.set_ylim(0, y_top * 1.12 if y_top > 0 else 1.0)
+    ax.set(xlabel=f"{s['size_label']} (items)",
+           ylabel=f"peak memory above trial start ({unit}, {meter})",
+           title=f"{result.workload}: peak memory vs {s['size_label']}\n{result.device} · "
+                 f"{_MODE.get(result.mode, _MODE['in-process'])} · strategy {result.strategy}",
+           xlim=(0, x_max), ylim=(0, y_top * 1.12 if y_top > 0 else 1.0))
     # Below the axes, so it never hides the capacity line or the points.
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
     return fig
@@ -169,11 +167,9 @@ def throughput_figure(result: SearchResult, summary: Mapping[str, Any] | None = 
     _safe(ax, result)
     _maximum(ax, result)
     label = s["size_label"]
-    ax.set_xlabel(f"{label} (items)")
-    ax.set_ylabel("items per second (measured)")
-    ax.set_title(f"{result.workload}: throughput vs {label}\n{result.device} · {result.mode}")
-    ax.set_xlim(0, max(sizes) * 1.08)
-    ax.set_ylim(0, max(measured.values()) * 1.15)
+    ax.set(xlabel=f"{label} (items)", ylabel="items per second (measured)",
+           title=f"{result.workload}: throughput vs {label}\n{result.device} · {result.mode}",
+           xlim=(0, max(sizes) * 1.08), ylim=(0, max(measured.values()) * 1.15))
     ax.legend(loc="lower right", frameon=False)
     return fig
 
