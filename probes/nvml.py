@@ -171,11 +171,7 @@ def mig_devices() -> list[MigIdentity]:
     if nv is None or not hasattr(nv, "nvmlDeviceGetMigMode"):  # a pynvml older than MIG
         return []
     out: list[MigIdentity] = []
-    try:
-        count = nv.nvmlDeviceGetCount()
-    except _errors(nv):
-        return []
-    for i in range(count):
+    for i in range(device_count()):
         try:
             h = nv.nvmlDeviceGetHandleByIndex(i)
             if nv.nvmlDeviceGetMigMode(h)[0] != getattr(nv, "NVML_DEVICE_MIG_ENABLE", 1):

@@ -132,11 +132,8 @@ def _task_plots(key: str, task: Mapping[str, Any], out: Path,
 
 def write_plots(summary: Mapping[str, Any], out: Path,
                 cancelled: Callable[[], bool] | None = None) -> dict[str, str]:
-    """Every plot the job's results call for; ``{title: path relative to out}``.
-
-    ``cancelled()``, if given, is asked before each plot; when it says True,
-    :class:`ReportInterrupted` is raised (each plot file is whole or absent).
-    """
+    """Every plot the job's results call for; ``{title: path relative to out}``. A
+    ``cancelled()`` that says True before a plot raises :class:`ReportInterrupted`."""
     plots: dict[str, str] = {}
     (out / "plots").mkdir(exist_ok=True)
     _go_on(cancelled)
@@ -354,13 +351,9 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
 
 def write_job_report(summary: Mapping[str, Any], out: str | Path,
                      cancelled: Callable[[], bool] | None = None) -> Path:
-    """Write ``report.md`` (and the plots) for a job's ``results.json`` content.
-
-    A plot that fails for any reason but the file system is left out with a
-    logged traceback; ``OSError`` (a full disk) propagates to the caller.
-    ``cancelled()``, if given, is asked before each plot and before ``report.md``:
-    True stops the report with :class:`ReportInterrupted` (files are whole or absent).
-    """
+    """Write ``report.md`` and the plots for a job's ``results.json`` content. A plot that
+    fails for any reason but the file system (``OSError`` propagates) is left out with a
+    logged traceback; ``cancelled()`` is also asked before ``report.md``."""
     out = Path(out)
     try:
         plots = write_plots(summary, out, cancelled)
