@@ -141,18 +141,16 @@ def host_budget_unavailable() -> str | None:
     here, in one line; None where it can (Linux with ``/proc``)."""
     name = system()
     if resource is None or not hasattr(resource, "RLIMIT_DATA"):
-        return (f"CPU budgets are not available on {name}: it has no RLIMIT_DATA; "
-                "searches use the probed available RAM (estimated, not enforced)")
-    if name == "Darwin":
-        return ("CPU budgets are not available on macOS: RLIMIT_DATA there limits only sbrk, "
-                "not malloc; searches use the probed available RAM (estimated, not enforced)")
-    if name != "Linux":
-        return (f"CPU budgets are enforced only on Linux, not {name}; searches use the "
-                "probed available RAM (estimated, not enforced)")
-    if proc_status("VmData") is None:
-        return (f"CPU budgets need {PROC / 'self' / 'status'} (VmData), which is not "
-                "readable here; searches use the probed available RAM (estimated, not enforced)")
-    return None
+        why = f"CPU budgets are not available on {name}: it has no RLIMIT_DATA"
+    elif name == "Darwin":
+        why = "CPU budgets are not available on macOS: RLIMIT_DATA there limits only sbrk, not malloc"
+    elif name != "Linux":
+        why = f"CPU budgets are enforced only on Linux, not {name}"
+    elif proc_status("VmData") is None:
+        why = f"CPU budgets need {PROC / 'self' / 'status'} (VmData), which is not readable here"
+    else:
+        return None
+    return f"{why}; searches use the probed available RAM (estimated, not enforced)"
 
 
 def resident_bytes() -> tuple[int | None, str]:

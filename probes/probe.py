@@ -119,10 +119,9 @@ def _cuda_snapshot(index: int | None) -> MemorySnapshot:
     ident, stats = cuda.identity(idx), cuda.allocator_stats(idx)
     nv, how = nvml.query_for_torch_index(idx, uuid=ident.get("uuid"),
                                          pci_bus_id=ident.get("pci_bus_id"))
-    snap = MemorySnapshot(device=label, name=ident["name"], available=True,
-                          extra={k: ident[k] for k in ("uuid", "pci_bus_id") if k in ident})
-    snap.extra.update(stats)
-    snap.extra["free_in_allocator_cache"] = stats["reserved"] - stats["allocated"]
+    snap = MemorySnapshot(device=label, name=ident["name"], available=True, extra={
+        **{k: ident[k] for k in ("uuid", "pci_bus_id") if k in ident}, **stats,
+        "free_in_allocator_cache": stats["reserved"] - stats["allocated"]})
     snap.sources.update({
         "allocated": "torch.cuda.memory_allocated", "reserved": "torch.cuda.memory_reserved",
         "peak_allocated": "torch.cuda.max_memory_allocated",

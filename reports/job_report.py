@@ -111,22 +111,20 @@ def _task_plots(key: str, task: Mapping[str, Any], out: Path,
                 cancelled: Callable[[], bool] | None) -> dict[str, str]:
     """A finished task's loss landscape and attention entropy plots, where its results hold
     the 2-D arrays."""
-    plots: dict[str, str] = {}
     grids = _grids(task, out)
+    landscape = None
     if task.get("metric") == "loss_landscape" or any("landscape" in g for g in grids):
-        name = next((g for k in _LANDSCAPE_KEYS for g in grids if g.split(".")[-1] == k),
-                    next(iter(grids), None))
+        landscape = next((g for k in _LANDSCAPE_KEYS for g in grids if g.split(".")[-1] == k),
+                         next(iter(grids), None))
+    entropy = next((n for n in grids if "entropy" in n.lower()), None)
+    plots: dict[str, str] = {}
+    for name, label, file, draw, note in (
+            (landscape, "loss landscape", "landscape", plot_landscape, ""),
+            (entropy, entropy, "entropy", plot_heatmap, " (layer x head)")):
         if name is not None:
             _go_on(cancelled)
-            p = plot_landscape(grids[name], out / "plots" / f"{key}-landscape.png",
-                               f"{key}: loss landscape")
-            plots[f"{key}: loss landscape"] = str(p.relative_to(out))
-    name = next((n for n in grids if "entropy" in n.lower()), None)
-    if name is not None:
-        _go_on(cancelled)
-        p = plot_heatmap(grids[name], out / "plots" / f"{key}-entropy.png",
-                         f"{key}: {name} (layer x head)")
-        plots[f"{key}: {name}"] = str(p.relative_to(out))
+            p = draw(grids[name], out / "plots" / f"{key}-{file}.png", f"{key}: {label}{note}")
+            plots[f"{key}: {label}"] = str(p.relative_to(out))
     return plots
 
 

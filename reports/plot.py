@@ -1,9 +1,6 @@
-"""PNG plots of one search: peak memory against the searched size (batch size or a knob),
-``memory.png``, and measured throughput against it, ``throughput.png``.
-
-Drawn in the one plot style (:mod:`oomguard.reports.style`: a standalone
-``Figure`` on an Agg canvas, no pyplot) and written atomically. Memory is
-shown in GiB, or MiB when everything is under 1 GiB.
+"""PNG plots of one search in the one plot style (:mod:`oomguard.reports.style`): peak
+memory against the searched size (batch size or a knob), ``memory.png``, in GiB or MiB when
+everything is under 1 GiB; measured throughput against it, ``throughput.png``.
 """
 
 from __future__ import annotations
@@ -114,15 +111,10 @@ def _safe(ax: Any, result: SearchResult) -> None:
 
 
 def memory_figure(result: SearchResult, summary: Mapping[str, Any] | None = None) -> Figure:
-    """Peak memory (GiB or MiB) against the searched size, named as the report names it.
-
-    Shows the successful trials' measured peaks (points), the least-squares fit
-    (dashed; per-item cost and R² in the legend), the capacity line and the
-    safe-margin line at ``capacity x (1 - margin)``, OOM trials as red crosses
-    on the capacity line (their peak is unknown), and vertical markers at the
-    measured maximum and the recommended safe size. ``summary`` is
-    :func:`~oomguard.reports.json_report.summarise` of ``result`` (computed here unless given).
-    """
+    """Peak memory against the searched size: the successful trials' measured peaks, the
+    least-squares fit (an estimate), the capacity and safe-margin lines, OOM trials (peak
+    unknown), the RAM guard's limit, and markers at the measured maximum and the recommended
+    safe size. ``summary`` is :func:`summarise` of ``result`` (computed here unless given)."""
     s = summary if summary is not None else summarise(result)
     x_max, values = _scale(result)
     top = max((abs(v) for v in values), default=0.0)
