@@ -4,7 +4,8 @@ A :class:`~oomguard.engine.errors.UsageError` (bad input, checked before any wor
 line on stderr and exit code 2; a search without an answer, or a result that cannot be
 written (a full disk), one line and exit 1; Ctrl-C one line and 130; anything else is a
 bug and keeps its traceback. :data:`COMMANDS` names each subcommand's module, imported only
-when that command runs: ``oomguard --help`` imports none of them (no torch).
+when that command runs: ``oomguard --help`` imports none of them (no torch). Sizes are
+given with units (``2GiB``, ``512MiB``, ``2GB``) or in bytes.
 """
 
 from __future__ import annotations
