@@ -131,10 +131,6 @@ def status_text(t: Trial) -> str:
 
 
 # ---------------------------------------------------------------- the search in prose
-def _mark(t: Trial) -> str:
-    return f"{t.size} {'✓' if t.ok else '✗ RAM guard' if t.guarded else '✗ OOM'}"
-
-
 def _growth(sizes: Sequence[int]) -> str:
     pairs = list(zip(sizes, sizes[1:], strict=False))
     if len({b - a for a, b in pairs}) == 1:
@@ -185,7 +181,8 @@ def _stepped(result: SearchResult) -> list[str]:
     """The doubling and increment strategies' steps: runs of expanding, halving, bisecting."""
     name, first, steps = result.size_name, result.trials[0], []
     for kind, lo, hi, group in _groups(result.trials):
-        marks = ", ".join(_mark(t) for t in group)
+        marks = ", ".join(f"{t.size} {'✓' if t.ok else '✗ RAM guard' if t.guarded else '✗ OOM'}"
+                          for t in group)
         if kind == "expand":
             steps += _expanded(name, lo if lo is not None else first.size, group)
         elif kind == "halve":
