@@ -211,10 +211,7 @@ _PROCESS_LISTS = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphics
 def _processes(nv: Any, handle: Any) -> tuple[dict[int, int | None], str | None]:
     """pid -> used bytes for compute and graphics contexts (None where not reported),
     and the compute API that answered (None if none did)."""
-    try:
-        skip_v3 = misparses_v3(_text(nv.nvmlSystemGetDriverVersion()))
-    except _errors(nv):
-        skip_v3 = False
+    skip_v3 = misparses_v3(driver_version())
     procs: dict[int, int | None] = {}
     used_api: str | None = None
     for base in _PROCESS_LISTS:
