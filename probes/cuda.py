@@ -10,14 +10,11 @@ Everything is gated on ``torch.cuda.is_available()``: on a CPU-only build
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from oomguard.probes.nvml_ids import pci_bus_id_from_ints
-
-log = logging.getLogger("oomguard.probes.cuda")
 
 
 def unavailable_reason() -> str | None:

@@ -52,8 +52,7 @@ class DataSize:
             self._fd: int | None = os.open(where / "statm", os.O_RDONLY)
         except OSError:
             self._fd = None
-        stack = proc_status("VmStk", pid)
-        self._stack = stack or 0
+        self._stack = proc_status("VmStk", pid) or 0
 
     def read(self) -> int | None:
         if self._fd is None:
@@ -69,21 +68,15 @@ class DataSize:
             self._fd = None
 
 
-def _kib_field(text: str, key: str) -> int | None:
-    for line in text.splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return None
-
-
 def proc_status(key: str, pid: int | None = None) -> int | None:
     """A ``kB`` field of ``/proc/self/status`` (``VmData``, ``VmRSS``, ``VmHWM``), or of
     process ``pid``'s, in bytes; None where there is no procfs."""
     try:
-        return _kib_field((PROC / ("self" if pid is None else str(pid)) / "status").read_text(),
-                          key)
+        text = (PROC / ("self" if pid is None else str(pid)) / "status").read_text()
     except OSError:
         return None
+    return next((int(line.split()[1]) * 1024 for line in text.splitlines()
+                 if line.startswith(key + ":")), None)
 
 
 def meminfo() -> dict[str, int]:
@@ -148,18 +141,16 @@ def host_budget_unavailable() -> str | None:
     here, in one line; None where it can (Linux with ``/proc``)."""
     name = system()
     if resource is None or not hasattr(resource, "RLIMIT_DATA"):
-        return (f"CPU budgets are not available on {name}: it has no RLIMIT_DATA; "
-                "searches use the probed available RAM (estimated, not enforced)")
-    if name == "Darwin":
-        return ("CPU budgets are not available on macOS: RLIMIT_DATA there limits only sbrk, "
-                "not malloc; searches use the probed available RAM (estimated, not enforced)")
-    if name != "Linux":
-        return (f"CPU budgets are enforced only on Linux, not {name}; searches use the "
-                "probed available RAM (estimated, not enforced)")
-    if proc_status("VmData") is None:
-        return (f"CPU budgets need {PROC / 'self' / 'status'} (VmData), which is not "
-                "readable here; searches use the probed available RAM (estimated, not enforced)")
-    return None
+        why = f"CPU budgets are not available on {name}: it has no RLIMIT_DATA"
+    elif name == "Darwin":
+        why = "CPU budgets are not available on macOS: RLIMIT_DATA there limits only sbrk, not malloc"
+    elif name != "Linux":
+        why = f"CPU budgets are enforced only on Linux, not {name}"
+    elif proc_status("VmData") is None:
+        why = f"CPU budgets need {PROC / 'self' / 'status'} (VmData), which is not readable here"
+    else:
+        return None
+    return f"{why}; searches use the probed available RAM (estimated, not enforced)"
 
 
 def resident_bytes() -> tuple[int | None, str]:
@@ -182,8 +173,6 @@ def host_memory() -> dict:
     where one is), ``budget`` (:func:`host_budget_unavailable`) and ``peak`` (how peaks
     are measured here, or why they cannot be)."""
     name = system()
-    sources: dict[str, str] = {}
-    limited_by = "MemAvailable"
     if name == "Windows":
         total, free = host_os.windows_memory()
         sources = {"total": "GlobalMemoryStatusEx ullTotalPhys",
@@ -198,6 +187,7 @@ def host_memory() -> dict:
         info = meminfo()
         total, free = info.get("MemTotal"), info.get("MemAvailable")
         sources = {"total": "/proc/meminfo MemTotal", "free": "/proc/meminfo MemAvailable"}
+        limited_by = "MemAvailable"
     if name == "Linux":
         cg_limit, cg_usage = cgroup_limit()
         # RLIMIT_DATA bounds malloc only on Linux, and only VmData says how much is used.

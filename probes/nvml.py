@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,11 +69,6 @@ def unavailable_reason() -> str | None:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-# ---------------------------------------------------------------------------
-# Queries (need a driver)
-# ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -137,16 +133,21 @@ def _own_pids() -> set[int]:
     return pids
 
 
-def device_count() -> int:
-    """Number of GPUs NVML sees (0 where NVML is unavailable)."""
+def _ask(default: Any, ask: Callable[[Any], Any]) -> Any:
+    """``ask(pynvml)``, or ``default`` where NVML is unavailable or the driver refuses."""
     nv, _ = _nvml()
     if nv is None:
-        return 0
+        return default
     try:
-        return int(nv.nvmlDeviceGetCount())
+        return ask(nv)
     except _errors(nv) as exc:
-        log.debug("nvmlDeviceGetCount failed: %s", exc)
-        return 0
+        log.debug("NVML query failed: %s", exc)
+        return default
+
+
+def device_count() -> int:
+    """Number of GPUs NVML sees (0 where NVML is unavailable)."""
+    return _ask(0, lambda nv: int(nv.nvmlDeviceGetCount()))
 
 
 def identities() -> list[tuple[str, str]]:
@@ -170,11 +171,7 @@ def mig_devices() -> list[MigIdentity]:
     if nv is None or not hasattr(nv, "nvmlDeviceGetMigMode"):  # a pynvml older than MIG
         return []
     out: list[MigIdentity] = []
-    try:
-        count = nv.nvmlDeviceGetCount()
-    except _errors(nv):
-        return []
-    for i in range(count):
+    for i in range(device_count()):
         try:
             h = nv.nvmlDeviceGetHandleByIndex(i)
             if nv.nvmlDeviceGetMigMode(h)[0] != getattr(nv, "NVML_DEVICE_MIG_ENABLE", 1):
@@ -214,10 +211,7 @@ _PROCESS_LISTS = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphics
 def _processes(nv: Any, handle: Any) -> tuple[dict[int, int | None], str | None]:
     """pid -> used bytes for compute and graphics contexts (None where not reported),
     and the compute API that answered (None if none did)."""
-    try:
-        skip_v3 = misparses_v3(_text(nv.nvmlSystemGetDriverVersion()))
-    except _errors(nv):
-        skip_v3 = False
+    skip_v3 = misparses_v3(driver_version())
     procs: dict[int, int | None] = {}
     used_api: str | None = None
     for base in _PROCESS_LISTS:
@@ -262,41 +256,35 @@ def _measure(nv: Any, dev: NvmlDevice, handle: Any) -> NvmlDevice:
     return dev
 
 
-def query(nvml_index: int) -> NvmlDevice | str:
-    """Measure NVML device ``nvml_index``: an :class:`NvmlDevice`, or a reason string."""
+def _query(index: int, mig_index: int | None = None) -> NvmlDevice | str:
+    """Measure NVML device ``index`` (or its MIG slice ``mig_index``, through the slice's own
+    handle): an :class:`NvmlDevice`, or a reason string."""
     nv, reason = _nvml()
     if nv is None:
         return f"NVML: {reason}"
     try:
-        h = nv.nvmlDeviceGetHandleByIndex(nvml_index)
+        parent = nv.nvmlDeviceGetHandleByIndex(index)
+        h = parent if mig_index is None else nv.nvmlDeviceGetMigDeviceHandleByIndex(parent, mig_index)
+        name = _text(nv.nvmlDeviceGetName(h))
+        profile = re.search(r"\bMIG\s+(\S+)", name) if mig_index is not None else None
         dev = NvmlDevice(
-            index=nvml_index, name=_text(nv.nvmlDeviceGetName(h)),
-            uuid=_text(nv.nvmlDeviceGetUUID(h)), pci_bus_id=_text(nv.nvmlDeviceGetPciInfo(h).busId),
-            total=0, free=0, used=0)
+            index=index, name=name, uuid=_text(nv.nvmlDeviceGetUUID(h)),
+            pci_bus_id=_text(nv.nvmlDeviceGetPciInfo(parent).busId), total=0, free=0, used=0,
+            mig_index=mig_index, mig_profile=profile[1] if profile else None)
         return _measure(nv, dev, h)
     except _errors(nv) as exc:
         return f"NVML: {type(exc).__name__}: {exc}"
+
+
+def query(nvml_index: int) -> NvmlDevice | str:
+    """Measure NVML device ``nvml_index``: an :class:`NvmlDevice`, or a reason string."""
+    return _query(nvml_index)
 
 
 def query_mig(mig: MigIdentity) -> NvmlDevice | str:
-    """Measure one MIG slice through its own handle: its memory, its processes, its profile
-    (from the name NVML gives it, ``"... MIG 1g.5gb"``). ``index`` and ``pci_bus_id`` are
-    the parent's (a slice has none of its own)."""
-    nv, reason = _nvml()
-    if nv is None:
-        return f"NVML: {reason}"
-    try:
-        parent = nv.nvmlDeviceGetHandleByIndex(mig.parent_index)
-        h = nv.nvmlDeviceGetMigDeviceHandleByIndex(parent, mig.mig_index)
-        name = _text(nv.nvmlDeviceGetName(h))
-        profile = re.search(r"\bMIG\s+(\S+)", name)
-        dev = NvmlDevice(
-            index=mig.parent_index, name=name, uuid=_text(nv.nvmlDeviceGetUUID(h)),
-            pci_bus_id=_text(nv.nvmlDeviceGetPciInfo(parent).busId), total=0, free=0, used=0,
-            mig_index=mig.mig_index, mig_profile=profile[1] if profile else None)
-        return _measure(nv, dev, h)
-    except _errors(nv) as exc:
-        return f"NVML: {type(exc).__name__}: {exc}"
+    """Measure one MIG slice: its memory, its processes, its profile (from the name NVML
+    gives it, ``"... MIG 1g.5gb"``). ``index`` and ``pci_bus_id`` are the parent's."""
+    return _query(mig.parent_index, mig.mig_index)
 
 
 def query_for_torch_index(torch_index: int, *, uuid: str | None = None,
@@ -311,28 +299,19 @@ def query_for_torch_index(torch_index: int, *, uuid: str | None = None,
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     migs = mig_devices()
     mig, how = match_mig(migs, torch_index, uuid=uuid, cuda_visible_devices=cvd)
-    if mig is not None:
-        result = query_mig(mig)
-        return (None, result) if isinstance(result, str) else (result, how)
-    index, how = nvml_index_for(torch_index, identities(), cuda_visible_devices=cvd, uuid=uuid,
-                                pci_bus_id=pci_bus_id)
-    if index is None:
-        return None, how
-    if any(m.parent_index == index for m in migs):
-        return None, (f"NVML GPU {index} is in MIG mode and cuda:{torch_index} matches none of "
-                      f"its MIG UUIDs: its slice is unknown (CUDA_VISIBLE_DEVICES=MIG-<uuid> names it)")
-    result = query(index)
-    if isinstance(result, str):
-        return None, result
-    return result, how
+    if mig is None:
+        index, how = nvml_index_for(torch_index, identities(), cuda_visible_devices=cvd,
+                                    uuid=uuid, pci_bus_id=pci_bus_id)
+        if index is None:
+            return None, how
+        if any(m.parent_index == index for m in migs):
+            return None, (f"NVML GPU {index} is in MIG mode and cuda:{torch_index} matches none "
+                          f"of its MIG UUIDs: its slice is unknown (CUDA_VISIBLE_DEVICES=MIG-<uuid> "
+                          "names it)")
+    result = query(index) if mig is None else query_mig(mig)
+    return (None, result) if isinstance(result, str) else (result, how)
 
 
 def driver_version() -> str | None:
     """The NVIDIA driver version, or None."""
-    nv, _ = _nvml()
-    if nv is None:
-        return None
-    try:
-        return _text(nv.nvmlSystemGetDriverVersion())
-    except _errors(nv):
-        return None
+    return _ask(None, lambda nv: _text(nv.nvmlSystemGetDriverVersion()))

@@ -67,17 +67,12 @@ def map_visible_devices(cuda_visible_devices: str | None,
 def match_device(nvml_devices: Sequence[tuple[str, str]], *, uuid: str | None = None,
                  pci_bus_id: str | None = None) -> int | None:
     """The NVML index whose UUID (preferred) or PCI bus id equals the given one, or None."""
-    if uuid:
-        want = normalize_uuid(uuid)
-        for i, (u, _) in enumerate(nvml_devices):
-            if normalize_uuid(u) == want:
-                return i
-    if pci_bus_id:
-        want_pci = normalize_pci_bus_id(pci_bus_id)
-        for i, (_, p) in enumerate(nvml_devices):
-            if want_pci is not None and normalize_pci_bus_id(p) == want_pci:
-                return i
-    return None
+    uuids = [normalize_uuid(u) for u, _ in nvml_devices]
+    if uuid and normalize_uuid(uuid) in uuids:
+        return uuids.index(normalize_uuid(uuid))
+    want = normalize_pci_bus_id(pci_bus_id) if pci_bus_id else None
+    buses = [normalize_pci_bus_id(p) for _, p in nvml_devices]
+    return buses.index(want) if want is not None and want in buses else None
 
 
 def nvml_index_for(torch_index: int, nvml_devices: Sequence[tuple[str, str]], *,

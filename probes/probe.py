@@ -7,6 +7,7 @@ to import) is loaded only when a GPU backend has something to ask it, so
 
 from __future__ import annotations
 
+import importlib
 import os
 import platform
 import sys
@@ -49,32 +50,22 @@ def _cpu_snapshot() -> MemorySnapshot:
     )
 
 
-def _cuda_backend() -> ModuleType:
-    # why: the torch-based backends are imported only when a GPU is asked about.
-    from oomguard.probes import cuda
-
-    return cuda
-
-
-def _mps_backend() -> ModuleType:
-    # why: as above; MPS exists only on macOS.
-    from oomguard.probes import mps
-
-    return mps
+def _backend(name: str) -> ModuleType:
+    """``oomguard.probes.cuda`` or ``.mps``: the torch-based backends are imported only when
+    a GPU is asked about."""
+    return importlib.import_module(f"oomguard.probes.{name}")
 
 
 def _cuda_unavailable(label: str, torch_reason: str) -> MemorySnapshot:
     """Why CUDA is unusable, with NVML's view where it has one (e.g. a CPU-only torch on a GPU host)."""
-    nv_reason = nvml.unavailable_reason()
+    nv_reason, built = nvml.unavailable_reason(), _backend("cuda").torch_has_cuda()
     if nv_reason is not None:
-        if not _cuda_backend().torch_has_cuda():
-            reason = f"{torch_reason}; no NVIDIA driver either (NVML: {nv_reason})"
-        else:
-            reason = f"no NVIDIA driver (NVML: {nv_reason})"
+        reason = (f"no NVIDIA driver (NVML: {nv_reason})" if built
+                  else f"{torch_reason}; no NVIDIA driver either (NVML: {nv_reason})")
         return MemorySnapshot(device=label, name="", available=False, reason=reason)
     count = nvml.device_count()
     reason = f"{torch_reason}; NVML sees {count} NVIDIA GPU(s)"
-    if count and not _cuda_backend().torch_has_cuda():
+    if count and not built:
         reason += ": install a CUDA build of torch"
     return MemorySnapshot(device=label, name="", available=False, reason=reason,
                           extra={"nvml_devices": count, "driver": nvml.driver_version()})
@@ -115,7 +106,7 @@ def _merge_nvml(snap: MemorySnapshot, nv: nvml.NvmlDevice, how: str, ident: dict
 
 def _cuda_snapshot(index: int | None) -> MemorySnapshot:
     label = "cuda" if index is None else f"cuda:{index}"
-    cuda = _cuda_backend()
+    cuda = _backend("cuda")
     torch_reason = cuda.unavailable_reason()
     if torch_reason is not None:
         return _cuda_unavailable(label, torch_reason)
@@ -125,14 +116,12 @@ def _cuda_snapshot(index: int | None) -> MemorySnapshot:
     if idx >= count:
         return MemorySnapshot(device=label, name="", available=False,
                               reason=f"{label} does not exist: torch sees {count} CUDA device(s)")
-    ident = cuda.identity(idx)
-    stats = cuda.allocator_stats(idx)
+    ident, stats = cuda.identity(idx), cuda.allocator_stats(idx)
     nv, how = nvml.query_for_torch_index(idx, uuid=ident.get("uuid"),
                                          pci_bus_id=ident.get("pci_bus_id"))
-    snap = MemorySnapshot(device=label, name=ident["name"], available=True,
-                          extra={k: ident[k] for k in ("uuid", "pci_bus_id") if k in ident})
-    snap.extra.update(stats)
-    snap.extra["free_in_allocator_cache"] = stats["reserved"] - stats["allocated"]
+    snap = MemorySnapshot(device=label, name=ident["name"], available=True, extra={
+        **{k: ident[k] for k in ("uuid", "pci_bus_id") if k in ident}, **stats,
+        "free_in_allocator_cache": stats["reserved"] - stats["allocated"]})
     snap.sources.update({
         "allocated": "torch.cuda.memory_allocated", "reserved": "torch.cuda.memory_reserved",
         "peak_allocated": "torch.cuda.max_memory_allocated",
@@ -168,7 +157,7 @@ def _cuda_snapshot(index: int | None) -> MemorySnapshot:
 
 
 def _mps_snapshot() -> MemorySnapshot:
-    mps = _mps_backend()
+    mps = _backend("mps")
     reason = mps.unavailable_reason()
     if reason is not None:
         return MemorySnapshot(device="mps", name="", available=False, reason=reason)
@@ -216,11 +205,11 @@ def probe_all() -> list[MemorySnapshot]:
     says so; a host with no NVIDIA driver gets no CUDA row."""
     snaps = [_cpu_snapshot()]
     if _may_have_gpu_torch_sees():
-        cuda = _cuda_backend()
+        cuda = _backend("cuda")
         if cuda.unavailable_reason() is None:
             snaps += [_cuda_snapshot(i) for i in range(cuda.device_count())]
         elif nvml.device_count() > 0:
             snaps.append(_cuda_snapshot(None))
-    if platform.system() == "Darwin" and _mps_backend().unavailable_reason() is None:
+    if platform.system() == "Darwin" and _backend("mps").unavailable_reason() is None:
         snaps.append(_mps_snapshot())
     return snaps

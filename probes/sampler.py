@@ -51,8 +51,7 @@ class Sampler:
             value = self.read()
             if value is None:
                 continue
-            if self.peak is None or value > self.peak:
-                self.peak = value
+            self.peak = value if self.peak is None else max(self.peak, value)
             if self.on_sample is not None and self.on_sample(value):
                 return
 
@@ -62,8 +61,8 @@ class Sampler:
         if self._thread is not None:
             self._thread.join()
             last = self.read()
-            if last is not None and (self.peak is None or last > self.peak):
-                self.peak = last
+            if last is not None:
+                self.peak = last if self.peak is None else max(self.peak, last)
         return self.peak
 
     @property

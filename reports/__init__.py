@@ -25,11 +25,8 @@ def write_report(
     result: SearchResult, out_dir: str | os.PathLike[str], context: dict | None = None
 ) -> dict[str, Path]:
     """Write ``report.md``, ``report.json``, ``memory.png`` and, when the trials measured
-    a rate, ``throughput.png`` for ``result`` into ``out_dir``.
-
-    Creates ``out_dir`` (and parents) if needed. Returns ``{"markdown": ...,
-    "json": ..., "png": ...}`` paths, and ``"throughput_png"`` when written.
-    """
+    a rate, ``throughput.png`` into ``out_dir`` (created if needed); their paths as
+    ``{"markdown", "json", "png"[, "throughput_png"]}``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summarise(result, context)

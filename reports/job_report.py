@@ -1,18 +1,12 @@
-"""``report.md`` and plots of an overnight job (``oomguard run``).
+"""``report.md`` and plots of an overnight job (``oomguard run``), from the content of its
+``results.json`` alone (plain JSON types), every file written atomically.
 
-Per metric: status, the sizes used and where they came from (cache, search,
-defaults, job file), retries, seconds, peak memory (measured, with what the
-meter counts) and the result summary; failures with their reason and
-traceback file; every out-of-memory event of the metrics' runs, with memory as
-measured at the OOM (:mod:`oomguard.engine.core.memory.forensics`); and, for metrics with a
-remedy ladder (``on_oom``), every remedy tried, with a result computed at a lower
-precision flagged in the table itself (:mod:`oomguard.engine.core.execute.remedies`).
-Plots (``plots/``: peak memory per metric, loss landscapes, attention entropy) are
-drawn in the one plot style (:mod:`oomguard.reports.style`).
-
-The input is the content of the job's ``results.json`` (plain JSON types), so
-a report can be rewritten from that file alone. Every file is written
-atomically.
+Per metric: status, the sizes used and where they came from, retries, seconds, peak memory
+(measured) and the result summary; failures with their reason and traceback file; every
+out-of-memory event of the metrics' runs, with memory as measured at the OOM; every remedy
+tried (``on_oom``), a result at a lower precision flagged in the table itself. Plots
+(``plots/``: peak memory per metric, loss landscapes, attention entropy) use
+:mod:`oomguard.reports.style`.
 """
 
 from __future__ import annotations
@@ -42,6 +36,7 @@ class ReportInterrupted(Exception):
 def _go_on(cancelled: Callable[[], bool] | None) -> None:
     if cancelled is not None and cancelled():
         raise ReportInterrupted
+
 
 _LANDSCAPE_KEYS = ("loss_grid", "losses", "grid", "surface", "loss")
 
@@ -84,8 +79,7 @@ def plot_peak_memory(summary: Mapping[str, Any], path: Path) -> Path | None:
     if budget:
         ax.axhline(budget / 2**20, color="tab:red", ls="--", label="budget")
         ax.legend()
-    ax.set_ylabel("peak memory (MiB, measured)")
-    ax.set_title("Peak memory per metric")
+    ax.set(ylabel="peak memory (MiB, measured)", title="Peak memory per metric")
     ax.tick_params(axis="x", rotation=30)
     return style.save(fig, path)
 
@@ -98,9 +92,7 @@ def plot_landscape(grid: Any, path: Path, title: str) -> Path:
     ax.contour(xs, ys, grid, levels=10, colors="k", linewidths=0.4)
     fig.colorbar(cs, ax=ax, label="loss (nats/token)")
     ax.plot([0], [0], "r+", ms=10)
-    ax.set_xlabel("direction 1 (relative step)")
-    ax.set_ylabel("direction 2 (relative step)")
-    ax.set_title(title)
+    ax.set(xlabel="direction 1 (relative step)", ylabel="direction 2 (relative step)", title=title)
     return style.save(fig, path)
 
 
@@ -110,11 +102,8 @@ def plot_heatmap(grid: Any, path: Path, title: str) -> Path:
     fig.colorbar(ax.imshow(grid, aspect="auto", cmap="magma"), ax=ax, label="entropy (nats)")
     rows, cols = grid.shape
     if rows <= 32 and cols <= 32:  # one tick per layer and head, numbered from 0
-        ax.set_yticks(range(rows))
-        ax.set_xticks(range(cols))
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
-    ax.set_title(title)
+        ax.set(yticks=range(rows), xticks=range(cols))
+    ax.set(xlabel="head", ylabel="layer", title=title)
     return style.save(fig, path)
 
 
@@ -122,32 +111,27 @@ def _task_plots(key: str, task: Mapping[str, Any], out: Path,
                 cancelled: Callable[[], bool] | None) -> dict[str, str]:
     """A finished task's loss landscape and attention entropy plots, where its results hold
     the 2-D arrays."""
-    plots: dict[str, str] = {}
     grids = _grids(task, out)
+    landscape = None
     if task.get("metric") == "loss_landscape" or any("landscape" in g for g in grids):
-        name = next((g for k in _LANDSCAPE_KEYS for g in grids if g.split(".")[-1] == k),
-                    next(iter(grids), None))
+        landscape = next((g for k in _LANDSCAPE_KEYS for g in grids if g.split(".")[-1] == k),
+                         next(iter(grids), None))
+    entropy = next((n for n in grids if "entropy" in n.lower()), None)
+    plots: dict[str, str] = {}
+    for name, label, file, draw, note in (
+            (landscape, "loss landscape", "landscape", plot_landscape, ""),
+            (entropy, entropy, "entropy", plot_heatmap, " (layer x head)")):
         if name is not None:
             _go_on(cancelled)
-            p = plot_landscape(grids[name], out / "plots" / f"{key}-landscape.png",
-                               f"{key}: loss landscape")
-            plots[f"{key}: loss landscape"] = str(p.relative_to(out))
-    name = next((n for n in grids if "entropy" in n.lower()), None)
-    if name is not None:
-        _go_on(cancelled)
-        p = plot_heatmap(grids[name], out / "plots" / f"{key}-entropy.png",
-                         f"{key}: {name} (layer x head)")
-        plots[f"{key}: {name}"] = str(p.relative_to(out))
+            p = draw(grids[name], out / "plots" / f"{key}-{file}.png", f"{key}: {label}{note}")
+            plots[f"{key}: {label}"] = str(p.relative_to(out))
     return plots
 
 
 def write_plots(summary: Mapping[str, Any], out: Path,
                 cancelled: Callable[[], bool] | None = None) -> dict[str, str]:
-    """Every plot the job's results call for; ``{title: path relative to out}``.
-
-    ``cancelled()``, if given, is asked before each plot; when it says True,
-    :class:`ReportInterrupted` is raised (each plot file is whole or absent).
-    """
+    """Every plot the job's results call for; ``{title: path relative to out}``. A
+    ``cancelled()`` that says True before a plot raises :class:`ReportInterrupted`."""
     plots: dict[str, str] = {}
     (out / "plots").mkdir(exist_ok=True)
     _go_on(cancelled)
@@ -365,13 +349,9 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
 
 def write_job_report(summary: Mapping[str, Any], out: str | Path,
                      cancelled: Callable[[], bool] | None = None) -> Path:
-    """Write ``report.md`` (and the plots) for a job's ``results.json`` content.
-
-    A plot that fails for any reason but the file system is left out with a
-    logged traceback; ``OSError`` (a full disk) propagates to the caller.
-    ``cancelled()``, if given, is asked before each plot and before ``report.md``:
-    True stops the report with :class:`ReportInterrupted` (files are whole or absent).
-    """
+    """Write ``report.md`` and the plots for a job's ``results.json`` content. A plot that
+    fails for any reason but the file system (``OSError`` propagates) is left out with a
+    logged traceback; ``cancelled()`` is also asked before ``report.md``."""
     out = Path(out)
     try:
         plots = write_plots(summary, out, cancelled)

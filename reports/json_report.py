@@ -131,10 +131,6 @@ def status_text(t: Trial) -> str:
 
 
 # ---------------------------------------------------------------- the search in prose
-def _mark(t: Trial) -> str:
-    return f"{t.size} {'✓' if t.ok else '✗ RAM guard' if t.guarded else '✗ OOM'}"
-
-
 def _growth(sizes: Sequence[int]) -> str:
     pairs = list(zip(sizes, sizes[1:], strict=False))
     if len({b - a for a, b in pairs}) == 1:
@@ -156,12 +152,6 @@ def _guided_reason(seen: list[Trial], t: Trial) -> str:
     if hi is not None and t.size == hi - 1:
         return f"the size below {hi}, which was predicted to fit and did not"
     return "doubling or bisection (the predictions were not reliable)"
-
-
-def _guided_steps(result: SearchResult) -> list[str]:
-    trials, name = result.trials, result.size_name
-    return [f"Tried {name}={t.size}, {_guided_reason(trials[:i], t)} ({status_text(t)})"
-            for i, t in enumerate(trials) if i]
 
 
 def _groups(trials: list[Trial]) -> list[tuple[str, int | None, int | None, list[Trial]]]:
@@ -191,7 +181,8 @@ def _stepped(result: SearchResult) -> list[str]:
     """The doubling and increment strategies' steps: runs of expanding, halving, bisecting."""
     name, first, steps = result.size_name, result.trials[0], []
     for kind, lo, hi, group in _groups(result.trials):
-        marks = ", ".join(_mark(t) for t in group)
+        marks = ", ".join(f"{t.size} {'✓' if t.ok else '✗ RAM guard' if t.guarded else '✗ OOM'}"
+                          for t in group)
         if kind == "expand":
             steps += _expanded(name, lo if lo is not None else first.size, group)
         elif kind == "halve":
@@ -218,15 +209,16 @@ def strategy_steps(result: SearchResult) -> list[str]:
     """Numbered-list items describing the search as it actually ran, from the trials."""
     if not result.trials:
         return [f"No trial ran ({result.stopped_because})."]
-    first = result.trials[0]
-    middle = _guided_steps(result) if result.strategy == "guided" else _stepped(result)
-    return [f"Started with {result.size_name}={first.size} ({status_text(first)})", *middle,
+    trials, name = result.trials, result.size_name
+    middle = ([f"Tried {name}={t.size}, {_guided_reason(trials[:i], t)} ({status_text(t)})"
+               for i, t in enumerate(trials) if i] if result.strategy == "guided"
+              else _stepped(result))
+    return [f"Started with {name}={trials[0].size} ({status_text(trials[0])})", *middle,
             _ending(result)]
 
 
 # ---------------------------------------------------------------- the record
 def oomguard_version() -> str:
-    """The installed oomguard version, or ``"unknown"``."""
     try:
         return version("oomguard")
     except PackageNotFoundError:
@@ -250,10 +242,8 @@ def _at_max(result: SearchResult) -> dict[str, Any]:
 
 
 def summarise(result: SearchResult, context: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The derived figures of ``result`` (``report.json``'s ``summary``, before JSON):
-    ``peak_bytes_at_max``, ``utilisation`` as a fraction, ``margin_left_bytes``, counts,
-    ``capped_by`` (:func:`capped_by`), ``memory_scaling`` (:func:`scaling_verdict`), the
-    search steps as prose, ...; ``context`` says how many samples there were."""
+    """The derived figures of ``result``, ``report.json``'s ``summary`` (module docstring);
+    ``context`` says how many samples there were (for :func:`capped_by`)."""
     cap, fit, size = result.capacity_bytes, result.fit, result.size_name
     n_ok = sum(t.ok for t in result.trials)
     return {
@@ -282,13 +272,9 @@ def summarise(result: SearchResult, context: Mapping[str, Any] | None = None) ->
 
 def render_json(result: SearchResult, context: dict | None = None,
                 summary: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Every figure of ``result`` (and ``context``) as a JSON-serialisable dict.
-
-    Keys: ``schema``, ``oomguard_version``, ``generated_at`` (UTC ISO 8601),
-    ``context``, ``result`` (:meth:`SearchResult.to_dict`: all trials, fit,
-    recommendation, capacity, budget, config) and ``summary`` (:func:`summarise`,
-    computed here unless given).
-    """
+    """``report.json``: ``schema``, ``oomguard_version``, ``generated_at`` (UTC ISO 8601),
+    ``context``, ``result`` (:meth:`SearchResult.to_dict`: trials, fit, recommendation,
+    capacity, budget, config) and ``summary`` (:func:`summarise`, computed unless given)."""
     return to_jsonable({
         "schema": SCHEMA,
         "oomguard_version": oomguard_version(),

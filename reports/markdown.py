@@ -1,14 +1,8 @@
-"""Markdown report of a size search (a batch size or a metric's knob), in the shape of the
-E10 report.
-
-``render_markdown(result, context)`` renders the search's record (the trials of a
-:class:`~oomguard.engine.core.search.search.SearchResult` and the figures
-:func:`~oomguard.reports.json_report.summarise` derives from them, the same ones
-``report.json`` holds) as the sections of the E10 Maximum Batch Size Report:
-Configuration, Data, Search Strategy, Results (performance metrics and the trial table),
-Memory Scaling Analysis, Recommendations, Key Observations and a Conclusion. The prose
-around the numbers is generated from the trial sequence, never hard-coded. Byte counts
-are printed in binary units (KiB, MiB, GiB) with :func:`oomguard.engine.util.units.fmt_bytes`.
+"""Markdown report of a size search (a batch size or a metric's knob) in the sections of the
+E10 Maximum Batch Size Report, rendered from the search's record: its trials and the figures
+:func:`~oomguard.reports.json_report.summarise` derives (the ones ``report.json`` holds). The
+prose around the numbers comes from the trial sequence, never hard-coded; bytes are printed
+in binary units (KiB, MiB, GiB), seconds are wall-clock seconds.
 """
 
 from __future__ import annotations
@@ -162,11 +156,6 @@ def _data(ctx: Mapping[str, Any]) -> list[str]:
     return ["## Data Configuration", *(f"- **{_label(str(k))}**: {v}" for k, v in data.items())]
 
 
-def _strategy(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
-    return ["## Search Strategy", f"Strategy `{result.strategy}`: {result.strategy_description}",
-            "", *(f"{i}. {step}" for i, step in enumerate(s["search_steps"], 1))]
-
-
 def _maximum(result: SearchResult, s: Mapping[str, Any]) -> str:
     if result.max_ok is None:
         return f"### Maximum {_heading(s)}: **-**"
@@ -203,11 +192,6 @@ def _trial_table(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
                 "stopped, or `-` for a size that did not run because its predicted peak was "
                 "over the limit."]
     return out
-
-
-def _results(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
-    return ["## Results", "", _maximum(result, s), "", *_performance(result, s), "",
-            *_trial_table(result, s)]
 
 
 def _no_growth(result: SearchResult, s: Mapping[str, Any]) -> str:
@@ -289,18 +273,16 @@ def _estimate(result: SearchResult, size: int) -> str:
             + (f", {_pct(util)} utilization" if util is not None else ""))
 
 
-def _risk(result: SearchResult, peak: int | None) -> tuple[str, int | None]:
-    """How close the maximum's measured ``peak`` runs to capacity, and the bytes left."""
-    cap = result.capacity_bytes
-    left = cap - peak if cap is not None and peak is not None else None
-    util = utilisation(peak, cap)
+def _risk(result: SearchResult, s: Mapping[str, Any]) -> str:
+    """How close the maximum's measured peak runs to capacity."""
+    util = s["utilisation"]
     tight = ("Margin unknown (no capacity or no measured peak)" if util is None
              else "Very tight memory margin" if util >= 0.9
              else "Tight memory margin" if util >= 0.8 else "Moderate memory margin")
-    risk = tight if util is None else f"{tight} ({fmt_bytes(left)} buffer)"
+    risk = tight if util is None else f"{tight} ({fmt_bytes(s['margin_left_bytes'])} buffer)"
     if result.mode == "in-process":
         risk += "; found in-process, so a fresh process may fit more, a fragmented one less"
-    return risk, left
+    return risk
 
 
 def _recommendations(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
@@ -308,9 +290,6 @@ def _recommendations(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
     if rec is None:
         return ["## Recommendations", "- No recommendation: no size fitted."]
     label = s["size_label"]
-    peak = next((t.peak_bytes for t in reversed(result.trials)
-                 if t.ok and t.size == rec.maximum and t.peak_bytes is not None), None)
-    risk, left = _risk(result, peak)
     lo_hi = f"{rec.conservative}-{rec.safe}" if rec.conservative != rec.safe else str(rec.safe)
     return [
         "## Recommendations", "", "### Safe Production Settings",
@@ -323,8 +302,8 @@ def _recommendations(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
            if result.capacity_bytes else "the largest size that ran at or below the recommended size)"),
         "", "### Maximum Throughput Setting",
         f"- **Absolute maximum**: {rec.maximum} ({_estimate(result, rec.maximum)})",
-        f"- **Risk**: {risk}",
-        f"- **Margin left at maximum**: {_bytes_exact(left)}",
+        f"- **Risk**: {_risk(result, s)}",
+        f"- **Margin left at maximum**: {_bytes_exact(s['margin_left_bytes'])}",
         "- **Suitable for**: benchmarking, time-limited runs",
         *_speed_and_verification(result, s),
     ]
@@ -416,18 +395,17 @@ def _conclusion(result: SearchResult, s: Mapping[str, Any], ctx: Mapping[str, An
 
 def render_markdown(result: SearchResult, context: Mapping[str, Any] | None = None,
                     summary: Mapping[str, Any] | None = None) -> str:
-    """Render ``result`` as a Markdown report in the E10 report's shape.
-
-    ``context`` describes what was measured: ``model`` (str), ``parameters``
-    (int), ``architecture`` (dict), ``device_name``, ``dtype``, ``data``
-    (dict), ``title``; any other key is listed under Configuration. ``summary`` is
-    :func:`~oomguard.reports.json_report.summarise` of them (computed here unless
-    given). Byte figures are shown in KiB/MiB/GiB; seconds are wall-clock seconds.
-    """
+    """``result`` as the Markdown report. ``context`` describes what was measured: ``model``,
+    ``parameters`` (int), ``architecture`` (dict), ``device_name``, ``dtype``, ``data`` (dict),
+    ``title``; any other key is listed under Configuration. ``summary`` is :func:`summarise`
+    of them (computed here unless given)."""
     ctx: Mapping[str, Any] = context or {}
     s = summary if summary is not None else summarise(result, ctx)
     title = ctx.get("title") or f"{result.workload} Maximum {_heading(s)} Report"
-    parts = [[f"# {title}"], _configuration(result, s, ctx), _data(ctx), _strategy(result, s),
-             _results(result, s), _scaling(result, s), _recommendations(result, s),
+    parts = [[f"# {title}"], _configuration(result, s, ctx), _data(ctx),
+             ["## Search Strategy", f"Strategy `{result.strategy}`: {result.strategy_description}"],
+             [f"{i}. {step}" for i, step in enumerate(s["search_steps"], 1)],
+             ["## Results"], [_maximum(result, s)], _performance(result, s),
+             _trial_table(result, s), _scaling(result, s), _recommendations(result, s),
              _observations(result, s), _conclusion(result, s, ctx)]
     return "\n\n".join("\n".join(p) for p in parts if p) + "\n"

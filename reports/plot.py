@@ -1,9 +1,6 @@
-"""PNG plots of one search: peak memory against the searched size (batch size or a knob),
-``memory.png``, and measured throughput against it, ``throughput.png``.
-
-Drawn in the one plot style (:mod:`oomguard.reports.style`: a standalone
-``Figure`` on an Agg canvas, no pyplot) and written atomically. Memory is
-shown in GiB, or MiB when everything is under 1 GiB.
+"""PNG plots of one search in the one plot style (:mod:`oomguard.reports.style`): peak
+memory against the searched size (batch size or a knob), ``memory.png``, in GiB or MiB when
+everything is under 1 GiB; measured throughput against it, ``throughput.png``.
 """
 
 from __future__ import annotations
@@ -114,15 +111,10 @@ def _safe(ax: Any, result: SearchResult) -> None:
 
 
 def memory_figure(result: SearchResult, summary: Mapping[str, Any] | None = None) -> Figure:
-    """Peak memory (GiB or MiB) against the searched size, named as the report names it.
-
-    Shows the successful trials' measured peaks (points), the least-squares fit
-    (dashed; per-item cost and R² in the legend), the capacity line and the
-    safe-margin line at ``capacity x (1 - margin)``, OOM trials as red crosses
-    on the capacity line (their peak is unknown), and vertical markers at the
-    measured maximum and the recommended safe size. ``summary`` is
-    :func:`~oomguard.reports.json_report.summarise` of ``result`` (computed here unless given).
-    """
+    """Peak memory against the searched size: the successful trials' measured peaks, the
+    least-squares fit (an estimate), the capacity and safe-margin lines, OOM trials (peak
+    unknown), the RAM guard's limit, and markers at the measured maximum and the recommended
+    safe size. ``summary`` is :func:`summarise` of ``result`` (computed here unless given)."""
     s = summary if summary is not None else summarise(result)
     x_max, values = _scale(result)
     top = max((abs(v) for v in values), default=0.0)
@@ -135,15 +127,13 @@ def memory_figure(result: SearchResult, summary: Mapping[str, Any] | None = None
     _maximum(ax, result)
     if result.recommendation is not None and result.recommendation.safe != result.max_ok:
         _safe(ax, result)
-    device = result.device.split(":", 1)[0]
-    ax.set_xlabel(f"{s['size_label']} (items)")
-    ax.set_ylabel(f"peak memory above trial start ({unit}, {_METER.get(device, 'measured')})")
-    ax.set_title(f"{result.workload}: peak memory vs {s['size_label']}\n"
-                 f"{result.device} · {_MODE.get(result.mode, _MODE['in-process'])} · strategy "
-                 f"{result.strategy}")
-    ax.set_xlim(0, x_max)
+    meter = _METER.get(result.device.split(":", 1)[0], "measured")
     y_top = max(values, default=div) / div
-    ax.set_ylim(0, y_top * 1.12 if y_top > 0 else 1.0)
+    ax.set(xlabel=f"{s['size_label']} (items)",
+           ylabel=f"peak memory above trial start ({unit}, {meter})",
+           title=f"{result.workload}: peak memory vs {s['size_label']}\n{result.device} · "
+                 f"{_MODE.get(result.mode, _MODE['in-process'])} · strategy {result.strategy}",
+           xlim=(0, x_max), ylim=(0, y_top * 1.12 if y_top > 0 else 1.0))
     # Below the axes, so it never hides the capacity line or the points.
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
     return fig
@@ -169,11 +159,9 @@ def throughput_figure(result: SearchResult, summary: Mapping[str, Any] | None = 
     _safe(ax, result)
     _maximum(ax, result)
     label = s["size_label"]
-    ax.set_xlabel(f"{label} (items)")
-    ax.set_ylabel("items per second (measured)")
-    ax.set_title(f"{result.workload}: throughput vs {label}\n{result.device} · {result.mode}")
-    ax.set_xlim(0, max(sizes) * 1.08)
-    ax.set_ylim(0, max(measured.values()) * 1.15)
+    ax.set(xlabel=f"{label} (items)", ylabel="items per second (measured)",
+           title=f"{result.workload}: throughput vs {label}\n{result.device} · {result.mode}",
+           xlim=(0, max(sizes) * 1.08), ylim=(0, max(measured.values()) * 1.15))
     ax.legend(loc="lower right", frameon=False)
     return fig
 

@@ -1,12 +1,6 @@
-"""The one plot style: every PNG oomguard draws is made and saved here.
-
-:func:`figure` gives a standalone matplotlib ``Figure`` on an Agg canvas
-(no pyplot, no display, no ``matplotlib.use``, no global ``rcParams``
-change, so it is safe in headless jobs, threads and a user's own
-matplotlib session) with one axes, a light grid and the common size and
-resolution. :func:`save` applies the common font sizes to every axes (colour
-bars included), lays the figure out and writes the PNG atomically
-(:func:`~oomguard.engine.util.atomic.atomic_write`).
+"""The one plot style: every PNG oomguard draws is made (:func:`figure`) and saved
+(:func:`save`) here. No pyplot, no display, no ``matplotlib.use``, no global ``rcParams``
+change: safe in headless jobs, threads and a user's own matplotlib session.
 """
 
 from __future__ import annotations
@@ -57,7 +51,8 @@ def _fonts(fig: Figure) -> None:
 
 
 def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
-    """Apply the fonts, lay out and write ``fig`` as a PNG to ``path`` atomically."""
+    """Apply the common font sizes to every axes (colour bars included), lay out and write
+    ``fig`` as a PNG to ``path`` atomically."""
     _fonts(fig)
     fig.tight_layout()
     return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=DPI))

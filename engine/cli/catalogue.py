@@ -26,14 +26,10 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     support = {name: (m.unsupported(config) if config is not None else None)
                for name, m in table.items()}
     if args.json:
-        out = {}
-        for name, m in table.items():
-            entry = {"description": m.description, "knobs": list(m.knobs)}
-            if config is not None:
-                entry["supported"] = support[name] is None
-                entry["why_not"] = support[name]
-            out[name] = entry
-        print(json_text(out), end="")
+        print(json_text({name: {"description": m.description, "knobs": list(m.knobs)}
+                         | ({} if config is None else {"supported": support[name] is None,
+                                                       "why_not": support[name]})
+                         for name, m in table.items()}), end="")
         return 0
     for name, m in sorted(table.items()):
         if config is not None:

@@ -1,12 +1,8 @@
-"""``oomguard run`` and ``oomguard cache``: overnight jobs and the size cache.
-
-``add_run`` and ``add_cache`` fill in their parsers (the main CLI's table names them);
-the exit codes are listed in :data:`RUN_HELP`.
-
-A job's log records, from this process and from every metric's process, also go to
-``<output>/job.log`` (:class:`JobLog`, handed to :func:`~oomguard.engine.jobs.runner.run_job`).
-This module imports nothing heavy at module level: ``oomguard --help`` and
-``oomguard run --example`` must not load torch (docs/measurements.md#start-up-time).
+"""``oomguard run`` (overnight jobs, exit codes in :data:`RUN_HELP`) and ``oomguard cache``
+(the size cache). A job's log records, from this process and every metric's, also go to
+``<output>/job.log`` (:class:`JobLog`). Nothing heavy is imported at module level:
+``oomguard --help`` and ``run --example`` must not load torch
+(docs/measurements.md#start-up-time).
 """
 
 from __future__ import annotations
@@ -83,12 +79,8 @@ def add_cache(p: argparse.ArgumentParser) -> None:
 
 class JobLog:
     """``log_setup`` for :func:`~oomguard.engine.jobs.runner.run_job`: append oomguard's
-    records to ``<output>/job.log``.
-
-    Picklable (a forkserver child gets a copy without the open file) and
-    called once per process: in this one, then in every metric's process.
-    :meth:`close` removes this process's handler.
-    """
+    records to ``<output>/job.log``. Picklable (a forkserver child gets a copy without the
+    open file); called once per process, this one and every metric's."""
 
     def __init__(self, level: int = logging.INFO) -> None:
         self.level = level

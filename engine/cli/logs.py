@@ -1,12 +1,8 @@
-"""The one logging setup. Only the command line configures logging.
-
-Library modules only ask for loggers (``logging.getLogger("oomguard.<part>")``)
-and never add handlers, set levels or touch ``propagate``: a program that
-imports oomguard keeps full control of its own logging. The command line
-calls :func:`setup_logging` once; a job run from it also writes ``job.log``
-through :func:`log_to_file`, in its own process and in every metric's child
-(the runner calls the function it is handed, see
-:func:`oomguard.engine.jobs.runner.run_job`).
+"""The one logging setup. Only the command line configures logging: library modules only
+ask for loggers (``logging.getLogger("oomguard.<part>")``), so a program that imports
+oomguard keeps full control of its own logging. The command line calls
+:func:`setup_logging` once; a job also writes ``job.log`` through :func:`log_to_file`, in
+its own process and in every metric's child.
 """
 
 from __future__ import annotations
@@ -42,10 +38,8 @@ def setup_logging(level: int = logging.WARNING) -> None:
 
 
 class _FileHandler(logging.FileHandler):
-    """A file handler that reports a failed write (a full disk) once, in one line.
-
-    logging's default prints a traceback for every record that fails.
-    """
+    """A file handler that reports a failed write (a full disk) once, in one line, where
+    logging's default prints a traceback for every record that fails."""
 
     reported = False
 
@@ -58,11 +52,8 @@ class _FileHandler(logging.FileHandler):
 
 
 def log_to_file(path: str | os.PathLike[str], level: int = logging.INFO) -> logging.Handler:
-    """Also append oomguard's records at ``level`` and above to ``path`` (e.g. ``job.log``).
-
-    Safe to call in a child process (the handler is per process). Returns the
-    handler; :func:`stop_logging_to` removes it.
-    """
+    """Also append oomguard's records at ``level`` and above to ``path`` (e.g. ``job.log``);
+    per process, so safe in a child. :func:`stop_logging_to` removes the handler returned."""
     return _add(_FileHandler(path, encoding="utf-8"), os.fspath(path), level, FILE_FORMAT)
 
 

@@ -1,14 +1,11 @@
 """The ``oomguard`` command line: the table of subcommands, one error policy.
 
-Sizes are given with units (``2GiB``, ``512MiB``, ``2GB``) or in bytes.
-
-One error policy: a :class:`~oomguard.engine.errors.UsageError` (bad input, checked
-before any work) is one line on stderr and exit code 2; a search without an answer, or a
-result that cannot be written (a full disk), one line and exit 1; Ctrl-C one line and
-130; anything else is a bug and keeps its traceback.
-
-Start-up: :data:`COMMANDS` names each subcommand's module, imported only when that
-command runs; ``oomguard --help`` imports none of them (no torch: well under a second).
+A :class:`~oomguard.engine.errors.UsageError` (bad input, checked before any work) is one
+line on stderr and exit code 2; a search without an answer, or a result that cannot be
+written (a full disk), one line and exit 1; Ctrl-C one line and 130; anything else is a
+bug and keeps its traceback. :data:`COMMANDS` names each subcommand's module, imported only
+when that command runs: ``oomguard --help`` imports none of them (no torch). Sizes are
+given with units (``2GiB``, ``512MiB``, ``2GB``) or in bytes.
 """
 
 from __future__ import annotations

@@ -104,18 +104,14 @@ def strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size
         raise UsageError(f"--step is the e10 increment; --strategy {name} takes no "
                          "--step (guided predicts, doubling multiplies by 2, linear-jump fits)")
     align = getattr(args, "align", None)  # a Namespace built by hand may lack newer options
-    if align and align > 1:  # tensor cores: sizes in multiples of 8
-        unit = unit * align // math.gcd(unit, align)
+    if align:  # tensor cores: sizes in multiples of 8
+        unit = math.lcm(unit, align)
     unit, start, step = in_whole_units(args.start, args.step or DEFAULT_STEP, unit, max_size)
-    inner: Any = E10(start=start, step=step)
-    if name == "guided":
-        inner = Guided(start=start)
-    elif name == "doubling":
-        inner = Doubling(start=start)
-    elif name == "linear-jump":
-        if capacity is None:
-            raise UsageError("--strategy linear-jump needs a --budget (or a GPU's free memory)")
-        inner = LinearJump(capacity_bytes=capacity, start=start)
+    if name == "linear-jump" and capacity is None:
+        raise UsageError("--strategy linear-jump needs a --budget (or a GPU's free memory)")
+    inner = (Guided(start=start) if name == "guided" else Doubling(start=start) if name == "doubling"
+             else LinearJump(capacity_bytes=capacity, start=start) if name == "linear-jump"
+             else E10(start=start, step=step))
     return in_units(inner, unit)
 
 

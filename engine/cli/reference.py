@@ -80,7 +80,6 @@ def cmd_reference(args: argparse.Namespace) -> int:
     from oomguard.engine.jobs.output import check_output_folder
     from oomguard.engine.jobs.progress import Progress
     from oomguard.engine.jobs.reference import build_reference, sizes_toml
-    from oomguard.engine.util.atomic import atomic_write, atomic_write_json
     from oomguard.metrics.models import check_seq_len, model_config
     from oomguard.probes.device import resolve_device
     from oomguard.reports.reference import render_reference_markdown
@@ -109,16 +108,11 @@ def cmd_reference(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     ref = build_reference(args.model, str(dev), args.dtype, args.seq_len, args.samples,
                           budget_bytes=budget, cache_path=args.cache, config_for=config_for,
-                          metrics=names, max_size=args.max_size, on_trial=Progress("size", confirmed(args)), on_row=show)
+                          metrics=names, max_size=args.max_size,
+                          on_trial=Progress("size", confirmed(args)), on_row=show)
     doc = ref.to_dict()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out / "reference.json", doc)
-        atomic_write(out / "reference.md", render_reference_markdown(doc))
-        atomic_write(out / "sizes.toml", sizes_toml(ref))
-    except OSError as exc:
-        print(f"oomguard: cannot write {exc.filename or out}: {exc.strerror or exc}",
-              file=sys.stderr)
+    if not _write(out, {"reference.json": doc, "reference.md": render_reference_markdown(doc),
+                        "sizes.toml": sizes_toml(ref)}):
         return 1
     missing = [f"{r.metric}.{r.knob}" for r in ref.rows if r.safe is None]
     print(f"reference: {out / 'reference.md'} ({len(ref.rows)} rows, {ref.trials} trials, "
@@ -135,7 +129,6 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
 
     from oomguard.engine.cli.estimate import parse_sizes
     from oomguard.engine.jobs.reference_estimate import build_estimate_reference, gpu_memory
-    from oomguard.engine.util.atomic import atomic_write, atomic_write_json
     from oomguard.engine.util.units import fmt_bytes
     from oomguard.metrics.models import check_seq_len, model_config
     from oomguard.reports.reference_estimate import render_estimate_markdown
@@ -177,13 +170,8 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
                                    memory=memory, memory_name=memory_name, margin=args.margin,
                                    device=device, metrics=names, max_size=args.max_size,
                                    batches=batches, measured=measured, on_row=show)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out / "estimate-reference.json", doc)
-        atomic_write(out / "estimate-reference.md", render_estimate_markdown(doc))
-    except OSError as exc:
-        print(f"oomguard: cannot write {exc.filename or out}: {exc.strerror or exc}",
-              file=sys.stderr)
+    if not _write(out, {"estimate-reference.json": doc,
+                        "estimate-reference.md": render_estimate_markdown(doc)}):
         return 1
     missing = [f"{r['metric']}.{r['knob']}" for r in doc["rows"] if r["largest"] is None]
     print(f"estimated reference: {out / 'estimate-reference.md'} ({len(doc['rows'])} rows, "
@@ -192,6 +180,22 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
         print(f"oomguard: estimated not to fit even at size 1: {', '.join(missing)}",
               file=sys.stderr)
     return 1 if missing else 0
+
+
+def _write(out: Path, files: dict[str, Any]) -> bool:
+    """Write ``files`` (name: text, or a dict written as JSON) into ``out``; False, after one
+    line on stderr, when they cannot be written (a full disk)."""
+    from oomguard.engine.util.atomic import atomic_write, atomic_write_json
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, content in files.items():
+            (atomic_write if isinstance(content, str) else atomic_write_json)(out / name, content)
+    except OSError as exc:
+        print(f"oomguard: cannot write {exc.filename or out}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return False
+    return True
 
 
 def _metric_names(given: str | None) -> list[str]:

@@ -2,11 +2,8 @@
 trials ran (same workload, device, budget and mode), and say whether any ran out of memory.
 
 A search trial runs a few steps; a real run takes thousands, and the sizes peer tools
-find most often fail later in the run. ``bench`` and ``search`` therefore record the
-workload they searched in ``report.json`` (``context.workload_spec``), and this command
-rebuilds it from there.
-
-No torch import at module level: ``oomguard verify --help`` stays fast.
+find most often fail later in the run. The workload is rebuilt from ``report.json``'s
+``context.workload_spec``. No torch import at module level: ``--help`` stays fast.
 """
 
 from __future__ import annotations
