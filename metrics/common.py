@@ -67,23 +67,19 @@ def labels_of(batch: Batch) -> torch.Tensor:
     return labels.masked_fill(~scored, IGNORE_INDEX)
 
 
-def shifted_labels(batch: Batch) -> torch.Tensor:
-    """Labels a causal LM predicts at positions ``0..L-2``: ``labels_of(batch)[:, 1:]``."""
-    return labels_of(batch)[:, 1:]
+def tokens_per_sample(batch: Batch) -> torch.Tensor:
+    """Scored tokens of each sample, shape ``[n]`` (int64): the labels a causal LM predicts
+    (``labels_of(batch)[:, 1:]``) that are not ``-100``."""
+    return (labels_of(batch)[:, 1:] != IGNORE_INDEX).sum(dim=1)
 
 
 def token_count(batch: Batch) -> int:
-    """Number of scored tokens: shifted labels that are not ``-100``."""
-    return int((shifted_labels(batch) != IGNORE_INDEX).sum())
-
-
-def tokens_per_sample(batch: Batch) -> torch.Tensor:
-    """Scored tokens of each sample, shape ``[n]`` (int64)."""
-    return (shifted_labels(batch) != IGNORE_INDEX).sum(dim=1)
+    """Number of scored tokens of ``batch``."""
+    return int(tokens_per_sample(batch).sum())
 
 
 def total_tokens(data: Batch) -> int:
-    """Scored tokens of the whole data; ValueError if there are none."""
+    """Scored tokens of the whole data; UsageError if there are none."""
     n = token_count(data)
     if n <= 0:
         raise UsageError("the data has no scored tokens (every shifted label is -100)")
@@ -273,11 +269,6 @@ def param_groups(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.Tens
         if p.requires_grad:
             groups.setdefault(group_name(name), []).append((name, p))
     return groups
-
-
-def group_index(model: torch.nn.Module) -> list[str]:
-    """Group name of each trainable parameter, aligned with :func:`trainable`."""
-    return [group_name(n) for n, p in model.named_parameters() if p.requires_grad]
 
 
 # --------------------------------------------------------------------------- results

@@ -35,6 +35,7 @@ Completeness: captum's convergence delta per sample is ``sum(attributions) -
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -53,6 +54,8 @@ from oomguard.metrics.common import (
 )
 
 METHOD = "gausslegendre"
+# attribute_to(layer): :func:`attribute` of one chunk to ``layer``'s output
+AttributeTo = Callable[[torch.nn.Module], tuple[torch.Tensor, torch.Tensor]]
 
 
 def rows_per_forward(chunk: int, internal: int, n_steps: int | None = None) -> int:
@@ -145,13 +148,17 @@ def target_args(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return mask, last - 1, batch["input_ids"][rows, last]
 
 
-def attribute(lig: Any, ids: torch.Tensor, args: tuple[torch.Tensor, ...], base_id: int,
-              n_steps: int, internal_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """captum's attributions of ``ids`` along the path from all-``base_id`` (float64, detached),
-    and its convergence delta per sample (``[rows]``, float64)."""
+def attribute(layer: torch.nn.Module, *, forward: Callable[..., torch.Tensor],
+              ids: torch.Tensor, args: tuple[torch.Tensor, ...], base_id: int, n_steps: int,
+              internal_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """captum's attributions of ``forward`` to ``layer``'s output along the path from
+    all-``base_id`` to ``ids`` (float64, detached), and its convergence delta per sample
+    (``[rows]``, float64)."""
+    from captum.attr import LayerIntegratedGradients  # why: captum loads only for its metrics
+
     with warnings.catch_warnings():  # captum's expected warning: internal_batch_size < examples
         warnings.filterwarnings("ignore", message="Internal batch size cannot be less")
-        attr, delta = lig.attribute(
+        attr, delta = LayerIntegratedGradients(forward, layer).attribute(
             ids, baselines=torch.full_like(ids, base_id), additional_forward_args=args,
             n_steps=n_steps, method=METHOD, internal_batch_size=internal_batch_size,
             return_convergence_delta=True)
@@ -207,17 +214,35 @@ class CaptumMetric(JsonMetric):
             return None
         return self.size_unit(knob, params, n_samples) * int(params["n_steps"])
 
-    @staticmethod
-    def completeness(data: Mapping[str, torch.Tensor], keep: torch.Tensor,
-                     deltas: list[torch.Tensor], base_id: int) -> dict[str, Any]:
-        """The result's entries every captum metric has: convergence deltas (per sample,
-        NaN on samples left out; their absolute max and mean), baseline and sample counts."""
-        delta_all = torch.cat(deltas).cpu()
-        return {"delta": expand_rows(delta_all, keep),
+    def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor], *,
+                n_steps: int, chunk_size: int, internal_batch_size: int) -> dict[str, Any]:
+        """:meth:`attribute_chunk` on every chunk of the samples that have a target, its
+        tensors concatenated (NaN rows for the samples left out), with the convergence
+        deltas (per sample, NaN on samples left out; their absolute max and mean), the
+        baseline and the sample counts."""
+        forward, base_id = target_forward(model), pad_id(model)
+        keep, work = defined_samples(data)
+        parts: dict[str, list[torch.Tensor]] = {}
+        for mb in iter_micro_batches(work, chunk_size):
+            args = target_args(mb)
+            attribute_to = functools.partial(
+                attribute, forward=forward, ids=mb["input_ids"], args=args, base_id=base_id,
+                n_steps=n_steps, internal_batch_size=internal_batch_size)
+            for key, value in self.attribute_chunk(model, attribute_to, args[0]).items():
+                parts.setdefault(key, []).append(value)
+        delta_all = torch.cat(parts.pop("delta")).cpu()
+        return {**{key: expand_rows(torch.cat(v).cpu(), keep) for key, v in parts.items()},
+                "delta": expand_rows(delta_all, keep),
                 "delta_max": float(delta_all.abs().max()),
                 "delta_mean": float(delta_all.abs().mean()),
                 "baseline_token": base_id, "method": METHOD, "n_samples": n_samples(data),
                 "n_samples_attributed": int(keep.sum())}
+
+    def attribute_chunk(self, model: torch.nn.Module,
+                        attribute_to: AttributeTo, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One chunk's per-sample tensors by name, its convergence deltas as ``"delta"``;
+        ``valid`` is the chunk's attention mask."""
+        raise NotImplementedError
 
 
 @register
@@ -229,22 +254,7 @@ class IntegratedGradients(CaptumMetric):
                    "last valid token's log-probability, with completeness delta")
     knobs = captum_knobs(chunk_default=128)  # the seed's ig_chunk_size
 
-    def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
-                n_steps: int = 16, chunk_size: int = 128,
-                internal_batch_size: int = 8) -> dict[str, Any]:
-        from captum.attr import LayerIntegratedGradients  # why: captum loads only for its metrics
-
-        lig = LayerIntegratedGradients(target_forward(model), model.get_input_embeddings())
-        base_id = pad_id(model)
-        keep, work = defined_samples(data)
-        attrs: list[torch.Tensor] = []
-        deltas: list[torch.Tensor] = []
-        for mb in iter_micro_batches(work, chunk_size):
-            args = target_args(mb)
-            attr, delta = attribute(lig, mb["input_ids"], args, base_id, n_steps,
-                                    internal_batch_size)
-            attrs.append(attr.sum(dim=-1) * args[0].to(torch.float64))
-            deltas.append(delta)
-            del attr, delta
-        return {"attributions": expand_rows(torch.cat(attrs).cpu(), keep),
-                **self.completeness(data, keep, deltas, base_id)}
+    def attribute_chunk(self, model: torch.nn.Module,
+                        attribute_to: AttributeTo, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        attr, delta = attribute_to(model.get_input_embeddings())
+        return {"attributions": attr.sum(dim=-1) * valid.to(torch.float64), "delta": delta}

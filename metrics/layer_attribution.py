@@ -31,16 +31,7 @@ import torch
 
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import register
-from oomguard.metrics.common import expand_rows, iter_micro_batches
-from oomguard.metrics.integrated_gradients import (
-    CaptumMetric,
-    attribute,
-    captum_knobs,
-    defined_samples,
-    pad_id,
-    target_args,
-    target_forward,
-)
+from oomguard.metrics.integrated_gradients import AttributeTo, CaptumMetric, captum_knobs
 
 
 def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -93,37 +84,23 @@ class LayerAttribution(CaptumMetric):
     knobs = captum_knobs(chunk_default=96)  # the seed's layer_wise_chunk_size
 
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
-                n_steps: int = 16, chunk_size: int = 96,
-                internal_batch_size: int = 8) -> dict[str, Any]:
-        from captum.attr import LayerIntegratedGradients  # why: captum loads only for its metrics
+                **params: Any) -> dict[str, Any]:
+        n_layers = len(transformer_blocks(model))  # no stack of blocks: fails before any work
+        return {**super().compute(model, data, **params), "n_layers": n_layers}
 
-        blocks = transformer_blocks(model)
-        forward = target_forward(model)
-        base_id = pad_id(model)
-        keep, work = defined_samples(data)
-        scores: list[torch.Tensor] = []
-        totals: list[torch.Tensor] = []
-        deltas: list[torch.Tensor] = []
-        for mb in iter_micro_batches(work, chunk_size):
-            args = target_args(mb)
-            valid = args[0].to(torch.float64).unsqueeze(-1)
-            s_cols, t_cols, d_cols = [], [], []
-            for block in blocks:
-                tap, handle = hidden_tap(block)
-                try:
-                    attr, delta = attribute(LayerIntegratedGradients(forward, tap),
-                                            mb["input_ids"], args, base_id, n_steps,
-                                            internal_batch_size)
-                finally:
-                    handle.remove()
-                a = attr * valid
-                s_cols.append(a.abs().sum(dim=(1, 2)))
-                t_cols.append(a.sum(dim=(1, 2)))
-                d_cols.append(delta)
-                del attr, delta, a
-            scores.append(torch.stack(s_cols, dim=1))
-            totals.append(torch.stack(t_cols, dim=1))
-            deltas.append(torch.stack(d_cols, dim=1))
-        return {"scores": expand_rows(torch.cat(scores).cpu(), keep),
-                "totals": expand_rows(torch.cat(totals).cpu(), keep), "n_layers": len(blocks),
-                **self.completeness(data, keep, deltas, base_id)}
+    def attribute_chunk(self, model: torch.nn.Module, attribute_to: AttributeTo,
+                        valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        mask = valid.to(torch.float64).unsqueeze(-1)
+        cols: dict[str, list[torch.Tensor]] = {"scores": [], "totals": [], "delta": []}
+        for block in transformer_blocks(model):
+            tap, handle = hidden_tap(block)
+            try:
+                attr, delta = attribute_to(tap)
+            finally:
+                handle.remove()
+            a = attr * mask
+            cols["scores"].append(a.abs().sum(dim=(1, 2)))
+            cols["totals"].append(a.sum(dim=(1, 2)))
+            cols["delta"].append(delta)
+            del attr, delta, a
+        return {key: torch.stack(v, dim=1) for key, v in cols.items()}
