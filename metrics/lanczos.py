@@ -54,43 +54,23 @@ def lanczos(matvec: MatVec, dim: int, iterations: int, seed: int = 0,
     q /= q.norm()
     basis = [q]
     alphas: list[float] = []
-    betas: list[float] = []
-    beta_last = 0.0
+    betas: list[float] = []  # the last one is the residual's, outside T
     for j in range(m):
         w = matvec(basis[j]).to(dtype)
-        alpha = float(w @ basis[j])
-        alphas.append(alpha)
+        alphas.append(float(w @ basis[j]))
         Q = torch.stack(basis)
         for _ in range(2):  # full reorthogonalisation, twice is enough
             w -= Q.T @ (Q @ w)
-        beta = float(w.norm())
-        beta_last = beta
-        scale = max(abs(a) for a in alphas) or 1.0
-        if j == m - 1 or beta <= 1e-12 * scale:
+        betas.append(float(w.norm()))
+        if j == m - 1 or betas[-1] <= 1e-12 * (max(abs(a) for a in alphas) or 1.0):
             break
-        betas.append(beta)
-        basis.append(w / beta)
-    T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
-    if betas:
-        off = torch.tensor(betas, dtype=torch.float64)
-        T += torch.diag(off, 1) + torch.diag(off, -1)
+        basis.append(w / betas[-1])
+    off = torch.tensor(betas[:-1], dtype=torch.float64)
+    T = torch.diag(torch.tensor(alphas, dtype=torch.float64)) + off.diag(1) + off.diag(-1)
     evals, evecs = torch.linalg.eigh(T)
     order = torch.argsort(evals, descending=True)
-    return {"eigenvalues": evals[order], "residuals": (beta_last * evecs[-1, order]).abs(),
+    return {"eigenvalues": evals[order], "residuals": (betas[-1] * evecs[-1, order]).abs(),
             "steps": torch.tensor(len(alphas))}
-
-
-def _flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    host = host_device()
-    return torch.cat([t.reshape(-1).to(device=host, dtype=torch.float64) for t in ts])
-
-
-def _unflatten(vec: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, i = [], 0
-    for p in params:
-        out.append(vec[i:i + p.numel()].view_as(p).to(p.device))
-        i += p.numel()
-    return out
 
 
 def mean_loss_ggnvp(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
@@ -162,7 +142,10 @@ class _CurvatureEigenvalues(JsonMetric):
         dim = sum(p.numel() for p in params)
 
         def matvec(x: torch.Tensor) -> torch.Tensor:
-            return _flatten(product(model, data, micro_batch_size, _unflatten(x, params), params))
+            vec = [v.view_as(p).to(p.device)
+                   for v, p in zip(x.split([p.numel() for p in params]), params, strict=True)]
+            return torch.cat([t.reshape(-1).to(device=x.device, dtype=torch.float64)
+                              for t in product(model, data, micro_batch_size, vec, params)])
 
         out = lanczos(matvec, dim, iterations, seed)
         return {"eigenvalues": out["eigenvalues"][:k].tolist(),
