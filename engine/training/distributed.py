@@ -183,8 +183,5 @@ def all_reduce_gradients(params: Iterable[torch.Tensor], group: Any = None,
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     if average:
         flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset:offset + n].view_as(g))
-        offset += n
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))
