@@ -36,11 +36,8 @@ def n_samples(data: Batch) -> int:
 
 
 def iter_micro_batches(data: Batch, size: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Yield consecutive slices of ``data`` of at most ``size`` samples (dim 0).
-
-    Every tensor of the dict is sliced alike; together the slices cover every
-    sample exactly once, in order. ``size`` must be a positive integer.
-    """
+    """Consecutive slices of every tensor of ``data`` of at most ``size`` samples (dim 0),
+    covering every sample once, in order."""
     check_positive_int("micro-batch size", size)
     n = n_samples(data)
     for start in range(0, n, size):
@@ -48,14 +45,10 @@ def iter_micro_batches(data: Batch, size: int) -> Iterator[dict[str, torch.Tenso
 
 
 def labels_of(batch: Batch) -> torch.Tensor:
-    """Unshifted labels ``[n, L]`` of a batch, ``-100`` where nothing is scored.
-
-    Uses ``labels`` when present, else ``input_ids``. With an ``attention_mask``,
-    a position is scored only when it and the position before it are both
-    valid: a token predicted from a masked position is no prediction (after a
-    hole in the mask, or the first token after left padding, which right
-    padding never scores either).
-    """
+    """Unshifted labels ``[n, L]`` of a batch (``labels``, else ``input_ids``), ``-100``
+    where nothing is scored: with an ``attention_mask``, a position is scored only when it
+    and the position before it are both valid (a token predicted from a masked position is
+    no prediction)."""
     labels = batch.get("labels")
     if labels is None:
         labels = batch["input_ids"]
@@ -113,11 +106,9 @@ def expand_rows(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 def scored_samples(batch: Batch) -> dict[str, torch.Tensor] | None:
     """The samples of ``batch`` that have at least one scored token; None if no sample has.
 
-    A sample without one adds exactly nothing to a token-weighted sum, and must
-    not run with the others: its attention rows are all masked, which float64
-    models turn into NaN, and a backward pass spreads that NaN into every
-    gradient although no loss reads the row.
-    """
+    A sample without one adds exactly nothing to a token-weighted sum, and must not run:
+    its attention rows are all masked, which float64 models turn into NaN, and a backward
+    pass spreads that NaN into every gradient."""
     keep = tokens_per_sample(batch) > 0
     if bool(keep.all()):
         return dict(batch)
@@ -138,13 +129,9 @@ def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
 
 
 def logits_nll(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-    """Per-token NLL (nats) of ``logits [.., L, V]`` against *unshifted* ``labels [.., L]``.
-
-    Shifts internally (position ``t`` predicts label ``t+1``), skips ``-100``,
-    computes the log-softmax in float32 at least, and returns float64:
-    ``reduction="sum"`` a scalar, ``"none"`` a tensor shaped like ``labels[.., 1:]``
-    with zeros at ignored positions.
-    """
+    """Per-token NLL (nats, float64) of ``logits [.., L, V]`` against *unshifted* ``labels
+    [.., L]`` (position ``t`` predicts label ``t+1``; ``-100`` skipped): ``reduction="sum"``
+    a scalar, ``"none"`` shaped like ``labels[.., 1:]`` with zeros at ignored positions."""
     if logits.dtype in LOW_PRECISION:
         logits = logits.float()
     shift_logits = logits[..., :-1, :]
@@ -156,13 +143,8 @@ def logits_nll(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "sum
 
 
 def token_nll_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Summed per-token NLL (nats) of ``batch`` under ``model``: a float64 scalar.
-
-    Differentiable (call it under ``torch.no_grad()`` for evaluation only).
-    Divide the sum over all micro-batches by :func:`total_tokens` to get the
-    token-weighted mean loss. Samples without scored tokens never run
-    (:func:`scored_samples`); a batch of only such samples sums to an exact 0.
-    """
+    """Summed per-token NLL (nats) of ``batch`` under ``model``: a differentiable float64
+    scalar; only :func:`scored_samples` run (none: an exact 0)."""
     scored = scored_samples(batch)
     if scored is None:
         return torch.zeros((), dtype=torch.float64, device=batch["input_ids"].device)
@@ -172,7 +154,7 @@ def token_nll_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 def nll_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int) -> float:
     """Summed per-token NLL (nats) of all ``data``, without gradients, ``micro_batch_size``
-    samples per forward (float64 sums: the size changes nothing beyond rounding)."""
+    samples per forward."""
     total = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
         for mb in iter_micro_batches(data, micro_batch_size):
@@ -185,12 +167,9 @@ def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: in
                        params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Sum ``per_batch(mb, params)`` over micro-batches in float64, divided by the total tokens.
 
-    The one place where gradient-like products of the token-weighted mean loss
-    are reduced: each micro-batch returns one tensor (or None) per parameter,
-    already summed over its own tokens; samples without scored tokens are left
-    out before it runs (:func:`scored_samples`: their exact contribution is
-    zero). The result depends on ``micro_batch_size`` only through float rounding.
-    """
+    The one place where gradient-like products of the token-weighted mean loss are
+    reduced: each micro-batch (of :func:`scored_samples` only) returns one tensor (or
+    None) per parameter, already summed over its own tokens."""
     params = list(params if params is not None else trainable(model))
     n_tok = total_tokens(data)
     acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
@@ -217,12 +196,9 @@ def mean_loss_grad(model: torch.nn.Module, data: Batch, micro_batch_size: int,
 def mean_loss_hvp(model: torch.nn.Module, data: Batch, micro_batch_size: int,
                   vec: Sequence[torch.Tensor], params: Sequence[torch.Tensor] | None = None,
                   ) -> list[torch.Tensor]:
-    """Hessian-vector product ``H v`` of the token-weighted mean loss over all ``data``.
-
-    ``vec`` holds one tensor per parameter (any float dtype; cast to the
-    parameter's dtype for the product); each micro-batch's HVP is a double backward,
-    reduced by :func:`token_weighted_sum`.
-    """
+    """Hessian-vector product ``H v`` of the token-weighted mean loss over all ``data``:
+    ``vec`` has one tensor per parameter; a double backward per micro-batch, reduced by
+    :func:`token_weighted_sum`."""
     params = list(params if params is not None else trainable(model))
     v = [x.to(p.dtype) for x, p in zip(vec, params, strict=True)]
 
@@ -244,13 +220,9 @@ def trainable(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def group_name(param_name: str) -> str:
-    """The group a parameter belongs to, from its dotted name alone.
-
-    A parameter under a numbered child (``transformer.h.3.attn.c_attn.weight``,
-    ``model.layers.3.mlp.up_proj.weight``) belongs to that block
-    (``transformer.h.3``); any other parameter to the module that owns it
-    (``transformer.wte``, ``model.norm``, ``lm_head``).
-    """
+    """The group of a parameter, from its dotted name: the numbered block it is under
+    (``transformer.h.3.attn.c_attn.weight`` -> ``transformer.h.3``), else the module that
+    owns it (``transformer.wte``, ``model.norm``, ``lm_head``)."""
     parts = param_name.split(".")
     for i, part in enumerate(parts):
         if _INDEX.match(part):
@@ -259,11 +231,8 @@ def group_name(param_name: str) -> str:
 
 
 def param_groups(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.Tensor]]]:
-    """Trainable parameters grouped by :func:`group_name`, in model order.
-
-    Returns ``{group: [(param_name, param), ...]}``. Tied weights appear once
-    (under their first name), as in ``named_parameters``.
-    """
+    """Trainable parameters grouped by :func:`group_name`, in model order:
+    ``{group: [(param_name, param), ...]}``, tied weights once (as ``named_parameters``)."""
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
