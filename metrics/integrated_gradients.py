@@ -16,10 +16,9 @@ summed over the hidden dimension: one number per token (float64 on output;
 captum multiplies gradients by float32 step sizes, so sums are float32 at
 least for bfloat16/float16 models). Padding positions are set to zero.
 
-Knobs: ``n_steps`` (result: integration points, recorded); ``chunk_size`` (memory:
-examples per captum ``attribute`` call, results concatenated) and ``internal_batch_size``
-(memory: captum's, it splits the *steps*, whose attributions are summed). Neither memory
-knob changes more than float rounding.
+Knobs: ``n_steps`` (result: integration points); ``chunk_size`` (memory: examples per
+captum ``attribute`` call) and ``internal_batch_size`` (memory: captum's, it splits the
+*steps*, whose attributions are summed).
 
 How they interact (measured on torch 2.13 / captum 0.9): one forward gets
 :func:`rows_per_forward` rows, so ``internal_batch_size`` only saves memory while it is
@@ -75,11 +74,8 @@ def rows_per_forward(chunk: int, internal: int, n_steps: int | None = None) -> i
 
 
 def pad_id(model: torch.nn.Module) -> int:
-    """Token id of the baseline: ``pad_token_id``, else ``eos_token_id``, else 0.
-
-    An id outside the embedding table (e.g. GPT-2's 50256 with a smaller
-    vocabulary) is skipped.
-    """
+    """Token id of the baseline: ``pad_token_id``, else ``eos_token_id``, else 0; an id
+    outside the embedding table (GPT-2's 50256 with a smaller vocabulary) is skipped."""
     cfg = getattr(model, "config", None)
     vocab = model.get_input_embeddings().num_embeddings
     for key in ("pad_token_id", "eos_token_id"):
@@ -109,10 +105,9 @@ def last_positions(attention_mask: torch.Tensor, min_valid: int = 2) -> torch.Te
 def defined_samples(data: Mapping[str, torch.Tensor],
                     min_valid: int = 2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Which samples have at least ``min_valid`` valid tokens (bool ``[n]``, CPU), and the
-    data of just those samples: a per-sample metric is undefined on the others (no
-    next-token target for fewer than 2), which it reports as NaN rows
-    (:func:`~oomguard.metrics.common.expand_rows`) instead of failing on the whole data.
-    UsageError if no sample qualifies."""
+    data of just those samples: a per-sample metric is undefined on the others, which it
+    reports as NaN rows (:func:`~oomguard.metrics.common.expand_rows`). UsageError if no
+    sample qualifies."""
     keep = (valid_tokens(data) >= min_valid).cpu()
     if not bool(keep.any()):
         raise UsageError(f"no sample has {_needs(min_valid)}: give data with longer samples")
@@ -120,11 +115,8 @@ def defined_samples(data: Mapping[str, torch.Tensor],
 
 
 def target_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    """captum forward: ``f(input_ids, attention_mask, pred_pos, target_ids) -> [rows]``.
-
-    The log-probability of ``target_ids`` at ``pred_pos``, log-softmax in
-    float32 (float64 for float64 models). Shared with ``layer_attribution``.
-    """
+    """captum forward ``f(input_ids, attention_mask, pred_pos, target_ids) -> [rows]``: the
+    log-probability of ``target_ids`` at ``pred_pos`` (log-softmax in float32 at least)."""
 
     def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, pred_pos: torch.Tensor,
                 target_ids: torch.Tensor) -> torch.Tensor:
@@ -180,21 +172,18 @@ def captum_knobs(chunk_default: int) -> tuple[Knob, ...]:
 
 
 class CaptumMetric(JsonMetric):
-    """A metric built on captum's ``attribute(..., internal_batch_size=...)`` with the
-    knobs of :func:`captum_knobs`: declares that knob's granularity and its end."""
+    """A metric built on captum's attributions, with the knobs of :func:`captum_knobs`."""
 
     # No: attributions are checked by completeness (they sum to the change of the
     # output), which bfloat16 gradients along the path would no longer meet.
     tolerates_lower_precision = False
 
     def size_unit(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int:
-        """``min(chunk_size, n_samples)`` items for ``internal_batch_size``, else 1."""
         if knob != "internal_batch_size":
             return 1
         return max(1, min(int(params["chunk_size"]), n_samples))
 
     def notes(self, knob: str, params: Mapping[str, Any], n_samples: int) -> dict[str, str]:
-        """How the two memory knobs interact, and the unit the search stepped in."""
         other = "internal_batch_size" if knob == "chunk_size" else "chunk_size"
         out = {"knob interaction": (
             "captum runs chunk_size x max(1, internal_batch_size // chunk_size) rows per "
@@ -209,17 +198,15 @@ class CaptumMetric(JsonMetric):
         return out
 
     def largest_size(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int | None:
-        """``examples x n_steps`` for ``internal_batch_size``: every step in one forward."""
+        # internal_batch_size: examples x n_steps, every step in one forward
         if knob != "internal_batch_size":
             return None
         return self.size_unit(knob, params, n_samples) * int(params["n_steps"])
 
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor], *,
                 n_steps: int, chunk_size: int, internal_batch_size: int) -> dict[str, Any]:
-        """:meth:`attribute_chunk` on every chunk of the samples that have a target, its
-        tensors concatenated (NaN rows for the samples left out), with the convergence
-        deltas (per sample, NaN on samples left out; their absolute max and mean), the
-        baseline and the sample counts."""
+        """:meth:`attribute_chunk`'s tensors over every chunk (NaN rows for the samples left
+        out), with the convergence deltas' absolute max and mean."""
         forward, base_id = target_forward(model), pad_id(model)
         keep, work = defined_samples(data)
         parts: dict[str, list[torch.Tensor]] = {}
