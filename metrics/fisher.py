@@ -4,12 +4,10 @@ Measured: ``F_ii = (1/n) sum_s (d loss_s / d theta_i)^2`` where ``loss_s`` is
 sample ``s``'s mean NLL over its scored tokens (nats/token) and ``n`` the
 number of samples with at least one scored token. Per-sample gradients come
 from ``torch.func`` (``vmap(grad(functional_call))``) over micro-batches of
-samples; their squares are summed in float64 and divided by ``n`` once, so
-``micro_batch_size`` changes nothing beyond float rounding.
+samples; their squares are summed in float64 and divided by ``n`` once.
 
 Reported per group: ``trace`` (sum of the diagonal) and ``mean`` (trace per
-parameter); and the total trace. ``n_samples`` (the data size) defines the
-estimate and is recorded.
+parameter); and the total trace.
 """
 
 from __future__ import annotations

@@ -21,11 +21,8 @@ to a per-cotangent loop) and 52 s for a Python loop of single VJPs. Squares
 are accumulated in float64, the square root taken at the end. Exact, not
 estimated.
 
-Knobs (both memory, neither changes the result beyond rounding): one
-forward holds ``micro_batch_size x vjp_block`` rows, and memory grows with
-that product. ``micro_batch_size`` (samples per forward; results are
-concatenated) and ``vjp_block`` (output features per backward; squared rows are
-summed).
+Knobs (both memory): one forward holds ``micro_batch_size x vjp_block`` rows, and
+memory grows with that product.
 """
 
 from __future__ import annotations

@@ -9,9 +9,7 @@ full reorthogonalisation (float64) from a start vector seeded by ``seed``;
 error (exact when ``iterations`` reaches the parameter count).
 
 Each matrix-vector product is summed over micro-batches, each weighted by its
-token share (:func:`metrics.common.mean_loss_hvp`), so ``micro_batch_size``
-changes nothing beyond float rounding. ``k``, ``iterations`` and ``seed``
-define the result and are recorded.
+token share (:func:`metrics.common.token_weighted_sum`).
 """
 
 from __future__ import annotations
@@ -40,14 +38,10 @@ MatVec = Callable[[torch.Tensor], torch.Tensor]
 
 def lanczos(matvec: MatVec, dim: int, iterations: int, seed: int = 0,
             dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-    """Lanczos with full reorthogonalisation on a symmetric operator of size ``dim``.
-
-    Returns ``eigenvalues`` (Ritz values, descending), ``residuals`` (error
-    bounds ``|beta_m * s_mi|``, aligned) and ``steps`` (steps taken: fewer than
-    ``iterations`` when an invariant subspace is found). Deterministic for a
-    given ``seed``. The basis lives on the host (:func:`host_device`), never on
-    the accelerator: ``iterations x dim`` floats (float64: 8 bytes each).
-    """
+    """Lanczos with full reorthogonalisation on a symmetric operator of size ``dim``:
+    ``eigenvalues`` (Ritz values, descending), ``residuals`` (aligned) and ``steps``
+    (fewer than ``iterations`` when an invariant subspace is found). The basis,
+    ``iterations x dim`` floats, lives on the host (:func:`host_device`)."""
     m = min(iterations, dim)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(dim, generator=g, dtype=dtype, device=host_device())
@@ -76,12 +70,9 @@ def lanczos(matvec: MatVec, dim: int, iterations: int, seed: int = 0,
 def mean_loss_ggnvp(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                     micro_batch_size: int, vec: Sequence[torch.Tensor],
                     params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Gauss-Newton-vector product ``J^T H_z J v`` of the token-weighted mean loss.
-
-    ``z`` are the logits, ``H_z`` the softmax cross-entropy Hessian per scored
-    token; ``J v`` comes from the double-VJP trick (no forward-mode AD).
-    Summed over micro-batches in float64 and divided by the total token count.
-    """
+    """Gauss-Newton-vector product ``J^T H_z J v`` of the token-weighted mean loss (``z``:
+    the logits, ``H_z``: the softmax cross-entropy Hessian per scored token; ``J v`` by the
+    double-VJP trick, no forward-mode AD), reduced by :func:`token_weighted_sum`."""
     params = list(params if params is not None else trainable(model))
     v = [x.to(p.dtype) for x, p in zip(vec, params, strict=True)]
 

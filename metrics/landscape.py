@@ -10,17 +10,13 @@ zero the directions of biases and norm parameters in their default; we keep
 them, normalised per tensor, so every parameter moves. Tied weights appear
 once (``named_parameters``) and so get one direction.
 
-On the ``grid x grid`` points ``(a_i, b_j)`` with ``a_i = span * (2 i / (grid -
-1) - 1)`` (so the middle point of an odd grid is exactly 0), the parameters
-are set to ``theta + a_i d1 + b_j d2`` (computed in float32 at least, stored
-in the model's dtype) and the loss is the token-weighted mean NLL (nats per
-token) over *all* data (:func:`metrics.common.nll_sum`). ``grid``, ``span`` and
-``seed`` are result knobs (recorded).
+On the ``grid x grid`` points ``(a_i, b_j)`` (:func:`axis`), the parameters are set to
+``theta + a_i d1 + b_j d2`` (computed in float32 at least, stored in the model's dtype)
+and the loss is the token-weighted mean NLL (nats per token) over *all* data.
 
-The model's parameters are restored bit-for-bit afterwards (from a copy in
-their own dtype), also after an error such as an OOM. Memory: the copy and
-the two directions cost 3x the parameters (fixed), beside the forward. Cost:
-``grid^2`` passes over the data.
+The model's parameters are restored bit-for-bit afterwards, also after an error such as
+an OOM. Memory: the copy and the two directions cost 3x the parameters (fixed), beside
+the forward. Cost: ``grid^2`` passes over the data.
 """
 
 from __future__ import annotations
@@ -46,11 +42,8 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def filter_normalised_direction(params: list[torch.Tensor], generator: torch.Generator,
                                 ) -> list[torch.Tensor]:
-    """One random direction per parameter, filter-normalised (see module docstring).
-
-    Drawn on the CPU from ``generator`` (so a seed gives the same direction on
-    any device), returned in float32 (float64 for float64 parameters).
-    """
+    """One random direction per parameter, filter-normalised, drawn on the host from
+    ``generator`` (a seed gives the same direction on any device), in float32 at least."""
     out = []
     for p in params:
         wd = _work_dtype(p.dtype)
@@ -68,7 +61,8 @@ def filter_normalised_direction(params: list[torch.Tensor], generator: torch.Gen
 
 
 def axis(grid: int, span: float) -> torch.Tensor:
-    """Coordinates ``span * (2 i / (grid - 1) - 1)`` for ``i < grid`` (float64); [0.] if grid is 1."""
+    """Coordinates ``span * (2 i / (grid - 1) - 1)`` for ``i < grid`` (float64: the middle
+    of an odd grid is exactly 0); [0.] if grid is 1."""
     if grid == 1:
         return torch.zeros(1, dtype=torch.float64)
     i = torch.arange(grid, dtype=torch.float64)

@@ -35,10 +35,8 @@ from oomguard.metrics.integrated_gradients import AttributeTo, CaptumMetric, cap
 
 
 def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The model's stack of decoder blocks: the largest ``nn.ModuleList`` of same-type modules.
-
-    Prefers a list whose length is ``config.num_hidden_layers``; ValueError if none.
-    """
+    """The model's stack of decoder blocks: the ``nn.ModuleList`` of same-type modules of
+    ``config.num_hidden_layers``, else the largest; UsageError if none."""
     n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     best: torch.nn.ModuleList | None = None
     for module in model.modules():
@@ -57,13 +55,9 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 def hidden_tap(block: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
     """An identity module that ``block``'s hidden-state output passes through, and the
-    hook handle that does it (remove it when done).
-
-    captum attributes to every tensor a layer returns; blocks that return a tuple
-    (GPT-J, Falcon, Bloom: hidden state plus attention weights or caches) would make it
-    differentiate outputs the forward never uses. The tap's output is the hidden state
-    alone, the same tensor whatever the block returns.
-    """
+    hook handle that does it (remove it when done): captum attributes to every tensor a
+    layer returns, and blocks that return a tuple (GPT-J, Falcon, Bloom) would make it
+    differentiate outputs the forward never uses."""
     tap = torch.nn.Identity()
 
     def through_tap(module: torch.nn.Module, inputs: Any, output: Any) -> Any:
