@@ -260,11 +260,9 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
     key = name or f"{qualname(step_fn)}:micro_batch"
     anchor = params if isinstance(params, (torch.nn.Module, torch.optim.Optimizer)) \
         else (tensors[0] if tensors else None)
-    known = _MEMORY.get(anchor) if anchor is not None else None
+    known = _MEMORY.get(anchor) if anchor is not None else {}
     if known is None:
-        known = {}
-        if anchor is not None:
-            _MEMORY[anchor] = known
+        known = _MEMORY[anchor] = {}
     entry = known.get(key)
     if entry is None:
         entry = known[key] = _Remembered(remembered(key, KEY, micro_batch_size))
