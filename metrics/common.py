@@ -79,13 +79,15 @@ def total_tokens(data: Batch) -> int:
     return n
 
 
+def attention_mask(batch: Batch) -> torch.Tensor:
+    """The batch's ``attention_mask``, all ones (every token valid) where it has none."""
+    mask = batch.get("attention_mask")
+    return torch.ones_like(batch["input_ids"]) if mask is None else mask
+
+
 def valid_tokens(batch: Batch) -> torch.Tensor:
     """Valid (``attention_mask != 0``) tokens of each sample, shape ``[n]`` (int64)."""
-    mask = batch.get("attention_mask")
-    if mask is None:
-        ids = batch["input_ids"]
-        return torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long, device=ids.device)
-    return (mask != 0).sum(dim=1)
+    return (attention_mask(batch) != 0).sum(dim=1)
 
 
 def select_samples(batch: Batch, keep: torch.Tensor) -> dict[str, torch.Tensor]:

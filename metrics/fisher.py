@@ -22,6 +22,7 @@ from oomguard.engine.core.memory.oom import is_oom
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,
+    attention_mask,
     iter_micro_batches,
     labels_of,
     logits_nll,
@@ -45,8 +46,8 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
     the number of samples that have scored tokens, and the method that computed them
     (:data:`VMAP`, or :data:`LOOP` where torch.func cannot transform the model)."""
     method = VMAP
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    names = list(params)
 
     def sample_loss(ps: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
                     labels: torch.Tensor) -> torch.Tensor:
@@ -76,10 +77,7 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
         if scored is None:
             continue
         counted += n_samples(scored)
-        mask = scored.get("attention_mask")
-        if mask is None:
-            mask = torch.ones_like(scored["input_ids"])
-        batch = (scored["input_ids"], mask, labels_of(scored))
+        batch = (scored["input_ids"], attention_mask(scored), labels_of(scored))
         if method == VMAP:
             try:
                 grads = per_sample_grad(params, *batch)

@@ -45,6 +45,7 @@ from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,
+    attention_mask,
     expand_rows,
     iter_micro_batches,
     n_samples,
@@ -132,9 +133,7 @@ def target_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
 
 def target_args(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """captum ``additional_forward_args`` for :func:`target_forward`: mask, position, token."""
-    mask = batch.get("attention_mask")
-    if mask is None:
-        mask = torch.ones_like(batch["input_ids"])
+    mask = attention_mask(batch)
     last = last_positions(mask)
     rows = torch.arange(mask.shape[0], device=mask.device)
     return mask, last - 1, batch["input_ids"][rows, last]

@@ -34,7 +34,13 @@ import torch
 
 from oomguard.engine.core.workload import shortcut
 from oomguard.metrics.base import Knob, register
-from oomguard.metrics.common import JsonMetric, expand_rows, iter_micro_batches, n_samples
+from oomguard.metrics.common import (
+    JsonMetric,
+    attention_mask,
+    expand_rows,
+    iter_micro_batches,
+    n_samples,
+)
 from oomguard.metrics.integrated_gradients import defined_samples, last_positions
 
 
@@ -49,9 +55,7 @@ def _micro_batch_norms(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
                        vjp_block: int) -> torch.Tensor:
     """Per-position Jacobian Frobenius norms ``[b, seq_len]`` (float64) of one micro-batch."""
     ids = batch["input_ids"]
-    mask = batch.get("attention_mask")
-    if mask is None:
-        mask = torch.ones_like(ids)
+    mask = attention_mask(batch)
     n, seq_len = ids.shape
     last = last_positions(mask, min_valid=1)
     emb = model.get_input_embeddings()(ids).detach()
@@ -105,9 +109,7 @@ class PositionJacobian(JsonMetric):
             for mb in iter_micro_batches(work, micro_batch_size):
                 parts.append(_micro_batch_norms(model, mb, vjp_block).cpu())
         norms = torch.cat(parts)
-        mask = work.get("attention_mask")
-        last = last_positions(mask if mask is not None else torch.ones_like(work["input_ids"]),
-                              min_valid=1).cpu()
+        last = last_positions(attention_mask(work), min_valid=1).cpu()
         return {"norms": expand_rows(norms, keep),
                 "last_positions": expand_rows(last.to(torch.float64), keep),
                 "n_samples": n_samples(data), "n_samples_defined": int(keep.sum()),
