@@ -36,18 +36,13 @@ from oomguard.metrics.common import (
 )
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def filter_normalised_direction(params: list[torch.Tensor], generator: torch.Generator,
                                 ) -> list[torch.Tensor]:
     """One random direction per parameter, filter-normalised, drawn on the host from
     ``generator`` (a seed gives the same direction on any device), in float32 at least."""
     out = []
+    host = host_device()  # the host's memory, never the accelerator's
     for p in params:
-        wd = _work_dtype(p.dtype)
-        host = host_device()  # the host's memory, never the accelerator's
         d = torch.randn(p.shape, generator=generator, dtype=torch.float64, device=host)
         ref = p.detach().to(device=host, dtype=torch.float64)
         if p.dim() >= 2:
@@ -56,7 +51,8 @@ def filter_normalised_direction(params: list[torch.Tensor], generator: torch.Gen
             d = d * scale.view(-1, *([1] * (p.dim() - 1)))
         else:
             d = d * (ref.norm() / d.norm().clamp_min(1e-30))
-        out.append(d.to(device=p.device, dtype=wd))
+        out.append(d.to(device=p.device,
+                        dtype=torch.float64 if p.dtype == torch.float64 else torch.float32))
     return out
 
 
