@@ -1,10 +1,9 @@
 """Shared pieces of every metric: micro-batches, token counts, exact losses, parameter groups.
 
-A metric's *memory* knobs (micro-batch, chunk) must not change its result beyond float
-rounding; the helpers here make that easy to get right once: sums over micro-batches are
-exact (float64) and divided by the whole data's token count at the end. Low-precision
-models (bfloat16, float16) run in their dtype; logits are up-cast to float32 before the
-log-softmax and every reduction is accumulated in float64.
+What keeps a result independent of the memory knobs (micro-batch, chunk) beyond float
+rounding: sums over micro-batches are float64 and divided by the whole data's token count
+at the end. Low-precision models (bfloat16, float16) run in their dtype; logits are
+up-cast to float32 before the log-softmax.
 """
 
 from __future__ import annotations

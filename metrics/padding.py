@@ -34,24 +34,17 @@ import torch
 
 
 def leading_padding(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Masked positions before each sample's first valid token, shape ``[n]`` (int64).
-
-    0 for a sample whose first position is valid, and for a sample with no valid
-    position at all.
-    """
+    """Masked positions before each sample's first valid token, shape ``[n]`` (int64); 0
+    for a sample with no valid position at all."""
     valid = attention_mask != 0
     first = valid.long().argmax(dim=1)  # first valid position; 0 where there is none
     return torch.where(valid.any(dim=1), first, torch.zeros_like(first))
 
 
 def right_align(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``data`` with each sample's leading padding moved to its end.
-
-    Every tensor whose first two dimensions are ``[samples, positions]`` (input
-    ids, mask, labels, ...) is rotated alike, so tokens keep their order and
-    their labels. Data without an ``attention_mask``, or without leading
-    padding, is returned as a shallow copy with the same tensors.
-    """
+    """``data`` (a shallow copy) with each sample's leading padding moved to its end: every
+    tensor whose first two dimensions are ``[samples, positions]`` is rotated alike, so
+    tokens keep their order and their labels."""
     out = dict(data)
     mask = data.get("attention_mask")
     if mask is None or mask.dim() != 2:

@@ -74,9 +74,8 @@ def _array(value: Any, max_items: int | None) -> Any:
 
 def stable_hash(value: Any) -> str:
     """A short, stable hash of ``value`` (a model config, a job task, a size-cache key):
-    SHA-256 of its sanitised, key-sorted, one-line JSON. For plain dicts of strings and
-    numbers that is ``json.dumps(value, sort_keys=True)``, so keys written before stay valid.
-    """
+    SHA-256 of its sanitised, key-sorted, one-line JSON (for plain dicts of strings and
+    numbers, ``json.dumps(value, sort_keys=True)``: keys written before stay valid)."""
     return hashlib.sha256(json_text(value, indent=None).encode("utf-8")).hexdigest()[:16]
 
 
