@@ -1,20 +1,17 @@
 """``integrated_gradients``: token attribution with captum's ``LayerIntegratedGradients``.
 
 What is attributed (the target, one scalar per sample): the model's
-log-probability (nats, log-softmax in float32 at least) of each sample's *last
-valid token* given everything before it, read at the second-to-last valid
-position. We chose this over the summed token log-likelihood because it is
-the usual "which input tokens explain this prediction" question and keeps the
-completeness check on one number per sample. By causality the last valid
-token itself (and every padding position) gets exactly zero attribution.
+log-probability (nats) of each sample's *last valid token* given everything before
+it. We chose this over the summed token log-likelihood because it is the usual
+"which input tokens explain this prediction" question and keeps the completeness
+check on one number per sample. By causality the last valid token itself (and every
+padding position) gets exactly zero attribution.
 
-How: the path is the input embeddings (``model.get_input_embeddings()``
-output), from the embedding of a pad token (``pad_token_id``, else
-``eos_token_id``, else 0) at every position to the real embeddings, integrated
-with ``method="gausslegendre"`` over ``n_steps`` points. Attributions are
-summed over the hidden dimension: one number per token (float64 on output;
-captum multiplies gradients by float32 step sizes, so sums are float32 at
-least for bfloat16/float16 models). Padding positions are set to zero.
+How: the path is the input embeddings, from the embedding of the baseline token
+(:func:`pad_id`) at every position to the real embeddings, integrated with
+``method="gausslegendre"`` over ``n_steps`` points. Attributions are summed over the
+hidden dimension: one number per token (float64 on output; float32 sums at least for
+bfloat16/float16 models, as captum multiplies gradients by float32 step sizes).
 
 Knobs: ``n_steps`` (result: integration points); ``chunk_size`` (memory: examples per
 captum ``attribute`` call) and ``internal_batch_size`` (memory: captum's, it splits the

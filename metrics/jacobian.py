@@ -1,28 +1,20 @@
 """``position_jacobian``: how strongly each input position moves the final hidden state.
 
 For every sample, let ``h`` be the final hidden state (the base model's
-``last_hidden_state``, i.e. after the final norm; ``d`` features) at the
-sample's last valid position, and ``e_p`` the input embedding (``d_in``
-features) at position ``p``. The result is the Frobenius norm of the ``d x
-d_in`` Jacobian block ``dh / de_p`` for every ``p``: shape ``[n_samples,
-seq_len]``, float64, unit "hidden units per embedding unit". Positions after the
-last valid one (and padding) are exactly 0 by causality and masking. A sample
-without a valid token has no Jacobian: its row is NaN, and
-``n_samples_defined`` counts the others.
+``last_hidden_state``, after the final norm; ``d`` features) at the sample's last
+valid position, and ``e_p`` the input embedding at position ``p``. The result is the
+Frobenius norm of the Jacobian block ``dh / de_p`` for every ``p``: ``[n_samples,
+seq_len]``, float64, unit "hidden units per embedding unit"; 0 after the last valid
+position, by causality and masking; NaN rows for samples without a valid token
+(``n_samples_defined`` counts the others). Exact, not estimated.
 
-How: vector-Jacobian products, one per output feature ``k``: the VJP of ``h``
-with cotangent ``e_k`` is row ``k`` of the Jacobian. The ``d`` VJPs run
-``vjp_block`` at a time by replicating each sample ``vjp_block`` times in the
-batch (rows do not interact) and back-propagating feature ``k`` from replica
-``k``: one ordinary backward per block. Measured on tiny-gpt2 (5 x 12
-tokens, float64, loaded 2-core host): 1.9-3.9 s, against 13.7 s for vmap over
-cotangents (``is_grads_batched``: layer-norm and softmax backward fall back
-to a per-cotangent loop) and 52 s for a Python loop of single VJPs. Squares
-are accumulated in float64, the square root taken at the end. Exact, not
-estimated.
-
-Knobs (both memory): one forward holds ``micro_batch_size x vjp_block`` rows, and
-memory grows with that product.
+How: the VJP of ``h`` with cotangent ``e_k`` is row ``k`` of the Jacobian. The ``d``
+VJPs run ``vjp_block`` at a time by replicating each sample ``vjp_block`` times in the
+batch and back-propagating feature ``k`` from replica ``k``: one ordinary backward per
+block, so one forward holds ``micro_batch_size x vjp_block`` rows. Measured on
+tiny-gpt2 (5 x 12 tokens, float64, loaded 2-core host): 1.9-3.9 s, against 13.7 s for
+vmap over cotangents (``is_grads_batched``: layer-norm and softmax backward fall back
+to a per-cotangent loop) and 52 s for a Python loop of single VJPs.
 """
 
 from __future__ import annotations

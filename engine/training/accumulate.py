@@ -6,10 +6,8 @@ samples) before ``backward()``, so ``.grad`` equals the whole batch's within flo
 rounding. The micro-batch size is the core's one size controller's
 (:class:`~oomguard.engine.core.execute.executor.SizeController`).
 
-How the loss must be defined for the scaling to be exact
---------------------------------------------------------
-``step_fn(micro_batch)`` runs the forward pass and returns a scalar loss
-tensor (it must not call ``backward`` itself):
+For the scaling to be exact, ``step_fn(micro_batch)`` runs the forward pass and
+returns a scalar loss tensor (it must not call ``backward`` itself):
 
 - ``reduction="mean"`` (default): the **mean over the micro-batch's own
   units** (a transformers causal LM's ``model(**batch).loss`` with
@@ -24,12 +22,10 @@ number`` that is additive over rows. A micro-batch with no units is skipped
 the step (dropout) draws differently per micro-batch: disable it for
 bit-comparable results.
 
-OOM in the middle of an accumulation
-------------------------------------
-A micro-batch that runs out of memory during ``backward`` may already have
-added part of its gradient to some ``.grad`` tensors, so every attempt sets the
-gradients of ``params`` to ``None`` and runs the whole batch again: :func:`accumulate`
-*replaces* ``.grad``.
+A micro-batch that runs out of memory during ``backward`` may already have added part
+of its gradient to some ``.grad`` tensors, so every attempt sets the gradients of
+``params`` to ``None`` and runs the whole batch again: :func:`accumulate` *replaces*
+``.grad``.
 """
 
 from __future__ import annotations
