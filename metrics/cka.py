@@ -1,11 +1,9 @@
 """``cka``: linear CKA between the hidden states of every pair of layers.
 
-Features: the ``L + 1`` hidden states transformers returns with
-``output_hidden_states=True`` (the embedding output, then every block's
-output; the last one after the final norm), at every *valid token*
-(``attention_mask == 1``): ``n`` = total valid tokens rows, ``d`` features
-per layer. We chose tokens over mean-pooled samples because the question is
-about representations, and pooling would mix in sequence length.
+Features: the ``L + 1`` hidden states (``output_hidden_states=True``: the embedding
+output, then every block's output) at every *valid token*: ``n`` = total valid tokens
+rows. We chose tokens over mean-pooled samples because the question is about
+representations, and pooling would mix in sequence length.
 
 Linear CKA on centred features (Kornblith et al. 2019):
 ``CKA(X, Y) = ||Xc^T Yc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F)``.
