@@ -26,9 +26,6 @@ _INDEX = re.compile(r"^\d+$")
 Batch = Mapping[str, torch.Tensor]
 
 
-# --------------------------------------------------------------------------- data
-
-
 def n_samples(data: Batch) -> int:
     """Number of samples (rows along dim 0) of a data dict."""
     return int(data["input_ids"].shape[0])
@@ -126,9 +123,6 @@ def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
     return out
 
 
-# --------------------------------------------------------------------------- losses
-
-
 def logits_nll(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
     """Per-token NLL (nats, float64) of ``logits [.., L, V]`` against *unshifted* ``labels
     [.., L]`` (position ``t`` predicts label ``t+1``; ``-100`` skipped): ``reduction="sum"``
@@ -212,9 +206,6 @@ def mean_loss_hvp(model: torch.nn.Module, data: Batch, micro_batch_size: int,
     return token_weighted_sum(model, data, micro_batch_size, hvp, params)
 
 
-# --------------------------------------------------------------------------- parameters
-
-
 def trainable(model: torch.nn.Module) -> list[torch.Tensor]:
     """Parameters that require grad, in ``named_parameters`` order (tied weights once)."""
     return [p for _, p in model.named_parameters() if p.requires_grad]
@@ -240,8 +231,6 @@ def param_groups(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.Tens
             groups.setdefault(group_name(name), []).append((name, p))
     return groups
 
-
-# --------------------------------------------------------------------------- results
 
 SUMMARY_MAX_ITEMS = 64  # tensors with more elements are summarised as {"shape", "mean"}
 

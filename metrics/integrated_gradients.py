@@ -56,19 +56,13 @@ AttributeTo = Callable[[torch.nn.Module], tuple[torch.Tensor, torch.Tensor]]
 
 
 def rows_per_forward(chunk: int, internal: int, n_steps: int | None = None) -> int:
-    """Rows of one forward pass inside captum for ``chunk`` examples per call.
-
-    captum's ``_batch_attribution`` runs ``max(1, internal // chunk)`` steps per
-    forward, each step a copy of all ``chunk`` examples; with ``n_steps`` given,
-    never more than ``n_steps`` steps. Examples: (128, 8) -> 128 (internal
-    ignored), (4, 16) -> 16, (2, 8, n_steps=3) -> 6.
-    """
+    """Rows of one forward pass inside captum for ``chunk`` examples per call: captum's
+    ``_batch_attribution`` runs ``max(1, internal // chunk)`` steps per forward, each a copy
+    of all ``chunk`` examples, and never more than ``n_steps`` steps."""
     if chunk <= 0 or internal <= 0:
         raise ValueError(f"chunk and internal must be positive, got {chunk}, {internal}")
     steps = max(1, internal // chunk)
-    if n_steps is not None:
-        steps = min(steps, n_steps)
-    return chunk * steps
+    return chunk * (steps if n_steps is None else min(steps, n_steps))
 
 
 def pad_id(model: torch.nn.Module) -> int:
