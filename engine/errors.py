@@ -9,6 +9,7 @@ This module imports nothing, so every layer may use it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -98,13 +99,8 @@ class ExecutionFailed(OomguardError, RuntimeError):
     def __reduce__(self) -> tuple:
         # The default would call __init__(str(self)) alone: crossing a process
         # boundary (multiprocessing) would fail to rebuild the error.
-        return (_rebuild, (type(self), self.workload, self.tried, self.errors, self.message,
-                           self.verbatim))
-
-
-def _rebuild(cls: type[ExecutionFailed], workload: str, tried: list, errors: list,
-             message: str, verbatim: bool) -> ExecutionFailed:
-    return cls(workload, tried, errors, message, verbatim=verbatim)
+        return (functools.partial(type(self), verbatim=self.verbatim),
+                (self.workload, self.tried, self.errors, self.message))
 
 
 class NoExecutableBatchSize(ExecutionFailed):
