@@ -150,7 +150,6 @@ class HessianEigenvalues(_CurvatureEigenvalues):
     name = "hessian_eigenvalues"
     description = ("top-k eigenvalues of the Hessian of the full-data token-weighted mean loss "
                    "(Lanczos, full reorthogonalisation)")
-    matrix = "hessian"
 
 
 @register

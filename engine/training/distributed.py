@@ -96,8 +96,11 @@ def check_every_rank_calls(what: str, group: Any = None,
         return
     pg = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(pg)
-    store = _store()
-    if len(ranks) < 2 or store is None:
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, ValueError, KeyError):  # a private function: absent in some torch
+        return
+    if len(ranks) < 2:
         return
     me = dist.get_rank()
     n = _first_calls.get(pg.group_name, 0)
@@ -120,14 +123,6 @@ def check_every_rank_calls(what: str, group: Any = None,
                 "its own size; the process group is untouched (no collective was made)"
             ) from None
     _first_calls[pg.group_name] = n + 1
-
-
-def _store() -> Any:
-    """The default process group's store (None where this torch does not expose it)."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (AttributeError, ValueError, KeyError):  # a private function: absent in some torch
-        return None
 
 
 class RankAgreement:
