@@ -66,13 +66,12 @@ class TrainStep(RebuiltInChild):
         one on the ``meta`` device: isolated children must measure with the parent holding
         nothing on ``device``."""
         if "model" in self._state:
-            model, vocab = self._state["model"], self._state["vocab"]
+            model = self._state["model"]
         else:
             from transformers import AutoModelForCausalLM  # why: as in build_model
 
             with torch.device("meta"):  # from_config: a checkpoint's weights are not needed
                 model = AutoModelForCausalLM.from_config(model_config(self.model))
-            vocab = model.config.vocab_size
         cfg = model.config
         return {
             "model": f"{self.model} ({cfg.model_type}, random init from config)",
@@ -82,7 +81,7 @@ class TrainStep(RebuiltInChild):
             "dtype": self.dtype,
             "step": "forward + backward + AdamW step",
             "data": {"source": "generated uniform random tokens (seeded)",
-                     "vocabulary": vocab, "sequence_length": self.seq_len,
+                     "vocabulary": cfg.vocab_size, "sequence_length": self.seq_len,
                      "lengths": "every sample at the full sequence length (the worst case)"},
         }
 
