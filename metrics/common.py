@@ -159,13 +159,12 @@ def nll_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int) -> float
 
 def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int,
                        per_batch: Callable[[Batch, list[torch.Tensor]], Sequence[Any]],
-                       params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                       params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Sum ``per_batch(mb, params)`` over micro-batches in float64, divided by the total tokens.
 
     The one place where gradient-like products of the token-weighted mean loss are
     reduced: each micro-batch (of :func:`scored_samples` only) returns one tensor (or
     None) per parameter, already summed over its own tokens."""
-    params = list(params if params is not None else trainable(model))
     n_tok = total_tokens(data)
     acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
     for mb in iter_micro_batches(data, micro_batch_size):
@@ -179,7 +178,7 @@ def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: in
 
 
 def mean_loss_grad(model: torch.nn.Module, data: Batch, micro_batch_size: int,
-                   params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                   params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Gradient of the token-weighted mean loss over all ``data``, one float64 tensor per
     parameter (:func:`token_weighted_sum`); ``model``'s ``.grad`` fields are not touched."""
     def grad(mb: Batch, ps: list[torch.Tensor]) -> Sequence[Any]:
@@ -189,12 +188,10 @@ def mean_loss_grad(model: torch.nn.Module, data: Batch, micro_batch_size: int,
 
 
 def mean_loss_hvp(model: torch.nn.Module, data: Batch, micro_batch_size: int,
-                  vec: Sequence[torch.Tensor], params: Sequence[torch.Tensor] | None = None,
-                  ) -> list[torch.Tensor]:
+                  vec: Sequence[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Hessian-vector product ``H v`` of the token-weighted mean loss over all ``data``:
     ``vec`` has one tensor per parameter; a double backward per micro-batch, reduced by
     :func:`token_weighted_sum`."""
-    params = list(params if params is not None else trainable(model))
     v = [x.to(p.dtype) for x, p in zip(vec, params, strict=True)]
 
     def hvp(mb: Batch, ps: list[torch.Tensor]) -> Sequence[Any]:

@@ -69,11 +69,10 @@ def lanczos(matvec: MatVec, dim: int, iterations: int, seed: int = 0,
 
 def mean_loss_ggnvp(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                     micro_batch_size: int, vec: Sequence[torch.Tensor],
-                    params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                    params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Gauss-Newton-vector product ``J^T H_z J v`` of the token-weighted mean loss (``z``:
     the logits, ``H_z``: the softmax cross-entropy Hessian per scored token; ``J v`` by the
     double-VJP trick, no forward-mode AD), reduced by :func:`token_weighted_sum`."""
-    params = list(params if params is not None else trainable(model))
     v = [x.to(p.dtype) for x, p in zip(vec, params, strict=True)]
 
     def ggnvp(mb: Mapping[str, torch.Tensor], ps: list[torch.Tensor]) -> Sequence[Any]:

@@ -95,15 +95,12 @@ class MetricTrial(RebuiltInChild):
     def preload(self) -> tuple[str, ...]:
         """Modules a forkserver may import before the first isolated trial."""
         return ("transformers", "oomguard.metrics.models", "oomguard.metrics.common",
-                type(self._metric()).__module__)
-
-    def _metric(self) -> Metric:
-        return get_metric(self.metric)
+                type(get_metric(self.metric)).__module__)
 
     def _sizing(self) -> tuple[Metric, str, dict[str, Any]]:
         """The metric, the searched knob and the fixed knobs validated (defaults filled)."""
         assert self.knob is not None
-        metric = self._metric()
+        metric = get_metric(self.metric)
         return metric, self.knob, metric.validate(self.params)
 
     def max_size(self) -> int | None:
@@ -130,7 +127,7 @@ class MetricTrial(RebuiltInChild):
 
     def minimum(self) -> int:
         """The knob's smallest allowed size."""
-        knob = next(k for k in self._metric().knobs if k.name == self.knob)
+        knob = next(k for k in get_metric(self.metric).knobs if k.name == self.knob)
         return max(1, int(knob.minimum))
 
     def describe(self) -> dict[str, Any]:
@@ -181,7 +178,7 @@ class MetricTrial(RebuiltInChild):
         ``labels``), by default on the padded data; return its JSON-friendly summary."""
         if "model" not in self._state:
             self.warmup()
-        metric = self._metric()
+        metric = get_metric(self.metric)
         data = self._state["data"] if batch is None else batch
         with torch.enable_grad():
             result = metric.run(self._state["model"], data, **{**self.params, self.knob: size})
