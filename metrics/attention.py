@@ -52,8 +52,7 @@ def attention_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 for s, v in values.items():  # where(): pad rows may hold NaN
                     per_layer[s].append(torch.where(valid, v, 0.0).sum(dim=(0, 2)).cpu())
             for s in STATS:
-                layer_sums = torch.stack(per_layer[s])
-                sums[s] = sums[s] + layer_sums if s in sums else layer_sums
+                sums[s] = sums.get(s, 0) + torch.stack(per_layer[s])
             count += int(valid.sum())
             del out
     return sums, count
