@@ -1,22 +1,15 @@
 """The one exception tree of oomguard.
 
 Every error oomguard raises on purpose derives from :class:`OomguardError`. Three
-families matter to a caller:
-
-- :class:`UsageError` -- bad input from the user, in one line that says what to do.
-  The command line prints it and exits 2; it is the *only* family treated that way,
-  so a bug inside a metric (a plain ``ValueError``) keeps its traceback.
-- :class:`ExecutionFailed` -- the executor or an adaptive wrapper gave up: every size
-  down to the minimum ran out of memory. Giving up is *not* itself an OOM, so an outer
-  handler never retries it as one.
-- :class:`SearchFailed` -- a search ended without an answer; it carries the partial
-  :class:`~oomguard.engine.core.search.search.SearchResult`, so nothing measured is lost.
-
+families matter to a caller: :class:`UsageError` (the command line prints it and exits 2;
+it is the *only* family treated that way, so a bug inside a metric, a plain
+``ValueError``, keeps its traceback), :class:`ExecutionFailed` and :class:`SearchFailed`.
 This module imports nothing, so every layer may use it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -79,11 +72,10 @@ class RamLimitReached(OomguardError, MemoryError):
 
 
 class ExecutionFailed(OomguardError, RuntimeError):
-    """Every size down to the minimum ran out of memory.
-
-    ``workload`` names what ran; ``tried`` lists the sizes of each attempt in order;
-    ``errors`` the OOM message of each; ``detail`` is one line with all of it. ``str()`` is
-    ``detail``, or with ``verbatim`` just ``message`` (accelerate's exact words).
+    """The executor or an adaptive wrapper gave up: every size down to the minimum ran out
+    of memory. ``workload`` names what ran; ``tried`` lists the sizes of each attempt in
+    order; ``errors`` the OOM message of each. ``str()`` is ``detail`` (one line with all of
+    it), or with ``verbatim`` just ``message`` (accelerate's exact words).
     """
 
     # The message quotes the last OOM, but giving up is not itself an OOM: an
@@ -107,13 +99,8 @@ class ExecutionFailed(OomguardError, RuntimeError):
     def __reduce__(self) -> tuple:
         # The default would call __init__(str(self)) alone: crossing a process
         # boundary (multiprocessing) would fail to rebuild the error.
-        return (_rebuild, (type(self), self.workload, self.tried, self.errors, self.message,
-                           self.verbatim))
-
-
-def _rebuild(cls: type[ExecutionFailed], workload: str, tried: list, errors: list,
-             message: str, verbatim: bool) -> ExecutionFailed:
-    return cls(workload, tried, errors, message, verbatim=verbatim)
+        return (functools.partial(type(self), verbatim=self.verbatim),
+                (self.workload, self.tried, self.errors, self.message))
 
 
 class NoExecutableBatchSize(ExecutionFailed):
@@ -135,7 +122,8 @@ class NoProgress(NoExecutableBatchSize):
 
 
 class SearchFailed(OomguardError, RuntimeError):
-    """A search ended without an answer; ``result`` holds every trial that ran."""
+    """A search ended without an answer; ``result`` (the partial
+    :class:`~oomguard.engine.core.search.search.SearchResult`) holds every trial that ran."""
 
     def __init__(self, message: str, result: Any) -> None:
         super().__init__(message)

@@ -7,11 +7,9 @@ Measured, for every layer ``l`` and head ``h``, averaged over every valid
 - ``first_token``: the attention weight on key position 0 (a probability);
 - ``distance``: ``sum_k p_k (q - k)``, the mean look-back (positions).
 
-Samples are processed ``chunk_size`` at a time; each chunk adds float64 sums
-and the count of valid queries, and the means are taken once at the end, so
-``chunk_size`` changes nothing beyond float rounding. Needs attention
-probabilities (``output_attentions=True``), so the model must use eager
-attention (``build_model(..., attn_implementation="eager")``).
+Each chunk of ``chunk_size`` samples adds float64 sums and the count of valid queries;
+the means are taken once at the end. Needs attention probabilities, so the model must
+use eager attention (``build_model(..., attn_implementation="eager")``).
 """
 
 from __future__ import annotations
@@ -54,8 +52,7 @@ def attention_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 for s, v in values.items():  # where(): pad rows may hold NaN
                     per_layer[s].append(torch.where(valid, v, 0.0).sum(dim=(0, 2)).cpu())
             for s in STATS:
-                layer_sums = torch.stack(per_layer[s])
-                sums[s] = sums[s] + layer_sums if s in sums else layer_sums
+                sums[s] = sums.get(s, 0) + torch.stack(per_layer[s])
             count += int(valid.sum())
             del out
     return sums, count

@@ -32,16 +32,13 @@ from oomguard.metrics.padding import right_align
 
 @dataclass(frozen=True)
 class Knob:
-    """One parameter of a metric.
+    """One parameter of a metric, of ``kind`` ``"memory"`` or ``"result"`` (module docstring).
 
-    ``kind`` is ``"memory"`` (tuned freely, result-invariant) or ``"result"``
-    (part of the question). ``scales_with`` says what memory grows with.
-    ``unit`` declares the knob's granularity when memory does not change at every
-    +1: what one unit is (its size for given parameters is :meth:`Metric.size_unit`);
-    a search proposes only multiples of it. Empty: every size counts.
-    ``largest``, for a knob above some size of the model's config changes nothing that
-    runs (``vjp_block`` above the hidden width), gives that size from the transformers
-    config (None: unknown); a search goes no further.
+    ``scales_with``: what memory grows with. ``unit``: what one unit of the knob's
+    granularity is, where memory does not change at every +1 (its size:
+    :meth:`Metric.size_unit`; empty: every size counts). ``largest``: the size from the
+    transformers config above which the knob changes nothing that runs (``vjp_block``
+    above the hidden width; None: unknown).
     """
 
     name: str
@@ -55,8 +52,8 @@ class Knob:
 
 
 class Metric:
-    """Base of every metric. Subclasses set ``name``, ``description``, ``knobs``
-    and implement :meth:`compute`; :meth:`run` validates and fills defaults."""
+    """Base of every metric: subclasses set ``name``, ``description``, ``knobs`` and
+    implement :meth:`compute`."""
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
@@ -76,14 +73,12 @@ class Metric:
         return {k.name: k.default for k in self.knobs}
 
     def size_unit(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int:
-        """The granularity of memory knob ``knob`` (items) with the other knobs at
-        ``params`` (validated, defaults filled) on ``n_samples`` samples: peak memory
-        changes only at multiples of it. 1 unless a metric declares a ``Knob.unit``."""
+        """The granularity of memory knob ``knob`` (items: peak memory changes only at its
+        multiples) with the other knobs at ``params`` (validated) on ``n_samples`` samples."""
         return 1
 
     def notes(self, knob: str, params: Mapping[str, Any], n_samples: int) -> dict[str, str]:
-        """Lines a report of a search of ``knob`` should carry (how it interacts with the
-        other knobs, what its unit is), by title; none by default."""
+        """Lines a report of a search of ``knob`` should carry, by title."""
         return {}
 
     def largest_size(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int | None:
@@ -93,8 +88,7 @@ class Metric:
 
     def unsupported(self, config: Any) -> str | None:
         """Why this metric cannot run on a model with this transformers ``config`` (one
-        line), or None where it can. Asked before any work: by :meth:`run`, by job files
-        when they are read, and by ``oomguard metrics --model``."""
+        line), or None where it can; asked before any work."""
         return None
 
     def check_model(self, config: Any) -> None:
@@ -128,12 +122,9 @@ class Metric:
         return out
 
     def run(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor], **params: Any) -> dict:
-        """Validate ``params`` and compute the metric. Returns a dict of results
-        (tensors or floats) including the result-defining knobs used.
-
-        The metric sees ``data`` right-aligned (:func:`~oomguard.metrics.padding.right_align`:
-        left padding moved to each sample's end), so that no attention row of a
-        sample with valid tokens is fully masked."""
+        """Validate ``params`` and compute the metric on ``data`` right-aligned
+        (:func:`~oomguard.metrics.padding.right_align`). Returns a dict of results (tensors
+        or floats) with the result knobs used as ``params``."""
         full = self.validate(params)
         self.check_model(getattr(model, "config", None))
         result = self.compute(model, right_align(data), **full)
@@ -166,10 +157,8 @@ def register(cls: type[Metric]) -> type[Metric]:
 
 
 def load_all() -> dict[str, Metric]:
-    """Import every module of the ``metrics`` package so each registers itself.
-
-    Lazy, so that ``import oomguard.metrics.train_step`` does not pay for captum.
-    """
+    """Import every module of the ``metrics`` package so each registers itself (lazily,
+    so that ``import oomguard.metrics.train_step`` does not pay for captum)."""
     for info in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"oomguard.metrics.{info.name}")
     return METRICS

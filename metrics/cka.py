@@ -1,11 +1,9 @@
 """``cka``: linear CKA between the hidden states of every pair of layers.
 
-Features: the ``L + 1`` hidden states transformers returns with
-``output_hidden_states=True`` (the embedding output, then every block's
-output; the last one after the final norm), at every *valid token*
-(``attention_mask == 1``): ``n`` = total valid tokens rows, ``d`` features
-per layer. We chose tokens over mean-pooled samples because the question is
-about representations, and pooling would mix in sequence length.
+Features: the ``L + 1`` hidden states (``output_hidden_states=True``: the embedding
+output, then every block's output) at every *valid token*: ``n`` = total valid tokens
+rows. We chose tokens over mean-pooled samples because the question is about
+representations, and pooling would mix in sequence length.
 
 Linear CKA on centred features (Kornblith et al. 2019):
 ``CKA(X, Y) = ||Xc^T Yc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F)``.
@@ -15,8 +13,7 @@ block ``X_i^T X_j`` at once), the feature sums and the token count; at the end
 ``Xc^T Yc = X^T Y - n mean_x mean_y^T``. To keep that subtraction well
 conditioned, features are first shifted by a fixed vector (the mean of the
 first sample's valid tokens, the same for every chunk size); centering
-removes any shift exactly. The result depends on ``chunk_size`` only through
-float rounding; the diagonal is 1 up to rounding.
+removes any shift exactly.
 
 Memory: the accumulator is ``((L + 1) d)^2`` float64 (fixed; 1.2 MB for
 tiny-gpt2, ~0.8 GB for GPT-2 small), plus a forward over ``chunk_size`` samples.
@@ -37,12 +34,9 @@ from oomguard.metrics.common import JsonMetric, iter_micro_batches, model_inputs
 
 def cka_from_gram(gram: torch.Tensor, sums: torch.Tensor, n: int,
                   widths: Sequence[int]) -> torch.Tensor:
-    """Linear CKA matrix ``[L, L]`` from uncentred accumulators of ``L`` layers.
-
-    ``gram = Z^T Z`` and ``sums = Z^T 1`` for ``Z = [X_0 | ... | X_{L-1}]`` over ``n``
-    rows; ``widths[i]`` is the number of features of ``X_i`` (layers may differ: a
-    model that projects its embeddings or output, like OPT's ``word_embed_proj_dim``).
-    """
+    """Linear CKA matrix ``[L, L]`` from ``gram = Z^T Z`` and ``sums = Z^T 1`` of ``Z = [X_0 |
+    ... | X_{L-1}]`` over ``n`` rows; ``widths[i]``: the features of ``X_i`` (they may
+    differ: OPT's ``word_embed_proj_dim``)."""
     mean = sums / n
     cov = gram - n * torch.outer(mean, mean)  # Zc^T Zc, exactly centred
     edges = [0, *itertools.accumulate(widths)]

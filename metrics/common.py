@@ -1,10 +1,9 @@
 """Shared pieces of every metric: micro-batches, token counts, exact losses, parameter groups.
 
-A metric's *memory* knobs (micro-batch, chunk) must not change its result beyond float
-rounding; the helpers here make that easy to get right once: sums over micro-batches are
-exact (float64) and divided by the whole data's token count at the end. Low-precision
-models (bfloat16, float16) run in their dtype; logits are up-cast to float32 before the
-log-softmax and every reduction is accumulated in float64.
+What keeps a result independent of the memory knobs (micro-batch, chunk) beyond float
+rounding: sums over micro-batches are float64 and divided by the whole data's token count
+at the end. Low-precision models (bfloat16, float16) run in their dtype; logits are
+up-cast to float32 before the log-softmax.
 """
 
 from __future__ import annotations
@@ -27,20 +26,14 @@ _INDEX = re.compile(r"^\d+$")
 Batch = Mapping[str, torch.Tensor]
 
 
-# --------------------------------------------------------------------------- data
-
-
 def n_samples(data: Batch) -> int:
     """Number of samples (rows along dim 0) of a data dict."""
     return int(data["input_ids"].shape[0])
 
 
 def iter_micro_batches(data: Batch, size: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Yield consecutive slices of ``data`` of at most ``size`` samples (dim 0).
-
-    Every tensor of the dict is sliced alike; together the slices cover every
-    sample exactly once, in order. ``size`` must be a positive integer.
-    """
+    """Consecutive slices of every tensor of ``data`` of at most ``size`` samples (dim 0),
+    covering every sample once, in order."""
     check_positive_int("micro-batch size", size)
     n = n_samples(data)
     for start in range(0, n, size):
@@ -48,14 +41,10 @@ def iter_micro_batches(data: Batch, size: int) -> Iterator[dict[str, torch.Tenso
 
 
 def labels_of(batch: Batch) -> torch.Tensor:
-    """Unshifted labels ``[n, L]`` of a batch, ``-100`` where nothing is scored.
-
-    Uses ``labels`` when present, else ``input_ids``. With an ``attention_mask``,
-    a position is scored only when it and the position before it are both
-    valid: a token predicted from a masked position is no prediction (after a
-    hole in the mask, or the first token after left padding, which right
-    padding never scores either).
-    """
+    """Unshifted labels ``[n, L]`` of a batch (``labels``, else ``input_ids``), ``-100``
+    where nothing is scored: with an ``attention_mask``, a position is scored only when it
+    and the position before it are both valid (a token predicted from a masked position is
+    no prediction)."""
     labels = batch.get("labels")
     if labels is None:
         labels = batch["input_ids"]
@@ -67,36 +56,34 @@ def labels_of(batch: Batch) -> torch.Tensor:
     return labels.masked_fill(~scored, IGNORE_INDEX)
 
 
-def shifted_labels(batch: Batch) -> torch.Tensor:
-    """Labels a causal LM predicts at positions ``0..L-2``: ``labels_of(batch)[:, 1:]``."""
-    return labels_of(batch)[:, 1:]
+def tokens_per_sample(batch: Batch) -> torch.Tensor:
+    """Scored tokens of each sample, shape ``[n]`` (int64): the labels a causal LM predicts
+    (``labels_of(batch)[:, 1:]``) that are not ``-100``."""
+    return (labels_of(batch)[:, 1:] != IGNORE_INDEX).sum(dim=1)
 
 
 def token_count(batch: Batch) -> int:
-    """Number of scored tokens: shifted labels that are not ``-100``."""
-    return int((shifted_labels(batch) != IGNORE_INDEX).sum())
-
-
-def tokens_per_sample(batch: Batch) -> torch.Tensor:
-    """Scored tokens of each sample, shape ``[n]`` (int64)."""
-    return (shifted_labels(batch) != IGNORE_INDEX).sum(dim=1)
+    """Number of scored tokens of ``batch``."""
+    return int(tokens_per_sample(batch).sum())
 
 
 def total_tokens(data: Batch) -> int:
-    """Scored tokens of the whole data; ValueError if there are none."""
+    """Scored tokens of the whole data; UsageError if there are none."""
     n = token_count(data)
     if n <= 0:
         raise UsageError("the data has no scored tokens (every shifted label is -100)")
     return n
 
 
+def attention_mask(batch: Batch) -> torch.Tensor:
+    """The batch's ``attention_mask``, all ones (every token valid) where it has none."""
+    mask = batch.get("attention_mask")
+    return torch.ones_like(batch["input_ids"]) if mask is None else mask
+
+
 def valid_tokens(batch: Batch) -> torch.Tensor:
     """Valid (``attention_mask != 0``) tokens of each sample, shape ``[n]`` (int64)."""
-    mask = batch.get("attention_mask")
-    if mask is None:
-        ids = batch["input_ids"]
-        return torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long, device=ids.device)
-    return (mask != 0).sum(dim=1)
+    return (attention_mask(batch) != 0).sum(dim=1)
 
 
 def select_samples(batch: Batch, keep: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -117,11 +104,9 @@ def expand_rows(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 def scored_samples(batch: Batch) -> dict[str, torch.Tensor] | None:
     """The samples of ``batch`` that have at least one scored token; None if no sample has.
 
-    A sample without one adds exactly nothing to a token-weighted sum, and must
-    not run with the others: its attention rows are all masked, which float64
-    models turn into NaN, and a backward pass spreads that NaN into every
-    gradient although no loss reads the row.
-    """
+    A sample without one adds exactly nothing to a token-weighted sum, and must not run:
+    its attention rows are all masked, which float64 models turn into NaN, and a backward
+    pass spreads that NaN into every gradient."""
     keep = tokens_per_sample(batch) > 0
     if bool(keep.all()):
         return dict(batch)
@@ -138,17 +123,10 @@ def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
     return out
 
 
-# --------------------------------------------------------------------------- losses
-
-
 def logits_nll(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-    """Per-token NLL (nats) of ``logits [.., L, V]`` against *unshifted* ``labels [.., L]``.
-
-    Shifts internally (position ``t`` predicts label ``t+1``), skips ``-100``,
-    computes the log-softmax in float32 at least, and returns float64:
-    ``reduction="sum"`` a scalar, ``"none"`` a tensor shaped like ``labels[.., 1:]``
-    with zeros at ignored positions.
-    """
+    """Per-token NLL (nats, float64) of ``logits [.., L, V]`` against *unshifted* ``labels
+    [.., L]`` (position ``t`` predicts label ``t+1``; ``-100`` skipped): ``reduction="sum"``
+    a scalar, ``"none"`` shaped like ``labels[.., 1:]`` with zeros at ignored positions."""
     if logits.dtype in LOW_PRECISION:
         logits = logits.float()
     shift_logits = logits[..., :-1, :]
@@ -160,13 +138,8 @@ def logits_nll(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "sum
 
 
 def token_nll_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Summed per-token NLL (nats) of ``batch`` under ``model``: a float64 scalar.
-
-    Differentiable (call it under ``torch.no_grad()`` for evaluation only).
-    Divide the sum over all micro-batches by :func:`total_tokens` to get the
-    token-weighted mean loss. Samples without scored tokens never run
-    (:func:`scored_samples`); a batch of only such samples sums to an exact 0.
-    """
+    """Summed per-token NLL (nats) of ``batch`` under ``model``: a differentiable float64
+    scalar; only :func:`scored_samples` run (none: an exact 0)."""
     scored = scored_samples(batch)
     if scored is None:
         return torch.zeros((), dtype=torch.float64, device=batch["input_ids"].device)
@@ -176,7 +149,7 @@ def token_nll_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 def nll_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int) -> float:
     """Summed per-token NLL (nats) of all ``data``, without gradients, ``micro_batch_size``
-    samples per forward (float64 sums: the size changes nothing beyond rounding)."""
+    samples per forward."""
     total = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
         for mb in iter_micro_batches(data, micro_batch_size):
@@ -186,16 +159,12 @@ def nll_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int) -> float
 
 def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int,
                        per_batch: Callable[[Batch, list[torch.Tensor]], Sequence[Any]],
-                       params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                       params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Sum ``per_batch(mb, params)`` over micro-batches in float64, divided by the total tokens.
 
-    The one place where gradient-like products of the token-weighted mean loss
-    are reduced: each micro-batch returns one tensor (or None) per parameter,
-    already summed over its own tokens; samples without scored tokens are left
-    out before it runs (:func:`scored_samples`: their exact contribution is
-    zero). The result depends on ``micro_batch_size`` only through float rounding.
-    """
-    params = list(params if params is not None else trainable(model))
+    The one place where gradient-like products of the token-weighted mean loss are
+    reduced: each micro-batch (of :func:`scored_samples` only) returns one tensor (or
+    None) per parameter, already summed over its own tokens."""
     n_tok = total_tokens(data)
     acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
     for mb in iter_micro_batches(data, micro_batch_size):
@@ -209,7 +178,7 @@ def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: in
 
 
 def mean_loss_grad(model: torch.nn.Module, data: Batch, micro_batch_size: int,
-                   params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                   params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Gradient of the token-weighted mean loss over all ``data``, one float64 tensor per
     parameter (:func:`token_weighted_sum`); ``model``'s ``.grad`` fields are not touched."""
     def grad(mb: Batch, ps: list[torch.Tensor]) -> Sequence[Any]:
@@ -219,15 +188,10 @@ def mean_loss_grad(model: torch.nn.Module, data: Batch, micro_batch_size: int,
 
 
 def mean_loss_hvp(model: torch.nn.Module, data: Batch, micro_batch_size: int,
-                  vec: Sequence[torch.Tensor], params: Sequence[torch.Tensor] | None = None,
-                  ) -> list[torch.Tensor]:
-    """Hessian-vector product ``H v`` of the token-weighted mean loss over all ``data``.
-
-    ``vec`` holds one tensor per parameter (any float dtype; cast to the
-    parameter's dtype for the product); each micro-batch's HVP is a double backward,
-    reduced by :func:`token_weighted_sum`.
-    """
-    params = list(params if params is not None else trainable(model))
+                  vec: Sequence[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Hessian-vector product ``H v`` of the token-weighted mean loss over all ``data``:
+    ``vec`` has one tensor per parameter; a double backward per micro-batch, reduced by
+    :func:`token_weighted_sum`."""
     v = [x.to(p.dtype) for x, p in zip(vec, params, strict=True)]
 
     def hvp(mb: Batch, ps: list[torch.Tensor]) -> Sequence[Any]:
@@ -239,22 +203,15 @@ def mean_loss_hvp(model: torch.nn.Module, data: Batch, micro_batch_size: int,
     return token_weighted_sum(model, data, micro_batch_size, hvp, params)
 
 
-# --------------------------------------------------------------------------- parameters
-
-
 def trainable(model: torch.nn.Module) -> list[torch.Tensor]:
     """Parameters that require grad, in ``named_parameters`` order (tied weights once)."""
     return [p for _, p in model.named_parameters() if p.requires_grad]
 
 
 def group_name(param_name: str) -> str:
-    """The group a parameter belongs to, from its dotted name alone.
-
-    A parameter under a numbered child (``transformer.h.3.attn.c_attn.weight``,
-    ``model.layers.3.mlp.up_proj.weight``) belongs to that block
-    (``transformer.h.3``); any other parameter to the module that owns it
-    (``transformer.wte``, ``model.norm``, ``lm_head``).
-    """
+    """The group of a parameter, from its dotted name: the numbered block it is under
+    (``transformer.h.3.attn.c_attn.weight`` -> ``transformer.h.3``), else the module that
+    owns it (``transformer.wte``, ``model.norm``, ``lm_head``)."""
     parts = param_name.split(".")
     for i, part in enumerate(parts):
         if _INDEX.match(part):
@@ -263,24 +220,14 @@ def group_name(param_name: str) -> str:
 
 
 def param_groups(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.Tensor]]]:
-    """Trainable parameters grouped by :func:`group_name`, in model order.
-
-    Returns ``{group: [(param_name, param), ...]}``. Tied weights appear once
-    (under their first name), as in ``named_parameters``.
-    """
+    """Trainable parameters grouped by :func:`group_name`, in model order:
+    ``{group: [(param_name, param), ...]}``, tied weights once (as ``named_parameters``)."""
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
             groups.setdefault(group_name(name), []).append((name, p))
     return groups
 
-
-def group_index(model: torch.nn.Module) -> list[str]:
-    """Group name of each trainable parameter, aligned with :func:`trainable`."""
-    return [group_name(n) for n, p in model.named_parameters() if p.requires_grad]
-
-
-# --------------------------------------------------------------------------- results
 
 SUMMARY_MAX_ITEMS = 64  # tensors with more elements are summarised as {"shape", "mean"}
 

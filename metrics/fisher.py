@@ -4,12 +4,10 @@ Measured: ``F_ii = (1/n) sum_s (d loss_s / d theta_i)^2`` where ``loss_s`` is
 sample ``s``'s mean NLL over its scored tokens (nats/token) and ``n`` the
 number of samples with at least one scored token. Per-sample gradients come
 from ``torch.func`` (``vmap(grad(functional_call))``) over micro-batches of
-samples; their squares are summed in float64 and divided by ``n`` once, so
-``micro_batch_size`` changes nothing beyond float rounding.
+samples; their squares are summed in float64 and divided by ``n`` once.
 
 Reported per group: ``trace`` (sum of the diagonal) and ``mean`` (trace per
-parameter); and the total trace. ``n_samples`` (the data size) defines the
-estimate and is recorded.
+parameter); and the total trace.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from oomguard.engine.core.memory.oom import is_oom
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,
+    attention_mask,
     iter_micro_batches,
     labels_of,
     logits_nll,
@@ -47,8 +46,8 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
     the number of samples that have scored tokens, and the method that computed them
     (:data:`VMAP`, or :data:`LOOP` where torch.func cannot transform the model)."""
     method = VMAP
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    names = list(params)
 
     def sample_loss(ps: dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor,
                     labels: torch.Tensor) -> torch.Tensor:
@@ -78,10 +77,7 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
         if scored is None:
             continue
         counted += n_samples(scored)
-        mask = scored.get("attention_mask")
-        if mask is None:
-            mask = torch.ones_like(scored["input_ids"])
-        batch = (scored["input_ids"], mask, labels_of(scored))
+        batch = (scored["input_ids"], attention_mask(scored), labels_of(scored))
         if method == VMAP:
             try:
                 grads = per_sample_grad(params, *batch)

@@ -17,11 +17,10 @@ import torch
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,
-    group_index,
     mean_loss_grad,
     n_samples,
+    param_groups,
     total_tokens,
-    trainable,
 )
 
 
@@ -42,13 +41,12 @@ class GradientStats(JsonMetric):
 
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 micro_batch_size: int = 32) -> dict[str, Any]:
-        params = trainable(model)
-        grads = mean_loss_grad(model, data, micro_batch_size, params)
-        sq: dict[str, float] = {}
-        for group, g in zip(group_index(model), grads, strict=True):
-            sq[group] = sq.get(group, 0.0) + float(g.pow(2).sum())
+        groups = param_groups(model)
+        params = [p for members in groups.values() for _, p in members]
+        squares = iter([float(g.pow(2).sum())
+                        for g in mean_loss_grad(model, data, micro_batch_size, params)])
+        sq = {group: sum(next(squares) for _ in members) for group, members in groups.items()}
         total = sum(sq.values())
         return {"group_norms": {k: math.sqrt(v) for k, v in sq.items()},
                 "total_norm": math.sqrt(total), "n_tokens": total_tokens(data),
                 "n_samples": n_samples(data)}
-

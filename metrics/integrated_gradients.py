@@ -1,25 +1,21 @@
 """``integrated_gradients``: token attribution with captum's ``LayerIntegratedGradients``.
 
 What is attributed (the target, one scalar per sample): the model's
-log-probability (nats, log-softmax in float32 at least) of each sample's *last
-valid token* given everything before it, read at the second-to-last valid
-position. We chose this over the summed token log-likelihood because it is
-the usual "which input tokens explain this prediction" question and keeps the
-completeness check on one number per sample. By causality the last valid
-token itself (and every padding position) gets exactly zero attribution.
+log-probability (nats) of each sample's *last valid token* given everything before
+it. We chose this over the summed token log-likelihood because it is the usual
+"which input tokens explain this prediction" question and keeps the completeness
+check on one number per sample. By causality the last valid token itself (and every
+padding position) gets exactly zero attribution.
 
-How: the path is the input embeddings (``model.get_input_embeddings()``
-output), from the embedding of a pad token (``pad_token_id``, else
-``eos_token_id``, else 0) at every position to the real embeddings, integrated
-with ``method="gausslegendre"`` over ``n_steps`` points. Attributions are
-summed over the hidden dimension: one number per token (float64 on output;
-captum multiplies gradients by float32 step sizes, so sums are float32 at
-least for bfloat16/float16 models). Padding positions are set to zero.
+How: the path is the input embeddings, from the embedding of the baseline token
+(:func:`pad_id`) at every position to the real embeddings, integrated with
+``method="gausslegendre"`` over ``n_steps`` points. Attributions are summed over the
+hidden dimension: one number per token (float64 on output; float32 sums at least for
+bfloat16/float16 models, as captum multiplies gradients by float32 step sizes).
 
-Knobs: ``n_steps`` (result: integration points, recorded); ``chunk_size`` (memory:
-examples per captum ``attribute`` call, results concatenated) and ``internal_batch_size``
-(memory: captum's, it splits the *steps*, whose attributions are summed). Neither memory
-knob changes more than float rounding.
+Knobs: ``n_steps`` (result: integration points); ``chunk_size`` (memory: examples per
+captum ``attribute`` call) and ``internal_batch_size`` (memory: captum's, it splits the
+*steps*, whose attributions are summed).
 
 How they interact (measured on torch 2.13 / captum 0.9): one forward gets
 :func:`rows_per_forward` rows, so ``internal_batch_size`` only saves memory while it is
@@ -35,6 +31,7 @@ Completeness: captum's convergence delta per sample is ``sum(attributions) -
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -45,6 +42,7 @@ from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import Knob, register
 from oomguard.metrics.common import (
     JsonMetric,
+    attention_mask,
     expand_rows,
     iter_micro_batches,
     n_samples,
@@ -53,30 +51,23 @@ from oomguard.metrics.common import (
 )
 
 METHOD = "gausslegendre"
+# attribute_to(layer): :func:`attribute` of one chunk to ``layer``'s output
+AttributeTo = Callable[[torch.nn.Module], tuple[torch.Tensor, torch.Tensor]]
 
 
 def rows_per_forward(chunk: int, internal: int, n_steps: int | None = None) -> int:
-    """Rows of one forward pass inside captum for ``chunk`` examples per call.
-
-    captum's ``_batch_attribution`` runs ``max(1, internal // chunk)`` steps per
-    forward, each step a copy of all ``chunk`` examples; with ``n_steps`` given,
-    never more than ``n_steps`` steps. Examples: (128, 8) -> 128 (internal
-    ignored), (4, 16) -> 16, (2, 8, n_steps=3) -> 6.
-    """
+    """Rows of one forward pass inside captum for ``chunk`` examples per call: captum's
+    ``_batch_attribution`` runs ``max(1, internal // chunk)`` steps per forward, each a copy
+    of all ``chunk`` examples, and never more than ``n_steps`` steps."""
     if chunk <= 0 or internal <= 0:
         raise ValueError(f"chunk and internal must be positive, got {chunk}, {internal}")
     steps = max(1, internal // chunk)
-    if n_steps is not None:
-        steps = min(steps, n_steps)
-    return chunk * steps
+    return chunk * (steps if n_steps is None else min(steps, n_steps))
 
 
 def pad_id(model: torch.nn.Module) -> int:
-    """Token id of the baseline: ``pad_token_id``, else ``eos_token_id``, else 0.
-
-    An id outside the embedding table (e.g. GPT-2's 50256 with a smaller
-    vocabulary) is skipped.
-    """
+    """Token id of the baseline: ``pad_token_id``, else ``eos_token_id``, else 0; an id
+    outside the embedding table (GPT-2's 50256 with a smaller vocabulary) is skipped."""
     cfg = getattr(model, "config", None)
     vocab = model.get_input_embeddings().num_embeddings
     for key in ("pad_token_id", "eos_token_id"):
@@ -106,10 +97,9 @@ def last_positions(attention_mask: torch.Tensor, min_valid: int = 2) -> torch.Te
 def defined_samples(data: Mapping[str, torch.Tensor],
                     min_valid: int = 2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Which samples have at least ``min_valid`` valid tokens (bool ``[n]``, CPU), and the
-    data of just those samples: a per-sample metric is undefined on the others (no
-    next-token target for fewer than 2), which it reports as NaN rows
-    (:func:`~oomguard.metrics.common.expand_rows`) instead of failing on the whole data.
-    UsageError if no sample qualifies."""
+    data of just those samples: a per-sample metric is undefined on the others, which it
+    reports as NaN rows (:func:`~oomguard.metrics.common.expand_rows`). UsageError if no
+    sample qualifies."""
     keep = (valid_tokens(data) >= min_valid).cpu()
     if not bool(keep.any()):
         raise UsageError(f"no sample has {_needs(min_valid)}: give data with longer samples")
@@ -117,11 +107,8 @@ def defined_samples(data: Mapping[str, torch.Tensor],
 
 
 def target_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    """captum forward: ``f(input_ids, attention_mask, pred_pos, target_ids) -> [rows]``.
-
-    The log-probability of ``target_ids`` at ``pred_pos``, log-softmax in
-    float32 (float64 for float64 models). Shared with ``layer_attribution``.
-    """
+    """captum forward ``f(input_ids, attention_mask, pred_pos, target_ids) -> [rows]``: the
+    log-probability of ``target_ids`` at ``pred_pos`` (log-softmax in float32 at least)."""
 
     def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, pred_pos: torch.Tensor,
                 target_ids: torch.Tensor) -> torch.Tensor:
@@ -137,21 +124,23 @@ def target_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
 
 def target_args(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """captum ``additional_forward_args`` for :func:`target_forward`: mask, position, token."""
-    mask = batch.get("attention_mask")
-    if mask is None:
-        mask = torch.ones_like(batch["input_ids"])
+    mask = attention_mask(batch)
     last = last_positions(mask)
     rows = torch.arange(mask.shape[0], device=mask.device)
     return mask, last - 1, batch["input_ids"][rows, last]
 
 
-def attribute(lig: Any, ids: torch.Tensor, args: tuple[torch.Tensor, ...], base_id: int,
-              n_steps: int, internal_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """captum's attributions of ``ids`` along the path from all-``base_id`` (float64, detached),
-    and its convergence delta per sample (``[rows]``, float64)."""
+def attribute(layer: torch.nn.Module, *, forward: Callable[..., torch.Tensor],
+              ids: torch.Tensor, args: tuple[torch.Tensor, ...], base_id: int, n_steps: int,
+              internal_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """captum's attributions of ``forward`` to ``layer``'s output along the path from
+    all-``base_id`` to ``ids`` (float64, detached), and its convergence delta per sample
+    (``[rows]``, float64)."""
+    from captum.attr import LayerIntegratedGradients  # why: captum loads only for its metrics
+
     with warnings.catch_warnings():  # captum's expected warning: internal_batch_size < examples
         warnings.filterwarnings("ignore", message="Internal batch size cannot be less")
-        attr, delta = lig.attribute(
+        attr, delta = LayerIntegratedGradients(forward, layer).attribute(
             ids, baselines=torch.full_like(ids, base_id), additional_forward_args=args,
             n_steps=n_steps, method=METHOD, internal_batch_size=internal_batch_size,
             return_convergence_delta=True)
@@ -173,21 +162,18 @@ def captum_knobs(chunk_default: int) -> tuple[Knob, ...]:
 
 
 class CaptumMetric(JsonMetric):
-    """A metric built on captum's ``attribute(..., internal_batch_size=...)`` with the
-    knobs of :func:`captum_knobs`: declares that knob's granularity and its end."""
+    """A metric built on captum's attributions, with the knobs of :func:`captum_knobs`."""
 
     # No: attributions are checked by completeness (they sum to the change of the
     # output), which bfloat16 gradients along the path would no longer meet.
     tolerates_lower_precision = False
 
     def size_unit(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int:
-        """``min(chunk_size, n_samples)`` items for ``internal_batch_size``, else 1."""
         if knob != "internal_batch_size":
             return 1
         return max(1, min(int(params["chunk_size"]), n_samples))
 
     def notes(self, knob: str, params: Mapping[str, Any], n_samples: int) -> dict[str, str]:
-        """How the two memory knobs interact, and the unit the search stepped in."""
         other = "internal_batch_size" if knob == "chunk_size" else "chunk_size"
         out = {"knob interaction": (
             "captum runs chunk_size x max(1, internal_batch_size // chunk_size) rows per "
@@ -202,22 +188,38 @@ class CaptumMetric(JsonMetric):
         return out
 
     def largest_size(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int | None:
-        """``examples x n_steps`` for ``internal_batch_size``: every step in one forward."""
+        # internal_batch_size: examples x n_steps, every step in one forward
         if knob != "internal_batch_size":
             return None
         return self.size_unit(knob, params, n_samples) * int(params["n_steps"])
 
-    @staticmethod
-    def completeness(data: Mapping[str, torch.Tensor], keep: torch.Tensor,
-                     deltas: list[torch.Tensor], base_id: int) -> dict[str, Any]:
-        """The result's entries every captum metric has: convergence deltas (per sample,
-        NaN on samples left out; their absolute max and mean), baseline and sample counts."""
-        delta_all = torch.cat(deltas).cpu()
-        return {"delta": expand_rows(delta_all, keep),
+    def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor], *,
+                n_steps: int, chunk_size: int, internal_batch_size: int) -> dict[str, Any]:
+        """:meth:`attribute_chunk`'s tensors over every chunk (NaN rows for the samples left
+        out), with the convergence deltas' absolute max and mean."""
+        forward, base_id = target_forward(model), pad_id(model)
+        keep, work = defined_samples(data)
+        parts: dict[str, list[torch.Tensor]] = {}
+        for mb in iter_micro_batches(work, chunk_size):
+            args = target_args(mb)
+            attribute_to = functools.partial(
+                attribute, forward=forward, ids=mb["input_ids"], args=args, base_id=base_id,
+                n_steps=n_steps, internal_batch_size=internal_batch_size)
+            for key, value in self.attribute_chunk(model, attribute_to, args[0]).items():
+                parts.setdefault(key, []).append(value)
+        delta_all = torch.cat(parts.pop("delta")).cpu()
+        return {**{key: expand_rows(torch.cat(v).cpu(), keep) for key, v in parts.items()},
+                "delta": expand_rows(delta_all, keep),
                 "delta_max": float(delta_all.abs().max()),
                 "delta_mean": float(delta_all.abs().mean()),
                 "baseline_token": base_id, "method": METHOD, "n_samples": n_samples(data),
                 "n_samples_attributed": int(keep.sum())}
+
+    def attribute_chunk(self, model: torch.nn.Module,
+                        attribute_to: AttributeTo, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One chunk's per-sample tensors by name, its convergence deltas as ``"delta"``;
+        ``valid`` is the chunk's attention mask."""
+        raise NotImplementedError
 
 
 @register
@@ -229,22 +231,7 @@ class IntegratedGradients(CaptumMetric):
                    "last valid token's log-probability, with completeness delta")
     knobs = captum_knobs(chunk_default=128)  # the seed's ig_chunk_size
 
-    def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
-                n_steps: int = 16, chunk_size: int = 128,
-                internal_batch_size: int = 8) -> dict[str, Any]:
-        from captum.attr import LayerIntegratedGradients  # why: captum loads only for its metrics
-
-        lig = LayerIntegratedGradients(target_forward(model), model.get_input_embeddings())
-        base_id = pad_id(model)
-        keep, work = defined_samples(data)
-        attrs: list[torch.Tensor] = []
-        deltas: list[torch.Tensor] = []
-        for mb in iter_micro_batches(work, chunk_size):
-            args = target_args(mb)
-            attr, delta = attribute(lig, mb["input_ids"], args, base_id, n_steps,
-                                    internal_batch_size)
-            attrs.append(attr.sum(dim=-1) * args[0].to(torch.float64))
-            deltas.append(delta)
-            del attr, delta
-        return {"attributions": expand_rows(torch.cat(attrs).cpu(), keep),
-                **self.completeness(data, keep, deltas, base_id)}
+    def attribute_chunk(self, model: torch.nn.Module,
+                        attribute_to: AttributeTo, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        attr, delta = attribute_to(model.get_input_embeddings())
+        return {"attributions": attr.sum(dim=-1) * valid.to(torch.float64), "delta": delta}

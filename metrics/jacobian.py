@@ -1,31 +1,20 @@
 """``position_jacobian``: how strongly each input position moves the final hidden state.
 
 For every sample, let ``h`` be the final hidden state (the base model's
-``last_hidden_state``, i.e. after the final norm; ``d`` features) at the
-sample's last valid position, and ``e_p`` the input embedding (``d_in``
-features) at position ``p``. The result is the Frobenius norm of the ``d x
-d_in`` Jacobian block ``dh / de_p`` for every ``p``: shape ``[n_samples,
-seq_len]``, float64, unit "hidden units per embedding unit". Positions after the
-last valid one (and padding) are exactly 0 by causality and masking. A sample
-without a valid token has no Jacobian: its row is NaN, and
-``n_samples_defined`` counts the others.
+``last_hidden_state``, after the final norm; ``d`` features) at the sample's last
+valid position, and ``e_p`` the input embedding at position ``p``. The result is the
+Frobenius norm of the Jacobian block ``dh / de_p`` for every ``p``: ``[n_samples,
+seq_len]``, float64, unit "hidden units per embedding unit"; 0 after the last valid
+position, by causality and masking; NaN rows for samples without a valid token
+(``n_samples_defined`` counts the others). Exact, not estimated.
 
-How: vector-Jacobian products, one per output feature ``k``: the VJP of ``h``
-with cotangent ``e_k`` is row ``k`` of the Jacobian. The ``d`` VJPs run
-``vjp_block`` at a time by replicating each sample ``vjp_block`` times in the
-batch (rows do not interact) and back-propagating feature ``k`` from replica
-``k``: one ordinary backward per block. Measured on tiny-gpt2 (5 x 12
-tokens, float64, loaded 2-core host): 1.9-3.9 s, against 13.7 s for vmap over
-cotangents (``is_grads_batched``: layer-norm and softmax backward fall back
-to a per-cotangent loop) and 52 s for a Python loop of single VJPs. Squares
-are accumulated in float64, the square root taken at the end. Exact, not
-estimated.
-
-Knobs (both memory, neither changes the result beyond rounding): one
-forward holds ``micro_batch_size x vjp_block`` rows, and memory grows with
-that product. ``micro_batch_size`` (samples per forward; results are
-concatenated) and ``vjp_block`` (output features per backward; squared rows are
-summed).
+How: the VJP of ``h`` with cotangent ``e_k`` is row ``k`` of the Jacobian. The ``d``
+VJPs run ``vjp_block`` at a time by replicating each sample ``vjp_block`` times in the
+batch and back-propagating feature ``k`` from replica ``k``: one ordinary backward per
+block, so one forward holds ``micro_batch_size x vjp_block`` rows. Measured on
+tiny-gpt2 (5 x 12 tokens, float64, loaded 2-core host): 1.9-3.9 s, against 13.7 s for
+vmap over cotangents (``is_grads_batched``: layer-norm and softmax backward fall back
+to a per-cotangent loop) and 52 s for a Python loop of single VJPs.
 """
 
 from __future__ import annotations
@@ -37,7 +26,13 @@ import torch
 
 from oomguard.engine.core.workload import shortcut
 from oomguard.metrics.base import Knob, register
-from oomguard.metrics.common import JsonMetric, expand_rows, iter_micro_batches, n_samples
+from oomguard.metrics.common import (
+    JsonMetric,
+    attention_mask,
+    expand_rows,
+    iter_micro_batches,
+    n_samples,
+)
 from oomguard.metrics.integrated_gradients import defined_samples, last_positions
 
 
@@ -52,9 +47,7 @@ def _micro_batch_norms(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
                        vjp_block: int) -> torch.Tensor:
     """Per-position Jacobian Frobenius norms ``[b, seq_len]`` (float64) of one micro-batch."""
     ids = batch["input_ids"]
-    mask = batch.get("attention_mask")
-    if mask is None:
-        mask = torch.ones_like(ids)
+    mask = attention_mask(batch)
     n, seq_len = ids.shape
     last = last_positions(mask, min_valid=1)
     emb = model.get_input_embeddings()(ids).detach()
@@ -108,9 +101,7 @@ class PositionJacobian(JsonMetric):
             for mb in iter_micro_batches(work, micro_batch_size):
                 parts.append(_micro_batch_norms(model, mb, vjp_block).cpu())
         norms = torch.cat(parts)
-        mask = work.get("attention_mask")
-        last = last_positions(mask if mask is not None else torch.ones_like(work["input_ids"]),
-                              min_valid=1).cpu()
+        last = last_positions(attention_mask(work), min_valid=1).cpu()
         return {"norms": expand_rows(norms, keep),
                 "last_positions": expand_rows(last.to(torch.float64), keep),
                 "n_samples": n_samples(data), "n_samples_defined": int(keep.sum()),

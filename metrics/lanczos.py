@@ -9,9 +9,7 @@ full reorthogonalisation (float64) from a start vector seeded by ``seed``;
 error (exact when ``iterations`` reaches the parameter count).
 
 Each matrix-vector product is summed over micro-batches, each weighted by its
-token share (:func:`metrics.common.mean_loss_hvp`), so ``micro_batch_size``
-changes nothing beyond float rounding. ``k``, ``iterations`` and ``seed``
-define the result and are recorded.
+token share (:func:`metrics.common.token_weighted_sum`).
 """
 
 from __future__ import annotations
@@ -40,69 +38,41 @@ MatVec = Callable[[torch.Tensor], torch.Tensor]
 
 def lanczos(matvec: MatVec, dim: int, iterations: int, seed: int = 0,
             dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
-    """Lanczos with full reorthogonalisation on a symmetric operator of size ``dim``.
-
-    Returns ``eigenvalues`` (Ritz values, descending), ``residuals`` (error
-    bounds ``|beta_m * s_mi|``, aligned) and ``steps`` (steps taken: fewer than
-    ``iterations`` when an invariant subspace is found). Deterministic for a
-    given ``seed``. The basis lives on the host (:func:`host_device`), never on
-    the accelerator: ``iterations x dim`` floats (float64: 8 bytes each).
-    """
+    """Lanczos with full reorthogonalisation on a symmetric operator of size ``dim``:
+    ``eigenvalues`` (Ritz values, descending), ``residuals`` (aligned) and ``steps``
+    (fewer than ``iterations`` when an invariant subspace is found). The basis,
+    ``iterations x dim`` floats, lives on the host (:func:`host_device`)."""
     m = min(iterations, dim)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(dim, generator=g, dtype=dtype, device=host_device())
     q /= q.norm()
     basis = [q]
     alphas: list[float] = []
-    betas: list[float] = []
-    beta_last = 0.0
+    betas: list[float] = []  # the last one is the residual's, outside T
     for j in range(m):
         w = matvec(basis[j]).to(dtype)
-        alpha = float(w @ basis[j])
-        alphas.append(alpha)
+        alphas.append(float(w @ basis[j]))
         Q = torch.stack(basis)
         for _ in range(2):  # full reorthogonalisation, twice is enough
             w -= Q.T @ (Q @ w)
-        beta = float(w.norm())
-        beta_last = beta
-        scale = max(abs(a) for a in alphas) or 1.0
-        if j == m - 1 or beta <= 1e-12 * scale:
+        betas.append(float(w.norm()))
+        if j == m - 1 or betas[-1] <= 1e-12 * (max(abs(a) for a in alphas) or 1.0):
             break
-        betas.append(beta)
-        basis.append(w / beta)
-    T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
-    if betas:
-        off = torch.tensor(betas, dtype=torch.float64)
-        T += torch.diag(off, 1) + torch.diag(off, -1)
+        basis.append(w / betas[-1])
+    off = torch.tensor(betas[:-1], dtype=torch.float64)
+    T = torch.diag(torch.tensor(alphas, dtype=torch.float64)) + off.diag(1) + off.diag(-1)
     evals, evecs = torch.linalg.eigh(T)
     order = torch.argsort(evals, descending=True)
-    return {"eigenvalues": evals[order], "residuals": (beta_last * evecs[-1, order]).abs(),
+    return {"eigenvalues": evals[order], "residuals": (betas[-1] * evecs[-1, order]).abs(),
             "steps": torch.tensor(len(alphas))}
-
-
-def _flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    host = host_device()
-    return torch.cat([t.reshape(-1).to(device=host, dtype=torch.float64) for t in ts])
-
-
-def _unflatten(vec: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, i = [], 0
-    for p in params:
-        out.append(vec[i:i + p.numel()].view_as(p).to(p.device))
-        i += p.numel()
-    return out
 
 
 def mean_loss_ggnvp(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                     micro_batch_size: int, vec: Sequence[torch.Tensor],
-                    params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Gauss-Newton-vector product ``J^T H_z J v`` of the token-weighted mean loss.
-
-    ``z`` are the logits, ``H_z`` the softmax cross-entropy Hessian per scored
-    token; ``J v`` comes from the double-VJP trick (no forward-mode AD).
-    Summed over micro-batches in float64 and divided by the total token count.
-    """
-    params = list(params if params is not None else trainable(model))
+                    params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gauss-Newton-vector product ``J^T H_z J v`` of the token-weighted mean loss (``z``:
+    the logits, ``H_z``: the softmax cross-entropy Hessian per scored token; ``J v`` by the
+    double-VJP trick, no forward-mode AD), reduced by :func:`token_weighted_sum`."""
     v = [x.to(p.dtype) for x, p in zip(vec, params, strict=True)]
 
     def ggnvp(mb: Mapping[str, torch.Tensor], ps: list[torch.Tensor]) -> Sequence[Any]:
@@ -162,7 +132,10 @@ class _CurvatureEigenvalues(JsonMetric):
         dim = sum(p.numel() for p in params)
 
         def matvec(x: torch.Tensor) -> torch.Tensor:
-            return _flatten(product(model, data, micro_batch_size, _unflatten(x, params), params))
+            vec = [v.view_as(p).to(p.device)
+                   for v, p in zip(x.split([p.numel() for p in params]), params, strict=True)]
+            return torch.cat([t.reshape(-1).to(device=x.device, dtype=torch.float64)
+                              for t in product(model, data, micro_batch_size, vec, params)])
 
         out = lanczos(matvec, dim, iterations, seed)
         return {"eigenvalues": out["eigenvalues"][:k].tolist(),
@@ -176,7 +149,6 @@ class HessianEigenvalues(_CurvatureEigenvalues):
     name = "hessian_eigenvalues"
     description = ("top-k eigenvalues of the Hessian of the full-data token-weighted mean loss "
                    "(Lanczos, full reorthogonalisation)")
-    matrix = "hessian"
 
 
 @register

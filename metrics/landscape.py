@@ -1,26 +1,20 @@
 """``loss_landscape``: the loss on a 2-D plane through the parameters (Li et al. 2018).
 
 Two random directions ``d1, d2`` (one Gaussian tensor per parameter, seeded
-by ``seed``) are *filter-normalised*: for a parameter of 2 or more
+by ``seed``; tied weights once) are *filter-normalised*: for a parameter of 2 or more
 dimensions, every slice along dim 0 (a row of an ``nn.Linear`` weight, one
 output unit; a row of GPT-2's transposed ``Conv1D`` weight, one input unit)
 is rescaled to the norm of the same slice of the parameter; a 1-D parameter
-(bias, norm scale) is rescaled as a whole to the parameter's norm. Li et al.
-zero the directions of biases and norm parameters in their default; we keep
-them, normalised per tensor, so every parameter moves. Tied weights appear
-once (``named_parameters``) and so get one direction.
+(bias, norm scale) as a whole. Li et al. zero the directions of biases and norm
+parameters in their default; we keep them, so every parameter moves.
 
-On the ``grid x grid`` points ``(a_i, b_j)`` with ``a_i = span * (2 i / (grid -
-1) - 1)`` (so the middle point of an odd grid is exactly 0), the parameters
-are set to ``theta + a_i d1 + b_j d2`` (computed in float32 at least, stored
-in the model's dtype) and the loss is the token-weighted mean NLL (nats per
-token) over *all* data (:func:`metrics.common.nll_sum`). ``grid``, ``span`` and
-``seed`` are result knobs (recorded).
+On the ``grid x grid`` points ``(a_i, b_j)`` (:func:`axis`), the parameters are set to
+``theta + a_i d1 + b_j d2`` (computed in float32 at least, stored in the model's dtype)
+and the loss is the token-weighted mean NLL (nats per token) over *all* data.
 
-The model's parameters are restored bit-for-bit afterwards (from a copy in
-their own dtype), also after an error such as an OOM. Memory: the copy and
-the two directions cost 3x the parameters (fixed), beside the forward. Cost:
-``grid^2`` passes over the data.
+The model's parameters are restored bit-for-bit afterwards, also after an error such as
+an OOM. Memory: the copy and the two directions cost 3x the parameters (fixed), beside
+the forward. Cost: ``grid^2`` passes over the data.
 """
 
 from __future__ import annotations
@@ -40,21 +34,13 @@ from oomguard.metrics.common import (
 )
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def filter_normalised_direction(params: list[torch.Tensor], generator: torch.Generator,
                                 ) -> list[torch.Tensor]:
-    """One random direction per parameter, filter-normalised (see module docstring).
-
-    Drawn on the CPU from ``generator`` (so a seed gives the same direction on
-    any device), returned in float32 (float64 for float64 parameters).
-    """
+    """One random direction per parameter, filter-normalised, drawn on the host from
+    ``generator`` (a seed gives the same direction on any device), in float32 at least."""
     out = []
+    host = host_device()  # the host's memory, never the accelerator's
     for p in params:
-        wd = _work_dtype(p.dtype)
-        host = host_device()  # the host's memory, never the accelerator's
         d = torch.randn(p.shape, generator=generator, dtype=torch.float64, device=host)
         ref = p.detach().to(device=host, dtype=torch.float64)
         if p.dim() >= 2:
@@ -63,12 +49,14 @@ def filter_normalised_direction(params: list[torch.Tensor], generator: torch.Gen
             d = d * scale.view(-1, *([1] * (p.dim() - 1)))
         else:
             d = d * (ref.norm() / d.norm().clamp_min(1e-30))
-        out.append(d.to(device=p.device, dtype=wd))
+        out.append(d.to(device=p.device,
+                        dtype=torch.float64 if p.dtype == torch.float64 else torch.float32))
     return out
 
 
 def axis(grid: int, span: float) -> torch.Tensor:
-    """Coordinates ``span * (2 i / (grid - 1) - 1)`` for ``i < grid`` (float64); [0.] if grid is 1."""
+    """Coordinates ``span * (2 i / (grid - 1) - 1)`` for ``i < grid`` (float64: the middle
+    of an odd grid is exactly 0); [0.] if grid is 1."""
     if grid == 1:
         return torch.zeros(1, dtype=torch.float64)
     i = torch.arange(grid, dtype=torch.float64)

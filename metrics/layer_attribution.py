@@ -1,25 +1,20 @@
 """``layer_attribution``: how much attribution flows through each transformer block.
 
-For every block ``l`` (the ``nn.ModuleList`` of the model's decoder blocks),
-captum's ``LayerIntegratedGradients`` integrates the gradient of the same
-target as ``integrated_gradients`` (log-probability, nats, of each sample's
-last valid token) along the straight path from the block's output on the
-baseline input (pad token everywhere) to its output on the real input, with
-``method="gausslegendre"`` over ``n_steps`` points. One call per block: captum's
-multi-layer mode is only valid for layers that do not feed each other, and
-stacked blocks do.
+For every decoder block, captum's ``LayerIntegratedGradients`` integrates the gradient
+of the same target as ``integrated_gradients`` (log-probability, nats, of each
+sample's last valid token) along the straight path from the block's output on the
+baseline input to its output on the real input. One call per block: captum's
+multi-layer mode is only valid for layers that do not feed each other, and stacked
+blocks do.
 
 Result per sample and block (float64, ``[n_samples, n_layers]``):
 
 - ``scores``: the L1 mass of the attributions, ``sum |attr|`` over valid
-  positions and hidden features. This is the informative number: how much
-  of the prediction's explanation passes through that block's output.
+  positions and hidden features: how much of the prediction's explanation
+  passes through that block's output.
 - ``totals``: the signed sum. By completeness it approximates ``f(x) -
   f(baseline)`` for *every* block (each block's output is a full bottleneck
-  of the residual stream), so it is reported as a check, with ``delta`` =
-  captum's convergence delta per sample and block.
-
-Knobs: as in ``integrated_gradients``, whose module docstring says how they interact.
+  of the residual stream): a check, beside ``delta``, captum's convergence delta.
 """
 
 from __future__ import annotations
@@ -31,23 +26,12 @@ import torch
 
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import register
-from oomguard.metrics.common import expand_rows, iter_micro_batches
-from oomguard.metrics.integrated_gradients import (
-    CaptumMetric,
-    attribute,
-    captum_knobs,
-    defined_samples,
-    pad_id,
-    target_args,
-    target_forward,
-)
+from oomguard.metrics.integrated_gradients import AttributeTo, CaptumMetric, captum_knobs
 
 
 def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The model's stack of decoder blocks: the largest ``nn.ModuleList`` of same-type modules.
-
-    Prefers a list whose length is ``config.num_hidden_layers``; ValueError if none.
-    """
+    """The model's stack of decoder blocks: the ``nn.ModuleList`` of same-type modules of
+    ``config.num_hidden_layers``, else the largest; UsageError if none."""
     n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     best: torch.nn.ModuleList | None = None
     for module in model.modules():
@@ -66,13 +50,9 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 def hidden_tap(block: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
     """An identity module that ``block``'s hidden-state output passes through, and the
-    hook handle that does it (remove it when done).
-
-    captum attributes to every tensor a layer returns; blocks that return a tuple
-    (GPT-J, Falcon, Bloom: hidden state plus attention weights or caches) would make it
-    differentiate outputs the forward never uses. The tap's output is the hidden state
-    alone, the same tensor whatever the block returns.
-    """
+    hook handle that does it (remove it when done): captum attributes to every tensor a
+    layer returns, and blocks that return a tuple (GPT-J, Falcon, Bloom) would make it
+    differentiate outputs the forward never uses."""
     tap = torch.nn.Identity()
 
     def through_tap(module: torch.nn.Module, inputs: Any, output: Any) -> Any:
@@ -93,37 +73,23 @@ class LayerAttribution(CaptumMetric):
     knobs = captum_knobs(chunk_default=96)  # the seed's layer_wise_chunk_size
 
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
-                n_steps: int = 16, chunk_size: int = 96,
-                internal_batch_size: int = 8) -> dict[str, Any]:
-        from captum.attr import LayerIntegratedGradients  # why: captum loads only for its metrics
+                **params: Any) -> dict[str, Any]:
+        n_layers = len(transformer_blocks(model))  # no stack of blocks: fails before any work
+        return {**super().compute(model, data, **params), "n_layers": n_layers}
 
-        blocks = transformer_blocks(model)
-        forward = target_forward(model)
-        base_id = pad_id(model)
-        keep, work = defined_samples(data)
-        scores: list[torch.Tensor] = []
-        totals: list[torch.Tensor] = []
-        deltas: list[torch.Tensor] = []
-        for mb in iter_micro_batches(work, chunk_size):
-            args = target_args(mb)
-            valid = args[0].to(torch.float64).unsqueeze(-1)
-            s_cols, t_cols, d_cols = [], [], []
-            for block in blocks:
-                tap, handle = hidden_tap(block)
-                try:
-                    attr, delta = attribute(LayerIntegratedGradients(forward, tap),
-                                            mb["input_ids"], args, base_id, n_steps,
-                                            internal_batch_size)
-                finally:
-                    handle.remove()
-                a = attr * valid
-                s_cols.append(a.abs().sum(dim=(1, 2)))
-                t_cols.append(a.sum(dim=(1, 2)))
-                d_cols.append(delta)
-                del attr, delta, a
-            scores.append(torch.stack(s_cols, dim=1))
-            totals.append(torch.stack(t_cols, dim=1))
-            deltas.append(torch.stack(d_cols, dim=1))
-        return {"scores": expand_rows(torch.cat(scores).cpu(), keep),
-                "totals": expand_rows(torch.cat(totals).cpu(), keep), "n_layers": len(blocks),
-                **self.completeness(data, keep, deltas, base_id)}
+    def attribute_chunk(self, model: torch.nn.Module, attribute_to: AttributeTo,
+                        valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        mask = valid.to(torch.float64).unsqueeze(-1)
+        cols: dict[str, list[torch.Tensor]] = {"scores": [], "totals": [], "delta": []}
+        for block in transformer_blocks(model):
+            tap, handle = hidden_tap(block)
+            try:
+                attr, delta = attribute_to(tap)
+            finally:
+                handle.remove()
+            a = attr * mask
+            cols["scores"].append(a.abs().sum(dim=(1, 2)))
+            cols["totals"].append(a.sum(dim=(1, 2)))
+            cols["delta"].append(delta)
+            del attr, delta, a
+        return {key: torch.stack(v, dim=1) for key, v in cols.items()}

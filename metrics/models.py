@@ -49,12 +49,8 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def model_config(spec: str) -> Any:
-    """The transformers config a spec names (no weights are built or loaded).
-
-    A ``MODEL_TYPE:key=value`` spec with a key that type's config does not have, or a
-    value of the wrong type (``n_layer=abc``), is a one-line UsageError naming the key
-    (and the closest valid key).
-    """
+    """The transformers config a spec names (no weights are built or loaded); a one-line
+    UsageError for a key the type's config does not have, or a value of the wrong type."""
     from transformers import AutoConfig  # why: transformers costs 2.5-3 s; import on use
 
     if spec in BUILTIN_CONFIGS:
@@ -99,36 +95,29 @@ def model_config(spec: str) -> Any:
     return config
 
 
-def _valid_keys(config: Any) -> set[str]:
-    """Every key a ``MODEL_TYPE:key=value`` spec may set on ``config`` (a default config of
-    that type): its fields and ``__init__`` parameters, its aliases (``attribute_map``,
-    e.g. GPT-2's ``num_hidden_layers``) and those of every transformers config."""
-    import inspect
-
-    from transformers import PretrainedConfig
-
-    keys = set(config.to_dict()) | set(getattr(config, "attribute_map", {}) or {})
-    for cls in (type(config), PretrainedConfig):
-        for name, param in inspect.signature(cls.__init__).parameters.items():
-            if name != "self" and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
-                keys.add(name)
-    keys |= set(PretrainedConfig().to_dict())
-    return {k for k in keys if not k.startswith("_")}
-
-
 def _check_keys(spec: str, model_type: str, default: Any, config: Any,
                 kw: dict[str, Any]) -> None:
     """UsageError naming every unknown key of ``kw`` and the closest valid one.
 
     transformers stores any keyword it does not know as a plain attribute, so
-    ``n_layr=1`` would silently build 12 layers. A key is unknown when ``default``
-    (the type's default config) does not have it *and* ``config`` (the one built from
-    ``kw``) stored it unused; legacy keywords a config consumes (LLaMA's ``rope_theta``,
-    folded into ``rope_parameters``) are accepted.
+    ``n_layr=1`` would silently build 12 layers. A key is unknown when ``config`` (built
+    from ``kw``) stored it and it is none of ``default``'s (the type's default config)
+    fields, ``__init__`` parameters or aliases (``attribute_map``: GPT-2's
+    ``num_hidden_layers``), nor those of every transformers config; legacy keywords a
+    config consumes (LLaMA's ``rope_theta``) are accepted.
     """
     import difflib
+    import inspect
 
-    valid = _valid_keys(default)
+    from transformers import PretrainedConfig
+
+    valid = (set(default.to_dict()) | set(getattr(default, "attribute_map", {}) or {})
+             | set(PretrainedConfig().to_dict()))
+    for cls in (type(default), PretrainedConfig):
+        for name, param in inspect.signature(cls.__init__).parameters.items():
+            if name != "self" and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+                valid.add(name)
+    valid = {k for k in valid if not k.startswith("_")}
     unknown = [k for k in kw if k not in valid and hasattr(config, k)]
     if not unknown:
         return
@@ -167,12 +156,9 @@ def check_seq_len(config: Any, seq_len: int) -> None:
 def build_model(spec: str = "tiny-gpt2", dtype: str | torch.dtype = "float32",
                 device: str | torch.device = "cpu", seed: int = 0,
                 attn_implementation: str = "eager") -> torch.nn.Module:
-    """Build a causal LM from a spec (see module docstring), in eval mode, no dropout.
-
-    Random weights are seeded by ``seed`` so two builds are identical.
-    ``attn_implementation="eager"`` materialises attention probabilities, which
-    attention statistics need and which makes the memory per item honest.
-    """
+    """Build a causal LM from a spec, in eval mode, random weights seeded by ``seed``.
+    ``attn_implementation="eager"`` materialises attention probabilities, which attention
+    statistics need and which makes the memory per item honest."""
     from transformers import AutoModelForCausalLM  # why: as in model_config
 
     dt = parse_dtype(dtype)
@@ -205,11 +191,9 @@ def config_fingerprint(spec: str) -> str:
 
 def make_batch(n: int, seq_len: int, vocab_size: int, seed: int = 0, pad: bool = True,
                device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Generated causal-LM data: ``input_ids``, ``attention_mask``, ``labels`` of shape [n, seq_len].
-
-    With ``pad``, sample ``i`` has a seeded length in [seq_len/2, seq_len],
-    right-padded; labels are -100 on padding so token-weighted losses skip it.
-    """
+    """Generated causal-LM data: ``input_ids``, ``attention_mask``, ``labels`` ``[n, seq_len]``;
+    with ``pad``, sample ``i`` has a seeded length in [seq_len/2, seq_len], right-padded
+    (labels -100)."""
     if n <= 0 or seq_len <= 0:
         raise UsageError(f"n and seq_len must be positive, got n={n}, seq_len={seq_len}")
     g = torch.Generator().manual_seed(seed)

@@ -5,12 +5,9 @@ Measured facts behind it: docs/measurements.md#float64-attention-softmax.
 Why: with left padding, a query at a leading pad position has no key it may
 attend to. transformers' eager attention takes its softmax in float32, so in a
 float64 model the masked scores (float64's most negative value) become ``-inf``
-and the whole row NaN; attention's value mixing spreads that NaN into valid
-tokens in the next layer, and every backward pass into every gradient, though
-no loss reads the row. Moving each sample's leading padding to its end leaves
-every query of a sample with a valid token at least one key it may attend to
-(the sample's first token). A sample with no valid token at all is never
-realigned; metrics leave such samples out of every forward pass.
+and the whole row NaN, which spreads into valid tokens in the next layer and into
+every gradient. Moving each sample's leading padding to its end leaves every query
+of a sample with a valid token at least one key (the sample's first token).
 
 What it changes, and what not:
 
@@ -34,24 +31,17 @@ import torch
 
 
 def leading_padding(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Masked positions before each sample's first valid token, shape ``[n]`` (int64).
-
-    0 for a sample whose first position is valid, and for a sample with no valid
-    position at all.
-    """
+    """Masked positions before each sample's first valid token, shape ``[n]`` (int64); 0
+    for a sample with no valid position at all."""
     valid = attention_mask != 0
     first = valid.long().argmax(dim=1)  # first valid position; 0 where there is none
     return torch.where(valid.any(dim=1), first, torch.zeros_like(first))
 
 
 def right_align(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``data`` with each sample's leading padding moved to its end.
-
-    Every tensor whose first two dimensions are ``[samples, positions]`` (input
-    ids, mask, labels, ...) is rotated alike, so tokens keep their order and
-    their labels. Data without an ``attention_mask``, or without leading
-    padding, is returned as a shallow copy with the same tensors.
-    """
+    """``data`` (a shallow copy) with each sample's leading padding moved to its end: every
+    tensor whose first two dimensions are ``[samples, positions]`` is rotated alike, so
+    tokens keep their order and their labels."""
     out = dict(data)
     mask = data.get("attention_mask")
     if mask is None or mask.dim() != 2:

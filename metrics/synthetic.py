@@ -28,9 +28,8 @@ class LinearAlloc:
     preload: tuple[str, ...] = ()
 
     def __call__(self, size: int) -> int:
-        blocks = [torch.ones(self.base_bytes, dtype=torch.uint8)]
-        for _ in range(size):
-            blocks.append(torch.ones(self.per_item_bytes, dtype=torch.uint8))
+        blocks = [torch.ones(n, dtype=torch.uint8)
+                  for n in [self.base_bytes] + [self.per_item_bytes] * size]
         return sum(b.numel() for b in blocks)
 
     def bytes_at(self, size: int) -> int:

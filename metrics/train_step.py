@@ -2,17 +2,12 @@
 
 Forward, backward and an AdamW step of a transformers causal LM built from a
 config with random weights (byte-level vocabulary 256, sequence length 512,
-as in the E10 setup), on generated tokens. ``warmup()`` builds the model and
-the optimizer and runs one step at size 1 so that weights, gradients and
-AdamW's two moment buffers exist before any budget is applied: the searched
-memory is then what the *batch* costs, the quantity a batch-size search is
-about, and the base cost is reported separately.
+as in the E10 setup), on generated tokens. ``warmup()`` runs one step at size 1 so
+that weights, gradients and AdamW's two moment buffers exist before any budget is
+applied: the searched memory is then what the *batch* costs.
 
-Trials run it as the real run would: two steps per trial (``steps_per_trial``),
-so that a size must fit a step after one that left its memory behind, not
-only a single step; and on its worst-case batch (``worst_case_batch``), every
-sample at the full sequence length (the generated data have no padding, so
-this is the batch ``__call__`` itself builds).
+Trials run two steps (``steps_per_trial``), so that a size must fit a step after one
+that left its memory behind.
 """
 
 from __future__ import annotations
@@ -30,9 +25,9 @@ from oomguard.metrics.models import build_model, model_config
 
 def build_for(state: dict[str, Any], spec: str, dtype: str, device: str,
               seed: int) -> torch.nn.Module:
-    """``build_model(spec, dtype, device, seed)``; for a workload copy made by
-    ``for_estimate`` (``state["fake"]``), the same model with no weights: built on the
-    meta device and given fake tensors on ``device`` (:func:`~oomguard.engine.core.workload.fake_module`)."""
+    """``build_model(spec, dtype, device, seed)``; for a copy made by ``for_estimate``
+    (``state["fake"]``), the same model with fake tensors on ``device``
+    (:func:`~oomguard.engine.core.workload.fake_module`)."""
     if state.get("fake"):
         return fake_module(lambda: build_model(spec, dtype, "meta", seed=seed), device)
     return build_model(spec, dtype, device, seed=seed)
@@ -40,13 +35,8 @@ def build_for(state: dict[str, Any], spec: str, dtype: str, device: str,
 
 @dataclass
 class TrainStep(RebuiltInChild):
-    """``TrainStep(...)(batch_size)`` runs one training step and returns the loss.
-
-    Picklable (the built model is dropped from the pickle and rebuilt by
-    ``warmup`` in the receiving process), so it can run isolated.
-    ``steps_per_trial`` (2): steps a search's trial runs unless told otherwise
-    (``SearchConfig.steps_per_trial``, ``--steps-per-trial``).
-    """
+    """``TrainStep(...)(batch_size)`` runs one training step and returns the loss;
+    picklable (the model is rebuilt by ``warmup`` in the receiving process)."""
 
     steps_per_trial: ClassVar[int] = 2
 
@@ -73,17 +63,15 @@ class TrainStep(RebuiltInChild):
 
     def describe(self) -> dict[str, Any]:
         """Configuration for reports. Counts parameters on the warmed-up model, or else on
-        one built on the ``meta`` device (no memory), so that describing never puts
-        anything on ``device``: isolated children must measure with the parent holding
-        nothing there."""
+        one on the ``meta`` device: isolated children must measure with the parent holding
+        nothing on ``device``."""
         if "model" in self._state:
-            model, vocab = self._state["model"], self._state["vocab"]
+            model = self._state["model"]
         else:
             from transformers import AutoModelForCausalLM  # why: as in build_model
 
             with torch.device("meta"):  # from_config: a checkpoint's weights are not needed
                 model = AutoModelForCausalLM.from_config(model_config(self.model))
-            vocab = model.config.vocab_size
         cfg = model.config
         return {
             "model": f"{self.model} ({cfg.model_type}, random init from config)",
@@ -93,21 +81,19 @@ class TrainStep(RebuiltInChild):
             "dtype": self.dtype,
             "step": "forward + backward + AdamW step",
             "data": {"source": "generated uniform random tokens (seeded)",
-                     "vocabulary": vocab, "sequence_length": self.seq_len,
+                     "vocabulary": cfg.vocab_size, "sequence_length": self.seq_len,
                      "lengths": "every sample at the full sequence length (the worst case)"},
         }
 
     def for_estimate(self, device: str) -> TrainStep:
-        """A copy of this step with nothing built, for :func:`oomguard.engine.core.estimate.estimate.estimate`
-        on ``device``: its ``warmup()`` (under the estimate's fake mode) builds the model with
-        no weights, then the optimizer state and one step at batch size 1 as fake tensors."""
+        """A copy with nothing built, for :func:`oomguard.engine.core.estimate.estimate.estimate`
+        on ``device`` (its ``warmup()`` builds fake tensors)."""
         return dataclasses.replace(self, device=device, _state={"fake": True})
 
     def worst_case_batch(self, batch_size: int) -> torch.Tensor:
-        """The batch a step at ``batch_size`` uses: token ids of shape ``[batch_size, seq_len]``
-        (int64, on ``device``), every sample at the full sequence length, generated uniformly
-        from the vocabulary with a generator seeded by ``seed + batch_size``. A trial builds
-        it inside its measured step (:func:`~oomguard.engine.core.search.trial.run_trial`)."""
+        """The batch a step at ``batch_size`` uses: token ids ``[batch_size, seq_len]`` (int64,
+        on ``device``, no padding), uniform over the vocabulary, seeded by ``seed +
+        batch_size``."""
         if "vocab" not in self._state:
             self.warmup()
         g = torch.Generator().manual_seed(self.seed + batch_size)

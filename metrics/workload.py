@@ -1,15 +1,11 @@
 """``MetricTrial``: one metric at one memory knob, as a searchable, picklable workload.
 
 ``search(MetricTrial("fisher_diagonal"), budget=...)`` finds the largest
-``micro_batch_size`` the Fisher metric runs at, in-process or isolated. It follows the
-workload protocol (:mod:`oomguard.engine.core.workload`): ``warmup()`` builds the model
-and the data once (seeded, offline) and runs the metric at the knob's minimum on one
-sample, before any budget; a search's trials run on :meth:`MetricTrial.worst_case_batch`;
-the built state is dropped from the pickle and rebuilt in the receiving process, whose
-forkserver may import ``preload`` first. :meth:`MetricTrial.max_size` is the knob's
-largest useful size, :meth:`MetricTrial.unit` its granularity (captum's
-``internal_batch_size`` changes memory only at multiples of its examples per call):
-:class:`InUnits` makes any strategy propose only those multiples.
+``micro_batch_size`` the Fisher metric runs at, in-process or isolated, through the
+workload protocol (:mod:`oomguard.engine.core.workload`). :meth:`MetricTrial.unit` is
+the knob's granularity (captum's ``internal_batch_size`` changes memory only at
+multiples of its examples per call): :class:`InUnits` makes any strategy propose only
+those multiples.
 
 Which data define what. The metric's result is defined by the padded data
 (``make_batch``: sample ``i`` has a seeded length in ``[seq_len/2, seq_len]``); a trial's
@@ -42,9 +38,9 @@ def largest_useful(metric: Metric, knob: str, params: Mapping[str, Any], n_sampl
                    config: Any) -> tuple[int | None, str]:
     """``(size, what sets it)``: the size above which ``knob`` changes nothing that runs,
     with the other knobs at ``params`` (validated) on ``n_samples`` samples of a model of
-    transformers ``config``; ``(None, "")`` where there is none. ``samples`` for knobs that
-    slice the samples, else ``largest useful size`` (what the metric or its ``Knob.largest``
-    declares: captum's ``examples x n_steps``, ``vjp_block``'s hidden width)."""
+    transformers ``config``; ``(None, "")`` where there is none. What sets it: ``samples``
+    for knobs that slice the samples, else ``largest useful size`` (what the metric or its
+    ``Knob.largest`` declares)."""
     if knob in SAMPLE_KNOBS:
         return n_samples, "samples"
     size = metric.largest_size(knob, params, n_samples)
@@ -56,13 +52,10 @@ def largest_useful(metric: Metric, knob: str, params: Mapping[str, Any], n_sampl
 
 @dataclass
 class MetricTrial(RebuiltInChild):
-    """``MetricTrial(metric, knob)(size)`` runs ``metric`` with ``knob=size`` on fixed data.
-
-    ``knob`` defaults to the metric's first memory knob; ``params`` fixes the
-    other knobs (result knobs such as Lanczos ``k`` included). The data are
-    ``n_samples`` generated, padded sequences of ``seq_len`` tokens (seeded by
-    ``seed``, as are the model's random weights); :meth:`worst_case_batch` is the
-    same tokens with every sample at ``seq_len``, what a search's trials run on.
+    """``MetricTrial(metric, knob)(size)`` runs ``metric`` with ``knob=size`` on fixed data:
+    ``n_samples`` generated, padded sequences of ``seq_len`` tokens (seeded by ``seed``, as
+    are the model's random weights). ``knob`` defaults to the metric's first memory knob;
+    ``params`` fixes the other knobs (result knobs such as Lanczos ``k`` included).
     """
 
     metric: str
@@ -93,7 +86,6 @@ class MetricTrial(RebuiltInChild):
         metric.validate(self.params)  # unknown or bad fixed knobs fail here, not in a trial
         metric.check_model(model_config(self.model))  # from the config: no weights built
 
-    # -- identity -------------------------------------------------------------------
     @property
     def name(self) -> str:
         """Workload name for reports and the size cache: ``metric.knob``."""
@@ -103,23 +95,22 @@ class MetricTrial(RebuiltInChild):
     def preload(self) -> tuple[str, ...]:
         """Modules a forkserver may import before the first isolated trial."""
         return ("transformers", "oomguard.metrics.models", "oomguard.metrics.common",
-                type(self._metric()).__module__)
+                type(get_metric(self.metric)).__module__)
 
-    def _metric(self) -> Metric:
-        return get_metric(self.metric)
+    def _sizing(self) -> tuple[Metric, str, dict[str, Any]]:
+        """The metric, the searched knob and the fixed knobs validated (defaults filled)."""
+        assert self.knob is not None
+        metric = get_metric(self.metric)
+        return metric, self.knob, metric.validate(self.params)
 
     def max_size(self) -> int | None:
         """Largest useful size of the knob (:func:`largest_useful`), or None."""
-        assert self.knob is not None
-        metric = self._metric()
-        return largest_useful(metric, self.knob, metric.validate(self.params), self.n_samples,
-                              model_config(self.model))[0]
+        return largest_useful(*self._sizing(), self.n_samples, model_config(self.model))[0]
 
     def report_context(self) -> dict[str, Any]:
         """What a report of a search of this knob shows: the configuration, the data, and
-        how the knob interacts with the others and what its unit is (``Metric.notes``)."""
-        assert self.knob is not None
-        metric = self._metric()
+        ``Metric.notes``."""
+        metric, knob, params = self._sizing()
         return {"title": f"{self.metric}.{self.knob}: Maximum Safe Size Report",
                 "model": self.model, "dtype": self.dtype, "metric": self.metric,
                 "knob": self.knob, "samples": self.n_samples,
@@ -127,18 +118,16 @@ class MetricTrial(RebuiltInChild):
                          "sequence_length": self.seq_len,
                          "lengths": "every sample at the full sequence length in the trials "
                                     "(the worst case); trial values are the metric on these"},
-                **metric.notes(self.knob, metric.validate(self.params), self.n_samples)}
+                **metric.notes(knob, params, self.n_samples)}
 
     def unit(self) -> int:
-        """The knob's granularity in items: peak memory changes only at its multiples
-        (1 for most knobs; ``min(chunk_size, n_samples)`` for captum's internal batch)."""
-        assert self.knob is not None
-        metric = self._metric()
-        return metric.size_unit(self.knob, metric.validate(self.params), self.n_samples)
+        """The knob's granularity in items (``Metric.size_unit``)."""
+        metric, knob, params = self._sizing()
+        return metric.size_unit(knob, params, self.n_samples)
 
     def minimum(self) -> int:
         """The knob's smallest allowed size."""
-        knob = next(k for k in self._metric().knobs if k.name == self.knob)
+        knob = next(k for k in get_metric(self.metric).knobs if k.name == self.knob)
         return max(1, int(knob.minimum))
 
     def describe(self) -> dict[str, Any]:
@@ -147,7 +136,6 @@ class MetricTrial(RebuiltInChild):
                 "dtype": self.dtype, "device": self.device, "n_samples": self.n_samples,
                 "seq_len": self.seq_len, "seed": self.seed, "params": dict(self.params)}
 
-    # -- running --------------------------------------------------------------------
     def warmup(self) -> None:
         """Build model and data (not budgeted) and run the metric once, at the knob's
         minimum on the first sample (for an estimate, at its largest useful size: fake
@@ -177,11 +165,9 @@ class MetricTrial(RebuiltInChild):
         return copy
 
     def worst_case_batch(self, size: int) -> dict[str, torch.Tensor]:
-        """The data at their most costly: the ``n_samples`` x ``seq_len`` tokens of the
-        padded data, with every sample at full length (``attention_mask`` all ones, no label
-        -100). ``size`` is the knob's value, which slices these data but never chooses them,
-        so every size gets the same data, built once by ``warmup()`` (before any budget, as
-        the padded data are: a trial's peak counts neither)."""
+        """The data at their most costly, the same for every ``size`` (which slices them):
+        the padded data's tokens with every sample at full length (``attention_mask`` all
+        ones, no label -100), built once by ``warmup()``."""
         if "worst_case" not in self._state:
             self.warmup()
         return self._state["worst_case"]
@@ -192,7 +178,7 @@ class MetricTrial(RebuiltInChild):
         ``labels``), by default on the padded data; return its JSON-friendly summary."""
         if "model" not in self._state:
             self.warmup()
-        metric = self._metric()
+        metric = get_metric(self.metric)
         data = self._state["data"] if batch is None else batch
         with torch.enable_grad():
             result = metric.run(self._state["model"], data, **{**self.params, self.knob: size})
@@ -203,11 +189,8 @@ class MetricTrial(RebuiltInChild):
 class InUnits:
     """A strategy that proposes only multiples of ``unit``: ``inner`` (E10, Doubling,
     LinearJump...) runs on counts of units ``k = size / unit`` and its proposals are
-    multiplied back, so trials, results and reports carry the real sizes.
-
-    ``InUnits(E10(start=1, step=1), unit=64)`` tries 64, 128, 192, ... and bisects
-    in steps of 64; the bracket is closed when the largest fit and the first OOM
-    are one unit apart (memory does not change in between).
+    multiplied back. ``InUnits(E10(start=1, step=1), unit=64)`` tries 64, 128, 192, ...
+    and bisects in steps of 64, until the largest fit and the first OOM are one unit apart.
     """
 
     inner: Any
@@ -259,13 +242,9 @@ def in_units(inner: Any, unit: int) -> Any:
 
 
 def snap_to_unit(result: Any, unit: int) -> None:
-    """Round the recommended size of a search run in multiples of ``unit`` down to one.
-
-    The fitted recommendation can fall between two multiples, where memory is that
-    of the multiple above (sizes below one unit run as one unit), so the size worth
-    using is the multiple below it, and never less than one unit. Changes
-    ``result.recommendation`` in place; nothing for ``unit`` 1.
-    """
+    """Round ``result.recommendation`` (in place) of a search run in multiples of ``unit``
+    down to one, never below one unit: between two multiples memory is that of the one
+    above."""
     rec = result.recommendation
     if unit <= 1 or rec is None:
         return

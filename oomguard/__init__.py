@@ -26,28 +26,22 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 # public name -> the module that defines it; __all__ is its keys
-_EXPORTS: dict[str, str] = {
-    "probe": "oomguard.probes",
-    "budget": "oomguard.engine.core.memory.budget",
-    "is_oom": "oomguard.engine.core.memory.oom",
-    "release_memory": "oomguard.engine.core.memory.oom",
-    "search": "oomguard.engine.core.search.search",
-    "verify": "oomguard.engine.core.search.search",
-    "SearchConfig": "oomguard.engine.core.search.config",
-    "estimate": "oomguard.engine.core.estimate.estimate",
-    "Executor": "oomguard.engine.core.execute.executor",
-    "adaptive": "oomguard.engine.training.adaptive",
-    "find_executable_batch_size": "oomguard.engine.training.adaptive",
-    "stats": "oomguard.engine.core.execute.stats",
-    "accumulate": "oomguard.engine.training.accumulate",
-    "write_report": "oomguard.reports",
+_EXPORTS: dict[str, str] = {name: module for module, names in {
+    "oomguard.probes": ("probe",),
+    "oomguard.engine.core.memory.budget": ("budget",),
+    "oomguard.engine.core.memory.oom": ("is_oom", "release_memory"),
+    "oomguard.engine.core.search.search": ("search", "verify"),
+    "oomguard.engine.core.search.config": ("SearchConfig",),
+    "oomguard.engine.core.estimate.estimate": ("estimate",),
+    "oomguard.engine.core.execute.executor": ("Executor",),
+    "oomguard.engine.training.adaptive": ("adaptive", "find_executable_batch_size"),
+    "oomguard.engine.core.execute.stats": ("stats",),
+    "oomguard.engine.training.accumulate": ("accumulate",),
+    "oomguard.reports": ("write_report",),
     # the errors a caller catches; the whole tree is oomguard.errors
-    "OomguardError": "oomguard.engine.errors",
-    "UsageError": "oomguard.engine.errors",
-    "ExecutionFailed": "oomguard.engine.errors",
-    "NoExecutableBatchSize": "oomguard.engine.errors",
-    "SearchFailed": "oomguard.engine.errors",
-}
+    "oomguard.engine.errors": ("OomguardError", "UsageError", "ExecutionFailed",
+                               "NoExecutableBatchSize", "SearchFailed"),
+}.items() for name in names}
 _NAMESPACES = ("errors", "memory", "results", "retry", "strategies", "training")
 
 __all__ = sorted(_EXPORTS)

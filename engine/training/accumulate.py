@@ -2,23 +2,16 @@
 
 When a whole batch does not fit, it is split along dim 0 into micro-batches;
 each micro-batch's loss is scaled by its share of the batch's tokens (or
-samples) before ``backward()``, so ``.grad`` -- and the parameters after the
-optimizer step -- equal those of the whole batch within float rounding. The
-micro-batch size is run by the core's one size controller
-(:class:`~oomguard.engine.core.execute.executor.SizeController`): halved on OOM,
-remembered, optionally grown back, agreed between ranks (collective calls:
-:mod:`~oomguard.engine.training.distributed`).
+samples) before ``backward()``, so ``.grad`` equals the whole batch's within float
+rounding. The micro-batch size is the core's one size controller's
+(:class:`~oomguard.engine.core.execute.executor.SizeController`).
 
-How the loss must be defined for the scaling to be exact
---------------------------------------------------------
-``step_fn(micro_batch)`` runs the forward pass and returns a scalar loss
-tensor (it must not call ``backward`` itself):
+For the scaling to be exact, ``step_fn(micro_batch)`` runs the forward pass and
+returns a scalar loss tensor (it must not call ``backward`` itself):
 
 - ``reduction="mean"`` (default): the **mean over the micro-batch's own
-  units** -- what ``model(**batch).loss`` of a transformers causal LM is with
-  ``weight_by="causal-tokens"`` (mean over ``labels[..., 1:] != -100``), or
-  ``F.cross_entropy(..., reduction="mean")`` with ``weight_by="samples"``.
-  Each micro-batch's loss is multiplied by ``units_micro / units_total``.
+  units** (a transformers causal LM's ``model(**batch).loss`` with
+  ``weight_by="causal-tokens"``), multiplied by ``units_micro / units_total``.
 - ``reduction="sum"``: the sum over its units; losses are added unscaled.
 
 ``weight_by`` counts units: ``"samples"`` (rows), ``"tokens"`` (``labels !=
@@ -29,13 +22,10 @@ number`` that is additive over rows. A micro-batch with no units is skipped
 the step (dropout) draws differently per micro-batch: disable it for
 bit-comparable results.
 
-OOM in the middle of an accumulation
-------------------------------------
-A micro-batch that runs out of memory during ``backward`` may already have
-added part of its gradient to some ``.grad`` tensors, so partial sums cannot
-be trusted: every attempt sets the gradients of ``params`` to ``None`` and runs
-the whole batch again (an OOM costs at most one batch's compute). So
-:func:`accumulate` *replaces* ``.grad``; the caller need not zero gradients.
+A micro-batch that runs out of memory during ``backward`` may already have added part
+of its gradient to some ``.grad`` tensors, so every attempt sets the gradients of
+``params`` to ``None`` and runs the whole batch again: :func:`accumulate` *replaces*
+``.grad``.
 """
 
 from __future__ import annotations
@@ -134,15 +124,11 @@ def _param_list(params: Params) -> list[torch.Tensor]:
 class Accumulator:
     """Runs ``step_fn`` over a batch in micro-batches with exact gradient accumulation.
 
-    ``params`` (a module, an optimizer, or tensors) are the tensors whose ``.grad`` one
-    call computes. ``micro_batch_size`` (rows) is the first size tried (None: the whole
-    batch); the size controller's options (``policy``, ``minimum``, ``grow_after``,
-    ``group``, ``sync_ranks``) are :class:`~oomguard.engine.core.execute.executor.SizeController`'s.
-    The module docstring says how ``weight_by`` and ``reduction`` scale the loss.
-
-    ``size``: an existing size controller to run with (how :func:`accumulate`
-    shares the size found between calls); its options then apply, and
-    ``micro_batch_size`` only bounds this accumulator's micro-batches.
+    ``params`` (a module, an optimizer, or tensors): whose ``.grad`` one call computes.
+    ``micro_batch_size`` (rows): the first size tried (None: the whole batch). The size
+    options (``policy``, ``minimum``, ...) are the size controller's; with ``size``, an
+    existing controller (how :func:`accumulate` keeps the size between calls), its own
+    apply and ``micro_batch_size`` only bounds the micro-batches.
     """
 
     def __init__(self, step_fn: Callable[[Batch], torch.Tensor], params: Params, *,
@@ -246,10 +232,8 @@ class _Remembered:
         return self.size
 
 
-# What accumulate() remembers: per params object (a module, an optimizer, or the
-# first tensor of a list), then per name. Weak: an entry goes when its params
-# object is collected; it holds numbers and the call's size options, never the
-# model, the step function or the data.
+# What accumulate() remembers: per params object (a module, an optimizer, or the first
+# tensor of a list; weakly), then per name. Never the model, the step function or the data.
 _MEMORY: WeakIdMap[Any, dict[str, _Remembered]] = WeakIdMap()
 
 
@@ -258,12 +242,10 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
                name: str | None = None, **options: Any) -> torch.Tensor:
     """Gradients of ``step_fn`` over the whole ``batch``, in micro-batches if it does not fit.
 
-    The function form of :class:`Accumulator`; its options apply to this call only. What
-    persists is the micro-batch size found, per ``params`` object (while it lives) and
-    ``name`` (default: the step function's qualified name, so a step function defined
-    anew every iteration keeps its size). ``micro_batch_size`` is the first size tried
-    when nothing is remembered, and bounds this call's micro-batches. Replaces the
-    ``.grad`` of ``params``; returns the whole batch's loss (detached). Typical use::
+    The function form of :class:`Accumulator`, whose options apply to this call only. The
+    micro-batch size found persists per ``params`` object (while it lives) and ``name``
+    (default: the step function's qualified name, so a step function defined anew every
+    iteration keeps its size). Returns the whole batch's loss (detached). Typical use::
 
         loss = oomguard.accumulate(lambda mb: model(**mb).loss, batch, params=model,
                                    weight_by="causal-tokens")
@@ -274,11 +256,9 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
     key = name or f"{qualname(step_fn)}:micro_batch"
     anchor = params if isinstance(params, (torch.nn.Module, torch.optim.Optimizer)) \
         else (tensors[0] if tensors else None)
-    known = _MEMORY.get(anchor) if anchor is not None else None
+    known = _MEMORY.get(anchor) if anchor is not None else {}
     if known is None:
-        known = {}
-        if anchor is not None:
-            _MEMORY[anchor] = known
+        known = _MEMORY[anchor] = {}
     entry = known.get(key)
     if entry is None:
         entry = known[key] = _Remembered(remembered(key, KEY, micro_batch_size))

@@ -1,11 +1,9 @@
 """Adaptive sizes inside training scripts: a decorator and an accelerate-shaped helper.
 
 Both wrappers are thin layers over the core's one size controller
-(:class:`~oomguard.engine.core.execute.executor.SizeController`, which describes the
-retry and its cost): the batch size shrinks on OOM, is remembered on the decorated
-function, may grow back, and is agreed between ranks under ``torch.distributed``
-(collective calls: :mod:`~oomguard.engine.training.distributed`). Size changes are
-logged on the ``oomguard.adaptive`` logger and counted in
+(:class:`~oomguard.engine.core.execute.executor.SizeController`), agreed between ranks
+under ``torch.distributed`` (:mod:`~oomguard.engine.training.distributed`). Size changes
+are logged on the ``oomguard.adaptive`` logger and counted in
 :func:`~oomguard.engine.core.execute.stats.stats`.
 """
 
@@ -97,14 +95,12 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
 
     The decorator supplies the batch size (passing one raises ``TypeError``). On OOM
     ``fn`` runs again at half the size (or by ``policy``) down to ``minimum``, then
-    raises :class:`NoExecutableBatchSize` with the sizes tried. The size that worked is
-    kept; ``grow_after`` clean calls let it grow back, never above ``maximum`` (default
-    ``batch_size``) nor to a size that failed. Under ``torch.distributed`` each call is
-    collective (``sync_ranks=False``: not), and a rank whose call succeeded runs again at
-    the agreed smaller size when another rank ran out of memory, so ``fn`` must be safe to
-    re-run. ``adaptive_size``: the wrapper's
-    :class:`~oomguard.engine.core.execute.executor.SizeController`. Usable as ``@adaptive``
-    or ``@adaptive(batch_size=...)``.
+    raises :class:`NoExecutableBatchSize`. The size that worked is kept; ``grow_after``
+    clean calls let it grow back, never above ``maximum`` (default ``batch_size``) nor to
+    a size that failed. Under ``torch.distributed`` each call is collective
+    (``sync_ranks=False``: not), and ``fn`` must be safe to re-run: a rank whose call
+    succeeded runs again at the smaller size another rank needed. ``adaptive_size``: the
+    wrapper's size controller.
     """
     def decorate(f: Callable[..., T]) -> Callable[..., T]:
         size = make_controller(name or qualname(f), KEY, batch_size, minimum=minimum,
@@ -125,12 +121,8 @@ def find_executable_batch_size(function: Callable[..., T] | None = None,
     ``function(batch_size, ...)`` is called at ``starting_batch_size``, then after each
     OOM at half the size or at what ``reduce_batch_size_fn`` returns (``fn(size) -> int``
     or accelerate's ``fn() -> int``). At zero, accelerate's :data:`ZERO_MESSAGE` (a
-    :class:`NoExecutableBatchSize`). Unlike accelerate's,
-    under ``torch.distributed`` every rank takes the same size (collective calls,
-    as :func:`adaptive`); ``sync_ranks=False`` restores accelerate's per-rank
-    behaviour. Usable as
-    ``@find_executable_batch_size``, ``@find_executable_batch_size(starting_batch_size=64)``
-    or ``find_executable_batch_size(fn, 64)``.
+    :class:`NoExecutableBatchSize`). Unlike accelerate's, under ``torch.distributed``
+    every rank takes the same size, as with :func:`adaptive` (``sync_ranks=False``: not).
     """
     if function is None:
         return functools.partial(find_executable_batch_size,

@@ -2,12 +2,10 @@
 
 Under ``torch.distributed`` an OOM on one rank must move *every* rank to the same
 smaller size, or the ranks run different batches (and, with gradient
-synchronisation, wait on each other forever). After each attempt every rank calls
-:func:`agree` once with the size it proposes next (the size it just ran after a
-success, the policy's smaller size after an OOM, ``0`` when it has nothing smaller)
-and whether it ran out of memory; one ``all_reduce(MIN)`` over ``[proposal, -oom]``
-(16 bytes) gives every rank the same decision: done, retry at the agreed size, or
-give up together. An adaptive object also agrees once on its starting size.
+synchronisation, wait on each other forever). After each attempt every rank proposes
+its next size (``0``: nothing smaller) and whether it ran out of memory; one
+``all_reduce(MIN)`` over ``[proposal, -oom]`` gives every rank the same decision.
+An adaptive object also agrees once on its starting size.
 
 The calls are **collective**: every rank calls the adaptive function (or
 ``accumulate``) the same number of times, in the same order, and the function runs
@@ -22,8 +20,6 @@ on gloo), so the first call of each adaptive object checks through the process
 group's store, not a collective, that every rank makes it
 (:func:`check_every_rank_calls`; why not a collective:
 docs/measurements.md#rank-presence-check). Later calls are not checked.
-:class:`RankAgreement` is the core
-:class:`~oomguard.engine.core.execute.executor.SizeController`'s ``agreement`` here.
 """
 
 from __future__ import annotations
@@ -73,9 +69,9 @@ def _collective_device(group: Any = None) -> torch.device:
 
 
 def agree(proposed: int, oom: bool, group: Any = None) -> Agreement:
-    """Agree with every rank of ``group`` on the next size: one ``all_reduce(MIN)``.
-    ``proposed``: this rank's next size in items (0: it cannot go lower); ``oom``: whether
-    its last attempt ran out of memory. Without a process group, nothing is communicated."""
+    """Agree with every rank of ``group`` on the next size: ``proposed`` is this rank's next
+    size in items (0: it cannot go lower), ``oom`` whether its last attempt ran out of
+    memory."""
     if not is_active():
         return Agreement(proposed, oom)
     size, flag = _min_over_ranks([proposed, -int(oom)], group)
@@ -91,21 +87,20 @@ def _min_over_ranks(values: list[int], group: Any) -> list[int]:
 
 def check_every_rank_calls(what: str, group: Any = None,
                            timeout_s: float | None = None) -> None:
-    """Return once every rank of ``group`` has made this call; raise if one does not.
-
-    Each rank sets one key in the default process group's store and waits up to
-    ``timeout_s`` seconds (default :data:`FIRST_CALL_TIMEOUT_S`) for the others'. A rank
-    that waits in vain withdraws its key and raises one
-    :class:`~oomguard.engine.errors.CollectiveMismatch` naming ``what`` and the missing
-    ranks; no collective was made, so the process group stays usable. Free without
-    ``torch.distributed``, or with one rank.
-    """
+    """Return once every rank of ``group`` has made this call, within ``timeout_s`` seconds
+    (default :data:`FIRST_CALL_TIMEOUT_S`): each rank sets one key in the default process
+    group's store and waits for the others'. A rank that waits in vain withdraws its key
+    and raises :class:`~oomguard.engine.errors.CollectiveMismatch` naming ``what`` and the
+    missing ranks; the process group stays usable."""
     if not is_active():
         return
     pg = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(pg)
-    store = _store()
-    if len(ranks) < 2 or store is None:
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, ValueError, KeyError):  # a private function: absent in some torch
+        return
+    if len(ranks) < 2:
         return
     me = dist.get_rank()
     n = _first_calls.get(pg.group_name, 0)
@@ -130,19 +125,10 @@ def check_every_rank_calls(what: str, group: Any = None,
     _first_calls[pg.group_name] = n + 1
 
 
-def _store() -> Any:
-    """The default process group's store (None where this torch does not expose it)."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (AttributeError, ValueError, KeyError):  # a private function: absent in some torch
-        return None
-
-
 class RankAgreement:
-    """The ranks of ``group`` agree on sizes after every attempt: one ``all_reduce(MIN)`` over
-    the proposed sizes and ``-oom``. Inactive, and free, while no process group is initialised.
-    The first :meth:`active` under ``torch.distributed`` (before any collective) runs
-    :func:`check_every_rank_calls` for ``what`` with ``timeout_s``.
+    """The core :class:`~oomguard.engine.core.execute.executor.SizeController`'s
+    ``agreement`` between the ranks of ``group`` (:func:`agree`, for every size at once).
+    The first :meth:`active` under ``torch.distributed`` runs :func:`check_every_rank_calls`.
     """
 
     def __init__(self, group: Any = None, what: str = "an adaptive size",
@@ -183,8 +169,5 @@ def all_reduce_gradients(params: Iterable[torch.Tensor], group: Any = None,
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     if average:
         flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset:offset + n].view_as(g))
-        offset += n
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))

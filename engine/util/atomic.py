@@ -9,6 +9,7 @@ cache and job files all go through it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -21,16 +22,12 @@ Content = bytes | str | Callable[[Path], Any]
 
 
 def _fsync_dir(folder: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # platforms that cannot open or sync folders
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # platforms that cannot open folders
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write(path: str | os.PathLike[str], content: Content, mode: int = 0o644) -> Path:

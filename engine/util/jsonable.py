@@ -2,20 +2,12 @@
 
 Every file and every ``--json`` output oomguard writes goes through
 :func:`to_jsonable` (and :func:`json_text`), so they all follow the same rules:
-
-- ``None``, booleans, integers and strings stay as they are;
-- a finite float stays; ``nan``/``inf`` become the strings ``"nan"``/``"inf"``
-  (strict JSON has no such numbers);
-- a tensor or a numpy array/scalar becomes a number (one element) or a nested
-  list; with ``max_items``, a larger one becomes ``{"shape", "mean"}`` so a
-  summary stays small;
-- mappings become dicts with string keys, sequences and sets become lists;
-- an object with ``to_dict()`` (oomguard's result records) is converted
-  through it, a dataclass through its fields, a path through ``str``;
-- anything else becomes its ``str``.
-
-No torch or numpy import is needed: tensors and arrays are recognised by
-their ``tolist``/``item`` methods.
+``nan``/``inf`` become the strings ``"nan"``/``"inf"`` (strict JSON has no such
+numbers); a tensor or a numpy array/scalar becomes a number (one element) or a nested
+list, or with ``max_items`` a larger one ``{"shape", "mean"}``; an object with
+``to_dict()`` (oomguard's result records) goes through it, a dataclass through its
+fields; anything unknown becomes its ``str``. Tensors and arrays are recognised by
+their ``tolist``/``item`` methods: no torch or numpy import.
 """
 
 from __future__ import annotations
@@ -30,7 +22,7 @@ from typing import Any
 
 
 def to_jsonable(value: Any, max_items: int | None = None) -> Any:
-    """``value`` as plain JSON types (see the module docstring for the rules)."""
+    """``value`` as plain JSON types."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -74,9 +66,8 @@ def _array(value: Any, max_items: int | None) -> Any:
 
 def stable_hash(value: Any) -> str:
     """A short, stable hash of ``value`` (a model config, a job task, a size-cache key):
-    SHA-256 of its sanitised, key-sorted, one-line JSON. For plain dicts of strings and
-    numbers that is ``json.dumps(value, sort_keys=True)``, so keys written before stay valid.
-    """
+    SHA-256 of its sanitised, key-sorted, one-line JSON (for plain dicts of strings and
+    numbers, ``json.dumps(value, sort_keys=True)``: keys written before stay valid)."""
     return hashlib.sha256(json_text(value, indent=None).encode("utf-8")).hexdigest()[:16]
 
 

@@ -10,24 +10,11 @@ import re
 
 from oomguard.engine.errors import UsageError
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    # SI units are powers of 1000, as the SI says; binary units powers of 1024.
-    "KB": 1000,
-    "MB": 1000**2,
-    "GB": 1000**3,
-    "TB": 1000**4,
-    "KIB": 1024,
-    "MIB": 1024**2,
-    "GIB": 1024**3,
-    "TIB": 1024**4,
-    # Bare K/M/G/T follow ulimit, docker and PyTorch's allocator config: binary.
-    "K": 1024,
-    "M": 1024**2,
-    "G": 1024**3,
-    "T": 1024**4,
-}
+# SI units are powers of 1000, as the SI says; binary units (KiB) powers of 1024, and so
+# are bare K/M/G/T, as in ulimit, docker and PyTorch's allocator config.
+_UNITS = {"": 1, "B": 1, **{f"{p}B": 1000**i for i, p in enumerate("KMGT", start=1)},
+          **{f"{p}IB": 1024**i for i, p in enumerate("KMGT", start=1)},
+          **{p: 1024**i for i, p in enumerate("KMGT", start=1)}}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
 
 
