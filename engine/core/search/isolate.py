@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import multiprocessing as mp
 import os
 import pickle
@@ -57,6 +56,7 @@ from oomguard.engine.core.memory.heap import (
 )
 from oomguard.engine.core.memory.oom import gc_frozen
 from oomguard.engine.core.memory.ramguard import RamGuard
+from oomguard.engine.core.search.config import is_positive_seconds
 from oomguard.engine.core.search.trial import Trial, run_trial
 from oomguard.engine.core.workload import qualname, warm_up, workload_preload
 from oomguard.engine.errors import ChildCrashed, ChildStartFailed, UsageError, first_line
@@ -132,8 +132,7 @@ class IsolatedRunner:
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
                  budget: int | None = None, timeout: float = 600.0,
                  guard: RamGuard | None = None) -> None:
-        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-                and math.isfinite(timeout) and timeout > 0):
+        if not is_positive_seconds(timeout):
             raise UsageError(f"the trial timeout must be a positive number of seconds, "
                              f"got {timeout!r}")
         if _in_bootstrapping_child():
