@@ -6,14 +6,15 @@ forked subprocess"; :func:`start_method`), else a forkserver that has imported t
 children re-run the parent's main module: a script needs ``if __name__ == "__main__":``).
 The child runs a picklable ``fn(*args)``, says ``started``, may tell the parent things
 (:class:`ToParent`) and sends what ``fn`` returned or raised; the parent reads that, or
-the death with its evidence, as an :class:`Ended`; a time limit is a timeout, never an
-OOM. Every child and forkserver dies with its parent (:func:`die_with_parent`) and
-ignores SIGINT: Ctrl-C reaches the whole process group, and the command alone decides.
+the death, as an :class:`Ended`; a time limit is a timeout, never an OOM. Every child and
+forkserver dies with its parent (:func:`die_with_parent`) and ignores SIGINT: Ctrl-C
+reaches the whole process group, and the command alone decides.
 
-A death after ``started`` is an OOM only with evidence (the kinds are listed in
-:mod:`oomguard.engine.core.search.isolate`): an allocation failure reported on stderr,
-SIGKILL under a memory limit, or under a CPU budget a signal after the data segment came
-close to the limit.
+A death after ``started`` is an OOM only with evidence (:func:`oom_evidence`,
+:class:`LimitWatch`): an allocation failure reported on stderr (:data:`ALLOCATION_FAILURES`;
+oneDNN's "could not create a primitive" under a memory limit), SIGKILL while a memory
+limit applies (the budget, ``RLIMIT_DATA``/``RLIMIT_AS``, a cgroup limit), or under a CPU
+budget a signal after the data segment came close to the limit.
 """
 
 from __future__ import annotations
@@ -302,10 +303,9 @@ class Child(contextlib.AbstractContextManager["Child"]):
 
     def _stderr(self) -> str:
         """The child's captured stderr, once: also written to this process's stderr."""
-        path, self.stderr_path = self.stderr_path, None
+        path, self.stderr_path, text = self.stderr_path, None, ""
         if path is None:
-            return ""
-        text = ""
+            return text
         with contextlib.suppress(OSError):
             with open(path, encoding="utf-8", errors="replace") as f:
                 text = f.read()
@@ -337,10 +337,8 @@ NEAR_LIMIT_MIN = 4 * 1024**2
 
 def oom_evidence(exitcode: int | None, stderr: str, budgeted: bool) -> str | None:
     """Why a child's death counts as running out of memory, or None when nothing says so.
-
-    ``budgeted``: an oomguard budget applied in the child. Limits inherited from
-    the environment are read in this process (children share its cgroup).
-    """
+    ``budgeted``: an oomguard budget applied in the child; limits inherited from the
+    environment are read in this process (children share its cgroup)."""
     text = stderr.lower()
     for pattern in ALLOCATION_FAILURES:
         if pattern in text:
@@ -368,10 +366,9 @@ class LimitWatch:
     every ``interval`` seconds once it told its limit (bytes): :meth:`Child.wait`'s tick.
 
     Native code that does not check ``malloc`` can die of SIGSEGV at a CPU budget's limit
-    instead of raising (a LSTM step's backward, 1 time in 40 at the size above the maximum,
-    docs/measurements.md#crashes-at-the-limit): a child that died by a signal within
-    ``near`` bytes of the limit (:data:`NEAR_LIMIT_FRACTION` of the budget, at least
-    :data:`NEAR_LIMIT_MIN`) ran out of memory; one that died far from it crashed.
+    instead of raising (docs/measurements.md#crashes-at-the-limit): a child that died by a
+    signal within ``near`` bytes of the limit (:data:`NEAR_LIMIT_FRACTION` of the budget,
+    at least :data:`NEAR_LIMIT_MIN`) ran out of memory; one that died far from it crashed.
     """
 
     def __init__(self, budget: int) -> None:
@@ -388,10 +385,9 @@ class LimitWatch:
         if self._data is None and child.messages and child.proc.pid is not None:
             self.limit, self._data = child.messages[0], host.DataSize(child.proc.pid)
             child.every = self.interval
-        if self._data is not None:
-            value = self._data.read()
-            if value is not None and (self.peak is None or value > self.peak):
-                self.peak = value
+        value = self._data.read() if self._data is not None else None
+        if value is not None:
+            self.peak = max(value, self.peak or 0)
         return False  # never stops the child
 
     def close(self) -> None:
