@@ -1,14 +1,12 @@
 """Memory budgets: real out-of-memory errors below the hardware limit.
 
-A budget caps what the code inside it may allocate, so that the OOM a user
-would meet on a smaller device happens here, for real, with the allocator's own
-error:
+A budget caps what the code inside it may allocate, so that the OOM a user would meet on
+a smaller device happens here, for real, with the allocator's own error:
 
-- CPU: ``RLIMIT_DATA`` set to the process's current ``VmData`` plus the budget.
-  glibc is first told to serve allocations of 128 KiB and more with ``mmap``
-  (``mallopt(M_MMAP_THRESHOLD)``) so freed tensors really go back to the kernel;
-  without it the heap keeps fragments and the same size fits on one try and not
-  the next (docs/measurements.md#return-freed-memory).
+- CPU: ``RLIMIT_DATA`` set to the process's current ``VmData`` plus the budget. glibc is
+  first told to serve allocations of 128 KiB and more with ``mmap`` so freed tensors
+  really go back to the kernel; without it the heap keeps fragments and the same size
+  fits on one try and not the next (docs/measurements.md#return-freed-memory).
 - CUDA: ``torch.cuda.set_per_process_memory_fraction((held + budget) / total)``, ``held``
   in the units the cap counts, after ``empty_cache()`` (:func:`gpu_held_bytes`).
 - MPS: ``torch.mps.set_per_process_memory_fraction((driver allocated + budget) /
@@ -88,17 +86,14 @@ def tighten_active_budget() -> None:
     limit is never raised, so memory that trials leave behind keeps counting.
     """
     b = active_budget()
-    if b is None:
-        return
-    if b.device != "cpu":
-        _tighten_gpu(b)
-        return
-    if not host_budgets_available():
-        return
-    vm_data = host.proc_status("VmData")
-    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    if vm_data is not None and soft != resource.RLIM_INFINITY and vm_data + b.nbytes < soft:
-        resource.setrlimit(resource.RLIMIT_DATA, (vm_data + b.nbytes, hard))
+    if b is not None and b.device != "cpu":
+        dev = torch.device(b.device)
+        fraction = (gpu_held_bytes(dev) + b.nbytes) / _gpu_size(dev)
+        if fraction < current_fraction(dev):
+            set_memory_fraction(fraction, dev)
+    elif b is not None and (room := headroom_bytes("cpu")) is not None and room > b.nbytes:
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)  # soft - room: VmData now
+        resource.setrlimit(resource.RLIMIT_DATA, (soft - room + b.nbytes, hard))
 
 
 def headroom_bytes(device: str | torch.device) -> int | None:
@@ -165,21 +160,13 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
 @contextmanager
 def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
     """Cap the memory the code inside may allocate to ``nbytes`` bytes above what the
-    process holds now (the module docstring says how, per device).
-
-    On CPU, enter it after one small warm-up step so that thread pools and kernels that
-    the step creates once are not charged to it. Raises :class:`BudgetError` where
-    :func:`check_budget` does. Nested budgets may only shrink the limit.
-    """
+    process holds now (module docstring). On CPU, enter it after one small warm-up step so
+    that thread pools and kernels the step creates once are not charged to it. Raises
+    :class:`BudgetError` where :func:`check_budget` does. Nested budgets only shrink."""
     dev = check_budget(nbytes, device)
     manager = _cpu_budget(nbytes) if dev.type == "cpu" else _gpu_budget(nbytes, dev)
     with manager as b:
         yield b
-
-
-def _start_thread_pool() -> None:
-    """Run one op large enough that torch parallelises it, creating its threads now."""
-    torch.ones(1 << 20).sum()
 
 
 @contextmanager
@@ -190,7 +177,7 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
     # first parallel op inside charges ~8 MiB of thread stacks to the budget
     # (docs/measurements.md#minimum-cpu-budget).
     gc.collect()
-    _start_thread_pool()
+    torch.ones(1 << 20).sum()  # an op large enough that torch parallelises it: its threads
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     vm_data = host.proc_status("VmData")
     if vm_data is None:
@@ -276,14 +263,6 @@ def _check_mps(nbytes: int, dev: torch.device) -> torch.device:
         raise BudgetError(f"budget {fmt_bytes(nbytes)} is more than MPS allows ({fmt_bytes(most)}, "
                           "twice the recommended working set); choose a smaller --budget")
     return dev
-
-
-def _tighten_gpu(b: Budget) -> None:
-    dev = torch.device(b.device)
-    size = _gpu_size(dev)
-    fraction = (gpu_held_bytes(dev) + b.nbytes) / size
-    if fraction < current_fraction(dev):
-        set_memory_fraction(fraction, dev)
 
 
 @contextmanager
