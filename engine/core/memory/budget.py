@@ -133,16 +133,12 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
                                                      "this OS (no RLIMIT_DATA)")
             raise BudgetError(f"{why}: run without --budget, or on Linux")
         if nbytes < MIN_CPU_BUDGET:
-            raise BudgetError(
-                f"a CPU budget of {fmt_bytes(nbytes)} is too small: thread pools need "
-                f"~20 MiB of headroom; use at least {fmt_bytes(MIN_CPU_BUDGET)}"
-            )
+            raise BudgetError(f"a CPU budget of {fmt_bytes(nbytes)} is too small: thread pools "
+                              f"need ~20 MiB of headroom; use at least {fmt_bytes(MIN_CPU_BUDGET)}")
         avail = host.meminfo().get("MemAvailable")
         if avail is not None and nbytes > avail:
-            raise BudgetError(
-                f"budget {fmt_bytes(nbytes)} is more than the {fmt_bytes(avail)} this host has "
-                "available; choose a smaller --budget"
-            )
+            raise BudgetError(f"budget {fmt_bytes(nbytes)} is more than the {fmt_bytes(avail)} this "
+                              "host has available; choose a smaller --budget")
         return dev
     if dev.type == "mps":
         return _check_mps(nbytes, dev)
@@ -150,10 +146,8 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
         raise BudgetError("no CUDA device is available here: use --device cpu")
     total = _gpu_size(dev)
     if nbytes > total:
-        raise BudgetError(
-            f"budget {fmt_bytes(nbytes)} is more than {_key(dev)}'s {fmt_bytes(total)}; "
-            "choose a smaller --budget"
-        )
+        raise BudgetError(f"budget {fmt_bytes(nbytes)} is more than {_key(dev)}'s "
+                          f"{fmt_bytes(total)}; choose a smaller --budget")
     return dev
 
 
@@ -272,9 +266,9 @@ def _gpu_budget(nbytes: int, dev: torch.device) -> Iterator[Budget]:
     name = "MPS's recommended working set" if dev.type == "mps" else f"{_key(dev)}'s total"
     most = MPS_MAX_FRACTION * size if dev.type == "mps" else size
     if held + nbytes > most:
-        raise BudgetError(
-            f"budget {fmt_bytes(nbytes)} plus the {fmt_bytes(held)} this process already holds "
-            f"is more than {name} of {fmt_bytes(size)} allows; choose a smaller --budget")
+        raise BudgetError(f"budget {fmt_bytes(nbytes)} plus the {fmt_bytes(held)} this process "
+                          f"already holds is more than {name} of {fmt_bytes(size)} allows; "
+                          "choose a smaller --budget")
     previous = current_fraction(dev)
     remembered = _fractions.get(_key(dev))
     fraction = (held + nbytes) / size
