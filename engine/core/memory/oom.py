@@ -1,19 +1,19 @@
 """Out-of-memory classification and cleanup.
 
-An OOM is decided by exception type first (``torch.OutOfMemoryError``,
-``MemoryError``), then by :data:`OOM_TABLE`: the messages that the allocators
-of CUDA, cuBLAS, cuDNN, MPS, ROCm, XPU, NPU, MLU, MUSA, HPU and the CPU produce
-when they run out, and the failures that mean "out of memory" only while a
-memory limit is near. Everything else (illegal memory access, device-side
-asserts, NCCL errors, shape mismatches) is *not* an OOM and must propagate.
+An OOM is decided by exception type first (``torch.OutOfMemoryError``, ``MemoryError``),
+then by :data:`OOM_TABLE`: the messages of the allocators of CUDA, cuBLAS, cuDNN, MPS,
+ROCm, XPU, NPU, MLU, MUSA, HPU and the CPU when they run out, and the failures that mean
+"out of memory" only while a memory limit is near. Everything else (illegal memory
+access, device-side asserts, NCCL errors, shape mismatches) is *not* an OOM and propagates.
 
-Cleanup after an OOM must run once the ``except`` block has been left: while
-the exception is alive its traceback pins the failed step's frames and every
-tensor in them. :func:`call_catching_oom` is the one place that does this.
+Cleanup after an OOM must run once the ``except`` block has been left: while the
+exception is alive its traceback pins the failed step's frames and every tensor in them.
+:func:`call_catching_oom` is the one place that does this.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,11 +40,10 @@ class OomText(NamedTuple):
 
 
 _RT = (RuntimeError,)  # torch.OutOfMemoryError is a RuntimeError too
-# Every message oomguard recognises, and whether it needs evidence. This table
-# is the one list: is_oom reads nothing else. tests/test_oom.py checks every row,
-# with real exceptions where this machine can raise them (CPU) and the devices'
-# printed messages where it cannot. "Evidence" means a memory limit is near
-# (memory_limit_near()): the same text also has causes a smaller size does not cure.
+# Every message oomguard recognises: is_oom reads nothing else. tests/test_oom.py checks
+# every row, with real exceptions where this machine can raise them (CPU) and the devices'
+# printed messages where it cannot. A row with evidence also has causes a smaller size
+# does not cure.
 OOM_TABLE: tuple[OomText, ...] = (
     OomText("cuda out of memory", _RT, False, "torch.OutOfMemoryError's text on CUDA"),
     OomText("cuda error: out of memory", _RT, False, "runtime error surfaced by a kernel launch"),
@@ -188,9 +187,9 @@ def release_memory(device: str | torch.device | None = None) -> None:
     kind = torch.device(device).type if device is not None else None
     if kind in (None, "cuda") and torch.cuda.is_available():
         torch.cuda.empty_cache()
-    if kind in (None, "mps") and getattr(torch.backends, "mps", None) is not None:
-        if torch.backends.mps.is_available():
-            torch.mps.empty_cache()
+    mps = getattr(torch.backends, "mps", None)
+    if kind in (None, "mps") and mps is not None and mps.is_available():
+        torch.mps.empty_cache()
 
 
 @contextmanager
@@ -227,17 +226,14 @@ def call_catching_oom(
     ``except`` block (module docstring). ``on_oom(exc)`` is called first, while the
     tensors are alive (to measure memory as the OOM left it); an error it raises is ignored.
     """
-    failure: OOM | None = None
     try:
         return fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - re-raised unless it is an OOM
         if not is_oom(exc):
             raise
         if on_oom is not None:
-            try:
+            with contextlib.suppress(Exception):  # no room even to record: still the OOM
                 on_oom(exc)
-            except Exception:  # noqa: BLE001, S110 - no room even to record: still the OOM
-                pass
         failure = OOM(oom_summary(exc))
     # Outside the except block: `exc` and its frames are unreachable now.
     release_memory(device)
