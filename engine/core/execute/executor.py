@@ -152,11 +152,9 @@ class SizeController:
     back to the last sizes that worked. ``grow_after`` (off by default, for reproducible
     runs) tries larger sizes after that many clean calls: halfway to the smallest size
     that failed, else twice the size, never above ``maximum``. ``device``: whose cache is
-    emptied between attempts; ``agreement`` (default :data:`NO_AGREEMENT`) makes several
-    processes take the same sizes. ``failure_message``: the whole ``str()`` of
-    :class:`~oomguard.engine.errors.NoExecutableBatchSize`. Size changes go to ``logger``;
-    ``snapshot_dir`` gets a CUDA allocator snapshot per OOM.
-    """
+    emptied between attempts. ``failure_message``: the whole ``str()`` of
+    :class:`~oomguard.engine.errors.NoExecutableBatchSize`. ``snapshot_dir`` gets a CUDA
+    allocator snapshot per OOM."""
 
     def __init__(self, name: str, memory: SizeMemory | Start, *,
                  minimum: Mapping[str, int] | None = None,
@@ -198,14 +196,11 @@ class SizeController:
 
     def run(self, attempt: Callable[[Sizes], T], cap: Mapping[str, int] | None = None,
             record: RunRecord | None = None) -> T:
-        """Return ``attempt(sizes)``, retrying at smaller sizes on OOM.
-
-        ``cap`` bounds the sizes of this call only (the length of this batch, the sizes a
-        caller asked for) without changing what is remembered. ``record`` gets every
-        attempt's sizes, every OOM's message and event (measured only for a record), and
-        the final sizes. Raises :class:`~oomguard.engine.errors.NoExecutableBatchSize`
-        when no size fits on every process.
-        """
+        """Return ``attempt(sizes)``, retrying at smaller sizes on OOM. ``cap`` bounds the
+        sizes of this call only (this batch's length, the sizes a caller asked for), not
+        what is remembered. ``record`` gets every attempt's sizes, every OOM's message and
+        event (measured only for a record), and the final sizes. Raises
+        :class:`~oomguard.engine.errors.NoExecutableBatchSize` when no size fits."""
         mem = self.memory
         mem.stats.calls += 1
         agreeing = self.agreement.active()
@@ -415,13 +410,10 @@ class Executor:
         name: str | None = None,
         ladder: Ladder | None = None,
     ) -> Any:
-        """Run ``fn(batch_size)``, or ``fn(**sizes)`` for several tunable sizes.
-
-        On OOM the sizes shrink by the policy and ``fn`` runs again, down to
-        :class:`~oomguard.engine.errors.ExecutionFailed` naming every size tried. Sizes
-        must be positive integers. ``ladder`` resumes one that a
-        :class:`~oomguard.engine.errors.RestartNeeded` carried out of another process.
-        """
+        """Run ``fn(batch_size)``, or ``fn(**sizes)`` (positive integers) for several sizes;
+        on OOM at smaller sizes, down to :class:`~oomguard.engine.errors.ExecutionFailed`
+        naming every size tried. ``ladder`` resumes one that a
+        :class:`~oomguard.engine.errors.RestartNeeded` carried out of another process."""
         if (batch_size is None) == (sizes is None):
             raise ValueError("give exactly one of batch_size or sizes")
         positional = sizes is None

@@ -233,17 +233,15 @@ class Confirm(_PositiveFields):
 
 
 def predict_max(trials: Sequence[Trial], proven_bytes: int = 0) -> int | None:
-    """The largest size predicted to fit, from the peaks measured in the limit's units
-    (an estimate); None without a headroom or a peak.
+    """The largest size predicted to fit (an estimate) by :func:`~oomguard.engine.core.search.fit.peak_model`
+    from the peaks measured in the limit's units; None without a headroom or a peak.
 
-    The capacity is the latest known headroom, or the largest peak that fitted if that
-    is more (or ``proven_bytes``, a peak that fitted outside ``trials``): a size that ran
-    proves the limit gave it at least its peak. On a CPU the two
-    differ slightly in units and moment (the sampled data size also counts stack pages;
-    the headroom is read before the step), and fitting GPT-2 steps' peaks came out up to
-    0.4 MB (0.8%) above it; counting such a fit as a wrong prediction made the search
-    give up on the line (docs/measurements.md#cpu-limit-units).
-    """
+    The capacity is the latest known headroom, or the largest peak that fitted if that is
+    more (or ``proven_bytes``, a peak that fitted outside ``trials``): a size that ran
+    proves the limit gave it at least its peak. On a CPU the two differ slightly in units
+    and moment (the sampled data size also counts stack pages; the headroom is read before
+    the step): GPT-2 steps' peaks came out up to 0.4 MB (0.8%) above the headroom
+    (docs/measurements.md#cpu-limit-units)."""
     headroom = next((t.headroom_bytes for t in reversed(trials)
                      if t.headroom_bytes is not None), None)
     points = [(t.size, t.limit_peak_bytes if t.limit_peak_bytes is not None else t.peak_bytes)
@@ -268,9 +266,8 @@ def _refuted_by_oom(trials: Sequence[Trial]) -> bool:
 def _missed(trials: Sequence[Trial]) -> int:
     """How many trials contradicted the prediction made from the trials before them: an
     OOM at a size predicted to fit, or a fit more than one size above the prediction made
-    with this trial's own peak counted as capacity. A fit a little above the headroom read
-    before it proves a larger capacity, and one size is within the line's noise (0.1% of
-    the peak on the GPT-2 step), not a wrong line."""
+    with its own peak as capacity (one size is the line's noise: 0.1% of the peak on the
+    GPT-2 step)."""
     missed = 0
     for i in range(1, len(trials)):
         t = trials[i]
