@@ -240,7 +240,8 @@ def predict_max(trials: Sequence[Trial], proven_bytes: int = 0) -> int | None:
     more (or ``proven_bytes``, a peak that fitted outside ``trials``): a size that ran
     proves the limit gave it at least its peak. On a CPU the two differ slightly in units
     and moment (the sampled data size also counts stack pages; the headroom is read before
-    the step): GPT-2 steps' peaks came out up to 0.4 MB (0.8%) above the headroom
+    the step): GPT-2 steps' peaks came out up to 0.4 MB (0.8%) above the headroom, and
+    counting such a fit as a wrong prediction made the search give up on the line
     (docs/measurements.md#cpu-limit-units)."""
     headroom = next((t.headroom_bytes for t in reversed(trials)
                      if t.headroom_bytes is not None), None)
