@@ -233,8 +233,9 @@ class Confirm(_PositiveFields):
 
 
 def predict_max(trials: Sequence[Trial], proven_bytes: int = 0) -> int | None:
-    """The largest size predicted to fit (an estimate) by :func:`~oomguard.engine.core.search.fit.peak_model`
-    from the peaks measured in the limit's units; None without a headroom or a peak.
+    """The largest size predicted to fit (an estimate) from the peaks measured in the
+    limit's units (:func:`~oomguard.engine.core.search.fit.peak_model`); None without a
+    headroom or a peak.
 
     The capacity is the latest known headroom, or the largest peak that fitted if that is
     more (or ``proven_bytes``, a peak that fitted outside ``trials``): a size that ran
