@@ -138,10 +138,7 @@ def search(
     with ExitStack() as stack:
         # Built first: a workload that cannot be pickled fails before any trial, and the
         # forkserver starts while this process warms up.
-        fresh = (stack.enter_context(IsolatedRunner(fn, device=dev, budget=cfg.budget,
-                                                    timeout=cfg.trial_timeout,
-                                                    guard=_guard(cfg, dev)))
-                 if cfg.confirm else None)
+        fresh = stack.enter_context(_isolated(fn, cfg, dev)) if cfg.confirm else None
         runner, run.guard = _runner(fn, cfg, dev, stack)
         if run.capacity is None:  # after the warm-up: free memory then leaves the model out
             run.capacity = cfg.budget if cfg.budget is not None else probe(dev).free_bytes
@@ -301,13 +298,17 @@ def _guard(cfg: SearchConfig, dev: torch.device) -> RamGuard | None:
     return cfg.ram_guard if isinstance(cfg.ram_guard, RamGuard) else RamGuard.for_host()
 
 
+def _isolated(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device) -> IsolatedRunner:
+    return IsolatedRunner(fn, device=dev, budget=cfg.budget, timeout=cfg.trial_timeout,
+                          guard=_guard(cfg, dev))
+
+
 def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device,
             stack: ExitStack) -> tuple[Callable[[int, int], Trial], RamGuard | None]:
     """What runs one trial, and the RAM guard it runs under (made after the warm-up)."""
     if cfg.isolate:
-        guard = _guard(cfg, dev)
-        return stack.enter_context(IsolatedRunner(fn, device=dev, budget=cfg.budget,
-                                                  timeout=cfg.trial_timeout, guard=guard)), guard
+        isolated = stack.enter_context(_isolated(fn, cfg, dev))
+        return isolated, isolated.guard
     if dev.type == "cpu" and (cfg.budget is not None or _guarded(cfg, dev)):
         # Before the warm-up, as in an isolated child: a warm-up under glibc's default
         # threshold leaves 27-47 MiB of free heap (varying run to run) that the budget
