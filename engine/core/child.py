@@ -106,9 +106,8 @@ def context(method: str = "forkserver", preload: Iterable[str] = ()) -> Any:
 
 def stop_children() -> None:
     """SIGKILL every child process this process started and wait for each to end (their own
-    children die with them): for a command's last word after Ctrl-C, so that nothing a
-    child was still writing (a child started just as the interrupt came was never waited
-    for) follows it."""
+    children die with them): after Ctrl-C, so that nothing a child was still writing
+    follows the command's last word."""
     for proc in mp.active_children():
         proc.kill()
         proc.join(5)

@@ -83,8 +83,7 @@ def tighten_active_budget() -> None:
     CPU, :func:`gpu_held_bytes` on a GPU); called before each trial. Memory in the baseline
     can be released after entry (thread stacks, malloc arenas, the warm-up's tensors) and
     would silently enlarge the budget (docs/measurements.md#free-heap-at-budget-entry); the
-    limit is never raised, so memory that trials leave behind keeps counting.
-    """
+    limit is never raised, so memory that trials leave behind keeps counting."""
     b = active_budget()
     if b is not None and b.device != "cpu":
         dev = torch.device(b.device)
@@ -231,10 +230,9 @@ def current_fraction(dev: torch.device) -> float:
 
 
 def set_memory_fraction(fraction: float, device: str | torch.device = "cuda") -> None:
-    """Set the per-process fraction of a GPU and remember it, so that a budget restores
-    it on exit even where torch cannot read it back (CUDA on torch < 2.6, MPS). Use this
-    instead of ``torch.cuda.set_per_process_memory_fraction`` there; a fraction set
-    directly with torch is invisible and comes back as the default after a budget."""
+    """Set the per-process fraction of a GPU and remember it, so that a budget restores it
+    on exit even where torch cannot read it back (CUDA on torch < 2.6, MPS): a fraction
+    set directly with torch there comes back as the default after a budget."""
     dev = resolve_device(device)
     if dev.type == "mps":
         torch.mps.set_per_process_memory_fraction(float(fraction))

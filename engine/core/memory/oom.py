@@ -124,8 +124,7 @@ def cuda_memory_near_limit() -> bool:
     """True when a CUDA device this process has a context on is within 10% of its limit:
     reserved bytes against the per-process fraction's cap, or ``cudaMemGetInfo``'s free
     bytes against its total. Devices without a context are skipped (reading them would
-    create one); a device that cannot be read counts as no evidence.
-    """
+    create one); a device that cannot be read counts as no evidence."""
     # why: probes.cuda imports torch's CUDA helpers; only needed once a GPU row matched.
     from oomguard.probes import cuda
 
@@ -145,15 +144,13 @@ def cuda_memory_near_limit() -> bool:
 
 
 def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> bool:
-    """Return True if ``exc`` is an out-of-memory error.
+    """Return True if ``exc`` is an out-of-memory error (module docstring).
 
-    An exception with an ``oomguard_is_oom`` attribute decides for itself (oomguard's
-    own "gave up" errors say False). Otherwise decided by type (``torch.OutOfMemoryError``,
-    ``MemoryError``), then by the rows of :data:`OOM_TABLE`: a row matches when ``exc``
-    is one of its types and its text is in ``str(exc)``. A row marked ``evidence``
-    counts only while ``memory_constrained``; when that is ``None``, while the row's
-    limit is near (:func:`memory_limit_near` or :func:`cuda_memory_near_limit`, read
-    only if such a row matches).
+    An exception with an ``oomguard_is_oom`` attribute decides for itself (oomguard's own
+    "gave up" errors say False). A row of :data:`OOM_TABLE` matches when ``exc`` is one of
+    its types and its text is in ``str(exc)``; a row marked ``evidence`` counts only while
+    ``memory_constrained``, or when that is None while the row's limit is near
+    (:func:`memory_limit_near` or :func:`cuda_memory_near_limit`, read only then).
     """
     verdict = getattr(exc, "oomguard_is_oom", None)  # an exception that says what it is
     if verdict is not None:
