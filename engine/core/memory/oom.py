@@ -58,11 +58,10 @@ OOM_TABLE: tuple[OomText, ...] = (
             "cuDNN >= 9 (torch >= 2.4) device allocation failure"),
     OomText("cudnn_status_internal_error_host_allocation_failed", _RT, False,
             "cuDNN >= 9 host allocation failure"),
-    # Not memory: cuDNN rejects batches above fixed limits (BatchNorm above
-    # 65535 in eval, some convolutions) and a smaller size is the cure, so it
-    # counts without evidence, as in accelerate. Memory evidence would miss the
-    # very case it is here for. An input cuDNN never supports fails at every
-    # size: the wrapper then gives up at its minimum quoting this message.
+    # Not memory: cuDNN rejects batches above fixed limits (BatchNorm above 65535 in eval,
+    # some convolutions) and a smaller size is the cure, so it counts without evidence (which
+    # would miss the very case it is here for), as in accelerate. An input cuDNN never
+    # supports fails at every size: the wrapper gives up at its minimum quoting this message.
     OomText("cudnn_status_not_supported", _RT, False, "cuDNN size limit (accelerate parity)"),
     OomText("cufft_alloc_failed", _RT, False, "cuFFT plan allocation"),
     OomText("cusolver_status_alloc_failed", _RT, False, "cuSOLVER handle allocation"),
@@ -84,16 +83,14 @@ OOM_TABLE: tuple[OomText, ...] = (
     # The rows below also have causes that are not memory.
     # docs/measurements.md#onednn-primitive
     OomText("could not create a primitive", _RT, True, "oneDNN building a kernel"),
-    # A thread's stack (8 MiB) is private memory, counted by RLIMIT_DATA; with no
-    # memory limit near this is a thread limit instead.
-    # docs/measurements.md#cpu-oom-without-memoryerror
+    # The next four: docs/measurements.md#cpu-oom-without-memoryerror. A thread's stack
+    # (8 MiB) is private memory, counted by RLIMIT_DATA; with no memory limit near this is
+    # a thread limit instead.
     OomText("can't start new thread", _RT, True, "threading.Thread.start"),
-    # A C function (compile() importing a module from source) failed an
-    # allocation without setting MemoryError; else a bug in that function.
-    # docs/measurements.md#cpu-oom-without-memoryerror
+    # A C function (compile() importing a module from source) failed an allocation
+    # without setting MemoryError; else a bug in that function.
     OomText("returned null without setting an", (SystemError,), True, "an import, a C function"),
     # dlopen cannot map a C extension's writable segments; also a noexec mount.
-    # docs/measurements.md#cpu-oom-without-memoryerror
     OomText("failed to map segment from shared object", (ImportError,), True, "an import (dlopen)"),
     OomText("cannot map zero-fill pages", (ImportError,), True, "an import (dlopen)"),
     # torch's cuDNN v8/v9 API tries every plan and swallows each plan's OutOfMemoryError
