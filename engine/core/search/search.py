@@ -286,9 +286,8 @@ def _verify(runner: Callable[[int, int], Trial], size: int, steps: int, mode: st
 
 def _guarded(cfg: SearchConfig, dev: torch.device) -> bool:
     """Whether the trials run under a RAM guard (see SearchConfig.ram_guard); CPU only."""
-    if dev.type != "cpu" or cfg.ram_guard is False:
-        return False
-    return cfg.ram_guard is not None or cfg.budget is None
+    return dev.type == "cpu" and cfg.ram_guard is not False and (
+        cfg.ram_guard is not None or cfg.budget is None)
 
 
 def _guard(cfg: SearchConfig, dev: torch.device) -> RamGuard | None:
