@@ -82,14 +82,13 @@ class Estimate:
         return asdict(self)
 
 
+@dataclass(slots=True)
 class _Counted:
     """What one storage counts: ``nbytes`` above where it started, ``seen`` its size last seen."""
 
-    __slots__ = ("nbytes", "ref", "seen")
-
-    def __init__(self, nbytes: int, seen: int) -> None:
-        self.nbytes, self.seen = nbytes, seen
-        self.ref: weakref.ref | None = None
+    nbytes: int
+    seen: int
+    ref: weakref.ref | None = None
 
 
 def _tensors(*objs: Any) -> list[torch.Tensor]:
