@@ -325,11 +325,10 @@ ALLOCATION_FAILURES: tuple[str, ...] = (
 # oneDNN's text counts only under a memory limit (docs/measurements.md#onednn-primitive).
 _ONEDNN_PRIMITIVE = "could not create a primitive"
 
-# How close to its limit a budgeted child's sampled data segment must have come for its
-# death by a signal to count as running out of memory: a sixteenth of the budget, at least
-# 4 MiB. Crashed LSTM steps had come within 32 KiB and 1.86 MiB of a 32 MiB budget's limit;
-# a sample every 0.5 ms can miss the last rise before the failing allocation
-# (docs/measurements.md#crashes-at-the-limit).
+# How close to its limit a budgeted child's sampled data segment must have come for its death by a
+# signal to count as running out of memory: a sixteenth of the budget, at least 4 MiB. Crashed LSTM
+# steps had come within 32 KiB and 1.86 MiB of a 32 MiB budget's limit; a sample every 0.5 ms can
+# miss the last rise before the failing allocation (docs/measurements.md#crashes-at-the-limit).
 NEAR_LIMIT_FRACTION = 1 / 16
 NEAR_LIMIT_MIN = 4 * 1024**2
 

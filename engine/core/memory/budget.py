@@ -165,10 +165,9 @@ def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
 @contextmanager
 def _cpu_budget(nbytes: int) -> Iterator[Budget]:
     return_freed_memory_to_os()
-    # Measure the baseline after what is already garbage is gone and after the
-    # OpenMP pool exists: otherwise freed garbage becomes extra room and the
-    # first parallel op inside charges ~8 MiB of thread stacks to the budget
-    # (docs/measurements.md#minimum-cpu-budget).
+    # Measure the baseline after what is already garbage is gone and after the OpenMP pool exists:
+    # otherwise freed garbage becomes extra room and the first parallel op inside charges ~8 MiB of
+    # thread stacks to the budget (docs/measurements.md#minimum-cpu-budget).
     gc.collect()
     torch.ones(1 << 20).sum()  # an op large enough that torch parallelises it: its threads
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)

@@ -40,10 +40,9 @@ class OomText(NamedTuple):
 
 
 _RT = (RuntimeError,)  # torch.OutOfMemoryError is a RuntimeError too
-# Every message oomguard recognises: is_oom reads nothing else. tests/test_oom.py checks
-# every row, with real exceptions where this machine can raise them (CPU) and the devices'
-# printed messages where it cannot. A row with evidence also has causes a smaller size
-# does not cure.
+# Every message oomguard recognises: is_oom reads nothing else. tests/test_oom.py checks every row,
+# with real exceptions where this machine can raise them (CPU) and the devices' printed messages
+# where it cannot. A row with evidence also has causes a smaller size does not cure.
 OOM_TABLE: tuple[OomText, ...] = (
     OomText("cuda out of memory", _RT, False, "torch.OutOfMemoryError's text on CUDA"),
     OomText("cuda error: out of memory", _RT, False, "runtime error surfaced by a kernel launch"),
@@ -80,8 +79,7 @@ OOM_TABLE: tuple[OomText, ...] = (
     OomText("defaultcpuallocator: can't allocate memory", _RT, False, "CPU, under RLIMIT_DATA"),
     OomText("failed to allocate memory", _RT, False, "c10 / oneDNN scratchpad"),
     OomText("out of memory trying to allocate", _RT, False, "c10 allocators"),
-    # The rows below also have causes that are not memory.
-    # docs/measurements.md#onednn-primitive
+    # The rows below also have causes that are not memory. docs/measurements.md#onednn-primitive
     OomText("could not create a primitive", _RT, True, "oneDNN building a kernel"),
     # The next four: docs/measurements.md#cpu-oom-without-memoryerror. A thread's stack
     # (8 MiB) is private memory, counted by RLIMIT_DATA; with no memory limit near this is

@@ -199,11 +199,10 @@ class Guided(_PositiveFields):
         if guess is None or _missed(trials) >= self.misses:
             return min(2 * lo, max_size) if hi is None else _refine(lo, hi)
         if hi is not None and (guess >= hi or _refuted_by_oom(trials)):
-            # An OOM at or below the predicted maximum refutes the prediction, and an OOM
-            # measures no peak: the line is the one that was just wrong (a lower headroom
-            # moves it a few sizes at most). Proposing its guess again, or the size below
-            # the OOM, would walk down one size at a time; bisect until a size fits and
-            # gives the line a new point.
+            # An OOM at or below the predicted maximum refutes the prediction, and an OOM measures
+            # no peak: the line is the one that was just wrong (a lower headroom moves it a few
+            # sizes at most). Proposing its guess again, or the size below the OOM, would walk down
+            # one size at a time; bisect until a size fits and gives the line a new point.
             return _refine(lo, hi)
         size = min(lo + 1 if guess <= lo else guess, max_size)  # m ran: bracket with m + 1
         return _refine(lo, hi) if _tried(trials, size) else size
