@@ -235,9 +235,8 @@ def _small(out: Any) -> bool:
 def fake_module(build: Callable[[], torch.nn.Module],
                 device: str | torch.device) -> torch.nn.Module:
     """``build()`` on the ``meta`` device (no memory, no initialisation work), then every
-    parameter and buffer replaced by a fake tensor on ``device``: the model with no
-    weights, for a workload's ``warmup`` under :func:`estimate`. Tied weights stay tied
-    (one fake tensor per meta tensor). Runs only inside :func:`estimate`."""
+    parameter and buffer replaced by a fake tensor on ``device`` (tied weights stay tied):
+    the model with no weights, for a workload's ``warmup`` inside :func:`estimate`."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes() as modes:

@@ -101,13 +101,10 @@ def step_spread(trial: Trial) -> float | None:
 
 
 def choose_margin(margin: float | str, trials: Sequence[Trial]) -> tuple[float, str]:
-    """The margin the recommendation keeps free, and where it comes from in words.
-
-    A number is used as given. ``"measured"`` derives it from the spread of peaks
-    across the steps of each trial (:func:`step_spread`): :data:`SPREAD_FACTOR` times the
-    largest spread, within [:data:`MIN_MEASURED_MARGIN`, :data:`MAX_MEASURED_MARGIN`];
-    with no trial of two steps or more it falls back to :data:`DEFAULT_MARGIN` and says so.
-    """
+    """The margin the recommendation keeps free, and where it comes from in words: a number
+    as given; ``"measured"``: :data:`SPREAD_FACTOR` times the largest :func:`step_spread`,
+    within [:data:`MIN_MEASURED_MARGIN`, :data:`MAX_MEASURED_MARGIN`], else (no trial of two
+    steps or more) :data:`DEFAULT_MARGIN`, saying so."""
     if margin != MEASURED:
         return float(margin), f"fixed: {float(margin):.0%} of capacity (as configured)"
     spreads = [(s, t.size) for t in trials if (s := step_spread(t)) is not None]

@@ -250,11 +250,9 @@ def verify(fn: Callable[[int], Any], size: int, steps: int, config: SearchConfig
     first, then under the config's budget, in this process or a fresh child with
     ``isolate=True``) and say what happened: ``ok``, ``peak_bytes`` and ``step_peaks``
     (measured bytes above the warmed-up baseline, as :class:`Trial` counts them),
-    ``seconds`` and the OOM's ``error``. An OOM is reported, not raised; any other
-    error propagates. ``options`` are :class:`SearchConfig` fields (``device``,
-    ``budget``, ``isolate``, ``trial_timeout``, ``ram_guard``); the search itself
-    verifies with ``search(..., verify_steps=N)``.
-    """
+    ``seconds`` and the OOM's ``error`` (reported, not raised; any other error
+    propagates). ``options`` are :class:`SearchConfig` fields; the search itself verifies
+    with ``search(..., verify_steps=N)``."""
     check_positive_int("size", size)
     check_positive_int("steps", steps)
     cfg, dev = _checked(config, None, None, options)
