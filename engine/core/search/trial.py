@@ -77,9 +77,7 @@ class Trial:
         return "ok" if self.ok else "oom"
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["outcome"] = self.outcome
-        return out
+        return asdict(self) | {"outcome": self.outcome}
 
 
 # Size knobs that split the samples (a training step's batch, a metric's micro-batches or
