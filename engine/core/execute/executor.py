@@ -65,19 +65,6 @@ class SizeAgreement(Protocol):
     def agree(self, proposal: Mapping[str, int], oom: bool) -> tuple[Sizes, bool]: ...
 
 
-class NoAgreement:
-    """A single process: nothing to agree on."""
-
-    def active(self) -> bool:
-        return False
-
-    def agree(self, proposal: Mapping[str, int], oom: bool) -> tuple[Sizes, bool]:
-        return dict(proposal), oom
-
-
-NO_AGREEMENT = NoAgreement()
-
-
 @dataclass
 class RunRecord:
     """What one run did: the sizes of each attempt, each OOM's message, the sizes that worked,
@@ -179,7 +166,7 @@ class SizeController:
         check_positive_int("grow_after", grow_after, optional=True)
         self.policy: RetryPolicy = policy or Halve()
         self.grow_after = grow_after
-        self.agreement: SizeAgreement = agreement or NO_AGREEMENT
+        self.agreement = agreement  # None: this process decides alone
         self.device = device
         self.log = logger or log
         self.failure_message = failure_message
@@ -203,7 +190,7 @@ class SizeController:
         :class:`~oomguard.engine.errors.NoExecutableBatchSize` when no size fits."""
         mem = self.memory
         mem.stats.calls += 1
-        agreeing = self.agreement.active()
+        agreeing = self.agreement is not None and self.agreement.active()
         if agreeing and not mem.agreed_start:
             self._agree_start()
         if self.grow_after is not None and mem.clean >= self.grow_after:
@@ -246,7 +233,8 @@ class SizeController:
         proposal = self._proposal(sizes) if oom else sizes
         any_oom = oom
         if agreeing:
-            agreed, any_oom = self.agreement.agree(proposal or dict.fromkeys(sizes, 0), oom)
+            agreed, any_oom = self.agreement.agree(  # type: ignore[union-attr]
+                proposal or dict.fromkeys(sizes, 0), oom)
             proposal = agreed if all(agreed.values()) else None
         if not any_oom:
             return result
@@ -328,7 +316,7 @@ class SizeController:
         mem.agreed_start = True
         if None in mem.sizes.values():
             return
-        agreed, _ = self.agreement.agree(mem.sizes, False)  # type: ignore[arg-type]
+        agreed, _ = self.agreement.agree(mem.sizes, False)  # type: ignore[arg-type,union-attr]
         if agreed != mem.sizes:
             self._change(mem.sizes, agreed, "agreed with the other processes")
 
