@@ -167,11 +167,6 @@ def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> boo
     return any(near[kind]() for kind in dict.fromkeys(row.near for row in matched))
 
 
-def oom_summary(exc: BaseException) -> str:
-    """One line describing an OOM, without keeping a reference to ``exc``."""
-    return f"{type(exc).__name__}: {first_line(exc)[:300]}"
-
-
 def release_memory(device: str | torch.device | None = None) -> None:
     """Return freed memory to the device: ``gc.collect()`` then the allocator cache. Call it
     outside an ``except`` block, or the live traceback keeps the failed step's tensors."""
@@ -226,7 +221,7 @@ def call_catching_oom(
         if on_oom is not None:
             with contextlib.suppress(Exception):  # no room even to record: still the OOM
                 on_oom(exc)
-        failure = OOM(oom_summary(exc))
+        failure = OOM(f"{type(exc).__name__}: {first_line(exc)[:300]}")  # no reference to exc
     # Outside the except block: `exc` and its frames are unreachable now.
     release_memory(device)
     return failure

@@ -89,11 +89,6 @@ def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
         return run_trial(fn, size, device, ram_guard, steps)
 
 
-def _in_bootstrapping_child() -> bool:
-    """True while a multiprocessing child re-imports the main script (before its target runs)."""
-    return bool(getattr(mp.current_process(), "_inheriting", False))
-
-
 def _main_program() -> str | None:
     """What a forkserver/spawn child re-imports of the parent: a script path or module
     name, or None (``python -c``, stdin, a notebook: nothing it can import)."""
@@ -122,7 +117,8 @@ class IsolatedRunner:
         if not is_positive_seconds(timeout):
             raise UsageError(f"the trial timeout must be a positive number of seconds, "
                              f"got {timeout!r}")
-        if _in_bootstrapping_child():
+        # True while a multiprocessing child re-imports the main script (before its target runs)
+        if getattr(mp.current_process(), "_inheriting", False):
             raise ChildStartFailed(
                 "an isolated trial's child process is re-running the main script, which starts "
                 f"a search at import: {MAIN_GUARD_FIX}")
