@@ -21,7 +21,6 @@ device context. Measured error and sizes: docs/measurements.md#estimate-error.
 from __future__ import annotations
 
 import contextvars
-import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -127,10 +126,6 @@ class StorageCounter(TorchDispatchMode):
         self.gemms: dict[tuple, tuple[int, int]] = {}
         self.segments = [0]
 
-    def _bytes(self, st: torch.UntypedStorage) -> int:
-        n = st.nbytes()
-        return n if self.block <= 1 else math.ceil(n / self.block) * self.block
-
     def _free(self, known: WeakIdKeyDictionary, counted: _Counted) -> None:
         if known is self._known:  # counted before start(): not in today's count
             self.current -= counted.nbytes
@@ -143,7 +138,7 @@ class StorageCounter(TorchDispatchMode):
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError):  # sparse, nested: no one storage
                 continue
-            size = self._bytes(st)
+            size = -(-st.nbytes() // self.block) * self.block  # rounded up to whole blocks
             counted = self._known.get(st)
             if counted is None:
                 counted = _Counted(size if new else 0, size)

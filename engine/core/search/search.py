@@ -189,9 +189,10 @@ class _Search:
         reached; return why it stopped."""
         cfg = self.cfg
         while True:
-            stopped = _limit_reached(cfg, len(self.trials), time.perf_counter() - self.t_trials)
-            if stopped:
-                return stopped
+            if len(self.trials) >= cfg.max_trials:
+                return f"max_trials ({cfg.max_trials}) reached"
+            if cfg.max_seconds is not None and time.perf_counter() - self.t_trials > cfg.max_seconds:
+                return f"max_seconds ({cfg.max_seconds:g}) reached"
             size = proposer.next(phase, cfg.max_size)
             if size is None:
                 lo, _ = bracket(phase)
@@ -323,14 +324,6 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device,
         return run_trial(fn, size, dev, guard, steps)
 
     return in_process, guard
-
-
-def _limit_reached(cfg: SearchConfig, done: int, seconds: float) -> str | None:
-    if done >= cfg.max_trials:
-        return f"max_trials ({cfg.max_trials}) reached"
-    if cfg.max_seconds is not None and seconds > cfg.max_seconds:
-        return f"max_seconds ({cfg.max_seconds:g}) reached"
-    return None
 
 
 def _failure_text(name: str, size: int, exc: BaseException, partial: SearchResult) -> str:
