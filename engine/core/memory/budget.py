@@ -158,8 +158,12 @@ def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
     :class:`BudgetError` where :func:`check_budget` does. Nested budgets only shrink."""
     dev = check_budget(nbytes, device)
     manager = _cpu_budget(nbytes) if dev.type == "cpu" else _gpu_budget(nbytes, dev)
-    with manager as b:
-        yield b
+    with manager as b:  # the limit is set: the budget is in force until it is restored
+        _active.append(b)
+        try:
+            yield b
+        finally:
+            _active.remove(b)
 
 
 @contextmanager
@@ -187,11 +191,9 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
                     fmt_bytes(slack), fmt_bytes(nbytes))
     b = Budget(nbytes=nbytes, device="cpu", mechanism="RLIMIT_DATA", limit=limit)
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
-    _active.append(b)
     try:
         yield b
     finally:
-        _active.remove(b)
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
@@ -275,11 +277,9 @@ def _gpu_budget(nbytes: int, dev: torch.device) -> Iterator[Budget]:
         ".set_per_process_memory_fraction"
     b = Budget(nbytes=nbytes, device=_key(dev), mechanism=mechanism, limit=int(fraction * size))
     set_memory_fraction(fraction, dev)
-    _active.append(b)
     try:
         yield b
     finally:
-        _active.remove(b)
         set_memory_fraction(previous, dev)
         if remembered is None:
             _fractions.pop(_key(dev), None)
