@@ -136,8 +136,8 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
                               f"need ~20 MiB of headroom; use at least {fmt_bytes(MIN_CPU_BUDGET)}")
         avail = host.meminfo().get("MemAvailable")
         if avail is not None and nbytes > avail:
-            raise BudgetError(f"budget {fmt_bytes(nbytes)} is more than the {fmt_bytes(avail)} this "
-                              "host has available; choose a smaller --budget")
+            raise BudgetError(f"budget {fmt_bytes(nbytes)} is more than the {fmt_bytes(avail)} "
+                              "this host has available; choose a smaller --budget")
         return dev
     if dev.type == "mps":
         return _check_mps(nbytes, dev)

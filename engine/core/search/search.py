@@ -191,7 +191,8 @@ class _Search:
         while True:
             if len(self.trials) >= cfg.max_trials:
                 return f"max_trials ({cfg.max_trials}) reached"
-            if cfg.max_seconds is not None and time.perf_counter() - self.t_trials > cfg.max_seconds:
+            seconds = time.perf_counter() - self.t_trials  # of trials, not of the warm-up
+            if cfg.max_seconds is not None and seconds > cfg.max_seconds:
                 return f"max_seconds ({cfg.max_seconds:g}) reached"
             size = proposer.next(phase, cfg.max_size)
             if size is None:

@@ -84,11 +84,9 @@ class E10(_PositiveFields):
     name: ClassVar[str] = "e10"
 
     def describe(self) -> str:
-        return (
-            f"Start at {self.start}; expand in +{self.step} increments while "
-            "successful; on the first OOM, bisect between the last success and the first "
-            "OOM until they are adjacent (halve first if the start does not fit)."
-        )
+        return (f"Start at {self.start}; expand in +{self.step} increments while "
+                "successful; on the first OOM, bisect between the last success and the first "
+                "OOM until they are adjacent (halve first if the start does not fit).")
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         return _grow_then_refine(trials, max_size, self.start, lambda n: n + self.step)
@@ -109,10 +107,8 @@ class Doubling(_PositiveFields):
             raise UsageError(f"factor must be at least 2, got {self.factor}")
 
     def describe(self) -> str:
-        return (
-            f"Start at {self.start}; multiply by {self.factor} while successful; then bisect "
-            "between the last success and the first OOM until they are adjacent."
-        )
+        return (f"Start at {self.start}; multiply by {self.factor} while successful; then bisect "
+                "between the last success and the first OOM until they are adjacent.")
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         return _grow_then_refine(trials, max_size, self.start, lambda n: n * self.factor)
@@ -129,10 +125,8 @@ class LinearJump(_PositiveFields):
     name: ClassVar[str] = "linear-jump"
 
     def describe(self) -> str:
-        return (
-            f"Measure peaks at {self.start} and {2 * self.start}, fit a line, jump to the size "
-            "the line predicts fits the capacity, then bisect the bracket it leaves."
-        )
+        return (f"Measure peaks at {self.start} and {2 * self.start}, fit a line, jump to the size "
+                "the line predicts fits the capacity, then bisect the bracket it leaves.")
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         if not trials:
@@ -181,13 +175,11 @@ class Guided(_PositiveFields):
     name: ClassVar[str] = "guided"
 
     def describe(self) -> str:
-        return (
-            f"Start at {self.start}; predict the largest size that fits from the peaks "
-            "measured in the limit's units (proportional from one trial, a least-squares "
-            "line from two), run it, then try the size above it; bisect after an OOM the "
-            "prediction did not expect; after "
-            f"{self.misses} wrong predictions, double and bisect."
-        )
+        return (f"Start at {self.start}; predict the largest size that fits from the peaks "
+                "measured in the limit's units (proportional from one trial, a least-squares "
+                "line from two), run it, then try the size above it; bisect after an OOM the "
+                "prediction did not expect; after "
+                f"{self.misses} wrong predictions, double and bisect.")
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         if not trials:
