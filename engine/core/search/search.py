@@ -320,11 +320,7 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device,
     if cfg.budget is not None:
         stack.enter_context(memory_budget(cfg.budget, dev))
     guard = _guard(cfg, dev)
-
-    def in_process(size: int, steps: int) -> Trial:
-        return run_trial(fn, size, dev, guard, steps)
-
-    return in_process, guard
+    return (lambda size, steps: run_trial(fn, size, dev, guard, steps)), guard
 
 
 def _failure_text(name: str, size: int, exc: BaseException, partial: SearchResult) -> str:

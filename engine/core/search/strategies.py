@@ -41,10 +41,9 @@ def strategy_params(strategy: Any) -> dict[str, Any]:
 
 def bracket(trials: Sequence[Trial]) -> tuple[int | None, int | None]:
     """(largest size that fitted, smallest larger size that ran out of memory)."""
-    oks = [t.size for t in trials if t.ok]
-    lo = max(oks) if oks else None
-    ooms = [t.size for t in trials if not t.ok and (lo is None or t.size > lo)]
-    return lo, (min(ooms) if ooms else None)
+    lo = max((t.size for t in trials if t.ok), default=None)
+    return lo, min((t.size for t in trials if not t.ok and (lo is None or t.size > lo)),
+                   default=None)
 
 
 def _refine(lo: int | None, hi: int | None) -> int | None:
