@@ -6,14 +6,15 @@ forked subprocess"; :func:`start_method`), else a forkserver that has imported t
 children re-run the parent's main module: a script needs ``if __name__ == "__main__":``).
 The child runs a picklable ``fn(*args)``, says ``started``, may tell the parent things
 (:class:`ToParent`) and sends what ``fn`` returned or raised; the parent reads that, or
-the death with its evidence, as an :class:`Ended`; a time limit is a timeout, never an
-OOM. Every child and forkserver dies with its parent (:func:`die_with_parent`) and
-ignores SIGINT: Ctrl-C reaches the whole process group, and the command alone decides.
+the death, as an :class:`Ended`; a time limit is a timeout, never an OOM. Every child and
+forkserver dies with its parent (:func:`die_with_parent`) and ignores SIGINT: Ctrl-C
+reaches the whole process group, and the command alone decides.
 
-A death after ``started`` is an OOM only with evidence (the kinds are listed in
-:mod:`oomguard.engine.core.search.isolate`): an allocation failure reported on stderr,
-SIGKILL under a memory limit, or under a CPU budget a signal after the data segment came
-close to the limit.
+A death after ``started`` is an OOM only with evidence (:func:`oom_evidence`,
+:class:`LimitWatch`): an allocation failure reported on stderr (:data:`ALLOCATION_FAILURES`;
+oneDNN's "could not create a primitive" under a memory limit), SIGKILL while a memory
+limit applies (the budget, ``RLIMIT_DATA``/``RLIMIT_AS``, a cgroup limit), or under a CPU
+budget a signal after the data segment came close to the limit.
 """
 
 from __future__ import annotations
@@ -105,9 +106,8 @@ def context(method: str = "forkserver", preload: Iterable[str] = ()) -> Any:
 
 def stop_children() -> None:
     """SIGKILL every child process this process started and wait for each to end (their own
-    children die with them): for a command's last word after Ctrl-C, so that nothing a
-    child was still writing (a child started just as the interrupt came was never waited
-    for) follows it."""
+    children die with them): after Ctrl-C, so that nothing a child was still writing
+    follows the command's last word."""
     for proc in mp.active_children():
         proc.kill()
         proc.join(5)
@@ -302,10 +302,9 @@ class Child(contextlib.AbstractContextManager["Child"]):
 
     def _stderr(self) -> str:
         """The child's captured stderr, once: also written to this process's stderr."""
-        path, self.stderr_path = self.stderr_path, None
+        path, self.stderr_path, text = self.stderr_path, None, ""
         if path is None:
-            return ""
-        text = ""
+            return text
         with contextlib.suppress(OSError):
             with open(path, encoding="utf-8", errors="replace") as f:
                 text = f.read()
@@ -326,21 +325,18 @@ ALLOCATION_FAILURES: tuple[str, ...] = (
 # oneDNN's text counts only under a memory limit (docs/measurements.md#onednn-primitive).
 _ONEDNN_PRIMITIVE = "could not create a primitive"
 
-# How close to its limit a budgeted child's sampled data segment must have come for its
-# death by a signal to count as running out of memory: a sixteenth of the budget, at least
-# 4 MiB. Crashed LSTM steps had come within 32 KiB and 1.86 MiB of a 32 MiB budget's limit;
-# a sample every 0.5 ms can miss the last rise before the failing allocation
-# (docs/measurements.md#crashes-at-the-limit).
+# How close to its limit a budgeted child's sampled data segment must have come for its death by a
+# signal to count as running out of memory: a sixteenth of the budget, at least 4 MiB. Crashed LSTM
+# steps had come within 32 KiB and 1.86 MiB of a 32 MiB budget's limit; a sample every 0.5 ms can
+# miss the last rise before the failing allocation (docs/measurements.md#crashes-at-the-limit).
 NEAR_LIMIT_FRACTION = 1 / 16
 NEAR_LIMIT_MIN = 4 * 1024**2
 
 
 def oom_evidence(exitcode: int | None, stderr: str, budgeted: bool) -> str | None:
     """Why a child's death counts as running out of memory, or None when nothing says so.
-
-    ``budgeted``: an oomguard budget applied in the child. Limits inherited from
-    the environment are read in this process (children share its cgroup).
-    """
+    ``budgeted``: an oomguard budget applied in the child; limits inherited from the
+    environment are read in this process (children share its cgroup)."""
     text = stderr.lower()
     for pattern in ALLOCATION_FAILURES:
         if pattern in text:
@@ -368,10 +364,9 @@ class LimitWatch:
     every ``interval`` seconds once it told its limit (bytes): :meth:`Child.wait`'s tick.
 
     Native code that does not check ``malloc`` can die of SIGSEGV at a CPU budget's limit
-    instead of raising (a LSTM step's backward, 1 time in 40 at the size above the maximum,
-    docs/measurements.md#crashes-at-the-limit): a child that died by a signal within
-    ``near`` bytes of the limit (:data:`NEAR_LIMIT_FRACTION` of the budget, at least
-    :data:`NEAR_LIMIT_MIN`) ran out of memory; one that died far from it crashed.
+    instead of raising (docs/measurements.md#crashes-at-the-limit): a child that died by a
+    signal within ``near`` bytes of the limit (:data:`NEAR_LIMIT_FRACTION` of the budget,
+    at least :data:`NEAR_LIMIT_MIN`) ran out of memory; one that died far from it crashed.
     """
 
     def __init__(self, budget: int) -> None:
@@ -388,10 +383,9 @@ class LimitWatch:
         if self._data is None and child.messages and child.proc.pid is not None:
             self.limit, self._data = child.messages[0], host.DataSize(child.proc.pid)
             child.every = self.interval
-        if self._data is not None:
-            value = self._data.read()
-            if value is not None and (self.peak is None or value > self.peak):
-                self.peak = value
+        value = self._data.read() if self._data is not None else None
+        if value is not None:
+            self.peak = max(value, self.peak or 0)
         return False  # never stops the child
 
     def close(self) -> None:

@@ -6,18 +6,14 @@ returns a small result (recorded as plain JSON). That is all
 :func:`~oomguard.engine.core.search.search.search`, the
 :class:`~oomguard.engine.core.execute.executor.Executor` and
 :func:`~oomguard.engine.core.estimate.estimate.estimate` need. Everything below is
-optional; where a helper is named, oomguard reads the hook only through it. The built-in
+optional; oomguard reads each hook only through the helper named after it. The built-in
 metrics and training step are workloads of this protocol like any other.
 
-Attributes:
-
-- ``name`` (str): the name in reports, logs and the size cache (default: ``__name__``,
-  else the class name). :func:`name_of`
-- ``knob`` (str): what ``size`` is called in reports (default ``batch_size``). :func:`knob_of`
-- ``steps_per_trial`` (int): calls per search trial at one size (default 1; the training
-  step's 2 are the first optimizer step and a steady one). :func:`steps_of`
-- ``preload`` (module names): what an isolated trial's forkserver imports once, before any
-  child starts (default none). :func:`preload_of`
+Attributes: ``name`` (str; default ``__name__``, else the class name: :func:`name_of`),
+``knob`` (what ``size`` is called in reports, default ``batch_size``: :func:`knob_of`),
+``steps_per_trial`` (calls per search trial at one size, default 1; the training step's
+2 are the first optimizer step and a steady one: :func:`steps_of`), ``preload`` (modules
+an isolated trial's forkserver imports once, before any child starts: :func:`preload_of`).
 
 Methods:
 
@@ -26,10 +22,9 @@ Methods:
   executor). Build the model and data here: a trial's peak then counts only what one call
   adds. :func:`warm_up`
 - ``worst_case_batch(size)``: the batch of ``size`` items that costs the most memory
-  (every sample at the longest length). Each trial step then calls
-  ``fn(size, batch=fn.worst_case_batch(size))``, building it inside the measured step, so
-  a search never passes on a lucky short batch; the executor's real run still calls
-  ``fn(size)``. :func:`worst_case_maker`
+  (every sample at the longest length); trials then call ``fn(size,
+  batch=fn.worst_case_batch(size))`` (:mod:`~oomguard.engine.core.search.trial`).
+  :func:`worst_case_maker`
 - ``estimate_peak(size, device) -> int``: the workload's own estimate of its peak at
   ``size`` on ``device`` (where the estimate is made: ``"cpu"``, ``"cuda:0"``), in bytes
   above what existed before the call; an estimate then runs nothing. :func:`own_estimate`
@@ -130,9 +125,9 @@ def warm_up(fn: Any) -> None:
 
 
 def worst_case_maker(fn: Any) -> Callable[[int], Any] | None:
-    """``fn.worst_case_batch`` if ``fn`` offers one, else None (``fn`` is called ``fn(size)``).
-    :class:`UsageError` when it is not callable, or when ``fn`` takes no ``batch`` keyword
-    (else a trial would fail at its first step, after the warm-up, with a bare TypeError)."""
+    """``fn.worst_case_batch``, else None. :class:`UsageError` when it is not callable, or
+    when ``fn`` takes no ``batch`` keyword (else a trial would fail at its first step,
+    after the warm-up, with a bare TypeError)."""
     maker = _method(fn, "worst_case_batch", "worst_case_batch(size) returning a batch")
     if maker is None:
         return None

@@ -7,14 +7,11 @@ every tensor storage the work creates and frees. The estimate is the highest cou
 what existed before the size ran: what a trial measures above the warmed-up process. An
 operation on real inputs only (token ids, masks) runs for real when its outputs are small
 (:data:`REAL_LIMIT`, :data:`REAL_FLOAT_LIMIT`), so control flow follows the data; a Python
-number read from a fake tensor (``float(loss)``) reads as 1, and the notes count them. A
-workload takes part through the hooks of :mod:`oomguard.engine.core.workload`.
+number read from a fake tensor (``float(loss)``) reads as 1, and the notes count them.
 
 Matrix-multiply workspace (CPU) is measured, not predicted
 (:mod:`oomguard.engine.core.estimate.workspace`). Only the target device's memory counts:
-workloads put host-side bookkeeping (a Lanczos basis) on :func:`host_device`, which is
-``cpu`` except while an estimate for cuda runs on a torch build without CUDA (fake tensors
-then stand on cpu for cuda, and the host's part goes to ``meta``, uncounted).
+host-side bookkeeping goes to :func:`host_device`.
 
 Not counted: other operators' workspace, free heap a real run reuses (the other way), the
 allocator's rounding beyond CUDA's 512-byte blocks and its cache, cuBLAS's workspace, the
@@ -24,7 +21,6 @@ device context. Measured error and sizes: docs/measurements.md#estimate-error.
 from __future__ import annotations
 
 import contextvars
-import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -51,8 +47,8 @@ METHOD = "fake tensors (FakeTensorMode) + storage bytes counted at dispatch"
 
 @dataclass
 class _Running:
-    """The estimate in progress (:func:`host_device`, :func:`shortcut`): the device type it
-    is for, where host-side bookkeeping goes, the shortcuts' notes (None: shortcuts off)."""
+    """The estimate in progress: the device type it is for, where host-side bookkeeping
+    goes, the shortcuts' notes (None: shortcuts off)."""
 
     target: str
     host: str
@@ -68,8 +64,8 @@ _RUNNING: contextvars.ContextVar[_Running | None] = contextvars.ContextVar(
 class Estimate:
     """The estimated peak bytes of a workload at ``size`` above what existed before that size
     ran (a trial's ``peak_bytes`` units), for ``device``, computed with fake tensors on
-    ``estimated_on``; ``notes`` say what it left out or assumed. ``workspace_bytes`` (None:
-    not counted) is measured on this host (module docstring)."""
+    ``estimated_on``; ``notes`` say what it left out or assumed; ``workspace_bytes`` (None:
+    not counted) is measured on this host."""
 
     size: int
     peak_bytes: int
@@ -85,14 +81,13 @@ class Estimate:
         return asdict(self)
 
 
+@dataclass(slots=True)
 class _Counted:
     """What one storage counts: ``nbytes`` above where it started, ``seen`` its size last seen."""
 
-    __slots__ = ("nbytes", "ref", "seen")
-
-    def __init__(self, nbytes: int, seen: int) -> None:
-        self.nbytes, self.seen = nbytes, seen
-        self.ref: weakref.ref | None = None
+    nbytes: int
+    seen: int
+    ref: weakref.ref | None = None
 
 
 def _tensors(*objs: Any) -> list[torch.Tensor]:
@@ -111,11 +106,10 @@ class StorageCounter(TorchDispatchMode):
 
     A storage an operation returns that no operation saw before is new: its bytes (rounded
     up to ``block``) count until it is freed. Storages first seen as *inputs* existed before
-    (weights, optimizer state) and count only what a resize adds. ``current`` and ``peak``
-    are bytes above where :meth:`start` left them. With a ``fake_mode`` it also decides what
+    (weights, optimizer state) and count only what a resize adds. ``current`` and ``peak``:
+    bytes above where :meth:`start` left them. With a ``fake_mode`` it also decides what
     runs for real (module docstring); without one it counts a real run. With
-    ``device_type``, only tensors on devices of that type count.
-    """
+    ``device_type``, only tensors on devices of that type count."""
 
     def __init__(self, fake_mode: Any | None = None, block: int = 1,
                  device_type: str | None = None) -> None:
@@ -132,10 +126,6 @@ class StorageCounter(TorchDispatchMode):
         self.gemms: dict[tuple, tuple[int, int]] = {}
         self.segments = [0]
 
-    def _bytes(self, st: torch.UntypedStorage) -> int:
-        n = st.nbytes()
-        return n if self.block <= 1 else math.ceil(n / self.block) * self.block
-
     def _free(self, known: WeakIdKeyDictionary, counted: _Counted) -> None:
         if known is self._known:  # counted before start(): not in today's count
             self.current -= counted.nbytes
@@ -148,7 +138,7 @@ class StorageCounter(TorchDispatchMode):
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError):  # sparse, nested: no one storage
                 continue
-            size = self._bytes(st)
+            size = -(-st.nbytes() // self.block) * self.block  # rounded up to whole blocks
             counted = self._known.get(st)
             if counted is None:
                 counted = _Counted(size if new else 0, size)
@@ -240,9 +230,8 @@ def _small(out: Any) -> bool:
 def fake_module(build: Callable[[], torch.nn.Module],
                 device: str | torch.device) -> torch.nn.Module:
     """``build()`` on the ``meta`` device (no memory, no initialisation work), then every
-    parameter and buffer replaced by a fake tensor on ``device``: the model with no
-    weights, for a workload's ``warmup`` under :func:`estimate`. Tied weights stay tied
-    (one fake tensor per meta tensor). Runs only inside :func:`estimate`."""
+    parameter and buffer replaced by a fake tensor on ``device`` (tied weights stay tied):
+    the model with no weights, for a workload's ``warmup`` inside :func:`estimate`."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes() as modes:
@@ -267,8 +256,9 @@ def fake_module(build: Callable[[], torch.nn.Module],
 
 
 def host_device() -> str:
-    """Where a workload keeps host-side bookkeeping (a Lanczos basis): ``cpu``, or ``meta``
-    (uncounted) in an estimate for cuda made on cpu fake tensors (module docstring)."""
+    """Where a workload keeps host-side bookkeeping (a Lanczos basis): ``cpu``, except in an
+    estimate for cuda on a torch build without CUDA (fake tensors then stand on cpu for
+    cuda): ``meta``, uncounted."""
     running = _RUNNING.get()
     return "cpu" if running is None else running.host
 
@@ -331,8 +321,8 @@ def estimate(fn: Callable[[int], Any], sizes: Sequence[int], device: str | torch
 
 class EstimateSession:
     """:func:`estimate` with the warm-up paid once: ``EstimateSession(fn, device).at(sizes)``
-    estimates sizes as a search asks for them, each above the state the warm-up and the sizes
-    before it left (as :func:`estimate`'s are). Holds the fake model (no memory) until dropped."""
+    estimates sizes as a search asks for them, each above the state the warm-up and the
+    sizes before it left. Holds the fake model (no memory) until dropped."""
 
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
                  workspace: bool = True, shortcuts: bool = True) -> None:
@@ -340,9 +330,8 @@ class EstimateSession:
         self.fn, self.device, self.workspace = fn, str(device), workspace
         self.dev, self.notes = fake_device(device)
         self.cpu = torch.device(device).type == "cpu"
-        self.counter = StorageCounter(block=1 if self.cpu else CUDA_BLOCK,
-                                      device_type=self.dev.type)
-        self.counter.fake_mode = ft.FakeTensorMode(allow_non_fake_inputs=True)
+        self.counter = StorageCounter(ft.FakeTensorMode(allow_non_fake_inputs=True),
+                                      1 if self.cpu else CUDA_BLOCK, self.dev.type)
         self.work = estimate_copy(fn, str(self.dev))
         self.shortcuts = shortcuts
         self.warm: dict[tuple, tuple[int, int]] | None = None  # the warm-up's multiplies

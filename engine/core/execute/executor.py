@@ -1,21 +1,20 @@
 """The executor and the one size controller and retry loop behind every adaptive wrapper.
 
-:class:`SizeController` runs ``attempt(sizes)``; on OOM it asks its retry policy
-(:mod:`~oomguard.engine.core.execute.retry`) for smaller sizes and runs again, down to
-the minimums, then raises :class:`~oomguard.engine.errors.NoExecutableBatchSize`.
-:class:`Executor`, ``@adaptive``, ``find_executable_batch_size`` and ``accumulate`` all
-go through it. A :class:`SizeAgreement` makes several processes take the same decision;
-a :class:`SizeMemory` holds what is learnt across calls (numbers only, no reference to
-the user's function, model or data, so whoever keeps it decides how long it lives).
+:class:`SizeController` runs ``attempt(sizes)``; on OOM its retry policy
+(:mod:`~oomguard.engine.core.execute.retry`) gives smaller sizes, down to the minimums,
+then :class:`~oomguard.engine.errors.NoExecutableBatchSize`. :class:`Executor`,
+``@adaptive``, ``find_executable_batch_size`` and ``accumulate`` all go through it. A
+:class:`SizeAgreement` makes several processes take the same decision; a
+:class:`SizeMemory` holds what is learnt across calls (numbers only, never the user's
+function, model or data, so whoever keeps it decides how long it lives).
 
-Only out-of-memory errors are retried; any other error propagates untouched. The OOM's
-exception and traceback are dropped *before* memory is released, so the failed attempt's
-tensors are really freed. Hot path: the first attempt is a plain
+Only OOMs are retried. The OOM's exception and traceback are dropped *before* memory is
+released, so the failed attempt's tensors are really freed. The first attempt is a plain
 :func:`~oomguard.engine.core.memory.oom.call_catching_oom` (about a microsecond);
 tenacity's ``Retrying`` is built only after a first OOM. Every change of size is logged
-(WARNING when it shrinks, INFO otherwise) and counted in the memory's
-:class:`~oomguard.engine.core.execute.stats.SizeStats`. Past the minimum, the executor's
-``on_oom`` ladder takes over (:mod:`~oomguard.engine.core.execute.remedies`).
+(WARNING when it shrinks) and counted in :class:`~oomguard.engine.core.execute.stats.SizeStats`.
+Past the minimum, the executor's ``on_oom`` ladder takes over
+(:mod:`~oomguard.engine.core.execute.remedies`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 from tenacity import RetryCallState, Retrying, retry_if_result, wait_none
@@ -64,19 +63,6 @@ class SizeAgreement(Protocol):
     def active(self) -> bool: ...
 
     def agree(self, proposal: Mapping[str, int], oom: bool) -> tuple[Sizes, bool]: ...
-
-
-class NoAgreement:
-    """A single process: nothing to agree on."""
-
-    def active(self) -> bool:
-        return False
-
-    def agree(self, proposal: Mapping[str, int], oom: bool) -> tuple[Sizes, bool]:
-        return dict(proposal), oom
-
-
-NO_AGREEMENT = NoAgreement()
 
 
 @dataclass
@@ -128,13 +114,12 @@ class SizeMemory:
         return self.stats.name
 
 
-class _Failed:
+class _Failed(NamedTuple):
     """The outcome of an attempt that ran out of memory (here or on another process)."""
 
-    __slots__ = ("event", "message", "next")
-
-    def __init__(self, message: str, nxt: Sizes | None, event: OomEvent | None = None) -> None:
-        self.message, self.next, self.event = message, nxt, event
+    message: str
+    next: Sizes | None
+    event: OomEvent | None = None
 
 
 def _failed(result: Any) -> bool:
@@ -154,11 +139,9 @@ class SizeController:
     back to the last sizes that worked. ``grow_after`` (off by default, for reproducible
     runs) tries larger sizes after that many clean calls: halfway to the smallest size
     that failed, else twice the size, never above ``maximum``. ``device``: whose cache is
-    emptied between attempts; ``agreement`` (default :data:`NO_AGREEMENT`) makes several
-    processes take the same sizes. ``failure_message``: the whole ``str()`` of
-    :class:`~oomguard.engine.errors.NoExecutableBatchSize`. Size changes go to ``logger``;
-    ``snapshot_dir`` gets a CUDA allocator snapshot per OOM.
-    """
+    emptied between attempts. ``failure_message``: the whole ``str()`` of
+    :class:`~oomguard.engine.errors.NoExecutableBatchSize`. ``snapshot_dir`` gets a CUDA
+    allocator snapshot per OOM."""
 
     def __init__(self, name: str, memory: SizeMemory | Start, *,
                  minimum: Mapping[str, int] | None = None,
@@ -183,7 +166,7 @@ class SizeController:
         check_positive_int("grow_after", grow_after, optional=True)
         self.policy: RetryPolicy = policy or Halve()
         self.grow_after = grow_after
-        self.agreement: SizeAgreement = agreement or NO_AGREEMENT
+        self.agreement = agreement  # None: this process decides alone
         self.device = device
         self.log = logger or log
         self.failure_message = failure_message
@@ -200,17 +183,14 @@ class SizeController:
 
     def run(self, attempt: Callable[[Sizes], T], cap: Mapping[str, int] | None = None,
             record: RunRecord | None = None) -> T:
-        """Return ``attempt(sizes)``, retrying at smaller sizes on OOM.
-
-        ``cap`` bounds the sizes of this call only (the length of this batch, the sizes a
-        caller asked for) without changing what is remembered. ``record`` gets every
-        attempt's sizes, every OOM's message and event (measured only for a record), and
-        the final sizes. Raises :class:`~oomguard.engine.errors.NoExecutableBatchSize`
-        when no size fits on every process.
-        """
+        """Return ``attempt(sizes)``, retrying at smaller sizes on OOM. ``cap`` bounds the
+        sizes of this call only (this batch's length, the sizes a caller asked for), not
+        what is remembered. ``record`` gets every attempt's sizes, every OOM's message and
+        event (measured only for a record), and the final sizes. Raises
+        :class:`~oomguard.engine.errors.NoExecutableBatchSize` when no size fits."""
         mem = self.memory
         mem.stats.calls += 1
-        agreeing = self.agreement.active()
+        agreeing = self.agreement is not None and self.agreement.active()
         if agreeing and not mem.agreed_start:
             self._agree_start()
         if self.grow_after is not None and mem.clean >= self.grow_after:
@@ -253,7 +233,8 @@ class SizeController:
         proposal = self._proposal(sizes) if oom else sizes
         any_oom = oom
         if agreeing:
-            agreed, any_oom = self.agreement.agree(proposal or dict.fromkeys(sizes, 0), oom)
+            agreed, any_oom = self.agreement.agree(  # type: ignore[union-attr]
+                proposal or dict.fromkeys(sizes, 0), oom)
             proposal = agreed if all(agreed.values()) else None
         if not any_oom:
             return result
@@ -307,8 +288,9 @@ class SizeController:
 
         if pending is None:
             give_up()
+        # No sleep between retries: memory was released before the next attempt.
         value = Retrying(retry=retry_if_result(_failed), stop=_nothing_left, wait=wait_none(),
-                         after=after, retry_error_callback=give_up, sleep=_no_sleep)(again)
+                         after=after, retry_error_callback=give_up, sleep=lambda _s: None)(again)
         assert pending is not None
         record.final = dict(pending)
         self.memory.clean, self.memory.last_good = 0, dict(pending)
@@ -334,7 +316,7 @@ class SizeController:
         mem.agreed_start = True
         if None in mem.sizes.values():
             return
-        agreed, _ = self.agreement.agree(mem.sizes, False)  # type: ignore[arg-type]
+        agreed, _ = self.agreement.agree(mem.sizes, False)  # type: ignore[arg-type,union-attr]
         if agreed != mem.sizes:
             self._change(mem.sizes, agreed, "agreed with the other processes")
 
@@ -375,10 +357,8 @@ class Executor:
     ``policy``, ``device`` and ``agreement`` as in :class:`SizeController`. ``history``
     holds a :class:`RunRecord` per call (the last 1024). ``snapshot_on_oom``: a folder
     where every OOM writes a CUDA allocator snapshot (``<name>-oom<k>.pickle``, for
-    pytorch.org/memory_viz; history is recorded from the first run on).
-
-    ``on_oom`` (default None: halve only) is a remedy ladder such as
-    ``["halve", "bfloat16", "cpu"]`` (:mod:`~oomguard.engine.core.execute.remedies`),
+    pytorch.org/memory_viz). ``on_oom`` (default None: halve only) is a remedy ladder
+    such as ``["halve", "bfloat16", "cpu"]`` (:mod:`~oomguard.engine.core.execute.remedies`),
     tried after the minimum; ``ladder`` holds what the last run's did. ``fresh_process``:
     the caller can restart the run in a fresh process (a job's runner), so
     ``expandable_segments`` and memory that did not come back raise
@@ -418,13 +398,10 @@ class Executor:
         name: str | None = None,
         ladder: Ladder | None = None,
     ) -> Any:
-        """Run ``fn(batch_size)``, or ``fn(**sizes)`` for several tunable sizes.
-
-        On OOM the sizes shrink by the policy and ``fn`` runs again, down to
-        :class:`~oomguard.engine.errors.ExecutionFailed` naming every size tried. Sizes
-        must be positive integers. ``ladder`` resumes one that a
-        :class:`~oomguard.engine.errors.RestartNeeded` carried out of another process.
-        """
+        """Run ``fn(batch_size)``, or ``fn(**sizes)`` (positive integers) for several sizes;
+        on OOM at smaller sizes, down to :class:`~oomguard.engine.errors.ExecutionFailed`
+        naming every size tried. ``ladder`` resumes one that a
+        :class:`~oomguard.engine.errors.RestartNeeded` carried out of another process."""
         if (batch_size is None) == (sizes is None):
             raise ValueError("give exactly one of batch_size or sizes")
         positional = sizes is None
@@ -461,12 +438,9 @@ class Executor:
 
     def _memory(self, fn: Any, name: str | None, label: str, start: Sizes) -> SizeMemory:
         """What this executor learnt about the workload, or a new memory starting at ``start``."""
-        if name is not None:
-            memory = self._named.get(name)
-            if memory is not None:
-                self._named.move_to_end(name)
-        else:
-            memory = self._unnamed.get(fn)
+        memory = self._named.get(name) if name is not None else self._unnamed.get(fn)
+        if name in self._named:
+            self._named.move_to_end(name)
         if memory is not None and memory.sizes.keys() == start.keys():
             return memory
         memory = SizeMemory.new(label, start)
@@ -480,10 +454,6 @@ class Executor:
             except TypeError:  # not weakly referenceable: nothing is remembered
                 pass
         return memory
-
-
-def _no_sleep(seconds: float) -> None:
-    """Retries follow each other at once: memory was released before the next attempt."""
 
 
 def _show(sizes: Mapping[str, int | None]) -> str:

@@ -16,12 +16,12 @@ through the executor's retry at half, from the call's start sizes:
 - ``cpu``: the workload on the CPU (its ``on_device("cpu")``), after logging a time estimate.
 
 A rung keeps what the rungs before it changed (a lower precision stays), except that
-``on_device`` gives what it gives (a job builds the model again at its own dtype).
-Two checks run between attempts (:class:`_Checked`): memory came back
-(:func:`live_bytes` more than :data:`MEMORY_BACK_TOLERANCE` above its value before the
-failed attempt means something keeps its tensors: :class:`RestartNeeded`, a fresh
-process), and progress (two failed attempts in a row with the same remedy, sizes and
-error: :class:`NoProgress`). Everything a rung did is in :attr:`Ladder.rungs`.
+``on_device`` gives what it gives (a job builds the model again at its own dtype). Two
+checks run between attempts (:class:`_Checked`): memory came back (:func:`live_bytes`
+more than :data:`MEMORY_BACK_TOLERANCE` above its value before the failed attempt: a
+fresh process, :class:`RestartNeeded`), and progress (two failed attempts in a row with
+the same remedy, sizes and error: :class:`NoProgress`). :attr:`Ladder.rungs` says what
+each rung did.
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ CPU_SLOWDOWN = 30.0
 
 
 def parse_on_oom(value: Any) -> tuple[str, ...]:
-    """The remedy names of ``value`` (a list of strings), checked; :class:`UsageError` (one
-    line) for an unknown name (listing the valid ones), a repeat, both lower precisions,
-    a ladder that does not start with ``halve`` or a ``cpu`` that is not last."""
+    """The remedy names of ``value`` (a list of strings), checked: one-line
+    :class:`UsageError` for an unknown name, a repeat, both lower precisions, a ladder
+    that does not start with ``halve`` or a ``cpu`` that is not last."""
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
             isinstance(v, str) for v in value):
         raise UsageError(f"on_oom: expected a list of remedy names like [\"halve\", "
@@ -115,13 +115,12 @@ class Rung:
 @dataclass
 class Ladder:
     """The state of one workload's ladder (plain data: it crosses into a fresh process):
-    ``at`` is the rung running now; ``resume`` the sizes it goes on at in a fresh process;
+    ``at`` the rung running now; ``resume`` the sizes it goes on at in a fresh process;
     ``precision``/``device`` what earlier rungs changed (None: the workload's own);
     ``fresh_for`` the rung this process was started for; ``env`` the variables the next
     process starts with; ``restarts`` why each fresh process was started; ``last`` the last
     failed attempt ``[remedy, sizes, error]``; ``seconds`` every attempt's duration;
-    ``produced`` the remedy of the result (None: the first attempt worked).
-    """
+    ``produced`` the remedy of the result (None: the first attempt worked)."""
 
     remedies: tuple[str, ...]
     at: int = 0
@@ -305,8 +304,7 @@ def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
     return the first result. ``run_rung(attempt, sizes, fresh, device)`` is one run of the
     executor's retry at half from ``sizes`` (``fresh``: with nothing remembered). Raises
     :class:`NoExecutableBatchSize` listing every remedy and why it failed or was skipped,
-    :class:`NoProgress`, or :class:`RestartNeeded`.
-    """
+    :class:`NoProgress`, or :class:`RestartNeeded`."""
     work = fn
     if ladder.device is not None:  # what earlier rungs changed, again in a fresh process
         work, device = work.on_device(ladder.device), ladder.device
@@ -350,8 +348,7 @@ def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
             rung.outcome, rung.why, rung.attempts = "restarted", exc.why, record.attempts[first:]
             raise
         except NoExecutableBatchSize as exc:
-            rung.attempts = record.attempts[first:]
-            rung.outcome, rung.why = "failed", exc.message
+            rung.outcome, rung.why, rung.attempts = "failed", exc.message, record.attempts[first:]
             if not isinstance(exc, NoProgress):
                 checked.progress(record.attempts[-1])
                 ladder.at += 1

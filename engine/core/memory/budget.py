@@ -1,14 +1,12 @@
 """Memory budgets: real out-of-memory errors below the hardware limit.
 
-A budget caps what the code inside it may allocate, so that the OOM a user
-would meet on a smaller device happens here, for real, with the allocator's own
-error:
+A budget caps what the code inside it may allocate, so that the OOM a user would meet on
+a smaller device happens here, for real, with the allocator's own error:
 
-- CPU: ``RLIMIT_DATA`` set to the process's current ``VmData`` plus the budget.
-  glibc is first told to serve allocations of 128 KiB and more with ``mmap``
-  (``mallopt(M_MMAP_THRESHOLD)``) so freed tensors really go back to the kernel;
-  without it the heap keeps fragments and the same size fits on one try and not
-  the next (docs/measurements.md#return-freed-memory).
+- CPU: ``RLIMIT_DATA`` set to the process's current ``VmData`` plus the budget. glibc is
+  first told to serve allocations of 128 KiB and more with ``mmap`` so freed tensors
+  really go back to the kernel; without it the heap keeps fragments and the same size
+  fits on one try and not the next (docs/measurements.md#return-freed-memory).
 - CUDA: ``torch.cuda.set_per_process_memory_fraction((held + budget) / total)``, ``held``
   in the units the cap counts, after ``empty_cache()`` (:func:`gpu_held_bytes`).
 - MPS: ``torch.mps.set_per_process_memory_fraction((driver allocated + budget) /
@@ -85,20 +83,16 @@ def tighten_active_budget() -> None:
     CPU, :func:`gpu_held_bytes` on a GPU); called before each trial. Memory in the baseline
     can be released after entry (thread stacks, malloc arenas, the warm-up's tensors) and
     would silently enlarge the budget (docs/measurements.md#free-heap-at-budget-entry); the
-    limit is never raised, so memory that trials leave behind keeps counting.
-    """
+    limit is never raised, so memory that trials leave behind keeps counting."""
     b = active_budget()
-    if b is None:
-        return
-    if b.device != "cpu":
-        _tighten_gpu(b)
-        return
-    if not host_budgets_available():
-        return
-    vm_data = host.proc_status("VmData")
-    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    if vm_data is not None and soft != resource.RLIM_INFINITY and vm_data + b.nbytes < soft:
-        resource.setrlimit(resource.RLIMIT_DATA, (vm_data + b.nbytes, hard))
+    if b is not None and b.device != "cpu":
+        dev = torch.device(b.device)
+        fraction = (gpu_held_bytes(dev) + b.nbytes) / _gpu_size(dev)
+        if fraction < current_fraction(dev):
+            set_memory_fraction(fraction, dev)
+    elif b is not None and (room := headroom_bytes("cpu")) is not None and room > b.nbytes:
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)  # soft - room: VmData now
+        resource.setrlimit(resource.RLIMIT_DATA, (soft - room + b.nbytes, hard))
 
 
 def headroom_bytes(device: str | torch.device) -> int | None:
@@ -138,16 +132,12 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
                                                      "this OS (no RLIMIT_DATA)")
             raise BudgetError(f"{why}: run without --budget, or on Linux")
         if nbytes < MIN_CPU_BUDGET:
-            raise BudgetError(
-                f"a CPU budget of {fmt_bytes(nbytes)} is too small: thread pools need "
-                f"~20 MiB of headroom; use at least {fmt_bytes(MIN_CPU_BUDGET)}"
-            )
+            raise BudgetError(f"a CPU budget of {fmt_bytes(nbytes)} is too small: thread pools "
+                              f"need ~20 MiB of headroom; use at least {fmt_bytes(MIN_CPU_BUDGET)}")
         avail = host.meminfo().get("MemAvailable")
         if avail is not None and nbytes > avail:
-            raise BudgetError(
-                f"budget {fmt_bytes(nbytes)} is more than the {fmt_bytes(avail)} this host has "
-                "available; choose a smaller --budget"
-            )
+            raise BudgetError(f"budget {fmt_bytes(nbytes)} is more than the {fmt_bytes(avail)} "
+                              "this host has available; choose a smaller --budget")
         return dev
     if dev.type == "mps":
         return _check_mps(nbytes, dev)
@@ -155,42 +145,35 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
         raise BudgetError("no CUDA device is available here: use --device cpu")
     total = _gpu_size(dev)
     if nbytes > total:
-        raise BudgetError(
-            f"budget {fmt_bytes(nbytes)} is more than {_key(dev)}'s {fmt_bytes(total)}; "
-            "choose a smaller --budget"
-        )
+        raise BudgetError(f"budget {fmt_bytes(nbytes)} is more than {_key(dev)}'s "
+                          f"{fmt_bytes(total)}; choose a smaller --budget")
     return dev
 
 
 @contextmanager
 def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
     """Cap the memory the code inside may allocate to ``nbytes`` bytes above what the
-    process holds now (the module docstring says how, per device).
-
-    On CPU, enter it after one small warm-up step so that thread pools and kernels that
-    the step creates once are not charged to it. Raises :class:`BudgetError` where
-    :func:`check_budget` does. Nested budgets may only shrink the limit.
-    """
+    process holds now (module docstring). On CPU, enter it after one small warm-up step so
+    that thread pools and kernels the step creates once are not charged to it. Raises
+    :class:`BudgetError` where :func:`check_budget` does. Nested budgets only shrink."""
     dev = check_budget(nbytes, device)
     manager = _cpu_budget(nbytes) if dev.type == "cpu" else _gpu_budget(nbytes, dev)
-    with manager as b:
-        yield b
-
-
-def _start_thread_pool() -> None:
-    """Run one op large enough that torch parallelises it, creating its threads now."""
-    torch.ones(1 << 20).sum()
+    with manager as b:  # the limit is set: the budget is in force until it is restored
+        _active.append(b)
+        try:
+            yield b
+        finally:
+            _active.remove(b)
 
 
 @contextmanager
 def _cpu_budget(nbytes: int) -> Iterator[Budget]:
     return_freed_memory_to_os()
-    # Measure the baseline after what is already garbage is gone and after the
-    # OpenMP pool exists: otherwise freed garbage becomes extra room and the
-    # first parallel op inside charges ~8 MiB of thread stacks to the budget
-    # (docs/measurements.md#minimum-cpu-budget).
+    # Measure the baseline after what is already garbage is gone and after the OpenMP pool exists:
+    # otherwise freed garbage becomes extra room and the first parallel op inside charges ~8 MiB of
+    # thread stacks to the budget (docs/measurements.md#minimum-cpu-budget).
     gc.collect()
-    _start_thread_pool()
+    torch.ones(1 << 20).sum()  # an op large enough that torch parallelises it: its threads
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     vm_data = host.proc_status("VmData")
     if vm_data is None:
@@ -208,11 +191,9 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
                     fmt_bytes(slack), fmt_bytes(nbytes))
     b = Budget(nbytes=nbytes, device="cpu", mechanism="RLIMIT_DATA", limit=limit)
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
-    _active.append(b)
     try:
         yield b
     finally:
-        _active.remove(b)
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
@@ -250,10 +231,9 @@ def current_fraction(dev: torch.device) -> float:
 
 
 def set_memory_fraction(fraction: float, device: str | torch.device = "cuda") -> None:
-    """Set the per-process fraction of a GPU and remember it, so that a budget restores
-    it on exit even where torch cannot read it back (CUDA on torch < 2.6, MPS). Use this
-    instead of ``torch.cuda.set_per_process_memory_fraction`` there; a fraction set
-    directly with torch is invisible and comes back as the default after a budget."""
+    """Set the per-process fraction of a GPU and remember it, so that a budget restores it
+    on exit even where torch cannot read it back (CUDA on torch < 2.6, MPS): a fraction
+    set directly with torch there comes back as the default after a budget."""
     dev = resolve_device(device)
     if dev.type == "mps":
         torch.mps.set_per_process_memory_fraction(float(fraction))
@@ -278,14 +258,6 @@ def _check_mps(nbytes: int, dev: torch.device) -> torch.device:
     return dev
 
 
-def _tighten_gpu(b: Budget) -> None:
-    dev = torch.device(b.device)
-    size = _gpu_size(dev)
-    fraction = (gpu_held_bytes(dev) + b.nbytes) / size
-    if fraction < current_fraction(dev):
-        set_memory_fraction(fraction, dev)
-
-
 @contextmanager
 def _gpu_budget(nbytes: int, dev: torch.device) -> Iterator[Budget]:
     size = _gpu_size(dev)
@@ -293,9 +265,9 @@ def _gpu_budget(nbytes: int, dev: torch.device) -> Iterator[Budget]:
     name = "MPS's recommended working set" if dev.type == "mps" else f"{_key(dev)}'s total"
     most = MPS_MAX_FRACTION * size if dev.type == "mps" else size
     if held + nbytes > most:
-        raise BudgetError(
-            f"budget {fmt_bytes(nbytes)} plus the {fmt_bytes(held)} this process already holds "
-            f"is more than {name} of {fmt_bytes(size)} allows; choose a smaller --budget")
+        raise BudgetError(f"budget {fmt_bytes(nbytes)} plus the {fmt_bytes(held)} this process "
+                          f"already holds is more than {name} of {fmt_bytes(size)} allows; "
+                          "choose a smaller --budget")
     previous = current_fraction(dev)
     remembered = _fractions.get(_key(dev))
     fraction = (held + nbytes) / size
@@ -305,11 +277,9 @@ def _gpu_budget(nbytes: int, dev: torch.device) -> Iterator[Budget]:
         ".set_per_process_memory_fraction"
     b = Budget(nbytes=nbytes, device=_key(dev), mechanism=mechanism, limit=int(fraction * size))
     set_memory_fraction(fraction, dev)
-    _active.append(b)
     try:
         yield b
     finally:
-        _active.remove(b)
         set_memory_fraction(previous, dev)
         if remembered is None:
             _fractions.pop(_key(dev), None)

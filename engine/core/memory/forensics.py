@@ -1,20 +1,20 @@
 """Memory forensics at an out-of-memory error: the allocator's and the host's view.
 
 Every OOM the size controller catches for a caller keeping a
-:class:`~oomguard.engine.core.execute.executor.RunRecord` (the executor, so every job metric)
-becomes an :class:`OomEvent`, measured by :class:`OomWatch` *inside* the ``except`` block,
-before :func:`~oomguard.engine.core.memory.oom.call_catching_oom` releases memory for the
-retry (afterwards the figures would describe the cleaned-up state).
+:class:`~oomguard.engine.core.execute.executor.RunRecord` (the executor, so every job
+metric) becomes an :class:`OomEvent`, measured by :class:`OomWatch` *inside* the
+``except`` block, before :func:`~oomguard.engine.core.memory.oom.call_catching_oom`
+releases memory for the retry (afterwards it would describe the cleaned-up state):
 
-- Host, any device: ``VmData``, resident bytes (``VmRSS`` on Linux), glibc's free heap
-  chunks, and under an oomguard budget on the device its limit in force and headroom.
+- Host, any device: ``VmData``, resident bytes, glibc's free heap chunks, and under an
+  oomguard budget on the device its limit in force and headroom.
 - CUDA: ``torch.cuda.memory_stats`` (reserved, allocated, ``num_alloc_retries``),
-  fragmentation = (reserved - allocated) / reserved, and the largest ``inactive`` block
-  in the device's ``torch.cuda.memory_snapshot()`` segments: that block, not
-  ``inactive_split_bytes`` (a sum), is the largest request the cache can serve without
-  a new ``cudaMalloc``, so a request above it with much reserved is fragmentation.
-- With ``snapshot_dir``, ``torch.cuda.memory._dump_snapshot`` at the OOM (history from
-  :func:`start_history`), for https://pytorch.org/memory_viz; elsewhere the event says why not.
+  fragmentation = (reserved - allocated) / reserved, and the largest ``inactive`` block of
+  ``torch.cuda.memory_snapshot()``: that block, not ``inactive_split_bytes`` (a sum), is
+  the largest request the cache serves without a new ``cudaMalloc``, so a request above
+  it with much reserved is fragmentation.
+- With ``snapshot_dir``, ``torch.cuda.memory._dump_snapshot`` (history from
+  :func:`start_history`) for https://pytorch.org/memory_viz; elsewhere the event says why not.
 
 Nothing is estimated: a figure is measured (a limit read) at the OOM, or None with
 ``sources`` saying why, never 0 for unknown. A failed reading never hides the OOM.
@@ -51,10 +51,10 @@ _BUDGET = ("budget_bytes", "budget_limit_bytes", "budget_headroom_bytes")
 
 @dataclass
 class OomEvent:
-    """One OOM: the sizes it happened at, what was done (``action``: ``retried at <sizes>``
-    or ``gave up: <why>``), when (``at``, Unix seconds) and memory as it was then (bytes;
-    ``fragmentation`` a fraction of the reserved bytes). ``sources`` says, for every figure
-    and ``snapshot``, how it was measured or why it is None."""
+    """One OOM (every field goes into the reports): the sizes it happened at, what was done
+    (``action``: ``retried at <sizes>`` or ``gave up: <why>``), when (``at``, Unix seconds)
+    and memory then (bytes; ``fragmentation`` a fraction of the reserved bytes).
+    ``sources``: for every figure and ``snapshot``, how it was measured or why it is None."""
 
     sizes: dict[str, int]
     device: str
@@ -92,9 +92,8 @@ class OomEvent:
 
 
 class OomWatch:
-    """Measures OOMs of a run's attempts: ``call_catching_oom(..., on_oom=watch.at(sizes))``
-    calls the hook while the failed attempt's tensors are alive; :meth:`take` hands the
-    :class:`OomEvent` over."""
+    """Measures OOMs: ``call_catching_oom(..., on_oom=watch.at(sizes))`` calls the hook
+    while the failed attempt's tensors are alive; :meth:`take` hands the event over."""
 
     def __init__(self, name: str, device: Any = None,
                  snapshot_dir: str | os.PathLike[str] | None = None) -> None:
@@ -120,10 +119,9 @@ class OomWatch:
 def capture(sizes: Mapping[str, int], device: Any = None,
             snapshot_dir: str | os.PathLike[str] | None = None,
             name: str = "workload") -> OomEvent:
-    """Measure memory now (call it at the OOM; the module docstring lists the figures).
-    ``device`` None: as :func:`~oomguard.probes.device.resolve_device`. ``snapshot_dir``:
-    write an allocator snapshot there (CUDA, after :func:`start_history`). A reading that
-    fails is said in the event, never raised."""
+    """Measure memory now, at the OOM (module docstring); ``device`` None: as
+    :func:`~oomguard.probes.device.resolve_device`. A reading that fails is said in the
+    event, never raised."""
     dev = resolve_device(device)
     ev = OomEvent(sizes=dict(sizes), device=str(dev), at=time.time())
     steps: list[tuple[tuple[str, ...], Callable[[], None]]] = [
@@ -216,7 +214,7 @@ def _cuda(ev: OomEvent, dev: torch.device) -> None:
             ev.put(n, None, "", f"no CUDA allocator on {dev}")
         return
     async_backend = cuda_async_backend()
-    stats = torch.cuda.memory_stats(dev)
+    stats = torch.cuda.memory_stats(dev)  # first: the allocator as the OOM left it
     segments = None
     if not async_backend:  # its snapshot() raises: the driver's pool has no blocks to show
         try:

@@ -32,8 +32,7 @@ def free_heap_bytes() -> int | None:
     """Bytes in free chunks inside glibc's heaps (all arenas; ``mallinfo2().fordblks``): a
     CPU budget entered while they exist allows up to this much more than asked
     (docs/measurements.md#free-heap-at-budget-entry). None without glibc >= 2.33."""
-    libc = _libc()
-    fn = getattr(libc, "mallinfo2", None) if libc else None
+    fn = getattr(_libc(), "mallinfo2", None)
     if fn is None:
         return None
     fn.restype = _MallInfo2
@@ -56,11 +55,7 @@ def return_freed_memory_to_os(threshold: int = _MMAP_THRESHOLD_BYTES) -> bool:
     where there is no glibc (budgets still work, less deterministically)."""
     if _mmap_threshold:
         threshold = min(threshold, _mmap_threshold[0])
-    libc = _libc()
-    try:
-        done = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold)) if libc else False
-    except AttributeError:
-        return False
+    done = _call("mallopt", _M_MMAP_THRESHOLD, threshold)
     if done:
         _mmap_threshold[:] = [threshold]
     return done
@@ -68,8 +63,10 @@ def return_freed_memory_to_os(threshold: int = _MMAP_THRESHOLD_BYTES) -> bool:
 
 def trim_heap() -> bool:
     """Give the free memory at the top of glibc's heaps back to the OS (``malloc_trim(0)``)."""
-    libc = _libc()
-    try:
-        return bool(libc.malloc_trim(0)) if libc else False
-    except AttributeError:
-        return False
+    return _call("malloc_trim", 0)
+
+
+def _call(name: str, *args: int) -> bool:
+    """glibc's ``name(*args)`` as a bool; False without glibc or without that function."""
+    fn = getattr(_libc(), name, None)
+    return bool(fn(*args)) if fn is not None else False

@@ -1,19 +1,19 @@
 """Out-of-memory classification and cleanup.
 
-An OOM is decided by exception type first (``torch.OutOfMemoryError``,
-``MemoryError``), then by :data:`OOM_TABLE`: the messages that the allocators
-of CUDA, cuBLAS, cuDNN, MPS, ROCm, XPU, NPU, MLU, MUSA, HPU and the CPU produce
-when they run out, and the failures that mean "out of memory" only while a
-memory limit is near. Everything else (illegal memory access, device-side
-asserts, NCCL errors, shape mismatches) is *not* an OOM and must propagate.
+An OOM is decided by exception type first (``torch.OutOfMemoryError``, ``MemoryError``),
+then by :data:`OOM_TABLE`: the messages of the allocators of CUDA, cuBLAS, cuDNN, MPS,
+ROCm, XPU, NPU, MLU, MUSA, HPU and the CPU when they run out, and the failures that mean
+"out of memory" only while a memory limit is near. Everything else (illegal memory
+access, device-side asserts, NCCL errors, shape mismatches) is *not* an OOM and propagates.
 
-Cleanup after an OOM must run once the ``except`` block has been left: while
-the exception is alive its traceback pins the failed step's frames and every
-tensor in them. :func:`call_catching_oom` is the one place that does this.
+Cleanup after an OOM must run once the ``except`` block has been left: while the
+exception is alive its traceback pins the failed step's frames and every tensor in them.
+:func:`call_catching_oom` is the one place that does this.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,11 +40,9 @@ class OomText(NamedTuple):
 
 
 _RT = (RuntimeError,)  # torch.OutOfMemoryError is a RuntimeError too
-# Every message oomguard recognises, and whether it needs evidence. This table
-# is the one list: is_oom reads nothing else. tests/test_oom.py checks every row,
-# with real exceptions where this machine can raise them (CPU) and the devices'
-# printed messages where it cannot. "Evidence" means a memory limit is near
-# (memory_limit_near()): the same text also has causes a smaller size does not cure.
+# Every message oomguard recognises: is_oom reads nothing else. tests/test_oom.py checks every row,
+# with real exceptions where this machine can raise them (CPU) and the devices' printed messages
+# where it cannot. A row with evidence also has causes a smaller size does not cure.
 OOM_TABLE: tuple[OomText, ...] = (
     OomText("cuda out of memory", _RT, False, "torch.OutOfMemoryError's text on CUDA"),
     OomText("cuda error: out of memory", _RT, False, "runtime error surfaced by a kernel launch"),
@@ -59,11 +57,10 @@ OOM_TABLE: tuple[OomText, ...] = (
             "cuDNN >= 9 (torch >= 2.4) device allocation failure"),
     OomText("cudnn_status_internal_error_host_allocation_failed", _RT, False,
             "cuDNN >= 9 host allocation failure"),
-    # Not memory: cuDNN rejects batches above fixed limits (BatchNorm above
-    # 65535 in eval, some convolutions) and a smaller size is the cure, so it
-    # counts without evidence, as in accelerate. Memory evidence would miss the
-    # very case it is here for. An input cuDNN never supports fails at every
-    # size: the wrapper then gives up at its minimum quoting this message.
+    # Not memory: cuDNN rejects batches above fixed limits (BatchNorm above 65535 in eval,
+    # some convolutions) and a smaller size is the cure, so it counts without evidence (which
+    # would miss the very case it is here for), as in accelerate. An input cuDNN never
+    # supports fails at every size: the wrapper gives up at its minimum quoting this message.
     OomText("cudnn_status_not_supported", _RT, False, "cuDNN size limit (accelerate parity)"),
     OomText("cufft_alloc_failed", _RT, False, "cuFFT plan allocation"),
     OomText("cusolver_status_alloc_failed", _RT, False, "cuSOLVER handle allocation"),
@@ -82,19 +79,16 @@ OOM_TABLE: tuple[OomText, ...] = (
     OomText("defaultcpuallocator: can't allocate memory", _RT, False, "CPU, under RLIMIT_DATA"),
     OomText("failed to allocate memory", _RT, False, "c10 / oneDNN scratchpad"),
     OomText("out of memory trying to allocate", _RT, False, "c10 allocators"),
-    # The rows below also have causes that are not memory.
-    # docs/measurements.md#onednn-primitive
+    # The rows below also have causes that are not memory. docs/measurements.md#onednn-primitive
     OomText("could not create a primitive", _RT, True, "oneDNN building a kernel"),
-    # A thread's stack (8 MiB) is private memory, counted by RLIMIT_DATA; with no
-    # memory limit near this is a thread limit instead.
-    # docs/measurements.md#cpu-oom-without-memoryerror
+    # The next four: docs/measurements.md#cpu-oom-without-memoryerror. A thread's stack
+    # (8 MiB) is private memory, counted by RLIMIT_DATA; with no memory limit near this is
+    # a thread limit instead.
     OomText("can't start new thread", _RT, True, "threading.Thread.start"),
-    # A C function (compile() importing a module from source) failed an
-    # allocation without setting MemoryError; else a bug in that function.
-    # docs/measurements.md#cpu-oom-without-memoryerror
+    # A C function (compile() importing a module from source) failed an allocation
+    # without setting MemoryError; else a bug in that function.
     OomText("returned null without setting an", (SystemError,), True, "an import, a C function"),
     # dlopen cannot map a C extension's writable segments; also a noexec mount.
-    # docs/measurements.md#cpu-oom-without-memoryerror
     OomText("failed to map segment from shared object", (ImportError,), True, "an import (dlopen)"),
     OomText("cannot map zero-fill pages", (ImportError,), True, "an import (dlopen)"),
     # torch's cuDNN v8/v9 API tries every plan and swallows each plan's OutOfMemoryError
@@ -125,8 +119,7 @@ def cuda_memory_near_limit() -> bool:
     """True when a CUDA device this process has a context on is within 10% of its limit:
     reserved bytes against the per-process fraction's cap, or ``cudaMemGetInfo``'s free
     bytes against its total. Devices without a context are skipped (reading them would
-    create one); a device that cannot be read counts as no evidence.
-    """
+    create one); a device that cannot be read counts as no evidence."""
     # why: probes.cuda imports torch's CUDA helpers; only needed once a GPU row matched.
     from oomguard.probes import cuda
 
@@ -146,15 +139,13 @@ def cuda_memory_near_limit() -> bool:
 
 
 def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> bool:
-    """Return True if ``exc`` is an out-of-memory error.
+    """Return True if ``exc`` is an out-of-memory error (module docstring).
 
-    An exception with an ``oomguard_is_oom`` attribute decides for itself (oomguard's
-    own "gave up" errors say False). Otherwise decided by type (``torch.OutOfMemoryError``,
-    ``MemoryError``), then by the rows of :data:`OOM_TABLE`: a row matches when ``exc``
-    is one of its types and its text is in ``str(exc)``. A row marked ``evidence``
-    counts only while ``memory_constrained``; when that is ``None``, while the row's
-    limit is near (:func:`memory_limit_near` or :func:`cuda_memory_near_limit`, read
-    only if such a row matches).
+    An exception with an ``oomguard_is_oom`` attribute decides for itself (oomguard's own
+    "gave up" errors say False). A row of :data:`OOM_TABLE` matches when ``exc`` is one of
+    its types and its text is in ``str(exc)``; a row marked ``evidence`` counts only while
+    ``memory_constrained``, or when that is None while the row's limit is near
+    (:func:`memory_limit_near` or :func:`cuda_memory_near_limit`, read only then).
     """
     verdict = getattr(exc, "oomguard_is_oom", None)  # an exception that says what it is
     if verdict is not None:
@@ -176,11 +167,6 @@ def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> boo
     return any(near[kind]() for kind in dict.fromkeys(row.near for row in matched))
 
 
-def oom_summary(exc: BaseException) -> str:
-    """One line describing an OOM, without keeping a reference to ``exc``."""
-    return f"{type(exc).__name__}: {first_line(exc)[:300]}"
-
-
 def release_memory(device: str | torch.device | None = None) -> None:
     """Return freed memory to the device: ``gc.collect()`` then the allocator cache. Call it
     outside an ``except`` block, or the live traceback keeps the failed step's tensors."""
@@ -188,9 +174,9 @@ def release_memory(device: str | torch.device | None = None) -> None:
     kind = torch.device(device).type if device is not None else None
     if kind in (None, "cuda") and torch.cuda.is_available():
         torch.cuda.empty_cache()
-    if kind in (None, "mps") and getattr(torch.backends, "mps", None) is not None:
-        if torch.backends.mps.is_available():
-            torch.mps.empty_cache()
+    mps = getattr(torch.backends, "mps", None)
+    if kind in (None, "mps") and mps is not None and mps.is_available():
+        torch.mps.empty_cache()
 
 
 @contextmanager
@@ -227,18 +213,15 @@ def call_catching_oom(
     ``except`` block (module docstring). ``on_oom(exc)`` is called first, while the
     tensors are alive (to measure memory as the OOM left it); an error it raises is ignored.
     """
-    failure: OOM | None = None
     try:
         return fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - re-raised unless it is an OOM
         if not is_oom(exc):
             raise
         if on_oom is not None:
-            try:
+            with contextlib.suppress(Exception):  # no room even to record: still the OOM
                 on_oom(exc)
-            except Exception:  # noqa: BLE001, S110 - no room even to record: still the OOM
-                pass
-        failure = OOM(oom_summary(exc))
+        failure = OOM(f"{type(exc).__name__}: {first_line(exc)[:300]}")  # no reference to exc
     # Outside the except block: `exc` and its frames are unreachable now.
     release_memory(device)
     return failure

@@ -1,21 +1,21 @@
 """The RAM guard: an estimated limit for CPU searches that run without a budget.
 
-Where the OS cannot cap a process's memory (macOS, Windows), or a caller gives no
-budget, a CPU trial is bounded only by ``max_size``: one size past the RAM makes the
-host swap, or its OOM killer ends the whole run. The guard stands in for a budget:
+Where the OS cannot cap a process's memory (macOS, Windows), or a caller gives no budget,
+a CPU trial is bounded only by ``max_size``: one size past the RAM makes the host swap,
+or its OOM killer ends the whole run. The guard stands in for a budget:
 
 - **Its limit** is ``fraction`` of the RAM available after the warm-up (probed:
   :func:`~oomguard.probes.host.host_memory`), counted as bytes a trial may add to the
   resident bytes at its start: the units of a trial's measured CPU peak.
-- **Before a trial** a size whose peak, predicted from the peaks measured so far, is
-  past the limit does not run.
-- **During a trial** a watchdog raises :class:`RamLimitReached` (a ``MemoryError``,
-  so an OOM) in the trial's thread at its next bytecode once the resident bytes pass
-  the limit; a single operation that allocates more than the headroom finishes first.
+- **Before a trial** a size whose peak, predicted from the peaks measured so far, is past
+  the limit does not run.
+- **During a trial** a watchdog raises :class:`RamLimitReached` (a ``MemoryError``, so an
+  OOM) in the trial's thread at its next bytecode once the resident bytes pass the limit;
+  a single operation that allocates more than the headroom finishes first.
 - **After a trial** a measured peak past the limit counts as out of memory.
 
-Every verdict is marked on its trial (``Trial.guarded``), and the search result says
-that its limit was estimated, not enforced.
+Every verdict is marked on its trial (``Trial.guarded``); the search result says that
+its limit was estimated, not enforced.
 """
 
 from __future__ import annotations

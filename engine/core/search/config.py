@@ -22,35 +22,31 @@ from oomguard.engine.errors import UsageError, check_positive_int
 
 @dataclass(frozen=True)
 class SearchConfig:
-    """How a search runs; every bad value is a one-line :class:`UsageError`.
+    """How a search runs; every bad value is a one-line :class:`UsageError`, raised when the
+    config is built, before any trial runs.
 
-    ``strategy`` proposes sizes (None: ``Guided(32)``; ``E10(start, step)``
-    from :func:`search`'s shorthand); its own ``start``/``step``/``factor`` are
-    what runs. ``max_size``, ``max_trials``, ``max_seconds`` bound the search (seconds of
-    trials, from the first one's start: the warm-up is not counted).
-    ``budget`` caps the bytes a trial may use above the warmed-up process
-    (None: no cap); ``isolate`` runs each trial in a fresh child process;
-    ``confirm`` searches in this process, then re-runs the answer and the size above it
-    in fresh children and, where they disagree, goes on there (``Confirm`` from the
-    in-process answer): the fresh-process maximum at close to in-process cost;
-    ``margin`` is the fraction of capacity the recommended size keeps free, or
-    ``"measured"`` to derive it from the spread of peaks across each trial's steps
-    (:func:`~oomguard.engine.core.search.fit.choose_margin`; the report names the margin used);
-    ``capacity_bytes`` is what the recommendation scales against (None: the
-    budget, else the free memory probed before the search). ``ram_guard``
-    bounds CPU trials that run without a budget by an estimated limit
-    (:class:`~oomguard.engine.core.memory.ramguard.RamGuard`): None (default) guards
-    CPU searches without a budget at 80% of the RAM available after the
-    warm-up, True always, False never; or give a ``RamGuard``. ``trial_timeout``
-    bounds each isolated trial in seconds (finite, > 0): a child still running
-    then is killed and the search ends with :class:`TrialFailed` (the cause a
-    :class:`~oomguard.engine.errors.ChildCrashed`), never an OOM.
-    ``steps_per_trial`` calls the workload that many times per trial (None: the
-    workload's own ``steps_per_trial`` attribute, else 1; the built-in training
-    step says 2, so the first optimizer step and a steady-state one are both
-    inside the trial). ``verify_steps`` runs that many further steps at the
-    recommended size after the search and reports any OOM (0: no verification).
-    All fields are checked when the config is built, before any trial runs.
+    ``strategy`` proposes sizes (None: ``Guided(32)``; ``E10(start, step)`` from
+    :func:`search`'s shorthand); its own fields are what runs. ``max_size``, ``max_trials``,
+    ``max_seconds`` bound the search (seconds of trials from the first one's start: the
+    warm-up is not counted). ``budget`` caps the bytes a trial may use above the warmed-up
+    process (None: no cap); ``isolate`` runs each trial in a fresh child process;
+    ``confirm`` searches in this process, then re-runs the answer and the size above it in
+    fresh children and, where they disagree, goes on there (``Confirm``): the
+    fresh-process maximum at close to in-process cost. ``margin``: the fraction of
+    capacity the recommended size keeps free, or ``"measured"`` to derive it from the
+    spread of peaks across each trial's steps
+    (:func:`~oomguard.engine.core.search.fit.choose_margin`; the report names it).
+    ``capacity_bytes``: what the recommendation scales against (None: the budget, else the
+    free memory probed before the search). ``ram_guard`` bounds CPU trials without a
+    budget by an estimated limit (:class:`~oomguard.engine.core.memory.ramguard.RamGuard`):
+    None (default) at 80% of the RAM available after the warm-up, True always, False
+    never, or the ``RamGuard`` given. ``trial_timeout``: seconds (finite, > 0) per isolated
+    trial; a child still running then is killed and the search ends with
+    :class:`TrialFailed` (the cause a :class:`~oomguard.engine.errors.ChildCrashed`), never
+    an OOM. ``steps_per_trial``: workload calls per trial (None: the workload's own
+    ``steps_per_trial``, else 1; the training step says 2, the first optimizer step and a
+    steady one). ``verify_steps``: further steps run at the recommended size after the
+    search, any OOM reported (0: no verification).
     """
 
     strategy: Strategy | None = None
@@ -74,32 +70,28 @@ class SearchConfig:
                              f"next(trials, max_size); got {self.strategy!r}")
         check_positive_int("max_size", self.max_size)
         check_positive_int("max_trials", self.max_trials)
-        for name in ("budget", "capacity_bytes"):
+        for name in ("budget", "capacity_bytes"):  # "positive integer": None is the default
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
-        if self.max_seconds is not None and not _is_positive_seconds(self.max_seconds):
-            raise UsageError(f"max_seconds must be a positive number or None, "
-                             f"got {self.max_seconds!r}")
-        if not _is_positive_seconds(self.trial_timeout):
-            raise UsageError(f"trial_timeout must be a positive number of seconds, "
-                             f"got {self.trial_timeout!r}")
-        if self.margin != MEASURED and not (_is_number(self.margin) and math.isfinite(self.margin)
-                                            and 0 <= self.margin < 1):
-            raise UsageError(f"margin must be a fraction in [0, 1) or {MEASURED!r}, "
-                             f"got {self.margin!r}")
-        if not (self.ram_guard is None or isinstance(self.ram_guard, (bool, RamGuard))):
-            raise UsageError(f"ram_guard must be None, True, False or a RamGuard, "
-                             f"got {self.ram_guard!r}")
+        _require(self.max_seconds is None or is_positive_seconds(self.max_seconds),
+                 f"max_seconds must be a positive number or None, got {self.max_seconds!r}")
+        _require(is_positive_seconds(self.trial_timeout), "trial_timeout must be a positive "
+                 f"number of seconds, got {self.trial_timeout!r}")
+        _require(self.margin == MEASURED or (_is_number(self.margin) and math.isfinite(
+            self.margin) and 0 <= self.margin < 1), f"margin must be a fraction in [0, 1) or "
+                 f"{MEASURED!r}, got {self.margin!r}")
+        _require(self.ram_guard is None or isinstance(self.ram_guard, (bool, RamGuard)),
+                 f"ram_guard must be None, True, False or a RamGuard, got {self.ram_guard!r}")
         check_positive_int("steps_per_trial", self.steps_per_trial, optional=True)
-        if isinstance(self.verify_steps, bool) or not isinstance(self.verify_steps, int) \
-                or self.verify_steps < 0:
-            raise UsageError(f"verify_steps must be a whole number >= 0, got {self.verify_steps!r}")
+        _require(_is_number(self.verify_steps) and isinstance(self.verify_steps, int)
+                 and self.verify_steps >= 0,
+                 f"verify_steps must be a whole number >= 0, got {self.verify_steps!r}")
         for name in ("isolate", "confirm"):
-            if not isinstance(getattr(self, name), bool):
-                raise UsageError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.isolate and self.confirm:
-            raise UsageError("confirm re-runs an in-process search's answer in fresh processes; "
-                             "with isolate every trial already runs in one: give one of them")
+            _require(isinstance(getattr(self, name), bool),
+                     f"{name} must be True or False, got {getattr(self, name)!r}")
+        _require(not (self.isolate and self.confirm), "confirm re-runs an in-process search's "
+                 "answer in fresh processes; with isolate every trial already runs in one: give "
+                 "one of them")
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError):
@@ -126,9 +118,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _is_positive_seconds(value: Any) -> bool:
+def is_positive_seconds(value: Any) -> bool:
     """A finite number > 0 (``inf`` would disable the limit it sets; ``nan`` compares false)."""
     return _is_number(value) and math.isfinite(value) and value > 0
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise UsageError(message)
 
 
 def resolve(config: SearchConfig | None, start: int | None, step: int | None,

@@ -49,11 +49,8 @@ class LinearFit:
 
 
 def fit_line(trials: Sequence[Trial]) -> LinearFit | None:
-    """Least-squares fit over the successful trials with a measured peak.
-
-    Needs two distinct sizes; returns None otherwise. When a size ran more than
-    once, every run is a point.
-    """
+    """:func:`fit_points` over the successful trials with a measured peak (every run of a
+    size is a point)."""
     return fit_points([(t.size, t.peak_bytes) for t in trials
                        if t.ok and t.peak_bytes is not None])
 
@@ -64,10 +61,8 @@ def peak_model(points: Sequence[tuple[int, int]]) -> LinearFit | None:
     more; from one size, a line through the origin from its largest peak (proportional
     to the size, which overstates sizes above it when part of the peak does not grow);
     None without a point or with a peak of 0."""
-    if len({s for s, _ in points}) >= 2:
+    if len({s for s, _ in points}) != 1:
         return fit_points(points)
-    if not points:
-        return None
     size, peak = max(points)
     if peak <= 0:
         return None
@@ -106,13 +101,10 @@ def step_spread(trial: Trial) -> float | None:
 
 
 def choose_margin(margin: float | str, trials: Sequence[Trial]) -> tuple[float, str]:
-    """The margin the recommendation keeps free, and where it comes from in words.
-
-    A number is used as given. ``"measured"`` derives it from the spread of peaks
-    across the steps of each trial (:func:`step_spread`): :data:`SPREAD_FACTOR` times the
-    largest spread, within [:data:`MIN_MEASURED_MARGIN`, :data:`MAX_MEASURED_MARGIN`];
-    with no trial of two steps or more it falls back to :data:`DEFAULT_MARGIN` and says so.
-    """
+    """The margin the recommendation keeps free, and where it comes from in words: a number
+    as given; ``"measured"``: :data:`SPREAD_FACTOR` times the largest :func:`step_spread`,
+    within [:data:`MIN_MEASURED_MARGIN`, :data:`MAX_MEASURED_MARGIN`], else (no trial of two
+    steps or more) :data:`DEFAULT_MARGIN`, saying so."""
     if margin != MEASURED:
         return float(margin), f"fixed: {float(margin):.0%} of capacity (as configured)"
     spreads = [(s, t.size) for t in trials if (s := step_spread(t)) is not None]
@@ -128,15 +120,12 @@ def choose_margin(margin: float | str, trials: Sequence[Trial]) -> tuple[float, 
 
 @dataclass(frozen=True)
 class Recommendation:
-    """Sizes to use, each at most the measured maximum.
-
-    ``safe``: the largest size whose estimated peak keeps ``margin`` of the
-    capacity free (E10: "recommended"). ``conservative``: the largest size up
-    to ``safe`` that actually ran with a measured peak within the same limit
-    (``conservative_ran`` is False when none did and it equals ``safe``).
-    ``maximum``: the largest size that ran. ``basis`` says how ``safe`` was
-    obtained, ``margin_source`` where ``margin`` came from (:func:`choose_margin`).
-    """
+    """Sizes to use, each at most the measured maximum: ``safe``, the largest size whose
+    estimated peak keeps ``margin`` of the capacity free (E10: "recommended");
+    ``conservative``, the largest size up to ``safe`` that ran with a measured peak within
+    the same limit (``conservative_ran`` False: none did, it equals ``safe``); ``maximum``,
+    the largest size that ran. ``basis``: how ``safe`` was obtained; ``margin_source``:
+    where ``margin`` came from (:func:`choose_margin`)."""
 
     safe: int
     conservative: int
@@ -162,31 +151,24 @@ def recommend(
 ) -> Recommendation:
     """Recommend safe, conservative and maximum sizes below ``max_ok``.
 
-    With a capacity and a fit, ``safe`` is the fitted size that leaves
-    ``margin`` of the capacity free. The meter and the limit need not count
-    the same bytes (on CPU the meter sees resident pages, ``RLIMIT_DATA``
-    counts virtual ones), so when an OOM was seen the capacity is also
-    estimated in the meter's own units as the fitted peak at ``first_oom``,
-    and the smaller of the two is used. Without a fit it falls back to
-    ``floor(max_ok * (1 - margin))``, an estimate that assumes memory is
-    proportional to size, and says so in ``basis``.
+    With a capacity and a fit, ``safe`` is the fitted size that leaves ``margin`` of the
+    capacity free. The meter and the limit need not count the same bytes (on CPU the meter
+    sees resident pages, ``RLIMIT_DATA`` counts virtual ones), so after an OOM the capacity
+    is also estimated in the meter's units as the fitted peak at ``first_oom``, and the
+    smaller is used. Without a fit: ``floor(max_ok * (1 - margin))``, an estimate that
+    assumes memory proportional to size, as ``basis`` says.
     """
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
-    usable = capacity_bytes
-    basis_cap = "capacity"
+    usable, basis_cap = capacity_bytes, "capacity"
     if fit is not None and first_oom is not None and fit.per_item_bytes > 0:
         at_oom = fit.predict(first_oom)
         if usable is None or at_oom < usable:
             usable, basis_cap = int(at_oom), f"the fitted peak at the first OOM ({first_oom})"
     limit = usable * (1 - margin) if usable else None
-    safe: int | None = None
-    basis = f"floor(max_ok x {1 - margin:.2f}): no capacity or fit to scale against"
-    if limit is not None and fit is not None:
-        fitted = fit.largest_size_within(limit)
-        if fitted is not None:
-            safe = fitted
-            basis = f"fitted line: estimated peak <= {1 - margin:.0%} of {basis_cap}"
+    safe = fit.largest_size_within(limit) if limit is not None and fit is not None else None
+    basis = (f"fitted line: estimated peak <= {1 - margin:.0%} of {basis_cap}" if safe is not None
+             else f"floor(max_ok x {1 - margin:.2f}): no capacity or fit to scale against")
     if safe is None and limit is not None:
         at_max = [t.peak_bytes for t in trials if t.ok and t.size == max_ok and t.peak_bytes is not None]
         if at_max and max(at_max) <= limit:

@@ -1,42 +1,29 @@
 """Isolated trials: each size runs in a fresh child process.
 
-In-process trials inherit the caches, JIT kernels and heap fragments of every
-earlier trial, so their headroom shrinks as a search runs; a fresh child per
-trial measures the true maximum (docs/measurements.md#in-process-vs-isolated).
+In-process trials inherit the caches, JIT kernels and heap fragments of every earlier
+trial, so their headroom shrinks as a search runs; a fresh child per trial measures the
+true maximum (docs/measurements.md#in-process-vs-isolated).
 
 Children come from the launcher's forkserver (:mod:`oomguard.engine.core.child`), which
-has already imported torch, ``torch._dynamo`` and the workload's ``preload`` modules, so a
-trial pays a fork and the workload's own ``warmup()``, not an interpreter start
+has already imported torch, ``torch._dynamo`` and the workload's ``preload`` modules, so
+a trial pays a fork and the workload's ``warmup()``, not an interpreter start
 (docs/measurements.md#isolated-children-start-up); it starts as soon as
-:class:`IsolatedRunner` is built, so the parent's work overlaps its start-up. In the
-child, in order (:func:`_trial`): freeze what the forkserver imported out of the
-collections; make glibc give freed memory back; unpickle the workload; ``warmup()``; the
-budget (if any); one trial; the :class:`~oomguard.engine.core.search.trial.Trial` back.
+:class:`IsolatedRunner` is built, so the parent's work overlaps its start-up. The child
+runs :func:`_trial`; its stderr is copied to this process's stderr after each trial.
 
-How the parent reads a child's end:
-
-- a Trial (fitted or OOM) is returned; an error raised in the child is
-  re-raised here, with the child's traceback as a note;
-- a child that dies before ``started`` (its re-import of an unguarded main
-  script failed) or cannot unpickle the workload raises
-  :class:`ChildStartFailed` naming the likely cause and the fix;
-- a child that dies after ``started`` is an OOM only with evidence: SIGKILL
-  while a memory limit applies (the budget, ``RLIMIT_DATA``/``RLIMIT_AS``, a
-  cgroup limit), or an allocation failure reported on its stderr (libgomp,
-  C++ ``std::bad_alloc``; oneDNN's "could not create a primitive" under a
-  memory limit), or death by a signal after the child's data segment, sampled
-  from here while it runs under a CPU budget, came close to the limit (native
-  code that does not check ``malloc`` segfaults there;
-  :mod:`~oomguard.engine.core.child`). Otherwise :class:`ChildCrashed`.
-
-The child's stderr is copied to this process's stderr after each trial.
+How the parent reads a child's end: a :class:`~oomguard.engine.core.search.trial.Trial`
+(fitted or OOM) is returned; an error raised in the child is re-raised here, with the
+child's traceback as a note; a child that dies before ``started`` (its re-import of an
+unguarded main script failed) or cannot unpickle the workload raises
+:class:`ChildStartFailed` naming the likely cause and the fix; a child that dies after
+``started`` is an OOM only with evidence (:func:`~oomguard.engine.core.child.oom_evidence`,
+:class:`~oomguard.engine.core.child.LimitWatch`), else :class:`ChildCrashed`.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import math
 import multiprocessing as mp
 import os
 import pickle
@@ -57,6 +44,7 @@ from oomguard.engine.core.memory.heap import (
 )
 from oomguard.engine.core.memory.oom import gc_frozen
 from oomguard.engine.core.memory.ramguard import RamGuard
+from oomguard.engine.core.search.config import is_positive_seconds
 from oomguard.engine.core.search.trial import Trial, run_trial
 from oomguard.engine.core.workload import qualname, warm_up, workload_preload
 from oomguard.engine.errors import ChildCrashed, ChildStartFailed, UsageError, first_line
@@ -101,11 +89,6 @@ def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
         return run_trial(fn, size, device, ram_guard, steps)
 
 
-def _in_bootstrapping_child() -> bool:
-    """True while a multiprocessing child re-imports the main script (before its target runs)."""
-    return bool(getattr(mp.current_process(), "_inheriting", False))
-
-
 def _main_program() -> str | None:
     """What a forkserver/spawn child re-imports of the parent: a script path or module
     name, or None (``python -c``, stdin, a notebook: nothing it can import)."""
@@ -120,23 +103,22 @@ def _main_program() -> str | None:
 class IsolatedRunner:
     """Context manager; calling it with a size runs one isolated trial -> :class:`Trial`.
 
-    ``fn`` must be picklable (a module-level function or class instance in an
-    importable file); :class:`ChildStartFailed` says so at once if it is not.
-    ``budget`` bytes are applied in the child after ``fn.warmup()``; a RAM
-    ``guard`` watches the child's trial (see :func:`~oomguard.engine.core.search.trial.run_trial`).
-    ``timeout`` seconds (finite, > 0) bound each trial, from the child's start to
-    its result: a child still running then is killed and reported as
-    :class:`ChildCrashed`, never as an OOM (nothing says it ran out of memory).
+    ``fn`` must be picklable (a module-level function or class instance in an importable
+    file); :class:`ChildStartFailed` says so at once if it is not. ``budget`` bytes are
+    applied in the child after ``fn.warmup()``; a RAM ``guard`` watches the child's trial
+    (:func:`~oomguard.engine.core.search.trial.run_trial`). ``timeout`` seconds (finite,
+    > 0) bound each trial from the child's start: a child still running then is killed
+    and reported as :class:`ChildCrashed`, never as an OOM.
     """
 
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
                  budget: int | None = None, timeout: float = 600.0,
                  guard: RamGuard | None = None) -> None:
-        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-                and math.isfinite(timeout) and timeout > 0):
+        if not is_positive_seconds(timeout):
             raise UsageError(f"the trial timeout must be a positive number of seconds, "
                              f"got {timeout!r}")
-        if _in_bootstrapping_child():
+        # True while a multiprocessing child re-imports the main script (before its target runs)
+        if getattr(mp.current_process(), "_inheriting", False):
             raise ChildStartFailed(
                 "an isolated trial's child process is re-running the main script, which starts "
                 f"a search at import: {MAIN_GUARD_FIX}")

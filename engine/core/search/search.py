@@ -2,21 +2,20 @@
 
 ``search(fn, ...)`` calls ``fn(size)`` at sizes a :mod:`strategy
 <oomguard.engine.core.search.strategies>` proposes (Guided by default) until the bracket
-between the largest fit and the smallest OOM is closed. It returns only sizes
-that actually ran and always terminates (``max_size``, ``max_trials``,
-``max_seconds``). A search that ends without an answer raises a
-:class:`~oomguard.engine.errors.SearchFailed` carrying every trial that ran::
+between the largest fit and the smallest OOM is closed. It returns only sizes that
+actually ran and always terminates (``max_size``, ``max_trials``, ``max_seconds``); one
+that ends without an answer raises a :class:`~oomguard.engine.errors.SearchFailed`
+carrying every trial that ran::
 
     search(step, budget=2 * GiB)                          # Guided(start=32)
     search(step, start=64, step=16, budget=2 * GiB)       # shorthand for E10(64, 16)
     search(step, strategy=Doubling(start=64), isolate=True, budget=2 * GiB)
     search(step, SearchConfig(strategy=Doubling(start=64), budget=2 * GiB))
 
-Trials run in this process (fast; later trials inherit the caches and heap
-fragments of earlier ones, so the answer can differ from a fresh process's)
-or isolated, each in a fresh child process (the faithful maximum,
-docs/measurements.md#in-process-vs-isolated). The result says which mode
-produced it.
+Trials run in this process (fast; later trials inherit the caches and heap fragments of
+earlier ones, so the answer can differ from a fresh process's) or isolated, each in a
+fresh child process (the faithful maximum, docs/measurements.md#in-process-vs-isolated).
+The result says which mode produced it.
 """
 
 from __future__ import annotations
@@ -62,16 +61,13 @@ log = logging.getLogger("oomguard.search")
 
 @dataclass
 class SearchResult:
-    """What a search found. Sizes are items; bytes are bytes.
-
-    ``max_ok`` is the largest size that ran; ``first_oom`` the smallest size
-    above it that ran out of memory (None if none did). ``capacity_bytes`` is
-    what the workload could use: the budget if one was set, otherwise the free
-    memory probed before the search (an estimate of headroom, not a limit).
-    ``limit`` describes the RAM guard when one bounded the trials (its
-    ``enforced`` is False: the limit was estimated), else None.
-    ``verification``: the further steps run at the recommended size
-    (``verify_steps``) and whether they ran out of memory, else None.
+    """What a search found (sizes in items). ``max_ok``: the largest size that ran;
+    ``first_oom``: the smallest size above it that ran out of memory (None: none did).
+    ``capacity_bytes``: what the workload could use, the budget, else the free memory probed
+    before the search (an estimate of headroom, not a limit). ``limit``: the RAM guard that
+    bounded the trials (``enforced`` False: an estimated limit), else None.
+    ``verification``: the ``verify_steps`` run at the recommended size and whether they
+    ran out of memory, else None.
     """
 
     workload: str
@@ -120,41 +116,32 @@ def search(
 ) -> SearchResult:
     """Find the largest size at which ``fn(size)`` runs without running out of memory.
 
-    ``options`` are :class:`SearchConfig` fields (``strategy``, ``max_size``,
-    ``max_trials``, ``max_seconds``, ``device``, ``budget``, ``isolate``,
-    ``margin``, ``capacity_bytes``, ``trial_timeout``, ``ram_guard``,
-    ``steps_per_trial``, ``verify_steps``) and override those of ``config``.
-    ``start``/``step`` are shorthand for ``strategy=E10(start, step)`` only;
-    with another strategy give them to it (``Doubling(start=64)``).
-    ``on_trial`` is called with each :class:`Trial` as it completes.
+    ``options`` are :class:`SearchConfig` fields and override those of ``config``.
+    ``start``/``step`` are shorthand for ``strategy=E10(start, step)`` only; with another
+    strategy give them to it (``Doubling(start=64)``). ``on_trial`` is called with each
+    :class:`Trial` as it completes.
 
-    ``fn`` runs one trial; if it has a ``warmup()`` method, that is called once
-    per process before the budget is applied (build the model, initialise
-    thread pools). With ``isolate=True`` each trial runs in a fresh child
-    process: ``fn`` must be picklable and defined in an importable file, and a
-    script that calls this needs an ``if __name__ == "__main__":`` guard.
+    ``fn`` runs one trial; its ``warmup()``, if any, is called once per process before
+    the budget is applied (build the model, initialise thread pools). With
+    ``isolate=True`` each trial runs in a fresh child process: ``fn`` must be picklable
+    and defined in an importable file, and a script that calls this needs an
+    ``if __name__ == "__main__":`` guard.
 
     Raises :class:`UsageError` (a ``ValueError``) on bad options,
-    :class:`ChildStartFailed` at once when an isolated ``fn`` cannot be
-    pickled, :class:`NoSizeFits` when no size tried fitted, and
-    :class:`TrialFailed` (``from`` the original error) when a trial failed for
-    another reason; both carry the partial result with every trial that ran.
+    :class:`ChildStartFailed` at once when an isolated ``fn`` cannot be pickled,
+    :class:`NoSizeFits` when no size tried fitted, and :class:`TrialFailed` (``from``
+    the original error) when a trial failed for another reason; both carry the partial
+    result with every trial that ran.
     """
-    cfg = resolve(config, start, step, options)
-    dev = torch.device(cfg.device)
-    if cfg.budget is not None:
-        check_budget(cfg.budget, dev)
+    cfg, dev = _checked(config, start, step, options)
     run = _Search(fn, cfg, dev, on_trial)
     with ExitStack() as stack:
         # Built first: a workload that cannot be pickled fails before any trial, and the
         # forkserver starts while this process warms up.
-        fresh = (stack.enter_context(IsolatedRunner(fn, device=dev, budget=cfg.budget,
-                                                    timeout=cfg.trial_timeout,
-                                                    guard=_guard(cfg, dev)))
-                 if cfg.confirm else None)
+        fresh = stack.enter_context(_isolated(fn, cfg, dev)) if cfg.confirm else None
         runner, run.guard = _runner(fn, cfg, dev, stack)
         if run.capacity is None:  # after the warm-up: free memory then leaves the model out
-            run.capacity = cfg.budget if cfg.budget is not None else _free_bytes(dev)
+            run.capacity = cfg.budget if cfg.budget is not None else probe(dev).free_bytes
         run.t_trials = time.perf_counter()  # max_seconds bounds the trials, not the warm-up
         stopped = run.phase(run.strategy, run.trials, runner,
                             "isolated" if cfg.isolate else "in-process")
@@ -202,9 +189,11 @@ class _Search:
         reached; return why it stopped."""
         cfg = self.cfg
         while True:
-            stopped = _limit_reached(cfg, len(self.trials), time.perf_counter() - self.t_trials)
-            if stopped:
-                return stopped
+            if len(self.trials) >= cfg.max_trials:
+                return f"max_trials ({cfg.max_trials}) reached"
+            seconds = time.perf_counter() - self.t_trials  # of trials, not of the warm-up
+            if cfg.max_seconds is not None and seconds > cfg.max_seconds:
+                return f"max_seconds ({cfg.max_seconds:g}) reached"
             size = proposer.next(phase, cfg.max_size)
             if size is None:
                 lo, _ = bracket(phase)
@@ -263,39 +252,42 @@ def verify(fn: Callable[[int], Any], size: int, steps: int, config: SearchConfig
     first, then under the config's budget, in this process or a fresh child with
     ``isolate=True``) and say what happened: ``ok``, ``peak_bytes`` and ``step_peaks``
     (measured bytes above the warmed-up baseline, as :class:`Trial` counts them),
-    ``seconds`` and the OOM's ``error``. An OOM is reported, not raised; any other
-    error propagates. ``options`` are :class:`SearchConfig` fields (``device``,
-    ``budget``, ``isolate``, ``trial_timeout``, ``ram_guard``); the search itself
-    verifies with ``search(..., verify_steps=N)``.
-    """
+    ``seconds`` and the OOM's ``error`` (reported, not raised; any other error
+    propagates). ``options`` are :class:`SearchConfig` fields; the search itself verifies
+    with ``search(..., verify_steps=N)``."""
     check_positive_int("size", size)
     check_positive_int("steps", steps)
-    cfg = resolve(config, None, None, options)
-    dev = torch.device(cfg.device)
-    if cfg.budget is not None:
-        check_budget(cfg.budget, dev)
+    cfg, dev = _checked(config, None, None, options)
     with ExitStack() as stack:
         runner, _ = _runner(fn, cfg, dev, stack)
         return _verify(runner, size, steps, "isolated" if cfg.isolate else "in-process")
 
 
+def _checked(config: SearchConfig | None, start: int | None, step: int | None,
+             options: dict[str, Any]) -> tuple[SearchConfig, torch.device]:
+    """The config that runs (:func:`resolve`) and its device, the budget checked."""
+    cfg = resolve(config, start, step, options)
+    dev = torch.device(cfg.device)
+    if cfg.budget is not None:
+        check_budget(cfg.budget, dev)
+    return cfg, dev
+
+
 def _verify(runner: Callable[[int, int], Trial], size: int, steps: int, mode: str
             ) -> dict[str, Any]:
-    """Run ``steps`` further steps at the recommended ``size``, as the trials ran; what
-    happened, OOM included (a verification that fails is reported, not raised)."""
+    """Run ``steps`` further steps at ``size`` as the trials ran; what happened (an OOM is
+    reported, not raised)."""
     trial = runner(size, steps)
     trial.mode = mode
     log.info("verify: %d steps at size %d %s", steps, size, trial.outcome.upper())
-    return {"size": size, "steps": steps, "ok": trial.ok, "peak_bytes": trial.peak_bytes,
-            "step_peaks": trial.step_peaks, "seconds": trial.seconds, "error": trial.error,
-            "guarded": trial.guarded}
+    return {"size": size, "steps": steps} | {k: getattr(trial, k) for k in (
+        "ok", "peak_bytes", "step_peaks", "seconds", "error", "guarded")}
 
 
 def _guarded(cfg: SearchConfig, dev: torch.device) -> bool:
     """Whether the trials run under a RAM guard (see SearchConfig.ram_guard); CPU only."""
-    if dev.type != "cpu" or cfg.ram_guard is False:
-        return False
-    return cfg.ram_guard is not None or cfg.budget is None
+    return dev.type == "cpu" and cfg.ram_guard is not False and (
+        cfg.ram_guard is not None or cfg.budget is None)
 
 
 def _guard(cfg: SearchConfig, dev: torch.device) -> RamGuard | None:
@@ -305,13 +297,17 @@ def _guard(cfg: SearchConfig, dev: torch.device) -> RamGuard | None:
     return cfg.ram_guard if isinstance(cfg.ram_guard, RamGuard) else RamGuard.for_host()
 
 
+def _isolated(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device) -> IsolatedRunner:
+    return IsolatedRunner(fn, device=dev, budget=cfg.budget, timeout=cfg.trial_timeout,
+                          guard=_guard(cfg, dev))
+
+
 def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device,
             stack: ExitStack) -> tuple[Callable[[int, int], Trial], RamGuard | None]:
     """What runs one trial, and the RAM guard it runs under (made after the warm-up)."""
     if cfg.isolate:
-        guard = _guard(cfg, dev)
-        return stack.enter_context(IsolatedRunner(fn, device=dev, budget=cfg.budget,
-                                                  timeout=cfg.trial_timeout, guard=guard)), guard
+        isolated = stack.enter_context(_isolated(fn, cfg, dev))
+        return isolated, isolated.guard
     if dev.type == "cpu" and (cfg.budget is not None or _guarded(cfg, dev)):
         # Before the warm-up, as in an isolated child: a warm-up under glibc's default
         # threshold leaves 27-47 MiB of free heap (varying run to run) that the budget
@@ -324,19 +320,7 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device,
     if cfg.budget is not None:
         stack.enter_context(memory_budget(cfg.budget, dev))
     guard = _guard(cfg, dev)
-
-    def in_process(size: int, steps: int) -> Trial:
-        return run_trial(fn, size, dev, guard, steps)
-
-    return in_process, guard
-
-
-def _limit_reached(cfg: SearchConfig, done: int, seconds: float) -> str | None:
-    if done >= cfg.max_trials:
-        return f"max_trials ({cfg.max_trials}) reached"
-    if cfg.max_seconds is not None and seconds > cfg.max_seconds:
-        return f"max_seconds ({cfg.max_seconds:g}) reached"
-    return None
+    return (lambda size, steps: run_trial(fn, size, dev, guard, steps)), guard
 
 
 def _failure_text(name: str, size: int, exc: BaseException, partial: SearchResult) -> str:
@@ -346,6 +330,3 @@ def _failure_text(name: str, size: int, exc: BaseException, partial: SearchResul
     return (f"{name}: the trial at size {size} failed ({type(exc).__name__}: "
             f"{first_line(exc)[:400]}); {ran}")
 
-
-def _free_bytes(dev: torch.device) -> int | None:
-    return probe(dev).free_bytes

@@ -1,18 +1,13 @@
 """Search strategies: small objects that propose the next size to try.
 
-A strategy sees the trials so far and returns the next size, or ``None`` when
-it is done. It never decides the answer: the search returns the largest size
-that actually ran. Composable like tenacity's stop/wait objects: pass one to
-:func:`oomguard.engine.core.search.search.search` as ``strategy=``.
-
-Every strategy brackets the maximum between the largest size that fitted and
-the smallest larger size that ran out of memory, and bisects that bracket
-until the two are adjacent, so all of them return the same answer on a
-monotone workload; they differ in how fast they find the bracket.
-
-The built-in strategies are frozen: their fields (``start``, ``step``,
-``factor``, ``capacity_bytes``) are exactly what runs, and what a search
-records in ``result.config``. A bad value is a :class:`UsageError`.
+A strategy sees the trials so far and returns the next size, or ``None`` when it is done;
+the search, never the strategy, returns the largest size that actually ran. Pass one to
+:func:`oomguard.engine.core.search.search.search` as ``strategy=``. Every strategy
+brackets the maximum between the largest size that fitted and the smallest larger size
+that ran out of memory and bisects it until the two are adjacent, so all of them give
+the same answer on a monotone workload; they differ in how fast they find the bracket.
+The built-in ones are frozen: their fields are exactly what runs and what a search
+records in ``result.config``; each must be a positive integer (:class:`UsageError`).
 """
 
 from __future__ import annotations
@@ -46,22 +41,25 @@ def strategy_params(strategy: Any) -> dict[str, Any]:
 
 def bracket(trials: Sequence[Trial]) -> tuple[int | None, int | None]:
     """(largest size that fitted, smallest larger size that ran out of memory)."""
-    oks = [t.size for t in trials if t.ok]
-    lo = max(oks) if oks else None
-    ooms = [t.size for t in trials if not t.ok and (lo is None or t.size > lo)]
-    return lo, (min(ooms) if ooms else None)
+    lo = max((t.size for t in trials if t.ok), default=None)
+    return lo, min((t.size for t in trials if not t.ok and (lo is None or t.size > lo)),
+                   default=None)
 
 
-def _refine(trials: Sequence[Trial], lo: int | None, hi: int | None) -> int | None:
-    """The shared end game: halve down while nothing fits, bisect a bracket."""
-    if lo is None:  # nothing fitted yet: halve below the smallest failure
-        assert hi is not None
-        return hi // 2 if hi // 2 >= 1 else None
-    if hi is None:
-        return None
-    if hi - lo <= 1:
-        return None
-    return (lo + hi) // 2
+def _refine(lo: int | None, hi: int | None) -> int | None:
+    """The shared end game: halve below the smallest failure while nothing fits (``hi``
+    is then set), bisect a bracket until it is closed."""
+    if lo is None:
+        return hi // 2 or None  # type: ignore[operator]
+    return (lo + hi) // 2 if hi is not None and hi - lo > 1 else None
+
+
+class _PositiveFields:
+    """Checks on creation that every dataclass field is a positive integer."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            check_positive_int(f.name, getattr(self, f.name))
 
 
 def _grow_then_refine(trials: Sequence[Trial], max_size: int, start: int,
@@ -73,85 +71,61 @@ def _grow_then_refine(trials: Sequence[Trial], max_size: int, start: int,
     lo, hi = bracket(trials)
     if lo is not None and hi is None:
         return None if lo >= max_size else min(grow(lo), max_size)
-    return _refine(trials, lo, hi)
+    return _refine(lo, hi)
 
 
 @dataclass(frozen=True)
-class E10:
-    """The E10 report's routine: start at ``start``, add ``step`` while it fits,
-    then bisect between the last fit and the first OOM until they are adjacent.
-
-    If ``start`` does not fit, halve until something does, then go on.
-    """
+class E10(_PositiveFields):
+    """The E10 report's routine (:meth:`describe`)."""
 
     start: int = 32
     step: int = 8
     name: ClassVar[str] = "e10"
 
-    def __post_init__(self) -> None:
-        check_positive_int("start", self.start)
-        check_positive_int("step", self.step)
-
     def describe(self) -> str:
-        return (
-            f"Start at {self.start}; expand in +{self.step} increments while "
-            "successful; on the first OOM, bisect between the last success and the first "
-            "OOM until they are adjacent (halve first if the start does not fit)."
-        )
+        return (f"Start at {self.start}; expand in +{self.step} increments while "
+                "successful; on the first OOM, bisect between the last success and the first "
+                "OOM until they are adjacent (halve first if the start does not fit).")
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         return _grow_then_refine(trials, max_size, self.start, lambda n: n + self.step)
 
 
 @dataclass(frozen=True)
-class Doubling:
-    """Multiply from ``start`` by ``factor`` while it fits, then bisect (Lightning's
-    'power' then 'binsearch', without their off-by-one): fewer trials when the
-    maximum is far from the start, same answer. It has no ``step``."""
+class Doubling(_PositiveFields):
+    """Lightning's 'power' then 'binsearch' without their off-by-one (:meth:`describe`):
+    fewer trials than E10 when the maximum is far from the start, same answer."""
 
     start: int = 32
     factor: int = 2
     name: ClassVar[str] = "doubling"
 
     def __post_init__(self) -> None:
-        check_positive_int("start", self.start)
-        check_positive_int("factor", self.factor)
+        super().__post_init__()
         if self.factor < 2:
             raise UsageError(f"factor must be at least 2, got {self.factor}")
 
     def describe(self) -> str:
-        return (
-            f"Start at {self.start}; multiply by {self.factor} while successful; then bisect "
-            "between the last success and the first OOM until they are adjacent."
-        )
+        return (f"Start at {self.start}; multiply by {self.factor} while successful; then bisect "
+                "between the last success and the first OOM until they are adjacent.")
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         return _grow_then_refine(trials, max_size, self.start, lambda n: n * self.factor)
 
 
 @dataclass(frozen=True)
-class LinearJump:
-    """Measure two sizes, fit peak bytes = base + per_item * size, jump to the
-    predicted maximum under ``capacity_bytes``, verify, then bisect.
-
-    Doubles while no usable fit exists. After a failed jump it bisects between
-    the last fit and the failure; it never walks down one size at a time. It
-    has no ``step``.
-    """
+class LinearJump(_PositiveFields):
+    """Fit peak bytes = base + per_item * size on two sizes, jump to the predicted maximum
+    under ``capacity_bytes``, verify, then bisect (:meth:`describe`); doubles while no
+    usable fit exists, and never walks down one size at a time."""
 
     capacity_bytes: int
     start: int = 8
     name: ClassVar[str] = "linear-jump"
 
-    def __post_init__(self) -> None:
-        check_positive_int("capacity_bytes", self.capacity_bytes)
-        check_positive_int("start", self.start)
-
     def describe(self) -> str:
-        return (
-            f"Measure peaks at {self.start} and {2 * self.start}, fit a line, jump to the size "
-            "the line predicts fits the capacity, then bisect the bracket it leaves."
-        )
+        return (f"Measure peaks at {self.start} and {2 * self.start}, fit a line, jump to the size "
+                "the line predicts fits the capacity, then bisect the bracket it leaves.")
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         if not trials:
@@ -163,7 +137,7 @@ class LinearJump:
                 # Probe the prediction first when it lies inside the bracket.
                 if guess is not None and lo < guess < hi and not _tried(trials, guess):
                     return guess
-            return _refine(trials, lo, hi)
+            return _refine(lo, hi)
         if lo >= max_size:
             return None
         guess = self._predict(trials)
@@ -175,9 +149,7 @@ class LinearJump:
 
     def _predict(self, trials: Sequence[Trial]) -> int | None:
         fit = fit_line(trials)
-        if fit is None or fit.per_item_bytes <= 0:
-            return None
-        return int((self.capacity_bytes - fit.base_bytes) // fit.per_item_bytes)
+        return fit.largest_size_within(self.capacity_bytes) if fit is not None else None
 
 
 def _tried(trials: Sequence[Trial], size: int) -> bool:
@@ -185,65 +157,50 @@ def _tried(trials: Sequence[Trial], size: int) -> bool:
 
 
 @dataclass(frozen=True)
-class Guided:
-    """Predict the maximum from measured peaks, run it, then bracket it: the default.
+class Guided(_PositiveFields):
+    """The default: predict the maximum from measured peaks, run it, then bracket it.
 
-    Each trial measures its peak in the units the memory limit counts and what
-    the limit left at its start (``Trial.limit_peak_bytes``, ``headroom_bytes``:
-    allocator reserved bytes against the cap on CUDA, ``VmData`` against
-    ``RLIMIT_DATA`` under a CPU budget). From one trial the peak is taken as
-    proportional to the size; from two or more, a least-squares line. The
-    strategy jumps to the largest size predicted to fit, verifies it by running
-    it, and then tries the size above (predicted ``m`` fits, so try ``m + 1``;
-    an OOM there closes the bracket). An OOM at a size predicted to fit measures
-    no peak, so the line has nothing to learn from it: the next size is the
-    bisection of the bracket, and the line predicts again once a new size has
-    fitted. Once predictions have been wrong twice (a size predicted to fit ran
-    out of memory, or one more than a size above the prediction ran), or where the limit is
-    unknown, it only doubles and bisects, so it never walks down one size at a
-    time. Like every strategy it proposes sizes only; the answer is the largest
-    size that ran.
+    Peaks and headroom are in the units the memory limit counts (``Trial.limit_peak_bytes``,
+    ``headroom_bytes``: reserved bytes against the cap on CUDA, ``VmData`` against
+    ``RLIMIT_DATA`` under a CPU budget); :func:`predict_max` fits them. After the predicted
+    ``m`` runs, ``m + 1`` closes the bracket. An OOM at a size predicted to fit measures no
+    peak, so the next size bisects the bracket until a new size fits. After ``misses``
+    wrong predictions (:func:`_missed`), or where the limit is unknown, it only doubles and
+    bisects: it never walks down one size at a time.
     """
 
     start: int = 32
     misses: int = 2
     name: ClassVar[str] = "guided"
 
-    def __post_init__(self) -> None:
-        check_positive_int("start", self.start)
-        check_positive_int("misses", self.misses)
-
     def describe(self) -> str:
-        return (
-            f"Start at {self.start}; predict the largest size that fits from the peaks "
-            "measured in the limit's units (proportional from one trial, a least-squares "
-            "line from two), run it, then try the size above it; bisect after an OOM the "
-            "prediction did not expect; after "
-            f"{self.misses} wrong predictions, double and bisect."
-        )
+        return (f"Start at {self.start}; predict the largest size that fits from the peaks "
+                "measured in the limit's units (proportional from one trial, a least-squares "
+                "line from two), run it, then try the size above it; bisect after an OOM the "
+                "prediction did not expect; after "
+                f"{self.misses} wrong predictions, double and bisect.")
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         if not trials:
             return min(self.start, max_size)
         lo, hi = bracket(trials)
         if lo is None or (hi is not None and hi - lo <= 1) or (hi is None and lo >= max_size):
-            return _refine(trials, lo, hi)
+            return _refine(lo, hi)
         guess = predict_max(trials)
         if guess is None or _missed(trials) >= self.misses:
-            return min(2 * lo, max_size) if hi is None else _refine(trials, lo, hi)
+            return min(2 * lo, max_size) if hi is None else _refine(lo, hi)
         if hi is not None and (guess >= hi or _refuted_by_oom(trials)):
-            # An OOM at or below the predicted maximum refutes the prediction, and an OOM
-            # measures no peak: the line is the one that was just wrong (a lower headroom
-            # moves it a few sizes at most). Proposing its guess again, or the size below
-            # the OOM, would walk down one size at a time; bisect until a size fits and
-            # gives the line a new point.
-            return _refine(trials, lo, hi)
+            # An OOM at or below the predicted maximum refutes the prediction, and an OOM measures
+            # no peak: the line is the one that was just wrong (a lower headroom moves it a few
+            # sizes at most). Proposing its guess again, or the size below the OOM, would walk down
+            # one size at a time; bisect until a size fits and gives the line a new point.
+            return _refine(lo, hi)
         size = min(lo + 1 if guess <= lo else guess, max_size)  # m ran: bracket with m + 1
-        return _refine(trials, lo, hi) if _tried(trials, size) else size
+        return _refine(lo, hi) if _tried(trials, size) else size
 
 
 @dataclass(frozen=True)
-class Confirm:
+class Confirm(_PositiveFields):
     """Close the bracket around an answer found elsewhere (a confirmed search's in-process
     answer), in fresh trials: ``start``, then as :class:`Guided` from there when it fits
     (``start + 1`` next when the line agrees), or down by 1, 2, 4, ... while nothing has
@@ -252,9 +209,6 @@ class Confirm:
 
     start: int
     name: ClassVar[str] = "confirm"
-
-    def __post_init__(self) -> None:
-        check_positive_int("start", self.start)
 
     def describe(self) -> str:
         return (f"Run {self.start}; if it fits, go on as guided from it; if not, step down by "
@@ -269,17 +223,17 @@ class Confirm:
 
 
 def predict_max(trials: Sequence[Trial], proven_bytes: int = 0) -> int | None:
-    """The largest size predicted to fit, from the peaks measured in the limit's units
-    (an estimate); None without a headroom or a peak.
+    """The largest size predicted to fit (an estimate) from the peaks measured in the
+    limit's units (:func:`~oomguard.engine.core.search.fit.peak_model`); None without a
+    headroom or a peak.
 
-    The capacity is the latest known headroom, or the largest peak that fitted if that
-    is more (or ``proven_bytes``, a peak that fitted outside ``trials``): a size that ran
-    proves the limit gave it at least its peak. On a CPU the two
-    differ slightly in units and moment (the sampled data size also counts stack pages;
-    the headroom is read before the step), and fitting GPT-2 steps' peaks came out up to
-    0.4 MB (0.8%) above it; counting such a fit as a wrong prediction made the search
-    give up on the line (docs/measurements.md#cpu-limit-units).
-    """
+    The capacity is the latest known headroom, or the largest peak that fitted if that is
+    more (or ``proven_bytes``, a peak that fitted outside ``trials``): a size that ran
+    proves the limit gave it at least its peak. On a CPU the two differ slightly in units
+    and moment (the sampled data size also counts stack pages; the headroom is read before
+    the step): GPT-2 steps' peaks came out up to 0.4 MB (0.8%) above the headroom, and
+    counting such a fit as a wrong prediction made the search give up on the line
+    (docs/measurements.md#cpu-limit-units)."""
     headroom = next((t.headroom_bytes for t in reversed(trials)
                      if t.headroom_bytes is not None), None)
     points = [(t.size, t.limit_peak_bytes if t.limit_peak_bytes is not None else t.peak_bytes)
@@ -304,9 +258,8 @@ def _refuted_by_oom(trials: Sequence[Trial]) -> bool:
 def _missed(trials: Sequence[Trial]) -> int:
     """How many trials contradicted the prediction made from the trials before them: an
     OOM at a size predicted to fit, or a fit more than one size above the prediction made
-    with this trial's own peak counted as capacity. A fit a little above the headroom read
-    before it proves a larger capacity, and one size is within the line's noise (0.1% of
-    the peak on the GPT-2 step), not a wrong line."""
+    with its own peak as capacity (one size is the line's noise: 0.1% of the peak on the
+    GPT-2 step)."""
     missed = 0
     for i in range(1, len(trials)):
         t = trials[i]

@@ -1,23 +1,21 @@
-"""One trial: run a workload once at given sizes and record what happened.
+"""One trial: run a workload once at a size and record what happened.
 
-A trial records whether it fitted (``ok``) or ran out of memory (``oom``),
-the measured peak bytes above the pre-trial baseline, the wall seconds, and
-the value the workload returned (as plain JSON types, through
-:func:`~oomguard.engine.util.jsonable.to_jsonable`). An error that is not an
-OOM is not a trial outcome: it propagates.
+A trial records whether it fitted (``ok``) or ran out of memory (``oom``), the measured
+peak bytes above the pre-trial baseline, the wall seconds, and the value the workload
+returned (as plain JSON types, :func:`~oomguard.engine.util.jsonable.to_jsonable`). An
+error that is not an OOM is not a trial outcome: it propagates.
 
-A trial may run several steps (``steps``): a training workload's first step
-creates the optimizer state and the second is the steady state, so a size
-that fits one step can still run out in the next. The trial also measures
-its peak in the units the memory limit counts (``limit_peak_bytes``, against
-``headroom_bytes``: what the limit left at its start), which is what a search
-predicts the maximum from, and its throughput after the first step.
+A trial may run several steps: a training workload's first step creates the optimizer
+state and the second is the steady state, so a size that fits one step can still run out
+in the next. The trial also measures its peak in the units the memory limit counts
+(``limit_peak_bytes``, against ``headroom_bytes``: what the limit left at its start),
+which is what a search predicts the maximum from, and its throughput after the first step.
 
-Worst-case data. A workload with ``worst_case_batch(size)`` (the workload protocol,
-:mod:`~oomguard.engine.core.workload`) is called ``fn(size, batch=fn.worst_case_batch(size))``
-in each step, the batch built inside the measured region (the real run holds its batch
-too), so a search never passes a size on a lucky batch of short samples; the executor's
-real run always calls ``fn(size)``. :attr:`Trial.worst_case` records which a trial ran.
+Worst-case data: a workload with ``worst_case_batch(size)``
+(:mod:`~oomguard.engine.core.workload`) is called ``fn(size,
+batch=fn.worst_case_batch(size))`` in each step, the batch built inside the measured
+region (the real run holds its batch too), so a search never passes a size on a lucky
+batch of short samples; the executor's real run always calls ``fn(size)``.
 """
 
 from __future__ import annotations
@@ -43,22 +41,18 @@ if TYPE_CHECKING:
 class Trial:
     """The outcome of running a workload once at ``size``.
 
-    ``peak_bytes`` is measured (see :class:`probes.PeakMeter` for what each
-    device counts); it is None for an OOM, whose peak is unknown.
-    ``mode`` is ``"in-process"`` or ``"isolated"`` (a fresh child process).
+    ``peak_bytes`` is measured (:class:`probes.PeakMeter` says what each device counts);
+    None for an OOM, whose peak is unknown. ``mode``: ``"in-process"`` or ``"isolated"``.
     ``guarded``: the outcome is the RAM guard's verdict against an estimated limit
-    (:mod:`~oomguard.engine.core.memory.ramguard`), not an allocation that failed; its
-    ``peak_bytes`` is then the peak measured until it was stopped, or None for a
-    size that did not run because its predicted peak was over the limit.
-    ``steps``: calls of the workload in the trial; ``step_peaks`` the peak of
-    each (bytes above the trial's baseline, ``peak_bytes`` units).
-    ``limit_peak_bytes``: the peak in the units the limit counts, named by
-    ``limit_units`` (sampled ``VmData`` under a CPU budget: a lower bound);
-    ``headroom_bytes``: what the limit left at the trial's start, in those units
-    (None where no limit is known). ``items_per_second``: ``size`` items per
-    second of the steps after the first (of the only step when ``steps`` is 1).
-    ``worst_case``: whether each step ran on the worst-case batch (module docstring;
-    ``peak_bytes`` then includes it).
+    (:mod:`~oomguard.engine.core.memory.ramguard`), not a failed allocation; ``peak_bytes``
+    is then the peak measured until it was stopped, or None for a size not run because its
+    predicted peak was over the limit. ``step_peaks``: the peak of each of the ``steps``
+    calls (``peak_bytes`` units). ``limit_peak_bytes``: the peak in the units the limit
+    counts, named by ``limit_units`` (sampled ``VmData`` under a CPU budget: a lower
+    bound); ``headroom_bytes``: what the limit left at the trial's start, in those units
+    (None where no limit is known). ``items_per_second``: ``size`` items per second of the
+    steps after the first (of the only step when ``steps`` is 1). ``worst_case``: each step
+    ran on the worst-case batch (module docstring; ``peak_bytes`` then includes it).
     """
 
     size: int
@@ -83,9 +77,7 @@ class Trial:
         return "ok" if self.ok else "oom"
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["outcome"] = self.outcome
-        return out
+        return asdict(self) | {"outcome": self.outcome}
 
 
 # Size knobs that split the samples (a training step's batch, a metric's micro-batches or
@@ -97,17 +89,12 @@ def run_trial(
     fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
     guard: RamGuard | None = None, steps: int = 1,
 ) -> Trial:
-    """Run ``fn(size)`` ``steps`` times in this process and measure it.
-
-    With ``worst_case_batch`` (module docstring), each step builds its batch anew,
-    inside the measured region: its bytes count in the step's peak and its building in
-    the step's seconds, as a data loader's batch does in the real run.
-
-    Memory is released before the trial so the peak starts from a clean
-    baseline. Raises whatever ``fn`` raises unless it is an OOM (an OOM in any
-    step makes the trial an OOM). With a ``guard`` (CPU only), its watchdog
-    stops the trial past the guard's limit and a measured peak past it counts
-    as out of memory (``Trial.guarded``).
+    """Run ``fn(size)`` ``steps`` times in this process and measure it, memory released
+    first so the peak starts from a clean baseline. A worst-case batch (module docstring)
+    counts in its step's peak and seconds, as a data loader's batch does in the real run.
+    Raises whatever ``fn`` raises unless it is an OOM (an OOM in any step makes the trial
+    an OOM). With a ``guard`` (CPU only), its watchdog stops the trial past the guard's
+    limit and a measured peak past it counts as out of memory (``Trial.guarded``).
     """
     make_batch = worst_case_maker(fn)
     dev = torch.device(device)
@@ -137,7 +124,7 @@ def run_trial(
         return result
 
     def watched(n: int) -> Any:
-        with watch:  # type: ignore[union-attr]
+        with watch:  # type: ignore[union-attr]  # inside: its exception is a caught OOM
             return run_steps(n)
 
     start = time.perf_counter()
