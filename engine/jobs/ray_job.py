@@ -38,7 +38,7 @@ from oomguard.engine.jobs.ray_hub import DIED, DONE, RUNNING, Hub
 from oomguard.engine.jobs.ray_task import run_on_worker
 from oomguard.engine.jobs.records import Context, Job, Task, TaskResult
 from oomguard.engine.jobs.sink import FileSink
-from oomguard.engine.jobs.task_process import record_failure
+from oomguard.engine.jobs.task_child import record_failure
 
 log = logging.getLogger("oomguard.job")
 

@@ -1,15 +1,7 @@
 """The typed records of a job: what a job file says, what a task is, what a task produced.
 
-``spec`` (parsing), ``data`` (samples), ``runner`` (the parent) and ``child``
-(one metric's process) all import these at module level; this module imports
-only the standard library and the JSON sanitiser, so none of them needs
-another one of them to describe its inputs or outputs.
-
-A :class:`TaskResult` is what ``results/<task>.json`` holds and what
-:func:`~oomguard.engine.jobs.runner.run_job` returns per task. Its file has
-every field, ``null`` where a field does not apply (``reason`` of a metric that
-ran, ``peak_bytes`` of one that failed), so a reader never has to ask whether
-a key is there.
+Every module of the package imports these; this one imports only the standard library,
+so none of them needs another to describe its inputs or outputs.
 """
 
 from __future__ import annotations
@@ -87,14 +79,11 @@ class Job:
 # ------------------------------------------------------------------ running it
 @dataclass(frozen=True)
 class Task:
-    """One metric on one model. ``key`` names its files; ``fingerprint`` its result.
-
-    ``workload`` is what the size cache keys on (what memory depends on);
-    ``inputs`` is what defines the result
-    (:func:`~oomguard.engine.jobs.fingerprint.task_inputs`) and ``fingerprint``
-    its hash. ``rerun_because`` says why an earlier result was set aside. ``on_oom`` is
-    its remedy ladder (None: retry at half only); it does not define the result.
-    """
+    """One metric on one model. ``key`` names its files; ``workload`` is what the size
+    cache keys on (what memory depends on); ``inputs`` what defines the result
+    (:func:`~oomguard.engine.jobs.fingerprint.task_inputs`), ``fingerprint`` its hash.
+    ``rerun_because``: why an earlier result was set aside. ``on_oom``: its remedy ladder
+    (None: retry at half only); it does not define the result."""
 
     key: str
     metric_id: str
@@ -112,15 +101,9 @@ class Task:
 
 @dataclass
 class Context:
-    """What a task's process needs besides the task. Picklable, ``log_setup`` included.
-
-    ``log_setup``, if given, is called with the output folder at the start of
-    every metric's process (see :func:`~oomguard.engine.jobs.runner.run_job`).
-    ``snapshot_on_oom``: record CUDA allocation history from the task's start and write
-    an allocator snapshot at each OOM of its run (``snapshots/``). ``threads``: torch's
-    intra-op threads in the metric's process (None: torch's default, one per core); a Ray
-    task on CPU gets as many as Ray gave it CPUs.
-    """
+    """What a task's process needs besides the task; picklable, ``log_setup`` included.
+    ``log_setup``, ``snapshot_on_oom`` and ``threads`` are
+    :func:`~oomguard.engine.jobs.runner.run_job`'s arguments."""
 
     job: Job
     out: str
@@ -159,28 +142,22 @@ class Record:
 class TaskResult(Record):
     """What one task produced: ``results/<task>.json``, and one entry of ``results.json``.
 
-    ``status`` is ``ok``, ``failed``, ``interrupted`` or ``pending`` (the last
-    two are never written to a result file). ``seconds`` is the metric's own
-    run (ok) or the time until it failed; ``total_seconds`` adds model build,
-    warm-up and search. ``sizes`` says where the sizes came from and every
-    attempt; ``searches`` every knob's search that ran
-    (:class:`~oomguard.engine.jobs.sizing.SearchRecord` dicts), ``search`` the first of them
-    (None: none ran). ``oom_events`` has one
-    :meth:`~oomguard.engine.core.memory.forensics.OomEvent.to_dict` per OOM of the run (sizes,
-    memory measured at the OOM, what was done): ``[]`` for a run without one, None where
-    nothing was recorded (the run never started, or a file written before this field,
-    which still loads). ``inputs`` records what
-    defines the result (the task's inputs), ``rerun_because`` why an earlier
-    result for the task was set aside. ``precision`` is the dtype the result was
-    computed at and ``lowered_precision`` whether a remedy lowered it below the job's
-    dtype; ``remedy`` the remedy that produced it (None: the first attempt worked, or no
-    ``on_oom``); ``remedies`` every rung of the ladder tried (remedy, outcome ok, failed,
-    skipped or restarted, why, attempts), ``restarts`` why each fresh process was started
-    (None without ``on_oom``). ``device`` is the identity of the device the task ran on
-    (measured where it ran: on Ray, by the worker); ``threads`` the intra-op threads torch
-    used (a float sum split over another number of threads rounds differently in its last
-    bits). Keys this version does not know (a file written by another
-    version) are kept in ``extra``.
+    The file has every field, ``null`` where one does not apply (``reason`` of a metric
+    that ran, ``peak_bytes`` of one that failed). ``status``: ``ok``, ``failed``,
+    ``interrupted`` or ``pending`` (the last two never in a result file). ``seconds``: the
+    metric's own run (ok) or the time until it failed; ``total_seconds`` adds model
+    build, warm-up and search. ``sizes``: where the sizes came from, every attempt;
+    ``searches``: every knob's search (:class:`~oomguard.engine.jobs.sizing.SearchRecord`
+    dicts), ``search`` the first (None: none ran). ``oom_events``: one
+    :meth:`~oomguard.engine.core.memory.forensics.OomEvent.to_dict` per OOM of the run
+    (memory measured at the OOM), ``[]`` without one, None where nothing was recorded.
+    ``precision``: the dtype the result was computed at, ``lowered_precision`` whether a
+    remedy lowered it; ``remedy`` the remedy that produced it (None: the first attempt
+    worked, or no ``on_oom``), ``remedies`` every rung tried, ``restarts`` why each fresh
+    process was started. ``device``: the device the task ran on, measured there (on Ray,
+    by the worker); ``threads``: torch's intra-op threads (a float sum split over another
+    number of threads rounds differently in its last bits). Unknown keys (another
+    version's file) are kept in ``extra``.
     """
 
     task: str

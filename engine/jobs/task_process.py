@@ -20,8 +20,7 @@ from oomguard.engine.core import child as launcher
 from oomguard.engine.jobs.output import read_result
 from oomguard.engine.jobs.records import Context, Task, TaskResult
 from oomguard.engine.jobs.sink import Sink
-from oomguard.engine.jobs.task_child import child_main
-from oomguard.engine.util.jsonable import json_text
+from oomguard.engine.jobs.task_child import child_main, record_failure
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import model_config
 
@@ -93,16 +92,3 @@ def preload_modules(task: Task) -> tuple[str, ...]:
     except Exception:  # noqa: BLE001 - preloading is an optimisation only
         pass
     return tuple(m for m in mods if not m.startswith("oomguard_plugin_"))
-
-
-def record_failure(task: Task, ctx: Context, sink: Sink, reason: str, detail: str,
-                   seconds: float) -> TaskResult:
-    """Record a task that ended without its process writing a result: the traceback file
-    (``reason`` and ``detail``), the result file, the journal's ``failure``."""
-    tb = f"tracebacks/{task.key}.txt"
-    sink.write(tb, f"{task.key}: {reason}\n{detail.rstrip()}\n")
-    record = TaskResult.failure(task, ctx.run_id, reason, tb, seconds, device=ctx.device)
-    sink.write(f"results/{task.key}.json", json_text(record))
-    sink.event("failure", task=task.key, run=ctx.run_id, reason=reason,
-               traceback=record.traceback)
-    return record
