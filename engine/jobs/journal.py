@@ -25,13 +25,9 @@ log = logging.getLogger("oomguard.journal")
 
 
 class Journal:
-    """An append-only JSON-lines event log, every record flushed and fsynced.
-
-    ``Journal(path).append("start", task="loss")`` writes
-    ``{"t": "...Z", "pid": 1234, "event": "start", "task": "loss"}``.
-    The descriptor is opened lazily per process, so a journal object may be
-    handed to a child process.
-    """
+    """``Journal(path).append("start", task="loss")`` writes ``{"t": "...Z", "pid": 1234,
+    "event": "start", "task": "loss"}``. The descriptor is opened lazily per process, so a
+    journal object may be handed to a child process."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -75,11 +71,8 @@ def stamp(event: str, **fields: Any) -> dict[str, Any]:
 
 
 def replay(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every well-formed event of a journal, in order; [] if it does not exist.
-
-    Lines that are not JSON objects (a torn write after ``kill -9``) are
-    skipped with a warning.
-    """
+    """Every well-formed event of a journal, in order ([] if it does not exist); a line
+    that is not a JSON object (a torn write) is skipped with a warning."""
     p = Path(path)
     if not p.exists():
         return []

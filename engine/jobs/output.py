@@ -69,19 +69,14 @@ def set_aside(out: Path, key: str, done: TaskResult) -> str:
 
 
 def job_identity(job: Job) -> dict[str, str]:
-    """What makes two runs the same job: its name and the path of its file.
-
-    Editing a job file keeps its identity (results whose inputs changed are
-    rerun); a different job file is a different job.
-    """
+    """What makes two runs the same job: its name and the path of its file (an edited job
+    file keeps its identity; results whose inputs changed are rerun)."""
     return {"name": job.name, "path": job.path}
 
 
 def check_output_folder(out: Path) -> None:
-    """Create ``out`` if needed and prove it writable; :class:`JobError` (one line) if not.
-
-    Called before any work, so a run never computes results it cannot keep.
-    """
+    """Create ``out`` if needed and prove it writable, before any work (a run never
+    computes results it cannot keep); :class:`JobError` (one line) if not."""
     if out.exists() and not out.is_dir():
         raise JobError(f"{out}: the output folder is an existing file; give another --out")
     try:

@@ -1,11 +1,10 @@
 """Run a job's tasks on Ray: every GPU of a node, or a cluster, each task sized where it lands.
 
 :class:`OnRay` is the backend :func:`~oomguard.engine.jobs.runner.run_job` takes for
-``oomguard run JOB --ray [ADDRESS]``. It is no scheduler: Ray places the tasks. Each
-(model, metric) task becomes one Ray task asking for one GPU (``num_gpus=1``), or for
-``cpus_per_task`` CPUs when the job's device is ``cpu``; the worker runs it as the
-single-process job would (:mod:`~oomguard.engine.jobs.ray_task`). Ray knows nothing of
-GPU memory; oomguard adds it:
+``oomguard run JOB --ray [ADDRESS]``. Ray places the tasks: each (model, metric) task is
+one Ray task asking for one GPU, or for ``cpus_per_task`` CPUs when the job's device is
+``cpu``; the worker runs it as the single-process job would
+(:mod:`~oomguard.engine.jobs.ray_task`). Ray knows nothing of GPU memory; oomguard adds it:
 
 - each task measures the device it got and takes its sizes from the cache for that device;
 - an OOM is retried inside the task at half the size (the executor);
@@ -14,12 +13,10 @@ GPU memory; oomguard adds it:
   the cache, labelled as a death (:func:`~oomguard.engine.jobs.ray_task.lowered_after_death`);
 - the tasks' outputs and the size cache go through one actor on this node
   (:mod:`~oomguard.engine.jobs.ray_hub`); this process (the driver) writes the journal's
-  ``running`` and ``worker-died``, ``results.json``, the report and the plots.
+  ``running`` and ``worker-died``, ``results.json``, the report and the plots: the job's
+  folder is what the single-process job writes, and a rerun resumes from it.
 
-The job's folder is what the single-process job writes, and a rerun resumes from it.
-
-Ray is an optional dependency (``pip install 'oomguard[ray]'``): it is imported only here,
-only when a job asks for it.
+Ray is an optional dependency (``pip install 'oomguard[ray]'``), imported only here.
 """
 
 from __future__ import annotations
@@ -72,16 +69,12 @@ def _reachable(address: str) -> str | None:
 
 
 class OnRay:
-    """Run the tasks as Ray tasks (see the module docstring).
-
-    ``address``: a running cluster (``HOST:PORT`` of its head, or ``auto``); None does
-    what ``ray.init()`` does (``RAY_ADDRESS``, else a cluster ``ray start`` began on this
-    machine, else a new local instance with every CPU and GPU of this machine);
-    ``num_cpus`` always starts a new local instance with that many CPUs. An instance this
-    starts is stopped at the end. A Ray this process already connected to is used as it
-    is, and left running. ``max_retries``: how often Ray runs a task again after its
-    worker died.
-    """
+    """Run the tasks as Ray tasks. ``address``: a running cluster (``HOST:PORT`` of its
+    head, or ``auto``); None does what ``ray.init()`` does (``RAY_ADDRESS``, else a cluster
+    ``ray start`` began on this machine, else a new local instance); ``num_cpus`` always
+    starts a new local instance with that many CPUs. An instance this starts is stopped at
+    the end; a Ray this process already joined is used as it is, and left running.
+    ``max_retries``: how often Ray runs a task again after its worker died."""
 
     def __init__(self, address: str | None = None, *, num_cpus: int | None = None,
                  cpus_per_task: int = 1, max_retries: int = 3) -> None:
@@ -214,10 +207,9 @@ class OnRay:
 
     def _watch(self, status: dict[str, list[dict[str, Any]]],
                seen: dict[tuple[str, int], Any], journal: Journal, run_id: str) -> str:
-        """Journal what the hub tells of each attempt: ``running`` when it is first seen
-        and again whenever its sizes change while it runs (chosen, or lowered by an OOM
-        retry), ``worker-died`` before Ray's retry; returns the progress line: tasks
-        running, and per device what is done and retried."""
+        """Journal what the hub tells of each attempt (``running`` when first seen and
+        whenever its sizes change while it runs, ``worker-died`` before Ray's retry);
+        returns the progress line: tasks running, per device what is done and retried."""
         for key, attempts in status.items():
             for a in attempts:
                 at = (key, a["attempt"])
@@ -241,9 +233,7 @@ class OnRay:
 
 def device_lines(status: dict[str, list[dict[str, Any]]], short: bool = False) -> list[str]:
     """Per device: tasks done, OOM retries inside tasks, workers that died."""
-    done: Counter[str] = Counter()
-    retries: Counter[str] = Counter()
-    died: Counter[str] = Counter()
+    done, retries, died = Counter[str](), Counter[str](), Counter[str]()
     for attempts in status.values():
         for a in attempts:
             name = a["device"].get("name") or a["device_key"]

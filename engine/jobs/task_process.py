@@ -31,13 +31,9 @@ STOP_POLL_S = 0.2  # how often a running task's process looks whether the job mu
 
 def run_task(task: Task, ctx: Context, sink: Sink, stop: Any) -> TaskResult | None:
     """Run one task in a child, and in a fresh one each time its remedy ladder asks for one
-    (``expandable_segments``, memory that did not come back; journal ``restart``); the
-    record written, or None if the job was interrupted. The time limit covers them all.
-
-    ``stop`` is anything with a ``signum`` attribute: None while the task may go on, a
-    signal number once the job must stop (the child is then stopped and None returned).
-    Every output, the child's and this function's, goes to ``sink``.
-    """
+    (journal ``restart``), all within the time limit; the record written, or None if the
+    job was interrupted: ``stop.signum`` is None while the task may go on, a signal
+    number once the job must stop. Every output goes to ``sink``."""
     sink.event("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
                time_limit_s=task.time_limit, start_method=ctx.start_method)
     mp = launcher.context(ctx.start_method, preload_modules(task))
