@@ -90,18 +90,15 @@ class Digests:
                         "next run", self.path, exc.strerror or exc)
 
 
-def _checkpoint_files(folder: Path) -> list[Path]:
-    return [p for p in sorted(folder.iterdir())
-            if p.is_file() and not p.name.startswith((".", *_NOT_WEIGHTS))
-            and (p.name == "config.json" or p.name.endswith((*WEIGHT_SUFFIXES, ".index.json")))]
-
-
 def model_inputs(spec: str, digests: Digests) -> dict[str, Any]:
     """The model's part of a result's inputs: config hash, and checkpoint file digests."""
     out: dict[str, Any] = {"spec": spec, "config": config_fingerprint(spec)}
     folder = Path(spec).expanduser()
     if folder.is_dir():
-        out["files"] = {p.name: digests.of(p) for p in _checkpoint_files(folder)}
+        out["files"] = {
+            p.name: digests.of(p) for p in sorted(folder.iterdir())
+            if p.is_file() and not p.name.startswith((".", *_NOT_WEIGHTS))
+            and (p.name == "config.json" or p.name.endswith((*WEIGHT_SUFFIXES, ".index.json")))}
     return out
 
 

@@ -46,8 +46,7 @@ class Hub:
     def take(self, task: str, attempt: int, op: str, args: tuple[Any, ...],
              kw: Mapping[str, Any]) -> Any:
         """One output of an attempt: the :class:`FileSink` method ``op`` applied, or a
-        journal ``record`` written with the attempt's host and number (its sizes, if any,
-        are the attempt's)."""
+        journal ``record`` written with the attempt's host and number."""
         if op != "record":
             return getattr(self.sink, op)(*args, **kw)
         a = self.attempts[task][attempt - 1]
@@ -59,9 +58,8 @@ class Hub:
         return None
 
     def begin(self, task: str, where: Mapping[str, Any]) -> dict[str, Any]:
-        """A new attempt of ``task`` at ``where`` (host, pid, node, device, its keys);
-        returns its number and the previous attempt (None for the first). A previous
-        attempt still marked running ended without a word: its worker died."""
+        """A new attempt of ``task`` at ``where``; returns its number and the previous one
+        (None for the first), marked died if still running (it ended without a word)."""
         attempts = self.attempts.setdefault(task, [])
         previous = attempts[-1] if attempts else None
         if previous is not None and previous["state"] == RUNNING:

@@ -92,11 +92,9 @@ class OnRay:
                            "device = \"cuda\" (Ray gives each task its own GPU) or \"cpu\"")
         self.ray = ray = import_ray()
         if not ray.is_initialized():
-            if self.address not in (None, "auto"):
-                why = _reachable(self.address)
-                if why is not None:
-                    raise UsageError(f"cannot reach the Ray cluster at {self.address}: {why}; "
-                                     f"{START}")
+            if self.address not in (None, "auto") and (why := _reachable(self.address)):
+                raise UsageError(f"cannot reach the Ray cluster at {self.address}: {why}; "
+                                 f"{START}")
             local = self.address is None and self.num_cpus is not None
             try:
                 ray.init(address="local" if local else self.address,
@@ -133,8 +131,7 @@ class OnRay:
                             **({"num_gpus": 1} if kind == "GPU" else {"num_cpus": each})
                             )(run_on_worker)
         waiting = list(tasks)
-        pending: dict[Any, Task] = {}
-        t0: dict[str, float] = {}
+        pending: dict[Any, tuple[Task, float]] = {}  # with when it was submitted
         seen: dict[tuple[str, int], Any] = {}
         try:
             while waiting or pending:
@@ -145,21 +142,20 @@ class OnRay:
                 room = max(1, int(ray.cluster_resources().get(kind, 0) // each))
                 while waiting and len(pending) < room:
                     task = waiting.pop(0)
-                    pending[remote.remote(task, ctx, hub)] = task
-                    t0[task.key] = time.monotonic()
+                    pending[remote.remote(task, ctx, hub)] = task, time.monotonic()
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
                 progress.show(self._watch(ray.get(hub.status.remote()), seen, journal,
                                           ctx.run_id))
                 for ref in ready:
-                    task = pending.pop(ref)
+                    task, submitted = pending.pop(ref)
                     record = self._collect(ref, task, ctx, journal,
-                                           time.monotonic() - t0[task.key], stop)
+                                           time.monotonic() - submitted, stop)
                     if record is None:
                         progress.interrupted(task, ctx.run_id)
                     else:
                         progress.finished(record)
                 if stop.signum is not None:
-                    for ref, task in pending.items():
+                    for ref, (task, _) in pending.items():
                         ray.cancel(ref, force=True)
                         _interrupted(task, ctx, journal, stop)
                         progress.interrupted(task, ctx.run_id)
@@ -178,9 +174,8 @@ class OnRay:
     # ------------------------------------------------------------ the driver's part
     def _collect(self, ref: Any, task: Task, ctx: Context, journal: Journal,
                  seconds: float, stop: Any) -> TaskResult | None:
-        """The task's outcome (the hub wrote its files); a failure Ray reports (the worker
-        died ``max_retries + 1`` times, an error outside the metric) is recorded as the
-        task's failure. None: the job's own signal ended it (interrupted)."""
+        """The task's outcome (the hub wrote its files), a failure Ray reports recorded as
+        the task's failure, or None: the job's own signal ended it (interrupted)."""
         ray = self.ray
         try:
             payload = ray.get(ref)

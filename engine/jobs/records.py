@@ -125,10 +125,8 @@ class Record:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field (``extra`` merged in) as a plain dict, ready for the JSON sanitiser."""
-        out = dict(self.extra)
-        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                    if f.name != "extra"})
-        return out
+        return {**self.extra, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                 if f.name != "extra"}}
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> Any:

@@ -150,29 +150,21 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
             log_setup: Callable[[Path], Any] | None = None, force: bool = False,
             snapshot_on_oom: bool = False, backend: Any = None,
             threads: int | None = None) -> Outcome:
-    """Run (or resume) ``job`` into ``job.output``; returns the exit code and every record.
+    """Run (or resume) ``job`` into ``job.output`` (see the module docstring); returns the
+    exit code and every record. A stale result's reasons go to the log, the journal, the
+    result (``rerun_because``) and the report. An output folder belongs to one job
+    (:func:`job_identity`): another job's is refused, or with ``force`` its files are moved
+    into ``moved-aside/``.
 
-    Resume and backends: the module docstring; a stale result's reasons go to the log,
-    the journal, the result (``rerun_because``) and the report. An output folder belongs
-    to one job (:func:`job_identity`): another job's folder is refused, or with ``force``
-    its files are moved into ``moved-aside/``.
-
-    ``start_method`` starts each task's process: ``forkserver`` (safe from any process),
-    or ``fork`` (faster; only from a process that has not run torch code yet: a fork
-    after OpenMP ran hangs the child, docs/measurements.md#fork-after-openmp; the CLI uses
-    it for CPU jobs, :func:`~oomguard.engine.core.child.start_method`). A job on a GPU
-    always uses ``forkserver``: CUDA cannot be used in a forked child.
-
+    ``start_method``: ``forkserver`` (safe from any process) or ``fork`` (faster; only from
+    a process that has not run torch code yet, :func:`~oomguard.engine.core.child.start_method`);
+    a GPU job always uses ``forkserver`` (CUDA cannot be used in a forked child).
     ``log_setup(out)``, if given, is called with the output folder once it is locked, in
-    this process, and again at the start of every metric's process; it must be picklable
-    (a module-level function, or an instance of a module-level class). Without it this
-    function configures no logging at all.
-
-    ``threads``: torch's intra-op threads in each metric's process (None: torch's default;
-    on Ray, a CPU task's share of CPUs). ``snapshot_on_oom``: each metric's process
-    records CUDA allocation history from its start and writes an allocator snapshot at
-    each OOM into ``snapshots/`` (pytorch.org/memory_viz); on CPU the events say none was
-    possible.
+    this process, and at the start of every metric's process; it must pickle. Without it
+    this function configures no logging at all. ``threads``: torch's intra-op threads in
+    each metric's process (None: torch's default; on Ray, a CPU task's share of CPUs).
+    ``snapshot_on_oom``: each metric's process records CUDA allocation history from its
+    start and writes an allocator snapshot at each OOM into ``snapshots/``.
 
     Raises :class:`JobError` before any work if the job cannot start (device missing, a
     budget larger than the device, an output folder that is a file, not writable, in use

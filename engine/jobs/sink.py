@@ -101,9 +101,9 @@ Sink = FileSink  # a HubSink is one whose outputs go to the hub
 
 def forward(receive: Any, hub: Any, task: str, attempt: int) -> list[Any]:
     """Pass what the pipe's receiving end gets to ``hub.take``, in order, until a None;
-    returns the calls' object refs (:func:`ray.get` them: every output applied). A process
-    killed halfway through a send (its time limit) tears a message, and what follows is
-    lost: a warning here, or a read that never ends (the worker stops waiting for it)."""
+    returns the calls' object refs. A process killed halfway through a send tears a
+    message, and what follows is lost: a warning here, or a read the worker stops waiting
+    for."""
     refs = []
     while True:
         try:

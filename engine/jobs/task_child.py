@@ -168,17 +168,6 @@ def _oom_events(state: dict[str, Any], out: Path) -> list[dict[str, Any]] | None
     return events
 
 
-def _warm_up(model: Any, data: dict[str, Any]) -> None:
-    """One forward + backward on one short sample: thread pools and kernels exist
-    before any budget (docs/measurements.md#minimum-cpu-budget), and nothing is
-    charged to the metric."""
-    ids = data["input_ids"][:1, : min(8, data["input_ids"].shape[1])]
-    with torch.enable_grad():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-    model.zero_grad(set_to_none=True)
-
-
 class _KnobTrial:
     """``fn(size)`` for the search: the metric at ``knob=size``, other knobs fixed."""
 
@@ -290,7 +279,13 @@ class _Work:
         self.model = build_model(self.task.model, job.dtype, device, seed=job.seed)
         self.data = load_data(job.data, self.model.config.vocab_size, seed=job.seed,
                               device=device)
-        _warm_up(self.model, self.data)
+        # Warm up, one forward + backward on one short sample: thread pools and kernels
+        # exist before any budget (docs/measurements.md#minimum-cpu-budget), and nothing
+        # is charged to the metric.
+        ids = self.data["input_ids"][:1, : min(8, self.data["input_ids"].shape[1])]
+        with torch.enable_grad():
+            self.model(input_ids=ids, labels=ids).loss.backward()
+        self.model.zero_grad(set_to_none=True)
         self.precision, self.meter = job.dtype, PeakMeter(device)
         self.meter.reset()
         return self
