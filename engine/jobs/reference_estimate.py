@@ -254,8 +254,8 @@ def estimate_rows(est: Estimator, metric: str, n_samples: int, capacity: int,
     return out
 
 
-def batch_table(est: Estimator, metrics: Sequence[str], batches: Sequence[int],
-                on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+def batch_table(est: Estimator, metrics: Sequence[str], batches: Sequence[int]
+                ) -> list[dict[str, Any]]:
     """Per metric (its first memory knob at the batch size, over that many samples): the
     estimated total bytes at each batch size. No time: fake tensors compute nothing, so
     they say nothing honest about speed."""
@@ -266,11 +266,8 @@ def batch_table(est: Estimator, metrics: Sequence[str], batches: Sequence[int],
             continue
         t0 = time.perf_counter()
         mem = {str(b): est.totals(metric, knobs[0].name, b, [b])[b][0] for b in batches}
-        row = {"metric": metric, "knob": knobs[0].name, "total_bytes": mem, "kind": LABEL,
-               "seconds": round(time.perf_counter() - t0, 3)}
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
+        rows.append({"metric": metric, "knob": knobs[0].name, "total_bytes": mem, "kind": LABEL,
+                     "seconds": round(time.perf_counter() - t0, 3)})
     return rows
 
 

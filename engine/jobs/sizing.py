@@ -190,14 +190,10 @@ def _mark_cap(rec: SearchRecord, cap: int, why: str) -> None:
 def _reusable(req: Request, entry: Mapping[str, Any], defaults: Mapping[str, int]) -> bool:
     """Whether a cache entry answers ``req``: a size for every knob, and no capped answer
     whose cap is below what ``req`` allows for that knob."""
-    sizes = entry["sizes"]
-    if set(sizes) != set(defaults):
-        return False
-    capped = entry.get("capped")
-    if not isinstance(capped, Mapping):
-        return True
-    return all(isinstance(cap, int) and knob in sizes and req.bounds(knob, sizes)[1] <= cap
-               for knob, cap in capped.items())
+    sizes, capped = entry["sizes"], entry.get("capped")
+    return set(sizes) == set(defaults) and (not isinstance(capped, Mapping) or all(
+        isinstance(cap, int) and knob in sizes and req.bounds(knob, sizes)[1] <= cap
+        for knob, cap in capped.items()))
 
 
 def _cached_records(req: Request, entry: Mapping[str, Any]) -> list[SearchRecord]:
