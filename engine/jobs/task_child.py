@@ -107,9 +107,7 @@ def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any],
         reason = f"{type(exc).__name__}: {first_line(exc)[:500]}"
     record = record_failure(task, ctx, sink, reason, "", time.perf_counter() - t0,
                             text="".join(traceback.format_exception(exc)),
-                            sizes=_sizes_info(state), search=state.get("search"),
-                            searches=state.get("searches"), oom_events=_oom_events(state, out),
-                            **_ladder_info(state))
+                            **_what_ran(state, out))
     log.error("%s failed: %s (traceback in %s)", task.key, reason, out / record.traceback)
     return record
 
@@ -141,17 +139,21 @@ def _sizes_info(state: dict[str, Any]) -> dict[str, Any]:
             "retries": max(0, len(attempts) - 1), "cache_key": state.get("cache_key")}
 
 
-def _ladder_info(state: dict[str, Any], work: Any = None, dtype: str = "") -> dict[str, Any]:
-    """A result's remedy fields: the ladder's rungs and restarts; with the workload that
-    ran, its precision and whether a remedy lowered it below the job's ``dtype``."""
+def _what_ran(state: dict[str, Any], out: Path, work: Any = None,
+              dtype: str = "") -> dict[str, Any]:
+    """A result's fields on what ran: sizes, searches, OOM events, the ladder's rungs and
+    restarts; with the workload that ran, its precision and whether a remedy lowered it
+    below the job's ``dtype``."""
     executor: Executor | None = state.get("executor")
     ladder: Ladder | None = executor.ladder if executor else None
-    out: dict[str, Any] = {} if work is None else {
-        "precision": work.precision, "lowered_precision": work.precision != dtype}
+    fields = {"sizes": _sizes_info(state), "search": state.get("search"),
+              "searches": state.get("searches"), "oom_events": _oom_events(state, out)}
+    if work is not None:
+        fields.update(precision=work.precision, lowered_precision=work.precision != dtype)
     if ladder is not None:
-        out.update(remedy=ladder.produced, restarts=list(ladder.restarts),
-                   remedies=[dataclasses.asdict(r) for r in ladder.rungs])
-    return out
+        fields.update(remedy=ladder.produced, restarts=list(ladder.restarts),
+                      remedies=[dataclasses.asdict(r) for r in ladder.rungs])
+    return fields
 
 
 def _oom_events(state: dict[str, Any], out: Path) -> list[dict[str, Any]] | None:
@@ -331,13 +333,10 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any],
         tensors, blob = f"results/{task.key}.pt", io.BytesIO()
         torch.save(big, blob)
         sink.write(tensors, blob.getvalue())
-    summary = metric.summary(result)
+    summary = to_jsonable(metric.summary(result), max_items=TENSOR_INLINE_MAX)
     return TaskResult.of(
-        task, ctx.run_id, OK, sizes=info, search=state.get("search"),
-        searches=state.get("searches"), oom_events=_oom_events(state, out),
-        seconds=round(seconds, 3), total_seconds=round(time.perf_counter() - t0, 3),
-        peak_bytes=peak, peak_source=f"measured: {work.meter.source}",
-        budget_bytes=job.budget_bytes,
-        summary=to_jsonable(summary, max_items=TENSOR_INLINE_MAX), tensors=tensors,
-        finished=now_iso(), device=ctx.device, threads=torch.get_num_threads(),
-        **_ladder_info(state, work, job.dtype))
+        task, ctx.run_id, OK, seconds=round(seconds, 3),
+        total_seconds=round(time.perf_counter() - t0, 3), peak_bytes=peak,
+        peak_source=f"measured: {work.meter.source}", budget_bytes=job.budget_bytes,
+        summary=summary, tensors=tensors, finished=now_iso(), device=ctx.device,
+        threads=torch.get_num_threads(), **_what_ran(state, out, work, job.dtype))
