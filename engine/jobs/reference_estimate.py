@@ -158,11 +158,8 @@ class Estimator:
             return {s: (r + p, p) for s, (r, p) in at(self.model).items()}
         depth, specs = self.layers
         got = [at(spec) for spec in specs]
-        out = {}
-        for s in got[0]:
-            resident, peak = (_quadratic([g[s][i] for g in got], depth) for i in (0, 1))
-            out[s] = (resident + peak, peak)
-        return out
+        both = {s: [_quadratic([g[s][i] for g in got], depth) for i in (0, 1)] for s in got[0]}
+        return {s: (resident + peak, peak) for s, (resident, peak) in both.items()}
 
 
 def _quadratic(f: Sequence[int], depth: int) -> int:
