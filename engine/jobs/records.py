@@ -139,40 +139,27 @@ class Record:
 @dataclass
 class TaskResult(Record):
     """What one task produced: ``results/<task>.json``, and one entry of ``results.json``.
-
     The file has every field, ``null`` where one does not apply (``reason`` of a metric
-    that ran, ``peak_bytes`` of one that failed). ``status``: ``ok``, ``failed``,
-    ``interrupted`` or ``pending`` (the last two never in a result file). ``seconds``: the
-    metric's own run (ok) or the time until it failed; ``total_seconds`` adds model
-    build, warm-up and search. ``sizes``: where the sizes came from, every attempt;
-    ``searches``: every knob's search (:class:`~oomguard.engine.jobs.sizing.SearchRecord`
-    dicts), ``search`` the first (None: none ran). ``oom_events``: one
-    :meth:`~oomguard.engine.core.memory.forensics.OomEvent.to_dict` per OOM of the run
-    (memory measured at the OOM), ``[]`` without one, None where nothing was recorded.
-    ``precision``: the dtype the result was computed at, ``lowered_precision`` whether a
-    remedy lowered it; ``remedy`` the remedy that produced it (None: the first attempt
-    worked, or no ``on_oom``), ``remedies`` every rung tried, ``restarts`` why each fresh
-    process was started. ``device``: the device the task ran on, measured there (on Ray,
-    by the worker); ``threads``: torch's intra-op threads (a float sum split over another
-    number of threads rounds differently in its last bits). Unknown keys (another
-    version's file) are kept in ``extra``.
-    """
+    that ran, ``peak_bytes`` of one that failed); unknown keys (another version's file)
+    are kept in ``extra``."""
 
     task: str
     metric: str
     model: str
-    status: str
+    status: str  # ok, failed; interrupted or pending (these two are never in a file)
     run: str | None = None
     fingerprint: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
-    seconds: float | None = None
-    total_seconds: float | None = None
+    seconds: float | None = None  # the metric's own run (ok), or the time until it failed
+    total_seconds: float | None = None  # with model build, warm-up and search
     finished: str | None = None
     reason: str | None = None
     traceback: str | None = None
-    sizes: dict[str, Any] | None = None
-    search: dict[str, Any] | None = None
-    searches: list[dict[str, Any]] | None = None
+    sizes: dict[str, Any] | None = None  # where the sizes came from, and every attempt
+    search: dict[str, Any] | None = None  # the first of ``searches`` (None: none ran)
+    searches: list[dict[str, Any]] | None = None  # every knob's search: SearchRecord dicts
+    # One OomEvent.to_dict per OOM of the run (memory measured at the OOM); [] without one,
+    # None where nothing was recorded.
     oom_events: list[dict[str, Any]] | None = None
     peak_bytes: int | None = None
     peak_source: str | None = None
@@ -181,12 +168,14 @@ class TaskResult(Record):
     tensors: str | None = None
     inputs: dict[str, Any] | None = None
     rerun_because: list[str] | None = None
-    precision: str | None = None
-    lowered_precision: bool | None = None
-    remedy: str | None = None
-    remedies: list[dict[str, Any]] | None = None
-    restarts: list[str] | None = None
-    device: dict[str, Any] | None = None
+    precision: str | None = None  # the dtype the result was computed at
+    lowered_precision: bool | None = None  # whether a remedy lowered it below the job's
+    remedy: str | None = None  # what produced it (None: the first attempt, or no on_oom)
+    remedies: list[dict[str, Any]] | None = None  # every rung of the ladder tried
+    restarts: list[str] | None = None  # why each fresh process was started
+    device: dict[str, Any] | None = None  # measured where it ran (on Ray, by the worker)
+    # torch's intra-op threads: a float sum split over another number of threads rounds
+    # differently in its last bits.
     threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -43,22 +43,18 @@ _CAPS = {"samples": "the sample count", "largest useful size": "the knob's large
 class SearchRecord(Record):
     """One knob's search: a job's result (``search``: the first, ``searches``: all), the
     journal's ``search`` events, a cache entry's ``search`` and a reference's rows.
-    Sizes in items, bytes in bytes, seconds in seconds. ``safe``: the size to use (None
-    where nothing fits or the search failed); ``peak_at_safe_bytes``: measured where a
-    trial ran at ``safe``, else from the fitted line (``peak_source``); ``source``:
-    ``measured`` or ``cache``; ``cap``: the largest size the search could try;
-    ``capped_by``: what set it, where the answer reached it without an OOM; ``others``:
-    the other knobs meanwhile; ``extra``: an evaluator's own figures (an estimate's)."""
+    Sizes in items, bytes in bytes, seconds in seconds."""
 
     metric: str
     knob: str
     max_ok: int | None
     first_oom: int | None = None
-    safe: int | None = None
+    safe: int | None = None  # the size to use (None: nothing fits, or the search failed)
+    # Measured where a trial ran at ``safe``, else from the fitted line (``peak_source``).
     peak_at_safe_bytes: int | None = None
     peak_source: str = ""
     seconds_per_item: float | None = None
-    source: str = MEASURED
+    source: str = MEASURED  # or CACHE
     trials: int = 0
     seconds: float = 0.0
     mode: str = ""
@@ -66,11 +62,10 @@ class SearchRecord(Record):
     strategy: str = ""
     stopped_because: str = ""
     unit: int = 1
-    cap: int | None = None
-    capped_by: str | None = None
-    others: dict[str, int] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-
+    cap: int | None = None  # the largest size the search could try
+    capped_by: str | None = None  # what set ``cap``, where the answer reached it without OOM
+    others: dict[str, int] = field(default_factory=dict)  # the other knobs meanwhile
+    extra: dict[str, Any] = field(default_factory=dict)  # an evaluator's own (an estimate's)
 
 Evaluate = Callable[[str, dict[str, int], int, int], SearchRecord]
 
