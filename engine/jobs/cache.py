@@ -279,9 +279,8 @@ class SizeCache:
               workload: Mapping[str, Any] | None = None,
               source: str = "lowered after OOM") -> bool:
         """After an OOM: store ``sizes`` where each is at most the cached one (a concurrent
-        job that already stored something smaller keeps its value). ``source`` labels why
-        (a Ray worker that died is not an OOM). False, with a warning, if the cache cannot
-        be written."""
+        job's smaller value stays); ``source`` labels why (a Ray worker that died is not an
+        OOM). False, with a warning, if the cache cannot be written."""
 
         def change(entries: dict[str, dict[str, Any]]) -> None:
             old = entries.get(key)

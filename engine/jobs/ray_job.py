@@ -22,7 +22,6 @@ Ray is an optional dependency (``pip install 'oomguard[ray]'``), imported only h
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import time
 from collections import Counter
@@ -35,7 +34,7 @@ from oomguard.engine.jobs.ray_hub import DIED, DONE, RUNNING, Hub
 from oomguard.engine.jobs.ray_task import run_on_worker
 from oomguard.engine.jobs.records import Context, Job, Task, TaskResult
 from oomguard.engine.jobs.sink import FileSink
-from oomguard.engine.jobs.task_child import record_failure
+from oomguard.engine.jobs.task_child import interrupted, record_failure
 
 log = logging.getLogger("oomguard.job")
 
@@ -157,7 +156,7 @@ class OnRay:
                 if stop.signum is not None:
                     for ref, (task, _) in pending.items():
                         ray.cancel(ref, force=True)
-                        _interrupted(task, ctx, journal, stop)
+                        interrupted(journal.append, task, ctx, stop)
                         progress.interrupted(task, ctx.run_id)
                     return
         finally:
@@ -181,7 +180,7 @@ class OnRay:
             payload = ray.get(ref)
         except ray.exceptions.RayError as exc:
             if stop.signum is not None:  # Ctrl-C reaches a local instance's workers too
-                _interrupted(task, ctx, journal, stop)
+                interrupted(journal.append, task, ctx, stop)
                 return None
             if isinstance(exc, ray.exceptions.RayTaskError):  # raised outside the metric
                 cause = exc.cause if exc.cause is not None else exc
@@ -241,11 +240,6 @@ def device_lines(status: dict[str, list[dict[str, Any]]], short: bool = False) -
     return [f"device {n}: {done[n]} task(s) done, {retries[n]} OOM retr"
             f"{'y' if retries[n] == 1 else 'ies'} inside tasks, {died[n]} worker(s) died"
             for n in names]
-
-
-def _interrupted(task: Task, ctx: Context, journal: Journal, stop: Any) -> None:
-    journal.append("interrupted", task=task.key, run=ctx.run_id,
-                   signal=signal.Signals(stop.signum).name)
 
 
 def _resources(resources: dict[str, float]) -> str:

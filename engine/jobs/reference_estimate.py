@@ -234,10 +234,9 @@ class EstimateSearch:
 
 def estimate_rows(est: Estimator, metric: str, n_samples: int, capacity: int,
                   max_size: int) -> list[dict[str, Any]]:
-    """One row per memory knob of ``metric``: its largest size whose estimated total fits
-    ``capacity`` bytes (at most its largest useful size and ``max_size``), sized as a job
-    sizes it (:func:`~oomguard.engine.jobs.sizing.choose_sizes`), with its total and the
-    next size's; ``largest`` None where even the smallest size does not fit."""
+    """One row per memory knob of ``metric``, sized as a job sizes it: its largest size (at
+    most its largest useful one and ``max_size``) whose estimated total fits ``capacity``
+    bytes, with its total and the next size's; ``largest`` None where none fits."""
     request = Request(get_metric(metric), {}, n_samples, model_config(est.model), max_size)
     got = choose_sizes(request, evaluate=EstimateSearch(est, metric, n_samples, capacity))
     out = []

@@ -94,12 +94,10 @@ class Outcome:
 
 
 class _Stop:
-    """SIGINT/SIGTERM handler state: the first signal asks to stop; the job records and exits.
-
-    The handler only records the signal, never raises: an exception raised from a
-    handler can land in a finalizer, where Python prints it and carries on. Work
-    in progress (a metric's child, the final report) asks :attr:`signum`.
-    """
+    """SIGINT/SIGTERM handler state: the first signal asks to stop; work in progress (a
+    metric's child, the final report) asks :attr:`signum`. The handler only records the
+    signal, never raises: an exception raised from a handler can land in a finalizer,
+    where Python prints it and carries on."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -162,7 +160,8 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
     this function configures no logging at all. ``threads``: torch's intra-op threads in
     each metric's process (None: torch's default; on Ray, a CPU task's share of CPUs).
     ``snapshot_on_oom``: each metric's process records CUDA allocation history from its
-    start and writes an allocator snapshot at each OOM into ``snapshots/``.
+    start and writes an allocator snapshot at each OOM into ``snapshots/``
+    (pytorch.org/memory_viz; on CPU the events say none was possible).
 
     Raises :class:`JobError` before any work if the job cannot start (device missing, a
     budget larger than the device, an output folder that is a file, not writable, in use

@@ -21,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import signal
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,14 @@ def record_failure(task: Task, ctx: Context, sink: Sink, reason: str, detail: st
     sink.event("failure", task=task.key, run=ctx.run_id, reason=reason,
                traceback=record.traceback)
     return record
+
+
+def interrupted(say: Callable[..., Any], task: Task, ctx: Context, stop: Any,
+                **fields: Any) -> None:
+    """Journal through ``say`` (a sink's ``event``, a journal's ``append``) that the job's
+    signal ``stop.signum`` interrupted ``task``."""
+    say("interrupted", task=task.key, run=ctx.run_id, signal=signal.Signals(stop.signum).name,
+        **fields)
 
 
 def _sizes_info(state: dict[str, Any]) -> dict[str, Any]:

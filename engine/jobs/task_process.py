@@ -10,7 +10,6 @@ task's failure.
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from oomguard.engine.core import child as launcher
 from oomguard.engine.jobs.output import read_result
 from oomguard.engine.jobs.records import Context, Task, TaskResult
 from oomguard.engine.jobs.sink import Sink
-from oomguard.engine.jobs.task_child import child_main, record_failure
+from oomguard.engine.jobs.task_child import child_main, interrupted, record_failure
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import model_config
 
@@ -45,9 +44,7 @@ def run_task(task: Task, ctx: Context, sink: Sink, stop: Any) -> TaskResult | No
             ended = child.wait(task.time_limit - (time.monotonic() - t0),
                                lambda _: stop.signum is not None, grace=launcher.KILL_GRACE_S)
         if ended.how == launcher.STOPPED:
-            sink.event("interrupted", task=task.key, run=ctx.run_id,
-                       signal=signal.Signals(stop.signum).name,
-                       seconds=round(time.monotonic() - t0, 3))
+            interrupted(sink.event, task, ctx, stop, seconds=round(time.monotonic() - t0, 3))
             return None
         handoff = ended.messages[-1] if ended.messages else None
         if handoff is None or ended.how == launcher.TIMED_OUT or stop.signum is not None:
@@ -67,8 +64,7 @@ def _ended(task: Task, ctx: Context, sink: Sink, stop: Any, ended: launcher.Ende
     if record is not None and record.run == ctx.run_id and not timed_out:
         return record
     if stop.signum is not None and not timed_out:
-        sink.event("interrupted", task=task.key, run=ctx.run_id,
-                   signal=signal.Signals(stop.signum).name)
+        interrupted(sink.event, task, ctx, stop)
         return None
     how = launcher.how_it_ended(ended.exitcode)
     reason = (f"time limit of {task.time_limit:g} s exceeded (stopped)" if timed_out
