@@ -328,8 +328,7 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
     metrics = _metrics(r, doc, top["time_limit"])
     for i, (spec, config) in enumerate(top["models"].items()):
         for index, m in enumerate(metrics):
-            reason = get_metric(m.name).unsupported(config)
-            if reason:
+            if reason := get_metric(m.name).unsupported(config):
                 raise r.error(f"metrics[{index}]", f"{m.name} does not support models[{i}] "
                               f"({model_label(spec)}): {reason}; remove one of them",
                               f"metrics[{index}].name")
