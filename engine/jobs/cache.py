@@ -221,15 +221,11 @@ class SizeCache:
         or folder that cannot be written is a :class:`CacheError` (one line)."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.lock:
+                yield
         except FileExistsError:  # mkdir's own words ("File exists") would not say which
             raise CacheError(f"cannot write the size cache {self.path}: {self.path.parent} is "
                              "not a folder; give a writable --cache PATH") from None
-        except OSError as exc:
-            raise CacheError(f"cannot write the size cache {self.path}: "
-                             f"{exc.strerror or exc}; give a writable --cache PATH") from None
-        try:
-            with self.lock:
-                yield
         except Timeout:
             raise CacheError(f"cannot lock the size cache {self.path} within "
                              f"{LOCK_TIMEOUT_S:g} s (held by another job?)") from None
