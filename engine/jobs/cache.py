@@ -13,41 +13,32 @@ One JSON file (default ``user_cache_dir("oomguard")/sizes.json``)::
 
 ``search`` holds each knob's search record
 (:class:`~oomguard.engine.jobs.sizing.SearchRecord`); ``capped`` the knobs whose answer
-reached a bound other than memory (the sample count, ``max_size``, the knob's largest
-useful size), with that bound: a request allowing more searches again
-(:mod:`~oomguard.engine.jobs.sizing`).
+reached a bound other than memory, with that bound: a request allowing more searches
+again (:mod:`~oomguard.engine.jobs.sizing`). The key (:func:`entry_key`) is the device
+(:func:`device_key`: a budget is a smaller device) and a hash of the workload (model
+config hash, dtype, sequence length, metric and its result-defining parameters).
 
-The key (:func:`entry_key`) is the device (:func:`device_key`: a budget is a smaller
-device) and a hash of the workload (model config hash, dtype, sequence length, metric
-and its result-defining parameters).
-
-Writing: every read-modify-write holds a :class:`filelock.FileLock` on
-``<file>.lock`` and ends with the one atomic replace, so two jobs can share
-one cache and the file is valid JSON at every moment. Reading takes no lock
-(a reader sees the old file or the new one, never half of either) and
-changes nothing on disk: it creates no folder and no lock file and moves
-nothing, so ``oomguard cache show`` works on a read-only cache.
+Writing: every read-modify-write holds a :class:`filelock.FileLock` on ``<file>.lock``
+and ends with the one atomic replace, so two jobs can share one cache and the file is
+valid JSON at every moment. Reading takes no lock (it sees the old file or the new one)
+and changes nothing on disk (no folder, no lock file), so ``oomguard cache show`` works
+on a read-only cache.
 
 The cache only saves time; it never costs a result:
 
-- A cache that cannot be read (no permission, a path through a regular file)
-  makes :meth:`SizeCache.get` warn once and answer None: the job searches or
-  uses the metric's defaults.
-- A cache that cannot be written (a read-only folder, a lock it cannot
-  create, a lock held longer than ``LOCK_TIMEOUT_S``) makes
-  :meth:`SizeCache.put` and :meth:`SizeCache.lower` warn and return False;
-  the metric's result is computed and kept all the same.
-- A file that is not a valid cache is ignored with a warning on reading, and
-  moved aside to ``<file>.corrupt-<timestamp>`` by the next write, which then
-  starts an empty cache.
-- An entry whose sizes are not all positive integers (``micro_batch_size =
-  -5``, ``true``, ``"8"``) is treated as absent, with a warning naming its key
-  and value; the other entries stay usable, and the next write drops it.
+- A cache that cannot be read (no permission, a path through a regular file) makes
+  :meth:`SizeCache.get` warn once and answer None: the job searches or uses defaults.
+- A cache that cannot be written (a read-only folder, a lock it cannot create, a lock
+  held longer than ``LOCK_TIMEOUT_S``) makes :meth:`SizeCache.put` and
+  :meth:`SizeCache.lower` warn and return False; the result is computed all the same.
+- A file that is not a valid cache is ignored with a warning on reading, and moved
+  aside to ``<file>.corrupt-<timestamp>`` by the next write, which starts an empty one.
+- An entry whose sizes are not all positive integers (``-5``, ``true``, ``"8"``) is
+  treated as absent, with a warning naming its key and value; the next write drops it.
 
-Only the explicit commands report a cache they cannot use as an error:
-``oomguard cache show`` when the file cannot be read and ``oomguard cache
-clear`` when it cannot be written, each as one line (:class:`CacheError`,
-exit code 2).
+Only ``oomguard cache show`` (a file it cannot read) and ``oomguard cache clear`` (one it
+cannot write) report an unusable cache as an error: one line (:class:`CacheError`, exit
+code 2).
 """
 
 from __future__ import annotations
@@ -80,9 +71,7 @@ _HISTORY = 20  # changes kept per entry
 def default_cache_path() -> Path:
     """``$OOMGUARD_CACHE`` if set, else ``sizes.json`` in the user's cache folder."""
     env = os.environ.get("OOMGUARD_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path(user_cache_dir("oomguard")) / "sizes.json"
+    return Path(env).expanduser() if env else Path(user_cache_dir("oomguard")) / "sizes.json"
 
 
 def device_key(device: Mapping[str, Any]) -> str:
@@ -109,11 +98,6 @@ def entry_key(device: Mapping[str, Any], workload: Mapping[str, Any]) -> str:
     return f"{device_key(device)}|{workload_hash(workload)}"
 
 
-def _valid_document(doc: Any) -> bool:
-    """The file's shape: an object with an ``entries`` object (entries are checked one by one)."""
-    return isinstance(doc, dict) and isinstance(doc.get("entries"), dict)
-
-
 def _entry_problem(entry: Any) -> str | None:
     """Why a cache entry cannot be used, or None: ``sizes`` must be an object of positive
     integers (``true`` is not a size)."""
@@ -134,13 +118,24 @@ def _empty() -> dict[str, Any]:
     return {"version": VERSION, "entries": {}}
 
 
-class SizeCache:
-    """Sizes that worked, persisted in a JSON file shared between processes.
+def _changed(old: Mapping[str, Any], sizes: dict[str, int], source: str,
+             device: Mapping[str, Any] | None, workload: Mapping[str, Any] | None,
+             **why: Any) -> dict[str, Any]:
+    """Entry ``old`` holding ``sizes`` from ``source`` now, the change added to its history
+    (``why``: the change's own fields), the device and workload stored where given."""
+    history = [*old.get("history", []), {"t": now_iso(), "sizes": sizes, "source": source,
+                                          **why}]
+    entry = {**old, "sizes": sizes, "source": source, "updated": now_iso(),
+             "history": history[-_HISTORY:]}
+    entry.update({k: dict(v) for k, v in (("device", device), ("workload", workload))
+                  if v is not None})
+    return entry
 
-    Reads (:meth:`get`, :meth:`entries`) change nothing on disk; writes
-    (:meth:`put`, :meth:`lower`, :meth:`clear`) hold the lock. See the module
-    docstring for what happens when the file cannot be read or written.
-    """
+
+class SizeCache:
+    """Sizes that worked, persisted in a JSON file shared between processes. Reads
+    (:meth:`get`, :meth:`entries`) change nothing on disk; writes (:meth:`put`,
+    :meth:`lower`, :meth:`clear`) hold the lock (the module docstring says the rest)."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path).expanduser() if path is not None else default_cache_path()
@@ -158,7 +153,8 @@ class SizeCache:
             doc = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             return None
-        return doc if _valid_document(doc) else None
+        # The file's shape: an object with an ``entries`` object (each entry is checked alone).
+        return doc if isinstance(doc, dict) and isinstance(doc.get("entries"), dict) else None
 
     def _usable(self, entries: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """The entries whose sizes can be used; each other one is named in a warning."""
@@ -173,11 +169,8 @@ class SizeCache:
 
     def load(self) -> dict[str, Any]:
         """The cache document (``{"version", "entries"}``) with only the usable entries.
-
-        Takes no lock and changes nothing on disk. A missing file is an empty
-        cache; a file that is not a valid cache is one too, with a warning.
-        Raises :class:`CacheError` if the file exists but cannot be read.
-        """
+        A missing file is an empty cache, and so is one that is not a valid cache (with a
+        warning). Raises :class:`CacheError` if the file exists but cannot be read."""
         try:
             doc = self._parse()
         except OSError as exc:
@@ -206,9 +199,7 @@ class SizeCache:
             log.warning("size cache %s is not a valid cache file; going on without it",
                         self.path)
             return None
-        if key not in doc["entries"]:
-            return None
-        return self._usable({key: doc["entries"][key]}).get(key)
+        return self._usable({key: doc["entries"][key]}).get(key) if key in doc["entries"] else None
 
     # ------------------------------------------------------------- writing
     def _read_for_writing(self) -> dict[str, Any]:
@@ -230,15 +221,11 @@ class SizeCache:
         or folder that cannot be written is a :class:`CacheError` (one line)."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.lock:
+                yield
         except FileExistsError:  # mkdir's own words ("File exists") would not say which
             raise CacheError(f"cannot write the size cache {self.path}: {self.path.parent} is "
                              "not a folder; give a writable --cache PATH") from None
-        except OSError as exc:
-            raise CacheError(f"cannot write the size cache {self.path}: "
-                             f"{exc.strerror or exc}; give a writable --cache PATH") from None
-        try:
-            with self.lock:
-                yield
         except Timeout:
             raise CacheError(f"cannot lock the size cache {self.path} within "
                              f"{LOCK_TIMEOUT_S:g} s (held by another job?)") from None
@@ -258,69 +245,48 @@ class SizeCache:
             atomic_write_json(self.path, doc)
             return doc
 
-    def _update_or_warn(self, fn: Callable[[dict[str, dict[str, Any]]], None]) -> bool:
-        """:meth:`update`, but a cache that cannot be written is a warning: it costs the
-        cache's speed-up, never the result being computed."""
+    def _update_or_warn(self, fn: Callable[[dict[str, dict[str, Any]]], None],
+                        say: Callable[..., None], *message: Any) -> bool:
+        """:meth:`update`, then ``say(*message)``; a cache that cannot be written is a
+        warning instead (False): it costs the cache's speed-up, never the result."""
         try:
             self.update(fn)
         except CacheError as exc:
             log.warning("%s (sizes not cached; the run goes on)", exc)
             return False
+        say(*message)
         return True
 
     def put(self, key: str, sizes: Mapping[str, int], *, source: str,
             device: Mapping[str, Any] | None = None, workload: Mapping[str, Any] | None = None,
             **extra: Any) -> bool:
         """Store ``sizes`` for ``key``; ``source`` says where they came from (e.g. ``search``).
-
-        Returns False, with a warning, if the cache cannot be written.
-        """
+        False, with a warning, if the cache cannot be written."""
 
         def change(entries: dict[str, dict[str, Any]]) -> None:
-            old = entries.get(key, {})
-            history = list(old.get("history", []))
-            history.append({"t": now_iso(), "sizes": dict(sizes), "source": source})
-            entry = {**old, **extra, "sizes": dict(sizes), "source": source, "updated": now_iso(),
-                     "history": history[-_HISTORY:]}
-            if device is not None:
-                entry["device"] = dict(device)
-            if workload is not None:
-                entry["workload"] = dict(workload)
-            entries[key] = entry
+            entries[key] = _changed({**entries.get(key, {}), **extra}, dict(sizes), source,
+                                    device, workload)
 
-        if not self._update_or_warn(change):
-            return False
-        log.info("size cache: %s -> %s (%s)", key, dict(sizes), source)
-        return True
+        return self._update_or_warn(change, log.info, "size cache: %s -> %s (%s)", key,
+                                    dict(sizes), source)
 
     def lower(self, key: str, sizes: Mapping[str, int], *, reason: str,
               device: Mapping[str, Any] | None = None,
               workload: Mapping[str, Any] | None = None,
               source: str = "lowered after OOM") -> bool:
-        """After an OOM: store ``sizes`` where each is at most the cached one.
-
-        A concurrent job that already stored something smaller keeps its value.
-        ``source`` labels why (a Ray worker that died is not an OOM).
-        Returns False, with a warning, if the cache cannot be written.
-        """
+        """After an OOM: store ``sizes`` where each is at most the cached one (a concurrent
+        job's smaller value stays); ``source`` labels why (a Ray worker that died is not an
+        OOM). False, with a warning, if the cache cannot be written."""
 
         def change(entries: dict[str, dict[str, Any]]) -> None:
             old = entries.get(key)
             cached = old.get("sizes", {}) if old else {}
             new = {k: min(v, cached.get(k, v)) for k, v in sizes.items()}
-            if old and new == cached:
-                return
-            history = list(old.get("history", [])) if old else []
-            history.append({"t": now_iso(), "sizes": new, "source": source, "reason": reason})
-            entries[key] = {**(old or {}), "sizes": new, "source": source,
-                            "updated": now_iso(), "history": history[-_HISTORY:],
-                            **({"device": dict(device)} if device is not None else {}),
-                            **({"workload": dict(workload)} if workload is not None else {})}
+            if not old or new != cached:
+                entries[key] = _changed(old or {}, new, source, device, workload, reason=reason)
 
-        if not self._update_or_warn(change):
-            return False
-        log.warning("size cache: lowered %s to %s (%s)", key, dict(sizes), reason)
-        return True
+        return self._update_or_warn(change, log.warning, "size cache: lowered %s to %s (%s)",
+                                    key, dict(sizes), reason)
 
     def clear(self) -> int:
         """Remove every entry, usable or not; returns how many there were. Raises

@@ -1,21 +1,18 @@
 """Data sources for jobs: ``n_samples`` rows of ``seq_len`` token ids.
 
-- ``generated``: :func:`oomguard.metrics.models.make_batch` (seeded random tokens,
-  seeded padding);
-- ``text``: the file's bytes are the tokens (vocabulary 256), cut into
-  consecutive windows from the start;
-- ``tokens``: token ids from a ``.npy`` file (1-D: one stream cut into
-  consecutive windows; 2-D: one sample per row, truncated to ``seq_len``) or
-  a text file of whitespace-separated integers (one stream);
-- ``bytes``: a byte-level corpus read through ``numpy.memmap`` (``uint8``) at
-  seeded random positions, as in the E10 setup: nothing but the windows is
-  read, whatever the file's size.
+- ``generated``: :func:`oomguard.metrics.models.make_batch` (seeded random tokens, seeded
+  padding);
+- ``text``: the file's bytes are the tokens (vocabulary 256), cut into consecutive
+  windows from the start;
+- ``tokens``: token ids from a ``.npy`` file (1-D: one stream cut into consecutive
+  windows; 2-D: one sample per row, truncated to ``seq_len``) or a text file of
+  whitespace-separated integers (one stream);
+- ``bytes``: a byte-level corpus read through ``numpy.memmap`` (``uint8``) at seeded
+  random positions, as in the E10 setup: only the windows are read, whatever the size.
 
-Every source returns ``input_ids``, ``attention_mask`` (ones, or
-make_batch's padding) and ``labels`` (``input_ids``, ``-100`` on padding),
-each ``[n_samples, seq_len]`` int64.
+Every source returns ``input_ids``, ``attention_mask`` (ones, or make_batch's padding)
+and ``labels`` (``input_ids``, ``-100`` on padding), each ``[n_samples, seq_len]`` int64.
 """
-
 from __future__ import annotations
 
 from pathlib import Path
@@ -51,19 +48,15 @@ def _need(have: int, spec: DataSpec, what: str) -> None:
 
 def check_data(spec: DataSpec) -> None:
     """Check that a file source can give ``n_samples x seq_len`` tokens (ValueError if not).
-
-    Cheap: sizes and headers only, except whitespace token files, which are parsed.
-    """
+    Cheap: sizes and headers only, except whitespace token files, which are parsed."""
     if spec.source == "generated" or spec.path is None:
         return
     path = Path(spec.path)
-    if spec.source in ("text", "bytes"):
-        size = path.stat().st_size
-        if spec.source == "bytes":
-            if size < spec.seq_len:
-                raise ValueError(f"{path} has {size} bytes, fewer than seq_len {spec.seq_len}")
-        else:
-            _need(size, spec, "bytes")
+    if spec.source == "text":
+        return _need(path.stat().st_size, spec, "bytes")
+    if spec.source == "bytes":
+        if (size := path.stat().st_size) < spec.seq_len:
+            raise ValueError(f"{path} has {size} bytes, fewer than seq_len {spec.seq_len}")
         return
     arr = _token_stream(path)
     if arr.ndim == 2:

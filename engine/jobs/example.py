@@ -1,9 +1,6 @@
-"""The commented example job file (``oomguard run --example``), kept as ``example.toml``.
-
-It lives next to this module as package data, read through
-:mod:`importlib.resources`, so it works from a checkout, an editable install
-and a wheel alike. This module imports nothing heavy: printing the example
-must not load torch.
+"""The commented example job file (``oomguard run --example``), kept as ``example.toml``:
+package data read through :mod:`importlib.resources` (a checkout, an editable install and
+a wheel alike). This module imports nothing heavy: printing the example must not load torch.
 """
 
 from __future__ import annotations

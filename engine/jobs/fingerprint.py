@@ -4,21 +4,19 @@ A finished result is kept on resume only while every input that defines it is
 unchanged. Those inputs (:func:`task_inputs`) are:
 
 - the **model**: its config hash (:func:`~oomguard.metrics.models.config_fingerprint`)
-  and, for a local checkpoint folder, the content (SHA-256) of its config and
-  of every weight file in it (``*.safetensors``, ``*.bin``, ``*.pt``, ...);
-- the **data**: the data section of the job and, for a file source, the
-  content (SHA-256) of the file;
-- the dtype, the seed, the device, the metric and its result-defining
-  parameters, the content of ``.py`` plugins, and oomguard's version.
+  and, for a local checkpoint folder, the content (SHA-256) of its config and of every
+  weight file in it (``*.safetensors``, ``*.bin``, ``*.pt``, ...);
+- the **data**: the data section of the job and, for a file source, the content
+  (SHA-256) of the file;
+- the dtype, the seed, the device, the metric and its result-defining parameters, the
+  content of ``.py`` plugins, and oomguard's version.
 
-Memory knobs and the budget are not inputs: a metric's result does not depend
-on them beyond float rounding (that is what makes them tunable).
+Memory knobs and the budget are not inputs: a metric's result does not depend on them
+beyond float rounding (that is what makes them tunable).
 
-Hashing a multi-gigabyte checkpoint takes seconds, so content digests are
-memoised by (size, modification time in ns) in a :class:`Digests` file kept in
-the job's output folder: a file whose size and mtime are unchanged is not read
-again; a file with either changed is hashed again, so a rewrite that keeps the
-size is still caught.
+Hashing a multi-gigabyte checkpoint takes seconds, so content digests are memoised by
+(size, modification time in ns) in a :class:`Digests` file in the job's output folder: a
+file with either changed is hashed again, so a rewrite that keeps the size is caught.
 """
 
 from __future__ import annotations
@@ -49,12 +47,9 @@ _CHUNK = 1 << 20
 
 
 class Digests:
-    """SHA-256 of files, memoised by (size, mtime_ns) in a JSON file (or only in memory).
-
-    ``Digests(path).of(file)`` returns the hex digest of ``file``'s content;
-    :meth:`save` writes the memo back (atomically; a memo that cannot be
-    written costs a warning and the speed-up, never a result).
-    """
+    """SHA-256 of files, memoised by (size, mtime_ns) in a JSON file (or only in memory);
+    :meth:`save` writes the memo back (a memo that cannot be written costs a warning and
+    the speed-up, never a result)."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path) if path is not None else None
@@ -70,14 +65,13 @@ class Digests:
 
     def of(self, file: str | os.PathLike[str]) -> str:
         """The SHA-256 (hex) of ``file``'s content; reads it only if size or mtime changed."""
-        p = Path(file).resolve()
-        st = p.stat()
-        key = str(p)
+        key = str(Path(file).resolve())
+        st = os.stat(key)
         seen = self.memo.get(key)
         if seen and seen.get("size") == st.st_size and seen.get("mtime_ns") == st.st_mtime_ns:
             return str(seen["sha256"])
         h = hashlib.sha256()
-        with p.open("rb") as fh:
+        with open(key, "rb") as fh:
             while chunk := fh.read(_CHUNK):
                 h.update(chunk)
         digest = h.hexdigest()
@@ -96,28 +90,22 @@ class Digests:
                         "next run", self.path, exc.strerror or exc)
 
 
-def _checkpoint_files(folder: Path) -> list[Path]:
-    return [p for p in sorted(folder.iterdir())
-            if p.is_file() and not p.name.startswith((".", *_NOT_WEIGHTS))
-            and (p.name == "config.json" or p.name.endswith((*WEIGHT_SUFFIXES, ".index.json")))]
-
-
 def model_inputs(spec: str, digests: Digests) -> dict[str, Any]:
     """The model's part of a result's inputs: config hash, and checkpoint file digests."""
     out: dict[str, Any] = {"spec": spec, "config": config_fingerprint(spec)}
     folder = Path(spec).expanduser()
     if folder.is_dir():
-        out["files"] = {p.name: digests.of(p) for p in _checkpoint_files(folder)}
+        out["files"] = {
+            p.name: digests.of(p) for p in sorted(folder.iterdir())
+            if p.is_file() and not p.name.startswith((".", *_NOT_WEIGHTS))
+            and (p.name == "config.json" or p.name.endswith((*WEIGHT_SUFFIXES, ".index.json")))}
     return out
 
 
 def task_inputs(job: Job, model: Mapping[str, Any], metric: MetricSpec,
                 digests: Digests) -> dict[str, Any]:
-    """Everything that defines the result of ``metric`` on ``model`` (from :func:`model_inputs`).
-
-    Two results with equal inputs are the same computation; the task's
-    fingerprint is the hash of this dict.
-    """
+    """Everything that defines the result of ``metric`` on ``model`` (from
+    :func:`model_inputs`); the task's fingerprint is the hash of this dict."""
     data: dict[str, Any] = dataclasses.asdict(job.data)
     if job.data.path is not None:
         data["sha256"] = digests.of(job.data.path)
@@ -157,11 +145,8 @@ def _what(part: str, old: Any, new: Any) -> str:
 
 
 def describe_changes(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> list[str]:
-    """Why a result with inputs ``old`` no longer answers ``new``: one phrase per change.
-
-    ``old`` is None for a result written without a record of its inputs (an
-    older oomguard, or a file from elsewhere).
-    """
+    """Why a result with inputs ``old`` (None: a result without a record of its inputs) no
+    longer answers ``new``: one phrase per change."""
     if not isinstance(old, Mapping):
         return ["the result has no record of its inputs (written by an older oomguard?)"]
     return [_what(part, old.get(part), new.get(part)) for part in _differ(old, new)]

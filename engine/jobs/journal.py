@@ -1,11 +1,10 @@
 """The job journal: an append-only, fsynced JSON-lines record of every event.
 
-One event per line (``start``, ``sizes``, ``retry``, ``success``, ``failure``, ``skip``,
-``interrupted``, ...), each one :func:`~oomguard.engine.util.jsonable.json_text` written
-with a single ``os.write`` on a descriptor opened with ``O_APPEND``, then ``os.fsync``:
-an event :meth:`Journal.append` returned from is on disk, and several processes (the
-job's parent and its metric children) may append to one journal. A line torn by a
-``kill -9`` is skipped by :func:`replay`, so a journal is always readable.
+One event per line (``start``, ``sizes``, ``retry``, ``success``, ``failure``, ...), each
+written with a single ``os.write`` on a descriptor opened with ``O_APPEND``, then
+``os.fsync``: an event :meth:`Journal.append` returned from is on disk, and several
+processes may append to one journal. A line torn by a ``kill -9`` is skipped by
+:func:`replay`, so a journal is always readable.
 """
 
 from __future__ import annotations
@@ -25,13 +24,9 @@ log = logging.getLogger("oomguard.journal")
 
 
 class Journal:
-    """An append-only JSON-lines event log, every record flushed and fsynced.
-
-    ``Journal(path).append("start", task="loss")`` writes
-    ``{"t": "...Z", "pid": 1234, "event": "start", "task": "loss"}``.
-    The descriptor is opened lazily per process, so a journal object may be
-    handed to a child process.
-    """
+    """``Journal(path).append("start", task="loss")`` writes ``{"t": "...Z", "pid": 1234,
+    "event": "start", "task": "loss"}``. The descriptor is opened lazily per process, so a
+    journal object may be handed to a child process."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -75,11 +70,8 @@ def stamp(event: str, **fields: Any) -> dict[str, Any]:
 
 
 def replay(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every well-formed event of a journal, in order; [] if it does not exist.
-
-    Lines that are not JSON objects (a torn write after ``kill -9``) are
-    skipped with a warning.
-    """
+    """Every well-formed event of a journal, in order ([] if it does not exist); a line
+    that is not a JSON object (a torn write) is skipped with a warning."""
     p = Path(path)
     if not p.exists():
         return []

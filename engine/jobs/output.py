@@ -1,14 +1,10 @@
 """The output folder of a job: whose it is, and which results in it are still true.
 
-An output folder belongs to one job (:func:`job_identity`: its name and the
-path of its file). :func:`check_output_folder` proves the folder writable
-before any work; :func:`claim` refuses another job's folder, or with
-``force`` moves that job's files into ``moved-aside/<time>-<name>/``.
-
-A finished result (``results/<task>.json``) is kept on resume only while it
-still answers its task (:func:`stale_reasons`: same inputs, tensor file
-present); otherwise :func:`set_aside` moves it and its tensor file into
-``results/stale/`` (never deleted, never overwritten) and the task runs again.
+An output folder belongs to one job (:func:`job_identity`); :func:`claim` refuses
+another job's folder, or with ``force`` moves its files into ``moved-aside/``. A finished
+result is kept on resume only while it still answers its task (:func:`stale_reasons`);
+otherwise :func:`set_aside` moves it into ``results/stale/`` (never deleted, never
+overwritten) and the task runs again.
 """
 
 from __future__ import annotations
@@ -69,19 +65,14 @@ def set_aside(out: Path, key: str, done: TaskResult) -> str:
 
 
 def job_identity(job: Job) -> dict[str, str]:
-    """What makes two runs the same job: its name and the path of its file.
-
-    Editing a job file keeps its identity (results whose inputs changed are
-    rerun); a different job file is a different job.
-    """
+    """What makes two runs the same job: its name and the path of its file (an edited job
+    file keeps its identity; results whose inputs changed are rerun)."""
     return {"name": job.name, "path": job.path}
 
 
 def check_output_folder(out: Path) -> None:
-    """Create ``out`` if needed and prove it writable; :class:`JobError` (one line) if not.
-
-    Called before any work, so a run never computes results it cannot keep.
-    """
+    """Create ``out`` if needed and prove it writable, before any work (a run never
+    computes results it cannot keep); :class:`JobError` (one line) if not."""
     if out.exists() and not out.is_dir():
         raise JobError(f"{out}: the output folder is an existing file; give another --out")
     try:

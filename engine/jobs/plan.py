@@ -20,12 +20,9 @@ __all__ = ["device_identity", "plan"]
 
 
 def plan(job: Job, digests: Digests | None = None) -> list[Task]:
-    """The job's tasks in order (model-major); task keys are file-name safe.
-
-    Each task carries its inputs (what defines its result:
-    :func:`~oomguard.engine.jobs.fingerprint.task_inputs`) and their hash. ``digests``
-    memoises file contents (default: in memory only).
-    """
+    """The job's tasks in order (model-major), keys file-name safe, each with its inputs
+    (:func:`~oomguard.engine.jobs.fingerprint.task_inputs`) and their hash. ``digests``
+    memoises file contents (default: in memory only)."""
     digests = digests if digests is not None else Digests()
     tasks = []
     for spec in job.models:
@@ -44,16 +41,12 @@ def plan(job: Job, digests: Digests | None = None) -> list[Task]:
 
 
 def device_identity(job: Job) -> dict[str, Any]:
-    """The device this process runs ``job`` on, measured by :func:`oomguard.probes.probe`.
-
-    Name and total bytes, the budget, torch's version and the host; on CUDA also the MIG
+    """The device this process runs ``job`` on, measured by :func:`oomguard.probes.probe`:
+    name and total bytes, the budget, torch's version and the host; on CUDA also the MIG
     profile, the driver version and the GPU's UUID (NVML, matched to torch's device by
     UUID, so a Ray worker whose ``CUDA_VISIBLE_DEVICES`` names one GPU gets that GPU's).
-    :func:`~oomguard.engine.jobs.cache.device_key` says which of these key the size cache.
-
-    Raises :class:`JobError` if the device is missing or the job's budget is
-    larger than the device's total memory (a budget that can never be applied).
-    """
+    Raises :class:`JobError` if the device is missing or the job's budget is larger than
+    its total memory (a budget that can never be applied)."""
     snap = probe(job.device)
     if not snap.available:
         raise JobError(f"{job.path}: device: {job.device} is not available here: {snap.reason}")

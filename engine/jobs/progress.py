@@ -24,14 +24,11 @@ def error_text(error: str | None) -> str:
 @dataclass
 class Progress:
     """Called with each trial of a search (its ``on_trial``): one line,
-    ``  batch     48  ok   peak 1.93 GiB  (5.60 s)``, ``label`` naming the size, ``fresh``
-    at the end of a trial run in a fresh child if ``mark_fresh``. Without a ``bar`` it
-    pickles, so a search run in another process takes it along.
-
-    A job's backend reports its tasks here: :meth:`finished` keeps a task's result in
-    ``results``, advances ``bar`` (tqdm, over ``n_tasks``) and logs a line; :meth:`show`
-    puts a short status on the bar (the Ray backend: running and retries per device).
-    """
+    ``  batch     48  ok   peak 1.93 GiB  (5.60 s)`` (``label``: the size's name;
+    ``fresh`` ends a trial run in a fresh child if ``mark_fresh``). Without a ``bar`` it
+    pickles, so a search run in another process takes it along. A job's backend reports
+    its tasks here: :meth:`finished` keeps a result in ``results``, advances ``bar``
+    (tqdm, over ``n_tasks``) and logs a line; :meth:`show` puts a status on the bar."""
 
     label: str = "size"
     mark_fresh: bool = False

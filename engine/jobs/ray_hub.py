@@ -1,17 +1,13 @@
 """What the tasks of one job on Ray share: the job's outputs, and where each attempt runs.
 
-One :class:`Hub` actor per ``oomguard run --ray``, on the driver's node. Every task's
-outputs arrive here through its :class:`~oomguard.engine.jobs.sink.HubSink` and are
-written as the single-process job writes them, into the job's folder and the size cache
-(under its file lock: other jobs sharing it merge as before). Ray runs an actor's methods
-one at a time, so concurrent tasks merge their sizes in turn. Workers need no shared
-storage.
-
-The hub also keeps where each attempt runs (:meth:`Hub.begin`), for a retry after a
-worker died and for the driver's progress line and journal (:meth:`Hub.status`).
-
-This module does not import Ray: :func:`~oomguard.engine.jobs.ray_job.OnRay` makes the
-class an actor.
+One :class:`Hub` actor per ``oomguard run --ray``, on the driver's node (this module
+does not import Ray; :class:`~oomguard.engine.jobs.ray_job.OnRay` makes the class an
+actor). Every task's outputs arrive through its
+:class:`~oomguard.engine.jobs.sink.HubSink` and are written as the single-process job
+writes them, into the job's folder and the size cache (under its file lock). Ray runs an
+actor's methods one at a time, so concurrent tasks merge their sizes in turn; workers
+need no shared storage. The hub also keeps where each attempt runs (:meth:`Hub.begin`),
+for a retry after a worker died and for the driver's progress line and journal.
 """
 
 from __future__ import annotations
@@ -50,8 +46,7 @@ class Hub:
     def take(self, task: str, attempt: int, op: str, args: tuple[Any, ...],
              kw: Mapping[str, Any]) -> Any:
         """One output of an attempt: the :class:`FileSink` method ``op`` applied, or a
-        journal ``record`` written with the attempt's host and number (its sizes, if any,
-        are the attempt's)."""
+        journal ``record`` written with the attempt's host and number."""
         if op != "record":
             return getattr(self.sink, op)(*args, **kw)
         a = self.attempts[task][attempt - 1]
@@ -63,9 +58,8 @@ class Hub:
         return None
 
     def begin(self, task: str, where: Mapping[str, Any]) -> dict[str, Any]:
-        """A new attempt of ``task`` at ``where`` (host, pid, node, device, its keys);
-        returns its number and the previous attempt (None for the first). A previous
-        attempt still marked running ended without a word: its worker died."""
+        """A new attempt of ``task`` at ``where``; returns its number and the previous one
+        (None for the first), marked died if still running (it ended without a word)."""
         attempts = self.attempts.setdefault(task, [])
         previous = attempts[-1] if attempts else None
         if previous is not None and previous["state"] == RUNNING:

@@ -1,11 +1,10 @@
 """Run a job's tasks on Ray: every GPU of a node, or a cluster, each task sized where it lands.
 
 :class:`OnRay` is the backend :func:`~oomguard.engine.jobs.runner.run_job` takes for
-``oomguard run JOB --ray [ADDRESS]``. It is no scheduler: Ray places the tasks. Each
-(model, metric) task becomes one Ray task asking for one GPU (``num_gpus=1``), or for
-``cpus_per_task`` CPUs when the job's device is ``cpu``; the worker runs it as the
-single-process job would (:mod:`~oomguard.engine.jobs.ray_task`). Ray knows nothing of
-GPU memory; oomguard adds it:
+``oomguard run JOB --ray [ADDRESS]``. Ray places the tasks: each (model, metric) task is
+one Ray task asking for one GPU, or for ``cpus_per_task`` CPUs when the job's device is
+``cpu``; the worker runs it as the single-process job would
+(:mod:`~oomguard.engine.jobs.ray_task`). Ray knows nothing of GPU memory; oomguard adds it:
 
 - each task measures the device it got and takes its sizes from the cache for that device;
 - an OOM is retried inside the task at half the size (the executor);
@@ -14,18 +13,15 @@ GPU memory; oomguard adds it:
   the cache, labelled as a death (:func:`~oomguard.engine.jobs.ray_task.lowered_after_death`);
 - the tasks' outputs and the size cache go through one actor on this node
   (:mod:`~oomguard.engine.jobs.ray_hub`); this process (the driver) writes the journal's
-  ``running`` and ``worker-died``, ``results.json``, the report and the plots.
+  ``running`` and ``worker-died``, ``results.json``, the report and the plots: the job's
+  folder is what the single-process job writes, and a rerun resumes from it.
 
-The job's folder is what the single-process job writes, and a rerun resumes from it.
-
-Ray is an optional dependency (``pip install 'oomguard[ray]'``): it is imported only here,
-only when a job asks for it.
+Ray is an optional dependency (``pip install 'oomguard[ray]'``), imported only here.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import time
 from collections import Counter
@@ -38,7 +34,7 @@ from oomguard.engine.jobs.ray_hub import DIED, DONE, RUNNING, Hub
 from oomguard.engine.jobs.ray_task import run_on_worker
 from oomguard.engine.jobs.records import Context, Job, Task, TaskResult
 from oomguard.engine.jobs.sink import FileSink
-from oomguard.engine.jobs.task_process import record_failure
+from oomguard.engine.jobs.task_child import interrupted, record_failure
 
 log = logging.getLogger("oomguard.job")
 
@@ -72,16 +68,12 @@ def _reachable(address: str) -> str | None:
 
 
 class OnRay:
-    """Run the tasks as Ray tasks (see the module docstring).
-
-    ``address``: a running cluster (``HOST:PORT`` of its head, or ``auto``); None does
-    what ``ray.init()`` does (``RAY_ADDRESS``, else a cluster ``ray start`` began on this
-    machine, else a new local instance with every CPU and GPU of this machine);
-    ``num_cpus`` always starts a new local instance with that many CPUs. An instance this
-    starts is stopped at the end. A Ray this process already connected to is used as it
-    is, and left running. ``max_retries``: how often Ray runs a task again after its
-    worker died.
-    """
+    """Run the tasks as Ray tasks. ``address``: a running cluster (``HOST:PORT`` of its
+    head, or ``auto``); None does what ``ray.init()`` does (``RAY_ADDRESS``, else a cluster
+    ``ray start`` began on this machine, else a new local instance); ``num_cpus`` always
+    starts a new local instance with that many CPUs. An instance this starts is stopped at
+    the end; a Ray this process already joined is used as it is, and left running.
+    ``max_retries``: how often Ray runs a task again after its worker died."""
 
     def __init__(self, address: str | None = None, *, num_cpus: int | None = None,
                  cpus_per_task: int = 1, max_retries: int = 3) -> None:
@@ -99,11 +91,9 @@ class OnRay:
                            "device = \"cuda\" (Ray gives each task its own GPU) or \"cpu\"")
         self.ray = ray = import_ray()
         if not ray.is_initialized():
-            if self.address not in (None, "auto"):
-                why = _reachable(self.address)
-                if why is not None:
-                    raise UsageError(f"cannot reach the Ray cluster at {self.address}: {why}; "
-                                     f"{START}")
+            if self.address not in (None, "auto") and (why := _reachable(self.address)):
+                raise UsageError(f"cannot reach the Ray cluster at {self.address}: {why}; "
+                                 f"{START}")
             local = self.address is None and self.num_cpus is not None
             try:
                 ray.init(address="local" if local else self.address,
@@ -140,8 +130,7 @@ class OnRay:
                             **({"num_gpus": 1} if kind == "GPU" else {"num_cpus": each})
                             )(run_on_worker)
         waiting = list(tasks)
-        pending: dict[Any, Task] = {}
-        t0: dict[str, float] = {}
+        pending: dict[Any, tuple[Task, float]] = {}  # with when it was submitted
         seen: dict[tuple[str, int], Any] = {}
         try:
             while waiting or pending:
@@ -152,23 +141,22 @@ class OnRay:
                 room = max(1, int(ray.cluster_resources().get(kind, 0) // each))
                 while waiting and len(pending) < room:
                     task = waiting.pop(0)
-                    pending[remote.remote(task, ctx, hub)] = task
-                    t0[task.key] = time.monotonic()
+                    pending[remote.remote(task, ctx, hub)] = task, time.monotonic()
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
                 progress.show(self._watch(ray.get(hub.status.remote()), seen, journal,
                                           ctx.run_id))
                 for ref in ready:
-                    task = pending.pop(ref)
+                    task, submitted = pending.pop(ref)
                     record = self._collect(ref, task, ctx, journal,
-                                           time.monotonic() - t0[task.key], stop)
+                                           time.monotonic() - submitted, stop)
                     if record is None:
                         progress.interrupted(task, ctx.run_id)
                     else:
                         progress.finished(record)
                 if stop.signum is not None:
-                    for ref, task in pending.items():
+                    for ref, (task, _) in pending.items():
                         ray.cancel(ref, force=True)
-                        _interrupted(task, ctx, journal, stop)
+                        interrupted(journal.append, task, ctx, stop)
                         progress.interrupted(task, ctx.run_id)
                     return
         finally:
@@ -185,15 +173,14 @@ class OnRay:
     # ------------------------------------------------------------ the driver's part
     def _collect(self, ref: Any, task: Task, ctx: Context, journal: Journal,
                  seconds: float, stop: Any) -> TaskResult | None:
-        """The task's outcome (the hub wrote its files); a failure Ray reports (the worker
-        died ``max_retries + 1`` times, an error outside the metric) is recorded as the
-        task's failure. None: the job's own signal ended it (interrupted)."""
+        """The task's outcome (the hub wrote its files), a failure Ray reports recorded as
+        the task's failure, or None: the job's own signal ended it (interrupted)."""
         ray = self.ray
         try:
             payload = ray.get(ref)
         except ray.exceptions.RayError as exc:
             if stop.signum is not None:  # Ctrl-C reaches a local instance's workers too
-                _interrupted(task, ctx, journal, stop)
+                interrupted(journal.append, task, ctx, stop)
                 return None
             if isinstance(exc, ray.exceptions.RayTaskError):  # raised outside the metric
                 cause = exc.cause if exc.cause is not None else exc
@@ -214,10 +201,9 @@ class OnRay:
 
     def _watch(self, status: dict[str, list[dict[str, Any]]],
                seen: dict[tuple[str, int], Any], journal: Journal, run_id: str) -> str:
-        """Journal what the hub tells of each attempt: ``running`` when it is first seen
-        and again whenever its sizes change while it runs (chosen, or lowered by an OOM
-        retry), ``worker-died`` before Ray's retry; returns the progress line: tasks
-        running, and per device what is done and retried."""
+        """Journal what the hub tells of each attempt (``running`` when first seen and
+        whenever its sizes change while it runs, ``worker-died`` before Ray's retry);
+        returns the progress line: tasks running, per device what is done and retried."""
         for key, attempts in status.items():
             for a in attempts:
                 at = (key, a["attempt"])
@@ -241,9 +227,7 @@ class OnRay:
 
 def device_lines(status: dict[str, list[dict[str, Any]]], short: bool = False) -> list[str]:
     """Per device: tasks done, OOM retries inside tasks, workers that died."""
-    done: Counter[str] = Counter()
-    retries: Counter[str] = Counter()
-    died: Counter[str] = Counter()
+    done, retries, died = Counter[str](), Counter[str](), Counter[str]()
     for attempts in status.values():
         for a in attempts:
             name = a["device"].get("name") or a["device_key"]
@@ -256,11 +240,6 @@ def device_lines(status: dict[str, list[dict[str, Any]]], short: bool = False) -
     return [f"device {n}: {done[n]} task(s) done, {retries[n]} OOM retr"
             f"{'y' if retries[n] == 1 else 'ies'} inside tasks, {died[n]} worker(s) died"
             for n in names]
-
-
-def _interrupted(task: Task, ctx: Context, journal: Journal, stop: Any) -> None:
-    journal.append("interrupted", task=task.key, run=ctx.run_id,
-                   signal=signal.Signals(stop.signum).name)
 
 
 def _resources(resources: dict[str, float]) -> str:

@@ -1,18 +1,14 @@
 """One task of a job on a Ray worker: measure the device, size for it, run, through the hub.
 
-:func:`run_on_worker` is the body of the Ray task
-(:class:`~oomguard.engine.jobs.ray_job.OnRay` submits it). It runs the task exactly as the
-single-process job does (:func:`~oomguard.engine.jobs.task_process.run_task`: a child
-process, the time limit, the size cache or a search, the executor's retry at half on an
-OOM, the remedy ladder), with two differences:
+:func:`run_on_worker` is the body of the Ray task. It runs the task exactly as the
+single-process job does (:func:`~oomguard.engine.jobs.task_process.run_task`), except:
 
-- **The device is measured here**, on the worker: :func:`~oomguard.engine.jobs.plan.device_identity`
-  probes the GPU Ray assigned (``CUDA_VISIBLE_DEVICES`` names it; the probe finds it in
-  NVML by UUID), and the size cache is keyed by that device.
+- **The device is measured here**, on the worker
+  (:func:`~oomguard.engine.jobs.plan.device_identity` probes the GPU Ray assigned), and
+  the size cache is keyed by that device.
 - **Every output goes to the job's hub** (:mod:`~oomguard.engine.jobs.ray_hub`) as it is
-  made, through a :class:`~oomguard.engine.jobs.sink.HubSink`, and the hub writes it on
-  the driver's node. If this worker dies, the next attempt starts from
-  :func:`lowered_after_death`.
+  made, through a :class:`~oomguard.engine.jobs.sink.HubSink`. If this worker dies, the
+  next attempt starts from :func:`lowered_after_death`.
 """
 
 from __future__ import annotations
@@ -47,10 +43,9 @@ FORWARD_WAIT_S = 60.0  # for the last outputs to reach the hub, after the task's
 
 def lowered_after_death(task: Task, previous: Mapping[str, Any]) -> dict[str, Any] | None:
     """The cache lower (:meth:`~oomguard.engine.jobs.cache.SizeCache.lower`'s arguments,
-    labelled :data:`DEATH`) that makes the next attempt start below where ``previous``, a
-    dead attempt (:meth:`~oomguard.engine.jobs.ray_hub.Hub.begin`), ran: its sizes halved,
-    each knob at least its minimum. None when it had not chosen sizes yet (a search), when
-    the job file pins them, or when every knob is already at its minimum."""
+    labelled :data:`DEATH`) that starts the next attempt below where ``previous``, a dead
+    attempt, ran: its sizes halved, each at least its minimum. None when it had chosen no
+    sizes yet, when the job file pins them, or when every knob is at its minimum."""
     sizes, key = previous.get("sizes"), previous.get("cache_key")
     if not sizes or not key or task.pinned:
         return None

@@ -1,15 +1,7 @@
 """The typed records of a job: what a job file says, what a task is, what a task produced.
 
-``spec`` (parsing), ``data`` (samples), ``runner`` (the parent) and ``child``
-(one metric's process) all import these at module level; this module imports
-only the standard library and the JSON sanitiser, so none of them needs
-another one of them to describe its inputs or outputs.
-
-A :class:`TaskResult` is what ``results/<task>.json`` holds and what
-:func:`~oomguard.engine.jobs.runner.run_job` returns per task. Its file has
-every field, ``null`` where a field does not apply (``reason`` of a metric that
-ran, ``peak_bytes`` of one that failed), so a reader never has to ask whether
-a key is there.
+Every module of the package imports these; this one imports only the standard library,
+so none of them needs another to describe its inputs or outputs.
 """
 
 from __future__ import annotations
@@ -87,14 +79,11 @@ class Job:
 # ------------------------------------------------------------------ running it
 @dataclass(frozen=True)
 class Task:
-    """One metric on one model. ``key`` names its files; ``fingerprint`` its result.
-
-    ``workload`` is what the size cache keys on (what memory depends on);
-    ``inputs`` is what defines the result
-    (:func:`~oomguard.engine.jobs.fingerprint.task_inputs`) and ``fingerprint``
-    its hash. ``rerun_because`` says why an earlier result was set aside. ``on_oom`` is
-    its remedy ladder (None: retry at half only); it does not define the result.
-    """
+    """One metric on one model. ``key`` names its files; ``workload`` is what the size
+    cache keys on (what memory depends on); ``inputs`` what defines the result
+    (:func:`~oomguard.engine.jobs.fingerprint.task_inputs`), ``fingerprint`` its hash.
+    ``rerun_because``: why an earlier result was set aside. ``on_oom``: its remedy ladder
+    (None: retry at half only); it does not define the result."""
 
     key: str
     metric_id: str
@@ -112,15 +101,9 @@ class Task:
 
 @dataclass
 class Context:
-    """What a task's process needs besides the task. Picklable, ``log_setup`` included.
-
-    ``log_setup``, if given, is called with the output folder at the start of
-    every metric's process (see :func:`~oomguard.engine.jobs.runner.run_job`).
-    ``snapshot_on_oom``: record CUDA allocation history from the task's start and write
-    an allocator snapshot at each OOM of its run (``snapshots/``). ``threads``: torch's
-    intra-op threads in the metric's process (None: torch's default, one per core); a Ray
-    task on CPU gets as many as Ray gave it CPUs.
-    """
+    """What a task's process needs besides the task; picklable, ``log_setup`` included.
+    ``log_setup``, ``snapshot_on_oom`` and ``threads`` are
+    :func:`~oomguard.engine.jobs.runner.run_job`'s arguments."""
 
     job: Job
     out: str
@@ -142,10 +125,8 @@ class Record:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field (``extra`` merged in) as a plain dict, ready for the JSON sanitiser."""
-        out = dict(self.extra)
-        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                    if f.name != "extra"})
-        return out
+        return {**self.extra, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                 if f.name != "extra"}}
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> Any:
@@ -158,46 +139,27 @@ class Record:
 @dataclass
 class TaskResult(Record):
     """What one task produced: ``results/<task>.json``, and one entry of ``results.json``.
-
-    ``status`` is ``ok``, ``failed``, ``interrupted`` or ``pending`` (the last
-    two are never written to a result file). ``seconds`` is the metric's own
-    run (ok) or the time until it failed; ``total_seconds`` adds model build,
-    warm-up and search. ``sizes`` says where the sizes came from and every
-    attempt; ``searches`` every knob's search that ran
-    (:class:`~oomguard.engine.jobs.sizing.SearchRecord` dicts), ``search`` the first of them
-    (None: none ran). ``oom_events`` has one
-    :meth:`~oomguard.engine.core.memory.forensics.OomEvent.to_dict` per OOM of the run (sizes,
-    memory measured at the OOM, what was done): ``[]`` for a run without one, None where
-    nothing was recorded (the run never started, or a file written before this field,
-    which still loads). ``inputs`` records what
-    defines the result (the task's inputs), ``rerun_because`` why an earlier
-    result for the task was set aside. ``precision`` is the dtype the result was
-    computed at and ``lowered_precision`` whether a remedy lowered it below the job's
-    dtype; ``remedy`` the remedy that produced it (None: the first attempt worked, or no
-    ``on_oom``); ``remedies`` every rung of the ladder tried (remedy, outcome ok, failed,
-    skipped or restarted, why, attempts), ``restarts`` why each fresh process was started
-    (None without ``on_oom``). ``device`` is the identity of the device the task ran on
-    (measured where it ran: on Ray, by the worker); ``threads`` the intra-op threads torch
-    used (a float sum split over another number of threads rounds differently in its last
-    bits). Keys this version does not know (a file written by another
-    version) are kept in ``extra``.
-    """
+    The file has every field, ``null`` where one does not apply (``reason`` of a metric
+    that ran, ``peak_bytes`` of one that failed); unknown keys (another version's file)
+    are kept in ``extra``."""
 
     task: str
     metric: str
     model: str
-    status: str
+    status: str  # ok, failed; interrupted or pending (these two are never in a file)
     run: str | None = None
     fingerprint: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
-    seconds: float | None = None
-    total_seconds: float | None = None
+    seconds: float | None = None  # the metric's own run (ok), or the time until it failed
+    total_seconds: float | None = None  # with model build, warm-up and search
     finished: str | None = None
     reason: str | None = None
     traceback: str | None = None
-    sizes: dict[str, Any] | None = None
-    search: dict[str, Any] | None = None
-    searches: list[dict[str, Any]] | None = None
+    sizes: dict[str, Any] | None = None  # where the sizes came from, and every attempt
+    search: dict[str, Any] | None = None  # the first of ``searches`` (None: none ran)
+    searches: list[dict[str, Any]] | None = None  # every knob's search: SearchRecord dicts
+    # One OomEvent.to_dict per OOM of the run (memory measured at the OOM); [] without one,
+    # None where nothing was recorded.
     oom_events: list[dict[str, Any]] | None = None
     peak_bytes: int | None = None
     peak_source: str | None = None
@@ -206,12 +168,14 @@ class TaskResult(Record):
     tensors: str | None = None
     inputs: dict[str, Any] | None = None
     rerun_because: list[str] | None = None
-    precision: str | None = None
-    lowered_precision: bool | None = None
-    remedy: str | None = None
-    remedies: list[dict[str, Any]] | None = None
-    restarts: list[str] | None = None
-    device: dict[str, Any] | None = None
+    precision: str | None = None  # the dtype the result was computed at
+    lowered_precision: bool | None = None  # whether a remedy lowered it below the job's
+    remedy: str | None = None  # what produced it (None: the first attempt, or no on_oom)
+    remedies: list[dict[str, Any]] | None = None  # every rung of the ladder tried
+    restarts: list[str] | None = None  # why each fresh process was started
+    device: dict[str, Any] | None = None  # measured where it ran (on Ray, by the worker)
+    # torch's intra-op threads: a float sum split over another number of threads rounds
+    # differently in its last bits.
     threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

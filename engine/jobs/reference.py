@@ -2,15 +2,13 @@
 on this device, from searches and the size cache.
 
 :func:`build_reference` sizes each metric of the catalogue on one model, dtype and
-sequence length with :func:`~oomguard.engine.jobs.sizing.choose_sizes`, as a job does:
-every memory knob searched in turn (each in a fresh process, as ``oomguard search``
-does), the knobs before it at their chosen sizes and the ones after it at their defaults.
-Its rows are the searches' records; the sizes go in the size cache under the key a job
-looks up, so a later job on the same device, model, dtype, sequence length and budget
-takes its sizes from there instead of searching (unless an answer the sample count or
-another bound capped allows it more), and a second reference reads every row back from
-the cache and runs no trial. An entry a job already stored is used, never overwritten: it
-may have been lowered after an OOM in a real run.
+sequence length as a job does (:func:`~oomguard.engine.jobs.sizing.choose_sizes`; each
+knob's search in a fresh process, as ``oomguard search`` does). Its rows are the
+searches' records; the sizes go in the size cache under the key a job looks up, so a
+later job on the same device, model, dtype, sequence length and budget takes them from
+there instead of searching (unless a capped answer allows it more), and a second
+reference reads every row back from the cache and runs no trial. An entry a job already
+stored is used, never overwritten: it may have been lowered after an OOM in a real run.
 
 :func:`sizes_toml` writes those sizes as a job file's ``[[metrics]]`` blocks, with a
 ``[reference]`` table saying what they were measured for; :func:`load_sizes` reads one
@@ -24,6 +22,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -88,12 +87,8 @@ def build_reference(model: str, device: str, dtype: str, seq_len: int, n_samples
                     on_trial: Callable[[Any], None] | None = None,
                     on_row: Callable[[SearchRecord], None] | None = None) -> Reference:
     """Measure (or read from the cache) every memory knob of ``metrics`` (default: all).
-
-    ``config_for(trial, cap)`` gives each knob's search configuration (strategy, budget,
-    mode) up to ``cap`` (the smaller of ``max_size`` and the knob's largest useful size).
-    A knob where nothing fits, or whose search fails for a reason other than memory, gets
-    a row saying so; the others still run.
-    """
+    ``config_for(trial, cap)`` gives each knob's search configuration up to ``cap``. A
+    knob where nothing fits, or whose search fails, gets a row saying so; the rest run."""
     names = list(metrics) if metrics else sorted(load_all())
     job = reference_job(model, device, dtype, seq_len, n_samples, budget_bytes, names)
     dev = device_identity(job)
@@ -128,24 +123,19 @@ def build_reference(model: str, device: str, dtype: str, seq_len: int, n_samples
 
 def _measure_fresh(trial: MetricTrial, config: SearchConfig,
                    on_trial: Callable[[Any], None] | None) -> SearchRecord:
-    """:func:`_measure` in a fresh process of its own (a forkserver's child), so that no
+    """:func:`~oomguard.engine.jobs.sizing.measure` (a row even when nothing fits or the
+    search fails) in a fresh process of its own (a forkserver's child), so that no
     search inherits the free heap, caches or peaks of the ones before it: run one after
     another in one process, later searches found 30-60 MiB of reusable free heap at their
     budget's entry and measured peaks of 4 KiB. ``on_trial`` must pickle."""
-    with Child(start_forkserver(workload_preload(trial)), _measure, trial, config,
-               on_trial) as child:
+    with Child(start_forkserver(workload_preload(trial)),
+               partial(measure, metric=trial.metric, on_trial=on_trial), trial, config) as child:
         ended = child.wait()
     if ended.how != DIED:  # what it returned, or its exception raised here
         return ended.result()
     assert trial.knob is not None
     return SearchRecord(metric=trial.metric, knob=trial.knob, max_ok=None,
                         note=f"the search's process died (exit code {ended.exitcode})")
-
-
-def _measure(trial: MetricTrial, config: SearchConfig,
-             on_trial: Callable[[Any], None] | None) -> SearchRecord:
-    """Search one knob; a row even when nothing fits or the search fails."""
-    return measure(trial, config, metric=trial.metric, on_trial=on_trial)
 
 
 def sizes_toml(ref: Reference) -> str:

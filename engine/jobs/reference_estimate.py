@@ -8,20 +8,14 @@ written apart from a measured reference (``estimate-reference.*``, ``"source": "
 What makes it fast (a 32-layer 7B LLaMA's ``loss`` at two sizes took 25 s at full depth;
 every metric of it now takes about 3 minutes on 2 cores; docs/measurements.md#estimate-reference):
 
-- **Depth**: each size is estimated on the same config with 1, 2 and 3 hidden layers, and
-  the total is extrapolated to the real depth by the quadratic through them: what a step
-  holds is a base plus per-layer parts (weights, gradients, stored activations) plus, for
-  CKA, a part per pair of layers (its cross-layer Gram matrix).
+- **Depth**: each size is estimated with 1, 2 and 3 hidden layers and extrapolated to
+  the real depth (:class:`Estimator`).
 - **Repeats**: what a metric repeats identically runs once
-  (:func:`~oomguard.engine.core.estimate.estimate.shortcut`), and one warmed-up fake model per depth
-  serves every size a knob's search asks for
+  (:func:`~oomguard.engine.core.estimate.estimate.shortcut`), and one warmed-up fake model
+  per depth serves every size a knob's search asks for
   (:class:`~oomguard.engine.core.estimate.estimate.EstimateSession`).
-- **Size**: sized as a job sizes a metric (:func:`~oomguard.engine.jobs.sizing.choose_sizes`:
-  each knob in turn, the ones before it at their chosen sizes), with an evaluator that
-  estimates instead of running (:class:`EstimateSearch`): the knob's largest useful size
-  first, then 1, then the size where the line through the two nearest known points meets
-  the memory (and the one above it), until the largest fitting size and the smallest one
-  that does not are adjacent or the rounds run out (then both are reported).
+- **Size**: sized as a job sizes a metric (:func:`~oomguard.engine.jobs.sizing.choose_sizes`),
+  with an evaluator that estimates a few sizes instead of running (:class:`EstimateSearch`).
 
 The total a size needs is the storage alive after the warm-up (weights, gradients the
 warm-up left, buffers, the data) plus the estimated peak above it. The memory it must fit
@@ -89,7 +83,7 @@ class _Resident:
     """A workload for :func:`estimate` that also counts, after its warm-up, the bytes alive
     in its state (parameters, their gradients, buffers, the data): what exists before a
     size runs, which the estimate's peak does not include. ``block``: the allocation unit
-    the bytes round up to (the session's, set by :func:`_session`)."""
+    the bytes round up to (the session's)."""
 
     def __init__(self, trial: MetricTrial) -> None:
         self.work, self.block, self.resident = trial, 1, 0
@@ -111,17 +105,6 @@ class _Resident:
 
     def __call__(self, size: int) -> Any:
         return self.work(size)
-
-
-def _session(trial: MetricTrial, device: str) -> tuple[EstimateSession, _Resident]:
-    """An estimate session of ``trial`` for ``device``, and the workload that counts its
-    resident bytes after the warm-up."""
-    work = _Resident(trial)
-    # workspace=False: replaying a large model's matrix multiplies is slow and measures
-    # this host's BLAS, not the device the reference is for.
-    session = EstimateSession(work, device=device, workspace=False)
-    work.block = session.counter.block
-    return session, work
 
 
 class Estimator:
@@ -159,9 +142,14 @@ class Estimator:
             if key not in self._sessions:
                 if any(k[:4] != key[:4] for k in self._sessions):
                     self._sessions.clear()  # another workload: its fake models can go
-                self._sessions[key] = _session(MetricTrial(
+                work = _Resident(MetricTrial(
                     metric, knob=knob, model=spec, dtype=self.dtype, n_samples=n_samples,
-                    seq_len=self.seq_len, params=dict(fixed)), self.device)
+                    seq_len=self.seq_len, params=dict(fixed)))
+                # workspace=False: replaying a large model's matrix multiplies is slow and
+                # measures this host's BLAS, not the device the reference is for.
+                session = EstimateSession(work, device=self.device, workspace=False)
+                work.block = session.counter.block
+                self._sessions[key] = session, work
             session, work = self._sessions[key]
             got = session.at(sorted(set(sizes)))
             self.notes.update(n for e in got for n in e.notes if "read as 1" not in n)
@@ -170,11 +158,8 @@ class Estimator:
             return {s: (r + p, p) for s, (r, p) in at(self.model).items()}
         depth, specs = self.layers
         got = [at(spec) for spec in specs]
-        out = {}
-        for s in got[0]:
-            resident, peak = (_quadratic([g[s][i] for g in got], depth) for i in (0, 1))
-            out[s] = (resident + peak, peak)
-        return out
+        both = {s: [_quadratic([g[s][i] for g in got], depth) for i in (0, 1)] for s in got[0]}
+        return {s: (resident + peak, peak) for s, (resident, peak) in both.items()}
 
 
 def _quadratic(f: Sequence[int], depth: int) -> int:
@@ -249,10 +234,9 @@ class EstimateSearch:
 
 def estimate_rows(est: Estimator, metric: str, n_samples: int, capacity: int,
                   max_size: int) -> list[dict[str, Any]]:
-    """One row per memory knob of ``metric``: its largest size whose estimated total fits
-    ``capacity`` bytes (at most its largest useful size and ``max_size``), sized as a job
-    sizes it (:func:`~oomguard.engine.jobs.sizing.choose_sizes`), with its total and the
-    next size's; ``largest`` None where even the smallest size does not fit."""
+    """One row per memory knob of ``metric``, sized as a job sizes it: its largest size (at
+    most its largest useful one and ``max_size``) whose estimated total fits ``capacity``
+    bytes, with its total and the next size's; ``largest`` None where none fits."""
     request = Request(get_metric(metric), {}, n_samples, model_config(est.model), max_size)
     got = choose_sizes(request, evaluate=EstimateSearch(est, metric, n_samples, capacity))
     out = []
@@ -266,8 +250,8 @@ def estimate_rows(est: Estimator, metric: str, n_samples: int, capacity: int,
     return out
 
 
-def batch_table(est: Estimator, metrics: Sequence[str], batches: Sequence[int],
-                on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+def batch_table(est: Estimator, metrics: Sequence[str], batches: Sequence[int]
+                ) -> list[dict[str, Any]]:
     """Per metric (its first memory knob at the batch size, over that many samples): the
     estimated total bytes at each batch size. No time: fake tensors compute nothing, so
     they say nothing honest about speed."""
@@ -278,11 +262,8 @@ def batch_table(est: Estimator, metrics: Sequence[str], batches: Sequence[int],
             continue
         t0 = time.perf_counter()
         mem = {str(b): est.totals(metric, knobs[0].name, b, [b])[b][0] for b in batches}
-        row = {"metric": metric, "knob": knobs[0].name, "total_bytes": mem, "kind": LABEL,
-               "seconds": round(time.perf_counter() - t0, 3)}
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
+        rows.append({"metric": metric, "knob": knobs[0].name, "total_bytes": mem, "kind": LABEL,
+                     "seconds": round(time.perf_counter() - t0, 3)})
     return rows
 
 

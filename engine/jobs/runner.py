@@ -1,42 +1,31 @@
 """Run a job: every (model, metric) task once, losing nothing already computed.
 
-The parent process plans the tasks, keeps the journal, and runs each task in
-a **child process** (from a forkserver that has torch and transformers
-imported, docs/measurements.md#isolated-children-start-up; safe even where
-this process already ran OpenMP code, which a plain ``fork`` is not:
-docs/measurements.md#fork-after-openmp). The child builds the model,
-loads the data, warms up, picks the sizes (size cache, else a bounded search,
-else the metric's defaults; ``sizes`` pinned in the job file win), applies the
-job's budget, runs the metric through the :class:`~oomguard.engine.core.execute.executor.Executor`
-(retry at half on OOM), and writes ``results/<task>.json`` atomically.
-
-Why a child: the **time limit** really stops a metric (the parent kills the
-child: SIGTERM, then SIGKILL after 5 s), whatever native code it is in; a
-budget or a crash (segfault, abort) stays in the child; and each metric
-starts with a fresh heap. The limit covers everything the task does (model
-build, search, run); the search itself is bounded by ``search.max_trials``
-and ``search.max_seconds`` (at most a third of the metric's limit).
+This process plans the tasks, keeps the journal, and runs each task in a **child
+process** (:mod:`~oomguard.engine.jobs.task_child`; from a forkserver with torch and
+transformers imported, docs/measurements.md#isolated-children-start-up, safe even after
+this process ran OpenMP code, which a plain ``fork`` is not:
+docs/measurements.md#fork-after-openmp). Why a child: the **time limit** really stops a
+metric (SIGTERM, then SIGKILL after 5 s), whatever native code it is in; a budget or a
+crash stays in the child; each metric starts with a fresh heap. The limit covers the
+whole task (model build, search, run); the search is also bounded by
+``search.max_trials`` and ``search.max_seconds`` (at most a third of the limit).
 
 Resume: a task whose result file says ``ok`` and still answers it (the same inputs,
 :mod:`~oomguard.engine.jobs.fingerprint`; its tensor file present) is skipped and its
-file is never rewritten; a stale one is moved to ``results/stale/`` and rerun, saying
-why (:mod:`~oomguard.engine.jobs.output`).
-Failed and interrupted tasks run again. SIGINT/SIGTERM stop cleanly: the
-running task is recorded as interrupted, its child is stopped, and the report
-is written (a signal during the report stops it before its next file;
-``results.json`` then says "interrupted" and a rerun finishes it). ``kill -9`` of the parent also ends
-the child (PR_SET_PDEATHSIG through the forkserver), so at most the task in
-flight is lost.
+file never rewritten; a stale one is moved to ``results/stale/`` and rerun, saying why
+(:mod:`~oomguard.engine.jobs.output`). Failed and interrupted tasks run again.
+SIGINT/SIGTERM stop cleanly: the running task is recorded as interrupted, its child
+stopped, and the report written (a signal during the report stops it before its next
+file; ``results.json`` then says "interrupted" and a rerun finishes it). ``kill -9`` of
+the parent also ends the child (PR_SET_PDEATHSIG through the forkserver).
 
 Backends: :class:`Sequential` runs the tasks one after another from this process (the
-default); :class:`~oomguard.engine.jobs.ray_job.OnRay` runs them concurrently as Ray tasks,
-each on a worker of its own GPU or CPU. Both run a task the same way
-(:func:`~oomguard.engine.jobs.task_process.run_task`), and this process writes the
-results, the journal and the report either way.
+default); :class:`~oomguard.engine.jobs.ray_job.OnRay` runs them concurrently as Ray
+tasks. Both run a task through :func:`~oomguard.engine.jobs.task_process.run_task`, and
+this process writes the results, the journal and the report either way.
 
-Logging: this module only logs. Whoever wants ``job.log`` (the command line
-does) passes ``log_setup``; it is called with the output folder in this
-process and at the start of every metric's process.
+Logging: this module only logs; whoever wants ``job.log`` (the command line) passes
+``log_setup`` (:func:`run_job`).
 """
 
 from __future__ import annotations
@@ -105,19 +94,17 @@ class Outcome:
 
 
 class _Stop:
-    """SIGINT/SIGTERM handler state: the first signal asks to stop; the job records and exits.
-
-    The handler only records the signal, never raises: an exception raised from a
-    handler can land in a finalizer, where Python prints it and carries on. Work
-    in progress (a metric's child, the final report) asks :attr:`signum`.
-    """
+    """SIGINT/SIGTERM handler state: the first signal asks to stop; work in progress (a
+    metric's child, the final report) asks :attr:`signum`. The handler only records the
+    signal, never raises: an exception raised from a handler can land in a finalizer,
+    where Python prints it and carries on."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Stop:
-        if threading_main():
+        if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -133,20 +120,10 @@ class _Stop:
             signal.signal(sig, handler)
 
 
-def threading_main() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
 class Sequential:
-    """Run a job's tasks one after another, each in a child of this process (the default).
+    """Run a job's tasks one after another, each in a child of this process (the default)."""
 
-    The other backend, :class:`~oomguard.engine.jobs.ray_job.OnRay`, runs them as Ray
-    tasks across GPUs and nodes; both write the same files (:func:`run_job`).
-    """
-
-    def device(self, job: Job) -> dict[str, Any]:
-        """The device every task runs on, measured here (:func:`device_identity`)."""
-        return device_identity(job)
+    device = staticmethod(device_identity)  # every task's device, measured here
 
     def run(self, tasks: list[Task], ctx: Context, journal: Journal, stop: _Stop,
             progress: Progress) -> None:
@@ -169,46 +146,28 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
             log_setup: Callable[[Path], Any] | None = None, force: bool = False,
             snapshot_on_oom: bool = False, backend: Any = None,
             threads: int | None = None) -> Outcome:
-    """Run (or resume) ``job`` into ``job.output``; returns the exit code and every record.
+    """Run (or resume) ``job`` into ``job.output`` (see the module docstring); returns the
+    exit code and every record. A stale result's reasons go to the log, the journal, the
+    result (``rerun_because``) and the report. An output folder belongs to one job
+    (:func:`job_identity`): another job's is refused, or with ``force`` its files are moved
+    into ``moved-aside/``.
 
-    Resume keeps a finished result only while its inputs are unchanged
-    (:func:`stale_reasons`); a stale one is moved to ``results/stale/`` and its
-    task rerun, with the reasons in the log, the journal, the result
-    (``rerun_because``) and the report. An output folder belongs to one job
-    (:func:`job_identity`): another job's folder is refused, or with ``force``
-    its files are moved into ``moved-aside/``.
+    ``start_method``: ``forkserver`` (safe from any process) or ``fork`` (faster; only from
+    a process that has not run torch code yet, :func:`~oomguard.engine.core.child.start_method`);
+    a GPU job always uses ``forkserver`` (CUDA cannot be used in a forked child).
+    ``log_setup(out)``, if given, is called with the output folder once it is locked, in
+    this process, and at the start of every metric's process; it must pickle. Without it
+    this function configures no logging at all. ``threads``: torch's intra-op threads in
+    each metric's process (None: torch's default; on Ray, a CPU task's share of CPUs).
+    ``snapshot_on_oom``: each metric's process records CUDA allocation history from its
+    start and writes an allocator snapshot at each OOM into ``snapshots/``
+    (pytorch.org/memory_viz; on CPU the events say none was possible).
 
-    ``backend`` runs the tasks that need running: :class:`Sequential` (the default: one
-    after another on this machine) or :class:`~oomguard.engine.jobs.ray_job.OnRay`
-    (concurrently as Ray tasks, each sized for the device it lands on). Either way this
-    process writes the results, the journal, ``results.json`` and the report.
-
-    ``start_method`` starts each task's process: ``forkserver`` (safe from any
-    process), or ``fork`` (faster; only from a process that has not run torch
-    code yet, because a fork after OpenMP ran hangs the child,
-    docs/measurements.md#fork-after-openmp: the CLI uses it for CPU jobs, since its
-    parent only parses, plans and waits; :func:`~oomguard.engine.core.child.start_method`).
-    A job on a GPU always uses ``forkserver``: CUDA cannot be used in a forked child.
-
-    ``log_setup(out)``, if given, is called with the output folder once the
-    folder is locked, in this process, and again at the start of every
-    metric's process; it must be picklable (a module-level function or an
-    instance of a module-level class). The command line passes one that
-    appends to ``out/job.log``. Without it this function configures no
-    logging at all: records go wherever the caller's logging sends them.
-
-    ``threads``: torch's intra-op threads in each metric's process (None: torch's default;
-    on Ray, a CPU task's share of CPUs).
-
-    ``snapshot_on_oom``: each metric's process records CUDA allocation history from
-    its start and writes an allocator snapshot at each OOM of its run into
-    ``snapshots/`` (pytorch.org/memory_viz); on CPU the events say none was possible.
-
-    Raises :class:`JobError` before any work if the job cannot start (device
-    missing, a budget larger than the device, an output folder that is a file,
-    not writable, in use by another run, or another job's; with Ray, a cluster that
-    cannot be reached or has no GPU for a GPU job). ``OSError`` from
-    writing (a full disk) propagates; every result finished before it is kept.
+    Raises :class:`JobError` before any work if the job cannot start (device missing, a
+    budget larger than the device, an output folder that is a file, not writable, in use
+    by another run, or another job's; with Ray, a cluster that cannot be reached or has
+    no GPU for a GPU job). ``OSError`` from writing (a full disk) propagates; every
+    result finished before it is kept.
     """
     t0 = time.perf_counter()
     out = Path(job.output)
@@ -277,10 +236,8 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
                     task = dataclasses.replace(task, rerun_because=tuple(why))
                 todo.append(task)
             backend.run(todo, ctx, journal, stop, sink)
-        for task in tasks:
-            if task.key not in results:
-                results[task.key] = TaskResult.of(task, run_id, PENDING)
-        results = {task.key: results[task.key] for task in tasks}  # job order (the report's)
+        # In job order (the report's); a task that never ran is pending.
+        results = {t.key: results.get(t.key) or TaskResult.of(t, run_id, PENDING) for t in tasks}
         code, status = _finish(job, ctx.device, run_id, results, out, journal, stop)
     log.info("job %s: %s (%s) in %.1f s; results in %s", job.name, status,
              ", ".join(f"{k} failed" for k, r in results.items() if r.status == FAILED)
@@ -332,9 +289,7 @@ def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, Ta
 
 def format_outcome(outcome: Outcome) -> str:
     """Plain lines for the terminal: one per task, then where the results are."""
-    lines = []
-    for key, r in outcome.results.items():
-        extra = r.reason if r.status == FAILED else ""
-        lines.append(f"{key:<28} {r.status:<11} {extra or ''}".rstrip())
+    lines = [f"{key:<28} {r.status:<11} {(r.reason or '') if r.status == FAILED else ''}".rstrip()
+             for key, r in outcome.results.items()]
     lines.append(f"results: {outcome.out}/results.json, report: {outcome.out}/report.md")
     return "\n".join(lines)

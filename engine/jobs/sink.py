@@ -1,20 +1,18 @@
 """Where a task's outputs go: its journal events, its size-cache puts and lowers, its files.
 
-A task (:func:`~oomguard.engine.jobs.task_process.run_task` and its process,
-:func:`~oomguard.engine.jobs.task_child.child_main`) hands every output to one sink (``event``,
-``put``, ``lower``, ``write``; ``get`` reads the cache) and opens none of the job's
-files itself. :class:`FileSink`, in one process, writes them directly (it is picklable:
-the task's process writes too). :class:`HubSink`, on Ray, sends them in order to the
-job's :class:`~oomguard.engine.jobs.ray_hub.Hub` actor, which writes them with its own
-:class:`FileSink`.
+A task (:func:`~oomguard.engine.jobs.task_process.run_task` and its process) hands every
+output to one sink (``event``, ``put``, ``lower``, ``write``; ``get`` reads the cache)
+and opens none of the job's files itself. :class:`FileSink` writes them directly (it is
+picklable: the task's process writes too). :class:`HubSink`, on Ray, sends them in order
+to the job's :class:`~oomguard.engine.jobs.ray_hub.Hub` actor, which writes them with its
+own :class:`FileSink`.
 
 Why a pipe: the task runs in a child process of the Ray worker, and only a process that
 joined Ray can call an actor (joining as a driver of its own costs seconds per process).
 So the child's :class:`HubSink` sends each output over a pipe it inherits, and a thread
-of the worker passes them on (:func:`forward`; Ray runs one caller's actor calls in
-order). The worker's own outputs (``start``, a failure it records) take the same pipe, so
-the hub gets all of them in the order they happened; the child and the worker never send
-at once. A send is done when it returns: a child that dies next loses nothing it sent.
+of the worker passes them on (:func:`forward`). The worker's own outputs take the same
+pipe, so the hub gets all of them in the order they happened. A send is done when it
+returns: a child that dies next loses nothing it sent.
 """
 
 from __future__ import annotations
@@ -103,9 +101,9 @@ Sink = FileSink  # a HubSink is one whose outputs go to the hub
 
 def forward(receive: Any, hub: Any, task: str, attempt: int) -> list[Any]:
     """Pass what the pipe's receiving end gets to ``hub.take``, in order, until a None;
-    returns the calls' object refs (:func:`ray.get` them: every output applied). A process
-    killed halfway through a send (its time limit) tears a message, and what follows is
-    lost: a warning here, or a read that never ends (the worker stops waiting for it)."""
+    returns the calls' object refs. A process killed halfway through a send tears a
+    message, and what follows is lost: a warning here, or a read the worker stops waiting
+    for."""
     refs = []
     while True:
         try:

@@ -10,16 +10,14 @@ up to ``cap`` in multiples of ``unit``; else the metric's default, rounded down 
 Knobs combine in turn: each is searched with the knobs before it at their chosen sizes
 and the ones after it at their defaults, so the last search ran the combination used
 (knobs that multiply, as ``position_jacobian``'s ``micro_batch_size x vjp_block`` rows,
-cannot each take a size found with the other at its default); one search per knob. A
-knob where nothing fits takes its minimum, and the next is searched from there.
+cannot each take a size found with the other at its default). A knob where nothing fits
+takes its minimum, and the next is searched from there.
 
-``cap`` is ``max_size`` or the knob's largest useful size, the smaller
-(:func:`~oomguard.metrics.workload.largest_useful`: the samples for knobs that slice
-them, captum's ``examples x n_steps``, ``vjp_block``'s hidden width). An answer that
-reached it without an OOM is *capped*: its :class:`SearchRecord` says by what
-(``capped_by``) and where (``cap``), the cache entry too (``capped``: knob -> cap), and a
-later request whose cap is larger (a job on 64 samples after a reference on 8) searches
-again instead of reusing it.
+``cap`` is the smaller of ``max_size`` and the knob's largest useful size
+(:func:`~oomguard.metrics.workload.largest_useful`). An answer that reached it without an
+OOM is *capped* (its record's ``capped_by`` and ``cap``; the cache entry's ``capped``:
+knob -> cap), and a later request whose cap is larger (a job on 64 samples after a
+reference on 8) searches again instead of reusing it.
 """
 
 from __future__ import annotations
@@ -45,24 +43,18 @@ _CAPS = {"samples": "the sample count", "largest useful size": "the knob's large
 class SearchRecord(Record):
     """One knob's search: a job's result (``search``: the first, ``searches``: all), the
     journal's ``search`` events, a cache entry's ``search`` and a reference's rows.
-
-    Sizes in items, bytes in bytes, seconds in seconds. ``safe``: the size to use (None
-    where nothing fits or the search failed); ``peak_at_safe_bytes``: measured where a
-    trial ran at ``safe``, else from the fitted line (``peak_source``); ``source``:
-    ``measured`` or ``cache``; ``cap``: the largest size the search could try;
-    ``capped_by``: what set it, where the answer reached it without an OOM; ``others``:
-    the other knobs meanwhile; ``extra``: an evaluator's own figures (an estimate's).
-    """
+    Sizes in items, bytes in bytes, seconds in seconds."""
 
     metric: str
     knob: str
     max_ok: int | None
     first_oom: int | None = None
-    safe: int | None = None
+    safe: int | None = None  # the size to use (None: nothing fits, or the search failed)
+    # Measured where a trial ran at ``safe``, else from the fitted line (``peak_source``).
     peak_at_safe_bytes: int | None = None
     peak_source: str = ""
     seconds_per_item: float | None = None
-    source: str = MEASURED
+    source: str = MEASURED  # or CACHE
     trials: int = 0
     seconds: float = 0.0
     mode: str = ""
@@ -70,11 +62,10 @@ class SearchRecord(Record):
     strategy: str = ""
     stopped_because: str = ""
     unit: int = 1
-    cap: int | None = None
-    capped_by: str | None = None
-    others: dict[str, int] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-
+    cap: int | None = None  # the largest size the search could try
+    capped_by: str | None = None  # what set ``cap``, where the answer reached it without OOM
+    others: dict[str, int] = field(default_factory=dict)  # the other knobs meanwhile
+    extra: dict[str, Any] = field(default_factory=dict)  # an evaluator's own (an estimate's)
 
 Evaluate = Callable[[str, dict[str, int], int, int], SearchRecord]
 
@@ -106,8 +97,7 @@ class Request:
 @dataclass(frozen=True)
 class Slot:
     """Where a metric's sizes live in the size cache: ``key`` of ``cache`` (a
-    :class:`~oomguard.engine.jobs.cache.SizeCache`, or a task's
-    :class:`~oomguard.engine.jobs.sink.Sink`: both ``get`` and ``put``), with the device and
+    :class:`~oomguard.engine.jobs.cache.SizeCache`, or a task's sink), with the device and
     workload stored beside them; ``source`` labels what a search stores there."""
 
     cache: SizeCache | Sink
@@ -142,10 +132,8 @@ def snap(size: int, unit: int) -> int:
 def choose_sizes(req: Request, *, evaluate: Evaluate | None = None, slot: Slot | None = None,
                  on_record: Callable[[SearchRecord], None] | None = None) -> Sizing:
     """Every memory knob's size for ``req``: pinned, else the cache (``slot``), else
-    ``evaluate`` (None: no search), else the default (see the module docstring).
-    ``on_record`` sees each new record as its search ends; what a search found for every
-    knob is stored in the cache (nothing is stored while a knob is pinned or found no size).
-    """
+    ``evaluate`` (None: no search), else the default. ``on_record`` sees each new record
+    as its search ends; the sizes are cached when no knob is pinned and each found one."""
     knobs = req.metric.memory_knobs()
     if not knobs:
         return Sizing({}, "none (no memory knobs)", [])
@@ -197,14 +185,10 @@ def _mark_cap(rec: SearchRecord, cap: int, why: str) -> None:
 def _reusable(req: Request, entry: Mapping[str, Any], defaults: Mapping[str, int]) -> bool:
     """Whether a cache entry answers ``req``: a size for every knob, and no capped answer
     whose cap is below what ``req`` allows for that knob."""
-    sizes = entry["sizes"]
-    if set(sizes) != set(defaults):
-        return False
-    capped = entry.get("capped")
-    if not isinstance(capped, Mapping):
-        return True
-    return all(isinstance(cap, int) and knob in sizes and req.bounds(knob, sizes)[1] <= cap
-               for knob, cap in capped.items())
+    sizes, capped = entry["sizes"], entry.get("capped")
+    return set(sizes) == set(defaults) and (not isinstance(capped, Mapping) or all(
+        isinstance(cap, int) and knob in sizes and req.bounds(knob, sizes)[1] <= cap
+        for knob, cap in capped.items()))
 
 
 def _cached_records(req: Request, entry: Mapping[str, Any]) -> list[SearchRecord]:

@@ -1,21 +1,16 @@
 """Job files: a TOML description of an unattended analysis, parsed and checked up front.
 
-Everything that can be checked before a job starts is checked here, before
-any output folder exists: TOML syntax, field types, metric names, their
-parameters, model specs, the data file. A problem is a :class:`JobError`
-whose one-line message names the field (``metrics[2].params.n_points``) and,
-where it can be found, the line of the file.
+Everything that can be checked before a job starts is checked here, before any output
+folder exists: TOML syntax, field types, metric names, their parameters, model specs,
+the data file. A problem is a :class:`JobError` whose one-line message names the field
+(``metrics[2].params.n_points``) and, where it can be found, the line of the file.
 
-Each table of the file (the top level, ``[data]``, ``[search]``, every ``[[metrics]]``)
-is declared once, as a tuple of :class:`_Field` (name, TOML types, default, a converter
-that checks the value), and read by one loop, :meth:`_Reader.read`; what spans tables (a data file's
-size, a model's positions against ``seq_len``, a metric that does not support a model,
-repeated ids) is checked after it.
-
-``oomguard run --example`` prints every field, with comments
-(:func:`~oomguard.engine.jobs.example.example_text`; ``EXAMPLE`` here is the same text).
-The records a job parses into (:class:`Job`, :class:`DataSpec`, ...) live in
-:mod:`oomguard.engine.jobs.records`.
+Each table (the top level, ``[data]``, ``[search]``, every ``[[metrics]]``) is declared
+once, as a tuple of :class:`_Field`, and read by one loop, :meth:`_Reader.read`; what
+spans tables (a data file's size, a model's positions against ``seq_len``, a metric
+that does not support a model, repeated ids) is checked after it. ``EXAMPLE`` is the
+commented example file (:func:`~oomguard.engine.jobs.example.example_text`); the records
+(:class:`Job`, :class:`DataSpec`, ...) live in :mod:`oomguard.engine.jobs.records`.
 """
 
 from __future__ import annotations
@@ -258,8 +253,8 @@ class _Reader:
              valid: str | None = None, **got: Any) -> dict[str, Any]:
         """Every field of ``table`` (``prefix``: ``data.``, ``metrics[2].``) checked and
         converted, or its default; ``got`` seeds what converters read and defaults from
-        elsewhere (the job file's folder, the job's time limit). ``valid``: the valid
-        fields as an unknown one's message lists them (default: ``valid:`` and their names)."""
+        elsewhere (the job file's folder, the job's time limit). ``valid``: how an unknown
+        field's message lists the valid ones."""
         extra = sorted(set(table) - {f.key for f in fields} - set(() if prefix else _SECTIONS))
         if extra:
             valid = valid or "valid: " + ", ".join(sorted(f.key for f in fields))
@@ -300,9 +295,7 @@ def model_label(spec: str) -> str:
 
 def load_job(path: str | Path, *, output: str | None = None) -> Job:
     """Read, parse and check a job file; ``output`` overrides its ``output`` field.
-
-    Raises :class:`JobError` (one line) for anything wrong, before any side effect.
-    """
+    Raises :class:`JobError` (one line) for anything wrong, before any side effect."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -335,8 +328,7 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
     metrics = _metrics(r, doc, top["time_limit"])
     for i, (spec, config) in enumerate(top["models"].items()):
         for index, m in enumerate(metrics):
-            reason = get_metric(m.name).unsupported(config)
-            if reason:
+            if reason := get_metric(m.name).unsupported(config):
                 raise r.error(f"metrics[{index}]", f"{m.name} does not support models[{i}] "
                               f"({model_label(spec)}): {reason}; remove one of them",
                               f"metrics[{index}].name")

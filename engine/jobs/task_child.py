@@ -1,23 +1,19 @@
-"""The child process of one job task: build, warm up, size, run, write the result.
+"""The process of one job task (child side): build, warm up, size, run, write the result.
 
-Runs in a process of its own (see :mod:`oomguard.engine.jobs.runner`). Whatever happens,
-it ends by writing ``results/<task>.json`` (``ok`` with the summary, or ``failed`` with
-the reason and a traceback file) and a journal record, as every output, through its sink
-(:mod:`~oomguard.engine.jobs.sink`); a crash or a kill leaves no result, and the parent
-records that.
+Whatever happens, it ends by writing ``results/<task>.json`` (``ok`` with the summary, or
+``failed`` with the reason and a traceback file) and a journal record, every output
+through its sink (:mod:`~oomguard.engine.jobs.sink`); a crash or a kill leaves no
+result, and the parent (:mod:`~oomguard.engine.jobs.task_process`) records that.
 
-Sizes are chosen by :func:`~oomguard.engine.jobs.sizing.choose_sizes` (a search runs in
-this process, under the job's budget). An OOM during the run retries at half (the
-executor) and lowers the cached sizes to what worked; each OOM of the run is in the
-result's ``oom_events`` (memory measured at the OOM; with ``snapshot_on_oom``, an
-allocator snapshot in ``snapshots/`` on CUDA).
+Sizes come from :func:`~oomguard.engine.jobs.sizing.choose_sizes` (a search runs in this
+process, under the job's budget). An OOM during the run retries at half (the executor)
+and lowers the cached sizes to what worked; each OOM is in the result's ``oom_events``
+(memory measured at the OOM; with ``snapshot_on_oom``, an allocator snapshot on CUDA).
 
-With a remedy ladder (``on_oom``) the executor goes on past the minimum
-(:mod:`~oomguard.engine.core.execute.remedies`): :class:`_Work` lowers the model's precision
-or moves model and data to the CPU. When the ladder needs a fresh process
-(``expandable_segments``, or memory that did not come back after an OOM), this process
-sends the runner a *handoff* (the ladder, the sizes, what ran so far) and ends without
-a result; the runner starts the next process with it (:func:`child_main`'s ``handoff``).
+With a remedy ladder (``on_oom``, :mod:`~oomguard.engine.core.execute.remedies`) the
+executor goes on past the minimum: :class:`_Work` lowers the model's precision or moves
+model and data to the CPU. When the ladder needs a fresh process, this one sends the
+parent a *handoff* (the ladder, the sizes, what ran so far) and ends without a result.
 """
 
 from __future__ import annotations
@@ -25,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import signal
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -64,12 +62,9 @@ _CHOSEN = ("start", "source", "search", "searches", "cache_key")
 def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | None = None,
                conn: Any = None) -> None:
     """Entry point of the child: run ``task`` and record its result or failure in ``sink``.
-
-    ``handoff``: what the task's previous process sent when its remedy ladder needed a
-    fresh one (applied first: its environment must be in place before CUDA starts).
-    ``conn``: where this process sends its own handoff (a
-    :class:`~oomguard.engine.core.child.ToParent`).
-    """
+    ``handoff``: what the task's previous process sent (applied first: its environment
+    must be in place before CUDA starts); ``conn``: where this process sends its own (a
+    :class:`~oomguard.engine.core.child.ToParent`)."""
     if handoff is not None:
         apply_env(handoff["ladder"]["env"])
     # Freed tensors must go back to the kernel, or the resident peak meter sees
@@ -107,24 +102,39 @@ def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | N
 
 def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any], out: Path,
             sink: Sink, t0: float) -> TaskResult:
-    """Record ``exc`` as the task's failure: result file, traceback file, journal."""
+    """Record ``exc`` as the task's failure (:func:`record_failure`), with what ran."""
     if isinstance(exc, ExecutionFailed):
         reason = str(exc)  # names the workload and every size tried
     else:
         reason = f"{type(exc).__name__}: {first_line(exc)[:500]}"
+    record = record_failure(task, ctx, sink, reason, "", time.perf_counter() - t0,
+                            text="".join(traceback.format_exception(exc)),
+                            **_what_ran(state, out))
+    log.error("%s failed: %s (traceback in %s)", task.key, reason, out / record.traceback)
+    return record
+
+
+def record_failure(task: Task, ctx: Context, sink: Sink, reason: str, detail: str,
+                   seconds: float, *, text: str | None = None, **fields: Any) -> TaskResult:
+    """Record a task's failure: the traceback file (``text``; default: ``reason`` and
+    ``detail``, for a task whose process wrote no result), the result file (``fields``:
+    its other fields), the journal's ``failure``."""
     tb = f"tracebacks/{task.key}.txt"
-    sink.write(tb, "".join(traceback.format_exception(exc)))
-    del exc
-    record = TaskResult.failure(task, ctx.run_id, reason, tb,
-                                time.perf_counter() - t0, sizes=_sizes_info(state),
-                                search=state.get("search"), searches=state.get("searches"),
-                                oom_events=_oom_events(state, out), device=ctx.device,
-                                **_ladder_info(state))
+    sink.write(tb, text if text is not None else f"{task.key}: {reason}\n{detail.rstrip()}\n")
+    record = TaskResult.failure(task, ctx.run_id, reason, tb, seconds, device=ctx.device,
+                                **fields)
     sink.write(f"results/{task.key}.json", json_text(record))
     sink.event("failure", task=task.key, run=ctx.run_id, reason=reason,
                traceback=record.traceback)
-    log.error("%s failed: %s (traceback in %s)", task.key, reason, out / tb)
     return record
+
+
+def interrupted(say: Callable[..., Any], task: Task, ctx: Context, stop: Any,
+                **fields: Any) -> None:
+    """Journal through ``say`` (a sink's ``event``, a journal's ``append``) that the job's
+    signal ``stop.signum`` interrupted ``task``."""
+    say("interrupted", task=task.key, run=ctx.run_id, signal=signal.Signals(stop.signum).name,
+        **fields)
 
 
 def _sizes_info(state: dict[str, Any]) -> dict[str, Any]:
@@ -139,17 +149,21 @@ def _sizes_info(state: dict[str, Any]) -> dict[str, Any]:
             "retries": max(0, len(attempts) - 1), "cache_key": state.get("cache_key")}
 
 
-def _ladder_info(state: dict[str, Any], work: Any = None, dtype: str = "") -> dict[str, Any]:
-    """A result's remedy fields: the ladder's rungs and restarts; with the workload that
-    ran, its precision and whether a remedy lowered it below the job's ``dtype``."""
+def _what_ran(state: dict[str, Any], out: Path, work: Any = None,
+              dtype: str = "") -> dict[str, Any]:
+    """A result's fields on what ran: sizes, searches, OOM events, the ladder's rungs and
+    restarts; with the workload that ran, its precision and whether a remedy lowered it
+    below the job's ``dtype``."""
     executor: Executor | None = state.get("executor")
     ladder: Ladder | None = executor.ladder if executor else None
-    out: dict[str, Any] = {} if work is None else {
-        "precision": work.precision, "lowered_precision": work.precision != dtype}
+    fields = {"sizes": _sizes_info(state), "search": state.get("search"),
+              "searches": state.get("searches"), "oom_events": _oom_events(state, out)}
+    if work is not None:
+        fields.update(precision=work.precision, lowered_precision=work.precision != dtype)
     if ladder is not None:
-        out.update(remedy=ladder.produced, restarts=list(ladder.restarts),
-                   remedies=[dataclasses.asdict(r) for r in ladder.rungs])
-    return out
+        fields.update(remedy=ladder.produced, restarts=list(ladder.restarts),
+                      remedies=[dataclasses.asdict(r) for r in ladder.rungs])
+    return fields
 
 
 def _oom_events(state: dict[str, Any], out: Path) -> list[dict[str, Any]] | None:
@@ -166,17 +180,6 @@ def _oom_events(state: dict[str, Any], out: Path) -> list[dict[str, Any]] | None
     return events
 
 
-def _warm_up(model: Any, data: dict[str, Any]) -> None:
-    """One forward + backward on one short sample: thread pools and kernels exist
-    before any budget (docs/measurements.md#minimum-cpu-budget), and nothing is
-    charged to the metric."""
-    ids = data["input_ids"][:1, : min(8, data["input_ids"].shape[1])]
-    with torch.enable_grad():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-    model.zero_grad(set_to_none=True)
-
-
 class _KnobTrial:
     """``fn(size)`` for the search: the metric at ``knob=size``, other knobs fixed."""
 
@@ -188,10 +191,9 @@ class _KnobTrial:
 
 
 class _Search:
-    """The job's evaluator for :func:`~oomguard.engine.jobs.sizing.choose_sizes`: a bounded
-    search in this process, under the job's budget. Each knob's search gets
-    ``search.max_seconds``, at most a third of the task's time limit shared by its knobs.
-    A search that fails for a reason other than memory is journaled and fails the task."""
+    """The job's evaluator for :func:`~oomguard.engine.jobs.sizing.choose_sizes`. Each
+    knob's search gets ``search.max_seconds``, at most a third of the task's time limit
+    shared by its knobs; one that fails for a reason other than memory fails the task."""
 
     def __init__(self, task: Task, ctx: Context, call: Any, n_knobs: int,
                  on_record: Any) -> None:
@@ -254,19 +256,16 @@ def _split_tensors(value: Any, prefix: str, big: dict[str, Any]) -> None:
 
 
 class _Work:
-    """The task's metric as the executor calls it, and what remedies change in it
-    (:mod:`~oomguard.engine.core.execute.remedies`): :meth:`at_precision` casts the model in
-    place; :meth:`on_device` builds model and data again there, at the job's dtype.
-    ``meter`` measures the peak of the device the metric runs on."""
+    """The task's metric as the executor calls it; the remedies' hooks: :meth:`at_precision`
+    casts the model in place, :meth:`on_device` builds model and data again there, at the
+    job's dtype (also the first build). Only it holds the model and the data: a remedy
+    may replace them. ``meter`` measures the peak of the device the metric runs on."""
 
-    def __init__(self, task: Task, ctx: Context, metric: Any, model: Any, data: Any,
-                 sink: Sink) -> None:
-        self.task, self.ctx, self.metric, self.model, self.data = task, ctx, metric, model, data
-        self.sink = sink
+    def __init__(self, task: Task, ctx: Context, metric: Any, sink: Sink) -> None:
+        self.task, self.ctx, self.metric, self.sink = task, ctx, metric, sink
+        self.model = self.data = None
         self.executor: Executor | None = None  # the run's, once it is made
         self.tolerates_lower_precision = bool(metric.tolerates_lower_precision)
-        self.precision = ctx.job.dtype
-        self.meter = PeakMeter(ctx.job.device)
 
     def __call__(self, **sizes: int) -> dict[str, Any]:
         rec = self.executor.history[-1] if self.executor else None
@@ -286,12 +285,19 @@ class _Work:
 
     def on_device(self, device: str) -> _Work:
         job = self.ctx.job
-        self.model = self.data = None
-        release_memory(job.device)
+        if self.model is not None:  # a remedy's move: free the first copies
+            self.model = self.data = None
+            release_memory(job.device)
         self.model = build_model(self.task.model, job.dtype, device, seed=job.seed)
         self.data = load_data(job.data, self.model.config.vocab_size, seed=job.seed,
                               device=device)
-        _warm_up(self.model, self.data)
+        # Warm up, one forward + backward on one short sample: thread pools and kernels
+        # exist before any budget (docs/measurements.md#minimum-cpu-budget), and nothing
+        # is charged to the metric.
+        ids = self.data["input_ids"][:1, : min(8, self.data["input_ids"].shape[1])]
+        with torch.enable_grad():
+            self.model(input_ids=ids, labels=ids).loss.backward()
+        self.model.zero_grad(set_to_none=True)
         self.precision, self.meter = job.dtype, PeakMeter(device)
         self.meter.reset()
         return self
@@ -303,12 +309,7 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any],
     if ctx.snapshot_on_oom:  # from the task's start, so the snapshot shows the model too
         start_history(job.device)
     metric = get_metric(task.metric)
-    model = build_model(task.model, job.dtype, job.device, seed=job.seed)
-    data = load_data(job.data, model.config.vocab_size, seed=job.seed, device=job.device)
-    _warm_up(model, data)
-    # Only the workload holds the model and the data: a remedy may replace them.
-    work = _Work(task, ctx, metric, model, data, sink)
-    del model, data
+    work = _Work(task, ctx, metric, sink).on_device(job.device)
     prior = state["handoff"]
     if prior:  # a fresh process of the same run: the sizes were chosen by the first one
         for key in _CHOSEN:
@@ -342,13 +343,10 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any],
         tensors, blob = f"results/{task.key}.pt", io.BytesIO()
         torch.save(big, blob)
         sink.write(tensors, blob.getvalue())
-    summary = metric.summary(result)
+    summary = to_jsonable(metric.summary(result), max_items=TENSOR_INLINE_MAX)
     return TaskResult.of(
-        task, ctx.run_id, OK, sizes=info, search=state.get("search"),
-        searches=state.get("searches"), oom_events=_oom_events(state, out),
-        seconds=round(seconds, 3), total_seconds=round(time.perf_counter() - t0, 3),
-        peak_bytes=peak, peak_source=f"measured: {work.meter.source}",
-        budget_bytes=job.budget_bytes,
-        summary=to_jsonable(summary, max_items=TENSOR_INLINE_MAX), tensors=tensors,
-        finished=now_iso(), device=ctx.device, threads=torch.get_num_threads(),
-        **_ladder_info(state, work, job.dtype))
+        task, ctx.run_id, OK, seconds=round(seconds, 3),
+        total_seconds=round(time.perf_counter() - t0, 3), peak_bytes=peak,
+        peak_source=f"measured: {work.meter.source}", budget_bytes=job.budget_bytes,
+        summary=summary, tensors=tensors, finished=now_iso(), device=ctx.device,
+        threads=torch.get_num_threads(), **_what_ran(state, out, work, job.dtype))

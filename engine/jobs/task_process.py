@@ -1,17 +1,15 @@
 """One task of a job in its own process: started, watched, stopped, restarted, recorded.
 
-:func:`run_task` is the one way a task runs, whoever asks: the job's own process
-(:mod:`~oomguard.engine.jobs.runner`) or a Ray worker
-(:mod:`~oomguard.engine.jobs.ray_task`). It starts the task's process
-(:func:`~oomguard.engine.jobs.task_child.child_main`), enforces the task's time limit (SIGTERM,
-then SIGKILL), starts a fresh process whenever the remedy ladder hands one over, and
-records a process that died or was stopped without a result as the task's failure.
+:func:`run_task` is the one way a task runs, from the job's own process or a Ray worker.
+It starts the task's process (:func:`~oomguard.engine.jobs.task_child.child_main`),
+enforces its time limit (SIGTERM, then SIGKILL), starts a fresh process whenever the
+remedy ladder hands one over, and records a process that ended without a result as the
+task's failure.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -20,8 +18,7 @@ from oomguard.engine.core import child as launcher
 from oomguard.engine.jobs.output import read_result
 from oomguard.engine.jobs.records import Context, Task, TaskResult
 from oomguard.engine.jobs.sink import Sink
-from oomguard.engine.jobs.task_child import child_main
-from oomguard.engine.util.jsonable import json_text
+from oomguard.engine.jobs.task_child import child_main, interrupted, record_failure
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import model_config
 
@@ -32,13 +29,9 @@ STOP_POLL_S = 0.2  # how often a running task's process looks whether the job mu
 
 def run_task(task: Task, ctx: Context, sink: Sink, stop: Any) -> TaskResult | None:
     """Run one task in a child, and in a fresh one each time its remedy ladder asks for one
-    (``expandable_segments``, memory that did not come back; journal ``restart``); the
-    record written, or None if the job was interrupted. The time limit covers them all.
-
-    ``stop`` is anything with a ``signum`` attribute: None while the task may go on, a
-    signal number once the job must stop (the child is then stopped and None returned).
-    Every output, the child's and this function's, goes to ``sink``.
-    """
+    (journal ``restart``), all within the time limit; the record written, or None if the
+    job was interrupted: ``stop.signum`` is None while the task may go on, a signal
+    number once the job must stop. Every output goes to ``sink``."""
     sink.event("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
                time_limit_s=task.time_limit, start_method=ctx.start_method)
     mp = launcher.context(ctx.start_method, preload_modules(task))
@@ -51,9 +44,7 @@ def run_task(task: Task, ctx: Context, sink: Sink, stop: Any) -> TaskResult | No
             ended = child.wait(task.time_limit - (time.monotonic() - t0),
                                lambda _: stop.signum is not None, grace=launcher.KILL_GRACE_S)
         if ended.how == launcher.STOPPED:
-            sink.event("interrupted", task=task.key, run=ctx.run_id,
-                       signal=signal.Signals(stop.signum).name,
-                       seconds=round(time.monotonic() - t0, 3))
+            interrupted(sink.event, task, ctx, stop, seconds=round(time.monotonic() - t0, 3))
             return None
         handoff = ended.messages[-1] if ended.messages else None
         if handoff is None or ended.how == launcher.TIMED_OUT or stop.signum is not None:
@@ -73,8 +64,7 @@ def _ended(task: Task, ctx: Context, sink: Sink, stop: Any, ended: launcher.Ende
     if record is not None and record.run == ctx.run_id and not timed_out:
         return record
     if stop.signum is not None and not timed_out:
-        sink.event("interrupted", task=task.key, run=ctx.run_id,
-                   signal=signal.Signals(stop.signum).name)
+        interrupted(sink.event, task, ctx, stop)
         return None
     how = launcher.how_it_ended(ended.exitcode)
     reason = (f"time limit of {task.time_limit:g} s exceeded (stopped)" if timed_out
@@ -93,16 +83,3 @@ def preload_modules(task: Task) -> tuple[str, ...]:
     except Exception:  # noqa: BLE001 - preloading is an optimisation only
         pass
     return tuple(m for m in mods if not m.startswith("oomguard_plugin_"))
-
-
-def record_failure(task: Task, ctx: Context, sink: Sink, reason: str, detail: str,
-                   seconds: float) -> TaskResult:
-    """Record a task that ended without its process writing a result: the traceback file
-    (``reason`` and ``detail``), the result file, the journal's ``failure``."""
-    tb = f"tracebacks/{task.key}.txt"
-    sink.write(tb, f"{task.key}: {reason}\n{detail.rstrip()}\n")
-    record = TaskResult.failure(task, ctx.run_id, reason, tb, seconds, device=ctx.device)
-    sink.write(f"results/{task.key}.json", json_text(record))
-    sink.event("failure", task=task.key, run=ctx.run_id, reason=reason,
-               traceback=record.traceback)
-    return record
