@@ -388,16 +388,9 @@ class Executor:
         self._named: OrderedDict[str, SizeMemory] = OrderedDict()
         self._unnamed: WeakIdMap[Any, SizeMemory] = WeakIdMap()
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        batch_size: int | None = None,
-        *,
-        sizes: Mapping[str, int] | None = None,
-        minimum: Mapping[str, int] | None = None,
-        name: str | None = None,
-        ladder: Ladder | None = None,
-    ) -> Any:
+    def run(self, fn: Callable[..., Any], batch_size: int | None = None, *,
+            sizes: Mapping[str, int] | None = None, minimum: Mapping[str, int] | None = None,
+            name: str | None = None, ladder: Ladder | None = None) -> Any:
         """Run ``fn(batch_size)``, or ``fn(**sizes)`` (positive integers) for several sizes;
         on OOM at smaller sizes, down to :class:`~oomguard.engine.errors.ExecutionFailed`
         naming every size tried. ``ladder`` resumes one that a

@@ -138,15 +138,9 @@ class Recommendation:
         return asdict(self)
 
 
-def recommend(
-    trials: Sequence[Trial],
-    max_ok: int,
-    capacity_bytes: int | None,
-    fit: LinearFit | None,
-    margin: float = DEFAULT_MARGIN,
-    first_oom: int | None = None,
-    margin_source: str = "",
-) -> Recommendation:
+def recommend(trials: Sequence[Trial], max_ok: int, capacity_bytes: int | None,
+              fit: LinearFit | None, margin: float = DEFAULT_MARGIN, first_oom: int | None = None,
+              margin_source: str = "") -> Recommendation:
     """Recommend safe, conservative and maximum sizes below ``max_ok``.
 
     With a capacity and a fit, ``safe`` is the fitted size that leaves ``margin`` of the

@@ -104,15 +104,9 @@ class SearchResult:
         return out
 
 
-def search(
-    fn: Callable[[int], Any],
-    config: SearchConfig | None = None,
-    *,
-    start: int | None = None,
-    step: int | None = None,
-    on_trial: Callable[[Trial], None] | None = None,
-    **options: Any,
-) -> SearchResult:
+def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
+           start: int | None = None, step: int | None = None,
+           on_trial: Callable[[Trial], None] | None = None, **options: Any) -> SearchResult:
     """Find the largest size at which ``fn(size)`` runs without running out of memory.
 
     ``options`` are :class:`SearchConfig` fields and override those of ``config``.

@@ -84,10 +84,8 @@ class Trial:
 SAMPLE_KNOBS = frozenset({"micro_batch_size", "chunk_size", "batch_size"})
 
 
-def run_trial(
-    fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
-    guard: RamGuard | None = None, steps: int = 1,
-) -> Trial:
+def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
+              guard: RamGuard | None = None, steps: int = 1) -> Trial:
     """Run ``fn(size)`` ``steps`` times in this process and measure it, memory released
     first so the peak starts from a clean baseline. A worst-case batch (module docstring)
     counts in its step's peak and seconds, as a data loader's batch does in the real run.
