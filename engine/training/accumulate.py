@@ -5,12 +5,12 @@ is scaled by its share of the batch's tokens (or samples) before ``backward()``,
 the whole batch's within float rounding. The micro-batch size is the core's one size controller's
 (:class:`~oomguard.engine.core.execute.executor.SizeController`).
 
-For the scaling to be exact, ``step_fn(micro_batch)`` runs the forward pass and
-returns a scalar loss tensor (it must not call ``backward`` itself):
+For the scaling to be exact, ``step_fn(micro_batch)`` runs the forward pass and returns a scalar
+loss tensor (it must not call ``backward`` itself):
 
-- ``reduction="mean"`` (default): the **mean over the micro-batch's own
-  units** (a transformers causal LM's ``model(**batch).loss`` with
-  ``weight_by="causal-tokens"``), multiplied by ``units_micro / units_total``.
+- ``reduction="mean"`` (default): the **mean over the micro-batch's own units** (a transformers
+  causal LM's ``model(**batch).loss`` with ``weight_by="causal-tokens"``), multiplied by
+  ``units_micro / units_total``.
 - ``reduction="sum"``: the sum over its units; losses are added unscaled.
 
 ``weight_by`` counts units: ``"samples"`` (rows), ``"tokens"`` (``labels != ignore_index``),
@@ -59,11 +59,8 @@ def batch_length(batch: Batch) -> int:
 def _tensors(batch: Batch) -> Iterable[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         yield batch
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _tensors(value)
-    elif isinstance(batch, (tuple, list)):
-        for value in batch:
+    elif isinstance(batch, (Mapping, tuple, list)):
+        for value in batch.values() if isinstance(batch, Mapping) else batch:
             yield from _tensors(value)
 
 

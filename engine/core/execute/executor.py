@@ -81,10 +81,8 @@ class RunRecord:
         return max(0, len(self.attempts) - 1)
 
 
-def shown(sizes: Mapping[str, int | None] | None) -> Any:
+def shown(sizes: Mapping[str, int | None]) -> Any:
     """A size as :class:`SizeStats` shows it: the int of a single knob, else a dict."""
-    if sizes is None:
-        return None
     if len(sizes) == 1:
         return next(iter(sizes.values()))
     return dict(sizes)
