@@ -19,6 +19,7 @@ Past the minimum, the executor's ``on_oom`` ladder takes over
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -440,10 +441,8 @@ class Executor:
             if len(self._named) > MAX_NAMES_KEPT:
                 self._named.popitem(last=False)
         else:
-            try:
+            with contextlib.suppress(TypeError):  # not weakly referenceable: nothing is remembered
                 self._unnamed[fn] = memory
-            except TypeError:  # not weakly referenceable: nothing is remembered
-                pass
         return memory
 
 

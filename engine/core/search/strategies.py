@@ -173,11 +173,10 @@ class Guided(_PositiveFields):
     name: ClassVar[str] = "guided"
 
     def describe(self) -> str:
-        return (f"Start at {self.start}; predict the largest size that fits from the peaks "
-                "measured in the limit's units (proportional from one trial, a least-squares "
-                "line from two), run it, then try the size above it; bisect after an OOM the "
-                "prediction did not expect; after "
-                f"{self.misses} wrong predictions, double and bisect.")
+        return (f"Start at {self.start}; predict the largest size that fits from the peaks measured "
+                "in the limit's units (proportional from one trial, a least-squares line from "
+                "two), run it, then try the size above it; bisect after an OOM the prediction did "
+                f"not expect; after {self.misses} wrong predictions, double and bisect.")
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         if not trials:
