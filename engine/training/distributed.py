@@ -81,8 +81,7 @@ def _min_over_ranks(values: list[int], group: Any) -> list[int]:
     return [int(v) for v in tensor.tolist()]
 
 
-def check_every_rank_calls(what: str, group: Any = None,
-                           timeout_s: float | None = None) -> None:
+def check_every_rank_calls(what: str, group: Any = None, timeout_s: float | None = None) -> None:
     """Return once every rank of ``group`` has made this call, within ``timeout_s`` seconds
     (default :data:`FIRST_CALL_TIMEOUT_S`): each rank sets one key in the default process
     group's store and waits for the others'. A rank that waits in vain withdraws its key

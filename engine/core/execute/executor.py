@@ -144,10 +144,9 @@ class SizeController:
 
     def __init__(self, name: str, memory: SizeMemory | Start, *,
                  minimum: Mapping[str, int] | None = None,
-                 maximum: Mapping[str, int | None] | None = None,
-                 policy: RetryPolicy | None = None, grow_after: int | None = None,
-                 agreement: SizeAgreement | None = None, device: Any = None,
-                 logger: logging.Logger | None = None,
+                 maximum: Mapping[str, int | None] | None = None, policy: RetryPolicy | None = None,
+                 grow_after: int | None = None, agreement: SizeAgreement | None = None,
+                 device: Any = None, logger: logging.Logger | None = None,
                  failure_message: str | None = None,
                  snapshot_dir: str | os.PathLike[str] | None = None) -> None:
         if not isinstance(memory, SizeMemory):
@@ -368,8 +367,7 @@ class Executor:
     a later call starts at the remembered sizes when they are smaller than those asked.
     """
 
-    def __init__(self, policy: RetryPolicy | None = None,
-                 device: str | torch.device | None = None,
+    def __init__(self, policy: RetryPolicy | None = None, device: str | torch.device | None = None,
                  agreement: SizeAgreement | None = None,
                  snapshot_on_oom: str | os.PathLike[str] | None = None,
                  on_oom: Sequence[str] | None = None, fresh_process: bool = False) -> None:
