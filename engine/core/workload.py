@@ -77,7 +77,6 @@ class RebuiltInChild:
 
 
 def name_of(fn: Any) -> str:
-    """The workload's ``name``, else its ``__name__``, else its class name."""
     return getattr(fn, "name", None) or getattr(fn, "__name__", type(fn).__name__)
 
 
@@ -87,17 +86,14 @@ def qualname(fn: Any) -> str:
 
 
 def knob_of(fn: Any) -> str:
-    """What the workload's size is called: its ``knob``, else ``batch_size``."""
     return getattr(fn, "knob", None) or "batch_size"
 
 
 def steps_of(fn: Any) -> int:
-    """Calls per search trial: the workload's ``steps_per_trial``, else 1."""
     return int(getattr(fn, "steps_per_trial", 1) or 1)
 
 
 def preload_of(fn: Any) -> tuple[str, ...]:
-    """The modules the workload's ``preload`` names (none by default)."""
     return tuple(getattr(fn, "preload", ()))
 
 
@@ -118,7 +114,6 @@ def _method(fn: Any, hook: str, signature: str) -> Callable[..., Any] | None:
 
 
 def warm_up(fn: Any) -> None:
-    """Call the workload's ``warmup()``, if it has one."""
     method = _method(fn, "warmup", "warmup()")
     if method is not None:
         method()

@@ -1,31 +1,27 @@
 """Micro-batching that keeps the effective batch: exact gradient accumulation on OOM.
 
-When a whole batch does not fit, it is split along dim 0 into micro-batches;
-each micro-batch's loss is scaled by its share of the batch's tokens (or
-samples) before ``backward()``, so ``.grad`` equals the whole batch's within float
-rounding. The micro-batch size is the core's one size controller's
+When a whole batch does not fit, it is split along dim 0 into micro-batches; each micro-batch's loss
+is scaled by its share of the batch's tokens (or samples) before ``backward()``, so ``.grad`` equals
+the whole batch's within float rounding. The micro-batch size is the core's one size controller's
 (:class:`~oomguard.engine.core.execute.executor.SizeController`).
 
-For the scaling to be exact, ``step_fn(micro_batch)`` runs the forward pass and
-returns a scalar loss tensor (it must not call ``backward`` itself):
+For the scaling to be exact, ``step_fn(micro_batch)`` runs the forward pass and returns a scalar
+loss tensor (it must not call ``backward`` itself):
 
-- ``reduction="mean"`` (default): the **mean over the micro-batch's own
-  units** (a transformers causal LM's ``model(**batch).loss`` with
-  ``weight_by="causal-tokens"``), multiplied by ``units_micro / units_total``.
+- ``reduction="mean"`` (default): the **mean over the micro-batch's own units** (a transformers
+  causal LM's ``model(**batch).loss`` with ``weight_by="causal-tokens"``), multiplied by
+  ``units_micro / units_total``.
 - ``reduction="sum"``: the sum over its units; losses are added unscaled.
 
-``weight_by`` counts units: ``"samples"`` (rows), ``"tokens"`` (``labels !=
-ignore_index``), ``"causal-tokens"`` (``labels[..., 1:] != ignore_index``,
-the shifted count causal LMs average over), or a callable ``fn(batch) ->
-number`` that is additive over rows. A micro-batch with no units is skipped
-(its mean would be 0/0 = NaN, its exact contribution is zero). Randomness in
-the step (dropout) draws differently per micro-batch: disable it for
-bit-comparable results.
+``weight_by`` counts units: ``"samples"`` (rows), ``"tokens"`` (``labels != ignore_index``),
+``"causal-tokens"`` (``labels[..., 1:] != ignore_index``, the shifted count causal LMs average
+over), or a callable ``fn(batch) -> number`` that is additive over rows. A micro-batch with no units
+is skipped (its mean would be 0/0 = NaN, its exact contribution is zero). Randomness in the step
+(dropout) draws differently per micro-batch: disable it for bit-comparable results.
 
-A micro-batch that runs out of memory during ``backward`` may already have added part
-of its gradient to some ``.grad`` tensors, so every attempt sets the gradients of
-``params`` to ``None`` and runs the whole batch again: :func:`accumulate` *replaces*
-``.grad``.
+A micro-batch that runs out of memory during ``backward`` may already have added part of its
+gradient to some ``.grad`` tensors, so every attempt sets the gradients of ``params`` to ``None``
+and runs the whole batch again: :func:`accumulate` *replaces* ``.grad``.
 """
 
 from __future__ import annotations
@@ -63,11 +59,8 @@ def batch_length(batch: Batch) -> int:
 def _tensors(batch: Batch) -> Iterable[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         yield batch
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _tensors(value)
-    elif isinstance(batch, (tuple, list)):
-        for value in batch:
+    elif isinstance(batch, (Mapping, tuple, list)):
+        for value in batch.values() if isinstance(batch, Mapping) else batch:
             yield from _tensors(value)
 
 
@@ -101,9 +94,8 @@ def _row_units(batch: Batch, weight_by: str, labels_key: str, ignore_index: int)
 def _param_list(params: Params) -> list[torch.Tensor]:
     """The tensors whose ``.grad`` a call replaces (a tied parameter may appear twice)."""
     if isinstance(params, torch.nn.Module):
-        # Module.parameters() costs ~4 us per parameter tensor (generators, a memo set);
-        # this plain walk costs ~0.5 us, and it runs every call
-        # (docs/measurements.md#parameter-walk).
+        # Module.parameters() costs ~4 us per parameter tensor (generators, a memo set); this plain
+        # walk costs ~0.5 us, and it runs every call (docs/measurements.md#parameter-walk).
         out: list[torch.Tensor] = []
         append = out.append
         stack: list[torch.nn.Module | None] = [params]

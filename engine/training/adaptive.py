@@ -93,14 +93,13 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
              sync_ranks: bool = True, name: str | None = None) -> Any:
     """Decorate ``fn(batch_size, ...)`` so that an OOM costs a retry at a smaller size.
 
-    The decorator supplies the batch size (passing one raises ``TypeError``). On OOM
-    ``fn`` runs again at half the size (or by ``policy``) down to ``minimum``, then
-    raises :class:`NoExecutableBatchSize`. The size that worked is kept; ``grow_after``
-    clean calls let it grow back, never above ``maximum`` (default ``batch_size``) nor to
-    a size that failed. Under ``torch.distributed`` each call is collective
-    (``sync_ranks=False``: not), and ``fn`` must be safe to re-run: a rank whose call
-    succeeded runs again at the smaller size another rank needed. ``adaptive_size``: the
-    wrapper's size controller.
+    The decorator supplies the batch size (passing one raises ``TypeError``). On OOM ``fn`` runs
+    again at half the size (or by ``policy``) down to ``minimum``, then raises
+    :class:`NoExecutableBatchSize`. The size that worked is kept; ``grow_after`` clean calls let it
+    grow back, never above ``maximum`` (default ``batch_size``) nor to a size that failed. Under
+    ``torch.distributed`` each call is collective (``sync_ranks=False``: not), and ``fn`` must be
+    safe to re-run: a rank whose call succeeded runs again at the smaller size another rank needed.
+    ``adaptive_size``: the wrapper's size controller.
     """
     def decorate(f: Callable[..., T]) -> Callable[..., T]:
         size = make_controller(name or qualname(f), KEY, batch_size, minimum=minimum,

@@ -1,11 +1,10 @@
 """Agreement between ranks on an adaptive size: one collective per attempt.
 
-Under ``torch.distributed`` an OOM on one rank must move *every* rank to the same
-smaller size, or the ranks run different batches (and, with gradient
-synchronisation, wait on each other forever). After each attempt every rank proposes
-its next size (``0``: nothing smaller) and whether it ran out of memory; one
-``all_reduce(MIN)`` over ``[proposal, -oom]`` gives every rank the same decision.
-An adaptive object also agrees once on its starting size.
+Under ``torch.distributed`` an OOM on one rank must move *every* rank to the same smaller size, or
+the ranks run different batches (and, with gradient synchronisation, wait on each other forever).
+After each attempt every rank proposes its next size (``0``: nothing smaller) and whether it ran out
+of memory; one ``all_reduce(MIN)`` over ``[proposal, -oom]`` gives every rank the same decision. An
+adaptive object also agrees once on its starting size.
 
 The calls are **collective**: every rank calls the adaptive function (or
 ``accumulate``) the same number of times, in the same order, and the function runs
@@ -15,10 +14,9 @@ others waiting). With DDP, run the micro-batches under ``model.no_sync()`` with
 Without an initialised process group nothing is communicated; ``sync_ranks=False``
 makes no collective at all (each rank keeps its own size: work only some ranks do).
 
-A call made on some ranks only would block until the backend's timeout (30 minutes
-on gloo), so the first call of each adaptive object checks through the process
-group's store, not a collective, that every rank makes it
-(:func:`check_every_rank_calls`; why not a collective:
+A call made on some ranks only would block until the backend's timeout (30 minutes on gloo), so the
+first call of each adaptive object checks through the process group's store, not a collective, that
+every rank makes it (:func:`check_every_rank_calls`; why not a collective:
 docs/measurements.md#rank-presence-check). Later calls are not checked.
 """
 
@@ -36,10 +34,9 @@ from oomguard.engine.errors import CollectiveMismatch
 
 Sizes = dict[str, int]
 
-# How long the first call of an adaptive object waits for every rank to make it
-# too (seconds). Ranks reach a first call about together (they were in step at
-# their last collective); raise it when the work before a first call (loading
-# data) differs between ranks by more than this.
+# How long the first call of an adaptive object waits for every rank to make it too (seconds). Ranks
+# reach a first call about together (they were in step at their last collective); raise it when the
+# work before a first call (loading data) differs between ranks by more than this.
 FIRST_CALL_TIMEOUT_S = 60.0
 
 # Per process group: how many adaptive objects made their first call here.
@@ -69,9 +66,8 @@ def _collective_device(group: Any = None) -> torch.device:
 
 
 def agree(proposed: int, oom: bool, group: Any = None) -> Agreement:
-    """Agree with every rank of ``group`` on the next size: ``proposed`` is this rank's next
-    size in items (0: it cannot go lower), ``oom`` whether its last attempt ran out of
-    memory."""
+    """Agree with every rank of ``group`` on the next size: ``proposed`` is this rank's next size in
+    items (0: it cannot go lower), ``oom`` whether its last attempt ran out of memory."""
     if not is_active():
         return Agreement(proposed, oom)
     size, flag = _min_over_ranks([proposed, -int(oom)], group)
@@ -85,8 +81,7 @@ def _min_over_ranks(values: list[int], group: Any) -> list[int]:
     return [int(v) for v in tensor.tolist()]
 
 
-def check_every_rank_calls(what: str, group: Any = None,
-                           timeout_s: float | None = None) -> None:
+def check_every_rank_calls(what: str, group: Any = None, timeout_s: float | None = None) -> None:
     """Return once every rank of ``group`` has made this call, within ``timeout_s`` seconds
     (default :data:`FIRST_CALL_TIMEOUT_S`): each rank sets one key in the default process
     group's store and waits for the others'. A rank that waits in vain withdraws its key

@@ -19,6 +19,7 @@ Past the minimum, the executor's ``on_oom`` ladder takes over
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -81,10 +82,8 @@ class RunRecord:
         return max(0, len(self.attempts) - 1)
 
 
-def shown(sizes: Mapping[str, int | None] | None) -> Any:
+def shown(sizes: Mapping[str, int | None]) -> Any:
     """A size as :class:`SizeStats` shows it: the int of a single knob, else a dict."""
-    if sizes is None:
-        return None
     if len(sizes) == 1:
         return next(iter(sizes.values()))
     return dict(sizes)
@@ -145,10 +144,9 @@ class SizeController:
 
     def __init__(self, name: str, memory: SizeMemory | Start, *,
                  minimum: Mapping[str, int] | None = None,
-                 maximum: Mapping[str, int | None] | None = None,
-                 policy: RetryPolicy | None = None, grow_after: int | None = None,
-                 agreement: SizeAgreement | None = None, device: Any = None,
-                 logger: logging.Logger | None = None,
+                 maximum: Mapping[str, int | None] | None = None, policy: RetryPolicy | None = None,
+                 grow_after: int | None = None, agreement: SizeAgreement | None = None,
+                 device: Any = None, logger: logging.Logger | None = None,
                  failure_message: str | None = None,
                  snapshot_dir: str | os.PathLike[str] | None = None) -> None:
         if not isinstance(memory, SizeMemory):
@@ -369,8 +367,7 @@ class Executor:
     a later call starts at the remembered sizes when they are smaller than those asked.
     """
 
-    def __init__(self, policy: RetryPolicy | None = None,
-                 device: str | torch.device | None = None,
+    def __init__(self, policy: RetryPolicy | None = None, device: str | torch.device | None = None,
                  agreement: SizeAgreement | None = None,
                  snapshot_on_oom: str | os.PathLike[str] | None = None,
                  on_oom: Sequence[str] | None = None, fresh_process: bool = False) -> None:
@@ -388,16 +385,9 @@ class Executor:
         self._named: OrderedDict[str, SizeMemory] = OrderedDict()
         self._unnamed: WeakIdMap[Any, SizeMemory] = WeakIdMap()
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        batch_size: int | None = None,
-        *,
-        sizes: Mapping[str, int] | None = None,
-        minimum: Mapping[str, int] | None = None,
-        name: str | None = None,
-        ladder: Ladder | None = None,
-    ) -> Any:
+    def run(self, fn: Callable[..., Any], batch_size: int | None = None, *,
+            sizes: Mapping[str, int] | None = None, minimum: Mapping[str, int] | None = None,
+            name: str | None = None, ladder: Ladder | None = None) -> Any:
         """Run ``fn(batch_size)``, or ``fn(**sizes)`` (positive integers) for several sizes;
         on OOM at smaller sizes, down to :class:`~oomguard.engine.errors.ExecutionFailed`
         naming every size tried. ``ladder`` resumes one that a
@@ -449,10 +439,8 @@ class Executor:
             if len(self._named) > MAX_NAMES_KEPT:
                 self._named.popitem(last=False)
         else:
-            try:
+            with contextlib.suppress(TypeError):  # not weakly referenceable: nothing is remembered
                 self._unnamed[fn] = memory
-            except TypeError:  # not weakly referenceable: nothing is remembered
-                pass
         return memory
 
 

@@ -15,13 +15,12 @@ through the executor's retry at half, from the call's start sizes:
   the ladder's state; elsewhere the rung is skipped, saying why.
 - ``cpu``: the workload on the CPU (its ``on_device("cpu")``), after logging a time estimate.
 
-A rung keeps what the rungs before it changed (a lower precision stays), except that
-``on_device`` gives what it gives (a job builds the model again at its own dtype). Two
-checks run between attempts (:class:`_Checked`): memory came back (:func:`live_bytes`
-more than :data:`MEMORY_BACK_TOLERANCE` above its value before the failed attempt: a
-fresh process, :class:`RestartNeeded`), and progress (two failed attempts in a row with
-the same remedy, sizes and error: :class:`NoProgress`). :attr:`Ladder.rungs` says what
-each rung did.
+A rung keeps what the rungs before it changed (a lower precision stays), except that ``on_device``
+gives what it gives (a job builds the model again at its own dtype). Two checks run between attempts
+(:class:`_Checked`): memory came back (:func:`live_bytes` more than :data:`MEMORY_BACK_TOLERANCE`
+above its value before the failed attempt: a fresh process, :class:`RestartNeeded`), and progress
+(two failed attempts in a row with the same remedy, sizes and error: :class:`NoProgress`).
+:attr:`Ladder.rungs` says what each rung did.
 """
 
 from __future__ import annotations
@@ -297,9 +296,8 @@ def _skip(remedy: str, work: Any, kind: str, ladder: Ladder, fresh_process: bool
 
 
 def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
-               run_rung: Callable[[Callable[[Sizes], Any], Sizes, bool, Any], T],
-               record: RunRecord, name: str, device: Any, fresh_process: bool,
-               positional: bool) -> T:
+               run_rung: Callable[[Callable[[Sizes], Any], Sizes, bool, Any], T], record: RunRecord,
+               name: str, device: Any, fresh_process: bool, positional: bool) -> T:
     """Run ``fn`` through the rungs of ``ladder`` from ``ladder.at`` (module docstring);
     return the first result. ``run_rung(attempt, sizes, fresh, device)`` is one run of the
     executor's retry at half from ``sizes`` (``fresh``: with nothing remembered). Raises

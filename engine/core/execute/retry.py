@@ -29,13 +29,9 @@ class ReduceWith:
     fn: Callable[[int], int]
 
     def shrink(self, sizes: Mapping[str, int], minimum: Mapping[str, int]) -> Sizes | None:
-        out: Sizes = {}
-        for name, size in sizes.items():
-            low = minimum.get(name, 1)
-            new = self.fn(size)
-            out[name] = new if low <= new < size else size
-            if new < low and size > low:  # the rule overshot: stop at the floor
-                out[name] = low
+        # A rule that overshoots stops at the floor; a size never grows.
+        out = {name: min(size, max(self.fn(size), minimum.get(name, 1)))
+               for name, size in sizes.items()}
         return out if out != dict(sizes) else None
 
 

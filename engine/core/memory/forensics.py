@@ -117,8 +117,7 @@ class OomWatch:
 
 
 def capture(sizes: Mapping[str, int], device: Any = None,
-            snapshot_dir: str | os.PathLike[str] | None = None,
-            name: str = "workload") -> OomEvent:
+            snapshot_dir: str | os.PathLike[str] | None = None, name: str = "workload") -> OomEvent:
     """Measure memory now, at the OOM (module docstring); ``device`` None: as
     :func:`~oomguard.probes.device.resolve_device`. A reading that fails is said in the
     event, never raised."""

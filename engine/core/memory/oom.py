@@ -204,10 +204,9 @@ class OOM:
     message: str
 
 
-def call_catching_oom(
-    fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None,
-    on_oom: Callable[[BaseException], None] | None = None, **kwargs: Any
-) -> Any | OOM:
+def call_catching_oom(fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None,
+                      on_oom: Callable[[BaseException], None] | None = None,
+                      **kwargs: Any) -> Any | OOM:
     """Call ``fn``; return its value, or an :class:`OOM` record if it ran out of memory
     (any other exception propagates), after :func:`release_memory` ran outside the
     ``except`` block (module docstring). ``on_oom(exc)`` is called first, while the

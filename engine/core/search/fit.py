@@ -56,11 +56,10 @@ def fit_line(trials: Sequence[Trial]) -> LinearFit | None:
 
 
 def peak_model(points: Sequence[tuple[int, int]]) -> LinearFit | None:
-    """Peak bytes against size from measured ``(size, peak bytes)`` points, to predict
-    sizes not run yet (an estimate): the least-squares line from two distinct sizes or
-    more; from one size, a line through the origin from its largest peak (proportional
-    to the size, which overstates sizes above it when part of the peak does not grow);
-    None without a point or with a peak of 0."""
+    """Peak bytes against size from measured ``(size, peak bytes)`` points, to predict sizes not run
+    yet (an estimate): the least-squares line from two distinct sizes or more; from one size, a line
+    through the origin from its largest peak (proportional to the size, which overstates sizes above
+    it when part of the peak does not grow); None without a point or with a peak of 0."""
     if len({s for s, _ in points}) != 1:
         return fit_points(points)
     size, peak = max(points)
@@ -120,12 +119,11 @@ def choose_margin(margin: float | str, trials: Sequence[Trial]) -> tuple[float, 
 
 @dataclass(frozen=True)
 class Recommendation:
-    """Sizes to use, each at most the measured maximum: ``safe``, the largest size whose
-    estimated peak keeps ``margin`` of the capacity free (E10: "recommended");
-    ``conservative``, the largest size up to ``safe`` that ran with a measured peak within
-    the same limit (``conservative_ran`` False: none did, it equals ``safe``); ``maximum``,
-    the largest size that ran. ``basis``: how ``safe`` was obtained; ``margin_source``:
-    where ``margin`` came from (:func:`choose_margin`)."""
+    """Sizes to use, each at most the measured maximum: ``safe``, the largest size whose estimated
+    peak keeps ``margin`` of the capacity free (E10: "recommended"); ``conservative``, the largest
+    size up to ``safe`` that ran with a measured peak within the same limit (``conservative_ran``
+    False: none did, it equals ``safe``); ``maximum``, the largest size that ran. ``basis``: how
+    ``safe`` was obtained; ``margin_source``: where ``margin`` came from (:func:`choose_margin`)."""
 
     safe: int
     conservative: int
@@ -140,15 +138,9 @@ class Recommendation:
         return asdict(self)
 
 
-def recommend(
-    trials: Sequence[Trial],
-    max_ok: int,
-    capacity_bytes: int | None,
-    fit: LinearFit | None,
-    margin: float = DEFAULT_MARGIN,
-    first_oom: int | None = None,
-    margin_source: str = "",
-) -> Recommendation:
+def recommend(trials: Sequence[Trial], max_ok: int, capacity_bytes: int | None,
+              fit: LinearFit | None, margin: float = DEFAULT_MARGIN, first_oom: int | None = None,
+              margin_source: str = "") -> Recommendation:
     """Recommend safe, conservative and maximum sizes below ``max_ok``.
 
     With a capacity and a fit, ``safe`` is the fitted size that leaves ``margin`` of the

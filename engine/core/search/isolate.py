@@ -100,7 +100,7 @@ def _main_program() -> str | None:
     return path if path and os.path.isfile(path) else None
 
 
-class IsolatedRunner:
+class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
     """Context manager; calling it with a size runs one isolated trial -> :class:`Trial`.
 
     ``fn`` must be picklable (a module-level function or class instance in an importable
@@ -133,9 +133,6 @@ class IsolatedRunner:
         # Started now, in the background: the parent's work until the first trial (its
         # report header, a probe) overlaps the forkserver's imports.
         self.ctx = launcher.start_forkserver(workload_preload(fn))
-
-    def __enter__(self) -> IsolatedRunner:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         return None

@@ -61,13 +61,12 @@ log = logging.getLogger("oomguard.search")
 
 @dataclass
 class SearchResult:
-    """What a search found (sizes in items). ``max_ok``: the largest size that ran;
-    ``first_oom``: the smallest size above it that ran out of memory (None: none did).
-    ``capacity_bytes``: what the workload could use, the budget, else the free memory probed
-    before the search (an estimate of headroom, not a limit). ``limit``: the RAM guard that
-    bounded the trials (``enforced`` False: an estimated limit), else None.
-    ``verification``: the ``verify_steps`` run at the recommended size and whether they
-    ran out of memory, else None.
+    """What a search found (sizes in items). ``max_ok``: the largest size that ran; ``first_oom``:
+    the smallest size above it that ran out of memory (None: none did). ``capacity_bytes``: what the
+    workload could use, the budget, else the free memory probed before the search (an estimate of
+    headroom, not a limit). ``limit``: the RAM guard that bounded the trials (``enforced`` False: an
+    estimated limit), else None. ``verification``: the ``verify_steps`` run at the recommended size
+    and whether they ran out of memory, else None.
     """
 
     workload: str
@@ -105,15 +104,9 @@ class SearchResult:
         return out
 
 
-def search(
-    fn: Callable[[int], Any],
-    config: SearchConfig | None = None,
-    *,
-    start: int | None = None,
-    step: int | None = None,
-    on_trial: Callable[[Trial], None] | None = None,
-    **options: Any,
-) -> SearchResult:
+def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
+           start: int | None = None, step: int | None = None,
+           on_trial: Callable[[Trial], None] | None = None, **options: Any) -> SearchResult:
     """Find the largest size at which ``fn(size)`` runs without running out of memory.
 
     ``options`` are :class:`SearchConfig` fields and override those of ``config``.
@@ -121,11 +114,10 @@ def search(
     strategy give them to it (``Doubling(start=64)``). ``on_trial`` is called with each
     :class:`Trial` as it completes.
 
-    ``fn`` runs one trial; its ``warmup()``, if any, is called once per process before
-    the budget is applied (build the model, initialise thread pools). With
-    ``isolate=True`` each trial runs in a fresh child process: ``fn`` must be picklable
-    and defined in an importable file, and a script that calls this needs an
-    ``if __name__ == "__main__":`` guard.
+    ``fn`` runs one trial; its ``warmup()``, if any, is called once per process before the budget is
+    applied (build the model, initialise thread pools). With ``isolate=True`` each trial runs in a
+    fresh child process: ``fn`` must be picklable and defined in an importable file, and a script
+    that calls this needs an ``if __name__ == "__main__":`` guard.
 
     Raises :class:`UsageError` (a ``ValueError``) on bad options,
     :class:`ChildStartFailed` at once when an isolated ``fn`` cannot be pickled,
@@ -248,13 +240,12 @@ class _Search:
 
 def verify(fn: Callable[[int], Any], size: int, steps: int, config: SearchConfig | None = None,
            **options: Any) -> dict[str, Any]:
-    """Run ``steps`` steps of ``fn`` at ``size`` as a search's trial runs them (the warm-up
-    first, then under the config's budget, in this process or a fresh child with
-    ``isolate=True``) and say what happened: ``ok``, ``peak_bytes`` and ``step_peaks``
-    (measured bytes above the warmed-up baseline, as :class:`Trial` counts them),
-    ``seconds`` and the OOM's ``error`` (reported, not raised; any other error
-    propagates). ``options`` are :class:`SearchConfig` fields; the search itself verifies
-    with ``search(..., verify_steps=N)``."""
+    """Run ``steps`` steps of ``fn`` at ``size`` as a search's trial runs them (the warm-up first,
+    then under the config's budget, in this process or a fresh child with ``isolate=True``) and say
+    what happened: ``ok``, ``peak_bytes`` and ``step_peaks`` (measured bytes above the warmed-up
+    baseline, as :class:`Trial` counts them), ``seconds`` and the OOM's ``error`` (reported, not
+    raised; any other error propagates). ``options`` are :class:`SearchConfig` fields; the search
+    itself verifies with ``search(..., verify_steps=N)``."""
     check_positive_int("size", size)
     check_positive_int("steps", steps)
     cfg, dev = _checked(config, None, None, options)

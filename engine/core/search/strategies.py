@@ -161,12 +161,11 @@ class Guided(_PositiveFields):
     """The default: predict the maximum from measured peaks, run it, then bracket it.
 
     Peaks and headroom are in the units the memory limit counts (``Trial.limit_peak_bytes``,
-    ``headroom_bytes``: reserved bytes against the cap on CUDA, ``VmData`` against
-    ``RLIMIT_DATA`` under a CPU budget); :func:`predict_max` fits them. After the predicted
-    ``m`` runs, ``m + 1`` closes the bracket. An OOM at a size predicted to fit measures no
-    peak, so the next size bisects the bracket until a new size fits. After ``misses``
-    wrong predictions (:func:`_missed`), or where the limit is unknown, it only doubles and
-    bisects: it never walks down one size at a time.
+    ``headroom_bytes``: reserved bytes against the cap on CUDA, ``VmData`` against ``RLIMIT_DATA``
+    under a CPU budget); :func:`predict_max` fits them. After the predicted ``m`` runs, ``m + 1``
+    closes the bracket. An OOM at a size predicted to fit measures no peak, so the next size bisects
+    the bracket until a new size fits. After ``misses`` wrong predictions (:func:`_missed`), or
+    where the limit is unknown, it only doubles and bisects: it never walks down one size at a time.
     """
 
     start: int = 32
@@ -174,11 +173,10 @@ class Guided(_PositiveFields):
     name: ClassVar[str] = "guided"
 
     def describe(self) -> str:
-        return (f"Start at {self.start}; predict the largest size that fits from the peaks "
-                "measured in the limit's units (proportional from one trial, a least-squares "
-                "line from two), run it, then try the size above it; bisect after an OOM the "
-                "prediction did not expect; after "
-                f"{self.misses} wrong predictions, double and bisect.")
+        return (f"Start at {self.start}; predict the largest size that fits from the peaks measured "
+                "in the limit's units (proportional from one trial, a least-squares line from "
+                "two), run it, then try the size above it; bisect after an OOM the prediction did "
+                f"not expect; after {self.misses} wrong predictions, double and bisect.")
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         if not trials:
@@ -223,17 +221,15 @@ class Confirm(_PositiveFields):
 
 
 def predict_max(trials: Sequence[Trial], proven_bytes: int = 0) -> int | None:
-    """The largest size predicted to fit (an estimate) from the peaks measured in the
-    limit's units (:func:`~oomguard.engine.core.search.fit.peak_model`); None without a
-    headroom or a peak.
+    """The largest size predicted to fit (an estimate) from the peaks measured in the limit's units
+    (:func:`~oomguard.engine.core.search.fit.peak_model`); None without a headroom or a peak.
 
-    The capacity is the latest known headroom, or the largest peak that fitted if that is
-    more (or ``proven_bytes``, a peak that fitted outside ``trials``): a size that ran
-    proves the limit gave it at least its peak. On a CPU the two differ slightly in units
-    and moment (the sampled data size also counts stack pages; the headroom is read before
-    the step): GPT-2 steps' peaks came out up to 0.4 MB (0.8%) above the headroom, and
-    counting such a fit as a wrong prediction made the search give up on the line
-    (docs/measurements.md#cpu-limit-units)."""
+    The capacity is the latest known headroom, or the largest peak that fitted if that is more (or
+    ``proven_bytes``, a peak that fitted outside ``trials``): a size that ran proves the limit gave
+    it at least its peak. On a CPU the two differ slightly in units and moment (the sampled data
+    size also counts stack pages; the headroom is read before the step): GPT-2 steps' peaks came out
+    up to 0.4 MB (0.8%) above the headroom, and counting such a fit as a wrong prediction made the
+    search give up on the line (docs/measurements.md#cpu-limit-units)."""
     headroom = next((t.headroom_bytes for t in reversed(trials)
                      if t.headroom_bytes is not None), None)
     points = [(t.size, t.limit_peak_bytes if t.limit_peak_bytes is not None else t.peak_bytes)
@@ -256,10 +252,9 @@ def _refuted_by_oom(trials: Sequence[Trial]) -> bool:
 
 
 def _missed(trials: Sequence[Trial]) -> int:
-    """How many trials contradicted the prediction made from the trials before them: an
-    OOM at a size predicted to fit, or a fit more than one size above the prediction made
-    with its own peak as capacity (one size is the line's noise: 0.1% of the peak on the
-    GPT-2 step)."""
+    """How many trials contradicted the prediction made from the trials before them: an OOM at a
+    size predicted to fit, or a fit more than one size above the prediction made with its own peak
+    as capacity (one size is the line's noise: 0.1% of the peak on the GPT-2 step)."""
     missed = 0
     for i in range(1, len(trials)):
         t = trials[i]

@@ -11,11 +11,10 @@ in the next. The trial also measures its peak in the units the memory limit coun
 (``limit_peak_bytes``, against ``headroom_bytes``: what the limit left at its start),
 which is what a search predicts the maximum from, and its throughput after the first step.
 
-Worst-case data: a workload with ``worst_case_batch(size)``
-(:mod:`~oomguard.engine.core.workload`) is called ``fn(size,
-batch=fn.worst_case_batch(size))`` in each step, the batch built inside the measured
-region (the real run holds its batch too), so a search never passes a size on a lucky
-batch of short samples; the executor's real run always calls ``fn(size)``.
+Worst-case data: a workload with ``worst_case_batch(size)`` (:mod:`~oomguard.engine.core.workload`)
+is called ``fn(size, batch=fn.worst_case_batch(size))`` in each step, the batch built inside the
+measured region (the real run holds its batch too), so a search never passes a size on a lucky batch
+of short samples; the executor's real run always calls ``fn(size)``.
 """
 
 from __future__ import annotations
@@ -85,10 +84,8 @@ class Trial:
 SAMPLE_KNOBS = frozenset({"micro_batch_size", "chunk_size", "batch_size"})
 
 
-def run_trial(
-    fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
-    guard: RamGuard | None = None, steps: int = 1,
-) -> Trial:
+def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
+              guard: RamGuard | None = None, steps: int = 1) -> Trial:
     """Run ``fn(size)`` ``steps`` times in this process and measure it, memory released
     first so the peak starts from a clean baseline. A worst-case batch (module docstring)
     counts in its step's peak and seconds, as a data loader's batch does in the real run.
