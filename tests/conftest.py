@@ -13,6 +13,7 @@ import contextlib
 import gc
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,14 @@ import torch
 from oomguard.engine.core.memory.budget import budget
 from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.metrics.models import build_model, make_batch
+
+# One torch thread in every test process and in every command, forkserver and child it
+# starts (they inherit the variable): two test workers on a 2-core machine, each with a
+# thread per core, oversubscribe it, and OpenMP's barriers then wait for descheduled
+# threads. Measured beside other work: a whole `oomguard reference` run took 255 s with
+# two threads and 41 s with one; the metric tests ran 10-17x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # this process read it already
 
 # Budgets count virtual memory above the process's data size at entry. Free
 # chunks that glibc keeps inside its heap are part of that size and are reused
@@ -111,16 +120,6 @@ def _oomguard_logger_restored():
         handler.close()
     logger.setLevel(saved[1])
     logger.propagate = saved[2]
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread for a module: on a small shared machine oversubscribed
-    OpenMP made the metric tests 10-17x slower (measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session", params=ARCHS)

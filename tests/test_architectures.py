@@ -61,7 +61,6 @@ FLOAT32_SOFTMAX = 1e-8
 LENGTHS = (12, 0, 1, 7, 12)  # an all-padding and a one-token sample among them
 SEQ = 12
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def padded(side: str, seed: int = 1) -> dict[str, torch.Tensor]:

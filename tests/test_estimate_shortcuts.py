@@ -16,7 +16,6 @@ from oomguard.engine.core.workload import host_device, shortcut
 from oomguard.metrics.workload import MetricTrial
 
 # One layer, 16 wide: fake tensors cost ~1 ms an operation, so the fewer the better.
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMALL = "gpt2:vocab_size=64,n_embd=16,n_layer=1,n_head=2,n_positions=16"
 

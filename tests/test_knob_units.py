@@ -13,8 +13,6 @@ from oomguard.engine.core.search.strategies import E10, Doubling
 from oomguard.engine.core.search.trial import Trial
 from oomguard.metrics.workload import InUnits, MetricTrial
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _drive(strategy, fits, max_size: int = 65536) -> list[int]:
     """The sizes ``strategy`` proposes against synthetic trial outcomes."""

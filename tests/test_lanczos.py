@@ -24,7 +24,6 @@ from oomguard.metrics.models import build_model, make_batch
 SPEC = "gpt2:n_embd=8,n_layer=1,n_head=2,vocab_size=16,n_positions=8,tie_word_embeddings=false"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

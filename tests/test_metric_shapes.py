@@ -13,8 +13,6 @@ import torch
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import build_model, make_batch
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 OPT = ("opt:hidden_size=16,word_embed_proj_dim={proj},num_hidden_layers=2,ffn_dim=32,"
        "num_attention_heads=2,vocab_size=64,max_position_embeddings=32")
 

@@ -59,7 +59,6 @@ BUDGET = 32 * MiB  # measured peaks (RSS) at the default sizes: 36-71 MiB; at ha
 _results: dict[tuple[str, str], dict[str, Any]] = {}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> float:

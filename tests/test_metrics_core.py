@@ -45,7 +45,6 @@ CORE = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def assert_same(a: dict, b: dict, rel: float) -> None:
