@@ -1,11 +1,10 @@
 """``integrated_gradients``: token attribution with captum's ``LayerIntegratedGradients``.
 
-What is attributed (the target, one scalar per sample): the model's
-log-probability (nats) of each sample's *last valid token* given everything before
-it. We chose this over the summed token log-likelihood because it is the usual
-"which input tokens explain this prediction" question and keeps the completeness
-check on one number per sample. By causality the last valid token itself (and every
-padding position) gets exactly zero attribution.
+What is attributed (the target, one scalar per sample): the model's log-probability (nats) of each
+sample's *last valid token* given everything before it. We chose this over the summed token
+log-likelihood because it is the usual "which input tokens explain this prediction" question and
+keeps the completeness check on one number per sample. By causality the last valid token itself (and
+every padding position) gets exactly zero attribution.
 
 How: the path is the input embeddings, from the embedding of the baseline token
 (:func:`pad_id`) at every position to the real embeddings, integrated with
@@ -96,10 +95,9 @@ def last_positions(attention_mask: torch.Tensor, min_valid: int = 2) -> torch.Te
 
 def defined_samples(data: Mapping[str, torch.Tensor],
                     min_valid: int = 2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Which samples have at least ``min_valid`` valid tokens (bool ``[n]``, CPU), and the
-    data of just those samples: a per-sample metric is undefined on the others, which it
-    reports as NaN rows (:func:`~oomguard.metrics.common.expand_rows`). UsageError if no
-    sample qualifies."""
+    """Which samples have at least ``min_valid`` valid tokens (bool ``[n]``, CPU), and the data of
+    just those samples: a per-sample metric is undefined on the others, which it reports as NaN rows
+    (:func:`~oomguard.metrics.common.expand_rows`). UsageError if no sample qualifies."""
     keep = (valid_tokens(data) >= min_valid).cpu()
     if not bool(keep.any()):
         raise UsageError(f"no sample has {_needs(min_valid)}: give data with longer samples")

@@ -2,12 +2,11 @@
 
 Measured facts behind it: docs/measurements.md#float64-attention-softmax.
 
-Why: with left padding, a query at a leading pad position has no key it may
-attend to. transformers' eager attention takes its softmax in float32, so in a
-float64 model the masked scores (float64's most negative value) become ``-inf``
-and the whole row NaN, which spreads into valid tokens in the next layer and into
-every gradient. Moving each sample's leading padding to its end leaves every query
-of a sample with a valid token at least one key (the sample's first token).
+Why: with left padding, a query at a leading pad position has no key it may attend to. transformers'
+eager attention takes its softmax in float32, so in a float64 model the masked scores (float64's
+most negative value) become ``-inf`` and the whole row NaN, which spreads into valid tokens in the
+next layer and into every gradient. Moving each sample's leading padding to its end leaves every
+query of a sample with a valid token at least one key (the sample's first token).
 
 What it changes, and what not:
 

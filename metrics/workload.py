@@ -1,19 +1,17 @@
 """``MetricTrial``: one metric at one memory knob, as a searchable, picklable workload.
 
-``search(MetricTrial("fisher_diagonal"), budget=...)`` finds the largest
-``micro_batch_size`` the Fisher metric runs at, in-process or isolated, through the
-workload protocol (:mod:`oomguard.engine.core.workload`). :meth:`MetricTrial.unit` is
-the knob's granularity (captum's ``internal_batch_size`` changes memory only at
-multiples of its examples per call): :class:`InUnits` makes any strategy propose only
-those multiples.
+``search(MetricTrial("fisher_diagonal"), budget=...)`` finds the largest ``micro_batch_size`` the
+Fisher metric runs at, in-process or isolated, through the workload protocol
+(:mod:`oomguard.engine.core.workload`). :meth:`MetricTrial.unit` is the knob's granularity (captum's
+``internal_batch_size`` changes memory only at multiples of its examples per call): :class:`InUnits`
+makes any strategy propose only those multiples.
 
-Which data define what. The metric's result is defined by the padded data
-(``make_batch``: sample ``i`` has a seeded length in ``[seq_len/2, seq_len]``); a trial's
-memory by the worst case, every sample at ``seq_len``. For the built-in metrics the two
-cost the same (measured for every metric and knob at 8 samples x 64 tokens: the same
-peaks within run-to-run noise), but a metric may skip padded positions or whole samples
-(integrated gradients leaves out samples with fewer than 2 valid tokens), so a maximum
-must hold for the worst case, and the values a search's trials record (``Trial.value``)
+Which data define what. The metric's result is defined by the padded data (``make_batch``: sample
+``i`` has a seeded length in ``[seq_len/2, seq_len]``); a trial's memory by the worst case, every
+sample at ``seq_len``. For the built-in metrics the two cost the same (measured for every metric and
+knob at 8 samples x 64 tokens: the same peaks within run-to-run noise), but a metric may skip padded
+positions or whole samples (integrated gradients leaves out samples with fewer than 2 valid tokens),
+so a maximum must hold for the worst case, and the values a search's trials record (``Trial.value``)
 are the metric's summary on it, as the report says.
 """
 
@@ -36,11 +34,10 @@ from oomguard.metrics.train_step import build_for
 
 def largest_useful(metric: Metric, knob: str, params: Mapping[str, Any], n_samples: int,
                    config: Any) -> tuple[int | None, str]:
-    """``(size, what sets it)``: the size above which ``knob`` changes nothing that runs,
-    with the other knobs at ``params`` (validated) on ``n_samples`` samples of a model of
-    transformers ``config``; ``(None, "")`` where there is none. What sets it: ``samples``
-    for knobs that slice the samples, else ``largest useful size`` (what the metric or its
-    ``Knob.largest`` declares)."""
+    """``(size, what sets it)``: the size above which ``knob`` changes nothing that runs, with the
+    other knobs at ``params`` (validated) on ``n_samples`` samples of a model of transformers
+    ``config``; ``(None, "")`` where there is none. What sets it: ``samples`` for knobs that slice
+    the samples, else ``largest useful size`` (what the metric or its ``Knob.largest`` declares)."""
     if knob in SAMPLE_KNOBS:
         return n_samples, "samples"
     size = metric.largest_size(knob, params, n_samples)
@@ -242,9 +239,8 @@ def in_units(inner: Any, unit: int) -> Any:
 
 
 def snap_to_unit(result: Any, unit: int) -> None:
-    """Round ``result.recommendation`` (in place) of a search run in multiples of ``unit``
-    down to one, never below one unit: between two multiples memory is that of the one
-    above."""
+    """Round ``result.recommendation`` (in place) of a search run in multiples of ``unit`` down to
+    one, never below one unit: between two multiples memory is that of the one above."""
     rec = result.recommendation
     if unit <= 1 or rec is None:
         return
