@@ -8,9 +8,8 @@ stacked blocks do.
 
 Result per sample and block (float64, ``[n_samples, n_layers]``):
 
-- ``scores``: the L1 mass of the attributions, ``sum |attr|`` over valid
-  positions and hidden features: how much of the prediction's explanation
-  passes through that block's output.
+- ``scores``: the L1 mass of the attributions, ``sum |attr|`` over valid positions and hidden
+  features: how much of the prediction's explanation passes through that block's output.
 - ``totals``: the signed sum. By completeness it approximates ``f(x) -
   f(baseline)`` for *every* block (each block's output is a full bottleneck
   of the residual stream): a check, beside ``delta``, captum's convergence delta.

@@ -2,11 +2,9 @@
 
 A model spec is one of:
 
-- a built-in name (``tiny-gpt2``, ``tiny-llama``): a small config with random
-  weights, no download;
-- ``MODEL_TYPE:key=value,...`` (e.g. ``gpt2:n_layer=4,n_embd=256``): any
-  transformers architecture built from ``AutoConfig.for_model`` with random
-  weights;
+- a built-in name (``tiny-gpt2``, ``tiny-llama``): a small config with random weights, no download;
+- ``MODEL_TYPE:key=value,...`` (e.g. ``gpt2:n_layer=4,n_embd=256``): any transformers architecture
+  built from ``AutoConfig.for_model`` with random weights;
 - a local checkpoint directory: ``from_pretrained(path, local_files_only=True)``.
 
 Nothing here reaches the network.

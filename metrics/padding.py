@@ -10,16 +10,14 @@ query of a sample with a valid token at least one key (the sample's first token)
 
 What it changes, and what not:
 
-- nothing for models whose attention depends only on relative positions or on
-  positions counted along the mask: rotary embeddings (LLaMA, Mistral, Qwen2,
-  Phi, GPT-NeoX, GPT-J, Falcon), ALiBi (Bloom), OPT's learned positions (from
-  the mask's cumulative sum). Left- and right-padded data give the same results
-  up to float rounding;
+- nothing for models whose attention depends only on relative positions or on positions counted
+  along the mask: rotary embeddings (LLaMA, Mistral, Qwen2, Phi, GPT-NeoX, GPT-J, Falcon), ALiBi
+  (Bloom), OPT's learned positions (from the mask's cumulative sum). Left- and right-padded data
+  give the same results up to float rounding;
 - for absolute positions counted from 0 (GPT-2), a sample is read as it would be
   without padding (what transformers recommends), not shifted by its padding;
-- positions a metric reports (``last_positions``, per-position norms, the
-  attention weight on the first token) count from each sample's first valid
-  token.
+- positions a metric reports (``last_positions``, per-position norms, the attention weight on the
+  first token) count from each sample's first valid token.
 """
 
 from __future__ import annotations

@@ -254,35 +254,25 @@ def _measure(nv: Any, dev: NvmlDevice, handle: Any) -> NvmlDevice:
     return dev
 
 
-def _query(index: int, mig_index: int | None = None) -> NvmlDevice | str:
-    """Measure NVML device ``index`` (or its MIG slice ``mig_index``, through the slice's own
-    handle): an :class:`NvmlDevice`, or a reason string."""
+def query(nvml_index: int, mig_index: int | None = None) -> NvmlDevice | str:
+    """Measure NVML device ``nvml_index`` (or its MIG slice ``mig_index``, through the slice's own
+    handle; its profile from the name NVML gives it, ``"... MIG 1g.5gb"``, and ``index`` and
+    ``pci_bus_id`` the parent's): an :class:`NvmlDevice`, or a reason string."""
     nv, reason = _nvml()
     if nv is None:
         return f"NVML: {reason}"
     try:
-        parent = nv.nvmlDeviceGetHandleByIndex(index)
+        parent = nv.nvmlDeviceGetHandleByIndex(nvml_index)
         h = parent if mig_index is None else nv.nvmlDeviceGetMigDeviceHandleByIndex(parent, mig_index)
         name = _text(nv.nvmlDeviceGetName(h))
         profile = re.search(r"\bMIG\s+(\S+)", name) if mig_index is not None else None
         dev = NvmlDevice(
-            index=index, name=name, uuid=_text(nv.nvmlDeviceGetUUID(h)),
+            index=nvml_index, name=name, uuid=_text(nv.nvmlDeviceGetUUID(h)),
             pci_bus_id=_text(nv.nvmlDeviceGetPciInfo(parent).busId), total=0, free=0, used=0,
             mig_index=mig_index, mig_profile=profile[1] if profile else None)
         return _measure(nv, dev, h)
     except _errors(nv) as exc:
         return f"NVML: {type(exc).__name__}: {exc}"
-
-
-def query(nvml_index: int) -> NvmlDevice | str:
-    """Measure NVML device ``nvml_index``: an :class:`NvmlDevice`, or a reason string."""
-    return _query(nvml_index)
-
-
-def query_mig(mig: MigIdentity) -> NvmlDevice | str:
-    """Measure one MIG slice: its memory, its processes, its profile (from the name NVML
-    gives it, ``"... MIG 1g.5gb"``). ``index`` and ``pci_bus_id`` are the parent's."""
-    return _query(mig.parent_index, mig.mig_index)
 
 
 def query_for_torch_index(torch_index: int, *, uuid: str | None = None,
@@ -306,7 +296,7 @@ def query_for_torch_index(torch_index: int, *, uuid: str | None = None,
             return None, (f"NVML GPU {index} is in MIG mode and cuda:{torch_index} matches none "
                           f"of its MIG UUIDs: its slice is unknown (CUDA_VISIBLE_DEVICES=MIG-<uuid> "
                           "names it)")
-    result = query(index) if mig is None else query_mig(mig)
+    result = query(index) if mig is None else query(mig.parent_index, mig.mig_index)
     return (None, result) if isinstance(result, str) else (result, how)
 
 
