@@ -44,9 +44,7 @@ def labels_of(batch: Batch) -> torch.Tensor:
     where nothing is scored: with an ``attention_mask``, a position is scored only when it
     and the position before it are both valid (a token predicted from a masked position is
     no prediction)."""
-    labels = batch.get("labels")
-    if labels is None:
-        labels = batch["input_ids"]
+    labels = batch["labels"] if batch.get("labels") is not None else batch["input_ids"]
     mask = batch.get("attention_mask")
     if mask is None:
         return labels
@@ -62,7 +60,6 @@ def tokens_per_sample(batch: Batch) -> torch.Tensor:
 
 
 def token_count(batch: Batch) -> int:
-    """Number of scored tokens of ``batch``."""
     return int(tokens_per_sample(batch).sum())
 
 
@@ -116,10 +113,7 @@ def scored_samples(batch: Batch) -> dict[str, torch.Tensor] | None:
 
 def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
     """The model's inputs of a batch (``input_ids`` and, if present, ``attention_mask``)."""
-    out = {"input_ids": batch["input_ids"]}
-    if batch.get("attention_mask") is not None:
-        out["attention_mask"] = batch["attention_mask"]
-    return out
+    return {k: batch[k] for k in ("input_ids", "attention_mask") if batch.get(k) is not None}
 
 
 def logits_nll(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:

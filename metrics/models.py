@@ -93,8 +93,7 @@ def model_config(spec: str) -> Any:
     return config
 
 
-def _check_keys(spec: str, model_type: str, default: Any, config: Any,
-                kw: dict[str, Any]) -> None:
+def _check_keys(spec: str, model_type: str, default: Any, config: Any, kw: dict[str, Any]) -> None:
     """UsageError naming every unknown key of ``kw`` and the closest valid one.
 
     transformers stores any keyword it does not know as a plain attribute, so ``n_layr=1`` would

@@ -123,12 +123,10 @@ class MetricTrial(RebuiltInChild):
         return metric.size_unit(knob, params, self.n_samples)
 
     def minimum(self) -> int:
-        """The knob's smallest allowed size."""
         knob = next(k for k in get_metric(self.metric).knobs if k.name == self.knob)
         return max(1, int(knob.minimum))
 
     def describe(self) -> dict[str, Any]:
-        """Configuration for reports."""
         return {"metric": self.metric, "knob": self.knob, "model": self.model,
                 "dtype": self.dtype, "device": self.device, "n_samples": self.n_samples,
                 "seq_len": self.seq_len, "seed": self.seed, "params": dict(self.params)}
@@ -169,8 +167,7 @@ class MetricTrial(RebuiltInChild):
             self.warmup()
         return self._state["worst_case"]
 
-    def __call__(self, size: int, batch: dict[str, torch.Tensor] | None = None
-                 ) -> dict[str, Any]:
+    def __call__(self, size: int, batch: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
         """Run the metric with ``knob=size`` on ``batch`` (``input_ids``, ``attention_mask``,
         ``labels``), by default on the padded data; return its JSON-friendly summary."""
         if "model" not in self._state:

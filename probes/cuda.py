@@ -41,7 +41,6 @@ def torch_has_cuda() -> bool:
 
 
 def current_device() -> int:
-    """torch's current CUDA device index."""
     return torch.cuda.current_device()
 
 

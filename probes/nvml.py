@@ -301,5 +301,4 @@ def query_for_torch_index(torch_index: int, *, uuid: str | None = None,
 
 
 def driver_version() -> str | None:
-    """The NVIDIA driver version, or None."""
     return _ask(None, lambda nv: _text(nv.nvmlSystemGetDriverVersion()))

@@ -40,7 +40,6 @@ _MODE_NOTE = {
 _OPTIONS = ("max_size", "max_trials", "max_seconds")
 
 
-# ---------------------------------------------------------------- figures of one search
 def utilisation(peak: float | None, capacity: int | None) -> float | None:
     """``peak / capacity`` as a fraction, None if either is unknown."""
     return None if peak is None or not capacity else peak / capacity
@@ -128,7 +127,6 @@ def status_text(t: Trial) -> str:
     return "✓ SUCCESS" if t.ok else "✗ RAM guard (estimated limit)" if t.guarded else "✗ OOM"
 
 
-# ---------------------------------------------------------------- the search in prose
 def _growth(sizes: Sequence[int]) -> str:
     pairs = list(zip(sizes, sizes[1:], strict=False))
     if len({b - a for a, b in pairs}) == 1:
@@ -215,7 +213,6 @@ def strategy_steps(result: SearchResult) -> list[str]:
             _ending(result)]
 
 
-# ---------------------------------------------------------------- the record
 def oomguard_version() -> str:
     try:
         return version("oomguard")
