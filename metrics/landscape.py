@@ -25,12 +25,7 @@ import torch
 
 from oomguard.engine.core.workload import host_device, shortcut
 from oomguard.metrics.base import Knob, register
-from oomguard.metrics.common import (
-    JsonMetric,
-    n_samples,
-    nll_sum,
-    total_tokens,
-)
+from oomguard.metrics.common import JsonMetric, n_samples, nll_sum, total_tokens
 
 
 def filter_normalised_direction(params: list[torch.Tensor], generator: torch.Generator,

@@ -13,12 +13,7 @@ from typing import Any
 import torch
 
 from oomguard.metrics.base import Knob, register
-from oomguard.metrics.common import (
-    JsonMetric,
-    n_samples,
-    nll_sum,
-    total_tokens,
-)
+from oomguard.metrics.common import JsonMetric, n_samples, nll_sum, total_tokens
 
 
 @register

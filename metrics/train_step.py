@@ -56,8 +56,7 @@ class TrainStep(RebuiltInChild):
             return
         model = build_for(self._state, self.model, self.dtype, self.device, self.seed).train()
         opt = torch.optim.AdamW(model.parameters(), lr=self.lr)
-        self._state.update(model=model, opt=opt, vocab=model.config.vocab_size,
-                           params=sum(p.numel() for p in model.parameters()))
+        self._state.update(model=model, opt=opt, vocab=model.config.vocab_size)
         self(1)
 
     def describe(self) -> dict[str, Any]:
