@@ -32,11 +32,10 @@ from oomguard.metrics.padding import right_align
 class Knob:
     """One parameter of a metric, of ``kind`` ``"memory"`` or ``"result"`` (module docstring).
 
-    ``scales_with``: what memory grows with. ``unit``: what one unit of the knob's
-    granularity is, where memory does not change at every +1 (its size:
-    :meth:`Metric.size_unit`; empty: every size counts). ``largest``: the size from the
-    transformers config above which the knob changes nothing that runs (``vjp_block``
-    above the hidden width; None: unknown).
+    ``scales_with``: what memory grows with. ``unit``: what one unit of the knob's granularity is,
+    where memory does not change at every +1 (its size: :meth:`Metric.size_unit`; empty: every size
+    counts). ``largest``: the size from the transformers config above which the knob changes nothing
+    that runs (``vjp_block`` above the hidden width; None: unknown).
     """
 
     name: str

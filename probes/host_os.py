@@ -135,6 +135,3 @@ def windows_working_set() -> tuple[int | None, int | None]:
     if not fn(k32.GetCurrentProcess(), ctypes.byref(counters), counters.cb):
         return None, None
     return int(counters.WorkingSetSize), int(counters.PeakWorkingSetSize)
-
-
-# --- every OS --------------------------------------------------------------

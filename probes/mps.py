@@ -29,8 +29,6 @@ def stats() -> dict[str, int | None]:
     if reason is not None:
         raise RuntimeError(reason)
     rec = getattr(torch.mps, "recommended_max_memory", None)
-    return {
-        "allocated": int(torch.mps.current_allocated_memory()),
-        "driver_allocated": int(torch.mps.driver_allocated_memory()),
-        "recommended_max": int(rec()) if rec is not None else None,
-    }
+    return {"allocated": int(torch.mps.current_allocated_memory()),
+            "driver_allocated": int(torch.mps.driver_allocated_memory()),
+            "recommended_max": int(rec()) if rec is not None else None}

@@ -5,12 +5,11 @@ used memory of the whole GPU, and the memory of every process with a context on 
 ``free`` accounts for other processes, which torch's allocator cannot see. A missing library or
 driver is a normal answer: the functions here return a reason string, they do not raise.
 
-NVML numbers devices in PCI bus order and ignores ``CUDA_VISIBLE_DEVICES``;
-torch numbers the visible devices only, in CUDA's order. The pure rules in
-:mod:`oomguard.probes.nvml_ids` translate torch indices to NVML indices. A MIG
-slice is matched by its ``MIG-`` UUID and measured through its own MIG handle:
-its parent shares the PCI bus id with every other slice, so a bus-id match
-would report the whole card.
+NVML numbers devices in PCI bus order and ignores ``CUDA_VISIBLE_DEVICES``; torch numbers the
+visible devices only, in CUDA's order. The pure rules in :mod:`oomguard.probes.nvml_ids` translate
+torch indices to NVML indices. A MIG slice is matched by its ``MIG-`` UUID and measured through its
+own MIG handle: its parent shares the PCI bus id with every other slice, so a bus-id match would
+report the whole card.
 
 Driver differences handled here (nvidia-ml-py 13.615): drivers before R510 lack
 ``nvmlDeviceGetComputeRunningProcesses_v3`` and the unversioned wrapper then raises

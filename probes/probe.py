@@ -122,11 +122,10 @@ def _cuda_snapshot(index: int | None) -> MemorySnapshot:
     snap = MemorySnapshot(device=label, name=ident["name"], available=True, extra={
         **{k: ident[k] for k in ("uuid", "pci_bus_id") if k in ident}, **stats,
         "free_in_allocator_cache": stats["reserved"] - stats["allocated"]})
-    snap.sources.update({
-        "allocated": "torch.cuda.memory_allocated", "reserved": "torch.cuda.memory_reserved",
-        "peak_allocated": "torch.cuda.max_memory_allocated",
-        "peak_reserved": "torch.cuda.max_memory_reserved",
-    })
+    snap.sources.update({"allocated": "torch.cuda.memory_allocated",
+                         "reserved": "torch.cuda.memory_reserved",
+                         "peak_allocated": "torch.cuda.max_memory_allocated",
+                         "peak_reserved": "torch.cuda.max_memory_reserved"})
     if nv is not None:
         _merge_nvml(snap, nv, how, ident)
         if not nv.pid_matched and cuda.has_context(idx):
@@ -180,10 +179,9 @@ def _mps_snapshot() -> MemorySnapshot:
 def probe(device: Any = "cpu") -> MemorySnapshot:
     """Measure the memory of ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``), in bytes.
 
-    CUDA merges NVML (device total/free with other processes, per-process usage) with
-    this process's allocator counters in ``extra``. A missing GPU or driver gives
-    ``available=False`` and a ``reason``; any other device string raises
-    :class:`~oomguard.engine.errors.UsageError`.
+    CUDA merges NVML (device total/free with other processes, per-process usage) with this process's
+    allocator counters in ``extra``. A missing GPU or driver gives ``available=False`` and a
+    ``reason``; any other device string raises :class:`~oomguard.engine.errors.UsageError`.
     """
     kind, index = parse_device(device)
     if kind == "cpu":

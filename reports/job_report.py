@@ -3,10 +3,9 @@
 
 Per metric: status, the sizes used and where they came from, retries, seconds, peak memory
 (measured) and the result summary; failures with their reason and traceback file; every
-out-of-memory event of the metrics' runs, with memory as measured at the OOM; every remedy
-tried (``on_oom``), a result at a lower precision flagged in the table itself. Plots
-(``plots/``: peak memory per metric, loss landscapes, attention entropy) use
-:mod:`oomguard.reports.style`.
+out-of-memory event of the metrics' runs, with memory as measured at the OOM; every remedy tried
+(``on_oom``), a result at a lower precision flagged in the table itself. Plots (``plots/``: peak
+memory per metric, loss landscapes, attention entropy) use :mod:`oomguard.reports.style`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """The record of a size search: every figure a report states, computed once.
 
-:func:`summarise` derives the figures (peak at the maximum, utilisation, what the
-capacity is, what capped the search, how memory scaled, the search steps in prose)
-from a :class:`SearchResult`; ``report.json`` is that record as JSON
-(:func:`render_json`), and the Markdown report and the plot render it, so all three
-state the same numbers. Bytes are ints of bytes, seconds are floats of wall-clock
-seconds, fractions are in [0, 1] (not percent).
+:func:`summarise` derives the figures (peak at the maximum, utilisation, what the capacity is, what
+capped the search, how memory scaled, the search steps in prose) from a :class:`SearchResult`;
+``report.json`` is that record as JSON (:func:`render_json`), and the Markdown report and the plot
+render it, so all three state the same numbers. Bytes are ints of bytes, seconds are floats of
+wall-clock seconds, fractions are in [0, 1] (not percent).
 """
 
 from __future__ import annotations
@@ -271,11 +270,9 @@ def render_json(result: SearchResult, context: dict | None = None,
     ``context``, ``result`` (:meth:`SearchResult.to_dict`: trials, fit, recommendation,
     capacity, budget, config) and ``summary`` (:func:`summarise`, computed unless given)."""
     return to_jsonable({
-        "schema": SCHEMA,
-        "oomguard_version": oomguard_version(),
+        "schema": SCHEMA, "oomguard_version": oomguard_version(),
         # timezone.utc, not datetime.UTC: setup.cfg still admits Python 3.10.
         "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017
-        "context": context or {},
-        "result": result.to_dict(),
+        "context": context or {}, "result": result.to_dict(),
         "summary": summary if summary is not None else summarise(result, context),
     })

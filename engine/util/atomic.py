@@ -1,10 +1,9 @@
 """The one atomic writer: a file is replaced whole and durably, or not at all.
 
-:func:`atomic_write` writes to a temporary file in the target's folder,
-``fsync``s it, moves it over the target with ``os.replace`` and ``fsync``s
-the folder. A reader sees the old content or the new one, never half of
-either, also after a crash or a ``kill -9``. Reports, job results, the size
-cache and job files all go through it.
+:func:`atomic_write` writes to a temporary file in the target's folder, ``fsync``s it, moves it over
+the target with ``os.replace`` and ``fsync``s the folder. A reader sees the old content or the new
+one, never half of either, also after a crash or a ``kill -9``. Reports, job results, the size cache
+and job files all go through it.
 """
 
 from __future__ import annotations
