@@ -82,9 +82,8 @@ class ExecutionFailed(OomguardError, RuntimeError):
     # outer handler must not retry it as one (oomguard.engine.core.memory.oom.is_oom reads this).
     oomguard_is_oom = False
 
-    def __init__(self, workload: str, tried: Sequence[Mapping[str, int]],
-                 errors: Sequence[str], message: str | None = None, *,
-                 verbatim: bool = False) -> None:
+    def __init__(self, workload: str, tried: Sequence[Mapping[str, int]], errors: Sequence[str],
+                 message: str | None = None, *, verbatim: bool = False) -> None:
         self.workload = workload
         self.tried = [dict(s) for s in tried]
         self.errors = list(errors)
@@ -139,9 +138,8 @@ class NoSizeFits(SearchFailed):
                              "the limit that stopped the search", result)
             return
         sizes = ", ".join(str(t.size) for t in result.trials)
-        super().__init__(
-            f"no size fits: every size tried ran out of memory ({sizes}); "
-            "free memory, raise the budget or shrink the model", result)
+        super().__init__(f"no size fits: every size tried ran out of memory ({sizes}); free "
+                         "memory, raise the budget or shrink the model", result)
 
 
 class TrialFailed(SearchFailed):

@@ -121,8 +121,7 @@ def _check_keys(spec: str, model_type: str, default: Any, config: Any, kw: dict[
     for key in unknown:
         close = difflib.get_close_matches(key, sorted(valid), n=1)
         parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise UsageError(f"bad model spec {spec!r}: {model_type} has no config key "
-                     f"{', '.join(parts)}")
+    raise UsageError(f"bad model spec {spec!r}: {model_type} has no config key {', '.join(parts)}")
 
 
 # Config keys that bound the positions a model embeds (GPT-2 names it n_positions and
