@@ -75,8 +75,7 @@ class ExecutionFailed(OomguardError, RuntimeError):
     """The executor or an adaptive wrapper gave up: every size down to the minimum ran out
     of memory. ``workload`` names what ran; ``tried`` lists the sizes of each attempt in
     order; ``errors`` the OOM message of each. ``str()`` is ``detail`` (one line with all of
-    it), or with ``verbatim`` just ``message`` (accelerate's exact words).
-    """
+    it), or with ``verbatim`` just ``message`` (accelerate's exact words)."""
 
     # The message quotes the last OOM, but giving up is not itself an OOM: an
     # outer handler must not retry it as one (oomguard.engine.core.memory.oom.is_oom reads this).

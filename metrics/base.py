@@ -35,8 +35,7 @@ class Knob:
     ``scales_with``: what memory grows with. ``unit``: what one unit of the knob's granularity is,
     where memory does not change at every +1 (its size: :meth:`Metric.size_unit`; empty: every size
     counts). ``largest``: the size from the transformers config above which the knob changes nothing
-    that runs (``vjp_block`` above the hidden width; None: unknown).
-    """
+    that runs (``vjp_block`` above the hidden width; None: unknown)."""
 
     name: str
     kind: Literal["memory", "result"]

@@ -100,8 +100,7 @@ def _check_keys(spec: str, model_type: str, default: Any, config: Any, kw: dict[
     silently build 12 layers. A key is unknown when ``config`` (built from ``kw``) stored it and it
     is none of ``default``'s (the type's default config) fields, ``__init__`` parameters or aliases
     (``attribute_map``: GPT-2's ``num_hidden_layers``), nor those of every transformers config;
-    legacy keywords a config consumes (LLaMA's ``rope_theta``) are accepted.
-    """
+    legacy keywords a config consumes (LLaMA's ``rope_theta``) are accepted."""
     import difflib
     import inspect
 

@@ -52,8 +52,7 @@ class MetricTrial(RebuiltInChild):
     """``MetricTrial(metric, knob)(size)`` runs ``metric`` with ``knob=size`` on fixed data:
     ``n_samples`` generated, padded sequences of ``seq_len`` tokens (seeded by ``seed``, as
     are the model's random weights). ``knob`` defaults to the metric's first memory knob;
-    ``params`` fixes the other knobs (result knobs such as Lanczos ``k`` included).
-    """
+    ``params`` fixes the other knobs (result knobs such as Lanczos ``k`` included)."""
 
     metric: str
     knob: str | None = None
@@ -184,8 +183,7 @@ class InUnits:
     """A strategy that proposes only multiples of ``unit``: ``inner`` (E10, Doubling,
     LinearJump...) runs on counts of units ``k = size / unit`` and its proposals are
     multiplied back. ``InUnits(E10(start=1, step=1), unit=64)`` tries 64, 128, 192, ...
-    and bisects in steps of 64, until the largest fit and the first OOM are one unit apart.
-    """
+    and bisects in steps of 64, until the largest fit and the first OOM are one unit apart."""
 
     inner: Any
     unit: int

@@ -76,8 +76,7 @@ class NvmlDevice:
     driver-reserved part CUDA cannot use. ``process_bytes`` is this process's usage,
     matched by pid (``pid_matched`` False: in a container with its own PID namespace NVML
     reports host pids). ``other_processes_bytes`` sums the others, None when any is
-    unknown (``unknown_pids``; ``other_processes_known_bytes`` is then a lower bound).
-    """
+    unknown (``unknown_pids``; ``other_processes_known_bytes`` is then a lower bound)."""
 
     index: int
     name: str
@@ -278,8 +277,7 @@ def query_for_torch_index(torch_index: int, *, uuid: str | None = None,
                           pci_bus_id: str | None = None) -> tuple[NvmlDevice | None, str]:
     """NVML's view of torch's ``cuda:torch_index``: (device or None, how it was mapped / why
     not), from torch's ``uuid`` and ``pci_bus_id`` where known. A MIG slice is found by its
-    UUID; a device that maps only to a MIG-enabled parent is not reported as the whole card.
-    """
+    UUID; a device that maps only to a MIG-enabled parent is not reported as the whole card."""
     reason = unavailable_reason()
     if reason is not None:
         return None, f"NVML: {reason}"

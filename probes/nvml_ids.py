@@ -42,8 +42,7 @@ def map_visible_devices(cuda_visible_devices: str | None,
     ``nvml_devices``: ``(uuid, pci_bus_id)`` per NVML index. Entries are integers (PCI
     order, CUDA's only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical GPUs: prefer
     :func:`match_device`), ``GPU-`` UUIDs or unique prefixes. As in CUDA, parsing stops at
-    the first entry that names no whole GPU (``MIG-`` included); no device is listed twice.
-    """
+    the first entry that names no whole GPU (``MIG-`` included); no device is listed twice."""
     n = len(nvml_devices)
     if cuda_visible_devices is None:
         return list(range(n))

@@ -76,8 +76,7 @@ def _merge_nvml(snap: MemorySnapshot, nv: nvml.NvmlDevice, how: str, ident: dict
 
     The total is what CUDA can use: NVML v2's ``total - reserved``; with only
     the v1 API (whose total includes driver-reserved memory, ~0.5 GiB) it is
-    torch's ``total_memory`` (cudaDeviceProp.totalGlobalMem), which creates no context.
-    """
+    torch's ``total_memory`` (cudaDeviceProp.totalGlobalMem), which creates no context."""
     what = f"NVML {nv.memory_api}" + (f" (MIG {nv.mig_profile or 'slice'})"
                                       if nv.mig_index is not None else "")
     snap.free_bytes = nv.free
@@ -181,8 +180,7 @@ def probe(device: Any = "cpu") -> MemorySnapshot:
 
     CUDA merges NVML (device total/free with other processes, per-process usage) with this process's
     allocator counters in ``extra``. A missing GPU or driver gives ``available=False`` and a
-    ``reason``; any other device string raises :class:`~oomguard.engine.errors.UsageError`.
-    """
+    ``reason``; any other device string raises :class:`~oomguard.engine.errors.UsageError`."""
     kind, index = parse_device(device)
     if kind == "cpu":
         return _cpu_snapshot()
