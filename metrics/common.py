@@ -98,11 +98,10 @@ def expand_rows(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 def scored_samples(batch: Batch) -> dict[str, torch.Tensor] | None:
-    """The samples of ``batch`` that have at least one scored token; None if no sample has.
-
-    A sample without one adds exactly nothing to a token-weighted sum, and must not run:
-    its attention rows are all masked, which float64 models turn into NaN, and a backward
-    pass spreads that NaN into every gradient."""
+    """The samples of ``batch`` that have at least one scored token; None if no sample has. A sample
+    without one adds exactly nothing to a token-weighted sum, and must not run: its attention rows
+    are all masked, which float64 models turn into NaN, and a backward pass spreads that NaN into
+    every gradient."""
     keep = tokens_per_sample(batch) > 0
     if bool(keep.all()):
         return dict(batch)
@@ -153,11 +152,10 @@ def nll_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int) -> float
 def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int,
                        per_batch: Callable[[Batch, list[torch.Tensor]], Sequence[Any]],
                        params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Sum ``per_batch(mb, params)`` over micro-batches in float64, divided by the total tokens.
-
-    The one place where gradient-like products of the token-weighted mean loss are
-    reduced: each micro-batch (of :func:`scored_samples` only) returns one tensor (or
-    None) per parameter, already summed over its own tokens."""
+    """Sum ``per_batch(mb, params)`` over micro-batches in float64, divided by the total tokens. The
+    one place where gradient-like products of the token-weighted mean loss are reduced: each
+    micro-batch (of :func:`scored_samples` only) returns one tensor (or None) per parameter, already
+    summed over its own tokens."""
     n_tok = total_tokens(data)
     acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
     for mb in iter_micro_batches(data, micro_batch_size):

@@ -72,11 +72,10 @@ def _cuda_unavailable(label: str, torch_reason: str) -> MemorySnapshot:
 
 
 def _merge_nvml(snap: MemorySnapshot, nv: nvml.NvmlDevice, how: str, ident: dict[str, Any]) -> None:
-    """Put NVML's measured figures into ``snap``, naming the API behind each.
-
-    The total is what CUDA can use: NVML v2's ``total - reserved``; with only
-    the v1 API (whose total includes driver-reserved memory, ~0.5 GiB) it is
-    torch's ``total_memory`` (cudaDeviceProp.totalGlobalMem), which creates no context."""
+    """Put NVML's measured figures into ``snap``, naming the API behind each. The total is what CUDA
+    can use: NVML v2's ``total - reserved``; with only the v1 API (whose total includes
+    driver-reserved memory, ~0.5 GiB) it is torch's ``total_memory``
+    (cudaDeviceProp.totalGlobalMem), which creates no context."""
     what = f"NVML {nv.memory_api}" + (f" (MIG {nv.mig_profile or 'slice'})"
                                       if nv.mig_index is not None else "")
     snap.free_bytes = nv.free
@@ -176,9 +175,8 @@ def _mps_snapshot() -> MemorySnapshot:
 
 
 def probe(device: Any = "cpu") -> MemorySnapshot:
-    """Measure the memory of ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``), in bytes.
-
-    CUDA merges NVML (device total/free with other processes, per-process usage) with this process's
+    """Measure the memory of ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``), in bytes. CUDA
+    merges NVML (device total/free with other processes, per-process usage) with this process's
     allocator counters in ``extra``. A missing GPU or driver gives ``available=False`` and a
     ``reason``; any other device string raises :class:`~oomguard.engine.errors.UsageError`."""
     kind, index = parse_device(device)

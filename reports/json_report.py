@@ -57,13 +57,12 @@ def _samples(context: Mapping[str, Any]) -> int | None:
 
 
 def capped_by(result: SearchResult, context: Mapping[str, Any]) -> str | None:
-    """What ended a search before it closed its bracket, or None if it closed
-    (an OOM right above the maximum) or nothing fitted.
-
-    ``"samples"``: it stopped at ``max_size`` equal to the number of samples (``context["samples"]``
-    or ``["n_samples"]``) of a knob that slices the samples, where larger sizes mean the same thing.
-    ``"max_size"``, ``"max_trials"``, ``"max_seconds"``: the search option of that name.
-    ``"strategy"``: the strategy stopped proposing sizes without seeing an OOM."""
+    """What ended a search before it closed its bracket, or None if it closed (an OOM right above
+    the maximum) or nothing fitted. ``"samples"``: it stopped at ``max_size`` equal to the number of
+    samples (``context["samples"]`` or ``["n_samples"]``) of a knob that slices the samples, where
+    larger sizes mean the same thing. ``"max_size"``, ``"max_trials"``, ``"max_seconds"``: the
+    search option of that name. ``"strategy"``: the strategy stopped proposing sizes without seeing
+    an OOM."""
     if result.max_ok is None or closed(result):
         return None
     # The prefix search() writes: "max_size (64) reached".
@@ -77,12 +76,11 @@ def capped_by(result: SearchResult, context: Mapping[str, Any]) -> str | None:
 
 
 def scaling_verdict(result: SearchResult) -> str | None:
-    """How measured peak memory scaled with the size, judged from the fit.
-
-    None: no fit. ``"flat"``: it did not grow (a zero or negative slope, or a positive one no larger
-    than the scatter of the points: t-statistic of the slope below 2). ``"untested"``: a rising line
-    through two points (R² is 1 by construction). Otherwise by R²: ``"confirmed"`` (>= 0.99),
-    ``"approximate"`` (>= 0.9), ``"not supported"``."""
+    """How measured peak memory scaled with the size, judged from the fit. None: no fit. ``"flat"``:
+    it did not grow (a zero or negative slope, or a positive one no larger than the scatter of the
+    points: t-statistic of the slope below 2). ``"untested"``: a rising line through two points (R²
+    is 1 by construction). Otherwise by R²: ``"confirmed"`` (>= 0.99), ``"approximate"`` (>= 0.9),
+    ``"not supported"``."""
     fit = result.fit
     if fit is None:
         return None

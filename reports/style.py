@@ -23,7 +23,6 @@ GRID = {"alpha": 0.3, "linewidth": 0.6}
 
 def figure(size: tuple[float, float] = SIZE, *, grid: bool = True) -> tuple[Figure, Any]:
     """A styled ``(figure, axes)``: Agg canvas, :data:`DPI`, ``size`` inches, a light grid.
-
     ``grid=False`` for images (heatmaps, contours) where grid lines would cross the data."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
