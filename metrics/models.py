@@ -94,11 +94,10 @@ def model_config(spec: str) -> Any:
 
 
 def _check_keys(spec: str, model_type: str, default: Any, config: Any, kw: dict[str, Any]) -> None:
-    """UsageError naming every unknown key of ``kw`` and the closest valid one.
-
-    transformers stores any keyword it does not know as a plain attribute, so ``n_layr=1`` would
-    silently build 12 layers. A key is unknown when ``config`` (built from ``kw``) stored it and it
-    is none of ``default``'s (the type's default config) fields, ``__init__`` parameters or aliases
+    """UsageError naming every unknown key of ``kw`` and the closest valid one. transformers stores
+    any keyword it does not know as a plain attribute, so ``n_layr=1`` would silently build 12
+    layers. A key is unknown when ``config`` (built from ``kw``) stored it and it is none of
+    ``default``'s (the type's default config) fields, ``__init__`` parameters or aliases
     (``attribute_map``: GPT-2's ``num_hidden_layers``), nor those of every transformers config;
     legacy keywords a config consumes (LLaMA's ``rope_theta``) are accepted."""
     import difflib
