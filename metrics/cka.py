@@ -56,10 +56,8 @@ class CKA(JsonMetric):
     tolerates_lower_precision = False
     description = ("linear CKA between every pair of layers' hidden states (all valid tokens), "
                    "from exact Gram accumulators")
-    knobs = (
-        Knob("chunk_size", "memory", 16, 1, "chunk_size x seq_len x (layers + 1) x width",
-             "samples per forward; Gram sums are exact"),
-    )
+    knobs = (Knob("chunk_size", "memory", 16, 1, "chunk_size x seq_len x (layers + 1) x width",
+                  "samples per forward; Gram sums are exact"),)
 
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 chunk_size: int = 16) -> dict[str, Any]:

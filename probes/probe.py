@@ -46,8 +46,7 @@ def _cpu_snapshot() -> MemorySnapshot:
         device="cpu", name=mem["name"], available=True, total_bytes=mem["total"],
         free_bytes=mem["free"], process_bytes=mem["process"], sources=mem["sources"],
         extra={"limited_by": mem["limited_by"], "cpus": host.cpu_count(),
-               "budget": mem["budget"], "peak": mem["peak"]},
-    )
+               "budget": mem["budget"], "peak": mem["peak"]})
 
 
 def _backend(name: str) -> ModuleType:
@@ -166,12 +165,10 @@ def _mps_snapshot() -> MemorySnapshot:
     driver = st["driver_allocated"] or 0
     return MemorySnapshot(
         device="mps", name="Apple MPS", available=True, total_bytes=total,
-        free_bytes=None if total is None else max(0, total - driver),
-        process_bytes=driver,
+        free_bytes=None if total is None else max(0, total - driver), process_bytes=driver,
         sources={"total": source_total, "free": "estimate: total - driver_allocated_memory",
                  "process": "torch.mps.driver_allocated_memory"},
-        extra={"allocated": st["allocated"], "driver_allocated": driver},
-    )
+        extra={"allocated": st["allocated"], "driver_allocated": driver})
 
 
 def probe(device: Any = "cpu") -> MemorySnapshot:

@@ -220,15 +220,12 @@ def _at_max(result: SearchResult) -> dict[str, Any]:
     the capacity (the budget, or the free memory probed) its peak used."""
     best = next((t for t in reversed(result.trials) if t.ok and t.size == result.max_ok), None)
     peak, cap = best.peak_bytes if best else None, result.capacity_bytes
-    return {
-        "peak_bytes_at_max": peak,
-        "seconds_at_max": best.seconds if best else None,
-        "value_at_max": best.value if best else None,
-        "capacity_kind": ("unknown" if cap is None else "budget" if cap == result.budget_bytes
-                          else "free memory"),
-        "utilisation": utilisation(peak, cap),
-        "margin_left_bytes": cap - peak if cap is not None and peak is not None else None,
-    }
+    return {"peak_bytes_at_max": peak, "seconds_at_max": best.seconds if best else None,
+            "value_at_max": best.value if best else None,
+            "capacity_kind": ("unknown" if cap is None else "budget" if cap == result.budget_bytes
+                              else "free memory"),
+            "utilisation": utilisation(peak, cap),
+            "margin_left_bytes": cap - peak if cap is not None and peak is not None else None}
 
 
 def summarise(result: SearchResult, context: Mapping[str, Any] | None = None) -> dict[str, Any]:
