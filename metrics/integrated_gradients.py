@@ -12,10 +12,6 @@ How: the path is the input embeddings, from the embedding of the baseline token
 hidden dimension: one number per token (float64 on output; float32 sums at least for
 bfloat16/float16 models, as captum multiplies gradients by float32 step sizes).
 
-Knobs: ``n_steps`` (result: integration points); ``chunk_size`` (memory: examples per
-captum ``attribute`` call) and ``internal_batch_size`` (memory: captum's, it splits the
-*steps*, whose attributions are summed).
-
 How they interact (measured on torch 2.13 / captum 0.9): one forward gets
 :func:`rows_per_forward` rows, so ``internal_batch_size`` only saves memory while it is
 larger than the chunk, and changes nothing above ``examples x n_steps``. It is declared in
