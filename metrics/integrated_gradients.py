@@ -12,16 +12,16 @@ How: the path is the input embeddings, from the embedding of the baseline token
 hidden dimension: one number per token (float64 on output; float32 sums at least for
 bfloat16/float16 models, as captum multiplies gradients by float32 step sizes).
 
-How they interact (measured on torch 2.13 / captum 0.9): one forward gets
-:func:`rows_per_forward` rows, so ``internal_batch_size`` only saves memory while it is
-larger than the chunk, and changes nothing above ``examples x n_steps``. It is declared in
-units of ``examples = min(chunk_size, samples left)`` (``Knob.unit``): peak memory changes
-only at its multiples (checked with forward hooks: 16 samples, rows per forward 16 for
-internal 1..31, 32 for 32..47, 48 for 48..63), so a search steps in those units. A last,
-smaller chunk can step in between two multiples; the multiples still bracket it.
+How the memory knobs of :func:`captum_knobs` interact (measured on torch 2.13 / captum 0.9): one
+forward gets :func:`rows_per_forward` rows, so ``internal_batch_size`` only saves memory while it is
+larger than the chunk, and changes nothing above ``examples x n_steps``. It is declared in units of
+``examples = min(chunk_size, samples left)`` (``Knob.unit``): peak memory changes only at its
+multiples (checked with forward hooks: 16 samples, rows per forward 16 for internal 1..31, 32 for
+32..47, 48 for 48..63), so a search steps in those units. A last, smaller chunk can step in between
+two multiples; the multiples still bracket it.
 
-Completeness: captum's convergence delta per sample is ``sum(attributions) -
-(f(x) - f(baseline))``; we report its absolute max and mean (nats).
+Completeness: captum's convergence delta per sample is ``sum(attributions) - (f(x) - f(baseline))``;
+we report its absolute max and mean (nats).
 """
 
 from __future__ import annotations
