@@ -27,14 +27,6 @@ from collections.abc import Mapping
 import torch
 
 
-def leading_padding(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Masked positions before each sample's first valid token, shape ``[n]`` (int64); 0
-    for a sample with no valid position at all."""
-    valid = attention_mask != 0
-    first = valid.long().argmax(dim=1)  # first valid position; 0 where there is none
-    return torch.where(valid.any(dim=1), first, torch.zeros_like(first))
-
-
 def right_align(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``data`` (a shallow copy) with each sample's leading padding moved to its end: every
     tensor whose first two dimensions are ``[samples, positions]`` is rotated alike, so
@@ -43,7 +35,8 @@ def right_align(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     mask = data.get("attention_mask")
     if mask is None or mask.dim() != 2:
         return out
-    shift = leading_padding(mask)
+    # masked positions before each sample's first valid token; 0 where there is none
+    shift = (mask != 0).long().argmax(dim=1)
     if not bool(shift.any()):
         return out
     n, length = mask.shape

@@ -184,18 +184,14 @@ def probe(device: Any = "cpu") -> MemorySnapshot:
     return _cuda_snapshot(index)
 
 
-def _may_have_gpu_torch_sees() -> bool:
-    """Whether asking torch about CUDA could find a device (worth importing torch for):
-    torch is already imported, NVML sees a GPU, or a ROCm device node exists (no NVML)."""
-    return "torch" in sys.modules or nvml.device_count() > 0 or os.path.exists("/dev/kfd")
-
-
 def probe_all() -> list[MemorySnapshot]:
     """The host, every CUDA device torch can see, and MPS where available. Where torch
     cannot use CUDA but NVML sees GPUs (a CPU-only torch), one unavailable ``cuda`` row
     says so; a host with no NVIDIA driver gets no CUDA row."""
     snaps = [_cpu_snapshot()]
-    if _may_have_gpu_torch_sees():
+    # Torch is imported only where asking it about CUDA could find a device: it is already
+    # imported, NVML sees a GPU, or a ROCm device node exists (no NVML).
+    if "torch" in sys.modules or nvml.device_count() > 0 or os.path.exists("/dev/kfd"):
         cuda = _backend("cuda")
         if cuda.unavailable_reason() is None:
             snaps += [_cuda_snapshot(i) for i in range(cuda.device_count())]

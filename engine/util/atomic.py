@@ -20,15 +20,6 @@ from oomguard.engine.util.jsonable import json_text
 Content = bytes | str | Callable[[Path], Any]
 
 
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # platforms that cannot open or sync folders
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def atomic_write(path: str | os.PathLike[str], content: Content, mode: int = 0o644) -> Path:
     """Replace ``path`` with ``content`` atomically and durably; returns the path.
     ``content`` is bytes, text (UTF-8), or a callable ``write(tmp_path)`` that writes the
@@ -61,7 +52,12 @@ def atomic_write(path: str | os.PathLike[str], content: Content, mode: int = 0o6
         if isinstance(exc, OSError) and exc.filename in (None, tmp_name, str(tmp)):
             exc.filename = str(target)  # name the file the caller asked for (a full disk)
         raise
-    _fsync_dir(target.parent)
+    with contextlib.suppress(OSError):  # platforms that cannot open or sync folders
+        fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     return target
 
 
