@@ -75,16 +75,14 @@ class ExecutionFailed(OomguardError, RuntimeError):
     """The executor or an adaptive wrapper gave up: every size down to the minimum ran out
     of memory. ``workload`` names what ran; ``tried`` lists the sizes of each attempt in
     order; ``errors`` the OOM message of each. ``str()`` is ``detail`` (one line with all of
-    it), or with ``verbatim`` just ``message`` (accelerate's exact words).
-    """
+    it), or with ``verbatim`` just ``message`` (accelerate's exact words)."""
 
     # The message quotes the last OOM, but giving up is not itself an OOM: an
     # outer handler must not retry it as one (oomguard.engine.core.memory.oom.is_oom reads this).
     oomguard_is_oom = False
 
-    def __init__(self, workload: str, tried: Sequence[Mapping[str, int]],
-                 errors: Sequence[str], message: str | None = None, *,
-                 verbatim: bool = False) -> None:
+    def __init__(self, workload: str, tried: Sequence[Mapping[str, int]], errors: Sequence[str],
+                 message: str | None = None, *, verbatim: bool = False) -> None:
         self.workload = workload
         self.tried = [dict(s) for s in tried]
         self.errors = list(errors)
@@ -139,9 +137,8 @@ class NoSizeFits(SearchFailed):
                              "the limit that stopped the search", result)
             return
         sizes = ", ".join(str(t.size) for t in result.trials)
-        super().__init__(
-            f"no size fits: every size tried ran out of memory ({sizes}); "
-            "free memory, raise the budget or shrink the model", result)
+        super().__init__(f"no size fits: every size tried ran out of memory ({sizes}); free "
+                         "memory, raise the budget or shrink the model", result)
 
 
 class TrialFailed(SearchFailed):

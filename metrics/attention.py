@@ -68,10 +68,8 @@ class AttentionStats(JsonMetric):
     tolerates_lower_precision = True
     description = ("per layer and head: mean attention entropy (nats), mean weight on the first "
                    "token, mean attention distance (positions), over all valid query positions")
-    knobs = (
-        Knob("chunk_size", "memory", 96, 1, "chunk_size x layers x heads x seq_len^2",
-             "samples per forward pass; the result does not depend on it"),
-    )
+    knobs = (Knob("chunk_size", "memory", 96, 1, "chunk_size x layers x heads x seq_len^2",
+                  "samples per forward pass; the result does not depend on it"),)
 
     def unsupported(self, config: Any) -> str | None:
         if config is not None and not getattr(config, "num_attention_heads", None):

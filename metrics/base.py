@@ -2,17 +2,15 @@
 
 Two kinds of size must never be confused:
 
-- ``result`` knobs are part of the question (number of samples, Lanczos k and
-  iterations, integration steps, grid points): never tuned, recorded with
-  every result;
-- ``memory`` knobs (micro-batch, chunk, captum ``internal_batch_size``) are
-  tuned by the engine, and the result must not depend on them beyond float
-  rounding.
+- ``result`` knobs are part of the question (number of samples, Lanczos k and iterations,
+  integration steps, grid points): never tuned, recorded with every result;
+- ``memory`` knobs (micro-batch, chunk, captum ``internal_batch_size``) are tuned by the engine,
+  and the result must not depend on them beyond float rounding.
 
-A metric also declares whether its result stays meaningful when the model runs in
-bfloat16 or float16 (``tolerates_lower_precision``): only then may a job's remedy
-ladder (``on_oom``) lower the precision after an OOM at the minimum sizes, and the
-result is flagged. Each metric says why, next to its declaration.
+A metric also declares whether its result stays meaningful when the model runs in bfloat16 or
+float16 (``tolerates_lower_precision``): only then may a job's remedy ladder (``on_oom``) lower the
+precision after an OOM at the minimum sizes, and the result is flagged. Each metric says why, next
+to its declaration.
 """
 
 from __future__ import annotations
@@ -33,13 +31,10 @@ from oomguard.metrics.padding import right_align
 @dataclass(frozen=True)
 class Knob:
     """One parameter of a metric, of ``kind`` ``"memory"`` or ``"result"`` (module docstring).
-
-    ``scales_with``: what memory grows with. ``unit``: what one unit of the knob's
-    granularity is, where memory does not change at every +1 (its size:
-    :meth:`Metric.size_unit`; empty: every size counts). ``largest``: the size from the
-    transformers config above which the knob changes nothing that runs (``vjp_block``
-    above the hidden width; None: unknown).
-    """
+    ``scales_with``: what memory grows with. ``unit``: what one unit of the knob's granularity is,
+    where memory does not change at every +1 (its size: :meth:`Metric.size_unit`; empty: every size
+    counts). ``largest``: the size from the transformers config above which the knob changes nothing
+    that runs (``vjp_block`` above the hidden width; None: unknown)."""
 
     name: str
     kind: Literal["memory", "result"]
@@ -68,9 +63,6 @@ class Metric:
 
     def result_knobs(self) -> tuple[Knob, ...]:
         return tuple(k for k in self.knobs if k.kind == "result")
-
-    def defaults(self) -> dict[str, int | float]:
-        return {k.name: k.default for k in self.knobs}
 
     def size_unit(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int:
         """The granularity of memory knob ``knob`` (items: peak memory changes only at its
@@ -103,11 +95,9 @@ class Metric:
         known = {k.name: k for k in self.knobs}
         unknown = sorted(set(params) - set(known))
         if unknown:
-            raise UsageError(
-                f"unknown knob(s) {', '.join(unknown)} for metric {self.name!r}: valid knobs are "
-                f"{', '.join(known) or '(none)'}"
-            )
-        out = self.defaults()
+            raise UsageError(f"unknown knob(s) {', '.join(unknown)} for metric {self.name!r}: "
+                             f"valid knobs are {', '.join(known) or '(none)'}")
+        out = {k.name: k.default for k in self.knobs}
         for key, value in params.items():
             knob = known[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -170,6 +160,5 @@ def get_metric(name: str) -> Metric:
     try:
         return METRICS[name]
     except KeyError:
-        raise UsageError(
-            f"unknown metric {name!r}: valid metrics are {', '.join(sorted(METRICS))}"
-        ) from None
+        raise UsageError(f"unknown metric {name!r}: valid metrics are "
+                         f"{', '.join(sorted(METRICS))}") from None

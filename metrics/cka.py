@@ -6,14 +6,12 @@ rows. We chose tokens over mean-pooled samples because the question is about
 representations, and pooling would mix in sequence length.
 
 Linear CKA on centred features (Kornblith et al. 2019):
-``CKA(X, Y) = ||Xc^T Yc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F)``.
-Centering needs the means over *all* data, so chunks only accumulate exact
-sums (float64): the stacked Gram ``Z^T Z`` of ``Z = [X_0 | ... | X_L]`` (every
-block ``X_i^T X_j`` at once), the feature sums and the token count; at the end
-``Xc^T Yc = X^T Y - n mean_x mean_y^T``. To keep that subtraction well
-conditioned, features are first shifted by a fixed vector (the mean of the
-first sample's valid tokens, the same for every chunk size); centering
-removes any shift exactly.
+``CKA(X, Y) = ||Xc^T Yc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F)``. Centering needs the means over
+*all* data, so chunks only accumulate exact sums (float64): the stacked Gram ``Z^T Z`` of
+``Z = [X_0 | ... | X_L]`` (every block ``X_i^T X_j`` at once), the feature sums and the token count;
+at the end ``Xc^T Yc = X^T Y - n mean_x mean_y^T``. To keep that subtraction well conditioned,
+features are first shifted by a fixed vector (the mean of the first sample's valid tokens, the same
+for every chunk size); centering removes any shift exactly.
 
 Memory: the accumulator is ``((L + 1) d)^2`` float64 (fixed; 1.2 MB for
 tiny-gpt2, ~0.8 GB for GPT-2 small), plus a forward over ``chunk_size`` samples.
@@ -58,10 +56,8 @@ class CKA(JsonMetric):
     tolerates_lower_precision = False
     description = ("linear CKA between every pair of layers' hidden states (all valid tokens), "
                    "from exact Gram accumulators")
-    knobs = (
-        Knob("chunk_size", "memory", 16, 1, "chunk_size x seq_len x (layers + 1) x width",
-             "samples per forward; Gram sums are exact"),
-    )
+    knobs = (Knob("chunk_size", "memory", 16, 1, "chunk_size x seq_len x (layers + 1) x width",
+                  "samples per forward; Gram sums are exact"),)
 
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 chunk_size: int = 16) -> dict[str, Any]:

@@ -1,9 +1,8 @@
 """Shared pieces of every metric: micro-batches, token counts, exact losses, parameter groups.
 
-What keeps a result independent of the memory knobs (micro-batch, chunk) beyond float
-rounding: sums over micro-batches are float64 and divided by the whole data's token count
-at the end. Low-precision models (bfloat16, float16) run in their dtype; logits are
-up-cast to float32 before the log-softmax.
+What keeps a result independent of the memory knobs (micro-batch, chunk) beyond float rounding: sums
+over micro-batches are float64 and divided by the whole data's token count at the end. Low-precision
+models (bfloat16, float16) run in their dtype; logits are up-cast to float32 before the log-softmax.
 """
 
 from __future__ import annotations
@@ -45,9 +44,7 @@ def labels_of(batch: Batch) -> torch.Tensor:
     where nothing is scored: with an ``attention_mask``, a position is scored only when it
     and the position before it are both valid (a token predicted from a masked position is
     no prediction)."""
-    labels = batch.get("labels")
-    if labels is None:
-        labels = batch["input_ids"]
+    labels = batch["labels"] if batch.get("labels") is not None else batch["input_ids"]
     mask = batch.get("attention_mask")
     if mask is None:
         return labels
@@ -63,7 +60,6 @@ def tokens_per_sample(batch: Batch) -> torch.Tensor:
 
 
 def token_count(batch: Batch) -> int:
-    """Number of scored tokens of ``batch``."""
     return int(tokens_per_sample(batch).sum())
 
 
@@ -102,11 +98,10 @@ def expand_rows(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 def scored_samples(batch: Batch) -> dict[str, torch.Tensor] | None:
-    """The samples of ``batch`` that have at least one scored token; None if no sample has.
-
-    A sample without one adds exactly nothing to a token-weighted sum, and must not run:
-    its attention rows are all masked, which float64 models turn into NaN, and a backward
-    pass spreads that NaN into every gradient."""
+    """The samples of ``batch`` that have at least one scored token; None if no sample has. A sample
+    without one adds exactly nothing to a token-weighted sum, and must not run: its attention rows
+    are all masked, which float64 models turn into NaN, and a backward pass spreads that NaN into
+    every gradient."""
     keep = tokens_per_sample(batch) > 0
     if bool(keep.all()):
         return dict(batch)
@@ -117,10 +112,7 @@ def scored_samples(batch: Batch) -> dict[str, torch.Tensor] | None:
 
 def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
     """The model's inputs of a batch (``input_ids`` and, if present, ``attention_mask``)."""
-    out = {"input_ids": batch["input_ids"]}
-    if batch.get("attention_mask") is not None:
-        out["attention_mask"] = batch["attention_mask"]
-    return out
+    return {k: batch[k] for k in ("input_ids", "attention_mask") if batch.get(k) is not None}
 
 
 def logits_nll(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
@@ -160,11 +152,10 @@ def nll_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int) -> float
 def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int,
                        per_batch: Callable[[Batch, list[torch.Tensor]], Sequence[Any]],
                        params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Sum ``per_batch(mb, params)`` over micro-batches in float64, divided by the total tokens.
-
-    The one place where gradient-like products of the token-weighted mean loss are
-    reduced: each micro-batch (of :func:`scored_samples` only) returns one tensor (or
-    None) per parameter, already summed over its own tokens."""
+    """Sum ``per_batch(mb, params)`` over micro-batches in float64, divided by the total tokens. The
+    one place where gradient-like products of the token-weighted mean loss are reduced: each
+    micro-batch (of :func:`scored_samples` only) returns one tensor (or None) per parameter, already
+    summed over its own tokens."""
     n_tok = total_tokens(data)
     acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
     for mb in iter_micro_batches(data, micro_batch_size):

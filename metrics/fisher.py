@@ -1,10 +1,9 @@
 """``fisher_diagonal``: the diagonal of the empirical Fisher, per parameter group.
 
-Measured: ``F_ii = (1/n) sum_s (d loss_s / d theta_i)^2`` where ``loss_s`` is
-sample ``s``'s mean NLL over its scored tokens (nats/token) and ``n`` the
-number of samples with at least one scored token. Per-sample gradients come
-from ``torch.func`` (``vmap(grad(functional_call))``) over micro-batches of
-samples; their squares are summed in float64 and divided by ``n`` once.
+Measured: ``F_ii = (1/n) sum_s (d loss_s / d theta_i)^2`` where ``loss_s`` is sample ``s``'s mean
+NLL over its scored tokens (nats/token) and ``n`` the number of samples with at least one scored
+token. Per-sample gradients come from ``torch.func`` (``vmap(grad(functional_call))``) over
+micro-batches of samples; their squares are summed in float64 and divided by ``n`` once.
 
 Reported per group: ``trace`` (sum of the diagonal) and ``mean`` (trace per
 parameter); and the total trace.

@@ -1,11 +1,10 @@
 """``integrated_gradients``: token attribution with captum's ``LayerIntegratedGradients``.
 
-What is attributed (the target, one scalar per sample): the model's
-log-probability (nats) of each sample's *last valid token* given everything before
-it. We chose this over the summed token log-likelihood because it is the usual
-"which input tokens explain this prediction" question and keeps the completeness
-check on one number per sample. By causality the last valid token itself (and every
-padding position) gets exactly zero attribution.
+What is attributed (the target, one scalar per sample): the model's log-probability (nats) of each
+sample's *last valid token* given everything before it. We chose this over the summed token
+log-likelihood because it is the usual "which input tokens explain this prediction" question and
+keeps the completeness check on one number per sample. By causality the last valid token itself (and
+every padding position) gets exactly zero attribution.
 
 How: the path is the input embeddings, from the embedding of the baseline token
 (:func:`pad_id`) at every position to the real embeddings, integrated with
@@ -13,20 +12,16 @@ How: the path is the input embeddings, from the embedding of the baseline token
 hidden dimension: one number per token (float64 on output; float32 sums at least for
 bfloat16/float16 models, as captum multiplies gradients by float32 step sizes).
 
-Knobs: ``n_steps`` (result: integration points); ``chunk_size`` (memory: examples per
-captum ``attribute`` call) and ``internal_batch_size`` (memory: captum's, it splits the
-*steps*, whose attributions are summed).
+How the memory knobs of :func:`captum_knobs` interact (measured on torch 2.13 / captum 0.9): one
+forward gets :func:`rows_per_forward` rows, so ``internal_batch_size`` only saves memory while it is
+larger than the chunk, and changes nothing above ``examples x n_steps``. It is declared in units of
+``examples = min(chunk_size, samples left)`` (``Knob.unit``): peak memory changes only at its
+multiples (checked with forward hooks: 16 samples, rows per forward 16 for internal 1..31, 32 for
+32..47, 48 for 48..63), so a search steps in those units. A last, smaller chunk can step in between
+two multiples; the multiples still bracket it.
 
-How they interact (measured on torch 2.13 / captum 0.9): one forward gets
-:func:`rows_per_forward` rows, so ``internal_batch_size`` only saves memory while it is
-larger than the chunk, and changes nothing above ``examples x n_steps``. It is declared in
-units of ``examples = min(chunk_size, samples left)`` (``Knob.unit``): peak memory changes
-only at its multiples (checked with forward hooks: 16 samples, rows per forward 16 for
-internal 1..31, 32 for 32..47, 48 for 48..63), so a search steps in those units. A last,
-smaller chunk can step in between two multiples; the multiples still bracket it.
-
-Completeness: captum's convergence delta per sample is ``sum(attributions) -
-(f(x) - f(baseline))``; we report its absolute max and mean (nats).
+Completeness: captum's convergence delta per sample is ``sum(attributions) - (f(x) - f(baseline))``;
+we report its absolute max and mean (nats).
 """
 
 from __future__ import annotations
@@ -96,10 +91,9 @@ def last_positions(attention_mask: torch.Tensor, min_valid: int = 2) -> torch.Te
 
 def defined_samples(data: Mapping[str, torch.Tensor],
                     min_valid: int = 2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Which samples have at least ``min_valid`` valid tokens (bool ``[n]``, CPU), and the
-    data of just those samples: a per-sample metric is undefined on the others, which it
-    reports as NaN rows (:func:`~oomguard.metrics.common.expand_rows`). UsageError if no
-    sample qualifies."""
+    """Which samples have at least ``min_valid`` valid tokens (bool ``[n]``, CPU), and the data of
+    just those samples: a per-sample metric is undefined on the others, which it reports as NaN rows
+    (:func:`~oomguard.metrics.common.expand_rows`). UsageError if no sample qualifies."""
     keep = (valid_tokens(data) >= min_valid).cpu()
     if not bool(keep.any()):
         raise UsageError(f"no sample has {_needs(min_valid)}: give data with longer samples")

@@ -1,20 +1,18 @@
 """``position_jacobian``: how strongly each input position moves the final hidden state.
 
-For every sample, let ``h`` be the final hidden state (the base model's
-``last_hidden_state``, after the final norm; ``d`` features) at the sample's last
-valid position, and ``e_p`` the input embedding at position ``p``. The result is the
-Frobenius norm of the Jacobian block ``dh / de_p`` for every ``p``: ``[n_samples,
-seq_len]``, float64, unit "hidden units per embedding unit"; 0 after the last valid
-position, by causality and masking; NaN rows for samples without a valid token
+For every sample, let ``h`` be the final hidden state (the base model's ``last_hidden_state``, after
+the final norm; ``d`` features) at the sample's last valid position, and ``e_p`` the input embedding
+at position ``p``. The result is the Frobenius norm of the Jacobian block ``dh / de_p`` for every
+``p``: ``[n_samples, seq_len]``, float64, unit "hidden units per embedding unit"; 0 after the last
+valid position, by causality and masking; NaN rows for samples without a valid token
 (``n_samples_defined`` counts the others). Exact, not estimated.
 
-How: the VJP of ``h`` with cotangent ``e_k`` is row ``k`` of the Jacobian. The ``d``
-VJPs run ``vjp_block`` at a time by replicating each sample ``vjp_block`` times in the
-batch and back-propagating feature ``k`` from replica ``k``: one ordinary backward per
-block, so one forward holds ``micro_batch_size x vjp_block`` rows. Measured on
-tiny-gpt2 (5 x 12 tokens, float64, loaded 2-core host): 1.9-3.9 s, against 13.7 s for
-vmap over cotangents (``is_grads_batched``: layer-norm and softmax backward fall back
-to a per-cotangent loop) and 52 s for a Python loop of single VJPs.
+How: the VJP of ``h`` with cotangent ``e_k`` is row ``k`` of the Jacobian. The ``d`` VJPs run
+``vjp_block`` at a time by replicating each sample ``vjp_block`` times in the batch and
+back-propagating feature ``k`` from replica ``k``: one ordinary backward per block, so one forward
+holds ``micro_batch_size x vjp_block`` rows. Measured on tiny-gpt2 (5 x 12 tokens, float64, loaded
+2-core host): 1.9-3.9 s, against 13.7 s for vmap over cotangents (``is_grads_batched``: layer-norm
+and softmax backward fall back to a per-cotangent loop) and 52 s for a Python loop of single VJPs.
 """
 
 from __future__ import annotations

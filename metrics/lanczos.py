@@ -1,12 +1,11 @@
 """``hessian_eigenvalues`` / ``ggn_eigenvalues``: top eigenvalues of the loss curvature by Lanczos.
 
-Measured: the ``k`` largest (algebraic) eigenvalues of the Hessian (or of the
-Gauss-Newton matrix) of the token-weighted mean loss over *all* data, with
-respect to all trainable parameters, in nats/token per unit parameter
-squared. Estimated: they are Ritz values of ``iterations`` Lanczos steps with
-full reorthogonalisation (float64) from a start vector seeded by ``seed``;
-``residuals`` are the standard bounds ``|beta_m * s_mi|`` on each Ritz value's
-error (exact when ``iterations`` reaches the parameter count).
+Measured: the ``k`` largest (algebraic) eigenvalues of the Hessian (or of the Gauss-Newton matrix)
+of the token-weighted mean loss over *all* data, with respect to all trainable parameters, in
+nats/token per unit parameter squared. Estimated: they are Ritz values of ``iterations`` Lanczos
+steps with full reorthogonalisation (float64) from a start vector seeded by ``seed``; ``residuals``
+are the standard bounds ``|beta_m * s_mi|`` on each Ritz value's error (exact when ``iterations``
+reaches the parameter count).
 
 Each matrix-vector product is summed over micro-batches, each weighted by its
 token share (:func:`metrics.common.token_weighted_sum`).
@@ -36,21 +35,20 @@ from oomguard.metrics.common import (
 MatVec = Callable[[torch.Tensor], torch.Tensor]
 
 
-def lanczos(matvec: MatVec, dim: int, iterations: int, seed: int = 0,
-            dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+def lanczos(matvec: MatVec, dim: int, iterations: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """Lanczos with full reorthogonalisation on a symmetric operator of size ``dim``:
     ``eigenvalues`` (Ritz values, descending), ``residuals`` (aligned) and ``steps``
     (fewer than ``iterations`` when an invariant subspace is found). The basis,
     ``iterations x dim`` floats, lives on the host (:func:`host_device`)."""
     m = min(iterations, dim)
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(dim, generator=g, dtype=dtype, device=host_device())
+    q = torch.randn(dim, generator=g, dtype=torch.float64, device=host_device())
     q /= q.norm()
     basis = [q]
     alphas: list[float] = []
     betas: list[float] = []  # the last one is the residual's, outside T
     for j in range(m):
-        w = matvec(basis[j]).to(dtype)
+        w = matvec(basis[j]).to(torch.float64)
         alphas.append(float(w @ basis[j]))
         Q = torch.stack(basis)
         for _ in range(2):  # full reorthogonalisation, twice is enough

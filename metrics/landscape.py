@@ -1,12 +1,11 @@
 """``loss_landscape``: the loss on a 2-D plane through the parameters (Li et al. 2018).
 
-Two random directions ``d1, d2`` (one Gaussian tensor per parameter, seeded
-by ``seed``; tied weights once) are *filter-normalised*: for a parameter of 2 or more
-dimensions, every slice along dim 0 (a row of an ``nn.Linear`` weight, one
-output unit; a row of GPT-2's transposed ``Conv1D`` weight, one input unit)
-is rescaled to the norm of the same slice of the parameter; a 1-D parameter
-(bias, norm scale) as a whole. Li et al. zero the directions of biases and norm
-parameters in their default; we keep them, so every parameter moves.
+Two random directions ``d1, d2`` (one Gaussian tensor per parameter, seeded by ``seed``; tied
+weights once) are *filter-normalised*: for a parameter of 2 or more dimensions, every slice along
+dim 0 (a row of an ``nn.Linear`` weight, one output unit; a row of GPT-2's transposed ``Conv1D``
+weight, one input unit) is rescaled to the norm of the same slice of the parameter; a 1-D parameter
+(bias, norm scale) as a whole. Li et al. zero the directions of biases and norm parameters in their
+default; we keep them, so every parameter moves.
 
 On the ``grid x grid`` points ``(a_i, b_j)`` (:func:`axis`), the parameters are set to
 ``theta + a_i d1 + b_j d2`` (computed in float32 at least, stored in the model's dtype)
@@ -26,12 +25,7 @@ import torch
 
 from oomguard.engine.core.workload import host_device, shortcut
 from oomguard.metrics.base import Knob, register
-from oomguard.metrics.common import (
-    JsonMetric,
-    n_samples,
-    nll_sum,
-    total_tokens,
-)
+from oomguard.metrics.common import JsonMetric, n_samples, nll_sum, total_tokens
 
 
 def filter_normalised_direction(params: list[torch.Tensor], generator: torch.Generator,

@@ -13,12 +13,7 @@ from typing import Any
 import torch
 
 from oomguard.metrics.base import Knob, register
-from oomguard.metrics.common import (
-    JsonMetric,
-    n_samples,
-    nll_sum,
-    total_tokens,
-)
+from oomguard.metrics.common import JsonMetric, n_samples, nll_sum, total_tokens
 
 
 @register
@@ -30,10 +25,9 @@ class Loss(JsonMetric):
     # bfloat16 logits move it by about 1e-2 nats, not its meaning.
     tolerates_lower_precision = True
     description = "token-weighted mean loss (nats/token) and perplexity over all data"
-    knobs = (
-        Knob("micro_batch_size", "memory", 32, 1, "micro_batch_size x seq_len x vocab (logits)",
-             "samples per forward pass; the result does not depend on it"),
-    )
+    knobs = (Knob("micro_batch_size", "memory", 32, 1,
+                  "micro_batch_size x seq_len x vocab (logits)",
+                  "samples per forward pass; the result does not depend on it"),)
 
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 micro_batch_size: int = 32) -> dict[str, Any]:

@@ -2,11 +2,9 @@
 
 A model spec is one of:
 
-- a built-in name (``tiny-gpt2``, ``tiny-llama``): a small config with random
-  weights, no download;
-- ``MODEL_TYPE:key=value,...`` (e.g. ``gpt2:n_layer=4,n_embd=256``): any
-  transformers architecture built from ``AutoConfig.for_model`` with random
-  weights;
+- a built-in name (``tiny-gpt2``, ``tiny-llama``): a small config with random weights, no download;
+- ``MODEL_TYPE:key=value,...`` (e.g. ``gpt2:n_layer=4,n_embd=256``): any transformers architecture
+  built from ``AutoConfig.for_model`` with random weights;
 - a local checkpoint directory: ``from_pretrained(path, local_files_only=True)``.
 
 Nothing here reaches the network.
@@ -95,17 +93,13 @@ def model_config(spec: str) -> Any:
     return config
 
 
-def _check_keys(spec: str, model_type: str, default: Any, config: Any,
-                kw: dict[str, Any]) -> None:
-    """UsageError naming every unknown key of ``kw`` and the closest valid one.
-
-    transformers stores any keyword it does not know as a plain attribute, so
-    ``n_layr=1`` would silently build 12 layers. A key is unknown when ``config`` (built
-    from ``kw``) stored it and it is none of ``default``'s (the type's default config)
-    fields, ``__init__`` parameters or aliases (``attribute_map``: GPT-2's
-    ``num_hidden_layers``), nor those of every transformers config; legacy keywords a
-    config consumes (LLaMA's ``rope_theta``) are accepted.
-    """
+def _check_keys(spec: str, model_type: str, default: Any, config: Any, kw: dict[str, Any]) -> None:
+    """UsageError naming every unknown key of ``kw`` and the closest valid one. transformers stores
+    any keyword it does not know as a plain attribute, so ``n_layr=1`` would silently build 12
+    layers. A key is unknown when ``config`` (built from ``kw``) stored it and it is none of
+    ``default``'s (the type's default config) fields, ``__init__`` parameters or aliases
+    (``attribute_map``: GPT-2's ``num_hidden_layers``), nor those of every transformers config;
+    legacy keywords a config consumes (LLaMA's ``rope_theta``) are accepted."""
     import difflib
     import inspect
 
@@ -125,8 +119,7 @@ def _check_keys(spec: str, model_type: str, default: Any, config: Any,
     for key in unknown:
         close = difflib.get_close_matches(key, sorted(valid), n=1)
         parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise UsageError(f"bad model spec {spec!r}: {model_type} has no config key "
-                     f"{', '.join(parts)}")
+    raise UsageError(f"bad model spec {spec!r}: {model_type} has no config key {', '.join(parts)}")
 
 
 # Config keys that bound the positions a model embeds (GPT-2 names it n_positions and

@@ -2,25 +2,22 @@
 
 Measured facts behind it: docs/measurements.md#float64-attention-softmax.
 
-Why: with left padding, a query at a leading pad position has no key it may
-attend to. transformers' eager attention takes its softmax in float32, so in a
-float64 model the masked scores (float64's most negative value) become ``-inf``
-and the whole row NaN, which spreads into valid tokens in the next layer and into
-every gradient. Moving each sample's leading padding to its end leaves every query
-of a sample with a valid token at least one key (the sample's first token).
+Why: with left padding, a query at a leading pad position has no key it may attend to. transformers'
+eager attention takes its softmax in float32, so in a float64 model the masked scores (float64's
+most negative value) become ``-inf`` and the whole row NaN, which spreads into valid tokens in the
+next layer and into every gradient. Moving each sample's leading padding to its end leaves every
+query of a sample with a valid token at least one key (the sample's first token).
 
 What it changes, and what not:
 
-- nothing for models whose attention depends only on relative positions or on
-  positions counted along the mask: rotary embeddings (LLaMA, Mistral, Qwen2,
-  Phi, GPT-NeoX, GPT-J, Falcon), ALiBi (Bloom), OPT's learned positions (from
-  the mask's cumulative sum). Left- and right-padded data give the same results
-  up to float rounding;
+- nothing for models whose attention depends only on relative positions or on positions counted
+  along the mask: rotary embeddings (LLaMA, Mistral, Qwen2, Phi, GPT-NeoX, GPT-J, Falcon), ALiBi
+  (Bloom), OPT's learned positions (from the mask's cumulative sum). Left- and right-padded data
+  give the same results up to float rounding;
 - for absolute positions counted from 0 (GPT-2), a sample is read as it would be
   without padding (what transformers recommends), not shifted by its padding;
-- positions a metric reports (``last_positions``, per-position norms, the
-  attention weight on the first token) count from each sample's first valid
-  token.
+- positions a metric reports (``last_positions``, per-position norms, the attention weight on the
+  first token) count from each sample's first valid token.
 """
 
 from __future__ import annotations
@@ -28,14 +25,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-
-
-def leading_padding(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Masked positions before each sample's first valid token, shape ``[n]`` (int64); 0
-    for a sample with no valid position at all."""
-    valid = attention_mask != 0
-    first = valid.long().argmax(dim=1)  # first valid position; 0 where there is none
-    return torch.where(valid.any(dim=1), first, torch.zeros_like(first))
 
 
 def right_align(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -46,7 +35,8 @@ def right_align(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     mask = data.get("attention_mask")
     if mask is None or mask.dim() != 2:
         return out
-    shift = leading_padding(mask)
+    # masked positions before each sample's first valid token; 0 where there is none
+    shift = (mask != 0).long().argmax(dim=1)
     if not bool(shift.any()):
         return out
     n, length = mask.shape

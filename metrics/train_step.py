@@ -1,10 +1,9 @@
 """The built-in default workload: one training step of a small GPT-2.
 
-Forward, backward and an AdamW step of a transformers causal LM built from a
-config with random weights (byte-level vocabulary 256, sequence length 512,
-as in the E10 setup), on generated tokens. ``warmup()`` runs one step at size 1 so
-that weights, gradients and AdamW's two moment buffers exist before any budget is
-applied: the searched memory is then what the *batch* costs.
+Forward, backward and an AdamW step of a transformers causal LM built from a config with random
+weights (byte-level vocabulary 256, sequence length 512, as in the E10 setup), on generated tokens.
+``warmup()`` runs one step at size 1 so that weights, gradients and AdamW's two moment buffers exist
+before any budget is applied: the searched memory is then what the *batch* costs.
 
 Trials run two steps (``steps_per_trial``), so that a size must fit a step after one
 that left its memory behind.
@@ -57,8 +56,7 @@ class TrainStep(RebuiltInChild):
             return
         model = build_for(self._state, self.model, self.dtype, self.device, self.seed).train()
         opt = torch.optim.AdamW(model.parameters(), lr=self.lr)
-        self._state.update(model=model, opt=opt, vocab=model.config.vocab_size,
-                           params=sum(p.numel() for p in model.parameters()))
+        self._state.update(model=model, opt=opt, vocab=model.config.vocab_size)
         self(1)
 
     def describe(self) -> dict[str, Any]:
@@ -91,9 +89,8 @@ class TrainStep(RebuiltInChild):
         return dataclasses.replace(self, device=device, _state={"fake": True})
 
     def worst_case_batch(self, batch_size: int) -> torch.Tensor:
-        """The batch a step at ``batch_size`` uses: token ids ``[batch_size, seq_len]`` (int64,
-        on ``device``, no padding), uniform over the vocabulary, seeded by ``seed +
-        batch_size``."""
+        """The batch a step at ``batch_size`` uses: token ids ``[batch_size, seq_len]`` (int64, on
+        ``device``, no padding), uniform over the vocabulary, seeded by ``seed + batch_size``."""
         if "vocab" not in self._state:
             self.warmup()
         g = torch.Generator().manual_seed(self.seed + batch_size)

@@ -1,19 +1,17 @@
 """``MetricTrial``: one metric at one memory knob, as a searchable, picklable workload.
 
-``search(MetricTrial("fisher_diagonal"), budget=...)`` finds the largest
-``micro_batch_size`` the Fisher metric runs at, in-process or isolated, through the
-workload protocol (:mod:`oomguard.engine.core.workload`). :meth:`MetricTrial.unit` is
-the knob's granularity (captum's ``internal_batch_size`` changes memory only at
-multiples of its examples per call): :class:`InUnits` makes any strategy propose only
-those multiples.
+``search(MetricTrial("fisher_diagonal"), budget=...)`` finds the largest ``micro_batch_size`` the
+Fisher metric runs at, in-process or isolated, through the workload protocol
+(:mod:`oomguard.engine.core.workload`). :meth:`MetricTrial.unit` is the knob's granularity (captum's
+``internal_batch_size`` changes memory only at multiples of its examples per call): :class:`InUnits`
+makes any strategy propose only those multiples.
 
-Which data define what. The metric's result is defined by the padded data
-(``make_batch``: sample ``i`` has a seeded length in ``[seq_len/2, seq_len]``); a trial's
-memory by the worst case, every sample at ``seq_len``. For the built-in metrics the two
-cost the same (measured for every metric and knob at 8 samples x 64 tokens: the same
-peaks within run-to-run noise), but a metric may skip padded positions or whole samples
-(integrated gradients leaves out samples with fewer than 2 valid tokens), so a maximum
-must hold for the worst case, and the values a search's trials record (``Trial.value``)
+Which data define what. The metric's result is defined by the padded data (``make_batch``: sample
+``i`` has a seeded length in ``[seq_len/2, seq_len]``); a trial's memory by the worst case, every
+sample at ``seq_len``. For the built-in metrics the two cost the same (measured for every metric and
+knob at 8 samples x 64 tokens: the same peaks within run-to-run noise), but a metric may skip padded
+positions or whole samples (integrated gradients leaves out samples with fewer than 2 valid tokens),
+so a maximum must hold for the worst case, and the values a search's trials record (``Trial.value``)
 are the metric's summary on it, as the report says.
 """
 
@@ -36,11 +34,10 @@ from oomguard.metrics.train_step import build_for
 
 def largest_useful(metric: Metric, knob: str, params: Mapping[str, Any], n_samples: int,
                    config: Any) -> tuple[int | None, str]:
-    """``(size, what sets it)``: the size above which ``knob`` changes nothing that runs,
-    with the other knobs at ``params`` (validated) on ``n_samples`` samples of a model of
-    transformers ``config``; ``(None, "")`` where there is none. What sets it: ``samples``
-    for knobs that slice the samples, else ``largest useful size`` (what the metric or its
-    ``Knob.largest`` declares)."""
+    """``(size, what sets it)``: the size above which ``knob`` changes nothing that runs, with the
+    other knobs at ``params`` (validated) on ``n_samples`` samples of a model of transformers
+    ``config``; ``(None, "")`` where there is none. What sets it: ``samples`` for knobs that slice
+    the samples, else ``largest useful size`` (what the metric or its ``Knob.largest`` declares)."""
     if knob in SAMPLE_KNOBS:
         return n_samples, "samples"
     size = metric.largest_size(knob, params, n_samples)
@@ -55,8 +52,7 @@ class MetricTrial(RebuiltInChild):
     """``MetricTrial(metric, knob)(size)`` runs ``metric`` with ``knob=size`` on fixed data:
     ``n_samples`` generated, padded sequences of ``seq_len`` tokens (seeded by ``seed``, as
     are the model's random weights). ``knob`` defaults to the metric's first memory knob;
-    ``params`` fixes the other knobs (result knobs such as Lanczos ``k`` included).
-    """
+    ``params`` fixes the other knobs (result knobs such as Lanczos ``k`` included)."""
 
     metric: str
     knob: str | None = None
@@ -126,12 +122,10 @@ class MetricTrial(RebuiltInChild):
         return metric.size_unit(knob, params, self.n_samples)
 
     def minimum(self) -> int:
-        """The knob's smallest allowed size."""
         knob = next(k for k in get_metric(self.metric).knobs if k.name == self.knob)
         return max(1, int(knob.minimum))
 
     def describe(self) -> dict[str, Any]:
-        """Configuration for reports."""
         return {"metric": self.metric, "knob": self.knob, "model": self.model,
                 "dtype": self.dtype, "device": self.device, "n_samples": self.n_samples,
                 "seq_len": self.seq_len, "seed": self.seed, "params": dict(self.params)}
@@ -172,8 +166,7 @@ class MetricTrial(RebuiltInChild):
             self.warmup()
         return self._state["worst_case"]
 
-    def __call__(self, size: int, batch: dict[str, torch.Tensor] | None = None
-                 ) -> dict[str, Any]:
+    def __call__(self, size: int, batch: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
         """Run the metric with ``knob=size`` on ``batch`` (``input_ids``, ``attention_mask``,
         ``labels``), by default on the padded data; return its JSON-friendly summary."""
         if "model" not in self._state:
@@ -190,8 +183,7 @@ class InUnits:
     """A strategy that proposes only multiples of ``unit``: ``inner`` (E10, Doubling,
     LinearJump...) runs on counts of units ``k = size / unit`` and its proposals are
     multiplied back. ``InUnits(E10(start=1, step=1), unit=64)`` tries 64, 128, 192, ...
-    and bisects in steps of 64, until the largest fit and the first OOM are one unit apart.
-    """
+    and bisects in steps of 64, until the largest fit and the first OOM are one unit apart."""
 
     inner: Any
     unit: int
@@ -242,9 +234,8 @@ def in_units(inner: Any, unit: int) -> Any:
 
 
 def snap_to_unit(result: Any, unit: int) -> None:
-    """Round ``result.recommendation`` (in place) of a search run in multiples of ``unit``
-    down to one, never below one unit: between two multiples memory is that of the one
-    above."""
+    """Round ``result.recommendation`` (in place) of a search run in multiples of ``unit`` down to
+    one, never below one unit: between two multiples memory is that of the one above."""
     rec = result.recommendation
     if unit <= 1 or rec is None:
         return

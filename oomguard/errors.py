@@ -23,9 +23,7 @@ from oomguard.engine.errors import (
     UsageError,
 )
 
-__all__ = [
-    "BudgetError", "CacheError", "ChildCrashed", "ChildStartFailed", "CollectiveMismatch",
-    "ExecutionFailed", "IsolationError", "JobError", "NoExecutableBatchSize", "NoProgress",
-    "NoSizeFits", "OomguardError", "RamLimitReached", "RestartNeeded", "SearchFailed",
-    "TrialFailed", "UsageError",
-]
+__all__ = ["BudgetError", "CacheError", "ChildCrashed", "ChildStartFailed", "CollectiveMismatch",
+           "ExecutionFailed", "IsolationError", "JobError", "NoExecutableBatchSize", "NoProgress",
+           "NoSizeFits", "OomguardError", "RamLimitReached", "RestartNeeded", "SearchFailed",
+           "TrialFailed", "UsageError"]

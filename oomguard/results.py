@@ -1,7 +1,6 @@
-"""What the top-level calls return, for annotations: ``search`` a :class:`SearchResult`
-(its :class:`Trial` list, :class:`LinearFit` and :class:`Recommendation`), ``estimate``
-:class:`Estimate` records, ``probe`` a :class:`MemorySnapshot`, ``budget`` a
-:class:`Budget`."""
+"""What the top-level calls return, for annotations: ``search`` a :class:`SearchResult` (its
+:class:`Trial` list, :class:`LinearFit` and :class:`Recommendation`), ``estimate`` :class:`Estimate`
+records, ``probe`` a :class:`MemorySnapshot`, ``budget`` a :class:`Budget`."""
 
 from oomguard.engine.core.estimate.estimate import Estimate
 from oomguard.engine.core.memory.budget import Budget

@@ -1,10 +1,9 @@
 """Probes: measure memory, decide nothing.
 
-``probe(device)`` returns a :class:`MemorySnapshot` in bytes; ``probe_all()``
-one per device; :class:`PeakMeter` measures the peak of a piece of work.
-A missing GPU or driver is a normal answer (``available=False`` with a
-reason), never an exception. This package imports nothing else of oomguard but its
-exception tree (an unknown device name is a one-line ``UsageError``).
+``probe(device)`` returns a :class:`MemorySnapshot` in bytes; ``probe_all()`` one per device;
+:class:`PeakMeter` measures the peak of a piece of work. A missing GPU or driver is a normal answer
+(``available=False`` with a reason), never an exception. This package imports nothing else of
+oomguard but its exception tree (an unknown device name is a one-line ``UsageError``).
 """
 
 from __future__ import annotations

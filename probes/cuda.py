@@ -41,7 +41,6 @@ def torch_has_cuda() -> bool:
 
 
 def current_device() -> int:
-    """torch's current CUDA device index."""
     return torch.cuda.current_device()
 
 
@@ -90,10 +89,8 @@ def allocator_stats(index: int) -> dict[str, int]:
     total = int(torch.cuda.get_device_properties(index).total_memory)
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     fraction = float(getter(index)) if getter is not None else 1.0
-    return {
-        "allocated": int(torch.cuda.memory_allocated(index)),
-        "reserved": int(torch.cuda.memory_reserved(index)),
-        "peak_allocated": int(torch.cuda.max_memory_allocated(index)),
-        "peak_reserved": int(torch.cuda.max_memory_reserved(index)),
-        "fraction_cap": int(fraction * total),
-    }
+    return {"allocated": int(torch.cuda.memory_allocated(index)),
+            "reserved": int(torch.cuda.memory_reserved(index)),
+            "peak_allocated": int(torch.cuda.max_memory_allocated(index)),
+            "peak_reserved": int(torch.cuda.max_memory_reserved(index)),
+            "fraction_cap": int(fraction * total)}

@@ -207,16 +207,11 @@ def host_memory() -> dict:
             sources[key] = f"unknown: {sources[key]} could not be read"
     process, sources["process"] = resident_bytes()
     method = peak_method()
-    return {
-        "name": platform.processor() or platform.machine() or "cpu",
-        "total": total,
-        "free": free,
-        "process": process,
-        "limited_by": limited_by if free is not None else "unknown",
-        "sources": sources,
-        "budget": host_budget_unavailable(),
-        "peak": method.source or f"unknown: {method.reason}",
-    }
+    return {"name": platform.processor() or platform.machine() or "cpu", "total": total,
+            "free": free, "process": process,
+            "limited_by": limited_by if free is not None else "unknown", "sources": sources,
+            "budget": host_budget_unavailable(),
+            "peak": method.source or f"unknown: {method.reason}"}
 
 
 @dataclass(frozen=True)
@@ -258,9 +253,8 @@ def reset_peak() -> int | None:
 
 
 def read_peak() -> int | None:
-    """The resident high-water mark in bytes (since :func:`reset_peak` where
-    :func:`peak_method` says it is resettable); None where it cannot be measured,
-    never 0 in its place."""
+    """The resident high-water mark in bytes (since :func:`reset_peak` where :func:`peak_method`
+    says it is resettable); None where it cannot be measured, never 0 in its place."""
     name = system()
     if name == "Windows":
         return host_os.windows_working_set()[1]

@@ -31,8 +31,7 @@ def parse_vm_stat(text: str) -> int | None:
     """Bytes macOS can give without swapping, estimated from ``vm_stat`` output: (free +
     speculative + inactive pages) x the page size its header states, the pages psutil's
     macOS ``available`` counts ("Pages free" excludes speculative pages, the read-ahead file
-    cache reclaimed first). None when the text is not vm_stat's.
-    """
+    cache reclaimed first). None when the text is not vm_stat's."""
     lines = text.splitlines()
     if not lines or "page size of" not in lines[0]:
         return None
@@ -135,6 +134,3 @@ def windows_working_set() -> tuple[int | None, int | None]:
     if not fn(k32.GetCurrentProcess(), ctypes.byref(counters), counters.cb):
         return None, None
     return int(counters.WorkingSetSize), int(counters.PeakWorkingSetSize)
-
-
-# --- every OS --------------------------------------------------------------

@@ -1,11 +1,10 @@
 """The Apple MPS backend, in bytes.
 
 Measured: ``torch.mps.current_allocated_memory`` (bytes in live tensors) and
-``driver_allocated_memory`` (what the Metal driver holds for this process, cache
-included). ``recommended_max_memory`` (newer torch) is Metal's recommended working-set
-size, the ceiling before the system pages. MPS shares unified memory with the CPU, so
-``free`` is an *estimate*: that ceiling minus the driver's bytes; other processes are
-not visible.
+``driver_allocated_memory`` (what the Metal driver holds for this process, cache included).
+``recommended_max_memory`` (newer torch) is Metal's recommended working-set size, the ceiling before
+the system pages. MPS shares unified memory with the CPU, so ``free`` is an *estimate*: that ceiling
+minus the driver's bytes; other processes are not visible.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ def stats() -> dict[str, int | None]:
     if reason is not None:
         raise RuntimeError(reason)
     rec = getattr(torch.mps, "recommended_max_memory", None)
-    return {
-        "allocated": int(torch.mps.current_allocated_memory()),
-        "driver_allocated": int(torch.mps.driver_allocated_memory()),
-        "recommended_max": int(rec()) if rec is not None else None,
-    }
+    return {"allocated": int(torch.mps.current_allocated_memory()),
+            "driver_allocated": int(torch.mps.driver_allocated_memory()),
+            "recommended_max": int(rec()) if rec is not None else None}

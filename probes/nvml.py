@@ -1,24 +1,21 @@
 """The NVML backend: what a physical NVIDIA GPU holds, all processes included, in bytes.
 
-NVML (``pynvml``, distribution ``nvidia-ml-py``) sees the device as the driver does:
-total, free and used memory of the whole GPU, and the memory of every process with a
-context on it; measured, so ``free`` accounts for other processes, which torch's
-allocator cannot see. A missing library or driver is a normal answer: the functions
-here return a reason string, they do not raise.
+NVML (``pynvml``, distribution ``nvidia-ml-py``) sees the device as the driver does: total, free and
+used memory of the whole GPU, and the memory of every process with a context on it; measured, so
+``free`` accounts for other processes, which torch's allocator cannot see. A missing library or
+driver is a normal answer: the functions here return a reason string, they do not raise.
 
-NVML numbers devices in PCI bus order and ignores ``CUDA_VISIBLE_DEVICES``;
-torch numbers the visible devices only, in CUDA's order. The pure rules in
-:mod:`oomguard.probes.nvml_ids` translate torch indices to NVML indices. A MIG
-slice is matched by its ``MIG-`` UUID and measured through its own MIG handle:
-its parent shares the PCI bus id with every other slice, so a bus-id match
-would report the whole card.
+NVML numbers devices in PCI bus order and ignores ``CUDA_VISIBLE_DEVICES``; torch numbers the
+visible devices only, in CUDA's order. The pure rules in :mod:`oomguard.probes.nvml_ids` translate
+torch indices to NVML indices. A MIG slice is matched by its ``MIG-`` UUID and measured through its
+own MIG handle: its parent shares the PCI bus id with every other slice, so a bus-id match would
+report the whole card.
 
-Driver differences handled here (nvidia-ml-py 13.615): drivers before R510
-lack ``nvmlDeviceGetComputeRunningProcesses_v3`` and the unversioned wrapper
-then raises ``NVMLLibraryMismatchError``, which is not an ``NVMLError``;
-drivers 535.43-535.86 fill ``_v3`` with a longer struct than pynvml reads, so
-entries after the first are garbage (``_v2`` is used there); a process whose
-``usedGpuMemory`` is None (no permission, containers, WDDM) is unknown, never 0 B.
+Driver differences handled here (nvidia-ml-py 13.615): drivers before R510 lack
+``nvmlDeviceGetComputeRunningProcesses_v3`` and the unversioned wrapper then raises
+``NVMLLibraryMismatchError``, which is not an ``NVMLError``; drivers 535.43-535.86 fill ``_v3`` with
+a longer struct than pynvml reads, so entries after the first are garbage (``_v2`` is used there); a
+process whose ``usedGpuMemory`` is None (no permission, containers, WDDM) is unknown, never 0 B.
 """
 
 from __future__ import annotations
@@ -74,13 +71,11 @@ def _text(value: Any) -> str:
 @dataclass
 class NvmlDevice:
     """One GPU, or one MIG slice of it, as NVML measures it. Bytes; None = not reported.
-
-    ``reserved`` (v2 API only; v1 folds it into ``total`` and ``used``) is the
-    driver-reserved part CUDA cannot use. ``process_bytes`` is this process's usage,
-    matched by pid (``pid_matched`` False: in a container with its own PID namespace NVML
-    reports host pids). ``other_processes_bytes`` sums the others, None when any is
-    unknown (``unknown_pids``; ``other_processes_known_bytes`` is then a lower bound).
-    """
+    ``reserved`` (v2 API only; v1 folds it into ``total`` and ``used``) is the driver-reserved part
+    CUDA cannot use. ``process_bytes`` is this process's usage, matched by pid (``pid_matched``
+    False: in a container with its own PID namespace NVML reports host pids).
+    ``other_processes_bytes`` sums the others, None when any is unknown (``unknown_pids``;
+    ``other_processes_known_bytes`` is then a lower bound)."""
 
     index: int
     name: str
@@ -256,19 +251,20 @@ def _measure(nv: Any, dev: NvmlDevice, handle: Any) -> NvmlDevice:
     return dev
 
 
-def _query(index: int, mig_index: int | None = None) -> NvmlDevice | str:
-    """Measure NVML device ``index`` (or its MIG slice ``mig_index``, through the slice's own
-    handle): an :class:`NvmlDevice`, or a reason string."""
+def query(nvml_index: int, mig_index: int | None = None) -> NvmlDevice | str:
+    """Measure NVML device ``nvml_index`` (or its MIG slice ``mig_index``, through the slice's own
+    handle; its profile from the name NVML gives it, ``"... MIG 1g.5gb"``, and ``index`` and
+    ``pci_bus_id`` the parent's): an :class:`NvmlDevice`, or a reason string."""
     nv, reason = _nvml()
     if nv is None:
         return f"NVML: {reason}"
     try:
-        parent = nv.nvmlDeviceGetHandleByIndex(index)
+        parent = nv.nvmlDeviceGetHandleByIndex(nvml_index)
         h = parent if mig_index is None else nv.nvmlDeviceGetMigDeviceHandleByIndex(parent, mig_index)
         name = _text(nv.nvmlDeviceGetName(h))
         profile = re.search(r"\bMIG\s+(\S+)", name) if mig_index is not None else None
         dev = NvmlDevice(
-            index=index, name=name, uuid=_text(nv.nvmlDeviceGetUUID(h)),
+            index=nvml_index, name=name, uuid=_text(nv.nvmlDeviceGetUUID(h)),
             pci_bus_id=_text(nv.nvmlDeviceGetPciInfo(parent).busId), total=0, free=0, used=0,
             mig_index=mig_index, mig_profile=profile[1] if profile else None)
         return _measure(nv, dev, h)
@@ -276,23 +272,11 @@ def _query(index: int, mig_index: int | None = None) -> NvmlDevice | str:
         return f"NVML: {type(exc).__name__}: {exc}"
 
 
-def query(nvml_index: int) -> NvmlDevice | str:
-    """Measure NVML device ``nvml_index``: an :class:`NvmlDevice`, or a reason string."""
-    return _query(nvml_index)
-
-
-def query_mig(mig: MigIdentity) -> NvmlDevice | str:
-    """Measure one MIG slice: its memory, its processes, its profile (from the name NVML
-    gives it, ``"... MIG 1g.5gb"``). ``index`` and ``pci_bus_id`` are the parent's."""
-    return _query(mig.parent_index, mig.mig_index)
-
-
 def query_for_torch_index(torch_index: int, *, uuid: str | None = None,
                           pci_bus_id: str | None = None) -> tuple[NvmlDevice | None, str]:
     """NVML's view of torch's ``cuda:torch_index``: (device or None, how it was mapped / why
     not), from torch's ``uuid`` and ``pci_bus_id`` where known. A MIG slice is found by its
-    UUID; a device that maps only to a MIG-enabled parent is not reported as the whole card.
-    """
+    UUID; a device that maps only to a MIG-enabled parent is not reported as the whole card."""
     reason = unavailable_reason()
     if reason is not None:
         return None, f"NVML: {reason}"
@@ -308,10 +292,9 @@ def query_for_torch_index(torch_index: int, *, uuid: str | None = None,
             return None, (f"NVML GPU {index} is in MIG mode and cuda:{torch_index} matches none "
                           f"of its MIG UUIDs: its slice is unknown (CUDA_VISIBLE_DEVICES=MIG-<uuid> "
                           "names it)")
-    result = query(index) if mig is None else query_mig(mig)
+    result = query(index) if mig is None else query(mig.parent_index, mig.mig_index)
     return (None, result) if isinstance(result, str) else (result, how)
 
 
 def driver_version() -> str | None:
-    """The NVIDIA driver version, or None."""
     return _ask(None, lambda nv: _text(nv.nvmlSystemGetDriverVersion()))

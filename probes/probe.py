@@ -46,8 +46,7 @@ def _cpu_snapshot() -> MemorySnapshot:
         device="cpu", name=mem["name"], available=True, total_bytes=mem["total"],
         free_bytes=mem["free"], process_bytes=mem["process"], sources=mem["sources"],
         extra={"limited_by": mem["limited_by"], "cpus": host.cpu_count(),
-               "budget": mem["budget"], "peak": mem["peak"]},
-    )
+               "budget": mem["budget"], "peak": mem["peak"]})
 
 
 def _backend(name: str) -> ModuleType:
@@ -72,12 +71,10 @@ def _cuda_unavailable(label: str, torch_reason: str) -> MemorySnapshot:
 
 
 def _merge_nvml(snap: MemorySnapshot, nv: nvml.NvmlDevice, how: str, ident: dict[str, Any]) -> None:
-    """Put NVML's measured figures into ``snap``, naming the API behind each.
-
-    The total is what CUDA can use: NVML v2's ``total - reserved``; with only
-    the v1 API (whose total includes driver-reserved memory, ~0.5 GiB) it is
-    torch's ``total_memory`` (cudaDeviceProp.totalGlobalMem), which creates no context.
-    """
+    """Put NVML's measured figures into ``snap``, naming the API behind each. The total is what CUDA
+    can use: NVML v2's ``total - reserved``; with only the v1 API (whose total includes
+    driver-reserved memory, ~0.5 GiB) it is torch's ``total_memory``
+    (cudaDeviceProp.totalGlobalMem), which creates no context."""
     what = f"NVML {nv.memory_api}" + (f" (MIG {nv.mig_profile or 'slice'})"
                                       if nv.mig_index is not None else "")
     snap.free_bytes = nv.free
@@ -122,11 +119,10 @@ def _cuda_snapshot(index: int | None) -> MemorySnapshot:
     snap = MemorySnapshot(device=label, name=ident["name"], available=True, extra={
         **{k: ident[k] for k in ("uuid", "pci_bus_id") if k in ident}, **stats,
         "free_in_allocator_cache": stats["reserved"] - stats["allocated"]})
-    snap.sources.update({
-        "allocated": "torch.cuda.memory_allocated", "reserved": "torch.cuda.memory_reserved",
-        "peak_allocated": "torch.cuda.max_memory_allocated",
-        "peak_reserved": "torch.cuda.max_memory_reserved",
-    })
+    snap.sources.update({"allocated": "torch.cuda.memory_allocated",
+                         "reserved": "torch.cuda.memory_reserved",
+                         "peak_allocated": "torch.cuda.max_memory_allocated",
+                         "peak_reserved": "torch.cuda.max_memory_reserved"})
     if nv is not None:
         _merge_nvml(snap, nv, how, ident)
         if not nv.pid_matched and cuda.has_context(idx):
@@ -169,22 +165,17 @@ def _mps_snapshot() -> MemorySnapshot:
     driver = st["driver_allocated"] or 0
     return MemorySnapshot(
         device="mps", name="Apple MPS", available=True, total_bytes=total,
-        free_bytes=None if total is None else max(0, total - driver),
-        process_bytes=driver,
+        free_bytes=None if total is None else max(0, total - driver), process_bytes=driver,
         sources={"total": source_total, "free": "estimate: total - driver_allocated_memory",
                  "process": "torch.mps.driver_allocated_memory"},
-        extra={"allocated": st["allocated"], "driver_allocated": driver},
-    )
+        extra={"allocated": st["allocated"], "driver_allocated": driver})
 
 
 def probe(device: Any = "cpu") -> MemorySnapshot:
-    """Measure the memory of ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``), in bytes.
-
-    CUDA merges NVML (device total/free with other processes, per-process usage) with
-    this process's allocator counters in ``extra``. A missing GPU or driver gives
-    ``available=False`` and a ``reason``; any other device string raises
-    :class:`~oomguard.engine.errors.UsageError`.
-    """
+    """Measure the memory of ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``), in bytes. CUDA
+    merges NVML (device total/free with other processes, per-process usage) with this process's
+    allocator counters in ``extra``. A missing GPU or driver gives ``available=False`` and a
+    ``reason``; any other device string raises :class:`~oomguard.engine.errors.UsageError`."""
     kind, index = parse_device(device)
     if kind == "cpu":
         return _cpu_snapshot()
@@ -193,18 +184,14 @@ def probe(device: Any = "cpu") -> MemorySnapshot:
     return _cuda_snapshot(index)
 
 
-def _may_have_gpu_torch_sees() -> bool:
-    """Whether asking torch about CUDA could find a device (worth importing torch for):
-    torch is already imported, NVML sees a GPU, or a ROCm device node exists (no NVML)."""
-    return "torch" in sys.modules or nvml.device_count() > 0 or os.path.exists("/dev/kfd")
-
-
 def probe_all() -> list[MemorySnapshot]:
     """The host, every CUDA device torch can see, and MPS where available. Where torch
     cannot use CUDA but NVML sees GPUs (a CPU-only torch), one unavailable ``cuda`` row
     says so; a host with no NVIDIA driver gets no CUDA row."""
     snaps = [_cpu_snapshot()]
-    if _may_have_gpu_torch_sees():
+    # Torch is imported only where asking it about CUDA could find a device: it is already
+    # imported, NVML sees a GPU, or a ROCm device node exists (no NVML).
+    if "torch" in sys.modules or nvml.device_count() > 0 or os.path.exists("/dev/kfd"):
         cuda = _backend("cuda")
         if cuda.unavailable_reason() is None:
             snaps += [_cuda_snapshot(i) for i in range(cuda.device_count())]

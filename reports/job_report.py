@@ -3,10 +3,9 @@
 
 Per metric: status, the sizes used and where they came from, retries, seconds, peak memory
 (measured) and the result summary; failures with their reason and traceback file; every
-out-of-memory event of the metrics' runs, with memory as measured at the OOM; every remedy
-tried (``on_oom``), a result at a lower precision flagged in the table itself. Plots
-(``plots/``: peak memory per metric, loss landscapes, attention entropy) use
-:mod:`oomguard.reports.style`.
+out-of-memory event of the metrics' runs, with memory as measured at the OOM; every remedy tried
+(``on_oom``), a result at a lower precision flagged in the table itself. Plots (``plots/``: peak
+memory per metric, loss landscapes, attention entropy) use :mod:`oomguard.reports.style`.
 """
 
 from __future__ import annotations
@@ -198,12 +197,6 @@ def oom_events_section(tasks: Mapping[str, Any]) -> list[str]:
                     "inactive block in the allocator's segments.", ""]
 
 
-def status_cell(task: Mapping[str, Any]) -> str:
-    """A task's status, flagged when a remedy lowered its precision (never silent)."""
-    lowered = f" **(lowered precision: {task.get('precision')})**"
-    return f"{task.get('status')}{lowered if task.get('lowered_precision') else ''}"
-
-
 def _remedies_of(key: str, t: Mapping[str, Any], dtype: str) -> list[str]:
     """One metric's remedies: what produced its result and every rung tried; nothing for a
     metric whose first attempt simply worked."""
@@ -272,7 +265,9 @@ def _metric_row(key: str, t: Mapping[str, Any], where: bool) -> str:
     if not s.get("final") and len(s.get("attempts") or []) > 1:
         used = "tried " + " > ".join(_sizes(a) for a in s["attempts"])
     dev = f" {_cell(device_label(t.get('device')))} |" if where else ""
-    return (f"| {key} | {status_cell(t)} |{dev} {used} | {s.get('source') or '-'} "
+    # a remedy that lowered the precision is flagged in the table, never silent
+    flag = f" **(lowered precision: {t.get('precision')})**" if t.get("lowered_precision") else ""
+    return (f"| {key} | {t.get('status')}{flag} |{dev} {used} | {s.get('source') or '-'} "
             f"| {s.get('retries', '-')} | {t['seconds']:.2f} | {fmt_bytes(t.get('peak_bytes'))} |")
 
 

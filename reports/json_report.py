@@ -1,11 +1,10 @@
 """The record of a size search: every figure a report states, computed once.
 
-:func:`summarise` derives the figures (peak at the maximum, utilisation, what the
-capacity is, what capped the search, how memory scaled, the search steps in prose)
-from a :class:`SearchResult`; ``report.json`` is that record as JSON
-(:func:`render_json`), and the Markdown report and the plot render it, so all three
-state the same numbers. Bytes are ints of bytes, seconds are floats of wall-clock
-seconds, fractions are in [0, 1] (not percent).
+:func:`summarise` derives the figures (peak at the maximum, utilisation, what the capacity is, what
+capped the search, how memory scaled, the search steps in prose) from a :class:`SearchResult`;
+``report.json`` is that record as JSON (:func:`render_json`), and the Markdown report and the plot
+render it, so all three state the same numbers. Bytes are ints of bytes, seconds are floats of
+wall-clock seconds, fractions are in [0, 1] (not percent).
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ _MODE_NOTE = {
 _OPTIONS = ("max_size", "max_trials", "max_seconds")
 
 
-# ---------------------------------------------------------------- figures of one search
 def utilisation(peak: float | None, capacity: int | None) -> float | None:
     """``peak / capacity`` as a fraction, None if either is unknown."""
     return None if peak is None or not capacity else peak / capacity
@@ -59,15 +57,12 @@ def _samples(context: Mapping[str, Any]) -> int | None:
 
 
 def capped_by(result: SearchResult, context: Mapping[str, Any]) -> str | None:
-    """What ended a search before it closed its bracket, or None if it closed
-    (an OOM right above the maximum) or nothing fitted.
-
-    ``"samples"``: it stopped at ``max_size`` equal to the number of samples
-    (``context["samples"]`` or ``["n_samples"]``) of a knob that slices the
-    samples, where larger sizes mean the same thing. ``"max_size"``,
-    ``"max_trials"``, ``"max_seconds"``: the search option of that name.
-    ``"strategy"``: the strategy stopped proposing sizes without seeing an OOM.
-    """
+    """What ended a search before it closed its bracket, or None if it closed (an OOM right above
+    the maximum) or nothing fitted. ``"samples"``: it stopped at ``max_size`` equal to the number of
+    samples (``context["samples"]`` or ``["n_samples"]``) of a knob that slices the samples, where
+    larger sizes mean the same thing. ``"max_size"``, ``"max_trials"``, ``"max_seconds"``: the
+    search option of that name. ``"strategy"``: the strategy stopped proposing sizes without seeing
+    an OOM."""
     if result.max_ok is None or closed(result):
         return None
     # The prefix search() writes: "max_size (64) reached".
@@ -81,14 +76,11 @@ def capped_by(result: SearchResult, context: Mapping[str, Any]) -> str | None:
 
 
 def scaling_verdict(result: SearchResult) -> str | None:
-    """How measured peak memory scaled with the size, judged from the fit.
-
-    None: no fit. ``"flat"``: it did not grow (a zero or negative slope, or a
-    positive one no larger than the scatter of the points: t-statistic of the
-    slope below 2). ``"untested"``: a rising line through two points (R² is 1 by
-    construction). Otherwise by R²: ``"confirmed"`` (>= 0.99), ``"approximate"``
-    (>= 0.9), ``"not supported"``.
-    """
+    """How measured peak memory scaled with the size, judged from the fit. None: no fit. ``"flat"``:
+    it did not grow (a zero or negative slope, or a positive one no larger than the scatter of the
+    points: t-statistic of the slope below 2). ``"untested"``: a rising line through two points (R²
+    is 1 by construction). Otherwise by R²: ``"confirmed"`` (>= 0.99), ``"approximate"`` (>= 0.9),
+    ``"not supported"``."""
     fit = result.fit
     if fit is None:
         return None
@@ -130,7 +122,6 @@ def status_text(t: Trial) -> str:
     return "✓ SUCCESS" if t.ok else "✗ RAM guard (estimated limit)" if t.guarded else "✗ OOM"
 
 
-# ---------------------------------------------------------------- the search in prose
 def _growth(sizes: Sequence[int]) -> str:
     pairs = list(zip(sizes, sizes[1:], strict=False))
     if len({b - a for a, b in pairs}) == 1:
@@ -217,7 +208,6 @@ def strategy_steps(result: SearchResult) -> list[str]:
             _ending(result)]
 
 
-# ---------------------------------------------------------------- the record
 def oomguard_version() -> str:
     try:
         return version("oomguard")
@@ -230,15 +220,12 @@ def _at_max(result: SearchResult) -> dict[str, Any]:
     the capacity (the budget, or the free memory probed) its peak used."""
     best = next((t for t in reversed(result.trials) if t.ok and t.size == result.max_ok), None)
     peak, cap = best.peak_bytes if best else None, result.capacity_bytes
-    return {
-        "peak_bytes_at_max": peak,
-        "seconds_at_max": best.seconds if best else None,
-        "value_at_max": best.value if best else None,
-        "capacity_kind": ("unknown" if cap is None else "budget" if cap == result.budget_bytes
-                          else "free memory"),
-        "utilisation": utilisation(peak, cap),
-        "margin_left_bytes": cap - peak if cap is not None and peak is not None else None,
-    }
+    return {"peak_bytes_at_max": peak, "seconds_at_max": best.seconds if best else None,
+            "value_at_max": best.value if best else None,
+            "capacity_kind": ("unknown" if cap is None else "budget" if cap == result.budget_bytes
+                              else "free memory"),
+            "utilisation": utilisation(peak, cap),
+            "margin_left_bytes": cap - peak if cap is not None and peak is not None else None}
 
 
 def summarise(result: SearchResult, context: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -276,11 +263,9 @@ def render_json(result: SearchResult, context: dict | None = None,
     ``context``, ``result`` (:meth:`SearchResult.to_dict`: trials, fit, recommendation,
     capacity, budget, config) and ``summary`` (:func:`summarise`, computed unless given)."""
     return to_jsonable({
-        "schema": SCHEMA,
-        "oomguard_version": oomguard_version(),
+        "schema": SCHEMA, "oomguard_version": oomguard_version(),
         # timezone.utc, not datetime.UTC: setup.cfg still admits Python 3.10.
         "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017
-        "context": context or {},
-        "result": result.to_dict(),
+        "context": context or {}, "result": result.to_dict(),
         "summary": summary if summary is not None else summarise(result, context),
     })

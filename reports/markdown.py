@@ -105,7 +105,6 @@ def _item(key: str, value: Any) -> list[str]:
     return [f"- **{key}**: {value}"]
 
 
-# ---------------------------------------------------------------- sections
 def _context(ctx: Mapping[str, Any]) -> list[str]:
     """What was measured: the known context keys first, then any other, in order."""
     arch = ctx.get("architecture")

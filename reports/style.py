@@ -23,9 +23,7 @@ GRID = {"alpha": 0.3, "linewidth": 0.6}
 
 def figure(size: tuple[float, float] = SIZE, *, grid: bool = True) -> tuple[Figure, Any]:
     """A styled ``(figure, axes)``: Agg canvas, :data:`DPI`, ``size`` inches, a light grid.
-
-    ``grid=False`` for images (heatmaps, contours) where grid lines would cross the data.
-    """
+    ``grid=False`` for images (heatmaps, contours) where grid lines would cross the data."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -38,7 +36,9 @@ def figure(size: tuple[float, float] = SIZE, *, grid: bool = True) -> tuple[Figu
     return fig, ax
 
 
-def _fonts(fig: Figure) -> None:
+def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
+    """Apply the common font sizes to every axes (colour bars included), lay out and write
+    ``fig`` as a PNG to ``path`` atomically."""
     for ax in fig.axes:
         ax.title.set_fontsize(TITLE_PT)
         ax.xaxis.label.set_fontsize(LABEL_PT)
@@ -48,11 +48,5 @@ def _fonts(fig: Figure) -> None:
         if legend is not None:
             for text in legend.get_texts():
                 text.set_fontsize(LEGEND_PT)
-
-
-def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
-    """Apply the common font sizes to every axes (colour bars included), lay out and write
-    ``fig`` as a PNG to ``path`` atomically."""
-    _fonts(fig)
     fig.tight_layout()
     return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=DPI))

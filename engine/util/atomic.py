@@ -1,10 +1,9 @@
 """The one atomic writer: a file is replaced whole and durably, or not at all.
 
-:func:`atomic_write` writes to a temporary file in the target's folder,
-``fsync``s it, moves it over the target with ``os.replace`` and ``fsync``s
-the folder. A reader sees the old content or the new one, never half of
-either, also after a crash or a ``kill -9``. Reports, job results, the size
-cache and job files all go through it.
+:func:`atomic_write` writes to a temporary file in the target's folder, ``fsync``s it, moves it over
+the target with ``os.replace`` and ``fsync``s the folder. A reader sees the old content or the new
+one, never half of either, also after a crash or a ``kill -9``. Reports, job results, the size cache
+and job files all go through it.
 """
 
 from __future__ import annotations
@@ -19,15 +18,6 @@ from typing import Any
 from oomguard.engine.util.jsonable import json_text
 
 Content = bytes | str | Callable[[Path], Any]
-
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # platforms that cannot open or sync folders
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def atomic_write(path: str | os.PathLike[str], content: Content, mode: int = 0o644) -> Path:
@@ -62,7 +52,12 @@ def atomic_write(path: str | os.PathLike[str], content: Content, mode: int = 0o6
         if isinstance(exc, OSError) and exc.filename in (None, tmp_name, str(tmp)):
             exc.filename = str(target)  # name the file the caller asked for (a full disk)
         raise
-    _fsync_dir(target.parent)
+    with contextlib.suppress(OSError):  # platforms that cannot open or sync folders
+        fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     return target
 
 

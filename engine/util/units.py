@@ -19,10 +19,9 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(text: str | int) -> int:
-    """Parse a memory size into bytes: plain bytes (``"1048576"``), SI units (``"2GB"`` =
-    2 * 10**9 bytes) or binary units (``"1.5GiB"``; bare ``K/M/G/T`` are binary). Anything
-    else, or a size that is not positive, is a one-line
-    :class:`~oomguard.engine.errors.UsageError`."""
+    """Parse a memory size into bytes: plain bytes (``"1048576"``), SI units (``"2GB"`` = 2 * 10**9
+    bytes) or binary units (``"1.5GiB"``; bare ``K/M/G/T`` are binary). Anything else, or a size
+    that is not positive, is a one-line :class:`~oomguard.engine.errors.UsageError`."""
     if isinstance(text, bool):
         raise UsageError(f"invalid size {text!r}: give bytes or a unit, e.g. 2GiB, 512MiB, 2GB")
     if isinstance(text, int):
@@ -31,10 +30,8 @@ def parse_size(text: str | int) -> int:
         match = _SIZE_RE.match(str(text))
         unit = match.group(2).upper() if match else None
         if match is None or unit not in _UNITS:
-            raise UsageError(
-                f"invalid size {text!r}: give bytes or a number with a unit "
-                "(B, KB, MB, GB, KiB, MiB, GiB, TiB), e.g. 2GiB, 512MiB, 2GB"
-            )
+            raise UsageError(f"invalid size {text!r}: give bytes or a number with a unit "
+                             "(B, KB, MB, GB, KiB, MiB, GiB, TiB), e.g. 2GiB, 512MiB, 2GB")
         value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
         raise UsageError(f"invalid size {text!r}: a memory size must be greater than 0 bytes")
