@@ -59,15 +59,7 @@ from oomguard.engine.jobs.output import (
 )
 from oomguard.engine.jobs.plan import device_identity, plan
 from oomguard.engine.jobs.progress import Progress
-from oomguard.engine.jobs.records import (
-    FAILED,
-    PENDING,
-    Context,
-    Job,
-    Task,
-    TaskResult,
-    now_iso,
-)
+from oomguard.engine.jobs.records import FAILED, PENDING, Context, Job, Task, TaskResult, now_iso
 from oomguard.engine.jobs.sink import FileSink
 from oomguard.engine.jobs.task_process import run_task
 from oomguard.engine.util.atomic import atomic_write, atomic_write_json
