@@ -1,8 +1,7 @@
-"""``oomguard run`` (overnight jobs, exit codes in :data:`RUN_HELP`) and ``oomguard cache``
-(the size cache). A job's log records, from this process and every metric's, also go to
+"""``oomguard run`` (overnight jobs, exit codes in :data:`RUN_HELP`) and ``oomguard cache`` (the
+size cache). A job's log records, from this process and every metric's, also go to
 ``<output>/job.log`` (:class:`JobLog`). Nothing heavy is imported at module level:
-``oomguard --help`` and ``run --example`` must not load torch
-(docs/measurements.md#start-up-time).
+``oomguard --help`` and ``run --example`` must not load torch (docs/measurements.md#start-up-time).
 """
 
 from __future__ import annotations

@@ -155,11 +155,10 @@ def search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
 
 
 def default_budget(dev: torch.device, given: int | None) -> int | None:
-    """The budget a search runs under: the one given; on CPU 2 GiB (None where the OS
-    cannot cap host memory); on CUDA None, so trials meet the device's own limit,
-    whatever the warm-up left free (a number probed before the warm-up counted the
-    model twice); on MPS the probed recommended working set left, since MPS's default
-    cap (1.7x that) lets a process swap before it runs out."""
+    """The budget a search runs under: the one given; on CPU 2 GiB (None where the OS cannot cap
+    host memory); on CUDA None, so trials meet the device's own limit, whatever the warm-up left
+    free (a number probed before the warm-up counted the model twice); on MPS the probed recommended
+    working set left, since MPS's default cap (1.7x that) lets a process swap before it runs out."""
     if given is not None:
         return given
     if dev.type == "cpu":

@@ -1,7 +1,6 @@
-"""``oomguard reference``: every metric's maximum and safe size for every memory knob on
-this device, measured (and cached, so a second run is instant), written as
-``reference.md``, ``reference.json`` and a ready ``sizes.toml``
-(:mod:`oomguard.engine.jobs.reference`).
+"""``oomguard reference``: every metric's maximum and safe size for every memory knob on this
+device, measured (and cached, so a second run is instant), written as ``reference.md``,
+``reference.json`` and a ready ``sizes.toml`` (:mod:`oomguard.engine.jobs.reference`).
 
 No torch or engine import at module level: ``oomguard --help`` must stay fast.
 """

@@ -11,18 +11,16 @@ One JSON file (default ``user_cache_dir("oomguard")/sizes.json``)::
          "trials": 5, "capped": {}, "search": [...],
          "updated": "...Z", "history": [...]}}}
 
-``search`` holds each knob's search record
-(:class:`~oomguard.engine.jobs.sizing.SearchRecord`); ``capped`` the knobs whose answer
-reached a bound other than memory, with that bound: a request allowing more searches
-again (:mod:`~oomguard.engine.jobs.sizing`). The key (:func:`entry_key`) is the device
-(:func:`device_key`: a budget is a smaller device) and a hash of the workload (model
+``search`` holds each knob's search record (:class:`~oomguard.engine.jobs.sizing.SearchRecord`);
+``capped`` the knobs whose answer reached a bound other than memory, with that bound: a request
+allowing more searches again (:mod:`~oomguard.engine.jobs.sizing`). The key (:func:`entry_key`) is
+the device (:func:`device_key`: a budget is a smaller device) and a hash of the workload (model
 config hash, dtype, sequence length, metric and its result-defining parameters).
 
-Writing: every read-modify-write holds a :class:`filelock.FileLock` on ``<file>.lock``
-and ends with the one atomic replace, so two jobs can share one cache and the file is
-valid JSON at every moment. Reading takes no lock (it sees the old file or the new one)
-and changes nothing on disk (no folder, no lock file), so ``oomguard cache show`` works
-on a read-only cache.
+Writing: every read-modify-write holds a :class:`filelock.FileLock` on ``<file>.lock`` and ends with
+the one atomic replace, so two jobs can share one cache and the file is valid JSON at every moment.
+Reading takes no lock (it sees the old file or the new one) and changes nothing on disk (no folder,
+no lock file), so ``oomguard cache show`` works on a read-only cache.
 
 The cache only saves time; it never costs a result:
 
@@ -36,9 +34,8 @@ The cache only saves time; it never costs a result:
 - An entry whose sizes are not all positive integers (``-5``, ``true``, ``"8"``) is
   treated as absent, with a warning naming its key and value; the next write drops it.
 
-Only ``oomguard cache show`` (a file it cannot read) and ``oomguard cache clear`` (one it
-cannot write) report an unusable cache as an error: one line (:class:`CacheError`, exit
-code 2).
+Only ``oomguard cache show`` (a file it cannot read) and ``oomguard cache clear`` (one it cannot
+write) report an unusable cache as an error: one line (:class:`CacheError`, exit code 2).
 """
 
 from __future__ import annotations

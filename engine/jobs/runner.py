@@ -1,14 +1,13 @@
 """Run a job: every (model, metric) task once, losing nothing already computed.
 
-This process plans the tasks, keeps the journal, and runs each task in a **child
-process** (:mod:`~oomguard.engine.jobs.task_child`; from a forkserver with torch and
-transformers imported, docs/measurements.md#isolated-children-start-up, safe even after
-this process ran OpenMP code, which a plain ``fork`` is not:
-docs/measurements.md#fork-after-openmp). Why a child: the **time limit** really stops a
-metric (SIGTERM, then SIGKILL after 5 s), whatever native code it is in; a budget or a
-crash stays in the child; each metric starts with a fresh heap. The limit covers the
-whole task (model build, search, run); the search is also bounded by
-``search.max_trials`` and ``search.max_seconds`` (at most a third of the limit).
+This process plans the tasks, keeps the journal, and runs each task in a **child process**
+(:mod:`~oomguard.engine.jobs.task_child`; from a forkserver with torch and transformers imported,
+docs/measurements.md#isolated-children-start-up, safe even after this process ran OpenMP code, which
+a plain ``fork`` is not: docs/measurements.md#fork-after-openmp). Why a child: the **time limit**
+really stops a metric (SIGTERM, then SIGKILL after 5 s), whatever native code it is in; a budget or
+a crash stays in the child; each metric starts with a fresh heap. The limit covers the whole task
+(model build, search, run); the search is also bounded by ``search.max_trials`` and
+``search.max_seconds`` (at most a third of the limit).
 
 Resume: a task whose result file says ``ok`` and still answers it (the same inputs,
 :mod:`~oomguard.engine.jobs.fingerprint`; its tensor file present) is skipped and its
@@ -22,10 +21,8 @@ the parent also ends the child (PR_SET_PDEATHSIG through the forkserver).
 Backends: :class:`Sequential` runs the tasks one after another from this process (the
 default); :class:`~oomguard.engine.jobs.ray_job.OnRay` runs them concurrently as Ray
 tasks. Both run a task through :func:`~oomguard.engine.jobs.task_process.run_task`, and
-this process writes the results, the journal and the report either way.
-
-Logging: this module only logs; whoever wants ``job.log`` (the command line) passes
-``log_setup`` (:func:`run_job`).
+this process writes the results, the journal and the report either way. This module
+only logs; whoever wants ``job.log`` (the command line) passes ``log_setup``.
 """
 
 from __future__ import annotations
@@ -138,28 +135,25 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
             log_setup: Callable[[Path], Any] | None = None, force: bool = False,
             snapshot_on_oom: bool = False, backend: Any = None,
             threads: int | None = None) -> Outcome:
-    """Run (or resume) ``job`` into ``job.output`` (see the module docstring); returns the
-    exit code and every record. A stale result's reasons go to the log, the journal, the
-    result (``rerun_because``) and the report. An output folder belongs to one job
-    (:func:`job_identity`): another job's is refused, or with ``force`` its files are moved
-    into ``moved-aside/``.
+    """Run (or resume) ``job`` into ``job.output`` (see the module docstring); returns the exit code
+    and every record. A stale result's reasons go to the log, the journal, the result
+    (``rerun_because``) and the report. An output folder belongs to one job (:func:`job_identity`):
+    another job's is refused, or with ``force`` its files are moved into ``moved-aside/``.
 
-    ``start_method``: ``forkserver`` (safe from any process) or ``fork`` (faster; only from
-    a process that has not run torch code yet, :func:`~oomguard.engine.core.child.start_method`);
-    a GPU job always uses ``forkserver`` (CUDA cannot be used in a forked child).
-    ``log_setup(out)``, if given, is called with the output folder once it is locked, in
-    this process, and at the start of every metric's process; it must pickle. Without it
-    this function configures no logging at all. ``threads``: torch's intra-op threads in
-    each metric's process (None: torch's default; on Ray, a CPU task's share of CPUs).
-    ``snapshot_on_oom``: each metric's process records CUDA allocation history from its
-    start and writes an allocator snapshot at each OOM into ``snapshots/``
-    (pytorch.org/memory_viz; on CPU the events say none was possible).
+    ``start_method``: ``forkserver`` (safe from any process) or ``fork`` (faster; only from a
+    process that has not run torch code yet, :func:`~oomguard.engine.core.child.start_method`); a
+    GPU job always uses ``forkserver`` (CUDA cannot be used in a forked child). ``log_setup(out)``,
+    if given, is called with the output folder once it is locked, in this process, and at the start
+    of every metric's process; it must pickle. Without it this function configures no logging at
+    all. ``threads``: torch's intra-op threads in each metric's process (None: torch's default; on
+    Ray, a CPU task's share of CPUs). ``snapshot_on_oom``: each metric's process records CUDA
+    allocation history from its start and writes an allocator snapshot at each OOM into
+    ``snapshots/`` (pytorch.org/memory_viz; on CPU the events say none was possible).
 
-    Raises :class:`JobError` before any work if the job cannot start (device missing, a
-    budget larger than the device, an output folder that is a file, not writable, in use
-    by another run, or another job's; with Ray, a cluster that cannot be reached or has
-    no GPU for a GPU job). ``OSError`` from writing (a full disk) propagates; every
-    result finished before it is kept.
+    Raises :class:`JobError` before any work if the job cannot start (device missing, a budget
+    larger than the device, an output folder that is a file, not writable, in use by another run, or
+    another job's; with Ray, a cluster that cannot be reached or has no GPU for a GPU job).
+    ``OSError`` from writing (a full disk) propagates; every result finished before it is kept.
     """
     t0 = time.perf_counter()
     out = Path(job.output)

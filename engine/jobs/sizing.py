@@ -72,9 +72,8 @@ Evaluate = Callable[[str, dict[str, int], int, int], SearchRecord]
 
 @dataclass(frozen=True)
 class Request:
-    """What is sized: ``metric`` with its result ``params`` on ``n_samples`` samples of a
-    model of transformers ``config``; searches go up to ``max_size``; ``pinned`` sizes are
-    the job file's."""
+    """What is sized: ``metric`` with its result ``params`` on ``n_samples`` samples of a model of
+    transformers ``config``; searches go up to ``max_size``; ``pinned`` sizes are the job file's."""
 
     metric: Metric
     params: Mapping[str, Any]
