@@ -98,7 +98,6 @@ class JobLog:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Handler of ``oomguard run``."""
     if args.example:
         print(example_text(), end="")
         return 0
@@ -151,7 +150,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    """Handler of ``oomguard cache show|clear``."""
     setup_logging(logging.INFO)
     # why: kept out of `oomguard --help`'s imports, like the runner's.
     from oomguard.engine.jobs.cache import SizeCache, format_entries

@@ -2,7 +2,8 @@
 ``--dtype``, ``--seq-len``, ``--samples``, ``--metric``, ``--knob``) and the search options
 (``bench``, ``search``, ``reference``) with the one
 :class:`~oomguard.engine.core.search.search.SearchConfig` they become, checked before any model
-is built, and the budget its trials run under; the argument types that give one-line errors for bad sizes and counts."""
+is built, and the budget its trials run under; the argument types that give one-line errors
+for bad sizes and counts."""
 
 from __future__ import annotations
 

@@ -86,12 +86,11 @@ def device_key(device: Mapping[str, Any]) -> str:
 
 
 def workload_hash(workload: Mapping[str, Any]) -> str:
-    """A short, stable hash of a workload fingerprint dict (:func:`records.stable_hash`)."""
+    """A short, stable hash of a workload fingerprint dict (:func:`stable_hash`)."""
     return stable_hash(workload)
 
 
 def entry_key(device: Mapping[str, Any], workload: Mapping[str, Any]) -> str:
-    """The cache key of a workload on a device."""
     return f"{device_key(device)}|{workload_hash(workload)}"
 
 

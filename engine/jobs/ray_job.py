@@ -104,11 +104,11 @@ class OnRay:
                                  f": {first_line(exc) or type(exc).__name__}; {START}") from None
             self.owns = True
         resources = ray.cluster_resources()
+        have = f"{int(resources.get('CPU', 0))} CPU(s), {int(resources.get('GPU', 0))} GPU(s)"
         if job.device == "cuda" and resources.get("GPU", 0) < 1:
-            raise JobError(f"{job.path}: device: cuda, but the Ray cluster has no GPU "
-                           f"({_resources(resources)}); add a node with GPUs, or run the "
-                           "job with device = \"cpu\"")
-        return {"device": job.device, "name": f"Ray cluster: {_resources(resources)}",
+            raise JobError(f"{job.path}: device: cuda, but the Ray cluster has no GPU ({have}); "
+                           "add a node with GPUs, or run the job with device = \"cpu\"")
+        return {"device": job.device, "name": f"Ray cluster: {have}",
                 "total_bytes": None, "budget_bytes": job.budget_bytes,
                 "ray": {"address": self.address or "local",
                         "nodes": len([n for n in ray.nodes() if n.get("Alive")])}}
@@ -240,7 +240,3 @@ def device_lines(status: dict[str, list[dict[str, Any]]], short: bool = False) -
     return [f"device {n}: {done[n]} task(s) done, {retries[n]} OOM retr"
             f"{'y' if retries[n] == 1 else 'ies'} inside tasks, {died[n]} worker(s) died"
             for n in names]
-
-
-def _resources(resources: dict[str, float]) -> str:
-    return (f"{int(resources.get('CPU', 0))} CPU(s), {int(resources.get('GPU', 0))} GPU(s)")

@@ -77,8 +77,7 @@ class Outcome:
     out: str = ""
     seconds: float = 0.0
 
-    def failed(self) -> list[str]:
-        """Keys of the tasks that failed, in job order."""
+    def failed(self) -> list[str]:  # in job order
         return [k for k, r in self.results.items() if r.status == FAILED]
 
 
