@@ -3,9 +3,8 @@
 :func:`run_on_worker` is the body of the Ray task. It runs the task exactly as the
 single-process job does (:func:`~oomguard.engine.jobs.task_process.run_task`), except:
 
-- **The device is measured here**, on the worker
-  (:func:`~oomguard.engine.jobs.plan.device_identity` probes the GPU Ray assigned), and
-  the size cache is keyed by that device.
+- **The device is measured here**, on the worker (:func:`~oomguard.engine.jobs.plan.device_identity`
+  probes the GPU Ray assigned), and the size cache is keyed by that device.
 - **Every output goes to the job's hub** (:mod:`~oomguard.engine.jobs.ray_hub`) as it is
   made, through a :class:`~oomguard.engine.jobs.sink.HubSink`. If this worker dies, the
   next attempt starts from :func:`lowered_after_death`.
