@@ -164,9 +164,8 @@ class SizeCache:
         return good
 
     def load(self) -> dict[str, Any]:
-        """The cache document (``{"version", "entries"}``) with only the usable entries.
-        A missing file is an empty cache, and so is one that is not a valid cache (with a
-        warning). Raises :class:`CacheError` if the file exists but cannot be read."""
+        """The cache document (``{"version", "entries"}``) with only the usable entries;
+        :class:`CacheError` if the file exists but cannot be read (the module docstring)."""
         try:
             doc = self._parse()
         except OSError as exc:
@@ -183,8 +182,7 @@ class SizeCache:
         return self.load()["entries"]
 
     def get(self, key: str) -> dict[str, Any] | None:
-        """The entry under ``key`` (see :func:`entry_key`), or None: also, with one warning,
-        when the cache cannot be read or the entry's sizes are not positive integers."""
+        """The entry under ``key`` (:func:`entry_key`), or None (as the module docstring says)."""
         try:
             doc = self._parse()
         except OSError as exc:
@@ -256,8 +254,7 @@ class SizeCache:
     def put(self, key: str, sizes: Mapping[str, int], *, source: str,
             device: Mapping[str, Any] | None = None, workload: Mapping[str, Any] | None = None,
             **extra: Any) -> bool:
-        """Store ``sizes`` for ``key``; ``source`` says where they came from (e.g. ``search``).
-        False, with a warning, if the cache cannot be written."""
+        """Store ``sizes`` for ``key`` from ``source`` (e.g. ``search``); False if not written."""
 
         def change(entries: dict[str, dict[str, Any]]) -> None:
             entries[key] = _changed({**entries.get(key, {}), **extra}, dict(sizes), source,

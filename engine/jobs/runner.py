@@ -136,8 +136,7 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
             threads: int | None = None) -> Outcome:
     """Run (or resume) ``job`` into ``job.output`` (see the module docstring); returns the exit code
     and every record. A stale result's reasons go to the log, the journal, the result
-    (``rerun_because``) and the report. An output folder belongs to one job (:func:`job_identity`):
-    another job's is refused, or with ``force`` its files are moved into ``moved-aside/``.
+    (``rerun_because``) and the report; ``force``: see :func:`claim`.
 
     ``start_method``: ``forkserver`` (safe from any process) or ``fork`` (faster; only from a
     process that has not run torch code yet, :func:`~oomguard.engine.core.child.start_method`); a
