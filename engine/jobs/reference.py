@@ -9,10 +9,9 @@ sequence length and budget takes them from there instead of searching (unless a 
 it more), and a second reference reads every row back from the cache and runs no trial. An entry a
 job already stored is used, never overwritten: it may have been lowered after an OOM in a real run.
 
-:func:`sizes_toml` writes those sizes as a job file's ``[[metrics]]`` blocks, with a
-``[reference]`` table saying what they were measured for; :func:`load_sizes` reads one
-back and :func:`apply_sizes` pins them in a job, refusing a job on another model, dtype,
-sequence length or device.
+:func:`sizes_toml` writes those sizes as a job file's ``[[metrics]]`` blocks, with a ``[reference]``
+table saying what they were measured for; :func:`load_sizes` reads one back and :func:`apply_sizes`
+pins them in a job, refusing a job on another model, dtype, sequence length or device.
 """
 
 from __future__ import annotations

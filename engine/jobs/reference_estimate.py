@@ -177,11 +177,10 @@ def _quadratic(f: Sequence[int], depth: int) -> int:
 
 
 class EstimateSearch:
-    """The estimated reference's evaluator for
-    :func:`~oomguard.engine.jobs.sizing.choose_sizes`: the largest size of a knob whose
-    estimated total fits ``capacity`` bytes, found by estimating instead of running. The
-    cap first (one micro-batch: the cheapest), size 1 only where it does not fit (peaks
-    grow with the size, so a fitting cap answers alone), then the line through the two
+    """The estimated reference's evaluator for :func:`~oomguard.engine.jobs.sizing.choose_sizes`:
+    the largest size of a knob whose estimated total fits ``capacity`` bytes, found by estimating
+    instead of running. The cap first (one micro-batch: the cheapest), size 1 only where it does not
+    fit (peaks grow with the size, so a fitting cap answers alone), then the line through the two
     nearest known sizes, for at most :data:`ROUNDS` rounds."""
 
     def __init__(self, est: Estimator, metric: str, n_samples: int, capacity: int) -> None:
