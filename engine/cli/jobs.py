@@ -53,10 +53,9 @@ def add_run(p: argparse.ArgumentParser) -> None:
                    help="never search: sizes from the cache, else the metric defaults")
     p.add_argument("--json", action="store_true", help="print results.json to stdout when done")
     p.add_argument("--snapshot-on-oom", action="store_true",
-                   help="CUDA: record allocation history and write an allocator snapshot "
-                        "at each OOM into <out>/snapshots/ (open it at "
-                        "pytorch.org/memory_viz); on CPU the OOM events say none was "
-                        "possible")
+                   help="CUDA: record allocation history and write an allocator snapshot at each "
+                        "OOM into <out>/snapshots/ (open it at pytorch.org/memory_viz); on CPU the "
+                        "OOM events say none was possible")
     p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
                    help="run the metrics as Ray tasks, each on its own GPU (or CPU for a "
                         "cpu job), sized for the device it lands on: on a local Ray "

@@ -253,8 +253,7 @@ def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, Ta
     try:
         write_job_report(summary, out, cancelled=lambda: stop.signum != signum)
     except ReportInterrupted:
-        log.warning("interrupted while writing the report; run the same command again to "
-                    "finish it")
+        log.warning("interrupted while writing the report; run the same command again to finish it")
     except OSError as exc:  # a full disk: the results are complete, the report is not
         log.error("could not write the report: %s: %s (results.json is complete)",
                   exc.filename or out, exc.strerror or exc)
