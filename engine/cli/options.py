@@ -129,8 +129,7 @@ def confirmed(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "confirm", False))
 
 
-def search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
-                   unit: int = 1) -> Any:
+def search_config(args: argparse.Namespace, dev: torch.device, max_size: int, unit: int = 1) -> Any:
     """Every search option checked before any model is built (a bad --margin fails first)."""
     from oomguard.engine.core.memory.budget import check_budget
     from oomguard.engine.core.search.search import SearchConfig

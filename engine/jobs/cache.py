@@ -264,8 +264,7 @@ class SizeCache:
                                     dict(sizes), source)
 
     def lower(self, key: str, sizes: Mapping[str, int], *, reason: str,
-              device: Mapping[str, Any] | None = None,
-              workload: Mapping[str, Any] | None = None,
+              device: Mapping[str, Any] | None = None, workload: Mapping[str, Any] | None = None,
               source: str = "lowered after OOM") -> bool:
         """After an OOM: store ``sizes`` where each is at most the cached one (a concurrent
         job's smaller value stays); ``source`` labels why (a Ray worker that died is not an

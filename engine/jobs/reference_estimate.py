@@ -294,8 +294,7 @@ def compare_measured(est: Estimator, rows: list[dict[str, Any]], measured: dict[
 def build_estimate_reference(model: str, dtype: str, seq_len: int, n_samples: int, *,
                              memory: int, memory_name: str, margin: float, device: str,
                              metrics: Sequence[str] | None = None, max_size: int = 65536,
-                             batches: Sequence[int] = (),
-                             measured: dict[str, Any] | None = None,
+                             batches: Sequence[int] = (), measured: dict[str, Any] | None = None,
                              on_row: Callable[[dict[str, Any]], None] | None = None
                              ) -> dict[str, Any]:
     """The estimated reference as a JSON-ready dict (every figure an estimate, in bytes)."""

@@ -223,8 +223,7 @@ def run_search(fn: Any, config: SearchConfig,
 
 
 def measure(fn: Any, config: SearchConfig, *, metric: str,
-            on_trial: Callable[[Any], None] | None = None, strict: bool = False
-            ) -> SearchRecord:
+            on_trial: Callable[[Any], None] | None = None, strict: bool = False) -> SearchRecord:
     """Search ``fn`` (its ``knob`` is the knob searched) and summarise it: a record also
     where nothing fits. A search that fails for a reason other than memory is a record
     saying so, or, with ``strict``, raises its :class:`TrialFailed`."""

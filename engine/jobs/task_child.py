@@ -195,8 +195,7 @@ class _Search:
     knob's search gets ``search.max_seconds``, at most a third of the task's time limit
     shared by its knobs; one that fails for a reason other than memory fails the task."""
 
-    def __init__(self, task: Task, ctx: Context, call: Any, n_knobs: int,
-                 on_record: Any) -> None:
+    def __init__(self, task: Task, ctx: Context, call: Any, n_knobs: int, on_record: Any) -> None:
         self.task, self.ctx, self.call, self.on_record = task, ctx, call, on_record
         self.seconds = min(ctx.job.search.max_seconds, task.time_limit / 3 / max(1, n_knobs))
 
@@ -303,8 +302,7 @@ class _Work:
         return self
 
 
-def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any],
-             t0: float) -> TaskResult:
+def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any], t0: float) -> TaskResult:
     job, out = ctx.job, Path(ctx.out)
     if ctx.snapshot_on_oom:  # from the task's start, so the snapshot shows the model too
         start_history(job.device)
