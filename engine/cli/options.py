@@ -147,9 +147,8 @@ def search_config(args: argparse.Namespace, dev: torch.device, max_size: int, un
     timeout = {} if args.trial_timeout is None else {"trial_timeout": args.trial_timeout}
     isolate = isolated(args, dev)
     return SearchConfig(strategy=strategy(args, capacity, unit, max_size), max_size=max_size,
-                        max_trials=args.max_trials, device=dev, budget=nbytes,
-                        isolate=isolate, confirm=confirmed(args) and not isolate,
-                        margin=args.margin,
+                        max_trials=args.max_trials, device=dev, budget=nbytes, isolate=isolate,
+                        confirm=confirmed(args) and not isolate, margin=args.margin,
                         steps_per_trial=getattr(args, "steps_per_trial", None),
                         verify_steps=getattr(args, "verify_steps", 0), **timeout)
 

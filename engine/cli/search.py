@@ -65,8 +65,7 @@ def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
           f"{', the answer confirmed in fresh processes' if config.confirm else ''}"
           f"{f', sizes in multiples of {unit}' if unit > 1 else ''})", file=sys.stderr, flush=True)
     try:
-        return run_search(workload, config, Progress(context.get("knob", "batch"),
-                                                     config.confirm))
+        return run_search(workload, config, Progress(context.get("knob", "batch"), config.confirm))
     except NoSizeFits as exc:  # other knobs may still fit; TrialFailed goes to main()
         print(f"oomguard: {exc}", file=sys.stderr)
         return None

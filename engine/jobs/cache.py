@@ -190,8 +190,7 @@ class SizeCache:
                         exc.strerror or exc)
             return None
         if doc is None:
-            log.warning("size cache %s is not a valid cache file; going on without it",
-                        self.path)
+            log.warning("size cache %s is not a valid cache file; going on without it", self.path)
             return None
         return self._usable({key: doc["entries"][key]}).get(key) if key in doc["entries"] else None
 

@@ -143,8 +143,7 @@ class OnRay:
                     task = waiting.pop(0)
                     pending[remote.remote(task, ctx, hub)] = task, time.monotonic()
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
-                progress.show(self._watch(ray.get(hub.status.remote()), seen, journal,
-                                          ctx.run_id))
+                progress.show(self._watch(ray.get(hub.status.remote()), seen, journal, ctx.run_id))
                 for ref in ready:
                     task, submitted = pending.pop(ref)
                     record = self._collect(ref, task, ctx, journal,

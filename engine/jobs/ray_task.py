@@ -90,8 +90,7 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
     pump.start()
     try:
         here = dataclasses.replace(ctx, out=str(scratch), device=device,
-                                   start_method=start_method(ctx.job.device),
-                                   threads=threads)
+                                   start_method=start_method(ctx.job.device), threads=threads)
         t_task = time.perf_counter()
         # Never asked to stop (never None): the driver cancels a Ray task by ending its
         # worker, which ends the task's process with it.

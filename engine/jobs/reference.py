@@ -71,11 +71,10 @@ def reference_job(model: str, device: str, dtype: str, seq_len: int, n_samples: 
     this model, device, dtype, data shape, budget and metrics (no parameters, no pins)."""
     for name in metrics:
         get_metric(name)  # a UsageError listing the valid ones
-    return Job(path="<oomguard reference>", text="", name="reference", output="",
-               device=device, dtype=dtype, seed=0, models=(model,),
+    return Job(path="<oomguard reference>", text="", name="reference", output="", device=device,
+               dtype=dtype, seed=0, models=(model,),
                data=DataSpec(seq_len=seq_len, n_samples=n_samples), search=SearchSpec(),
-               metrics=tuple(MetricSpec(id=m, name=m) for m in metrics),
-               budget_bytes=budget_bytes)
+               metrics=tuple(MetricSpec(id=m, name=m) for m in metrics), budget_bytes=budget_bytes)
 
 
 def build_reference(model: str, device: str, dtype: str, seq_len: int, n_samples: int, *,

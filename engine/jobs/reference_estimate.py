@@ -73,8 +73,7 @@ def layer_specs(spec: str) -> tuple[int, list[str]] | None:
         items = list(filter(None, rest.split(",")))
     else:
         return None
-    key = (getattr(config, "attribute_map", {}) or {}).get("num_hidden_layers",
-                                                            "num_hidden_layers")
+    key = (getattr(config, "attribute_map", {}) or {}).get("num_hidden_layers", "num_hidden_layers")
     kept = [i for i in items if i.partition("=")[0].strip() not in LAYER_KEYS]
     return depth, [f"{model_type}:" + ",".join([*kept, f"{key}={n}"]) for n in DEPTHS]
 
@@ -193,8 +192,7 @@ class EstimateSearch:
         known: dict[int, tuple[int, int]] = {}
 
         def probe(ks: Sequence[int]) -> None:
-            got = self.est.totals(self.metric, knob, self.n_samples, [k * unit for k in ks],
-                                  others)
+            got = self.est.totals(self.metric, knob, self.n_samples, [k * unit for k in ks], others)
             known.update({s // unit: v for s, v in got.items()})
 
         probe([top])

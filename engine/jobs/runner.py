@@ -193,8 +193,7 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
     atomic_write(out / "job.toml", job.text)
     journal = Journal(out / "journal.jsonl")
     journal.append("job-start", run=run_id, job=job.path, tasks=[t.key for t in tasks],
-                   device=ctx.device, start_method=ctx.start_method,
-                   backend=type(backend).__name__)
+                   device=ctx.device, start_method=ctx.start_method, backend=type(backend).__name__)
     log.info("job %s: %d metric(s) on %s, output %s", job.name, len(tasks), job.device, out)
     results: dict[str, TaskResult] = {}
     show = sys.stderr.isatty() if progress is None else progress
@@ -213,8 +212,7 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
                         sink.skipped(done)
                         continue
                     moved = set_aside(out, task.key, done)
-                    journal.append("stale", task=task.key, run=run_id, reasons=why,
-                                   moved_to=moved)
+                    journal.append("stale", task=task.key, run=run_id, reasons=why, moved_to=moved)
                     log.warning("[%d/%d] %s: rerunning, because %s (the old result is in %s)",
                                 i, len(tasks), task.key, "; ".join(why), moved)
                     task = dataclasses.replace(task, rerun_because=tuple(why))
@@ -226,8 +224,7 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
     log.info("job %s: %s (%s) in %.1f s; results in %s", job.name, status,
              ", ".join(f"{k} failed" for k, r in results.items() if r.status == FAILED)
              or "nothing failed", time.perf_counter() - t0, out)
-    return Outcome(exit_code=code, results=results, out=str(out),
-                   seconds=time.perf_counter() - t0)
+    return Outcome(exit_code=code, results=results, out=str(out), seconds=time.perf_counter() - t0)
 
 
 def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, TaskResult],
@@ -264,8 +261,7 @@ def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, Ta
         summary = summary_of(stop.signum)
         atomic_write_json(out / "results.json", summary)
         code = summary["exit_code"]
-    journal.append("job-end", run=run_id, status=summary["status"], exit_code=code,
-                   failed=failed)
+    journal.append("job-end", run=run_id, status=summary["status"], exit_code=code, failed=failed)
     journal.close()
     return code, summary["status"]
 

@@ -250,8 +250,7 @@ def record_of(result: SearchResult, metric: str, knob: str, unit: int,
     if failure is not None:
         return SearchRecord(**common, note=f"search failed: {str(failure)[:200]}")
     if result.max_ok is None:
-        return SearchRecord(**common,
-                            note="nothing fits: even the smallest size ran out of memory")
+        return SearchRecord(**common, note="nothing fits: even the smallest size ran out of memory")
     safe = result.size_to_use
     ran = {t.size: t for t in result.trials if t.ok}
     if safe in ran:

@@ -108,8 +108,7 @@ def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any],
     else:
         reason = f"{type(exc).__name__}: {first_line(exc)[:500]}"
     record = record_failure(task, ctx, sink, reason, "", time.perf_counter() - t0,
-                            text="".join(traceback.format_exception(exc)),
-                            **_what_ran(state, out))
+                            text="".join(traceback.format_exception(exc)), **_what_ran(state, out))
     log.error("%s failed: %s (traceback in %s)", task.key, reason, out / record.traceback)
     return record
 
@@ -121,11 +120,9 @@ def record_failure(task: Task, ctx: Context, sink: Sink, reason: str, detail: st
     its other fields), the journal's ``failure``."""
     tb = f"tracebacks/{task.key}.txt"
     sink.write(tb, text if text is not None else f"{task.key}: {reason}\n{detail.rstrip()}\n")
-    record = TaskResult.failure(task, ctx.run_id, reason, tb, seconds, device=ctx.device,
-                                **fields)
+    record = TaskResult.failure(task, ctx.run_id, reason, tb, seconds, device=ctx.device, **fields)
     sink.write(f"results/{task.key}.json", json_text(record))
-    sink.event("failure", task=task.key, run=ctx.run_id, reason=reason,
-               traceback=record.traceback)
+    sink.event("failure", task=task.key, run=ctx.run_id, reason=reason, traceback=record.traceback)
     return record
 
 
@@ -214,8 +211,7 @@ class _Search:
         try:
             return sizing.measure(trial, config, metric=self.task.metric, strict=True)
         except TrialFailed as exc:  # the task fails, with the trials that ran recorded
-            self.on_record(sizing.record_of(exc.result, self.task.metric, knob, unit,
-                                            failure=exc))
+            self.on_record(sizing.record_of(exc.result, self.task.metric, knob, unit, failure=exc))
             raise
 
 
@@ -233,8 +229,7 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, work: _Work, sink: Sink
 
     slot = None
     if metric.memory_knobs() and not task.pinned:
-        slot = sizing.Slot(sink, entry_key(ctx.device, task.workload), ctx.device,
-                           task.workload)
+        slot = sizing.Slot(sink, entry_key(ctx.device, task.workload), ctx.device, task.workload)
         state["cache_key"] = slot.key
     evaluate = (_Search(task, ctx, work.call, len(metric.memory_knobs()) - len(task.pinned),
                         record) if ctx.search and job.search.enabled else None)
@@ -288,8 +283,7 @@ class _Work:
             self.model = self.data = None
             release_memory(job.device)
         self.model = build_model(self.task.model, job.dtype, device, seed=job.seed)
-        self.data = load_data(job.data, self.model.config.vocab_size, seed=job.seed,
-                              device=device)
+        self.data = load_data(job.data, self.model.config.vocab_size, seed=job.seed, device=device)
         # Warm up, one forward + backward on one short sample: thread pools and kernels
         # exist before any budget (docs/measurements.md#minimum-cpu-budget), and nothing
         # is charged to the metric.
