@@ -85,9 +85,8 @@ def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | N
         if conn is not None:  # the runner starts the next process; no result from this one
             info = _sizes_info(state)
             conn.send({"why": exc.why, "ladder": exc.ladder.to_dict() if exc.ladder else {},
-                       **{key: state.get(key) for key in _CHOSEN},
-                       "attempts": info["attempts"], "errors": info["errors"],
-                       "oom_events": _oom_events(state, out) or []})
+                       **{key: state.get(key) for key in _CHOSEN}, "attempts": info["attempts"],
+                       "errors": info["errors"], "oom_events": _oom_events(state, out) or []})
             return
         record = _failed(task, ctx, exc, state, out, sink, t0)
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, none escapes
