@@ -92,8 +92,7 @@ class OnRay:
         self.ray = ray = import_ray()
         if not ray.is_initialized():
             if self.address not in (None, "auto") and (why := _reachable(self.address)):
-                raise UsageError(f"cannot reach the Ray cluster at {self.address}: {why}; "
-                                 f"{START}")
+                raise UsageError(f"cannot reach the Ray cluster at {self.address}: {why}; {START}")
             local = self.address is None and self.num_cpus is not None
             try:
                 ray.init(address="local" if local else self.address,
