@@ -119,7 +119,6 @@ class Sizing:
 
 
 def minimums(metric: Metric) -> dict[str, int]:
-    """Each memory knob's smallest allowed size."""
     return {k.name: int(k.minimum) for k in metric.memory_knobs()}
 
 
