@@ -1,8 +1,7 @@
-"""``oomguard run`` (overnight jobs, exit codes in :data:`RUN_HELP`) and ``oomguard cache``
-(the size cache). A job's log records, from this process and every metric's, also go to
+"""``oomguard run`` (overnight jobs, exit codes in :data:`RUN_HELP`) and ``oomguard cache`` (the
+size cache). A job's log records, from this process and every metric's, also go to
 ``<output>/job.log`` (:class:`JobLog`). Nothing heavy is imported at module level:
-``oomguard --help`` and ``run --example`` must not load torch
-(docs/measurements.md#start-up-time).
+``oomguard --help`` and ``run --example`` must not load torch (docs/measurements.md#start-up-time).
 """
 
 from __future__ import annotations
@@ -54,10 +53,9 @@ def add_run(p: argparse.ArgumentParser) -> None:
                    help="never search: sizes from the cache, else the metric defaults")
     p.add_argument("--json", action="store_true", help="print results.json to stdout when done")
     p.add_argument("--snapshot-on-oom", action="store_true",
-                   help="CUDA: record allocation history and write an allocator snapshot "
-                        "at each OOM into <out>/snapshots/ (open it at "
-                        "pytorch.org/memory_viz); on CPU the OOM events say none was "
-                        "possible")
+                   help="CUDA: record allocation history and write an allocator snapshot at each "
+                        "OOM into <out>/snapshots/ (open it at pytorch.org/memory_viz); on CPU the "
+                        "OOM events say none was possible")
     p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
                    help="run the metrics as Ray tasks, each on its own GPU (or CPU for a "
                         "cpu job), sized for the device it lands on: on a local Ray "
@@ -99,7 +97,6 @@ class JobLog:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Handler of ``oomguard run``."""
     if args.example:
         print(example_text(), end="")
         return 0
@@ -152,7 +149,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    """Handler of ``oomguard cache show|clear``."""
     setup_logging(logging.INFO)
     # why: kept out of `oomguard --help`'s imports, like the runner's.
     from oomguard.engine.jobs.cache import SizeCache, format_entries

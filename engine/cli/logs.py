@@ -1,8 +1,7 @@
-"""The one logging setup. Only the command line configures logging: library modules only
-ask for loggers (``logging.getLogger("oomguard.<part>")``), so a program that imports
-oomguard keeps full control of its own logging. The command line calls
-:func:`setup_logging` once; a job also writes ``job.log`` through :func:`log_to_file`, in
-its own process and in every metric's child.
+"""The one logging setup. Only the command line configures logging: library modules only ask for
+loggers (``logging.getLogger("oomguard.<part>")``), so a program that imports oomguard keeps full
+control of its own logging. The command line calls :func:`setup_logging` once; a job also writes
+``job.log`` through :func:`log_to_file`, in its own process and in every metric's child.
 """
 
 from __future__ import annotations

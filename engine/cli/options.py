@@ -2,7 +2,8 @@
 ``--dtype``, ``--seq-len``, ``--samples``, ``--metric``, ``--knob``) and the search options
 (``bench``, ``search``, ``reference``) with the one
 :class:`~oomguard.engine.core.search.search.SearchConfig` they become, checked before any model
-is built, and the budget its trials run under; the argument types that give one-line errors for bad sizes and counts."""
+is built, and the budget its trials run under; the argument types that give one-line errors
+for bad sizes and counts."""
 
 from __future__ import annotations
 
@@ -128,8 +129,7 @@ def confirmed(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "confirm", False))
 
 
-def search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
-                   unit: int = 1) -> Any:
+def search_config(args: argparse.Namespace, dev: torch.device, max_size: int, unit: int = 1) -> Any:
     """Every search option checked before any model is built (a bad --margin fails first)."""
     from oomguard.engine.core.memory.budget import check_budget
     from oomguard.engine.core.search.search import SearchConfig
@@ -147,19 +147,17 @@ def search_config(args: argparse.Namespace, dev: torch.device, max_size: int,
     timeout = {} if args.trial_timeout is None else {"trial_timeout": args.trial_timeout}
     isolate = isolated(args, dev)
     return SearchConfig(strategy=strategy(args, capacity, unit, max_size), max_size=max_size,
-                        max_trials=args.max_trials, device=dev, budget=nbytes,
-                        isolate=isolate, confirm=confirmed(args) and not isolate,
-                        margin=args.margin,
+                        max_trials=args.max_trials, device=dev, budget=nbytes, isolate=isolate,
+                        confirm=confirmed(args) and not isolate, margin=args.margin,
                         steps_per_trial=getattr(args, "steps_per_trial", None),
                         verify_steps=getattr(args, "verify_steps", 0), **timeout)
 
 
 def default_budget(dev: torch.device, given: int | None) -> int | None:
-    """The budget a search runs under: the one given; on CPU 2 GiB (None where the OS
-    cannot cap host memory); on CUDA None, so trials meet the device's own limit,
-    whatever the warm-up left free (a number probed before the warm-up counted the
-    model twice); on MPS the probed recommended working set left, since MPS's default
-    cap (1.7x that) lets a process swap before it runs out."""
+    """The budget a search runs under: the one given; on CPU 2 GiB (None where the OS cannot cap
+    host memory); on CUDA None, so trials meet the device's own limit, whatever the warm-up left
+    free (a number probed before the warm-up counted the model twice); on MPS the probed recommended
+    working set left, since MPS's default cap (1.7x that) lets a process swap before it runs out."""
     if given is not None:
         return given
     if dev.type == "cpu":

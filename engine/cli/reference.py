@@ -1,7 +1,6 @@
-"""``oomguard reference``: every metric's maximum and safe size for every memory knob on
-this device, measured (and cached, so a second run is instant), written as
-``reference.md``, ``reference.json`` and a ready ``sizes.toml``
-(:mod:`oomguard.engine.jobs.reference`).
+"""``oomguard reference``: every metric's maximum and safe size for every memory knob on this
+device, measured (and cached, so a second run is instant), written as ``reference.md``,
+``reference.json`` and a ready ``sizes.toml`` (:mod:`oomguard.engine.jobs.reference`).
 
 No torch or engine import at module level: ``oomguard --help`` must stay fast.
 """
@@ -26,15 +25,14 @@ DEFAULT_OUT = "oomguard-reference"
 
 
 def add_reference(p: argparse.ArgumentParser) -> None:
-    p.description = ("Search every memory knob of every metric in turn (the knobs before "
-                     "each at their chosen sizes, the ones after it at their defaults, as a job "
-                     "sizes them) on one model, dtype and sequence length, and write "
-                     "reference.md, reference.json and sizes.toml (a ready [[metrics]] block "
-                     "for a job file, or `oomguard run JOB --sizes sizes.toml`). Answers go "
-                     "in the size cache: a second run reads them back without a trial, and a "
-                     "job with the same model, dtype, sequence length, device and budget "
-                     "takes its sizes from there. With the defaults, about 3 minutes on 2 "
-                     "CPU cores for the tiny GPT-2.")
+    p.description = ("Search every memory knob of every metric in turn (the knobs before each at "
+                     "their chosen sizes, the ones after it at their defaults, as a job sizes "
+                     "them) on one model, dtype and sequence length, and write reference.md, "
+                     "reference.json and sizes.toml (a ready [[metrics]] block for a job file, or "
+                     "`oomguard run JOB --sizes sizes.toml`). Answers go in the size cache: a "
+                     "second run reads them back without a trial, and a job with the same model, "
+                     "dtype, sequence length, device and budget takes its sizes from there. With "
+                     "the defaults, about 3 minutes on 2 CPU cores for the tiny GPT-2.")
     add_workload_options(p, model="tiny-gpt2", dtype="float32",
                          seq_len=(32, "default 32, as a job file's [data]"),
                          samples=(8, "default 8, as a job file's [data]"))

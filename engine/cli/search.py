@@ -30,10 +30,9 @@ from oomguard.probes.device import resolve_device
 
 
 def add_bench(p: argparse.ArgumentParser) -> None:
-    p.description = ("Search the maximum batch size of a training step (forward, backward, "
-                     "AdamW) of a small GPT-2 (random init, vocab 256) and write report.md, "
-                     "report.json and memory.png: about 2 minutes on 2 CPU cores with the "
-                     "defaults.")
+    p.description = ("Search the maximum batch size of a training step (forward, backward, AdamW) "
+                     "of a small GPT-2 (random init, vocab 256) and write report.md, report.json "
+                     "and memory.png: about 2 minutes on 2 CPU cores with the defaults.")
     add_workload_options(p, model="tiny-gpt2", seq_len=512)
     add_search_options(p, start=32)
     p.add_argument("--out", default="oomguard-report", help="report folder (oomguard-report)")
@@ -66,8 +65,7 @@ def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
           f"{', the answer confirmed in fresh processes' if config.confirm else ''}"
           f"{f', sizes in multiples of {unit}' if unit > 1 else ''})", file=sys.stderr, flush=True)
     try:
-        return run_search(workload, config, Progress(context.get("knob", "batch"),
-                                                     config.confirm))
+        return run_search(workload, config, Progress(context.get("knob", "batch"), config.confirm))
     except NoSizeFits as exc:  # other knobs may still fit; TrialFailed goes to main()
         print(f"oomguard: {exc}", file=sys.stderr)
         return None

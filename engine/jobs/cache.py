@@ -11,18 +11,16 @@ One JSON file (default ``user_cache_dir("oomguard")/sizes.json``)::
          "trials": 5, "capped": {}, "search": [...],
          "updated": "...Z", "history": [...]}}}
 
-``search`` holds each knob's search record
-(:class:`~oomguard.engine.jobs.sizing.SearchRecord`); ``capped`` the knobs whose answer
-reached a bound other than memory, with that bound: a request allowing more searches
-again (:mod:`~oomguard.engine.jobs.sizing`). The key (:func:`entry_key`) is the device
-(:func:`device_key`: a budget is a smaller device) and a hash of the workload (model
+``search`` holds each knob's search record (:class:`~oomguard.engine.jobs.sizing.SearchRecord`);
+``capped`` the knobs whose answer reached a bound other than memory, with that bound: a request
+allowing more searches again (:mod:`~oomguard.engine.jobs.sizing`). The key (:func:`entry_key`) is
+the device (:func:`device_key`: a budget is a smaller device) and a hash of the workload (model
 config hash, dtype, sequence length, metric and its result-defining parameters).
 
-Writing: every read-modify-write holds a :class:`filelock.FileLock` on ``<file>.lock``
-and ends with the one atomic replace, so two jobs can share one cache and the file is
-valid JSON at every moment. Reading takes no lock (it sees the old file or the new one)
-and changes nothing on disk (no folder, no lock file), so ``oomguard cache show`` works
-on a read-only cache.
+Writing: every read-modify-write holds a :class:`filelock.FileLock` on ``<file>.lock`` and ends with
+the one atomic replace, so two jobs can share one cache and the file is valid JSON at every moment.
+Reading takes no lock (it sees the old file or the new one) and changes nothing on disk (no folder,
+no lock file), so ``oomguard cache show`` works on a read-only cache.
 
 The cache only saves time; it never costs a result:
 
@@ -36,9 +34,8 @@ The cache only saves time; it never costs a result:
 - An entry whose sizes are not all positive integers (``-5``, ``true``, ``"8"``) is
   treated as absent, with a warning naming its key and value; the next write drops it.
 
-Only ``oomguard cache show`` (a file it cannot read) and ``oomguard cache clear`` (one it
-cannot write) report an unusable cache as an error: one line (:class:`CacheError`, exit
-code 2).
+Only ``oomguard cache show`` (a file it cannot read) and ``oomguard cache clear`` (one it cannot
+write) report an unusable cache as an error: one line (:class:`CacheError`, exit code 2).
 """
 
 from __future__ import annotations
@@ -89,12 +86,11 @@ def device_key(device: Mapping[str, Any]) -> str:
 
 
 def workload_hash(workload: Mapping[str, Any]) -> str:
-    """A short, stable hash of a workload fingerprint dict (:func:`records.stable_hash`)."""
+    """A short, stable hash of a workload fingerprint dict (:func:`stable_hash`)."""
     return stable_hash(workload)
 
 
 def entry_key(device: Mapping[str, Any], workload: Mapping[str, Any]) -> str:
-    """The cache key of a workload on a device."""
     return f"{device_key(device)}|{workload_hash(workload)}"
 
 
@@ -168,9 +164,8 @@ class SizeCache:
         return good
 
     def load(self) -> dict[str, Any]:
-        """The cache document (``{"version", "entries"}``) with only the usable entries.
-        A missing file is an empty cache, and so is one that is not a valid cache (with a
-        warning). Raises :class:`CacheError` if the file exists but cannot be read."""
+        """The cache document (``{"version", "entries"}``) with only the usable entries;
+        :class:`CacheError` if the file exists but cannot be read (the module docstring)."""
         try:
             doc = self._parse()
         except OSError as exc:
@@ -187,8 +182,7 @@ class SizeCache:
         return self.load()["entries"]
 
     def get(self, key: str) -> dict[str, Any] | None:
-        """The entry under ``key`` (see :func:`entry_key`), or None: also, with one warning,
-        when the cache cannot be read or the entry's sizes are not positive integers."""
+        """The entry under ``key`` (:func:`entry_key`), or None (as the module docstring says)."""
         try:
             doc = self._parse()
         except OSError as exc:
@@ -196,8 +190,7 @@ class SizeCache:
                         exc.strerror or exc)
             return None
         if doc is None:
-            log.warning("size cache %s is not a valid cache file; going on without it",
-                        self.path)
+            log.warning("size cache %s is not a valid cache file; going on without it", self.path)
             return None
         return self._usable({key: doc["entries"][key]}).get(key) if key in doc["entries"] else None
 
@@ -260,8 +253,7 @@ class SizeCache:
     def put(self, key: str, sizes: Mapping[str, int], *, source: str,
             device: Mapping[str, Any] | None = None, workload: Mapping[str, Any] | None = None,
             **extra: Any) -> bool:
-        """Store ``sizes`` for ``key``; ``source`` says where they came from (e.g. ``search``).
-        False, with a warning, if the cache cannot be written."""
+        """Store ``sizes`` for ``key`` from ``source`` (e.g. ``search``); False if not written."""
 
         def change(entries: dict[str, dict[str, Any]]) -> None:
             entries[key] = _changed({**entries.get(key, {}), **extra}, dict(sizes), source,
@@ -271,8 +263,7 @@ class SizeCache:
                                     dict(sizes), source)
 
     def lower(self, key: str, sizes: Mapping[str, int], *, reason: str,
-              device: Mapping[str, Any] | None = None,
-              workload: Mapping[str, Any] | None = None,
+              device: Mapping[str, Any] | None = None, workload: Mapping[str, Any] | None = None,
               source: str = "lowered after OOM") -> bool:
         """After an OOM: store ``sizes`` where each is at most the cached one (a concurrent
         job's smaller value stays); ``source`` labels why (a Ray worker that died is not an

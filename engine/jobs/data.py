@@ -1,7 +1,6 @@
 """Data sources for jobs: ``n_samples`` rows of ``seq_len`` token ids.
 
-- ``generated``: :func:`oomguard.metrics.models.make_batch` (seeded random tokens, seeded
-  padding);
+- ``generated``: :func:`oomguard.metrics.models.make_batch` (seeded random tokens, seeded padding);
 - ``text``: the file's bytes are the tokens (vocabulary 256), cut into consecutive
   windows from the start;
 - ``tokens``: token ids from a ``.npy`` file (1-D: one stream cut into consecutive

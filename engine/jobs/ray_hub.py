@@ -1,13 +1,12 @@
 """What the tasks of one job on Ray share: the job's outputs, and where each attempt runs.
 
-One :class:`Hub` actor per ``oomguard run --ray``, on the driver's node (this module
-does not import Ray; :class:`~oomguard.engine.jobs.ray_job.OnRay` makes the class an
-actor). Every task's outputs arrive through its
-:class:`~oomguard.engine.jobs.sink.HubSink` and are written as the single-process job
-writes them, into the job's folder and the size cache (under its file lock). Ray runs an
-actor's methods one at a time, so concurrent tasks merge their sizes in turn; workers
-need no shared storage. The hub also keeps where each attempt runs (:meth:`Hub.begin`),
-for a retry after a worker died and for the driver's progress line and journal.
+One :class:`Hub` actor per ``oomguard run --ray``, on the driver's node (this module does not import
+Ray; :class:`~oomguard.engine.jobs.ray_job.OnRay` makes the class an actor). Every task's outputs
+arrive through its :class:`~oomguard.engine.jobs.sink.HubSink` and are written as the single-process
+job writes them, into the job's folder and the size cache (under its file lock). Ray runs an actor's
+methods one at a time, so concurrent tasks merge their sizes in turn; workers need no shared
+storage. The hub also keeps where each attempt runs (:meth:`Hub.begin`), for a retry after a worker
+died and for the driver's progress line and journal.
 """
 
 from __future__ import annotations

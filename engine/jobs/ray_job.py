@@ -92,8 +92,7 @@ class OnRay:
         self.ray = ray = import_ray()
         if not ray.is_initialized():
             if self.address not in (None, "auto") and (why := _reachable(self.address)):
-                raise UsageError(f"cannot reach the Ray cluster at {self.address}: {why}; "
-                                 f"{START}")
+                raise UsageError(f"cannot reach the Ray cluster at {self.address}: {why}; {START}")
             local = self.address is None and self.num_cpus is not None
             try:
                 ray.init(address="local" if local else self.address,
@@ -104,11 +103,11 @@ class OnRay:
                                  f": {first_line(exc) or type(exc).__name__}; {START}") from None
             self.owns = True
         resources = ray.cluster_resources()
+        have = f"{int(resources.get('CPU', 0))} CPU(s), {int(resources.get('GPU', 0))} GPU(s)"
         if job.device == "cuda" and resources.get("GPU", 0) < 1:
-            raise JobError(f"{job.path}: device: cuda, but the Ray cluster has no GPU "
-                           f"({_resources(resources)}); add a node with GPUs, or run the "
-                           "job with device = \"cpu\"")
-        return {"device": job.device, "name": f"Ray cluster: {_resources(resources)}",
+            raise JobError(f"{job.path}: device: cuda, but the Ray cluster has no GPU ({have}); "
+                           "add a node with GPUs, or run the job with device = \"cpu\"")
+        return {"device": job.device, "name": f"Ray cluster: {have}",
                 "total_bytes": None, "budget_bytes": job.budget_bytes,
                 "ray": {"address": self.address or "local",
                         "nodes": len([n for n in ray.nodes() if n.get("Alive")])}}
@@ -143,8 +142,7 @@ class OnRay:
                     task = waiting.pop(0)
                     pending[remote.remote(task, ctx, hub)] = task, time.monotonic()
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
-                progress.show(self._watch(ray.get(hub.status.remote()), seen, journal,
-                                          ctx.run_id))
+                progress.show(self._watch(ray.get(hub.status.remote()), seen, journal, ctx.run_id))
                 for ref in ready:
                     task, submitted = pending.pop(ref)
                     record = self._collect(ref, task, ctx, journal,
@@ -240,7 +238,3 @@ def device_lines(status: dict[str, list[dict[str, Any]]], short: bool = False) -
     return [f"device {n}: {done[n]} task(s) done, {retries[n]} OOM retr"
             f"{'y' if retries[n] == 1 else 'ies'} inside tasks, {died[n]} worker(s) died"
             for n in names]
-
-
-def _resources(resources: dict[str, float]) -> str:
-    return (f"{int(resources.get('CPU', 0))} CPU(s), {int(resources.get('GPU', 0))} GPU(s)")

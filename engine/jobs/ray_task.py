@@ -3,9 +3,8 @@
 :func:`run_on_worker` is the body of the Ray task. It runs the task exactly as the
 single-process job does (:func:`~oomguard.engine.jobs.task_process.run_task`), except:
 
-- **The device is measured here**, on the worker
-  (:func:`~oomguard.engine.jobs.plan.device_identity` probes the GPU Ray assigned), and
-  the size cache is keyed by that device.
+- **The device is measured here**, on the worker (:func:`~oomguard.engine.jobs.plan.device_identity`
+  probes the GPU Ray assigned), and the size cache is keyed by that device.
 - **Every output goes to the job's hub** (:mod:`~oomguard.engine.jobs.ray_hub`) as it is
   made, through a :class:`~oomguard.engine.jobs.sink.HubSink`. If this worker dies, the
   next attempt starts from :func:`lowered_after_death`.
@@ -91,8 +90,7 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
     pump.start()
     try:
         here = dataclasses.replace(ctx, out=str(scratch), device=device,
-                                   start_method=start_method(ctx.job.device),
-                                   threads=threads)
+                                   start_method=start_method(ctx.job.device), threads=threads)
         t_task = time.perf_counter()
         # Never asked to stop (never None): the driver cancels a Ray task by ending its
         # worker, which ends the task's process with it.

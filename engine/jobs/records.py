@@ -194,10 +194,9 @@ class TaskResult(Record):
     def of(cls, task: Task, run_id: str, status: str, **fields: Any) -> TaskResult:
         """The record of ``task`` in run ``run_id``: what identifies the task, ``status``
         (alone: a task that did not finish, ``interrupted`` or ``pending``) and ``fields``."""
-        return cls(task=task.key, metric=task.metric, model=task.model, status=status,
-                   run=run_id, fingerprint=task.fingerprint, params=dict(task.params),
-                   inputs=dict(task.inputs), rerun_because=list(task.rerun_because) or None,
-                   **fields)
+        return cls(task=task.key, metric=task.metric, model=task.model, status=status, run=run_id,
+                   fingerprint=task.fingerprint, params=dict(task.params), inputs=dict(task.inputs),
+                   rerun_because=list(task.rerun_because) or None, **fields)
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> TaskResult:

@@ -2,18 +2,16 @@
 on this device, from searches and the size cache.
 
 :func:`build_reference` sizes each metric of the catalogue on one model, dtype and
-sequence length as a job does (:func:`~oomguard.engine.jobs.sizing.choose_sizes`; each
-knob's search in a fresh process, as ``oomguard search`` does). Its rows are the
-searches' records; the sizes go in the size cache under the key a job looks up, so a
-later job on the same device, model, dtype, sequence length and budget takes them from
-there instead of searching (unless a capped answer allows it more), and a second
-reference reads every row back from the cache and runs no trial. An entry a job already
-stored is used, never overwritten: it may have been lowered after an OOM in a real run.
+sequence length as a job does (:func:`~oomguard.engine.jobs.sizing.choose_sizes`; each knob's search
+in a fresh process, as ``oomguard search`` does). Its rows are the searches' records; the sizes go
+in the size cache under the key a job looks up, so a later job on the same device, model, dtype,
+sequence length and budget takes them from there instead of searching (unless a capped answer allows
+it more), and a second reference reads every row back from the cache and runs no trial. An entry a
+job already stored is used, never overwritten: it may have been lowered after an OOM in a real run.
 
-:func:`sizes_toml` writes those sizes as a job file's ``[[metrics]]`` blocks, with a
-``[reference]`` table saying what they were measured for; :func:`load_sizes` reads one
-back and :func:`apply_sizes` pins them in a job, refusing a job on another model, dtype,
-sequence length or device.
+:func:`sizes_toml` writes those sizes as a job file's ``[[metrics]]`` blocks, with a ``[reference]``
+table saying what they were measured for; :func:`load_sizes` reads one back and :func:`apply_sizes`
+pins them in a job, refusing a job on another model, dtype, sequence length or device.
 """
 
 from __future__ import annotations
@@ -73,11 +71,10 @@ def reference_job(model: str, device: str, dtype: str, seq_len: int, n_samples: 
     this model, device, dtype, data shape, budget and metrics (no parameters, no pins)."""
     for name in metrics:
         get_metric(name)  # a UsageError listing the valid ones
-    return Job(path="<oomguard reference>", text="", name="reference", output="",
-               device=device, dtype=dtype, seed=0, models=(model,),
+    return Job(path="<oomguard reference>", text="", name="reference", output="", device=device,
+               dtype=dtype, seed=0, models=(model,),
                data=DataSpec(seq_len=seq_len, n_samples=n_samples), search=SearchSpec(),
-               metrics=tuple(MetricSpec(id=m, name=m) for m in metrics),
-               budget_bytes=budget_bytes)
+               metrics=tuple(MetricSpec(id=m, name=m) for m in metrics), budget_bytes=budget_bytes)
 
 
 def build_reference(model: str, device: str, dtype: str, seq_len: int, n_samples: int, *,

@@ -73,8 +73,7 @@ def layer_specs(spec: str) -> tuple[int, list[str]] | None:
         items = list(filter(None, rest.split(",")))
     else:
         return None
-    key = (getattr(config, "attribute_map", {}) or {}).get("num_hidden_layers",
-                                                            "num_hidden_layers")
+    key = (getattr(config, "attribute_map", {}) or {}).get("num_hidden_layers", "num_hidden_layers")
     kept = [i for i in items if i.partition("=")[0].strip() not in LAYER_KEYS]
     return depth, [f"{model_type}:" + ",".join([*kept, f"{key}={n}"]) for n in DEPTHS]
 
@@ -177,11 +176,10 @@ def _quadratic(f: Sequence[int], depth: int) -> int:
 
 
 class EstimateSearch:
-    """The estimated reference's evaluator for
-    :func:`~oomguard.engine.jobs.sizing.choose_sizes`: the largest size of a knob whose
-    estimated total fits ``capacity`` bytes, found by estimating instead of running. The
-    cap first (one micro-batch: the cheapest), size 1 only where it does not fit (peaks
-    grow with the size, so a fitting cap answers alone), then the line through the two
+    """The estimated reference's evaluator for :func:`~oomguard.engine.jobs.sizing.choose_sizes`:
+    the largest size of a knob whose estimated total fits ``capacity`` bytes, found by estimating
+    instead of running. The cap first (one micro-batch: the cheapest), size 1 only where it does not
+    fit (peaks grow with the size, so a fitting cap answers alone), then the line through the two
     nearest known sizes, for at most :data:`ROUNDS` rounds."""
 
     def __init__(self, est: Estimator, metric: str, n_samples: int, capacity: int) -> None:
@@ -194,8 +192,7 @@ class EstimateSearch:
         known: dict[int, tuple[int, int]] = {}
 
         def probe(ks: Sequence[int]) -> None:
-            got = self.est.totals(self.metric, knob, self.n_samples, [k * unit for k in ks],
-                                  others)
+            got = self.est.totals(self.metric, knob, self.n_samples, [k * unit for k in ks], others)
             known.update({s // unit: v for s, v in got.items()})
 
         probe([top])
@@ -295,8 +292,7 @@ def compare_measured(est: Estimator, rows: list[dict[str, Any]], measured: dict[
 def build_estimate_reference(model: str, dtype: str, seq_len: int, n_samples: int, *,
                              memory: int, memory_name: str, margin: float, device: str,
                              metrics: Sequence[str] | None = None, max_size: int = 65536,
-                             batches: Sequence[int] = (),
-                             measured: dict[str, Any] | None = None,
+                             batches: Sequence[int] = (), measured: dict[str, Any] | None = None,
                              on_row: Callable[[dict[str, Any]], None] | None = None
                              ) -> dict[str, Any]:
     """The estimated reference as a JSON-ready dict (every figure an estimate, in bytes)."""

@@ -1,14 +1,13 @@
 """Run a job: every (model, metric) task once, losing nothing already computed.
 
-This process plans the tasks, keeps the journal, and runs each task in a **child
-process** (:mod:`~oomguard.engine.jobs.task_child`; from a forkserver with torch and
-transformers imported, docs/measurements.md#isolated-children-start-up, safe even after
-this process ran OpenMP code, which a plain ``fork`` is not:
-docs/measurements.md#fork-after-openmp). Why a child: the **time limit** really stops a
-metric (SIGTERM, then SIGKILL after 5 s), whatever native code it is in; a budget or a
-crash stays in the child; each metric starts with a fresh heap. The limit covers the
-whole task (model build, search, run); the search is also bounded by
-``search.max_trials`` and ``search.max_seconds`` (at most a third of the limit).
+This process plans the tasks, keeps the journal, and runs each task in a **child process**
+(:mod:`~oomguard.engine.jobs.task_child`; from a forkserver with torch and transformers imported,
+docs/measurements.md#isolated-children-start-up, safe even after this process ran OpenMP code, which
+a plain ``fork`` is not: docs/measurements.md#fork-after-openmp). Why a child: the **time limit**
+really stops a metric (SIGTERM, then SIGKILL after 5 s), whatever native code it is in; a budget or
+a crash stays in the child; each metric starts with a fresh heap. The limit covers the whole task
+(model build, search, run); the search is also bounded by ``search.max_trials`` and
+``search.max_seconds`` (at most a third of the limit).
 
 Resume: a task whose result file says ``ok`` and still answers it (the same inputs,
 :mod:`~oomguard.engine.jobs.fingerprint`; its tensor file present) is skipped and its
@@ -22,10 +21,8 @@ the parent also ends the child (PR_SET_PDEATHSIG through the forkserver).
 Backends: :class:`Sequential` runs the tasks one after another from this process (the
 default); :class:`~oomguard.engine.jobs.ray_job.OnRay` runs them concurrently as Ray
 tasks. Both run a task through :func:`~oomguard.engine.jobs.task_process.run_task`, and
-this process writes the results, the journal and the report either way.
-
-Logging: this module only logs; whoever wants ``job.log`` (the command line) passes
-``log_setup`` (:func:`run_job`).
+this process writes the results, the journal and the report either way. This module
+only logs; whoever wants ``job.log`` (the command line) passes ``log_setup``.
 """
 
 from __future__ import annotations
@@ -59,15 +56,7 @@ from oomguard.engine.jobs.output import (
 )
 from oomguard.engine.jobs.plan import device_identity, plan
 from oomguard.engine.jobs.progress import Progress
-from oomguard.engine.jobs.records import (
-    FAILED,
-    PENDING,
-    Context,
-    Job,
-    Task,
-    TaskResult,
-    now_iso,
-)
+from oomguard.engine.jobs.records import FAILED, PENDING, Context, Job, Task, TaskResult, now_iso
 from oomguard.engine.jobs.sink import FileSink
 from oomguard.engine.jobs.task_process import run_task
 from oomguard.engine.util.atomic import atomic_write, atomic_write_json
@@ -88,8 +77,7 @@ class Outcome:
     out: str = ""
     seconds: float = 0.0
 
-    def failed(self) -> list[str]:
-        """Keys of the tasks that failed, in job order."""
+    def failed(self) -> list[str]:  # in job order
         return [k for k, r in self.results.items() if r.status == FAILED]
 
 
@@ -146,28 +134,24 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
             log_setup: Callable[[Path], Any] | None = None, force: bool = False,
             snapshot_on_oom: bool = False, backend: Any = None,
             threads: int | None = None) -> Outcome:
-    """Run (or resume) ``job`` into ``job.output`` (see the module docstring); returns the
-    exit code and every record. A stale result's reasons go to the log, the journal, the
-    result (``rerun_because``) and the report. An output folder belongs to one job
-    (:func:`job_identity`): another job's is refused, or with ``force`` its files are moved
-    into ``moved-aside/``.
+    """Run (or resume) ``job`` into ``job.output`` (see the module docstring); returns the exit code
+    and every record. A stale result's reasons go to the log, the journal, the result
+    (``rerun_because``) and the report; ``force``: see :func:`claim`.
 
-    ``start_method``: ``forkserver`` (safe from any process) or ``fork`` (faster; only from
-    a process that has not run torch code yet, :func:`~oomguard.engine.core.child.start_method`);
-    a GPU job always uses ``forkserver`` (CUDA cannot be used in a forked child).
-    ``log_setup(out)``, if given, is called with the output folder once it is locked, in
-    this process, and at the start of every metric's process; it must pickle. Without it
-    this function configures no logging at all. ``threads``: torch's intra-op threads in
-    each metric's process (None: torch's default; on Ray, a CPU task's share of CPUs).
-    ``snapshot_on_oom``: each metric's process records CUDA allocation history from its
-    start and writes an allocator snapshot at each OOM into ``snapshots/``
-    (pytorch.org/memory_viz; on CPU the events say none was possible).
+    ``start_method``: ``forkserver`` (safe from any process) or ``fork`` (faster; only from a
+    process that has not run torch code yet, :func:`~oomguard.engine.core.child.start_method`); a
+    GPU job always uses ``forkserver`` (CUDA cannot be used in a forked child). ``log_setup(out)``,
+    if given, is called with the output folder once it is locked, in this process, and at the start
+    of every metric's process; it must pickle. Without it this function configures no logging at
+    all. ``threads``: torch's intra-op threads in each metric's process (None: torch's default; on
+    Ray, a CPU task's share of CPUs). ``snapshot_on_oom``: each metric's process records CUDA
+    allocation history from its start and writes an allocator snapshot at each OOM into
+    ``snapshots/`` (pytorch.org/memory_viz; on CPU the events say none was possible).
 
-    Raises :class:`JobError` before any work if the job cannot start (device missing, a
-    budget larger than the device, an output folder that is a file, not writable, in use
-    by another run, or another job's; with Ray, a cluster that cannot be reached or has
-    no GPU for a GPU job). ``OSError`` from writing (a full disk) propagates; every
-    result finished before it is kept.
+    Raises :class:`JobError` before any work if the job cannot start (device missing, a budget
+    larger than the device, an output folder that is a file, not writable, in use by another run, or
+    another job's; with Ray, a cluster that cannot be reached or has no GPU for a GPU job).
+    ``OSError`` from writing (a full disk) propagates; every result finished before it is kept.
     """
     t0 = time.perf_counter()
     out = Path(job.output)
@@ -209,8 +193,7 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
     atomic_write(out / "job.toml", job.text)
     journal = Journal(out / "journal.jsonl")
     journal.append("job-start", run=run_id, job=job.path, tasks=[t.key for t in tasks],
-                   device=ctx.device, start_method=ctx.start_method,
-                   backend=type(backend).__name__)
+                   device=ctx.device, start_method=ctx.start_method, backend=type(backend).__name__)
     log.info("job %s: %d metric(s) on %s, output %s", job.name, len(tasks), job.device, out)
     results: dict[str, TaskResult] = {}
     show = sys.stderr.isatty() if progress is None else progress
@@ -229,8 +212,7 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
                         sink.skipped(done)
                         continue
                     moved = set_aside(out, task.key, done)
-                    journal.append("stale", task=task.key, run=run_id, reasons=why,
-                                   moved_to=moved)
+                    journal.append("stale", task=task.key, run=run_id, reasons=why, moved_to=moved)
                     log.warning("[%d/%d] %s: rerunning, because %s (the old result is in %s)",
                                 i, len(tasks), task.key, "; ".join(why), moved)
                     task = dataclasses.replace(task, rerun_because=tuple(why))
@@ -242,8 +224,7 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
     log.info("job %s: %s (%s) in %.1f s; results in %s", job.name, status,
              ", ".join(f"{k} failed" for k, r in results.items() if r.status == FAILED)
              or "nothing failed", time.perf_counter() - t0, out)
-    return Outcome(exit_code=code, results=results, out=str(out),
-                   seconds=time.perf_counter() - t0)
+    return Outcome(exit_code=code, results=results, out=str(out), seconds=time.perf_counter() - t0)
 
 
 def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, TaskResult],
@@ -269,8 +250,7 @@ def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, Ta
     try:
         write_job_report(summary, out, cancelled=lambda: stop.signum != signum)
     except ReportInterrupted:
-        log.warning("interrupted while writing the report; run the same command again to "
-                    "finish it")
+        log.warning("interrupted while writing the report; run the same command again to finish it")
     except OSError as exc:  # a full disk: the results are complete, the report is not
         log.error("could not write the report: %s: %s (results.json is complete)",
                   exc.filename or out, exc.strerror or exc)
@@ -281,8 +261,7 @@ def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, Ta
         summary = summary_of(stop.signum)
         atomic_write_json(out / "results.json", summary)
         code = summary["exit_code"]
-    journal.append("job-end", run=run_id, status=summary["status"], exit_code=code,
-                   failed=failed)
+    journal.append("job-end", run=run_id, status=summary["status"], exit_code=code, failed=failed)
     journal.close()
     return code, summary["status"]
 

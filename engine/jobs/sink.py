@@ -1,11 +1,10 @@
 """Where a task's outputs go: its journal events, its size-cache puts and lowers, its files.
 
-A task (:func:`~oomguard.engine.jobs.task_process.run_task` and its process) hands every
-output to one sink (``event``, ``put``, ``lower``, ``write``; ``get`` reads the cache)
-and opens none of the job's files itself. :class:`FileSink` writes them directly (it is
-picklable: the task's process writes too). :class:`HubSink`, on Ray, sends them in order
-to the job's :class:`~oomguard.engine.jobs.ray_hub.Hub` actor, which writes them with its
-own :class:`FileSink`.
+A task (:func:`~oomguard.engine.jobs.task_process.run_task` and its process) hands every output to
+one sink (``event``, ``put``, ``lower``, ``write``; ``get`` reads the cache) and opens none of the
+job's files itself. :class:`FileSink` writes them directly (it is picklable: the task's process
+writes too). :class:`HubSink`, on Ray, sends them in order to the job's
+:class:`~oomguard.engine.jobs.ray_hub.Hub` actor, which writes them with its own :class:`FileSink`.
 
 Why a pipe: the task runs in a child process of the Ray worker, and only a process that
 joined Ray can call an actor (joining as a driver of its own costs seconds per process).
@@ -100,10 +99,9 @@ Sink = FileSink  # a HubSink is one whose outputs go to the hub
 
 
 def forward(receive: Any, hub: Any, task: str, attempt: int) -> list[Any]:
-    """Pass what the pipe's receiving end gets to ``hub.take``, in order, until a None;
-    returns the calls' object refs. A process killed halfway through a send tears a
-    message, and what follows is lost: a warning here, or a read the worker stops waiting
-    for."""
+    """Pass what the pipe's receiving end gets to ``hub.take``, in order, until a None; returns the
+    calls' object refs. A process killed halfway through a send tears a message, and what follows is
+    lost: a warning here, or a read the worker stops waiting for."""
     refs = []
     while True:
         try:

@@ -72,9 +72,8 @@ Evaluate = Callable[[str, dict[str, int], int, int], SearchRecord]
 
 @dataclass(frozen=True)
 class Request:
-    """What is sized: ``metric`` with its result ``params`` on ``n_samples`` samples of a
-    model of transformers ``config``; searches go up to ``max_size``; ``pinned`` sizes are
-    the job file's."""
+    """What is sized: ``metric`` with its result ``params`` on ``n_samples`` samples of a model of
+    transformers ``config``; searches go up to ``max_size``; ``pinned`` sizes are the job file's."""
 
     metric: Metric
     params: Mapping[str, Any]
@@ -120,7 +119,6 @@ class Sizing:
 
 
 def minimums(metric: Metric) -> dict[str, int]:
-    """Each memory knob's smallest allowed size."""
     return {k.name: int(k.minimum) for k in metric.memory_knobs()}
 
 
@@ -224,8 +222,7 @@ def run_search(fn: Any, config: SearchConfig,
 
 
 def measure(fn: Any, config: SearchConfig, *, metric: str,
-            on_trial: Callable[[Any], None] | None = None, strict: bool = False
-            ) -> SearchRecord:
+            on_trial: Callable[[Any], None] | None = None, strict: bool = False) -> SearchRecord:
     """Search ``fn`` (its ``knob`` is the knob searched) and summarise it: a record also
     where nothing fits. A search that fails for a reason other than memory is a record
     saying so, or, with ``strict``, raises its :class:`TrialFailed`."""
@@ -252,8 +249,7 @@ def record_of(result: SearchResult, metric: str, knob: str, unit: int,
     if failure is not None:
         return SearchRecord(**common, note=f"search failed: {str(failure)[:200]}")
     if result.max_ok is None:
-        return SearchRecord(**common,
-                            note="nothing fits: even the smallest size ran out of memory")
+        return SearchRecord(**common, note="nothing fits: even the smallest size ran out of memory")
     safe = result.size_to_use
     ran = {t.size: t for t in result.trials if t.ok}
     if safe in ran:

@@ -41,8 +41,7 @@ from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import DTYPES, check_seq_len, model_config
 
 __all__ = ["DataSpec", "Job", "JobError", "MetricSpec", "SearchSpec", "example_text",
-           "import_plugin", "line_of", "load_job", "model_label", "parse_duration",
-           "parse_job"]
+           "import_plugin", "line_of", "load_job", "model_label", "parse_duration", "parse_job"]
 
 _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?\s*"
                        r"(?:(\d+(?:\.\d+)?)\s*s?)?\s*$")

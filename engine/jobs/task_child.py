@@ -85,9 +85,8 @@ def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | N
         if conn is not None:  # the runner starts the next process; no result from this one
             info = _sizes_info(state)
             conn.send({"why": exc.why, "ladder": exc.ladder.to_dict() if exc.ladder else {},
-                       **{key: state.get(key) for key in _CHOSEN},
-                       "attempts": info["attempts"], "errors": info["errors"],
-                       "oom_events": _oom_events(state, out) or []})
+                       **{key: state.get(key) for key in _CHOSEN}, "attempts": info["attempts"],
+                       "errors": info["errors"], "oom_events": _oom_events(state, out) or []})
             return
         record = _failed(task, ctx, exc, state, out, sink, t0)
     except BaseException as exc:  # noqa: BLE001 - every failure is recorded, none escapes
@@ -108,8 +107,7 @@ def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any],
     else:
         reason = f"{type(exc).__name__}: {first_line(exc)[:500]}"
     record = record_failure(task, ctx, sink, reason, "", time.perf_counter() - t0,
-                            text="".join(traceback.format_exception(exc)),
-                            **_what_ran(state, out))
+                            text="".join(traceback.format_exception(exc)), **_what_ran(state, out))
     log.error("%s failed: %s (traceback in %s)", task.key, reason, out / record.traceback)
     return record
 
@@ -121,11 +119,9 @@ def record_failure(task: Task, ctx: Context, sink: Sink, reason: str, detail: st
     its other fields), the journal's ``failure``."""
     tb = f"tracebacks/{task.key}.txt"
     sink.write(tb, text if text is not None else f"{task.key}: {reason}\n{detail.rstrip()}\n")
-    record = TaskResult.failure(task, ctx.run_id, reason, tb, seconds, device=ctx.device,
-                                **fields)
+    record = TaskResult.failure(task, ctx.run_id, reason, tb, seconds, device=ctx.device, **fields)
     sink.write(f"results/{task.key}.json", json_text(record))
-    sink.event("failure", task=task.key, run=ctx.run_id, reason=reason,
-               traceback=record.traceback)
+    sink.event("failure", task=task.key, run=ctx.run_id, reason=reason, traceback=record.traceback)
     return record
 
 
@@ -195,8 +191,7 @@ class _Search:
     knob's search gets ``search.max_seconds``, at most a third of the task's time limit
     shared by its knobs; one that fails for a reason other than memory fails the task."""
 
-    def __init__(self, task: Task, ctx: Context, call: Any, n_knobs: int,
-                 on_record: Any) -> None:
+    def __init__(self, task: Task, ctx: Context, call: Any, n_knobs: int, on_record: Any) -> None:
         self.task, self.ctx, self.call, self.on_record = task, ctx, call, on_record
         self.seconds = min(ctx.job.search.max_seconds, task.time_limit / 3 / max(1, n_knobs))
 
@@ -215,8 +210,7 @@ class _Search:
         try:
             return sizing.measure(trial, config, metric=self.task.metric, strict=True)
         except TrialFailed as exc:  # the task fails, with the trials that ran recorded
-            self.on_record(sizing.record_of(exc.result, self.task.metric, knob, unit,
-                                            failure=exc))
+            self.on_record(sizing.record_of(exc.result, self.task.metric, knob, unit, failure=exc))
             raise
 
 
@@ -234,8 +228,7 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, work: _Work, sink: Sink
 
     slot = None
     if metric.memory_knobs() and not task.pinned:
-        slot = sizing.Slot(sink, entry_key(ctx.device, task.workload), ctx.device,
-                           task.workload)
+        slot = sizing.Slot(sink, entry_key(ctx.device, task.workload), ctx.device, task.workload)
         state["cache_key"] = slot.key
     evaluate = (_Search(task, ctx, work.call, len(metric.memory_knobs()) - len(task.pinned),
                         record) if ctx.search and job.search.enabled else None)
@@ -289,8 +282,7 @@ class _Work:
             self.model = self.data = None
             release_memory(job.device)
         self.model = build_model(self.task.model, job.dtype, device, seed=job.seed)
-        self.data = load_data(job.data, self.model.config.vocab_size, seed=job.seed,
-                              device=device)
+        self.data = load_data(job.data, self.model.config.vocab_size, seed=job.seed, device=device)
         # Warm up, one forward + backward on one short sample: thread pools and kernels
         # exist before any budget (docs/measurements.md#minimum-cpu-budget), and nothing
         # is charged to the metric.
@@ -303,8 +295,7 @@ class _Work:
         return self
 
 
-def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any],
-             t0: float) -> TaskResult:
+def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any], t0: float) -> TaskResult:
     job, out = ctx.job, Path(ctx.out)
     if ctx.snapshot_on_oom:  # from the task's start, so the snapshot shows the model too
         start_history(job.device)

@@ -1,10 +1,9 @@
 """One task of a job in its own process: started, watched, stopped, restarted, recorded.
 
 :func:`run_task` is the one way a task runs, from the job's own process or a Ray worker.
-It starts the task's process (:func:`~oomguard.engine.jobs.task_child.child_main`),
-enforces its time limit (SIGTERM, then SIGKILL), starts a fresh process whenever the
-remedy ladder hands one over, and records a process that ended without a result as the
-task's failure.
+It starts the task's process (:func:`~oomguard.engine.jobs.task_child.child_main`), enforces its
+time limit (SIGTERM, then SIGKILL), starts a fresh process whenever the remedy ladder hands one
+over, and records a process that ended without a result as the task's failure.
 """
 
 from __future__ import annotations
