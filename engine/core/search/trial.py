@@ -30,7 +30,7 @@ from oomguard.engine.core.memory.budget import active_budget, headroom_bytes, ti
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom, release_memory
 from oomguard.engine.core.workload import worst_case_maker
 from oomguard.engine.util.jsonable import to_jsonable
-from oomguard.probes.peak import DATA_INTERVAL_S, PeakMeter
+from oomguard.probes.peak import PeakMeter
 
 if TYPE_CHECKING:
     from oomguard.engine.core.memory.ramguard import RamGuard
@@ -157,6 +157,6 @@ def _limit_units(meter: PeakMeter, budgeted: bool, guard: RamGuard | None) -> st
     """What ``limit_peak_bytes`` and ``headroom_bytes`` count, in words."""
     if meter.device.type == "cpu":
         if budgeted:
-            return f"VmData (what RLIMIT_DATA counts), sampled every {DATA_INTERVAL_S * 1e3:g} ms"
+            return "VmData (what RLIMIT_DATA counts), sampled every 0.5 ms"
         return "resident bytes (the RAM guard's estimate)" if guard is not None else None
     return meter.source
