@@ -165,7 +165,9 @@ def one_rank_calls(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
+# Session-wide, its tests on one worker: set up once a run, not once per visit of a
+# worker's shuffled order to this module.
+@pytest.fixture(scope="session")
 def one_rank_run(tmp_path_factory) -> list[dict]:
     """Both ranks' results of :func:`one_rank_calls` (one run, shared by the tests below)."""
     out = tmp_path_factory.mktemp("one_rank")
@@ -174,6 +176,7 @@ def one_rank_run(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("one_rank_run")
 def test_with_sync_ranks_false_a_call_on_rank_0_only_makes_no_collective(one_rank_run):
     r0 = one_rank_run[0]
     assert r0["unsynced"] == [8, 16, True]
@@ -181,6 +184,7 @@ def test_with_sync_ranks_false_a_call_on_rank_0_only_makes_no_collective(one_ran
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("one_rank_run")
 def test_a_first_call_on_rank_0_only_raises_one_clear_error_instead_of_hanging(one_rank_run):
     r0, r1 = one_rank_run
     error = r0["error"]

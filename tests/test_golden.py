@@ -361,7 +361,9 @@ class Done:
     stderr: str
 
 
-@pytest.fixture(scope="module")
+# Session-wide: pytest tears a module's fixture down whenever a worker's shuffled order
+# leaves the module, and this one (a job and a reference) was set up twice a run.
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Done]]:
     """``oomguard run job.toml`` and ``oomguard reference ...``, started together and
     waited for: ``{"job": Done, "reference": Done}``."""

@@ -220,7 +220,9 @@ def fresh_budget_scenario(name: str) -> dict[str, Any]:
     return budget_scenario(name)
 
 
-@pytest.fixture(scope="module")
+# Session-wide and on one worker: a module fixture is set up again each time a worker's
+# shuffled order comes back to the module, and this one was set up twice a run.
+@pytest.fixture(scope="session")
 def budget_reports() -> dict[str, dict[str, Any]]:
     """Run each budget scenario in its own fresh process.
 
@@ -236,6 +238,7 @@ def budget_reports() -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("metrics_attr_budget")
 @pytest.mark.parametrize("name", list(OOM_CASES))
 def test_executor_under_budget_returns_unconstrained_result(
         name: str, budget_reports: dict[str, dict[str, Any]]) -> None:

@@ -358,7 +358,9 @@ def _calibrate() -> int:
     return int(needs[2] + 1.5 * per_item)
 
 
-@pytest.fixture(scope="module")
+# Session-wide, its tests on one worker: set up once a run, not once per visit of a
+# worker's shuffled order to this module.
+@pytest.fixture(scope="session")
 def gpt2_boundary() -> tuple[int, int]:
     """(budget, brute-force maximum): the largest size before the first OOM,
     trying 1, 2, 3, ... in order in a fresh process under that budget."""
@@ -426,6 +428,7 @@ def test_a_warm_up_leaves_no_free_heap_for_budgeted_trials_to_reuse():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gpt2_boundary")
 def test_gpt2_step_search_matches_brute_force_in_process(gpt2_boundary):
     # In-process answers depend on the process's history, so each side starts
     # from the same state: its own fresh process, model built, one warm-up step.
@@ -435,6 +438,7 @@ def test_gpt2_step_search_matches_brute_force_in_process(gpt2_boundary):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gpt2_boundary")
 def test_gpt2_step_search_isolated_matches_brute_force(gpt2_boundary):
     # Every isolated trial is a fresh process, so the bracket it closes is the
     # fresh-process boundary; with the same heap preparation on both sides and the
