@@ -213,12 +213,14 @@ class SizeCache:
         """Hold the cache's file lock (creating the folder); a lock held too long or a file
         or folder that cannot be written is a :class:`CacheError` (one line)."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except FileExistsError:  # mkdir's words ("File exists") would not say which
+                raise CacheError(f"cannot write the size cache {self.path}: "
+                                 f"{self.path.parent} is not a folder; give a writable "
+                                 "--cache PATH") from None
             with self.lock:
                 yield
-        except FileExistsError:  # mkdir's own words ("File exists") would not say which
-            raise CacheError(f"cannot write the size cache {self.path}: {self.path.parent} is "
-                             "not a folder; give a writable --cache PATH") from None
         except Timeout:
             raise CacheError(f"cannot lock the size cache {self.path} within "
                              f"{LOCK_TIMEOUT_S:g} s (held by another job?)") from None
