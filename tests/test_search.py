@@ -183,6 +183,19 @@ def test_start_or_step_with_a_strategy_is_a_usage_error_saying_how(kwargs, expec
     assert str(info.value).endswith(expected) and "\n" not in str(info.value)
 
 
+@dataclass(frozen=True)
+class LabelledE10(E10):
+    """A user's strategy: E10 with a field of its own that is not a size."""
+
+    label: str = "mine"
+
+
+def test_a_strategy_subclass_keeps_its_own_fields_and_the_built_in_checks():
+    assert LabelledE10(start=4).label == "mine"
+    with pytest.raises(UsageError, match="start must be a positive integer, got 0"):
+        LabelledE10(start=0)
+
+
 def test_start_and_step_with_a_config_strategy_is_a_usage_error():
     with pytest.raises(UsageError, match=r"Doubling\(start=64, factor=2\)"):
         search(Echo(), SearchConfig(strategy=Doubling()), start=64)

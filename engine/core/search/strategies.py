@@ -55,10 +55,12 @@ def _refine(lo: int | None, hi: int | None) -> int | None:
 
 
 class _PositiveFields:
-    """Checks on creation that every dataclass field is a positive integer."""
+    """Checks on creation that every field of the built-in strategy is a positive integer
+    (a user's subclass may add fields of its own, of any type)."""
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        builtin = next(c for c in type(self).__mro__ if c.__module__ == __name__)
+        for f in dataclasses.fields(builtin):  # type: ignore[arg-type]
             check_positive_int(f.name, getattr(self, f.name))
 
 
