@@ -162,6 +162,36 @@ def test_a_child_ignores_sigint_and_dies_with_its_parent(ctx) -> None:
         assert child.wait().result() == (True, signal.SIGKILL)
 
 
+@pytest.mark.slow
+def test_ctrl_c_while_the_forkserver_starts_is_not_lost(monkeypatch) -> None:
+    # A Ctrl-C that lands while the server is being started (every reference row asks for
+    # it) must still stop this process: it once went unseen and the command exited 0.
+    from multiprocessing import forkserver
+
+    from oomguard.engine.core.child import start_forkserver
+
+    real = forkserver.ensure_running
+
+    def ctrl_c_meanwhile() -> None:
+        real()
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(10**5))  # bytecodes in which a handler would run
+
+    monkeypatch.setattr(forkserver, "ensure_running", ctrl_c_meanwhile)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            start_forkserver()
+            sum(range(10**5))
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    monkeypatch.undo()
+    # The server's children still leave SIGINT to the command and die with it.
+    with Child(start_forkserver(), _its_signals) as child:
+        assert child.wait().result() == (True, signal.SIGKILL)
+
+
 # ------------------------------------------------------------------ the command line
 
 

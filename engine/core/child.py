@@ -28,7 +28,6 @@ import pickle
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -73,14 +72,15 @@ def forkserver_context(preload: Iterable[str] = ()) -> Any:
 
 def start_forkserver(preload: Iterable[str] = ()) -> Any:
     """Start the forkserver in the background (its imports overlap this process's work,
-    docs/measurements.md#isolated-children-start-up), with SIGINT ignored (that survives
-    ``exec``, a handler would not) like every child it forks; the context to use."""
+    docs/measurements.md#isolated-children-start-up), with SIGINT blocked (the mask survives
+    ``exec``, a handler would not) like every child it forks; the context to use.
+
+    Blocked, not ignored, here while the server starts: a Ctrl-C in that moment waits and
+    reaches this process after it, where an ignored one was lost and the command went on
+    to exit 0."""
     ctx = forkserver_context(preload)
     if ctx.get_start_method() == "forkserver":
-        previous = signal.getsignal(signal.SIGINT)  # None: a handler Python cannot restore
-        swap = previous is not None and threading.current_thread() is threading.main_thread()
-        if swap:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         # The server learns who started it from its environment: if this process dies
         # while the server's interpreter starts (seconds under load), the server's parent
         # is already the reaper when it asks for the death signal, and it must exit.
@@ -89,8 +89,7 @@ def start_forkserver(preload: Iterable[str] = ()) -> Any:
             forkserver.ensure_running()  # spawns the server and returns
         finally:
             os.environ.pop(PARENT_ENV, None)
-            if swap:
-                signal.signal(signal.SIGINT, previous)
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     return ctx
 
 
