@@ -20,7 +20,8 @@ from oomguard.metrics.base import Metric
 
 IGNORE_INDEX = -100
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-_INDEX = re.compile(r"^\d+$")
+# a dotted name up to its first all-digit part: the numbered block a parameter is under
+_BLOCK = re.compile(r"^(?:[^.]*\.)*?\d+(?=\.|$)")
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -34,8 +35,7 @@ def iter_micro_batches(data: Batch, size: int) -> Iterator[dict[str, torch.Tenso
     """Consecutive slices of every tensor of ``data`` of at most ``size`` samples (dim 0),
     covering every sample once, in order."""
     check_positive_int("micro-batch size", size)
-    n = n_samples(data)
-    for start in range(0, n, size):
+    for start in range(0, n_samples(data), size):
         yield {key: value[start:start + size] for key, value in data.items()}
 
 
@@ -203,11 +203,8 @@ def group_name(param_name: str) -> str:
     """The group of a parameter, from its dotted name: the numbered block it is under
     (``transformer.h.3.attn.c_attn.weight`` -> ``transformer.h.3``), else the module that
     owns it (``transformer.wte``, ``model.norm``, ``lm_head``)."""
-    parts = param_name.split(".")
-    for i, part in enumerate(parts):
-        if _INDEX.match(part):
-            return ".".join(parts[:i + 1])
-    return ".".join(parts[:-1]) or parts[0]
+    block = _BLOCK.match(param_name)
+    return block[0] if block else param_name.rpartition(".")[0] or param_name
 
 
 def param_groups(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.Tensor]]]:

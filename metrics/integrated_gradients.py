@@ -109,8 +109,7 @@ def target_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         rows = torch.arange(logits.shape[0], device=logits.device)
         picked = logits[rows, pred_pos]
-        if picked.dtype not in (torch.float32, torch.float64):
-            picked = picked.float()
+        picked = picked.to(torch.promote_types(picked.dtype, torch.float32))  # up-cast low precision
         return torch.log_softmax(picked, dim=-1)[rows, target_ids]
 
     return forward

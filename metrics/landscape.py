@@ -37,12 +37,10 @@ def filter_normalised_direction(params: list[torch.Tensor], generator: torch.Gen
     for p in params:
         d = torch.randn(p.shape, generator=generator, dtype=torch.float64, device=host)
         ref = p.detach().to(device=host, dtype=torch.float64)
-        if p.dim() >= 2:
-            d_norm = d.flatten(1).norm(dim=1).clamp_min(1e-30)
-            scale = ref.flatten(1).norm(dim=1) / d_norm
-            d = d * scale.view(-1, *([1] * (p.dim() - 1)))
-        else:
-            d = d * (ref.norm() / d.norm().clamp_min(1e-30))
+        if p.dim() < 2:  # one filter: the whole parameter
+            d, ref = d.reshape(1, -1), ref.reshape(1, -1)
+        scale = ref.flatten(1).norm(dim=1) / d.flatten(1).norm(dim=1).clamp_min(1e-30)
+        d = (d.flatten(1) * scale[:, None]).view(p.shape)
         out.append(d.to(device=p.device,
                         dtype=torch.float64 if p.dtype == torch.float64 else torch.float32))
     return out

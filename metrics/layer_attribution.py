@@ -33,10 +33,8 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     best: torch.nn.ModuleList | None = None
     for module in model.modules():
-        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
-            continue
-        if len({type(m) for m in module}) != 1:
-            continue
+        if not isinstance(module, torch.nn.ModuleList) or len({type(m) for m in module}) != 1:
+            continue  # not a stack of same-type modules (or empty)
         if n_layers is not None and len(module) == n_layers:
             return module
         if best is None or len(module) > len(best):

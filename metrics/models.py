@@ -105,13 +105,11 @@ def _check_keys(spec: str, model_type: str, default: Any, config: Any, kw: dict[
 
     from transformers import PretrainedConfig
 
-    valid = (set(default.to_dict()) | set(getattr(default, "attribute_map", {}) or {})
-             | set(PretrainedConfig().to_dict()))
-    for cls in (type(default), PretrainedConfig):
-        for name, param in inspect.signature(cls.__init__).parameters.items():
-            if name != "self" and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
-                valid.add(name)
-    valid = {k for k in valid if not k.startswith("_")}
+    named = {name for cls in (type(default), PretrainedConfig)
+             for name, param in inspect.signature(cls.__init__).parameters.items()
+             if name != "self" and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL)}
+    valid = {k for k in (set(default.to_dict()) | set(getattr(default, "attribute_map", {}) or {})
+                         | set(PretrainedConfig().to_dict()) | named) if not k.startswith("_")}
     unknown = [k for k in kw if k not in valid and hasattr(config, k)]
     if not unknown:
         return
@@ -191,11 +189,10 @@ def make_batch(n: int, seq_len: int, vocab_size: int, seed: int = 0, pad: bool =
         raise UsageError(f"n and seq_len must be positive, got n={n}, seq_len={seq_len}")
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (n, seq_len), generator=g)
-    mask = torch.ones(n, seq_len, dtype=torch.long)
-    if pad:
-        lengths = torch.randint(max(2, seq_len // 2), seq_len + 1, (n,), generator=g)
-        mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
-        ids = ids * mask
+    lengths = (torch.randint(max(2, seq_len // 2), seq_len + 1, (n,), generator=g) if pad
+               else torch.full((n,), seq_len))
+    mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+    ids = ids * mask
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
             "labels": labels.to(device)}
