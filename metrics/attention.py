@@ -82,8 +82,7 @@ class AttentionStats(JsonMetric):
         if count == 0:
             raise UsageError("the data has no valid query positions (attention_mask is all 0)")
         means = {s: (sums[s] / count) for s in STATS}
-        out: dict[str, Any] = {s: means[s].tolist() for s in STATS}  # [layer][head]
-        out.update({f"mean_{s}": float(means[s].mean()) for s in STATS})
-        out.update(n_queries=count, n_samples=n_samples(data),
-                   layers=int(means["entropy"].shape[0]), heads=int(means["entropy"].shape[1]))
-        return out
+        layers, heads = means["entropy"].shape
+        return {**{s: m.tolist() for s, m in means.items()},  # [layer][head]
+                **{f"mean_{s}": float(m.mean()) for s, m in means.items()},
+                "n_queries": count, "n_samples": n_samples(data), "layers": layers, "heads": heads}

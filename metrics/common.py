@@ -83,7 +83,10 @@ def valid_tokens(batch: Batch) -> torch.Tensor:
 
 
 def select_samples(batch: Batch, keep: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The samples of ``batch`` where the boolean ``keep [n]`` is true, every tensor alike."""
+    """The samples of ``batch`` where the boolean ``keep [n]`` is true, every tensor alike (a
+    shallow copy where it is true for all)."""
+    if bool(keep.all()):
+        return dict(batch)
     rows = keep.nonzero().squeeze(1)
     return {key: value[rows.to(value.device)] for key, value in batch.items()}
 
@@ -103,11 +106,7 @@ def scored_samples(batch: Batch) -> dict[str, torch.Tensor] | None:
     are all masked, which float64 models turn into NaN, and a backward pass spreads that NaN into
     every gradient."""
     keep = tokens_per_sample(batch) > 0
-    if bool(keep.all()):
-        return dict(batch)
-    if not bool(keep.any()):
-        return None
-    return select_samples(batch, keep)
+    return select_samples(batch, keep) if bool(keep.any()) else None
 
 
 def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
@@ -142,11 +141,9 @@ def token_nll_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 def nll_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int) -> float:
     """Summed per-token NLL (nats) of all ``data``, without gradients, ``micro_batch_size``
     samples per forward."""
-    total = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
-        for mb in iter_micro_batches(data, micro_batch_size):
-            total += token_nll_sum(model, mb).cpu()
-    return float(total)
+        return float(sum(token_nll_sum(model, mb).cpu()
+                         for mb in iter_micro_batches(data, micro_batch_size)))
 
 
 def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int,

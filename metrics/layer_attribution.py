@@ -79,10 +79,8 @@ class LayerAttribution(CaptumMetric):
         cols: dict[str, list[torch.Tensor]] = {"scores": [], "totals": [], "delta": []}
         for block in transformer_blocks(model):
             tap, handle = hidden_tap(block)
-            try:
+            with handle:  # removes the hook on leaving
                 attr, delta = attribute_to(tap)
-            finally:
-                handle.remove()
             a = attr * mask
             cols["scores"].append(a.abs().sum(dim=(1, 2)))
             cols["totals"].append(a.sum(dim=(1, 2)))

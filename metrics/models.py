@@ -158,10 +158,9 @@ def build_model(spec: str = "tiny-gpt2", dtype: str | torch.dtype = "float32",
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dt, attn_implementation=attn_implementation)
     else:
-        config = model_config(spec)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
-        model = model.to(dt)
+        model = AutoModelForCausalLM.from_config(
+            model_config(spec), attn_implementation=attn_implementation).to(dt)
     if getattr(model, "loss_type", None) is None:
         # transformers warns on every model whose class name does not imply a
         # loss; these are all causal LMs, so say which one instead.
