@@ -60,8 +60,6 @@ def attention_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
 
 @register
 class AttentionStats(JsonMetric):
-    """Mean attention entropy, weight on the first token and look-back distance per layer/head."""
-
     name = "attention_stats"
     # Means of probabilities (entropy, weight, distance) summed in float64: bfloat16
     # attention rows change them in the third digit; no difference of close numbers.

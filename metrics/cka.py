@@ -48,8 +48,6 @@ def cka_from_gram(gram: torch.Tensor, sums: torch.Tensor, n: int,
 
 @register
 class CKA(JsonMetric):
-    """Linear CKA between every pair of hidden-state layers, over all valid tokens."""
-
     name = "cka"
     # No: centring subtracts nearly equal sums, and the layers compared often differ
     # in the third digit of CKA, where bfloat16 hidden states already err.

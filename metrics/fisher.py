@@ -93,8 +93,6 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
 
 @register
 class FisherDiagonal(JsonMetric):
-    """Diagonal empirical Fisher (mean squared per-sample gradient): per-group trace and mean."""
-
     name = "fisher_diagonal"
     # No: squares of per-sample gradients, many near 0, whose relative error in
     # bfloat16 is unbounded; a curvature estimate is not a statistic to round.

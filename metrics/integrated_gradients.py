@@ -216,8 +216,6 @@ class CaptumMetric(JsonMetric):
 
 @register
 class IntegratedGradients(CaptumMetric):
-    """Per-token attributions (nats) of each sample's last-token log-probability."""
-
     name = "integrated_gradients"
     description = ("token attribution (LayerIntegratedGradients on the input embeddings) of the "
                    "last valid token's log-probability, with completeness delta")

@@ -76,8 +76,6 @@ def _micro_batch_norms(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
 
 @register
 class PositionJacobian(JsonMetric):
-    """Frobenius norms of d(final hidden at last position) / d(embedding at each position)."""
-
     name = "position_jacobian"
     # No: derivatives through the whole model; far positions' small norms are the
     # signal, and bfloat16 backward errors are of their size.

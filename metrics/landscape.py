@@ -57,8 +57,6 @@ def axis(grid: int, span: float) -> torch.Tensor:
 
 @register
 class LossLandscape(JsonMetric):
-    """Loss (nats/token) on a grid x grid plane along two filter-normalised random directions."""
-
     name = "loss_landscape"
     # No: neighbouring points of the plane differ by small steps of the weights,
     # which bfloat16 (8 bits of mantissa) rounds away or distorts.

@@ -61,8 +61,6 @@ def hidden_tap(block: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
 
 @register
 class LayerAttribution(CaptumMetric):
-    """Per-sample, per-block attribution mass of the last-token log-probability."""
-
     name = "layer_attribution"
     description = ("layer-wise integrated gradients over each transformer block's output: "
                    "L1 attribution mass per block per sample, with completeness totals")
