@@ -170,13 +170,11 @@ def build_model(spec: str = "tiny-gpt2", dtype: str | torch.dtype = "float32",
 
 def config_fingerprint(spec: str) -> str:
     """A short hash of the model's config: two specs with the same config share it."""
-    cfg = model_config(spec).to_dict()
     # Where a config came from, and the dtype it was saved in (the cache keys
     # dtype on its own), do not change the model's shape or memory.
-    for volatile in ("transformers_version", "_name_or_path", "_commit_hash", "architectures",
-                     "dtype", "torch_dtype"):
-        cfg.pop(volatile, None)
-    return stable_hash(cfg)
+    volatile = {"transformers_version", "_name_or_path", "_commit_hash", "architectures", "dtype",
+                "torch_dtype"}
+    return stable_hash({k: v for k, v in model_config(spec).to_dict().items() if k not in volatile})
 
 
 def make_batch(n: int, seq_len: int, vocab_size: int, seed: int = 0, pad: bool = True,
