@@ -60,8 +60,6 @@ def attention_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
 
 @register
 class AttentionStats(JsonMetric):
-    """Mean attention entropy, weight on the first token and look-back distance per layer/head."""
-
     name = "attention_stats"
     # Means of probabilities (entropy, weight, distance) summed in float64: bfloat16
     # attention rows change them in the third digit; no difference of close numbers.
@@ -82,8 +80,7 @@ class AttentionStats(JsonMetric):
         if count == 0:
             raise UsageError("the data has no valid query positions (attention_mask is all 0)")
         means = {s: (sums[s] / count) for s in STATS}
-        out: dict[str, Any] = {s: means[s].tolist() for s in STATS}  # [layer][head]
-        out.update({f"mean_{s}": float(means[s].mean()) for s in STATS})
-        out.update(n_queries=count, n_samples=n_samples(data),
-                   layers=int(means["entropy"].shape[0]), heads=int(means["entropy"].shape[1]))
-        return out
+        layers, heads = means["entropy"].shape
+        return {**{s: m.tolist() for s, m in means.items()},  # [layer][head]
+                **{f"mean_{s}": float(m.mean()) for s, m in means.items()},
+                "n_queries": count, "n_samples": n_samples(data), "layers": layers, "heads": heads}

@@ -48,8 +48,6 @@ def cka_from_gram(gram: torch.Tensor, sums: torch.Tensor, n: int,
 
 @register
 class CKA(JsonMetric):
-    """Linear CKA between every pair of hidden-state layers, over all valid tokens."""
-
     name = "cka"
     # No: centring subtracts nearly equal sums, and the layers compared often differ
     # in the third digit of CKA, where bfloat16 hidden states already err.
@@ -77,9 +75,7 @@ class CKA(JsonMetric):
                 if shift is None:
                     first = int(keep[0].sum())
                     shift = z[:first].mean(dim=0) if first else torch.zeros_like(z[0])
-                    gram = torch.zeros(z.shape[1], z.shape[1], dtype=torch.float64,
-                                       device=z.device)
-                    sums = torch.zeros(z.shape[1], dtype=torch.float64, device=z.device)
+                    gram, sums = z.new_zeros(z.shape[1], z.shape[1]), z.new_zeros(z.shape[1])
                 z = z - shift
                 gram.addmm_(z.T, z)  # type: ignore[union-attr]
                 sums.add_(z.sum(dim=0))  # type: ignore[union-attr]

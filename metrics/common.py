@@ -20,7 +20,8 @@ from oomguard.metrics.base import Metric
 
 IGNORE_INDEX = -100
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-_INDEX = re.compile(r"^\d+$")
+# a dotted name up to its first all-digit part: the numbered block a parameter is under
+_BLOCK = re.compile(r"^(?:[^.]*\.)*?\d+(?=\.|$)")
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -34,8 +35,7 @@ def iter_micro_batches(data: Batch, size: int) -> Iterator[dict[str, torch.Tenso
     """Consecutive slices of every tensor of ``data`` of at most ``size`` samples (dim 0),
     covering every sample once, in order."""
     check_positive_int("micro-batch size", size)
-    n = n_samples(data)
-    for start in range(0, n, size):
+    for start in range(0, n_samples(data), size):
         yield {key: value[start:start + size] for key, value in data.items()}
 
 
@@ -83,7 +83,10 @@ def valid_tokens(batch: Batch) -> torch.Tensor:
 
 
 def select_samples(batch: Batch, keep: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The samples of ``batch`` where the boolean ``keep [n]`` is true, every tensor alike."""
+    """The samples of ``batch`` where the boolean ``keep [n]`` is true, every tensor alike (a
+    shallow copy where it is true for all)."""
+    if bool(keep.all()):
+        return dict(batch)
     rows = keep.nonzero().squeeze(1)
     return {key: value[rows.to(value.device)] for key, value in batch.items()}
 
@@ -103,11 +106,7 @@ def scored_samples(batch: Batch) -> dict[str, torch.Tensor] | None:
     are all masked, which float64 models turn into NaN, and a backward pass spreads that NaN into
     every gradient."""
     keep = tokens_per_sample(batch) > 0
-    if bool(keep.all()):
-        return dict(batch)
-    if not bool(keep.any()):
-        return None
-    return select_samples(batch, keep)
+    return select_samples(batch, keep) if bool(keep.any()) else None
 
 
 def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
@@ -142,11 +141,9 @@ def token_nll_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 def nll_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int) -> float:
     """Summed per-token NLL (nats) of all ``data``, without gradients, ``micro_batch_size``
     samples per forward."""
-    total = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
-        for mb in iter_micro_batches(data, micro_batch_size):
-            total += token_nll_sum(model, mb).cpu()
-    return float(total)
+        return float(sum(token_nll_sum(model, mb).cpu()
+                         for mb in iter_micro_batches(data, micro_batch_size)))
 
 
 def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int,
@@ -203,11 +200,8 @@ def group_name(param_name: str) -> str:
     """The group of a parameter, from its dotted name: the numbered block it is under
     (``transformer.h.3.attn.c_attn.weight`` -> ``transformer.h.3``), else the module that
     owns it (``transformer.wte``, ``model.norm``, ``lm_head``)."""
-    parts = param_name.split(".")
-    for i, part in enumerate(parts):
-        if _INDEX.match(part):
-            return ".".join(parts[:i + 1])
-    return ".".join(parts[:-1]) or parts[0]
+    block = _BLOCK.match(param_name)
+    return block[0] if block else param_name.rpartition(".")[0] or param_name
 
 
 def param_groups(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.Tensor]]]:

@@ -65,9 +65,8 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
             with torch.enable_grad():
                 loss = sample_loss(leaves, ids[i], mask[i], labels[i])
                 rows.append(torch.autograd.grad(loss, [leaves[n] for n in names],
-                                                allow_unused=True))
-        return {n: torch.stack([torch.zeros_like(ps[n]) if r[j] is None else r[j]
-                                for r in rows]) for j, n in enumerate(names)}
+                                                allow_unused=True, materialize_grads=True))
+        return dict(zip(names, map(torch.stack, zip(*rows, strict=True)), strict=True))
 
     acc = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params.items()}
     counted = 0
@@ -94,8 +93,6 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
 
 @register
 class FisherDiagonal(JsonMetric):
-    """Diagonal empirical Fisher (mean squared per-sample gradient): per-group trace and mean."""
-
     name = "fisher_diagonal"
     # No: squares of per-sample gradients, many near 0, whose relative error in
     # bfloat16 is unbounded; a curvature estimate is not a statistic to round.

@@ -26,8 +26,6 @@ from oomguard.metrics.common import (
 
 @register
 class GradientStats(JsonMetric):
-    """L2 norms of the full-data mean-loss gradient per parameter group, and the total norm."""
-
     name = "gradient_stats"
     # Norms of the gradient per group: about three significant digits in bfloat16, as
     # in mixed-precision training; a norm adds squares, nothing cancels.

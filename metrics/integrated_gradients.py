@@ -97,7 +97,7 @@ def defined_samples(data: Mapping[str, torch.Tensor],
     keep = (valid_tokens(data) >= min_valid).cpu()
     if not bool(keep.any()):
         raise UsageError(f"no sample has {_needs(min_valid)}: give data with longer samples")
-    return keep, (dict(data) if bool(keep.all()) else select_samples(data, keep))
+    return keep, select_samples(data, keep)
 
 
 def target_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
@@ -109,8 +109,7 @@ def target_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         rows = torch.arange(logits.shape[0], device=logits.device)
         picked = logits[rows, pred_pos]
-        if picked.dtype not in (torch.float32, torch.float64):
-            picked = picked.float()
+        picked = picked.to(torch.promote_types(picked.dtype, torch.float32))  # up-cast low precision
         return torch.log_softmax(picked, dim=-1)[rows, target_ids]
 
     return forward
@@ -120,8 +119,7 @@ def target_args(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """captum ``additional_forward_args`` for :func:`target_forward`: mask, position, token."""
     mask = attention_mask(batch)
     last = last_positions(mask)
-    rows = torch.arange(mask.shape[0], device=mask.device)
-    return mask, last - 1, batch["input_ids"][rows, last]
+    return mask, last - 1, batch["input_ids"].gather(1, last[:, None]).squeeze(1)
 
 
 def attribute(layer: torch.nn.Module, *, forward: Callable[..., torch.Tensor],
@@ -218,8 +216,6 @@ class CaptumMetric(JsonMetric):
 
 @register
 class IntegratedGradients(CaptumMetric):
-    """Per-token attributions (nats) of each sample's last-token log-probability."""
-
     name = "integrated_gradients"
     description = ("token attribution (LayerIntegratedGradients on the input embeddings) of the "
                    "last valid token's log-probability, with completeness delta")

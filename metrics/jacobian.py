@@ -76,8 +76,6 @@ def _micro_batch_norms(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
 
 @register
 class PositionJacobian(JsonMetric):
-    """Frobenius norms of d(final hidden at last position) / d(embedding at each position)."""
-
     name = "position_jacobian"
     # No: derivatives through the whole model; far positions' small norms are the
     # signal, and bfloat16 backward errors are of their size.
@@ -94,11 +92,9 @@ class PositionJacobian(JsonMetric):
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                 micro_batch_size: int = 32, vjp_block: int = 8) -> dict[str, Any]:
         keep, work = defined_samples(data, min_valid=1)
-        parts = []
         with torch.enable_grad():
-            for mb in iter_micro_batches(work, micro_batch_size):
-                parts.append(_micro_batch_norms(model, mb, vjp_block).cpu())
-        norms = torch.cat(parts)
+            norms = torch.cat([_micro_batch_norms(model, mb, vjp_block).cpu()
+                               for mb in iter_micro_batches(work, micro_batch_size)])
         last = last_positions(attention_mask(work), min_valid=1).cpu()
         return {"norms": expand_rows(norms, keep),
                 "last_positions": expand_rows(last.to(torch.float64), keep),

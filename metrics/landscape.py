@@ -37,12 +37,10 @@ def filter_normalised_direction(params: list[torch.Tensor], generator: torch.Gen
     for p in params:
         d = torch.randn(p.shape, generator=generator, dtype=torch.float64, device=host)
         ref = p.detach().to(device=host, dtype=torch.float64)
-        if p.dim() >= 2:
-            d_norm = d.flatten(1).norm(dim=1).clamp_min(1e-30)
-            scale = ref.flatten(1).norm(dim=1) / d_norm
-            d = d * scale.view(-1, *([1] * (p.dim() - 1)))
-        else:
-            d = d * (ref.norm() / d.norm().clamp_min(1e-30))
+        if p.dim() < 2:  # one filter: the whole parameter
+            d, ref = d.reshape(1, -1), ref.reshape(1, -1)
+        scale = ref.flatten(1).norm(dim=1) / d.flatten(1).norm(dim=1).clamp_min(1e-30)
+        d = (d.flatten(1) * scale[:, None]).view(p.shape)
         out.append(d.to(device=p.device,
                         dtype=torch.float64 if p.dtype == torch.float64 else torch.float32))
     return out
@@ -59,8 +57,6 @@ def axis(grid: int, span: float) -> torch.Tensor:
 
 @register
 class LossLandscape(JsonMetric):
-    """Loss (nats/token) on a grid x grid plane along two filter-normalised random directions."""
-
     name = "loss_landscape"
     # No: neighbouring points of the plane differ by small steps of the weights,
     # which bfloat16 (8 bits of mantissa) rounds away or distorts.

@@ -33,10 +33,8 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     best: torch.nn.ModuleList | None = None
     for module in model.modules():
-        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
-            continue
-        if len({type(m) for m in module}) != 1:
-            continue
+        if not isinstance(module, torch.nn.ModuleList) or len({type(m) for m in module}) != 1:
+            continue  # not a stack of same-type modules (or empty)
         if n_layers is not None and len(module) == n_layers:
             return module
         if best is None or len(module) > len(best):
@@ -63,8 +61,6 @@ def hidden_tap(block: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
 
 @register
 class LayerAttribution(CaptumMetric):
-    """Per-sample, per-block attribution mass of the last-token log-probability."""
-
     name = "layer_attribution"
     description = ("layer-wise integrated gradients over each transformer block's output: "
                    "L1 attribution mass per block per sample, with completeness totals")
@@ -81,10 +77,8 @@ class LayerAttribution(CaptumMetric):
         cols: dict[str, list[torch.Tensor]] = {"scores": [], "totals": [], "delta": []}
         for block in transformer_blocks(model):
             tap, handle = hidden_tap(block)
-            try:
+            with handle:  # removes the hook on leaving
                 attr, delta = attribute_to(tap)
-            finally:
-                handle.remove()
             a = attr * mask
             cols["scores"].append(a.abs().sum(dim=(1, 2)))
             cols["totals"].append(a.sum(dim=(1, 2)))

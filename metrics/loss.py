@@ -18,8 +18,6 @@ from oomguard.metrics.common import JsonMetric, n_samples, nll_sum, total_tokens
 
 @register
 class Loss(JsonMetric):
-    """Token-weighted mean NLL (nats/token) and perplexity over the whole data."""
-
     name = "loss"
     # A mean of per-token log-likelihoods, log-softmax in float32 and sums in float64:
     # bfloat16 logits move it by about 1e-2 nats, not its meaning.

@@ -105,13 +105,11 @@ def _check_keys(spec: str, model_type: str, default: Any, config: Any, kw: dict[
 
     from transformers import PretrainedConfig
 
-    valid = (set(default.to_dict()) | set(getattr(default, "attribute_map", {}) or {})
-             | set(PretrainedConfig().to_dict()))
-    for cls in (type(default), PretrainedConfig):
-        for name, param in inspect.signature(cls.__init__).parameters.items():
-            if name != "self" and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
-                valid.add(name)
-    valid = {k for k in valid if not k.startswith("_")}
+    named = {name for cls in (type(default), PretrainedConfig)
+             for name, param in inspect.signature(cls.__init__).parameters.items()
+             if name != "self" and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL)}
+    valid = {k for k in (set(default.to_dict()) | set(getattr(default, "attribute_map", {}) or {})
+                         | set(PretrainedConfig().to_dict()) | named) if not k.startswith("_")}
     unknown = [k for k in kw if k not in valid and hasattr(config, k)]
     if not unknown:
         return
@@ -160,10 +158,9 @@ def build_model(spec: str = "tiny-gpt2", dtype: str | torch.dtype = "float32",
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dt, attn_implementation=attn_implementation)
     else:
-        config = model_config(spec)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
-        model = model.to(dt)
+        model = AutoModelForCausalLM.from_config(
+            model_config(spec), attn_implementation=attn_implementation).to(dt)
     if getattr(model, "loss_type", None) is None:
         # transformers warns on every model whose class name does not imply a
         # loss; these are all causal LMs, so say which one instead.
@@ -173,13 +170,11 @@ def build_model(spec: str = "tiny-gpt2", dtype: str | torch.dtype = "float32",
 
 def config_fingerprint(spec: str) -> str:
     """A short hash of the model's config: two specs with the same config share it."""
-    cfg = model_config(spec).to_dict()
     # Where a config came from, and the dtype it was saved in (the cache keys
     # dtype on its own), do not change the model's shape or memory.
-    for volatile in ("transformers_version", "_name_or_path", "_commit_hash", "architectures",
-                     "dtype", "torch_dtype"):
-        cfg.pop(volatile, None)
-    return stable_hash(cfg)
+    volatile = {"transformers_version", "_name_or_path", "_commit_hash", "architectures", "dtype",
+                "torch_dtype"}
+    return stable_hash({k: v for k, v in model_config(spec).to_dict().items() if k not in volatile})
 
 
 def make_batch(n: int, seq_len: int, vocab_size: int, seed: int = 0, pad: bool = True,
@@ -191,11 +186,10 @@ def make_batch(n: int, seq_len: int, vocab_size: int, seed: int = 0, pad: bool =
         raise UsageError(f"n and seq_len must be positive, got n={n}, seq_len={seq_len}")
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (n, seq_len), generator=g)
-    mask = torch.ones(n, seq_len, dtype=torch.long)
-    if pad:
-        lengths = torch.randint(max(2, seq_len // 2), seq_len + 1, (n,), generator=g)
-        mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
-        ids = ids * mask
+    lengths = (torch.randint(max(2, seq_len // 2), seq_len + 1, (n,), generator=g) if pad
+               else torch.full((n,), seq_len))
+    mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+    ids = ids * mask
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
             "labels": labels.to(device)}

@@ -91,8 +91,7 @@ class TrainStep(RebuiltInChild):
     def worst_case_batch(self, batch_size: int) -> torch.Tensor:
         """The batch a step at ``batch_size`` uses: token ids ``[batch_size, seq_len]`` (int64, on
         ``device``, no padding), uniform over the vocabulary, seeded by ``seed + batch_size``."""
-        if "vocab" not in self._state:
-            self.warmup()
+        self.warmup()  # builds once
         g = torch.Generator().manual_seed(self.seed + batch_size)
         ids = torch.randint(0, self._state["vocab"], (batch_size, self.seq_len), generator=g)
         return ids.to(self.device)
@@ -100,8 +99,7 @@ class TrainStep(RebuiltInChild):
     def __call__(self, batch_size: int, batch: torch.Tensor | None = None) -> float:
         """One training step on ``batch`` (token ids ``[batch_size, length]``), or on
         :meth:`worst_case_batch` built here when None; returns the loss (nats per token)."""
-        if "model" not in self._state:
-            self.warmup()
+        self.warmup()
         model, opt = self._state["model"], self._state["opt"]
         ids = self.worst_case_batch(batch_size) if batch is None else batch
         if ids.dim() != 2 or ids.shape[0] != batch_size:

@@ -162,15 +162,13 @@ class MetricTrial(RebuiltInChild):
         """The data at their most costly, the same for every ``size`` (which slices them):
         the padded data's tokens with every sample at full length (``attention_mask`` all
         ones, no label -100), built once by ``warmup()``."""
-        if "worst_case" not in self._state:
-            self.warmup()
+        self.warmup()  # builds once
         return self._state["worst_case"]
 
     def __call__(self, size: int, batch: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
         """Run the metric with ``knob=size`` on ``batch`` (``input_ids``, ``attention_mask``,
         ``labels``), by default on the padded data; return its JSON-friendly summary."""
-        if "model" not in self._state:
-            self.warmup()
+        self.warmup()
         metric = get_metric(self.metric)
         data = self._state["data"] if batch is None else batch
         with torch.enable_grad():

@@ -240,10 +240,9 @@ def _measure(nv: Any, dev: NvmlDevice, handle: Any) -> NvmlDevice:
     dev.total, dev.reserved, dev.free, dev.used, dev.memory_api = _memory(nv, handle)
     dev.processes, dev.process_api = _processes(nv, handle)
     mine = _own_pids()
-    dev.pid_matched = bool(mine & dev.processes.keys())
     own = [b for pid, b in dev.processes.items() if pid in mine]
-    known_own = [b for b in own if b is not None]
-    dev.process_bytes = sum(known_own) if dev.pid_matched and len(known_own) == len(own) else None
+    dev.pid_matched = bool(own)
+    dev.process_bytes = sum(b for b in own if b is not None) if own and None not in own else None
     dev.unknown_pids = sorted(p for p, b in dev.processes.items() if b is None and p not in mine)
     dev.other_processes_known_bytes = sum(b for p, b in dev.processes.items()
                                           if b is not None and p not in mine)

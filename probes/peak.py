@@ -98,8 +98,6 @@ class PeakMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
         elif kind == "mps" and torch.backends.mps.is_available():
             self.baseline = held_bytes(self.device)
-        else:
-            self.baseline = 0
         return self.baseline
 
     def restart_peak(self) -> None:

@@ -96,9 +96,8 @@ class _Resident:
         state = self.work._state
         model = state["model"]
         tensors = [*model.parameters(), *(p.grad for p in model.parameters()
-                                          if p.grad is not None), *model.buffers()]
-        for key in ("data", "worst_case"):
-            tensors += list(state.get(key, {}).values())
+                                          if p.grad is not None), *model.buffers(),
+                   *(t for key in ("data", "worst_case") for t in state.get(key, {}).values())]
         seen: dict[int, int] = {id(t): t.untyped_storage().nbytes() for t in tensors}
         self.resident = sum(-(-n // self.block) * self.block for n in seen.values())
 
