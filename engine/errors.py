@@ -132,13 +132,11 @@ class NoSizeFits(SearchFailed):
     """Even the smallest size tried ran out of memory. ``result`` holds every trial."""
 
     def __init__(self, result: Any) -> None:
-        if not result.trials:  # a limit (max_seconds, max_trials) ended it before any trial
-            super().__init__(f"no size fits: no trial ran ({result.stopped_because}); raise "
-                             "the limit that stopped the search", result)
-            return
         sizes = ", ".join(str(t.size) for t in result.trials)
-        super().__init__(f"no size fits: every size tried ran out of memory ({sizes}); free "
-                         "memory, raise the budget or shrink the model", result)
+        why = (f"every size tried ran out of memory ({sizes}); free memory, raise the budget or "
+               "shrink the model" if sizes else  # a limit (max_trials, max_seconds) ended it
+               f"no trial ran ({result.stopped_because}); raise the limit that stopped the search")
+        super().__init__(f"no size fits: {why}", result)
 
 
 class TrialFailed(SearchFailed):

@@ -121,14 +121,6 @@ class _Failed(NamedTuple):
     event: OomEvent | None = None
 
 
-def _failed(result: Any) -> bool:
-    return type(result) is _Failed
-
-
-def _nothing_left(rs: RetryCallState) -> bool:
-    return rs.outcome.result().next is None  # type: ignore[union-attr]
-
-
 class SizeController:
     """Runs attempts at adaptive sizes: shrink on OOM, remember, optionally grow back, agree.
 
@@ -193,9 +185,11 @@ class SizeController:
             self._agree_start()
         if self.grow_after is not None and mem.clean >= self.grow_after:
             self._grow(cap)
-        sizes = mem.sizes  # type: ignore[assignment]
-        if cap is not None or None in sizes.values():
-            sizes = self._sizes_for(cap)
+        sizes: Sizes = mem.sizes  # type: ignore[assignment]
+        if cap is not None:
+            sizes = {k: v if v is not None and v <= cap[k] else cap[k] for k, v in sizes.items()}
+        elif None in sizes.values():
+            raise UsageError(f"{self.name}: an adaptive size without a start needs a cap")
         watch = None
         if record is not None:
             record.attempts.append(dict(sizes))
@@ -210,14 +204,6 @@ class SizeController:
         if record is None:
             record = RunRecord(self.name, [dict(sizes)])
         return self._recover(attempt, result, agreeing, record, watch)
-
-    def _sizes_for(self, cap: Mapping[str, int] | None) -> Sizes:
-        sizes = self.memory.sizes
-        if cap is None:
-            if None in sizes.values():
-                raise UsageError(f"{self.name}: an adaptive size without a start needs a cap")
-            return sizes  # type: ignore[return-value]
-        return {k: v if v is not None and v <= cap[k] else cap[k] for k, v in sizes.items()}
 
     def _attempt(self, attempt: Callable[[Sizes], T], sizes: Sizes,
                  agreeing: bool, watch: OomWatch | None = None) -> T | _Failed:
@@ -286,9 +272,12 @@ class SizeController:
 
         if pending is None:
             give_up()
-        # No sleep between retries: memory was released before the next attempt.
-        value = Retrying(retry=retry_if_result(_failed), stop=_nothing_left, wait=wait_none(),
-                         after=after, retry_error_callback=give_up, sleep=lambda _s: None)(again)
+        # Retried while an attempt fails, until an OOM leaves no smaller sizes. No sleep
+        # between retries: memory was released before the next attempt.
+        value = Retrying(retry=retry_if_result(lambda r: type(r) is _Failed),
+                         stop=lambda rs: rs.outcome.result().next is None,  # type: ignore[union-attr]
+                         wait=wait_none(), after=after, retry_error_callback=give_up,
+                         sleep=lambda _s: None)(again)
         assert pending is not None
         record.final = dict(pending)
         self.memory.clean, self.memory.last_good = 0, dict(pending)
@@ -319,18 +308,16 @@ class SizeController:
             self._change(mem.sizes, agreed, "agreed with the other processes")
 
     def _grow(self, cap: Mapping[str, int] | None) -> None:
-        mem = self.memory
-        current = {k: v if v is not None else (cap or {}).get(k) for k, v in mem.sizes.items()}
+        mem, cap = self.memory, cap or {}
+        current = {k: v if v is not None else cap.get(k) for k, v in mem.sizes.items()}
         if None in current.values():
             return
         target = {}
         for k, size in current.items():
             assert size is not None
             new = (size + mem.failed[k]) // 2 if k in mem.failed else size * 2
-            for bound in (self.maximum.get(k), (cap or {}).get(k)):
-                if bound is not None:
-                    new = min(new, bound)
-            target[k] = max(new, size)
+            bounds = (b for b in (self.maximum.get(k), cap.get(k)) if b is not None)
+            target[k] = max(min([new, *bounds]), size)
         if target != current:
             mem.clean = 0
             self._change(current, target, f"grow after {self.grow_after} clean calls")

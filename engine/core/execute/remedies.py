@@ -150,10 +150,9 @@ class Ladder:
         """Note a failed attempt; the no-progress message when it repeats the last one."""
         now = [remedy, dict(sizes), error]
         repeat, self.last = now == self.last, now
-        if not repeat:
-            return None
         return (f"no progress: two attempts in a row ran out of memory with the same remedy "
-                f"({remedy}), the same sizes ({format_sizes(sizes)}) and the same error")
+                f"({remedy}), the same sizes ({format_sizes(sizes)}) and the same error"
+                ) if repeat else None
 
 
 def _restart(name: str, record: RunRecord, ladder: Ladder, why: str, shown: str) -> RestartNeeded:

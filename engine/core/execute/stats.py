@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_SIZES_KEPT = 1024  # sizes in the registry; the oldest is dropped first
 MAX_CHANGES_KEPT = 100  # per size; older changes are only counted
@@ -48,9 +48,7 @@ class SizeStats:
     changes: deque[SizeChange] = field(default_factory=lambda: deque(maxlen=MAX_CHANGES_KEPT))
 
     def copy(self) -> SizeStats:
-        out = SizeStats(**{k: v for k, v in vars(self).items() if k != "changes"})
-        out.changes.extend(self.changes)
-        return out
+        return replace(self, changes=deque(self.changes, maxlen=MAX_CHANGES_KEPT))
 
 
 @dataclass(frozen=True)

@@ -105,11 +105,8 @@ def headroom_bytes(device: str | torch.device) -> int | None:
     b = active_budget()
     if b is not None and b.device == ("cpu" if dev.type == "cpu" else _key(dev)):
         if dev.type == "cpu":
-            if not host_budgets_available():
-                return None
-            vm_data = host.proc_status("VmData")
-            soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
-            return None if vm_data is None or soft == resource.RLIM_INFINITY else soft - vm_data
+            limit, vm_data = host.data_limit(), host.proc_status("VmData")
+            return None if limit is None or vm_data is None else limit - vm_data
         return b.limit - gpu_held_bytes(dev)
     if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
         return int(torch.cuda.mem_get_info(dev)[0])

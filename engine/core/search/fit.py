@@ -7,6 +7,7 @@ labelled as such. A recommendation is never above the largest size that ran.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -71,19 +72,13 @@ def peak_model(points: Sequence[tuple[int, int]]) -> LinearFit | None:
 def fit_points(pts: Sequence[tuple[int, int]]) -> LinearFit | None:
     """The least-squares line through ``(size, peak bytes)`` points; None with fewer than
     two distinct sizes."""
-    if len({s for s, _ in pts}) < 2:
+    sizes, peaks = [s for s, _ in pts], [p for _, p in pts]
+    if len(set(sizes)) < 2:
         return None
-    n = len(pts)
-    mx = sum(s for s, _ in pts) / n
-    my = sum(p for _, p in pts) / n
-    sxx = sum((s - mx) ** 2 for s, _ in pts)
-    sxy = sum((s - mx) * (p - my) for s, p in pts)
-    slope = sxy / sxx
-    base = my - slope * mx
-    ss_tot = sum((p - my) ** 2 for _, p in pts)
-    ss_res = sum((p - (base + slope * s)) ** 2 for s, p in pts)
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    return LinearFit(base_bytes=base, per_item_bytes=slope, r2=r2, points=n)
+    slope, base = statistics.linear_regression(sizes, peaks)
+    # r2 of a least-squares line is the squared correlation; 1.0 when every peak is the same
+    r2 = statistics.correlation(sizes, peaks) ** 2 if len(set(peaks)) > 1 else 1.0
+    return LinearFit(base_bytes=base, per_item_bytes=slope, r2=r2, points=len(pts))
 
 
 def peaks_spread(peaks: Sequence[int]) -> float | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -109,24 +110,21 @@ def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = 
 
     def run_steps(n: int) -> Any:
         result = None
-        for i in range(steps):
-            if i:
-                meter.restart_peak()
-            t0 = time.perf_counter()
-            # The batch is a temporary: freed when the step returns, as the real
-            # run drops one batch before it builds the next.
-            result = fn(n) if make_batch is None else fn(n, batch=make_batch(n))
-            step_seconds.append(time.perf_counter() - t0)
-            step_peaks.append(meter.read())
+        with watch or nullcontext():  # inside: the watchdog's exception is a caught OOM
+            for i in range(steps):
+                if i:
+                    meter.restart_peak()
+                t0 = time.perf_counter()
+                # The batch is a temporary: freed when the step returns, as the real
+                # run drops one batch before it builds the next.
+                result = fn(n) if make_batch is None else fn(n, batch=make_batch(n))
+                step_seconds.append(time.perf_counter() - t0)
+                step_peaks.append(meter.read())
         return result
-
-    def watched(n: int) -> Any:
-        with watch:  # type: ignore[union-attr]  # inside: its exception is a caught OOM
-            return run_steps(n)
 
     start = time.perf_counter()
     try:
-        result = call_catching_oom(run_steps if watch is None else watched, size, device=dev)
+        result = call_catching_oom(run_steps, size, device=dev)
     finally:
         limit_peak = meter.limit_read()
     seconds = time.perf_counter() - start
