@@ -71,9 +71,7 @@ class RebuiltInChild:
     _state: dict[str, Any]
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_state"] = {}
-        return state
+        return {**self.__dict__, "_state": {}}
 
 
 def name_of(fn: Any) -> str:

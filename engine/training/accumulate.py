@@ -165,9 +165,8 @@ class Accumulator:
     def _units(self, batch: Batch, n: int, cache: dict[str, Any]) -> tuple[list[float], float]:
         """Prefix sums of units over rows (length n + 1) and the total."""
         if "prefix" not in cache:
-            if callable(self.weight_by):
-                rows: list[float] = []  # computed per micro-batch in _run_at
-                cache["prefix"], cache["total"] = rows, float(self.weight_by(batch))
+            if callable(self.weight_by):  # no prefix: _run_at counts each micro-batch's units
+                cache["prefix"], cache["total"] = [], float(self.weight_by(batch))
             else:
                 per_row = [1] * n if self.weight_by == "samples" else _row_units(
                     batch, self.weight_by, self.labels_key, self.ignore_index)

@@ -11,6 +11,7 @@ fields; anything unknown becomes its ``str``. Tensors and arrays are recognised 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -42,10 +43,8 @@ def to_jsonable(value: Any, max_items: int | None = None) -> Any:
                            max_items)
     item = getattr(value, "item", None)  # numpy scalars
     if callable(item):
-        try:
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):
             return to_jsonable(item(), max_items)
-        except (TypeError, ValueError, RuntimeError):
-            pass
     return str(value)
 
 

@@ -242,8 +242,7 @@ def set_memory_fraction(fraction: float, device: str | torch.device = "cuda") ->
 
 
 def _check_mps(nbytes: int, dev: torch.device) -> torch.device:
-    backend = getattr(torch.backends, "mps", None)
-    if backend is None or not backend.is_available():
+    if not torch.backends.mps.is_available():
         raise BudgetError("no MPS device is available here: use --device cpu")
     if getattr(torch.mps, "recommended_max_memory", None) is None:
         raise BudgetError(f"MPS budgets need torch.mps.recommended_max_memory (torch >= 2.5), "
@@ -270,9 +269,8 @@ def _gpu_budget(nbytes: int, dev: torch.device) -> Iterator[Budget]:
     fraction = (held + nbytes) / size
     if previous > 0:  # MPS: 0.0 is "unlimited", never a tighter cap
         fraction = min(fraction, previous)
-    mechanism = ("torch.mps" if dev.type == "mps" else "torch.cuda") + \
-        ".set_per_process_memory_fraction"
-    b = Budget(nbytes=nbytes, device=_key(dev), mechanism=mechanism, limit=int(fraction * size))
+    b = Budget(nbytes=nbytes, device=_key(dev), limit=int(fraction * size),
+               mechanism=f"torch.{dev.type}.set_per_process_memory_fraction")
     set_memory_fraction(fraction, dev)
     try:
         yield b

@@ -153,14 +153,12 @@ def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> boo
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     rows = [row for row in OOM_TABLE if isinstance(exc, row.types)]
-    if not rows:
-        return False
-    text = str(exc).lower()
+    text = str(exc).lower() if rows else ""  # no str() of an exception no row can match
     matched = [row for row in rows if row.text in text]
-    if any(not row.evidence for row in matched):
-        return True
     if not matched:
         return False
+    if any(not row.evidence for row in matched):
+        return True
     if memory_constrained is not None:
         return memory_constrained
     near = {"host": memory_limit_near, "cuda": cuda_memory_near_limit}
@@ -174,8 +172,7 @@ def release_memory(device: str | torch.device | None = None) -> None:
     kind = torch.device(device).type if device is not None else None
     if kind in (None, "cuda") and torch.cuda.is_available():
         torch.cuda.empty_cache()
-    mps = getattr(torch.backends, "mps", None)
-    if kind in (None, "mps") and mps is not None and mps.is_available():
+    if kind in (None, "mps") and torch.backends.mps.is_available():
         torch.mps.empty_cache()
 
 
