@@ -81,9 +81,9 @@ def _min_over_ranks(values: list[int], group: Any) -> list[int]:
     return [int(v) for v in tensor.tolist()]
 
 
-def check_every_rank_calls(what: str, group: Any = None, timeout_s: float | None = None) -> None:
-    """Return once every rank of ``group`` has made this call, within ``timeout_s`` seconds
-    (default :data:`FIRST_CALL_TIMEOUT_S`): each rank sets one key in the default process
+def check_every_rank_calls(what: str, group: Any = None) -> None:
+    """Return once every rank of ``group`` has made this call, within
+    :data:`FIRST_CALL_TIMEOUT_S` seconds: each rank sets one key in the default process
     group's store and waits for the others'. A rank that waits in vain withdraws its key
     and raises :class:`~oomguard.engine.errors.CollectiveMismatch` naming ``what`` and the
     missing ranks; the process group stays usable."""
@@ -100,10 +100,9 @@ def check_every_rank_calls(what: str, group: Any = None, timeout_s: float | None
     me = dist.get_rank()
     n = _first_calls.get(pg.group_name, 0)
     prefix = f"oomguard/first-call/{pg.group_name}/{n}/"
-    timeout = FIRST_CALL_TIMEOUT_S if timeout_s is None else timeout_s
     store.set(prefix + str(me), b"1")
     try:
-        store.wait([prefix + str(r) for r in ranks], timedelta(seconds=timeout))
+        store.wait([prefix + str(r) for r in ranks], timedelta(seconds=FIRST_CALL_TIMEOUT_S))
     except RuntimeError:  # DistStoreError: a timeout (any other store failure re-raises below)
         missing = [r for r in ranks if not store.check([prefix + str(r)])]
         if missing:
@@ -113,7 +112,7 @@ def check_every_rank_calls(what: str, group: Any = None, timeout_s: float | None
             raise CollectiveMismatch(
                 f"{what}: oomguard's adaptive sizes are collective under torch.distributed: "
                 f"every rank of the process group must make this call, but rank(s) "
-                f"{', '.join(map(str, missing))} did not within {timeout:g} s (rank {me} did). "
+                f"{', '.join(map(str, missing))} did not within {FIRST_CALL_TIMEOUT_S:g} s (rank {me} did). "
                 "Call it on every rank, or pass sync_ranks=False so that each rank keeps "
                 "its own size; the process group is untouched (no collective was made)"
             ) from None
@@ -126,18 +125,16 @@ class RankAgreement:
     The first :meth:`active` under ``torch.distributed`` runs :func:`check_every_rank_calls`.
     """
 
-    def __init__(self, group: Any = None, what: str = "an adaptive size",
-                 timeout_s: float | None = None) -> None:
+    def __init__(self, group: Any = None, what: str = "an adaptive size") -> None:
         self.group = group
         self.what = what
-        self.timeout_s = timeout_s
         self.checked = False
 
     def active(self) -> bool:
         if not is_active():
             return False
         if not self.checked:
-            check_every_rank_calls(self.what, self.group, self.timeout_s)
+            check_every_rank_calls(self.what, self.group)
             self.checked = True
         return True
 

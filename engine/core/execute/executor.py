@@ -160,6 +160,9 @@ class SizeController:
         self.device = device
         self.log = logger or log
         self.failure_message = failure_message
+        what = next(iter(self.floor)).replace("_", " ") if len(self.floor) == 1 else "size"
+        self.gave_up = failure_message or (f"no executable {what}: every size down to "
+                                           f"{format_sizes(self.floor)} ran out of memory")
         self.snapshot_dir = snapshot_dir
 
     @property
@@ -266,8 +269,7 @@ class SizeController:
             self.log.error("%s: no executable size (tried %s)", self.name, tried)
             # A failure_message is the error's whole text (the accelerate shim's exact
             # words); the sizes tried stay on the error's attributes and in .detail.
-            raise NoExecutableBatchSize(self.name, record.attempts, record.errors,
-                                        self.failure_message or self._exhausted(),
+            raise NoExecutableBatchSize(self.name, record.attempts, record.errors, self.gave_up,
                                         verbatim=self.failure_message is not None) from None
 
         if pending is None:
@@ -289,13 +291,7 @@ class SizeController:
         """Record an OOM's message and its event, saying what is done about it."""
         record.errors.append(failure.message)
         if failure.event is not None:
-            record.events.append(failure.event.settle(
-                failure.next, self.failure_message or self._exhausted()))
-
-    def _exhausted(self) -> str:
-        what = next(iter(self.floor)).replace("_", " ") if len(self.floor) == 1 else "size"
-        return (f"no executable {what}: every size down to {format_sizes(self.floor)} "
-                "ran out of memory")
+            record.events.append(failure.event.settle(failure.next, self.gave_up))
 
     def _agree_start(self) -> None:
         """The first call under an agreement: every process starts at the smallest start."""

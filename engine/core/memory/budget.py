@@ -176,10 +176,8 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
     if vm_data is None:
         raise BudgetError("CPU budgets need Linux /proc/self/status (VmData)")
     limit = vm_data + nbytes
-    if soft != resource.RLIM_INFINITY:
+    if soft != resource.RLIM_INFINITY:  # finite: also within the hard limit (soft <= hard)
         limit = min(limit, soft)
-    if hard != resource.RLIM_INFINITY and limit > hard:
-        raise BudgetError(f"budget exceeds the hard RLIMIT_DATA of {fmt_bytes(hard)}")
     slack = free_heap_bytes()
     if slack is not None and slack > max(nbytes // 20, 4 * 1024**2):
         log.warning("%s of free heap chunks at budget entry can be reused without counting "

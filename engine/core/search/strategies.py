@@ -258,8 +258,7 @@ def _missed(trials: Sequence[Trial]) -> int:
     size predicted to fit, or a fit more than one size above the prediction made with its own peak
     as capacity (one size is the line's noise: 0.1% of the peak on the GPT-2 step)."""
     missed = 0
-    for i in range(1, len(trials)):
-        t = trials[i]
+    for i, t in enumerate(trials[1:], start=1):
         peak = t.limit_peak_bytes if t.limit_peak_bytes is not None else t.peak_bytes
         guess = predict_max(trials[:i], (peak or 0) if t.ok else 0)
         if guess is None:
