@@ -26,6 +26,7 @@ and runs the whole batch again: :func:`accumulate` *replaces* ``.grad``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -70,12 +71,10 @@ def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
         return batch[start:stop] if batch.dim() > 0 else batch
     if isinstance(batch, Mapping):
         out = {k: slice_batch(v, start, stop) for k, v in batch.items()}
-        if type(batch) is dict:
-            return out
-        try:  # keep dict subclasses such as transformers' BatchEncoding
-            return type(batch)(out)
-        except TypeError:
-            return out
+        if type(batch) is not dict:  # keep dict subclasses such as transformers' BatchEncoding
+            with contextlib.suppress(TypeError):
+                return type(batch)(out)
+        return out
     if isinstance(batch, (tuple, list)):
         return type(batch)(slice_batch(v, start, stop) for v in batch)
     return batch

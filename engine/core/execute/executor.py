@@ -323,10 +323,8 @@ class SizeController:
         self.memory.sizes = dict(new)
         st.current = shown(new)
         shrink = any(new[k] < (old[k] or 0) for k in new)
-        if shrink:
-            st.shrinks += 1
-        else:
-            st.grows += new != old
+        st.shrinks += shrink
+        st.grows += not shrink and new != old
         (self.log.warning if shrink else self.log.info)(
             "%s: %s -> %s: %s", self.name, _show(old), format_sizes(new), reason)
         st.changes.append(SizeChange(self.name, shown(old), shown(new), reason, time.time()))
