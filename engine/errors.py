@@ -59,9 +59,7 @@ def size_list(sizes: Mapping[str, Any] | None) -> str:
 
 def format_sizes(sizes: Mapping[str, int]) -> str:
     """``64`` for one size, ``(chunk_size=8, internal_batch_size=4)`` for several."""
-    if len(sizes) == 1:
-        return str(next(iter(sizes.values())))
-    return f"({size_list(sizes)})"
+    return str(next(iter(sizes.values()))) if len(sizes) == 1 else f"({size_list(sizes)})"
 
 
 class RamLimitReached(OomguardError, MemoryError):

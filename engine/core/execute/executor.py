@@ -84,9 +84,7 @@ class RunRecord:
 
 def shown(sizes: Mapping[str, int | None]) -> Any:
     """A size as :class:`SizeStats` shows it: the int of a single knob, else a dict."""
-    if len(sizes) == 1:
-        return next(iter(sizes.values()))
-    return dict(sizes)
+    return next(iter(sizes.values())) if len(sizes) == 1 else dict(sizes)
 
 
 @dataclass(eq=False)

@@ -359,6 +359,4 @@ def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
 
 def sized_call(work: Any, positional: bool) -> Callable[[Sizes], Any]:
     """``work(batch_size)`` when ``positional``, else ``work(**sizes)``, as an attempt."""
-    if positional:
-        return lambda s: work(s["batch_size"])
-    return lambda s: work(**s)
+    return (lambda s: work(s["batch_size"])) if positional else (lambda s: work(**s))
