@@ -111,7 +111,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     workload = build_workload(args)
     estimates = estimate(workload, sizes, device=args.device,
                          workspace=not getattr(args, "no_workspace", False))
-    notes = sorted({note for e in estimates for note in e.notes})
     if args.json:
         print(json_text({"workload": workload.name, "describe": workload.describe(),
                          "estimates": [e.to_dict() for e in estimates]}), end="")
@@ -121,7 +120,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
           f"peak memory above the warmed-up state, estimated, not measured")
     print(table(estimates))
     print(f"method: {first.method}")
-    for note in notes:
+    for note in sorted({note for e in estimates for note in e.notes}):
         print(f"note: {note}")
     sys.stdout.flush()
     return 0

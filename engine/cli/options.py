@@ -104,9 +104,8 @@ def strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size
     if name != "e10" and args.step is not None:
         raise UsageError(f"--step is the e10 increment; --strategy {name} takes no "
                          "--step (guided predicts, doubling multiplies by 2, linear-jump fits)")
-    align = getattr(args, "align", None)  # a Namespace built by hand may lack newer options
-    if align:  # tensor cores: sizes in multiples of 8
-        unit = math.lcm(unit, align)
+    # --align 8 for tensor cores; a Namespace built by hand may lack newer options
+    unit = math.lcm(unit, getattr(args, "align", None) or 1)
     unit, start, step = in_whole_units(args.start, args.step or DEFAULT_STEP, unit, max_size)
     if name == "linear-jump" and capacity is None:
         raise UsageError("--strategy linear-jump needs a --budget (or a GPU's free memory)")

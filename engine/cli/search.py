@@ -77,15 +77,13 @@ def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out:
     from oomguard.engine.util.jsonable import json_text
     from oomguard.reports import write_report
 
-    paths: dict[str, Path] = {}
     failure = None  # the one error line, if any
     try:
-        paths = write_report(result, out, context=context)
+        files = {k: str(v) for k, v in write_report(result, out, context=context).items()}
     except OSError as exc:
-        failure = (f"cannot write the report to {exc.filename or out}: "
-                   f"{exc.strerror or exc}; the result is on stdout")
+        files, failure = {}, (f"cannot write the report to {exc.filename or out}: "
+                              f"{exc.strerror or exc}; the result is on stdout")
     try:
-        files = {k: str(v) for k, v in paths.items()}
         if args.json:
             print(json_text(result.to_dict() | {"files": files}), end="")
         else:
@@ -104,8 +102,7 @@ def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out:
         failure = f"cannot write to standard output: {exc.strerror or exc}"
     if failure is not None:
         print(f"oomguard: error: {failure}", file=sys.stderr)
-        return 1
-    return 0
+    return 0 if failure is None else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
