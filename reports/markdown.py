@@ -263,8 +263,7 @@ def _estimate(result: SearchResult, size: int) -> str:
     """The peak at ``size``: measured where a trial ran there, else from the fitted line."""
     measured = {t.size: t.peak_bytes for t in result.trials
                 if t.ok and t.peak_bytes is not None}.get(size)
-    fit = result.fit
-    peak = measured if measured is not None else fit.predict(size) if fit else None
+    peak = measured if measured is not None else result.fit.predict(size) if result.fit else None
     if peak is None:
         return "peak unknown"
     util = utilisation(peak, result.capacity_bytes)

@@ -138,8 +138,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         job_log.close()
     if args.json:
-        with open(f"{outcome.out}/results.json", encoding="utf-8") as fh:
-            sys.stdout.write(fh.read())
+        sys.stdout.write(Path(outcome.out, "results.json").read_text(encoding="utf-8"))
     else:
         print(format_outcome(outcome))
     failed = outcome.failed()
@@ -165,6 +164,5 @@ def cmd_cache(args: argparse.Namespace) -> int:
     elif not entries:
         print(f"{cache.path}: empty")
     else:
-        print(f"{cache.path}: {len(entries)} entries")
-        print(format_entries(entries))
+        print(f"{cache.path}: {len(entries)} entries\n{format_entries(entries)}")
     return 0

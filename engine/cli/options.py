@@ -122,12 +122,6 @@ def isolated(args: argparse.Namespace, dev: torch.device) -> bool:
     return bool(args.isolate) or dev.type == "mps"
 
 
-def confirmed(args: argparse.Namespace) -> bool:
-    """Whether an in-process search's answer is re-run in fresh children (``--confirm``;
-    on MPS every trial already runs in one)."""
-    return bool(getattr(args, "confirm", False))
-
-
 def search_config(args: argparse.Namespace, dev: torch.device, max_size: int, unit: int = 1) -> Any:
     """Every search option checked before any model is built (a bad --margin fails first)."""
     from oomguard.engine.core.memory.budget import check_budget
@@ -147,8 +141,8 @@ def search_config(args: argparse.Namespace, dev: torch.device, max_size: int, un
     isolate = isolated(args, dev)
     return SearchConfig(strategy=strategy(args, capacity, unit, max_size), max_size=max_size,
                         max_trials=args.max_trials, device=dev, budget=nbytes, isolate=isolate,
-                        confirm=confirmed(args) and not isolate, margin=args.margin,
-                        steps_per_trial=getattr(args, "steps_per_trial", None),
+                        confirm=getattr(args, "confirm", False) and not isolate,
+                        margin=args.margin, steps_per_trial=getattr(args, "steps_per_trial", None),
                         verify_steps=getattr(args, "verify_steps", 0), **timeout)
 
 

@@ -24,10 +24,8 @@ def add_probe(p: argparse.ArgumentParser) -> None:
 def probe_table(snapshots: Sequence[MemorySnapshot]) -> str:
     """A plain-text table of memory snapshots, sizes in GiB."""
     rows = [("device", "name", "total", "free", "this process", "other processes", "note")]
-    for s in snapshots:
-        rows.append((s.device, s.name, fmt_bytes(s.total_bytes, "GiB"),
-                     fmt_bytes(s.free_bytes, "GiB"), fmt_bytes(s.process_bytes, "GiB"),
-                     fmt_bytes(s.other_processes_bytes, "GiB"), s.reason or ""))
+    rows += [(s.device, s.name, *(fmt_bytes(n, "GiB") for n in (s.total_bytes, s.free_bytes,
+              s.process_bytes, s.other_processes_bytes)), s.reason or "") for s in snapshots]
     return text_table(rows)
 
 

@@ -16,7 +16,6 @@ from oomguard.engine.cli.options import (
     add_search_options,
     add_workload_options,
     check_workload,
-    confirmed,
     size,
 )
 from oomguard.engine.errors import UsageError
@@ -69,10 +68,10 @@ def add_reference(p: argparse.ArgumentParser) -> None:
 def cmd_reference(args: argparse.Namespace) -> int:
     """Measure the reference (or, with ``--estimate``, estimate it); exit 1 where nothing fits."""
     check_workload(args)
-    if getattr(args, "estimate", False):
+    if args.estimate:
         return cmd_estimate_reference(args)
     for option in ("gpu", "memory", "batches", "measured"):
-        if getattr(args, option, None) is not None:
+        if getattr(args, option) is not None:
             raise UsageError(f"--{option} is for --estimate: add --estimate, or leave it out")
     from oomguard.engine.cli.options import search_config
     from oomguard.engine.jobs.output import check_output_folder
@@ -107,7 +106,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
     ref = build_reference(args.model, str(dev), args.dtype, args.seq_len, args.samples,
                           budget_bytes=budget, cache_path=args.cache, config_for=config_for,
                           metrics=names, max_size=args.max_size,
-                          on_trial=Progress("size", confirmed(args)), on_row=show)
+                          on_trial=Progress("size", args.confirm), on_row=show)
     doc = ref.to_dict()
     missing = [f"{r.metric}.{r.knob}" for r in ref.rows if r.safe is None]
     return _write(out, {"reference.json": doc, "reference.md": render_reference_markdown(doc),

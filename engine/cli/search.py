@@ -18,7 +18,6 @@ from oomguard.engine.cli.options import (
     add_workload_options,
     budget_free_limit,
     check_workload,
-    confirmed,
     isolated,
     search_config,
 )
@@ -113,7 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # Every input is checked before the model is built; the folder last (none left behind).
     check_workload(args)
     dev = resolve_device(args.device, check=True)
-    if isolated(args, dev) or confirmed(args):  # started now: imports overlap the checks
+    if isolated(args, dev) or args.confirm:  # started now: imports overlap the checks
         from oomguard.engine.core.child import start_forkserver
 
         start_forkserver(TrainStep.preload + (TrainStep.__module__,))
@@ -145,7 +144,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise UsageError(f"metric {args.metric!r} has no memory knob {args.knob!r}: "
                          f"valid: {', '.join(knobs)}")
     dev = resolve_device(args.device, check=True)
-    if isolated(args, dev) or confirmed(args):  # started now: imports overlap the planning
+    if isolated(args, dev) or args.confirm:  # started now: imports overlap the planning
         from oomguard.engine.core.child import start_forkserver
         from oomguard.engine.core.workload import workload_preload
 
