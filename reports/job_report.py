@@ -309,9 +309,8 @@ def _task(key: str, t: Mapping[str, Any], dtype: str) -> list[str]:
              f"- ran on {device_label(t.get('device'))}" + (f" on host `{host}`" if host else "")
              + (f", {t['threads']} thread(s)" if t.get("threads") else ""),
              f"- sizes: started at {_sizes(s.get('start'))} ({s.get('source')}), "
-             f"ran at {_sizes(s.get('final'))} after {s.get('retries', 0)} retries"]
-    if s.get("errors"):
-        lines.append(f"- OOMs: {'; '.join(s['errors'])}")
+             f"ran at {_sizes(s.get('final'))} after {s.get('retries', 0)} retries",
+             *([f"- OOMs: {'; '.join(s['errors'])}"] if s.get("errors") else [])]
     if t.get("lowered_precision"):
         lines.append(f"- **precision: {t.get('precision')}** (the job's dtype is {dtype}), "
                      f"lowered by the remedy `{t.get('remedy')}`")
@@ -319,10 +318,9 @@ def _task(key: str, t: Mapping[str, Any], dtype: str) -> list[str]:
         n = se.get("trials")
         lines.append(f"- search: {n} trial{'' if n == 1 else 's'} in {se.get('seconds')} s, "
                      f"max ok {se.get('max_ok')}, stopped: {se.get('stopped_because')}")
-    lines.append(f"- peak memory {fmt_bytes(t.get('peak_bytes'))} ({t.get('peak_source')})")
-    if t.get("tensors"):
-        lines.append(f"- full tensors: `{t['tensors']}`")
-    return [*lines, "", "```json", json_text(t.get("summary")).rstrip("\n")[:4000], "```", ""]
+    return [*lines, f"- peak memory {fmt_bytes(t.get('peak_bytes'))} ({t.get('peak_source')})",
+            *([f"- full tensors: `{t['tensors']}`"] if t.get("tensors") else []),
+            "", "```json", json_text(t.get("summary")).rstrip("\n")[:4000], "```", ""]
 
 
 def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) -> str:

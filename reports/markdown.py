@@ -59,8 +59,6 @@ def fmt_value(value: Any) -> str:
     """A workload's return value for a table cell: floats to 4 decimals, None to ``-``."""
     if value is None:
         return "-"
-    if isinstance(value, bool):
-        return str(value)
     if isinstance(value, float):
         return f"{value:.4f}"
     if isinstance(value, Mapping):
@@ -73,7 +71,6 @@ def fmt_value(value: Any) -> str:
 
 
 def _heading(s: Mapping[str, Any]) -> str:
-    """The size's name for titles: ``Batch Size``, or the knob's name as it is."""
     return "Batch Size" if s["size_label"] == "batch size" else s["size_label"]
 
 

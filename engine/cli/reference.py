@@ -93,8 +93,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
         return search_config(ns, dev, cap, trial.unit())
 
     def show(row: Any) -> None:
-        what = (f"maximum {row.max_ok}, safe {row.safe}" if row.max_ok is not None
-                else row.note)
+        what = f"maximum {row.max_ok}, safe {row.safe}" if row.max_ok is not None else row.note
         if row.capped_by:
             what += f" (capped by {row.capped_by} {row.cap}, not by memory)"
         print(f"oomguard: {row.metric}.{row.knob}: {what} ({row.source}, {row.trials} "

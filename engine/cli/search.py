@@ -138,8 +138,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from oomguard.metrics.workload import MetricTrial
 
     check_workload(args)
-    metric = get_metric(args.metric)
-    knobs = [k.name for k in metric.memory_knobs()]
+    knobs = [k.name for k in get_metric(args.metric).memory_knobs()]
     if args.knob and args.knob not in knobs:
         raise UsageError(f"metric {args.metric!r} has no memory knob {args.knob!r}: "
                          f"valid: {', '.join(knobs)}")
