@@ -361,9 +361,8 @@ def _observations(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
            f"**Search cost**: {s['trials']} trials ({s['trials_ok']} fitted, {s['trials_oom']} "
            f"ran out of memory), {s['trial_seconds']:.2f} s in trials, {result.seconds:.2f} s of "
            "search wall time.",
-           f"**Stopped because**: {result.stopped_because}."]
-    advice = cap_advice(result, s)
-    obs += [advice] if advice else []
+           f"**Stopped because**: {result.stopped_because}.",
+           *filter(None, [cap_advice(result, s)])]  # None: nothing capped the search
     if s["non_monotonic_oom_sizes"]:
         sizes = ", ".join(str(n) for n in s["non_monotonic_oom_sizes"])
         obs.append(f"**Non-monotonic outcomes**: size(s) {sizes} ran out of memory although "

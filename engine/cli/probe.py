@@ -24,8 +24,9 @@ def add_probe(p: argparse.ArgumentParser) -> None:
 def probe_table(snapshots: Sequence[MemorySnapshot]) -> str:
     """A plain-text table of memory snapshots, sizes in GiB."""
     rows = [("device", "name", "total", "free", "this process", "other processes", "note")]
-    rows += [(s.device, s.name, *(fmt_bytes(n, "GiB") for n in (s.total_bytes, s.free_bytes,
-              s.process_bytes, s.other_processes_bytes)), s.reason or "") for s in snapshots]
+    for s in snapshots:
+        sizes = (s.total_bytes, s.free_bytes, s.process_bytes, s.other_processes_bytes)
+        rows.append((s.device, s.name, *(fmt_bytes(n, "GiB") for n in sizes), s.reason or ""))
     return text_table(rows)
 
 
