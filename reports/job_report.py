@@ -11,7 +11,7 @@ memory per metric, loss landscapes, attention entropy) use :mod:`oomguard.report
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -131,12 +131,10 @@ def write_plots(summary: Mapping[str, Any], out: Path,
                 cancelled: Callable[[], bool] | None = None) -> dict[str, str]:
     """Every plot the job's results call for; ``{title: path relative to out}``. A
     ``cancelled()`` that says True before a plot raises :class:`ReportInterrupted`."""
-    plots: dict[str, str] = {}
     (out / "plots").mkdir(exist_ok=True)
     _go_on(cancelled)
     mem = plot_peak_memory(summary, out / "plots" / "memory.png")
-    if mem:
-        plots["Peak memory per metric"] = str(mem.relative_to(out))
+    plots = {"Peak memory per metric": str(mem.relative_to(out))} if mem else {}
     for key, task in summary["tasks"].items():
         plots |= _task_plots(key, task, out, cancelled) if task.get("status") == "ok" else {}
     return plots
@@ -151,25 +149,24 @@ def _cell(text: Any) -> str:
 
 
 # An OOM event's figures (OomEvent.to_dict()), in the order shown: the key that says
-# whether it was measured, and the words.
+# whether it was measured, and the words (byte counts in binary units).
 _OOM_FIGURES = (
-    ("reserved_bytes", lambda e: f"reserved {fmt_bytes(e['reserved_bytes'])}, "
-                                 f"allocated {fmt_bytes(e.get('allocated_bytes'))}"),
-    ("fragmentation", lambda e: f"fragmentation {100 * e['fragmentation']:.1f}%"),
-    ("largest_free_block_bytes",
-     lambda e: f"largest free block {fmt_bytes(e['largest_free_block_bytes'])}"),
-    ("num_alloc_retries", lambda e: f"{e['num_alloc_retries']} alloc retries"),
-    ("vm_data_bytes", lambda e: f"VmData {fmt_bytes(e['vm_data_bytes'])}"),
-    ("rss_bytes", lambda e: f"RSS {fmt_bytes(e['rss_bytes'])}"),
-    ("free_heap_bytes", lambda e: f"free heap {fmt_bytes(e['free_heap_bytes'])}"),
-    ("budget_limit_bytes", lambda e: f"headroom {fmt_bytes(e.get('budget_headroom_bytes'))} "
-                                     f"under a limit of {fmt_bytes(e['budget_limit_bytes'])}"),
+    ("reserved_bytes", "reserved {reserved_bytes}, allocated {allocated_bytes}"),
+    ("fragmentation", "fragmentation {fragmentation:.1%}"),
+    ("largest_free_block_bytes", "largest free block {largest_free_block_bytes}"),
+    ("num_alloc_retries", "{num_alloc_retries} alloc retries"),
+    ("vm_data_bytes", "VmData {vm_data_bytes}"),
+    ("rss_bytes", "RSS {rss_bytes}"),
+    ("free_heap_bytes", "free heap {free_heap_bytes}"),
+    ("budget_limit_bytes", "headroom {budget_headroom_bytes} under a limit of {budget_limit_bytes}"),
 )
 
 
 def oom_view(event: Mapping[str, Any]) -> str:
     """One line of an OOM event's figures (``OomEvent.to_dict()``); unknown ones left out."""
-    parts = [words(event) for key, words in _OOM_FIGURES if event.get(key) is not None]
+    shown = defaultdict(lambda: fmt_bytes(None),
+                        {k: fmt_bytes(v) if k.endswith("_bytes") else v for k, v in event.items()})
+    parts = [words.format_map(shown) for key, words in _OOM_FIGURES if event.get(key) is not None]
     why_not = (event.get("sources") or {}).get("snapshot", "")
     if event.get("snapshot"):
         parts.append(f"snapshot `{event['snapshot']}`")
@@ -312,9 +309,8 @@ def _task(key: str, t: Mapping[str, Any], dtype: str) -> list[str]:
              f"- ran on {device_label(t.get('device'))}" + (f" on host `{host}`" if host else "")
              + (f", {t['threads']} thread(s)" if t.get("threads") else ""),
              f"- sizes: started at {_sizes(s.get('start'))} ({s.get('source')}), "
-             f"ran at {_sizes(s.get('final'))} after {s.get('retries', 0)} retries"]
-    if s.get("errors"):
-        lines.append(f"- OOMs: {'; '.join(s['errors'])}")
+             f"ran at {_sizes(s.get('final'))} after {s.get('retries', 0)} retries",
+             *([f"- OOMs: {'; '.join(s['errors'])}"] if s.get("errors") else [])]
     if t.get("lowered_precision"):
         lines.append(f"- **precision: {t.get('precision')}** (the job's dtype is {dtype}), "
                      f"lowered by the remedy `{t.get('remedy')}`")
@@ -322,10 +318,9 @@ def _task(key: str, t: Mapping[str, Any], dtype: str) -> list[str]:
         n = se.get("trials")
         lines.append(f"- search: {n} trial{'' if n == 1 else 's'} in {se.get('seconds')} s, "
                      f"max ok {se.get('max_ok')}, stopped: {se.get('stopped_because')}")
-    lines.append(f"- peak memory {fmt_bytes(t.get('peak_bytes'))} ({t.get('peak_source')})")
-    if t.get("tensors"):
-        lines.append(f"- full tensors: `{t['tensors']}`")
-    return [*lines, "", "```json", json_text(t.get("summary")).rstrip("\n")[:4000], "```", ""]
+    return [*lines, f"- peak memory {fmt_bytes(t.get('peak_bytes'))} ({t.get('peak_source')})",
+            *([f"- full tensors: `{t['tensors']}`"] if t.get("tensors") else []),
+            "", "```json", json_text(t.get("summary")).rstrip("\n")[:4000], "```", ""]
 
 
 def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) -> str:

@@ -50,12 +50,6 @@ def closed(result: SearchResult) -> bool:
             and result.first_oom - result.max_ok <= 1)
 
 
-def _samples(context: Mapping[str, Any]) -> int | None:
-    # `oomguard search` passes "samples"; MetricTrial.describe() says "n_samples".
-    n = context.get("samples", context.get("n_samples"))
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
-
-
 def capped_by(result: SearchResult, context: Mapping[str, Any]) -> str | None:
     """What ended a search before it closed its bracket, or None if it closed (an OOM right above
     the maximum) or nothing fitted. ``"samples"``: it stopped at ``max_size`` equal to the number of
@@ -69,8 +63,10 @@ def capped_by(result: SearchResult, context: Mapping[str, Any]) -> str | None:
     option = next((o for o in _OPTIONS if result.stopped_because.startswith(f"{o} (")), None)
     if option is None:
         return "strategy" if result.first_oom is None else None
+    # `oomguard search` passes "samples"; MetricTrial.describe() says "n_samples".
+    samples = context.get("samples", context.get("n_samples"))
     if (option == "max_size" and result.size_name in SAMPLE_KNOBS
-            and _samples(context) == result.config.get("max_size")):
+            and samples == result.config.get("max_size")):
         return "samples"
     return option
 

@@ -59,8 +59,6 @@ def fmt_value(value: Any) -> str:
     """A workload's return value for a table cell: floats to 4 decimals, None to ``-``."""
     if value is None:
         return "-"
-    if isinstance(value, bool):
-        return str(value)
     if isinstance(value, float):
         return f"{value:.4f}"
     if isinstance(value, Mapping):
@@ -73,7 +71,6 @@ def fmt_value(value: Any) -> str:
 
 
 def _heading(s: Mapping[str, Any]) -> str:
-    """The size's name for titles: ``Batch Size``, or the knob's name as it is."""
     return "Batch Size" if s["size_label"] == "batch size" else s["size_label"]
 
 
@@ -263,8 +260,7 @@ def _estimate(result: SearchResult, size: int) -> str:
     """The peak at ``size``: measured where a trial ran there, else from the fitted line."""
     measured = {t.size: t.peak_bytes for t in result.trials
                 if t.ok and t.peak_bytes is not None}.get(size)
-    fit = result.fit
-    peak = measured if measured is not None else fit.predict(size) if fit else None
+    peak = measured if measured is not None else result.fit.predict(size) if result.fit else None
     if peak is None:
         return "peak unknown"
     util = utilisation(peak, result.capacity_bytes)
@@ -365,9 +361,8 @@ def _observations(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
            f"**Search cost**: {s['trials']} trials ({s['trials_ok']} fitted, {s['trials_oom']} "
            f"ran out of memory), {s['trial_seconds']:.2f} s in trials, {result.seconds:.2f} s of "
            "search wall time.",
-           f"**Stopped because**: {result.stopped_because}."]
-    advice = cap_advice(result, s)
-    obs += [advice] if advice else []
+           f"**Stopped because**: {result.stopped_because}.",
+           *filter(None, [cap_advice(result, s)])]  # None: nothing capped the search
     if s["non_monotonic_oom_sizes"]:
         sizes = ", ".join(str(n) for n in s["non_monotonic_oom_sizes"])
         obs.append(f"**Non-monotonic outcomes**: size(s) {sizes} ran out of memory although "

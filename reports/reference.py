@@ -45,27 +45,24 @@ def render_reference_markdown(doc: Mapping[str, Any]) -> str:
            + ", ".join(sorted({r['mode'] for r in doc['rows'] if r.get('mode')}) or ["-"])
            + " trials: see `oomguard search --help` for the modes)", "",
            "| metric | knob | maximum | safe | peak at safe | per item | source | note |",
-           "|---|---|---:|---:|---:|---:|---|---|"]
-    for r in doc["rows"]:
-        out.append(f"| {r['metric']} | {r['knob']} | {_size(r['max_ok'])} | {_size(r['safe'])} "
-                   f"| {_peak(r)} | {_rate(r['seconds_per_item'])} | {r['source']} "
-                   f"| {r['note']} |")
-    out += ["", "- **maximum**: the largest size that ran (measured), the metric's knobs before "
-            "this one at their chosen sizes, the ones after it at their defaults (`others` in "
-            "reference.json). **safe**: the recommendation, which keeps the search's "
-            "margin of the capacity free, never above the maximum.",
-            "- **peak at safe**: measured when a trial ran at the safe size, else estimated "
-            "from the line fitted to the measured peaks (est.).",
-            "- **per item**: seconds per item at the maximum, measured after each trial's "
-            "first step.", "- **source**: measured now, or read from the size cache, where an "
-            "earlier reference stored it.", "",
-            "## Sizes a job uses on this device", "",
-            "A job file with this model, dtype, sequence length, device and budget takes "
-            "these sizes from the size cache (no search), or pin them with "
-            "`oomguard run JOB.toml --sizes sizes.toml`.", "",
-            "| metric | sizes | from |", "|---|---|---|"]
-    for metric, sizes in doc["job_sizes"].items():
-        out.append(f"| {metric} | {size_list(sizes)} | {doc['job_sizes_source'].get(metric, '')} |")
-    if not doc["job_sizes"]:
-        out.append("| (none: no metric fitted) | | |")
+           "|---|---|---:|---:|---:|---:|---|---|",
+           *(f"| {r['metric']} | {r['knob']} | {_size(r['max_ok'])} | {_size(r['safe'])} "
+             f"| {_peak(r)} | {_rate(r['seconds_per_item'])} | {r['source']} | {r['note']} |"
+             for r in doc["rows"]),
+           "", "- **maximum**: the largest size that ran (measured), the metric's knobs before "
+           "this one at their chosen sizes, the ones after it at their defaults (`others` in "
+           "reference.json). **safe**: the recommendation, which keeps the search's "
+           "margin of the capacity free, never above the maximum.",
+           "- **peak at safe**: measured when a trial ran at the safe size, else estimated "
+           "from the line fitted to the measured peaks (est.).",
+           "- **per item**: seconds per item at the maximum, measured after each trial's "
+           "first step.", "- **source**: measured now, or read from the size cache, where an "
+           "earlier reference stored it.", "",
+           "## Sizes a job uses on this device", "",
+           "A job file with this model, dtype, sequence length, device and budget takes "
+           "these sizes from the size cache (no search), or pin them with "
+           "`oomguard run JOB.toml --sizes sizes.toml`.", "",
+           "| metric | sizes | from |", "|---|---|---|"]
+    out += [f"| {metric} | {size_list(sizes)} | {doc['job_sizes_source'].get(metric, '')} |"
+            for metric, sizes in doc["job_sizes"].items()] or ["| (none: no metric fitted) | | |"]
     return "\n".join(out) + "\n"

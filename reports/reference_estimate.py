@@ -32,12 +32,10 @@ def render_estimate_markdown(doc: Mapping[str, Any]) -> str:
            "| metric | knob | largest size (est.) | total at it (est.) | of which peak above "
            "the weights and data (est.) | next size | total at next (est.) | note |",
            "|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in doc["rows"]:
-        largest = "does not fit" if r["largest"] is None else str(r["largest"])
-        nxt = "-" if r["next_size"] is None else str(r["next_size"])
-        out.append(f"| {r['metric']} | {r['knob']} | {largest} | {_b(r['total_bytes'])} | "
-                   f"{_b(r['peak_bytes'])} | {nxt} | {_b(r['next_total_bytes'])} | "
-                   f"{r['note']} |")
+    # A size is at least 1, so `or` stands in for None only.
+    out += [f"| {r['metric']} | {r['knob']} | {r['largest'] or 'does not fit'} | "
+            f"{_b(r['total_bytes'])} | {_b(r['peak_bytes'])} | {r['next_size'] or '-'} | "
+            f"{_b(r['next_total_bytes'])} | {r['note']} |" for r in doc["rows"]]
     out += ["", f"- **largest size (est.)**: the largest size whose estimated total fits the "
             f"memory less the {margin:.0%} margin, the metric's other knobs at their "
             "defaults. **total**: the storage alive after the warm-up (weights, gradients, "
@@ -46,19 +44,17 @@ def render_estimate_markdown(doc: Mapping[str, Any]) -> str:
             "- No seconds per item: fake tensors compute nothing, so an estimate says "
             "nothing honest about speed; `oomguard reference` (measured) gives them."]
     out += [f"- {note}" for note in doc.get("notes", [])]
-    compared = [r for r in doc["rows"] if "relative_error" in r]
     if doc.get("measured_source"):
         out += ["", f"## Estimate against measurement ({doc['measured_source']})", "",
                 "The measured reference's peak above the warmed-up state at its safe size "
                 "(a trial ran there), against the estimated peak at that size.", "",
                 "| metric | knob | measured maximum | size | measured peak | estimated peak "
                 "(est.) | relative error |", "|---|---|---:|---:|---:|---:|---:|"]
-        for r in compared:
-            out.append(f"| {r['metric']} | {r['knob']} | {r.get('measured_max')} | "
-                       f"{r['measured_size']} | {fmt_bytes(r['measured_peak_bytes'])} (measured) | "
-                       f"{_b(r['estimated_peak_bytes'])} | {r['relative_error']:+.1%} |")
-        if not compared:
-            out.append("| (no row with a measured peak at its safe size) | | | | | | |")
+        compared = [f"| {r['metric']} | {r['knob']} | {r.get('measured_max')} | "
+                    f"{r['measured_size']} | {fmt_bytes(r['measured_peak_bytes'])} (measured) | "
+                    f"{_b(r['estimated_peak_bytes'])} | {r['relative_error']:+.1%} |"
+                    for r in doc["rows"] if "relative_error" in r]
+        out += compared or ["| (no row with a measured peak at its safe size) | | | | | | |"]
     if doc.get("batch_rows"):
         batches = doc["batches"]
         out += ["", f"## Memory per batch size (est.), {doc['seq_len']} tokens", "",

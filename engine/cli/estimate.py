@@ -83,8 +83,7 @@ def build_workload(args: argparse.Namespace) -> Any:
                          f"({str(exc).partition('valid metrics are ')[2]})") from None
     seq_len = args.seq_len or 128
     check_seq_len(model_config(args.model), seq_len)
-    # MetricTrial checks the metric (UsageError listing the valid names), the knob and
-    # whether the metric supports the model, from its config.
+    # MetricTrial checks the knob and whether the metric supports the model, from its config.
     return MetricTrial(metric=args.workload, knob=args.knob, model=args.model,
                        dtype=args.dtype, n_samples=args.samples or 64, seq_len=seq_len)
 
@@ -109,9 +108,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.sizes)
     fake_device(args.device)  # a bad device fails before the model's config is read
     workload = build_workload(args)
-    estimates = estimate(workload, sizes, device=args.device,
-                         workspace=not getattr(args, "no_workspace", False))
-    notes = sorted({note for e in estimates for note in e.notes})
+    estimates = estimate(workload, sizes, device=args.device, workspace=not args.no_workspace)
     if args.json:
         print(json_text({"workload": workload.name, "describe": workload.describe(),
                          "estimates": [e.to_dict() for e in estimates]}), end="")
@@ -121,7 +118,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
           f"peak memory above the warmed-up state, estimated, not measured")
     print(table(estimates))
     print(f"method: {first.method}")
-    for note in notes:
+    for note in sorted({note for e in estimates for note in e.notes}):
         print(f"note: {note}")
     sys.stdout.flush()
     return 0

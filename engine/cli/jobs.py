@@ -117,8 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             from oomguard.engine.jobs.plan import device_identity
             from oomguard.engine.jobs.reference import apply_sizes, load_sizes
 
-            meta, sizes = load_sizes(args.sizes)
-            job = apply_sizes(job, meta, sizes, device_identity(job), args.sizes)
+            job = apply_sizes(job, *load_sizes(args.sizes), device_identity(job), args.sizes)
         # This process runs no torch code (it parses, plans and waits): for a CPU job a
         # plain fork is safe and cheaper than a forkserver
         # (docs/measurements.md#fork-after-openmp); a GPU job never forks.
@@ -138,8 +137,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         job_log.close()
     if args.json:
-        with open(f"{outcome.out}/results.json", encoding="utf-8") as fh:
-            sys.stdout.write(fh.read())
+        sys.stdout.write(Path(outcome.out, "results.json").read_text(encoding="utf-8"))
     else:
         print(format_outcome(outcome))
     failed = outcome.failed()
@@ -165,6 +163,5 @@ def cmd_cache(args: argparse.Namespace) -> int:
     elif not entries:
         print(f"{cache.path}: empty")
     else:
-        print(f"{cache.path}: {len(entries)} entries")
-        print(format_entries(entries))
+        print(f"{cache.path}: {len(entries)} entries\n{format_entries(entries)}")
     return 0

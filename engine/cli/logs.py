@@ -45,9 +45,8 @@ class _FileHandler(logging.FileHandler):
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
         if not self.reported:
             self.reported = True
-            error = sys.exc_info()[1]
-            sys.stderr.write(f"oomguard: warning: cannot write {self.baseFilename}: {error}; "
-                             "its later records are lost\n")
+            sys.stderr.write(f"oomguard: warning: cannot write {self.baseFilename}: "
+                             f"{sys.exc_info()[1]}; its later records are lost\n")
 
 
 def log_to_file(path: str | os.PathLike[str], level: int = logging.INFO) -> logging.Handler:

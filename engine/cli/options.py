@@ -104,9 +104,8 @@ def strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size
     if name != "e10" and args.step is not None:
         raise UsageError(f"--step is the e10 increment; --strategy {name} takes no "
                          "--step (guided predicts, doubling multiplies by 2, linear-jump fits)")
-    align = getattr(args, "align", None)  # a Namespace built by hand may lack newer options
-    if align:  # tensor cores: sizes in multiples of 8
-        unit = math.lcm(unit, align)
+    # --align 8 for tensor cores; a Namespace built by hand may lack newer options
+    unit = math.lcm(unit, getattr(args, "align", None) or 1)
     unit, start, step = in_whole_units(args.start, args.step or DEFAULT_STEP, unit, max_size)
     if name == "linear-jump" and capacity is None:
         raise UsageError("--strategy linear-jump needs a --budget (or a GPU's free memory)")
@@ -121,12 +120,6 @@ def isolated(args: argparse.Namespace, dev: torch.device) -> bool:
     which aborts the process on a tensor over 4 GiB instead of raising (a trial must not
     take the search down with it)."""
     return bool(args.isolate) or dev.type == "mps"
-
-
-def confirmed(args: argparse.Namespace) -> bool:
-    """Whether an in-process search's answer is re-run in fresh children (``--confirm``;
-    on MPS every trial already runs in one)."""
-    return bool(getattr(args, "confirm", False))
 
 
 def search_config(args: argparse.Namespace, dev: torch.device, max_size: int, unit: int = 1) -> Any:
@@ -148,8 +141,8 @@ def search_config(args: argparse.Namespace, dev: torch.device, max_size: int, un
     isolate = isolated(args, dev)
     return SearchConfig(strategy=strategy(args, capacity, unit, max_size), max_size=max_size,
                         max_trials=args.max_trials, device=dev, budget=nbytes, isolate=isolate,
-                        confirm=confirmed(args) and not isolate, margin=args.margin,
-                        steps_per_trial=getattr(args, "steps_per_trial", None),
+                        confirm=getattr(args, "confirm", False) and not isolate,
+                        margin=args.margin, steps_per_trial=getattr(args, "steps_per_trial", None),
                         verify_steps=getattr(args, "verify_steps", 0), **timeout)
 
 

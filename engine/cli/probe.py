@@ -25,9 +25,8 @@ def probe_table(snapshots: Sequence[MemorySnapshot]) -> str:
     """A plain-text table of memory snapshots, sizes in GiB."""
     rows = [("device", "name", "total", "free", "this process", "other processes", "note")]
     for s in snapshots:
-        rows.append((s.device, s.name, fmt_bytes(s.total_bytes, "GiB"),
-                     fmt_bytes(s.free_bytes, "GiB"), fmt_bytes(s.process_bytes, "GiB"),
-                     fmt_bytes(s.other_processes_bytes, "GiB"), s.reason or ""))
+        sizes = (s.total_bytes, s.free_bytes, s.process_bytes, s.other_processes_bytes)
+        rows.append((s.device, s.name, *(fmt_bytes(n, "GiB") for n in sizes), s.reason or ""))
     return text_table(rows)
 
 

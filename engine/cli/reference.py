@@ -16,7 +16,6 @@ from oomguard.engine.cli.options import (
     add_search_options,
     add_workload_options,
     check_workload,
-    confirmed,
     size,
 )
 from oomguard.engine.errors import UsageError
@@ -69,10 +68,10 @@ def add_reference(p: argparse.ArgumentParser) -> None:
 def cmd_reference(args: argparse.Namespace) -> int:
     """Measure the reference (or, with ``--estimate``, estimate it); exit 1 where nothing fits."""
     check_workload(args)
-    if getattr(args, "estimate", False):
+    if args.estimate:
         return cmd_estimate_reference(args)
     for option in ("gpu", "memory", "batches", "measured"):
-        if getattr(args, option, None) is not None:
+        if getattr(args, option) is not None:
             raise UsageError(f"--{option} is for --estimate: add --estimate, or leave it out")
     from oomguard.engine.cli.options import search_config
     from oomguard.engine.jobs.output import check_output_folder
@@ -94,8 +93,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
         return search_config(ns, dev, cap, trial.unit())
 
     def show(row: Any) -> None:
-        what = (f"maximum {row.max_ok}, safe {row.safe}" if row.max_ok is not None
-                else row.note)
+        what = f"maximum {row.max_ok}, safe {row.safe}" if row.max_ok is not None else row.note
         if row.capped_by:
             what += f" (capped by {row.capped_by} {row.cap}, not by memory)"
         print(f"oomguard: {row.metric}.{row.knob}: {what} ({row.source}, {row.trials} "
@@ -107,17 +105,14 @@ def cmd_reference(args: argparse.Namespace) -> int:
     ref = build_reference(args.model, str(dev), args.dtype, args.seq_len, args.samples,
                           budget_bytes=budget, cache_path=args.cache, config_for=config_for,
                           metrics=names, max_size=args.max_size,
-                          on_trial=Progress("size", confirmed(args)), on_row=show)
+                          on_trial=Progress("size", args.confirm), on_row=show)
     doc = ref.to_dict()
-    if not _write(out, {"reference.json": doc, "reference.md": render_reference_markdown(doc),
-                        "sizes.toml": sizes_toml(ref)}):
-        return 1
     missing = [f"{r.metric}.{r.knob}" for r in ref.rows if r.safe is None]
-    print(f"reference: {out / 'reference.md'} ({len(ref.rows)} rows, {ref.trials} trials, "
-          f"{ref.seconds:.1f} s)\nsizes:     {out / 'sizes.toml'}")
-    if missing:
-        print(f"oomguard: nothing fits for {', '.join(missing)}", file=sys.stderr)
-    return 1 if missing else 0
+    return _write(out, {"reference.json": doc, "reference.md": render_reference_markdown(doc),
+                        "sizes.toml": sizes_toml(ref)},
+                  f"reference: {out / 'reference.md'} ({len(ref.rows)} rows, {ref.trials} "
+                  f"trials, {ref.seconds:.1f} s)\nsizes:     {out / 'sizes.toml'}",
+                  missing, "nothing fits for")
 
 
 def cmd_estimate_reference(args: argparse.Namespace) -> int:
@@ -168,21 +163,19 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
                                    memory=memory, memory_name=memory_name, margin=args.margin,
                                    device=device, metrics=names, max_size=args.max_size,
                                    batches=batches, measured=measured, on_row=show)
-    if not _write(out, {"estimate-reference.json": doc,
-                        "estimate-reference.md": render_estimate_markdown(doc)}):
-        return 1
     missing = [f"{r['metric']}.{r['knob']}" for r in doc["rows"] if r["largest"] is None]
-    print(f"estimated reference: {out / 'estimate-reference.md'} ({len(doc['rows'])} rows, "
-          f"{doc['estimates']} estimates, {doc['seconds']:.1f} s; estimates, not measurements)")
-    if missing:
-        print(f"oomguard: estimated not to fit even at size 1: {', '.join(missing)}",
-              file=sys.stderr)
-    return 1 if missing else 0
+    return _write(out, {"estimate-reference.json": doc,
+                        "estimate-reference.md": render_estimate_markdown(doc)},
+                  f"estimated reference: {out / 'estimate-reference.md'} ({len(doc['rows'])} "
+                  f"rows, {doc['estimates']} estimates, {doc['seconds']:.1f} s; estimates, not "
+                  "measurements)",
+                  missing, "estimated not to fit even at size 1:")
 
 
-def _write(out: Path, files: dict[str, Any]) -> bool:
-    """Write ``files`` (name: text, or a dict written as JSON) into ``out``; False, after one
-    line on stderr, when they cannot be written (a full disk)."""
+def _write(out: Path, files: dict[str, Any], done: str, missing: list[str], why: str) -> int:
+    """Write ``files`` (name: text, or a dict written as JSON) into ``out`` and print
+    ``done``; the exit code: 1, after one line on stderr, when they cannot be written (a
+    full disk) or some rows fit no size (``missing``, said after ``why``), else 0."""
     from oomguard.engine.util.atomic import atomic_write, atomic_write_json
 
     try:
@@ -192,8 +185,11 @@ def _write(out: Path, files: dict[str, Any]) -> bool:
     except OSError as exc:
         print(f"oomguard: cannot write {exc.filename or out}: {exc.strerror or exc}",
               file=sys.stderr)
-        return False
-    return True
+        return 1
+    print(done)
+    if missing:
+        print(f"oomguard: {why} {', '.join(missing)}", file=sys.stderr)
+    return 1 if missing else 0
 
 
 def _metric_names(given: str | None) -> list[str]:

@@ -18,7 +18,6 @@ from oomguard.engine.cli.options import (
     add_workload_options,
     budget_free_limit,
     check_workload,
-    confirmed,
     isolated,
     search_config,
 )
@@ -77,15 +76,13 @@ def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out:
     from oomguard.engine.util.jsonable import json_text
     from oomguard.reports import write_report
 
-    paths: dict[str, Path] = {}
     failure = None  # the one error line, if any
     try:
-        paths = write_report(result, out, context=context)
+        files = {k: str(v) for k, v in write_report(result, out, context=context).items()}
     except OSError as exc:
-        failure = (f"cannot write the report to {exc.filename or out}: "
-                   f"{exc.strerror or exc}; the result is on stdout")
+        files, failure = {}, (f"cannot write the report to {exc.filename or out}: "
+                              f"{exc.strerror or exc}; the result is on stdout")
     try:
-        files = {k: str(v) for k, v in paths.items()}
         if args.json:
             print(json_text(result.to_dict() | {"files": files}), end="")
         else:
@@ -104,8 +101,7 @@ def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out:
         failure = f"cannot write to standard output: {exc.strerror or exc}"
     if failure is not None:
         print(f"oomguard: error: {failure}", file=sys.stderr)
-        return 1
-    return 0
+    return 0 if failure is None else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -116,7 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # Every input is checked before the model is built; the folder last (none left behind).
     check_workload(args)
     dev = resolve_device(args.device, check=True)
-    if isolated(args, dev) or confirmed(args):  # started now: imports overlap the checks
+    if isolated(args, dev) or args.confirm:  # started now: imports overlap the checks
         from oomguard.engine.core.child import start_forkserver
 
         start_forkserver(TrainStep.preload + (TrainStep.__module__,))
@@ -142,13 +138,12 @@ def cmd_search(args: argparse.Namespace) -> int:
     from oomguard.metrics.workload import MetricTrial
 
     check_workload(args)
-    metric = get_metric(args.metric)
-    knobs = [k.name for k in metric.memory_knobs()]
+    knobs = [k.name for k in get_metric(args.metric).memory_knobs()]
     if args.knob and args.knob not in knobs:
         raise UsageError(f"metric {args.metric!r} has no memory knob {args.knob!r}: "
                          f"valid: {', '.join(knobs)}")
     dev = resolve_device(args.device, check=True)
-    if isolated(args, dev) or confirmed(args):  # started now: imports overlap the planning
+    if isolated(args, dev) or args.confirm:  # started now: imports overlap the planning
         from oomguard.engine.core.child import start_forkserver
         from oomguard.engine.core.workload import workload_preload
 
