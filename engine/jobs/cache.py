@@ -129,9 +129,8 @@ def _changed(old: Mapping[str, Any], sizes: dict[str, int], source: str,
 
 
 class SizeCache:
-    """Sizes that worked, persisted in a JSON file shared between processes. Reads
-    (:meth:`get`, :meth:`entries`) change nothing on disk; writes (:meth:`put`,
-    :meth:`lower`, :meth:`clear`) hold the lock (the module docstring says the rest)."""
+    """Sizes that worked, persisted in a JSON file shared between processes (the module
+    docstring says how reads and writes go)."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path).expanduser() if path is not None else default_cache_path()
@@ -156,8 +155,7 @@ class SizeCache:
         """The entries whose sizes can be used; each other one is named in a warning."""
         good = {}
         for key, entry in entries.items():
-            problem = _entry_problem(entry)
-            if problem is None:
+            if (problem := _entry_problem(entry)) is None:
                 good[key] = entry
             else:
                 log.warning("size cache %s: entry %s ignored: %s", self.path, key, problem)

@@ -91,10 +91,8 @@ def load_data(spec: DataSpec, vocab_size: int, seed: int = 0,
         del mm
     else:
         arr = _token_stream(path)
-        if arr.ndim == 2:
-            ids = np.asarray(arr[: spec.n_samples, : spec.seq_len], dtype=np.int64)
-        else:
-            ids = _windows(arr, spec)
+        ids = (np.asarray(arr[: spec.n_samples, : spec.seq_len], dtype=np.int64)
+               if arr.ndim == 2 else _windows(arr, spec))
     top = int(ids.max()) if ids.size else 0
     if top >= vocab_size:
         raise ValueError(f"{path}: token id {top} is outside the model's vocabulary "

@@ -92,11 +92,9 @@ def claim(out: Path, job: Job, force: bool) -> None:
     files into ``out/moved-aside/<time>-<name>/``."""
     try:
         owner = json.loads((out / "job.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # a new folder (or one without a readable job record)
-    if not isinstance(owner, dict):
-        return
-    theirs = {"name": owner.get("name"), "path": owner.get("path")}
+        theirs = {"name": owner.get("name"), "path": owner.get("path")}
+    except (OSError, ValueError, AttributeError):
+        return  # a new folder (or one without a readable job record: not an object)
     if theirs == job_identity(job):
         return
     if not force:

@@ -126,8 +126,7 @@ class OnRay:
         ray.get(hub.status.remote())  # up before the first task asks it
         kind, each = (("GPU", 1) if ctx.job.device == "cuda" else ("CPU", self.cpus_per_task))
         remote = ray.remote(max_retries=self.max_retries, retry_exceptions=False,
-                            **({"num_gpus": 1} if kind == "GPU" else {"num_cpus": each})
-                            )(run_on_worker)
+                            **{f"num_{kind.lower()}s": each})(run_on_worker)
         waiting = list(tasks)
         pending: dict[Any, tuple[Task, float]] = {}  # with when it was submitted
         seen: dict[tuple[str, int], Any] = {}
@@ -232,7 +231,7 @@ def device_lines(status: dict[str, list[dict[str, Any]]], short: bool = False) -
             done[name] += a["state"] == DONE
             retries[name] += a["retries"]
             died[name] += a["state"] == DIED
-    names = sorted(set(done) | set(retries) | set(died))
+    names = sorted(done)  # every device counted in all three
     if short:
         return [f"{n[:24]}: {done[n]} done, {retries[n] + died[n]} retries" for n in names]
     return [f"device {n}: {done[n]} task(s) done, {retries[n]} OOM retr"

@@ -198,8 +198,7 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
     results: dict[str, TaskResult] = {}
     show = sys.stderr.isatty() if progress is None else progress
     with _Stop() as stop:
-        with tqdm(total=len(tasks), disable=not show, unit="metric", desc=job.name,
-                  leave=True) as bar:
+        with tqdm(total=len(tasks), disable=not show, unit="metric", desc=job.name) as bar:
             sink = Progress(n_tasks=len(tasks), bar=bar, results=results)
             todo = []
             for i, task in enumerate(tasks, start=1):

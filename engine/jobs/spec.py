@@ -344,9 +344,8 @@ def import_plugin(spec: str) -> None:
         name = "oomguard_plugin_" + re.sub(r"\W", "_", Path(spec).stem)
         if name in sys.modules:
             return
+        # A ``.py`` path always has a spec and a loader; a missing file fails in exec_module.
         mod_spec = importlib.util.spec_from_file_location(name, spec)
-        if mod_spec is None or mod_spec.loader is None:
-            raise ImportError(f"no Python module at {spec}")
         module = importlib.util.module_from_spec(mod_spec)
         sys.modules[name] = module
         try:

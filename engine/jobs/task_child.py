@@ -102,10 +102,9 @@ def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | N
 def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any], out: Path,
             sink: Sink, t0: float) -> TaskResult:
     """Record ``exc`` as the task's failure (:func:`record_failure`), with what ran."""
-    if isinstance(exc, ExecutionFailed):
-        reason = str(exc)  # names the workload and every size tried
-    else:
-        reason = f"{type(exc).__name__}: {first_line(exc)[:500]}"
+    # An ExecutionFailed's own message names the workload and every size tried.
+    reason = (str(exc) if isinstance(exc, ExecutionFailed)
+              else f"{type(exc).__name__}: {first_line(exc)[:500]}")
     record = record_failure(task, ctx, sink, reason, "", time.perf_counter() - t0,
                             text="".join(traceback.format_exception(exc)), **_what_ran(state, out))
     log.error("%s failed: %s (traceback in %s)", task.key, reason, out / record.traceback)
@@ -303,22 +302,20 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any], t0: fl
     work = _Work(task, ctx, metric, sink).on_device(job.device)
     prior = state["handoff"]
     if prior:  # a fresh process of the same run: the sizes were chosen by the first one
-        for key in _CHOSEN:
-            state[key] = prior[key]
-        start = prior["start"]
+        state.update({key: prior[key] for key in _CHOSEN})
     else:
-        start = state["start"] = _choose_sizes(task, ctx, metric, work, sink, state)
-        sink.event("sizes", task=task.key, run=ctx.run_id, sizes=start, source=state["source"])
-    minimum = sizing.minimums(metric)
+        state["start"] = _choose_sizes(task, ctx, metric, work, sink, state)
+        sink.event("sizes", task=task.key, run=ctx.run_id, sizes=state["start"],
+                   source=state["source"])
     executor = work.executor = state["executor"] = Executor(
         device=job.device, snapshot_on_oom=out / "snapshots" if ctx.snapshot_on_oom else None,
         on_oom=task.on_oom, fresh_process=True)
     ladder = Ladder.from_dict(prior["ladder"]) if prior else None
-    guard = budget(job.budget_bytes, job.device) if job.budget_bytes else nullcontext()
     work.meter.reset()
-    with guard:
+    with budget(job.budget_bytes, job.device) if job.budget_bytes else nullcontext():
         t_run = time.perf_counter()
-        result = executor.run(work, sizes=start, minimum=minimum, name=task.key, ladder=ladder)
+        result = executor.run(work, sizes=state["start"], minimum=sizing.minimums(metric),
+                              name=task.key, ladder=ladder)
         seconds = time.perf_counter() - t_run
     peak = work.meter.read()
     rec, info = executor.history[-1], _sizes_info(state)

@@ -8,6 +8,7 @@ over, and records a process that ended without a result as the task's failure.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -76,9 +77,7 @@ def preload_modules(task: Task) -> tuple[str, ...]:
     """Modules a task's process needs, for its parent (or forkserver) to import once."""
     mods = ["transformers", "oomguard.metrics.models", "oomguard.metrics.base",
             "oomguard.engine.jobs.task_child", type(get_metric(task.metric)).__module__]
-    try:
+    with contextlib.suppress(Exception):  # preloading is an optimisation only
         mt = model_config(task.model).model_type.replace("-", "_")
         mods.append(f"transformers.models.{mt}.modeling_{mt}")
-    except Exception:  # noqa: BLE001 - preloading is an optimisation only
-        pass
     return tuple(m for m in mods if not m.startswith("oomguard_plugin_"))
