@@ -299,9 +299,8 @@ def format_entries(entries: Mapping[str, Mapping[str, Any]]) -> str:
     rows = [("device", "metric", "model config", "dtype", "seq", "sizes", "source", "updated")]
     for key, e in sorted(entries.items()):
         w = e.get("workload", {})
-        sizes = size_list(e.get("sizes")) or "-"
-        rows.append((key.split("|", 1)[0], str(w.get("metric", "?")),
-                     str(w.get("model_config", "?")), str(w.get("dtype", "?")),
-                     str(w.get("seq_len", "?")), sizes, str(e.get("source", "?")),
+        rows.append((key.split("|", 1)[0],
+                     *(str(w.get(k, "?")) for k in ("metric", "model_config", "dtype", "seq_len")),
+                     size_list(e.get("sizes")) or "-", str(e.get("source", "?")),
                      str(e.get("updated", "?"))))
     return text_table(rows)

@@ -21,8 +21,7 @@ the parent also ends the child (PR_SET_PDEATHSIG through the forkserver).
 Backends: :class:`Sequential` runs the tasks one after another from this process (the
 default); :class:`~oomguard.engine.jobs.ray_job.OnRay` runs them concurrently as Ray
 tasks. Both run a task through :func:`~oomguard.engine.jobs.task_process.run_task`, and
-this process writes the results, the journal and the report either way. This module
-only logs; whoever wants ``job.log`` (the command line) passes ``log_setup``.
+this process writes the results, the journal and the report either way.
 """
 
 from __future__ import annotations

@@ -381,8 +381,7 @@ def _metrics(r: _Reader, doc: dict[str, Any], time_limit: float) -> tuple[Metric
     each id once."""
     raw = doc.get("metrics")
     if raw is None:
-        raise JobError(f"{r.path}: metrics: no metrics: add at least one [[metrics]] table "
-                       "with a name")
+        raise r.error("metrics", "no metrics: add at least one [[metrics]] table with a name")
     if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw) or not raw:
         raise r.error("metrics", "expected [[metrics]] tables")
     out = []
