@@ -77,11 +77,9 @@ def device_key(device: Mapping[str, Any]) -> str:
     one model on one node share a key; a MIG slice, another driver or another torch (its
     allocator and kernels) get their own. The host and the GPU's UUID are not in it."""
     key = f"{device.get('name') or device.get('device', '?')}/{device.get('total_bytes')}"
-    for part in ("mig_profile", "driver", "torch"):
+    for part in ("mig_profile", "driver", "torch", "budget_bytes"):
         if device.get(part):
             key += f"/{part.split('_')[0]}={device[part]}"
-    if device.get("budget_bytes"):
-        key += f"/budget={device['budget_bytes']}"
     return key
 
 

@@ -126,8 +126,7 @@ def _differ(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
 def _what(part: str, old: Any, new: Any) -> str:
     label = _LABELS.get(part, part)
     if part == "model" and isinstance(old, dict) and isinstance(new, dict):
-        files = _differ(old.get("files", {}), new.get("files", {}))
-        if files:
+        if files := _differ(old.get("files", {}), new.get("files", {})):
             return f"the checkpoint's files changed ({', '.join(files)})"
         if old.get("config") != new.get("config"):
             return "the model's config changed"

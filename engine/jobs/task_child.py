@@ -24,7 +24,7 @@ import logging
 import signal
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -81,15 +81,14 @@ def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | N
         for plugin in ctx.job.plugins:
             import_plugin(plugin)
         record = _execute(task, ctx, sink, state, t0)
-    except RestartNeeded as exc:
-        if conn is not None:  # the runner starts the next process; no result from this one
+    except BaseException as exc:  # noqa: BLE001 - every failure is recorded, none escapes
+        if isinstance(exc, RestartNeeded) and conn is not None:
+            # The runner starts the next process; no result from this one.
             info = _sizes_info(state)
             conn.send({"why": exc.why, "ladder": exc.ladder.to_dict() if exc.ladder else {},
                        **{key: state.get(key) for key in _CHOSEN}, "attempts": info["attempts"],
                        "errors": info["errors"], "oom_events": _oom_events(state, out) or []})
             return
-        record = _failed(task, ctx, exc, state, out, sink, t0)
-    except BaseException as exc:  # noqa: BLE001 - every failure is recorded, none escapes
         record = _failed(task, ctx, exc, state, out, sink, t0)
     if record.ok:
         sink.write(f"results/{task.key}.json", json_text(record))
@@ -238,13 +237,12 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, work: _Work, sink: Sink
     return got.sizes
 
 
-def _split_tensors(value: Any, prefix: str, big: dict[str, Any]) -> None:
-    if isinstance(value, torch.Tensor):
-        if value.numel() > TENSOR_INLINE_MAX:
-            big[prefix] = value.detach().cpu()
+def _big_tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor) and value.numel() > TENSOR_INLINE_MAX:
+        yield prefix, value.detach().cpu()
     elif isinstance(value, dict):
         for k, v in value.items():
-            _split_tensors(v, f"{prefix}.{k}" if prefix else str(k), big)
+            yield from _big_tensors(v, f"{prefix}.{k}" if prefix else str(k))
 
 
 class _Work:
@@ -324,8 +322,7 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any], t0: fl
         # (sizes that worked after a lower precision or on the CPU say nothing of this one)
         sink.lower(state["cache_key"], rec.final, device=ctx.device, workload=task.workload,
                    reason=f"{task.key}: {info['errors'][-1]}")
-    big: dict[str, Any] = {}
-    _split_tensors(result, "", big)
+    big = dict(_big_tensors(result))
     tensors = None
     if big:
         tensors, blob = f"results/{task.key}.pt", io.BytesIO()
