@@ -280,12 +280,9 @@ class SizeCache:
     def clear(self) -> int:
         """Remove every entry, usable or not; returns how many there were. Raises
         :class:`CacheError` if the cache cannot be written."""
-        try:
-            present = self.path.exists()
-        except OSError:  # a folder it may not search: the write below says so in one line
-            present = True
-        if not present:  # nothing to clear: create no folder and no lock file
-            return 0
+        with contextlib.suppress(OSError):  # a folder it may not search: the write below says so
+            if not self.path.exists():  # nothing to clear: create no folder and no lock file
+                return 0
         with self._locked():
             doc = self._read_for_writing()
             atomic_write_json(self.path, _empty())

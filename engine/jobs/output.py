@@ -76,8 +76,7 @@ def check_output_folder(out: Path) -> None:
         raise JobError(f"{out}: the output folder is an existing file; give another --out")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
+        tempfile.TemporaryFile(dir=out).close()
     except OSError as exc:
         raise JobError(f"{out}: cannot write the output folder ({exc.strerror or exc}); give "
                        "a writable --out") from None

@@ -163,7 +163,7 @@ class OnRay:
                 log.info("%s", line)
 
     def close(self) -> None:
-        if self.owns and self.ray is not None:
+        if self.owns:
             self.ray.shutdown()
         self.owns = False
 
@@ -180,7 +180,7 @@ class OnRay:
                 interrupted(journal.append, task, ctx, stop)
                 return None
             if isinstance(exc, ray.exceptions.RayTaskError):  # raised outside the metric
-                cause = exc.cause if exc.cause is not None else exc
+                cause = exc.cause or exc
                 reason = f"{type(cause).__name__}: {first_line(cause)[:500]}"
             else:  # the worker died every time it was tried
                 reason = (f"its Ray worker died {self.max_retries + 1} times "

@@ -175,13 +175,13 @@ def _oom_events(state: dict[str, Any], out: Path) -> list[dict[str, Any]] | None
 
 
 class _KnobTrial:
-    """``fn(size)`` for the search: the metric at ``knob=size``, other knobs fixed."""
+    """``fn(size)`` for the search: the metric at ``sizes`` but ``knob=size``."""
 
-    def __init__(self, call: Any, knob: str, others: dict[str, int], name: str) -> None:
-        self.call, self.knob, self.others, self.name = call, knob, others, name
+    def __init__(self, call: Any, knob: str, sizes: dict[str, int], name: str) -> None:
+        self.call, self.knob, self.sizes, self.name = call, knob, sizes, name
 
     def __call__(self, size: int) -> None:
-        self.call(**{**self.others, self.knob: size})
+        self.call(**{**self.sizes, self.knob: size})
 
 
 class _Search:
@@ -196,8 +196,7 @@ class _Search:
     def __call__(self, knob: str, sizes: dict[str, int], unit: int, cap: int
                  ) -> sizing.SearchRecord:
         spec, job = self.ctx.job.search, self.ctx.job
-        trial = _KnobTrial(self.call, knob, {k: v for k, v in sizes.items() if k != knob},
-                           self.task.key)
+        trial = _KnobTrial(self.call, knob, sizes, self.task.key)
         # The default strategy (Guided) from ``start``; a ``step`` the job file gives names
         # the E10 routine with that increment, as --step does on the command line.
         unit, start, step = in_whole_units(spec.start, spec.step or 1, unit, cap)
