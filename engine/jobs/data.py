@@ -79,7 +79,6 @@ def load_data(spec: DataSpec, vocab_size: int, seed: int = 0,
     if spec.source == "generated":
         return make_batch(spec.n_samples, spec.seq_len, vocab_size, seed=seed, device=device)
     check_data(spec)
-    assert spec.path is not None
     path = Path(spec.path)
     if spec.source == "text":
         ids = _windows(np.frombuffer(path.read_bytes(), dtype=np.uint8), spec)
@@ -88,7 +87,6 @@ def load_data(spec: DataSpec, vocab_size: int, seed: int = 0,
         rng = np.random.default_rng(seed)
         starts = rng.integers(0, len(mm) - spec.seq_len + 1, size=spec.n_samples)
         ids = np.stack([np.asarray(mm[s:s + spec.seq_len], dtype=np.int64) for s in starts])
-        del mm
     else:
         arr = _token_stream(path)
         ids = (np.asarray(arr[: spec.n_samples, : spec.seq_len], dtype=np.int64)

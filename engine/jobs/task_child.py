@@ -89,25 +89,19 @@ def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | N
                        **{key: state.get(key) for key in _CHOSEN}, "attempts": info["attempts"],
                        "errors": info["errors"], "oom_events": _oom_events(state, out) or []})
             return
-        record = _failed(task, ctx, exc, state, out, sink, t0)
+        # An ExecutionFailed's own message names the workload and every size tried.
+        reason = (str(exc) if isinstance(exc, ExecutionFailed)
+                  else f"{type(exc).__name__}: {first_line(exc)[:500]}")
+        record = record_failure(task, ctx, sink, reason, "", time.perf_counter() - t0,
+                                text="".join(traceback.format_exception(exc)),
+                                **_what_ran(state, out))
+        log.error("%s failed: %s (traceback in %s)", task.key, reason, out / record.traceback)
     if record.ok:
         sink.write(f"results/{task.key}.json", json_text(record))
         sizes = record.sizes or {}
         sink.event("success", task=task.key, run=ctx.run_id, seconds=record.seconds,
                    sizes=sizes.get("final"), source=sizes.get("source"),
                    retries=sizes.get("retries"), remedy=record.remedy)
-
-
-def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any], out: Path,
-            sink: Sink, t0: float) -> TaskResult:
-    """Record ``exc`` as the task's failure (:func:`record_failure`), with what ran."""
-    # An ExecutionFailed's own message names the workload and every size tried.
-    reason = (str(exc) if isinstance(exc, ExecutionFailed)
-              else f"{type(exc).__name__}: {first_line(exc)[:500]}")
-    record = record_failure(task, ctx, sink, reason, "", time.perf_counter() - t0,
-                            text="".join(traceback.format_exception(exc)), **_what_ran(state, out))
-    log.error("%s failed: %s (traceback in %s)", task.key, reason, out / record.traceback)
-    return record
 
 
 def record_failure(task: Task, ctx: Context, sink: Sink, reason: str, detail: str,
