@@ -387,9 +387,8 @@ def _metrics(r: _Reader, doc: dict[str, Any], time_limit: float) -> tuple[Metric
     out = []
     for i, table in enumerate(raw):
         got = r.read(table, _METRIC, f"metrics[{i}].", time_limit=time_limit)
-        metric = get_metric(got["name"])
         try:  # every knob: the pinned sizes with the parameters, the defaults filled in
-            full = metric.validate({**got["params"], **got["sizes"]})
+            full = get_metric(got["name"]).validate({**got["params"], **got["sizes"]})
         except ValueError as exc:
             raise r.error(f"metrics[{i}].params", str(exc)) from None
         out.append(MetricSpec(**{"id": got["name"], **got, "sizes": {

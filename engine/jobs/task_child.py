@@ -98,10 +98,9 @@ def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | N
         log.error("%s failed: %s (traceback in %s)", task.key, reason, out / record.traceback)
     if record.ok:
         sink.write(f"results/{task.key}.json", json_text(record))
-        sizes = record.sizes or {}
         sink.event("success", task=task.key, run=ctx.run_id, seconds=record.seconds,
-                   sizes=sizes.get("final"), source=sizes.get("source"),
-                   retries=sizes.get("retries"), remedy=record.remedy)
+                   sizes=record.sizes["final"], source=record.sizes["source"],
+                   retries=record.sizes["retries"], remedy=record.remedy)
 
 
 def record_failure(task: Task, ctx: Context, sink: Sink, reason: str, detail: str,

@@ -53,12 +53,7 @@ def run_task(task: Task, ctx: Context, sink: Sink, stop: Any) -> TaskResult | No
                    env=handoff["ladder"].get("env"), resume=handoff["ladder"].get("resume"),
                    remedy=handoff["ladder"]["remedies"][handoff["ladder"]["at"]])
         log.warning("%s: restarting in a fresh process: %s", task.key, handoff["why"])
-    return _ended(task, ctx, sink, stop, ended, time.monotonic() - t0)
-
-
-def _ended(task: Task, ctx: Context, sink: Sink, stop: Any, ended: launcher.Ended,
-           seconds: float) -> TaskResult | None:
-    """The task's record once its last process ended: the one it wrote, or its failure."""
+    # The last process ended: the record it wrote, or the task's failure.
     timed_out = ended.how == launcher.TIMED_OUT
     record = read_result(Path(ctx.out), task.key)
     if record is not None and record.run == ctx.run_id and not timed_out:
@@ -70,7 +65,7 @@ def _ended(task: Task, ctx: Context, sink: Sink, stop: Any, ended: launcher.Ende
     reason = (f"time limit of {task.time_limit:g} s exceeded (stopped)" if timed_out
               else f"the metric's process {how} without a result (crash?)")
     return record_failure(task, ctx, sink, reason, "No Python traceback: the child "
-                          "process was stopped or died (see job.log).", seconds)
+                          "process was stopped or died (see job.log).", time.monotonic() - t0)
 
 
 def preload_modules(task: Task) -> tuple[str, ...]:
