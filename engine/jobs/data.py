@@ -58,11 +58,10 @@ def check_data(spec: DataSpec) -> None:
             raise ValueError(f"{path} has {size} bytes, fewer than seq_len {spec.seq_len}")
         return
     arr = _token_stream(path)
-    if arr.ndim == 2:
-        if arr.shape[0] < spec.n_samples or arr.shape[1] < spec.seq_len:
-            raise ValueError(f"{path} holds {arr.shape[0]} x {arr.shape[1]} token ids; need at "
-                             f"least {spec.n_samples} x {spec.seq_len}")
-    else:
+    if arr.ndim == 2 and (arr.shape[0] < spec.n_samples or arr.shape[1] < spec.seq_len):
+        raise ValueError(f"{path} holds {arr.shape[0]} x {arr.shape[1]} token ids; need at "
+                         f"least {spec.n_samples} x {spec.seq_len}")
+    if arr.ndim == 1:
         _need(arr.shape[0], spec, "token ids")
     if arr.size and int(arr.min()) < 0:
         raise ValueError(f"{path} holds negative token ids")

@@ -275,7 +275,7 @@ class _Work:
         # Warm up, one forward + backward on one short sample: thread pools and kernels
         # exist before any budget (docs/measurements.md#minimum-cpu-budget), and nothing
         # is charged to the metric.
-        ids = self.data["input_ids"][:1, : min(8, self.data["input_ids"].shape[1])]
+        ids = self.data["input_ids"][:1, :8]
         with torch.enable_grad():
             self.model(input_ids=ids, labels=ids).loss.backward()
         self.model.zero_grad(set_to_none=True)
