@@ -77,11 +77,9 @@ def device_key(device: Mapping[str, Any]) -> str:
     one model on one node share a key; a MIG slice, another driver or another torch (its
     allocator and kernels) get their own. The host and the GPU's UUID are not in it."""
     key = f"{device.get('name') or device.get('device', '?')}/{device.get('total_bytes')}"
-    for part in ("mig_profile", "driver", "torch"):
+    for part in ("mig_profile", "driver", "torch", "budget_bytes"):
         if device.get(part):
             key += f"/{part.split('_')[0]}={device[part]}"
-    if device.get("budget_bytes"):
-        key += f"/budget={device['budget_bytes']}"
     return key
 
 
@@ -129,9 +127,8 @@ def _changed(old: Mapping[str, Any], sizes: dict[str, int], source: str,
 
 
 class SizeCache:
-    """Sizes that worked, persisted in a JSON file shared between processes. Reads
-    (:meth:`get`, :meth:`entries`) change nothing on disk; writes (:meth:`put`,
-    :meth:`lower`, :meth:`clear`) hold the lock (the module docstring says the rest)."""
+    """Sizes that worked, persisted in a JSON file shared between processes (the module
+    docstring says how reads and writes go)."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path).expanduser() if path is not None else default_cache_path()
@@ -156,8 +153,7 @@ class SizeCache:
         """The entries whose sizes can be used; each other one is named in a warning."""
         good = {}
         for key, entry in entries.items():
-            problem = _entry_problem(entry)
-            if problem is None:
+            if (problem := _entry_problem(entry)) is None:
                 good[key] = entry
             else:
                 log.warning("size cache %s: entry %s ignored: %s", self.path, key, problem)
@@ -284,12 +280,9 @@ class SizeCache:
     def clear(self) -> int:
         """Remove every entry, usable or not; returns how many there were. Raises
         :class:`CacheError` if the cache cannot be written."""
-        try:
-            present = self.path.exists()
-        except OSError:  # a folder it may not search: the write below says so in one line
-            present = True
-        if not present:  # nothing to clear: create no folder and no lock file
-            return 0
+        with contextlib.suppress(OSError):  # a folder it may not search: the write below says so
+            if not self.path.exists():  # nothing to clear: create no folder and no lock file
+                return 0
         with self._locked():
             doc = self._read_for_writing()
             atomic_write_json(self.path, _empty())
@@ -301,9 +294,8 @@ def format_entries(entries: Mapping[str, Mapping[str, Any]]) -> str:
     rows = [("device", "metric", "model config", "dtype", "seq", "sizes", "source", "updated")]
     for key, e in sorted(entries.items()):
         w = e.get("workload", {})
-        sizes = size_list(e.get("sizes")) or "-"
-        rows.append((key.split("|", 1)[0], str(w.get("metric", "?")),
-                     str(w.get("model_config", "?")), str(w.get("dtype", "?")),
-                     str(w.get("seq_len", "?")), sizes, str(e.get("source", "?")),
+        rows.append((key.split("|", 1)[0],
+                     *(str(w.get(k, "?")) for k in ("metric", "model_config", "dtype", "seq_len")),
+                     size_list(e.get("sizes")) or "-", str(e.get("source", "?")),
                      str(e.get("updated", "?"))))
     return text_table(rows)

@@ -58,11 +58,10 @@ def check_data(spec: DataSpec) -> None:
             raise ValueError(f"{path} has {size} bytes, fewer than seq_len {spec.seq_len}")
         return
     arr = _token_stream(path)
-    if arr.ndim == 2:
-        if arr.shape[0] < spec.n_samples or arr.shape[1] < spec.seq_len:
-            raise ValueError(f"{path} holds {arr.shape[0]} x {arr.shape[1]} token ids; need at "
-                             f"least {spec.n_samples} x {spec.seq_len}")
-    else:
+    if arr.ndim == 2 and (arr.shape[0] < spec.n_samples or arr.shape[1] < spec.seq_len):
+        raise ValueError(f"{path} holds {arr.shape[0]} x {arr.shape[1]} token ids; need at "
+                         f"least {spec.n_samples} x {spec.seq_len}")
+    if arr.ndim == 1:
         _need(arr.shape[0], spec, "token ids")
     if arr.size and int(arr.min()) < 0:
         raise ValueError(f"{path} holds negative token ids")
@@ -79,7 +78,6 @@ def load_data(spec: DataSpec, vocab_size: int, seed: int = 0,
     if spec.source == "generated":
         return make_batch(spec.n_samples, spec.seq_len, vocab_size, seed=seed, device=device)
     check_data(spec)
-    assert spec.path is not None
     path = Path(spec.path)
     if spec.source == "text":
         ids = _windows(np.frombuffer(path.read_bytes(), dtype=np.uint8), spec)
@@ -88,13 +86,10 @@ def load_data(spec: DataSpec, vocab_size: int, seed: int = 0,
         rng = np.random.default_rng(seed)
         starts = rng.integers(0, len(mm) - spec.seq_len + 1, size=spec.n_samples)
         ids = np.stack([np.asarray(mm[s:s + spec.seq_len], dtype=np.int64) for s in starts])
-        del mm
     else:
         arr = _token_stream(path)
-        if arr.ndim == 2:
-            ids = np.asarray(arr[: spec.n_samples, : spec.seq_len], dtype=np.int64)
-        else:
-            ids = _windows(arr, spec)
+        ids = (np.asarray(arr[: spec.n_samples, : spec.seq_len], dtype=np.int64)
+               if arr.ndim == 2 else _windows(arr, spec))
     top = int(ids.max()) if ids.size else 0
     if top >= vocab_size:
         raise ValueError(f"{path}: token id {top} is outside the model's vocabulary "

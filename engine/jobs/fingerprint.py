@@ -21,6 +21,7 @@ file with either changed is hashed again, so a rewrite that keeps the size is ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -55,13 +56,10 @@ class Digests:
         self.path = Path(path) if path is not None else None
         self.memo: dict[str, dict[str, Any]] = {}
         self.changed = False
-        if self.path is not None:
-            try:
+        if self.path is not None:  # absent or unreadable: start empty, files are hashed again
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # (not an object)
                 doc = json.loads(self.path.read_text(encoding="utf-8"))
-                if isinstance(doc, dict):
-                    self.memo = {k: v for k, v in doc.items() if isinstance(v, dict)}
-            except (OSError, ValueError):
-                pass  # absent or unreadable: start empty, files are hashed again
+                self.memo = {k: v for k, v in doc.items() if isinstance(v, dict)}
 
     def of(self, file: str | os.PathLike[str]) -> str:
         """The SHA-256 (hex) of ``file``'s content; reads it only if size or mtime changed."""
@@ -128,8 +126,7 @@ def _differ(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
 def _what(part: str, old: Any, new: Any) -> str:
     label = _LABELS.get(part, part)
     if part == "model" and isinstance(old, dict) and isinstance(new, dict):
-        files = _differ(old.get("files", {}), new.get("files", {}))
-        if files:
+        if files := _differ(old.get("files", {}), new.get("files", {})):
             return f"the checkpoint's files changed ({', '.join(files)})"
         if old.get("config") != new.get("config"):
             return "the model's config changed"

@@ -51,9 +51,8 @@ class Journal:
     def copy(self, record: dict[str, Any]) -> dict[str, Any]:
         """Write ``record`` as it is, durably: an event stamped elsewhere (a Ray worker's
         task, with its time and pid), or one :meth:`append` made."""
-        line = json_text(record, indent=None) + "\n"
         fd = self._descriptor()
-        os.write(fd, line.encode("utf-8"))
+        os.write(fd, (json_text(record, indent=None) + "\n").encode("utf-8"))
         os.fsync(fd)
         return record
 

@@ -76,8 +76,7 @@ def check_output_folder(out: Path) -> None:
         raise JobError(f"{out}: the output folder is an existing file; give another --out")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
+        tempfile.TemporaryFile(dir=out).close()
     except OSError as exc:
         raise JobError(f"{out}: cannot write the output folder ({exc.strerror or exc}); give "
                        "a writable --out") from None
@@ -92,11 +91,9 @@ def claim(out: Path, job: Job, force: bool) -> None:
     files into ``out/moved-aside/<time>-<name>/``."""
     try:
         owner = json.loads((out / "job.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # a new folder (or one without a readable job record)
-    if not isinstance(owner, dict):
-        return
-    theirs = {"name": owner.get("name"), "path": owner.get("path")}
+        theirs = {"name": owner.get("name"), "path": owner.get("path")}
+    except (OSError, ValueError, AttributeError):
+        return  # a new folder (or one without a readable job record: not an object)
     if theirs == job_identity(job):
         return
     if not force:

@@ -38,8 +38,7 @@ class Progress:
     count: int = 0
 
     def __call__(self, trial: Any) -> None:
-        error = error_text(trial.error)
-        peak = f"peak {fmt_bytes(trial.peak_bytes)}" if trial.ok else error[:100]
+        peak = f"peak {fmt_bytes(trial.peak_bytes)}" if trial.ok else error_text(trial.error)[:100]
         verdict = "ok " if trial.ok else "RAM guard" if trial.guarded else "OOM"
         fresh = "  fresh" if self.mark_fresh and trial.mode == "isolated" else ""
         print(f"  {self.label} {trial.size:>6}  {verdict}  {peak}  "

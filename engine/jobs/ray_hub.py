@@ -54,7 +54,6 @@ class Hub:
             a["sizes"] = dict(record["sizes"])
             a["retries"] += record["event"] == "retry"
         self.sink.journal.copy(record)
-        return None
 
     def begin(self, task: str, where: Mapping[str, Any]) -> dict[str, Any]:
         """A new attempt of ``task`` at ``where``; returns its number and the previous one

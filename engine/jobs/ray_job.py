@@ -126,8 +126,7 @@ class OnRay:
         ray.get(hub.status.remote())  # up before the first task asks it
         kind, each = (("GPU", 1) if ctx.job.device == "cuda" else ("CPU", self.cpus_per_task))
         remote = ray.remote(max_retries=self.max_retries, retry_exceptions=False,
-                            **({"num_gpus": 1} if kind == "GPU" else {"num_cpus": each})
-                            )(run_on_worker)
+                            **{f"num_{kind.lower()}s": each})(run_on_worker)
         waiting = list(tasks)
         pending: dict[Any, tuple[Task, float]] = {}  # with when it was submitted
         seen: dict[tuple[str, int], Any] = {}
@@ -164,7 +163,7 @@ class OnRay:
                 log.info("%s", line)
 
     def close(self) -> None:
-        if self.owns and self.ray is not None:
+        if self.owns:
             self.ray.shutdown()
         self.owns = False
 
@@ -181,7 +180,7 @@ class OnRay:
                 interrupted(journal.append, task, ctx, stop)
                 return None
             if isinstance(exc, ray.exceptions.RayTaskError):  # raised outside the metric
-                cause = exc.cause if exc.cause is not None else exc
+                cause = exc.cause or exc
                 reason = f"{type(cause).__name__}: {first_line(cause)[:500]}"
             else:  # the worker died every time it was tried
                 reason = (f"its Ray worker died {self.max_retries + 1} times "
@@ -232,7 +231,7 @@ def device_lines(status: dict[str, list[dict[str, Any]]], short: bool = False) -
             done[name] += a["state"] == DONE
             retries[name] += a["retries"]
             died[name] += a["state"] == DIED
-    names = sorted(set(done) | set(retries) | set(died))
+    names = sorted(done)  # every device counted in all three
     if short:
         return [f"{n[:24]}: {done[n]} done, {retries[n] + died[n]} retries" for n in names]
     return [f"device {n}: {done[n]} task(s) done, {retries[n]} OOM retr"

@@ -20,7 +20,6 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-# ------------------------------------------------------------------ the job file
 @dataclass(frozen=True)
 class DataSpec:
     """Where samples come from: ``n_samples`` rows of ``seq_len`` tokens."""
@@ -76,7 +75,6 @@ class Job:
     on_oom: tuple[str, ...] | None = None  # the remedy ladder of every metric without its own
 
 
-# ------------------------------------------------------------------ running it
 @dataclass(frozen=True)
 class Task:
     """One metric on one model. ``key`` names its files; ``workload`` is what the size

@@ -21,8 +21,7 @@ the parent also ends the child (PR_SET_PDEATHSIG through the forkserver).
 Backends: :class:`Sequential` runs the tasks one after another from this process (the
 default); :class:`~oomguard.engine.jobs.ray_job.OnRay` runs them concurrently as Ray
 tasks. Both run a task through :func:`~oomguard.engine.jobs.task_process.run_task`, and
-this process writes the results, the journal and the report either way. This module
-only logs; whoever wants ``job.log`` (the command line) passes ``log_setup``.
+this process writes the results, the journal and the report either way.
 """
 
 from __future__ import annotations
@@ -198,8 +197,7 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
     results: dict[str, TaskResult] = {}
     show = sys.stderr.isatty() if progress is None else progress
     with _Stop() as stop:
-        with tqdm(total=len(tasks), disable=not show, unit="metric", desc=job.name,
-                  leave=True) as bar:
+        with tqdm(total=len(tasks), disable=not show, unit="metric", desc=job.name) as bar:
             sink = Progress(n_tasks=len(tasks), bar=bar, results=results)
             todo = []
             for i, task in enumerate(tasks, start=1):

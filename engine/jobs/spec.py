@@ -344,9 +344,8 @@ def import_plugin(spec: str) -> None:
         name = "oomguard_plugin_" + re.sub(r"\W", "_", Path(spec).stem)
         if name in sys.modules:
             return
+        # A ``.py`` path always has a spec and a loader; a missing file fails in exec_module.
         mod_spec = importlib.util.spec_from_file_location(name, spec)
-        if mod_spec is None or mod_spec.loader is None:
-            raise ImportError(f"no Python module at {spec}")
         module = importlib.util.module_from_spec(mod_spec)
         sys.modules[name] = module
         try:
@@ -382,16 +381,14 @@ def _metrics(r: _Reader, doc: dict[str, Any], time_limit: float) -> tuple[Metric
     each id once."""
     raw = doc.get("metrics")
     if raw is None:
-        raise JobError(f"{r.path}: metrics: no metrics: add at least one [[metrics]] table "
-                       "with a name")
+        raise r.error("metrics", "no metrics: add at least one [[metrics]] table with a name")
     if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw) or not raw:
         raise r.error("metrics", "expected [[metrics]] tables")
     out = []
     for i, table in enumerate(raw):
         got = r.read(table, _METRIC, f"metrics[{i}].", time_limit=time_limit)
-        metric = get_metric(got["name"])
         try:  # every knob: the pinned sizes with the parameters, the defaults filled in
-            full = metric.validate({**got["params"], **got["sizes"]})
+            full = get_metric(got["name"]).validate({**got["params"], **got["sizes"]})
         except ValueError as exc:
             raise r.error(f"metrics[{i}].params", str(exc)) from None
         out.append(MetricSpec(**{"id": got["name"], **got, "sizes": {

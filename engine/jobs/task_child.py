@@ -24,7 +24,7 @@ import logging
 import signal
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -81,35 +81,26 @@ def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | N
         for plugin in ctx.job.plugins:
             import_plugin(plugin)
         record = _execute(task, ctx, sink, state, t0)
-    except RestartNeeded as exc:
-        if conn is not None:  # the runner starts the next process; no result from this one
+    except BaseException as exc:  # noqa: BLE001 - every failure is recorded, none escapes
+        if isinstance(exc, RestartNeeded) and conn is not None:
+            # The runner starts the next process; no result from this one.
             info = _sizes_info(state)
             conn.send({"why": exc.why, "ladder": exc.ladder.to_dict() if exc.ladder else {},
                        **{key: state.get(key) for key in _CHOSEN}, "attempts": info["attempts"],
                        "errors": info["errors"], "oom_events": _oom_events(state, out) or []})
             return
-        record = _failed(task, ctx, exc, state, out, sink, t0)
-    except BaseException as exc:  # noqa: BLE001 - every failure is recorded, none escapes
-        record = _failed(task, ctx, exc, state, out, sink, t0)
+        # An ExecutionFailed's own message names the workload and every size tried.
+        reason = (str(exc) if isinstance(exc, ExecutionFailed)
+                  else f"{type(exc).__name__}: {first_line(exc)[:500]}")
+        record = record_failure(task, ctx, sink, reason, "", time.perf_counter() - t0,
+                                text="".join(traceback.format_exception(exc)),
+                                **_what_ran(state, out))
+        log.error("%s failed: %s (traceback in %s)", task.key, reason, out / record.traceback)
     if record.ok:
         sink.write(f"results/{task.key}.json", json_text(record))
-        sizes = record.sizes or {}
         sink.event("success", task=task.key, run=ctx.run_id, seconds=record.seconds,
-                   sizes=sizes.get("final"), source=sizes.get("source"),
-                   retries=sizes.get("retries"), remedy=record.remedy)
-
-
-def _failed(task: Task, ctx: Context, exc: BaseException, state: dict[str, Any], out: Path,
-            sink: Sink, t0: float) -> TaskResult:
-    """Record ``exc`` as the task's failure (:func:`record_failure`), with what ran."""
-    if isinstance(exc, ExecutionFailed):
-        reason = str(exc)  # names the workload and every size tried
-    else:
-        reason = f"{type(exc).__name__}: {first_line(exc)[:500]}"
-    record = record_failure(task, ctx, sink, reason, "", time.perf_counter() - t0,
-                            text="".join(traceback.format_exception(exc)), **_what_ran(state, out))
-    log.error("%s failed: %s (traceback in %s)", task.key, reason, out / record.traceback)
-    return record
+                   sizes=record.sizes["final"], source=record.sizes["source"],
+                   retries=record.sizes["retries"], remedy=record.remedy)
 
 
 def record_failure(task: Task, ctx: Context, sink: Sink, reason: str, detail: str,
@@ -177,13 +168,13 @@ def _oom_events(state: dict[str, Any], out: Path) -> list[dict[str, Any]] | None
 
 
 class _KnobTrial:
-    """``fn(size)`` for the search: the metric at ``knob=size``, other knobs fixed."""
+    """``fn(size)`` for the search: the metric at ``sizes`` but ``knob=size``."""
 
-    def __init__(self, call: Any, knob: str, others: dict[str, int], name: str) -> None:
-        self.call, self.knob, self.others, self.name = call, knob, others, name
+    def __init__(self, call: Any, knob: str, sizes: dict[str, int], name: str) -> None:
+        self.call, self.knob, self.sizes, self.name = call, knob, sizes, name
 
     def __call__(self, size: int) -> None:
-        self.call(**{**self.others, self.knob: size})
+        self.call(**{**self.sizes, self.knob: size})
 
 
 class _Search:
@@ -198,8 +189,7 @@ class _Search:
     def __call__(self, knob: str, sizes: dict[str, int], unit: int, cap: int
                  ) -> sizing.SearchRecord:
         spec, job = self.ctx.job.search, self.ctx.job
-        trial = _KnobTrial(self.call, knob, {k: v for k, v in sizes.items() if k != knob},
-                           self.task.key)
+        trial = _KnobTrial(self.call, knob, sizes, self.task.key)
         # The default strategy (Guided) from ``start``; a ``step`` the job file gives names
         # the E10 routine with that increment, as --step does on the command line.
         unit, start, step = in_whole_units(spec.start, spec.step or 1, unit, cap)
@@ -239,13 +229,12 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, work: _Work, sink: Sink
     return got.sizes
 
 
-def _split_tensors(value: Any, prefix: str, big: dict[str, Any]) -> None:
-    if isinstance(value, torch.Tensor):
-        if value.numel() > TENSOR_INLINE_MAX:
-            big[prefix] = value.detach().cpu()
+def _big_tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor) and value.numel() > TENSOR_INLINE_MAX:
+        yield prefix, value.detach().cpu()
     elif isinstance(value, dict):
         for k, v in value.items():
-            _split_tensors(v, f"{prefix}.{k}" if prefix else str(k), big)
+            yield from _big_tensors(v, f"{prefix}.{k}" if prefix else str(k))
 
 
 class _Work:
@@ -286,7 +275,7 @@ class _Work:
         # Warm up, one forward + backward on one short sample: thread pools and kernels
         # exist before any budget (docs/measurements.md#minimum-cpu-budget), and nothing
         # is charged to the metric.
-        ids = self.data["input_ids"][:1, : min(8, self.data["input_ids"].shape[1])]
+        ids = self.data["input_ids"][:1, :8]
         with torch.enable_grad():
             self.model(input_ids=ids, labels=ids).loss.backward()
         self.model.zero_grad(set_to_none=True)
@@ -303,22 +292,20 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any], t0: fl
     work = _Work(task, ctx, metric, sink).on_device(job.device)
     prior = state["handoff"]
     if prior:  # a fresh process of the same run: the sizes were chosen by the first one
-        for key in _CHOSEN:
-            state[key] = prior[key]
-        start = prior["start"]
+        state.update({key: prior[key] for key in _CHOSEN})
     else:
-        start = state["start"] = _choose_sizes(task, ctx, metric, work, sink, state)
-        sink.event("sizes", task=task.key, run=ctx.run_id, sizes=start, source=state["source"])
-    minimum = sizing.minimums(metric)
+        state["start"] = _choose_sizes(task, ctx, metric, work, sink, state)
+        sink.event("sizes", task=task.key, run=ctx.run_id, sizes=state["start"],
+                   source=state["source"])
     executor = work.executor = state["executor"] = Executor(
         device=job.device, snapshot_on_oom=out / "snapshots" if ctx.snapshot_on_oom else None,
         on_oom=task.on_oom, fresh_process=True)
     ladder = Ladder.from_dict(prior["ladder"]) if prior else None
-    guard = budget(job.budget_bytes, job.device) if job.budget_bytes else nullcontext()
     work.meter.reset()
-    with guard:
+    with budget(job.budget_bytes, job.device) if job.budget_bytes else nullcontext():
         t_run = time.perf_counter()
-        result = executor.run(work, sizes=start, minimum=minimum, name=task.key, ladder=ladder)
+        result = executor.run(work, sizes=state["start"], minimum=sizing.minimums(metric),
+                              name=task.key, ladder=ladder)
         seconds = time.perf_counter() - t_run
     peak = work.meter.read()
     rec, info = executor.history[-1], _sizes_info(state)
@@ -327,8 +314,7 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any], t0: fl
         # (sizes that worked after a lower precision or on the CPU say nothing of this one)
         sink.lower(state["cache_key"], rec.final, device=ctx.device, workload=task.workload,
                    reason=f"{task.key}: {info['errors'][-1]}")
-    big: dict[str, Any] = {}
-    _split_tensors(result, "", big)
+    big = dict(_big_tensors(result))
     tensors = None
     if big:
         tensors, blob = f"results/{task.key}.pt", io.BytesIO()

@@ -8,6 +8,7 @@ over, and records a process that ended without a result as the task's failure.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -52,12 +53,7 @@ def run_task(task: Task, ctx: Context, sink: Sink, stop: Any) -> TaskResult | No
                    env=handoff["ladder"].get("env"), resume=handoff["ladder"].get("resume"),
                    remedy=handoff["ladder"]["remedies"][handoff["ladder"]["at"]])
         log.warning("%s: restarting in a fresh process: %s", task.key, handoff["why"])
-    return _ended(task, ctx, sink, stop, ended, time.monotonic() - t0)
-
-
-def _ended(task: Task, ctx: Context, sink: Sink, stop: Any, ended: launcher.Ended,
-           seconds: float) -> TaskResult | None:
-    """The task's record once its last process ended: the one it wrote, or its failure."""
+    # The last process ended: the record it wrote, or the task's failure.
     timed_out = ended.how == launcher.TIMED_OUT
     record = read_result(Path(ctx.out), task.key)
     if record is not None and record.run == ctx.run_id and not timed_out:
@@ -69,16 +65,14 @@ def _ended(task: Task, ctx: Context, sink: Sink, stop: Any, ended: launcher.Ende
     reason = (f"time limit of {task.time_limit:g} s exceeded (stopped)" if timed_out
               else f"the metric's process {how} without a result (crash?)")
     return record_failure(task, ctx, sink, reason, "No Python traceback: the child "
-                          "process was stopped or died (see job.log).", seconds)
+                          "process was stopped or died (see job.log).", time.monotonic() - t0)
 
 
 def preload_modules(task: Task) -> tuple[str, ...]:
     """Modules a task's process needs, for its parent (or forkserver) to import once."""
     mods = ["transformers", "oomguard.metrics.models", "oomguard.metrics.base",
             "oomguard.engine.jobs.task_child", type(get_metric(task.metric)).__module__]
-    try:
+    with contextlib.suppress(Exception):  # preloading is an optimisation only
         mt = model_config(task.model).model_type.replace("-", "_")
         mods.append(f"transformers.models.{mt}.modeling_{mt}")
-    except Exception:  # noqa: BLE001 - preloading is an optimisation only
-        pass
     return tuple(m for m in mods if not m.startswith("oomguard_plugin_"))
