@@ -218,3 +218,16 @@ def test_a_real_job_searches_past_a_capped_answer_in_the_cache(tmp_path: Path) -
               (Path(outcome.out) / "journal.jsonl").read_text().splitlines()]
     assert [e["knob"] for e in events if e["event"] == "search"] == ["micro_batch_size"]
     assert cache.get(entry_key(dev, task.workload))["source"] == "search"
+
+
+def test_a_hand_edited_search_record_in_the_cache_leaves_its_sizes_usable(tmp_path: Path) -> None:
+    slot = _slot(tmp_path)
+    choose_sizes(_request("loss", 64), evaluate=Fits(micro_batch_size=5), slot=slot)
+    doc = json.loads(slot.cache.path.read_text())
+    (entry,) = [e for e in doc["entries"].values() if "search" in e]
+    entry["search"] = ["not a record", 3, {"knob": "micro_batch_size"}]
+    slot.cache.path.write_text(json.dumps(doc))
+    never = Fits()
+    got = choose_sizes(_request("loss", 64), evaluate=never, slot=slot)
+    assert (got.sizes, got.source, never.calls) == ({"micro_batch_size": 5}, "cache", [])
+    assert "no search record" in got.records[0].note

@@ -129,6 +129,8 @@ class Record:
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> Any:
         """The record ``doc`` holds; TypeError where it is not one."""
+        if not isinstance(doc, Mapping):
+            raise TypeError(f"{cls.__name__} from {type(doc).__name__}, not an object")
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         return cls(**{k: v for k, v in doc.items() if k in names},
                    extra={k: v for k, v in doc.items() if k not in names})
