@@ -199,6 +199,13 @@ TINY = ["--model", "gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=64", "--samples
         "--seq-len", "8"]
 
 
+def _signal_masks(pid: int) -> dict[str, str]:
+    """The signal masks /proc shows for ``pid`` (blocked, ignored, caught), in hex."""
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.split(":\t", 1) for line in f if line.startswith(("SigBlk", "SigIgn",
+                                                                          "SigCgt")))
+
+
 def _in_session(sid: int) -> list[tuple[int, str]]:
     """Live processes of session ``sid`` (pid, command line); zombies are dead already."""
     found = []
@@ -218,11 +225,18 @@ def _in_session(sid: int) -> list[tuple[int, str]]:
 def _reference_in_a_session(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, Path]:
     """``oomguard reference`` started in a session of its own, once its first trial ran."""
     err = tmp_path / "stderr.txt"
-    with open(err, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "oomguard", "reference", *TINY, *options, "--cache",
-             str(tmp_path / "sizes.json"), "--out", str(tmp_path / "ref")],
-            stdout=subprocess.DEVNULL, stderr=f, cwd=tmp_path, start_new_session=True)
+    # As a terminal starts it: with SIGINT at its default, also where this test process
+    # ignores it (a background job of a non-interactive shell does, and Python then
+    # installs no KeyboardInterrupt handler in the command, rightly).
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        with open(err, "wb") as f:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "oomguard", "reference", *TINY, *options, "--cache",
+                 str(tmp_path / "sizes.json"), "--out", str(tmp_path / "ref")],
+                stdout=subprocess.DEVNULL, stderr=f, cwd=tmp_path, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 300
     while "  size " not in err.read_text(errors="replace"):
         assert proc.poll() is None, err.read_text()
@@ -251,8 +265,9 @@ def test_ctrl_c_in_reference_is_one_line_and_exit_130(tmp_path: Path) -> None:
     proc, err = _reference_in_a_session(tmp_path)
     try:
         before = len(err.read_bytes())
+        signals = _signal_masks(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
-        assert proc.wait(timeout=60) == 130
+        assert proc.wait(timeout=60) == 130, (signals, err.read_text()[-3000:])
         text = err.read_text()
         after = text.encode()[before:].decode(errors="replace").splitlines()
         assert after[-1:] == ["oomguard: interrupted"], after
