@@ -126,6 +126,17 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequenc
                  "seq_length")
 
 
+def model_modules(spec: str) -> tuple[str, ...]:
+    """The modules that building ``spec`` imports (transformers and its modeling module, a
+    second or more each), for a parent or forkserver to import once for all its children;
+    () where the spec does not resolve (the child then says why)."""
+    try:
+        model_type = model_config(spec).model_type.replace("-", "_")
+    except Exception:  # noqa: BLE001 - preloading is an optimisation only
+        return ()
+    return ("transformers", f"transformers.models.{model_type}.modeling_{model_type}")
+
+
 def check_seq_len(config: Any, seq_len: int) -> None:
     """UsageError if ``config`` (a transformers config) declares fewer positions than
     ``seq_len`` tokens: learned position tables index past their end (an IndexError deep

@@ -28,7 +28,7 @@ from oomguard.engine.core.search.trial import SAMPLE_KNOBS
 from oomguard.engine.core.workload import RebuiltInChild
 from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.metrics.base import Metric, get_metric
-from oomguard.metrics.models import make_batch, model_config
+from oomguard.metrics.models import make_batch, model_config, model_modules
 from oomguard.metrics.train_step import build_for
 
 
@@ -90,8 +90,8 @@ class MetricTrial(RebuiltInChild):
     @property
     def preload(self) -> tuple[str, ...]:
         """Modules a forkserver may import before the first isolated trial."""
-        return ("transformers", "oomguard.metrics.models", "oomguard.metrics.common",
-                type(get_metric(self.metric)).__module__)
+        return (*model_modules(self.model), "oomguard.metrics.models",
+                "oomguard.metrics.common", type(get_metric(self.metric)).__module__)
 
     def _sizing(self) -> tuple[Metric, str, dict[str, Any]]:
         """The metric, the searched knob and the fixed knobs validated (defaults filled)."""

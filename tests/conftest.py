@@ -14,6 +14,8 @@ import gc
 import logging
 import math
 import os
+import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,6 +174,66 @@ def in_fresh_processes(fn, arg_lists, workers: int = 1):
                         for args in arg_lists[i:i + workers]]
             results += [child.wait().result() for child in children]
     return results
+
+
+def _cli_here(argv: list[str], cwd: str | None, env: dict[str, str]) -> tuple[int, str, str]:
+    """In a fresh child: ``oomguard ARGV`` in ``cwd`` with ``env`` added, its file
+    descriptors 1 and 2 (and so its own children's) captured: exit code, stdout, stderr."""
+    import sys
+    import tempfile
+
+    from oomguard.engine.cli.main import main
+
+    if cwd is not None:
+        os.chdir(cwd)
+    os.environ.update(env)
+    files = [tempfile.TemporaryFile(mode="w+b") for _ in (1, 2)]
+    for fd, f in zip((1, 2), files, strict=True):
+        os.dup2(f.fileno(), fd)
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code if isinstance(exc.code, int) else 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    texts = []
+    for f in files:
+        f.seek(0)
+        texts.append(f.read().decode(errors="replace"))
+    return code, *texts
+
+
+def cli_in_child(*argv: str, cwd: Any = None, env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess:
+    """``oomguard ARGV`` as a command line runs it (a process of its own, its output
+    captured), but forked from this worker's forkserver, which imported torch and
+    transformers once: for tests that are not about the interpreter itself (exit codes
+    of ``python -m``, signals, ``ulimit``, what a fresh process imports)."""
+    code, out, err = in_fresh_process(_cli_here, list(argv), None if cwd is None else str(cwd),
+                                      env or {})
+    return subprocess.CompletedProcess(["oomguard", *argv], code, out, err)
+
+
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str,
+                 compute: Callable[[], Any]) -> Any:
+    """``compute()`` once per test run, shared by the pytest-xdist workers: the first
+    worker to ask computes it (the others wait on a file lock) and leaves it pickled in
+    the run's temporary folder. For session fixtures that start processes or calibrate
+    budgets: computed once per worker, they cost a second core the same seconds."""
+    import pickle
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    path = root / f"once-{name}.pickle"
+    with FileLock(str(path) + ".lock"):
+        if path.is_file():
+            return pickle.loads(path.read_bytes())
+        value = compute()
+        path.write_bytes(pickle.dumps(value))
+        return value
 
 
 @dataclass

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import cli_in_child
 
 from oomguard.engine.core.child import start_method
 from oomguard.engine.errors import JobError
@@ -54,9 +55,8 @@ def _job(tmp_path: Path, metrics: str, *, name: str = "job.toml", out: str = "ou
     return path
 
 
-def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "oomguard", *args], cwd=kw.pop("cwd", ROOT),
-                          capture_output=True, text=True, timeout=300, **kw)
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return cli_in_child(*args, cwd=ROOT)
 
 
 def _events(out: Path, event: str) -> list[dict]:

@@ -24,7 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.core.child import DIED, Child, start_forkserver
+from oomguard.engine.core.child import DIED, Child, context, start_method
 from oomguard.engine.core.search.search import SearchConfig
 from oomguard.engine.core.workload import workload_preload
 from oomguard.engine.errors import JobError
@@ -121,11 +121,13 @@ def build_reference(model: str, device: str, dtype: str, seq_len: int, n_samples
 def _measure_fresh(trial: MetricTrial, config: SearchConfig,
                    on_trial: Callable[[Any], None] | None) -> SearchRecord:
     """:func:`~oomguard.engine.jobs.sizing.measure` (a row even when nothing fits or the
-    search fails) in a fresh process of its own (a forkserver's child), so that no
-    search inherits the free heap, caches or peaks of the ones before it: run one after
-    another in one process, later searches found 30-60 MiB of reusable free heap at their
-    budget's entry and measured peaks of 4 KiB. ``on_trial`` must pickle."""
-    with Child(start_forkserver(workload_preload(trial)),
+    search fails) in a fresh process of its own, started as a job starts its tasks (forked
+    from this process, which runs no torch work, on a Linux CPU; a forkserver's child
+    elsewhere), so that no search inherits the free heap, caches or peaks of the ones
+    before it: run one after another in one process, later searches found 30-60 MiB of
+    reusable free heap at their budget's entry and measured peaks of 4 KiB. ``on_trial``
+    must pickle."""
+    with Child(context(start_method(trial.device), workload_preload(trial)),
                partial(measure, metric=trial.metric, on_trial=on_trial), trial, config) as child:
         ended = child.wait()
     if ended.how != DIED:  # what it returned, or its exception raised here

@@ -8,7 +8,6 @@ over, and records a process that ended without a result as the task's failure.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from oomguard.engine.jobs.records import Context, Task, TaskResult
 from oomguard.engine.jobs.sink import Sink
 from oomguard.engine.jobs.task_child import child_main, interrupted, record_failure
 from oomguard.metrics.base import get_metric
-from oomguard.metrics.models import model_config
+from oomguard.metrics.models import model_modules
 
 log = logging.getLogger("oomguard.job")
 
@@ -70,9 +69,6 @@ def run_task(task: Task, ctx: Context, sink: Sink, stop: Any) -> TaskResult | No
 
 def preload_modules(task: Task) -> tuple[str, ...]:
     """Modules a task's process needs, for its parent (or forkserver) to import once."""
-    mods = ["transformers", "oomguard.metrics.models", "oomguard.metrics.base",
+    mods = [*model_modules(task.model), "oomguard.metrics.models", "oomguard.metrics.base",
             "oomguard.engine.jobs.task_child", type(get_metric(task.metric)).__module__]
-    with contextlib.suppress(Exception):  # preloading is an optimisation only
-        mt = model_config(task.model).model_type.replace("-", "_")
-        mods.append(f"transformers.models.{mt}.modeling_{mt}")
     return tuple(m for m in mods if not m.startswith("oomguard_plugin_"))
