@@ -2,8 +2,8 @@
 second run runs no trial), written as reference.md, reference.json and sizes.toml, and
 taken by jobs: automatically from the size cache, or pinned with ``--sizes``.
 
-The end-to-end test runs the command line in fresh processes, as a user does, under a
-real CPU budget; the job that pins the reference's sizes runs every metric in a fresh
+The end-to-end test runs the command line in fresh processes (forked from the test's
+forkserver, which imported torch once), as a user does, under a real CPU budget; the job that pins the reference's sizes runs every metric in a fresh
 child under the same budget, so each safe size is checked where it will be used.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import cli_in_child
 
 from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.cache import SizeCache, entry_key
@@ -35,8 +35,7 @@ def _built_in() -> dict:
 
 
 def _oomguard(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "oomguard", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=600)
+    return cli_in_child(*args, cwd=cwd)
 
 
 def _job_file(tmp_path: Path, metrics: list[str]) -> Path:
