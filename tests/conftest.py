@@ -176,7 +176,7 @@ def in_fresh_processes(fn, arg_lists, workers: int = 1):
     return results
 
 
-def _cli_here(argv: list[str], cwd: str | None, env: dict[str, str]) -> tuple[int, str, str]:
+def oomguard_here(argv: list[str], cwd: str | None, env: dict[str, str]) -> tuple[int, str, str]:
     """In a fresh child: ``oomguard ARGV`` in ``cwd`` with ``env`` added, its file
     descriptors 1 and 2 (and so its own children's) captured: exit code, stdout, stderr."""
     import sys
@@ -209,7 +209,7 @@ def cli_in_child(*argv: str, cwd: Any = None, env: dict[str, str] | None = None
     captured), but forked from this worker's forkserver, which imported torch and
     transformers once: for tests that are not about the interpreter itself (exit codes
     of ``python -m``, signals, ``ulimit``, what a fresh process imports)."""
-    code, out, err = in_fresh_process(_cli_here, list(argv), None if cwd is None else str(cwd),
+    code, out, err = in_fresh_process(oomguard_here, list(argv), None if cwd is None else str(cwd),
                                       env or {})
     return subprocess.CompletedProcess(["oomguard", *argv], code, out, err)
 

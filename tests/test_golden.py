@@ -58,23 +58,19 @@ bench and the error table call the command line in this process.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import io
 import json
 import math
 import os
 import re
 import shutil
-import subprocess
-import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import in_fresh_process
+from conftest import in_fresh_process, in_fresh_processes, once_per_run, oomguard_here
 
 from oomguard.engine.cli.main import main
 from oomguard.metrics.base import METRICS, load_all
@@ -257,22 +253,11 @@ def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
     return code, out, err
 
 
-def _cli_in_fresh_process(argv: list[str]) -> tuple[int, str, str]:
-    """``oomguard ARGV`` in a fresh process (see :func:`_fresh_cli`)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 2
-    return code, out.getvalue(), err.getvalue()
-
-
 def _fresh_cli(argv: list[str]) -> tuple[int, str, str]:
     """A search under a budget in a fresh process: in a process that ran other tests, free
     heap left behind is reused without counting against the budget (a warning, and peaks
     of 0 bytes), so the report would depend on which tests ran before."""
-    return in_fresh_process(_cli_in_fresh_process, argv)
+    return in_fresh_process(oomguard_here, argv, None, {})
 
 
 # ----------------------------------------------------------------------------------------
@@ -361,42 +346,25 @@ class Done:
     stderr: str
 
 
-# Session-wide: pytest tears a module's fixture down whenever a worker's shuffled order
-# leaves the module, and this one (a job and a reference) was set up twice a run.
+# Once per run: a session fixture is set up by each pytest-xdist worker that needs it, and
+# pytest tears a module's fixture down whenever a worker's shuffled order leaves the module.
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Done]]:
-    """``oomguard run job.toml`` and ``oomguard reference ...``, started together and
-    waited for: ``{"job": Done, "reference": Done}``."""
-    root = tmp_path_factory.mktemp("golden")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Done]:
+    """``oomguard run job.toml`` and ``oomguard reference ...``, run together, each as a
+    command of its own (:func:`cli_in_child`): ``{"job": Done, "reference": Done}``."""
+    return once_per_run(tmp_path_factory, "golden-runs", lambda: _run_both(
+        tmp_path_factory.mktemp("golden")))
+
+
+def _run_both(root: Path) -> dict[str, Done]:
     commands = {"job": ["run", "job.toml", "--cache", "cache.json"], "reference": REFERENCE}
     (root / "job").mkdir()
     (root / "job" / "boom.py").write_text(BOOM, encoding="utf-8")
     (root / "job" / "job.toml").write_text(JOB, encoding="utf-8")
     (root / "reference").mkdir()
-    procs = {}
-    with contextlib.ExitStack() as stack:
-        for name, argv in commands.items():
-            cwd = root / name
-            out = stack.enter_context(open(cwd / "stdout.txt", "w+", encoding="utf-8"))
-            err = stack.enter_context(open(cwd / "stderr.txt", "w+", encoding="utf-8"))
-            proc = subprocess.Popen([sys.executable, "-m", "oomguard", *argv], cwd=cwd,
-                                    stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-            stack.callback(_stop, proc)
-            procs[name] = (proc, out, err)
-        done = {}
-        for name, (proc, out, err) in procs.items():
-            code = proc.wait(timeout=280)
-            out.seek(0)
-            err.seek(0)
-            done[name] = Done(root / name, code, out.read(), err.read())
-    yield done
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """A command still running when the fixture ends (a failure before it finished)."""
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    ended = in_fresh_processes(oomguard_here, [[argv, str(root / name), {}]
+                                          for name, argv in commands.items()], workers=2)
+    return {name: Done(root / name, *got) for name, got in zip(commands, ended, strict=True)}
 
 
 def _job_norm(done: Done) -> Norm:
@@ -406,7 +374,6 @@ def _job_norm(done: Done) -> Norm:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("golden")
 def test_job_results(runs: dict[str, Done]) -> None:
     job = runs["job"]
     assert job.code == 1, job.stderr  # boom failed; the other two are done
@@ -424,7 +391,6 @@ def test_job_results(runs: dict[str, Done]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("golden")
 def test_job_journal(runs: dict[str, Done]) -> None:
     job = runs["job"]
     norm = _job_norm(job)
@@ -435,7 +401,6 @@ def test_job_journal(runs: dict[str, Done]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("golden")
 def test_job_report_and_what_it_prints(runs: dict[str, Done]) -> None:
     job = runs["job"]
     norm = _job_norm(job)
@@ -447,7 +412,6 @@ def test_job_report_and_what_it_prints(runs: dict[str, Done]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("golden")
 def test_job_cache(runs: dict[str, Done]) -> None:
     job = runs["job"]
     check_json("job/cache.json", _read_json(job.cwd / "cache.json"), _job_norm(job))
@@ -459,7 +423,6 @@ def _reference_norm(done: Done) -> Norm:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("golden")
 def test_reference_outputs(runs: dict[str, Done]) -> None:
     ref = runs["reference"]
     assert ref.code == 0, ref.stderr
@@ -472,7 +435,6 @@ def test_reference_outputs(runs: dict[str, Done]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("golden")
 def test_reference_cache_and_cache_show(runs: dict[str, Done],
                                         capsys: pytest.CaptureFixture[str]) -> None:
     ref = runs["reference"]
