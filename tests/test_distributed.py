@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import budget_after_warmup
+from conftest import budget_after_warmup, once_per_run
 from test_accumulate import mlp, regression_step, rows
 
 from oomguard.engine.core.execute.stats import stats
@@ -170,13 +170,14 @@ def one_rank_calls(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="session")
 def one_rank_run(tmp_path_factory) -> list[dict]:
     """Both ranks' results of :func:`one_rank_calls` (one run, shared by the tests below)."""
-    out = tmp_path_factory.mktemp("one_rank")
-    run_ranks(one_rank_calls, (free_port(), str(out)), timeout_s=30)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    def both() -> list[dict]:
+        out = tmp_path_factory.mktemp("one_rank")
+        run_ranks(one_rank_calls, (free_port(), str(out)), timeout_s=30)
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return once_per_run(tmp_path_factory, "one-rank-run", both)
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("one_rank_run")
 def test_with_sync_ranks_false_a_call_on_rank_0_only_makes_no_collective(one_rank_run):
     r0 = one_rank_run[0]
     assert r0["unsynced"] == [8, 16, True]
@@ -184,7 +185,6 @@ def test_with_sync_ranks_false_a_call_on_rank_0_only_makes_no_collective(one_ran
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("one_rank_run")
 def test_a_first_call_on_rank_0_only_raises_one_clear_error_instead_of_hanging(one_rank_run):
     r0, r1 = one_rank_run
     error = r0["error"]

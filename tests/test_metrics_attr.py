@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import budget_after_warmup, in_fresh_processes, tiny_data, tiny_model
+from conftest import budget_after_warmup, in_fresh_processes, once_per_run, tiny_data, tiny_model
 
 from oomguard.engine.core.execute.executor import Executor
 from oomguard.engine.core.memory.heap import return_freed_memory_to_os
@@ -223,7 +223,12 @@ def fresh_budget_scenario(name: str) -> dict[str, Any]:
 # Session-wide and on one worker: a module fixture is set up again each time a worker's
 # shuffled order comes back to the module, and this one was set up twice a run.
 @pytest.fixture(scope="session")
-def budget_reports() -> dict[str, dict[str, Any]]:
+def budget_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every budget scenario's report, once per run (:func:`_budget_reports`)."""
+    return once_per_run(tmp_path_factory, "attr-budget-reports", _budget_reports)
+
+
+def _budget_reports() -> dict[str, dict[str, Any]]:
     """Run each budget scenario in its own fresh process.
 
     A budget counts from the process's VmData when it is entered; heap that
@@ -238,7 +243,6 @@ def budget_reports() -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("metrics_attr_budget")
 @pytest.mark.parametrize("name", list(OOM_CASES))
 def test_executor_under_budget_returns_unconstrained_result(
         name: str, budget_reports: dict[str, dict[str, Any]]) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import RaisesAt, in_fresh_process
+from conftest import RaisesAt, in_fresh_process, once_per_run
 
 from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET, BudgetError, budget
 from oomguard.engine.core.memory.heap import free_heap_bytes, return_freed_memory_to_os
@@ -374,9 +374,13 @@ def _calibrate() -> int:
 # Session-wide, its tests on one worker: set up once a run, not once per visit of a
 # worker's shuffled order to this module.
 @pytest.fixture(scope="session")
-def gpt2_boundary() -> tuple[int, int]:
+def gpt2_boundary(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, int]:
     """(budget, brute-force maximum): the largest size before the first OOM,
-    trying 1, 2, 3, ... in order in a fresh process under that budget."""
+    trying 1, 2, 3, ... in order in a fresh process under that budget; once per run."""
+    return once_per_run(tmp_path_factory, "gpt2-boundary", _gpt2_boundary)
+
+
+def _gpt2_boundary() -> tuple[int, int]:
     nbytes = in_fresh_process(_calibrate)
     return nbytes, in_fresh_process(_brute_in_fresh_process, nbytes)
 
@@ -441,7 +445,6 @@ def test_a_warm_up_leaves_no_free_heap_for_budgeted_trials_to_reuse():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("gpt2_boundary")
 def test_gpt2_step_search_matches_brute_force_in_process(gpt2_boundary):
     # In-process answers depend on the process's history, so each side starts
     # from the same state: its own fresh process, model built, one warm-up step.
@@ -451,7 +454,6 @@ def test_gpt2_step_search_matches_brute_force_in_process(gpt2_boundary):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("gpt2_boundary")
 def test_gpt2_step_search_isolated_matches_brute_force(gpt2_boundary):
     # Every isolated trial is a fresh process, so the bracket it closes is the
     # fresh-process boundary; with the same heap preparation on both sides and the
