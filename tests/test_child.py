@@ -249,8 +249,9 @@ def _reference_in_a_session(tmp_path: Path, *options: str) -> tuple[subprocess.P
 def test_no_process_is_left_two_seconds_after_kill_9_of_reference(tmp_path: Path) -> None:
     proc, err = _reference_in_a_session(tmp_path, "--isolate")
     try:
-        # The command, its forkserver, the search's process, its forkserver, a trial...
-        assert len(_in_session(proc.pid)) >= 3, _in_session(proc.pid)
+        # The command, a search's process (forked on a CPU), its forkserver, a trial...:
+        # between two rows only the command and the next search's process may be there.
+        assert len(_in_session(proc.pid)) >= 2, _in_session(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         time.sleep(2)
