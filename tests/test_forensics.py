@@ -16,14 +16,12 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import budget_after_warmup, in_fresh_process
+from conftest import budget_after_warmup, cli_in_child, in_fresh_process
 from fakes.fake_cuda import FakeCuda, GiB, MiB
 
 from oomguard.engine.core.execute.executor import Executor
@@ -119,9 +117,8 @@ def test_job_results_and_report_carry_the_oom_events(tmp_path: Path) -> None:
                    'budget = "64MiB"\n[data]\nseq_len = 8\nn_samples = 2\n[search]\n'
                    'enabled = false\n[[metrics]]\nname = "test_two_blocks"\n'
                    '[[metrics]]\nname = "loss"\n', encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "oomguard", "run", str(job),
-                           "--cache", str(tmp_path / "cache.json"), "--snapshot-on-oom"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    done = cli_in_child("run", str(job), "--cache", str(tmp_path / "cache.json"),
+                        "--snapshot-on-oom", cwd=ROOT)
     assert done.returncode == 0, done.stderr
     tasks = json.loads((out / "results.json").read_text())["tasks"]
     [ev] = tasks["test_two_blocks"]["oom_events"]
