@@ -220,8 +220,8 @@ def fresh_budget_scenario(name: str) -> dict[str, Any]:
     return budget_scenario(name)
 
 
-# Session-wide and on one worker: a module fixture is set up again each time a worker's
-# shuffled order comes back to the module, and this one was set up twice a run.
+# Once per run (shared by the xdist workers), not once per visit of a worker's shuffled
+# order to this module.
 @pytest.fixture(scope="session")
 def budget_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Every budget scenario's report, once per run (:func:`_budget_reports`)."""

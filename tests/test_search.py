@@ -371,8 +371,8 @@ def _calibrate() -> int:
     return int(needs[2] + 1.5 * per_item)
 
 
-# Session-wide, its tests on one worker: set up once a run, not once per visit of a
-# worker's shuffled order to this module.
+# Once per run (shared by the xdist workers), not once per visit of a worker's shuffled
+# order to this module.
 @pytest.fixture(scope="session")
 def gpt2_boundary(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, int]:
     """(budget, brute-force maximum): the largest size before the first OOM,
