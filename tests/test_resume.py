@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_in_child
 
 from oomguard.engine.jobs.cache import SizeCache
 from oomguard.engine.jobs.journal import replay
@@ -80,10 +80,9 @@ def _job(tmp_path: Path, body: str, name: str = "job.toml", seq_len: int = 8,
     return path
 
 
-def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:
+def _cli(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "oomguard", *args], cwd=ROOT,
-                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _events(out: Path, event: str, task: str | None = None) -> list[dict]:
@@ -159,8 +158,9 @@ def test_sigterm_sigkill_mid_metric_then_resume_keeps_results(tmp_path: Path) ->
     assert not (out / "results" / "test_slow.json").exists()
 
     # The same command resumes: loss kept byte for byte, the rest run.
-    rerun = _cli("run", str(job), "--cache", cache, env={"OOMGUARD_TEST_FAST": "1"})
-    stdout, stderr = rerun.communicate(timeout=120)
+    rerun = cli_in_child("run", str(job), "--cache", cache, cwd=ROOT,
+                         env={"OOMGUARD_TEST_FAST": "1"})
+    stdout, stderr = rerun.stdout, rerun.stderr
     assert rerun.returncode == 0, stderr
     assert (out / "results" / "loss.json").read_bytes() == kept
     assert [e["task"] for e in _events(out, "skip")] == ["loss", "loss"]
