@@ -101,6 +101,9 @@ def timed_search(fn: Any, config: SearchConfig) -> tuple[SearchResult, float, fl
         result = search(fn, config, on_trial=lambda _: ends.append(time.perf_counter()))
     except SearchFailed as exc:
         result = exc.result
+        if exc.__cause__ is not None:  # a trial's own error: say what it was
+            why = str(exc.__cause__).strip().splitlines()
+            result.stopped_because += f" ({why[0][:160]})" if why else ""
     end = time.perf_counter()
     if config.isolate or not result.trials:  # no warm-up here: every child pays its own
         return result, end - t0, 0.0
