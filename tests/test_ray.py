@@ -50,8 +50,8 @@ class Steady(Metric):
     """The mean loss over the samples, after holding the worker busy for `seconds` (not
     when OOMGUARD_TEST_FAST is set)."""
     name = "test_steady"
-    knobs = (Knob("micro_batch_size", "memory", 8, 1), Knob("seconds", "result", 4.0, 0.0))
-    def compute(self, model, data, micro_batch_size=8, seconds=4.0):
+    knobs = (Knob("micro_batch_size", "memory", 8, 1), Knob("seconds", "result", 2.0, 0.0))
+    def compute(self, model, data, micro_batch_size=8, seconds=2.0):
         t0 = time.time()
         while not os.environ.get("OOMGUARD_TEST_FAST") and time.time() - t0 < seconds:
             time.sleep(0.05)
