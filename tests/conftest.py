@@ -54,6 +54,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--reverse"):
         items.reverse()
+    _xdist_groups_seen(items)
+
+
+def _xdist_groups_seen(items: list[pytest.Item]) -> None:
+    """Let ``--dist loadgroup`` see the xdist_group marks again: pytest-xdist 3.8 (in a
+    worker, before this hook) appends ``@group`` to ``item._nodeid``, which pytest 9.2 no
+    longer reads (a node id comes from ``item._id``), so the marks were ignored and each
+    worker started a Ray of its own. Where either side changes, this does nothing."""
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:
+        return
+    for item in items:
+        grouped = getattr(item, "_nodeid", None)
+        if isinstance(grouped, str) and "@" in grouped and grouped != item.nodeid:
+            item._id = coerce_node_id(grouped)
 
 
 # The fast layer (-m "not slow") stays fast only if what is slow says so: a test not marked
@@ -176,14 +192,17 @@ def in_fresh_processes(fn, arg_lists, workers: int = 1):
     return results
 
 
-def oomguard_here(argv: list[str], cwd: str | None, env: dict[str, str]) -> tuple[int, str, str]:
-    """In a fresh child: ``oomguard ARGV`` in ``cwd`` with ``env`` added, its file
-    descriptors 1 and 2 (and so its own children's) captured: exit code, stdout, stderr."""
+def oomguard_here(argv: list[str], cwd: str | None, env: dict[str, str],
+                  missing: tuple[str, ...] = ()) -> tuple[int, str, str]:
+    """In a fresh child: ``oomguard ARGV`` in ``cwd`` with ``env`` added and the modules
+    ``missing`` unimportable (as on a machine without them), its file descriptors 1 and 2
+    (and so its own children's) captured: exit code, stdout, stderr."""
     import sys
     import tempfile
 
     from oomguard.engine.cli.main import main
 
+    sys.modules.update(dict.fromkeys(missing))
     if cwd is not None:
         os.chdir(cwd)
     os.environ.update(env)
@@ -203,14 +222,14 @@ def oomguard_here(argv: list[str], cwd: str | None, env: dict[str, str]) -> tupl
     return code, *texts
 
 
-def cli_in_child(*argv: str, cwd: Any = None, env: dict[str, str] | None = None
-                 ) -> subprocess.CompletedProcess:
+def cli_in_child(*argv: str, cwd: Any = None, env: dict[str, str] | None = None,
+                 missing: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """``oomguard ARGV`` as a command line runs it (a process of its own, its output
     captured), but forked from this worker's forkserver, which imported torch and
     transformers once: for tests that are not about the interpreter itself (exit codes
     of ``python -m``, signals, ``ulimit``, what a fresh process imports)."""
     code, out, err = in_fresh_process(oomguard_here, list(argv), None if cwd is None else str(cwd),
-                                      env or {})
+                                      env or {}, missing)
     return subprocess.CompletedProcess(["oomguard", *argv], code, out, err)
 
 

@@ -13,12 +13,10 @@ run alone without padding, and captum called directly for integrated gradients.
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import numbers
+from conftest import cli_in_child, numbers
 
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.base import get_metric, load_all
@@ -170,8 +168,8 @@ def test_a_metric_that_cannot_run_says_so_in_one_line_before_any_work() -> None:
     fisher = get_metric("fisher_diagonal").run(model, padded("right"), micro_batch_size=2)
     assert fisher["method"].startswith("per-sample backward loop")  # vmap refuses Mamba
     assert math.isfinite(fisher["total_trace"])
-    listing = subprocess.run([sys.executable, "-m", "oomguard.engine.cli.main", "metrics",
-                              "--model", MAMBA], capture_output=True, text=True, check=True)
+    listing = cli_in_child("metrics", "--model", MAMBA)  # a fresh catalogue
+    assert listing.returncode == 0, listing.stderr
     lines = listing.stdout.splitlines()
     assert ("attention_stats: not supported: the model has no attention layers (no attention "
             "probabilities to measure)") in lines

@@ -265,16 +265,12 @@ def test_a_dead_attempt_is_lowered_by_half_never_below_the_minimum() -> None:
     assert lowered_after_death(task, {**dead, "sizes": None}) is None
 
 
-def _cli(*args: str, cwd: Path, python: str = "") -> subprocess.CompletedProcess:
-    code = f"{python}\nimport sys\nfrom oomguard.engine.cli.main import main\nsys.exit(main())"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=120)
 
 
 def test_an_unreachable_cluster_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
     job = _job(tmp_path, "out", ["loss"])
     t0 = time.monotonic()
-    run = _cli("run", str(job), "--ray", "127.0.0.1:1", cwd=tmp_path)
+    run = cli_in_child("run", str(job), "--ray", "127.0.0.1:1", cwd=tmp_path)
     assert run.returncode == 2, run.stderr
     line = run.stderr.strip().splitlines()[-1]
     assert line.startswith("oomguard: error: cannot reach the Ray cluster at 127.0.0.1:1")
@@ -286,7 +282,7 @@ def test_an_unreachable_cluster_is_one_line_and_exit_code_2(tmp_path: Path) -> N
 def test_ray_not_installed_is_one_line_saying_how_to_install_it(tmp_path: Path) -> None:
     job = _job(tmp_path, "out", ["loss"])
     # Ray made unimportable in that process, as on a machine without it.
-    run = _cli("run", str(job), "--ray", cwd=tmp_path, python="import sys; sys.modules['ray'] = None")
+    run = cli_in_child("run", str(job), "--ray", cwd=tmp_path, missing=("ray",))
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines()[-1] == (
         "oomguard: error: --ray needs Ray, which is not installed here: "
