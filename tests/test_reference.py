@@ -24,7 +24,10 @@ from oomguard.engine.jobs.spec import load_job
 from oomguard.metrics.base import load_all
 
 BUDGET = "384MiB"
-SETTINGS = ["--samples", "2", "--seq-len", "16", "--budget", BUDGET]
+# A GPT-2 of one narrow layer: the curvature metrics and the landscape take a fraction of
+# what the built-in tiny-gpt2 takes, and every metric and knob is still there.
+MODEL = "gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=32"
+SETTINGS = ["--model", MODEL, "--samples", "2", "--seq-len", "16", "--budget", BUDGET]
 
 
 def _built_in() -> dict:
@@ -41,7 +44,7 @@ def _oomguard(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def _job_file(tmp_path: Path, metrics: list[str]) -> Path:
     blocks = "".join(f'\n[[metrics]]\nname = "{m}"\n' for m in metrics)
     path = tmp_path / "job.toml"
-    path.write_text(f'output = "job"\nmodels = ["tiny-gpt2"]\nbudget = "{BUDGET}"\n'
+    path.write_text(f'output = "job"\nmodels = ["{MODEL}"]\nbudget = "{BUDGET}"\n'
                     f'[data]\nseq_len = 16\nn_samples = 2\n{blocks}', encoding="utf-8")
     return path
 
@@ -96,7 +99,7 @@ def test_a_job_on_the_same_device_and_workload_finds_the_references_sizes(
     (task,) = plan(job)
     cache = SizeCache(tmp_path / "sizes.json")
     slot = Slot(cache, entry_key(dev, task.workload), dev, task.workload, source="reference")
-    request = Request(get_metric("loss"), {}, 2, model_config("tiny-gpt2"))
+    request = Request(get_metric("loss"), {}, 2, model_config(MODEL))
 
     def measured(knob: str, sizes: dict, unit: int, cap: int) -> SearchRecord:
         return SearchRecord(metric="loss", knob=knob, max_ok=2, first_oom=None, safe=2,
@@ -114,7 +117,7 @@ def test_a_job_on_the_same_device_and_workload_finds_the_references_sizes(
 def test_a_sizes_file_for_another_setting_or_corrupt_is_a_one_line_error(tmp_path: Path) -> None:
     job = load_job(_job_file(tmp_path, ["loss"]))
     dev = device_identity(job)
-    good = ('[reference]\nmodel = "tiny-gpt2"\ndtype = "float32"\nseq_len = 16\n'
+    good = (f'[reference]\nmodel = "{MODEL}"\ndtype = "float32"\nseq_len = 16\n'
             f'device = "cpu"\ndevice_name = "{dev["name"]}"\ntotal_bytes = {dev["total_bytes"]}\n'
             f'budget_bytes = {dev["budget_bytes"]}\n\n[[metrics]]\nname = "loss"\n'
             'sizes = { micro_batch_size = 3 }\n')
