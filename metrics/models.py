@@ -129,11 +129,11 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequenc
 def model_modules(spec: str) -> tuple[str, ...]:
     """The modules that building ``spec`` imports (transformers and its modeling module, a
     second or more each), for a parent or forkserver to import once for all its children;
-    () where the spec does not resolve (the child then says why)."""
+    transformers alone where the spec does not resolve (the child then says why)."""
     try:
         model_type = model_config(spec).model_type.replace("-", "_")
     except Exception:  # noqa: BLE001 - preloading is an optimisation only
-        return ()
+        return ("transformers",)
     return ("transformers", f"transformers.models.{model_type}.modeling_{model_type}")
 
 

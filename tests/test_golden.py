@@ -51,9 +51,10 @@ its default 8), and a search's record carries the same keys in results, the jour
 the cache; ``search --dtype float8``, which started the search and left its report folder
 behind, is refused before any work.
 
-Cost: one job and one reference, run side by side once per module as a user runs them
-(``oomguard run`` and ``oomguard reference`` in processes of their own); the search, the
-bench and the error table call the command line in this process.
+Cost: one job and one reference, run side by side once per run as a user runs them
+(``oomguard run`` and ``oomguard reference`` in processes of their own, forked from the
+worker's forkserver); the search and the bench run in a fresh process each, the error
+table calls the command line in this process.
 """
 
 from __future__ import annotations
@@ -351,7 +352,8 @@ class Done:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Done]:
     """``oomguard run job.toml`` and ``oomguard reference ...``, run together, each as a
-    command of its own (:func:`cli_in_child`): ``{"job": Done, "reference": Done}``."""
+    command of its own (:func:`oomguard_here` in a fresh child): ``{"job": Done,
+    "reference": Done}``."""
     return once_per_run(tmp_path_factory, "golden-runs", lambda: _run_both(
         tmp_path_factory.mktemp("golden")))
 
