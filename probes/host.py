@@ -102,7 +102,9 @@ def _read_int(path: Path) -> int | None:
 
 
 def cgroup_limit() -> tuple[int | None, int | None]:
-    """(limit, current usage) of this process's memory cgroup in bytes, or None."""
+    """(limit, working set) of this process's memory cgroup in bytes, or None. The working
+    set is the usage minus the inactive file pages, which the kernel reclaims before it
+    kills a process of the group (the figure ``docker stats`` and the kubelet count)."""
     try:
         lines = (PROC / "self" / "cgroup").read_text().splitlines()
     except OSError:
@@ -112,15 +114,27 @@ def cgroup_limit() -> tuple[int | None, int | None]:
         if controllers == "":  # cgroup v2 unified hierarchy
             base = CGROUP_ROOT / rel.lstrip("/")
             limit, usage = _read_int(base / "memory.max"), _read_int(base / "memory.current")
+            inactive = "inactive_file"
         elif "memory" in controllers.split(","):
             base = CGROUP_ROOT / "memory" / rel.lstrip("/")
             limit = _read_int(base / "memory.limit_in_bytes")
             usage = _read_int(base / "memory.usage_in_bytes")
+            inactive = "total_inactive_file"
         else:
             continue
         if limit is not None and limit < _CGROUP_UNLIMITED:
-            return limit, usage
+            reclaimable = _stat(base / "memory.stat").get(inactive, 0)
+            return limit, None if usage is None else max(0, usage - reclaimable)
     return None, None
+
+
+def _stat(path: Path) -> dict[str, int]:
+    """A cgroup's ``memory.stat`` (``name value`` lines, bytes); empty where unreadable."""
+    try:
+        pairs = (line.split() for line in path.read_text().splitlines())
+        return {p[0]: int(p[1]) for p in pairs if len(p) == 2 and p[1].isdigit()}
+    except OSError:
+        return {}
 
 
 def _rlimit(name: str) -> int | None:
@@ -167,41 +181,72 @@ def resident_bytes() -> tuple[int | None, str]:
     return host_os.ps_rss(), "ps -o rss="
 
 
+@dataclass(frozen=True)
+class EnforcedLimit:
+    """A limit the kernel enforces on this process's memory (Linux): ``name`` ("cgroup" or
+    "RLIMIT_DATA"), ``limit_bytes``, and ``room_bytes`` it leaves now (measured: the
+    limit minus the cgroup's working set, or minus ``VmData``). Past an ``RLIMIT_DATA`` an
+    allocation fails with a catchable error; past a cgroup's limit the kernel kills a
+    process of the group (SIGKILL)."""
+
+    name: str
+    limit_bytes: int
+    room_bytes: int
+
+    @property
+    def kills(self) -> bool:
+        """Whether the kernel kills at this limit instead of failing an allocation."""
+        return self.name == "cgroup"
+
+
+def enforced_limits() -> list[EnforcedLimit]:
+    """The cgroup memory limit and the soft ``RLIMIT_DATA`` in force on this process, with
+    the room each leaves now; empty off Linux (elsewhere ``RLIMIT_DATA`` bounds only
+    ``sbrk`` or does not exist) and where none is set."""
+    if system() != "Linux":
+        return []
+    cg_limit, cg_used = cgroup_limit()
+    out = []
+    for name, limit, used in (("cgroup", cg_limit, cg_used),
+                              ("RLIMIT_DATA", data_limit(), proc_status("VmData"))):
+        if limit is not None and used is not None:
+            out.append(EnforcedLimit(name, limit, max(0, limit - used)))
+    return out
+
+
+def physical_memory() -> tuple[int | None, int | None, dict[str, str]]:
+    """(total, available) RAM of the host in bytes, whatever limits this process has, and
+    where each figure came from (an "estimate" on macOS); None where it cannot be read."""
+    name = system()
+    if name == "Windows":
+        total, free = host_os.windows_memory()
+        return total, free, {"total": "GlobalMemoryStatusEx ullTotalPhys",
+                             "free": "GlobalMemoryStatusEx ullAvailPhys"}
+    if name == "Darwin":
+        total, free = host_os.darwin_memory()
+        return total, free, {"total": "sysctl hw.memsize",
+                             "free": "estimate: vm_stat free + speculative + inactive pages"}
+    info = meminfo()
+    return info.get("MemTotal"), info.get("MemAvailable"), {
+        "total": "/proc/meminfo MemTotal", "free": "/proc/meminfo MemAvailable"}
+
+
 def host_memory() -> dict:
     """Bytes of the host as this process sees them: ``total``, ``free``, ``process`` (its
     resident bytes), ``limited_by`` (which limit set ``free``), ``sources`` ("estimate"
     where one is), ``budget`` (:func:`host_budget_unavailable`) and ``peak`` (how peaks
-    are measured here, or why they cannot be)."""
-    name = system()
-    if name == "Windows":
-        total, free = host_os.windows_memory()
-        sources = {"total": "GlobalMemoryStatusEx ullTotalPhys",
-                   "free": "GlobalMemoryStatusEx ullAvailPhys"}
-        limited_by = "available physical RAM"
-    elif name == "Darwin":
-        total, free = host_os.darwin_memory()
-        sources = {"total": "sysctl hw.memsize",
-                   "free": "estimate: vm_stat free + speculative + inactive pages"}
-        limited_by = "available physical RAM (estimated)"
-    else:
-        info = meminfo()
-        total, free = info.get("MemTotal"), info.get("MemAvailable")
-        sources = {"total": "/proc/meminfo MemTotal", "free": "/proc/meminfo MemAvailable"}
-        limited_by = "MemAvailable"
-    if name == "Linux":
-        cg_limit, cg_usage = cgroup_limit()
-        # RLIMIT_DATA bounds malloc only on Linux, and only VmData says how much is used.
-        for limit, used, total_source, free_source, label in (
-                (cg_limit, cg_usage or 0, "cgroup memory limit", "cgroup limit - usage", "cgroup"),
-                (data_limit(), proc_status("VmData"), "RLIMIT_DATA", "RLIMIT_DATA - VmData",
-                 "RLIMIT_DATA")):
-            if limit is None or used is None:
-                continue
-            if total is None or limit < total:
-                total, sources["total"] = limit, total_source
-            room = max(0, limit - used)
-            if free is None or room < free:
-                free, sources["free"], limited_by = room, free_source, label
+    are measured here, or why they cannot be). ``free`` is the smallest of the available
+    RAM and the room each :func:`enforced_limits` leaves."""
+    total, free, sources = physical_memory()
+    limited_by = {"Windows": "available physical RAM",
+                  "Darwin": "available physical RAM (estimated)"}.get(system(), "MemAvailable")
+    labels = {"cgroup": ("cgroup memory limit", "cgroup limit - working set"),
+              "RLIMIT_DATA": ("RLIMIT_DATA", "RLIMIT_DATA - VmData")}
+    for lim in enforced_limits():
+        if total is None or lim.limit_bytes < total:
+            total, sources["total"] = lim.limit_bytes, labels[lim.name][0]
+        if free is None or lim.room_bytes < free:
+            free, sources["free"], limited_by = lim.room_bytes, labels[lim.name][1], lim.name
     for key, value in (("total", total), ("free", free)):
         if value is None:
             sources[key] = f"unknown: {sources[key]} could not be read"

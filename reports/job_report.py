@@ -317,7 +317,8 @@ def _task(key: str, t: Mapping[str, Any], dtype: str) -> list[str]:
     if se:
         n = se.get("trials")
         lines.append(f"- search: {n} trial{'' if n == 1 else 's'} in {se.get('seconds')} s, "
-                     f"max ok {se.get('max_ok')}, stopped: {se.get('stopped_because')}")
+                     f"max ok {se.get('max_ok')}, stopped: {se.get('stopped_because')}"
+                     + (f"; bounded by the {se['limit']}" if se.get("limit") else ""))
     return [*lines, f"- peak memory {fmt_bytes(t.get('peak_bytes'))} ({t.get('peak_source')})",
             *([f"- full tensors: `{t['tensors']}`"] if t.get("tensors") else []),
             "", "```json", json_text(t.get("summary")).rstrip("\n")[:4000], "```", ""]

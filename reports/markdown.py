@@ -118,6 +118,8 @@ def _budget(result: SearchResult) -> str:
         how = _BUDGET_HOW.get(result.device.split(":", 1)[0], "")
         return (f"- **Memory budget**: {fmt_bytes(result.budget_bytes)}"
                 + (f" (enforced with {how}; OOMs are real allocator errors)" if how else ""))
+    if result.limit and result.limit.get("enforced"):
+        return f"- **Memory budget**: none; trials were bounded by the {result.limit['description']}"
     if result.limit:
         return (f"- **Memory budget**: none; trials ran under a {result.limit['description']}: "
                 "a watchdog stopped a trial past it, and sizes predicted past it did not run. "

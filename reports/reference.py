@@ -36,6 +36,8 @@ def render_reference_markdown(doc: Mapping[str, Any]) -> str:
     out = [f"# Quick reference: {doc['model']} on {dev.get('device')}", "",
            f"- **Device**: {where}" + (f", under a budget of {fmt_bytes(budget)}" if budget
                                         else ", no budget: the device's own memory"),
+           *(f"- **Limit**: the first search was bounded by the {limit}" for limit in [
+               r["limit"] for r in doc["rows"] if r.get("limit") and r["source"] == "measured"][:1]),
            f"- **Model**: {doc['model']}, {doc['dtype']}, sequences of {doc['seq_len']} "
            f"tokens, {doc['n_samples']} samples",
            f"- **Rows**: {len(doc['rows'])} (metric, memory knob), {measured} searched now "

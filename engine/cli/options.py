@@ -166,20 +166,20 @@ def default_budget(dev: torch.device, given: int | None) -> int | None:
 
 def budget_free_limit(device: str) -> str:
     """What limits trials that run without a budget, in words, for the search's first line:
-    the device's own limit on a GPU; on the host, the RAM guard (a share of the available
-    RAM, estimated and not enforced), with why there is no budget."""
-    if not str(device).startswith("cpu"):
-        return "the device's own limit"
-    from oomguard.engine.core.memory.ramguard import DEFAULT_FRACTION
-    from oomguard.engine.util.units import fmt_bytes
+    the device's own limit on a GPU; on the host, an enforced limit (a cgroup, an
+    RLIMIT_DATA) or the RAM guard (a share of the available RAM, estimated and not
+    enforced), whichever binds (as measured now, before the warm-up), with why there is
+    no budget."""
+    from oomguard.engine.core.memory.host_limit import unbudgeted_limit
     from oomguard.probes import host
 
+    if not str(device).startswith("cpu"):
+        return "the device's own limit"
+    limit = unbudgeted_limit(device)
     why = host.host_budget_unavailable() or "no budget given"
-    free = host.host_memory().get("free")
-    if not free:
+    if limit is None:
         return f"no budget ({why}; available RAM unknown: bounded by --max-size only)"
-    return (f"a RAM guard at {DEFAULT_FRACTION:.0%} of the RAM available after the warm-up "
-            f"({fmt_bytes(free)} now; estimated, not enforced; {why})")
+    return f"the {limit.describe()} ({why})"
 
 
 def add_search_options(p: argparse.ArgumentParser, start: int) -> None:

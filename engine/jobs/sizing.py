@@ -66,6 +66,8 @@ class SearchRecord(Record):
     capped_by: str | None = None  # what set ``cap``, where the answer reached it without OOM
     others: dict[str, int] = field(default_factory=dict)  # the other knobs meanwhile
     extra: dict[str, Any] = field(default_factory=dict)  # an evaluator's own (an estimate's)
+    # What bounded the search without a budget: a cgroup, an RLIMIT_DATA or the RAM guard.
+    limit: str | None = None
 
 Evaluate = Callable[[str, dict[str, int], int, int], SearchRecord]
 
@@ -245,7 +247,7 @@ def record_of(result: SearchResult, metric: str, knob: str, unit: int,
               "first_oom": result.first_oom, "trials": len(result.trials),
               "seconds": round(result.seconds, 3), "mode": result.mode,
               "strategy": result.strategy, "stopped_because": result.stopped_because,
-              "unit": unit}
+              "unit": unit, "limit": result.limit["description"] if result.limit else None}
     if failure is not None:
         return SearchRecord(**common, note=f"search failed: {str(failure)[:200]}")
     if result.max_ok is None:

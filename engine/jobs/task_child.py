@@ -25,7 +25,6 @@ import signal
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +32,9 @@ import torch
 
 from oomguard.engine.core.execute.executor import Executor
 from oomguard.engine.core.execute.remedies import Ladder, apply_env
-from oomguard.engine.core.memory.budget import budget
 from oomguard.engine.core.memory.forensics import start_history
 from oomguard.engine.core.memory.heap import return_freed_memory_to_os
+from oomguard.engine.core.memory.host_limit import limit_budget, unbudgeted_limit
 from oomguard.engine.core.memory.oom import release_memory
 from oomguard.engine.core.search.search import SearchConfig
 from oomguard.engine.core.search.strategies import E10, Guided
@@ -302,7 +301,9 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any], t0: fl
         on_oom=task.on_oom, fresh_process=True)
     ladder = Ladder.from_dict(prior["ladder"]) if prior else None
     work.meter.reset()
-    with budget(job.budget_bytes, job.device) if job.budget_bytes else nullcontext():
+    # Without a budget, an enforced host limit (a cgroup: the kernel kills past it) sets one,
+    # so that running out is a retry, never a kill.
+    with limit_budget(job.budget_bytes or None, job.device, unbudgeted_limit(job.device)):
         t_run = time.perf_counter()
         result = executor.run(work, sizes=state["start"], minimum=sizing.minimums(metric),
                               name=task.key, ladder=ladder)

@@ -1,11 +1,12 @@
 """The RAM guard: an estimated limit for CPU searches that run without a budget.
 
-Where the OS cannot cap a process's memory (macOS, Windows), or a caller gives no budget,
-a CPU trial is bounded only by ``max_size``: one size past the RAM makes the host swap,
-or its OOM killer ends the whole run. The guard stands in for a budget:
+Where the OS cannot cap a process's memory (macOS, Windows), or a caller gives no budget
+and no limit is enforced (:mod:`~oomguard.engine.core.memory.host_limit`), a CPU trial is
+bounded only by ``max_size``: one size past the RAM makes the host swap, or its OOM killer
+ends the whole run. The guard stands in for a budget:
 
-- **Its limit** is ``fraction`` of the RAM available after the warm-up (probed:
-  :func:`~oomguard.probes.host.host_memory`), counted as bytes a trial may add to the
+- **Its limit** is ``fraction`` of the physical RAM available after the warm-up (probed:
+  :func:`~oomguard.probes.host.physical_memory`), counted as bytes a trial may add to the
   resident bytes at its start: the units of a trial's measured CPU peak.
 - **Before a trial** a size whose peak, predicted from the peaks measured so far, is past
   the limit does not run.
@@ -69,18 +70,19 @@ class RamGuard:
 
     @classmethod
     def for_host(cls, fraction: float = DEFAULT_FRACTION) -> RamGuard | None:
-        """A guard at ``fraction`` of the RAM available now (probed); None where the
-        available RAM cannot be read (the search is then bounded by ``max_size`` only)."""
+        """A guard at ``fraction`` of the physical RAM available now (probed); None where it
+        cannot be read (the search is then bounded by ``max_size`` only). Limits the kernel
+        enforces (a cgroup, an ``RLIMIT_DATA``) are not counted here: where one leaves less
+        room, it binds instead (:func:`~oomguard.engine.core.memory.host_limit.unbudgeted_limit`)."""
         if not 0 < fraction <= 1:
             raise UsageError(f"RAM guard fraction must be in (0, 1], got {fraction!r}")
-        memory = host.host_memory()
-        free = memory.get("free")
+        _, free, sources = host.physical_memory()
         if not free:
             return None
         _, rss_source = host.resident_bytes()
         interval = SLOW_INTERVAL_S if rss_source.startswith("ps ") else FAST_INTERVAL_S
         return cls(limit_bytes=max(1, int(free * fraction)), available_bytes=int(free),
-                   fraction=fraction, source=memory["sources"].get("free", "unknown"),
+                   fraction=fraction, source=sources["free"],
                    interval=interval)
 
     def describe(self) -> str:

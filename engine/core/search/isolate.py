@@ -30,18 +30,18 @@ import pickle
 import signal
 import sys
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from oomguard.engine.core import child as launcher
-from oomguard.engine.core.memory.budget import budget
 from oomguard.engine.core.memory.heap import (
     ISOLATED_MMAP_THRESHOLD_BYTES,
     return_freed_memory_to_os,
     trim_heap,
 )
+from oomguard.engine.core.memory.host_limit import HostLimit, limit_budget
 from oomguard.engine.core.memory.oom import gc_frozen
 from oomguard.engine.core.memory.ramguard import RamGuard
 from oomguard.engine.core.search.config import is_positive_seconds
@@ -61,8 +61,9 @@ class _CannotUnpickle(Exception):
 
 
 def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
-           ram_guard: RamGuard | None = None, steps: int = 1) -> Trial:
-    """Runs in the child, once the launcher has started it: unpickle, warm up, budget, one
+           limit: RamGuard | HostLimit | None = None, steps: int = 1) -> Trial:
+    """Runs in the child, once the launcher has started it: unpickle, warm up, budget (the
+    one given, else the one an enforced ``limit`` leaves room for, measured here), one
     trial. Under a CPU budget, the budget's limit is told to the parent, which watches it."""
     # What the forkserver imported is the same in every child and is never a trial's
     # garbage: frozen, the child's collections (the budget's, the trial's) scan only
@@ -81,12 +82,10 @@ def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
     except BaseException as exc:  # noqa: BLE001 - any failure to rebuild the workload
         raise _CannotUnpickle(f"{type(exc).__name__}: {first_line(exc)}") from None
     warm_up(fn)
-    guard: AbstractContextManager[Any] = (
-        budget(budget_bytes, device) if budget_bytes is not None else nullcontext())
-    with gc_frozen(), guard as entered:
+    with gc_frozen(), limit_budget(budget_bytes, device, limit) as entered:
         if entered is not None and entered.device == "cpu":  # the parent watches it
             launcher.ToParent().send(entered.limit)
-        return run_trial(fn, size, device, ram_guard, steps)
+        return run_trial(fn, size, device, limit if isinstance(limit, RamGuard) else None, steps)
 
 
 def _main_program() -> str | None:
@@ -105,7 +104,9 @@ class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
 
     ``fn`` must be picklable (a module-level function or class instance in an importable
     file); :class:`ChildStartFailed` says so at once if it is not. ``budget`` bytes are
-    applied in the child after ``fn.warmup()``; a RAM ``guard`` watches the child's trial
+    applied in the child after ``fn.warmup()``; without them, an enforced ``limit``
+    (:class:`~oomguard.engine.core.memory.host_limit.HostLimit`) sets the child's budget there,
+    and a RAM guard ``limit`` watches the child's trial
     (:func:`~oomguard.engine.core.search.trial.run_trial`). ``timeout`` seconds (finite,
     > 0) bound each trial from the child's start: a child still running then is killed
     and reported as :class:`ChildCrashed`, never as an OOM.
@@ -113,7 +114,7 @@ class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
 
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
                  budget: int | None = None, timeout: float = 600.0,
-                 guard: RamGuard | None = None) -> None:
+                 limit: RamGuard | HostLimit | None = None) -> None:
         if not is_positive_seconds(timeout):
             raise UsageError(f"the trial timeout must be a positive number of seconds, "
                              f"got {timeout!r}")
@@ -129,7 +130,7 @@ class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
                 f"isolated trials cannot send {qualname(fn)} to a child process ({type(exc).__name__}:"
                 f" {first_line(exc)}): {MODULE_LEVEL_FIX}") from exc
         self.fn, self.device, self.budget, self.timeout = fn, str(device), budget, timeout
-        self.guard = guard
+        self.limit = limit
         # Started now, in the background: the parent's work until the first trial (its
         # report header, a probe) overlaps the forkserver's imports.
         self.ctx = launcher.start_forkserver(workload_preload(fn))
@@ -140,7 +141,7 @@ class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
     def __call__(self, size: int, steps: int = 1) -> Trial:
         watch = launcher.LimitWatch(self.budget or 0)
         with launcher.Child(self.ctx, _trial, self.payload, size, self.device, self.budget,
-                            self.guard, steps, capture_stderr=True) as child:
+                            self.limit, steps, capture_stderr=True) as child:
             try:
                 ended = child.wait(self.timeout, watch)
             finally:

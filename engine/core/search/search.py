@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.memory.budget import budget as memory_budget
 from oomguard.engine.core.memory.budget import check_budget
 from oomguard.engine.core.memory.heap import return_freed_memory_to_os
+from oomguard.engine.core.memory.host_limit import HostLimit, limit_budget, unbudgeted_limit
 from oomguard.engine.core.memory.oom import gc_frozen
 from oomguard.engine.core.memory.ramguard import RamGuard
 from oomguard.engine.core.search.config import SearchConfig, resolve
@@ -64,8 +64,9 @@ class SearchResult:
     """What a search found (sizes in items). ``max_ok``: the largest size that ran; ``first_oom``:
     the smallest size above it that ran out of memory (None: none did). ``capacity_bytes``: what the
     workload could use, the budget, else the free memory probed before the search (an estimate of
-    headroom, not a limit). ``limit``: the RAM guard that bounded the trials (``enforced`` False: an
-    estimated limit), else None. ``verification``: the ``verify_steps`` run at the recommended size
+    headroom, not a limit). ``limit``: what bounded the trials without a budget, else None: the RAM
+    guard (``enforced`` False: an estimated limit), or a cgroup or RLIMIT_DATA limit (``enforced``
+    True; :mod:`~oomguard.engine.core.memory.host_limit`). ``verification``: the ``verify_steps`` run at the recommended size
     and whether they ran out of memory, else None.
     """
 
@@ -131,7 +132,7 @@ def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
         # Built first: a workload that cannot be pickled fails before any trial, and the
         # forkserver starts while this process warms up.
         fresh = stack.enter_context(_isolated(fn, cfg, dev)) if cfg.confirm else None
-        runner, run.guard = _runner(fn, cfg, dev, stack)
+        runner, run.limit = _runner(fn, cfg, dev, stack)
         if run.capacity is None:  # after the warm-up: free memory then leaves the model out
             run.capacity = cfg.budget if cfg.budget is not None else probe(dev).free_bytes
         run.t_trials = time.perf_counter()  # max_seconds bounds the trials, not the warm-up
@@ -161,7 +162,7 @@ class _Search:
         self.trials: list[Trial] = []  # every trial, in the order they ran
         self.answer = self.trials  # the trials the answer comes from: with confirm, the fresh ones
         self.steps = cfg.steps_per_trial or steps_of(fn)
-        self.guard: RamGuard | None = None
+        self.limit: RamGuard | HostLimit | None = None
         self.t0 = self.t_trials = time.perf_counter()
 
     def result(self, stopped: str) -> SearchResult:
@@ -173,7 +174,7 @@ class _Search:
             capacity_bytes=self.capacity, budget_bytes=self.cfg.budget, stopped_because=stopped,
             seconds=time.perf_counter() - self.t0, config=self.cfg.to_dict(),
             size_name=knob_of(self.fn),
-            limit=self.guard.to_dict() if self.guard is not None else None)
+            limit=self.limit.to_dict() if self.limit is not None else None)
 
     def phase(self, proposer: Strategy, phase: list[Trial], run: Callable[[int, int], Trial],
               trial_mode: str) -> str:
@@ -196,7 +197,8 @@ class _Search:
                                  f"be integers from 1 to max_size ({cfg.max_size})")
             if any(t.size == size for t in phase):  # a strategy that repeats itself is done
                 return f"strategy proposed size {size} again"
-            refused = self.guard.refuse(phase, size) if self.guard is not None else None
+            refused = (self.limit.refuse(phase, size) if isinstance(self.limit, RamGuard)
+                       else None)
             try:
                 trial = (Trial(size, ok=False, peak_bytes=None, seconds=0.0, error=refused,
                                guarded=True) if refused else run(size, self.steps))
@@ -281,24 +283,28 @@ def _guarded(cfg: SearchConfig, dev: torch.device) -> bool:
         cfg.ram_guard is not None or cfg.budget is None)
 
 
-def _guard(cfg: SearchConfig, dev: torch.device) -> RamGuard | None:
-    """The RAM guard the trials run under, made now (after the warm-up in this process)."""
+def _limit(cfg: SearchConfig, dev: torch.device) -> RamGuard | HostLimit | None:
+    """What bounds the trials beside a budget, chosen now (after the warm-up in this
+    process): the ``RamGuard`` given, a RAM guard beside a budget (``ram_guard=True``),
+    else without a budget the tightest of the RAM guard and an enforced host limit."""
     if not _guarded(cfg, dev):
         return None
-    return cfg.ram_guard if isinstance(cfg.ram_guard, RamGuard) else RamGuard.for_host()
+    if isinstance(cfg.ram_guard, RamGuard):
+        return cfg.ram_guard
+    return RamGuard.for_host() if cfg.budget is not None else unbudgeted_limit(dev)
 
 
 def _isolated(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device) -> IsolatedRunner:
     return IsolatedRunner(fn, device=dev, budget=cfg.budget, timeout=cfg.trial_timeout,
-                          guard=_guard(cfg, dev))
+                          limit=_limit(cfg, dev))
 
 
-def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device,
-            stack: ExitStack) -> tuple[Callable[[int, int], Trial], RamGuard | None]:
-    """What runs one trial, and the RAM guard it runs under (made after the warm-up)."""
+def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device, stack: ExitStack
+            ) -> tuple[Callable[[int, int], Trial], RamGuard | HostLimit | None]:
+    """What runs one trial, and what bounds it beside a budget (chosen after the warm-up)."""
     if cfg.isolate:
         isolated = stack.enter_context(_isolated(fn, cfg, dev))
-        return isolated, isolated.guard
+        return isolated, isolated.limit
     if dev.type == "cpu" and (cfg.budget is not None or _guarded(cfg, dev)):
         # Before the warm-up, as in an isolated child: a warm-up under glibc's default
         # threshold leaves 27-47 MiB of free heap (varying run to run) that the budget
@@ -308,10 +314,10 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device,
         return_freed_memory_to_os()
     warm_up(fn)
     stack.enter_context(gc_frozen())  # the warmed-up objects are never a trial's garbage
-    if cfg.budget is not None:
-        stack.enter_context(memory_budget(cfg.budget, dev))
-    guard = _guard(cfg, dev)
-    return (lambda size, steps: run_trial(fn, size, dev, guard, steps)), guard
+    limit = _limit(cfg, dev)
+    stack.enter_context(limit_budget(cfg.budget, dev, limit))
+    guard = limit if isinstance(limit, RamGuard) else None
+    return (lambda size, steps: run_trial(fn, size, dev, guard, steps)), limit
 
 
 def _failure_text(name: str, size: int, exc: BaseException, partial: SearchResult) -> str:

@@ -1,0 +1,104 @@
+"""What bounds CPU work that was given no budget: a search, a job's task, a reference row.
+
+Three limits can stop it, and each is met in its own way:
+
+- **An RLIMIT_DATA someone else set** (``ulimit -d``, a batch scheduler): an allocation
+  past it fails with a catchable error, a real OOM. The work runs under a budget at the
+  room it leaves, so trials are measured in what it counts (``VmData``) and a search
+  goes up to the limit.
+- **A cgroup memory limit** (Docker, Kubernetes, Slurm): past it the kernel kills a
+  process of the group (SIGKILL), and no exception is raised. The work runs under a
+  budget (an ``RLIMIT_DATA``) just under the room the cgroup leaves when the budget is
+  entered, so that running out is an exception, never a kill
+  (docs/measurements.md#cgroup-limits).
+- **Physical RAM**, which nothing enforces: one size past it makes the host swap. The
+  RAM guard (:mod:`~oomguard.engine.core.memory.ramguard`, 80% of the available RAM,
+  estimated) stands in for a limit.
+
+The tightest wins: an enforced limit binds where the room it leaves is below the RAM
+guard's limit (:func:`unbudgeted_limit`). Results and reports name the limit that bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET, Budget, budget
+from oomguard.engine.core.memory.ramguard import RamGuard
+from oomguard.engine.util.units import fmt_bytes
+from oomguard.probes import host
+
+# A cgroup also charges what VmData does not count (page tables, kernel stacks, file pages a
+# trial touches): the budget stays this far under its room, measured in
+# docs/measurements.md#cgroup-limits.
+CGROUP_SLACK_FRACTION = 0.02
+CGROUP_SLACK_MIN = 16 * 1024**2
+
+
+@dataclass(frozen=True)
+class HostLimit:
+    """An enforced limit that binds CPU work without a budget (module docstring):
+    ``name`` "cgroup" or "RLIMIT_DATA", ``limit_bytes``, and ``room_bytes`` it left when it
+    was chosen (measured)."""
+
+    name: str
+    limit_bytes: int
+    room_bytes: int
+
+    @contextmanager
+    def enforced(self) -> Iterator[Budget | None]:
+        """A CPU budget at the room this limit leaves now (a cgroup's less its slack),
+        measured on entry: enter it after the warm-up, as any budget. Nothing where the
+        room is below the smallest budget (the limit itself still stops the work)."""
+        room = next((lim.room_bytes for lim in host.enforced_limits() if lim.name == self.name),
+                    None)
+        if room is not None and self.name == "cgroup":
+            room -= max(CGROUP_SLACK_MIN, int(room * CGROUP_SLACK_FRACTION))
+        if room is None or room < MIN_CPU_BUDGET:
+            yield None
+            return
+        with budget(room, "cpu") as b:
+            yield b
+
+    def describe(self) -> str:
+        """The limit in words, for the search's first line and its report."""
+        if self.name == "cgroup":
+            return (f"cgroup memory limit {fmt_bytes(self.limit_bytes)} ({fmt_bytes(self.room_bytes)}"
+                    " left; enforced: each trial ran under an RLIMIT_DATA just under the room "
+                    "it left, so running out was an exception, not a kill)")
+        return (f"RLIMIT_DATA {fmt_bytes(self.limit_bytes)} set on this process "
+                f"({fmt_bytes(self.room_bytes)} left; enforced: allocations past it fail)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.name, "enforced": True, "limit_bytes": self.limit_bytes,
+                "room_bytes": self.room_bytes, "description": self.describe()}
+
+
+def unbudgeted_limit(device: str | torch.device = "cpu", guard: RamGuard | None = None
+                     ) -> HostLimit | RamGuard | None:
+    """What bounds work on ``device`` without a budget, chosen now (module docstring): on
+    the CPU the enforced limit with the least room where that room is below ``guard``'s
+    limit (by default a RAM guard at 80% of the available RAM, :meth:`RamGuard.for_host`),
+    else the guard; None on other devices (their own limit) and where nothing is known."""
+    if torch.device(device).type != "cpu":
+        return None
+    guard = guard if guard is not None else RamGuard.for_host()
+    limits = sorted(host.enforced_limits(), key=lambda lim: lim.room_bytes)
+    if limits and (guard is None or limits[0].room_bytes < guard.limit_bytes):
+        return HostLimit(limits[0].name, limits[0].limit_bytes, limits[0].room_bytes)
+    return guard
+
+
+def limit_budget(nbytes: int | None, device: str | torch.device,
+                 limit: HostLimit | RamGuard | None) -> AbstractContextManager[Budget | None]:
+    """The budget work on ``device`` runs under, to enter after its warm-up: ``nbytes``
+    when given; else the one an enforced ``limit`` leaves room for
+    (:meth:`HostLimit.enforced`); else none (a RAM guard watches trials instead)."""
+    if nbytes is not None:
+        return budget(nbytes, device)
+    return limit.enforced() if isinstance(limit, HostLimit) else nullcontext()
