@@ -21,6 +21,7 @@ guard's limit (:func:`unbudgeted_limit`). Results and reports name the limit tha
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -30,12 +31,15 @@ import torch
 
 from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET, Budget, budget
 from oomguard.engine.core.memory.ramguard import RamGuard
+from oomguard.engine.errors import BudgetError
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
 
-# A cgroup also charges what VmData does not count (page tables, kernel stacks, file pages a
-# trial touches): the budget stays this far under its room, measured in
-# docs/measurements.md#cgroup-limits.
+# A cgroup also charges what VmData does not count: page tables, kernel stacks, file pages a
+# trial touches, and the copy of each page a fork left shared that the process writes to. The
+# budget stays this far under the room; in a process whose garbage collector scans what the
+# fork left shared (it is not frozen, as it is in every child oomguard starts), also that far
+# under (it writes to every object it scans) (docs/measurements.md#cgroup-limits).
 CGROUP_SLACK_FRACTION = 0.02
 CGROUP_SLACK_MIN = 16 * 1024**2
 
@@ -53,16 +57,23 @@ class HostLimit:
     @contextmanager
     def enforced(self) -> Iterator[Budget | None]:
         """A CPU budget at the room this limit leaves now (a cgroup's less its slack),
-        measured on entry: enter it after the warm-up, as any budget. Nothing where the
-        room is below the smallest budget (the limit itself still stops the work)."""
+        measured on entry: enter it after the warm-up, as any budget. :class:`BudgetError`
+        where the room is below the smallest budget, before any work."""
         room = next((lim.room_bytes for lim in host.enforced_limits() if lim.name == self.name),
                     None)
-        if room is not None and self.name == "cgroup":
-            room -= max(CGROUP_SLACK_MIN, int(room * CGROUP_SLACK_FRACTION))
-        if room is None or room < MIN_CPU_BUDGET:
+        if room is None:  # the limit was lifted since it was chosen
             yield None
             return
-        with budget(room, "cpu") as b:
+        slack = 0
+        if self.name == "cgroup":
+            scanned = 0 if gc.get_freeze_count() else host.shared_anonymous_bytes() or 0
+            slack = max(CGROUP_SLACK_MIN, int(room * CGROUP_SLACK_FRACTION)) + scanned
+        if room - slack < MIN_CPU_BUDGET:
+            raise BudgetError(f"the {self.name} limit of {fmt_bytes(self.limit_bytes)} leaves "
+                              f"{fmt_bytes(room)} to this work, and a budget under it needs "
+                              f"{fmt_bytes(MIN_CPU_BUDGET + slack)}: give the container or "
+                              "job more memory")
+        with budget(room - slack, "cpu") as b:
             yield b
 
     def describe(self) -> str:

@@ -22,7 +22,6 @@ unguarded main script failed) or cannot unpickle the workload raises
 
 from __future__ import annotations
 
-import gc
 import logging
 import multiprocessing as mp
 import os
@@ -65,11 +64,6 @@ def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
     """Runs in the child, once the launcher has started it: unpickle, warm up, budget (the
     one given, else the one an enforced ``limit`` leaves room for, measured here), one
     trial. Under a CPU budget, the budget's limit is told to the parent, which watches it."""
-    # What the forkserver imported is the same in every child and is never a trial's
-    # garbage: frozen, the child's collections (the budget's, the trial's) scan only
-    # what the child itself creates; with torch._dynamo loaded a full collection took
-    # 0.14-0.18 s, frozen 2 us (docs/measurements.md#isolated-children-start-up).
-    gc.freeze()
     # Before anything allocates (unpickling imports the workload's modules, warmup()
     # builds it): every block >= the threshold freed from here on goes back to the
     # kernel, so no free heap from start-up or warm-up is left to absorb a trial's

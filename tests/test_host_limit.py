@@ -1,0 +1,287 @@
+"""CPU work without a budget runs to the limit the kernel enforces, not to 80% of it.
+
+Under an ``RLIMIT_DATA`` someone else set, an allocation past it is a real, catchable
+error: a search goes up to it. Under a cgroup limit the kernel kills instead, so the
+search sets its own ``RLIMIT_DATA`` budget just under the cgroup's room and runs to
+that. The 80% RAM guard is for physical RAM only. Each boundary is asserted in a fresh
+process, with real allocations; the cgroup is a real one where this machine lets root
+create it, and a faked cgroup reading (files laid out as the kernel's) elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import in_fresh_process
+
+from oomguard import search
+from oomguard.engine.core.memory.budget import active_budget
+from oomguard.engine.core.memory.host_limit import (
+    CGROUP_SLACK_MIN,
+    HostLimit,
+    limit_budget,
+    unbudgeted_limit,
+)
+from oomguard.engine.core.memory.ramguard import RamGuard
+from oomguard.engine.errors import BudgetError
+from oomguard.metrics.synthetic import e10_line
+from oomguard.probes import host
+
+MiB = 1024**2
+LINE = e10_line()  # 26.2 MB + 3.75 MB per item, real touched allocations
+# Between 114 and 115 items of the line: the E10 report's answer.
+ROOM_114 = (LINE.bytes_at(114) + LINE.bytes_at(115)) // 2
+
+
+def _largest_under(room: int) -> int:
+    return (room - LINE.base_bytes) // LINE.per_item_bytes
+
+
+def _search_under_rlimit(isolate: bool) -> dict:
+    LINE(1)  # warm up as the search will, then set the limit around this process
+    torch.ones(1 << 20).sum()
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (host.proc_status("VmData") + ROOM_114, hard))
+    try:
+        return search(LINE, isolate=isolate).to_dict()
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+@pytest.mark.slow
+def test_search_without_budget_reaches_the_maximum_under_an_rlimit_set_around_the_process() -> None:
+    got = in_fresh_process(_search_under_rlimit, False)
+    # The RAM guard at 80% of the room stopped at 90 here; the limit itself is at 114.
+    assert (got["max_ok"], got["first_oom"]) == (114, 115)
+    assert got["limit"]["kind"] == "RLIMIT_DATA" and got["limit"]["enforced"] is True
+    assert not any(t["guarded"] for t in got["trials"])  # every OOM was a real allocation's
+    oom = next(t for t in got["trials"] if t["outcome"] == "oom")
+    assert "can't allocate memory" in oom["error"]
+
+
+@pytest.mark.slow
+def test_isolated_search_under_an_rlimit_is_bounded_by_it_not_by_the_guard() -> None:
+    got = in_fresh_process(_search_under_rlimit, True)
+    assert got["limit"]["kind"] == "RLIMIT_DATA"
+    assert not any(t["guarded"] for t in got["trials"]) and got["first_oom"] is not None
+    # A child's data segment differs from this process's (what the forkserver imported),
+    # so its room under the same limit does too: the answer is the child's maximum, what the
+    # limit left the trial at its start (``headroom_bytes``), to within an item or two.
+    best = next(t for t in got["trials"] if t["size"] == got["max_ok"])
+    most = _largest_under(best["headroom_bytes"])
+    assert most - 2 <= got["max_ok"] <= most
+
+
+# --- cgroups -------------------------------------------------------------------------------
+
+def _new_cgroup(limit: int) -> Path | None:
+    """A memory cgroup of ``limit`` bytes this test may use (v1 or v2), or None where this
+    machine does not let the test create one (not root, read-only, no memory controller)."""
+    name = f"oomguard-test-{uuid.uuid4().hex[:8]}"
+    for base, limit_file in ((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
+                             (Path("/sys/fs/cgroup"), "memory.max")):
+        if not (base / "cgroup.procs").exists():
+            continue
+        try:
+            (base / name).mkdir()
+        except OSError:
+            continue
+        try:
+            (base / name / limit_file).write_text(str(limit))
+            return base / name
+        except OSError:
+            (base / name).rmdir()
+    return None
+
+
+def _remove_cgroup(path: Path) -> None:
+    for _ in range(50):  # the child's exit reaches the cgroup a moment after its result
+        try:
+            path.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+def _kills(path: Path) -> int:
+    for name in ("memory.oom_control", "memory.events"):
+        try:
+            lines = (path / name).read_text().splitlines()
+        except OSError:
+            continue
+        return next(int(line.split()[1]) for line in lines if line.startswith("oom_kill "))
+    raise AssertionError(f"no OOM-kill counter under {path}")
+
+
+def _search_in_cgroup(procs: str) -> dict:
+    Path(procs).write_text(str(os.getpid()))  # from here on, what this process adds is charged
+    return search(LINE).to_dict()
+
+
+@pytest.mark.slow
+def test_search_without_budget_in_a_real_cgroup_sets_its_own_rlimit_and_is_never_killed() -> None:
+    group = _new_cgroup(600 * MiB)
+    if group is None:
+        pytest.skip("this machine does not let the test create a memory cgroup; "
+                    "test_a_faked_cgroup_reading_sets_a_budget_under_its_room covers the rest")
+    try:
+        got = in_fresh_process(_search_in_cgroup, str(group / "cgroup.procs"))
+        kills = _kills(group)
+    finally:
+        _remove_cgroup(group)
+    assert got["limit"]["kind"] == "cgroup" and got["limit"]["enforced"] is True
+    assert kills == 0  # every OOM was an exception in the search, none the kernel's kill
+    assert not any(t["guarded"] for t in got["trials"]) and got["first_oom"] is not None
+    # The search ran to the budget it set (what it left each trial: ``headroom_bytes``), just
+    # under the room the cgroup left after the warm-up; the RAM guard stopped at 79% of it.
+    best = next(t for t in got["trials"] if t["size"] == got["max_ok"])
+    most = _largest_under(best["headroom_bytes"])
+    assert most - 2 <= got["max_ok"] <= most
+    room = got["limit"]["room_bytes"]
+    assert room - 2 * max(CGROUP_SLACK_MIN, 0.02 * room) <= best["headroom_bytes"] < room
+
+
+def _fake_cgroup(tmp_path: Path, limit: int, usage: int, inactive_file: int) -> tuple[Path, Path]:
+    """A /proc and cgroup v2 tree as the kernel lays them out (proc(5): ``0::/path`` in
+    /proc/self/cgroup; cgroup-v2.rst: memory.max, memory.current, memory.stat's
+    ``inactive_file``), with this process's real status and statm."""
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    for name in ("status", "statm", "clear_refs"):
+        (proc / "self" / name).symlink_to(f"/proc/self/{name}")
+    (proc / "meminfo").symlink_to("/proc/meminfo")
+    (proc / "self" / "cgroup").write_text("0::/box\n")
+    (root / "box").mkdir(parents=True)
+    (root / "box" / "memory.max").write_text(f"{limit}\n")
+    (root / "box" / "memory.current").write_text(f"{usage}\n")
+    (root / "box" / "memory.stat").write_text(f"anon {usage - inactive_file}\n"
+                                              f"inactive_file {inactive_file}\nfile_mapped 0\n")
+    return proc, root
+
+
+def _faked_cgroup_search(proc: str, root: str) -> dict:
+    host.PROC, host.CGROUP_ROOT = Path(proc), Path(root)
+    limit = unbudgeted_limit()
+    entered = []
+    with limit_budget(None, "cpu", limit) as b:
+        entered.append((b.nbytes, resource.getrlimit(resource.RLIMIT_DATA)[0] - b.limit))
+    return {"limit": limit, "entered": entered, "after": active_budget(),
+            "search": search(LINE).to_dict()}
+
+
+def test_a_faked_cgroup_reading_sets_a_budget_under_its_room(tmp_path: Path) -> None:
+    # 300 MiB in use of which 100 MiB inactive file pages the kernel reclaims first: 200 MiB
+    # of working set under a 200 MiB + ROOM_114 + slack limit.
+    room = ROOM_114 + CGROUP_SLACK_MIN
+    proc, root = _fake_cgroup(tmp_path, limit=200 * MiB + room, usage=300 * MiB,
+                              inactive_file=100 * MiB)
+    got = in_fresh_process(_faked_cgroup_search, str(proc), str(root))
+    assert got["limit"] == HostLimit("cgroup", 200 * MiB + room, room)
+    assert got["entered"] == [(ROOM_114, 0)] and got["after"] is None
+    s = got["search"]
+    assert s["limit"]["kind"] == "cgroup" and (s["max_ok"], s["first_oom"]) == (114, 115)
+    assert not any(t["guarded"] for t in s["trials"])
+
+
+def test_the_ram_guard_binds_where_enforced_limits_leave_more_room(monkeypatch) -> None:
+    guard = RamGuard(limit_bytes=100 * MiB)
+    roomy = host.EnforcedLimit("cgroup", 10**12, 200 * MiB)
+    tight = host.EnforcedLimit("RLIMIT_DATA", 10**12, 50 * MiB)
+    monkeypatch.setattr(host, "enforced_limits", lambda: [roomy])
+    assert unbudgeted_limit("cpu", guard) is guard
+    monkeypatch.setattr(host, "enforced_limits", lambda: [roomy, tight])
+    assert unbudgeted_limit("cpu", guard) == HostLimit("RLIMIT_DATA", 10**12, 50 * MiB)
+    assert unbudgeted_limit("cuda", guard) is None  # a GPU has its own limit
+
+
+# A metric whose memory is its knob: `chunk` blocks of 8 MiB, touched.
+GROW_PLUGIN = '''
+import torch
+from oomguard.metrics.base import Knob, Metric, register
+
+@register
+class Grow(Metric):
+    name = "test_grow"
+    knobs = (Knob("chunk", "memory", 64, 1),)
+    def compute(self, model, data, chunk=64):
+        blocks = [torch.ones(2**20, dtype=torch.float64) for _ in range(chunk)]
+        return {"sum": float(sum(b.sum() for b in blocks))}
+'''
+
+
+def _job_in_cgroup(procs: str, job_path: str) -> dict:
+    from oomguard.engine.jobs.runner import run_job
+    from oomguard.engine.jobs.spec import load_job
+
+    Path(procs).write_text(str(os.getpid()))
+    outcome = run_job(load_job(job_path), progress=False)
+    return {key: (r.status, r.reason, (r.sizes or {}).get("final"))
+            for key, r in outcome.results.items()}
+
+
+@pytest.mark.slow
+def test_a_job_without_budget_in_a_real_cgroup_retries_an_oom_instead_of_being_killed(
+        tmp_path: Path) -> None:
+    group = _new_cgroup(1024 * MiB)
+    if group is None:
+        pytest.skip("this machine does not let the test create a memory cgroup")
+    (tmp_path / "grow_plugin.py").write_text(GROW_PLUGIN, encoding="utf-8")
+    job = tmp_path / "job.toml"
+    job.write_text(f'output = "{tmp_path / "out"}"\nplugins = ["{tmp_path / "grow_plugin.py"}"]\n'
+                   'models = ["tiny-gpt2"]\n[data]\nseq_len = 8\nn_samples = 2\n'
+                   '[search]\nenabled = false\n[[metrics]]\nname = "test_grow"\n'
+                   'sizes = { chunk = 128 }\n', encoding="utf-8")
+    try:
+        got = in_fresh_process(_job_in_cgroup, str(group / "cgroup.procs"), str(job))
+        kills = _kills(group)
+    finally:
+        _remove_cgroup(group)
+    # 128 blocks (1 GiB) cannot fit in 1 GiB beside the job's processes: an OOM the executor
+    # answers at half, and the kernel kills no process of the job.
+    status, reason, final = got["test_grow"]
+    assert (status, kills) == ("ok", 0), reason
+    assert final["chunk"] <= 64
+
+
+def test_a_cgroup_that_leaves_too_little_room_is_a_one_line_error_before_any_work(
+        tmp_path: Path, monkeypatch) -> None:
+    proc, root = _fake_cgroup(tmp_path, limit=500 * MiB, usage=495 * MiB, inactive_file=0)
+    monkeypatch.setattr(host, "PROC", proc)
+    monkeypatch.setattr(host, "CGROUP_ROOT", root)
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    ran = []
+    with pytest.raises(BudgetError) as err:
+        search(lambda n: ran.append(n))
+    assert "cgroup limit of 500.00 MiB leaves 5.00 MiB to this work" in str(err.value)
+    assert "give the container or job more memory" in str(err.value)
+    assert "\n" not in str(err.value) and ran == []  # no trial ran
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before
+
+
+def test_reports_and_records_name_the_enforced_limit_that_bound_the_search(tmp_path: Path) -> None:
+    from oomguard.engine.core.search.fit import fit_line
+    from oomguard.engine.core.search.search import SearchResult
+    from oomguard.engine.jobs.sizing import record_of
+    from oomguard.reports import write_report
+    from oomguard.results import Trial
+
+    limit = HostLimit("cgroup", 1200 * MiB, 1000 * MiB)
+    trials = [Trial(4, True, 40 * MiB, 0.1), Trial(8, True, 80 * MiB, 0.1),
+              Trial(9, False, None, 0.1, error="RuntimeError: can't allocate memory")]
+    result = SearchResult(workload="grow", device="cpu", mode="in-process", strategy="guided",
+                          strategy_description="guided", max_ok=8, first_oom=9, trials=trials,
+                          fit=fit_line(trials), recommendation=None, capacity_bytes=900 * MiB,
+                          budget_bytes=None, stopped_because="bracket closed", seconds=1.0,
+                          limit=limit.to_dict())
+    write_report(result, tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert ("- **Memory budget**: none; trials were bounded by the cgroup memory limit "
+            "1.17 GiB (1000.00 MiB left; enforced:") in text
+    assert "estimated, not enforced" not in text
+    assert record_of(result, "loss", "micro_batch_size", 1).limit == limit.describe()
