@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_in_child
 
-from oomguard.engine.core.child import start_method
+from oomguard.engine.core.child import server_method, start_method
 from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.fingerprint import Digests, describe_changes
 from oomguard.engine.jobs.journal import replay
@@ -208,10 +208,12 @@ def test_an_output_that_cannot_be_written_fails_before_any_work(tmp_path, kind):
 
 
 def test_children_fork_only_for_cpu_jobs_never_for_a_gpu():
+    # Elsewhere the forkserver, or spawn on macOS and Windows (server_method).
     assert start_method("cpu") == ("fork" if sys.platform.startswith("linux")
-                                         else "forkserver")
+                                   else server_method())
     for device in ("cuda", "cuda:1", "mps"):
-        assert start_method(device) == "forkserver"
+        assert start_method(device) == server_method()
+    assert start_method("cpu", fork=False) == server_method()
 
 
 @pytest.mark.slow

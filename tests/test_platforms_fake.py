@@ -1,10 +1,12 @@
 """Windows and macOS, through fakes of what this Linux machine cannot be.
 
-The two subprocess tests hide ``resource`` (Windows), ``/proc`` and glibc, make
-``platform.system()`` and ``sys.platform`` say Windows or macOS, then import every
-module of oomguard and run ``oomguard probe --json`` and ``oomguard metrics``
-(tests/fakes/fake_platform.py says what each fake follows). The others call the
-host probe in this process with one OS piece replaced.
+The subprocess tests hide ``resource`` (Windows), ``/proc`` and glibc, give Windows its
+``signal`` (no SIGKILL) and macOS its spawn default, make ``platform.system()`` and
+``sys.platform`` say Windows or macOS, then import every module of oomguard, run
+``oomguard probe --json`` and ``oomguard metrics``, and start isolated trials' children
+(real Linux processes: a fitting trial and one that dies) (tests/fakes/fake_platform.py
+says what each fake follows). The others call oomguard in this process with one OS piece
+replaced.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from fakes.fake_platform import darwin_resource, darwin_tools
+from fakes.fake_platform import WINDOWS_MISSING, darwin_resource, darwin_tools, windows_signal
 
+from oomguard.engine.core import child as launcher
 from oomguard.probes import host
 
 TESTS = Path(__file__).parent
@@ -106,7 +109,59 @@ def test_fake_macos_reads_sysctl_vm_stat_and_ru_maxrss(fake_os_reports: dict[str
     assert report["host"]["peak_source"].startswith("getrusage ru_maxrss (bytes")
 
 
+@pytest.mark.slow
+def test_dead_isolated_child_is_child_crashed_fake_windows(fake_os_reports: dict[str, dict]) -> None:
+    # Windows' signal has no SIGKILL: reading it for the death's evidence raised AttributeError.
+    dies = fake_os_reports["Windows"]["children"]["dies"]
+    assert dies.get("raised") == "ChildCrashed", dies
+    assert "exited with code 3" in dies["message"] and "SIGKILL" not in dies["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("os_name", ["Windows", "Darwin"])
+def test_children_spawn_and_run_a_trial_fake_windows_fake_macos(
+        fake_os_reports: dict[str, dict], os_name: str) -> None:
+    children = fake_os_reports[os_name]["children"]
+    # Isolated searches (an MPS one too), jobs' tasks and reference rows: all spawn.
+    assert children["isolated"] == {"cpu": "spawn", "mps": "spawn"}
+    assert children["start_method"] == {"cpu": "spawn", "mps": "spawn", "cuda": "spawn"}
+    assert children["context"] == "spawn"
+    fits = children["fits"]
+    assert fits.get("ok") is True, fits  # a spawned child ran the trial
+    assert fits["peak"] > 0
+
+
 # --- in this process ---------------------------------------------------------
+
+
+def test_windows_signal_has_only_windows_names_fake_windows() -> None:
+    sig = windows_signal()
+    assert not any(hasattr(sig, name) for name in WINDOWS_MISSING)
+    assert sig.SIGTERM == 15 and sig.SIGBREAK == 21 and sig.CTRL_BREAK_EVENT == 1
+    with pytest.raises(ValueError, match="invalid signal value"):
+        sig.signal(9, sig.SIG_DFL)
+
+
+def test_a_death_without_sigkill_has_evidence_or_none_fake_windows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launcher, "signal", windows_signal())
+    # -9 is no signal Windows has: never "killed by SIGKILL under a memory limit".
+    assert launcher.oom_evidence(-9, "", budgeted=True) is None
+    assert launcher.oom_evidence(3, "", budgeted=True) is None
+    assert not launcher.killed_by_sigkill(-9)
+    assert "std::bad_alloc" in launcher.oom_evidence(
+        3, "terminate called after throwing an instance of 'std::bad_alloc'", budgeted=False)
+    assert launcher.how_it_ended(-15) == "was killed by SIGTERM"  # TerminateProcess's code
+
+
+def test_children_spawn_on_macos_fake_macos(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "platform", "darwin")
+    for device in ("cpu", "mps", "cuda"):
+        assert launcher.start_method(device) == "spawn"
+    assert launcher.start_forkserver().get_start_method() == "spawn"  # no server started
+    assert launcher.context(launcher.start_method("cpu")).get_start_method() == "spawn"
+
+
 
 
 def test_host_budgets_are_enforceable_on_linux_with_proc(

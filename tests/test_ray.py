@@ -267,6 +267,47 @@ def test_a_dead_attempt_is_lowered_by_half_never_below_the_minimum() -> None:
 
 
 
+class _Measured(Exception):
+    """Stops a Ray task once its device is known."""
+
+
+@pytest.mark.parametrize("noset, visible, ids, device, expected", [
+    ("1", None, [2], "cuda", "cuda:2"),  # no CUDA_VISIBLE_DEVICES: the ids are GPU indices
+    ("true", "4,6,7", ["6"], "cuda", "cuda:1"),  # entries of CUDA_VISIBLE_DEVICES: position
+    (None, None, [2], "cuda", "cuda"),  # Ray set CUDA_VISIBLE_DEVICES to the task's GPU
+    ("1", None, [], "cpu", "cpu"),  # a CPU job's task: as given
+])
+def test_a_ray_task_measures_and_runs_on_the_gpu_ray_assigned_fake_ray_gpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, noset: str | None,
+        visible: str | None, ids: list, device: str, expected: str) -> None:
+    """``ray.get_gpu_ids()`` faked (no GPU here) as ray/_private/worker.py answers it: the
+    slot indices, or the entries of the CUDA_VISIBLE_DEVICES the worker started with."""
+    from oomguard.engine.jobs import ray_task
+    from oomguard.engine.jobs.plan import plan
+    from oomguard.engine.jobs.records import Context
+
+    for name, value in (("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", noset),
+                        ("CUDA_VISIBLE_DEVICES", visible)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: ids)
+    job = load_job(_job(tmp_path, "gpu", ["loss"], extra=f'device = "{device}"\n'))
+    seen = []
+
+    def identity(measured_job: Any) -> dict:
+        seen.append(measured_job.device)
+        raise _Measured
+
+    monkeypatch.setattr(ray_task, "device_identity", identity)
+    ctx = Context(job=job, out=str(tmp_path / "gpu"), run_id="r", cache_path=None,
+                  search=True, device={"device": "cuda"})
+    with pytest.raises(_Measured):
+        ray_task.run_on_worker(plan(job)[0], ctx, hub=None)
+    assert seen == [expected]
+
+
 def test_an_unreachable_cluster_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
     job = _job(tmp_path, "out", ["loss"])
     t0 = time.monotonic()

@@ -2,8 +2,9 @@
 back. Isolated trials, the measured reference, job tasks and the tests all use :class:`Child`.
 
 ``fork`` only where no CUDA can have been initialised ("Cannot re-initialize CUDA in
-forked subprocess"; :func:`start_method`), else a forkserver that has imported torch (its
-children re-run the parent's main module: a script needs ``if __name__ == "__main__":``).
+forked subprocess"; :func:`start_method`), else a forkserver that has imported torch, or
+``spawn`` on macOS and Windows (:func:`server_method`; their children re-run the parent's
+main module: a script needs ``if __name__ == "__main__":``).
 The child runs a picklable ``fn(*args)``, says ``started``, may tell the parent things
 (:class:`ToParent`) and sends what ``fn`` returned or raised; the parent reads that, or
 the death, as an :class:`Ended`; a time limit is a timeout, never an OOM. Every child and
@@ -31,7 +32,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
@@ -54,16 +55,37 @@ STARTED, MESSAGE, RETURNED, RAISED = "started", "message", "returned", "raised"
 DIED, TIMED_OUT, STOPPED = "died", "timed out", "stopped"
 
 
-def start_method(device: str) -> str:
-    """How a job's tasks start from a process that ran no torch code (the command line's):
-    ``fork`` for CPU jobs on Linux, else ``forkserver`` (the parent probed the device)."""
-    return "fork" if device == "cpu" and sys.platform.startswith("linux") else "forkserver"
+def server_method() -> str:
+    """How children start where ``fork`` is not allowed: ``forkserver``, else ``spawn`` on
+    Windows (no fork), on macOS, and wherever multiprocessing has no forkserver.
+
+    macOS: Apple's frameworks are not fork-safe. A child forked from a process (or a
+    forkserver) that has imported torch, with Metal and libdispatch initialised, can be
+    aborted by the Objective-C runtime ("objc[...]: +[...] may have been in progress in
+    another thread when fork() was called") and cannot use Metal (MPS); CPython made
+    ``spawn`` macOS's default start method in 3.8 for this reason (bpo-33725; Lib/
+    multiprocessing/context.py: "running arbitrary code after fork() is no longer reliable
+    on macOS since macOS 10.14 (Mojave). Use spawn by default instead"). A spawned child
+    starts a fresh interpreter and imports torch itself: a small isolated CPU trial took
+    1.1 s spawned, 0.05 s from the forkserver (measured on a 2-core Linux machine)."""
+    if sys.platform in ("win32", "darwin") or "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    return "forkserver"
+
+
+def start_method(device: str, fork: bool = True) -> str:
+    """How children start, the one place that decides: ``fork`` for CPU work on Linux when
+    ``fork`` (the parent ran no torch code: a job's command line), else :func:`server_method`
+    (``forkserver``; ``spawn`` on macOS and Windows)."""
+    if fork and device == "cpu" and sys.platform.startswith("linux"):
+        return "fork"
+    return server_method()
 
 
 def forkserver_context(preload: Iterable[str] = ()) -> Any:
-    """The forkserver context (spawn where there is none), ``preload`` named for the server,
-    which is shared: it imports what every call named before it started."""
-    if sys.platform == "win32" or "forkserver" not in mp.get_all_start_methods():
+    """The context of :func:`server_method`: the forkserver, ``preload`` named for the
+    server, which is shared (it imports what every call named before it started); or spawn."""
+    if server_method() == "spawn":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     _preload.update(dict.fromkeys(_SERVER_PRELOAD + tuple(m for m in preload if m != "__main__")))
@@ -81,21 +103,35 @@ def start_forkserver(preload: Iterable[str] = ()) -> Any:
     to exit 0."""
     ctx = forkserver_context(preload)
     if ctx.get_start_method() == "forkserver":
-        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         # The server learns who started it from its environment: if this process dies
         # while the server's interpreter starts (seconds under load), the server's parent
         # is already the reaper when it asks for the death signal, and it must exit.
         os.environ[PARENT_ENV] = str(os.getpid())
         try:
-            forkserver.ensure_running()  # spawns the server and returns
+            with _sigint_blocked():
+                forkserver.ensure_running()  # spawns the server and returns
         finally:
             os.environ.pop(PARENT_ENV, None)
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     return ctx
 
 
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread meanwhile, where ``signal.pthread_sigmask`` exists
+    (Unix only: CPython's Windows ``signal`` has neither it nor ``SIG_BLOCK``)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
 def context(method: str = "forkserver", preload: Iterable[str] = ()) -> Any:
-    """:func:`start_forkserver`, or ``fork`` with ``preload`` imported here, once for all."""
+    """:func:`start_forkserver` (the forkserver, or spawn: :func:`server_method`), or
+    ``fork`` with ``preload`` imported here, once for all."""
     if method != "fork":
         return start_forkserver(preload)
     for module in preload:
@@ -237,11 +273,11 @@ class Child(contextlib.AbstractContextManager["Child"]):
         if capture_stderr:
             fd, self.stderr_path = tempfile.mkstemp(prefix="oomguard-child-", suffix=".stderr")
             os.close(fd)
-        if ctx.get_start_method() == "fork":
-            parent: int | None = os.getpid()
-        else:  # the forkserver, running from here on (one that died is started again)
+        if ctx.get_start_method() == "forkserver":  # running from here on (a dead one restarts)
             start_forkserver()
             parent = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+        else:  # fork or spawn: this process is the child's parent
+            parent = os.getpid()
         self.proc = ctx.Process(target=_enter, name=name,
                                 args=(send, parent, self.stderr_path, fn, tuple(args)))
         self.every: float | None = None
@@ -349,9 +385,19 @@ def oom_evidence(exitcode: int | None, stderr: str, budgeted: bool) -> str | Non
     limits = (["the budget"] if budgeted else []) + list(host.memory_limits())
     if _ONEDNN_PRIMITIVE in text and limits:
         return f"it reported {_ONEDNN_PRIMITIVE!r} on stderr under {', '.join(limits)}"
-    if exitcode == -signal.SIGKILL and limits:
+    if killed_by_sigkill(exitcode) and limits:
         return f"under a memory limit: {', '.join(limits)}"
     return None
+
+
+def killed_by_sigkill(exitcode: int | None) -> bool:
+    """Whether a child's ``exitcode`` (multiprocessing's: minus the signal) says SIGKILL, as
+    the kernel's OOM killer sends it. Never on Windows: CPython's ``signal`` there has no
+    ``SIGKILL`` (only SIGABRT, SIGFPE, SIGILL, SIGINT, SIGSEGV, SIGTERM, SIGBREAK,
+    CTRL_C_EVENT, CTRL_BREAK_EVENT; Modules/signalmodule.c), and a process ended by
+    ``TerminateProcess`` reads ``-SIGTERM`` (Lib/multiprocessing/popen_spawn_win32.py)."""
+    sigkill = getattr(signal, "SIGKILL", None)
+    return sigkill is not None and exitcode == -sigkill
 
 
 def how_it_ended(exitcode: int | None) -> str:

@@ -4,7 +4,7 @@
 single-process job does (:func:`~oomguard.engine.jobs.task_process.run_task`), except:
 
 - **The device is measured here**, on the worker (:func:`~oomguard.engine.jobs.plan.device_identity`
-  probes the GPU Ray assigned), and the size cache is keyed by that device.
+  probes the GPU Ray assigned, :func:`task_device`), and the size cache is keyed by that device.
 - **Every output goes to the job's hub** (:mod:`~oomguard.engine.jobs.ray_hub`) as it is
   made, through a :class:`~oomguard.engine.jobs.sink.HubSink`. If this worker dies, the
   next attempt starts from :func:`lowered_after_death`.
@@ -36,6 +36,10 @@ from oomguard.engine.jobs.spec import import_plugin
 from oomguard.engine.jobs.task_process import run_task
 from oomguard.metrics.base import get_metric
 
+# Ray leaves CUDA_VISIBLE_DEVICES as the worker found it where this is "1" or "true" (any case:
+# ray/_common/utils.py env_bool; ray/_private/accelerators/nvidia_gpu.py,
+# set_current_process_visible_accelerator_ids).
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 DEATH = "halved after worker death"  # the cache's label of sizes a dead attempt ran at, halved
 FORWARD_WAIT_S = 60.0  # for the last outputs to reach the hub, after the task's end
 
@@ -58,6 +62,36 @@ def lowered_after_death(task: Task, previous: Mapping[str, Any]) -> dict[str, An
                       f"{previous.get('host')}) died while running at {dict(sizes)}"}
 
 
+def task_device(device: str) -> str:
+    """The device string this Ray task runs a job on ``device`` with: ``device`` itself, but
+    the GPU Ray assigned, ``cuda:<index>``, where Ray leaves every GPU visible.
+
+    Ray sets a GPU task's ``CUDA_VISIBLE_DEVICES`` to the GPUs it assigned, so there ``cuda``
+    is the task's GPU. Under ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` it does not
+    (``set_current_process_visible_accelerator_ids`` returns early), and ``cuda`` would be
+    ``cuda:0`` for every task. The task's GPU is then ``ray.get_gpu_ids()``
+    (ray/_private/worker.py, ``get_accelerator_ids_for_accelerator_resource``): "If the
+    CUDA_VISIBLE_DEVICES environment variable was set when the worker started up, then the
+    IDs returned by this method will be a subset of the IDs in CUDA_VISIBLE_DEVICES. If not,
+    the IDs will fall in the range [0, NUM_GPUS - 1]": entries of that variable, as strings
+    (``str(original_ids[i])``), whose position is torch's index, else the index itself.
+    A task asks for one GPU (:class:`~oomguard.engine.jobs.ray_job.OnRay`); of several, the
+    first in torch's order."""
+    if device != "cuda" or os.environ.get(NOSET_CUDA_VISIBLE_DEVICES, "").lower() not in ("1", "true"):
+        return device
+    import ray  # only ever called inside a Ray worker
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    order = [t.strip() for t in visible.split(",")] if visible is not None else None
+    indices = []
+    for gpu in (str(i).strip() for i in ray.get_gpu_ids()):
+        if order is not None and gpu in order:
+            indices.append(order.index(gpu))
+        elif order is None and gpu.isdigit():
+            indices.append(int(gpu))
+    return f"cuda:{min(indices)}" if indices else device
+
+
 def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
     """Run ``task`` on this Ray worker, its outputs written by the hub; returns
     ``{"attempt", "record" (the result as a dict), "seconds" {"task": the task itself (its
@@ -67,9 +101,10 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     for plugin in ctx.job.plugins:  # its metric may be a plugin's: a path must exist here too
         import_plugin(plugin)
-    device = device_identity(ctx.job)
+    job = dataclasses.replace(ctx.job, device=task_device(ctx.job.device))
+    device = device_identity(job)
     threads = ctx.threads
-    if threads is None and ctx.job.device == "cpu":  # the CPUs Ray gave this task
+    if threads is None and job.device == "cpu":  # the CPUs Ray gave this task
         threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
     where = {"host": socket.gethostname(), "pid": os.getpid(), "device": device,
              "device_key": device_key(device), "cache_key": entry_key(device, task.workload)}
@@ -89,8 +124,8 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
                             daemon=True, name=f"oomguard-forward-{task.key}")
     pump.start()
     try:
-        here = dataclasses.replace(ctx, out=str(scratch), device=device,
-                                   start_method=start_method(ctx.job.device), threads=threads)
+        here = dataclasses.replace(ctx, job=job, out=str(scratch), device=device,
+                                   start_method=start_method(job.device), threads=threads)
         t_task = time.perf_counter()
         # Never asked to stop (never None): the driver cancels a Ray task by ending its
         # worker, which ends the task's process with it.

@@ -42,6 +42,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 from tqdm import tqdm
 
+from oomguard.engine.core import child as launcher
 from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.fingerprint import Digests
 from oomguard.engine.jobs.journal import Journal
@@ -139,7 +140,8 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
 
     ``start_method``: ``forkserver`` (safe from any process) or ``fork`` (faster; only from a
     process that has not run torch code yet, :func:`~oomguard.engine.core.child.start_method`); a
-    GPU job always uses ``forkserver`` (CUDA cannot be used in a forked child). ``log_setup(out)``,
+    GPU job always uses ``forkserver`` (CUDA cannot be used in a forked child); on macOS and
+    Windows every job uses ``spawn`` (:func:`~oomguard.engine.core.child.server_method`). ``log_setup(out)``,
     if given, is called with the output folder once it is locked, in this process, and at the start
     of every metric's process; it must pickle. Without it this function configures no logging at
     all. ``threads``: torch's intra-op threads in each metric's process (None: torch's default; on
@@ -157,8 +159,9 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
     digests = Digests(out / ".digests.json")
     tasks = plan(job, digests)
     backend = backend if backend is not None else Sequential()
-    if start_method == "fork" and job.device != "cpu":
-        start_method = "forkserver"  # CUDA and MPS cannot be used after a fork
+    # What the platform allows (CUDA and MPS never after a fork; spawn on macOS and Windows),
+    # decided where every child's start is: what the journal records is what happens.
+    start_method = launcher.start_method(job.device, fork=start_method == "fork")
     try:
         device = backend.device(job)
         check_output_folder(out)

@@ -18,6 +18,21 @@ What each fake follows:
   ``vm_stat`` a "Mach Virtual Memory Statistics: (page size of N bytes)" header
   then "Pages free:  123." lines (system_cmds vm_stat.c); ``ps -o rss= -p PID``
   the resident size in KiB.
+- Windows' ``signal`` (:func:`windows_signal`) is CPython's as built there: the names
+  MSVC's signal.h defines (SIGINT 2, SIGILL 4, SIGFPE 8, SIGSEGV 11, SIGTERM 15, SIGBREAK
+  21, SIGABRT 22) and CTRL_C_EVENT 0, CTRL_BREAK_EVENT 1, in ``Signals`` (Lib/signal.py
+  collects the ``SIG*`` and ``CTRL_*`` names the C module has); no SIGKILL, SIGHUP,
+  SIGUSR1/2, SIGQUIT, SIGALRM, no ``pthread_sigmask`` or ``SIG_BLOCK`` ("Availability:
+  Unix"). ``signal.signal`` takes only SIGABRT, SIGFPE, SIGILL, SIGINT, SIGSEGV, SIGTERM
+  and SIGBREAK, else ``ValueError: invalid signal value`` (Modules/signalmodule.c under
+  MS_WINDOWS; the docs: "On Windows, signal() can only be called with SIGABRT, SIGFPE,
+  SIGILL, SIGINT, SIGSEGV, SIGTERM, or SIGBREAK. A ValueError will be raised in any other
+  case."). multiprocessing's start methods there are ``["spawn"]``
+  (Lib/multiprocessing/context.py reads ``sys.platform`` when asked).
+- macOS: multiprocessing's default start method is ``spawn`` (Lib/multiprocessing/
+  context.py: "bpo-33725: running arbitrary code after fork() is no longer reliable on
+  macOS since macOS 10.14 (Mojave). Use spawn by default instead."), and
+  ``get_all_start_methods()`` lists ``spawn`` first.
 - Both: no ``/proc`` (``oomguard.probes.host.PROC`` points at an empty folder) and
   no glibc (``ctypes.util.find_library("c")`` returns None, as it does where no C
   library can be found).
@@ -28,7 +43,9 @@ units each OS uses, so the numbers a fake OS reports are plausible.
 Python's own modules that branch on ``sys.platform`` when imported (subprocess,
 multiprocessing) would try to load Windows-only C modules; :func:`enter` therefore
 imports every third-party and standard module oomguard needs under the real OS
-first, then drops oomguard's modules and imports them again under the fake one.
+first (multiprocessing's process launchers too: this Linux machine still starts the
+children, with Linux's ``signal``), then drops oomguard's modules and imports them
+again under the fake one. The children themselves are real Linux processes.
 """
 
 from __future__ import annotations
@@ -36,14 +53,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import enum
 import importlib
 import importlib.abc
 import io
 import json
+import multiprocessing
 import os
 import pkgutil
 import platform
 import resource as _real_resource
+import signal as _real_signal
 import sys
 import types
 from pathlib import Path
@@ -109,6 +129,51 @@ class FakeWinDLL:
         counters.WorkingSetSize = _proc_kib("self/status", "VmRSS") * 1024
         counters.PeakWorkingSetSize = _proc_kib("self/status", "VmHWM") * 1024
         return 1
+
+
+# MSVC's signal.h, and the console events of wincon.h that CPython adds (CTRL_*_EVENT).
+WINDOWS_SIGNALS = {"SIGINT": 2, "SIGILL": 4, "SIGFPE": 8, "SIGSEGV": 11, "SIGTERM": 15,
+                   "SIGBREAK": 21, "SIGABRT": 22}
+WINDOWS_EVENTS = {"CTRL_C_EVENT": 0, "CTRL_BREAK_EVENT": 1}
+WINDOWS_MISSING = ("SIGKILL", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGALRM",
+                   "pthread_sigmask", "SIG_BLOCK", "SIG_SETMASK")
+
+
+def windows_signal() -> types.ModuleType:
+    """Windows' ``signal`` module. Handlers of the signals Linux numbers alike (SIGINT,
+    SIGILL, SIGFPE, SIGSEGV, SIGTERM) are this machine's real ones; SIGBREAK's and
+    SIGABRT's (other numbers here) are only kept."""
+    mod = types.ModuleType("signal")
+    signals = enum.IntEnum("Signals", {**WINDOWS_SIGNALS, **WINDOWS_EVENTS})
+    shared = {v for k, v in WINDOWS_SIGNALS.items() if getattr(_real_signal, k, None) == v}
+    kept: dict[int, object] = {s: _real_signal.SIG_DFL for s in WINDOWS_SIGNALS.values()
+                               if s not in shared}
+
+    def valid(signalnum: int) -> int:
+        if int(signalnum) not in WINDOWS_SIGNALS.values():
+            raise ValueError("invalid signal value")
+        return int(signalnum)
+
+    def signal(signalnum: int, handler: object) -> object:
+        num = valid(signalnum)
+        if num in shared:
+            return _real_signal.signal(num, handler)
+        previous, kept[num] = kept[num], handler
+        return previous
+
+    def getsignal(signalnum: int) -> object:
+        num = valid(signalnum)
+        return _real_signal.getsignal(num) if num in shared else kept[num]
+
+    mod.__dict__.update({k: signals[k] for k in {**WINDOWS_SIGNALS, **WINDOWS_EVENTS}})
+    mod.__dict__.update(Signals=signals, Handlers=_real_signal.Handlers, NSIG=23,
+                        SIG_DFL=_real_signal.SIG_DFL, SIG_IGN=_real_signal.SIG_IGN,
+                        default_int_handler=_real_signal.default_int_handler,
+                        signal=signal, getsignal=getsignal,
+                        valid_signals=lambda: set(signals) - set(WINDOWS_EVENTS.values()),
+                        strsignal=lambda n: signals(valid(n)).name)
+    assert not any(hasattr(mod, name) for name in WINDOWS_MISSING)
+    return mod
 
 
 def darwin_resource() -> types.ModuleType:
@@ -193,16 +258,23 @@ def enter(os_name: str, proc_root: Path, bin_dir: Path | None = None) -> list[st
             importlib.import_module(name)
     for name in [m for m in sys.modules if m == "oomguard" or m.startswith("oomguard.")]:
         del sys.modules[name]
+    # What starts and stops children on this machine, imported with Linux's signal
+    # (popen_fork's kill() sends SIGKILL): the children are real Linux processes.
+    for name in ("popen_fork", "popen_spawn_posix", "popen_forkserver", "forkserver",
+                 "resource_tracker", "spawn"):
+        importlib.import_module(f"multiprocessing.{name}")
     sys.modules.pop("resource", None)
     if os_name == "Windows":
         sys.meta_path.insert(0, _HideModules({"resource"}))
         ctypes.WinDLL = FakeWinDLL  # type: ignore[attr-defined]
+        sys.modules["signal"] = windows_signal()
         sys.platform = "win32"
     else:
         sys.modules["resource"] = darwin_resource()
         darwin_tools(bin_dir)
         os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
         sys.platform = "darwin"
+        multiprocessing.set_start_method("spawn", force=True)  # macOS's default
     platform.system = lambda: os_name
     real_find = ctypes.util.find_library
     ctypes.util.find_library = lambda name: None if name == "c" else real_find(name)
@@ -249,6 +321,7 @@ def run(os_name: str, proc_root: str, bin_dir: str | None = None) -> dict:
     report["search"] = {"limit": result.limit, "max_ok": result.max_ok,
                         "peaks": [t.peak_bytes for t in result.trials],
                         "first_line": budget_free_limit("cpu")}
+    report["children"] = _children()
     from oomguard.probes import host
 
     method = host.peak_method()
@@ -256,6 +329,38 @@ def run(os_name: str, proc_root: str, bin_dir: str | None = None) -> dict:
                       "peak_resettable": method.resettable, "peak_reason": method.reason,
                       "reset": host.reset_peak(), "peak": host.read_peak()}
     return report
+
+
+def _fits(n: int) -> float:
+    """A trial's workload (module-level: a spawned child imports it from this file)."""
+    import torch
+
+    return torch.ones(n, 1024).sum().item()
+
+
+def _dies(n: int) -> None:
+    """A workload whose process dies: exit code 3, as the MSVC CRT's ``abort()`` ends one."""
+    os._exit(3)
+
+
+def _children() -> dict:
+    """How children start here (jobs' tasks, reference rows: ``start_method``; isolated
+    searches: their runner's context), a fitting isolated trial, and a dying one."""
+    from oomguard.engine.core import child as launcher
+    from oomguard.engine.core.search.isolate import IsolatedRunner
+
+    out: dict = {"start_method": {d: launcher.start_method(d) for d in ("cpu", "mps", "cuda")},
+                 "context": launcher.context(launcher.start_method("cpu")).get_start_method(),
+                 "isolated": {d: IsolatedRunner(_fits, d).ctx.get_start_method()
+                              for d in ("cpu", "mps")}}
+    for key, fn in (("fits", _fits), ("dies", _dies)):
+        try:
+            with IsolatedRunner(fn, "cpu", timeout=120) as runner:
+                trial = runner(4)
+            out[key] = {"ok": trial.ok, "peak": trial.peak_bytes, "error": trial.error}
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which names it
+            out[key] = {"raised": type(exc).__name__, "message": str(exc)}
+    return out
 
 
 if __name__ == "__main__":

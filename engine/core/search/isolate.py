@@ -26,7 +26,6 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-import signal
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -180,7 +179,7 @@ class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
             return Trial(size=size, ok=False, peak_bytes=None, seconds=ended.seconds,
                          mode="isolated", error=f"child process {how} ({evidence})")
         hint = (" (SIGKILL without a memory limit: the kernel's OOM killer or another process;"
-                " see dmesg)" if exitcode == -signal.SIGKILL else "")
+                " see dmesg)" if launcher.killed_by_sigkill(exitcode) else "")
         raise ChildCrashed(f"isolated trial at size {size}: the child process {how} while "
                            f"running the workload, with no sign of running out of memory{hint}")
 
