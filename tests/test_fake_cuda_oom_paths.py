@@ -229,3 +229,37 @@ def test_fake_probe_mig_slice_total_is_what_cuda_can_use(monkeypatch: pytest.Mon
     assert snap.free_bytes == 10 * GiB - 2 * GiB - 256 * MiB  # before: 256 MiB more
     with budget(2 * GiB, "cuda") as b:  # the fraction multiplies CUDA's total
         assert b.limit == 2 * GiB + gpu.reserved() == gpu.allowed
+
+
+class _Step:
+    """A workload on the fake slice: the warm-up holds 1 GiB, size n adds n * 256 MiB."""
+
+    name = "fake-mig-step"
+
+    def __init__(self, gpu: FakeCuda) -> None:
+        self.gpu, self.held = gpu, None
+
+    def warmup(self) -> None:
+        if self.held is None:
+            self.held = self.gpu.alloc(1 * GiB)
+
+    def __call__(self, size: int) -> int:
+        self.gpu.free(self.gpu.alloc(size * 256 * MiB))
+        return size
+
+
+def test_fake_cuda_search_on_a_mig_slice_counts_the_nvml_assert_as_an_oom(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from oomguard.engine.cli.options import search_config
+    from oomguard.engine.core.search.search import search
+
+    drv = _driver(monkeypatch, gpus=[_mig_card()])
+    gpu = _slice(monkeypatch, drv)
+    args = argparse.Namespace(start=8, budget=None, strategy="e10", step=None, isolate=False,
+                              margin=0.15, trial_timeout=None, max_trials=40)
+    result = search(_Step(gpu), search_config(args, torch.device("cuda"), max_size=64))
+    # 9.75 GiB - 0.5 GiB context - 1 GiB model = 8.25 GiB: 33 items of 256 MiB
+    assert (result.max_ok, result.first_oom) == (33, 34)  # before: the search raised
+    assert gpu.num_ooms == 0 and gpu.num_alloc_retries > 0
