@@ -263,3 +263,11 @@ def test_fake_cuda_search_on_a_mig_slice_counts_the_nvml_assert_as_an_oom(
     # 9.75 GiB - 0.5 GiB context - 1 GiB model = 8.25 GiB: 33 items of 256 MiB
     assert (result.max_ok, result.first_oom) == (33, 34)  # before: the search raised
     assert gpu.num_ooms == 0 and gpu.num_alloc_retries > 0
+
+
+def test_fake_cuda_headroom_without_a_context_creates_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.cuda.is_initialized() is True once CUDA is initialised, context or not.
+    gpu = FakeCuda(has_context=False).install(monkeypatch)
+    assert headroom_bytes("cuda") is None and not gpu.has_context  # before: a context made
+    gpu.alloc(1 * GiB)
+    assert headroom_bytes("cuda") == gpu.total - gpu.context - 1 * GiB

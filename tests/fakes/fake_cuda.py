@@ -92,8 +92,10 @@ K_ROUND_LARGE = 2 * MiB
 ASYNC_GRANULE = 2 * MiB
 UINT64_MAX = 2**64 - 1
 ALLOCATOR_CPP = "/pytorch/c10/cuda/CUDACachingAllocator.cpp"
-# The three asserts of reportProcessMemoryInfo, as the preprocessor stringises them, and
-# their lines in a torch 2.x build (the line differs between releases).
+# The three asserts of reportProcessMemoryInfo (pytorch/pytorch c10/cuda/CUDACachingAllocator.cpp,
+# read at 001074d and in the later reportProcessMemoryInfo(const cudaDeviceProp&) form: the
+# same conditions), as the preprocessor stringises them. The line numbers are illustrative:
+# they differ between releases and builds; nothing matches on them.
 NVML_ASSERTS = {
     "init": ("NVML_SUCCESS == DriverAPI::get()->nvmlInit_v2_()", 1105),
     "handle": ("NVML_SUCCESS == DriverAPI::get()->nvmlDeviceGetHandleByPciBusId_v2_( pci_id, "

@@ -108,7 +108,9 @@ def headroom_bytes(device: str | torch.device) -> int | None:
             limit, vm_data = host.data_limit(), host.proc_status("VmData")
             return None if limit is None or vm_data is None else limit - vm_data
         return b.limit - gpu_held_bytes(dev)
-    if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+    # has_context, not is_initialized: torch initialises CUDA without a context (a fraction
+    # or a property read), and cudaMemGetInfo would create one (~0.5 GiB).
+    if dev.type == "cuda" and torch.cuda.is_available() and cuda.has_context(_cuda_index(dev)):
         return int(torch.cuda.mem_get_info(dev)[0])
     return None
 
