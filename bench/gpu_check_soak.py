@@ -14,6 +14,7 @@ import torch
 from gpu_check_budgets import _mib, clean
 
 SOAK_STEPS = 1000
+SOAK_BUDGET = 2 * 1024**3  # bytes: the search and the soak meet a real limit
 
 
 def check_usable_memory(dev: torch.device) -> tuple[bool, str]:
@@ -31,8 +32,10 @@ def check_usable_memory(dev: torch.device) -> tuple[bool, str]:
 
 
 def check_soak_recommended(dev: torch.device) -> tuple[bool, str]:
-    """The built-in training step (tiny GPT-2) searched once, then run ``SOAK_STEPS`` times
-    at the recommended size: no OOM, and how much the step's peak varies."""
+    """The built-in training step (tiny GPT-2) searched under a 2 GiB budget, then run
+    ``SOAK_STEPS`` times at the recommended size under the same budget: no OOM, and how
+    much the step's peak varies from step to step."""
+    from oomguard.engine.core.memory.budget import budget
     from oomguard.engine.core.memory.oom import OOM, call_catching_oom
     from oomguard.engine.core.search.search import search
     from oomguard.metrics.train_step import TrainStep
@@ -40,21 +43,23 @@ def check_soak_recommended(dev: torch.device) -> tuple[bool, str]:
 
     clean(dev)
     step = TrainStep(model="tiny-gpt2", seq_len=128, device=str(dev))
-    found = search(step, start=8, step=8, device=dev, max_size=512)
+    found = search(step, start=8, step=8, device=dev, budget=SOAK_BUDGET, max_size=8192)
     if found.recommendation is None:
         return False, f"no recommendation: max_ok {found.max_ok}"
     size = found.recommendation.safe
     meter = PeakMeter(dev)
     peaks, ooms = [], 0
     t0 = time.perf_counter()
-    for _ in range(SOAK_STEPS):
-        meter.reset()
-        if isinstance(call_catching_oom(step, size, device=dev), OOM):
-            ooms += 1
-            continue
-        peaks.append(meter.read())
+    with budget(SOAK_BUDGET, dev):  # the search's warm-up left the model in place
+        for _ in range(SOAK_STEPS):
+            meter.reset()
+            if isinstance(call_catching_oom(step, size, device=dev), OOM):
+                ooms += 1
+                continue
+            peaks.append(meter.read())
     secs = time.perf_counter() - t0
     spread = (f"peaks min {_mib(min(peaks))}, median {_mib(statistics.median(peaks))}, max "
               f"{_mib(max(peaks))}" if peaks else "no step ran")
-    return ooms == 0, (f"recommended {size} (max_ok {found.max_ok}); {SOAK_STEPS} steps in "
-                       f"{secs:.0f} s, {ooms} OOMs; {spread}")
+    return ooms == 0, (f"recommended {size} (max_ok {found.max_ok}, budget "
+                       f"{_mib(SOAK_BUDGET)}); {SOAK_STEPS} steps in {secs:.0f} s, {ooms} OOMs; "
+                       f"{spread}")
