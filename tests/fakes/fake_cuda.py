@@ -12,7 +12,9 @@ two allocator backends behind it:
   (``alloc_block``: ``total_allocated_memory + size > allowed_memory_maximum``) or the
   device has no room; the allocator then frees its unused cached segments and retries
   (``release_cached_blocks``, counted in ``num_alloc_retries`` by ``alloc_block(.., isRetry)``)
-  before it reports the OOM. Expandable segments are not modelled.
+  before it reports the OOM. Not modelled: expandable segments, streams, and
+  ``release_available_cached_blocks`` (with ``max_split_size`` set it frees oversize cached
+  blocks first, without a retry; the fake goes straight to the full release).
 
   Blocks: a request takes the smallest free block of its pool that fits (``get_free_block``;
   with ``max_split_size`` set, a block at or above it serves only requests within
