@@ -30,7 +30,8 @@ the real wrapper does with the driver's answer:
   "In MIG mode, if device handle is provided, the API returns aggregate information, only if
   the caller has appropriate privileges. Per-instance information can be queried by using
   specific MIG device handles."): a MIG parent's handle answers ``NVML_ERROR_NO_PERMISSION``
-  unless ``FakeDriver.privileged`` (root); ``FakeGpu.process_error`` refuses the queries on
+  unless ``FakeDriver.privileged`` (root) (the code is an assumption: the note names no
+  code; any failure fails torch's assert alike); ``FakeGpu.process_error`` refuses the queries on
   any handle of that GPU with the given code (WSL2 and some containers answer
   ``NVML_ERROR_NOT_SUPPORTED``). ``FakeDriver.init_error`` makes ``nvmlInit`` fail with that
   code (a container without the driver's libraries mounted, ``NVML_ERROR_DRIVER_NOT_LOADED``).
