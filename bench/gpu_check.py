@@ -13,13 +13,18 @@ where it was; an ``Executor`` halving run; a ``search()`` under a budget; the
 search against brute force, in-process and isolated; ``oomguard bench`` with the
 default budget; an isolated search whose parent holds nothing on the GPU; the
 peak, budget, OOM and search checks again under ``backend:cudaMallocAsync``; a
-MIG slice where one is visible; ``oomguard run`` on the example job on this GPU
+MIG slice where one is visible, and an OOM there whose NVML report the driver
+refuses (recognised as an OOM); a budget round trip and an isolated search's
+parent (no CUDA context) under ``backend:cudaMallocAsync``, each in a fresh
+process; the memory usable after the context (``mem_get_info`` free); a soak of
+1,000 steps of the built-in training step at the recommended size (0 OOMs, the
+spread of step peaks); ``oomguard run`` on the example job on this GPU
 (children started by forkserver, every metric ok). On a Mac: the MPS probe,
 budget, peak and isolated search.
 
 Prints one table (check / passed / seconds / what was measured, against what)
 and exits 1 if any check failed ("skip": nothing here to check). Without a GPU
-it says so and exits 0.
+it says "skipped: no CUDA" and exits 0.
 
 Every OOM here is real: the allocator refusing an allocation above a
 ``set_per_process_memory_fraction`` cap, as on a smaller GPU.
@@ -40,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from gpu_check_budgets import (  # noqa: E402 - beside this file
     _mib,
+    check_async_budget_round_trip,
+    check_async_isolated_parent_no_context,
     check_budget_after_cached_blocks,
     check_cuda_malloc_async,
     check_default_budget_cli,
@@ -49,9 +56,11 @@ from gpu_check_budgets import (  # noqa: E402 - beside this file
 from gpu_check_budgets import clean as _clean  # noqa: E402
 from gpu_check_devices import (  # noqa: E402
     check_mig,
+    check_mig_nvml_oom,
     check_mps_probe_and_budget,
     check_mps_search_isolated,
 )
+from gpu_check_soak import check_soak_recommended, check_usable_memory  # noqa: E402
 
 MiB = 1024**2
 GiB = 1024**3
@@ -94,12 +103,11 @@ def check_peak_meter(dev: torch.device) -> tuple[bool, str]:
 
 
 def check_fraction_budget(dev: torch.device) -> tuple[bool, str]:
-    from oomguard.engine.core.memory.budget import budget
+    from oomguard.engine.core.memory.budget import budget, current_fraction
     from oomguard.engine.core.memory.oom import is_oom
 
     _clean(dev)
-    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    before = getter(dev) if getter else None
+    before = current_fraction(dev)  # 1.0 for "no limit", also under cudaMallocAsync
     raised = None
     with budget(2 * GiB, dev) as b:
         fits = torch.empty(1 * GiB, dtype=torch.uint8, device=dev)
@@ -111,7 +119,7 @@ def check_fraction_budget(dev: torch.device) -> tuple[bool, str]:
     is_real = raised is not None and is_oom(raised)
     raised = None  # drop the traceback before freeing
     _clean(dev)
-    after = getter(dev) if getter else None
+    after = current_fraction(dev)
     restored = before == after
     return is_real and restored, (f"cap {_mib(b.limit)}: 1 GiB fits, 3 GiB raised OutOfMemoryError: "
                                   f"{is_real}; fraction restored {before} -> {after}: {restored}")
@@ -229,6 +237,11 @@ CHECKS: list[tuple[str, Check]] = [
     ("isolated search: parent holds nothing", check_isolated_parent_holds_nothing),
     ("backend:cudaMallocAsync", check_cuda_malloc_async),
     ("MIG slice", check_mig),
+    ("MIG slice: OOM with NVML refused", check_mig_nvml_oom),
+    ("cudaMallocAsync budget round trip", check_async_budget_round_trip),
+    ("cudaMallocAsync isolated parent: no context", check_async_isolated_parent_no_context),
+    ("usable memory after the context", check_usable_memory),
+    ("soak: 1000 steps at the recommended size", check_soak_recommended),
     ("oomguard run (example job)", check_job_run),
 ]
 MPS_CHECKS: list[tuple[str, Check]] = [
@@ -259,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         checks, dev = MPS_CHECKS, torch.device("mps")
         header = f"Apple MPS, torch {torch.__version__}"
     else:
-        print(f"no CUDA or MPS here (torch {torch.__version__}, cuda {torch.version.cuda}): "
-              "nothing to check")
+        print(f"skipped: no CUDA (and no MPS) here (torch {torch.__version__}, cuda "
+              f"{torch.version.cuda}): nothing to check")
         return 0
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]

@@ -180,3 +180,84 @@ def check_cuda_malloc_async(dev: torch.device) -> tuple[bool, str]:
         r["passed"] for r in rows)
     return ok, f"backend {backend}: " + "; ".join(
         f"{r['check']} {'ok' if r['passed'] else 'FAILED'} ({r['measured'][:80]})" for r in rows)
+
+
+_ASYNC_ROUND_TRIP = """
+import json, sys, torch
+from oomguard.engine.core.memory.budget import budget, current_fraction
+dev = torch.device(sys.argv[1])
+torch.zeros(1, device=dev)
+out = {"backend": torch.cuda.get_allocator_backend(),
+       "raw_before": torch.cuda.get_per_process_memory_fraction(dev)}
+try:
+    with budget(256 * 1024**2, dev):
+        pass
+    out["no_limit_after"] = current_fraction(dev)
+    torch.cuda.set_per_process_memory_fraction(0.5, dev)  # the user's own, not through oomguard
+    with budget(256 * 1024**2, dev):
+        pass
+    out["half_after"] = torch.cuda.get_per_process_memory_fraction(dev)
+except Exception as exc:
+    out["error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+ASYNC_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+
+
+def _json_child(script: str, dev: torch.device, env: dict[str, str]) -> dict | str:
+    """Run ``script`` in a fresh Python with ``env`` added: its last stdout line as JSON,
+    or why there is none."""
+    done = subprocess.run([sys.executable, "-c", script, str(dev)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env=dict(os.environ, **env))
+    if done.returncode != 0 or not done.stdout.strip():
+        tail = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return f"exit {done.returncode}: {tail[:200]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check_async_budget_round_trip(dev: torch.device) -> tuple[bool, str]:
+    """Under ``backend:cudaMallocAsync`` a budget gives the user's fraction back without an
+    error: with no limit set (torch's getter says limit / total, about 2e8) and with 0.5."""
+    got = _json_child(_ASYNC_ROUND_TRIP, dev, ASYNC_ENV)
+    if isinstance(got, str):
+        return False, got
+    ok = (got["backend"] == "cudaMallocAsync" and "error" not in got
+          and got.get("no_limit_after") == 1.0
+          # the limit is int(0.5 * total) bytes: read back, a hair under 0.5
+          and abs(got.get("half_after", 0.0) - 0.5) < 1e-6)
+    return ok, (f"backend {got['backend']}; torch's fraction with no limit {got['raw_before']:.3g}; "
+                f"after a budget: {got.get('no_limit_after')} (expect 1.0), user's 0.5 -> "
+                f"{got.get('half_after')}" + (f"; {got['error']}" if "error" in got else ""))
+
+
+_ASYNC_PARENT_SCRIPT = """
+import json, sys, torch
+from oomguard.engine.core.search.search import search
+from oomguard.metrics.train_step import TrainStep
+from oomguard.probes import probe
+dev = torch.device(sys.argv[1])
+index = dev.index or 0
+context = lambda: bool(torch._C._cuda_hasPrimaryContext(index))
+step = TrainStep(model="tiny-gpt2", seq_len=128, device=str(dev))
+step.describe()
+snap = probe(dev)  # what `oomguard bench --isolate` shows before it searches
+seen = [context()]
+res = search(step, start=4, step=4, max_size=16, device=str(dev), isolate=True,
+             on_trial=lambda trial: seen.append(context()))
+print(json.dumps({"context": seen, "max_ok": res.max_ok, "free": snap.free_bytes,
+                  "backend": torch.cuda.get_allocator_backend()}))
+"""
+
+
+def check_async_isolated_parent_no_context(dev: torch.device) -> tuple[bool, str]:
+    """Under ``backend:cudaMallocAsync`` an isolated search's parent, probe included, holds
+    no CUDA context (torch's fraction getter would create one: ~0.5 GiB the children lack)."""
+    got = _json_child(_ASYNC_PARENT_SCRIPT, dev, ASYNC_ENV)
+    if isinstance(got, str):
+        return False, got
+    ok = got["backend"] == "cudaMallocAsync" and got["max_ok"] is not None and \
+        not any(got["context"])
+    return ok, (f"backend {got['backend']}; parent context after probe and each of "
+                f"{len(got['context']) - 1} trials: {got['context']}; probe free "
+                f"{_mib(got['free'])}; max_ok {got['max_ok']}")

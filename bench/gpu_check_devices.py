@@ -38,6 +38,33 @@ def check_mig(dev: torch.device) -> tuple[bool | None, str]:
                 f"sources {snap.sources.get('total')}")
 
 
+def check_mig_nvml_oom(dev: torch.device) -> tuple[bool | None, str]:
+    """A real OOM on a MIG slice is recognised: the caching allocator's OOM path asks NVML
+    about the parent GPU's processes, which a non-root user may not query, and then raises
+    ``NVML_SUCCESS == r INTERNAL ASSERT FAILED`` instead of ``OutOfMemoryError``."""
+    from oomguard.engine.core.memory.budget import budget
+    from oomguard.engine.core.memory.oom import is_oom
+    from oomguard.probes import probe
+
+    torch.zeros(1, device=dev)
+    snap = probe(dev)
+    if snap.extra.get("mig_index") is None:
+        return None, f"{dev} is not a MIG slice (run with CUDA_VISIBLE_DEVICES=MIG-<uuid>)"
+    raised = None
+    with budget(256 * MiB, dev):
+        try:
+            torch.empty(1 * GiB, dtype=torch.uint8, device=dev)
+        except RuntimeError as exc:
+            raised = exc
+    kind = type(raised).__name__ if raised is not None else "nothing"
+    first = str(raised).splitlines()[0][:90] if raised is not None else ""
+    recognised = raised is not None and is_oom(raised)
+    raised = None
+    torch.cuda.empty_cache()
+    return recognised, (f"slice {snap.extra.get('mig_profile')}: 1 GiB under a 256 MiB budget "
+                        f"raised {kind} ({first}); recognised as an OOM: {recognised}")
+
+
 def check_mps_probe_and_budget(dev: torch.device) -> tuple[bool, str]:
     """On a Mac: the MPS probe, a 256 MiB budget (``torch.mps.set_per_process_memory_fraction``)
     that a 1 GiB tensor runs out of as a recognised OOM, the fraction restored after it,

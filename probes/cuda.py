@@ -80,17 +80,59 @@ def mem_get_info(index: int) -> tuple[int, int]:
     return int(free), int(total)
 
 
+def async_backend() -> bool:
+    """Whether the allocator is ``backend:cudaMallocAsync``. ``get_allocator_backend`` reads
+    ``CUDACachingAllocator::name()`` (torch/csrc/cuda/Module.cpp): no CUDA call, no context."""
+    getter = getattr(torch.cuda, "get_allocator_backend", None)
+    return getter is not None and getter() == "cudaMallocAsync"
+
+
+def memory_fraction(index: int) -> float | None:
+    """The per-process memory fraction in force on ``cuda:index``, 1.0 for "no limit"; None
+    where torch cannot read it (torch < 2.6). Creates no context.
+
+    Under ``backend:cudaMallocAsync`` torch's getter creates a context
+    (``getMemoryFraction`` calls ``lazy_init_device``) and returns
+    ``pytorch_memory_limits / total``, which starts at ``UINT64_MAX``: about 2e8 with no
+    fraction set (c10/cuda/CUDAMallocAsyncAllocator.cpp). Without a context no fraction can
+    have been set there (``setMemoryFraction`` creates one), so the answer is 1.0 unread; a
+    value above 1 means no limit, also 1.0, the value ``set_per_process_memory_fraction``
+    accepts back."""
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None:
+        return None
+    if async_backend() and not has_context(index):
+        return 1.0
+    return min(float(getter(index)), 1.0)
+
+
+def unreported_oom_retries(index: int) -> int:
+    """How many of the caching allocator's last-resort retries on ``cuda:index`` (it had
+    freed its whole cache and asked again: the cap or the device was reached) were not
+    followed by a reported OOM: ``num_alloc_retries - num_ooms`` of ``memory_stats``.
+
+    In ``DeviceCachingAllocator::malloc`` every OOM first goes through
+    ``alloc_block(.., isRetry=true)``, which counts ``num_alloc_retries``, and counts
+    ``num_ooms`` only after ``reportProcessMemoryInfo``; when that report's NVML query
+    fails its assert, the retry is counted and the OOM is not
+    (c10/cuda/CUDACachingAllocator.cpp). A retry that then succeeded counts too: the limit
+    was met. 0 under ``backend:cudaMallocAsync`` (it keeps neither count)."""
+    stats = torch.cuda.memory_stats(index)
+    return max(0, int(stats.get("num_alloc_retries", 0)) - int(stats.get("num_ooms", 0)))
+
+
 def allocator_stats(index: int) -> dict[str, int]:
     """Measured bytes of this process's caching allocator on ``cuda:index``: ``allocated``,
     ``reserved``, ``peak_allocated``, ``peak_reserved`` and ``fraction_cap`` (the cap of
-    ``set_per_process_memory_fraction``; the device's total when none). Creates no context.
-    ``RuntimeError`` without CUDA: check :func:`unavailable_reason` first."""
+    ``set_per_process_memory_fraction``; the device's total when none). Creates no context
+    (:func:`memory_fraction`; under cudaMallocAsync the counters of a device not used yet
+    are 0, read without one). ``RuntimeError`` without CUDA: check
+    :func:`unavailable_reason` first."""
     _require_cuda()
     total = int(torch.cuda.get_device_properties(index).total_memory)
-    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    fraction = float(getter(index)) if getter is not None else 1.0
+    fraction = memory_fraction(index)
     return {"allocated": int(torch.cuda.memory_allocated(index)),
             "reserved": int(torch.cuda.memory_reserved(index)),
             "peak_allocated": int(torch.cuda.max_memory_allocated(index)),
             "peak_reserved": int(torch.cuda.max_memory_reserved(index)),
-            "fraction_cap": int(fraction * total)}
+            "fraction_cap": int((1.0 if fraction is None else fraction) * total)}

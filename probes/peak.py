@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from oomguard.probes import host
+from oomguard.probes import cuda, host
 from oomguard.probes.sampler import Sampler
 
 
 def cuda_async_backend() -> bool:
     """Whether CUDA runs ``backend:cudaMallocAsync`` (``torch.cuda.get_allocator_backend``)."""
-    getter = getattr(torch.cuda, "get_allocator_backend", None)
-    return getter is not None and torch.cuda.is_available() and getter() == "cudaMallocAsync"
+    return torch.cuda.is_available() and cuda.async_backend()
 
 
 def held_bytes(device: str | torch.device) -> int:

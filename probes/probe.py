@@ -73,13 +73,22 @@ def _cuda_unavailable(label: str, torch_reason: str) -> MemorySnapshot:
 def _merge_nvml(snap: MemorySnapshot, nv: nvml.NvmlDevice, how: str, ident: dict[str, Any]) -> None:
     """Put NVML's measured figures into ``snap``, naming the API behind each. The total is what CUDA
     can use: NVML v2's ``total - reserved``; with only the v1 API (whose total includes
-    driver-reserved memory, ~0.5 GiB) it is torch's ``total_memory``
-    (cudaDeviceProp.totalGlobalMem), which creates no context."""
+    driver-reserved memory, ~0.5 GiB), or where NVML's figure is above it (a MIG slice), it
+    is torch's ``total_memory`` (cudaDeviceProp.totalGlobalMem), which creates no context;
+    the free bytes then lose what NVML counts beyond it."""
     what = f"NVML {nv.memory_api}" + (f" (MIG {nv.mig_profile or 'slice'})"
                                       if nv.mig_index is not None else "")
     snap.free_bytes = nv.free
     snap.sources["free"] = f"{what} free"
-    if nv.usable is not None:
+    if nv.usable is not None and nv.usable > ident["total"]:
+        # NVML counts memory CUDA cannot use (MIG slices: ~256 MiB more than cudaMemGetInfo's
+        # total): the free part of it is not free for this process either.
+        excess = nv.usable - ident["total"]
+        snap.total_bytes, snap.free_bytes = ident["total"], max(0, nv.free - excess)
+        snap.sources["total"] = ("torch.cuda.get_device_properties total_memory (below "
+                                 f"{what} total - reserved)")
+        snap.sources["free"] = f"{what} free - what CUDA cannot use of NVML's total"
+    elif nv.usable is not None:
         snap.total_bytes = nv.usable
         snap.sources["total"] = f"{what} total - reserved"
     else:

@@ -227,32 +227,12 @@ def test_fake_cuda_fragmentation_and_largest_free_block() -> None:
     assert mallocasync["largest_free_block_bytes"][0] is None
 
 
-def _fake_allocator(gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """``memory_stats``/``memory_snapshot`` for the fake device: one block per segment's used
-    bytes and one inactive block for its rest (the fake keeps a segment's free bytes
-    contiguous); every native OOM went through one release-and-retry (num_alloc_retries)."""
-    counts = {"retries": 0}
-    alloc = gpu._alloc_native
-
-    def counted(handle: int, nbytes: int) -> None:
-        try:
-            alloc(handle, nbytes)
-        except torch.OutOfMemoryError:
-            counts["retries"] += 1
-            raise
-
-    def segments(mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, Any]]:
-        return [_segment(0, "small" if s.small else "large",
-                         [_block(s.used, "active_allocated"), _block(s.size - s.used, "inactive")])
-                for s in gpu.segments]
-
-    monkeypatch.setattr(gpu, "_alloc_native", counted)
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: _stats(
-        gpu.reserved(), gpu.allocated(), counts["retries"], counts["retries"]))
-    monkeypatch.setattr(torch.cuda, "memory_snapshot", segments)
+def _fake_allocator(gpu: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_dump_snapshot`` for the fake device; ``memory_stats`` and ``memory_snapshot`` are
+    the fake allocator's own (tests/fakes/fake_cuda.py, torch's key names)."""
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda filename: Path(
-        filename).write_bytes(pickle.dumps({"segments": segments(), "device_traces": [[]]})))
-    return counts
+        filename).write_bytes(pickle.dumps({"segments": gpu.memory_snapshot(),
+                                            "device_traces": [[]]})))
 
 
 def test_fake_cuda_executor_records_the_allocator_view_and_a_snapshot(

@@ -23,6 +23,20 @@ the real wrapper does with the driver's answer:
   ``nvmlDeviceGetMemoryInfo_v2`` (total, reserved, free, used with
   total = reserved + used + free); the v1 call reports total and used with the
   reserved part included.
+- ``nvmlDeviceGetHandleByPciBusId`` (the ``_v2`` C call; what torch's allocator uses in its
+  OOM path): the physical GPU at that bus id; on a MIG card that is the parent, which every
+  slice shares.
+- Process queries where the driver refuses them (nvml.h, ``nvmlDeviceGetComputeRunningProcesses_v3``:
+  "In MIG mode, if device handle is provided, the API returns aggregate information, only if
+  the caller has appropriate privileges. Per-instance information can be queried by using
+  specific MIG device handles."): a MIG parent's handle answers ``NVML_ERROR_NO_PERMISSION``
+  unless ``FakeDriver.privileged`` (root) (the code is an assumption: the note names no
+  code; any failure fails torch's assert alike); ``FakeGpu.process_error`` refuses the queries on
+  any handle of that GPU with the given code (WSL2 and some containers answer
+  ``NVML_ERROR_NOT_SUPPORTED``). ``FakeDriver.init_error`` makes ``nvmlInit`` fail with that
+  code (a container without the driver's libraries mounted, ``NVML_ERROR_DRIVER_NOT_LOADED``).
+- Per-process memory inside a container: the driver lists the process with
+  ``usedGpuMemory = NVML_VALUE_NOT_AVAILABLE`` (pynvml: None), as above.
 - MIG: ``nvmlDeviceGetMigMode`` -> [current, pending] (``NVMLError_NotSupported``
   on a GPU without MIG), ``nvmlDeviceGetMaxMigDeviceCount``,
   ``nvmlDeviceGetMigDeviceHandleByIndex`` (``NVMLError_NotFound`` for an empty
@@ -83,12 +97,15 @@ class FakeGpu:
     graphics: list[tuple[int, int | None]] = field(default_factory=list)
     mig_slots: int = 0
     migs: dict[int, FakeMig] = field(default_factory=dict)  # slot -> device
+    process_error: int | None = None  # NVML_ERROR_* the process queries answer (WSL2: NOT_SUPPORTED)
 
 
 @dataclass
 class FakeDriver:
     version: str = "550.54.15"
     gpus: list[FakeGpu] = field(default_factory=list)
+    privileged: bool = False  # root: a MIG parent's process query answers (module docstring)
+    init_error: int | None = None  # NVML_ERROR_* that nvmlInit answers
 
     def generation(self) -> tuple[int, int]:
         m = re.match(r"^(\d+)\.(\d+)", self.version)
@@ -149,7 +166,23 @@ class _Library:
         return self.gpu(h) if h.mig is None else self.gpu(h).migs[h.mig]
 
     def nvmlInit(self) -> None:
-        return None
+        if self.driver.init_error is not None:
+            raise _err(self.driver.init_error)
+
+    def nvmlDeviceGetHandleByPciBusId(self, pciBusId: str | bytes) -> _Handle:  # noqa: N803
+        bus = pciBusId.decode() if isinstance(pciBusId, bytes) else pciBusId
+        for i, g in enumerate(self.driver.gpus):
+            if g.pci_bus_id.lower() == bus.lower():
+                return _Handle(i)
+        raise _err(real.NVML_ERROR_NOT_FOUND)
+
+    def refuse_processes(self, h: _Handle) -> None:
+        """The driver's refusals of a process query (module docstring)."""
+        g = self.gpu(h)
+        if g.process_error is not None:
+            raise _err(g.process_error)
+        if h.mig is None and g.migs and not self.driver.privileged:
+            raise _err(real.NVML_ERROR_NO_PERMISSION)
 
     def nvmlSystemGetDriverVersion(self) -> str:
         return self.driver.version
@@ -238,10 +271,12 @@ def _process_queries(lib: _Library, kind: str) -> tuple:
 
     def v3(handle: _Handle) -> list:
         lib.symbol(f"nvmlDeviceGet{kind}RunningProcesses_v3")
+        lib.refuse_processes(handle)
         return _read(entries(handle), c_nvmlProcessInfo_v3_t if lib.v3_struct
                      else real.c_nvmlProcessInfo_v2_t)
 
     def v2(handle: _Handle) -> list:
+        lib.refuse_processes(handle)
         return _read(entries(handle), real.c_nvmlProcessInfo_v2_t)
 
     def unversioned(handle: _Handle) -> list:
@@ -270,6 +305,8 @@ class FakeCudaDevice:
     allocated: int = 0
     fraction: float = 1.0
     context: bool = True
+    alloc_retries: int = 0  # memory_stats num_alloc_retries
+    ooms: int = 0  # memory_stats num_ooms
 
 
 def install_fake_torch_cuda(monkeypatch: object, devices: list[FakeCudaDevice]) -> None:
@@ -297,3 +334,8 @@ def install_fake_torch_cuda(monkeypatch: object, devices: list[FakeCudaDevice]) 
     mp.setattr(torch.cuda, "max_memory_allocated", lambda i=0: devices[i].allocated)
     mp.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i=0: devices[i].fraction)
     mp.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: devices[i].context, raising=False)
+    mp.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    mp.setattr(torch.cuda, "memory_stats", lambda i=0: {
+        "allocated_bytes.all.current": devices[i].allocated,
+        "reserved_bytes.all.current": devices[i].reserved,
+        "num_alloc_retries": devices[i].alloc_retries, "num_ooms": devices[i].ooms})

@@ -32,7 +32,7 @@ import torch
 from oomguard.engine.core.memory.heap import free_heap_bytes, return_freed_memory_to_os
 from oomguard.engine.errors import BudgetError, UsageError
 from oomguard.engine.util.units import fmt_bytes
-from oomguard.probes import host
+from oomguard.probes import cuda, host
 from oomguard.probes.device import resolve_device
 from oomguard.probes.peak import held_bytes as gpu_held_bytes
 
@@ -108,7 +108,9 @@ def headroom_bytes(device: str | torch.device) -> int | None:
             limit, vm_data = host.data_limit(), host.proc_status("VmData")
             return None if limit is None or vm_data is None else limit - vm_data
         return b.limit - gpu_held_bytes(dev)
-    if dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+    # has_context, not is_initialized: torch initialises CUDA without a context (a fraction
+    # or a property read), and cudaMemGetInfo would create one (~0.5 GiB).
+    if dev.type == "cuda" and torch.cuda.is_available() and cuda.has_context(_cuda_index(dev)):
         return int(torch.cuda.mem_get_info(dev)[0])
     return None
 
@@ -210,13 +212,12 @@ def _key(dev: torch.device) -> str:
 
 def current_fraction(dev: torch.device) -> float:
     """The fraction in force on ``dev``: torch's own answer where it has one (CUDA,
-    torch >= 2.6), else the last one set through oomguard, else the default (CUDA 1.0;
+    torch >= 2.6; :func:`oomguard.probes.cuda.memory_fraction`: 1.0 for no limit, also
+    under cudaMallocAsync, whose getter says about 2e8 then), else the last one set through oomguard, else the default (CUDA 1.0;
     MPS ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` or 1.7, where 0.0 means unlimited)."""
     if dev.type == "cuda":
-        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if getter is not None:
-            return float(getter(_cuda_index(dev)))
-        return _fractions.get(_key(dev), 1.0)
+        read = cuda.memory_fraction(_cuda_index(dev))  # 1.0 for cudaMallocAsync's "no limit"
+        return read if read is not None else _fractions.get(_key(dev), 1.0)
     if "mps" in _fractions:
         return _fractions["mps"]
     try:

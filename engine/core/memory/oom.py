@@ -99,6 +99,18 @@ OOM_TABLE: tuple[OomText, ...] = (
     # cublasCreate fails to allocate its handle's memory on a full device; also a
     # broken CUDA install.
     OomText("cublas_status_not_initialized", _RT, True, "cuBLAS handle creation", "cuda"),
+    # The caching allocator's OOM path asks NVML about the device's processes before it
+    # raises (reportProcessMemoryInfo, c10/cuda/CUDACachingAllocator.cpp); where NVML
+    # refuses (a MIG parent without root, WSL2, locked-down containers) one of its three
+    # TORCH_INTERNAL_ASSERTs replaces the OutOfMemoryError. The texts as the preprocessor
+    # prints the conditions; each is an OOM only with evidence that the allocator met its
+    # limit (cuda_memory_near_limit), as the issue asks of an assert.
+    OomText("nvml_success == r internal assert failed", _RT, True,
+            "CUDA OOM whose NVML process query failed (pytorch#112377)", "cuda"),
+    OomText("nvml_success == driverapi::get()->nvmlinit_v2_() internal assert failed", _RT, True,
+            "CUDA OOM whose nvmlInit failed", "cuda"),
+    OomText("nvml_success == driverapi::get()->nvmldevicegethandlebypcibusid_v2_(", _RT, True,
+            "CUDA OOM whose NVML device lookup failed", "cuda"),
 )
 # An RLIMIT_DATA that someone else set counts as "near" when the process's
 # VmData is within this fraction of it.
@@ -116,10 +128,18 @@ def memory_limit_near() -> bool:
 
 
 def cuda_memory_near_limit() -> bool:
-    """True when a CUDA device this process has a context on is within 10% of its limit:
-    reserved bytes against the per-process fraction's cap, or ``cudaMemGetInfo``'s free
-    bytes against its total. Devices without a context are skipped (reading them would
-    create one); a device that cannot be read counts as no evidence."""
+    """True when a CUDA device this process has a context on is at its limit: within 10% of
+    it (reserved bytes against the per-process fraction's cap, or ``cudaMemGetInfo``'s free
+    bytes against its total), or its caching allocator has met it since it last reported an
+    OOM (:func:`oomguard.probes.cuda.unreported_oom_retries`). Devices without a context are
+    skipped (reading them would create one); a device that cannot be read counts as no
+    evidence.
+
+    Why both: when the allocator fails it first frees its whole cache, so the failure
+    leaves reserved bytes far below the cap when the request was large (a 4 GiB request
+    failing at 85% of a 16 GiB cap); the 10% test misses that, the allocator's own count of
+    last-resort retries does not. That count stays until ``reset_accumulated_memory_stats``,
+    so once a limit was met in this process it remains evidence."""
     # why: probes.cuda imports torch's CUDA helpers; only needed once a GPU row matched.
     from oomguard.probes import cuda
 
@@ -131,10 +151,11 @@ def cuda_memory_near_limit() -> bool:
                 continue
             stats = cuda.allocator_stats(i)
             free, total = cuda.mem_get_info(i)
+            if stats["reserved"] >= stats["fraction_cap"] * (1 - _NEAR_LIMIT) \
+                    or free < total * _NEAR_LIMIT or cuda.unreported_oom_retries(i) > 0:
+                return True
         except RuntimeError:  # a sticky CUDA error: the device cannot answer
             continue
-        if stats["reserved"] >= stats["fraction_cap"] * (1 - _NEAR_LIMIT) or free < total * _NEAR_LIMIT:
-            return True
     return False
 
 
