@@ -19,9 +19,26 @@ over), or a callable ``fn(batch) -> number`` that is additive over rows. A micro
 is skipped (its mean would be 0/0 = NaN, its exact contribution is zero). Randomness in the step
 (dropout) draws differently per micro-batch: disable it for bit-comparable results.
 
+Each call *adds* its share to the gradients it finds, as ``loss.backward()`` does, so it can sit
+inside a loop of one's own (nanoGPT's ``micro_step`` loop) with that loop's backward
+(``backward=``: a GradScaler's ``scaler.scale(loss).backward()``, ``accelerator.backward``; the
+micro-batch loss it gets is already weighted by its share). Under DistributedDataParallel
+(``params`` is or contains one) every micro-batch but the last runs under ``no_sync``: at most
+one all-reduce per call, of the gradients summed so far. The last micro-batch follows the
+module's own setting (an outer loop that sets ``require_backward_grad_sync`` for its last
+step only, as nanoGPT does, keeps one all-reduce per optimizer step).
+
 A micro-batch that runs out of memory during ``backward`` may already have added part of its
-gradient to some ``.grad`` tensors, so every attempt sets the gradients of ``params`` to ``None``
-and runs the whole batch again: :func:`accumulate` *replaces* ``.grad``.
+gradient to some ``.grad`` tensors, so an attempt that fails puts the gradients back as they
+were when the call started, then the whole batch runs again at a smaller size: each
+micro-batch counts exactly once. That takes one copy of the gradients present at entry, on
+their device, for the length of the call (none when no gradient exists: they are set to
+``None``). Gradients of tensors outside ``params`` are not restored.
+
+The size after an OOM comes from the controller's policy; the default,
+:class:`~oomguard.engine.core.execute.retry.FitPeaks`, measures the peak of the first few
+micro-batches of each size and goes to the largest size they predict fits what the limit
+leaves (never at or above the size that failed), halving where nothing was measured.
 """
 
 from __future__ import annotations
@@ -91,7 +108,7 @@ def _row_units(batch: Batch, weight_by: str, labels_key: str, ignore_index: int)
 
 
 def _param_list(params: Params) -> list[torch.Tensor]:
-    """The tensors whose ``.grad`` a call replaces (a tied parameter may appear twice)."""
+    """The tensors whose ``.grad`` a call adds to (a tied parameter may appear twice)."""
     if isinstance(params, torch.nn.Module):
         # Module.parameters() costs ~4 us per parameter tensor (generators, a memo set); this plain
         # walk costs ~0.5 us, and it runs every call (docs/measurements.md#parameter-walk).
