@@ -244,3 +244,35 @@ def test_accelerate_backward_inside_accelerator_accumulate_equals_the_whole_batc
     got = in_fresh_process(_accelerate_loop)
     assert got["sync"] == [False, True]  # the first step only accumulated
     assert got["grads"] is not None and got["grads"] <= 1e-5
+
+
+def test_after_an_oom_on_cuda_accumulate_resumes_at_the_predicted_fit_fake_cuda(
+        monkeypatch: pytest.MonkeyPatch):
+    from fakes.fake_cuda import FakeCuda, GiB
+
+    from oomguard.engine.core.memory import budget as budget_mod
+    from oomguard.engine.core.memory.budget import budget
+
+    monkeypatch.setattr(budget_mod, "_fractions", {}, raising=False)
+    gpu = FakeCuda(total=16 * GiB).install(monkeypatch)
+    weight = torch.nn.Parameter(torch.ones(3))
+    item = 64 * MiB  # a row's activations on the fake GPU, alive from forward to backward
+
+    def step(mb: torch.Tensor) -> torch.Tensor:
+        gpu.free(gpu.alloc(len(mb) * item))
+        return (weight * mb).sum(1).mean()
+
+    acc = Accumulator(step, [weight], device="cuda:0")
+    gpu.alloc(1 * GiB)  # the model
+    with budget(4 * GiB, "cuda"):
+        acc(torch.ones(48, 3))  # 3 GiB of the 4: fits, and its peak is measured
+        # What AdamW's state takes at the first step, in a segment of its own (from the cache
+        # it would split the freed activations' segment, whose free rest stays reserved: the
+        # headroom, and so the prediction, would then be lower than what fits)
+        gpu.empty_cache()
+        gpu.alloc(GiB + GiB // 4)
+        acc(torch.ones(48, 3))
+    # 4 GiB - 1.25 GiB leaves 2.75 GiB: 44 rows of 64 MiB; halving would have gone to 24
+    assert [(c.old, c.new) for c in acc.size.stats.changes] == [(48, 44)]
+    assert acc.size.stats.ooms == 1 and acc.micro_batch_size == 44
+    assert gpu.num_ooms == 1

@@ -29,9 +29,10 @@ module's own setting (an outer loop that sets ``require_backward_grad_sync`` for
 step only, as nanoGPT does, keeps one all-reduce per optimizer step).
 
 A micro-batch that runs out of memory during ``backward`` may already have added part of its
-gradient to some ``.grad`` tensors, so an attempt that fails puts the gradients back as they
-were when the call started, then the whole batch runs again at a smaller size: each
-micro-batch counts exactly once. That takes one copy of the gradients present at entry, on
+gradient to some ``.grad`` tensors, so an attempt that fails (or that ran but is redone
+because another rank ran out of memory) puts the gradients back as they were when the call
+started, then the whole batch runs again at a smaller size: each micro-batch counts exactly
+once. That takes one copy of the gradients present at entry, on
 their device, for the length of the call (none when no gradient exists: they are set to
 ``None``). Gradients of tensors outside ``params`` are not restored.
 
@@ -278,13 +279,20 @@ class Accumulator:
         if guided is not None:
             guided.reserve_bytes = entry.missing_bytes
 
+        added = False  # whether .grad holds an attempt's gradients
+
         def attempt(sizes: Sizes) -> torch.Tensor:
+            nonlocal added
+            if added:  # an attempt that ran, redone because another rank ran out of memory
+                entry.restore()
+            added = True
             try:
                 return self._run_at(batch, n, sizes[KEY], weights, guided, entry)
             except BaseException:
                 # Undo this attempt's partial gradients now, before the OOM's memory is
                 # measured and the retry starts: each micro-batch then counts exactly once.
                 entry.restore()
+                added = False
                 raise
 
         return self.size.run(attempt, cap={KEY: cap})

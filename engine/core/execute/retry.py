@@ -77,7 +77,10 @@ class FitPeaks:
     :func:`~oomguard.engine.core.memory.budget.headroom_bytes` of ``device``, minus
     ``reserve_bytes``, what the retry will allocate that the points do not count (the
     gradients it creates, set by :class:`~oomguard.engine.training.accumulate.Accumulator`).
-    The size it returns is an estimate: a wrong one costs one more OOM and a halving.
+    The size it returns is an estimate: a wrong one costs one more OOM and a halving. On
+    CUDA the headroom counts reserved segments after the cache is emptied, and a segment
+    split by a live tensor stays reserved though its free rest could serve part of a
+    micro-batch: there the prediction errs low, never high.
     """
 
     device: Any = "cpu"
