@@ -23,8 +23,8 @@ from oomguard.engine.errors import TrialFailed, UsageError
 MiB = 1024**2
 # A tiny GPT-2 with a large vocabulary against its width: 922k parameters (3.5 MiB) and
 # about 0.8 MiB of activations per sequence of 8 tokens, so AdamW's state (7 MiB) is
-# worth ~9 sequences. Under 40 MiB, forward+backward alone fitted 44 sequences and the
-# whole step 34 (measured: 4 trials, 0.7 s; 50 steps at 34 took 2.8 s).
+# worth ~9 sequences. Under 40 MiB, forward+backward alone fitted 44-45 sequences and the
+# whole step 34-35 (measured in two runs: 3-4 trials, 0.7 s; 50 steps at 35 took 3.4 s).
 GPT = {"n_layer": 2, "n_embd": 128, "n_head": 2, "vocab_size": 4096, "n_positions": 8}
 SEQ = GPT["n_positions"]
 BUDGET = 40 * MiB
@@ -153,13 +153,13 @@ def _search_with_restore(budget: int) -> dict:
 @pytest.mark.slow
 def test_whole_step_search_holds_for_the_run_and_leaves_state_untouched():
     # The defect: the size forward+backward allows fails in the real loop once the
-    # first optimizer.step() has allocated AdamW's state (measured: step 1's backward).
+    # first optimizer.step() has allocated AdamW's state (measured: in step 1's forward or
+    # backward, with the state held; twice out of two at 44-45 against 34-35).
     old = in_fresh_process(_search_forward_backward, BUDGET)
     assert 20 <= old <= 80
     failed = in_fresh_process(_real_loop, old, 5, BUDGET)
     assert failed is not None, f"the real loop ran 5 steps at {old}"
-    step, phase = failed
-    assert (step, phase) >= (0, "optimizer.step") and step <= 1, failed
+    assert failed[0] == 1 or failed == (0, "optimizer.step"), failed  # not a steady step
 
     found = in_fresh_process(_search_with_restore, BUDGET)
     assert found["steps"] == {2}  # the first optimizer step and a steady one
