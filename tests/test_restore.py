@@ -226,7 +226,9 @@ def test_snapshot_of_a_fresh_optimizer_leaves_its_state_empty_again():
     assert [s["step"].item() for s in opt.state.values()] == [1.0] * 6
 
 
-def test_search_restores_after_each_trial_and_when_a_trial_fails():
+@pytest.mark.parametrize(("error", "raised"), [(ValueError, TrialFailed),
+                                               (KeyboardInterrupt, KeyboardInterrupt)])
+def test_search_restores_after_each_trial_and_when_it_raises(error, raised):
     model, opt = _bn_model()
     before = _state(model, opt)
     seen: list[tuple[int, int, int]] = []
@@ -235,14 +237,42 @@ def test_search_restores_after_each_trial_and_when_a_trial_fails():
         seen.append((n, len(opt.state), int(model[1].num_batches_tracked)))
         _train(model, opt, 1)
         if n == 3:
-            raise ValueError("not a memory problem")
+            raise error("stopped in the middle of a step")
         return n
 
-    with pytest.raises(TrialFailed):
+    with pytest.raises(raised):
         oomguard.search(step, start=1, step=1, max_size=8, restore=(model, opt))
     # every trial's first step saw the user's state: no optimizer state, counters at 0
     assert [s for s in seen if s[1] == 0] == [(1, 0, 0), (2, 0, 0), (3, 0, 0)]
     assert all(_same(before, _state(model, opt)).values())
+
+
+class BatchNormStep:
+    """A whole step of a small model with BatchNorm and AdamW; module-level, so an isolated
+    child can unpickle it (with its own copy of the model and optimizer)."""
+
+    def __init__(self) -> None:
+        self.model, self.opt = _bn_model()
+
+    def __call__(self, n: int) -> int:
+        self.model(torch.randn(n, 6)).pow(2).mean().backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return len(self.opt.state)
+
+
+@pytest.mark.slow
+def test_isolated_search_checks_restore_and_leaves_the_objects_here_alone():
+    step = BatchNormStep()
+    before = _state(step.model, step.opt)
+    result = oomguard.search(step, start=2, step=1, max_size=3, isolate=True,
+                             restore=(step.model, step.opt))
+    assert [(t.size, t.ok, t.steps, t.value) for t in result.trials] == [
+        (2, True, 2, 6), (3, True, 2, 6)]  # each child stepped its own copy twice
+    assert all(_same(before, _state(step.model, step.opt)).values())
+    assert len(step.opt.state) == 0
+    with pytest.raises(UsageError, match="restore= takes"):
+        oomguard.search(step, max_size=4, isolate=True, restore=(step.model, "opt"))
 
 
 def test_restore_bad_input_is_one_usage_error_before_any_work():

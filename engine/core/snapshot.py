@@ -54,7 +54,9 @@ def check_restorable(objects: Any) -> tuple[Restorable, ...]:
     """``objects`` as a tuple of modules and optimizers (one module or optimizer alone is
     accepted too); a one-line :class:`UsageError` for anything else, and for an optimizer
     whose parameters are not parameters of a module given (when modules are given: its
-    state would then be restored while the weights it updates would not)."""
+    state would then be restored while the weights it updates would not). None is ()."""
+    if objects is None:
+        return ()
     if isinstance(objects, (torch.nn.Module, torch.optim.Optimizer)):
         objects = (objects,)
     if isinstance(objects, (str, bytes)) or not isinstance(objects, Sequence):
@@ -226,7 +228,7 @@ class _RngStates:
         return _tensor_bytes(self.cpu) + cuda + python + numpy
 
 
-@dataclass
+@dataclass(repr=False)
 class Snapshot:
     """Modules' and optimizers' state (and the RNG states) copied to the host, put back
     exactly by :meth:`restore`; see the module docstring for what is covered and what it
@@ -271,6 +273,11 @@ class Snapshot:
                             self.nbytes += slot.grad.nbytes
                         self.nbytes += _tensor_bytes(slot.data)
                     self.slots.append(slot)
+
+    def __repr__(self) -> str:
+        tensors = sum(slot.data is not None for slot in self.slots)
+        return (f"Snapshot({tensors} tensors, {len(self.optimizers)} optimizer(s), "
+                f"rng={self.rng is not None}, nbytes={self.nbytes})")
 
     def restore(self) -> None:
         """Put every object back as it was at :meth:`take`: optimizer state first (what the

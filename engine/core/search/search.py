@@ -121,6 +121,13 @@ def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
     fresh child process: ``fn`` must be picklable and defined in an importable file, and a script
     that calls this needs an ``if __name__ == "__main__":`` guard.
 
+    ``restore=(model, optimizer)`` lets ``fn`` be the whole training step (forward, backward,
+    ``optimizer.step()``, ``zero_grad``): in-process trials start from a host
+    :class:`~oomguard.engine.core.snapshot.Snapshot` of those objects and the RNG states,
+    put back after every trial and when the search ends, however it ends; each trial runs
+    at least 2 steps, the first allocating the optimizer's state as the real run does
+    (:class:`SearchConfig`). Isolated children work on their own copies.
+
     Raises :class:`UsageError` (a ``ValueError``) on bad options,
     :class:`ChildStartFailed` at once when an isolated ``fn`` cannot be pickled,
     :class:`NoSizeFits` when no size tried fitted, and :class:`TrialFailed` (``from``
