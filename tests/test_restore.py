@@ -275,6 +275,18 @@ def test_isolated_search_checks_restore_and_leaves_the_objects_here_alone():
         oomguard.search(step, max_size=4, isolate=True, restore=(step.model, "opt"))
 
 
+def test_verify_and_verify_steps_restore_too():
+    step = BatchNormStep()
+    before = _state(step.model, step.opt)
+    done = oomguard.verify(step, 4, 3, restore=(step.model, step.opt))
+    assert done["ok"] and done["steps"] == 3
+    result = oomguard.search(step, start=2, step=1, max_size=3, verify_steps=2,
+                             restore=(step.model, step.opt))
+    assert result.verification["ok"] and [t.steps for t in result.trials] == [2, 2]
+    assert all(_same(before, _state(step.model, step.opt)).values())
+    assert len(step.opt.state) == 0
+
+
 def test_restore_bad_input_is_one_usage_error_before_any_work():
     model, opt = _bn_model()
     other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
