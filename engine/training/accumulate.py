@@ -185,9 +185,7 @@ def _device_of(tensors: list[torch.Tensor]) -> torch.device:
 class EntryGrads:
     """The gradients present when a call starts, so that an attempt that fails can be undone:
     a copy of each existing ``.grad`` on its device (none when no gradient exists: then
-    undoing sets them to None). ``missing_bytes``: what the gradients absent at entry will
-    take once created (bytes, from the parameters' sizes: an estimate of what a first
-    backward allocates)."""
+    undoing sets them to None)."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         unique = list({id(p): p for p in params}.values())  # a tied parameter once
@@ -196,7 +194,13 @@ class EntryGrads:
         self.saved: list[torch.Tensor | None] | None = (
             [None if p.grad is None else p.grad.detach().clone() for p in unique]
             if present else None)
-        self.missing_bytes = sum(p.numel() * p.element_size() for p in unique if p.grad is None)
+
+    def missing_bytes(self, device: Any) -> int:
+        """What the gradients absent at entry will take on ``device`` once created (bytes, from
+        the parameters' sizes: an estimate of what a first backward allocates there)."""
+        dev = torch.device(device)
+        return sum(p.numel() * p.element_size() for p in self.params if p.grad is None and (
+            p.device.type == dev.type and (dev.index is None or p.device.index == dev.index)))
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -277,7 +281,7 @@ class Accumulator:
         policy = self.size.policy
         guided = policy if isinstance(policy, FitPeaks) else None
         if guided is not None:
-            guided.reserve_bytes = entry.missing_bytes
+            guided.reserve_bytes = entry.missing_bytes(guided.device)
 
         added = False  # whether .grad holds an attempt's gradients
 
@@ -333,7 +337,8 @@ class Accumulator:
         last under each DDP module's ``no_sync`` (one all-reduce per call, as DDP expects)."""
         plan = [(batch, n, 1.0)] if m >= n else self._plan(batch, n, m, cache)
         assert plan  # total > 0 guarantees one micro-batch with units
-        created = entry.missing_bytes  # the first backward creates the missing gradients
+        # The first backward creates the missing gradients: not part of a micro-batch's line.
+        created = guided.reserve_bytes if guided is not None else 0
         total_loss: torch.Tensor | None = None
         for i, (micro, rows, weight) in enumerate(plan):
             probe = guided.probe(rows) if guided is not None else None
@@ -406,6 +411,7 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
         loss = oomguard.accumulate(lambda mb: model(**mb).loss, batch, params=model,
                                    weight_by="causal-tokens")
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
     Inside a loop of one's own (``for micro_step in range(k)``), with the user's backward::
 
