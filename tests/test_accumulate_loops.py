@@ -290,3 +290,27 @@ def test_after_an_oom_on_cuda_accumulate_resumes_at_the_predicted_fit_fake_cuda(
     assert [(c.old, c.new) for c in acc.size.stats.changes] == [(48, 44)]
     assert acc.size.stats.ooms == 1 and acc.micro_batch_size == 44
     assert gpu.num_ooms == 1
+
+
+def test_the_policy_follows_the_line_unless_an_oom_refutes_it_fake_cuda(
+        monkeypatch: pytest.MonkeyPatch):
+    from fakes.fake_cuda import FakeCuda, GiB
+
+    from oomguard.engine.core.execute.retry import FitPeaks
+    from oomguard.engine.core.memory import budget as budget_mod
+    from oomguard.engine.core.memory.budget import budget
+
+    monkeypatch.setattr(budget_mod, "_fractions", {}, raising=False)
+    gpu = FakeCuda(total=16 * GiB).install(monkeypatch)
+    gpu.alloc(1 * GiB)
+    policy = FitPeaks("cuda:0")
+    policy.observe(10, 10 * 64 * MiB + 100 * MiB)  # a line: 100 MiB + 64 MiB per row
+    policy.observe(20, 20 * 64 * MiB + 100 * MiB)
+    with budget(2 * GiB, "cuda"):  # (2048 - 100) / 64 = 30.4: 30 rows predicted to fit
+        assert policy.predict() == 30
+        assert policy.shrink({"n": 40}, {"n": 1}) == {"n": 30}
+        assert policy.shrink({"n": 30}, {"n": 1}) == {"n": 15}  # its prediction failed: halve
+        assert policy.shrink({"n": 30}, {"n": 1}) == {"n": 15}  # 30 failed, the line says 30
+        assert policy.shrink({"n": 36}, {"n": 31}) == {"n": 31}  # below the minimum: the rule
+        policy.reserve_bytes = GiB  # gradients the retry creates: (1024 - 100) / 64 = 14
+        assert policy.shrink({"n": 40}, {"n": 1}) == {"n": 14}

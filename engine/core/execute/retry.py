@@ -68,7 +68,8 @@ class FitPeaks:
     guided search predicts (:func:`~oomguard.engine.core.search.fit.peak_model`: a
     least-squares line of peak bytes against size from two sizes or more, proportional from
     one), never at or above the size that failed; ``fallback`` (default :class:`Halve`)
-    where nothing was measured, no limit is known, or the last prediction ran out of memory.
+    where nothing was measured, no limit is known, the line says the size that failed fits
+    (refuted) or that not even the minimum does, or the last prediction ran out of memory.
 
     What it fits: :meth:`observe` gets ``(size, peak bytes)`` points measured by the caller
     (:meth:`probe`: on the CPU the sampled data segment, the units ``RLIMIT_DATA`` counts; on
@@ -122,15 +123,13 @@ class FitPeaks:
         missed = self.predicted is not None and size <= self.predicted
         self.predicted = None
         guess = None if missed else self.predict()
-        if guess is None or guess >= size:
+        if guess is None or guess >= size or guess < minimum.get(key, 1):
             # Nothing to go by, or the line was just refuted: an OOM at a size it said fits
-            # (taking the size below the OOM instead would walk down one size at a time).
+            # (taking the size below the OOM instead would walk down one size at a time),
+            # or it says not even the minimum fits (the rule's gentler step decides that).
             return self.fallback.shrink(sizes, minimum)
-        new = max(minimum.get(key, 1), guess)
-        if new >= size:
-            return None
-        self.predicted = new
-        return {key: new}
+        self.predicted = guess
+        return {key: guess}
 
 
 class PeakProbe:
