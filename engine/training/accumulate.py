@@ -202,8 +202,9 @@ class EntryGrads:
         """What the gradients absent at entry will take on ``device`` once created (bytes, from
         the parameters' sizes: an estimate of what a first backward allocates there)."""
         dev = torch.device(device)
-        return sum(p.numel() * p.element_size() for p in self.params if p.grad is None and (
-            p.device.type == dev.type and (dev.index is None or p.device.index == dev.index)))
+        if dev.index is None and dev.type != "cpu":  # "cuda": whichever index the params use
+            return sum(p.nbytes for p in self.params if p.grad is None and p.device.type == dev.type)
+        return sum(p.nbytes for p in self.params if p.grad is None and p.device == dev)
 
     @torch.no_grad()
     def restore(self) -> None:
