@@ -96,6 +96,9 @@ def test_an_optimizer_of_part_of_the_model_is_accepted():
     head = torch.optim.AdamW(model[2].parameters())  # the last layer only: a subset
     accumulate(regression_step(model), rows(2, 2), params=model, optimizer=head)
     assert all(p.grad is not None for p in model.parameters())
+    # A generator of parameters is checked against the optimizer and still used after it
+    acc = Accumulator(regression_step(model), model.parameters(), optimizer=head)
+    assert [id(p) for p in acc.params] == [id(p) for p in model.parameters()]
 
 
 def _outer_loop_with_an_oom_in_the_middle() -> dict:

@@ -133,7 +133,7 @@ def _param_list(params: Params) -> list[torch.Tensor]:
 def resolve_params(params: Params | None, optimizer: torch.optim.Optimizer | None) -> Params:
     """The params a call computes gradients for: ``params``, else ``optimizer``'s. With both,
     every trainable parameter of ``optimizer`` must be one of ``params``' (one-line
-    :class:`UsageError` otherwise, before any work)."""
+    :class:`UsageError` otherwise, before any work). An iterable comes back as a list."""
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise UsageError(f"optimizer= takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if params is None:
@@ -141,6 +141,8 @@ def resolve_params(params: Params | None, optimizer: torch.optim.Optimizer | Non
             raise UsageError("give params= (the model, or its tensors) or optimizer=: whose "
                              "gradients the micro-batches add to")
         return optimizer
+    if not isinstance(params, (torch.nn.Module, torch.optim.Optimizer)):
+        params = list(params)  # walked more than once: a generator (model.parameters()) too
     if optimizer is not None:
         ours = {id(p) for p in _param_list(params)}
         if any(id(p) not in ours for p in _param_list(optimizer) if p.requires_grad):
@@ -436,8 +438,6 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
     check_backward(backward)
     check_positive_int("micro_batch_size", micro_batch_size, optional=True)
     params = resolve_params(params, optimizer)
-    if not isinstance(params, (torch.nn.Module, torch.optim.Optimizer)):
-        params = _param_list(params)  # an iterable is walked once: it may be a generator
     key = name or f"{qualname(step_fn)}:micro_batch"
     anchor = params if isinstance(params, (torch.nn.Module, torch.optim.Optimizer)) \
         else (params[0] if params else None)
