@@ -40,6 +40,9 @@ class AllocRetryWatch:
 
     def _index(self) -> int | None:
         if self.index is None and not self.off:
+            if cuda.device_count() == 0:  # no CUDA in this process, ever: asked once
+                self.off = True
+                return None
             dev = resolve_device(self.device)
             if dev.type == "cuda" and cuda.unavailable_reason() is None:
                 self.index = dev.index if dev.index is not None else cuda.current_device()

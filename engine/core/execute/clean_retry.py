@@ -44,14 +44,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 
 from oomguard.engine.errors import StepPartlyApplied, UsageError
 
 log = logging.getLogger("oomguard.executor")
+T = TypeVar("T")
 
 Params = torch.nn.Module | torch.optim.Optimizer | Iterable[torch.Tensor]
 WHAT_TO_DO = ("restore the model and optimizer (a checkpoint) before going on, or find a size "
@@ -169,17 +170,17 @@ class CleanRetry:
         """Whether the user said what to clean (``params`` or ``optimizer``)."""
         return bool(self.params) or self.optimizer is not None
 
-    @contextlib.contextmanager
-    def attempt(self) -> Iterator[None]:
-        """Around one attempt: the optimizer's step hooks, registered only while inside."""
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """One attempt, ``fn(*args, **kwargs)``, with the optimizer's step hooks registered
+        only while it runs (without an optimizer: a plain call, no context manager, since
+        it runs on every training step)."""
         if self.optimizer is None:
-            yield
-            return
+            return fn(*args, **kwargs)
         watch = self.watch = _StepWatch(self.optimizer)
         handles = (self.optimizer.register_step_pre_hook(watch.pre),
                    self.optimizer.register_step_post_hook(watch.post))
         try:
-            yield
+            return fn(*args, **kwargs)
         finally:
             for handle in handles:
                 handle.remove()

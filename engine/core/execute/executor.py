@@ -235,9 +235,8 @@ class SizeController:
                  agreeing: bool, watch: OomWatch | None = None) -> T | _Failed:
         """One attempt at ``sizes``, then (when agreeing) the one agreement. A ``watch``
         measures memory at an OOM, before ``call_catching_oom`` releases it."""
-        with self.clean.attempt():
-            result = call_catching_oom(attempt, sizes, device=self.device,
-                                       on_oom=watch.at(sizes) if watch is not None else None)
+        result = self.clean.call(call_catching_oom, attempt, sizes, device=self.device,
+                                 on_oom=watch.at(sizes) if watch is not None else None)
         oom = type(result) is OOM
         if not (oom or agreeing):
             return result
