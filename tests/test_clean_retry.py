@@ -11,7 +11,8 @@ fresh process, an allocation of ``ROW`` bytes per row of the batch is made
   writes anything;
 - ``partial``: as ``step``, at the optimizer's second step (its state exists), so the OOM
   comes from the temporaries of the first parameter's update, after its step counter and
-  weight decay were applied.
+  weight decay were applied;
+- ``after``: after ``optimizer.step()`` returned, so a retry would apply a second step.
 
 After the retry at 4 rows, gradients and parameters must equal those of a clean step at 4
 rows (without ``params=``/``optimizer=`` the failed attempt's partial gradients are added to
@@ -26,13 +27,14 @@ from conftest import budget_after_warmup, in_fresh_process
 from test_adaptive import logged
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from oomguard.engine.core.execute.executor import Executor
 from oomguard.engine.errors import StepPartlyApplied, UsageError
-from oomguard.engine.training.adaptive import adaptive
+from oomguard.engine.training.adaptive import adaptive, find_executable_batch_size
 
 MiB = 1024**2
 ROW = 4 * MiB
 VOCAB = 8192  # AdamW's state of the embedding alone: 4 MiB  # bytes allocated per row of the batch where the OOM is injected
-BUDGET = {"backward": 36 * MiB, "step": 40 * MiB, "partial": 39 * MiB}  # measured: docstring
+BUDGET = {"backward": 36 * MiB, "step": 40 * MiB, "partial": 39 * MiB, "after": 36 * MiB}  # measured: docstring
 
 
 def gpt2() -> GPT2LMHeadModel:
@@ -68,9 +70,11 @@ def train_step(model: GPT2LMHeadModel, opt: torch.optim.Optimizer, data: torch.T
                case: str, batch_size: int) -> None:
     rows = data[:batch_size]
     model(input_ids=rows, labels=rows).loss.backward()
-    keep = torch.ones(batch_size, ROW // 4) if case != "backward" else None
+    keep = torch.ones(batch_size, ROW // 4) if case in ("step", "partial") else None
     opt.step()
     del keep
+    if case == "after":  # an OOM once the step is complete (metrics, logging, ...)
+        torch.ones(batch_size, ROW // 4).sum()
 
 
 def state_of(model: GPT2LMHeadModel) -> dict:
@@ -79,19 +83,32 @@ def state_of(model: GPT2LMHeadModel) -> dict:
             for n, p in model.named_parameters()}
 
 
-def _retried(case: str, clean: bool) -> dict:
+def halve(n: int) -> int:
+    return n // 2
+
+
+def wrapped(wrapper: str, fn, options: dict):
+    """``fn(batch_size)`` through one of the retry paths, starting at 8 rows and halving."""
+    if wrapper == "adaptive":
+        return adaptive(batch_size=8, **options)(fn)
+    if wrapper == "find_executable_batch_size":
+        return find_executable_batch_size(fn, 8, halve, **options)
+    return lambda: Executor().run(fn, 8, **options)
+
+
+def _retried(case: str, clean: bool, wrapper: str = "adaptive") -> dict:
     model, opt, data = setup(case)
     tried: list[int] = []
     options = {"params": model, "optimizer": opt} if clean else {}
 
-    @adaptive(batch_size=8, **options)
     def step(batch_size: int) -> None:
         tried.append(batch_size)
         train_step(model, opt, data, case, batch_size)
 
+    call = wrapped(wrapper, step, options)
     with logged("oomguard") as messages, budget_after_warmup(BUDGET[case]):
         try:
-            step()
+            call()
         except StepPartlyApplied as exc:
             return {"tried": tried, "error": str(exc)}
     return {"tried": tried, "state": state_of(model), "messages": messages,
@@ -110,10 +127,14 @@ def assert_same(got: dict, want: dict) -> None:
         assert (got[name][0] == param).all(), f"parameter {name}"
 
 
+WRAPPERS = ["adaptive", "find_executable_batch_size", "executor"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["backward", "step"])
-def test_retried_step_equals_a_clean_step_at_the_smaller_size(case):
-    got = in_fresh_process(_retried, case, True)
+@pytest.mark.parametrize("case, wrapper", [("backward", w) for w in WRAPPERS] + [
+    ("step", "adaptive")])
+def test_retried_step_equals_a_clean_step_at_the_smaller_size(case, wrapper):
+    got = in_fresh_process(_retried, case, True, wrapper)
     assert got["tried"] == [8, 4]
     assert got["opt_steps"] == [1.0] * len(got["opt_steps"])  # one step, not two
     assert_same(got["state"], clean_step_at_4(case))
@@ -129,6 +150,13 @@ def test_an_oom_after_the_step_began_writing_is_never_retried():
     assert "\n" not in text
     assert "AdamW.step()" in text and "partly applied" in text
     assert "oomguard.search(step, restore=(model, optimizer))" in text
+
+
+@pytest.mark.slow
+def test_an_oom_after_a_completed_step_is_never_retried():
+    got = in_fresh_process(_retried, "after", True)
+    assert got["tried"] == [8]
+    assert "\n" not in got["error"] and "after AdamW.step() had run" in got["error"]
 
 
 def _without_params() -> dict:
@@ -176,15 +204,3 @@ def test_the_optimizer_hooks_live_only_during_a_call():
     step()
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
 
-
-def probe_size(case: str, nbytes: int, bs: int) -> str:  # calibration only (not a test)
-    model, opt, data = setup(case)
-    where = []
-    opt.register_step_pre_hook(lambda *a: where.append("pre"))
-    opt.register_step_post_hook(lambda *a: where.append("post"))
-    try:
-        with budget_after_warmup(nbytes):
-            train_step(model, opt, data, case, bs)
-        return "ok"
-    except RuntimeError as e:
-        return f"oom {where} " + str(e)[80:140]

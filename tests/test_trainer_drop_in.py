@@ -82,65 +82,57 @@ def test_accelerate_reduce_is_accelerates_sequence():
     assert seq[:6] == [128, 115, 103, 92, 82, 73] and seq[-3:] == [3, 2, 1]
 
 
-def test_sizes_tried_by_default_follow_accelerate_down_to_zero():
-    tried: list[int] = []
-
-    def train(batch_size: int) -> None:
-        tried.append(batch_size)
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
-
-    with pytest.raises(RuntimeError, match="No executable batch size found, reached zero."):
-        find_executable_batch_size(train, 16)()
-    assert tried == [16, 14, 12, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1]
+ROW = 4 * MiB  # bytes per row of the calls below; under 44 MiB, 10 rows fit and 12 do not (measured)
 
 
-def test_transformers_positional_call_without_auto_find_calls_once():
-    calls: list[int] = []
-
-    def loop(batch_size: int, args: str | None = None) -> str | None:
-        calls.append(batch_size)
-        return args
-
-    assert find_executable_batch_size(loop, 8, False)(args="a") == "a"
-    assert calls == [8]
-
-    def fails(batch_size: int) -> None:
-        calls.append(batch_size)
-        raise torch.OutOfMemoryError("CUDA out of memory.")
-
-    with pytest.raises(torch.OutOfMemoryError):  # no retry: transformers' semantics
-        find_executable_batch_size(fails, 8, auto_find_batch_size=False)()
-    assert calls == [8, 8]
+def rows(batch_size: int) -> int:
+    """A real allocation of ``batch_size * ROW`` bytes, touched."""
+    return int(torch.ones(batch_size, ROW // 4)[:, 0].sum())
 
 
-def test_transformers_positional_call_with_auto_find_retries():
-    calls: list[int] = []
+def _call_shapes() -> dict:
+    """Each call shape of accelerate and transformers, with real OOMs under one budget."""
+    got: dict = {}
 
-    def loop(batch_size: int, args: str | None = None) -> int:
-        calls.append(batch_size)
-        if batch_size > 10:
-            raise torch.OutOfMemoryError("CUDA out of memory.")
-        return batch_size
+    def run(key: str, wrapped, *args, **kwargs) -> None:
+        tried: list[int] = []
+        got[key] = tried
 
-    assert find_executable_batch_size(loop, 16, True)(args="x") == 10
-    assert calls == [16, 14, 12, 10]
+        def loop(batch_size: int, args: str | None = None, extra: int = 0) -> tuple:
+            tried.append(batch_size)
+            return rows(batch_size + extra), args
+
+        try:
+            tried.append(wrapped(loop)(*args, **kwargs))
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            tried.append(str(exc)[:60])
+
+    def minus_6(n: int) -> int:
+        return n - 6
+
+    with budget_after_warmup(44 * MiB):
+        run("default", lambda f: find_executable_batch_size(f, 16))
+        run("transformers", lambda f: find_executable_batch_size(f, 16, True), args="x")
+        run("no-auto", lambda f: find_executable_batch_size(f, 16, False), args="x")
+        run("reduce-positional", lambda f: find_executable_batch_size(f, 16, minus_6))
+        run("reduce-keyword", lambda f: find_executable_batch_size(
+            f, 16, reduce_batch_size_fn=minus_6))
+        run("reduce-decorator", lambda f: find_executable_batch_size(
+            starting_batch_size=16, reduce_batch_size_fn=minus_6)(f))
+        run("zero", lambda f: find_executable_batch_size(f, 16), extra=20)
+    return got
 
 
-def test_third_argument_callable_or_keyword_is_accelerates_reduce_fn():
-    for make in (lambda f, r: find_executable_batch_size(f, 16, r),
-                 lambda f, r: find_executable_batch_size(f, 16, reduce_batch_size_fn=r),
-                 lambda f, r: find_executable_batch_size(starting_batch_size=16,
-                                                         reduce_batch_size_fn=r)(f)):
-        calls: list[int] = []
-
-        def loop(batch_size: int, calls: list[int] = calls) -> int:
-            calls.append(batch_size)
-            if batch_size > 4:
-                raise torch.OutOfMemoryError("CUDA out of memory.")
-            return batch_size
-
-        assert make(loop, lambda n: n - 6)() == 4
-        assert calls == [16, 10, 4]
+@pytest.mark.slow
+def test_accelerates_and_transformers_call_shapes_with_real_ooms():
+    got = in_fresh_process(_call_shapes)
+    assert got["default"] == [16, 14, 12, 10, (10, None)]  # int(n * 0.9), as accelerate
+    assert got["transformers"] == [16, 14, 12, 10, (10, "x")]
+    assert got["no-auto"][0] == 16 and "DefaultCPUAllo" in got["no-auto"][1] and len(got["no-auto"]) == 2  # once
+    for form in ("reduce-positional", "reduce-keyword", "reduce-decorator"):
+        assert got[form] == [16, 10, (10, None)]
+    assert got["zero"][:-1] == [16, 14, 12, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1]
+    assert got["zero"][-1] == "No executable batch size found, reached zero."
 
 
 def test_bad_third_argument_is_one_usage_error_line():
