@@ -204,3 +204,26 @@ def test_the_optimizer_hooks_live_only_during_a_call():
     step()
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
 
+
+
+def test_a_step_that_replaced_or_bumped_state_counts_as_written():
+    """The detection alone (no OOM needed): what a step interrupted after each write leaves."""
+    from oomguard.engine.core.execute.clean_retry import _StepWatch
+
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    model(torch.ones(2, 3)).sum().backward()
+    watch = _StepWatch(opt)
+    watch.pre(opt, (), {})
+    opt.state[model.weight]["exp_avg"] = torch.zeros(3, 3)  # created lazily, not written
+    assert not watch.written()
+    watch.drop_new_state()
+    assert not opt.state  # as before the step
+    opt.step()  # now the state exists
+    for write in (lambda st: st["step"].add_(1),  # a counter bumped in place
+                  lambda st: st.__setitem__("exp_avg", st["exp_avg"] * 0.9),  # replaced
+                  lambda st: torch.no_grad()(model.weight.mul_)(0.5)):  # a parameter
+        watch.pre(opt, (), {})
+        assert not watch.written()
+        write(opt.state[model.weight])
+        assert watch.written()

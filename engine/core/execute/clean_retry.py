@@ -21,8 +21,8 @@ and before every retry:
     lazily, e.g. AdamW's ``exp_avg`` at its first step, still at version 0): the state the
     step created is dropped, so the optimizer is exactly as before the step, the gradients
     are cleared, and the attempt is retried;
-  - something was written (a parameter, a moment estimate or a step counter): the step
-    was partly applied, and no retry can undo that.
+  - something was written (a parameter, a moment estimate or a step counter, in place or
+    by replacing a state value): the step was partly applied, and no retry can undo that.
     :class:`~oomguard.engine.errors.StepPartlyApplied` says so in one line and what to do.
 
   An OOM after a completed step (within the same attempt) raises it too: a retry would
@@ -33,7 +33,8 @@ bump the parameters' versions by 2 and the state's (``step`` 1, ``exp_avg`` 1,
 ``exp_avg_sq`` 2); ``fused=True`` bumps only ``step`` (the fused kernel writes the other
 tensors without bumping them), which it increments before the kernel runs: so a step
 counter that moved is the sign that a fused step began. Lazily created state starts at
-version 0 (``torch.zeros_like``, ``torch.tensor``).
+version 0 (``torch.zeros_like``, ``torch.tensor``). A write through ``p.data`` (some older
+custom optimizers) goes to a tensor with a version counter of its own and is not seen.
 
 Without ``params`` and ``optimizer``, nothing is cleared; a retry that can see gradients
 left on the function's module (``fn.__self__`` when it is a ``Module``, or the ``Module``
@@ -103,37 +104,45 @@ class _StepWatch:
         self.in_step = False
         self.completed = 0  # steps that ran to their post-hook in this attempt
         self.versions: dict[int, tuple[torch.Tensor, int]] = {}
-        self.state_keys: dict[int, set[Any]] = {}  # per parameter with state: its keys
+        self.entries: dict[int, dict[Any, Any]] = {}  # per parameter with state: a shallow copy
 
     def pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.in_step = True
         versions: dict[int, tuple[torch.Tensor, int]] = {}
-        keys: dict[int, set[Any]] = {}
+        entries: dict[int, dict[Any, Any]] = {}
         state = self.optimizer.state
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 versions[id(p)] = (p, p._version)
-                entry = state.get(p)
+                entry = state.get(p)  # .get: the defaultdict creates nothing
                 if entry:
-                    keys[id(p)] = set(entry)
+                    entries[id(p)] = dict(entry)
                     for value in entry.values():
                         if isinstance(value, torch.Tensor):
                             versions[id(value)] = (value, value._version)
-        self.versions, self.state_keys = versions, keys
+        self.versions, self.entries = versions, entries
 
     def post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.in_step = False
         self.completed += 1
-        self.versions, self.state_keys = {}, {}
+        self.versions, self.entries = {}, {}
 
     def written(self) -> bool:
-        """Whether the step in flight wrote anything: a recorded tensor's version moved, or a
-        state tensor it created lazily is no longer at version 0."""
+        """Whether the step in flight wrote anything: a recorded tensor's version moved, a
+        recorded state value was replaced (an out-of-place update, a Python step counter
+        incremented), or a state tensor it created lazily is no longer at version 0."""
         if any(t._version != v for t, v in self.versions.values()):
             return True
-        return any(isinstance(value, torch.Tensor) and id(value) not in self.versions
-                   and value._version != 0
-                   for entry in self.optimizer.state.values() for value in entry.values())
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                before, now = self.entries.get(id(p), {}), state.get(p) or {}
+                if any(now.get(k, _GONE) is not v for k, v in before.items()):
+                    return True
+                if any(isinstance(v, torch.Tensor) and v._version != 0
+                       for k, v in now.items() if k not in before):
+                    return True
+        return False
 
     def drop_new_state(self) -> None:
         """Remove the state the interrupted step created: the optimizer as before the step."""
@@ -142,12 +151,15 @@ class _StepWatch:
             for p in group["params"]:
                 if p not in state:
                     continue
-                before = self.state_keys.get(id(p))
+                before = self.entries.get(id(p))
                 if before is None:
                     del state[p]
                 else:
                     for key in [k for k in state[p] if k not in before]:
                         del state[p][key]
+
+
+_GONE = object()  # a state value that is no longer there
 
 
 class CleanRetry:
