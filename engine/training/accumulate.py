@@ -378,7 +378,8 @@ class Accumulator:
         return total_loss
 
 
-SIZE_OPTIONS = ("minimum", "policy", "grow_after", "device", "group", "sync_ranks")
+SIZE_OPTIONS = ("minimum", "policy", "grow_after", "device", "group", "sync_ranks",
+                "watch_alloc_retries")
 
 
 @dataclass(eq=False)
