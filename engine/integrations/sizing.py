@@ -1,0 +1,95 @@
+"""What the framework integrations share: search a framework's real step, then split the
+user's effective batch into the largest micro-batch that fits.
+
+The effective batch (rows per optimizer step on one device) is part of the training's
+maths, so it is never changed: only how it is split. The micro-batch is the largest divisor
+of the effective batch at or below the size the search found, so every optimizer step sums
+the same number of equal micro-batches (:func:`micro_batch_for`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from oomguard.engine.core.search.search import SearchResult, search
+from oomguard.engine.errors import UsageError, check_positive_int
+
+log = logging.getLogger("oomguard.integrations")
+
+# A trial runs the step twice at its size: the first optimizer step allocates the
+# optimizer's state (AdamW: two tensors per parameter), the second is the steady state.
+STEPS_PER_TRIAL = 2
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one device's effective batch is run: ``micro_batch`` rows per forward and backward,
+    ``accumulation`` of them per optimizer step (``micro_batch * accumulation ==
+    effective``, in rows). ``found``: the largest size the search ran (measured);
+    ``search``: its result (None when no search ran)."""
+
+    effective: int
+    micro_batch: int
+    accumulation: int
+    found: int | None
+    search: SearchResult | None = None
+
+
+def micro_batch_for(effective: int, fits: int) -> int:
+    """The largest divisor of ``effective`` (rows) at or below ``fits`` (rows); 1 at least."""
+    check_positive_int("effective", effective)
+    check_positive_int("fits", fits)
+    return max(d for d in range(1, min(effective, fits) + 1) if effective % d == 0)
+
+
+def split_for(effective: int, result: SearchResult, recommended: bool = False) -> Split:
+    """The :class:`Split` of ``effective`` rows a search's result allows: at most its
+    ``max_ok`` (the largest size that ran, first and steady steps included), or its
+    ``size_to_use`` with ``recommended`` (a margin below it)."""
+    fits = result.size_to_use if recommended else result.max_ok
+    assert fits is not None  # search raises NoSizeFits otherwise
+    micro = micro_batch_for(effective, fits)
+    return Split(effective, micro, effective // micro, result.max_ok, result)
+
+
+def passes(size: int, effective: int) -> int:
+    """Forward and backward passes a trial runs at ``size`` before its optimizer step: 2 below
+    the ``effective`` batch, where the run accumulates (the second backward adds into the
+    ``.grad`` the first left, which needs a gradient-sized temporary the first did not),
+    else 1."""
+    return 2 if size < effective else 1
+
+
+def rows(batch: Any, n: int) -> Any:
+    """The first ``n`` rows (dim 0) of every tensor in ``batch`` (a tensor, or a dict, list or
+    tuple of them; anything else is kept)."""
+    return tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() else t, batch)
+
+
+def batch_rows(batch: Any) -> int:
+    """The number of rows (dim 0) of the first tensor in ``batch``."""
+    for leaf in torch.utils._pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim():
+            return int(leaf.shape[0])
+    raise UsageError("the batch holds no tensor with a batch dimension")
+
+
+def search_step(step: Callable[[int], Any], effective: int, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer | None, name: str, **options: Any
+                ) -> SearchResult:
+    """Search the largest size from 1 to ``effective`` rows at which ``step(size)`` (the
+    framework's whole training step, optimizer step included) runs; ``model`` and
+    ``optimizer`` are restored after the search (parameters, gradients, optimizer state,
+    RNG). ``options`` go to :func:`~oomguard.engine.core.search.search.search`; without a
+    ``budget`` the trials run under the limit that binds the process (an outer
+    ``oomguard.budget``, a cgroup, ``ulimit -d``) or the RAM guard."""
+    step.__name__ = name  # type: ignore[attr-defined]  # what logs and results call it
+    restore = (model,) if optimizer is None else (model, optimizer)
+    options.setdefault("steps_per_trial", STEPS_PER_TRIAL)
+    return search(step, max_size=effective, restore=restore, **options)
