@@ -99,7 +99,7 @@ def fit_train_batch(trainer: Trainer, recommended: bool = False, **options: Any)
 
     was_training = model.training
     try:
-        result = search_step(step, min(effective, batch_rows(batch)), model, optimizer,
+        result = search_step(step, min(effective, batch_rows(batch)), (model, optimizer),
                              "trainer.training_step", **options)
     finally:
         model.train(was_training)
@@ -133,8 +133,8 @@ def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, **options: Any) -
     was_training = model.training
     model.eval()
     try:
-        result = search_step(step, min(configured, batch_rows(batch)), model, None,
-                             "trainer.prediction_step", **{"steps_per_trial": 1, **options})
+        result = search_step(step, min(configured, batch_rows(batch)), None,
+                             "trainer.prediction_step", **options)
     finally:
         model.train(was_training)
     assert result.max_ok is not None

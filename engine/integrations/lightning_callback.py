@@ -77,7 +77,7 @@ class BatchSizeCallback(pl.Callback):
             return float(loss)
 
         try:
-            result = search_step(step, effective, pl_module, optimizer,
+            result = search_step(step, effective, (pl_module, optimizer),
                                  f"{type(pl_module).__name__}.training_step",
                                  **self.search_options)
         finally:

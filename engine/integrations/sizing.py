@@ -80,16 +80,17 @@ def batch_rows(batch: Any) -> int:
     raise UsageError("the batch holds no tensor with a batch dimension")
 
 
-def search_step(step: Callable[[int], Any], effective: int, model: torch.nn.Module,
-                optimizer: torch.optim.Optimizer | None, name: str, **options: Any
-                ) -> SearchResult:
-    """Search the largest size from 1 to ``effective`` rows at which ``step(size)`` (the
-    framework's whole training step, optimizer step included) runs; ``model`` and
-    ``optimizer`` are restored after the search (parameters, gradients, optimizer state,
-    RNG). ``options`` go to :func:`~oomguard.engine.core.search.search.search`; without a
+def search_step(step: Callable[[int], Any], effective: int,
+                restore: tuple[torch.nn.Module, torch.optim.Optimizer] | None, name: str,
+                **options: Any) -> SearchResult:
+    """Search the largest size from 1 to ``effective`` rows at which ``step(size)`` runs.
+    A training step (``restore`` given: the model and the optimizer it steps) runs the
+    framework's whole step, optimizer step included, ``STEPS_PER_TRIAL`` times per trial, and
+    the model and optimizer are restored after every trial (parameters, gradients, optimizer
+    state, RNG); an evaluation step (``restore`` None) changes no state and runs once per
+    trial. ``options`` go to :func:`~oomguard.engine.core.search.search.search`; without a
     ``budget`` the trials run under the limit that binds the process (an outer
     ``oomguard.budget``, a cgroup, ``ulimit -d``) or the RAM guard."""
     step.__name__ = name  # type: ignore[attr-defined]  # what logs and results call it
-    restore = (model,) if optimizer is None else (model, optimizer)
-    options.setdefault("steps_per_trial", STEPS_PER_TRIAL)
+    options.setdefault("steps_per_trial", STEPS_PER_TRIAL if restore is not None else 1)
     return search(step, max_size=effective, restore=restore, **options)
