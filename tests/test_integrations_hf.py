@@ -61,7 +61,8 @@ def _train_three_ways() -> dict:
     out["ours"] = _losses(ours)
     a = ours.args
     out["split"] = (a.per_device_train_batch_size, a.gradient_accumulation_steps,
-                    ours.oomguard_train.found, a.per_device_eval_batch_size)
+                    ours.oomguard_train.search.size_to_use, ours.oomguard_train.found,
+                    a.per_device_eval_batch_size)
     out["steps"] = ours.state.global_step
 
     plain = _trainer(Trainer)
@@ -76,11 +77,13 @@ def _train_three_ways() -> dict:
 
 @pytest.mark.slow
 def test_trainer_finds_the_micro_batch_keeps_the_effective_batch_and_trains_the_same():
+    from oomguard.integrations import micro_batch_for
+
     got = in_fresh_process(_train_three_ways)
-    micro, accumulation, found, eval_batch = got["split"]
+    micro, accumulation, fits, found, eval_batch = got["split"]
     assert got["plain"] == "oom"  # the configured batch does not fit this budget
-    assert micro < EFFECTIVE and micro <= found and micro * accumulation == EFFECTIVE
-    assert EFFECTIVE % (micro * 2) != 0 or micro * 2 > found  # the largest divisor that ran
+    assert micro < EFFECTIVE and micro * accumulation == EFFECTIVE
+    assert micro == micro_batch_for(EFFECTIVE, fits) and fits <= found
     assert got["steps"] == STEPS  # trained to the end: no OOM
     assert got["ours"] == pytest.approx(got["reference"], rel=1e-5)  # the same training
     assert eval_batch < EFFECTIVE  # the evaluation batch was sized too, and the loss kept

@@ -18,7 +18,7 @@ What ``train()`` does first (read from transformers 5.24 trainer.py and training
   the RNG are restored after the search (``oomguard.search(..., restore=...)``);
 - keeps ``per_device_train_batch_size x gradient_accumulation_steps`` (one device's
   effective batch; the world size is not touched) and sets the micro-batch to its largest
-  divisor at or below the size found. ``TrainingArguments`` are plain mutable dataclass
+  divisor at or below the search's recommended size (:func:`~.sizing.split_for`). ``TrainingArguments`` are plain mutable dataclass
   fields; the dataloader reads ``self._train_batch_size`` (set from
   ``args.train_batch_size``) and the loop reads ``args.gradient_accumulation_steps`` on
   every step; the Accelerator is created with ``num_steps=1`` (the Trainer accumulates
@@ -77,10 +77,12 @@ def _datasets() -> Any:
     return datasets
 
 
-def fit_train_batch(trainer: Trainer, recommended: bool = False, **options: Any) -> Split:
+def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> Split:
     """Choose ``trainer``'s per-device micro-batch (module docstring) and set it, the effective
-    batch kept; return the :class:`Split`. ``recommended``: use the search's recommended
-    size (a margin below the largest that ran). ``options`` go to ``oomguard.search``."""
+    batch kept; return the :class:`Split`. The micro-batch is at most the search's
+    recommended size, or with ``largest`` the largest size that ran
+    (:func:`~.sizing.split_for`). ``options`` go to ``oomguard.search`` (``margin=``: the
+    recommendation's)."""
     args = trainer.args
     if trainer.train_dataset is None:
         raise UsageError("the Trainer has no train_dataset to size the micro-batch on")
@@ -103,7 +105,7 @@ def fit_train_batch(trainer: Trainer, recommended: bool = False, **options: Any)
                              "trainer.training_step", **options)
     finally:
         model.train(was_training)
-    split = split_for(effective, result, recommended)
+    split = split_for(effective, result, largest)
     args.per_device_train_batch_size = split.micro_batch
     args.gradient_accumulation_steps = split.accumulation
     trainer._train_batch_size = args.train_batch_size
@@ -146,21 +148,21 @@ def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, **options: Any) -
 class OomguardTrainerMixin:
     """Put before a ``Trainer`` class: ``train()`` first sizes the micro-batch, the effective
     batch kept, and ``evaluate()`` the evaluation batch (module docstring). ``oomguard_options``
-    (a dict given to ``__init__``) go to ``oomguard.search``; ``oomguard_recommended=True``
-    uses the search's recommended size instead of the largest that ran. The splits chosen
+    (a dict given to ``__init__``) go to ``oomguard.search``; ``oomguard_largest=True``
+    runs up to the largest size that ran instead of the recommended size. The splits chosen
     are ``self.oomguard_train`` and ``self.oomguard_eval``."""
 
     def __init__(self, *args: Any, oomguard_options: dict[str, Any] | None = None,
-                 oomguard_recommended: bool = False, **kwargs: Any) -> None:
+                 oomguard_largest: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.oomguard_options = dict(oomguard_options or {})
-        self.oomguard_recommended = oomguard_recommended
+        self.oomguard_largest = oomguard_largest
         self.oomguard_train: Split | None = None
         self.oomguard_eval: Split | None = None
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         if self.oomguard_train is None:
-            self.oomguard_train = fit_train_batch(self, self.oomguard_recommended,
+            self.oomguard_train = fit_train_batch(self, self.oomguard_largest,
                                                   **self.oomguard_options)
         return super().train(*args, **kwargs)
 

@@ -11,7 +11,8 @@ smallest OOM closes at adjacent sizes), running the module's ``training_step``,
 state), the module and optimizer restored afterwards.
 
 The effective batch is ``batch_size x accumulate_grad_batches`` rows per optimizer step. It is
-kept: the micro-batch becomes its largest divisor at or below the size found, set with
+kept: the micro-batch becomes its largest divisor at or below the search's recommended size
+(:func:`~.sizing.split_for`; the exact maximum stays in ``split.found``), set with
 ``lightning_setattr`` (the module, its ``hparams`` and the datamodule, as ``BatchSizeFinder``
 sets it), and ``trainer.accumulate_grad_batches`` becomes the quotient. Both are read while
 the fit runs: the epoch loop checks ``batch_idx % trainer.accumulate_grad_batches`` and the
@@ -46,15 +47,15 @@ log = logging.getLogger("oomguard.integrations")
 class BatchSizeCallback(pl.Callback):
     """Size the micro-batch at the start of each ``fit`` (module docstring).
     ``batch_arg_name``: the attribute holding the batch size (on the module, its ``hparams``
-    or the datamodule). ``recommended``: use the search's recommended size, a margin below
-    the largest that ran. ``search_options`` go to ``oomguard.search``. After ``fit`` starts,
+    or the datamodule). The micro-batch is at most the search's recommended size, or with
+    ``largest`` the largest size that ran (:func:`~.sizing.split_for`). ``search_options`` go to ``oomguard.search``. After ``fit`` starts,
     ``split`` holds what was chosen."""
 
-    def __init__(self, batch_arg_name: str = "batch_size", recommended: bool = False,
+    def __init__(self, batch_arg_name: str = "batch_size", largest: bool = False,
                  **search_options: Any) -> None:
         super().__init__()
         self.batch_arg_name = batch_arg_name
-        self.recommended = recommended
+        self.largest = largest
         self.search_options = search_options
         self.split: Split | None = None
 
@@ -82,7 +83,7 @@ class BatchSizeCallback(pl.Callback):
                                  **self.search_options)
         finally:
             lightning_setattr(pl_module, self.batch_arg_name, configured)
-        self.split = split = split_for(effective, result, self.recommended)
+        self.split = split = split_for(effective, result, self.largest)
         lightning_setattr(pl_module, self.batch_arg_name, split.micro_batch)
         trainer.accumulate_grad_batches = split.accumulation
         log.info("Lightning: micro-batch %d x %d accumulated batches = %d rows per optimizer "
