@@ -31,7 +31,7 @@ def _trainer(cls: type, eval_batch: int = 8):
                              per_device_train_batch_size=EFFECTIVE, gradient_accumulation_steps=1,
                              per_device_eval_batch_size=eval_batch, max_steps=STEPS,
                              logging_steps=1, save_strategy="no", use_cpu=True,
-                             disable_tqdm=True, seed=0)
+                             disable_tqdm=True, seed=0, prediction_loss_only=True)
     return cls(model=GPT2LMHeadModel(config), args=args,
                train_dataset=_data(EFFECTIVE * STEPS, 0), eval_dataset=_data(EFFECTIVE, 1))
 

@@ -52,6 +52,7 @@ from oomguard.engine.integrations.sizing import (
     passes,
     rows,
     search_step,
+    size_found,
     split_for,
 )
 
@@ -115,10 +116,14 @@ def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> 
     return split
 
 
-def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, **options: Any) -> Split:
-    """Choose ``trainer``'s per-device evaluation batch: the largest size up to
-    ``per_device_eval_batch_size`` at which ``prediction_step`` runs; set it and return the
-    :class:`Split` (no accumulation: evaluation has no optimizer step)."""
+def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, largest: bool = False,
+                   **options: Any) -> Split:
+    """Choose ``trainer``'s per-device evaluation batch: the recommended size (with
+    ``largest``, the largest that ran) up to ``per_device_eval_batch_size`` of the search of
+    ``prediction_step``; set it and return the :class:`Split` (no accumulation: evaluation
+    has no optimizer step). What the evaluation loop keeps across batches (the logits, unless
+    ``prediction_loss_only``) grows with the evaluation set, not the batch: no batch size
+    sizes it."""
     args = trainer.args
     dataset = eval_dataset if eval_dataset is not None else trainer.eval_dataset
     if dataset is None or isinstance(dataset, (dict, str)):
@@ -129,7 +134,7 @@ def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, **options: Any) -
     batch = first_rows(trainer, dataset, configured, "Evaluation")
 
     def step(size: int) -> int:
-        trainer.prediction_step(model, rows(batch, size), prediction_loss_only=False)
+        trainer.prediction_step(model, rows(batch, size), args.prediction_loss_only)
         return size
 
     was_training = model.training
@@ -139,10 +144,11 @@ def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, **options: Any) -
                              "trainer.prediction_step", **options)
     finally:
         model.train(was_training)
-    assert result.max_ok is not None
-    args.per_device_eval_batch_size = result.max_ok
-    log.info("Trainer: evaluation batch %d per device (configured %d)", result.max_ok, configured)
-    return Split(result.max_ok, result.max_ok, 1, result.max_ok, result)
+    size = size_found(result, largest)
+    args.per_device_eval_batch_size = size
+    log.info("Trainer: evaluation batch %d per device (configured %d, largest that ran: %d)",
+             size, configured, result.max_ok)
+    return Split(size, size, 1, result.max_ok, result)
 
 
 class OomguardTrainerMixin:
@@ -170,7 +176,8 @@ class OomguardTrainerMixin:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if self.oomguard_eval is None and not isinstance(dataset, (dict, str)):
             with torch.no_grad():
-                self.oomguard_eval = fit_eval_batch(self, eval_dataset, **self.oomguard_options)
+                self.oomguard_eval = fit_eval_batch(self, eval_dataset, self.oomguard_largest,
+                                                    **self.oomguard_options)
         return super().evaluate(eval_dataset, *args, **kwargs)
 
 

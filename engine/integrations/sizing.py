@@ -48,6 +48,14 @@ def micro_batch_for(effective: int, fits: int) -> int:
     return max(d for d in range(1, min(effective, fits) + 1) if effective % d == 0)
 
 
+def size_found(result: SearchResult, largest: bool = False) -> int:
+    """The size a run may use from a search's result: ``size_to_use`` (the recommended size),
+    or with ``largest`` ``max_ok``."""
+    size = result.max_ok if largest else result.size_to_use
+    assert size is not None  # search raises NoSizeFits otherwise
+    return size
+
+
 def split_for(effective: int, result: SearchResult, largest: bool = False) -> Split:
     """The :class:`Split` of ``effective`` rows a search's result allows: at most its
     ``size_to_use`` (the recommended size, its ``margin`` of the capacity below the largest
@@ -56,9 +64,7 @@ def split_for(effective: int, result: SearchResult, largest: bool = False) -> Sp
     search, what the search left behind); measured on the tiny GPT-2 of
     tests/test_integrations_hf.py under 40 MiB, the Trainer at 256 x 4 rows needed 38-40
     MiB where a trial at 263 peaked at 37.8 MiB."""
-    fits = result.max_ok if largest else result.size_to_use
-    assert fits is not None  # search raises NoSizeFits otherwise
-    micro = micro_batch_for(effective, fits)
+    micro = micro_batch_for(effective, size_found(result, largest))
     return Split(effective, micro, effective // micro, result.max_ok, result)
 
 
