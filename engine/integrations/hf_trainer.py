@@ -98,7 +98,7 @@ def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> 
             loss = trainer.training_step(model, rows(batch, size))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     was_training = model.training
     try:

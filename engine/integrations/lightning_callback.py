@@ -75,7 +75,7 @@ class BatchSizeCallback(pl.Callback):
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            return float(loss)
+            return float(loss.detach())
 
         try:
             result = search_step(step, effective, (pl_module, optimizer),
