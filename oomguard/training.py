@@ -1,8 +1,11 @@
 """Training-script parts beyond ``adaptive``, ``find_executable_batch_size``,
 ``accumulate`` and ``stats``: the :class:`Accumulator` that ``accumulate`` runs (for a
-step that keeps its own), and :func:`reset_stats` (zero the counters ``stats`` shows)."""
+step that keeps its own), :func:`reset_stats` (zero the counters ``stats`` shows) and
+:class:`Snapshot` (a host copy of models, optimizers and RNG states, put back exactly:
+what ``search(step, restore=(model, optimizer))`` takes before its trials)."""
 
 from oomguard.engine.core.execute.stats import reset_stats
+from oomguard.engine.core.snapshot import Snapshot
 from oomguard.engine.training.accumulate import Accumulator
 
-__all__ = ["Accumulator", "reset_stats"]
+__all__ = ["Accumulator", "Snapshot", "reset_stats"]

@@ -175,6 +175,7 @@ def _faked_cgroup_search(proc: str, root: str) -> dict:
             "search": search(LINE).to_dict()}
 
 
+@pytest.mark.slow
 def test_a_faked_cgroup_reading_sets_a_budget_under_its_room(tmp_path: Path) -> None:
     # 300 MiB in use of which 100 MiB inactive file pages the kernel reclaims first: 200 MiB
     # of working set under a 200 MiB + ROOM_114 + slack limit.

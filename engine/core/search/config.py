@@ -17,6 +17,7 @@ import torch
 from oomguard.engine.core.memory.ramguard import RamGuard
 from oomguard.engine.core.search.fit import DEFAULT_MARGIN, MEASURED
 from oomguard.engine.core.search.strategies import E10, Guided, Strategy, strategy_params
+from oomguard.engine.core.snapshot import check_restorable
 from oomguard.engine.errors import UsageError, check_positive_int
 
 
@@ -47,6 +48,19 @@ class SearchConfig:
     ``steps_per_trial``, else 1; the training step says 2, the first optimizer step and a
     steady one). ``verify_steps``: further steps run at the recommended size after the
     search, any OOM reported (0: no verification).
+
+    ``restore``: the modules and optimizers a training step changes, e.g. ``(model,
+    optimizer)``, so the searched step can be the whole one (forward, backward,
+    ``optimizer.step()``, ``zero_grad``). In-process trials then start from a
+    :class:`~oomguard.engine.core.snapshot.Snapshot` taken before the warm-up and the
+    budget (on the host: it costs a trial no device memory, and on CPU it is outside the
+    budget), restored after every trial and once more at the end, also when the search
+    raises: afterwards the objects and the RNG states are exactly as before. Each trial
+    then runs at least 2 steps (``steps_per_trial`` None means 2; 1 is refused): the first
+    allocates the optimizer's state as the real run's first step does, the second is the
+    steady state. With ``isolate=True`` each child works on its own unpickled copies, so the
+    objects here are never touched and ``restore`` is only checked; with ``confirm=True``
+    the in-process phase restores them.
     """
 
     strategy: Strategy | None = None
@@ -63,8 +77,11 @@ class SearchConfig:
     ram_guard: RamGuard | bool | None = None
     steps_per_trial: int | None = None
     verify_steps: int = 0
+    restore: tuple = ()
 
     def __post_init__(self) -> None:
+        # frozen: the checked tuple replaces what was given (a list, one module)
+        object.__setattr__(self, "restore", check_restorable(self.restore))
         if self.strategy is not None and not callable(getattr(self.strategy, "next", None)):
             raise UsageError(f"strategy must be Guided(), E10(), Doubling(), LinearJump(capacity) or have "
                              f"next(trials, max_size); got {self.strategy!r}")
@@ -83,6 +100,10 @@ class SearchConfig:
         _require(self.ram_guard is None or isinstance(self.ram_guard, (bool, RamGuard)),
                  f"ram_guard must be None, True, False or a RamGuard, got {self.ram_guard!r}")
         check_positive_int("steps_per_trial", self.steps_per_trial, optional=True)
+        _require(not self.restore or self.steps_per_trial is None or self.steps_per_trial >= 2,
+                 f"with restore=, each trial runs the first optimizer step (which allocates "
+                 f"its state) and a steady one: steps_per_trial must be at least 2 or None, "
+                 f"got {self.steps_per_trial!r}")
         _require(_is_number(self.verify_steps) and isinstance(self.verify_steps, int)
                  and self.verify_steps >= 0,
                  f"verify_steps must be a whole number >= 0, got {self.verify_steps!r}")
@@ -108,7 +129,13 @@ class SearchConfig:
         return {"strategy": strategy.name, **strategy_params(strategy), "max_size": self.max_size,
                 "max_trials": self.max_trials, "max_seconds": self.max_seconds,
                 "margin": self.margin, "steps_per_trial": self.steps_per_trial,
-                "verify_steps": self.verify_steps}
+                "verify_steps": self.verify_steps,
+                **({"restore": [type(o).__name__ for o in self.restore]} if self.restore else {})}
+
+    def trial_steps(self, workload_steps: int) -> int:
+        """Steps per trial: ``steps_per_trial``, else the workload's own (at least 2 with
+        ``restore``: the first optimizer step and a steady one)."""
+        return self.steps_per_trial or max(workload_steps, 2 if self.restore else 1)
 
 
 _OPTIONS = tuple(f.name for f in dataclasses.fields(SearchConfig))

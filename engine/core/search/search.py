@@ -45,6 +45,7 @@ from oomguard.engine.core.search.fit import (
 from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.core.search.strategies import Confirm, Strategy, bracket
 from oomguard.engine.core.search.trial import Trial, run_trial
+from oomguard.engine.core.snapshot import Snapshot
 from oomguard.engine.core.workload import knob_of, name_of, steps_of, warm_up
 from oomguard.engine.errors import (
     NoSizeFits,
@@ -120,6 +121,13 @@ def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
     fresh child process: ``fn`` must be picklable and defined in an importable file, and a script
     that calls this needs an ``if __name__ == "__main__":`` guard.
 
+    ``restore=(model, optimizer)`` lets ``fn`` be the whole training step (forward, backward,
+    ``optimizer.step()``, ``zero_grad``): in-process trials start from a host
+    :class:`~oomguard.engine.core.snapshot.Snapshot` of those objects and the RNG states,
+    put back after every trial and when the search ends, however it ends; each trial runs
+    at least 2 steps, the first allocating the optimizer's state as the real run does
+    (:class:`SearchConfig`). Isolated children work on their own copies.
+
     Raises :class:`UsageError` (a ``ValueError``) on bad options,
     :class:`ChildStartFailed` at once when an isolated ``fn`` cannot be pickled,
     :class:`NoSizeFits` when no size tried fitted, and :class:`TrialFailed` (``from``
@@ -161,7 +169,7 @@ class _Search:
         log.info("searching %s on %s (%s, %s)", self.name, dev, self.mode, self.strategy.name)
         self.trials: list[Trial] = []  # every trial, in the order they ran
         self.answer = self.trials  # the trials the answer comes from: with confirm, the fresh ones
-        self.steps = cfg.steps_per_trial or steps_of(fn)
+        self.steps = cfg.trial_steps(steps_of(fn))
         self.limit: RamGuard | HostLimit | None = None
         self.t0 = self.t_trials = time.perf_counter()
 
@@ -312,12 +320,34 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device, stac
         # (docs/measurements.md#free-heap-at-budget-entry); the RAM guard's peaks
         # read 0 for trials that such heap served.
         return_freed_memory_to_os()
+    snapshot = _snapshot(cfg, stack)
     warm_up(fn)
     stack.enter_context(gc_frozen())  # the warmed-up objects are never a trial's garbage
     limit = _limit(cfg, dev)
     stack.enter_context(limit_budget(cfg.budget, dev, limit))
     guard = limit if isinstance(limit, RamGuard) else None
-    return (lambda size, steps: run_trial(fn, size, dev, guard, steps)), limit
+    if snapshot is None:
+        return (lambda size, steps: run_trial(fn, size, dev, guard, steps)), limit
+
+    def restoring(size: int, steps: int) -> Trial:
+        try:
+            return run_trial(fn, size, dev, guard, steps)
+        finally:  # the next trial starts from the user's state, whatever this one did
+            snapshot.restore()
+    return restoring, limit
+
+
+def _snapshot(cfg: SearchConfig, stack: ExitStack) -> Snapshot | None:
+    """With ``restore``: the objects' snapshot, taken before the warm-up and the budget (on
+    CPU its copy is then part of the baseline, not of a trial's headroom), and restored
+    once more when ``stack`` closes, after the budget is left, however the search ends."""
+    if not cfg.restore:
+        return None
+    snapshot = Snapshot.take(cfg.restore)
+    stack.callback(snapshot.restore)
+    log.info("restore: %s copied to the host (%s), restored after every trial",
+             ", ".join(type(o).__name__ for o in cfg.restore), fmt_bytes(snapshot.nbytes))
+    return snapshot
 
 
 def _failure_text(name: str, size: int, exc: BaseException, partial: SearchResult) -> str:
