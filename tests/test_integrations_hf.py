@@ -100,3 +100,21 @@ def test_the_micro_batch_is_the_largest_divisor_of_the_effective_batch_that_fits
     assert micro_batch_for(64, 1000) == 64
     with pytest.raises(UsageError):
         micro_batch_for(64, 0)
+
+
+@pytest.mark.slow  # builds a Trainer (~1 s)
+def test_a_training_set_without_a_length_is_one_usage_error_before_any_work():
+    import torch
+
+    from oomguard.engine.errors import UsageError
+    from oomguard.integrations import OomguardTrainer
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(_data(8, 0))
+
+    trainer = _trainer(OomguardTrainer)
+    trainer.train_dataset = Stream()
+    with pytest.raises(UsageError, match="needs a dataset with a length"):
+        trainer.train()
+    assert trainer.optimizer is None  # nothing ran

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import has_length
 from transformers.utils import is_datasets_available
 
 from oomguard.engine.errors import UsageError
@@ -64,6 +65,9 @@ def first_rows(trainer: Trainer, dataset: Any, n: int, description: str) -> dict
     (unused columns removed), on the Trainer's device. Not drawn from the dataloader: its
     random sampler would draw from the RNG, and a half-read accelerate dataloader stays
     registered as the one in progress."""
+    if not has_length(dataset):
+        raise UsageError(f"sizing the {description.lower()} batch needs a dataset with a length "
+                         f"(rows to try); got {type(dataset).__name__}")
     collator = trainer.data_collator
     if is_datasets_available() and isinstance(dataset, _datasets().Dataset):
         dataset = trainer._remove_unused_columns(dataset, description=description)
@@ -88,8 +92,8 @@ def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> 
     if trainer.train_dataset is None:
         raise UsageError("the Trainer has no train_dataset to size the micro-batch on")
     effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    model, optimizer = trainer.model, trainer.create_optimizer()
     batch = first_rows(trainer, trainer.train_dataset, effective, "Training")
+    model, optimizer = trainer.model, trainer.create_optimizer()
     if not hasattr(trainer, "current_gradient_accumulation_steps"):
         trainer.current_gradient_accumulation_steps = 1  # the loop sets it before each step
 

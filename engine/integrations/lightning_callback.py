@@ -32,6 +32,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.parsing import (
     lightning_getattr,
     lightning_hasattr,
@@ -99,6 +100,9 @@ def _check(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Non
     if len(trainer.optimizers) != 1:
         raise UsageError(f"BatchSizeCallback sizes a module with one optimizer; "
                          f"configure_optimizers returned {len(trainer.optimizers)}")
+    if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
+        raise UsageError("BatchSizeCallback sets accumulate_grad_batches, which a "
+                         "GradientAccumulationScheduler would change: use one of them")
     if not lightning_hasattr(pl_module, name):
         raise UsageError(f"BatchSizeCallback: no {name!r} on the module, its hparams or the "
                          "datamodule; the dataloaders must read the batch size from there")

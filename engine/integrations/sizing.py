@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map
 
 from oomguard.engine.core.search.search import SearchResult, search
 from oomguard.engine.errors import UsageError, check_positive_int
+from oomguard.engine.training.distributed import agree
 
 log = logging.getLogger("oomguard.integrations")
 
@@ -50,10 +51,12 @@ def micro_batch_for(effective: int, fits: int) -> int:
 
 def size_found(result: SearchResult, largest: bool = False) -> int:
     """The size a run may use from a search's result: ``size_to_use`` (the recommended size),
-    or with ``largest`` ``max_ok``."""
+    or with ``largest`` ``max_ok``; under ``torch.distributed`` the smallest over the ranks
+    (one ``all_reduce``, every rank calls it), so that every rank accumulates the same number
+    of micro-batches per step and their gradient all-reduces pair up."""
     size = result.max_ok if largest else result.size_to_use
     assert size is not None  # search raises NoSizeFits otherwise
-    return size
+    return agree(size, False).size
 
 
 def split_for(effective: int, result: SearchResult, largest: bool = False) -> Split:
