@@ -113,6 +113,19 @@ class RestartNeeded(ExecutionFailed):
     why: str = ""
 
 
+class StepPartlyApplied(ExecutionFailed):
+    """An attempt ran out of memory after the optimizer's ``step()`` had begun writing the
+    parameters or its state (or had completed): a retry would apply the step on top of a
+    partly applied one, so none is made. ``str()`` is one line saying what to do. Not an
+    OOM: an outer handler must not retry it either."""
+
+    def __init__(self, workload: str, error: str, message: str) -> None:
+        super().__init__(workload, [], [error], message, verbatim=True)
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.workload, self.errors[-1], self.message))
+
+
 class NoProgress(NoExecutableBatchSize):
     """Two failed attempts in a row with the same remedy, sizes and error: the ladder stops."""
 

@@ -19,6 +19,7 @@ from oomguard.engine.errors import (
     RamLimitReached,
     RestartNeeded,
     SearchFailed,
+    StepPartlyApplied,
     TrialFailed,
     UsageError,
 )
@@ -26,4 +27,4 @@ from oomguard.engine.errors import (
 __all__ = ["BudgetError", "CacheError", "ChildCrashed", "ChildStartFailed", "CollectiveMismatch",
            "ExecutionFailed", "IsolationError", "JobError", "NoExecutableBatchSize", "NoProgress",
            "NoSizeFits", "OomguardError", "RamLimitReached", "RestartNeeded", "SearchFailed",
-           "TrialFailed", "UsageError"]
+           "StepPartlyApplied", "TrialFailed", "UsageError"]

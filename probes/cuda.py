@@ -106,6 +106,16 @@ def memory_fraction(index: int) -> float | None:
     return min(float(getter(index)), 1.0)
 
 
+def alloc_retries(index: int) -> int:
+    """The caching allocator's ``num_alloc_retries`` on ``cuda:index`` (measured, a count since
+    the process started): how often a ``cudaMalloc`` failed and the allocator freed its whole
+    cache to ask again (``alloc_block(.., isRetry=true)`` after ``release_cached_blocks``,
+    c10/cuda/CUDACachingAllocator.cpp). Rising on every step means the step runs at the
+    edge of the memory it may use. 0 under ``backend:cudaMallocAsync`` (it keeps no such
+    count)."""
+    return int(torch.cuda.memory_stats(index).get("num_alloc_retries", 0))
+
+
 def unreported_oom_retries(index: int) -> int:
     """How many of the caching allocator's last-resort retries on ``cuda:index`` (it had
     freed its whole cache and asked again: the cap or the device was reached) were not

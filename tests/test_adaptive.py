@@ -251,7 +251,7 @@ def work4(batch_size: int) -> int:
     return int(x[:, 0, 0].sum())
 
 
-def _halving_from_128() -> tuple[tuple[int, str], list[int]]:
+def _accelerates_sizes_from_128() -> tuple[tuple[int, str], list[int]]:
     tried: list[int] = []
 
     @find_executable_batch_size(starting_batch_size=128)
@@ -259,15 +259,17 @@ def _halving_from_128() -> tuple[tuple[int, str], list[int]]:
         tried.append(batch_size)
         return work4(batch_size), tag
 
-    with budget_after_warmup(48 * MiB):  # 8 x 4 MiB fits, 16 x 4 MiB does not
+    with budget_after_warmup(48 * MiB):  # 11 x 4 MiB fits, 13 x 4 MiB does not
         return train("hello"), tried
 
 
 @pytest.mark.slow
-def test_halving_sequence_from_128():
-    result, tried = in_fresh_process(_halving_from_128)
-    assert result == (8, "hello")
-    assert tried == [128, 64, 32, 16, 8]
+def test_default_sizes_are_accelerates_from_128():
+    """accelerate >= 1.9 multiplies by 0.9 per OOM (int(size * 0.9)), and so does its drop-in."""
+    result, tried = in_fresh_process(_accelerates_sizes_from_128)
+    assert result == (11, "hello")
+    assert tried == [128, 115, 103, 92, 82, 73, 65, 58, 52, 46, 41, 36, 32, 28, 25, 22, 19,
+                     17, 15, 13, 11]
 
 
 def test_bare_decorator_defaults_to_128():
@@ -342,7 +344,7 @@ def _approaching_zero() -> tuple[str, list[int]]:
 def test_approaching_zero_raises():
     text, tried = in_fresh_process(_approaching_zero)
     assert "No executable batch size found, reached zero." in text
-    assert tried == [16, 8, 4, 2, 1]
+    assert tried == [16, 14, 12, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1]
 
 
 def test_helper_explicit_batch_size_is_a_type_error():

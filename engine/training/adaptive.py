@@ -4,7 +4,12 @@ Both wrappers are thin layers over the core's one size controller
 (:class:`~oomguard.engine.core.execute.executor.SizeController`), agreed between ranks
 under ``torch.distributed`` (:mod:`~oomguard.engine.training.distributed`). Size changes
 are logged on the ``oomguard.adaptive`` logger and counted in
-:func:`~oomguard.engine.core.execute.stats.stats`.
+:func:`~oomguard.engine.core.execute.stats.stats`. Both take ``params=`` and
+``optimizer=``: a retry then starts from cleared gradients and never follows a partly
+applied optimizer step (:mod:`~oomguard.engine.core.execute.clean_retry`).
+
+:func:`find_executable_batch_size` is a drop-in for accelerate's and transformers' helpers
+of that name: the same positional and keyword calls, the same sizes tried.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from oomguard.engine.core.execute.clean_retry import CleanRetry, Params
 from oomguard.engine.core.execute.executor import SizeController, SizeMemory, qualname
-from oomguard.engine.core.execute.retry import Halve, ReduceWith, RetryPolicy
+from oomguard.engine.core.execute.retry import ReduceWith, RetryPolicy
 from oomguard.engine.core.execute.stats import register
-from oomguard.engine.errors import NoExecutableBatchSize, check_positive_int
+from oomguard.engine.errors import NoExecutableBatchSize, UsageError, check_positive_int
 from oomguard.engine.training.distributed import RankAgreement
 
 log = logging.getLogger("oomguard.adaptive")
@@ -36,16 +42,22 @@ def remembered(name: str, key: str, start: int | None) -> SizeMemory:
 def make_controller(name: str, key: str, start: int | None | SizeMemory, *, minimum: int = 1,
                maximum: int | None = None, policy: RetryPolicy | None = None,
                grow_after: int | None = None, device: Any = None, group: Any = None,
-               sync_ranks: bool = True, failure_message: str | None = None) -> SizeController:
+               sync_ranks: bool = True, failure_message: str | None = None,
+               clean: CleanRetry | None = None,
+               watch_alloc_retries: bool = True) -> SizeController:
     """The size controller of a training-script helper: one knob ``key``, agreed between
-    the ranks of ``group`` with ``sync_ranks``."""
+    the ranks of ``group`` with ``sync_ranks``. ``clean``: what a retry leaves clean
+    (:class:`~oomguard.engine.core.execute.clean_retry.CleanRetry` of the helper's
+    ``params``/``optimizer``). ``watch_alloc_retries`` (on by default; acts on CUDA only):
+    step down before an OOM when the allocator retries in consecutive calls."""
     if not isinstance(start, SizeMemory):
         check_positive_int("start", start, optional=True)
         start = remembered(name, key, start)
     agreement = RankAgreement(group, name) if sync_ranks else None
     return SizeController(name, start, minimum={key: minimum}, maximum={key: maximum},
                           policy=policy, grow_after=grow_after, agreement=agreement,
-                          device=device, logger=log, failure_message=failure_message)
+                          device=device, logger=log, failure_message=failure_message,
+                          clean=clean, watch_alloc_retries=watch_alloc_retries)
 
 
 def _batch_size_guard(fn: Callable[..., Any]) -> Callable[[tuple, dict], None]:
@@ -90,7 +102,8 @@ def _wrap(fn: Callable[..., T], size: SizeController | None) -> Callable[..., T]
 def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimum: int = 1,
              maximum: int | None = None, policy: RetryPolicy | None = None,
              grow_after: int | None = None, device: Any = None, group: Any = None,
-             sync_ranks: bool = True, name: str | None = None) -> Any:
+             sync_ranks: bool = True, name: str | None = None, params: Params | None = None,
+             optimizer: Any = None, watch_alloc_retries: bool = True) -> Any:
     """Decorate ``fn(batch_size, ...)`` so that an OOM costs a retry at a smaller size.
 
     The decorator supplies the batch size (passing one raises ``TypeError``). On OOM ``fn`` runs
@@ -100,39 +113,80 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
     ``torch.distributed`` each call is collective (``sync_ranks=False``: not), and ``fn`` must be
     safe to re-run: a rank whose call succeeded runs again at the smaller size another rank needed.
     ``adaptive_size``: the wrapper's size controller.
+
+    ``params`` (the model, or tensors) and ``optimizer``: what ``fn`` trains. Before a retry
+    their gradients are set to None, so the retried step equals a clean step at the smaller
+    size; an OOM after ``optimizer.step()`` began writing raises
+    :class:`~oomguard.engine.errors.StepPartlyApplied` (never a silent retry). Without them,
+    a retry that finds gradients left on ``fn``'s module logs one warning.
+    ``watch_alloc_retries`` (CUDA): step down before the OOM when the allocator had to
+    retry in consecutive calls (Composer's rule); False turns it off.
     """
     def decorate(f: Callable[..., T]) -> Callable[..., T]:
         size = make_controller(name or qualname(f), KEY, batch_size, minimum=minimum,
                                maximum=maximum or batch_size, policy=policy,
                                grow_after=grow_after, device=device, group=group,
-                               sync_ranks=sync_ranks)
+                               sync_ranks=sync_ranks, clean=CleanRetry(params, optimizer, f),
+                               watch_alloc_retries=watch_alloc_retries)
         return _wrap(f, size)
 
     return decorate if fn is None else decorate(fn)
 
 
+def accelerate_reduce(batch_size: int) -> int:
+    """accelerate's default step after an OOM (1.9 and later): ``int(batch_size * 0.9)``
+    (accelerate 1.15 ``accelerate/utils/memory.py``, ``find_executable_batch_size``'s inner
+    ``reduce_batch_size_fn``; transformers' Trainer calls that helper). From 128: 115, 103,
+    92, 82, ... 2, 1, then 0, where accelerate (and this helper) gives up."""
+    return int(batch_size * 0.9)
+
+
 def find_executable_batch_size(function: Callable[..., T] | None = None,
                                starting_batch_size: int = 128,
-                               reduce_batch_size_fn: Callable[..., int] | None = None, *,
+                               auto_find_batch_size: bool | Callable[..., int] = True, *,
+                               reduce_batch_size_fn: Callable[..., int] | None = None,
+                               params: Params | None = None, optimizer: Any = None,
                                sync_ranks: bool = True) -> Any:
-    """accelerate's helper, same call shape: switch with one import line.
+    """accelerate's and transformers' helper, same calls: switch with one import line.
 
-    ``function(batch_size, ...)`` is called at ``starting_batch_size``, then after each
-    OOM at half the size or at what ``reduce_batch_size_fn`` returns (``fn(size) -> int``
-    or accelerate's ``fn() -> int``). At zero, accelerate's :data:`ZERO_MESSAGE` (a
-    :class:`NoExecutableBatchSize`). Unlike accelerate's, under ``torch.distributed``
-    every rank takes the same size, as with :func:`adaptive` (``sync_ranks=False``: not).
+    Accepts accelerate's ``(function, starting_batch_size, reduce_batch_size_fn)`` and
+    transformers' ``(function, starting_batch_size, auto_find_batch_size)``, positionally or
+    by keyword (a callable third argument is accelerate's reduce function, a bool
+    transformers' switch). ``function(batch_size, ...)`` is called at
+    ``starting_batch_size``, then after each OOM at what accelerate tries
+    (:func:`accelerate_reduce`: ``int(size * 0.9)``) or what ``reduce_batch_size_fn``
+    returns (``fn(size) -> int`` or accelerate's ``fn() -> int``). At zero, accelerate's
+    :data:`ZERO_MESSAGE` (a :class:`NoExecutableBatchSize`). ``auto_find_batch_size=False``
+    does what transformers' helper does then: one call at ``starting_batch_size``, no retry.
+
+    Beyond accelerate: ``params``/``optimizer`` keep retries clean (as in :func:`adaptive`),
+    each OOM is recorded and counted in ``oomguard.stats()``, and under
+    ``torch.distributed`` every rank takes the same size (``sync_ranks=False``: not).
     """
+    if callable(auto_find_batch_size) and not isinstance(auto_find_batch_size, bool):
+        if reduce_batch_size_fn is not None:
+            raise UsageError("find_executable_batch_size: give the reduce function once "
+                             "(third argument or reduce_batch_size_fn=)")
+        auto_find_batch_size, reduce_batch_size_fn = True, auto_find_batch_size
+    if not isinstance(auto_find_batch_size, bool):
+        raise UsageError("find_executable_batch_size: the third argument is "
+                         "auto_find_batch_size (a bool) or a reduce function, got "
+                         f"{type(auto_find_batch_size).__name__}")
     if function is None:
         return functools.partial(find_executable_batch_size,
                                  starting_batch_size=starting_batch_size,
+                                 auto_find_batch_size=auto_find_batch_size,
                                  reduce_batch_size_fn=reduce_batch_size_fn,
-                                 sync_ranks=sync_ranks)
+                                 params=params, optimizer=optimizer, sync_ranks=sync_ranks)
+    if not auto_find_batch_size:  # transformers: functools.partial(function, batch_size=start)
+        return functools.partial(function, starting_batch_size)
     if starting_batch_size <= 0:
         return _wrap(function, None)
-    policy = Halve() if reduce_batch_size_fn is None else ReduceWith(_unary(reduce_batch_size_fn))
-    size = make_controller(qualname(function), KEY, starting_batch_size, policy=policy,
-                           sync_ranks=sync_ranks, failure_message=ZERO_MESSAGE)
+    reduce = accelerate_reduce if reduce_batch_size_fn is None else _unary(reduce_batch_size_fn)
+    size = make_controller(qualname(function), KEY, starting_batch_size,
+                           policy=ReduceWith(reduce), sync_ranks=sync_ranks,
+                           failure_message=ZERO_MESSAGE,
+                           clean=CleanRetry(params, optimizer, function))
     return _wrap(function, size)
 
 

@@ -15,6 +15,14 @@ tenacity's ``Retrying`` is built only after a first OOM. Every change of size is
 (WARNING when it shrinks) and counted in :class:`~oomguard.engine.core.execute.stats.SizeStats`.
 Past the minimum, the executor's ``on_oom`` ladder takes over
 (:mod:`~oomguard.engine.core.execute.remedies`).
+
+Every attempt runs inside the controller's
+:class:`~oomguard.engine.core.execute.clean_retry.CleanRetry` (built from the ``params=`` and
+``optimizer=`` each wrapper takes): before a retry the gradients are cleared, and an OOM in
+a step that had begun writing raises :class:`~oomguard.engine.errors.StepPartlyApplied`
+instead of retrying. With ``watch_alloc_retries`` on a CUDA device, a size whose calls make
+the allocator retry twice in a row is stepped down before it runs out of memory
+(:mod:`~oomguard.engine.core.execute.alloc_retries`, Composer's rule).
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import torch
 from tenacity import RetryCallState, Retrying, retry_if_result, wait_none
 
+from oomguard.engine.core.execute.alloc_retries import CONSECUTIVE, AllocRetryWatch
+from oomguard.engine.core.execute.clean_retry import CleanRetry, Params
 from oomguard.engine.core.execute.remedies import Ladder, parse_on_oom, run_ladder, sized_call
 from oomguard.engine.core.execute.retry import Halve, RetryPolicy, Sizes
 from oomguard.engine.core.execute.stats import SizeChange, SizeStats
@@ -100,6 +110,7 @@ class SizeMemory:
     last_good: Sizes | None = None
     clean: int = 0
     agreed_start: bool = False
+    warned: bool = False  # the "gradients left on the module" warning was given
 
     @classmethod
     def new(cls, name: str, start: Start) -> SizeMemory:
@@ -130,7 +141,11 @@ class SizeController:
     that failed, else twice the size, never above ``maximum``. ``device``: whose cache is
     emptied between attempts. ``failure_message``: the whole ``str()`` of
     :class:`~oomguard.engine.errors.NoExecutableBatchSize`. ``snapshot_dir`` gets a CUDA
-    allocator snapshot per OOM."""
+    allocator snapshot per OOM. ``clean``: what every retry leaves clean (gradients, the
+    optimizer's step; default: nothing, the function's module only looked at for a
+    warning). ``watch_alloc_retries``: on a CUDA device, step down when the allocator
+    retried during :data:`~oomguard.engine.core.execute.alloc_retries.CONSECUTIVE` calls
+    in a row (one process only: under an agreement the rule is off)."""
 
     def __init__(self, name: str, memory: SizeMemory | Start, *,
                  minimum: Mapping[str, int] | None = None,
@@ -138,7 +153,8 @@ class SizeController:
                  grow_after: int | None = None, agreement: SizeAgreement | None = None,
                  device: Any = None, logger: logging.Logger | None = None,
                  failure_message: str | None = None,
-                 snapshot_dir: str | os.PathLike[str] | None = None) -> None:
+                 snapshot_dir: str | os.PathLike[str] | None = None,
+                 clean: CleanRetry | None = None, watch_alloc_retries: bool = False) -> None:
         if not isinstance(memory, SizeMemory):
             for key, value in memory.items():
                 check_positive_int(key, value, optional=True)
@@ -162,6 +178,8 @@ class SizeController:
         self.gave_up = failure_message or (f"no executable {what}: every size down to "
                                            f"{format_sizes(self.floor)} ran out of memory")
         self.snapshot_dir = snapshot_dir
+        self.clean = clean or CleanRetry()
+        self.alloc_watch = AllocRetryWatch(device) if watch_alloc_retries else None
 
     @property
     def stats(self) -> SizeStats:
@@ -195,13 +213,20 @@ class SizeController:
         if record is not None:
             record.attempts.append(dict(sizes))
             watch = OomWatch(self.name, self.device, self.snapshot_dir)
+        alloc_watch = self.alloc_watch if not agreeing else None
+        if alloc_watch is not None:
+            alloc_watch.start()
         result = self._attempt(attempt, sizes, agreeing, watch)
         if type(result) is not _Failed:
             mem.clean += 1
             mem.last_good = sizes
             if record is not None:
                 record.final = dict(sizes)
+            if alloc_watch is not None:
+                self._step_down_early(sizes, alloc_watch)
             return result
+        if alloc_watch is not None:
+            alloc_watch.after_oom()
         if record is None:
             record = RunRecord(self.name, [dict(sizes)])
         return self._recover(attempt, result, agreeing, record, watch)
@@ -210,8 +235,8 @@ class SizeController:
                  agreeing: bool, watch: OomWatch | None = None) -> T | _Failed:
         """One attempt at ``sizes``, then (when agreeing) the one agreement. A ``watch``
         measures memory at an OOM, before ``call_catching_oom`` releases it."""
-        result = call_catching_oom(attempt, sizes, device=self.device,
-                                   on_oom=watch.at(sizes) if watch is not None else None)
+        result = self.clean.call(call_catching_oom, attempt, sizes, device=self.device,
+                                 on_oom=watch.at(sizes) if watch is not None else None)
         oom = type(result) is OOM
         if not (oom or agreeing):
             return result
@@ -233,6 +258,9 @@ class SizeController:
             proposal[k] >= self.floor[k] for k in proposal) else None
         message = (result.message if oom  # type: ignore[union-attr]
                    else f"another process ran out of memory at {format_sizes(sizes)}")
+        # Before anything is retried (or given up): a partly applied step raises here, and
+        # the failed attempt's gradients are cleared.
+        self.clean.before_retry(self.name, message, self.memory)
         if nxt is not None:
             self._change(sizes, nxt, f"out of memory ({message})" if oom else message)
         return _Failed(message, nxt, watch.take(message) if oom and watch else None)
@@ -284,6 +312,24 @@ class SizeController:
         self.log.info("%s: succeeded at %s after %d retries", self.name,
                       format_sizes(pending), record.retries)
         return value
+
+    def _step_down_early(self, sizes: Sizes, alloc_watch: AllocRetryWatch) -> None:
+        """After a call that worked: step down as on an OOM when the allocator retried in
+        consecutive calls (Composer's rule, :mod:`~oomguard.engine.core.execute.alloc_retries`).
+        The size counts as failed, so growing back never returns to it."""
+        thrash = alloc_watch.after_success()
+        if thrash is None:
+            return
+        nxt = self.policy.shrink(sizes, self.floor)
+        if nxt is None:
+            return
+        mem = self.memory
+        mem.clean = 0
+        mem.failed = {k: min(v, mem.failed.get(k, v)) for k, v in sizes.items()}
+        mem.stats.failed = shown(mem.failed)
+        self._change(sizes, nxt, f"the CUDA allocator retried allocations in {CONSECUTIVE} "
+                     f"consecutive calls (num_alloc_retries {thrash[0]} -> {thrash[1]}): "
+                     "stepping down before an out-of-memory error")
 
     def _note(self, record: RunRecord, failure: _Failed) -> None:
         """Record an OOM's message and its event, saying what is done about it."""
@@ -366,17 +412,23 @@ class Executor:
 
     def run(self, fn: Callable[..., Any], batch_size: int | None = None, *,
             sizes: Mapping[str, int] | None = None, minimum: Mapping[str, int] | None = None,
-            name: str | None = None, ladder: Ladder | None = None) -> Any:
+            name: str | None = None, ladder: Ladder | None = None,
+            params: Params | None = None, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """Run ``fn(batch_size)``, or ``fn(**sizes)`` (positive integers) for several sizes;
         on OOM at smaller sizes, down to :class:`~oomguard.engine.errors.ExecutionFailed`
         naming every size tried. ``ladder`` resumes one that a
-        :class:`~oomguard.engine.errors.RestartNeeded` carried out of another process."""
+        :class:`~oomguard.engine.errors.RestartNeeded` carried out of another process.
+        ``params`` (a module, an optimizer or tensors) and ``optimizer``: what ``fn`` trains;
+        before a retry their gradients are cleared, and an OOM after the optimizer's step
+        began writing raises :class:`~oomguard.engine.errors.StepPartlyApplied`
+        (:mod:`~oomguard.engine.core.execute.clean_retry`)."""
         if (batch_size is None) == (sizes is None):
             raise ValueError("give exactly one of batch_size or sizes")
         positional = sizes is None
         start: Sizes = {"batch_size": batch_size} if positional else dict(sizes)  # type: ignore[arg-type]
         for key, value in start.items():
             check_positive_int(key, value)
+        clean = CleanRetry(params, optimizer, fn)
         label = name or qualname(fn)
         if self.snapshot_on_oom is not None:
             start_history(self.device)  # once per process: the snapshot needs the history
@@ -384,7 +436,7 @@ class Executor:
         self.history.append(record)
         if self.on_oom is None and ladder is None:
             controller = self._controller(label, self._memory(fn, name, label, start), minimum,
-                                          self.device)
+                                          self.device, clean)
             return controller.run(sized_call(fn, positional), cap=start, record=record)
         self.ladder = ladder or Ladder(self.on_oom or ("halve",))
 
@@ -392,7 +444,7 @@ class Executor:
                      device: Any) -> Any:
             memory = SizeMemory.new(label, sizes) if fresh else self._memory(fn, name, label,
                                                                              start)
-            return self._controller(label, memory, minimum, device).run(
+            return self._controller(label, memory, minimum, device, clean).run(
                 attempt, cap=sizes, record=record)
 
         return run_ladder(fn, start, self.ladder, run_rung=run_rung, record=record,
@@ -400,10 +452,10 @@ class Executor:
                           positional=positional)
 
     def _controller(self, label: str, memory: SizeMemory, minimum: Mapping[str, int] | None,
-                    device: Any) -> SizeController:
+                    device: Any, clean: CleanRetry) -> SizeController:
         return SizeController(label, memory, minimum=minimum, policy=self.policy,
                               agreement=self.agreement, device=device,
-                              snapshot_dir=self.snapshot_on_oom)
+                              snapshot_dir=self.snapshot_on_oom, clean=clean)
 
     def _memory(self, fn: Any, name: str | None, label: str, start: Sizes) -> SizeMemory:
         """What this executor learnt about the workload, or a new memory starting at ``start``."""
