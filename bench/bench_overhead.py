@@ -8,8 +8,9 @@ Rows:
 - ``@adaptive``: a decorated function against calling it with the size.
 - ``find_executable_batch_size``: the accelerate-shaped helper, same.
 - ``Accumulator``: one step of a tiny model (forward + backward) through the
-  accumulation wrapper against setting the gradients to None + forward +
-  backward (what the wrapper does on this path).
+  accumulation wrapper against forward + backward, both after setting the
+  gradients to None (a training loop's ``zero_grad``; with gradients present the
+  wrapper also copies them, to undo an attempt that runs out of memory).
 - ``accumulate()``: the function form; per call it also walks the model's
   parameters (options are the call's, so nothing about them is cached) and
   looks up the micro-batch size remembered for that model.
@@ -91,15 +92,24 @@ def main() -> None:
         step(batch).backward()
 
     acc = Accumulator(step, model, name="bench-accumulator")
+
+    def zeroed(call: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            for p in params:
+                p.grad = None
+            call()
+        return run
+
     step_calls = max(1, args.calls // 10)
     rows = [
         ("@adaptive", *compare(lambda: plain(64), decorated, args.calls, args.repeats)),
         ("find_executable_batch_size", *compare(lambda: plain(64), helper, args.calls,
                                                 args.repeats)),
-        ("Accumulator (tiny fwd+bwd)", *compare(bare_step, lambda: acc(batch), step_calls,
+        ("Accumulator (tiny fwd+bwd)", *compare(bare_step, zeroed(lambda: acc(batch)), step_calls,
                                                args.repeats)),
         ("accumulate() (tiny fwd+bwd)", *compare(
-            bare_step, lambda: accumulate(step, batch, params=model, name="bench-accumulate"),
+            bare_step, zeroed(lambda: accumulate(step, batch, params=model,
+                                                 name="bench-accumulate")),
             step_calls, args.repeats)),
     ]
     with socket.socket() as s:

@@ -69,6 +69,7 @@ def main() -> None:
         return model(**micro).loss
 
     model(**make_batch(2, data)).loss.backward()  # warm-up before any budget
+    model.zero_grad(set_to_none=True)  # accumulate adds to the gradients it finds
     nbytes = oomguard.memory.parse_size(args.budget) if args.budget not in ("0", "") else 0
 
     def limited() -> contextlib.AbstractContextManager:
@@ -82,6 +83,7 @@ def main() -> None:
             loss = oomguard.accumulate(step, batch, params=model, weight_by="causal-tokens",
                               grow_after=args.grow_after)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         if i % 5 == 0 or i == args.steps - 1:
             print(f"step {i:3d}  loss {loss.item():.4f}")
     print(f"{args.steps} steps of {args.batch} sequences in {time.perf_counter() - start:.1f} s")

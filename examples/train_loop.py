@@ -64,6 +64,7 @@ def main() -> None:
         return total / len(x_val)
 
     step({"x": x_train[:2], "y": y_train[:2]}).backward()  # warm-up before the budget
+    model.zero_grad(set_to_none=True)  # accumulate adds to the gradients it finds
     nbytes = oomguard.memory.parse_size(args.budget) if args.budget not in ("0", "") else 0
 
     def limited() -> contextlib.AbstractContextManager:
@@ -78,6 +79,7 @@ def main() -> None:
             loss = oomguard.accumulate(step, {"x": x_train[rows], "y": y_train[rows]}, params=model,
                               grow_after=args.grow_after)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         if i % 5 == 0 or i == args.steps - 1:
             print(f"step {i:3d}  loss {loss.item():.4f}")
     with limited():

@@ -39,13 +39,19 @@ def grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
+def warmed(model: torch.nn.Module, loss: torch.Tensor) -> None:
+    """A warm-up backward whose gradients are dropped: accumulate adds to what it finds."""
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
 def _causal_lm_at_24_mib() -> dict:
     model = build_model("tiny-gpt2", dtype="float32", seed=0)  # no dropout
     reference = copy.deepcopy(model)
     batch = make_batch(24, 32, 256, seed=3)  # right-padded, labels -100 on padding
     acc = Accumulator(lambda mb: model(**mb).loss, model, weight_by="causal-tokens")
     warm = make_batch(2, 32, 256, seed=1)
-    with budget_after_warmup(24 * MiB, lambda: model(**warm).loss.backward()):
+    with budget_after_warmup(24 * MiB, lambda: warmed(model, model(**warm).loss)):
         loss = acc(batch)
     s = acc.size.stats
 
@@ -106,7 +112,7 @@ def _oom_in_the_middle() -> dict:
     batch = rows(32, 32)
     calls: list[int] = []
     acc = Accumulator(regression_step(model, calls), model)
-    with budget_after_warmup(32 * MiB, lambda: regression_step(model)(rows(1, 1)).backward()):
+    with budget_after_warmup(32 * MiB, functools.partial(warm_up, model)):
         loss = acc(batch)
     whole = regression_step(reference)(batch)
     whole.backward()
@@ -161,10 +167,12 @@ def test_no_oom_path_runs_the_whole_batch_once_unscaled():
         return regression_step(model)(mb)
 
     for p in model.parameters():
-        p.grad = torch.full_like(p, 7.0)  # stale gradients are replaced, not added to
+        p.grad = torch.full_like(p, 7.0)  # gradients present are added to, as backward() does
     loss = Accumulator(step, model)(batch)
     assert seen == [batch]
     reference = mlp()
+    for p in reference.parameters():
+        p.grad = torch.full_like(p, 7.0)
     regression_step(reference)(batch).backward()
     for g, ref in zip(grads(model), grads(reference), strict=True):
         assert torch.equal(g, ref)
@@ -246,7 +254,7 @@ def test_function_form_does_not_keep_the_model_alive():
 
 
 def warm_up(model: torch.nn.Module) -> None:
-    regression_step(model)(rows(1, 1)).backward()
+    warmed(model, regression_step(model)(rows(1, 1)))
 
 
 def _collected_after_an_oom() -> dict:
@@ -284,6 +292,7 @@ def test_each_call_uses_its_own_options():
     batch = {"x": torch.randn(8, 4), "y": torch.randn(8)}
     mean = accumulate(squared_error(model, "mean"), batch, 2, params=model, reduction="mean")
     mean_grads = grads(model)
+    model.zero_grad(set_to_none=True)  # accumulate adds to the gradients it finds
     total = accumulate(squared_error(model, "sum"), batch, 2, params=model, reduction="sum")
     total_grads = grads(model)
     name = f"{squared_error(model, 'sum').__qualname__}:micro_batch"

@@ -60,6 +60,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
             regression_step(model)(rows(0, 2)).backward()
             agree(1, False)
             all_reduce_gradients(model.parameters())
+            model.zero_grad(set_to_none=True)  # accumulate adds to the gradients it finds
 
         sizes = []
         with budget_after_warmup(BUDGETS[rank], warm_up):
@@ -67,6 +68,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
                 acc(batch_for(rank, step))
                 all_reduce_gradients(model.parameters())
                 optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
                 sizes.append(acc.micro_batch_size)
         s = stats()[acc.size.name]  # the registry and the controller's own record agree
         assert s.peer_ooms == acc.size.stats.peer_ooms and s.ooms == acc.size.stats.ooms

@@ -132,7 +132,7 @@ TOP_LEVEL = {
 }
 NAMESPACES = {
     "strategies": {"E10", "Doubling", "Guided", "LinearJump"},
-    "retry": {"Halve", "ReduceWith"},
+    "retry": {"FitPeaks", "Halve", "ReduceWith"},
     "results": {"SearchResult", "Trial", "LinearFit", "Recommendation", "Estimate",
                 "MemorySnapshot", "Budget"},
     "memory": {"OOM", "call_catching_oom", "RamGuard", "parse_size", "probe_all", "PeakMeter"},

@@ -19,9 +19,27 @@ over), or a callable ``fn(batch) -> number`` that is additive over rows. A micro
 is skipped (its mean would be 0/0 = NaN, its exact contribution is zero). Randomness in the step
 (dropout) draws differently per micro-batch: disable it for bit-comparable results.
 
+Each call *adds* its share to the gradients it finds, as ``loss.backward()`` does, so it can sit
+inside a loop of one's own (nanoGPT's ``micro_step`` loop) with that loop's backward
+(``backward=``: a GradScaler's ``scaler.scale(loss).backward()``, ``accelerator.backward``; the
+micro-batch loss it gets is already weighted by its share). Under DistributedDataParallel
+(``params`` is or contains one) every micro-batch but the last runs under ``no_sync``: at most
+one all-reduce per call, of the gradients summed so far. The last micro-batch follows the
+module's own setting (an outer loop that sets ``require_backward_grad_sync`` for its last
+step only, as nanoGPT does, keeps one all-reduce per optimizer step).
+
 A micro-batch that runs out of memory during ``backward`` may already have added part of its
-gradient to some ``.grad`` tensors, so every attempt sets the gradients of ``params`` to ``None``
-and runs the whole batch again: :func:`accumulate` *replaces* ``.grad``.
+gradient to some ``.grad`` tensors, so an attempt that fails (or that ran but is redone
+because another rank ran out of memory) puts the gradients back as they were when the call
+started, then the whole batch runs again at a smaller size: each micro-batch counts exactly
+once. That takes one copy of the gradients present at entry, on
+their device, for the length of the call (none when no gradient exists: they are set to
+``None``). Gradients of tensors outside ``params`` are not restored.
+
+The size after an OOM comes from the controller's policy; the default,
+:class:`~oomguard.engine.core.execute.retry.FitPeaks`, measures the peak of the first few
+micro-batches of each size and goes to the largest size they predict fits what the limit
+leaves (never at or above the size that failed), halving where nothing was measured.
 """
 
 from __future__ import annotations
@@ -35,8 +53,8 @@ from typing import Any
 import torch
 
 from oomguard.engine.core.execute.executor import SizeController, SizeMemory, qualname
-from oomguard.engine.core.execute.retry import RetryPolicy
-from oomguard.engine.errors import check_positive_int
+from oomguard.engine.core.execute.retry import FitPeaks, RetryPolicy, Sizes
+from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.engine.training.adaptive import make_controller, remembered
 from oomguard.engine.util.weakmap import WeakIdMap
 
@@ -91,7 +109,7 @@ def _row_units(batch: Batch, weight_by: str, labels_key: str, ignore_index: int)
 
 
 def _param_list(params: Params) -> list[torch.Tensor]:
-    """The tensors whose ``.grad`` a call replaces (a tied parameter may appear twice)."""
+    """The tensors whose ``.grad`` a call adds to (a tied parameter may appear twice)."""
     if isinstance(params, torch.nn.Module):
         # Module.parameters() costs ~4 us per parameter tensor (generators, a memo set); this plain
         # walk costs ~0.5 us, and it runs every call (docs/measurements.md#parameter-walk).
@@ -112,17 +130,119 @@ def _param_list(params: Params) -> list[torch.Tensor]:
     return [p for p in params if p.requires_grad]
 
 
+def resolve_params(params: Params | None, optimizer: torch.optim.Optimizer | None) -> Params:
+    """The params a call computes gradients for: ``params``, else ``optimizer``'s. With both,
+    every trainable parameter of ``optimizer`` must be one of ``params``' (one-line
+    :class:`UsageError` otherwise, before any work). An iterable comes back as a list."""
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"optimizer= takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if params is None:
+        if optimizer is None:
+            raise UsageError("give params= (the model, or its tensors) or optimizer=: whose "
+                             "gradients the micro-batches add to")
+        return optimizer
+    if not isinstance(params, (torch.nn.Module, torch.optim.Optimizer)):
+        params = list(params)  # walked more than once: a generator (model.parameters()) too
+    if optimizer is not None:
+        ours = {id(p) for p in _param_list(params)}
+        if any(id(p) not in ours for p in _param_list(optimizer) if p.requires_grad):
+            raise UsageError("optimizer= holds parameters that are not params=' (pass the "
+                             "optimizer of this model, or params= alone)")
+    return params
+
+
+def _ddp_modules(params: Params) -> list[torch.nn.Module]:
+    """The DistributedDataParallel modules ``params`` is or contains (outermost ones only)."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if not isinstance(params, torch.nn.Module):
+        return []
+    found: list[torch.nn.Module] = []
+    stack: list[torch.nn.Module | None] = [params]
+    while stack:
+        module = stack.pop()
+        if module is None:
+            continue
+        if type(module) is ddp or isinstance(module, ddp):
+            found.append(module)
+        else:
+            stack.extend(module._modules.values())
+    return found
+
+
+def _default_backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def check_backward(backward: Callable[[torch.Tensor], Any] | None) -> Callable[[torch.Tensor], Any]:
+    """``backward`` (default ``loss.backward()``); :class:`UsageError` when not callable."""
+    if backward is None:
+        return _default_backward
+    if not callable(backward):
+        raise UsageError(f"backward= takes a function of the loss (e.g. accelerator.backward), "
+                         f"got {type(backward).__name__}")
+    return backward
+
+
+def _device_of(tensors: list[torch.Tensor]) -> torch.device:
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+class EntryGrads:
+    """The gradients present when a call starts, so that an attempt that fails can be undone:
+    a copy of each existing ``.grad`` on its device (none when no gradient exists: then
+    undoing sets them to None)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        unique = list({id(p): p for p in params}.values())  # a tied parameter once
+        self.params = unique
+        present = any(p.grad is not None for p in unique)
+        self.saved: list[torch.Tensor | None] | None = (
+            [None if p.grad is None else p.grad.detach().clone() for p in unique]
+            if present else None)
+
+    def missing_bytes(self, device: Any) -> int:
+        """What the gradients absent at entry will take on ``device`` once created (bytes, from
+        the parameters' sizes: an estimate of what a first backward allocates there)."""
+        dev = torch.device(device)
+        if dev.index is None and dev.type != "cpu":  # "cuda": whichever index the params use
+            return sum(p.nbytes for p in self.params if p.grad is None and p.device.type == dev.type)
+        return sum(p.nbytes for p in self.params if p.grad is None and p.device == dev)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put the gradients back as they were at entry (in place where one exists, so a
+        DistributedDataParallel bucket view stays a view)."""
+        if self.saved is None:
+            for p in self.params:
+                p.grad = None
+            return
+        for p, saved in zip(self.params, self.saved, strict=True):
+            if saved is None:
+                p.grad = None
+            elif p.grad is None or p.grad.shape != saved.shape or p.grad.dtype != saved.dtype:
+                p.grad = saved.clone()
+            else:
+                p.grad.copy_(saved)
+
+
 class Accumulator:
     """Runs ``step_fn`` over a batch in micro-batches with exact gradient accumulation.
 
-    ``params`` (a module, an optimizer, or tensors): whose ``.grad`` one call computes.
-    ``micro_batch_size`` (rows): the first size tried (None: the whole batch). The size
-    options (``policy``, ``minimum``, ...) are the size controller's; with ``size``, an
-    existing controller (how :func:`accumulate` keeps the size between calls), its own
-    apply and ``micro_batch_size`` only bounds the micro-batches.
+    ``params`` (a module, an optimizer, or tensors): whose ``.grad`` one call adds to;
+    ``optimizer``: its parameters when ``params`` is not given (with both, they must be
+    ``params``'). ``backward(loss)``: how a scaled micro-batch loss is back-propagated
+    (default ``loss.backward()``; ``accelerator.backward``, or
+    ``lambda loss: scaler.scale(loss).backward()``). ``micro_batch_size`` (rows): the first
+    size tried (None: the whole batch). The size options (``policy``, ``minimum``, ...) are
+    the size controller's; the default policy is
+    :class:`~oomguard.engine.core.execute.retry.FitPeaks`. With ``size``, an existing
+    controller (how :func:`accumulate` keeps the size between calls), its own apply and
+    ``micro_batch_size`` only bounds the micro-batches.
     """
 
-    def __init__(self, step_fn: Callable[[Batch], torch.Tensor], params: Params, *,
+    def __init__(self, step_fn: Callable[[Batch], torch.Tensor], params: Params | None = None,
+                 *, optimizer: torch.optim.Optimizer | None = None,
+                 backward: Callable[[torch.Tensor], Any] | None = None,
                  micro_batch_size: int | None = None, weight_by: str | Callable[[Batch], float]
                  = "samples", reduction: str = "mean", labels_key: str = "labels",
                  ignore_index: int = -100, minimum: int = 1, policy: RetryPolicy | None = None,
@@ -134,11 +254,14 @@ class Accumulator:
                              f"got {weight_by!r}")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        self.backward = check_backward(backward)
         self.step_fn = step_fn
         self.weight_by, self.reduction = weight_by, reduction
         self.labels_key, self.ignore_index = labels_key, ignore_index
-        self.set_params(params)
+        self.set_params(resolve_params(params, optimizer))
         self.limit = micro_batch_size if size is not None else None
+        if size is None and policy is None:
+            policy = FitPeaks(device if device is not None else _device_of(self.params))
         self.size = size or make_controller(
             name or f"{qualname(step_fn)}:micro_batch", KEY, micro_batch_size, minimum=minimum,
             policy=policy, grow_after=grow_after, device=device, group=group,
@@ -150,21 +273,55 @@ class Accumulator:
         return self.size.current
 
     def set_params(self, params: Params) -> None:
-        """Change the tensors whose gradients are computed (and zeroed before each attempt)."""
+        """Change the tensors whose gradients are computed (and the DDP modules synced)."""
         self.params = _param_list(params)
+        self._holder = params
+        self._ddp: list[torch.nn.Module] | None = None
+
+    @property
+    def ddp(self) -> list[torch.nn.Module]:
+        """The DistributedDataParallel modules in ``params``, looked for only when a batch is
+        split: whole batches need no ``no_sync``, and the module walk costs about what the
+        parameter walk does (measured: 54-90 us for a 12-layer GPT-2's 164 modules)."""
+        if self._ddp is None:
+            self._ddp = _ddp_modules(self._holder)
+            self._holder = None  # found: hold no reference to the model longer than needed
+        return self._ddp
 
     def __call__(self, batch: Batch) -> torch.Tensor:
-        """Compute the gradients of the whole batch's loss into ``.grad``; return that loss
+        """Add the gradients of the whole batch's loss to ``.grad``; return that loss
         (detached: the whole batch's mean, or sum, over its units)."""
         n = batch_length(batch)
         cap = n if self.limit is None else min(n, self.limit)
         weights: dict[str, Any] = {}  # units per row, computed once and only when splitting
-        return self.size.run(lambda s: self._run_at(batch, n, s[KEY], weights), cap={KEY: cap})
+        entry = EntryGrads(self.params)
+        policy = self.size.policy
+        guided = policy if isinstance(policy, FitPeaks) else None
+        if guided is not None:
+            guided.reserve_bytes = entry.missing_bytes(guided.device)
+
+        added = False  # whether .grad holds an attempt's gradients
+
+        def attempt(sizes: Sizes) -> torch.Tensor:
+            nonlocal added
+            if added:  # an attempt that ran, redone because another rank ran out of memory
+                entry.restore()
+            added = True
+            try:
+                return self._run_at(batch, n, sizes[KEY], weights, guided, entry)
+            except BaseException:
+                # Undo this attempt's partial gradients now, before the OOM's memory is
+                # measured and the retry starts: each micro-batch then counts exactly once.
+                entry.restore()
+                added = False
+                raise
+
+        return self.size.run(attempt, cap={KEY: cap})
 
     def _units(self, batch: Batch, n: int, cache: dict[str, Any]) -> tuple[list[float], float]:
         """Prefix sums of units over rows (length n + 1) and the total."""
         if "prefix" not in cache:
-            if callable(self.weight_by):  # no prefix: _run_at counts each micro-batch's units
+            if callable(self.weight_by):  # no prefix: _plan counts each micro-batch's units
                 cache["prefix"], cache["total"] = [], float(self.weight_by(batch))
             else:
                 per_row = [1] * n if self.weight_by == "samples" else _row_units(
@@ -176,34 +333,53 @@ class Accumulator:
                                  f"is {self.ignore_index}?): its mean loss is undefined")
         return cache["prefix"], cache["total"]
 
-    def _run_at(self, batch: Batch, n: int, m: int, cache: dict[str, Any]) -> torch.Tensor:
-        """One attempt: zero the gradients, then every micro-batch of ``m`` rows."""
-        for p in self.params:
-            p.grad = None
-        if m >= n:  # the whole batch: no scaling, nothing to count
-            loss = self.step_fn(batch)
-            loss.backward()
-            return loss.detach()
+    def _plan(self, batch: Batch, n: int, m: int, cache: dict[str, Any]
+              ) -> list[tuple[Batch, int, float]]:
+        """The micro-batches of ``m`` rows that have units: (rows, their count, their weight)."""
         prefix, total = self._units(batch, n, cache)
-        total_loss: torch.Tensor | None = None
+        plan = []
         for start in range(0, n, m):
             stop = min(start + m, n)
             micro = slice_batch(batch, start, stop)
             units = float(self.weight_by(micro)) if callable(self.weight_by) \
                 else prefix[stop] - prefix[start]
-            if units == 0:
-                continue
-            loss = self.step_fn(micro)
-            weight = units / total if self.reduction == "mean" else 1.0
-            (loss * weight if weight != 1.0 else loss).backward()
-            part = loss.detach() * weight
+            if units != 0:  # no units: its mean is 0/0, its exact contribution zero
+                plan.append((micro, stop - start, units / total if self.reduction == "mean"
+                             else 1.0))
+        return plan
+
+    def _run_at(self, batch: Batch, n: int, m: int, cache: dict[str, Any],
+                guided: FitPeaks | None, entry: EntryGrads) -> torch.Tensor:
+        """One attempt: every micro-batch of ``m`` rows, added to the gradients; all but the
+        last under each DDP module's ``no_sync`` (one all-reduce per call, as DDP expects)."""
+        plan = [(batch, n, 1.0)] if m >= n else self._plan(batch, n, m, cache)
+        assert plan  # total > 0 guarantees one micro-batch with units
+        # The first backward creates the missing gradients: not part of a micro-batch's line.
+        created = guided.reserve_bytes if guided is not None else 0
+        total_loss: torch.Tensor | None = None
+        for i, (micro, rows, weight) in enumerate(plan):
+            probe = guided.probe(rows) if guided is not None else None
+            try:
+                with contextlib.ExitStack() as quiet:
+                    if i < len(plan) - 1:  # (a whole batch is one micro-batch: the last)
+                        for module in self.ddp:
+                            quiet.enter_context(module.no_sync())
+                    loss = self.step_fn(micro)
+                    self.backward(loss * weight if weight != 1.0 else loss)
+            finally:  # a probe's sampler stops also when the step runs out of memory
+                peak = probe.read() if probe is not None else None
+            if peak is not None:
+                guided.observe(rows, max(0, peak - created))  # type: ignore[union-attr]
+            created = 0
+            part = loss.detach() * weight if weight != 1.0 else loss.detach()
             total_loss = part if total_loss is None else total_loss + part
             del loss
-        assert total_loss is not None  # total > 0 guarantees one micro-batch ran
+        assert total_loss is not None
         return total_loss
 
 
-SIZE_OPTIONS = ("minimum", "policy", "grow_after", "device", "group", "sync_ranks")
+SIZE_OPTIONS = ("minimum", "policy", "grow_after", "device", "group", "sync_ranks",
+                "watch_alloc_retries")
 
 
 @dataclass(eq=False)
@@ -213,6 +389,14 @@ class _Remembered:
     memory: SizeMemory
     options: dict[str, Any] = field(default_factory=dict)
     size: SizeController | None = None
+    peaks: FitPeaks | None = None
+
+    def guided(self, device: Any, params: Params) -> FitPeaks:
+        """The default policy, one per entry so that its measured peaks last across calls."""
+        if self.peaks is None:
+            where = device if device is not None else _device_of(_param_list(params))
+            self.peaks = FitPeaks(where)
+        return self.peaks
 
     def controller(self, options: dict[str, Any]) -> SizeController:
         """A controller with this call's options (the last one when they are the same)."""
@@ -228,33 +412,47 @@ _MEMORY: WeakIdMap[Any, dict[str, _Remembered]] = WeakIdMap()
 
 
 def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
-               micro_batch_size: int | None = None, *, params: Params,
+               micro_batch_size: int | None = None, *, params: Params | None = None,
+               optimizer: torch.optim.Optimizer | None = None,
+               backward: Callable[[torch.Tensor], Any] | None = None,
                name: str | None = None, **options: Any) -> torch.Tensor:
-    """Gradients of ``step_fn`` over the whole ``batch``, in micro-batches if it does not fit.
+    """Add the gradients of ``step_fn`` over the whole ``batch`` to ``.grad``, in micro-batches
+    if it does not fit.
 
     The function form of :class:`Accumulator`, whose options apply to this call only. The
-    micro-batch size found persists per ``params`` object (while it lives) and ``name``
-    (default: the step function's qualified name, so a step function defined anew every
-    iteration keeps its size). Returns the whole batch's loss (detached). Typical use::
+    micro-batch size found (and the peaks measured, for the default
+    :class:`~oomguard.engine.core.execute.retry.FitPeaks` policy) persists per ``params``
+    object, else ``optimizer`` (while it lives), and ``name`` (default: the step function's
+    qualified name, so a step function defined anew every iteration keeps its size).
+    Returns the whole batch's loss (detached, not scaled by ``backward``). Typical use::
 
         loss = oomguard.accumulate(lambda mb: model(**mb).loss, batch, params=model,
                                    weight_by="causal-tokens")
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    Inside a loop of one's own (``for micro_step in range(k)``), with the user's backward::
+
+        oomguard.accumulate(step, batch, params=model,
+                            backward=lambda loss: scaler.scale(loss / k).backward())
     """
-    tensors = _param_list(params)
+    check_backward(backward)
     check_positive_int("micro_batch_size", micro_batch_size, optional=True)
+    params = resolve_params(params, optimizer)
     key = name or f"{qualname(step_fn)}:micro_batch"
     anchor = params if isinstance(params, (torch.nn.Module, torch.optim.Optimizer)) \
-        else (tensors[0] if tensors else None)
+        else (params[0] if params else None)
     known = _MEMORY.get(anchor) if anchor is not None else {}
     if known is None:
         known = _MEMORY[anchor] = {}
     entry = known.get(key)
     if entry is None:
         entry = known[key] = _Remembered(remembered(key, KEY, micro_batch_size))
-    size = entry.controller({k: options.pop(k) for k in SIZE_OPTIONS if k in options})
-    return Accumulator(step_fn, tensors, micro_batch_size=micro_batch_size, size=size,
-                       **options)(batch)
+    chosen = {k: options.pop(k) for k in SIZE_OPTIONS if k in options}
+    if chosen.get("policy") is None:
+        chosen["policy"] = entry.guided(chosen.get("device"), params)
+    return Accumulator(step_fn, params, backward=backward, micro_batch_size=micro_batch_size,
+                       size=entry.controller(chosen), **options)(batch)
 
 
 def forget(name: str | None = None) -> None:

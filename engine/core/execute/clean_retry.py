@@ -1,5 +1,7 @@
-"""Retries that never train on a failed attempt's leftovers: the one retry hygiene of every
-adaptive wrapper (``@adaptive``, ``find_executable_batch_size``, ``Executor``, ``accumulate``).
+"""Retries that never train on a failed attempt's leftovers: the retry hygiene of the adaptive
+wrappers that run a user's whole step (``@adaptive``, ``find_executable_batch_size``,
+``Executor``). ``accumulate`` keeps its own: it puts back the gradients an outer loop left
+(:class:`~oomguard.engine.training.accumulate.EntryGrads`) instead of clearing them.
 
 An attempt that runs out of memory in its backward has already added part of its gradient to
 some ``.grad`` tensors; one that runs out inside ``optimizer.step()`` may have updated some

@@ -3,14 +3,23 @@
 A policy's one method, :meth:`RetryPolicy.shrink`, gets the sizes that ran out of memory
 and their minimums and returns the next (smaller) sizes, or None when nothing smaller is
 allowed (retrying stops). :class:`~oomguard.engine.core.execute.executor.SizeController`
-asks it after every OOM; it is the only place where a retry size is decided.
+asks it after every OOM, once the OOM's memory is released; it is the only place where a
+retry size is decided. :class:`Halve` and :class:`ReduceWith` follow a rule;
+:class:`FitPeaks` goes to the largest size the peaks measured so far predict fits.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from oomguard.engine.core.memory.budget import headroom_bytes
+from oomguard.engine.core.search.fit import peak_model
+from oomguard.probes.peak import PeakMeter
 
 Sizes = dict[str, int]
 
@@ -44,3 +53,114 @@ class Halve(ReduceWith):
     """The default policy: halve every tunable size, down to its minimum."""
 
     fn: Callable[[int], int] = _half
+
+
+# A micro-batch size is measured until it has this many peaks: enough for a line through a
+# noisy step, and then the meter costs nothing more (and, on CUDA, stops resetting the
+# allocator's peak counters, which a user's own per-step logging may read).
+PEAKS_PER_SIZE = 3
+SIZES_KEPT = 16  # the most recent sizes whose peaks are kept
+
+
+@dataclass(eq=False)
+class FitPeaks:
+    """Shrink to the largest size the measured peaks predict fits the memory left, as the
+    guided search predicts (:func:`~oomguard.engine.core.search.fit.peak_model`: a
+    least-squares line of peak bytes against size from two sizes or more, proportional from
+    one), never at or above the size that failed; ``fallback`` (default :class:`Halve`)
+    where nothing was measured, no limit is known, the line says the size that failed fits
+    (refuted) or that not even the minimum does, or the last prediction ran out of memory.
+
+    What it fits: :meth:`observe` gets ``(size, peak bytes)`` points measured by the caller
+    (:meth:`probe`: on the CPU the sampled data segment, the units ``RLIMIT_DATA`` counts; on
+    CUDA the allocator's allocated bytes), the first :data:`PEAKS_PER_SIZE` at each size.
+    The capacity is measured when the OOM is over (its memory released):
+    :func:`~oomguard.engine.core.memory.budget.headroom_bytes` of ``device``, minus
+    ``reserve_bytes``, what the retry will allocate that the points do not count (the
+    gradients it creates, set by :class:`~oomguard.engine.training.accumulate.Accumulator`).
+    The size it returns is an estimate: a wrong one costs one more OOM and a halving. On
+    CUDA the headroom counts reserved segments after the cache is emptied, and a segment
+    split by a live tensor stays reserved though its free rest could serve part of a
+    micro-batch: there the prediction errs low, never high.
+    """
+
+    device: Any = "cpu"
+    fallback: RetryPolicy = field(default_factory=Halve)
+    reserve_bytes: int = 0
+    peaks: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)
+    predicted: int | None = None  # the last size this policy chose from the line
+
+    def probe(self, size: int) -> PeakProbe | None:
+        """A meter for one step at ``size``; None when that size has its
+        :data:`PEAKS_PER_SIZE` peaks already or no limit is known (nothing to fit against)."""
+        if len(self.peaks.get(size, ())) >= PEAKS_PER_SIZE or headroom_bytes(self.device) is None:
+            return None
+        try:
+            return PeakProbe(self.device)
+        except RuntimeError:  # no room left to start the sampler thread: the step runs unmeasured
+            return None
+
+    def observe(self, size: int, peak_bytes: int) -> None:
+        """Record a measured peak (bytes above the step's start) of a step at ``size``."""
+        self.peaks.setdefault(size, []).append(peak_bytes)
+        self.peaks.move_to_end(size)
+        if len(self.peaks) > SIZES_KEPT:
+            self.peaks.popitem(last=False)
+
+    def predict(self) -> int | None:
+        """The largest size whose fitted peak fits the headroom now, less ``reserve_bytes``
+        (an estimate); None without a limit, a point or a positive slope."""
+        fit = peak_model([(s, p) for s, ps in self.peaks.items() for p in ps])
+        room = headroom_bytes(self.device)
+        if fit is None or room is None or fit.per_item_bytes <= 0:
+            return None
+        return fit.largest_size_within(room - self.reserve_bytes)
+
+    def shrink(self, sizes: Mapping[str, int], minimum: Mapping[str, int]) -> Sizes | None:
+        if len(sizes) != 1:  # one line per knob is not known: several knobs follow the rule
+            return self.fallback.shrink(sizes, minimum)
+        (key, size), = sizes.items()
+        missed = self.predicted is not None and size <= self.predicted
+        self.predicted = None
+        guess = None if missed else self.predict()
+        if guess is None or guess >= size or guess < minimum.get(key, 1):
+            # Nothing to go by, or the line was just refuted: an OOM at a size it said fits
+            # (taking the size below the OOM instead would walk down one size at a time),
+            # or it says not even the minimum fits (the rule's gentler step decides that).
+            return self.fallback.shrink(sizes, minimum)
+        self.predicted = guess
+        return {key: guess}
+
+
+class PeakProbe:
+    """The peak bytes one step adds on ``device``, measured cheaply enough for every
+    micro-batch: on the CPU :class:`~oomguard.probes.peak.PeakMeter` in the limit's units
+    (the data segment, sampled: a lower bound); on CUDA the allocator's own counters,
+    ``max_memory_allocated`` after ``reset_peak_memory_stats`` minus ``memory_allocated`` at
+    the start, without emptying the cache (PeakMeter's reset does, which would cost every
+    micro-batch a cudaFree and cudaMalloc of the cache); elsewhere nothing (0)."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = torch.device(device)
+        self.kind = self.device.type
+        self.meter: PeakMeter | None = None
+        self.start = 0
+        if self.kind == "cuda" and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+        elif self.kind == "cpu":
+            self.meter = PeakMeter("cpu", limit_units=True)
+            try:
+                self.meter.reset()
+            except RuntimeError:  # its sampler thread could not start (no memory left)
+                if self.meter._data is not None:  # noqa: SLF001 - the descriptor it opened
+                    self.meter._data.close()  # noqa: SLF001
+                raise
+
+    def read(self) -> int | None:
+        """Peak bytes above the start (None: not measured); stops the CPU sampler."""
+        if self.meter is not None:
+            return self.meter.limit_read()
+        if self.kind == "cuda" and torch.cuda.is_available():
+            return max(0, torch.cuda.max_memory_allocated(self.device) - self.start)
+        return None
