@@ -1,0 +1,190 @@
+"""A transformers ``Trainer`` that finds its own micro-batch and keeps the effective batch.
+
+Why a mixin (and :class:`OomguardTrainer`, the mixin on ``Trainer``) and not a callback:
+the batch size has to be chosen before ``Trainer.train`` builds its dataloader, and the
+first callback event, ``on_train_begin``, comes after ``get_train_dataloader()`` in
+``_inner_training_loop`` (transformers 5.24 trainer.py). A mixin composes with a user's own
+``Trainer`` subclass: ``class MyTrainer(OomguardTrainerMixin, SFTTrainer)``.
+
+What ``train()`` does first (read from transformers 5.24 trainer.py and training_args.py):
+
+- creates the optimizer with ``create_optimizer()``; ``create_optimizer_and_scheduler``
+  later returns the same object (it builds one only while ``self.optimizer`` is None), so
+  the run steps the very optimizer the search stepped;
+- searches the largest per-device micro-batch at which ``training_step`` (forward, loss,
+  ``accelerator.backward``; twice below the effective batch, :func:`~.sizing.passes`)
+  followed by ``optimizer.step()`` and ``zero_grad()`` runs, two steps per trial (the first allocates the optimizer's state), on the first rows of the
+  training set as the Trainer collates them; the model, its gradients, the optimizer and
+  the RNG are restored after the search (``oomguard.search(..., restore=...)``);
+- keeps ``per_device_train_batch_size x gradient_accumulation_steps`` (one device's
+  effective batch; the world size is not touched) and sets the micro-batch to its largest
+  divisor at or below the search's recommended size (:func:`~.sizing.split_for`). ``TrainingArguments`` are plain mutable dataclass
+  fields; the dataloader reads ``self._train_batch_size`` (set from
+  ``args.train_batch_size``) and the loop reads ``args.gradient_accumulation_steps`` on
+  every step; the Accelerator is created with ``num_steps=1`` (the Trainer accumulates
+  itself), so nothing else holds the old values.
+
+The loss stays the same training: with a model that accepts ``num_items_in_batch`` (the
+causal LMs), each micro-batch's summed loss is divided by the tokens of the whole
+effective batch, and otherwise by ``current_gradient_accumulation_steps``, the number of
+micro-batches in the step (trainer.py ``training_step``), so the gradients of one
+optimizer step are those of the whole effective batch within float rounding.
+
+``evaluate()`` (also when the training loop evaluates) first searches the evaluation
+forward (``prediction_step``, no gradients) up to ``per_device_eval_batch_size`` and uses the
+largest size that ran: the evaluation batch changes no result (the loop weights each
+batch's loss by its rows).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer_utils import has_length
+from transformers.utils import is_datasets_available
+
+from oomguard.engine.errors import UsageError
+from oomguard.engine.integrations.sizing import (
+    Split,
+    batch_rows,
+    passes,
+    rows,
+    search_step,
+    size_found,
+    split_for,
+)
+
+log = logging.getLogger("oomguard.integrations")
+
+
+def first_rows(trainer: Trainer, dataset: Any, n: int, description: str) -> dict[str, Any]:
+    """The first ``n`` rows of ``dataset`` collated as the Trainer's dataloader collates them
+    (unused columns removed), on the Trainer's device. Not drawn from the dataloader: its
+    random sampler would draw from the RNG, and a half-read accelerate dataloader stays
+    registered as the one in progress."""
+    if not has_length(dataset):
+        raise UsageError(f"sizing the {description.lower()} batch needs a dataset with a length "
+                         f"(rows to try); got {type(dataset).__name__}")
+    collator = trainer.data_collator
+    if is_datasets_available() and isinstance(dataset, _datasets().Dataset):
+        dataset = trainer._remove_unused_columns(dataset, description=description)
+    else:  # what Trainer._get_dataloader does for other datasets
+        collator = trainer._get_collator_with_removed_columns(collator, description=description)
+    return trainer._prepare_inputs(collator([dataset[i] for i in range(min(n, len(dataset)))]))
+
+
+def _datasets() -> Any:
+    import datasets
+
+    return datasets
+
+
+def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> Split:
+    """Choose ``trainer``'s per-device micro-batch (module docstring) and set it, the effective
+    batch kept; return the :class:`Split`. The micro-batch is at most the search's
+    recommended size, or with ``largest`` the largest size that ran
+    (:func:`~.sizing.split_for`). ``options`` go to ``oomguard.search`` (``margin=``: the
+    recommendation's)."""
+    args = trainer.args
+    if trainer.train_dataset is None:
+        raise UsageError("the Trainer has no train_dataset to size the micro-batch on")
+    effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    batch = first_rows(trainer, trainer.train_dataset, effective, "Training")
+    model, optimizer = trainer.model, trainer.create_optimizer()
+    if not hasattr(trainer, "current_gradient_accumulation_steps"):
+        trainer.current_gradient_accumulation_steps = 1  # the loop sets it before each step
+
+    def step(size: int) -> float:
+        for _ in range(passes(size, effective)):
+            loss = trainer.training_step(model, rows(batch, size))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    was_training = model.training
+    try:
+        result = search_step(step, min(effective, batch_rows(batch)), (model, optimizer),
+                             "trainer.training_step", **options)
+    finally:
+        model.train(was_training)
+    split = split_for(effective, result, largest)
+    args.per_device_train_batch_size = split.micro_batch
+    args.gradient_accumulation_steps = split.accumulation
+    trainer._train_batch_size = args.train_batch_size
+    log.info("Trainer: micro-batch %d x %d accumulation steps = %d rows per device and step "
+             "(largest that ran: %d)", split.micro_batch, split.accumulation, effective,
+             split.found)
+    return split
+
+
+def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, largest: bool = False,
+                   **options: Any) -> Split:
+    """Choose ``trainer``'s per-device evaluation batch: the recommended size (with
+    ``largest``, the largest that ran) up to ``per_device_eval_batch_size`` of the search of
+    ``prediction_step``; set it and return the :class:`Split` (no accumulation: evaluation
+    has no optimizer step). What the evaluation loop keeps across batches (the logits, unless
+    ``prediction_loss_only``) grows with the evaluation set, not the batch: no batch size
+    sizes it."""
+    args = trainer.args
+    dataset = eval_dataset if eval_dataset is not None else trainer.eval_dataset
+    if dataset is None or isinstance(dataset, (dict, str)):
+        raise UsageError("fit_eval_batch sizes one evaluation dataset; got "
+                         f"{type(dataset).__name__}")
+    configured = args.per_device_eval_batch_size
+    model = trainer.model
+    batch = first_rows(trainer, dataset, configured, "Evaluation")
+
+    def step(size: int) -> int:
+        trainer.prediction_step(model, rows(batch, size), args.prediction_loss_only)
+        return size
+
+    was_training = model.training
+    model.eval()
+    try:
+        result = search_step(step, min(configured, batch_rows(batch)), None,
+                             "trainer.prediction_step", **options)
+    finally:
+        model.train(was_training)
+    size = size_found(result, largest)
+    args.per_device_eval_batch_size = size
+    log.info("Trainer: evaluation batch %d per device (configured %d, largest that ran: %d)",
+             size, configured, result.max_ok)
+    return Split(size, size, 1, result.max_ok, result)
+
+
+class OomguardTrainerMixin:
+    """Put before a ``Trainer`` class: ``train()`` first sizes the micro-batch, the effective
+    batch kept, and ``evaluate()`` the evaluation batch (module docstring). ``oomguard_options``
+    (a dict given to ``__init__``) go to ``oomguard.search``; ``oomguard_largest=True``
+    runs up to the largest size that ran instead of the recommended size. The splits chosen
+    are ``self.oomguard_train`` and ``self.oomguard_eval``."""
+
+    def __init__(self, *args: Any, oomguard_options: dict[str, Any] | None = None,
+                 oomguard_largest: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.oomguard_options = dict(oomguard_options or {})
+        self.oomguard_largest = oomguard_largest
+        self.oomguard_train: Split | None = None
+        self.oomguard_eval: Split | None = None
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        if self.oomguard_train is None:
+            self.oomguard_train = fit_train_batch(self, self.oomguard_largest,
+                                                  **self.oomguard_options)
+        return super().train(*args, **kwargs)
+
+    def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if self.oomguard_eval is None and not isinstance(dataset, (dict, str)):
+            with torch.no_grad():
+                self.oomguard_eval = fit_eval_batch(self, eval_dataset, self.oomguard_largest,
+                                                    **self.oomguard_options)
+        return super().evaluate(eval_dataset, *args, **kwargs)
+
+
+class OomguardTrainer(OomguardTrainerMixin, Trainer):
+    """``transformers.Trainer`` that sizes its micro-batch and evaluation batch; a drop-in
+    for ``Trainer(...)`` (:class:`OomguardTrainerMixin`)."""

@@ -1,0 +1,109 @@
+"""What the framework integrations share: search a framework's real step, then split the
+user's effective batch into the largest micro-batch that fits.
+
+The effective batch (rows per optimizer step on one device) is part of the training's
+maths, so it is never changed: only how it is split. The micro-batch is the largest divisor
+of the effective batch at or below the size the search found, so every optimizer step sums
+the same number of equal micro-batches (:func:`micro_batch_for`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from oomguard.engine.core.search.search import SearchResult, search
+from oomguard.engine.errors import UsageError, check_positive_int
+from oomguard.engine.training.distributed import agree
+
+log = logging.getLogger("oomguard.integrations")
+
+# A trial runs the step twice at its size: the first optimizer step allocates the
+# optimizer's state (AdamW: two tensors per parameter), the second is the steady state.
+STEPS_PER_TRIAL = 2
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one device's effective batch is run: ``micro_batch`` rows per forward and backward,
+    ``accumulation`` of them per optimizer step (``micro_batch * accumulation ==
+    effective``, in rows). ``found``: the largest size the search ran (measured);
+    ``search``: its result (None when no search ran)."""
+
+    effective: int
+    micro_batch: int
+    accumulation: int
+    found: int | None
+    search: SearchResult | None = None
+
+
+def micro_batch_for(effective: int, fits: int) -> int:
+    """The largest divisor of ``effective`` (rows) at or below ``fits`` (rows); 1 at least."""
+    check_positive_int("effective", effective)
+    check_positive_int("fits", fits)
+    return max(d for d in range(1, min(effective, fits) + 1) if effective % d == 0)
+
+
+def size_found(result: SearchResult, largest: bool = False) -> int:
+    """The size a run may use from a search's result: ``size_to_use`` (the recommended size),
+    or with ``largest`` ``max_ok``; under ``torch.distributed`` the smallest over the ranks
+    (one ``all_reduce``, every rank calls it), so that every rank accumulates the same number
+    of micro-batches per step and their gradient all-reduces pair up."""
+    size = result.max_ok if largest else result.size_to_use
+    assert size is not None  # search raises NoSizeFits otherwise
+    return agree(size, False).size
+
+
+def split_for(effective: int, result: SearchResult, largest: bool = False) -> Split:
+    """The :class:`Split` of ``effective`` rows a search's result allows: at most its
+    ``size_to_use`` (the recommended size, its ``margin`` of the capacity below the largest
+    that ran), or with ``largest`` its ``max_ok`` itself. Why not the largest by default:
+    the framework's loop holds more than a trial (its dataloader, its state set up after the
+    search, what the search left behind); measured on the tiny GPT-2 of
+    tests/test_integrations_hf.py under 40 MiB, the Trainer at 256 x 4 rows needed 38-40
+    MiB where a trial at 263 peaked at 37.8 MiB."""
+    micro = micro_batch_for(effective, size_found(result, largest))
+    return Split(effective, micro, effective // micro, result.max_ok, result)
+
+
+def passes(size: int, effective: int) -> int:
+    """Forward and backward passes a trial runs at ``size`` before its optimizer step: 2 below
+    the ``effective`` batch, where the run accumulates (the second backward adds into the
+    ``.grad`` the first left, which needs a gradient-sized temporary the first did not),
+    else 1."""
+    return 2 if size < effective else 1
+
+
+def rows(batch: Any, n: int) -> Any:
+    """The first ``n`` rows (dim 0) of every tensor in ``batch`` (a tensor, or a dict, list or
+    tuple of them; anything else is kept)."""
+    return tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() else t, batch)
+
+
+def batch_rows(batch: Any) -> int:
+    """The number of rows (dim 0) of the first tensor in ``batch``."""
+    for leaf in torch.utils._pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim():
+            return int(leaf.shape[0])
+    raise UsageError("the batch holds no tensor with a batch dimension")
+
+
+def search_step(step: Callable[[int], Any], effective: int,
+                restore: tuple[torch.nn.Module, torch.optim.Optimizer] | None, name: str,
+                **options: Any) -> SearchResult:
+    """Search the largest size from 1 to ``effective`` rows at which ``step(size)`` runs.
+    A training step (``restore`` given: the model and the optimizer it steps) runs the
+    framework's whole step, optimizer step included, ``STEPS_PER_TRIAL`` times per trial, and
+    the model and optimizer are restored after every trial (parameters, gradients, optimizer
+    state, RNG); an evaluation step (``restore`` None) changes no state and runs once per
+    trial. ``options`` go to :func:`~oomguard.engine.core.search.search.search`; without a
+    ``budget`` the trials run under the limit that binds the process (an outer
+    ``oomguard.budget``, a cgroup, ``ulimit -d``) or the RAM guard."""
+    step.__name__ = name  # type: ignore[attr-defined]  # what logs and results call it
+    options.setdefault("steps_per_trial", STEPS_PER_TRIAL if restore is not None else 1)
+    return search(step, max_size=effective, restore=restore, **options)

@@ -1,0 +1,120 @@
+"""The transformers integration: ``OomguardTrainer`` with the real ``Trainer`` on a tiny GPT-2,
+under a real CPU budget in a fresh process (tests/conftest.py ``in_fresh_process``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import budget_after_warmup, in_fresh_process
+
+EFFECTIVE = 1024  # rows per device and optimizer step, as configured
+STEPS = 3
+BUDGET = 40 * 1024**2  # measured: the Trainer's step at 1024 rows needs more, at 256 less
+
+
+def _data(n: int, seed: int) -> list[dict]:
+    import torch
+
+    ids = torch.randint(0, 64, (n, 32), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": r, "labels": r} for r in ids]
+
+
+def _trainer(cls: type, eval_batch: int = 8):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    torch.manual_seed(0)
+    # no dropout: its masks differ between one batch and its micro-batches
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    args = TrainingArguments(output_dir="/tmp/oomguard-test-hf", report_to=[],
+                             per_device_train_batch_size=EFFECTIVE, gradient_accumulation_steps=1,
+                             per_device_eval_batch_size=eval_batch, max_steps=STEPS,
+                             logging_steps=1, save_strategy="no", use_cpu=True,
+                             disable_tqdm=True, seed=0, prediction_loss_only=True)
+    return cls(model=GPT2LMHeadModel(config), args=args,
+               train_dataset=_data(EFFECTIVE * STEPS, 0), eval_dataset=_data(EFFECTIVE, 1))
+
+
+def _losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _train_three_ways() -> dict:
+    """The configured Trainer without a budget (the reference), OomguardTrainer under the
+    budget, and the configured Trainer under the same budget (must run out)."""
+    from transformers import Trainer
+
+    import oomguard
+    from oomguard.integrations import OomguardTrainer
+
+    out: dict = {}
+    reference = _trainer(Trainer, eval_batch=EFFECTIVE)
+    reference.train()
+    out["reference"] = _losses(reference)
+    out["reference_eval"] = reference.evaluate()["eval_loss"]
+
+    ours = _trainer(OomguardTrainer, eval_batch=EFFECTIVE)
+    with budget_after_warmup(BUDGET):
+        ours.train()
+        out["eval"] = ours.evaluate()["eval_loss"]
+    out["ours"] = _losses(ours)
+    a = ours.args
+    out["split"] = (a.per_device_train_batch_size, a.gradient_accumulation_steps,
+                    ours.oomguard_train.search.size_to_use, ours.oomguard_train.found,
+                    a.per_device_eval_batch_size)
+    out["steps"] = ours.state.global_step
+
+    plain = _trainer(Trainer)
+    try:
+        with budget_after_warmup(BUDGET):
+            plain.train()
+        out["plain"] = "ran"
+    except Exception as exc:  # the OOM this budget causes, or anything else to report
+        out["plain"] = "oom" if oomguard.is_oom(exc) else repr(exc)
+    return out
+
+
+@pytest.mark.slow
+def test_trainer_finds_the_micro_batch_keeps_the_effective_batch_and_trains_the_same():
+    from oomguard.integrations import micro_batch_for
+
+    got = in_fresh_process(_train_three_ways)
+    micro, accumulation, fits, found, eval_batch = got["split"]
+    assert got["plain"] == "oom"  # the configured batch does not fit this budget
+    assert micro < EFFECTIVE and micro * accumulation == EFFECTIVE
+    assert micro == micro_batch_for(EFFECTIVE, fits) and fits <= found
+    assert got["steps"] == STEPS  # trained to the end: no OOM
+    assert got["ours"] == pytest.approx(got["reference"], rel=1e-5)  # the same training
+    assert eval_batch < EFFECTIVE  # the evaluation batch was sized too, and the loss kept
+    assert got["eval"] == pytest.approx(got["reference_eval"], rel=1e-5)
+
+
+def test_the_micro_batch_is_the_largest_divisor_of_the_effective_batch_that_fits():
+    from oomguard.engine.errors import UsageError
+    from oomguard.integrations import micro_batch_for
+
+    assert micro_batch_for(1024, 264) == 256
+    assert micro_batch_for(96, 40) == 32
+    assert micro_batch_for(97, 96) == 1  # a prime: one row at a time keeps it exact
+    assert micro_batch_for(64, 1000) == 64
+    with pytest.raises(UsageError):
+        micro_batch_for(64, 0)
+
+
+@pytest.mark.slow  # builds a Trainer (~1 s)
+def test_a_training_set_without_a_length_is_one_usage_error_before_any_work():
+    import torch
+
+    from oomguard.engine.errors import UsageError
+    from oomguard.integrations import OomguardTrainer
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(_data(8, 0))
+
+    trainer = _trainer(OomguardTrainer)
+    trainer.train_dataset = Stream()
+    with pytest.raises(UsageError, match="needs a dataset with a length"):
+        trainer.train()
+    assert trainer.optimizer is None  # nothing ran
