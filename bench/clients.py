@@ -1,32 +1,45 @@
-"""Training loops as users write them, under one CPU budget: the native tool against oomguard.
+"""Training loops as users write them, under a CPU budget: each client's native tool against oomguard.
 
-The client is a nanoGPT-style loop (a tiny GPT-2 from a config, AdamW, an effective batch of
-``EFFECTIVE`` rows per optimizer step). Each variant runs in a fresh process: the warm-up,
-then a real ``RLIMIT_DATA`` budget, then its search, then ``STEPS`` optimizer steps of the
-real loop at what it found:
+Three clients, each with an effective batch (rows per optimizer step) that does not fit its
+budget: a nanoGPT-style loop, the transformers ``Trainer`` and a Lightning module (the
+last two from examples/trainer_script.py and examples/lightning_script.py). Each variant
+runs in a fresh process: the warm-up, then a real ``RLIMIT_DATA`` budget, then its search,
+then optimizer steps of the real loop at what it found. For the nanoGPT-style loop:
 
 - **native**: accelerate's recipe, ``find_executable_batch_size`` around the whole loop
   (accelerate >= 1.9 multiplies the size by 0.9 after each OOM and restarts the loop); the
   batch it settles on is the effective batch, which therefore shrinks.
 - **oomguard**: ``oomguard.search(step, restore=(model, optimizer))`` finds the largest
-  micro-batch at which the whole step (forward, backward, ``optimizer.step()``) runs, and
-  the loop runs ``oomguard.accumulate`` over ``EFFECTIVE`` rows at that micro-batch, so the
-  effective batch is kept exactly.
+  micro-batch at which the loop's whole step runs (the effective batch in micro-batches,
+  each backward adding into the gradients, then ``optimizer.step()``), and the loop runs
+  ``oomguard.accumulate`` over ``EFFECTIVE`` rows at that micro-batch (the largest that
+  ran, ``max_ok``, or the recommendation, ``size_to_use``, the default margin below it), so
+  the effective batch is kept exactly.
+
+For the Trainer, native is ``auto_find_batch_size=True`` (accelerate's helper restarting the
+inner loop at x0.9) and oomguard ``OomguardTrainer``; for Lightning, native is
+``BatchSizeFinder(mode="binsearch")`` and oomguard ``BatchSizeCallback``. Both oomguard
+integrations keep the effective batch (micro-batch x gradient accumulation).
 
 Columns: the micro-batch found, the search's trials (restarts for the native tool), the
 OOMs during the ``STEPS`` steps after it, the effective batch of those steps, seconds to the
 answer (also over the trials times two optimizer steps of the loop it found, the goal
 being at most 1) and in all (also as a ratio to the native tool's), and the micro-batch over the
 loop's own maximum m: the largest size at which ``CHECK_STEPS`` steps of the plain loop run
-in a fresh process (bisected, a fresh process per size).
+in a fresh process (bisected, a fresh process per size; for the frameworks, their own loop at
+that per-device batch with two micro-batches per step, as the split runs).
 
-    .venv/bin/python bench/clients.py [--steps 100]
+    .venv/bin/python bench/clients.py [--steps 100] [--framework-steps 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import sys
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -38,6 +51,11 @@ SEQ, VOCAB = 32, 2048
 BUDGET = 160 * 1024**2
 CHECK_STEPS = 3
 PRELOAD = ("transformers",)
+# The frameworks' clients: the examples' tiny GPT-2 under 40 MiB, 480 rows per step (480 has
+# many divisors, so the micro-batch can be close to what fits).
+FRAMEWORK_EFFECTIVE = 480
+FRAMEWORK_BUDGET = 40 * 1024**2
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -110,15 +128,19 @@ def _native(steps: int) -> dict[str, Any]:
             "note": f"sizes tried {tried}; an OOM restarts the loop with fewer rows"}
 
 
-def _oomguard(steps: int) -> dict[str, Any]:
+def _oomguard(steps: int, largest: bool) -> dict[str, Any]:
     import oomguard
 
     model, opt = _model()
     _warm(model)
 
     def step(size: int) -> None:
-        ids = _rows(size, 0)
-        model(input_ids=ids, labels=ids).loss.backward()
+        """One optimizer step of the loop as it will run: the effective batch in micro-batches
+        of ``size`` rows (the last one shorter), each backward adding into the gradients."""
+        ids = _rows(EFFECTIVE, 0)
+        for start in range(0, EFFECTIVE, size):
+            mb = ids[start:start + size]
+            (model(input_ids=mb, labels=mb).loss * (len(mb) / EFFECTIVE)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -126,9 +148,10 @@ def _oomguard(steps: int) -> dict[str, Any]:
     with oomguard.budget(BUDGET, "cpu"):
         result = oomguard.search(step, restore=(model, opt), max_size=EFFECTIVE)
         t_search = time.perf_counter()
-        # The loop runs at the largest size that ran; an OOM there costs accumulate a retry at
-        # the size its measured peaks predict, never a changed effective batch.
-        micro = result.max_ok
+        # The largest size that ran, or the recommendation (the default margin below it); an
+        # OOM in the loop costs accumulate a retry at the size its measured peaks predict,
+        # never a changed effective batch.
+        micro = result.max_ok if largest else result.size_to_use
         for i in range(steps):
             batch = {"input_ids": _rows(EFFECTIVE, i)}
             oomguard.accumulate(lambda mb: model(input_ids=mb["input_ids"],
@@ -145,15 +168,186 @@ def _oomguard(steps: int) -> dict[str, Any]:
                     f"{result.size_to_use})"}
 
 
-def _true_max(ctx: Any) -> int:
-    """The loop's own maximum: the largest size whose plain steps run in a fresh process."""
-    lo, hi = 1, EFFECTIVE + 1
-    if _fresh(ctx, _plain_steps, EFFECTIVE, CHECK_STEPS):
-        return EFFECTIVE
+def _true_max(ctx: Any, fits: Any, most: int) -> int:
+    """The largest size from 1 to ``most`` at which ``fits(size)`` holds in a fresh process
+    (bisected; fitting is monotone in the size)."""
+    if _fresh(ctx, fits, most):
+        return most
+    lo, hi = 1, most
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _fresh(ctx, _plain_steps, mid, CHECK_STEPS) else (lo, mid)
+        lo, hi = (mid, hi) if _fresh(ctx, fits, mid) else (lo, mid)
     return lo
+
+
+def _loop_fits(size: int) -> bool:
+    return _plain_steps(size, CHECK_STEPS)
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    for name in ("lightning.pytorch", "lightning", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _trainer(per_device: int, accum: int, steps: int, cls: Any = None,
+             options: dict[str, Any] | None = None, **extra: Any) -> Any:
+    from trainer_script import make_rows
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    _quiet()
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    args = TrainingArguments(
+        output_dir="/tmp/oomguard-bench-trainer", per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accum, max_steps=steps, learning_rate=3e-3,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+        logging_strategy="no", **extra)
+    trainer = (cls or Trainer)(model=GPT2LMHeadModel(config), args=args,
+                               train_dataset=make_rows(FRAMEWORK_EFFECTIVE * steps, 0),
+                               **(options or {}))
+    trainer.model(**trainer.data_collator(make_rows(2, 2))).loss.backward()  # warm-up
+    trainer.model.zero_grad(set_to_none=True)
+    return trainer
+
+
+def _trainer_fits(size: int) -> bool:
+    import oomguard
+
+    trainer = _trainer(size, 2, 2)
+    with oomguard.budget(FRAMEWORK_BUDGET, "cpu"):
+        try:
+            trainer.train()
+        except RuntimeError as exc:
+            if not oomguard.is_oom(exc):
+                raise
+            return False
+    return True
+
+
+def _trainer_native(steps: int) -> dict[str, Any]:
+    import oomguard
+
+    trainer = _trainer(FRAMEWORK_EFFECTIVE, 1, steps, auto_find_batch_size=True)
+    tried: list[int] = []
+    inner, t0, at = trainer._inner_training_loop, time.perf_counter(), [0.0]
+
+    def recorded(batch_size: int | None = None, *args: Any, **kwargs: Any) -> Any:
+        tried.append(batch_size)
+        at[0] = time.perf_counter()
+        return inner(batch_size, *args, **kwargs)
+
+    trainer._inner_training_loop = recorded
+    with oomguard.budget(FRAMEWORK_BUDGET, "cpu"):
+        trainer.train()
+    end, size = time.perf_counter(), tried[-1]
+    return {"size": size, "trials": len(tried), "ooms": 0, "effective": size,
+            "search_s": at[0] - t0, "step_s": (end - at[0]) / steps, "total_s": end - t0,
+            "note": f"per-device batches tried {tried}"}
+
+
+def _trainer_oomguard(steps: int, largest: bool) -> dict[str, Any]:
+    import oomguard
+    from oomguard.integrations import OomguardTrainer
+
+    trainer = _trainer(FRAMEWORK_EFFECTIVE, 1, steps, cls=OomguardTrainer,
+                       options={"oomguard_largest": largest})
+    t0 = time.perf_counter()
+    with oomguard.budget(FRAMEWORK_BUDGET, "cpu"):
+        ooms = _ran_out(trainer.train)  # the Trainer's loop has no retry: an OOM ends it
+    end, split = time.perf_counter(), trainer.oomguard_train
+    search_s = split.search.seconds
+    a = trainer.args
+    return {"size": split.micro_batch, "trials": len(split.search.trials), "ooms": ooms,
+            "effective": a.per_device_train_batch_size * a.gradient_accumulation_steps,
+            "search_s": search_s, "step_s": (end - t0 - search_s) / steps, "total_s": end - t0,
+            "note": f"{split.micro_batch} x {split.accumulation}, largest that ran {split.found}"
+                    + (f"; the run ran out of memory after {trainer.state.global_step} steps"
+                       if ooms else "")}
+
+
+def _lightning(batch: int, accum: int, steps: int, callback: Any) -> tuple[Any, Any]:
+    import lightning.pytorch as pl
+    from lightning_script import Sequences, TinyLM
+
+    _quiet()
+    torch.manual_seed(0)
+    module, data = TinyLM(), Sequences(batch, FRAMEWORK_EFFECTIVE * (steps + 8))
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                         callbacks=[callback] if callback else [], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         accumulate_grad_batches=accum,
+                         default_root_dir="/tmp/oomguard-bench-lightning")
+    module.net(input_ids=data.ids[:2], labels=data.ids[:2]).loss.backward()  # warm-up
+    module.zero_grad(set_to_none=True)
+    return (module, data), trainer
+
+
+def _lightning_fits(size: int) -> bool:
+    import oomguard
+
+    (module, data), trainer = _lightning(size, 2, 2, None)
+    with oomguard.budget(FRAMEWORK_BUDGET, "cpu"):
+        try:
+            trainer.fit(module, data)
+        except RuntimeError as exc:
+            if not oomguard.is_oom(exc):
+                raise
+            return False
+    return True
+
+
+def _lightning_native(steps: int) -> dict[str, Any]:
+    """Lightning's ``BatchSizeFinder(mode="binsearch")`` as examples/lightning_script.py runs
+    it, then the fit at the size it reported, in the same process and under the same budget."""
+    import lightning_script
+
+    import oomguard
+
+    _quiet()
+    t0 = time.perf_counter()
+    size = lightning_script.finder("binsearch", FRAMEWORK_EFFECTIVE, FRAMEWORK_BUDGET)
+    t_found = time.perf_counter()
+    (module, data), trainer = _lightning(size, 1, steps, None)
+    with oomguard.budget(FRAMEWORK_BUDGET, "cpu"):
+        ooms = _ran_out(lambda: trainer.fit(module, data))
+    end = time.perf_counter()
+    return {"size": size, "trials": "-", "ooms": ooms, "effective": size,
+            "search_s": t_found - t0, "step_s": (end - t_found) / steps, "total_s": end - t0,
+            "note": f"BatchSizeFinder binsearch reported {size}"}
+
+
+def _lightning_oomguard(steps: int, largest: bool) -> dict[str, Any]:
+    import oomguard
+    from oomguard.integrations import BatchSizeCallback
+
+    callback = BatchSizeCallback(largest=largest)
+    (module, data), trainer = _lightning(FRAMEWORK_EFFECTIVE, 1, steps, callback)
+    t0 = time.perf_counter()
+    with oomguard.budget(FRAMEWORK_BUDGET, "cpu"):
+        ooms = _ran_out(lambda: trainer.fit(module, data))
+    end, split = time.perf_counter(), callback.split
+    search_s = split.search.seconds
+    return {"size": data.batch_size, "trials": len(split.search.trials), "ooms": ooms,
+            "effective": data.batch_size * trainer.accumulate_grad_batches,
+            "search_s": search_s, "step_s": (end - t0 - search_s) / steps, "total_s": end - t0,
+            "note": f"{split.micro_batch} x {split.accumulation}, largest that ran {split.found}"
+                    + (f"; the run ran out of memory after {trainer.global_step} steps"
+                       if ooms else "")}
+
+
+def _ran_out(run: Any) -> int:
+    """1 if ``run()`` ran out of memory (the frameworks' loops end there), else 0."""
+    import oomguard
+
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 - Lightning wraps some errors; is_oom reads the chain
+        if not any(oomguard.is_oom(e) for e in (exc, exc.__cause__, exc.__context__) if e):
+            raise
+        return 1
+    return 0
 
 
 def _fresh(ctx: Any, fn: Any, *args: Any) -> Any:
@@ -161,26 +355,69 @@ def _fresh(ctx: Any, fn: Any, *args: Any) -> Any:
         return child.wait().result()
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps after the search")
-    args = p.parse_args(argv)
-    ctx = start_forkserver(PRELOAD)
-    rows = {"native (accelerate)": _fresh(ctx, _native, args.steps),
-            "oomguard": _fresh(ctx, _oomguard, args.steps)}
-    m = _true_max(ctx)
-    base = rows["native (accelerate)"]["total_s"]
-    print(f"nanoGPT-style loop: GPT-2 2x128, seq {SEQ}, AdamW, effective batch {EFFECTIVE}, "
-          f"CPU budget {BUDGET // 2**20} MiB, {args.steps} steps; loop's own maximum m = {m}")
-    print(f"| variant | micro-batch | trials | OOMs in {args.steps} steps | effective batch "
+def _table(title: str, rows: dict[str, dict[str, Any]], effective: int, m: int,
+           steps: int) -> None:
+    base = rows[next(iter(rows))]["total_s"]
+    print(f"\n{title}; the loop's own maximum m = {m}")
+    print(f"| variant | micro-batch | trials | OOMs in {steps} steps | effective batch "
           "| search s | search / (trials x 2 steps) | total s | total / native | micro / m |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
+        ratio = (f"{r['search_s'] / (r['trials'] * 2 * r['step_s']):.2f}"
+                 if isinstance(r["trials"], int) else "-")
         print(f"| {name} | {r['size']} | {r['trials']} | {r['ooms']} | {r['effective']}"
-              f"{'' if r['effective'] == EFFECTIVE else ' (changed)'} | {r['search_s']:.1f} "
-              f"| {r['search_s'] / (r['trials'] * 2 * r['step_s']):.2f} | {r['total_s']:.1f} | {r['total_s'] / base:.2f} | {r['size'] / m:.2f} |")
+              f"{'' if r['effective'] == effective else ' (changed)'} | {r['search_s']:.1f} "
+              f"| {ratio} | {r['total_s']:.1f} | {r['total_s'] / base:.2f} | {r['size'] / m:.2f} |")
     for name, r in rows.items():
         print(f"- {name}: {r['note']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps after the search "
+                   "(nanoGPT-style loop)")
+    p.add_argument("--framework-steps", type=int, default=10,
+                   help="optimizer steps of the Trainer and Lightning runs")
+    p.add_argument("--clients", default="loop,trainer,lightning",
+                   help="which clients, comma-separated (default: all three)")
+    args = p.parse_args(argv)
+    ctx = start_forkserver(PRELOAD)
+    steps, fsteps, clients = args.steps, args.framework_steps, args.clients.split(",")
+    if "loop" in clients:
+        _loop_table(ctx, steps)
+    where = (f"GPT-2 1x32, seq 32, AdamW, effective batch {FRAMEWORK_EFFECTIVE}, CPU budget "
+             f"{FRAMEWORK_BUDGET // 2**20} MiB")
+    if "trainer" in clients:
+        _trainer_table(ctx, fsteps, where)
+    if "lightning" in clients:
+        _lightning_table(ctx, fsteps, where)
+
+
+def _loop_table(ctx: Any, steps: int) -> None:
+    loop = {"native (accelerate)": _fresh(ctx, _native, steps),
+            "oomguard, largest that ran": _fresh(ctx, _oomguard, steps, True),
+            "oomguard, recommended": _fresh(ctx, _oomguard, steps, False)}
+    _table(f"nanoGPT-style loop: GPT-2 2x128, seq {SEQ}, AdamW, effective batch {EFFECTIVE}, "
+           f"CPU budget {BUDGET // 2**20} MiB", loop, EFFECTIVE,
+           _true_max(ctx, _loop_fits, EFFECTIVE), steps)
+
+
+def _trainer_table(ctx: Any, fsteps: int, where: str) -> None:
+    trainer = {"native (auto_find_batch_size)": _fresh(ctx, _trainer_native, fsteps),
+               "OomguardTrainer, largest that ran": _fresh(ctx, _trainer_oomguard, fsteps, True),
+               "OomguardTrainer, recommended": _fresh(ctx, _trainer_oomguard, fsteps, False)}
+    _table(f"transformers Trainer: {where}", trainer, FRAMEWORK_EFFECTIVE,
+           _true_max(ctx, _trainer_fits, FRAMEWORK_EFFECTIVE), fsteps)
+
+
+def _lightning_table(ctx: Any, fsteps: int, where: str) -> None:
+    lightning = {"native (BatchSizeFinder binsearch)": _fresh(ctx, _lightning_native, fsteps),
+                 "BatchSizeCallback, largest that ran": _fresh(ctx, _lightning_oomguard, fsteps,
+                                                               True),
+                 "BatchSizeCallback, recommended": _fresh(ctx, _lightning_oomguard, fsteps,
+                                                          False)}
+    _table(f"Lightning: {where}", lightning, FRAMEWORK_EFFECTIVE,
+           _true_max(ctx, _lightning_fits, FRAMEWORK_EFFECTIVE), fsteps)
 
 
 if __name__ == "__main__":
