@@ -85,17 +85,14 @@ def _plain_steps(size: int, steps: int) -> bool:
     model, opt = _model()
     _warm(model)
     with oomguard.budget(BUDGET, "cpu"):
-        try:
+        def run() -> None:
             for i in range(steps):
                 ids = _rows(size, i)
                 model(input_ids=ids, labels=ids).loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        except RuntimeError as exc:
-            if not oomguard.is_oom(exc):
-                raise
-            return False
-    return True
+
+        return not _ran_out(run)
 
 
 def _native(steps: int) -> dict[str, Any]:
@@ -217,13 +214,7 @@ def _trainer_fits(size: int) -> bool:
 
     trainer = _trainer(size, 2, 2)
     with oomguard.budget(FRAMEWORK_BUDGET, "cpu"):
-        try:
-            trainer.train()
-        except RuntimeError as exc:
-            if not oomguard.is_oom(exc):
-                raise
-            return False
-    return True
+        return not _ran_out(trainer.train)
 
 
 def _trainer_native(steps: int) -> dict[str, Any]:
@@ -256,15 +247,9 @@ def _trainer_oomguard(steps: int, largest: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     with oomguard.budget(FRAMEWORK_BUDGET, "cpu"):
         ooms = _ran_out(trainer.train)  # the Trainer's loop has no retry: an OOM ends it
-    end, split = time.perf_counter(), trainer.oomguard_train
-    search_s = split.search.seconds
     a = trainer.args
-    return {"size": split.micro_batch, "trials": len(split.search.trials), "ooms": ooms,
-            "effective": a.per_device_train_batch_size * a.gradient_accumulation_steps,
-            "search_s": search_s, "step_s": (end - t0 - search_s) / steps, "total_s": end - t0,
-            "note": f"{split.micro_batch} x {split.accumulation}, largest that ran {split.found}"
-                    + (f"; the run ran out of memory after {trainer.state.global_step} steps"
-                       if ooms else "")}
+    return _split_row(trainer.oomguard_train, a.per_device_train_batch_size
+                      * a.gradient_accumulation_steps, ooms, trainer.state.global_step, t0, steps)
 
 
 def _lightning(batch: int, accum: int, steps: int, callback: Any) -> tuple[Any, Any]:
@@ -289,13 +274,7 @@ def _lightning_fits(size: int) -> bool:
 
     (module, data), trainer = _lightning(size, 2, 2, None)
     with oomguard.budget(FRAMEWORK_BUDGET, "cpu"):
-        try:
-            trainer.fit(module, data)
-        except RuntimeError as exc:
-            if not oomguard.is_oom(exc):
-                raise
-            return False
-    return True
+        return not _ran_out(lambda: trainer.fit(module, data))
 
 
 def _lightning_native(steps: int) -> dict[str, Any]:
@@ -327,14 +306,20 @@ def _lightning_oomguard(steps: int, largest: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     with oomguard.budget(FRAMEWORK_BUDGET, "cpu"):
         ooms = _ran_out(lambda: trainer.fit(module, data))
-    end, split = time.perf_counter(), callback.split
-    search_s = split.search.seconds
-    return {"size": data.batch_size, "trials": len(split.search.trials), "ooms": ooms,
-            "effective": data.batch_size * trainer.accumulate_grad_batches,
-            "search_s": search_s, "step_s": (end - t0 - search_s) / steps, "total_s": end - t0,
+    return _split_row(callback.split, data.batch_size * trainer.accumulate_grad_batches, ooms,
+                      trainer.global_step, t0, steps)
+
+
+def _split_row(split: Any, effective: int, ooms: int, done: int, t0: float, steps: int
+               ) -> dict[str, Any]:
+    """The row of an integration's run: its :class:`Split`, the effective batch it ran, its
+    OOMs and the optimizer steps done, timed from ``t0``."""
+    end, search_s = time.perf_counter(), split.search.seconds
+    return {"size": split.micro_batch, "trials": len(split.search.trials), "ooms": ooms,
+            "effective": effective, "search_s": search_s,
+            "step_s": (end - t0 - search_s) / steps, "total_s": end - t0,
             "note": f"{split.micro_batch} x {split.accumulation}, largest that ran {split.found}"
-                    + (f"; the run ran out of memory after {trainer.global_step} steps"
-                       if ooms else "")}
+                    + (f"; the run ran out of memory after {done} steps" if ooms else "")}
 
 
 def _ran_out(run: Any) -> int:
