@@ -209,11 +209,6 @@ class EnforcedLimit:
     limit_bytes: int
     room_bytes: int
 
-    @property
-    def kills(self) -> bool:
-        """Whether the kernel kills at this limit instead of failing an allocation."""
-        return self.name == "cgroup"
-
 
 def enforced_limits() -> list[EnforcedLimit]:
     """The cgroup memory limit and the soft ``RLIMIT_DATA`` in force on this process, with

@@ -88,7 +88,11 @@ class PeakMeter:
             # None: this OS gives no resident size (the source says "unmeasured")
             self.baseline = host.reset_peak() or 0
             if self._sampler is not None:
-                self._sampler.start()
+                try:
+                    self._sampler.start()
+                except RuntimeError:  # no room left to start its thread: close what it opened
+                    self._data.close()  # type: ignore[union-attr]
+                    raise
         elif kind == "cuda" and torch.cuda.is_available():
             # After emptying the cache (cached blocks would serve the work without
             # raising the peak, which would under-report, even 0); the peak is reset

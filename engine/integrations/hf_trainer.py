@@ -50,11 +50,11 @@ from oomguard.engine.errors import UsageError
 from oomguard.engine.integrations.sizing import (
     Split,
     batch_rows,
-    passes,
     rows,
     search_step,
     size_found,
     split_for,
+    training_trial,
 )
 
 log = logging.getLogger("oomguard.integrations")
@@ -97,13 +97,8 @@ def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> 
     if not hasattr(trainer, "current_gradient_accumulation_steps"):
         trainer.current_gradient_accumulation_steps = 1  # the loop sets it before each step
 
-    def step(size: int) -> float:
-        for _ in range(passes(size, effective)):
-            loss = trainer.training_step(model, rows(batch, size))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
+    step = training_trial(lambda size: trainer.training_step(model, rows(batch, size)),
+                          optimizer, effective)
     was_training = model.training
     try:
         result = search_step(step, min(effective, batch_rows(batch)), (model, optimizer),

@@ -40,7 +40,13 @@ from lightning.pytorch.utilities.parsing import (
 )
 
 from oomguard.engine.errors import UsageError
-from oomguard.engine.integrations.sizing import Split, passes, rows, search_step, split_for
+from oomguard.engine.integrations.sizing import (
+    Split,
+    rows,
+    search_step,
+    split_for,
+    training_trial,
+)
 
 log = logging.getLogger("oomguard.integrations")
 
@@ -68,18 +74,15 @@ class BatchSizeCallback(pl.Callback):
         batch = _first_rows(trainer, pl_module, self.batch_arg_name, effective)
         precision = trainer.strategy.precision_plugin
 
-        def step(size: int) -> float:
-            for _ in range(passes(size, effective)):
-                with precision.train_step_context(), _logging_off(pl_module):
-                    out = pl_module.training_step(rows(batch, size), 0)
-                loss = out["loss"] if isinstance(out, Mapping) else out
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return float(loss.detach())
+        def micro_step(size: int) -> torch.Tensor:
+            with precision.train_step_context(), _logging_off(pl_module):
+                out = pl_module.training_step(rows(batch, size), 0)
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            loss.backward()
+            return loss
 
         try:
-            result = search_step(step, effective, (pl_module, optimizer),
+            result = search_step(training_trial(micro_step, optimizer, effective), effective, (pl_module, optimizer),
                                  f"{type(pl_module).__name__}.training_step",
                                  **self.search_options)
         finally:

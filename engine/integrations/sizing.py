@@ -79,6 +79,21 @@ def passes(size: int, effective: int) -> int:
     return 2 if size < effective else 1
 
 
+def training_trial(micro_step: Callable[[int], torch.Tensor], optimizer: torch.optim.Optimizer,
+                   effective: int) -> Callable[[int], float]:
+    """A framework's whole training step at ``size`` rows, as a trial: ``micro_step(size)``
+    (forward and backward, returning the loss) :func:`passes` times, then the optimizer's
+    step and ``zero_grad``; the trial's value is the last loss."""
+    def step(size: int) -> float:
+        for _ in range(passes(size, effective)):
+            loss = micro_step(size)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
 def rows(batch: Any, n: int) -> Any:
     """The first ``n`` rows (dim 0) of every tensor in ``batch`` (a tensor, or a dict, list or
     tuple of them; anything else is kept)."""

@@ -303,7 +303,8 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any], t0: fl
     work.meter.reset()
     # Without a budget, an enforced host limit (a cgroup: the kernel kills past it) sets one,
     # so that running out is a retry, never a kill.
-    with limit_budget(job.budget_bytes or None, job.device, unbudgeted_limit(job.device)):
+    with limit_budget(job.budget_bytes or None, job.device,
+                      None if job.budget_bytes else unbudgeted_limit(job.device)):
         t_run = time.perf_counter()
         result = executor.run(work, sizes=state["start"], minimum=sizing.minimums(metric),
                               name=task.key, ladder=ladder)

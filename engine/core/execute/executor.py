@@ -121,6 +121,12 @@ class SizeMemory:
     def name(self) -> str:
         return self.stats.name
 
+    def failed_at(self, sizes: Mapping[str, int]) -> None:
+        """Count ``sizes`` as failed: the smallest failure per knob, no clean call since."""
+        self.clean = 0
+        self.failed = {k: min(v, self.failed.get(k, v)) for k, v in sizes.items()}
+        self.stats.failed = shown(self.failed)
+
 
 class _Failed(NamedTuple):
     """The outcome of an attempt that ran out of memory (here or on another process)."""
@@ -249,9 +255,7 @@ class SizeController:
         if not any_oom:
             return result
         mem = self.memory
-        mem.clean = 0
-        mem.failed = {k: min(v, mem.failed.get(k, v)) for k, v in sizes.items()}
-        mem.stats.failed = shown(mem.failed)
+        mem.failed_at(sizes)
         mem.stats.ooms += oom
         mem.stats.peer_ooms += not oom
         nxt = proposal if proposal is not None and all(
@@ -323,10 +327,7 @@ class SizeController:
         nxt = self.policy.shrink(sizes, self.floor)
         if nxt is None:
             return
-        mem = self.memory
-        mem.clean = 0
-        mem.failed = {k: min(v, mem.failed.get(k, v)) for k, v in sizes.items()}
-        mem.stats.failed = shown(mem.failed)
+        self.memory.failed_at(sizes)
         self._change(sizes, nxt, f"the CUDA allocator retried allocations in {CONSECUTIVE} "
                      f"consecutive calls (num_alloc_retries {thrash[0]} -> {thrash[1]}): "
                      "stepping down before an out-of-memory error")

@@ -150,12 +150,7 @@ class PeakProbe:
             self.start = torch.cuda.memory_allocated(self.device)
         elif self.kind == "cpu":
             self.meter = PeakMeter("cpu", limit_units=True)
-            try:
-                self.meter.reset()
-            except RuntimeError:  # its sampler thread could not start (no memory left)
-                if self.meter._data is not None:  # noqa: SLF001 - the descriptor it opened
-                    self.meter._data.close()  # noqa: SLF001
-                raise
+            self.meter.reset()  # RuntimeError where its sampler thread cannot start
 
     def read(self) -> int | None:
         """Peak bytes above the start (None: not measured); stops the CPU sampler."""

@@ -213,8 +213,9 @@ def _key(dev: torch.device) -> str:
 def current_fraction(dev: torch.device) -> float:
     """The fraction in force on ``dev``: torch's own answer where it has one (CUDA,
     torch >= 2.6; :func:`oomguard.probes.cuda.memory_fraction`: 1.0 for no limit, also
-    under cudaMallocAsync, whose getter says about 2e8 then), else the last one set through oomguard, else the default (CUDA 1.0;
-    MPS ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` or 1.7, where 0.0 means unlimited)."""
+    under cudaMallocAsync, whose getter says about 2e8 then), else the last one set through
+    oomguard, else the default (CUDA 1.0; MPS ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` or 1.7,
+    where 0.0 means unlimited)."""
     if dev.type == "cuda":
         read = cuda.memory_fraction(_cuda_index(dev))  # 1.0 for cudaMallocAsync's "no limit"
         return read if read is not None else _fractions.get(_key(dev), 1.0)
