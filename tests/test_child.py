@@ -9,6 +9,7 @@ The unit tests fork their children (milliseconds each). The two slow tests run
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -232,7 +233,8 @@ def _in_session(sid: int) -> list[tuple[int, str]]:
 
 
 def _reference_in_a_session(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, Path]:
-    """``oomguard reference`` started in a session of its own, once its first trial ran."""
+    """``oomguard reference`` started in a session of its own, stopped (SIGSTOP, the whole
+    session) once its first trial ran: the caller sends what it tests, then SIGCONT."""
     err = tmp_path / "stderr.txt"
     # As a terminal starts it: with SIGINT at its default, also where this test process
     # ignores it (a background job of a non-interactive shell does, and Python then
@@ -250,7 +252,10 @@ def _reference_in_a_session(tmp_path: Path, *options: str) -> tuple[subprocess.P
     while "  size " not in err.read_text(errors="replace"):
         assert proc.poll() is None, err.read_text()
         assert time.monotonic() < deadline, err.read_text()
-        time.sleep(0.1)
+        time.sleep(0.05)
+    # Stopped at once (the whole session): under load this test can be descheduled for
+    # seconds, which the tiny reference needs to finish; the caller continues it.
+    os.killpg(proc.pid, signal.SIGSTOP)
     return proc, err
 
 
@@ -262,6 +267,8 @@ def test_no_process_is_left_two_seconds_after_kill_9_of_reference(tmp_path: Path
         # between two rows only the command and the next search's process may be there.
         assert len(_in_session(proc.pid)) >= 2, _in_session(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the others, stopped, must still end
+            os.killpg(proc.pid, signal.SIGCONT)        # by themselves once they run
         proc.wait()
         assert _left_after(proc.pid, 2.0) == []
     finally:
@@ -276,6 +283,7 @@ def test_ctrl_c_in_reference_is_one_line_and_exit_130(tmp_path: Path) -> None:
         before = len(err.read_bytes())
         signals = _signal_masks(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
+        os.killpg(proc.pid, signal.SIGCONT)
         assert proc.wait(timeout=60) == 130, (signals, err.read_text()[-3000:])
         text = err.read_text()
         after = text.encode()[before:].decode(errors="replace").splitlines()
