@@ -19,7 +19,10 @@ parent (no CUDA context) under ``backend:cudaMallocAsync``, each in a fresh
 process; the memory usable after the context (``mem_get_info`` free); a soak of
 1,000 steps of the built-in training step at the recommended size (0 OOMs, the
 spread of step peaks); ``oomguard run`` on the example job on this GPU
-(children started by forkserver, every metric ok). On a Mac: the MPS probe,
+(children started by forkserver, every metric ok); a search of a whole AdamW step with
+``restore=`` (state bitwise restored, 50 loop steps at ``max_ok`` with 0 OOMs, ``max_ok``
+against the loop's own maximum); ``OomguardTrainer`` at the largest size that ran; the
+allocator's retry counter rising when its cache must be freed. On a Mac: the MPS probe,
 budget, peak and isolated search.
 
 Prints one table (check / passed / seconds / what was measured, against what)
@@ -61,6 +64,11 @@ from gpu_check_devices import (  # noqa: E402
     check_mps_search_isolated,
 )
 from gpu_check_soak import check_soak_recommended, check_usable_memory  # noqa: E402
+from gpu_check_training import (  # noqa: E402
+    check_alloc_retries_warning,
+    check_search_restore_holds,
+    check_trainer_largest,
+)
 
 MiB = 1024**2
 GiB = 1024**3
@@ -243,6 +251,9 @@ CHECKS: list[tuple[str, Check]] = [
     ("usable memory after the context", check_usable_memory),
     ("soak: 1000 steps at the recommended size", check_soak_recommended),
     ("oomguard run (example job)", check_job_run),
+    ("training: search(restore=) holds for the loop", check_search_restore_holds),
+    ("training: OomguardTrainer at the largest", check_trainer_largest),
+    ("allocator retries: the early warning", check_alloc_retries_warning),
 ]
 MPS_CHECKS: list[tuple[str, Check]] = [
     ("mps probe, budget and peak", check_mps_probe_and_budget),
