@@ -34,13 +34,23 @@ def _rows(n: int, dev: torch.device, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n, SEQ), generator=g).to(dev)
 
 
+def _first_step(model: torch.nn.Module, opt: torch.optim.Optimizer, dev: torch.device) -> None:
+    """One step on 2 rows before any budget, so that AdamW's state exists before it (the
+    budget counts from what is allocated at its entry)."""
+    ids = _rows(2, dev)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def _loop_runs(dev: torch.device, size: int, steps: int) -> bool:
     """Whether ``steps`` optimizer steps of the plain loop at ``size`` rows run under the
-    budget, from a fresh model and optimizer (their state is allocated in the first step)."""
+    budget, from a fresh model and optimizer after :func:`_first_step`, as the search starts."""
     from oomguard.engine.core.memory.budget import budget
 
     clean(dev)
     model, opt = _model(dev)
+    _first_step(model, opt, dev)  # as before the search: AdamW's state exists
     try:
         with budget(TRAIN_BUDGET, dev):
             for i in range(steps):
@@ -93,10 +103,7 @@ def check_search_restore_holds(dev: torch.device) -> tuple[bool, str]:
 
     clean(dev)
     model, opt = _model(dev)
-    ids0 = _rows(2, dev)
-    model(input_ids=ids0, labels=ids0).loss.backward()  # one step: AdamW's state exists
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    _first_step(model, opt, dev)
     before = _state(model, opt)
 
     step = _loop_step(model, opt, dev)
