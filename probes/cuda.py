@@ -116,6 +116,17 @@ def alloc_retries(index: int) -> int:
     return int(torch.cuda.memory_stats(index).get("num_alloc_retries", 0))
 
 
+def oom_count(index: int) -> int:
+    """The caching allocator's ``num_ooms`` on ``cuda:index`` (measured, a count since the
+    process started): every OOM it reported. ``DeviceCachingAllocator::malloc`` increments
+    ``stats.num_ooms`` right before it throws ``OutOfMemoryError``, whoever catches it: the
+    user's code, or torch's own (cuDNN trying a convolution's next algorithm when one's
+    workspace does not fit, aten/src/ATen/native/cudnn/Conv_v7.cpp ``try_all``)
+    (c10/cuda/CUDACachingAllocator.cpp). 0 under ``backend:cudaMallocAsync`` (it keeps no
+    such count)."""
+    return int(torch.cuda.memory_stats(index).get("num_ooms", 0))
+
+
 def unreported_oom_retries(index: int) -> int:
     """How many of the caching allocator's last-resort retries on ``cuda:index`` (it had
     freed its whole cache and asked again: the cap or the device was reached) were not

@@ -35,7 +35,7 @@ from oomguard.engine.core.execute.remedies import Ladder, apply_env
 from oomguard.engine.core.memory.forensics import start_history
 from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.engine.core.memory.host_limit import limit_budget, unbudgeted_limit
-from oomguard.engine.core.memory.oom import release_memory
+from oomguard.engine.core.memory.oom import OOM, call_catching_oom, release_memory
 from oomguard.engine.core.search.search import SearchConfig
 from oomguard.engine.core.search.strategies import E10, Guided
 from oomguard.engine.errors import ExecutionFailed, RestartNeeded, TrialFailed, first_line
@@ -175,6 +175,10 @@ class _KnobTrial:
     def __call__(self, size: int) -> None:
         self.call(**{**self.sizes, self.knob: size})
 
+    def warmup(self) -> None:
+        """Nothing: the task warmed its metric up before any budget (``_Work.on_device``),
+        on one sample; the search would otherwise call it at size 1 on all of them."""
+
 
 class _Search:
     """The job's evaluator for :func:`~oomguard.engine.jobs.sizing.choose_sizes`. Each
@@ -259,6 +263,26 @@ class _Work:
         """The metric at ``sizes`` (what the size search runs)."""
         return self.metric.run(self.model, self.data, **self.task.params, **sizes)
 
+    def _warm_up_metric(self) -> None:
+        """Run the metric once at its minimum sizes on the first sample, before any budget,
+        as a search's warm-up does (:func:`~oomguard.engine.core.search.trial.warm_up_trials`):
+        imports and one-time setup inside the metric are paid here, not charged to a trial or
+        to the run. It is not the work: a failure is logged and the task goes on."""
+        first = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in self.data.items()}
+        sizes = sizing.minimums(self.metric)
+        try:
+            outcome = call_catching_oom(
+                lambda: self.metric.run(self.model, first, **self.task.params, **sizes),
+                device=self.ctx.job.device, workload=self.task.key)
+            failed = outcome.message if isinstance(outcome, OOM) else None
+        except Exception as exc:  # noqa: BLE001 - the real run reports its own errors
+            failed = f"{type(exc).__name__}: {first_line(exc)[:300]}"
+        if failed is not None:
+            log.warning("%s: the warm-up at the minimum sizes on one sample failed (%s): "
+                        "one-time setup inside the metric is charged to its first call",
+                        self.task.key, failed)
+        self.model.zero_grad(set_to_none=True)
+
     def at_precision(self, dtype: torch.dtype) -> _Work:
         self.model.to(dtype)
         self.precision = str(dtype).removeprefix("torch.")
@@ -278,6 +302,7 @@ class _Work:
         with torch.enable_grad():
             self.model(input_ids=ids, labels=ids).loss.backward()
         self.model.zero_grad(set_to_none=True)
+        self._warm_up_metric()
         self.precision, self.meter = job.dtype, PeakMeter(device)
         self.meter.reset()
         return self

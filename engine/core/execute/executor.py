@@ -242,7 +242,8 @@ class SizeController:
         """One attempt at ``sizes``, then (when agreeing) the one agreement. A ``watch``
         measures memory at an OOM, before ``call_catching_oom`` releases it."""
         result = self.clean.call(call_catching_oom, attempt, sizes, device=self.device,
-                                 on_oom=watch.at(sizes) if watch is not None else None)
+                                 on_oom=watch.at(sizes) if watch is not None else None,
+                                 workload=self.name)
         oom = type(result) is OOM
         if not (oom or agreeing):
             return result

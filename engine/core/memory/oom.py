@@ -8,7 +8,8 @@ access, device-side asserts, NCCL errors, shape mismatches) is *not* an OOM and 
 
 Cleanup after an OOM must run once the ``except`` block has been left: while the
 exception is alive its traceback pins the failed step's frames and every tensor in them.
-:func:`call_catching_oom` is the one place that does this.
+:func:`call_catching_oom` is the one place that does this; it is also where an OOM that the
+called code caught itself is seen (:mod:`~oomguard.engine.core.memory.swallowed`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from oomguard.engine.core.memory.budget import active_budget
+from oomguard.engine.core.memory.swallowed import Witness
 from oomguard.engine.errors import first_line
 from oomguard.probes import host
 
@@ -217,28 +219,68 @@ def gc_frozen() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class OOM:
-    """The record of an OOM: what went wrong, with the exception itself dropped."""
+    """The record of an OOM: what went wrong, with the exception itself dropped.
+    ``caught_by_workload``: the call's own code caught the OOM, then returned normally or
+    raised another error (:mod:`~oomguard.engine.core.memory.swallowed`); it counts as an OOM
+    all the same."""
 
     message: str
+    caught_by_workload: bool = False
+
+
+def oom_text(exc: BaseException) -> str | None:
+    """``Type: first line`` of an OOM (at most 300 characters of the line), None for any
+    other exception."""
+    return f"{type(exc).__name__}: {first_line(exc)[:300]}" if is_oom(exc) else None
 
 
 def call_catching_oom(fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None,
                       on_oom: Callable[[BaseException], None] | None = None,
-                      **kwargs: Any) -> Any | OOM:
+                      workload: str | None = None, **kwargs: Any) -> Any | OOM:
     """Call ``fn``; return its value, or an :class:`OOM` record if it ran out of memory
     (any other exception propagates), after :func:`release_memory` ran outside the
-    ``except`` block (module docstring). ``on_oom(exc)`` is called first, while the
+    ``except`` block (module docstring). ``on_oom(exc)`` is called once, first, while the
     tensors are alive (to measure memory as the OOM left it); an error it raises is ignored.
+
+    A call whose own code caught an OOM is an OOM too, whether it then returned normally or
+    raised another error (:class:`~oomguard.engine.core.memory.swallowed.Witness`): its value
+    is dropped and the record, flagged ``caught_by_workload``, names ``workload`` (default:
+    ``fn``'s name).
     """
+    witness = Witness(oom_text, device, on_oom)
     try:
-        return fn(*args, **kwargs)
+        with witness:
+            value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - re-raised unless it is an OOM
-        if not is_oom(exc):
+        own = oom_text(exc)
+        if own is None and not _after_caught_oom(exc, witness.seen):
             raise
-        if on_oom is not None:
+        if on_oom is not None and not witness.reported:
             with contextlib.suppress(Exception):  # no room even to record: still the OOM
                 on_oom(exc)
-        failure = OOM(f"{type(exc).__name__}: {first_line(exc)[:300]}")  # no reference to exc
+        failure = OOM(own) if own is not None else _caught(
+            fn, workload, f"then raised {type(exc).__name__}: {first_line(exc)[:200]}",
+            witness.seen)  # no reference to exc
+    else:
+        if witness.seen is None:
+            return value
+        del value  # a placeholder the workload returned instead of its result
+        failure = _caught(fn, workload, "then returned normally", witness.seen)
     # Outside the except block: `exc` and its frames are unreachable now.
     release_memory(device)
     return failure
+
+
+def _after_caught_oom(exc: BaseException, seen: str | None) -> bool:
+    """Whether ``exc`` (not an OOM) is an error the code raised after catching the OOM
+    ``seen``: then still an OOM. An interrupt (KeyboardInterrupt, SystemExit) or an error
+    that says it is no OOM (oomguard's "gave up" errors) never is."""
+    return (seen is not None and isinstance(exc, Exception)
+            and getattr(exc, "oomguard_is_oom", None) is None)
+
+
+def _caught(fn: Any, workload: str | None, then: str, seen: str | None) -> OOM:
+    """The record of an OOM that ``fn``'s own code caught (``seen``: its text)."""
+    who = workload or getattr(fn, "__qualname__", None) or type(fn).__name__
+    return OOM(f"{who}: out of memory caught by its own code, which {then} ({seen})",
+               caught_by_workload=True)

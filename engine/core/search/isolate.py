@@ -43,8 +43,8 @@ from oomguard.engine.core.memory.host_limit import HostLimit, limit_budget
 from oomguard.engine.core.memory.oom import gc_frozen
 from oomguard.engine.core.memory.ramguard import RamGuard
 from oomguard.engine.core.search.config import is_positive_seconds
-from oomguard.engine.core.search.trial import Trial, run_trial
-from oomguard.engine.core.workload import qualname, warm_up, workload_preload
+from oomguard.engine.core.search.trial import Trial, run_trial, warm_up_trials
+from oomguard.engine.core.workload import qualname, workload_preload
 from oomguard.engine.errors import ChildCrashed, ChildStartFailed, UsageError, first_line
 
 log = logging.getLogger("oomguard.isolate")
@@ -74,7 +74,7 @@ def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
         fn = pickle.loads(payload)
     except BaseException as exc:  # noqa: BLE001 - any failure to rebuild the workload
         raise _CannotUnpickle(f"{type(exc).__name__}: {first_line(exc)}") from None
-    warm_up(fn)
+    warm_up_trials(fn, device)
     with gc_frozen(), limit_budget(budget_bytes, device, limit) as entered:
         if entered is not None and entered.device == "cpu":  # the parent watches it
             launcher.ToParent().send(entered.limit)

@@ -44,9 +44,9 @@ from oomguard.engine.core.search.fit import (
 )
 from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.core.search.strategies import Confirm, Strategy, bracket
-from oomguard.engine.core.search.trial import Trial, run_trial
+from oomguard.engine.core.search.trial import Trial, run_trial, warm_up_trials
 from oomguard.engine.core.snapshot import Snapshot
-from oomguard.engine.core.workload import knob_of, name_of, steps_of, warm_up
+from oomguard.engine.core.workload import knob_of, name_of, steps_of
 from oomguard.engine.errors import (
     NoSizeFits,
     TrialFailed,
@@ -117,9 +117,11 @@ def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
     :class:`Trial` as it completes.
 
     ``fn`` runs one trial; its ``warmup()``, if any, is called once per process before the budget is
-    applied (build the model, initialise thread pools). With ``isolate=True`` each trial runs in a
-    fresh child process: ``fn`` must be picklable and defined in an importable file, and a script
-    that calls this needs an ``if __name__ == "__main__":`` guard.
+    applied (build the model, initialise thread pools); without one, ``fn(1)`` is called there
+    instead, so imports inside ``fn`` are not charged to a trial (:func:`warm_up_trials`). With
+    ``isolate=True`` each trial runs in a fresh child process: ``fn`` must be picklable and
+    defined in an importable file, and a script that calls this needs an ``if __name__ ==
+    "__main__":`` guard.
 
     ``restore=(model, optimizer)`` lets ``fn`` be the whole training step (forward, backward,
     ``optimizer.step()``, ``zero_grad``): in-process trials start from a host
@@ -321,7 +323,9 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device, stac
         # read 0 for trials that such heap served.
         return_freed_memory_to_os()
     snapshot = _snapshot(cfg, stack)
-    warm_up(fn)
+    warm_up_trials(fn, dev)  # before the budget: imports and one-time setup are not a trial's
+    if snapshot is not None:
+        snapshot.restore()  # a warm-up call of a training step took a step
     stack.enter_context(gc_frozen())  # the warmed-up objects are never a trial's garbage
     limit = _limit(cfg, dev)
     stack.enter_context(limit_budget(cfg.budget, dev, limit))

@@ -19,6 +19,7 @@ of short samples; the executor's real run always calls ``fn(size)``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -29,13 +30,14 @@ import torch
 
 from oomguard.engine.core.memory.budget import active_budget, headroom_bytes, tighten_active_budget
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom, release_memory
-from oomguard.engine.core.workload import worst_case_maker
+from oomguard.engine.core.workload import name_of, warm_up, worst_case_maker
 from oomguard.engine.util.jsonable import to_jsonable
 from oomguard.probes.peak import PeakMeter
 
 if TYPE_CHECKING:
     from oomguard.engine.core.memory.ramguard import RamGuard
 
+log = logging.getLogger("oomguard.search")
 
 @dataclass
 class Trial:
@@ -85,6 +87,31 @@ class Trial:
 SAMPLE_KNOBS = frozenset({"micro_batch_size", "chunk_size", "batch_size"})
 
 
+def warm_up_trials(fn: Callable[[int], Any], device: str | torch.device = "cpu") -> None:
+    """The one-time setup a process does before its first trial and before any limit is
+    entered (a search in this process, each isolated child): ``fn.warmup()`` when the
+    workload has one (the built-in workloads run their work once in it, at the knob's
+    minimum), else one call ``fn(1)`` (with the worst-case batch, as a trial calls it), the
+    smallest size. Imports inside the call, thread pools and kernels are then paid here, not
+    charged to the first trial: a lazy ``import`` under a tight budget can itself run out of
+    memory, or leave the first trial with less room than the next. An OOM in that call (a
+    device already full) is left to the trials to find; another error propagates, noted."""
+    if getattr(fn, "warmup", None) is not None:
+        warm_up(fn)
+        return
+    make_batch = worst_case_maker(fn)
+    try:
+        outcome = call_catching_oom(lambda: fn(1) if make_batch is None
+                                    else fn(1, batch=make_batch(1)), device=device,
+                                    workload=name_of(fn))
+    except Exception as exc:
+        exc.add_note(f"(in {name_of(fn)}'s warm-up call at size 1, before the budget)")
+        raise
+    if isinstance(outcome, OOM):
+        log.warning("%s: the warm-up call at size 1 ran out of memory (%s)", name_of(fn),
+                    outcome.message)
+
+
 def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
               guard: RamGuard | None = None, steps: int = 1) -> Trial:
     """Run ``fn(size)`` ``steps`` times in this process and measure it, memory released
@@ -124,7 +151,7 @@ def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = 
 
     start = time.perf_counter()
     try:
-        result = call_catching_oom(run_steps, size, device=dev)
+        result = call_catching_oom(run_steps, size, device=dev, workload=name_of(fn))
     finally:
         limit_peak = meter.limit_read()
     seconds = time.perf_counter() - start
@@ -132,12 +159,14 @@ def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = 
                               "step_peaks": step_peaks, "headroom_bytes": headroom,
                               "limit_units": _limit_units(meter, budgeted, guard),
                               "worst_case": make_batch is not None}
+    # The guard's exception (a MemoryError raised into this thread) may have been caught by
+    # the workload's own code: the guard tripped all the same.
+    if watch is not None and watch.tripped is not None:
+        peak = max([meter.read(), *step_peaks])
+        return Trial(ok=False, peak_bytes=peak, guarded=True,
+                     error=guard.over(max(peak, watch.tripped), True),  # type: ignore[union-attr]
+                     **common)
     if isinstance(result, OOM):
-        if watch is not None and watch.tripped is not None:
-            peak = max([meter.read(), *step_peaks])
-            return Trial(ok=False, peak_bytes=peak, guarded=True,
-                         error=guard.over(max(peak, watch.tripped), True),  # type: ignore[union-attr]
-                         **common)
         return Trial(ok=False, peak_bytes=None, error=result.message, **common)
     peak = max(step_peaks, default=0)
     if dev.type != "cpu" or not budgeted:
