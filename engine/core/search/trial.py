@@ -31,6 +31,7 @@ import torch
 from oomguard.engine.core.memory.budget import active_budget, headroom_bytes, tighten_active_budget
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom, release_memory
 from oomguard.engine.core.workload import name_of, warm_up, worst_case_maker
+from oomguard.engine.errors import first_line
 from oomguard.engine.util.jsonable import to_jsonable
 from oomguard.probes.peak import PeakMeter
 
@@ -94,8 +95,9 @@ def warm_up_trials(fn: Callable[[int], Any], device: str | torch.device = "cpu")
     minimum), else one call ``fn(1)`` (with the worst-case batch, as a trial calls it), the
     smallest size. Imports inside the call, thread pools and kernels are then paid here, not
     charged to the first trial: a lazy ``import`` under a tight budget can itself run out of
-    memory, or leave the first trial with less room than the next. An OOM in that call (a
-    device already full) is left to the trials to find; another error propagates, noted."""
+    memory, or leave every later trial with less room. The call is not a trial: where it
+    fails (a workload that refuses size 1, such as BatchNorm in training mode, or a device
+    already full) a warning says so and the trials go on without it."""
     if getattr(fn, "warmup", None) is not None:
         warm_up(fn)
         return
@@ -104,12 +106,13 @@ def warm_up_trials(fn: Callable[[int], Any], device: str | torch.device = "cpu")
         outcome = call_catching_oom(lambda: fn(1) if make_batch is None
                                     else fn(1, batch=make_batch(1)), device=device,
                                     workload=name_of(fn))
-    except Exception as exc:
-        exc.add_note(f"(in {name_of(fn)}'s warm-up call at size 1, before the budget)")
-        raise
-    if isinstance(outcome, OOM):
-        log.warning("%s: the warm-up call at size 1 ran out of memory (%s)", name_of(fn),
-                    outcome.message)
+        failed = outcome.message if isinstance(outcome, OOM) else None
+    except Exception as exc:  # noqa: BLE001 - not a trial: a size-1 call may be refused
+        failed = f"{type(exc).__name__}: {first_line(exc)[:300]}"
+    if failed is not None:
+        log.warning("%s: the warm-up call at size 1 failed (%s): imports and one-time setup "
+                    "inside it are charged to the first trial (give the workload a warmup() "
+                    "method that runs it once)", name_of(fn), failed)
 
 
 def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
