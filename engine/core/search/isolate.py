@@ -59,8 +59,10 @@ class _CannotUnpickle(Exception):
 
 
 def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
-           limit: RamGuard | HostLimit | None = None, steps: int = 1) -> Trial:
-    """Runs in the child, once the launcher has started it: unpickle, warm up, budget (the
+           limit: RamGuard | HostLimit | None = None, steps: int = 1,
+           warm_call: bool = True) -> Trial:
+    """Runs in the child, once the launcher has started it: unpickle, warm up
+    (:func:`~oomguard.engine.core.search.trial.warm_up_trials`), budget (the
     one given, else the one an enforced ``limit`` leaves room for, measured here), one
     trial. Under a CPU budget, the budget's limit is told to the parent, which watches it."""
     # Before anything allocates (unpickling imports the workload's modules, warmup()
@@ -74,7 +76,7 @@ def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
         fn = pickle.loads(payload)
     except BaseException as exc:  # noqa: BLE001 - any failure to rebuild the workload
         raise _CannotUnpickle(f"{type(exc).__name__}: {first_line(exc)}") from None
-    warm_up_trials(fn, device)
+    warm_up_trials(fn, device, warm_call)
     with gc_frozen(), limit_budget(budget_bytes, device, limit) as entered:
         if entered is not None and entered.device == "cpu":  # the parent watches it
             launcher.ToParent().send(entered.limit)
@@ -102,12 +104,14 @@ class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
     and a RAM guard ``limit`` watches the child's trial
     (:func:`~oomguard.engine.core.search.trial.run_trial`). ``timeout`` seconds (finite,
     > 0) bound each trial from the child's start: a child still running then is killed
-    and reported as :class:`ChildCrashed`, never as an OOM.
+    and reported as :class:`ChildCrashed`, never as an OOM. ``warm_call``: the child's
+    warm-up calls a workload without ``warmup()`` once at size 1 (False: a search with
+    ``restore=``; :func:`~oomguard.engine.core.search.trial.warm_up_trials`).
     """
 
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
                  budget: int | None = None, timeout: float = 600.0,
-                 limit: RamGuard | HostLimit | None = None) -> None:
+                 limit: RamGuard | HostLimit | None = None, warm_call: bool = True) -> None:
         if not is_positive_seconds(timeout):
             raise UsageError(f"the trial timeout must be a positive number of seconds, "
                              f"got {timeout!r}")
@@ -123,7 +127,7 @@ class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
                 f"isolated trials cannot send {qualname(fn)} to a child process ({type(exc).__name__}:"
                 f" {first_line(exc)}): {MODULE_LEVEL_FIX}") from exc
         self.fn, self.device, self.budget, self.timeout = fn, str(device), budget, timeout
-        self.limit = limit
+        self.limit, self.warm_call = limit, warm_call
         # Started now, in the background: the parent's work until the first trial (its
         # report header, a probe) overlaps the forkserver's imports.
         self.ctx = launcher.start_forkserver(workload_preload(fn))
@@ -134,7 +138,7 @@ class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
     def __call__(self, size: int, steps: int = 1) -> Trial:
         watch = launcher.LimitWatch(self.budget or 0)
         with launcher.Child(self.ctx, _trial, self.payload, size, self.device, self.budget,
-                            self.limit, steps, capture_stderr=True) as child:
+                            self.limit, steps, self.warm_call, capture_stderr=True) as child:
             try:
                 ended = child.wait(self.timeout, watch)
             finally:

@@ -306,7 +306,7 @@ def _limit(cfg: SearchConfig, dev: torch.device) -> RamGuard | HostLimit | None:
 
 def _isolated(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device) -> IsolatedRunner:
     return IsolatedRunner(fn, device=dev, budget=cfg.budget, timeout=cfg.trial_timeout,
-                          limit=_limit(cfg, dev))
+                          limit=_limit(cfg, dev), warm_call=not cfg.restore)
 
 
 def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device, stack: ExitStack
@@ -323,9 +323,9 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device, stac
         # read 0 for trials that such heap served.
         return_freed_memory_to_os()
     snapshot = _snapshot(cfg, stack)
-    warm_up_trials(fn, dev)  # before the budget: imports and one-time setup are not a trial's
-    if snapshot is not None:
-        snapshot.restore()  # a warm-up call of a training step took a step
+    # Before the budget: imports and one-time setup are not a trial's (a whole step, restore=,
+    # is measured from the user's state as it is).
+    warm_up_trials(fn, dev, call=snapshot is None)
     stack.enter_context(gc_frozen())  # the warmed-up objects are never a trial's garbage
     limit = _limit(cfg, dev)
     stack.enter_context(limit_budget(cfg.budget, dev, limit))
