@@ -108,8 +108,8 @@ def warm_up_trials(fn: Callable[[int], Any], device: str | torch.device = "cpu",
     if not call or getattr(fn, "warmup", None) is not None:
         warm_up(fn)
         return
-    make_batch = worst_case_maker(fn)
     try:
+        make_batch = worst_case_maker(fn)  # a bad hook: said by the first trial, as before
         outcome = call_catching_oom(lambda: fn(1) if make_batch is None
                                     else fn(1, batch=make_batch(1)), device=device,
                                     workload=name_of(fn))
