@@ -267,7 +267,7 @@ class _Work:
         """Run the metric once at its minimum sizes on the first sample, before any budget,
         as a search's warm-up does (:func:`~oomguard.engine.core.search.trial.warm_up_trials`):
         imports and one-time setup inside the metric are paid here, not charged to a trial or
-        to the run. It is not the work: a failure is logged and the task goes on."""
+        to the run. It is not the work: a failure is logged (debug) and the task goes on."""
         first = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in self.data.items()}
         sizes = sizing.minimums(self.metric)
         try:
@@ -277,10 +277,10 @@ class _Work:
             failed = outcome.message if isinstance(outcome, OOM) else None
         except Exception as exc:  # noqa: BLE001 - the real run reports its own errors
             failed = f"{type(exc).__name__}: {first_line(exc)[:300]}"
-        if failed is not None:
-            log.warning("%s: the warm-up at the minimum sizes on one sample failed (%s): "
-                        "one-time setup inside the metric is charged to its first call",
-                        self.task.key, failed)
+        if failed is not None:  # debug: a metric that fails here mostly fails in its run too
+            log.debug("%s: the warm-up at the minimum sizes on one sample failed (%s): "
+                      "one-time setup inside the metric is charged to its first call",
+                      self.task.key, failed)
         self.model.zero_grad(set_to_none=True)
 
     def at_precision(self, dtype: torch.dtype) -> _Work:
