@@ -17,6 +17,14 @@ Rows:
 - ``@adaptive, 1-rank gloo``: the decorator under ``torch.distributed``: its
   one 16-byte all_reduce per call (on one rank: the collective's fixed cost).
 
+Then the swallowed-OOM witness (engine/core/memory/swallowed.py): per workload, one step bare,
+through ``call_catching_oom`` with the CPU spotter off (its default without a budget) and on
+(``set_spotter_mode("on")``, its default under a budget), and the ratio of each to bare:
+
+- ``tiny GPT-2 fwd+bwd``: 1 layer, width 32, 2 heads, vocabulary 64, 4 x 32 tokens (hundreds of
+  small aten operators per step: the spotter's worst case);
+- ``matmul-heavy fwd+bwd``: two 1024 x 1024 linear layers on 256 rows (a few large operators).
+
 Run: ``python bench/bench_overhead.py [--calls N] [--repeats R]``.
 """
 
@@ -130,6 +138,69 @@ def main() -> None:
         added = wrapped - bare
         print(f"{name:30} {bare:9.2f} {wrapped:11.2f} {added:9.2f} {added / STEP_US * 100:8.3f}%")
     print(f"goal: < 50 us added per call; torch {torch.__version__}, 1 thread")
+    print()
+    witness_table(max(1, args.repeats // 3))
+
+
+def count_ops(fn: Callable[[], object]) -> int:
+    """The aten operators one call of ``fn`` dispatches (what the spotter sees)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            seen[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return seen[0]
+
+
+def witness_table(repeats: int) -> None:
+    """The swallowed-OOM witness on the path without an OOM (module docstring)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from oomguard.engine.core.memory.oom import call_catching_oom
+    from oomguard.engine.core.memory.swallowed import set_spotter_mode
+
+    torch.manual_seed(0)
+    gpt = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                     n_positions=32))
+    ids = torch.randint(0, 64, (4, 32))
+
+    def gpt_step() -> None:
+        gpt(input_ids=ids, labels=ids).loss.backward()
+        gpt.zero_grad(set_to_none=True)
+
+    wide = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(),
+                               torch.nn.Linear(1024, 1024))
+    x = torch.randn(256, 1024)
+
+    def matmul_step() -> None:
+        wide(x).sum().backward()
+        wide.zero_grad(set_to_none=True)
+
+    def spotted(fn: Callable[[], object], mode: str) -> Callable[[], object]:
+        def run() -> object:
+            set_spotter_mode(mode)
+            try:
+                return call_catching_oom(fn, device="cpu")
+            finally:
+                set_spotter_mode("auto")
+        return run
+
+    print(f"{'swallowed-OOM witness':24} {'ops':>5} {'bare us':>9} {'off us':>9} {'on us':>9} "
+          f"{'off/bare':>8} {'on/bare':>8}")
+    for name, fn, calls in (("tiny GPT-2 fwd+bwd", gpt_step, 40),
+                            ("matmul-heavy fwd+bwd", matmul_step, 8)):
+        bare, off = compare(fn, spotted(fn, "off"), calls, repeats)
+        _, on = compare(fn, spotted(fn, "on"), calls, repeats)
+        print(f"{name:24} {count_ops(fn):5d} {bare:9.0f} {off:9.0f} {on:9.0f} {off / bare:8.3f} "
+              f"{on / bare:8.3f}")
+    print("off: call_catching_oom without a budget (the default there); on: with the CPU "
+          "spotter (the default under a budget)")
 
 
 if __name__ == "__main__":

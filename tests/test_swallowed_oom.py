@@ -24,6 +24,7 @@ from fakes.fake_cuda import FakeCuda
 from oomguard.engine.cli.main import main
 from oomguard.engine.core.execute.executor import Executor
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom
+from oomguard.engine.errors import UsageError
 
 MiB = 2**20
 GiB = 2**30
@@ -197,12 +198,24 @@ def _caught_outcomes() -> dict[str, Any]:
         return Executor().run(lambda b: float(torch.ones(b * MiB // 4).sum()) and b,
                               batch_size=n, name="inner")
 
+    # 64 MiB of embeddings made before the budget: the forward of one token fits, the
+    # backward's dense gradient (64 MiB, in a C++ autograd node) does not.
+    table = torch.randn(64 * MiB // 4 // 16, 16, requires_grad=True)
+
+    def backward_caught(n: int) -> str:
+        loss = torch.nn.functional.embedding(torch.tensor([n]), table).sum()
+        try:
+            loss.backward()
+            return "ok"
+        except RuntimeError:
+            return "skipped"
+
     torch.ones(64, 64).sum()
     out: dict[str, Any] = {}
     with budget(48 * MiB, "cpu"):
         for name, fn, size in (("non_oom", shape_error, 1), ("fits", swallows, 8),
                                ("swallowed", swallows, 128), ("wrapped", wraps_error, 128),
-                               ("inner", handled_inside, 128)):
+                               ("inner", handled_inside, 128), ("backward", backward_caught, 3)):
             got = call_catching_oom(fn, size, workload=name)
             out[name] = ({"oom": got.message, "caught": got.caught_by_workload}
                          if isinstance(got, OOM) else got)
@@ -221,6 +234,7 @@ def test_what_a_workload_catches_counts_only_when_it_is_an_oom() -> None:
     assert out["wrapped"]["oom"].startswith(
         f"wrapped: {CAUGHT}, which then raised ValueError: the metric failed (RuntimeError: ")
     assert out["inner"] in (16, 32)  # the inner executor's retry worked; the outer call did too
+    assert out["backward"]["caught"] is True and "DefaultCPUAllocator" in out["backward"]["oom"]
 
 
 def test_swallowed_cuda_oom_counts_through_num_ooms_fake_cuda(
@@ -246,3 +260,14 @@ def test_swallowed_cuda_oom_counts_through_num_ooms_fake_cuda(
     assert [a["batch_size"] for a in record.attempts] == [64, 32, 16]
     assert all(e.startswith(f"step: {CAUGHT}") for e in record.errors)
     assert gpu.num_ooms == 3
+
+
+def test_the_spotter_mode_is_checked_in_one_line() -> None:
+    from oomguard.engine.core.memory.swallowed import set_spotter_mode, spotter_mode
+
+    assert spotter_mode() == "auto"
+    with pytest.raises(UsageError) as err:
+        set_spotter_mode("sometimes")
+    assert str(err.value) == ("OOMGUARD_SWALLOWED_OOMS must be one of auto, on, off, "
+                              "got 'sometimes'")
+    assert spotter_mode() == "auto"

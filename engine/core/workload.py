@@ -19,8 +19,10 @@ Methods:
 
 - ``warmup()``: called once per process before the budget and the first trial (a search in
   this process, each isolated child, an estimate's copy under fake tensors; never by the
-  executor). Build the model and data here: a trial's peak then counts only what one call
-  adds. :func:`warm_up`
+  executor). Build the model and data here, and run the work once at its smallest size: a
+  trial's peak then counts only what one call adds. A search calls a workload without one
+  once at size 1 instead (:func:`~oomguard.engine.core.search.trial.warm_up_trials`).
+  :func:`warm_up`
 - ``worst_case_batch(size)``: the batch of ``size`` items that costs the most memory
   (every sample at the longest length); trials then call ``fn(size,
   batch=fn.worst_case_batch(size))`` (:mod:`~oomguard.engine.core.search.trial`).

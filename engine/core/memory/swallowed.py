@@ -12,35 +12,42 @@ executor attempt and every job call goes through) then returns the same
 
 Two signals, one per kind of memory:
 
-- **CUDA** (always on, free): the caching allocator counts every OOM it reports,
+- **CUDA** (always on): the caching allocator counts every OOM it reports,
   ``memory_stats()["num_ooms"]``: ``DeviceCachingAllocator::malloc`` increments
   ``stats.num_ooms`` right before it throws ``OutOfMemoryError``
   (c10/cuda/CUDACachingAllocator.cpp, torch 2.13). A call during which the count rose on a
-  device this process has a context on ran out of memory there. ``backend:cudaMallocAsync``
-  keeps no such count (its ``num_ooms`` stays 0): there the CPU's signal stands in under a
-  budget.
+  device this process has a context on ran out of memory there. torch's own code catches
+  some of these too (cuDNN trying a convolution's next algorithm when one's workspace does
+  not fit, aten/src/ATen/native/cudnn/Conv_v7.cpp ``try_all``): such a size counts as out of
+  memory as well, a conservative answer at the edge. ``backend:cudaMallocAsync`` keeps no
+  such count (its ``num_ooms`` stays 0): there the CPU's signal stands in under a budget.
 - **CPU** (on under a budget, see below): no allocator keeps a count; under ``RLIMIT_DATA``
   torch 2.13 raises a plain ``RuntimeError("... DefaultCPUAllocator: can't allocate memory
   ...")`` out of the operator that allocated. A ``TorchDispatchMode`` (:class:`_Spotter`),
   active on this thread for the call only, runs each aten operator in ``try``/``except``,
   notes an exception that :func:`~oomguard.engine.core.memory.oom.is_oom` calls an OOM, and
-  re-raises it unchanged. Operators of the backward pass are seen too (the autograd engine
-  carries the dispatch mode to the thread that runs them; tests/test_swallowed_oom.py).
+  re-raises it unchanged. Operators of the backward pass are seen too: on the CPU the
+  calling thread runs them (tests/test_swallowed_oom.py), and the autograd engine's device
+  threads run under the caller's ``at::ThreadLocalState``, which carries the dispatch modes
+  (``torch_dispatch_mode_state_``, aten/src/ATen/ThreadLocalState.h).
   Not seen: a ``MemoryError`` raised by Python or numpy (not an aten operator) and
   operators run by threads the call starts itself. The spotter ignores what
   ``torch.compile`` does inside its compiled regions (``ignore_compile_internals``), so
   compiled code stays compiled.
 
 Cost on the path without an OOM (bench/bench_overhead.py, this 2-core CPU, torch 2.13, 1
-thread): the spotter adds a Python call per aten operator, about 10 us. That is 40-60% of a
-tiny GPT-2's forward and backward (hundreds of small operators) and under 1% of a
-matmul-heavy step; the CUDA counter costs two ``memory_stats`` reads per call. So the spotter
-is on by default only where a budget is in force (``active_budget()``: search trials, each
-isolated child, a job's calls, and an enforced host limit, which enters a budget), where the
-call's OOMs are what is being measured, and off elsewhere (an ``@adaptive`` step in a
-training script on the CPU). ``OOMGUARD_SWALLOWED_OOMS`` sets it for this process and the
-children it starts: ``auto`` (the default, as above), ``on`` (every call) or ``off`` (never;
-the CUDA counter stays on).
+thread): the spotter adds a Python call per aten operator, about 4 us: a tiny GPT-2's forward
+and backward (225 operators) took 1.77x as long (2211 against 1251 us), a matmul-heavy step
+(two 1024-wide linear layers on 256 rows, 27 operators) the same within noise (0.99-1.02x).
+Off, a call pays about 1 us (``@adaptive``: 2.2 us added per call, 1.25 us before). So the
+spotter is on by default only where a budget is in force (``active_budget()``: search
+trials, each isolated child, a job's calls, an enforced host limit, which enters a budget),
+where the call's OOMs are what is measured, and off elsewhere (an ``@adaptive`` step of a
+training script on the CPU). ``OOMGUARD_SWALLOWED_OOMS``, read at import (the children
+oomguard starts inherit it), sets it: ``auto`` (the default, as above), ``on`` (every call)
+or ``off`` (never; the CUDA counter stays on); :func:`set_spotter_mode` sets it for this
+process only. The CUDA counter costs two ``memory_stats`` reads per call on a device with a
+context.
 """
 
 from __future__ import annotations
@@ -60,27 +67,50 @@ from oomguard.engine.errors import UsageError
 ENV = "OOMGUARD_SWALLOWED_OOMS"
 _MODES = ("auto", "on", "off")
 
-# Per thread: the witnesses of the calls running on it, innermost last, and whether the spotter
-# is on. The spotter is pushed once, by the outermost witness that wants it; an OOM counts for
-# the innermost call only, so an OOM that an inner oomguard call handled (an executor inside a
-# searched workload) is not the outer call's.
-_local = threading.local()
+
+class _Thread(threading.local):
+    """Per thread: the witnesses of the calls running on it, innermost last, and whether the
+    spotter is on. The spotter is pushed once, by the outermost witness that wants it; an OOM
+    counts for the innermost call only, so an OOM that an inner oomguard call handled (an
+    executor inside a searched workload) is not the outer call's."""
+
+    spotting = False
+
+    def __init__(self) -> None:
+        self.frames: list[Witness] = []
+
+
+_local = _Thread()
+
+
+def _checked(mode: str) -> str | UsageError:
+    mode = mode.strip().lower() or "auto"
+    return mode if mode in _MODES else UsageError(
+        f"{ENV} must be one of {', '.join(_MODES)}, got {mode!r}")
+
+
+# Read once, at import (children read their own): os.environ.get costs 0.5 us, and this is
+# asked on every call. A bad value is said at the first call, not at import.
+_mode: str | UsageError = _checked(os.environ.get(ENV, "auto"))
+
+
+def set_spotter_mode(mode: str) -> None:
+    """Set the CPU spotter's mode in this process (not in children already started):
+    ``auto``, ``on`` or ``off`` (module docstring); :class:`UsageError` (one line) for
+    anything else."""
+    global _mode
+    checked = _checked(mode)
+    if isinstance(checked, UsageError):
+        raise checked
+    _mode = checked
 
 
 def spotter_mode() -> str:
-    """``OOMGUARD_SWALLOWED_OOMS``: ``auto``, ``on`` or ``off`` (module docstring);
-    :class:`UsageError` (one line) for anything else."""
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise UsageError(f"{ENV} must be one of {', '.join(_MODES)}, got {mode!r}")
-    return mode
-
-
-def _frames() -> list[Witness]:
-    frames = getattr(_local, "frames", None)
-    if frames is None:
-        frames = _local.frames = []
-    return frames
+    """The CPU spotter's mode: ``auto``, ``on`` or ``off``; :class:`UsageError` (one line)
+    when ``OOMGUARD_SWALLOWED_OOMS`` held anything else."""
+    if isinstance(_mode, UsageError):
+        raise _mode
+    return _mode
 
 
 class _Spotter(TorchDispatchMode):
@@ -108,9 +138,8 @@ class _Spotter(TorchDispatchMode):
         try:
             return func(*args, **(kwargs or {}))
         except BaseException as exc:
-            frames = _frames()
-            if frames:
-                frames[-1].saw(exc)
+            if _local.frames:
+                _local.frames[-1].saw(exc)
             raise
 
 
@@ -127,12 +156,11 @@ class Witness:
     def __init__(self, classify: Callable[[BaseException], str | None],
                  device: str | torch.device | None = None,
                  on_oom: Callable[[BaseException], None] | None = None) -> None:
-        self.classify, self.on_oom = classify, on_oom
-        self.device = torch.device(device) if device is not None else None
+        self.classify, self.on_oom, self.device = classify, on_oom, device
         self.seen: str | None = None
         self.reported = False
         self._pushed: _Spotter | None = None
-        self._ooms: dict[int, int] | None = None
+        self._ooms: dict[int, int] = {}
 
     def saw(self, exc: BaseException) -> None:
         """The spotter's note of an exception leaving an operator during the call."""
@@ -149,8 +177,8 @@ class Witness:
 
     def __enter__(self) -> Witness:
         self._ooms = _cuda_ooms(self.device)
-        _frames().append(self)
-        if _wants_spotter(self.device) and not getattr(_local, "spotting", False):
+        _local.frames.append(self)
+        if not _local.spotting and _wants_spotter():
             self._pushed = _Spotter()
             self._pushed.__enter__()
             _local.spotting = True
@@ -161,9 +189,9 @@ class Witness:
             _local.spotting = False
             self._pushed.__exit__(None, None, None)
             self._pushed = None
-        _frames().pop()
-        if self.seen is None and self._ooms is not None:
-            after = _cuda_ooms(self.device) or {}
+        _local.frames.pop()
+        if self.seen is None and torch.cuda.is_initialized():
+            after = _cuda_ooms(self.device)
             rose = [i for i, n in after.items() if n > self._ooms.get(i, 0)]
             if rose:
                 self.seen = (f"OutOfMemoryError: the CUDA caching allocator reported "
@@ -171,8 +199,8 @@ class Witness:
                              f"cuda:{rose[0]} (memory_stats num_ooms)")
 
 
-def _wants_spotter(device: torch.device | None) -> bool:
-    """Whether the CPU signal is on for a call on ``device`` now (module docstring)."""
+def _wants_spotter() -> bool:
+    """Whether the CPU signal is on for a call now (module docstring)."""
     mode = spotter_mode()
     if mode != "auto":
         return mode == "on"
@@ -190,18 +218,20 @@ def _async_backend() -> bool:
     return cuda.async_backend()
 
 
-def _cuda_ooms(device: torch.device | None) -> dict[int, int] | None:
+def _cuda_ooms(device: str | torch.device | None) -> dict[int, int]:
     """``num_ooms`` per CUDA device this call can run out on: ``device``'s, or every device
-    with a context (none where CUDA is not initialised: no OOM can have been counted yet, and
-    reading would create a context); None for a device that is not CUDA."""
-    if device is not None and device.type != "cuda":
-        return None
-    if not torch.cuda.is_initialized():  # a device the call initialises counts from 0
+    with a context; none where CUDA is not initialised (no OOM can have been counted yet, and
+    reading would create a context: a device the call initialises counts from 0) or the
+    device is not CUDA."""
+    if not torch.cuda.is_initialized():
+        return {}
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type != "cuda":
         return {}
     # why: as in _async_backend
     from oomguard.probes import cuda
 
-    if device is not None:
-        index = device.index if device.index is not None else cuda.current_device()
+    if dev is not None:
+        index = dev.index if dev.index is not None else cuda.current_device()
         return {index: cuda.oom_count(index)} if cuda.has_context(index) else {}
     return {i: cuda.oom_count(i) for i in range(cuda.device_count()) if cuda.has_context(i)}
