@@ -7,8 +7,9 @@ Each check prints one line, PASS or FAIL, with what it measured:
 - ``spotter in backward``: with the CPU signal forced on (``set_spotter_mode("on")``), an OOM
   raised in the backward pass, which the autograd engine runs on its CUDA device thread, and
   caught by the workload, is seen by the dispatch mode itself (its text, not the count's);
-- ``cost``: per call, ``call_catching_oom`` of a no-op on ``cuda:0`` (two ``memory_stats``
-  reads) against a bare call; a tiny GPT-2's forward and backward on the GPU bare, with the
+- ``cost``: per call, ``call_catching_oom`` of a no-op on ``cuda:0`` (two reads of the
+  allocator's nested stats) against a bare call, and one read of ``memory_stats`` (flattened
+  in Python) and of ``memory_stats_as_nested_dict``; a tiny GPT-2's forward and backward on the GPU bare, with the
   witness (spotter off, the default without a budget) and with the spotter on;
 - ``sys.monitoring`` (Python 3.12+ only): the cost on the CPU of noting exceptions through
   ``sys.monitoring`` RAISE events instead of a dispatch mode, for the record.
@@ -98,6 +99,7 @@ def check_cost(dev: torch.device) -> tuple[bool, str]:
     bare = per_call_us(noop, 20000, sync=False)
     wrapped = per_call_us(lambda: call_catching_oom(noop, device=dev), 20000, sync=False)
     stats = per_call_us(lambda: torch.cuda.memory_stats(dev), 2000, sync=False)
+    nested = per_call_us(lambda: torch.cuda.memory_stats_as_nested_dict(dev), 2000, sync=False)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
                                        n_positions=32)).to(dev)
@@ -115,7 +117,8 @@ def check_cost(dev: torch.device) -> tuple[bool, str]:
     finally:
         set_spotter_mode("auto")
     return True, (f"call_catching_oom(noop, cuda) {wrapped - bare:.1f} us added per call "
-                  f"(memory_stats {stats:.1f} us each); tiny GPT-2 fwd+bwd on the GPU: bare "
+                  f"(memory_stats {stats:.1f} us, memory_stats_as_nested_dict {nested:.1f} us "
+                  f"a read); tiny GPT-2 fwd+bwd on the GPU: bare "
                   f"{plain:.0f} us, witness {off:.0f} us ({off / plain:.3f}x), spotter on "
                   f"{on:.0f} us ({on / plain:.3f}x)")
 

@@ -123,8 +123,10 @@ def oom_count(index: int) -> int:
     user's code, or torch's own (cuDNN trying a convolution's next algorithm when one's
     workspace does not fit, aten/src/ATen/native/cudnn/Conv_v7.cpp ``try_all``)
     (c10/cuda/CUDACachingAllocator.cpp). 0 under ``backend:cudaMallocAsync`` (it keeps no
-    such count)."""
-    return int(torch.cuda.memory_stats(index).get("num_ooms", 0))
+    such count). Read from the nested stats: ``memory_stats`` flattens them in Python, which
+    took 73 us a call on an H200 (bench/gpu_check_swallowed.py), and this is read twice per
+    call of every executor attempt on a CUDA device."""
+    return int(torch.cuda.memory_stats_as_nested_dict(index).get("num_ooms", 0))
 
 
 def unreported_oom_retries(index: int) -> int:

@@ -403,6 +403,19 @@ class FakeCuda:
                       "num_device_alloc": 0, "num_device_free": 0,
                       "max_split_size": -1 if self.max_split_size is None else self.max_split_size}
 
+    def memory_stats_as_nested_dict(self, device: Any = None) -> dict[str, Any]:
+        """``torch.cuda.memory_stats_as_nested_dict``: the same ``DeviceStats`` nested, as
+        ``torch._C._cuda_memoryStats`` returns them (``memory_stats`` joins the keys with
+        ``.``, torch/cuda/memory.py)."""
+        nested: dict[str, Any] = {}
+        for key, value in self.memory_stats(device).items():
+            *path, last = key.split(".")
+            node = nested
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = value
+        return nested
+
     def memory_snapshot(self, mempool_id: Any = None, include_traces: bool = True) -> list[dict]:
         """``torch.cuda.memory_snapshot()``'s segments (module docstring)."""
         if self.backend == "cudaMallocAsync":
@@ -469,7 +482,7 @@ class FakeCuda:
                      "max_memory_reserved", "reset_peak_memory_stats", "mem_get_info",
                      "set_per_process_memory_fraction", "get_allocator_backend",
                      "get_device_properties", "get_per_process_memory_fraction",
-                     "memory_stats", "memory_snapshot"):
+                     "memory_stats", "memory_stats_as_nested_dict", "memory_snapshot"):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name), raising=False)
         monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: self.has_context,
                             raising=False)

@@ -69,12 +69,14 @@ _MODES = ("auto", "on", "off")
 
 
 class _Thread(threading.local):
-    """Per thread: the witnesses of the calls running on it, innermost last, and whether the
-    spotter is on. The spotter is pushed once, by the outermost witness that wants it; an OOM
-    counts for the innermost call only, so an OOM that an inner oomguard call handled (an
-    executor inside a searched workload) is not the outer call's."""
+    """Per thread: the witnesses of the calls running on it, innermost last, and the spotter
+    it pushed. The spotter is pushed once, by the outermost witness that wants it, and holds
+    this thread's list: the autograd engine's device threads run it with the caller's
+    dispatch modes, and its notes must reach the caller's witness. An OOM counts for the
+    innermost call only, so one that an inner oomguard call handled (an executor inside a
+    searched workload) is not the outer call's."""
 
-    spotting = False
+    spotter: _Spotter | None = None
 
     def __init__(self) -> None:
         self.frames: list[Witness] = []
@@ -133,13 +135,17 @@ class _Spotter(TorchDispatchMode):
         # is compiled: ignore_compile_internals turns it off while torch.compile runs.
         return False
 
+    def __init__(self, frames: list[Witness]) -> None:
+        super().__init__()
+        self.frames = frames  # the pushing thread's, whichever thread runs an operator
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         try:
             return func(*args, **(kwargs or {}))
         except BaseException as exc:
-            if _local.frames:
-                _local.frames[-1].saw(exc)
+            if self.frames:
+                self.frames[-1].saw(exc)
             raise
 
 
@@ -178,15 +184,14 @@ class Witness:
     def __enter__(self) -> Witness:
         self._ooms = _cuda_ooms(self.device)
         _local.frames.append(self)
-        if not _local.spotting and _wants_spotter():
-            self._pushed = _Spotter()
+        if _local.spotter is None and _wants_spotter():
+            self._pushed = _local.spotter = _Spotter(_local.frames)
             self._pushed.__enter__()
-            _local.spotting = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._pushed is not None:
-            _local.spotting = False
+            _local.spotter = None
             self._pushed.__exit__(None, None, None)
             self._pushed = None
         _local.frames.pop()
