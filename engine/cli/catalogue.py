@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from oomguard.engine.cli.options import add_workload_options
+from oomguard.engine.cli.options import add_plugin_option, add_workload_options
 from oomguard.engine.util.jsonable import json_text
 
 
@@ -14,6 +14,7 @@ def add_metrics(p: argparse.ArgumentParser) -> None:
                      "weights are built).")
     add_workload_options(p, model=(None, "say which metrics support it"))
     p.add_argument("--json", action="store_true", help="JSON on stdout")
+    add_plugin_option(p)
     p.set_defaults(func=cmd_metrics)
 
 

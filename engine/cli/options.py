@@ -8,6 +8,7 @@ for bad sizes and counts."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from oomguard.engine.errors import UsageError
@@ -78,6 +79,36 @@ def add_workload_options(p: argparse.ArgumentParser, **defaults: Any) -> None:
                            help=text if required else f"{text} ({note})")
 
 
+def add_plugin_option(p: argparse.ArgumentParser) -> None:
+    """``--plugin FILE_OR_MODULE`` (repeatable): loaded by :func:`load_plugins` before the
+    command runs, as a job file's ``plugins`` are."""
+    p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE",
+                   help="import metrics from a .py file (relative to the current folder) or "
+                        "a module, as a job file's plugins; repeat for several")
+
+
+def load_plugins(specs: Sequence[str]) -> list[str]:
+    """Import each ``--plugin`` (a ``.py`` path against the current folder, else a module
+    name), as a job resolves its plugins; the resolved plugins. UsageError (one line) for one
+    that cannot be imported. Children started from a forkserver import them too (its
+    preload names :data:`~oomguard.engine.jobs.plugins.PRELOAD`)."""
+    if not specs:
+        return []
+    from pathlib import Path
+
+    from oomguard.engine.core.child import forkserver_context
+    from oomguard.engine.jobs.plugins import PRELOAD, load_plugin
+
+    loaded = []
+    for spec in specs:
+        try:
+            loaded.append(load_plugin(spec, Path.cwd()))
+        except ValueError as exc:
+            raise UsageError(f"--plugin {exc}") from None
+    forkserver_context([PRELOAD])  # before the server starts: it imports them too
+    return loaded
+
+
 def check_workload(args: argparse.Namespace) -> None:
     """UsageError (one line), before any work, for a ``--seq-len`` or ``--samples`` that is
     given and not a positive integer, or a ``--dtype`` torch does not have."""
@@ -85,10 +116,29 @@ def check_workload(args: argparse.Namespace) -> None:
         value = getattr(args, dest, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{dest.replace('_', '-')} must be a positive integer, got {value}")
+    if getattr(args, "seq_len", None) is not None:
+        from oomguard.engine.jobs.data import check_seq_len_floor
+
+        try:
+            check_seq_len_floor(args.seq_len, "--seq-len")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     if getattr(args, "dtype", None) is not None:
         from oomguard.metrics.models import parse_dtype
 
         parse_dtype(args.dtype)
+
+
+def check_sizes(sizes: Sequence[tuple[str, int]], seq_len: int) -> None:
+    """UsageError (one line) for a size (``(option, value)``) whose batch of ``size x
+    seq_len`` tokens no device holds (:func:`~oomguard.engine.jobs.data.check_size`)."""
+    from oomguard.engine.jobs.data import check_size
+
+    for option, value in sizes:
+        try:
+            check_size(value, seq_len, option)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
 
 
 def strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size: int) -> Any:
@@ -129,6 +179,8 @@ def search_config(args: argparse.Namespace, dev: torch.device, max_size: int, un
 
     if args.start > max_size:
         raise UsageError(f"--start {args.start} is larger than --max-size {max_size}")
+    if getattr(args, "seq_len", None):
+        check_sizes([("--start", args.start), ("--max-size", max_size)], args.seq_len)
     nbytes = default_budget(dev, args.budget)
     if nbytes is not None:
         check_budget(nbytes, dev)

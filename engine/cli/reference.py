@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.engine.cli.options import (
+    add_plugin_option,
     add_search_options,
     add_workload_options,
+    check_sizes,
     check_workload,
     size,
 )
@@ -62,6 +64,7 @@ def add_reference(p: argparse.ArgumentParser) -> None:
     est.add_argument("--measured", default=None, metavar="REFERENCE.json",
                      help="a measured reference.json for the same model, dtype, sequence "
                           "length and samples: show estimate against measurement")
+    add_plugin_option(p)
     p.set_defaults(func=cmd_reference)
 
 
@@ -142,6 +145,8 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     names = _metric_names(args.metrics)
     check_seq_len(model_config(args.model), args.seq_len)
     batches = parse_sizes(args.batches) if args.batches else []
+    check_sizes([("--max-size", args.max_size), *(("--batches:", b) for b in batches)],
+                args.seq_len)
     measured = None
     if args.measured:
         try:

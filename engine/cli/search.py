@@ -14,6 +14,7 @@ from typing import Any
 
 from oomguard.engine.cli.options import (
     REQUIRED,
+    add_plugin_option,
     add_search_options,
     add_workload_options,
     budget_free_limit,
@@ -48,6 +49,7 @@ def add_search(p: argparse.ArgumentParser) -> None:
                          model="tiny-gpt2", dtype="float32", samples=64, seq_len=128)
     add_search_options(p, start=8)
     p.add_argument("--out", default="oomguard-report", help="report folder (oomguard-report)")
+    add_plugin_option(p)
     p.set_defaults(func=cmd_search)
 
 

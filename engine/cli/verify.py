@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.cli.options import positive_int
+from oomguard.engine.cli.options import add_plugin_option, check_sizes, positive_int
 from oomguard.engine.errors import UsageError
 from oomguard.engine.jobs.progress import error_text
 from oomguard.engine.util.units import fmt_bytes
@@ -78,6 +78,7 @@ def add_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=positive_int, default=None,
                    help="size to verify (default: the report's recommended size)")
     p.add_argument("--json", action="store_true", help="JSON on stdout")
+    add_plugin_option(p)
     p.set_defaults(func=cmd_verify)
 
 
@@ -105,6 +106,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     size = args.size or (result["recommendation"] or {}).get("safe")
     if not isinstance(size, int) or size <= 0:
         raise UsageError(f"{file} recommends no size: give one with --size N")
+    check_sizes([("--size", size)], workload.seq_len)
     dev = resolve_device(result["device"], check=True)
     label = (result.get("size_name") or "batch_size").replace("_", " ")
     budget = result.get("budget_bytes")
