@@ -71,6 +71,9 @@ def add_reference(p: argparse.ArgumentParser) -> None:
 def cmd_reference(args: argparse.Namespace) -> int:
     """Measure the reference (or, with ``--estimate``, estimate it); exit 1 where nothing fits."""
     check_workload(args)
+    if args.verify_steps:  # a search option the reference's rows have no place for
+        raise UsageError("--verify-steps is for search and bench: a reference does not verify "
+                         "its sizes (`oomguard search --metric NAME --verify-steps N` does)")
     if args.estimate:
         return cmd_estimate_reference(args)
     for option in ("gpu", "memory", "batches", "measured"):
@@ -115,7 +118,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
                         "sizes.toml": sizes_toml(ref)},
                   f"reference: {out / 'reference.md'} ({len(ref.rows)} rows, {ref.trials} "
                   f"trials, {ref.seconds:.1f} s)\nsizes:     {out / 'sizes.toml'}",
-                  missing, "nothing fits for")
+                  missing, "nothing fits for", args.json)
 
 
 def cmd_estimate_reference(args: argparse.Namespace) -> int:
@@ -124,7 +127,11 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     import json
 
     from oomguard.engine.cli.estimate import parse_sizes
-    from oomguard.engine.jobs.reference_estimate import build_estimate_reference, gpu_memory
+    from oomguard.engine.jobs.reference_estimate import (
+        build_estimate_reference,
+        check_measured,
+        gpu_memory,
+    )
     from oomguard.engine.util.units import fmt_bytes
     from oomguard.metrics.models import check_seq_len, model_config
     from oomguard.reports.reference_estimate import render_estimate_markdown
@@ -154,6 +161,8 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             raise UsageError(f"--measured {args.measured}: cannot read a reference.json "
                              f"({getattr(exc, 'strerror', None) or exc})") from None
+        check_measured(measured, model=args.model, dtype=args.dtype, seq_len=args.seq_len,
+                       n_samples=args.samples)  # before any estimate, not after them all
     out = Path(args.out)
 
     def show(row: dict[str, Any]) -> None:
@@ -174,13 +183,15 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
                   f"estimated reference: {out / 'estimate-reference.md'} ({len(doc['rows'])} "
                   f"rows, {doc['estimates']} estimates, {doc['seconds']:.1f} s; estimates, not "
                   "measurements)",
-                  missing, "estimated not to fit even at size 1:")
+                  missing, "estimated not to fit even at size 1:", args.json)
 
 
-def _write(out: Path, files: dict[str, Any], done: str, missing: list[str], why: str) -> int:
+def _write(out: Path, files: dict[str, Any], done: str, missing: list[str], why: str,
+           as_json: bool = False) -> int:
     """Write ``files`` (name: text, or a dict written as JSON) into ``out`` and print
-    ``done``; the exit code: 1, after one line on stderr, when they cannot be written (a
-    full disk) or some rows fit no size (``missing``, said after ``why``), else 0."""
+    ``done`` (``as_json``: the first JSON file's content instead); the exit code: 1, after
+    one line on stderr, when they cannot be written (a full disk) or some rows fit no size
+    (``missing``, said after ``why``), else 0."""
     from oomguard.engine.util.atomic import atomic_write, atomic_write_json
 
     try:
@@ -191,7 +202,12 @@ def _write(out: Path, files: dict[str, Any], done: str, missing: list[str], why:
         print(f"oomguard: cannot write {exc.filename or out}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
-    print(done)
+    if as_json:
+        from oomguard.engine.util.jsonable import json_text
+
+        print(json_text(next(c for c in files.values() if not isinstance(c, str))), end="")
+    else:
+        print(done)
     if missing:
         print(f"oomguard: {why} {', '.join(missing)}", file=sys.stderr)
     return 1 if missing else 0

@@ -83,6 +83,7 @@ class Request:
     config: Any
     max_size: int = 65536
     pinned: Mapping[str, int] = field(default_factory=dict)
+    pinned_from: str = "job file"  # where ``pinned`` came from, the sizes' source says it
 
     def bounds(self, knob: str, sizes: Mapping[str, int]) -> tuple[int, int, str]:
         """``(unit, cap, what sets cap)`` of ``knob`` with the other knobs at ``sizes``: a
@@ -147,7 +148,7 @@ def choose_sizes(req: Request, *, evaluate: Evaluate | None = None, slot: Slot |
     for knob in knobs:
         name = knob.name
         if name in req.pinned:
-            sources.append("job file")
+            sources.append(req.pinned_from)
             continue
         unit, cap, why = req.bounds(name, sizes)
         if evaluate is None:

@@ -222,7 +222,7 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, work: _Work, sink: Sink
     evaluate = (_Search(task, ctx, work.call, len(metric.memory_knobs()) - len(task.pinned),
                         record) if ctx.search and job.search.enabled else None)
     request = sizing.Request(metric, task.params, job.data.n_samples, work.model.config,
-                             job.search.max_size, task.pinned)
+                             job.search.max_size, task.pinned, task.pinned_from)
     got = sizing.choose_sizes(request, evaluate=evaluate, slot=slot, on_record=record)
     state["source"] = got.source
     return got.sizes
