@@ -76,6 +76,7 @@ class Outcome:
     results: dict[str, TaskResult] = field(default_factory=dict)
     out: str = ""
     seconds: float = 0.0
+    report: str | None = None  # report.md's path once written this run (None: it was not)
 
     def failed(self) -> list[str]:  # in job order
         return [k for k, r in self.results.items() if r.status == FAILED]
@@ -221,17 +222,19 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
             backend.run(todo, ctx, journal, stop, sink)
         # In job order (the report's); a task that never ran is pending.
         results = {t.key: results.get(t.key) or TaskResult.of(t, run_id, PENDING) for t in tasks}
-        code, status = _finish(job, ctx.device, run_id, results, out, journal, stop)
+        code, status, report = _finish(job, ctx.device, run_id, results, out, journal, stop)
     log.info("job %s: %s (%s) in %.1f s; results in %s", job.name, status,
              ", ".join(f"{k} failed" for k, r in results.items() if r.status == FAILED)
              or "nothing failed", time.perf_counter() - t0, out)
-    return Outcome(exit_code=code, results=results, out=str(out), seconds=time.perf_counter() - t0)
+    return Outcome(exit_code=code, results=results, out=str(out), seconds=time.perf_counter() - t0,
+                   report=report)
 
 
 def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, TaskResult],
-            out: Path, journal: Journal, stop: _Stop) -> tuple[int, str]:
+            out: Path, journal: Journal, stop: _Stop) -> tuple[int, str, str | None]:
     """Write ``results.json`` and the report; a signal during the report aborts it and
-    leaves ``results.json`` saying "interrupted" (a rerun finishes the report)."""
+    leaves ``results.json`` saying "interrupted" (a rerun finishes the report). The exit
+    code, the status, and report.md's path (None where it was not written)."""
     failed = [k for k, r in results.items() if r.status == FAILED]
 
     def summary_of(signum: int | None) -> dict[str, Any]:
@@ -247,9 +250,10 @@ def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, Ta
     signum = stop.signum
     summary = summary_of(signum)
     atomic_write_json(out / "results.json", summary)
-    code = summary["exit_code"]
+    code, report = summary["exit_code"], None
     try:
         write_job_report(summary, out, cancelled=lambda: stop.signum != signum)
+        report = str(out / "report.md")
     except ReportInterrupted:
         log.warning("interrupted while writing the report; run the same command again to finish it")
     except OSError as exc:  # a full disk: the results are complete, the report is not
@@ -264,12 +268,14 @@ def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, Ta
         code = summary["exit_code"]
     journal.append("job-end", run=run_id, status=summary["status"], exit_code=code, failed=failed)
     journal.close()
-    return code, summary["status"]
+    return code, summary["status"], report
 
 
 def format_outcome(outcome: Outcome) -> str:
     """Plain lines for the terminal: one per task, then where the results are."""
     lines = [f"{key:<28} {r.status:<11} {(r.reason or '') if r.status == FAILED else ''}".rstrip()
              for key, r in outcome.results.items()]
-    lines.append(f"results: {outcome.out}/results.json, report: {outcome.out}/report.md")
+    lines.append(f"results: {outcome.out}/results.json, " + (
+        f"report: {outcome.report}" if outcome.report
+        else "report.md not written (see above)"))
     return "\n".join(lines)
