@@ -111,7 +111,9 @@ def load_plugins(specs: Sequence[str]) -> list[str]:
 
 def check_workload(args: argparse.Namespace) -> None:
     """UsageError (one line), before any work, for a ``--seq-len`` or ``--samples`` that is
-    given and not a positive integer, or a ``--dtype`` torch does not have."""
+    given and not a positive integer, a ``--seq-len`` below 2, a ``--start`` or
+    ``--max-size`` whose batch no device holds (:func:`check_sizes`), or a ``--dtype``
+    torch does not have."""
     for dest in ("seq_len", "samples"):
         value = getattr(args, dest, None)
         if value is not None and value <= 0:
@@ -123,6 +125,10 @@ def check_workload(args: argparse.Namespace) -> None:
             check_seq_len_floor(args.seq_len, "--seq-len")
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        # the search options, as given (a search caps them at the knob's useful sizes)
+        check_sizes([(f"--{dest.replace('_', '-')}", getattr(args, dest))
+                     for dest in ("start", "max_size") if getattr(args, dest, None)],
+                    args.seq_len)
     if getattr(args, "dtype", None) is not None:
         from oomguard.metrics.models import parse_dtype
 
@@ -179,8 +185,6 @@ def search_config(args: argparse.Namespace, dev: torch.device, max_size: int, un
 
     if args.start > max_size:
         raise UsageError(f"--start {args.start} is larger than --max-size {max_size}")
-    if getattr(args, "seq_len", None):
-        check_sizes([("--start", args.start), ("--max-size", max_size)], args.seq_len)
     nbytes = default_budget(dev, args.budget)
     if nbytes is not None:
         check_budget(nbytes, dev)

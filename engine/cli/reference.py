@@ -152,8 +152,7 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     names = _metric_names(args.metrics)
     check_seq_len(model_config(args.model), args.seq_len)
     batches = parse_sizes(args.batches) if args.batches else []
-    check_sizes([("--max-size", args.max_size), *(("--batches:", b) for b in batches)],
-                args.seq_len)
+    check_sizes([("--batches:", b) for b in batches], args.seq_len)
     measured = None
     if args.measured:
         try:
