@@ -81,6 +81,8 @@ def test_search_with_a_plugin_finds_a_size_and_every_command_uses_it(
     # the scratch buffer alone is 2 MiB a chunk: seen by the estimate
     assert estimates[1]["peak_bytes"] - estimates[0]["peak_bytes"] >= 2 * 2**20
 
+    assert json.loads(Path("rep/report.json").read_text())["context"]["plugins"] == [
+        str(Path(file).resolve())]
     assert main(["verify", "rep", "--plugin", file, "--steps", "2", "--json"]) == 0
     check = json.loads(capsys.readouterr().out)
     assert check["ok"] and check["size"] == found["recommendation"]["safe"]
@@ -121,3 +123,15 @@ def test_a_plugin_that_cannot_be_imported_is_one_line(
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith("oomguard: error: --plugin cannot import")
         assert says in err[0]
+
+
+def test_verify_names_the_plugin_a_report_was_searched_with(tmp_path: Path) -> None:
+    """A search with --plugin records it in its report; a verify that does not know the
+    metric (a fresh process without --plugin) says which --plugin to give."""
+    from oomguard.engine.cli.verify import _rebuild
+    from oomguard.engine.errors import UsageError
+
+    spec = {"kind": "MetricTrial", "fields": {"metric": "not_loaded_here", "model": TINY}}
+    with pytest.raises(UsageError, match=r"its metric comes from a plugin: give "
+                                         r"--plugin /lab/p\.py$"):
+        _rebuild(spec, tmp_path / "report.json", ["/lab/p.py"])

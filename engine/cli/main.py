@@ -102,7 +102,7 @@ def _main(argv: list[str]) -> int:
         if getattr(args, "plugin", None):  # the commands that take --plugin (options.py)
             from oomguard.engine.cli.options import load_plugins
 
-            load_plugins(args.plugin)
+            args.plugin = load_plugins(args.plugin)  # resolved, as a report records them
         return int(args.func(args) or 0)
     except UsageError as exc:
         print(f"oomguard: error: {exc}", file=sys.stderr)

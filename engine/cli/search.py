@@ -160,8 +160,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         out = Path(args.out) / knob if len(knobs) > 1 and not args.knob else Path(args.out)
         ns = argparse.Namespace(**vars(args) | {"start": min(args.start, max_size)})
         config = search_config(ns, dev, max_size, trial.unit())
-        plans.append((trial, config, trial.report_context() | {"workload_spec": workload_spec(trial)},
-                      out))
+        context = trial.report_context() | {"workload_spec": workload_spec(trial)}
+        if args.plugin:  # what `oomguard verify` needs given again to rebuild the workload
+            context["plugins"] = args.plugin
+        plans.append((trial, config, context, out))
     for *_, out in plans:  # last, so a bad option leaves no folder behind
         check_output_folder(out)
     status = 0

@@ -32,8 +32,9 @@ def workload_spec(workload: Any) -> dict[str, Any]:
     return {"kind": type(workload).__name__, "fields": fields}
 
 
-def _rebuild(spec: Any, where: Path) -> Any:
-    """The workload ``spec`` describes; a UsageError naming ``where`` when it cannot be."""
+def _rebuild(spec: Any, where: Path, plugins: Any = None) -> Any:
+    """The workload ``spec`` describes; a UsageError naming ``where`` when it cannot be
+    (and the ``plugins`` the search loaded, where its metric is not known here)."""
     import importlib
 
     kind = spec.get("kind") if isinstance(spec, dict) else None
@@ -45,6 +46,9 @@ def _rebuild(spec: Any, where: Path) -> Any:
     try:
         return cls(**spec["fields"])
     except (TypeError, ValueError) as exc:
+        if plugins and str(exc).startswith("unknown metric"):
+            raise UsageError(f"{where}: its metric comes from a plugin: give "
+                             f"{' '.join(f'--plugin {p}' for p in plugins)}") from None
         raise UsageError(f"{where}: its workload cannot be rebuilt ({exc}); run the search "
                          "again to write a fresh report") from None
 
@@ -102,7 +106,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     file, doc = read_report(args.report)
     result = doc["result"]
-    workload = _rebuild(doc.get("context", {}).get("workload_spec"), file)
+    context = doc.get("context", {})
+    workload = _rebuild(context.get("workload_spec"), file, context.get("plugins"))
     size = args.size or (result["recommendation"] or {}).get("safe")
     if not isinstance(size, int) or size <= 0:
         raise UsageError(f"{file} recommends no size: give one with --size N")
