@@ -101,6 +101,24 @@ def _is_user_code(name: str, origin: str | None, roots: tuple[str, ...]) -> bool
     return not str(Path(origin).resolve()).startswith(roots)
 
 
+def _users_package(top: str, roots: tuple[str, ...]) -> bool:
+    """Whether the top-level module or package ``top`` is the user's (found without
+    running it): not oomguard, not the standard library, not under ``roots``. Only then are
+    its submodules looked up, so that a lazy ``import scipy.sparse`` imports nothing here."""
+    if top == "oomguard" or top in sys.stdlib_module_names:
+        return False
+    module = sys.modules.get(top)
+    try:
+        spec = module.__spec__ if module is not None else importlib.util.find_spec(top)
+    except (ImportError, ValueError, AttributeError):
+        return False
+    if spec is None:
+        return False
+    places = [spec.origin] if spec.has_location and spec.origin else list(
+        spec.submodule_search_locations or ())  # a namespace package: its folders
+    return any(not str(Path(p).resolve()).startswith(roots) for p in places)
+
+
 def _origin(name: str) -> str | None:
     """The file of module ``name``: from ``sys.modules``, else found without running it
     (a dotted name imports its parent package, as the import would)."""
@@ -109,10 +127,8 @@ def _origin(name: str) -> str | None:
         return getattr(module, "__file__", None)
     try:
         spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError, AttributeError):
-        return None
-    except Exception:  # noqa: BLE001 - a parent package that fails to import: not ours to report
-        return None
+    except Exception:  # noqa: BLE001 - not found, or a user package that fails to import
+        return None  # (the plugin's own import says so, with its traceback)
     return spec.origin if spec is not None and spec.has_location else None
 
 
@@ -163,6 +179,7 @@ def user_code(plugins: Iterable[str]) -> list[str]:
     does not (the job hashes it as the plugin)."""
     roots = _installed_roots()
     seen: dict[str, bool] = {}  # file: whether it is the user's code
+    users: dict[str, bool] = {}  # top-level name: whether it is the user's package
     queue = []
     for plugin in plugins:
         name, origin = _plugin_module(plugin)
@@ -177,7 +194,10 @@ def user_code(plugins: Iterable[str]) -> list[str]:
         seen[key] = ours
         package = name if origin.endswith("__init__.py") else name.rpartition(".")[0]
         for imported in _imports(origin, package):
-            found = _origin(imported)
+            top = imported.partition(".")[0]
+            if top not in users:
+                users[top] = _users_package(top, roots)
+            found = _origin(imported) if users[top] else None
             if _is_user_code(imported, found, roots):
                 queue.append((imported, found, True))
     return sorted(file for file, ours in seen.items() if ours)
