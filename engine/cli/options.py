@@ -64,6 +64,14 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def add_progress_option(p: argparse.ArgumentParser) -> None:
+    """``--progress``/``--no-progress``: steps done and the time left (an estimate) on
+    stderr; by default only when stderr is a terminal."""
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show steps done and the estimated time left on stderr (default: "
+                        "only when stderr is a terminal)")
+
+
 def add_workload_options(p: argparse.ArgumentParser, **defaults: Any) -> None:
     """Add the workload options named by ``defaults``, each with its default:
     ``seq_len=128`` adds ``--seq-len``, default 128; :data:`REQUIRED` makes one required;
