@@ -158,3 +158,24 @@ def stopped_line(outcome: Any) -> str:
     return (f"oomguard: stopped on {outcome.stopped_by}: {done} of {len(outcome.results)} "
             f"metrics done, kept in {outcome.out}; to resume, run the same command again "
             f"(exit code {outcome.exit_code})")
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    setup_logging(logging.INFO)
+    # why: kept out of `oomguard --help`'s imports, like the runner's.
+    from oomguard.engine.jobs.cache import SizeCache, format_entries
+
+    cache = SizeCache(args.cache)  # a file it cannot read or write: main's one-line error
+    if args.action == "clear":
+        n = cache.clear()
+        print(json_text({"cleared": n, "path": cache.path}, indent=None) if args.json
+              else f"cleared {n} entries from {cache.path}")
+        return 0
+    entries = cache.entries()
+    if args.json:
+        print(json_text({"path": cache.path, "entries": entries}), end="")
+    elif not entries:
+        print(f"{cache.path}: empty")
+    else:
+        print(f"{cache.path}: {len(entries)} entries\n{format_entries(entries)}")
+    return 0
