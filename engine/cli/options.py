@@ -226,3 +226,4 @@ def add_search_options(p: argparse.ArgumentParser, start: int) -> None:
                    help="kill an isolated trial still running after SECONDS; the search ends "
                         "with an error, not an OOM (default 600)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    add_progress_option(p)
