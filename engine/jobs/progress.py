@@ -180,7 +180,10 @@ class Progress:
         self.steps.write(line)
         left = trials_left(self.trials, self.unit, self.max_size)
         self.steps.set_total(None if left is None else len(self.trials) + left)
-        self.steps.advance()
+        # In-process, a trial's own seconds: the wall-clock since the last one would charge
+        # the first trial with the model's build and warm-up. An isolated trial's start-up
+        # (a fresh process) is paid again by each, so its wall-clock counts.
+        self.steps.advance(None if trial.mode == "isolated" else trial.seconds)
 
     def skipped(self, record: TaskResult) -> None:
         """A result kept from an earlier run (its line is logged by the caller)."""
