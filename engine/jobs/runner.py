@@ -68,8 +68,10 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # Stopped by a signal: 128 + its number, as a shell reports a process it killed. SIGUSR1 is
 # what Slurm sends before a time limit with `sbatch --signal=USR1@90`; SIGTERM what it sends
 # at the limit, on preemption and on `scancel`.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-EXIT_SIGNAL = {sig: 128 + sig for sig in STOP_SIGNALS}  # 130, 143, 138
+# Windows has no SIGUSR1 (CPython's signal there: SIGINT, SIGTERM, SIGBREAK and a few more).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1")
+                     if hasattr(signal, name))
+EXIT_SIGNAL = {sig: 128 + sig for sig in STOP_SIGNALS}  # Linux: 130, 143, 138
 
 
 @dataclass
