@@ -46,6 +46,13 @@ def error_text(error: str | None) -> str:
     return re.sub(r"\[enforce fail at [^\]]*\][^.]*\.\s*", "", error or "")
 
 
+class _Bar(tqdm):
+    """tqdm without its monitor thread: a job forks its metrics' processes, and a fork
+    while another thread holds a lock can leave the child waiting on it forever."""
+
+    monitor_interval = 0
+
+
 class Steps:
     """``total`` steps (None: not known yet, :meth:`set_total`) of ``unit`` (a plural noun:
     "metrics", "steps") shown on stderr while ``show``: ``desc: 3/8 metrics done, 00:42
@@ -61,7 +68,7 @@ class Steps:
         self.timed: list[float] = []  # measured seconds of each step that ran
         self.mark = time.monotonic()
         self.lock = threading.Lock()  # verify's steps are counted from a watcher thread
-        self.bar = tqdm(total=total, desc=desc, unit=unit, disable=not show, file=sys.stderr,
+        self.bar = _Bar(total=total, desc=desc, unit=unit, disable=not show, file=sys.stderr,
                         bar_format=BAR_FORMAT, dynamic_ncols=True, leave=True)
 
     def __enter__(self) -> Steps:
