@@ -58,9 +58,9 @@ class Steps:
     "metrics", "steps") shown on stderr while ``show``: ``desc: 3/8 metrics done, 00:42
     elapsed, about 01:10 left (estimate: 14.0 s per metric so far)``. The time left is an
     estimate: the mean of the measured seconds per step so far (wall-clock between
-    :meth:`advance` calls, or the seconds given) times the steps left. A step :meth:`skip`
-    ped (a result kept from an earlier run) counts as done, never in the mean. :meth:`write`
-    prints a line above the bar (a plain line on stderr without one)."""
+    :meth:`advance` calls, or the seconds given) times the steps left. A skipped step
+    (:meth:`skip`: a result kept from an earlier run) counts as done, never in the mean.
+    :meth:`write` prints a line above the bar (a plain line on stderr without one)."""
 
     def __init__(self, total: int | None, unit: str, desc: str = "", show: bool = False) -> None:
         self.total, self.unit, self.show, self.n = total, unit, show, 0
