@@ -30,10 +30,9 @@ def add_metrics(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
+    from oomguard.engine.errors import UsageError
     from oomguard.metrics.base import get_metric, load_all
     from oomguard.metrics.models import model_config
-
-    from oomguard.engine.errors import UsageError
 
     if args.check:
         return _check(args)
