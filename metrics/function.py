@@ -37,6 +37,8 @@ become tensors, numpy scalars Python numbers, and a result that is not a dict be
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -68,7 +70,11 @@ def metric(name: str | None = None, *, memory: Mapping[str, int | Knob] | None =
     rounding (oomguard checks it, :mod:`~oomguard.metrics.knob_check`). ``result``:
     result-defining knobs, never tuned. ``combine``/``split``/``batches``/``models``/
     ``second_model``: the forms of the module docstring. ``description``: default, the
-    docstring's first line. A bad declaration is a one-line :class:`UsageError` here."""
+    docstring's first line. A bad declaration is a one-line :class:`UsageError` here. Bare
+    ``@metric`` (no knobs) works too."""
+    if callable(name):  # @metric without parentheses
+        return metric()(name)  # type: ignore[return-value]
+
     def register_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
         label = name or fn.__name__
         knobs = _knobs(label, memory or {}, result or {}, models, second_model)
@@ -85,7 +91,8 @@ def metric(name: str | None = None, *, memory: Mapping[str, int | Knob] | None =
             "tolerates_lower_precision": tolerates_lower_precision,
             "__module__": fn.__module__, "__qualname__": f"Metric_{label}"})
         register(cls)
-        fn.metric = METRICS[label]  # type: ignore[attr-defined]
+        with contextlib.suppress(AttributeError, TypeError):  # a builtin takes no attribute
+            fn.metric = METRICS[label]  # type: ignore[attr-defined]
         return fn
     return register_fn
 
@@ -210,6 +217,14 @@ class FunctionMetric(JsonMetric):
             rows.append(n_samples(piece))
         return combine_pieces(results, rows, self.combine, self.name)
 
+    def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """:meth:`Metric.validate`, and a two-model metric's ``second_model`` resolved to a
+        config (one line for a spec that names no model; no weights are loaded)."""
+        out = super().validate(params)
+        if self.models == 2:
+            _second_config(out[SECOND_MODEL])
+        return out
+
     def _kwargs(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """The knobs the function is given: those it takes (``split`` and ``second_model``
         only where its signature names them)."""
@@ -235,6 +250,14 @@ class FunctionMetric(JsonMetric):
             self._second.clear()  # the previous one is freed before the next is built
             self._second[key] = build_model(spec, dtype, device)
         return self._second[key]
+
+
+@functools.lru_cache(maxsize=8)
+def _second_config(spec: str) -> Any:
+    """The config of a second model's spec (UsageError if it names none), once per spec."""
+    from oomguard.metrics.models import model_config
+
+    return model_config(spec)
 
 
 def normalise(value: Any, name: str = "metric") -> dict[str, Any]:
@@ -271,7 +294,7 @@ def _leaf(value: Any, name: str, where: str) -> Any:
         if all(isinstance(v, torch.Tensor) for v in items):
             return torch.stack(items)
         if all(isinstance(v, (int, float)) for v in items):
-            return torch.tensor(items)
+            return _tensor(items)
     raise UsageError(f"metric {name!r} returned {type(value).__name__} at {where!r}: return "
                      "tensors, numpy arrays, numbers, strings, or dicts of them")
 
@@ -301,7 +324,7 @@ def _combine(values: list[Any], rows: list[int], how: str, name: str, where: str
             raise UsageError(f"metric {name!r}: {where!r} differs between pieces ({first!r}, ...)"
                              f"; it cannot be combined by {how}")
         return first
-    tensors = [torch.as_tensor(v) for v in values]
+    tensors = [v if isinstance(v, torch.Tensor) else _tensor(v) for v in values]
     if how == "concat":
         return torch.cat([t.reshape(1) if t.dim() == 0 else t for t in tensors])
     floating = tensors[0].is_floating_point()
@@ -311,3 +334,11 @@ def _combine(values: list[Any], rows: list[int], how: str, name: str, where: str
         total = total / sum(rows)
     out = total.to(tensors[0].dtype) if floating else total
     return out if isinstance(first, torch.Tensor) else out.item()
+
+
+def _tensor(numbers: Any) -> torch.Tensor:
+    """Python numbers as a tensor: float64 where any is a float (torch's default float32
+    would round them), else int64."""
+    flat = numbers if isinstance(numbers, list) else [numbers]
+    wide = any(isinstance(x, float) for x in flat)
+    return torch.tensor(numbers, dtype=torch.float64 if wide else torch.int64)

@@ -132,6 +132,18 @@ def test_a_callable_combines_pieces_and_mismatched_pieces_are_refused() -> None:
     with pytest.raises(UsageError, match="pieces returned different keys"):
         combine_pieces([{"a": 1.0}, {"b": 1.0}], [1, 1], "sum", "m")
     assert combine_pieces([{"s": "x"}, {"s": "x"}], [1, 1], "concat")["s"] == "x"
+    floats = combine_pieces([{"a": 0.1}, {"a": 0.2}], [1, 1], "concat")["a"]
+    assert floats.dtype == torch.float64 and floats.tolist() == [0.1, 0.2]  # not rounded
+    assert combine_pieces([{"a": 0.1}, {"a": 0.2}], [1, 3], "mean")["a"] == pytest.approx(0.175)
+
+
+def test_a_bare_decorator_registers_a_function_without_knobs(model, data):
+    @metric
+    def fn_bare(model, batch):
+        return batch["input_ids"].shape[0]
+
+    assert get_metric("fn_bare").run(model, data) == {"value": 5, "params": {}}
+    assert get_metric("fn_bare").memory_knobs() == ()
 
 
 # ------------------------------------------------------------------ an iterable of batches
@@ -214,6 +226,19 @@ def test_two_models_compared_through_metric_run(model, data):
     assert key[0] == SMALL and next(built.parameters()).dtype == torch.float64
     with pytest.raises(UsageError, match="fn_cka_ab.second_model must be a non-empty string"):
         m.run(model, data, second_model=3)
+
+
+def test_a_job_file_names_the_second_model_and_a_bad_one_fails_at_its_line() -> None:
+    from oomguard.engine.jobs.spec import JobError, parse_job
+
+    text = (f'models = ["{SMALL}"]\n[data]\nseq_len = 8\n[[metrics]]\nname = "fn_cka_ab"\n'
+            'params = { second_model = "%s" }\n')
+    job = parse_job(text % SMALL)
+    assert job.metrics[0].params == {"second_model": SMALL}
+    with pytest.raises(JobError) as info:
+        parse_job(text % "nosuchmodel:x=1")
+    assert "\n" not in str(info.value) and "line 6: metrics[0].params: unknown model " \
+        "'nosuchmodel:x=1'" in str(info.value)
 
 
 # ------------------------------------------------------------------ bad declarations
