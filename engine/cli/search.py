@@ -136,6 +136,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if result is None else _report(args, result, context, out)
 
 
+def _check_knobs(trial: Any, knobs: list[str], isolate: bool) -> None:
+    """Refuse (UsageError) a knob whose size changes the metric's result, before any search
+    (:func:`~oomguard.metrics.knob_check.check_trial`); isolated, in a child, so this process
+    builds no model."""
+    from oomguard.metrics.knob_check import check_trial
+
+    if not isolate:
+        check_trial(trial, knobs)
+        return
+    from oomguard.engine.core.child import Child, start_forkserver
+
+    with Child(start_forkserver(), check_trial, trial, knobs) as child:
+        child.wait().result()
+
+
 def cmd_search(args: argparse.Namespace) -> int:
     from oomguard.engine.jobs.output import check_output_folder
     from oomguard.metrics.base import get_metric
@@ -165,6 +180,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         config = search_config(ns, dev, max_size, trial.unit())
         plans.append((trial, config, trial.report_context() | {"workload_spec": workload_spec(trial)},
                       out))
+    _check_knobs(plans[0][0], [trial.knob for trial, *_ in plans], plans[0][1].isolate)
     for *_, out in plans:  # last, so a bad option leaves no folder behind
         check_output_folder(out)
     status = 0
