@@ -108,6 +108,7 @@ def _survives_sigusr1() -> tuple[bool, str]:
     return signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN, "alive"
 
 
+@pytest.mark.slow  # starts the forkserver (torch imported) where none runs yet
 def test_a_metrics_process_and_its_forkserver_leave_sigusr1_to_the_command() -> None:
     # Slurm's warning reaches every process of the job step: a metric's process (started by
     # the forkserver on a GPU) and the server must not die of it, the command decides.
