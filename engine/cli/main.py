@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "measure every metric's safe sizes on this device (a quick reference)"),
     "run": ("jobs:add_run", "run an overnight job file (resumable)"),
     "cache": ("jobs:add_cache", "show or clear the size cache"),
+    "show": ("show:add_show", "a job's table from its output folder, finished or interrupted"),
 }
 
 

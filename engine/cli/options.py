@@ -65,6 +65,14 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def add_progress_option(p: argparse.ArgumentParser) -> None:
+    """``--progress``/``--no-progress``: steps done and the time left (an estimate) on
+    stderr; by default only when stderr is a terminal."""
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show steps done and the estimated time left on stderr (default: "
+                        "only when stderr is a terminal)")
+
+
 def add_workload_options(p: argparse.ArgumentParser, **defaults: Any) -> None:
     """Add the workload options named by ``defaults``, each with its default:
     ``seq_len=128`` adds ``--seq-len``, default 128; :data:`REQUIRED` makes one required;
@@ -274,3 +282,4 @@ def add_search_options(p: argparse.ArgumentParser, start: int) -> None:
                    help="kill an isolated trial still running after SECONDS; the search ends "
                         "with an error, not an OOM (default 600)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    add_progress_option(p)

@@ -102,16 +102,19 @@ def cmd_reference(args: argparse.Namespace) -> int:
         what = f"maximum {row.max_ok}, safe {row.safe}" if row.max_ok is not None else row.note
         if row.capped_by:
             what += f" (capped by {row.capped_by} {row.cap}, not by memory)"
-        print(f"oomguard: {row.metric}.{row.knob}: {what} ({row.source}, {row.trials} "
-              f"trials)", file=sys.stderr, flush=True)
+        rows.write(f"oomguard: {row.metric}.{row.knob}: {what} ({row.source}, {row.trials} "
+                   f"trials)")
+        rows.advance()
 
     print(f"oomguard: reference of {len(names)} metrics on {dev} for {args.model} "
           f"({args.dtype}, seq_len {args.seq_len}, {args.samples} samples)",
           file=sys.stderr, flush=True)
-    ref = build_reference(args.model, str(dev), args.dtype, args.seq_len, args.samples,
-                          budget_bytes=budget, cache_path=args.cache, config_for=config_for,
-                          metrics=names, max_size=args.max_size,
-                          on_trial=Progress("size", args.confirm), on_row=show)
+    rows = _rows(names, args)  # after the header: the bar stays below it
+    with rows:
+        ref = build_reference(args.model, str(dev), args.dtype, args.seq_len, args.samples,
+                              budget_bytes=budget, cache_path=args.cache, config_for=config_for,
+                              metrics=names, max_size=args.max_size,
+                              on_trial=Progress("size", args.confirm), on_row=show)
     doc = ref.to_dict()
     missing = [f"{r.metric}.{r.knob}" for r in ref.rows if r.safe is None]
     return _write(out, {"reference.json": doc, "reference.md": render_reference_markdown(doc),
@@ -166,16 +169,20 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
 
     def show(row: dict[str, Any]) -> None:
         what = "does not fit" if row["largest"] is None else f"largest {row['largest']}"
-        print(f"oomguard: {row['metric']}.{row['knob']}: {what} (estimated, {row['estimates']} "
-              f"estimates, {row['seconds']:.1f} s)", file=sys.stderr, flush=True)
+        rows.write(f"oomguard: {row['metric']}.{row['knob']}: {what} (estimated, "
+                   f"{row['estimates']} estimates, {row['seconds']:.1f} s)")
+        rows.advance()
 
     print(f"oomguard: estimated reference of {len(names)} metrics for {args.model} "
           f"({args.dtype}, seq_len {args.seq_len}, {args.samples} samples) in {memory_name} "
           f"less a {args.margin:.0%} margin", file=sys.stderr, flush=True)
-    doc = build_estimate_reference(args.model, args.dtype, args.seq_len, args.samples,
-                                   memory=memory, memory_name=memory_name, margin=args.margin,
-                                   device=device, metrics=names, max_size=args.max_size,
-                                   batches=batches, measured=measured, on_row=show)
+    rows = _rows(names, args)  # after the header: the bar stays below it
+    with rows:
+        doc = build_estimate_reference(args.model, args.dtype, args.seq_len, args.samples,
+                                       memory=memory, memory_name=memory_name,
+                                       margin=args.margin, device=device, metrics=names,
+                                       max_size=args.max_size, batches=batches,
+                                       measured=measured, on_row=show)
     missing = [f"{r['metric']}.{r['knob']}" for r in doc["rows"] if r["largest"] is None]
     return _write(out, {"estimate-reference.json": doc,
                         "estimate-reference.md": render_estimate_markdown(doc)},
@@ -210,6 +217,16 @@ def _write(out: Path, files: dict[str, Any], done: str, missing: list[str], why:
     if missing:
         print(f"oomguard: {why} {', '.join(missing)}", file=sys.stderr)
     return 1 if missing else 0
+
+
+def _rows(names: list[str], args: argparse.Namespace) -> Any:
+    """The reference's progress: one step per row (a memory knob of each metric), shown on
+    stderr as ``--progress`` says (:func:`~oomguard.engine.jobs.progress.wanted`)."""
+    from oomguard.engine.jobs.progress import Steps, wanted
+    from oomguard.metrics.base import get_metric
+
+    total = sum(len(get_metric(name).memory_knobs()) for name in names)
+    return Steps(total, "rows", "reference", wanted(args.progress))
 
 
 def _metric_names(given: str | None) -> list[str]:

@@ -24,7 +24,7 @@ from oomguard.engine.cli.options import (
 )
 from oomguard.engine.cli.verify import workload_spec
 from oomguard.engine.errors import UsageError
-from oomguard.engine.jobs.progress import Progress
+from oomguard.engine.jobs.progress import Progress, Steps, wanted
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes.device import resolve_device
 
@@ -53,8 +53,9 @@ def add_search(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_search)
 
 
-def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
-    """Run one search planned (and checked) before; None (after one line) if no size fit."""
+def _search(workload: Any, config: Any, context: dict[str, Any], show: bool = False) -> Any:
+    """Run one search planned (and checked) before; None (after one line) if no size fit.
+    ``show``: trials done and the estimated time left on stderr (:class:`Steps`)."""
     from oomguard.engine.errors import NoSizeFits
     from oomguard.engine.jobs.sizing import run_search
 
@@ -65,11 +66,15 @@ def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
           f"{limit} ({'isolated' if config.isolate else 'in-process'} trials"
           f"{', the answer confirmed in fresh processes' if config.confirm else ''}"
           f"{f', sizes in multiples of {unit}' if unit > 1 else ''})", file=sys.stderr, flush=True)
-    try:
-        return run_search(workload, config, Progress(context.get("knob", "batch"), config.confirm))
-    except NoSizeFits as exc:  # other knobs may still fit; TrialFailed goes to main()
-        print(f"oomguard: {exc}", file=sys.stderr)
-        return None
+    label = context.get("knob", "batch")
+    with Steps(None, "trials", f"search {label}", show) as steps:
+        progress = Progress(label, config.confirm, steps=steps if show else None, unit=unit,
+                            max_size=config.max_size)
+        try:
+            return run_search(workload, config, progress)
+        except NoSizeFits as exc:  # other knobs may still fit; TrialFailed goes to main()
+            steps.write(f"oomguard: {exc}")
+            return None
 
 
 def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out: Path) -> int:
@@ -129,8 +134,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
         workload.warmup()
     context = workload.describe() | {"workload_spec": workload_spec(workload)}
     context["title"] = f"{args.model} training step: Maximum Batch Size Report"
-    result = _search(workload, config, context)
+    result = _search(workload, config, context, wanted(args.progress))
     return 1 if result is None else _report(args, result, context, out)
+
+
+def _check_knobs(trial: Any, knobs: list[str], isolate: bool) -> None:
+    """Refuse (UsageError) a knob whose size changes the metric's result, before any search
+    (:func:`~oomguard.metrics.knob_check.check_trial`); isolated, in a child, so this process
+    builds no model."""
+    from oomguard.metrics.knob_check import check_trial
+
+    if not isolate:
+        check_trial(trial, knobs)
+        return
+    from oomguard.engine.core.child import Child, start_forkserver
+
+    with Child(start_forkserver(), check_trial, trial, knobs) as child:
+        child.wait().result()
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -164,11 +184,12 @@ def cmd_search(args: argparse.Namespace) -> int:
         if args.plugin:  # what `oomguard verify` needs given again to rebuild the workload
             context["plugins"] = args.plugin
         plans.append((trial, config, context, out))
+    _check_knobs(plans[0][0], [trial.knob for trial, *_ in plans], plans[0][1].isolate)
     for *_, out in plans:  # last, so a bad option leaves no folder behind
         check_output_folder(out)
     status = 0
     for trial, config, context, out in plans:
-        result = _search(trial, config, context)
+        result = _search(trial, config, context, wanted(args.progress))
         if result is None:  # nothing fitted this knob; the others may still fit
             status = 1
             continue

@@ -15,9 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.cli.options import add_plugin_option, check_sizes, positive_int
+from oomguard.engine.cli.options import (
+    add_plugin_option,
+    add_progress_option,
+    check_sizes,
+    positive_int,
+)
 from oomguard.engine.errors import UsageError
-from oomguard.engine.jobs.progress import error_text
+from oomguard.engine.jobs.progress import CountedSteps, Steps, error_text, wanted
 from oomguard.engine.util.units import fmt_bytes
 
 DEFAULT_STEPS = 10
@@ -82,6 +87,7 @@ def add_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=positive_int, default=None,
                    help="size to verify (default: the report's recommended size)")
     p.add_argument("--json", action="store_true", help="JSON on stdout")
+    add_progress_option(p)
     add_plugin_option(p)
     p.set_defaults(func=cmd_verify)
 
@@ -98,8 +104,23 @@ def _line(check: dict[str, Any], label: str) -> str:
             f"(spread {spread:.1%}; {check['seconds']:.1f} s)")
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def _verify_counted(workload: Any, size: int, steps: int, show: bool, **options: Any
+                    ) -> dict[str, Any]:
+    """:func:`~oomguard.engine.core.search.search.verify`, with steps done and the estimated
+    time left on stderr while ``show`` (each step counted where it runs, a fresh child too)."""
+    import tempfile
+
     from oomguard.engine.core.search.search import verify
+
+    if not show:
+        return verify(workload, size, steps, **options)
+    with tempfile.TemporaryDirectory(prefix="oomguard-verify-") as folder:
+        counted = CountedSteps(workload, Path(folder) / "steps")
+        with Steps(steps, "steps", "verify", show=True) as bar, counted.watching(bar):
+            return verify(counted, size, steps, **options)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
     from oomguard.engine.util.atomic import atomic_write_json
     from oomguard.engine.util.jsonable import json_text
     from oomguard.probes.device import resolve_device
@@ -120,7 +141,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
           f"under {fmt_bytes(budget) if budget else 'no budget'} "
           f"({'isolated' if isolate else 'in-process'}, as the report's trials ran)",
           file=sys.stderr, flush=True)
-    check = verify(workload, size, args.steps, device=dev, budget=budget, isolate=isolate)
+    check = _verify_counted(workload, size, args.steps, wanted(args.progress), device=dev,
+                            budget=budget, isolate=isolate)
     check["report"] = str(file)
     out = atomic_write_json(file.parent / "verify.json", check)
     if args.json:
