@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import one_usage_error
 
-from oomguard.engine.cli.main import main
 from oomguard.engine.jobs.data import MAX_TOKENS
 
 TINY = ("gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=32,bos_token_id=0,"
@@ -22,15 +22,6 @@ HUGE = "99999999999999"  # the size the issue met: "Storage size calculation ove
 @pytest.fixture(autouse=True)
 def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # a command that went ahead would write its folder here
-
-
-def _one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """Run the command: exit code 2, one line on stderr, nothing on stdout; that line."""
-    code = main(argv)
-    cap = capsys.readouterr()
-    lines = cap.err.splitlines()
-    assert code == 2 and len(lines) == 1 and not cap.out, (code, cap.err, cap.out)
-    return lines[0]
 
 
 def _job(tmp_path: Path, data: str, metric: str = 'name = "loss"',
@@ -55,7 +46,7 @@ def test_a_job_whose_token_ids_pass_the_vocabulary_is_refused_before_it_starts(
         (tmp_path / "corpus.bin").write_bytes(b"oomguard" * 64)  # bytes are the ids: "u" = 117
         source, name, top = kind, "corpus.bin", ord("u")
     job = _job(tmp_path, f'source = "{source}"\npath = "{name}"\nseq_len = 8\nn_samples = 2')
-    line = _one_line(["run", job], capsys)
+    line = one_usage_error(["run", job], capsys)
     assert f"data.path: models[0]: {tmp_path / name}: token id {top} is outside the model's " \
            "vocabulary (64 ids, 0-63)" in line
     # a tokens file is not told about byte-level data; a byte source is
@@ -63,16 +54,16 @@ def test_a_job_whose_token_ids_pass_the_vocabulary_is_refused_before_it_starts(
     assert not (tmp_path / "out").exists()  # refused before the output folder exists
 
 
-def test_a_job_with_seq_len_1_or_an_overflowing_size_is_refused_in_one_line(
+def test_a_job_with_seq_len_1_or_an_overflowing_size_is_refused_inone_usage_error(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    line = _one_line(["run", _job(tmp_path, "seq_len = 1\nn_samples = 2")], capsys)
+    line = one_usage_error(["run", _job(tmp_path, "seq_len = 1\nn_samples = 2")], capsys)
     assert line.endswith("data.seq_len: a sequence length must be at least 2 (a causal LM "
                          "predicts each token from those before it), got 1")
-    line = _one_line(["run", _job(tmp_path, "seq_len = 8\nn_samples = 2", 'name = "loss"\n'
+    line = one_usage_error(["run", _job(tmp_path, "seq_len = 8\nn_samples = 2", 'name = "loss"\n'
                                   f"sizes = {{ micro_batch_size = {HUGE} }}")], capsys)
     assert f"metrics[0].sizes.micro_batch_size: micro_batch_size {HUGE} is too large" in line
     assert f"(at most {MAX_TOKENS // 8} at seq_len 8)" in line
-    line = _one_line(["run", _job(tmp_path, "seq_len = 8\nn_samples = 2",
+    line = one_usage_error(["run", _job(tmp_path, "seq_len = 8\nn_samples = 2",
                                   search=f"max_size = {HUGE}")], capsys)
     assert f"search.max_size: max_size {HUGE} is too large" in line
 
@@ -93,9 +84,9 @@ def test_a_job_with_seq_len_1_or_an_overflowing_size_is_refused_in_one_line(
     (["bench", "--seq-len", "1"], "--seq-len must be at least 2"),
     (["reference", "--seq-len", "1"], "--seq-len must be at least 2"),
 ])
-def test_commands_refuse_bad_sizes_and_seq_len_in_one_line(
+def test_commands_refuse_bad_sizes_and_seq_len_inone_usage_error(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert says in _one_line(argv, capsys)
+    assert says in one_usage_error(argv, capsys)
 
 
 def test_verify_refuses_a_size_no_device_holds(tmp_path: Path,
@@ -108,5 +99,5 @@ def test_verify_refuses_a_size_no_device_holds(tmp_path: Path,
                   "metric": "loss", "knob": "micro_batch_size", "model": TINY,
                   "n_samples": 2, "seq_len": 8}}}}
     (tmp_path / "report.json").write_text(json.dumps(report), encoding="utf-8")
-    line = _one_line(["verify", str(tmp_path), "--size", HUGE], capsys)
+    line = one_usage_error(["verify", str(tmp_path), "--size", HUGE], capsys)
     assert f"--size {HUGE} is too large: {HUGE} x seq_len 8 tokens" in line

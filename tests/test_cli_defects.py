@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import one_usage_error
 
 from oomguard.engine.cli.main import main
 
@@ -20,14 +21,6 @@ TINY = ("gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=32,bos_toke
 @pytest.fixture(autouse=True)
 def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # a command that went ahead would write its folder here
-
-
-def _one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    code = main(argv)
-    cap = capsys.readouterr()
-    lines = cap.err.splitlines()
-    assert code == 2 and len(lines) == 1 and not cap.out, (code, cap.err, cap.out)
-    return lines[0]
 
 
 @pytest.mark.parametrize("argv, line", [
@@ -50,7 +43,7 @@ def _one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 ])
 def test_a_bad_option_value_is_one_line_without_the_usage_block(
         argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert _one_line(argv, capsys).startswith(line)
+    assert one_usage_error(argv, capsys).startswith(line)
 
 
 def test_help_still_shows_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,13 +69,13 @@ def test_measured_is_checked_before_any_estimate(
 
     monkeypatch.setattr(reference_estimate, "Estimator", no_estimates)
     (tmp_path / "measured.json").write_text(content, encoding="utf-8")
-    line = _one_line(["reference", "--estimate", "--memory", "1GiB", "--metrics", "loss",
+    line = one_usage_error(["reference", "--estimate", "--memory", "1GiB", "--metrics", "loss",
                       "--measured", "measured.json"], capsys)
     assert says in line
 
 
 def test_reference_verify_steps_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert "--verify-steps is for search and bench" in _one_line(
+    assert "--verify-steps is for search and bench" in one_usage_error(
         ["reference", "--verify-steps", "3"], capsys)
 
 
@@ -116,7 +109,7 @@ def _sizes_job(tmp_path: Path, sizes_metric: str) -> tuple[str, str]:
 def test_an_unknown_metric_in_a_sizes_file_is_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job, sizes = _sizes_job(tmp_path, "los")
-    line = _one_line(["run", job, "--sizes", sizes], capsys)
+    line = one_usage_error(["run", job, "--sizes", sizes], capsys)
     assert line.startswith(f"oomguard: error: {sizes}: metrics[0]: unknown metric 'los': "
                            "valid metrics are ")
     assert "loss" in line.partition("valid metrics are ")[2].split(", ")
