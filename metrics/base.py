@@ -38,7 +38,7 @@ class Knob:
 
     name: str
     kind: Literal["memory", "result"]
-    default: int | float
+    default: int | float | str  # a string only for a result knob (a two-model metric's model)
     minimum: int | float = 1
     scales_with: str = ""
     help: str = ""
@@ -100,6 +100,11 @@ class Metric:
         out = {k.name: k.default for k in self.knobs}
         for key, value in params.items():
             knob = known[key]
+            if isinstance(knob.default, str):
+                if not isinstance(value, str) or not value:
+                    raise UsageError(f"{self.name}.{key} must be a non-empty string, got {value!r}")
+                out[key] = value
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise UsageError(f"{self.name}.{key} must be a number, got {value!r}")
             if isinstance(knob.default, int) and not isinstance(value, int):

@@ -150,6 +150,12 @@ class MetricTrial(RebuiltInChild):
         self(self._state.get("warm_size") or self.minimum())
         self._state.update(data=data, worst_case=worst)
 
+    def built(self) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+        """The model and the padded data (what the metric's result is defined on), built by
+        :meth:`warmup` (called here)."""
+        self.warmup()
+        return self._state["model"], self._state["data"]
+
     def for_estimate(self, device: str) -> MetricTrial:
         """A copy with nothing built, for :func:`oomguard.engine.core.estimate.estimate.estimate` on
         ``device``: its ``warmup()`` (under the estimate's fake mode) builds the model with no

@@ -302,7 +302,8 @@ def _reruns_and_failures(tasks: Mapping[str, Any]) -> list[str]:
 
 def _task(key: str, t: Mapping[str, Any], dtype: str) -> list[str]:
     """A finished task's section: what ran where, its sizes, search and peak, its summary."""
-    s, se = t.get("sizes") or {}, t.get("search")
+    s = t.get("sizes") or {}
+    searches = t.get("searches") or ([t["search"]] if t.get("search") else [])
     host = (t.get("device") or {}).get("host")
     lines = [f"## {key}", "", f"- metric `{t['metric']}` on `{t['model']}`, "
              f"parameters {json_text(t.get('params') or {}, indent=None)}",
@@ -314,9 +315,10 @@ def _task(key: str, t: Mapping[str, Any], dtype: str) -> list[str]:
     if t.get("lowered_precision"):
         lines.append(f"- **precision: {t.get('precision')}** (the job's dtype is {dtype}), "
                      f"lowered by the remedy `{t.get('remedy')}`")
-    if se:
+    for se in searches:  # every knob's, named where there are several
         n = se.get("trials")
-        lines.append(f"- search: {n} trial{'' if n == 1 else 's'} in {se.get('seconds')} s, "
+        what = f"search of `{se.get('knob')}`" if len(searches) > 1 else "search"
+        lines.append(f"- {what}: {n} trial{'' if n == 1 else 's'} in {se.get('seconds')} s, "
                      f"max ok {se.get('max_ok')}, stopped: {se.get('stopped_because')}"
                      + (f"; bounded by the {se['limit']}" if se.get("limit") else ""))
     return [*lines, f"- peak memory {fmt_bytes(t.get('peak_bytes'))} ({t.get('peak_source')})",

@@ -285,3 +285,15 @@ def numbers(summary: Any, prefix: str = "") -> dict[str, float]:
     elif isinstance(summary, (int, float)) and not isinstance(summary, bool):
         out[prefix.rstrip(".")] = float(summary)
     return out
+
+
+def one_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``oomguard argv`` in this process: exit code 2, one line on stderr, nothing on
+    stdout (bad input refused before any work); that line."""
+    from oomguard.engine.cli.main import main
+
+    code = main(argv)
+    cap = capsys.readouterr()
+    lines = cap.err.splitlines()
+    assert code == 2 and len(lines) == 1 and not cap.out, (code, cap.err, cap.out)
+    return lines[0]

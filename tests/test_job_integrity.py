@@ -293,7 +293,7 @@ class Quads(Metric):
     def compute(self, model, data, block=4):
         with open(LOG, "a") as fh:
             fh.write(f"{block}\\n")
-        return {"block": block}
+        return {"ok": 1}  # the same at every size: a memory knob
 '''
 
 
@@ -311,5 +311,6 @@ def test_a_job_searches_a_knob_with_a_unit_in_whole_units(tmp_path):
     outcome = run_job(load_job(path), cache_path=tmp_path / "cache.json", progress=False)
     record = outcome.results["test_quads"]
     assert record.ok and record.search["unit"] == 4
-    assert [int(x) for x in log.read_text().split()] == [4, 8, 12, 12]  # 3 trials, then the run
+    # the knob check's two sizes (on the data, before the search), 3 trials, then the run
+    assert [int(x) for x in log.read_text().split()] == [1, 2, 4, 8, 12, 12]
     assert record.sizes["final"] == {"block": 12}

@@ -82,7 +82,8 @@ def test_reference_covers_every_knob_is_cached_and_its_sizes_run_in_a_job(tmp_pa
     for metric, sizes in doc["job_sizes"].items():
         t = tasks[metric]
         assert t["status"] == "ok", t
-        assert t["sizes"]["source"] == "job file" and t["sizes"]["final"] == sizes, t["sizes"]
+        assert t["sizes"]["source"] == "sizes file ref/sizes.toml", t["sizes"]
+        assert t["sizes"]["final"] == sizes, t["sizes"]
         assert t["sizes"]["retries"] == 0, t["sizes"]
 
 

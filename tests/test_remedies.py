@@ -316,3 +316,46 @@ def test_fake_cuda_expandable_segments_runs_once_in_a_fresh_process_with_the_var
     assert message == ("fits nowhere: halve failed (no executable batch size: every size down "
                        "to 1 ran out of memory); expandable_segments failed (no executable "
                        "batch size: every size down to 1 ran out of memory)")
+
+
+class CastsLarge:
+    """A 64 MiB float32 model (casting it to bfloat16 allocates a 32 MiB copy of its weight
+    before the float32 one is freed) whose call needs 64 MiB per size on ``mps``, which
+    stands for a GPU (a fake device: this machine has none), and 1 MiB on the CPU."""
+
+    tolerates_lower_precision = True
+
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(4096, 4096, bias=False)
+        self.device, self.precision = "mps", "float32"
+
+    def __call__(self, batch_size: int) -> float:
+        mib = 64 if self.device == "mps" else 1
+        return float(torch.ones(batch_size * mib * MiB // 4).sum())
+
+    def at_precision(self, dtype: torch.dtype) -> CastsLarge:
+        self.model.to(dtype)
+        self.precision = str(dtype).removeprefix("torch.")
+        return self
+
+    def on_device(self, device: str) -> CastsLarge:
+        self.device = device
+        return self
+
+
+def _cast_runs_out() -> tuple:
+    work = CastsLarge()  # built before the budget, as a job builds its model
+    ex = Executor(device="mps", on_oom=["halve", "bfloat16", "cpu"])
+    with budget_after_warmup(24 * MiB):
+        value = ex.run(work, batch_size=2)
+    return value, ex.ladder.produced, [r.line() for r in ex.ladder.rungs], work.device
+
+
+@pytest.mark.slow
+def test_fake_gpu_cast_to_bfloat16_that_runs_out_is_a_failed_rung_and_the_next_one_runs() -> None:
+    value, produced, rungs, device = in_fresh_process(_cast_runs_out)
+    assert rungs[0].startswith("halve failed (no executable batch size")
+    assert rungs[1].startswith("bfloat16 failed (casting the model to bfloat16 ran out of "
+                               "memory (")
+    assert rungs[2:] == ["cpu ok"]
+    assert (value, produced, device) == (2 * MiB // 4, "cpu", "cpu")

@@ -11,7 +11,12 @@ import argparse
 import sys
 from typing import Any
 
-from oomguard.engine.cli.options import add_workload_options, check_workload
+from oomguard.engine.cli.options import (
+    add_plugin_option,
+    add_workload_options,
+    check_sizes,
+    check_workload,
+)
 from oomguard.engine.errors import UsageError
 
 TRAIN_STEP = "train-step"
@@ -41,6 +46,7 @@ def add_estimate(p: argparse.ArgumentParser) -> None:
                         "they are replayed in a fresh process on this host, which takes a few "
                         "seconds, and the buffers their library keeps are included")
     p.add_argument("--json", action="store_true", help="JSON on stdout")
+    add_plugin_option(p)
     p.set_defaults(func=cmd_estimate)
 
 
@@ -108,6 +114,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.sizes)
     fake_device(args.device)  # a bad device fails before the model's config is read
     workload = build_workload(args)
+    check_sizes([("--sizes:", size) for size in sizes], workload.seq_len)
     estimates = estimate(workload, sizes, device=args.device, workspace=not args.no_workspace)
     if args.json:
         print(json_text({"workload": workload.name, "describe": workload.describe(),

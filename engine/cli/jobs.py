@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.engine.cli.logs import log_to_file, setup_logging, stop_logging_to
+from oomguard.engine.cli.options import add_progress_option
 from oomguard.engine.errors import UsageError
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.util.jsonable import json_text
@@ -28,7 +29,9 @@ content, dtype, seed, metric parameters, oomguard version) are unchanged; a
 stale one is moved to results/stale/ and rerun. An output folder belongs to one
 job: another job's folder is refused unless --force.
 Exit codes: 0 all done, 1 some metrics failed (or an output could not be
-written), 2 bad job file or arguments, 130/143 interrupted (SIGINT/SIGTERM).
+written), 2 bad job file or arguments, 130/143/138 stopped cleanly by
+SIGINT/SIGTERM/SIGUSR1 (Slurm: sbatch --signal=USR1@90): what finished is kept,
+the running metric is rerun by the same command.
 Runtime: the example job takes about a minute on 2 CPU cores."""
 
 CACHE_HELP = """\
@@ -64,6 +67,7 @@ def add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="use an output folder that holds another job's results: move "
                         "them into <out>/moved-aside/ first")
+    add_progress_option(p)
     p.set_defaults(func=cmd_run)
 
 
@@ -129,7 +133,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         outcome = run_job(job, cache_path=args.cache, search=not args.no_search,
                           start_method=start_method(job.device), log_setup=job_log,
                           force=args.force, snapshot_on_oom=args.snapshot_on_oom,
-                          backend=backend)
+                          backend=backend, progress=args.progress)
     except OSError as exc:  # a full disk: what finished is on disk; say where it stopped
         print(f"oomguard: error: cannot write {exc.filename or 'the output'}: "
               f"{exc.strerror or exc}; results finished before this are kept", file=sys.stderr)
@@ -143,7 +147,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     failed = outcome.failed()
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    if outcome.stopped_by:
+        print(stopped_line(outcome), file=sys.stderr)
     return outcome.exit_code
+
+
+def stopped_line(outcome: Any) -> str:
+    """The one line after a job stopped on a signal: what is done, and how to resume."""
+    done = sum(r.ok for r in outcome.results.values())
+    return (f"oomguard: stopped on {outcome.stopped_by}: {done} of {len(outcome.results)} "
+            f"metrics done, kept in {outcome.out}; to resume, run the same command again "
+            f"(exit code {outcome.exit_code})")
 
 
 def cmd_cache(args: argparse.Namespace) -> int:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from oomguard.engine.cli.logs import setup_logging
 from oomguard.engine.errors import SearchFailed, UsageError
@@ -35,14 +37,34 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "measure every metric's safe sizes on this device (a quick reference)"),
     "run": ("jobs:add_run", "run an overnight job file (resumable)"),
     "cache": ("jobs:add_cache", "show or clear the size cache"),
+    "show": ("show:add_show", "a job's table from its output folder, finished or interrupted"),
 }
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line (``oomguard search: error: argument --budget:
+    ...``) and exit code 2, as every other bad input: the usage block it prints by default
+    (17 lines for ``search``) buries the one line that says what is wrong. ``--help``
+    still prints the usage. Subcommands' parsers are of this class too (argparse makes
+    them with the parent's class).
+
+    A value like ``-5GiB`` is read as a value (then refused by its type, in one line), not
+    as an unknown option ("expected one argument"): the negative-number pattern of Python
+    3.13's argparse (``-`` then a digit), where 3.10-3.12 take only plain numbers."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The parser for ``argv``: every command listed, the options of the one ``argv`` names
     (its first word that is not an option: the top level's options take no value) added
     from its module, imported now."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="oomguard", description="Measure memory, find the largest safe batch, survive OOMs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -78,6 +100,10 @@ def _main(argv: list[str]) -> int:
     quiet = logging.INFO if args.command == "run" else logging.WARNING
     setup_logging(logging.DEBUG if args.verbose else quiet)
     try:
+        if getattr(args, "plugin", None):  # the commands that take --plugin (options.py)
+            from oomguard.engine.cli.options import load_plugins
+
+            args.plugin = load_plugins(args.plugin)  # resolved, as a report records them
         return int(args.func(args) or 0)
     except UsageError as exc:
         print(f"oomguard: error: {exc}", file=sys.stderr)

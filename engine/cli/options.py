@@ -8,6 +8,7 @@ for bad sizes and counts."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from oomguard.engine.errors import UsageError
@@ -64,6 +65,14 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def add_progress_option(p: argparse.ArgumentParser) -> None:
+    """``--progress``/``--no-progress``: steps done and the time left (an estimate) on
+    stderr; by default only when stderr is a terminal."""
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show steps done and the estimated time left on stderr (default: "
+                        "only when stderr is a terminal)")
+
+
 def add_workload_options(p: argparse.ArgumentParser, **defaults: Any) -> None:
     """Add the workload options named by ``defaults``, each with its default:
     ``seq_len=128`` adds ``--seq-len``, default 128; :data:`REQUIRED` makes one required;
@@ -78,17 +87,72 @@ def add_workload_options(p: argparse.ArgumentParser, **defaults: Any) -> None:
                            help=text if required else f"{text} ({note})")
 
 
+def add_plugin_option(p: argparse.ArgumentParser) -> None:
+    """``--plugin FILE_OR_MODULE`` (repeatable): loaded by :func:`load_plugins` before the
+    command runs, as a job file's ``plugins`` are."""
+    p.add_argument("--plugin", action="append", default=[], metavar="FILE_OR_MODULE",
+                   help="import metrics from a .py file (relative to the current folder) or "
+                        "a module, as a job file's plugins; repeat for several")
+
+
+def load_plugins(specs: Sequence[str]) -> list[str]:
+    """Import each ``--plugin`` (a ``.py`` path against the current folder, else a module
+    name), as a job resolves its plugins; the resolved plugins. UsageError (one line) for one
+    that cannot be imported. Children started from a forkserver import them too (its
+    preload names :data:`~oomguard.engine.jobs.plugins.PRELOAD`)."""
+    if not specs:
+        return []
+    from pathlib import Path
+
+    from oomguard.engine.core.child import forkserver_context
+    from oomguard.engine.jobs.plugins import PRELOAD, load_plugin
+
+    loaded = []
+    for spec in specs:
+        try:
+            loaded.append(load_plugin(spec, Path.cwd()))
+        except ValueError as exc:
+            raise UsageError(f"--plugin {exc}") from None
+    forkserver_context([PRELOAD])  # before the server starts: it imports them too
+    return loaded
+
+
 def check_workload(args: argparse.Namespace) -> None:
     """UsageError (one line), before any work, for a ``--seq-len`` or ``--samples`` that is
-    given and not a positive integer, or a ``--dtype`` torch does not have."""
+    given and not a positive integer, a ``--seq-len`` below 2, a ``--start`` or
+    ``--max-size`` whose batch no device holds (:func:`check_sizes`), or a ``--dtype``
+    torch does not have."""
     for dest in ("seq_len", "samples"):
         value = getattr(args, dest, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{dest.replace('_', '-')} must be a positive integer, got {value}")
+    if getattr(args, "seq_len", None) is not None:
+        from oomguard.engine.jobs.data import check_seq_len_floor
+
+        try:
+            check_seq_len_floor(args.seq_len, "--seq-len")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        # the search options, as given (a search caps them at the knob's useful sizes)
+        check_sizes([(f"--{dest.replace('_', '-')}", getattr(args, dest))
+                     for dest in ("start", "max_size") if getattr(args, dest, None)],
+                    args.seq_len)
     if getattr(args, "dtype", None) is not None:
         from oomguard.metrics.models import parse_dtype
 
         parse_dtype(args.dtype)
+
+
+def check_sizes(sizes: Sequence[tuple[str, int]], seq_len: int) -> None:
+    """UsageError (one line) for a size (``(option, value)``) whose batch of ``size x
+    seq_len`` tokens no device holds (:func:`~oomguard.engine.jobs.data.check_size`)."""
+    from oomguard.engine.jobs.data import check_size
+
+    for option, value in sizes:
+        try:
+            check_size(value, seq_len, option)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
 
 
 def strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size: int) -> Any:
@@ -218,3 +282,4 @@ def add_search_options(p: argparse.ArgumentParser, start: int) -> None:
                    help="kill an isolated trial still running after SECONDS; the search ends "
                         "with an error, not an OOM (default 600)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    add_progress_option(p)

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.engine.cli.options import (
+    add_plugin_option,
     add_search_options,
     add_workload_options,
+    check_sizes,
     check_workload,
     size,
 )
@@ -62,12 +64,16 @@ def add_reference(p: argparse.ArgumentParser) -> None:
     est.add_argument("--measured", default=None, metavar="REFERENCE.json",
                      help="a measured reference.json for the same model, dtype, sequence "
                           "length and samples: show estimate against measurement")
+    add_plugin_option(p)
     p.set_defaults(func=cmd_reference)
 
 
 def cmd_reference(args: argparse.Namespace) -> int:
     """Measure the reference (or, with ``--estimate``, estimate it); exit 1 where nothing fits."""
     check_workload(args)
+    if args.verify_steps:  # a search option the reference's rows have no place for
+        raise UsageError("--verify-steps is for search and bench: a reference does not verify "
+                         "its sizes (`oomguard search --metric NAME --verify-steps N` does)")
     if args.estimate:
         return cmd_estimate_reference(args)
     for option in ("gpu", "memory", "batches", "measured"):
@@ -96,23 +102,26 @@ def cmd_reference(args: argparse.Namespace) -> int:
         what = f"maximum {row.max_ok}, safe {row.safe}" if row.max_ok is not None else row.note
         if row.capped_by:
             what += f" (capped by {row.capped_by} {row.cap}, not by memory)"
-        print(f"oomguard: {row.metric}.{row.knob}: {what} ({row.source}, {row.trials} "
-              f"trials)", file=sys.stderr, flush=True)
+        rows.write(f"oomguard: {row.metric}.{row.knob}: {what} ({row.source}, {row.trials} "
+                   f"trials)")
+        rows.advance()
 
     print(f"oomguard: reference of {len(names)} metrics on {dev} for {args.model} "
           f"({args.dtype}, seq_len {args.seq_len}, {args.samples} samples)",
           file=sys.stderr, flush=True)
-    ref = build_reference(args.model, str(dev), args.dtype, args.seq_len, args.samples,
-                          budget_bytes=budget, cache_path=args.cache, config_for=config_for,
-                          metrics=names, max_size=args.max_size,
-                          on_trial=Progress("size", args.confirm), on_row=show)
+    rows = _rows(names, args)  # after the header: the bar stays below it
+    with rows:
+        ref = build_reference(args.model, str(dev), args.dtype, args.seq_len, args.samples,
+                              budget_bytes=budget, cache_path=args.cache, config_for=config_for,
+                              metrics=names, max_size=args.max_size,
+                              on_trial=Progress("size", args.confirm), on_row=show)
     doc = ref.to_dict()
     missing = [f"{r.metric}.{r.knob}" for r in ref.rows if r.safe is None]
     return _write(out, {"reference.json": doc, "reference.md": render_reference_markdown(doc),
                         "sizes.toml": sizes_toml(ref)},
                   f"reference: {out / 'reference.md'} ({len(ref.rows)} rows, {ref.trials} "
                   f"trials, {ref.seconds:.1f} s)\nsizes:     {out / 'sizes.toml'}",
-                  missing, "nothing fits for")
+                  missing, "nothing fits for", args.json)
 
 
 def cmd_estimate_reference(args: argparse.Namespace) -> int:
@@ -121,7 +130,11 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     import json
 
     from oomguard.engine.cli.estimate import parse_sizes
-    from oomguard.engine.jobs.reference_estimate import build_estimate_reference, gpu_memory
+    from oomguard.engine.jobs.reference_estimate import (
+        build_estimate_reference,
+        check_measured,
+        gpu_memory,
+    )
     from oomguard.engine.util.units import fmt_bytes
     from oomguard.metrics.models import check_seq_len, model_config
     from oomguard.reports.reference_estimate import render_estimate_markdown
@@ -142,6 +155,7 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     names = _metric_names(args.metrics)
     check_seq_len(model_config(args.model), args.seq_len)
     batches = parse_sizes(args.batches) if args.batches else []
+    check_sizes([("--batches:", b) for b in batches], args.seq_len)
     measured = None
     if args.measured:
         try:
@@ -149,33 +163,41 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             raise UsageError(f"--measured {args.measured}: cannot read a reference.json "
                              f"({getattr(exc, 'strerror', None) or exc})") from None
+        check_measured(measured, model=args.model, dtype=args.dtype, seq_len=args.seq_len,
+                       n_samples=args.samples)  # before any estimate, not after them all
     out = Path(args.out)
 
     def show(row: dict[str, Any]) -> None:
         what = "does not fit" if row["largest"] is None else f"largest {row['largest']}"
-        print(f"oomguard: {row['metric']}.{row['knob']}: {what} (estimated, {row['estimates']} "
-              f"estimates, {row['seconds']:.1f} s)", file=sys.stderr, flush=True)
+        rows.write(f"oomguard: {row['metric']}.{row['knob']}: {what} (estimated, "
+                   f"{row['estimates']} estimates, {row['seconds']:.1f} s)")
+        rows.advance()
 
     print(f"oomguard: estimated reference of {len(names)} metrics for {args.model} "
           f"({args.dtype}, seq_len {args.seq_len}, {args.samples} samples) in {memory_name} "
           f"less a {args.margin:.0%} margin", file=sys.stderr, flush=True)
-    doc = build_estimate_reference(args.model, args.dtype, args.seq_len, args.samples,
-                                   memory=memory, memory_name=memory_name, margin=args.margin,
-                                   device=device, metrics=names, max_size=args.max_size,
-                                   batches=batches, measured=measured, on_row=show)
+    rows = _rows(names, args)  # after the header: the bar stays below it
+    with rows:
+        doc = build_estimate_reference(args.model, args.dtype, args.seq_len, args.samples,
+                                       memory=memory, memory_name=memory_name,
+                                       margin=args.margin, device=device, metrics=names,
+                                       max_size=args.max_size, batches=batches,
+                                       measured=measured, on_row=show)
     missing = [f"{r['metric']}.{r['knob']}" for r in doc["rows"] if r["largest"] is None]
     return _write(out, {"estimate-reference.json": doc,
                         "estimate-reference.md": render_estimate_markdown(doc)},
                   f"estimated reference: {out / 'estimate-reference.md'} ({len(doc['rows'])} "
                   f"rows, {doc['estimates']} estimates, {doc['seconds']:.1f} s; estimates, not "
                   "measurements)",
-                  missing, "estimated not to fit even at size 1:")
+                  missing, "estimated not to fit even at size 1:", args.json)
 
 
-def _write(out: Path, files: dict[str, Any], done: str, missing: list[str], why: str) -> int:
+def _write(out: Path, files: dict[str, Any], done: str, missing: list[str], why: str,
+           as_json: bool = False) -> int:
     """Write ``files`` (name: text, or a dict written as JSON) into ``out`` and print
-    ``done``; the exit code: 1, after one line on stderr, when they cannot be written (a
-    full disk) or some rows fit no size (``missing``, said after ``why``), else 0."""
+    ``done`` (``as_json``: the first JSON file's content instead); the exit code: 1, after
+    one line on stderr, when they cannot be written (a full disk) or some rows fit no size
+    (``missing``, said after ``why``), else 0."""
     from oomguard.engine.util.atomic import atomic_write, atomic_write_json
 
     try:
@@ -186,10 +208,25 @@ def _write(out: Path, files: dict[str, Any], done: str, missing: list[str], why:
         print(f"oomguard: cannot write {exc.filename or out}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
-    print(done)
+    if as_json:
+        from oomguard.engine.util.jsonable import json_text
+
+        print(json_text(next(c for c in files.values() if not isinstance(c, str))), end="")
+    else:
+        print(done)
     if missing:
         print(f"oomguard: {why} {', '.join(missing)}", file=sys.stderr)
     return 1 if missing else 0
+
+
+def _rows(names: list[str], args: argparse.Namespace) -> Any:
+    """The reference's progress: one step per row (a memory knob of each metric), shown on
+    stderr as ``--progress`` says (:func:`~oomguard.engine.jobs.progress.wanted`)."""
+    from oomguard.engine.jobs.progress import Steps, wanted
+    from oomguard.metrics.base import get_metric
+
+    total = sum(len(get_metric(name).memory_knobs()) for name in names)
+    return Steps(total, "rows", "reference", wanted(args.progress))
 
 
 def _metric_names(given: str | None) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from oomguard.engine.cli.options import (
     REQUIRED,
+    add_plugin_option,
     add_search_options,
     add_workload_options,
     budget_free_limit,
@@ -23,7 +24,7 @@ from oomguard.engine.cli.options import (
 )
 from oomguard.engine.cli.verify import workload_spec
 from oomguard.engine.errors import UsageError
-from oomguard.engine.jobs.progress import Progress
+from oomguard.engine.jobs.progress import Progress, Steps, wanted
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes.device import resolve_device
 
@@ -48,11 +49,13 @@ def add_search(p: argparse.ArgumentParser) -> None:
                          model="tiny-gpt2", dtype="float32", samples=64, seq_len=128)
     add_search_options(p, start=8)
     p.add_argument("--out", default="oomguard-report", help="report folder (oomguard-report)")
+    add_plugin_option(p)
     p.set_defaults(func=cmd_search)
 
 
-def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
-    """Run one search planned (and checked) before; None (after one line) if no size fit."""
+def _search(workload: Any, config: Any, context: dict[str, Any], show: bool = False) -> Any:
+    """Run one search planned (and checked) before; None (after one line) if no size fit.
+    ``show``: trials done and the estimated time left on stderr (:class:`Steps`)."""
     from oomguard.engine.errors import NoSizeFits
     from oomguard.engine.jobs.sizing import run_search
 
@@ -63,11 +66,15 @@ def _search(workload: Any, config: Any, context: dict[str, Any]) -> Any:
           f"{limit} ({'isolated' if config.isolate else 'in-process'} trials"
           f"{', the answer confirmed in fresh processes' if config.confirm else ''}"
           f"{f', sizes in multiples of {unit}' if unit > 1 else ''})", file=sys.stderr, flush=True)
-    try:
-        return run_search(workload, config, Progress(context.get("knob", "batch"), config.confirm))
-    except NoSizeFits as exc:  # other knobs may still fit; TrialFailed goes to main()
-        print(f"oomguard: {exc}", file=sys.stderr)
-        return None
+    label = context.get("knob", "batch")
+    with Steps(None, "trials", f"search {label}", show) as steps:
+        progress = Progress(label, config.confirm, steps=steps if show else None, unit=unit,
+                            max_size=config.max_size)
+        try:
+            return run_search(workload, config, progress)
+        except NoSizeFits as exc:  # other knobs may still fit; TrialFailed goes to main()
+            steps.write(f"oomguard: {exc}")
+            return None
 
 
 def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out: Path) -> int:
@@ -127,8 +134,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
         workload.warmup()
     context = workload.describe() | {"workload_spec": workload_spec(workload)}
     context["title"] = f"{args.model} training step: Maximum Batch Size Report"
-    result = _search(workload, config, context)
+    result = _search(workload, config, context, wanted(args.progress))
     return 1 if result is None else _report(args, result, context, out)
+
+
+def _check_knobs(trial: Any, knobs: list[str], isolate: bool) -> None:
+    """Refuse (UsageError) a knob whose size changes the metric's result, before any search
+    (:func:`~oomguard.metrics.knob_check.check_trial`); isolated, in a child, so this process
+    builds no model."""
+    from oomguard.metrics.knob_check import check_trial
+
+    if not isolate:
+        check_trial(trial, knobs)
+        return
+    from oomguard.engine.core.child import Child, start_forkserver
+
+    with Child(start_forkserver(), check_trial, trial, knobs) as child:
+        child.wait().result()
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -158,13 +180,16 @@ def cmd_search(args: argparse.Namespace) -> int:
         out = Path(args.out) / knob if len(knobs) > 1 and not args.knob else Path(args.out)
         ns = argparse.Namespace(**vars(args) | {"start": min(args.start, max_size)})
         config = search_config(ns, dev, max_size, trial.unit())
-        plans.append((trial, config, trial.report_context() | {"workload_spec": workload_spec(trial)},
-                      out))
+        context = trial.report_context() | {"workload_spec": workload_spec(trial)}
+        if args.plugin:  # what `oomguard verify` needs given again to rebuild the workload
+            context["plugins"] = args.plugin
+        plans.append((trial, config, context, out))
+    _check_knobs(plans[0][0], [trial.knob for trial, *_ in plans], plans[0][1].isolate)
     for *_, out in plans:  # last, so a bad option leaves no folder behind
         check_output_folder(out)
     status = 0
     for trial, config, context, out in plans:
-        result = _search(trial, config, context)
+        result = _search(trial, config, context, wanted(args.progress))
         if result is None:  # nothing fitted this knob; the others may still fit
             status = 1
             continue

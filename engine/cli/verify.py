@@ -15,9 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine.cli.options import positive_int
+from oomguard.engine.cli.options import (
+    add_plugin_option,
+    add_progress_option,
+    check_sizes,
+    positive_int,
+)
 from oomguard.engine.errors import UsageError
-from oomguard.engine.jobs.progress import error_text
+from oomguard.engine.jobs.progress import CountedSteps, Steps, error_text, wanted
 from oomguard.engine.util.units import fmt_bytes
 
 DEFAULT_STEPS = 10
@@ -32,8 +37,9 @@ def workload_spec(workload: Any) -> dict[str, Any]:
     return {"kind": type(workload).__name__, "fields": fields}
 
 
-def _rebuild(spec: Any, where: Path) -> Any:
-    """The workload ``spec`` describes; a UsageError naming ``where`` when it cannot be."""
+def _rebuild(spec: Any, where: Path, plugins: Any = None) -> Any:
+    """The workload ``spec`` describes; a UsageError naming ``where`` when it cannot be
+    (and the ``plugins`` the search loaded, where its metric is not known here)."""
     import importlib
 
     kind = spec.get("kind") if isinstance(spec, dict) else None
@@ -45,6 +51,9 @@ def _rebuild(spec: Any, where: Path) -> Any:
     try:
         return cls(**spec["fields"])
     except (TypeError, ValueError) as exc:
+        if plugins and str(exc).startswith("unknown metric"):
+            raise UsageError(f"{where}: its metric comes from a plugin: give "
+                             f"{' '.join(f'--plugin {p}' for p in plugins)}") from None
         raise UsageError(f"{where}: its workload cannot be rebuilt ({exc}); run the search "
                          "again to write a fresh report") from None
 
@@ -78,6 +87,8 @@ def add_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=positive_int, default=None,
                    help="size to verify (default: the report's recommended size)")
     p.add_argument("--json", action="store_true", help="JSON on stdout")
+    add_progress_option(p)
+    add_plugin_option(p)
     p.set_defaults(func=cmd_verify)
 
 
@@ -93,18 +104,35 @@ def _line(check: dict[str, Any], label: str) -> str:
             f"(spread {spread:.1%}; {check['seconds']:.1f} s)")
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def _verify_counted(workload: Any, size: int, steps: int, show: bool, **options: Any
+                    ) -> dict[str, Any]:
+    """:func:`~oomguard.engine.core.search.search.verify`, with steps done and the estimated
+    time left on stderr while ``show`` (each step counted where it runs, a fresh child too)."""
+    import tempfile
+
     from oomguard.engine.core.search.search import verify
+
+    if not show:
+        return verify(workload, size, steps, **options)
+    with tempfile.TemporaryDirectory(prefix="oomguard-verify-") as folder:
+        counted = CountedSteps(workload, Path(folder) / "steps")
+        with Steps(steps, "steps", "verify", show=True) as bar, counted.watching(bar):
+            return verify(counted, size, steps, **options)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
     from oomguard.engine.util.atomic import atomic_write_json
     from oomguard.engine.util.jsonable import json_text
     from oomguard.probes.device import resolve_device
 
     file, doc = read_report(args.report)
     result = doc["result"]
-    workload = _rebuild(doc.get("context", {}).get("workload_spec"), file)
+    context = doc.get("context", {})
+    workload = _rebuild(context.get("workload_spec"), file, context.get("plugins"))
     size = args.size or (result["recommendation"] or {}).get("safe")
     if not isinstance(size, int) or size <= 0:
         raise UsageError(f"{file} recommends no size: give one with --size N")
+    check_sizes([("--size", size)], workload.seq_len)
     dev = resolve_device(result["device"], check=True)
     label = (result.get("size_name") or "batch_size").replace("_", " ")
     budget = result.get("budget_bytes")
@@ -113,7 +141,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
           f"under {fmt_bytes(budget) if budget else 'no budget'} "
           f"({'isolated' if isolate else 'in-process'}, as the report's trials ran)",
           file=sys.stderr, flush=True)
-    check = verify(workload, size, args.steps, device=dev, budget=budget, isolate=isolate)
+    check = _verify_counted(workload, size, args.steps, wanted(args.progress), device=dev,
+                            budget=budget, isolate=isolate)
     check["report"] = str(file)
     out = atomic_write_json(file.parent / "verify.json", check)
     if args.json:

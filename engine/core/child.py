@@ -117,12 +117,13 @@ def start_forkserver(preload: Iterable[str] = ()) -> Any:
 
 @contextlib.contextmanager
 def _sigint_blocked() -> Iterator[None]:
-    """SIGINT blocked in this thread meanwhile, where ``signal.pthread_sigmask`` exists
-    (Unix only: CPython's Windows ``signal`` has neither it nor ``SIG_BLOCK``)."""
+    """SIGINT (and SIGUSR1, Slurm's stop: :func:`_enter`) blocked in this thread meanwhile,
+    where ``signal.pthread_sigmask`` exists (Unix only: CPython's Windows ``signal`` has
+    neither it nor ``SIG_BLOCK``)."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGUSR1})
     try:
         yield
     finally:
@@ -184,6 +185,10 @@ def _enter(conn: Any, parent: int | None, stderr_path: str | None, fn: Callable[
     gc.freeze()
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Slurm's warning before a time limit (sbatch --signal=USR1@N) reaches every process of the
+    # job step, and stops a job like Ctrl-C: the command alone decides (its default kills).
+    if hasattr(signal, "SIGUSR1"):
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # A forked child inherits the parent's handler (a job's stop flag): SIGTERM must stop it.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _to_parent = conn

@@ -11,6 +11,11 @@
 
 Every source returns ``input_ids``, ``attention_mask`` (ones, or make_batch's padding)
 and ``labels`` (``input_ids``, ``-100`` on padding), each ``[n_samples, seq_len]`` int64.
+
+What data no model can run is refused before any work, by the job file's checks and every
+command: a ``seq_len`` below :data:`MIN_SEQ_LEN` (:func:`check_seq_len_floor`), a size whose
+batch no device could hold (:func:`check_size`), and token ids outside a model's vocabulary
+(:func:`check_vocab`, on the very ids :func:`load_data` gives).
 """
 from __future__ import annotations
 
@@ -21,6 +26,18 @@ import torch
 
 from oomguard.engine.jobs.records import DataSpec
 from oomguard.metrics.models import make_batch
+
+# A causal LM's loss predicts each token from the ones before it: one token has nothing to
+# predict, and generated data draws each sample's length from [max(2, seq_len // 2), seq_len]
+# (make_batch), an empty range below 2 (torch: "random_ expects 'from' to be less than 'to'").
+MIN_SEQ_LEN = 2
+# The most tokens (size x seq_len) a size may ask for at once. Their int64 ids alone take
+# 8 TiB, more than any one device holds (the largest GPUs hold under 200 GB, large hosts a
+# few TiB); and not far above it torch cannot even compute the bytes of a model's
+# activations: logits of 2**47 tokens x 50257 x 4 bytes pass 2**63 ("Storage size
+# calculation overflowed"). Under it, a tensor of tokens x width x 8 bytes fits int64 for
+# any width below 2**20.
+MAX_TOKENS = 2**40
 
 
 def _token_stream(path: Path) -> np.ndarray:
@@ -67,6 +84,56 @@ def check_data(spec: DataSpec) -> None:
         raise ValueError(f"{path} holds negative token ids")
 
 
+def check_seq_len_floor(seq_len: int, what: str = "seq_len") -> None:
+    """ValueError (one line, naming ``what``) for a sequence length below :data:`MIN_SEQ_LEN`."""
+    if seq_len < MIN_SEQ_LEN:
+        raise ValueError(f"{what} must be at least {MIN_SEQ_LEN} (a causal LM predicts each "
+                         f"token from those before it), got {seq_len}")
+
+
+def check_size(size: int, seq_len: int, what: str) -> None:
+    """ValueError (one line, naming ``what``) for a size whose batch of ``size x seq_len``
+    tokens passes :data:`MAX_TOKENS`: no device holds it, and torch's storage sizes
+    overflow int64 not far above. Sizes that are not sample counts are held to the same
+    bound (a chunk of 2**40 / seq_len of anything per step is not a size to try)."""
+    if size * max(seq_len, 1) > MAX_TOKENS:
+        raise ValueError(f"{what} {size} is too large: {size} x seq_len {seq_len} tokens "
+                         f"per step is more than any device holds (at most "
+                         f"{MAX_TOKENS // max(seq_len, 1)} at seq_len {seq_len})")
+
+
+def check_vocab(spec: DataSpec, vocab_size: int | None, seed: int = 0) -> None:
+    """ValueError (one line) when the ids :func:`load_data` gives for ``spec`` (with
+    ``seed``) reach past a vocabulary of ``vocab_size`` ids (None: not declared, not
+    checked). Reads only the windows used (``n_samples x seq_len`` ids)."""
+    if vocab_size is not None and spec.source != "generated":  # generated: drawn below it
+        _in_vocab(_token_ids(spec, seed), spec, vocab_size)
+
+
+def _in_vocab(ids: np.ndarray, spec: DataSpec, vocab_size: int) -> None:
+    top = int(ids.max()) if ids.size else 0
+    if top >= vocab_size:
+        kind = ("its bytes are the token ids (0-255): a byte-level model needs vocab_size "
+                ">= 256" if spec.source in ("text", "bytes") else "ids must be below vocab_size")
+        raise ValueError(f"{spec.path}: token id {top} is outside the model's vocabulary "
+                         f"({vocab_size} ids, 0-{vocab_size - 1}); {kind}")
+
+
+def _token_ids(spec: DataSpec, seed: int) -> np.ndarray:
+    """The ``[n_samples, seq_len]`` token ids of a file source (int64), as the job reads them."""
+    path = Path(spec.path)
+    if spec.source == "text":
+        return _windows(np.frombuffer(path.read_bytes(), dtype=np.uint8), spec)
+    if spec.source == "bytes":
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        rng = np.random.default_rng(seed)
+        starts = rng.integers(0, len(mm) - spec.seq_len + 1, size=spec.n_samples)
+        return np.stack([np.asarray(mm[s:s + spec.seq_len], dtype=np.int64) for s in starts])
+    arr = _token_stream(path)
+    return (np.asarray(arr[: spec.n_samples, : spec.seq_len], dtype=np.int64)
+            if arr.ndim == 2 else _windows(arr, spec))
+
+
 def _windows(stream: np.ndarray, spec: DataSpec) -> np.ndarray:
     n, L = spec.n_samples, spec.seq_len
     return np.asarray(stream[: n * L], dtype=np.int64).reshape(n, L)
@@ -78,23 +145,8 @@ def load_data(spec: DataSpec, vocab_size: int, seed: int = 0,
     if spec.source == "generated":
         return make_batch(spec.n_samples, spec.seq_len, vocab_size, seed=seed, device=device)
     check_data(spec)
-    path = Path(spec.path)
-    if spec.source == "text":
-        ids = _windows(np.frombuffer(path.read_bytes(), dtype=np.uint8), spec)
-    elif spec.source == "bytes":
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
-        rng = np.random.default_rng(seed)
-        starts = rng.integers(0, len(mm) - spec.seq_len + 1, size=spec.n_samples)
-        ids = np.stack([np.asarray(mm[s:s + spec.seq_len], dtype=np.int64) for s in starts])
-    else:
-        arr = _token_stream(path)
-        ids = (np.asarray(arr[: spec.n_samples, : spec.seq_len], dtype=np.int64)
-               if arr.ndim == 2 else _windows(arr, spec))
-    top = int(ids.max()) if ids.size else 0
-    if top >= vocab_size:
-        raise ValueError(f"{path}: token id {top} is outside the model's vocabulary "
-                         f"({vocab_size} ids); byte-level data needs vocab_size >= 256")
+    ids = _token_ids(spec, seed)
+    _in_vocab(ids, spec, vocab_size)
     input_ids = torch.from_numpy(np.ascontiguousarray(ids)).to(device)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
             "labels": input_ids.clone()}
-

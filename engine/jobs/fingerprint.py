@@ -9,7 +9,9 @@ unchanged. Those inputs (:func:`task_inputs`) are:
 - the **data**: the data section of the job and, for a file source, the content
   (SHA-256) of the file;
 - the dtype, the seed, the device, the metric and its result-defining parameters, the
-  content of ``.py`` plugins, and oomguard's version.
+  content of ``.py`` plugins and of the user's modules the plugins import (found by
+  :func:`~oomguard.engine.jobs.plugins.user_code`: modules outside the installed packages,
+  the standard library and oomguard), and oomguard's version.
 
 Memory knobs and the budget are not inputs: a metric's result does not depend on them
 beyond float rounding (that is what makes them tunable).
@@ -31,6 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from oomguard.engine.jobs.plugins import user_code
 from oomguard.engine.jobs.records import Job, MetricSpec
 from oomguard.engine.util.atomic import atomic_write_json
 from oomguard.metrics.models import config_fingerprint
@@ -108,6 +111,7 @@ def task_inputs(job: Job, model: Mapping[str, Any], metric: MetricSpec,
     if job.data.path is not None:
         data["sha256"] = digests.of(job.data.path)
     plugins = {p: (digests.of(p) if p.endswith(".py") else "module") for p in job.plugins}
+    plugins.update({file: digests.of(file) for file in user_code(job.plugins)})
     return {"model": dict(model), "data": data, "dtype": job.dtype, "seed": job.seed,
             "device": job.device, "metric": metric.name, "params": dict(metric.params),
             "plugins": plugins, "oomguard": oomguard_version()}
@@ -135,7 +139,8 @@ def _what(part: str, old: Any, new: Any) -> str:
             return f"the data file's content changed ({new.get('path')})"
         return f"the data changed ({', '.join(_differ(old, new))})"
     if part == "plugins" and isinstance(old, dict) and isinstance(new, dict):
-        return f"a plugin changed ({', '.join(Path(n).name for n in _differ(old, new))})"
+        return (f"a plugin or a module it imports changed "
+                f"({', '.join(Path(n).name for n in _differ(old, new))})")
     if isinstance(old, (dict, list)) or isinstance(new, (dict, list)):
         return f"{label} changed"
     return f"{label} changed ({old} -> {new})"

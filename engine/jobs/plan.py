@@ -35,7 +35,8 @@ def plan(job: Job, digests: Digests | None = None) -> list[Task]:
             tasks.append(Task(key=key, metric_id=m.id, metric=m.name, model=spec,
                               params=dict(m.params), pinned=dict(m.sizes), time_limit=m.time_limit,
                               workload=workload, fingerprint=stable_hash(inputs), inputs=inputs,
-                              on_oom=m.on_oom if m.on_oom is not None else job.on_oom))
+                              on_oom=m.on_oom if m.on_oom is not None else job.on_oom,
+                              pinned_from=m.pinned_from))
     return tasks
 
 

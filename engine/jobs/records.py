@@ -53,6 +53,7 @@ class MetricSpec:
     sizes: dict[str, int] = field(default_factory=dict)
     time_limit: float = 1200.0
     on_oom: tuple[str, ...] | None = None  # None: the job's (engine/core/execute/remedies.py)
+    pinned_from: str = "job file"  # where ``sizes`` came from, as results say it
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class Task:
     inputs: dict[str, Any] = field(default_factory=dict)
     rerun_because: tuple[str, ...] = ()
     on_oom: tuple[str, ...] | None = None
+    pinned_from: str = "job file"  # where ``pinned`` came from (MetricSpec.pinned_from)
 
 
 @dataclass

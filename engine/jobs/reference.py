@@ -27,8 +27,9 @@ from typing import Any
 from oomguard.engine.core.child import DIED, Child, context, start_method
 from oomguard.engine.core.search.search import SearchConfig
 from oomguard.engine.core.workload import workload_preload
-from oomguard.engine.errors import JobError
+from oomguard.engine.errors import JobError, UsageError
 from oomguard.engine.jobs.cache import SizeCache, entry_key
+from oomguard.engine.jobs.data import check_size
 from oomguard.engine.jobs.plan import device_identity, plan
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec, now_iso
 from oomguard.engine.jobs.sizing import MEASURED, Request, SearchRecord, Slot, choose_sizes, measure
@@ -185,6 +186,10 @@ def load_sizes(path: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, in
                 isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in knobs.values()):
             raise JobError(f"{p}: metrics[{i}] needs a name and sizes of positive whole "
                            "numbers, e.g. sizes = {{ micro_batch_size = 8 }}")
+        try:
+            get_metric(name)  # a metric the job cannot have would be ignored silently
+        except UsageError as exc:
+            raise JobError(f"{p}: metrics[{i}]: {exc}") from None
         sizes[name] = dict(knobs)
     return meta, sizes
 
@@ -209,5 +214,14 @@ def apply_sizes(job: Job, meta: Mapping[str, Any], sizes: Mapping[str, Mapping[s
         pinned = {**sizes.get(m.name, {}), **m.sizes}
         if pinned:
             get_metric(m.name).validate({**m.params, **pinned})
-        metrics.append(dataclasses.replace(m, sizes=pinned))
+        for knob, size in pinned.items():
+            try:
+                check_size(size, job.data.seq_len, f"{m.name}.{knob}")
+            except ValueError as exc:
+                raise JobError(f"{source}: {exc}") from None
+        # Where the sizes came from, as the results and the report say it.
+        ours = set(sizes.get(m.name, {})) - set(m.sizes)
+        came = (m.pinned_from if not ours else f"sizes file {source}" if not m.sizes
+                else f"{m.pinned_from} + sizes file {source}")
+        metrics.append(dataclasses.replace(m, sizes=pinned, pinned_from=came))
     return dataclasses.replace(job, metrics=tuple(metrics))

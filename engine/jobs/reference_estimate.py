@@ -263,17 +263,33 @@ def batch_table(est: Estimator, metrics: Sequence[str], batches: Sequence[int]
     return rows
 
 
+def check_measured(measured: Any, **want: Any) -> None:
+    """UsageError (one line) unless ``measured`` is a measured ``reference.json``'s content
+    (an object whose ``rows`` are objects naming a metric and a knob) for what ``want``
+    names (``model``, ``dtype``, ``seq_len``, ``n_samples``): checked before any estimate."""
+    rows = measured.get("rows") if isinstance(measured, dict) else None
+    if not isinstance(rows, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("metric"), str)
+            and isinstance(r.get("knob"), str) for r in rows):
+        got = ("an object without them" if isinstance(measured, dict)
+               else f"a JSON {type(measured).__name__}")
+        raise UsageError(f"--measured: not a reference.json of `oomguard reference` (an object "
+                         f"with rows of metric and knob; got {got})")
+    for key, value in want.items():
+        if measured.get(key) != value:
+            raise UsageError(f"--measured was measured for {key} {measured.get(key)!r}, this "
+                             f"estimate is for {value!r}: give the same model, dtype, "
+                             "sequence length and samples")
+
+
 def compare_measured(est: Estimator, rows: list[dict[str, Any]], measured: dict[str, Any],
                      n_samples: int) -> None:
     """Add to each row the measured reference's maximum and its peak above the warmed-up
     state at its safe size (where a trial ran there), the estimated peak at that size, and
-    the relative error ``(estimated - measured) / measured``."""
-    for key, want in (("model", est.model), ("dtype", est.dtype), ("seq_len", est.seq_len),
-                      ("n_samples", n_samples)):
-        if measured.get(key) != want:
-            raise UsageError(f"--measured was measured for {key} {measured.get(key)!r}, this "
-                             f"estimate is for {want!r}: give the same model, dtype, "
-                             "sequence length and samples")
+    the relative error ``(estimated - measured) / measured``. ``measured`` is checked by
+    :func:`check_measured` (the command line checks it before any estimate)."""
+    check_measured(measured, model=est.model, dtype=est.dtype, seq_len=est.seq_len,
+                   n_samples=n_samples)
     by_key = {(r["metric"], r["knob"]): r for r in measured.get("rows", [])}
     for row in rows:
         m = by_key.get((row["metric"], row["knob"]))

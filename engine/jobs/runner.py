@@ -13,10 +13,12 @@ Resume: a task whose result file says ``ok`` and still answers it (the same inpu
 :mod:`~oomguard.engine.jobs.fingerprint`; its tensor file present) is skipped and its
 file never rewritten; a stale one is moved to ``results/stale/`` and rerun, saying why
 (:mod:`~oomguard.engine.jobs.output`). Failed and interrupted tasks run again.
-SIGINT/SIGTERM stop cleanly: the running task is recorded as interrupted, its child
-stopped, and the report written (a signal during the report stops it before its next
-file; ``results.json`` then says "interrupted" and a rerun finishes it). ``kill -9`` of
-the parent also ends the child (PR_SET_PDEATHSIG through the forkserver).
+SIGINT, SIGTERM and SIGUSR1 (Slurm's warning before a time limit, ``sbatch --signal``) stop
+cleanly, all one way: the running task is recorded as interrupted, its child stopped, and
+the report written (a signal during the report stops it before its next file;
+``results.json`` then says "interrupted" and a rerun finishes it); the exit code is 128 +
+the signal (:data:`EXIT_SIGNAL`). ``kill -9`` of the parent also ends the child
+(PR_SET_PDEATHSIG through the forkserver).
 
 Backends: :class:`Sequential` runs the tasks one after another from this process (the
 default); :class:`~oomguard.engine.jobs.ray_job.OnRay` runs them concurrently as Ray
@@ -30,7 +32,6 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -40,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
-from tqdm import tqdm
 
 from oomguard.engine.core import child as launcher
 from oomguard.engine.errors import JobError
@@ -55,7 +55,7 @@ from oomguard.engine.jobs.output import (
     stale_reasons,
 )
 from oomguard.engine.jobs.plan import device_identity, plan
-from oomguard.engine.jobs.progress import Progress
+from oomguard.engine.jobs.progress import Progress, Steps, wanted
 from oomguard.engine.jobs.records import FAILED, PENDING, Context, Job, Task, TaskResult, now_iso
 from oomguard.engine.jobs.sink import FileSink
 from oomguard.engine.jobs.task_process import run_task
@@ -65,7 +65,13 @@ from oomguard.reports.job_report import ReportInterrupted, write_job_report
 log = logging.getLogger("oomguard.job")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+# Stopped by a signal: 128 + its number, as a shell reports a process it killed. SIGUSR1 is
+# what Slurm sends before a time limit with `sbatch --signal=USR1@90`; SIGTERM what it sends
+# at the limit, on preemption and on `scancel`.
+# Windows has no SIGUSR1 (CPython's signal there: SIGINT, SIGTERM, SIGBREAK and a few more).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1")
+                     if hasattr(signal, name))
+EXIT_SIGNAL = {sig: 128 + sig for sig in STOP_SIGNALS}  # Linux: 130, 143, 138
 
 
 @dataclass
@@ -76,13 +82,15 @@ class Outcome:
     results: dict[str, TaskResult] = field(default_factory=dict)
     out: str = ""
     seconds: float = 0.0
+    stopped_by: str | None = None  # the signal that stopped the job (SIGTERM...), if one did
+    report: str | None = None  # report.md's path once written this run (None: it was not)
 
     def failed(self) -> list[str]:  # in job order
         return [k for k, r in self.results.items() if r.status == FAILED]
 
 
 class _Stop:
-    """SIGINT/SIGTERM handler state: the first signal asks to stop; work in progress (a
+    """SIGINT/SIGTERM/SIGUSR1 handler state: the first signal asks to stop; work in progress (a
     metric's child, the final report) asks :attr:`signum`. The handler only records the
     signal, never raises: an exception raised from a handler can land in a finalizer,
     where Python prints it and carries on."""
@@ -93,7 +101,7 @@ class _Stop:
 
     def __enter__(self) -> _Stop:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -198,10 +206,9 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
                    device=ctx.device, start_method=ctx.start_method, backend=type(backend).__name__)
     log.info("job %s: %d metric(s) on %s, output %s", job.name, len(tasks), job.device, out)
     results: dict[str, TaskResult] = {}
-    show = sys.stderr.isatty() if progress is None else progress
     with _Stop() as stop:
-        with tqdm(total=len(tasks), disable=not show, unit="metric", desc=job.name) as bar:
-            sink = Progress(n_tasks=len(tasks), bar=bar, results=results)
+        with Steps(len(tasks), "metrics", job.name, wanted(progress)) as steps:
+            sink = Progress(n_tasks=len(tasks), steps=steps, results=results)
             todo = []
             for i, task in enumerate(tasks, start=1):
                 done = read_result(out, task.key)
@@ -221,17 +228,20 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
             backend.run(todo, ctx, journal, stop, sink)
         # In job order (the report's); a task that never ran is pending.
         results = {t.key: results.get(t.key) or TaskResult.of(t, run_id, PENDING) for t in tasks}
-        code, status = _finish(job, ctx.device, run_id, results, out, journal, stop)
+        code, status, report = _finish(job, ctx.device, run_id, results, out, journal, stop)
     log.info("job %s: %s (%s) in %.1f s; results in %s", job.name, status,
              ", ".join(f"{k} failed" for k, r in results.items() if r.status == FAILED)
              or "nothing failed", time.perf_counter() - t0, out)
-    return Outcome(exit_code=code, results=results, out=str(out), seconds=time.perf_counter() - t0)
+    return Outcome(exit_code=code, results=results, out=str(out), seconds=time.perf_counter() - t0,
+                   stopped_by=signal.Signals(stop.signum).name if stop.signum else None,
+                   report=report)
 
 
 def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, TaskResult],
-            out: Path, journal: Journal, stop: _Stop) -> tuple[int, str]:
+            out: Path, journal: Journal, stop: _Stop) -> tuple[int, str, str | None]:
     """Write ``results.json`` and the report; a signal during the report aborts it and
-    leaves ``results.json`` saying "interrupted" (a rerun finishes the report)."""
+    leaves ``results.json`` saying "interrupted" (a rerun finishes the report). The exit
+    code, the status, and report.md's path (None where it was not written)."""
     failed = [k for k, r in results.items() if r.status == FAILED]
 
     def summary_of(signum: int | None) -> dict[str, Any]:
@@ -242,14 +252,16 @@ def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, Ta
                         "dtype": job.dtype, "models": list(job.models),
                         "data": dataclasses.asdict(job.data), "budget_bytes": job.budget_bytes},
                 "run": run_id, "status": status, "exit_code": code, "failed": failed,
+                "signal": signal.Signals(signum).name if signum is not None else None,
                 "finished": now_iso(), "tasks": {k: r.to_dict() for k, r in results.items()}}
 
     signum = stop.signum
     summary = summary_of(signum)
     atomic_write_json(out / "results.json", summary)
-    code = summary["exit_code"]
+    code, report = summary["exit_code"], None
     try:
         write_job_report(summary, out, cancelled=lambda: stop.signum != signum)
+        report = str(out / "report.md")
     except ReportInterrupted:
         log.warning("interrupted while writing the report; run the same command again to finish it")
     except OSError as exc:  # a full disk: the results are complete, the report is not
@@ -264,12 +276,14 @@ def _finish(job: Job, device: dict[str, Any], run_id: str, results: dict[str, Ta
         code = summary["exit_code"]
     journal.append("job-end", run=run_id, status=summary["status"], exit_code=code, failed=failed)
     journal.close()
-    return code, summary["status"]
+    return code, summary["status"], report
 
 
 def format_outcome(outcome: Outcome) -> str:
     """Plain lines for the terminal: one per task, then where the results are."""
     lines = [f"{key:<28} {r.status:<11} {(r.reason or '') if r.status == FAILED else ''}".rstrip()
              for key, r in outcome.results.items()]
-    lines.append(f"results: {outcome.out}/results.json, report: {outcome.out}/report.md")
+    lines.append(f"results: {outcome.out}/results.json, " + (
+        f"report: {outcome.report}" if outcome.report
+        else "report.md not written (see above)"))
     return "\n".join(lines)

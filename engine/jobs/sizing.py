@@ -83,6 +83,7 @@ class Request:
     config: Any
     max_size: int = 65536
     pinned: Mapping[str, int] = field(default_factory=dict)
+    pinned_from: str = "job file"  # where ``pinned`` came from, the sizes' source says it
 
     def bounds(self, knob: str, sizes: Mapping[str, int]) -> tuple[int, int, str]:
         """``(unit, cap, what sets cap)`` of ``knob`` with the other knobs at ``sizes``: a
@@ -130,10 +131,14 @@ def snap(size: int, unit: int) -> int:
 
 
 def choose_sizes(req: Request, *, evaluate: Evaluate | None = None, slot: Slot | None = None,
-                 on_record: Callable[[SearchRecord], None] | None = None) -> Sizing:
+                 on_record: Callable[[SearchRecord], None] | None = None,
+                 check: Callable[[list[str], dict[str, int]], Any] | None = None) -> Sizing:
     """Every memory knob's size for ``req``: pinned, else the cache (``slot``), else
     ``evaluate`` (None: no search), else the default. ``on_record`` sees each new record
-    as its search ends; the sizes are cached when no knob is pinned and each found one."""
+    as its search ends; the sizes are cached when no knob is pinned and each found one.
+    ``check(knobs, sizes)`` runs before the first search, with the knobs to be searched and
+    every knob's size meanwhile (defaults, pins): it raises to refuse a knob that is not
+    memory-only (:func:`~oomguard.metrics.knob_check.require_memory_knobs`)."""
     knobs = req.metric.memory_knobs()
     if not knobs:
         return Sizing({}, "none (no memory knobs)", [])
@@ -142,12 +147,15 @@ def choose_sizes(req: Request, *, evaluate: Evaluate | None = None, slot: Slot |
     if entry is not None and _reusable(req, entry, sizes):
         return Sizing({k: int(v) for k, v in entry["sizes"].items()}, CACHE,
                       _cached_records(req, entry), entry)
+    searched = [k.name for k in knobs if k.name not in req.pinned]
+    if evaluate is not None and check is not None and searched:
+        check(searched, dict(sizes))
     records: list[SearchRecord] = []
     sources = []
     for knob in knobs:
         name = knob.name
         if name in req.pinned:
-            sources.append("job file")
+            sources.append(req.pinned_from)
             continue
         unit, cap, why = req.bounds(name, sizes)
         if evaluate is None:

@@ -15,8 +15,6 @@ commented example file (:func:`~oomguard.engine.jobs.example.example_text`); the
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import re
 import sys
@@ -33,8 +31,9 @@ else:  # pragma: no cover - Python 3.10
 from oomguard.engine.core.execute.remedies import parse_on_oom
 from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET
 from oomguard.engine.errors import JobError, first_line
-from oomguard.engine.jobs.data import check_data
+from oomguard.engine.jobs.data import check_data, check_seq_len_floor, check_size, check_vocab
 from oomguard.engine.jobs.example import example_text
+from oomguard.engine.jobs.plugins import import_plugin, load_plugin
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec
 from oomguard.engine.util.units import fmt_bytes, parse_size
 from oomguard.metrics.base import get_metric
@@ -122,6 +121,11 @@ def _must(test: Callable[[Any], Any], message: str) -> Callable[[Any, dict[str, 
     return check
 
 
+def _seq_len(value: int) -> int:
+    check_seq_len_floor(value, "a sequence length")
+    return value
+
+
 def _result_knobs(metric: str) -> list[str]:
     return sorted(k.name for k in get_metric(metric).result_knobs())
 
@@ -158,12 +162,10 @@ def _plugins(value: list, got: dict[str, Any]) -> tuple[str, ...]:
     for i, plug in enumerate(value):
         if not isinstance(plug, str):
             raise _Bad(f"expected a string, got {plug!r}", f"plugins[{i}]")
-        plug = str((got["base"] / plug).resolve()) if plug.endswith(".py") else plug
         try:
-            import_plugin(plug)
-        except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
-            raise _Bad(f"cannot import {plug!r}: {exc}", f"plugins[{i}]") from None
-        plugins.append(plug)
+            plugins.append(load_plugin(plug, got["base"]))
+        except ValueError as exc:
+            raise _Bad(str(exc), f"plugins[{i}]") from None
     return tuple(plugins)
 
 
@@ -215,7 +217,8 @@ _JOB = (
 _DATA = (
     _Field("source", _STR, "a string", convert=_must(lambda v: v in _DATA_SOURCES,
            "unknown source {v!r}: use one of " + ", ".join(_DATA_SOURCES))),
-    _Field("path", _STR, "a string"), _Field("seq_len", **_POSITIVE),
+    _Field("path", _STR, "a string"),
+    _Field("seq_len", (int,), "a positive integer", convert=lambda v, _: _seq_len(v)),
     _Field("n_samples", **_POSITIVE))
 _SEARCH = (_Field("enabled", (bool,), "true or false"), _Field("max_trials", **_POSITIVE),
            _Field("max_seconds", **_DURATION_FIELD), _Field("start", **_POSITIVE),
@@ -325,6 +328,7 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
             raise r.error("data.seq_len", f"models[{i}]: {exc}") from None
     search = SearchSpec(**r.read(r.table(doc, "search"), _SEARCH, "search."))
     metrics = _metrics(r, doc, top["time_limit"])
+    _check_fits(r, top, data, search, metrics)
     for i, (spec, config) in enumerate(top["models"].items()):
         for index, m in enumerate(metrics):
             if reason := get_metric(m.name).unsupported(config):
@@ -336,25 +340,6 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
                device=top["device"], dtype=top["dtype"], seed=top["seed"],
                models=tuple(top["models"]), data=data, search=search, metrics=metrics,
                budget_bytes=top["budget"], plugins=top["plugins"], on_oom=top["on_oom"])
-
-
-def import_plugin(spec: str) -> None:
-    """Import a plugin: a module name, or the path of a ``.py`` file (registers its metrics)."""
-    if spec.endswith(".py"):
-        name = "oomguard_plugin_" + re.sub(r"\W", "_", Path(spec).stem)
-        if name in sys.modules:
-            return
-        # A ``.py`` path always has a spec and a loader; a missing file fails in exec_module.
-        mod_spec = importlib.util.spec_from_file_location(name, spec)
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[name] = module
-        try:
-            mod_spec.loader.exec_module(module)
-        except BaseException:
-            sys.modules.pop(name, None)
-            raise
-    else:
-        importlib.import_module(spec)
 
 
 def _data(r: _Reader, doc: dict[str, Any], base: Path) -> DataSpec:
@@ -374,6 +359,25 @@ def _data(r: _Reader, doc: dict[str, Any], base: Path) -> DataSpec:
     except ValueError as exc:
         raise r.error("data.path", str(exc)) from None
     return data
+
+
+def _check_fits(r: _Reader, top: dict[str, Any], data: DataSpec, search: SearchSpec,
+                metrics: tuple[MetricSpec, ...]) -> None:
+    """What no model can run, refused before the job starts: token ids outside a model's
+    vocabulary, and sizes whose batch no device holds (:mod:`~oomguard.engine.jobs.data`)."""
+    for i, config in enumerate(top["models"].values()):
+        try:
+            check_vocab(data, getattr(config, "vocab_size", None), top["seed"])
+        except ValueError as exc:
+            raise r.error("data.path", f"models[{i}]: {exc}") from None
+    sizes = [(f"search.{k}", getattr(search, k)) for k in ("start", "max_size")]
+    sizes += [(f"metrics[{i}].sizes.{k}", v) for i, m in enumerate(metrics)
+              for k, v in m.sizes.items()]
+    for where, size in sizes:
+        try:
+            check_size(size, data.seq_len, where.rpartition(".")[2])
+        except ValueError as exc:
+            raise r.error(where, str(exc)) from None
 
 
 def _metrics(r: _Reader, doc: dict[str, Any], time_limit: float) -> tuple[MetricSpec, ...]:

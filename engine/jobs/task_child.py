@@ -47,6 +47,7 @@ from oomguard.engine.jobs.sink import Sink
 from oomguard.engine.jobs.spec import import_plugin
 from oomguard.engine.util.jsonable import json_text, to_jsonable
 from oomguard.metrics.base import get_metric
+from oomguard.metrics.knob_check import require_memory_knobs
 from oomguard.metrics.models import build_model
 from oomguard.metrics.workload import in_units, in_whole_units
 from oomguard.probes.peak import PeakMeter
@@ -226,8 +227,11 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, work: _Work, sink: Sink
     evaluate = (_Search(task, ctx, work.call, len(metric.memory_knobs()) - len(task.pinned),
                         record) if ctx.search and job.search.enabled else None)
     request = sizing.Request(metric, task.params, job.data.n_samples, work.model.config,
-                             job.search.max_size, task.pinned)
-    got = sizing.choose_sizes(request, evaluate=evaluate, slot=slot, on_record=record)
+                             job.search.max_size, task.pinned, task.pinned_from)
+    got = sizing.choose_sizes(request, evaluate=evaluate, slot=slot, on_record=record,
+                              check=lambda knobs, sizes: require_memory_knobs(
+                                  metric, work.model, work.data, {**task.params, **sizes},
+                                  knobs=knobs))
     state["source"] = got.source
     return got.sizes
 

@@ -37,6 +37,7 @@ import torch
 
 from oomguard.engine.core.execute.retry import Sizes
 from oomguard.engine.core.memory.heap import free_heap_bytes
+from oomguard.engine.core.memory.oom import OOM, call_catching_oom
 from oomguard.engine.errors import (
     NoExecutableBatchSize,
     NoProgress,
@@ -328,7 +329,11 @@ def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
             raise _restart(name, record, ladder, why, why)
         rung = Rung(remedy, "running")
         if remedy in PRECISIONS:
-            work, ladder.precision = work.at_precision(PRECISIONS[remedy]), remedy
+            cast = call_catching_oom(work.at_precision, PRECISIONS[remedy], device=device)
+            if isinstance(cast, OOM):  # the cast itself ran out: a failed rung, the next one tried
+                _cast_failed(rung, cast, ladder, name)
+                continue
+            work, ladder.precision = cast, remedy
         elif remedy == "cpu":
             rung.estimate_s, line = cpu_estimate(ladder.seconds, kind)
             log.warning("%s: moving to the CPU: %s", name, line)
@@ -355,6 +360,18 @@ def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
         ladder.produced = None if len(ladder.seconds) == 1 else remedy
         return value
     raise NoExecutableBatchSize(name, record.attempts, record.errors, ladder.reason())
+
+
+def _cast_failed(rung: Rung, oom: OOM, ladder: Ladder, name: str) -> None:
+    """Record ``rung`` (a lower precision) as failed because casting the model ran out of
+    memory (``at_precision`` allocates each parameter anew before the old one is freed),
+    and move the ladder on. The model may be partly cast: the rungs after a precision
+    build it again (``cpu``) or start a fresh process (``expandable_segments``)."""
+    rung.outcome = "failed"
+    rung.why = f"casting the model to {rung.remedy} ran out of memory ({oom.message})"
+    ladder.rungs.append(rung)
+    log.warning("%s: %s", name, rung.why)
+    ladder.at += 1
 
 
 def sized_call(work: Any, positional: bool) -> Callable[[Sizes], Any]:
