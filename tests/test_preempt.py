@@ -23,7 +23,8 @@ from oomguard.engine.jobs.journal import replay
 ROOT = Path(__file__).resolve().parents[1]
 
 # A metric that runs until the job is stopped (unless OOMGUARD_TEST_FAST is set, as in the
-# rerun), so that the signal always finds it running.
+# rerun), so that the signal always finds it running; not in the task's warm-up, which runs
+# it once on one sample before the run.
 PLUGIN = '''
 import os, time
 from oomguard.metrics.base import Knob, Metric, register
@@ -34,7 +35,8 @@ class Sleeper(Metric):
     knobs = (Knob("micro_batch_size", "memory", 4, 1),)
     def compute(self, model, data, micro_batch_size=4):
         t0 = time.time()
-        while not os.environ.get("OOMGUARD_TEST_FAST") and time.time() - t0 < 120:
+        while (len(data["input_ids"]) > 1 and not os.environ.get("OOMGUARD_TEST_FAST")
+               and time.time() - t0 < 120):
             time.sleep(0.02)
         return {"slept": True}
 '''
