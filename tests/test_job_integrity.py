@@ -311,6 +311,7 @@ def test_a_job_searches_a_knob_with_a_unit_in_whole_units(tmp_path):
     outcome = run_job(load_job(path), cache_path=tmp_path / "cache.json", progress=False)
     record = outcome.results["test_quads"]
     assert record.ok and record.search["unit"] == 4
-    # the knob check's two sizes (on the data, before the search), 3 trials, then the run
-    assert [int(x) for x in log.read_text().split()] == [1, 2, 4, 8, 12, 12]
+    # the task's warm-up at the minimum (one sample, before any budget), the knob check's two
+    # sizes (on the data, before the search), 3 trials, then the run
+    assert [int(x) for x in log.read_text().split()] == [1, 1, 2, 4, 8, 12, 12]
     assert record.sizes["final"] == {"block": 12}
