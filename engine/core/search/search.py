@@ -118,7 +118,8 @@ def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
 
     ``fn`` runs one trial; its ``warmup()``, if any, is called once per process before the budget is
     applied (build the model, initialise thread pools); without one, ``fn(1)`` is called there
-    instead, so imports inside ``fn`` are not charged to a trial (:func:`warm_up_trials`). With
+    instead (not with ``restore=``), so imports inside ``fn`` are not charged to a trial
+    (:func:`warm_up_trials`). With
     ``isolate=True`` each trial runs in a fresh child process: ``fn`` must be picklable and
     defined in an importable file, and a script that calls this needs an ``if __name__ ==
     "__main__":`` guard.

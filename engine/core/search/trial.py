@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("oomguard.search")
 
+
 @dataclass
 class Trial:
     """The outcome of running a workload once at ``size``.
