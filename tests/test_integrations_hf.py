@@ -118,3 +118,28 @@ def test_a_training_set_without_a_length_is_one_usage_error_before_any_work():
     with pytest.raises(UsageError, match="needs a dataset with a length"):
         trainer.train()
     assert trainer.optimizer is None  # nothing ran
+
+
+def _evaluate_past_the_budget() -> dict:
+    """The evaluation batch set above what fits (as if the search had answered on a lighter
+    heap): ``evaluate()`` under the budget runs out of memory, halves and finishes, with the
+    loss of an evaluation without a budget."""
+    from transformers import Trainer
+
+    from oomguard.engine.integrations.sizing import Split
+    from oomguard.integrations import OomguardTrainer
+
+    reference = _trainer(Trainer, eval_batch=EFFECTIVE).evaluate()["eval_loss"]
+    ours = _trainer(OomguardTrainer, eval_batch=EFFECTIVE)
+    ours.oomguard_eval = Split(EFFECTIVE, EFFECTIVE, 1, None)  # no search: the size as set
+    with budget_after_warmup(BUDGET):
+        loss = ours.evaluate()["eval_loss"]
+    return {"reference": reference, "loss": loss, "batch": ours.args.per_device_eval_batch_size}
+
+
+@pytest.mark.slow
+def test_an_evaluation_that_runs_out_of_memory_halves_its_batch_and_finishes():
+    got = in_fresh_process(_evaluate_past_the_budget)
+    assert got["batch"] < EFFECTIVE  # it ran out of memory at least once
+    assert got["batch"] in {EFFECTIVE >> k for k in range(1, 11)}
+    assert got["loss"] == pytest.approx(got["reference"], rel=1e-5)

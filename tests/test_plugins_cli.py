@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.engine.cli.main import main
+from tests.conftest import cli_in_child
 
 TINY = ("gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=32,bos_token_id=0,"
         "eos_token_id=0")
@@ -64,10 +65,11 @@ def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 def test_search_with_a_plugin_finds_a_size_and_every_command_uses_it(
         plugin: str, capsys: pytest.CaptureFixture[str]) -> None:
     file = f"{plugin}.py"  # relative: against the current folder
-    code = main(["search", "--plugin", file, "--metric", plugin, *WORKLOAD, "--budget", "32MiB",
-                 "--max-size", "64", "--out", "rep", "--json"])
-    assert code == 0
-    found = json.loads(capsys.readouterr().out)
+    # the searches assert a memory boundary: each in a fresh process (tests/conftest.py)
+    ran = cli_in_child("search", "--plugin", file, "--metric", plugin, *WORKLOAD, "--budget",
+                       "32MiB", "--max-size", "64", "--out", "rep", "--json", cwd=Path.cwd())
+    assert ran.returncode == 0, ran.stderr
+    found = json.loads(ran.stdout)
     # chunk x 2 MiB meets the 32 MiB budget (at 16 or below): a size found, the next one out of memory
     assert 1 <= found["max_ok"] <= 16 and found["first_oom"] == found["max_ok"] + 1
 
@@ -87,9 +89,11 @@ def test_search_with_a_plugin_finds_a_size_and_every_command_uses_it(
     check = json.loads(capsys.readouterr().out)
     assert check["ok"] and check["size"] == found["recommendation"]["safe"]
 
-    assert main(["reference", "--plugin", file, "--metrics", plugin, *WORKLOAD,
-                 "--budget", "32MiB", "--max-size", "64", "--out", "ref", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["rows"]
+    ran = cli_in_child("reference", "--plugin", file, "--metrics", plugin, *WORKLOAD,
+                       "--budget", "32MiB", "--max-size", "64", "--out", "ref", "--json",
+                       cwd=Path.cwd())
+    assert ran.returncode == 0, ran.stderr
+    rows = json.loads(ran.stdout)["rows"]
     assert [(r["metric"], r["knob"]) for r in rows] == [(plugin, "chunk")]
     assert 1 <= rows[0]["max_ok"] <= 16 and rows[0]["first_oom"] == rows[0]["max_ok"] + 1
 

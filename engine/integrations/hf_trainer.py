@@ -46,6 +46,8 @@ from transformers import Trainer
 from transformers.trainer_utils import has_length
 from transformers.utils import is_datasets_available
 
+from oomguard.engine.core.execute.retry import Halve
+from oomguard.engine.core.memory.oom import is_oom
 from oomguard.engine.errors import UsageError
 from oomguard.engine.integrations.sizing import (
     Split,
@@ -177,7 +179,28 @@ class OomguardTrainerMixin:
             with torch.no_grad():
                 self.oomguard_eval = fit_eval_batch(self, eval_dataset, self.oomguard_largest,
                                                     **self.oomguard_options)
-        return super().evaluate(eval_dataset, *args, **kwargs)
+        while True:
+            try:
+                return super().evaluate(eval_dataset, *args, **kwargs)
+            except Exception as exc:
+                if not self._eval_batch_halved(exc):
+                    raise
+
+    def _eval_batch_halved(self, exc: BaseException) -> bool:
+        """After an OOM in ``evaluate()``, halve the evaluation batch and say so; False where
+        ``exc`` is no OOM or the batch is 1 already. Evaluation changes no state, so running
+        it again from the start is clean. Why it can happen after the search: the loop runs
+        later than the search, on a heap the training left (measured under a 40 MiB CPU budget:
+        the evaluation ran out of memory at 299 rows where a trial at 351 had run, in 1 of 7
+        runs under load)."""
+        args = self.args
+        smaller = Halve().shrink({"batch": args.per_device_eval_batch_size}, {"batch": 1})
+        if not is_oom(exc) or smaller is None:
+            return False
+        log.warning("Trainer: evaluation ran out of memory at %d rows per device; again at %d",
+                    args.per_device_eval_batch_size, smaller["batch"])
+        args.per_device_eval_batch_size = smaller["batch"]
+        return True
 
 
 class OomguardTrainer(OomguardTrainerMixin, Trainer):
