@@ -191,6 +191,8 @@ def _enter(conn: Any, parent: int | None, stderr_path: str | None, fn: Callable[
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # A forked child inherits the parent's handler (a job's stop flag): SIGTERM must stop it.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):  # blocked by the parent around the fork (Child)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGUSR1})
     _to_parent = conn
     _send(conn, (STARTED, None))
     if stderr_path is not None:
@@ -289,7 +291,13 @@ class Child(contextlib.AbstractContextManager["Child"]):
         self.started, self.messages = False, []
         self._answer: tuple[str, Any] | None = None
         self.t0 = time.monotonic()
-        self.proc.start()
+        # A forked child runs Python (the at-fork hooks: logging's lock reinit) before _enter
+        # ignores SIGINT: a Ctrl-C to the process group in that moment printed a
+        # KeyboardInterrupt traceback from the child. Blocked here, the child starts with the
+        # signals blocked and _enter unblocks them once ignored; this process gets its own
+        # Ctrl-C as soon as the fork returns.
+        with _sigint_blocked():
+            self.proc.start()
         send.close()
 
     def __exit__(self, *exc: object) -> None:
