@@ -28,6 +28,12 @@ from oomguard.engine.core.search.fit import (
 from oomguard.engine.core.search.trial import Trial
 from oomguard.engine.errors import UsageError, check_positive_int
 
+# Bytes by which a fitted size's peak may exceed the headroom read before it: the sampled data
+# size and RLIMIT_DATA's count differ slightly in units and moment (GPT-2 steps up to 0.4 MB above
+# the headroom, docs/measurements.md#cpu-limit-units; attention's maximum 344, isolated, 0.32 MB).
+# A predicted maximum whose next size is predicted within it is tried one size up.
+UNITS_SLACK_BYTES = 400_000
+
 
 class Strategy(Protocol):
     """Proposes sizes. ``next`` returns None to stop."""
@@ -208,9 +214,13 @@ class Guided(_PositiveFields):
             return step if inside else _refine(lo, hi)
         if curved and _bends_up(trials):
             # A prediction ran out of memory before and the line's base is below zero: memory grows
-            # faster than the line, which overshoots again; the square step cannot, and its point
-            # makes the quadratic.
+            # faster than the line, which would overshoot again; the square step cannot, and its
+            # point is the third a quadratic needs.
             guess = min(guess, _square_step(trials, lo) or guess)
+        elif guess > lo and (hi is None or guess + 1 < hi) and _within_slack(trials, guess + 1):
+            # Three sizes or more fix the model near the maximum: an OOM at m + 1 costs the trial
+            # that m + 1 after m would, a fit saves one.
+            guess += 1
         size = min(lo + 1 if guess <= lo else guess, max_size)  # m ran: bracket with m + 1
         return _refine(lo, hi) if _tried(trials, size) else size
 
@@ -272,6 +282,14 @@ def _model(trials: Sequence[Trial], proven_bytes: int = 0
     return fit, max(headroom, proven_bytes, *(p for _, p in points))
 
 
+def _within_slack(trials: Sequence[Trial], size: int) -> bool:
+    """Whether the model, fitted on three sizes or more, puts the peak at ``size`` at most
+    :data:`UNITS_SLACK_BYTES` above the capacity (an estimate): the limit may still fit it."""
+    model = _model(trials)
+    return (model is not None and len({s for s, _ in _points(trials)}) >= 3
+            and model[0].predict(size) <= model[1] + UNITS_SLACK_BYTES)
+
+
 def _square_step(trials: Sequence[Trial], lo: int) -> int | None:
     """The largest size that fits the capacity if the peak grows as the square of the size from
     the largest size that fitted, ``lo`` (an estimate): ``lo * sqrt(capacity / peak at lo)``.
@@ -286,13 +304,15 @@ def _square_step(trials: Sequence[Trial], lo: int) -> int | None:
 
 
 def _bends_up(trials: Sequence[Trial]) -> bool:
-    """Whether the model is a line whose base is below zero by more than
-    :data:`~oomguard.engine.core.search.fit.CURVE_MISFIT` of the largest peak: a step's fixed
-    memory is not negative, so the points grow faster than a line (attention's two sizes 32 and
-    201: -10% of the peak at 201; a linear workload's in-process peaks: within 1%)."""
+    """Whether the model is a line through two sizes whose base is below zero by more than
+    :data:`~oomguard.engine.core.search.fit.CURVE_MISFIT` of the smaller size's peak: a trial's
+    fixed memory is not negative, so the two points grow faster than a line (a quadratic needs a
+    third). Attention's sizes 32 and 201: -150%; ``size x size`` blocks and a linear part, 32 and
+    125: -5%; a line whose small size's peak was lowered by a free heap: -0.5%."""
     model, points = _model(trials), _points(trials)
-    return (model is not None and isinstance(model[0], LinearFit)
-            and model[0].base_bytes < -CURVE_MISFIT * max(p for _, p in points))
+    if model is None or not isinstance(model[0], LinearFit) or len({s for s, _ in points}) != 2:
+        return False
+    return model[0].base_bytes < -CURVE_MISFIT * max(p for s, p in points if s == min(points)[0])
 
 
 def _refuted(trials: Sequence[Trial], i: int) -> bool:
