@@ -31,8 +31,10 @@ from oomguard.engine.errors import UsageError, check_positive_int
 # Bytes by which a fitted size's peak may exceed the headroom read before it: the sampled data
 # size and RLIMIT_DATA's count differ slightly in units and moment (GPT-2 steps up to 0.4 MB above
 # the headroom, docs/measurements.md#cpu-limit-units; attention's maximum 344, isolated, 0.32 MB).
-# A predicted maximum whose next size is predicted within it is tried one size up.
+# A predicted maximum is tried up to REACH_SIZES sizes higher where their peaks are predicted
+# within it.
 UNITS_SLACK_BYTES = 400_000
+REACH_SIZES = 2
 
 
 class Strategy(Protocol):
@@ -217,10 +219,8 @@ class Guided(_PositiveFields):
             # faster than the line, which would overshoot again; the square step cannot, and its
             # point is the third a quadratic needs.
             guess = min(guess, _square_step(trials, lo) or guess)
-        elif guess > lo and (hi is None or guess + 1 < hi) and _within_slack(trials, guess + 1):
-            # Three sizes or more fix the model near the maximum: an OOM at m + 1 costs the trial
-            # that m + 1 after m would, a fit saves one.
-            guess += 1
+        elif guess > lo:
+            guess = _reach(trials, guess, hi)
         size = min(lo + 1 if guess <= lo else guess, max_size)  # m ran: bracket with m + 1
         return _refine(lo, hi) if _tried(trials, size) else size
 
@@ -282,12 +282,21 @@ def _model(trials: Sequence[Trial], proven_bytes: int = 0
     return fit, max(headroom, proven_bytes, *(p for _, p in points))
 
 
-def _within_slack(trials: Sequence[Trial], size: int) -> bool:
-    """Whether the model, fitted on three sizes or more, puts the peak at ``size`` at most
-    :data:`UNITS_SLACK_BYTES` above the capacity (an estimate): the limit may still fit it."""
+def _reach(trials: Sequence[Trial], guess: int, hi: int | None) -> int:
+    """The predicted maximum ``guess`` moved up by the sizes, at most :data:`REACH_SIZES`, whose
+    estimated peaks exceed the capacity by at most :data:`UNITS_SLACK_BYTES`, where the model rests
+    on three sizes or more and no OOM is known there. Where one of them fits, the bracket closes
+    sizes sooner than walking up from ``guess``; an OOM there costs about the trial ``guess + 1``
+    after ``guess`` would have."""
     model = _model(trials)
-    return (model is not None and len({s for s, _ in _points(trials)}) >= 3
-            and model[0].predict(size) <= model[1] + UNITS_SLACK_BYTES)
+    if model is None or len({s for s, _ in _points(trials)}) < 3:
+        return guess
+    fit, capacity = model
+    up = guess
+    while (up < guess + REACH_SIZES and (hi is None or up + 1 < hi)
+           and fit.predict(up + 1) <= capacity + UNITS_SLACK_BYTES):
+        up += 1
+    return up
 
 
 def _square_step(trials: Sequence[Trial], lo: int) -> int | None:
