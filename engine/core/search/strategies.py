@@ -179,10 +179,14 @@ class Guided(_PositiveFields):
 
     Peaks and headroom are in the units the memory limit counts (``Trial.limit_peak_bytes``,
     ``headroom_bytes``: reserved bytes against the cap on CUDA, ``VmData`` against ``RLIMIT_DATA``
-    under a CPU budget); :func:`predict_max` fits them. After the predicted ``m`` runs, ``m + 1``
-    closes the bracket. An OOM at a size predicted to fit measures no peak, so the next size bisects
-    the bracket until a new size fits. After ``misses`` wrong predictions (:func:`_missed`), or
-    where the limit is unknown, it only doubles and bisects: it never walks down one size at a time.
+    under a CPU budget); :func:`predict_max` fits them (a line, or a quadratic where three sizes or
+    more curve up). After the predicted ``m`` runs, ``m + 1`` closes the bracket. An OOM at a size
+    predicted to fit measures no peak: memory grew faster than predicted, so the next size is
+    :func:`_square_step` (fits where memory grows at most as the square of the size), which gives
+    the quadratic a point near the maximum, then bisection until a new size fits. After
+    ``misses`` wrong predictions (:func:`_missed`), or where the limit is unknown, it only doubles
+    and bisects: it never walks down one size at a time. Attention over the sequence length
+    (bench/peers.py): 6 trials, against 13 with a line.
     """
 
     start: int = 32
@@ -192,8 +196,10 @@ class Guided(_PositiveFields):
     def describe(self) -> str:
         return (f"Start at {self.start}; predict the largest size that fits from the peaks measured "
                 "in the limit's units (proportional from one trial, a least-squares line from "
-                "two), run it, then try the size above it; bisect after an OOM the prediction did "
-                f"not expect; after {self.misses} wrong predictions, double and bisect.")
+                "two, a quadratic from three where they curve up), run it, then try the size "
+                "above it; after an OOM the prediction did not expect, run the size that fits if "
+                "memory grows as the square of the size, else bisect; after "
+                f"{self.misses} wrong predictions, double and bisect.")
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         if not trials:
