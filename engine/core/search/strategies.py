@@ -291,9 +291,9 @@ def _model(trials: Sequence[Trial], proven_bytes: int = 0
 def _reach(trials: Sequence[Trial], guess: int, hi: int | None) -> int:
     """The predicted maximum ``guess`` moved up by the sizes, at most :data:`REACH_SIZES`, whose
     estimated peaks exceed the capacity by at most :data:`UNITS_SLACK_BYTES`, where the model rests
-    on three sizes or more and no OOM is known there. Where one of them fits, the bracket closes
-    sizes sooner than walking up from ``guess``; an OOM there costs about the trial ``guess + 1``
-    after ``guess`` would have."""
+    on three sizes or more and no OOM is known there. Where the size proposed fits, the bracket
+    closes in fewer trials than walking up from ``guess``; an OOM there costs about the trial that
+    ``guess + 1`` after ``guess`` would have."""
     model = _model(trials)
     if model is None or len({s for s, _ in _points(trials)}) < 3:
         return guess
