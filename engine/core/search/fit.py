@@ -72,7 +72,8 @@ def peak_model(points: Sequence[tuple[int, int]]) -> LinearFit | None:
 
 # The line's misfit (largest absolute residual, a fraction of the largest peak) above which
 # convex points are fitted with a quadratic: the in-process peaks of one workload scatter by
-# about 1% (free heap absorbing part of a trial), attention's 3 sizes miss a line by ~15%.
+# about 1% (free heap absorbing part of a trial); attention's 3 sizes (bench/peers.py) miss a line by
+# 11-12% of the largest peak.
 CURVE_MISFIT = 0.02
 
 
