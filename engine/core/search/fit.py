@@ -71,10 +71,11 @@ def peak_model(points: Sequence[tuple[int, int]]) -> LinearFit | None:
 
 
 # The line's misfit (largest absolute residual, a fraction of the largest peak) above which
-# convex points are fitted with a quadratic: the in-process peaks of one workload scatter by
-# about 1% (free heap absorbing part of a trial); attention's 3 sizes (bench/peers.py) miss a line by
-# 11-12% of the largest peak.
-CURVE_MISFIT = 0.02
+# convex points are fitted with a quadratic. Measured (bench/peers.py): a line's points stayed
+# within 0.2% (E10 line, GPT-2 step, loss metric, LSTM), 1.8% where a confirmed search mixes
+# in-process and fresh trials; attention's 3 sizes miss a line by 11-12%, and a size x size
+# block with a linear part (tests/test_guided_curve.py) by 10%.
+CURVE_MISFIT = 0.05
 
 
 @dataclass(frozen=True)

@@ -323,7 +323,7 @@ def _bends_up(trials: Sequence[Trial]) -> bool:
     :data:`~oomguard.engine.core.search.fit.CURVE_MISFIT` of the smaller size's peak: a trial's
     fixed memory is not negative, so the two points grow faster than a line (a quadratic needs a
     third). Attention's sizes 32 and 201: -150%; ``size x size`` blocks and a linear part, 32 and
-    125: -5%; a line whose small size's peak was lowered by a free heap: -0.5%."""
+    305: -67%; a line whose small size's peak was lowered by a free heap: -0.5%."""
     model, points = _model(trials), _points(trials)
     if model is None or not isinstance(model[0], LinearFit) or len({s for s, _ in points}) != 2:
         return False
