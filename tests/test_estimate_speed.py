@@ -1,0 +1,40 @@
+"""The estimated reference's speed-ups change no number: the reference of a small LLaMA-like
+config (8 layers, so the depth extrapolation runs; bf16; for cuda) equals, row for row, the
+JSON stored from the code before them (tests/golden/estimate_reference_small_llama.json;
+the 7B config's whole reference, every metric, is compared in bench/bench_estimate.py
+against tests/golden/estimate_reference_7b.json: it takes a minute, too long here).
+
+The memory (1 MiB) puts both knobs between sizes, so each search runs its line rounds
+(12 estimates each): every size of a session after its warm-up, and every depth.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from oomguard.engine.jobs.reference_estimate import build_estimate_reference
+
+GOLDEN = Path(__file__).parent / "golden"
+SMALL_LLAMA = ("llama:hidden_size=64,intermediate_size=160,num_hidden_layers=8,"
+               "num_attention_heads=4,num_key_value_heads=2,vocab_size=256,"
+               "max_position_embeddings=64")
+# What a row's numbers are (seconds are not)
+FIGURES = ("metric", "knob", "unit", "largest", "next_size", "total_bytes", "peak_bytes",
+           "next_total_bytes", "largest_useful", "exact", "estimates", "others", "note")
+
+
+def figures(doc: dict) -> list[dict]:
+    return [{k: row.get(k) for k in FIGURES} for row in doc["rows"]]
+
+
+@pytest.mark.slow
+def test_small_llama_estimated_reference_equals_the_stored_one():
+    want = json.loads((GOLDEN / "estimate_reference_small_llama.json").read_text())
+    got = build_estimate_reference(SMALL_LLAMA, "bfloat16", 16, 4, memory=1024**2,
+                                   memory_name="x", margin=0.15, device="cuda",
+                                   metrics=["loss", "attention_stats"])
+    assert figures(got) == figures(want)
+    assert got["estimates"] == want["estimates"] and got["notes"] == want["notes"]
