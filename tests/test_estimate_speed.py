@@ -14,7 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch._subclasses import fake_tensor as ft
 
+from oomguard.engine.core.estimate.estimate import estimate
 from oomguard.engine.jobs.reference_estimate import build_estimate_reference
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -38,3 +41,36 @@ def test_small_llama_estimated_reference_equals_the_stored_one():
                                    metrics=["loss", "attention_stats"])
     assert figures(got) == figures(want)
     assert got["estimates"] == want["estimates"] and got["notes"] == want["notes"]
+
+
+def _real_ops(size: int) -> None:
+    """Operations on real inputs only: token ids and a mask made from them (small), then a
+    float table of ``size`` x ``size`` (small at 8, large at 1024: 4 MiB)."""
+    ids = torch.arange(16).reshape(2, 8)
+    mask = (ids % 3 == 0).long() + 1
+    table = torch.zeros(size, size)
+    _SEEN.append((type(mask), type(table)))
+
+
+_SEEN: list[tuple[type, type]] = []
+
+
+def test_a_repeated_small_real_operation_skips_the_conversion_to_fake(monkeypatch):
+    calls = []
+    convert = ft.FakeTensorConverter.from_real_tensor
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return convert(self, *args, **kwargs)
+
+    monkeypatch.setattr(ft.FakeTensorConverter, "from_real_tensor", counted)
+    _SEEN.clear()
+    estimate(_real_ops, [8])
+    first = len(calls)
+    estimate(_real_ops, [8, 8])
+    assert first > 0 and len(calls) == first  # the repeats convert nothing
+    # the decision follows each operation's sizes: the large table stays fake
+    e = estimate(_real_ops, [1024])
+    assert _SEEN[-1] == (torch.Tensor, ft.FakeTensor)
+    assert all(seen == (torch.Tensor, torch.Tensor) for seen in _SEEN[:-2])
+    assert e[0].peak_bytes >= 1024 * 1024 * 4
