@@ -132,7 +132,8 @@ def compare(name: str, workload: Any, sizes: list[int]) -> list[tuple]:
         measured = trial.peak_bytes if trial.ok else None
         rows.append((name, e.size, e.peak_bytes, e.workspace_bytes, measured, e.seconds,
                      trial.seconds))
-        print(f"  {name} {e.size}: done", flush=True)
+        print(f"  {name} {e.size}: estimated {e.peak_bytes}, measured {measured}: "
+              f"{error(e.peak_bytes, measured)}%", flush=True)
     print(f"  {name}: estimates (warm-up and replays included) took {seconds:.1f} s", flush=True)
     return rows
 
