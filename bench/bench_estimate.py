@@ -5,18 +5,30 @@ fake tensors, nothing run, plus the matrix multiplies' workspace measured by rep
 them in a fresh process), the measured peak of an isolated search trial at that size (a
 fresh process, ``warmup()``, then one step in ``run_trial``: resident ``VmHWM`` above the
 warmed-up state), and the estimate's error, with and without the workspace, side by side
-in one table. With ``--llama-7b``, first the time and resident memory an estimate of a 7B
-LLaMA-like training step takes (nothing measured to compare with: the step needs
-~100 GiB). docs/measurements.md#estimate-error records a run.
+in one table: the training step and every metric's every memory knob (``--all``, each at
+the given sizes up to the knob's largest useful one; default: the training step and three
+metrics' first knobs). With ``--llama-7b``, first the time and resident memory an estimate
+of a 7B LLaMA-like training step takes (nothing measured to compare with: the step needs
+~100 GiB). With ``--reference-7b``, the estimated reference of every metric of a 7B
+LLaMA-like config (bf16, 4 samples x 64 tokens, 80 GiB, cuda), run twice side by side in
+fresh processes, with the caches of engine/core/estimate off (the previous version's
+path) and on: each one's seconds, and both rows checked equal to the stored output of the
+code before the caches (tests/golden/estimate_reference_7b.json).
+docs/measurements.md#estimate-error records a run.
 
     .venv/bin/python bench/bench_estimate.py [--sizes 4,16,32] [--seq-len 256] [--samples 32]
-        [--only train-step loss ...] [--llama-7b]
+        [--only train-step loss ...] [--all] [--llama-7b] [--reference-7b]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +36,7 @@ import torch
 from oomguard.engine.core.estimate.estimate import estimate
 from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.util.units import fmt_bytes
+from oomguard.metrics.base import get_metric, load_all
 from oomguard.metrics.train_step import TrainStep
 from oomguard.metrics.workload import MetricTrial
 from oomguard.probes import host
@@ -52,8 +65,63 @@ def llama_7b(sizes: list[int]) -> None:
     print()
 
 
+GOLDEN_7B = Path(__file__).resolve().parent.parent / "tests" / "golden" / "estimate_reference_7b.json"
+# What a row's numbers are (its seconds are not)
+FIGURES = ("metric", "knob", "largest", "next_size", "total_bytes", "peak_bytes",
+           "next_total_bytes", "estimates")
+
+
+def reference_7b_run(caches: bool, out: str) -> None:
+    """In this (fresh) process: the 7B estimated reference of every metric, caches on or
+    off, written to ``out`` as JSON."""
+    from oomguard.engine.core.estimate import estimate as module
+    from oomguard.engine.jobs.reference_estimate import build_estimate_reference
+
+    module.REAL_CACHE = caches
+    doc = build_estimate_reference(LLAMA_7B, "bfloat16", 64, 4, memory=80 * 1024**3,
+                                   memory_name="80GiB", margin=0.15, device="cuda")
+    Path(out).write_text(json.dumps(doc))
+
+
+def reference_7b() -> None:
+    """The 7B estimated reference, previous path (caches off) and new, side by side, each in
+    a fresh process; wall seconds and equality with the stored output."""
+    want = json.loads(GOLDEN_7B.read_text())
+    rows = [{k: r.get(k) for k in FIGURES} for r in want["rows"]]
+    print("7B LLaMA-like estimated reference, every metric (bf16, 4 x 64 tokens, 80 GiB, cuda):")
+    for caches in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "ref.json")
+            start = time.perf_counter()
+            subprocess.run([sys.executable, __file__, "--_reference-run",
+                            "on" if caches else "off", out], check=True)
+            took = time.perf_counter() - start
+            got = json.loads(Path(out).read_text())
+        same = [{k: r.get(k) for k in FIGURES} for r in got["rows"]] == rows
+        print(f"  caches {'on ' if caches else 'off'}: {took:.1f} s wall ({got['seconds']:.1f} s "
+              f"estimating), {len(got['rows'])} rows, {got['estimates']} estimates, rows "
+              f"{'equal to' if same else 'DIFFERENT from'} {GOLDEN_7B.name}", flush=True)
+    print()
+
+
+def workloads_of(args: argparse.Namespace) -> dict[str, Any]:
+    """name -> workload: the training step, then each metric's knobs (all with ``--all``)."""
+    out: dict[str, Any] = {"train-step": TrainStep(seq_len=args.train_seq_len)}
+    names = sorted(load_all()) if args.all else ["loss", "gradient_stats", "fisher_diagonal"]
+    for metric in names:
+        knobs = get_metric(metric).memory_knobs()
+        for knob in knobs if args.all else knobs[:1]:
+            out[f"{metric}.{knob.name}"] = MetricTrial(metric, knob=knob.name,
+                                                        n_samples=args.samples,
+                                                        seq_len=args.seq_len)
+    return out
+
+
 def compare(name: str, workload: Any, sizes: list[int]) -> list[tuple]:
-    """Rows (workload, size, estimated, workspace, measured, estimate s, trial s)."""
+    """Rows (workload, size, estimated, workspace, measured, estimate s, trial s) at ``sizes``
+    up to the workload's largest useful size."""
+    top = getattr(workload, "max_size", lambda: None)()
+    sizes = sorted({min(s, top) for s in sizes}) if top else sizes
     start = time.perf_counter()
     estimates = estimate(workload, sizes)
     seconds = time.perf_counter() - start
@@ -64,7 +132,8 @@ def compare(name: str, workload: Any, sizes: list[int]) -> list[tuple]:
         measured = trial.peak_bytes if trial.ok else None
         rows.append((name, e.size, e.peak_bytes, e.workspace_bytes, measured, e.seconds,
                      trial.seconds))
-        print(f"  {name} {e.size}: done", flush=True)
+        print(f"  {name} {e.size}: estimated {e.peak_bytes}, measured {measured}: "
+              f"{error(e.peak_bytes, measured)}%", flush=True)
     print(f"  {name}: estimates (warm-up and replays included) took {seconds:.1f} s", flush=True)
     return rows
 
@@ -81,21 +150,28 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=32, help="metrics' samples")
     parser.add_argument("--train-seq-len", type=int, default=512)
     parser.add_argument("--only", nargs="*", help="train-step and/or metric names")
+    parser.add_argument("--all", action="store_true", help="every metric and memory knob")
     parser.add_argument("--llama-7b", action="store_true")
+    parser.add_argument("--reference-7b", action="store_true")
+    parser.add_argument("--_reference-run", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args._reference_run:
+        reference_7b_run(args._reference_run[0] == "on", args._reference_run[1])
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
+    if args.reference_7b:
+        reference_7b()
     if args.llama_7b:
         llama_7b([1, 8])
-    workloads: dict[str, Any] = {"train-step": TrainStep(seq_len=args.train_seq_len)}
-    for metric in ("loss", "gradient_stats", "fisher_diagonal"):
-        workloads[metric] = MetricTrial(metric, n_samples=args.samples, seq_len=args.seq_len)
     rows = []
-    for name, workload in workloads.items():
-        if not args.only or name in args.only:
+    for name, workload in workloads_of(args).items():
+        if not args.only or name in args.only or name.split(".")[0] in args.only:
             rows += compare(name, workload, sizes)
+    worst = max((abs(est - meas) / meas for _, _, est, _, meas, _, _ in rows if meas),
+                default=0.0)
     print(f"\ntiny-gpt2 float32 on CPU ({torch.get_num_threads()} torch threads); train-step: "
           f"{args.train_seq_len} tokens, batch = size; metrics: {args.samples} samples x "
-          f"{args.seq_len} tokens, micro_batch_size = size. Measured: isolated trial (fresh "
+          f"{args.seq_len} tokens, size = the knob's value. Measured: isolated trial (fresh "
           "process, warm-up, one step, VmHWM above it). Workspace: measured by replay, "
           "included in the estimate.\n")
     head = ("workload", "size", "estimated bytes", "of which workspace", "measured bytes",
@@ -106,6 +182,9 @@ def main() -> None:
         print(f"| {name} | {size} | {est} ({fmt_bytes(est)}) | {fmt_bytes(ws)} | "
               f"{'OOM' if meas is None else f'{meas} ({fmt_bytes(meas)})'} | "
               f"{error(est, meas)} | {error(est - (ws or 0), meas)} | {es:.2f} | {ms:.2f} |")
+
+
+    print(f"\nlargest error: {100 * worst:.2f}% over {len(rows)} rows")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ Every figure here is an estimate (:data:`~oomguard.engine.core.estimate.estimate
 written apart from a measured reference (``estimate-reference.*``, ``"source": "estimated"``).
 
 What makes it fast (a 32-layer 7B LLaMA's ``loss`` at two sizes took 25 s at full depth;
-every metric of it now takes about 3 minutes on 2 cores; docs/measurements.md#estimate-reference):
+every metric of it took 217 s on 2 loaded cores, 99 s with real inputs converted to fake
+once per operation's shapes; docs/measurements.md#estimate-reference):
 
 - **Depth**: each size is estimated with 1, 2 and 3 hidden layers and extrapolated to
   the real depth (:class:`Estimator`).
