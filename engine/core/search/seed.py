@@ -1,0 +1,179 @@
+"""An estimate as a search's first prediction: :class:`Seeded` and :func:`plan_seed`.
+
+:func:`~oomguard.engine.core.estimate.estimate.estimate` predicts a workload's peak at a size
+without running it (fake tensors: no data, no memory). Before the first trial a search estimates
+the peaks at two sizes (a third where the line through them is extrapolated far), fits the line
+(:func:`~oomguard.engine.core.search.fit.peak_model`) and takes the largest size whose estimated
+peak fits the headroom the trials will have as its first trial (:class:`Seeded`); the strategy
+it wraps (Guided) then brackets as usual: where the estimate is exact, ``m`` runs and ``m + 1``
+does not, two trials. The sizes run are still the only answer: an estimate chooses a size, never
+the result.
+
+An estimate that is wrong costs little: too low, the seeded trial fits and Guided's line from its
+measured peak goes up; one size too high, the trial below it closes the bracket; far too high,
+the search falls back to the wrapped strategy's own first size, knowing the OOM.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from oomguard.engine.core.search.fit import peak_model
+from oomguard.engine.core.search.strategies import Guided, Strategy, bracket
+from oomguard.engine.core.search.trial import Trial
+from oomguard.engine.core.workload import estimate_copy, name_of, own_estimate
+
+log = logging.getLogger("oomguard.search")
+
+ESTIMATE = "estimate"  # Trial.chosen_by of the size the estimate predicted
+BELOW_ESTIMATE = "estimate - 1"  # the size under an estimate that ran out of memory
+# A third size is estimated where the predicted maximum lies this many times past the larger
+# of the two sizes estimated: a curve that is not a line (attention over the sequence) bends
+# away from a line extrapolated that far, and the line through the estimate there is closer.
+EXTRAPOLATED = 1.5
+
+
+@dataclass(frozen=True)
+class Seeded:
+    """Run ``first`` (the size an estimate predicts is the largest that fits), then ``then``.
+
+    Where ``first`` runs out of memory, ``first - 1`` next (an estimate one size high closes the
+    bracket there); where that runs out too, ``then``'s own first size (below the OOM), then
+    ``then`` on every trial so far: an estimate far too high costs two trials, and the strategy
+    goes on knowing an OOM above. ``name`` is ``then``'s: the search is ``then``'s, seeded."""
+
+    first: int
+    then: Strategy = field(default_factory=Guided)
+
+    @property
+    def name(self) -> str:
+        return self.then.name
+
+    def describe(self) -> str:
+        return (f"Run {self.first}, the largest size the estimate (fake tensors, not a "
+                f"measurement) predicts fits the headroom; if it runs out of memory, run "
+                f"{self.first - 1}; then as {self.then.name}: {self.then.describe()}")
+
+    def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
+        if not trials:
+            return min(self.first, max_size)
+        lo, hi = bracket(trials)
+        if lo is None and len(trials) == 1 and trials[0].size > 1:
+            return trials[0].size - 1
+        own = self.then.next([], max_size)  # then's sequence, from its own start
+        if lo is None and own is not None and hi is not None and own < hi and \
+                not any(t.size == own for t in trials):
+            return own
+        return self.then.next(trials, max_size)
+
+    def chosen_by(self, trials: Sequence[Trial]) -> str:
+        """Who chooses the size :meth:`next` proposes after ``trials``: the estimate, the size
+        below it, or the wrapped strategy (its name)."""
+        if not trials:
+            return ESTIMATE
+        if len(trials) == 1 and not trials[0].ok and trials[0].size > 1:
+            return BELOW_ESTIMATE
+        return self.then.name
+
+
+def supports_estimate(fn: Any) -> bool:
+    """Whether ``fn`` says it can be estimated: it has ``estimate_peak(size, device)`` or
+    ``for_estimate(device)`` (the workload protocol, :mod:`~oomguard.engine.core.workload`), as
+    the built-in training step and metrics do. Other callables may still be estimated
+    (``estimate=True``): their tensors are then made fake as they are created."""
+    return own_estimate(fn) is not None or callable(getattr(fn, "for_estimate", None))
+
+
+@dataclass
+class SeedPlan:
+    """The estimated peaks (bytes above the warmed-up state, estimates, not measurements) at
+    ``sizes``, the line through them, and the seconds the estimates took."""
+
+    points: list[tuple[int, int]]
+    seconds: float
+    more: Callable[[int], int] | None = None  # estimate one more size (None: no more)
+    first: int | None = None
+    capacity_bytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def predict(self, capacity_bytes: int, max_size: int) -> int | None:
+        """The largest size whose estimated peak is within ``capacity_bytes`` (at most
+        ``max_size``), refined by one more estimate near it where the line was extrapolated
+        far; None where the line has no slope or no size fits."""
+        fit = peak_model(self.points)
+        m = fit.largest_size_within(capacity_bytes) if fit is not None else None
+        largest = max(s for s, _ in self.points)
+        if m is not None and self.more is not None and m > EXTRAPOLATED * largest:
+            size = min(m, max_size)
+            t0 = time.perf_counter()
+            try:
+                self.points = sorted([*self.points, (size, self.more(size))])
+            except _NoMore:
+                pass  # predicted from the two sizes estimated
+            else:
+                near = sorted(self.points, key=lambda p: abs(p[0] - size))[:2]
+                fit = peak_model(sorted(near))
+                m = fit.largest_size_within(capacity_bytes) if fit is not None else None
+            self.seconds += time.perf_counter() - t0
+        if m is None or m < 1:
+            return None
+        self.first, self.capacity_bytes = min(m, max_size), capacity_bytes
+        return self.first
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the search's record: what was estimated and what it chose."""
+        return {"estimated_peaks": [{"size": s, "peak_bytes": p} for s, p in self.points],
+                "first": self.first, "capacity_bytes": self.capacity_bytes,
+                "seconds": self.seconds, "kind": "estimate, not measured", "notes": self.notes}
+
+
+def plan_seed(fn: Any, device: torch.device, start: int, max_size: int) -> SeedPlan | None:
+    """Estimate ``fn``'s peaks at ``start`` and twice it (at most ``max_size``) on ``device``;
+    None where the workload cannot be estimated (logged at debug: the search runs unseeded)."""
+    from oomguard.engine.core.estimate.estimate import EstimateSession, estimate
+
+    hi = min(2 * start, max_size)
+    sizes = sorted({max(1, min(start, hi // 2)), hi})
+    if len(sizes) < 2:
+        return None
+    t0 = time.perf_counter()
+    try:
+        if own_estimate(fn) is not None:
+            def more(size: int) -> int:
+                return estimate(fn, [size], device)[0].peak_bytes
+            got = estimate(fn, sizes, device)
+        else:
+            estimate_copy(fn, str(device))  # a bad hook fails here, as the estimate would
+            session = EstimateSession(fn, device)
+
+            def more(size: int) -> int:
+                return session.at([size])[0].peak_bytes
+            got = session.at(sizes)
+    except Exception as exc:  # noqa: BLE001 - an estimate is optional: the search runs as before
+        log.debug("%s: no estimate to seed the search (%s: %s)", name_of(fn),
+                  type(exc).__name__, exc)
+        return None
+    notes = sorted({n for e in got for n in e.notes})
+    return SeedPlan([(e.size, e.peak_bytes) for e in got], time.perf_counter() - t0,
+                    _logged(fn, more), notes=notes)
+
+
+def _logged(fn: Any, more: Callable[[int], int]) -> Callable[[int], int]:
+    """``more``, its failure raised as :class:`_NoMore` (the plan then keeps its two sizes)."""
+    def wrapped(size: int) -> int:
+        try:
+            return more(size)
+        except Exception as exc:  # noqa: BLE001 - as in plan_seed
+            log.debug("%s: no estimate at %d (%s)", name_of(fn), size, exc)
+            raise _NoMore from exc
+    return wrapped
+
+
+class _NoMore(Exception):
+    """The third estimate failed: the seed is predicted from the first two."""
