@@ -43,7 +43,7 @@ from oomguard.engine.core.search.fit import (
     recommend,
 )
 from oomguard.engine.core.search.isolate import IsolatedRunner
-from oomguard.engine.core.search.seed import SeedPlan, Seeded, plan_seed, supports_estimate
+from oomguard.engine.core.search.seed import Seeded, SeedPlan, plan_seed, supports_estimate
 from oomguard.engine.core.search.strategies import Confirm, Guided, Strategy, bracket
 from oomguard.engine.core.search.trial import Trial, run_trial, warm_up_trials
 from oomguard.engine.core.snapshot import Snapshot
@@ -199,7 +199,8 @@ class _Search:
             if headroom is None or plan.predict(headroom, self.cfg.max_size) is None:
                 log.debug("%s: no headroom or line to seed the search from", self.name)
                 return
-        self.strategy, self.seed = Seeded(first=plan.first, then=self.strategy), plan
+        self.strategy, self.seed = Seeded(first=plan.first, then=self.strategy,
+                                            per_item_bytes=plan.per_item_bytes), plan
         log.info("estimate: %d predicted to fit (estimated peaks %s, %.2f s)", plan.first,
                  ", ".join(f"{fmt_bytes(p)} at {s}" for s, p in plan.points), plan.seconds)
 

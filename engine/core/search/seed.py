@@ -32,7 +32,8 @@ from oomguard.engine.core.workload import estimate_copy, name_of, own_estimate
 log = logging.getLogger("oomguard.search")
 
 ESTIMATE = "estimate"  # Trial.chosen_by of the size the estimate predicted
-BELOW_ESTIMATE = "estimate - 1"  # the size under an estimate that ran out of memory
+BELOW_ESTIMATE = "below the estimate"  # first - 1, first - 3: the estimate ran out of memory
+SLOPE = "estimate slope"  # after a fit: its measured peak plus the estimate's bytes per item
 # A third size is estimated where the predicted maximum lies this many times past the larger
 # of the two sizes estimated: a curve that is not a line (attention over the sequence) bends
 # away from a line extrapolated that far, and the line through the estimate there is closer.
@@ -43,13 +44,17 @@ EXTRAPOLATED = 1.5
 class Seeded:
     """Run ``first`` (the size an estimate predicts is the largest that fits), then ``then``.
 
-    Where ``first`` runs out of memory, ``first - 1`` next (an estimate one size high closes the
-    bracket there); where that runs out too, ``then``'s own first size (below the OOM), then
-    ``then`` on every trial so far: an estimate far too high costs two trials, and the strategy
-    goes on knowing an OOM above. ``name`` is ``then``'s: the search is ``then``'s, seeded."""
+    Where ``first`` fits, the size its measured peak plus ``per_item_bytes`` (the estimated
+    line's slope, bytes per item) predicts fits the headroom, where that is above it (an
+    estimate low by a constant: a proportional guess from one peak would undershoot); where
+    ``first`` runs out of memory, ``first - 1`` next and ``first - 3`` after it (an estimate one to
+    three sizes high closes the bracket there); where those run out too, ``then``'s own first size
+    (below the OOMs). Then ``then`` on every trial so far: an estimate far too high costs three
+    trials, and the strategy goes on knowing an OOM above. ``name`` is ``then``'s: the search is ``then``'s, seeded."""
 
     first: int
     then: Strategy = field(default_factory=Guided)
+    per_item_bytes: float | None = None
 
     @property
     def name(self) -> str:
@@ -64,8 +69,12 @@ class Seeded:
         if not trials:
             return min(self.first, max_size)
         lo, hi = bracket(trials)
-        if lo is None and len(trials) == 1 and trials[0].size > 1:
-            return trials[0].size - 1
+        below = self._below(trials)
+        if below is not None:
+            return below
+        up = self._up(trials, max_size)
+        if up is not None:
+            return up
         own = self.then.next([], max_size)  # then's sequence, from its own start
         if lo is None and own is not None and hi is not None and own < hi and \
                 not any(t.size == own for t in trials):
@@ -77,9 +86,37 @@ class Seeded:
         below it, or the wrapped strategy (its name)."""
         if not trials:
             return ESTIMATE
-        if len(trials) == 1 and not trials[0].ok and trials[0].size > 1:
+        if self._below(trials) is not None:
             return BELOW_ESTIMATE
-        return self.then.name
+        return SLOPE if self._up(trials, 1 << 62) is not None else self.then.name
+
+    def _below(self, trials: Sequence[Trial]) -> int | None:
+        """While every trial ran out of memory: ``first - 1``, then ``first - 3`` (an estimate
+        is close, docs/measurements.md#estimate-error: one or three sizes high closes the
+        bracket there); None after that, or where ``first - 3`` is more than 3% below it."""
+        if any(t.ok for t in trials) or len(trials) > 2:
+            return None
+        first = trials[0].size  # the estimate's size, or max_size below it
+        size = first - (1 if len(trials) == 1 else 3)
+        return size if size >= 1 and size >= 0.97 * first else None
+
+    def _up(self, trials: Sequence[Trial], max_size: int) -> int | None:
+        """After the first size that fitted (the latest trial): the size its peak plus the
+        estimated slope predicts fits the headroom (below any OOM), where more than one above
+        it; else None."""
+        fits = [t for t in trials if t.ok]
+        if len(fits) != 1 or fits[0] is not trials[-1] or not self.per_item_bytes or \
+                self.per_item_bytes <= 0:
+            return None
+        t = fits[0]
+        peak = t.limit_peak_bytes if t.limit_peak_bytes is not None else t.peak_bytes
+        if peak is None or t.headroom_bytes is None or t.size >= max_size:
+            return None
+        room = max(t.headroom_bytes, peak) - peak
+        _, hi = bracket(trials)
+        size = min(t.size + int(room // self.per_item_bytes), max_size,
+                   hi - 1 if hi is not None else max_size)
+        return size if size > t.size + 1 else None
 
 
 def supports_estimate(fn: Any) -> bool:
@@ -100,6 +137,7 @@ class SeedPlan:
     more: Callable[[int], int] | None = None  # estimate one more size (None: no more)
     first: int | None = None
     capacity_bytes: int | None = None
+    per_item_bytes: float | None = None  # the slope of the line that predicted ``first``
     notes: list[str] = field(default_factory=list)
 
     def predict(self, capacity_bytes: int, max_size: int) -> int | None:
@@ -124,12 +162,14 @@ class SeedPlan:
         if m is None or m < 1:
             return None
         self.first, self.capacity_bytes = min(m, max_size), capacity_bytes
+        self.per_item_bytes = fit.per_item_bytes if fit is not None else None
         return self.first
 
     def to_dict(self) -> dict[str, Any]:
         """For the search's record: what was estimated and what it chose."""
         return {"estimated_peaks": [{"size": s, "peak_bytes": p} for s, p in self.points],
                 "first": self.first, "capacity_bytes": self.capacity_bytes,
+                "per_item_bytes": self.per_item_bytes,
                 "seconds": self.seconds, "kind": "estimate, not measured", "notes": self.notes}
 
 
