@@ -37,7 +37,7 @@ SLOPE = "estimate slope"  # after a fit: its measured peak plus the estimate's b
 # A third size is estimated where the predicted maximum lies this many times past the larger
 # of the two sizes estimated: a curve that is not a line (attention over the sequence) bends
 # away from a line extrapolated that far, and the line through the estimate there is closer.
-EXTRAPOLATED = 1.5
+EXTRAPOLATED = 2.0
 
 
 @dataclass(frozen=True)
