@@ -203,7 +203,8 @@ def run_workload(w: Workload, ctx: Any) -> dict[str, Any]:
             continue
         if algorithm.endswith(", isolated"):  # its trials are fresh children of this process
             rows.append(run_algorithm(w, algorithm))
-        elif algorithm.endswith(", confirmed"):  # a fresh process that may have children
+        elif algorithm.endswith(", confirmed") or algorithm == SEEDED:
+            # a fresh process that may have children (confirmed trials, the estimate's)
             rows.append(_in_fresh_process(ctx, run_algorithm, w, algorithm))
         else:
             with ctx.Pool(1, maxtasksperchild=1) as pool:  # a fresh process per search

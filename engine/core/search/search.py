@@ -148,8 +148,6 @@ def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
         # Before the warm-up and the budget: the estimate's own objects are trimmed with the
         # rest of the free heap and never count against a trial.
         plan = _seed_plan(fn, cfg, dev)
-        if plan is not None and cfg.budget is not None:
-            plan.predict(cfg.budget, cfg.max_size)  # the headroom each trial starts with
         runner, run.limit = _runner(fn, cfg, dev, stack)
         if run.capacity is None:  # after the warm-up: free memory then leaves the model out
             run.capacity = cfg.budget if cfg.budget is not None else probe(dev).free_bytes
@@ -192,7 +190,6 @@ class _Search:
         if plan is None:
             return
         if plan.first is None:
-            plan.more = None
             headroom = headroom_bytes(self.dev) if not self.cfg.isolate else None
             if headroom is None and isinstance(self.limit, RamGuard):
                 headroom = self.limit.limit_bytes
@@ -291,7 +288,8 @@ def _seed_plan(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device
         isinstance(cfg.strategy, Guided) and not cfg.restore and supports_estimate(fn))
     if not wanted or dev.type not in ("cpu", "cuda"):
         return None
-    return plan_seed(fn, dev, getattr(cfg.strategy, "start", 32), cfg.max_size)
+    # the budget: the headroom each trial starts with (None: known after the warm-up)
+    return plan_seed(fn, dev, getattr(cfg.strategy, "start", 32), cfg.max_size, cfg.budget)
 
 
 def verify(fn: Callable[[int], Any], size: int, steps: int, config: SearchConfig | None = None,

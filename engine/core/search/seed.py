@@ -27,7 +27,7 @@ import torch
 from oomguard.engine.core.search.fit import peak_model
 from oomguard.engine.core.search.strategies import Guided, Strategy, bracket
 from oomguard.engine.core.search.trial import Trial
-from oomguard.engine.core.workload import estimate_copy, name_of, own_estimate
+from oomguard.engine.core.workload import name_of, own_estimate
 
 log = logging.getLogger("oomguard.search")
 
@@ -173,10 +173,20 @@ class SeedPlan:
                 "seconds": self.seconds, "kind": "estimate, not measured", "notes": self.notes}
 
 
-def plan_seed(fn: Any, device: torch.device, start: int, max_size: int) -> SeedPlan | None:
-    """Estimate ``fn``'s peaks at ``start`` and twice it (at most ``max_size``) on ``device``;
-    None where the workload cannot be estimated (logged at debug: the search runs unseeded)."""
-    from oomguard.engine.core.estimate.estimate import EstimateSession, estimate
+def plan_seed(fn: Any, device: torch.device, start: int, max_size: int,
+              capacity_bytes: int | None) -> SeedPlan | None:
+    """Estimate ``fn``'s peaks at ``start`` and twice it (at most ``max_size``) on ``device`` and,
+    with ``capacity_bytes``, predict the first size (:meth:`SeedPlan.predict`); None where the
+    workload cannot be estimated (logged at debug: the search runs unseeded).
+
+    In a fresh child process (the project's one launcher,
+    :mod:`~oomguard.engine.core.child`): an estimate of a workload without ``for_estimate`` runs
+    its ``warmup()`` under fake tensors, which would leave fake modules in this process's copy,
+    and operations with small outputs run for real (the estimate's ``REAL_LIMIT``): their freed
+    heap, here, would be reused by the trials and hidden from the budget. ``fn`` must then be
+    picklable, as for ``isolate=True``."""
+    from oomguard.engine.core import child as launcher
+    from oomguard.engine.core.workload import workload_preload
 
     hi = min(2 * start, max_size)
     sizes = sorted({max(1, min(start, hi // 2)), hi})
@@ -184,24 +194,41 @@ def plan_seed(fn: Any, device: torch.device, start: int, max_size: int) -> SeedP
         return None
     t0 = time.perf_counter()
     try:
-        if own_estimate(fn) is not None:
-            def more(size: int) -> int:
-                return estimate(fn, [size], device)[0].peak_bytes
-            got = estimate(fn, sizes, device)
-        else:
-            estimate_copy(fn, str(device))  # a bad hook fails here, as the estimate would
-            session = EstimateSession(fn, device)
-
-            def more(size: int) -> int:
-                return session.at([size])[0].peak_bytes
-            got = session.at(sizes)
+        ctx = launcher.context(launcher.server_method(), workload_preload(fn))
+        with launcher.Child(ctx, _estimated, fn, str(device), sizes, capacity_bytes, max_size,
+                            name="oomguard-estimate") as child:
+            plan: SeedPlan = child.wait().result()
+        plan.seconds = time.perf_counter() - t0  # the child's start and the estimates
+        return plan
     except Exception as exc:  # noqa: BLE001 - an estimate is optional: the search runs as before
         log.debug("%s: no estimate to seed the search (%s: %s)", name_of(fn),
                   type(exc).__name__, exc)
         return None
-    notes = sorted({n for e in got for n in e.notes})
-    return SeedPlan([(e.size, e.peak_bytes) for e in got], time.perf_counter() - t0,
-                    _logged(fn, more), notes=notes)
+
+
+def _estimated(fn: Any, device: str, sizes: list[int], capacity_bytes: int | None,
+               max_size: int) -> SeedPlan:
+    """In the estimate's child: the peaks at ``sizes``, and the first size where the
+    capacity is known (the third estimate, if any, made here too)."""
+    from oomguard.engine.core.estimate.estimate import EstimateSession, estimate
+
+    t0 = time.perf_counter()
+    if own_estimate(fn) is not None:
+        def more(size: int) -> int:
+            return estimate(fn, [size], device)[0].peak_bytes
+        got = estimate(fn, sizes, device)
+    else:
+        session = EstimateSession(fn, device)
+
+        def more(size: int) -> int:
+            return session.at([size])[0].peak_bytes
+        got = session.at(sizes)
+    plan = SeedPlan([(e.size, e.peak_bytes) for e in got], time.perf_counter() - t0,
+                    _logged(fn, more), notes=sorted({n for e in got for n in e.notes}))
+    if capacity_bytes is not None:
+        plan.predict(capacity_bytes, max_size)
+    plan.more = None  # not picklable, and no estimate after this one
+    return plan
 
 
 def _logged(fn: Any, more: Callable[[int], int]) -> Callable[[int], int]:
