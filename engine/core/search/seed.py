@@ -33,6 +33,7 @@ log = logging.getLogger("oomguard.search")
 
 ESTIMATE = "estimate"  # Trial.chosen_by of the size the estimate predicted
 BELOW_ESTIMATE = "below the estimate"  # first - 1, first - 3: the estimate ran out of memory
+FITS_ALL = "estimated: fits all samples"  # a job's size with no search (jobs/sizing.py)
 SLOPE = "estimate slope"  # after a fit: its measured peak plus the estimate's bytes per item
 # A third size is estimated where the predicted maximum lies this many times past the larger
 # of the two sizes estimated: a curve that is not a line (attention over the sequence) bends
@@ -185,24 +186,36 @@ def plan_seed(fn: Any, device: torch.device, start: int, max_size: int,
     and operations with small outputs run for real (the estimate's ``REAL_LIMIT``): their freed
     heap, here, would be reused by the trials and hidden from the budget. ``fn`` must then be
     picklable, as for ``isolate=True``."""
-    from oomguard.engine.core import child as launcher
-    from oomguard.engine.core.workload import workload_preload
-
     hi = min(2 * start, max_size)
     sizes = sorted({max(1, min(start, hi // 2)), hi})
     if len(sizes) < 2:
         return None
     t0 = time.perf_counter()
+    plan = _in_child(fn, _estimated, fn, str(device), sizes, capacity_bytes, max_size)
+    if plan is not None:
+        plan.seconds = time.perf_counter() - t0  # the child's start and the estimates
+    return plan
+
+
+def estimate_in_child(fn: Any, device: str | torch.device, size: int) -> int | None:
+    """``fn``'s estimated peak at ``size`` on ``device`` (bytes above its warmed-up state: an
+    estimate, not a measurement), made in a fresh child as :func:`plan_seed` makes its; None
+    where it cannot be estimated (logged at debug)."""
+    plan = _in_child(fn, _estimated, fn, str(device), [size], None, size)
+    return plan.points[0][1] if plan is not None else None
+
+
+def _in_child(fn: Any, target: Callable[..., SeedPlan], *args: Any) -> SeedPlan | None:
+    """``target(*args)`` in a fresh child (the project's one launcher), None where it fails."""
+    from oomguard.engine.core import child as launcher
+    from oomguard.engine.core.workload import workload_preload
+
     try:
         ctx = launcher.context(launcher.server_method(), workload_preload(fn))
-        with launcher.Child(ctx, _estimated, fn, str(device), sizes, capacity_bytes, max_size,
-                            name="oomguard-estimate") as child:
-            plan: SeedPlan = child.wait().result()
-        plan.seconds = time.perf_counter() - t0  # the child's start and the estimates
-        return plan
-    except Exception as exc:  # noqa: BLE001 - an estimate is optional: the search runs as before
-        log.debug("%s: no estimate to seed the search (%s: %s)", name_of(fn),
-                  type(exc).__name__, exc)
+        with launcher.Child(ctx, target, *args, name="oomguard-estimate") as child:
+            return child.wait().result()
+    except Exception as exc:  # noqa: BLE001 - an estimate is optional: the work goes on without
+        log.debug("%s: no estimate (%s: %s)", name_of(fn), type(exc).__name__, exc)
         return None
 
 
