@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.engine.jobs.runner import run_job
 from oomguard.engine.core.search.seed import FITS_ALL
+from oomguard.engine.jobs.runner import run_job
 from oomguard.engine.jobs.spec import load_job
 from tests.conftest import in_fresh_process
 
