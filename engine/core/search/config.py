@@ -136,7 +136,8 @@ class SearchConfig:
         return {"strategy": strategy.name, **strategy_params(strategy), "max_size": self.max_size,
                 "max_trials": self.max_trials, "max_seconds": self.max_seconds,
                 "margin": self.margin, "steps_per_trial": self.steps_per_trial,
-                "verify_steps": self.verify_steps, "estimate": self.estimate,
+                "verify_steps": self.verify_steps,
+                **({"estimate": self.estimate} if self.estimate is not None else {}),
                 **({"restore": [type(o).__name__ for o in self.restore]} if self.restore else {})}
 
     def trial_steps(self, workload_steps: int) -> int:
