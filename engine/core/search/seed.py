@@ -109,22 +109,24 @@ class Seeded:
         return size if size >= 1 and size >= 0.95 * first else None
 
     def _up(self, trials: Sequence[Trial], max_size: int) -> int | None:
-        """After the first size that fitted (the latest trial): the size its peak plus the
-        estimated slope predicts fits the headroom (below any OOM), where more than one above
-        it; else None."""
-        fits = [t for t in trials if t.ok]
-        if len(fits) != 1 or fits[0] is not trials[-1] or not self.per_item_bytes or \
-                self.per_item_bytes <= 0:
+        """While the latest trial is the largest fit and nothing above it ran out of memory (or
+        it is the only fit): the size its measured peak plus the estimated slope predicts fits
+        the headroom, at least the size above it, below any OOM; else None (``then`` goes on).
+        Two fits a size apart measure the same bytes within the sampling noise (on the GPT-2
+        step the larger read 3 MB less): a line through them would say nothing."""
+        lo, hi = bracket(trials)
+        t = trials[-1]
+        fits = sum(x.ok for x in trials)
+        if not t.ok or t.size != lo or (hi is not None and fits > 1) or \
+                not self.per_item_bytes or self.per_item_bytes <= 0 or lo >= max_size:
             return None
-        t = fits[0]
         peak = t.limit_peak_bytes if t.limit_peak_bytes is not None else t.peak_bytes
-        if peak is None or t.headroom_bytes is None or t.size >= max_size:
+        if peak is None or t.headroom_bytes is None:
             return None
         room = max(t.headroom_bytes, peak) - peak
-        _, hi = bracket(trials)
-        size = min(t.size + int(room // self.per_item_bytes), max_size,
+        size = min(lo + max(1, int(room // self.per_item_bytes)), max_size,
                    hi - 1 if hi is not None else max_size)
-        return size if size > t.size + 1 else None
+        return size if size > lo and not any(x.size == size for x in trials) else None
 
 
 def supports_estimate(fn: Any) -> bool:
