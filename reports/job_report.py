@@ -281,15 +281,14 @@ def _search_cost(tasks: Mapping[str, Mapping[str, Any]]) -> list[str]:
         trials = sum(se.get("trials") or 0 for se in searches)
         spent = sum(se.get("seconds") or 0.0 for se in searches)
         run = t.get("seconds")
-        ratio = f"{spent / run:.1f}x" if run else "-"
         how = "; ".join(dict.fromkeys(se.get("source") or "measured" for se in searches))
         rows.append(f"| {key} | {how} | {trials} | {spent:.2f} | "
-                    f"{'-' if run is None else f'{run:.2f}'} | {ratio} |")
+                    f"{'-' if run is None else f'{run:.2f}'} |")
     if not rows:
         return []
     return ["## Search cost", "",
-            "| metric | sizes by | trials | search seconds | run seconds | search / run |",
-            "|---|---|---:|---:|---:|---:|", *rows, "",
+            "| metric | sizes by | trials | search seconds | run seconds |",
+            "|---|---|---:|---:|---:|", *rows, "",
             "Seconds are measured; a search's include the estimate that chose or replaced it "
             f"(\"{FITS_ALL}\": the estimated peak at the sample count kept the margin of the "
             "budget free, so no trial ran).", ""]

@@ -158,7 +158,8 @@ class SeedPlan:
         fit = peak_model(self.points)
         m = fit.largest_size_within(target) if fit is not None else None
         largest = max(s for s, _ in self.points)
-        if m is not None and self.more is not None and m > EXTRAPOLATED * largest:
+        if m is not None and self.more is not None and m > EXTRAPOLATED * largest and \
+                min(m, max_size) not in {s for s, _ in self.points}:
             size = min(m, max_size)
             t0 = time.perf_counter()
             try:
@@ -180,7 +181,6 @@ class SeedPlan:
         """For the search's record: what was estimated and what it chose."""
         return {"estimated_peaks": [{"size": s, "peak_bytes": p} for s, p in self.points],
                 "first": self.first, "capacity_bytes": self.capacity_bytes,
-                "per_item_bytes": self.per_item_bytes,
                 "seconds": self.seconds, "kind": "estimate, not measured", "notes": self.notes}
 
 
