@@ -259,7 +259,7 @@ def estimated_fit(fn: Any, *, metric: str, knob: str, cap: int, unit: int,
     budget free, every sample fits at once and no trial is needed (``source``
     ``FITS_ALL``; the peak an estimate, not a measurement). None without a budget, where
     the estimate fails, or where it does not fit so: the search runs as before."""
-    if budget_bytes is None:
+    if budget_bytes is None or fn is None:
         return None
     t0 = time.perf_counter()
     peak = estimate_in_child(fn, device, cap)

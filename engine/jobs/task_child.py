@@ -216,7 +216,10 @@ class _Search:
 def _estimate_copy(task: Task, job: Any, knob: str, sizes: dict[str, int]) -> Any:
     """The task's metric as a built-in workload described by names (the model's config, the
     job's data shape), for an estimate in a child: its real model is never faked. None where
-    it cannot be described so (the estimate is then skipped)."""
+    it cannot be described so (the estimate is then skipped), and for a plugin's metric (an
+    estimate's child imports the built-in ones; a plugin's compute may not run on fake tensors)."""
+    if not type(get_metric(task.metric)).__module__.startswith("oomguard.metrics."):
+        return None
     try:
         return MetricTrial(task.metric, knob=knob, model=task.model, dtype=job.dtype,
                            n_samples=job.data.n_samples, seq_len=job.data.seq_len, seed=job.seed,
