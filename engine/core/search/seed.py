@@ -4,9 +4,10 @@
 without running it (fake tensors: no data, no memory). Before the first trial a search estimates
 the peaks at two sizes (a third where the line through them is extrapolated far), fits the line
 (:func:`~oomguard.engine.core.search.fit.peak_model`) and takes the largest size whose estimated
-peak fits the headroom the trials will have as its first trial (:class:`Seeded`); the strategy
-it wraps (Guided) then brackets as usual: where the estimate is exact, ``m`` runs and ``m + 1``
-does not, two trials. The sizes run are still the only answer: an estimate chooses a size, never
+peak fits the headroom the trials will have, less :data:`SEED_MARGIN`, as its first trial
+(:class:`Seeded`); from its measured peak the estimated slope gives the maximum ``m``, and
+``m + 1`` closes the bracket: three trials where the estimate is exact, two where the seed is
+the maximum or one above it; the strategy it wraps (Guided) then goes on from there. The sizes run are still the only answer: an estimate chooses a size, never
 the result.
 
 An estimate that is wrong costs little: too low, the seeded trial fits and Guided's line from its
