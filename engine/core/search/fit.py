@@ -7,6 +7,7 @@ labelled as such. A recommendation is never above the largest size that ran.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -67,6 +68,87 @@ def peak_model(points: Sequence[tuple[int, int]]) -> LinearFit | None:
     if peak <= 0:
         return None
     return LinearFit(base_bytes=0.0, per_item_bytes=peak / size, r2=1.0, points=1)
+
+
+# The line's misfit (largest absolute residual, a fraction of the largest peak) above which
+# convex points are fitted with a quadratic. Measured (bench/peers.py): a line's points stayed
+# within 0.2% (E10 line, GPT-2 step, loss metric, LSTM), 1.8% where a confirmed search mixes
+# in-process and fresh trials; attention's 3 sizes miss a line by 11-12%, and a size x size
+# block with a linear part (tests/test_guided_curve.py) by 10%.
+CURVE_MISFIT = 0.05
+
+
+@dataclass(frozen=True)
+class QuadraticFit:
+    """peak_bytes ~= base_bytes + per_item_bytes * size + per_item2_bytes * size**2 (an estimate
+    from ``points`` measured trials; ``per_item2_bytes`` > 0: memory that grows faster than the
+    size, such as attention scores over the sequence length)."""
+
+    base_bytes: float
+    per_item_bytes: float
+    per_item2_bytes: float
+    points: int
+
+    def predict(self, size: int) -> float:
+        """Estimated peak bytes at ``size``."""
+        return self.base_bytes + size * (self.per_item_bytes + self.per_item2_bytes * size)
+
+    def largest_size_within(self, nbytes: float) -> int | None:
+        """Largest size whose estimated peak is <= ``nbytes`` on the rising side of the curve
+        (the larger root); None if no size's estimate is that small."""
+        a, b, c = self.per_item2_bytes, self.per_item_bytes, self.base_bytes - nbytes
+        disc = b * b - 4 * a * c
+        if disc < 0:
+            return None
+        size = int((-b + math.sqrt(disc)) // (2 * a))
+        while size > 0 and self.predict(size) > nbytes:  # float rounding at the boundary
+            size -= 1
+        return size
+
+
+def curve_model(points: Sequence[tuple[int, int]]) -> LinearFit | QuadraticFit | None:
+    """The peak model a guided search predicts with (an estimate): :func:`peak_model`, or from
+    three distinct sizes or more, the least-squares quadratic where it curves up and the line
+    misses a point by more than :data:`CURVE_MISFIT` of the largest peak (measured peaks that a
+    line does not explain; noise alone stays within it)."""
+    line = peak_model(points)
+    if len({s for s, _ in points}) < 3 or line is None:
+        return line
+    quad = fit_quadratic(points)
+    misfit = max(abs(p - line.predict(s)) for s, p in points)
+    if quad is None or quad.per_item2_bytes <= 0 or misfit <= CURVE_MISFIT * max(p for _, p in points):
+        return line
+    return quad
+
+
+def fit_quadratic(pts: Sequence[tuple[int, int]]) -> QuadraticFit | None:
+    """The least-squares quadratic through ``(size, peak bytes)`` points; None with fewer than
+    three distinct sizes. Sizes are centred and scaled before solving the normal equations."""
+    if len({s for s, _ in pts}) < 3:
+        return None
+    mean = statistics.fmean(s for s, _ in pts)
+    scale = max(abs(s - mean) for s, _ in pts)
+    xs, ys = [(s - mean) / scale for s, _ in pts], [float(p) for _, p in pts]
+    m = [[sum(x ** (i + j) for x in xs) for j in range(3)] for i in range(3)]
+    v = [sum(y * x ** i for x, y in zip(xs, ys, strict=True)) for i in range(3)]
+    c0, c1, c2 = _solve3(m, v)
+    # back to sizes: y = c0 + c1 (s - mean)/scale + c2 ((s - mean)/scale)**2
+    a2 = c2 / scale**2
+    a1 = c1 / scale - 2 * c2 * mean / scale**2
+    a0 = c0 - c1 * mean / scale + c2 * mean**2 / scale**2
+    return QuadraticFit(base_bytes=a0, per_item_bytes=a1, per_item2_bytes=a2, points=len(pts))
+
+
+def _solve3(m: list[list[float]], v: list[float]) -> tuple[float, float, float]:
+    """Cramer's rule for a 3 x 3 system (non-singular: three distinct, scaled sizes)."""
+    def det(a: list[list[float]]) -> float:
+        return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
+                - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
+    d = det(m)
+    cols = [[[v[r] if c == k else m[r][c] for c in range(3)] for r in range(3)] for k in range(3)]
+    x0, x1, x2 = (det(col) / d for col in cols)
+    return x0, x1, x2
 
 
 def fit_points(pts: Sequence[tuple[int, int]]) -> LinearFit | None:

@@ -13,13 +13,28 @@ records in ``result.config``; each must be a positive integer (:class:`UsageErro
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from oomguard.engine.core.search.fit import fit_line, peak_model
+from oomguard.engine.core.search.fit import (
+    CURVE_MISFIT,
+    LinearFit,
+    QuadraticFit,
+    curve_model,
+    fit_line,
+)
 from oomguard.engine.core.search.trial import Trial
 from oomguard.engine.errors import UsageError, check_positive_int
+
+# Bytes by which a fitted size's peak may exceed the headroom read before it: the sampled data
+# size and RLIMIT_DATA's count differ slightly in units and moment (GPT-2 steps up to 0.4 MB above
+# the headroom, docs/measurements.md#cpu-limit-units; attention's maximum 344, isolated, 0.32 MB).
+# A predicted maximum is tried up to REACH_SIZES sizes higher where their peaks are predicted
+# within it.
+UNITS_SLACK_BYTES = 400_000
+REACH_SIZES = 2
 
 
 class Strategy(Protocol):
@@ -164,10 +179,14 @@ class Guided(_PositiveFields):
 
     Peaks and headroom are in the units the memory limit counts (``Trial.limit_peak_bytes``,
     ``headroom_bytes``: reserved bytes against the cap on CUDA, ``VmData`` against ``RLIMIT_DATA``
-    under a CPU budget); :func:`predict_max` fits them. After the predicted ``m`` runs, ``m + 1``
-    closes the bracket. An OOM at a size predicted to fit measures no peak, so the next size bisects
-    the bracket until a new size fits. After ``misses`` wrong predictions (:func:`_missed`), or
-    where the limit is unknown, it only doubles and bisects: it never walks down one size at a time.
+    under a CPU budget); :func:`predict_max` fits them (a line, or a quadratic where three sizes or
+    more curve up). After the predicted ``m`` runs, ``m + 1`` closes the bracket. An OOM at a size
+    predicted to fit measures no peak: memory grew faster than predicted, so the next size is
+    :func:`_square_step` (fits where memory grows at most as the square of the size), which gives
+    the quadratic a point near the maximum, then bisection until a new size fits. After
+    ``misses`` wrong predictions (:func:`_missed`), or where the limit is unknown, it only doubles
+    and bisects: it never walks down one size at a time. Attention over the sequence length
+    (bench/peers.py): 6 trials, against 13 with a line.
     """
 
     start: int = 32
@@ -177,8 +196,10 @@ class Guided(_PositiveFields):
     def describe(self) -> str:
         return (f"Start at {self.start}; predict the largest size that fits from the peaks measured "
                 "in the limit's units (proportional from one trial, a least-squares line from "
-                "two), run it, then try the size above it; bisect after an OOM the prediction did "
-                f"not expect; after {self.misses} wrong predictions, double and bisect.")
+                "two, a quadratic from three where they curve up), run it, then try the size "
+                "above it; after an OOM the prediction did not expect, run the size that fits if "
+                "memory grows as the square of the size, else bisect; after "
+                f"{self.misses} wrong predictions, double and bisect.")
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         if not trials:
@@ -189,12 +210,23 @@ class Guided(_PositiveFields):
         guess = predict_max(trials)
         if guess is None or _missed(trials) >= self.misses:
             return min(2 * lo, max_size) if hi is None else _refine(lo, hi)
+        curved = any(_refuted(trials, i) for i in range(1, len(trials)))
         if hi is not None and (guess >= hi or _refuted_by_oom(trials)):
             # An OOM at or below the predicted maximum refutes the prediction, and an OOM measures
-            # no peak: the line is the one that was just wrong (a lower headroom moves it a few
+            # no peak: the model is the one that was just wrong (a lower headroom moves it a few
             # sizes at most). Proposing its guess again, or the size below the OOM, would walk down
-            # one size at a time; bisect until a size fits and gives the line a new point.
-            return _refine(lo, hi)
+            # one size at a time. Memory grew faster than predicted: the square step from the
+            # largest fit gives a point near the maximum (a quadratic needs three), else bisect.
+            step = _square_step(trials, lo) if curved else None
+            inside = step is not None and lo < step < hi and not _tried(trials, step)
+            return step if inside else _refine(lo, hi)
+        if curved and _bends_up(trials):
+            # A prediction ran out of memory before and the line's base is below zero: memory grows
+            # faster than the line, which would overshoot again; the square step cannot, and its
+            # point is the third a quadratic needs.
+            guess = min(guess, _square_step(trials, lo) or guess)
+        elif guess > lo:
+            guess = _reach(trials, guess, hi)
         size = min(lo + 1 if guess <= lo else guess, max_size)  # m ran: bracket with m + 1
         return _refine(lo, hi) if _tried(trials, size) else size
 
@@ -224,7 +256,8 @@ class Confirm(_PositiveFields):
 
 def predict_max(trials: Sequence[Trial], proven_bytes: int = 0) -> int | None:
     """The largest size predicted to fit (an estimate) from the peaks measured in the limit's units
-    (:func:`~oomguard.engine.core.search.fit.peak_model`); None without a headroom or a peak.
+    (:func:`~oomguard.engine.core.search.fit.curve_model`: a line, or a quadratic where the
+    measured peaks curve up); None without a headroom or a peak.
 
     The capacity is the latest known headroom, or the largest peak that fitted if that is more (or
     ``proven_bytes``, a peak that fitted outside ``trials``): a size that ran proves the limit gave
@@ -232,25 +265,84 @@ def predict_max(trials: Sequence[Trial], proven_bytes: int = 0) -> int | None:
     size also counts stack pages; the headroom is read before the step): GPT-2 steps' peaks came out
     up to 0.4 MB (0.8%) above the headroom, and counting such a fit as a wrong prediction made the
     search give up on the line (docs/measurements.md#cpu-limit-units)."""
-    headroom = next((t.headroom_bytes for t in reversed(trials)
-                     if t.headroom_bytes is not None), None)
+    model = _model(trials, proven_bytes)
+    return model[0].largest_size_within(model[1]) if model is not None else None
+
+
+def _points(trials: Sequence[Trial]) -> list[tuple[int, int]]:
+    """(size, peak bytes in the limit's units) of every trial that fitted with a measured peak."""
     points = [(t.size, t.limit_peak_bytes if t.limit_peak_bytes is not None else t.peak_bytes)
               for t in trials if t.ok]
-    points = [(s, p) for s, p in points if p is not None]
-    fit = peak_model(points)
-    if headroom is None or fit is None or fit.per_item_bytes <= 0:
+    return [(s, p) for s, p in points if p is not None]
+
+
+def _model(trials: Sequence[Trial], proven_bytes: int = 0
+           ) -> tuple[LinearFit | QuadraticFit, int] | None:
+    """(the peak model, the capacity in bytes) :func:`predict_max` predicts with, or None."""
+    headroom = next((t.headroom_bytes for t in reversed(trials)
+                     if t.headroom_bytes is not None), None)
+    points = _points(trials)
+    fit = curve_model(points)
+    if headroom is None or fit is None:
         return None
-    return fit.largest_size_within(max(headroom, proven_bytes, *(p for _, p in points)))
+    return fit, max(headroom, proven_bytes, *(p for _, p in points))
+
+
+def _reach(trials: Sequence[Trial], guess: int, hi: int | None) -> int:
+    """The predicted maximum ``guess`` moved up by the sizes, at most :data:`REACH_SIZES`, whose
+    estimated peaks exceed the capacity by at most :data:`UNITS_SLACK_BYTES`, where the model rests
+    on three sizes or more and no OOM is known there. Where the size proposed fits, the bracket
+    closes in fewer trials than walking up from ``guess``; an OOM there costs about the trial that
+    ``guess + 1`` after ``guess`` would have."""
+    model = _model(trials)
+    if model is None or len({s for s, _ in _points(trials)}) < 3:
+        return guess
+    fit, capacity = model
+    up = guess
+    while (up < guess + REACH_SIZES and (hi is None or up + 1 < hi)
+           and fit.predict(up + 1) <= capacity + UNITS_SLACK_BYTES):
+        up += 1
+    return up
+
+
+def _square_step(trials: Sequence[Trial], lo: int) -> int | None:
+    """The largest size that fits the capacity if the peak grows as the square of the size from
+    the largest size that fitted, ``lo`` (an estimate): ``lo * sqrt(capacity / peak at lo)``.
+    Where memory is ``a + b * size + c * size**2`` with a, b, c >= 0 (a line, attention's curve),
+    the peak per squared size only falls as the size grows, so this size fits: a curve's
+    prediction that cannot overshoot, taken once a line's prediction ran out of memory."""
+    model = _model(trials)
+    peak = max((p for s, p in _points(trials) if s == lo), default=0)
+    if model is None or peak <= 0:
+        return None
+    return int(lo * math.sqrt(model[1] / peak))
+
+
+def _bends_up(trials: Sequence[Trial]) -> bool:
+    """Whether the model is a line through two sizes whose base is below zero by more than
+    :data:`~oomguard.engine.core.search.fit.CURVE_MISFIT` of the smaller size's peak: a trial's
+    fixed memory is not negative, so the two points grow faster than a line (a quadratic needs a
+    third). Attention's sizes 32 and 201: -150%; ``size x size`` blocks and a linear part, 32 and
+    305: -67%; a line whose small size's peak was lowered by a free heap: -0.5%."""
+    model, points = _model(trials), _points(trials)
+    if model is None or not isinstance(model[0], LinearFit) or len({s for s, _ in points}) != 2:
+        return False
+    return model[0].base_bytes < -CURVE_MISFIT * max(p for s, p in points if s == min(points)[0])
+
+
+def _refuted(trials: Sequence[Trial], i: int) -> bool:
+    """Whether trial ``i`` ran out of memory at a size the trials before it predicted to fit (a
+    guarded refusal is an estimate, not a measurement, and refutes nothing)."""
+    t = trials[i]
+    if t.ok or t.guarded:
+        return False
+    guess = predict_max(trials[:i])
+    return guess is not None and t.size <= guess
 
 
 def _refuted_by_oom(trials: Sequence[Trial]) -> bool:
-    """Whether the latest trial ran out of memory at a size the trials before it predicted
-    to fit (a guarded refusal is an estimate, not a measurement, and refutes nothing)."""
-    last = trials[-1]
-    if last.ok or last.guarded:
-        return False
-    guess = predict_max(trials[:-1])
-    return guess is not None and last.size <= guess
+    """Whether the latest trial ran out of memory at a size the trials before it predicted to fit."""
+    return _refuted(trials, len(trials) - 1)
 
 
 def _missed(trials: Sequence[Trial]) -> int:
@@ -263,6 +355,6 @@ def _missed(trials: Sequence[Trial]) -> int:
         guess = predict_max(trials[:i], (peak or 0) if t.ok else 0)
         if guess is None:
             continue
-        if (t.ok and t.size > guess + 1) or (not t.ok and not t.guarded and t.size <= guess):
+        if (t.ok and t.size > guess + 1) or _refuted(trials, i):
             missed += 1
     return missed
