@@ -163,7 +163,11 @@ def test_guided_on_a_square_block_under_a_real_budget_closes_in_six_trials() -> 
     # monotone in the size: larger blocks)
     assert _fresh_runs(m) and not _fresh_runs(m + 1)
     assert isolated["first_oom"] == m + 1 and len(isolated["trials"]) <= 6, seen
-    assert in_process["max_ok"] == m and in_process["first_oom"] == m + 1
+    # In-process trials share one heap, so their answer can sit one size off the fresh
+    # maximum (901 against 902 in one loaded CI run; docs/measurements.md#in-process-vs-isolated);
+    # the bracket still closes at adjacent sizes.
+    assert abs(in_process["max_ok"] - m) <= 1, seen
+    assert in_process["first_oom"] == in_process["max_ok"] + 1, seen
     assert len(in_process["trials"]) <= 6, seen
     # it fitted a curve: a line through the first two fits would have run out of memory
     assert all(t["outcome"] == "ok" for t in isolated["trials"][2:-1])
