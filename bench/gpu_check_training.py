@@ -37,10 +37,7 @@ def _rows(n: int, dev: torch.device, seed: int = 0) -> torch.Tensor:
 def _first_step(model: torch.nn.Module, opt: torch.optim.Optimizer, dev: torch.device) -> None:
     """One step on 2 rows before any budget, so that AdamW's state exists before it (the
     budget counts from what is allocated at its entry)."""
-    ids = _rows(2, dev)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    _loop_step(model, opt, dev)(2)
 
 
 def _loop_runs(dev: torch.device, size: int, steps: int) -> bool:
