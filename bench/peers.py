@@ -170,7 +170,8 @@ class Fresh:
             confirmed = confirmed and not any(self.check(first_oom, runs))
         return {"max": m or 0, "first_oom": first_oom, "confirmed": confirmed,
                 "runs": {n: self.runs[n] for n in (m, first_oom) if n is not None},
-                "search_trials": len(result.trials), "search_seconds": seconds}
+                "search_trials": len(result.trials), "search_seconds": seconds,
+                "stopped": result.stopped_because}
 
 
 def _in_fresh_process(ctx: Any, fn: Any, *args: Any) -> Any:

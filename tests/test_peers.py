@@ -44,7 +44,7 @@ def test_guided_isolated_finds_the_fresh_maximum(key: str) -> None:
     if w.key in ("e10", "gpt2"):  # the two linear workloads: at most 5 trials
         assert row["trials"] <= 5, row["tried"]
     brute = Fresh(w).brute_force(row["size"], confirm=False)
-    assert brute["first_oom"] == brute["max"] + 1
+    assert brute["first_oom"] == brute["max"] + 1, brute
     assert row["size"] == brute["max"], (row["tried"], brute)
 
 
