@@ -50,7 +50,8 @@ class SearchConfig:
     search, any OOM reported (0: no verification). ``estimate``: before the first trial,
     estimate the peaks with fake tensors (:mod:`~oomguard.engine.core.search.seed`) and run
     the largest size predicted to fit the headroom first (True: try on any workload; None,
-    the default: where the strategy is ``Guided`` and the workload supports estimates; False:
+    the default: on CUDA, where the strategy is ``Guided`` and the workload supports
+    estimates, since on CPU the estimate costs more seconds than the trials it saves; False:
     never); an estimate that fails leaves the search as without it.
 
     ``restore``: the modules and optimizers a training step changes, e.g. ``(model,
