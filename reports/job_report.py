@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from oomguard.engine.core.search.seed import FITS_ALL
 from oomguard.engine.errors import size_list
 from oomguard.engine.util.atomic import atomic_write
 from oomguard.engine.util.jsonable import json_text
@@ -268,6 +269,31 @@ def _metric_row(key: str, t: Mapping[str, Any], where: bool) -> str:
             f"| {s.get('retries', '-')} | {t['seconds']:.2f} | {fmt_bytes(t.get('peak_bytes'))} |")
 
 
+def _search_cost(tasks: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Per metric whose sizes this run chose: the search's trials and seconds against the
+    metric's own run (measured seconds), or that the estimate fitted every sample and no
+    search ran; nothing where no metric searched (sizes pinned, cached or defaults)."""
+    rows = []
+    for key, t in tasks.items():
+        searches = t.get("searches") or ([t["search"]] if t.get("search") else [])
+        if not searches or (t.get("sizes") or {}).get("source") == "cache":
+            continue
+        trials = sum(se.get("trials") or 0 for se in searches)
+        spent = sum(se.get("seconds") or 0.0 for se in searches)
+        run = t.get("seconds")
+        how = "; ".join(dict.fromkeys(se.get("source") or "measured" for se in searches))
+        rows.append(f"| {key} | {how} | {trials} | {spent:.2f} | "
+                    f"{'-' if run is None else f'{run:.2f}'} |")
+    if not rows:
+        return []
+    return ["## Search cost", "",
+            "| metric | sizes by | trials | search seconds | run seconds |",
+            "|---|---|---:|---:|---:|", *rows, "",
+            "Seconds are measured; a search's include the estimate that chose or replaced it "
+            f"(\"{FITS_ALL}\": the estimated peak at the sample count kept the margin of the "
+            "budget free, so no trial ran).", ""]
+
+
 def _metrics(summary: Mapping[str, Any], kinds: Counter[str]) -> list[str]:
     """The table of metrics; a device column when tasks ran on several kinds (a job on Ray)."""
     where = len(kinds) > 1
@@ -331,7 +357,8 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
     (``{title: path relative to the job folder}``)."""
     tasks, dtype = summary["tasks"], summary["job"]["dtype"]
     kinds = Counter(device_label(t.get("device")) for t in tasks.values() if t.get("device"))
-    lines = [*_header(summary, kinds), *_metrics(summary, kinds), *remedies_section(tasks, dtype),
+    lines = [*_header(summary, kinds), *_metrics(summary, kinds), *_search_cost(tasks),
+             *remedies_section(tasks, dtype),
              *oom_events_section(tasks), *_reruns_and_failures(tasks)]
     for key, t in tasks.items():
         lines += _task(key, t, dtype) if t.get("status") == "ok" else []

@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from oomguard.engine.core.search.search import SearchResult
+from oomguard.engine.core.search.seed import BELOW_ESTIMATE, ESTIMATE
 from oomguard.engine.core.search.strategies import bracket, predict_max
 from oomguard.engine.core.search.trial import SAMPLE_KNOBS, Trial
 from oomguard.engine.util.jsonable import to_jsonable
@@ -197,11 +198,30 @@ def strategy_steps(result: SearchResult) -> list[str]:
     if not result.trials:
         return [f"No trial ran ({result.stopped_because})."]
     trials, name = result.trials, result.size_name
-    middle = ([f"Tried {name}={t.size}, {_guided_reason(trials[:i], t)} ({status_text(t)})"
+    middle = ([f"Tried {name}={t.size}, {_reason(trials[:i], t)} ({status_text(t)})"
                for i, t in enumerate(trials) if i] if result.strategy == "guided"
               else _stepped(result))
-    return [f"Started with {name}={trials[0].size} ({status_text(trials[0])})", *middle,
-            _ending(result)]
+    return [f"Started with {name}={trials[0].size}{_seeded(result)} ({status_text(trials[0])})",
+            *middle, _ending(result)]
+
+
+def _seeded(result: SearchResult) -> str:
+    """How the estimate chose the first trial, in words (empty where it did not)."""
+    seed = result.seed
+    if not seed or result.trials[0].chosen_by != ESTIMATE:
+        return ""
+    peaks = ", ".join(f"{fmt_bytes(p['peak_bytes'])} at {p['size']}"
+                      for p in seed["estimated_peaks"])
+    return (f", chosen by the estimate: the largest size predicted to fit "
+            f"{fmt_bytes(seed['capacity_bytes'])} of headroom from peaks estimated with fake "
+            f"tensors ({peaks}; estimates, not measurements, {seed['seconds']:.1f} s)")
+
+
+def _reason(seen: list[Trial], t: Trial) -> str:
+    """Why ``t`` ran after ``seen``: below an estimate that ran out, else Guided's reason."""
+    if t.chosen_by == BELOW_ESTIMATE:
+        return "chosen by the estimate: the size below its prediction, which ran out of memory"
+    return _guided_reason(seen, t)
 
 
 def oomguard_version() -> str:

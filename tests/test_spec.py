@@ -70,7 +70,8 @@ def _error(text: str, tmp_path: Path) -> str:
      "line 3: data.path: data file not found: {tmp}/missing.txt"),
     ("search = 1\n" + METRIC, "line 1: search: expected a table [search], got int"),
     ("[search]\nfoo = 1\n" + METRIC, "line 2: search.foo: unknown field; valid: enabled, "
-                                     "max_seconds, max_size, max_trials, start, step"),
+                                     "estimate, max_seconds, max_size, max_trials, start, "
+                                     "step"),
     ("[search]\nenabled = 1\n" + METRIC, "line 2: search.enabled: expected true or false, got "
                                          "int 1"),
     ("[search]\nstep = 0\n" + METRIC, "line 2: search.step: expected a positive integer, got 0"),

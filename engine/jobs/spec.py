@@ -222,7 +222,8 @@ _DATA = (
     _Field("n_samples", **_POSITIVE))
 _SEARCH = (_Field("enabled", (bool,), "true or false"), _Field("max_trials", **_POSITIVE),
            _Field("max_seconds", **_DURATION_FIELD), _Field("start", **_POSITIVE),
-           _Field("step", **_POSITIVE), _Field("max_size", **_POSITIVE))
+           _Field("step", **_POSITIVE), _Field("max_size", **_POSITIVE),
+           _Field("estimate", (bool,), "true or false"))
 _METRIC = (
     _Field("name", _STR, "a string", convert=lambda v, _: get_metric(v) and v,
            missing="missing: every [[metrics]] needs a name"),

@@ -36,6 +36,7 @@ from oomguard.engine.core.memory.forensics import start_history
 from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.engine.core.memory.host_limit import limit_budget, unbudgeted_limit
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom, release_memory
+from oomguard.engine.core.search import seed
 from oomguard.engine.core.search.search import SearchConfig
 from oomguard.engine.core.search.strategies import E10, Guided
 from oomguard.engine.errors import ExecutionFailed, RestartNeeded, TrialFailed, first_line
@@ -49,7 +50,7 @@ from oomguard.engine.util.jsonable import json_text, to_jsonable
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.knob_check import require_memory_knobs
 from oomguard.metrics.models import build_model
-from oomguard.metrics.workload import in_units, in_whole_units
+from oomguard.metrics.workload import MetricTrial, in_units, in_whole_units
 from oomguard.probes.peak import PeakMeter
 
 log = logging.getLogger("oomguard.job")
@@ -196,6 +197,12 @@ class _Search:
         trial = _KnobTrial(self.call, knob, sizes, self.task.key)
         # The default strategy (Guided) from ``start``; a ``step`` the job file gives names
         # the E10 routine with that increment, as --step does on the command line.
+        skip = sizing.estimated_fit(
+            _estimate_copy(self.task, job, knob, sizes) if seed.wanted(spec.estimate, job.device)
+            else None, metric=self.task.metric, knob=knob, cap=cap, unit=unit,
+            budget_bytes=job.budget_bytes, device=str(job.device))
+        if skip is not None:  # the whole sample count fits by the estimate: no trial
+            return skip
         unit, start, step = in_whole_units(spec.start, spec.step or 1, unit, cap)
         inner = Guided(start=start) if spec.step is None else E10(start=start, step=step)
         config = SearchConfig(strategy=in_units(inner, unit), max_size=cap,
@@ -206,6 +213,21 @@ class _Search:
         except TrialFailed as exc:  # the task fails, with the trials that ran recorded
             self.on_record(sizing.record_of(exc.result, self.task.metric, knob, unit, failure=exc))
             raise
+
+
+def _estimate_copy(task: Task, job: Any, knob: str, sizes: dict[str, int]) -> Any:
+    """The task's metric as a built-in workload described by names (the model's config, the
+    job's data shape), for an estimate in a child: its real model is never faked. None where
+    it cannot be described so (the estimate is then skipped), and for a plugin's metric (an
+    estimate's child imports the built-in ones; a plugin's compute may not run on fake tensors)."""
+    if not type(get_metric(task.metric)).__module__.startswith("oomguard.metrics."):
+        return None
+    try:
+        return MetricTrial(task.metric, knob=knob, model=task.model, dtype=job.dtype,
+                           n_samples=job.data.n_samples, seq_len=job.data.seq_len, seed=job.seed,
+                           params={**task.params, **{k: v for k, v in sizes.items() if k != knob}})
+    except Exception:  # noqa: BLE001 - an estimate is optional: the search runs
+        return None
 
 
 def _choose_sizes(task: Task, ctx: Context, metric: Any, work: _Work, sink: Sink,

@@ -57,6 +57,9 @@ class Trial:
     (None where no limit is known). ``items_per_second``: ``size`` items per second of the
     steps after the first (of the only step when ``steps`` is 1). ``worst_case``: each step
     ran on the worst-case batch (module docstring; ``peak_bytes`` then includes it).
+    ``chosen_by``: what chose the size, where a search records it: ``"estimate"`` (the size an
+    estimate predicted, :mod:`~oomguard.engine.core.search.seed`), ``"estimate - 1"``, or the
+    strategy's name.
     """
 
     size: int
@@ -75,6 +78,7 @@ class Trial:
     limit_units: str | None = None
     items_per_second: float | None = None
     worst_case: bool = False
+    chosen_by: str | None = None
 
     @property
     def outcome(self) -> str:
