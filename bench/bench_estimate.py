@@ -10,10 +10,11 @@ the given sizes up to the knob's largest useful one; default: the training step 
 metrics' first knobs). With ``--llama-7b``, first the time and resident memory an estimate
 of a 7B LLaMA-like training step takes (nothing measured to compare with: the step needs
 ~100 GiB). With ``--reference-7b``, the estimated reference of every metric of a 7B
-LLaMA-like config (bf16, 4 samples x 64 tokens, 80 GiB, cuda), run twice side by side in
-fresh processes, with the caches of engine/core/estimate off (the previous version's
-path) and on: each one's seconds, and both rows checked equal to the stored output of the
-code before the caches (tests/golden/estimate_reference_7b.json).
+LLaMA-like config (bf16, 4 samples x 64 tokens, 80 GiB, cuda), run three times side by
+side in fresh processes: the previous version's path (the caches of engine/core/estimate
+off, one process), the caches on in one process, and the caches on with the metrics in
+parallel, one process per CPU: each one's seconds, and its rows checked equal to the stored
+output of the code before the caches (tests/golden/estimate_reference_7b.json).
 docs/measurements.md#estimate-error records a run.
 
     .venv/bin/python bench/bench_estimate.py [--sizes 4,16,32] [--seq-len 256] [--samples 32]
@@ -71,34 +72,42 @@ FIGURES = ("metric", "knob", "largest", "next_size", "total_bytes", "peak_bytes"
            "next_total_bytes", "estimates")
 
 
-def reference_7b_run(caches: bool, out: str) -> None:
-    """In this (fresh) process: the 7B estimated reference of every metric, caches on or
-    off, written to ``out`` as JSON."""
+# How the reference is made: before the real-operation cache (one process), with it (one
+# process), and with it on one process per CPU (the metrics in parallel)
+VERSIONS = {"previous": "previous (no cache, 1 process)", "cached": "cache, 1 process",
+            "parallel": f"cache, {host.cpu_count()} processes"}
+
+
+def reference_7b_run(version: str, out: str) -> None:
+    """In this (fresh) process: the 7B estimated reference of every metric, as ``version``
+    (:data:`VERSIONS`) makes it, written to ``out`` as JSON."""
     from oomguard.engine.core.estimate import estimate as module
+    from oomguard.engine.jobs import reference_estimate
     from oomguard.engine.jobs.reference_estimate import build_estimate_reference
 
-    module.REAL_CACHE = caches
+    module.REAL_CACHE = version != "previous"
+    reference_estimate.WORKERS = None if version == "parallel" else 1
     doc = build_estimate_reference(LLAMA_7B, "bfloat16", 64, 4, memory=80 * 1024**3,
                                    memory_name="80GiB", margin=0.15, device="cuda")
     Path(out).write_text(json.dumps(doc))
 
 
 def reference_7b() -> None:
-    """The 7B estimated reference, previous path (caches off) and new, side by side, each in
+    """The 7B estimated reference, the previous path and the new ones, side by side, each in
     a fresh process; wall seconds and equality with the stored output."""
     want = json.loads(GOLDEN_7B.read_text())
     rows = [{k: r.get(k) for k in FIGURES} for r in want["rows"]]
     print("7B LLaMA-like estimated reference, every metric (bf16, 4 x 64 tokens, 80 GiB, cuda):")
-    for caches in (False, True):
+    for version, label in VERSIONS.items():
         with tempfile.TemporaryDirectory() as tmp:
             out = str(Path(tmp) / "ref.json")
             start = time.perf_counter()
-            subprocess.run([sys.executable, __file__, "--_reference-run",
-                            "on" if caches else "off", out], check=True)
+            subprocess.run([sys.executable, __file__, "--_reference-run", version, out],
+                           check=True)
             took = time.perf_counter() - start
             got = json.loads(Path(out).read_text())
         same = [{k: r.get(k) for k in FIGURES} for r in got["rows"]] == rows
-        print(f"  caches {'on ' if caches else 'off'}: {took:.1f} s wall ({got['seconds']:.1f} s "
+        print(f"  {label}: {took:.1f} s wall ({got['seconds']:.1f} s "
               f"estimating), {len(got['rows'])} rows, {got['estimates']} estimates, rows "
               f"{'equal to' if same else 'DIFFERENT from'} {GOLDEN_7B.name}", flush=True)
     print()
@@ -156,7 +165,7 @@ def main() -> None:
     parser.add_argument("--_reference-run", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._reference_run:
-        reference_7b_run(args._reference_run[0] == "on", args._reference_run[1])
+        reference_7b_run(*args._reference_run)
         return
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.reference_7b:

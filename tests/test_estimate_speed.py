@@ -19,6 +19,7 @@ from torch._subclasses import fake_tensor as ft
 
 from oomguard.engine.core.estimate.estimate import estimate
 from oomguard.engine.jobs.reference_estimate import build_estimate_reference
+from tests.conftest import in_fresh_process
 
 GOLDEN = Path(__file__).parent / "golden"
 SMALL_LLAMA = ("llama:hidden_size=64,intermediate_size=160,num_hidden_layers=8,"
@@ -41,6 +42,23 @@ def test_small_llama_estimated_reference_equals_the_stored_one():
                                    metrics=["loss"])  # attention_stats: in the JSON too
     assert figures(got) == [row for row in figures(want) if row["metric"] == "loss"]
     assert got["notes"] == want["notes"]
+
+
+def _two_metrics() -> dict:
+    # two metrics: on two or more CPUs each is estimated in its own worker process
+    return build_estimate_reference(SMALL_LLAMA, "bfloat16", 16, 4, memory=1024**2,
+                                    memory_name="x", margin=0.15, device="cuda",
+                                    metrics=["loss", "attention_stats"])
+
+
+@pytest.mark.slow
+def test_metrics_estimated_in_parallel_workers_equal_the_stored_reference():
+    # The same numbers as the one process that stored them: Python's cycle collector is off
+    # during an estimate, so what ran before in a process does not move a peak.
+    want = json.loads((GOLDEN / "estimate_reference_small_llama.json").read_text())
+    got = in_fresh_process(_two_metrics)
+    assert figures(got) == figures(want)
+    assert got["notes"] == want["notes"] and got["estimates"] == want["estimates"]
 
 
 def _real_ops(size: int) -> None:

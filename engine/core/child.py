@@ -33,6 +33,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
@@ -139,6 +140,15 @@ def context(method: str = "forkserver", preload: Iterable[str] = ()) -> Any:
         with contextlib.suppress(ImportError):  # preloading is an optimisation only
             importlib.import_module(module)
     return mp.get_context("fork")
+
+
+def pool(workers: int, preload: Iterable[str] = ()) -> ProcessPoolExecutor:
+    """``workers`` processes for independent pieces of work (the standard library's pool),
+    started as :func:`context` starts every child here (the forkserver, or spawn), each
+    ending with its parent (:func:`die_with_parent`). For work whose pieces share nothing,
+    on CPUs this process would otherwise leave idle."""
+    return ProcessPoolExecutor(workers, mp_context=context(server_method(), preload),
+                               initializer=die_with_parent)
 
 
 def stop_children() -> None:

@@ -26,16 +26,19 @@ allocator cache and fragmentation, cuBLAS workspace).
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from oomguard.engine.core import child as launcher
 from oomguard.engine.core.estimate.estimate import LABEL, EstimateSession
 from oomguard.engine.errors import UsageError
 from oomguard.engine.jobs.sizing import Request, SearchRecord, choose_sizes
 from oomguard.metrics.base import get_metric, load_all
 from oomguard.metrics.models import BUILTIN_CONFIGS, model_config
 from oomguard.metrics.workload import SAMPLE_KNOBS, MetricTrial
+from oomguard.probes import host
 
 GiB, MiB = 1024**3, 1024**2
 # Total memory of common GPUs as the driver reports it (NVML, nvidia-smi), not the marketed
@@ -47,6 +50,10 @@ GPUS: dict[str, int] = {"H100 80GB": 81559 * MiB, "A100 40GB": 40960 * MiB,
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 DEPTHS = (1, 2, 3)  # the depths estimated, for a quadratic in the layer count
 ROUNDS = 4  # line-and-confirm rounds per knob after sizes 1 and the largest
+WORKERS: int | None = None  # processes for the metrics (None: one per CPU; 1: this one only)
+# What a worker of the parallel reference imports before its first metric (once, in the
+# forkserver, where there is one)
+PRELOAD = ("transformers", "oomguard.engine.core.estimate.estimate", "oomguard.metrics.workload")
 
 
 def gpu_memory(name: str) -> int:
@@ -305,6 +312,38 @@ def compare_measured(est: Estimator, rows: list[dict[str, Any]], measured: dict[
                        relative_error=round((got - peak) / peak, 4))
 
 
+def _metric_rows(name: str, model: str, dtype: str, seq_len: int, device: str, n_samples: int,
+                 capacity: int, max_size: int) -> tuple[list[dict[str, Any]], int, set[str]]:
+    """One metric's rows (:func:`estimate_rows`), its estimate count and notes."""
+    est = Estimator(model, dtype, seq_len, device)
+    return estimate_rows(est, name, n_samples, capacity, max_size), est.estimates, est.notes
+
+
+def _each_metric(names: Sequence[str], *args: Any
+                 ) -> Iterator[tuple[list[dict[str, Any]], int, set[str]]]:
+    """:func:`_metric_rows` of each of ``names``, in their order. The metrics share nothing,
+    so on more than one CPU they are estimated in parallel, one process per CPU: the
+    estimate is Python-bound (fake tensors dispatch each operation in Python), and the 7B
+    reference took 99 s on one core of two, 49 s on both
+    (docs/measurements.md#estimate-reference). Sequential inside a daemonic process,
+    which cannot start children, and with a plugin's metric, which a worker would not know."""
+    workers = min(len(names), WORKERS or host.cpu_count())
+    plugin = any(not type(get_metric(n)).__module__.startswith("oomguard.metrics.")
+                 for n in names)
+    if workers < 2 or plugin or mp.current_process().daemon:
+        for name in names:
+            yield _metric_rows(name, *args)
+        return
+    with launcher.pool(workers, PRELOAD) as executor:
+        futures = [executor.submit(_metric_rows, name, *args) for name in names]
+        try:
+            for future in futures:
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+
+
 def build_estimate_reference(model: str, dtype: str, seq_len: int, n_samples: int, *,
                              memory: int, memory_name: str, margin: float, device: str,
                              metrics: Sequence[str] | None = None, max_size: int = 65536,
@@ -319,8 +358,11 @@ def build_estimate_reference(model: str, dtype: str, seq_len: int, n_samples: in
     est = Estimator(model, dtype, seq_len, device)
     capacity = int(memory * (1 - margin))
     rows = []
-    for name in names:
-        for row in estimate_rows(est, name, n_samples, capacity, max_size):
+    for got, estimates, notes in _each_metric(names, model, dtype, seq_len, device, n_samples,
+                                              capacity, max_size):
+        est.estimates += estimates
+        est.notes |= notes
+        for row in got:
             rows.append(row)
             if on_row is not None:
                 on_row(row)

@@ -20,10 +20,12 @@ device context. Measured error and sizes: docs/measurements.md#estimate-error.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import gc
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -355,6 +357,23 @@ def estimate(fn: Callable[[int], Any], sizes: Sequence[int], device: str | torch
     return out
 
 
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector off while a workload runs on fake tensors: a fake tensor held
+    in a reference cycle is freed when the collector happens to run, which depends on every
+    object the process made before (another metric's estimate, an import), so the same
+    estimate read up to 30 KB apart on a 26 GB peak between a fresh process and one that had
+    run other metrics. Off, such tensors live to the end of the size, as they can in a real
+    run: the estimate is the same in any process, never lower."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class EstimateSession:
     """:func:`estimate` with the warm-up paid once: ``EstimateSession(fn, device).at(sizes)``
     estimates sizes as a search asks for them, each above the state the warm-up and the
@@ -385,7 +404,7 @@ class EstimateSession:
         running = _RUNNING.set(_Running(target, "meta" if self.dev.type != target else "cpu",
                                         cut if self.shortcuts else None))
         try:
-            with counter.fake_mode, counter:
+            with counter.fake_mode, counter, _no_cycle_collection():
                 if self.warm is None:
                     warm_up(self.work)
                     self.warm = dict(counter.gemms)
