@@ -29,7 +29,7 @@ NAMESPACES = ("errors", "results", "strategies", "retry", "memory", "training", 
 
 
 def command_parsers() -> dict[str, argparse.ArgumentParser]:
-    """``{"oomguard": top, "oomguard bench": ..., "oomguard cache show": ...}``: every
+    """``{"oomguard": top, "oomguard bench": ..., "oomguard cache": ...}``: every
     parser of the command line in the order of ``oomguard --help``, each command's options
     added (its module imported)."""
     from oomguard.engine.cli.main import COMMANDS, build_parser
@@ -113,6 +113,12 @@ def stage_package() -> None:
 def on_config(config):
     stage_package()
     return config
+
+
+def on_post_build(config):
+    shutil.rmtree(STAGE, ignore_errors=True)
+    if STAGE.parent.is_dir() and not any(STAGE.parent.iterdir()):
+        STAGE.parent.rmdir()
 
 
 # Docstrings use Sphinx roles (:class:`~a.b.C`); griffe keeps them as text. Shown as code.
