@@ -20,6 +20,8 @@ import re
 import shutil
 from pathlib import Path
 
+from mkdocs.plugins import event_priority
+
 ROOT = Path(__file__).resolve().parents[2]
 STAGE = ROOT / "build" / "docs-api"
 WIDTH = 88
@@ -110,6 +112,7 @@ def stage_package() -> None:
         shutil.copytree(ROOT / folder, STAGE / "oomguard" / folder, ignore=ignore)
 
 
+@event_priority(100)  # before mkdocstrings' on_config, which fixes its search paths
 def on_config(config):
     stage_package()
     return config
