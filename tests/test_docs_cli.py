@@ -86,3 +86,19 @@ def test_the_check_sees_a_wrong_option(parsers):
     assert "--budget" in _accepted(parsers, "bench")
     assert "--budgett" not in _accepted(parsers, "bench")
     assert _QUOTED.findall("`oomguard bench --budgett 1GiB`") == [("bench", " --budgett 1GiB")]
+
+
+def test_the_readmes_links_point_at_pages_that_exist():
+    """The README is not part of the site (mkdocs checks the site's links): its own."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", text)
+    assert len(links) > 10
+    for target, anchor in links:
+        if "://" in target:
+            continue
+        page = ROOT / target
+        assert page.exists(), f"README links to {target}, which does not exist"
+        if anchor:
+            heading = anchor.replace("-", " ")
+            assert heading in page.read_text().lower().replace("-", " "), (
+                f"README links to {target}#{anchor}, a heading that does not exist")

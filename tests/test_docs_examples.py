@@ -11,8 +11,8 @@
   must appear in what it printed (stdout and stderr).
 - ``<!-- no-test: REASON -->`` on the line before a block skips it, with its reason (a
   GPU, Slurm, a Ray cluster, a set-up command, a benchmark of minutes); ``<!-- test:
-  fast -->`` puts a console block in the fast layer (in-process ``main``). Everything else
-  is ``slow``: it starts a process.
+  fast -->`` puts a console block in the fast layer. Everything else is ``slow``: it starts
+  a process (console blocks run in-process either way).
 """
 
 from __future__ import annotations
@@ -183,31 +183,22 @@ def _check_console(block: Block, run) -> None:
                                     f"it printed:\n{printed}"
 
 
-_CONSOLE = [b for b in RUN if b.lang == "console"]
+_CONSOLE = [pytest.param(b, id=b.where, marks=() if b.mark == ("test", "fast") else pytest.mark.slow)
+            for b in RUN if b.lang == "console"]
 
 
-@pytest.mark.parametrize("block", [b for b in _CONSOLE if b.mark == ("test", "fast")],
-                         ids=lambda b: b.where)
-def test_console_examples_fast(block, tmp_path, monkeypatch):
+@pytest.mark.parametrize("block", _CONSOLE)
+def test_console_examples(block, tmp_path, monkeypatch):
+    """In-process (``main``): these are the one-line errors given before any work."""
     from oomguard.engine.cli.main import main
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
     def run(argv):
         out, err = io.StringIO(), io.StringIO()
         with redirect_stdout(out), redirect_stderr(err):
             main(argv)
         return out.getvalue() + err.getvalue()
-
-    _check_console(block, run)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("block", [b for b in _CONSOLE if b.mark != ("test", "fast")],
-                         ids=lambda b: b.where)
-def test_console_examples(block, tmp_path):
-    def run(argv):
-        done = cli_in_child(*argv, cwd=tmp_path, env={"XDG_CACHE_HOME": str(tmp_path)})
-        return done.stdout + done.stderr
 
     _check_console(block, run)
