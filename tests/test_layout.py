@@ -215,7 +215,8 @@ def test_the_project_cites_only_documents_it_contains():
                              flags=re.M))
     missing, outside = [], []
     for path in [*_modules(), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py"),
-                 ROOT / "README.md"]:
+                 ROOT / "README.md", *(ROOT / "docs").rglob("*.md"),
+                 *(ROOT / "docs").rglob("*.py")]:
         text = path.read_text(encoding="utf-8")
         if OUTSIDE_DOCS.search(text):
             outside.append(str(path.relative_to(ROOT)))
@@ -223,6 +224,31 @@ def test_the_project_cites_only_documents_it_contains():
                     re.findall(r"docs/measurements\.md#([\w-]+)", text) if a not in anchors]
     assert not outside, outside
     assert not missing, missing
+
+
+def _slug(heading: str) -> str:
+    """The anchor MkDocs gives a heading (``## How long the commands take`` ->
+    ``how-long-the-commands-take``), or its ``{ #anchor }`` if it names one."""
+    named = re.search(r"\{ *#([\w-]+) *\}", heading)
+    if named:
+        return named.group(1)
+    return re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", heading).strip().lower())
+
+
+def test_the_code_cites_pages_and_headings_of_the_docs_that_exist():
+    """``docs/guides/reports.md#how-long-the-commands-take`` in a help text or a comment."""
+    missing = []
+    for path in [*_modules(), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py")]:
+        for page, anchor in re.findall(r"docs/([\w/-]+\.md)#([\w-]+)",
+                                       path.read_text(encoding="utf-8")):
+            target = ROOT / "docs" / page
+            slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", target.read_text(), flags=re.M)
+                     } if target.exists() else set()
+            if anchor not in slugs:
+                missing.append(f"{path.relative_to(ROOT)}: docs/{page}#{anchor}")
+    assert not missing, missing
+    assert _slug("How long the commands take") == "how-long-the-commands-take"
+    assert _slug("An unknown metric { #unknown-metric }") == "unknown-metric"
 
 
 def _stage(tmp_path: Path) -> Path:

@@ -32,7 +32,8 @@ from oomguard.probes.device import resolve_device
 def add_bench(p: argparse.ArgumentParser) -> None:
     p.description = ("Search the maximum batch size of a training step (forward, backward, AdamW) "
                      "of a small GPT-2 (random init, vocab 256) and write report.md, report.json "
-                     "and memory.png: about 2 minutes on 2 CPU cores with the defaults.")
+                     "and memory.png. With the defaults: 3 trials, 44-57 s on 2 loaded CPU cores "
+                     "(docs/guides/reports.md#how-long-the-commands-take).")
     add_workload_options(p, model="tiny-gpt2", seq_len=512)
     add_search_options(p, start=32)
     p.add_argument("--out", default="oomguard-report", help="report folder (oomguard-report)")

@@ -1,0 +1,205 @@
+"""Every example in the README and the documentation (docs/) runs here, so none can rot.
+
+- A ```` ```python ```` block runs with the other Python blocks of its page, in order, in one
+  namespace, in a fresh child (forkserver, torch preloaded) whose current folder is a
+  temporary one. A page may give them a hidden set-up (a model, an optimizer) in a
+  ``<!-- test-setup`` ... ``-->`` comment, which runs first.
+- A ```` ```bash ```` block runs line by line, every line an ``oomguard`` command (a
+  comment after ``#`` and a ``> FILE`` at the end allowed), in one temporary folder; each
+  must exit 0. Identical blocks (the README's and a guide's) run once.
+- A ```` ```console ```` block's ``$ oomguard ...`` lines run, and the lines after each
+  must appear in what it printed (stdout and stderr); ``...`` in them stands for any text.
+- ``<!-- no-test: REASON -->`` on the line before a block skips it, with its reason (a
+  GPU, Slurm, a Ray cluster, a set-up command, a benchmark of minutes); ``<!-- test:
+  fast -->`` puts a console block in the fast layer. Everything else is ``slow``: it starts
+  a process (console blocks run in-process either way).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import shlex
+import textwrap
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import cli_in_child, in_fresh_process
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+LANGS = ("python", "bash", "console")
+_FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
+_MARK = re.compile(r"^\s*<!--\s*(no-test|test):\s*(.*?)\s*-->\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    text: str
+    mark: tuple[str, str] | None  # ("no-test", reason) or ("test", "fast")
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(page: Path) -> list[Block]:
+    """The fenced blocks of ``page`` (indented ones too), with the mark on the line before."""
+    lines, found, i = page.read_text().splitlines(), [], 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, lang, start = m.group(1), m.group(2), i
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith("```"):
+            i += 1
+        body = textwrap.dedent("\n".join(s[len(indent):] if s.startswith(indent) else s
+                                         for s in lines[start + 1:i]))
+        mark = _MARK.match(lines[start - 1]) if start else None
+        found.append(Block(page, start + 1, lang, body + "\n",
+                           (mark.group(1), mark.group(2)) if mark else None))
+        i += 1
+    return found
+
+
+def setup_code(page: Path) -> str:
+    """The page's hidden ``<!-- test-setup ... -->`` Python, run before its blocks."""
+    return "\n".join(textwrap.dedent(m) for m in
+                     re.findall(r"<!--\s*test-setup\s*\n(.*?)-->", page.read_text(), re.S))
+
+
+ALL = [b for page in PAGES for b in blocks(page) if b.lang in LANGS]
+RUN = [b for b in ALL if not (b.mark and b.mark[0] == "no-test")]
+
+
+def _unique(items: list[Block]) -> list[Block]:
+    seen, out = set(), []
+    for b in items:
+        if (b.lang, b.text) not in seen:
+            seen.add((b.lang, b.text))
+            out.append(b)
+    return out
+
+
+def test_every_block_runs_or_says_why_not():
+    assert PAGES and len(ALL) > 10, "no examples found: the collector is broken"
+    for b in ALL:
+        if b.mark and b.mark[0] == "no-test":
+            assert len(b.mark[1]) >= 8, f"{b.where}: a no-test mark must give its reason"
+        elif b.mark:
+            assert b.mark == ("test", "fast") and b.lang == "console", (
+                f"{b.where}: unknown mark {b.mark}")
+        if b.lang == "bash" and b in RUN:
+            for line in _commands(b.text):
+                assert line[0] == "oomguard", (
+                    f"{b.where}: {' '.join(line)!r} is not an oomguard command: "
+                    "mark the block <!-- no-test: REASON --> or rewrite it")
+
+
+def test_the_collector_sees_marks_and_setup(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- test-setup\nx = 1\n-->\n<!-- no-test: needs a GPU -->\n```python\n"
+                    "print(x)\n```\n\n- item:\n\n  ```bash\n  oomguard probe  # here\n  ```\n")
+    found = blocks(page)
+    assert [(b.lang, b.mark) for b in found] == [("python", ("no-test", "needs a GPU")),
+                                                  ("bash", None)]
+    assert found[1].text == "oomguard probe  # here\n"
+    assert _commands(found[1].text) == [["oomguard", "probe"]]
+    assert setup_code(page).strip() == "x = 1"
+
+
+def _commands(text: str) -> list[list[str]]:
+    return [words for line in text.splitlines() if (words := shlex.split(line, comments=True))]
+
+
+def run_python_page(setup: str, codes: list[tuple[str, str]], cwd: str) -> str:
+    """In a fresh child: ``setup`` then each block, in one namespace, in ``cwd``. Returns
+    what they printed; a block that raises is reported with its place and traceback."""
+    import os
+
+    os.chdir(cwd)
+    namespace: dict = {"__name__": "__docs_example__"}
+    out = io.StringIO()
+    with redirect_stdout(out):
+        for where, code in [("test-setup", setup), *codes]:
+            try:
+                exec(compile(code, where, "exec"), namespace)
+            except BaseException:  # noqa: B036 -- reported to the parent as text
+                raise AssertionError(f"{where} failed:\n{traceback.format_exc()}") from None
+    return out.getvalue()
+
+
+_PY_PAGES = sorted({b.page for b in RUN if b.lang == "python"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", _PY_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_examples(page, tmp_path):
+    codes = [(b.where, b.text) for b in RUN if b.lang == "python" and b.page == page]
+    in_fresh_process(run_python_page, setup_code(page), codes, str(tmp_path))
+
+
+_SHELL = _unique([b for b in RUN if b.lang == "bash"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", _SHELL, ids=lambda b: b.where)
+def test_shell_examples(block, tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    for words in _commands(block.text):
+        out_file = None
+        if len(words) > 2 and words[-2] == ">":
+            words, out_file = words[:-2], words[-1]
+        done = cli_in_child(*words[1:], cwd=tmp_path, env=env)
+        assert done.returncode == 0, f"{block.where}: {' '.join(words)}\n{done.stderr[-3000:]}"
+        if out_file:
+            (tmp_path / out_file).write_text(done.stdout)
+
+
+def _console(block: Block) -> list[tuple[list[str], list[str]]]:
+    runs: list[tuple[list[str], list[str]]] = []
+    for line in block.text.splitlines():
+        if line.startswith("$ "):
+            runs.append((shlex.split(line[2:]), []))
+        elif line.strip() and runs:
+            runs[-1][1].append(line.strip())
+    return runs
+
+
+def _check_console(block: Block, run) -> None:
+    for argv, expected in _console(block):
+        assert argv[0] == "oomguard", f"{block.where}: {argv} is not an oomguard command"
+        printed = run(argv[1:])
+        for line in expected:  # "..." stands for any text, as in doctest
+            pattern = ".*".join(re.escape(part) for part in line.split("..."))
+            assert re.search(pattern, printed), (
+                f"{block.where}: {' '.join(argv)} did not print\n{line}\nit printed:\n{printed}")
+
+
+_CONSOLE = [pytest.param(b, id=b.where, marks=() if b.mark == ("test", "fast") else pytest.mark.slow)
+            for b in RUN if b.lang == "console"]
+
+
+@pytest.mark.parametrize("block", _CONSOLE)
+def test_console_examples(block, tmp_path, monkeypatch):
+    """In-process (``main``): these are the one-line errors given before any work."""
+    from oomguard.engine.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def run(argv):
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            main(argv)
+        return out.getvalue() + err.getvalue()
+
+    _check_console(block, run)
