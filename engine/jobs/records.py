@@ -35,8 +35,7 @@ class SearchSpec:
     """Bounds of the per-metric size search (trials, seconds), its first size, and the
     E10 increment ``step`` when the job file gives one (None: the default Guided search).
     ``estimate``: on a first run, skip the search where the estimated peak of the whole
-    sample count fits the budget (None: on CUDA only,
-    :func:`~oomguard.engine.core.search.seed.wanted`)."""
+    sample count fits the budget (off by default, as a search's ``estimate``)."""
 
     enabled: bool = True
     max_trials: int = 6
@@ -44,7 +43,7 @@ class SearchSpec:
     start: int = 8
     step: int | None = None
     max_size: int = 4096
-    estimate: bool | None = None
+    estimate: bool = False
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ from oomguard.engine.core.memory.forensics import start_history
 from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.engine.core.memory.host_limit import limit_budget, unbudgeted_limit
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom, release_memory
-from oomguard.engine.core.search import seed
 from oomguard.engine.core.search.search import SearchConfig
 from oomguard.engine.core.search.strategies import E10, Guided
 from oomguard.engine.errors import ExecutionFailed, RestartNeeded, TrialFailed, first_line
@@ -198,7 +197,7 @@ class _Search:
         # The default strategy (Guided) from ``start``; a ``step`` the job file gives names
         # the E10 routine with that increment, as --step does on the command line.
         skip = sizing.estimated_fit(
-            _estimate_copy(self.task, job, knob, sizes) if seed.wanted(spec.estimate, job.device)
+            _estimate_copy(self.task, job, knob, sizes) if spec.estimate
             else None, metric=self.task.metric, knob=knob, cap=cap, unit=unit,
             budget_bytes=job.budget_bytes, device=str(job.device))
         if skip is not None:  # the whole sample count fits by the estimate: no trial

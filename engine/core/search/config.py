@@ -49,10 +49,10 @@ class SearchConfig:
     steady one). ``verify_steps``: further steps run at the recommended size after the
     search, any OOM reported (0: no verification). ``estimate``: before the first trial,
     estimate the peaks with fake tensors (:mod:`~oomguard.engine.core.search.seed`) and run
-    the largest size predicted to fit the headroom first (True: try on any workload; None,
-    the default: on CUDA, where the strategy is ``Guided`` and the workload supports
-    estimates, since on CPU the estimate costs more seconds than the trials it saves; False:
-    never); an estimate that fails leaves the search as without it.
+    the largest size predicted to fit the headroom first; off by default: measured on CPU it
+    saved a trial on linear workloads but cost more seconds than it saved, and took more
+    trials on curves (docs/measurements.md#estimate-seed-cost). An estimate that fails
+    leaves the search as without it.
 
     ``restore``: the modules and optimizers a training step changes, e.g. ``(model,
     optimizer)``, so the searched step can be the whole one (forward, backward,
@@ -83,7 +83,7 @@ class SearchConfig:
     steps_per_trial: int | None = None
     verify_steps: int = 0
     restore: tuple = ()
-    estimate: bool | None = None
+    estimate: bool = False
 
     def __post_init__(self) -> None:
         # frozen: the checked tuple replaces what was given (a list, one module)
@@ -113,8 +113,8 @@ class SearchConfig:
         _require(_is_number(self.verify_steps) and isinstance(self.verify_steps, int)
                  and self.verify_steps >= 0,
                  f"verify_steps must be a whole number >= 0, got {self.verify_steps!r}")
-        _require(self.estimate is None or isinstance(self.estimate, bool),
-                 f"estimate must be True, False or None, got {self.estimate!r}")
+        _require(isinstance(self.estimate, bool),
+                 f"estimate must be True or False, got {self.estimate!r}")
         for name in ("isolate", "confirm"):
             _require(isinstance(getattr(self, name), bool),
                      f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -138,7 +138,7 @@ class SearchConfig:
                 "max_trials": self.max_trials, "max_seconds": self.max_seconds,
                 "margin": self.margin, "steps_per_trial": self.steps_per_trial,
                 "verify_steps": self.verify_steps,
-                **({"estimate": self.estimate} if self.estimate is not None else {}),
+                **({"estimate": True} if self.estimate else {}),
                 **({"restore": [type(o).__name__ for o in self.restore]} if self.restore else {})}
 
     def trial_steps(self, workload_steps: int) -> int:

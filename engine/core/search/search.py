@@ -43,14 +43,8 @@ from oomguard.engine.core.search.fit import (
     recommend,
 )
 from oomguard.engine.core.search.isolate import IsolatedRunner
-from oomguard.engine.core.search.seed import (
-    Seeded,
-    SeedPlan,
-    plan_seed,
-    supports_estimate,
-)
-from oomguard.engine.core.search.seed import wanted as seed_wanted
-from oomguard.engine.core.search.strategies import Confirm, Guided, Strategy, bracket
+from oomguard.engine.core.search.seed import Seeded, SeedPlan, plan_seed
+from oomguard.engine.core.search.strategies import Confirm, Strategy, bracket
 from oomguard.engine.core.search.trial import Trial, run_trial, warm_up_trials
 from oomguard.engine.core.snapshot import Snapshot
 from oomguard.engine.core.workload import knob_of, name_of, steps_of
@@ -288,13 +282,9 @@ class _Search:
 def _seed_plan(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device
                ) -> SeedPlan | None:
     """The estimates that seed the search (:mod:`~oomguard.engine.core.search.seed`), where
-    ``cfg.estimate`` asks for them (None: a Guided search on CUDA of a workload that supports
-    estimates, :func:`~oomguard.engine.core.search.seed.wanted`); None otherwise or where the
-    estimate fails."""
-    if not seed_wanted(cfg.estimate, dev) or dev.type not in ("cpu", "cuda"):
-        return None
-    if cfg.estimate is None and not (isinstance(cfg.strategy, Guided) and not cfg.restore
-                                     and supports_estimate(fn)):
+    ``cfg.estimate`` asks for them, on cpu or cuda; None otherwise or where the estimate
+    fails."""
+    if not cfg.estimate or dev.type not in ("cpu", "cuda"):
         return None
     # the budget: the headroom each trial starts with (None: known after the warm-up)
     return plan_seed(fn, dev, getattr(cfg.strategy, "start", 32), cfg.max_size, cfg.budget)

@@ -130,27 +130,6 @@ class Seeded:
         return size if size > lo and not any(x.size == size for x in trials) else None
 
 
-def wanted(estimate: bool | None, device: torch.device | str) -> bool:
-    """Whether a search (or a job's first sizing) starts from an estimate: ``estimate`` where
-    it is given; by default (None) on CUDA only. On CPU the estimate costs more than the
-    trials it saves (docs/measurements.md#estimate-seed-cost: on the tiny GPT-2 step an
-    in-process search took 4 trials in 9.5 to 10.6 s seeded, 6 to 7 trials in 3.5 to 4.3 s
-    without), because a CPU trial of a small model takes half a second and the estimate's
-    fresh process several; a GPU trial of a model worth sizing costs seconds, and every OOM
-    avoided there is one the allocator does not have to recover from."""
-    if estimate is not None:
-        return estimate
-    return torch.device(device).type == "cuda"
-
-
-def supports_estimate(fn: Any) -> bool:
-    """Whether ``fn`` says it can be estimated: it has ``estimate_peak(size, device)`` or
-    ``for_estimate(device)`` (the workload protocol, :mod:`~oomguard.engine.core.workload`), as
-    the built-in training step and metrics do. Other callables may still be estimated
-    (``estimate=True``): their tensors are then made fake as they are created."""
-    return own_estimate(fn) is not None or callable(getattr(fn, "for_estimate", None))
-
-
 @dataclass
 class SeedPlan:
     """The estimated peaks (bytes above the warmed-up state, estimates, not measurements) at
