@@ -55,11 +55,13 @@ METHOD = "fake tensors (FakeTensorMode) + storage bytes counted at dispatch"
 @dataclass
 class _Running:
     """The estimate in progress: the device type it is for, where host-side bookkeeping
-    goes, the shortcuts' notes (None: shortcuts off)."""
+    goes, the shortcuts' notes (None: shortcuts off), whether its matrix multiplies'
+    workspace is replayed."""
 
     target: str
     host: str
     cuts: set[str] | None
+    replay: bool = False
 
 
 # A context variable, so an estimate changes it for its own run only.
@@ -312,6 +314,18 @@ def shortcut(why: str, devices: tuple[str, ...] = ("cpu", "cuda")) -> bool:
     return True
 
 
+def replays_workspace() -> bool:
+    """Whether an :func:`estimate` is running whose matrix-multiply workspace is replayed
+    (a cpu target, ``workspace=True``). Its warm-up must then run as a trial's does (at the
+    knob's minimum, not the cheaper largest size): the bytes a size's multiplies add to the
+    BLAS buffers depend on the largest multiplies the warm-up ran (measured: a warm-up at
+    captum's 16 rows per forward left the trials' 8-row multiplies 0 bytes to add, where a
+    trial warmed up at 1 row adds 2.5 MB; docs/measurements.md, issue 28). False in a real
+    run and in other estimates."""
+    running = _RUNNING.get()
+    return running is not None and running.replay
+
+
 def fake_device(device: str | torch.device) -> tuple[torch.device, list[str]]:
     """The device fake tensors can live on for an estimate for ``device`` (cpu or cuda),
     with a note where it is not ``device`` itself; UsageError for other devices."""
@@ -383,7 +397,8 @@ class EstimateSession:
         target = torch.device(self.device).type
         cut: set[str] = set()
         running = _RUNNING.set(_Running(target, "meta" if self.dev.type != target else "cpu",
-                                        cut if self.shortcuts else None))
+                                        cut if self.shortcuts else None,
+                                        self.cpu and self.workspace))
         try:
             with counter.fake_mode, counter:
                 if self.warm is None:
