@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.estimate.estimate import replays_workspace
 from oomguard.engine.core.search.trial import SAMPLE_KNOBS
-from oomguard.engine.core.workload import RebuiltInChild
+from oomguard.engine.core.workload import RebuiltInChild, replays_workspace
 from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.metrics.base import Metric, get_metric
 from oomguard.metrics.models import make_batch, model_config, model_modules
@@ -136,7 +135,7 @@ class MetricTrial(RebuiltInChild):
         minimum on the first sample (for an estimate, at its largest useful size: fake
         tensors cost no memory, and the fewest, largest pieces cost the fewest operations;
         except where the estimate replays the matrix multiplies' workspace, which needs the
-        trial's own warm-up: :func:`~oomguard.engine.core.estimate.estimate.replays_workspace`)."""
+        trial's own warm-up: :func:`~oomguard.engine.core.workload.replays_workspace`)."""
         if "model" in self._state:
             return
         model = build_for(self._state, self.model, self.dtype, self.device, self.seed)

@@ -4,7 +4,8 @@
 (tensors with shape, dtype and device but no data or memory: a 7B model's training step is
 estimated on a laptop for a GPU it does not have), and a dispatch mode counts the bytes of
 every tensor storage the work creates and frees. The estimate is the highest count above
-what existed before the size ran: what a trial measures above the warmed-up process. An
+what existed before the size ran: what a trial measures above the warmed-up process, on the
+same data (a workload's ``worst_case_batch(size)`` where it has one). An
 operation on real inputs only (token ids, masks) runs for real when its outputs are small
 (:data:`REAL_LIMIT`, :data:`REAL_FLOAT_LIMIT`), so control flow follows the data; a Python
 number read from a fake tensor (``float(loss)``) reads as 1, and the notes count them.
