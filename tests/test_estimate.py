@@ -87,7 +87,7 @@ def test_internal_batch_size_estimate_warms_up_as_its_trial_does():
 @pytest.mark.slow
 def test_cka_estimate_counts_its_gram_multiplies_on_the_worst_case_data():
     # cka's float64 Gram accumulation (addmm_, in place) keeps 1.6-2.4 MB of MKL buffers that
-    # were not replayed (-31% at chunk 2 before); on the padded data the estimate would
+    # were not replayed (-24.1% at chunk 2 before); on the padded data the estimate would
     # replay four distinct smaller multiplies where the trial's worst case makes one.
     est, workspace, meas, err = _error(MetricTrial("cka", n_samples=4, seq_len=128), 2)
     assert workspace > MiB, f"{workspace} bytes of workspace"
