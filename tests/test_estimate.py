@@ -76,12 +76,14 @@ def test_metric_estimate_within_5_percent_of_measured(metric):
 def test_internal_batch_size_estimate_warms_up_as_its_trial_does():
     # A trial warms up at internal_batch_size 1 (1 row per forward), so the size's 4-row
     # multiplies grow the BLAS buffers; an estimate warmed up at the largest useful size
-    # (8 rows) replayed them as adding nothing: -12.3% measured before, -1.9% now.
+    # (8 rows) replayed them as adding nothing: -12.3% measured before, -1.9% now alone,
+    # -3.3% and -3.7% after the other estimate and layout tests in one pytest process
+    # (replayed 0.73 MB there, 1.20 MB alone): 5% holds both and fails the old -12%.
     work = MetricTrial("integrated_gradients", knob="internal_batch_size", n_samples=4,
                        seq_len=64, params={"n_steps": 8})
     est, workspace, meas, err = _error(work, 4)
     assert workspace > 0, "the size's multiplies are new after the trial's warm-up"
-    assert abs(err) < 0.03, f"estimated {est} ({workspace} workspace), measured {meas} ({err:+.2%})"
+    assert abs(err) < 0.05, f"estimated {est} ({workspace} workspace), measured {meas} ({err:+.2%})"
 
 
 @pytest.mark.slow
@@ -89,9 +91,11 @@ def test_cka_estimate_counts_its_gram_multiplies_on_the_worst_case_data():
     # cka's float64 Gram accumulation (addmm_, in place) keeps 1.6-2.4 MB of MKL buffers that
     # were not replayed (-24.1% at chunk 2 before); on the padded data the estimate would
     # replay four distinct smaller multiplies where the trial's worst case makes one.
+    # Measured: +0.2% where the replay kept 2.43 MB, -1.8% where it kept 1.64 MB (its own
+    # spread between runs): bound 2.5%.
     est, workspace, meas, err = _error(MetricTrial("cka", n_samples=4, seq_len=128), 2)
     assert workspace > MiB, f"{workspace} bytes of workspace"
-    assert abs(err) < 0.015, f"estimated {est} ({workspace} workspace), measured {meas} ({err:+.2%})"
+    assert abs(err) < 0.025, f"estimated {est} ({workspace} workspace), measured {meas} ({err:+.2%})"
 
 
 class _WorstCase:
