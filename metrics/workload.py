@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from oomguard.engine.core.search.trial import SAMPLE_KNOBS
-from oomguard.engine.core.workload import RebuiltInChild
+from oomguard.engine.core.workload import RebuiltInChild, replays_workspace
 from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.metrics.base import Metric, get_metric
 from oomguard.metrics.models import make_batch, model_config, model_modules
@@ -133,7 +133,9 @@ class MetricTrial(RebuiltInChild):
     def warmup(self) -> None:
         """Build model and data (not budgeted) and run the metric once, at the knob's
         minimum on the first sample (for an estimate, at its largest useful size: fake
-        tensors cost no memory, and the fewest, largest pieces cost the fewest operations)."""
+        tensors cost no memory, and the fewest, largest pieces cost the fewest operations;
+        except where the estimate replays the matrix multiplies' workspace, which needs the
+        trial's own warm-up: :func:`~oomguard.engine.core.workload.replays_workspace`)."""
         if "model" in self._state:
             return
         model = build_for(self._state, self.model, self.dtype, self.device, self.seed)
@@ -147,7 +149,10 @@ class MetricTrial(RebuiltInChild):
         # the full data at a fraction of the cost (a Lanczos run at micro-batch 1
         # over all samples took ~50 s on 2 cores).
         self._state.update(model=model, data={k: v[:1] for k, v in data.items()})
-        self(self._state.get("warm_size") or self.minimum())
+        # An estimate that replays the multiplies' workspace warms up as the trial it
+        # predicts does: what a size adds to the BLAS buffers depends on the warm-up's.
+        warm = None if replays_workspace() else self._state.get("warm_size")
+        self(warm or self.minimum())
         self._state.update(data=data, worst_case=worst)
 
     def built(self) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

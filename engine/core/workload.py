@@ -25,7 +25,8 @@ Methods:
   :func:`warm_up`
 - ``worst_case_batch(size)``: the batch of ``size`` items that costs the most memory
   (every sample at the longest length); trials then call ``fn(size,
-  batch=fn.worst_case_batch(size))`` (:mod:`~oomguard.engine.core.search.trial`).
+  batch=fn.worst_case_batch(size))`` (:mod:`~oomguard.engine.core.search.trial`), and so
+  does an estimate of them.
   :func:`worst_case_maker`
 - ``estimate_peak(size, device) -> int``: the workload's own estimate of its peak at
   ``size`` on ``device`` (where the estimate is made: ``"cpu"``, ``"cuda:0"``), in bytes
@@ -43,7 +44,8 @@ calls its ``warmup()`` there. A workload that keeps what ``warmup()`` built in
 
 Inside an estimate, a workload may call what the estimator implements:
 :func:`shortcut` (run once a step it repeats identically), :func:`host_device` (where
-host-side bookkeeping goes) and :func:`fake_module` (a model with no weights).
+host-side bookkeeping goes), :func:`fake_module` (a model with no weights) and
+:func:`replays_workspace` (whether its warm-up must run as a trial's does).
 """
 
 from __future__ import annotations
@@ -52,11 +54,17 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from oomguard.engine.core.estimate.estimate import fake_module, host_device, shortcut
+from oomguard.engine.core.estimate.estimate import (
+    fake_module,
+    host_device,
+    replays_workspace,
+    shortcut,
+)
 from oomguard.engine.errors import UsageError
 
 __all__ = ["RebuiltInChild", "Workload", "estimate_copy", "fake_module", "host_device",
-           "knob_of", "name_of", "own_estimate", "preload_of", "shortcut", "steps_of",
+           "knob_of", "name_of", "own_estimate", "preload_of", "replays_workspace", "shortcut",
+           "steps_of",
            "warm_up", "worst_case_maker"]
 
 

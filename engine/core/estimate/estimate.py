@@ -4,7 +4,8 @@
 (tensors with shape, dtype and device but no data or memory: a 7B model's training step is
 estimated on a laptop for a GPU it does not have), and a dispatch mode counts the bytes of
 every tensor storage the work creates and frees. The estimate is the highest count above
-what existed before the size ran: what a trial measures above the warmed-up process. An
+what existed before the size ran: what a trial measures above the warmed-up process, on the
+same data (a workload's ``worst_case_batch(size)`` where it has one). An
 operation on real inputs only (token ids, masks) runs for real when its outputs are small
 (:data:`REAL_LIMIT`, :data:`REAL_FLOAT_LIMIT`), so control flow follows the data; a Python
 number read from a fake tensor (``float(loss)``) reads as 1, and the notes count them.
@@ -57,11 +58,13 @@ METHOD = "fake tensors (FakeTensorMode) + storage bytes counted at dispatch"
 @dataclass
 class _Running:
     """The estimate in progress: the device type it is for, where host-side bookkeeping
-    goes, the shortcuts' notes (None: shortcuts off)."""
+    goes, the shortcuts' notes (None: shortcuts off), whether its matrix multiplies'
+    workspace is replayed."""
 
     target: str
     host: str
     cuts: set[str] | None
+    replay: bool = False
 
 
 # A context variable, so an estimate changes it for its own run only.
@@ -314,6 +317,18 @@ def shortcut(why: str, devices: tuple[str, ...] = ("cpu", "cuda")) -> bool:
     return True
 
 
+def replays_workspace() -> bool:
+    """Whether an :func:`estimate` is running whose matrix-multiply workspace is replayed
+    (a cpu target, ``workspace=True``). Its warm-up must then run as a trial's does (at the
+    knob's minimum, not the cheaper largest size): the bytes a size's multiplies add to the
+    BLAS buffers depend on the largest multiplies the warm-up ran (measured: a warm-up at
+    captum's 16 rows per forward left the trials' 8-row multiplies 0 bytes to add, where a
+    trial warmed up at 1 row adds 2.5 MB; docs/measurements.md, issue 28). False in a real
+    run and in other estimates."""
+    running = _RUNNING.get()
+    return running is not None and running.replay
+
+
 def fake_device(device: str | torch.device) -> tuple[torch.device, list[str]]:
     """The device fake tensors can live on for an estimate for ``device`` (cpu or cuda),
     with a note where it is not ``device`` itself; UsageError for other devices."""
@@ -393,7 +408,7 @@ class EstimateSession:
 
     def at(self, sizes: Sequence[int]) -> list[Estimate]:
         """One :class:`Estimate` per size, in order (the warm-up first, on the first call)."""
-        from oomguard.engine.core.workload import warm_up  # why: as in estimate()
+        from oomguard.engine.core.workload import warm_up, worst_case_maker  # why: as above
         sizes = list(sizes)
         for size in sizes:
             check_positive_int("size", size)
@@ -402,7 +417,8 @@ class EstimateSession:
         target = torch.device(self.device).type
         cut: set[str] = set()
         running = _RUNNING.set(_Running(target, "meta" if self.dev.type != target else "cpu",
-                                        cut if self.shortcuts else None))
+                                        cut if self.shortcuts else None,
+                                        self.cpu and self.workspace))
         try:
             with counter.fake_mode, counter, _no_cycle_collection():
                 if self.warm is None:
@@ -411,7 +427,11 @@ class EstimateSession:
                 for size in sizes:
                     start = time.perf_counter()
                     counter.start()
-                    self.work(size)
+                    # On the data a trial measures: its worst case where the workload has one
+                    # (cka's Gram multiplies span the valid tokens: padded data made four
+                    # smaller, distinct ones where the trial makes one, read 14% high at 2).
+                    make = worst_case_maker(self.work)
+                    self.work(size) if make is None else self.work(size, batch=make(size))
                     extra = [*self.notes, *sorted(cut)]
                     if counter.placeholders:
                         extra.append(f"{counter.placeholders} Python number(s) read from fake "
