@@ -1,8 +1,8 @@
 """A job's first run skips the size search where the estimate already fits every sample
 (engine/jobs/sizing.py ``estimated_fit``): the size is the sample count, recorded as
 "estimated: fits all samples", and the report says so; where it does not fit, the search
-runs as before. On CPU only where the job asks (``[search] estimate = true``); the
-default there is no estimate. Real CPU budgets, each job in a fresh process."""
+runs as before. Only where the job asks (``[search] estimate = true``); by default a job
+searches (tests/golden/job). Real CPU budgets, each job in a fresh process."""
 
 from __future__ import annotations
 
@@ -48,20 +48,3 @@ def test_a_job_whose_samples_do_not_all_fit_searches(tmp_path: Path) -> None:
     assert got["sizes"]["source"] == "search" and got["search"]["trials"] >= 1
     assert "## Search cost" in got["report"]  # trials and seconds against the run
 
-
-@pytest.mark.slow
-def test_a_cpu_job_without_estimate_true_searches_as_before(tmp_path: Path) -> None:
-    path = Path(tmp_path) / "job.toml"
-    path.write_text(f'output = "{Path(tmp_path) / "out"}"\nbudget = "256MiB"\n'
-                    'models = ["tiny-gpt2"]\n[data]\nseq_len = 32\nn_samples = 16\n'
-                    '[[metrics]]\nname = "loss"\n', encoding="utf-8")
-    got = in_fresh_process(_run, str(path), str(tmp_path))
-    assert got["code"] == 0 and got["source"] == "search" and got["trials"] >= 1
-
-
-def _run(path: str, tmp_path: str) -> dict:
-    outcome = run_job(load_job(Path(path)), cache_path=Path(tmp_path) / "cache.json",
-                      progress=False)
-    sizes = outcome.results["loss"].sizes
-    return {"code": outcome.exit_code, "source": sizes["source"],
-            "trials": outcome.results["loss"].search["trials"]}
