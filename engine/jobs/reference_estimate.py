@@ -6,8 +6,9 @@ Every figure here is an estimate (:data:`~oomguard.engine.core.estimate.estimate
 written apart from a measured reference (``estimate-reference.*``, ``"source": "estimated"``).
 
 What makes it fast (a 32-layer 7B LLaMA's ``loss`` at two sizes took 25 s at full depth;
-every metric of it took 217 s on 2 loaded cores, 99 s with real inputs converted to fake
-once per operation's shapes; docs/measurements.md#estimate-reference):
+every metric of it, on 2 idle cores, 52 s before real inputs were converted to fake once
+per operation's shapes, 42 s after, 26 s with the metrics in two processes;
+docs/measurements.md#estimate-reference):
 
 - **Depth**: each size is estimated with 1, 2 and 3 hidden layers and extrapolated to
   the real depth (:class:`Estimator`).
@@ -15,6 +16,8 @@ once per operation's shapes; docs/measurements.md#estimate-reference):
   (:func:`~oomguard.engine.core.estimate.estimate.shortcut`), and one warmed-up fake model
   per depth serves every size a knob's search asks for
   (:class:`~oomguard.engine.core.estimate.estimate.EstimateSession`).
+- **Processes**: the metrics share nothing, so each is estimated in a worker of its own,
+  as many at once as there are CPUs (:func:`_each_metric`).
 - **Size**: sized as a job sizes a metric (:func:`~oomguard.engine.jobs.sizing.choose_sizes`),
   with an evaluator that estimates a few sizes instead of running (:class:`EstimateSearch`).
 
@@ -324,7 +327,7 @@ def _each_metric(names: Sequence[str], *args: Any
     """:func:`_metric_rows` of each of ``names``, in their order. The metrics share nothing,
     so on more than one CPU they are estimated in parallel, one process per CPU: the
     estimate is Python-bound (fake tensors dispatch each operation in Python), and the 7B
-    reference took 99 s on one core of two, 49 s on both
+    reference took 42 s in one process, 26 s in two on two idle cores
     (docs/measurements.md#estimate-reference). Sequential inside a daemonic process,
     which cannot start children, and with a plugin's metric, which a worker would not know."""
     workers = min(len(names), WORKERS or host.cpu_count())
