@@ -33,8 +33,9 @@ def add_reference(p: argparse.ArgumentParser) -> None:
                      "`oomguard run JOB --sizes sizes.toml`). Answers go in the size cache: a "
                      "second run reads them back without a trial, and a job with the same model, "
                      "dtype, sequence length, device and budget takes its sizes from there. With "
-                     "the defaults (14 rows, 17 trials for the tiny GPT-2), about 4 minutes on 2 "
-                     "loaded CPU cores (docs/guides/reports.md#how-long-the-commands-take).")
+                     "the defaults (14 rows, 17 trials for the tiny GPT-2), 30 s on 2 idle CPU cores, "
+                     "up to 4 minutes on loaded ones "
+                     "(docs/guides/reports.md#how-long-the-commands-take).")
     add_workload_options(p, model="tiny-gpt2", dtype="float32",
                          seq_len=(32, "default 32, as a job file's [data]"),
                          samples=(8, "default 8, as a job file's [data]"))
