@@ -172,12 +172,6 @@ class Fresh:
         config = SearchConfig(strategy=Gallop(min(hint + 1, self.w.max_size)), isolate=True,
                               budget=self.w.budget_bytes, max_size=self.w.max_size)
         result, seconds, _ = timed_search(self.fn, config)
-        if result.max_ok is None and result.first_oom is None and result.trials == []:
-            # the first trial failed for a reason other than memory (a child that crashed
-            # with no sign of an OOM, once in a loaded CI run): say so, and measure again
-            print(f"  brute force: {result.stopped_because}; searching again",
-                  file=sys.stderr, flush=True)
-            result, seconds, _ = timed_search(self.fn, config)
         for t in result.trials:
             self.runs.setdefault(t.size, []).append(t.ok)
         m, first_oom = result.max_ok, result.first_oom

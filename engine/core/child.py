@@ -387,7 +387,7 @@ ALLOCATION_FAILURES: tuple[str, ...] = (
     "std::bad_alloc",  # a C++ allocation failure nothing caught (terminate, SIGABRT)
 )
 # oneDNN's text counts only under a memory limit (docs/measurements.md#onednn-primitive).
-_ONEDNN_PRIMITIVE = "could not create a primitive"
+_ONEDNN_PRIMITIVE = ("could not create a primitive", "could not execute a primitive")
 
 # How close to its limit a budgeted child's sampled data segment must have come for its death by a
 # signal to count as running out of memory: a sixteenth of the budget, at least 4 MiB. Crashed LSTM
@@ -406,8 +406,9 @@ def oom_evidence(exitcode: int | None, stderr: str, budgeted: bool) -> str | Non
         if pattern in text:
             return f"it reported {pattern!r} on stderr"
     limits = (["the budget"] if budgeted else []) + list(host.memory_limits())
-    if _ONEDNN_PRIMITIVE in text and limits:
-        return f"it reported {_ONEDNN_PRIMITIVE!r} on stderr under {', '.join(limits)}"
+    onednn = next((p for p in _ONEDNN_PRIMITIVE if p in text), None)
+    if onednn is not None and limits:
+        return f"it reported {onednn!r} on stderr under {', '.join(limits)}"
     if killed_by_sigkill(exitcode) and limits:
         return f"under a memory limit: {', '.join(limits)}"
     return None

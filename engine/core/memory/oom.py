@@ -83,6 +83,8 @@ OOM_TABLE: tuple[OomText, ...] = (
     OomText("out of memory trying to allocate", _RT, False, "c10 allocators"),
     # The rows below also have causes that are not memory. docs/measurements.md#onednn-primitive
     OomText("could not create a primitive", _RT, True, "oneDNN building a kernel"),
+    # its scratchpad allocated when the kernel runs (an LSTM step under a budget)
+    OomText("could not execute a primitive", _RT, True, "oneDNN running a kernel"),
     # The next four: docs/measurements.md#cpu-oom-without-memoryerror. A thread's stack
     # (8 MiB) is private memory, counted by RLIMIT_DATA; with no memory limit near this is
     # a thread limit instead.
