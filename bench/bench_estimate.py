@@ -191,8 +191,6 @@ def main() -> None:
         print(f"| {name} | {size} | {est} ({fmt_bytes(est)}) | {fmt_bytes(ws)} | "
               f"{'OOM' if meas is None else f'{meas} ({fmt_bytes(meas)})'} | "
               f"{error(est, meas)} | {error(est - (ws or 0), meas)} | {es:.2f} | {ms:.2f} |")
-
-
     print(f"\nlargest error: {100 * worst:.2f}% over {len(rows)} rows")
 
 

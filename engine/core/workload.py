@@ -65,7 +65,7 @@ from oomguard.engine.errors import UsageError
 __all__ = ["RebuiltInChild", "Workload", "estimate_copy", "fake_module", "host_device",
            "knob_of", "name_of", "own_estimate", "preload_of", "replays_workspace", "shortcut",
            "steps_of",
-           "warm_up", "worst_case_maker"]
+           "warm_up", "worst_case_call", "worst_case_maker"]
 
 
 class Workload(Protocol):
@@ -144,6 +144,16 @@ def worst_case_maker(fn: Any) -> Callable[[int], Any] | None:
                          f"fn(size, batch=fn.worst_case_batch(size)); its call takes no "
                          f"'batch' argument: add one (batch=None: build the batch yourself)")
     return maker
+
+
+def worst_case_call(fn: Any) -> Callable[[int], Any]:
+    """``fn`` as a trial and an estimate call it: ``fn(size, batch=fn.worst_case_batch(size))``
+    where it has that hook (:func:`worst_case_maker`, which raises for a bad one), else ``fn``
+    itself. The batch is built inside the call, so it counts in the call's peak."""
+    make = worst_case_maker(fn)
+    if make is None:
+        return fn
+    return lambda size: fn(size, batch=make(size))
 
 
 def own_estimate(fn: Any) -> Callable[[int, str], int] | None:

@@ -408,10 +408,14 @@ class EstimateSession:
 
     def at(self, sizes: Sequence[int]) -> list[Estimate]:
         """One :class:`Estimate` per size, in order (the warm-up first, on the first call)."""
-        from oomguard.engine.core.workload import warm_up, worst_case_maker  # why: as above
+        from oomguard.engine.core.workload import warm_up, worst_case_call  # why: as above
         sizes = list(sizes)
         for size in sizes:
             check_positive_int("size", size)
+        # On the data a trial measures: its worst case where the workload has one (cka's Gram
+        # multiplies span the valid tokens: padded data made four smaller, distinct ones where
+        # the trial makes one, read 14% high at 2).
+        call = worst_case_call(self.work)
         counter, out = self.counter, []
         runs: list[tuple[dict[tuple, tuple[int, int]], list[int]]] = []
         target = torch.device(self.device).type
@@ -427,11 +431,7 @@ class EstimateSession:
                 for size in sizes:
                     start = time.perf_counter()
                     counter.start()
-                    # On the data a trial measures: its worst case where the workload has one
-                    # (cka's Gram multiplies span the valid tokens: padded data made four
-                    # smaller, distinct ones where the trial makes one, read 14% high at 2).
-                    make = worst_case_maker(self.work)
-                    self.work(size) if make is None else self.work(size, batch=make(size))
+                    call(size)
                     extra = [*self.notes, *sorted(cut)]
                     if counter.placeholders:
                         extra.append(f"{counter.placeholders} Python number(s) read from fake "

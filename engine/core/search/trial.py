@@ -30,7 +30,7 @@ import torch
 
 from oomguard.engine.core.memory.budget import active_budget, headroom_bytes, tighten_active_budget
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom, release_memory
-from oomguard.engine.core.workload import name_of, warm_up, worst_case_maker
+from oomguard.engine.core.workload import name_of, warm_up, worst_case_call
 from oomguard.engine.errors import first_line
 from oomguard.engine.util.jsonable import to_jsonable
 from oomguard.probes.peak import PeakMeter
@@ -114,10 +114,8 @@ def warm_up_trials(fn: Callable[[int], Any], device: str | torch.device = "cpu",
         warm_up(fn)
         return
     try:
-        make_batch = worst_case_maker(fn)  # a bad hook: said by the first trial, as before
-        outcome = call_catching_oom(lambda: fn(1) if make_batch is None
-                                    else fn(1, batch=make_batch(1)), device=device,
-                                    workload=name_of(fn))
+        call = worst_case_call(fn)  # a bad hook: said by the first trial, as before
+        outcome = call_catching_oom(call, 1, device=device, workload=name_of(fn))
         failed = outcome.message if isinstance(outcome, OOM) else None
     except Exception as exc:  # noqa: BLE001 - not a trial: a size-1 call may be refused
         failed = f"{type(exc).__name__}: {first_line(exc)[:300]}"
@@ -136,7 +134,7 @@ def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = 
     an OOM). With a ``guard`` (CPU only), its watchdog stops the trial past the guard's
     limit and a measured peak past it counts as out of memory (``Trial.guarded``).
     """
-    make_batch = worst_case_maker(fn)
+    call = worst_case_call(fn)
     dev = torch.device(device)
     release_memory(dev)
     tighten_active_budget()
@@ -159,7 +157,7 @@ def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = 
                 t0 = time.perf_counter()
                 # The batch is a temporary: freed when the step returns, as the real
                 # run drops one batch before it builds the next.
-                result = fn(n) if make_batch is None else fn(n, batch=make_batch(n))
+                result = call(n)
                 step_seconds.append(time.perf_counter() - t0)
                 step_peaks.append(meter.read())
         return result
@@ -173,7 +171,7 @@ def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = 
     common: dict[str, Any] = {"size": size, "seconds": seconds, "steps": steps,
                               "step_peaks": step_peaks, "headroom_bytes": headroom,
                               "limit_units": _limit_units(meter, budgeted, guard),
-                              "worst_case": make_batch is not None}
+                              "worst_case": call is not fn}
     # The guard's exception (a MemoryError raised into this thread) may have been caught by
     # the workload's own code: the guard tripped all the same.
     if watch is not None and watch.tripped is not None:
