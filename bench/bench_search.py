@@ -20,7 +20,7 @@ import time
 
 from oomguard.engine.core.child import forkserver_context
 from oomguard.engine.core.search.search import SearchConfig, search
-from oomguard.engine.core.search.strategies import E10, Doubling, LinearJump
+from oomguard.engine.core.search.strategies import Doubling, ExpandBisect, LinearJump
 from oomguard.metrics.synthetic import e10_line
 from oomguard.metrics.train_step import TrainStep
 
@@ -37,7 +37,7 @@ def _workloads(quick: bool) -> dict[str, tuple[object, int]]:
 
 
 def _strategies(capacity: int) -> dict[str, object]:
-    return {"e10": E10(start=32, step=8), "doubling": Doubling(start=32),
+    return {"e10": ExpandBisect(start=32, step=8), "doubling": Doubling(start=32),
             "linear-jump": LinearJump(capacity_bytes=capacity)}
 
 

@@ -51,7 +51,7 @@ from peer_workloads import PRELOAD, Workload, workloads
 from oomguard.engine.core.child import Child, forkserver_context
 from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
-from oomguard.engine.core.search.strategies import E10, Doubling, Guided, Strategy, bracket
+from oomguard.engine.core.search.strategies import Doubling, ExpandBisect, Guided, Strategy, bracket
 from oomguard.engine.core.search.trial import Trial
 from oomguard.engine.core.workload import steps_of
 from oomguard.engine.errors import SearchFailed
@@ -61,9 +61,9 @@ ISOLATED = "oomguard guided, isolated"
 CONFIRMED = "oomguard guided, confirmed"
 E10_ISOLATED = "oomguard e10, isolated"
 SEEDED, SEEDED_ISOLATED = "oomguard guided + estimate", "oomguard guided + estimate, isolated"
-OURS: dict[str, Any] = {"oomguard e10": lambda: E10(start=32, step=8),
+OURS: dict[str, Any] = {"oomguard e10": lambda: ExpandBisect(start=32, step=8),
                         "oomguard doubling": lambda: Doubling(start=32),
-                        "oomguard guided": Guided, E10_ISOLATED: lambda: E10(start=32, step=8),
+                        "oomguard guided": Guided, E10_ISOLATED: lambda: ExpandBisect(start=32, step=8),
                         ISOLATED: Guided, CONFIRMED: Guided, SEEDED: Guided,
                         SEEDED_ISOLATED: Guided}
 # The row each estimate row is compared with: the same search without the estimate.

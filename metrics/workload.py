@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from oomguard.engine.core.search.strategies import why_chosen
 from oomguard.engine.core.search.trial import SAMPLE_KNOBS
 from oomguard.engine.core.workload import RebuiltInChild, replays_workspace
 from oomguard.engine.errors import UsageError, check_positive_int
@@ -225,6 +226,11 @@ class InUnits:
         scaled = [dataclasses.replace(t, size=t.size // self.unit) for t in trials]
         k = self.inner.next(scaled, max_size // self.unit)
         return None if k is None else k * self.unit
+
+    def why(self, trials: Sequence[Any], size: int) -> str:
+        """The inner strategy's reason, in units of ``unit``."""
+        scaled = [dataclasses.replace(t, size=t.size // self.unit) for t in trials]
+        return f"{why_chosen(self.inner, scaled, size // self.unit)} (in units of {self.unit})"
 
 
 def in_whole_units(start: int, step: int, unit: int, max_size: int) -> tuple[int, int, int]:

@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from oomguard.engine.core.search.seed import FITS_ALL
 from oomguard.engine.errors import size_list
 from oomguard.engine.util.atomic import atomic_write
 from oomguard.engine.util.jsonable import json_text
@@ -271,8 +270,7 @@ def _metric_row(key: str, t: Mapping[str, Any], where: bool) -> str:
 
 def _search_cost(tasks: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Per metric whose sizes this run chose: the search's trials and seconds against the
-    metric's own run (measured seconds), or that the estimate fitted every sample and no
-    search ran; nothing where no metric searched (sizes pinned, cached or defaults)."""
+    metric's own run (measured seconds); nothing where no metric searched (sizes pinned, cached or defaults)."""
     rows = []
     for key, t in tasks.items():
         searches = t.get("searches") or ([t["search"]] if t.get("search") else [])
@@ -289,9 +287,7 @@ def _search_cost(tasks: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return ["## Search cost", "",
             "| metric | sizes by | trials | search seconds | run seconds |",
             "|---|---|---:|---:|---:|", *rows, "",
-            "Seconds are measured; a search's include the estimate that chose or replaced it "
-            f"(\"{FITS_ALL}\": the estimated peak at the sample count kept the margin of the "
-            "budget free, so no trial ran).", ""]
+            "Seconds are measured.", ""]
 
 
 def _metrics(summary: Mapping[str, Any], kinds: Counter[str]) -> list[str]:

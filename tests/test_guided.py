@@ -19,7 +19,7 @@ import torch
 from conftest import in_fresh_process
 
 from oomguard import search
-from oomguard.engine.core.search.strategies import E10, bracket
+from oomguard.engine.core.search.strategies import ExpandBisect, bracket
 from oomguard.metrics.synthetic import e10_line
 from oomguard.metrics.train_step import TrainStep
 from oomguard.results import Trial
@@ -90,7 +90,7 @@ def test_guided_on_a_linear_curve_needs_four_trials_where_e10_needs_many() -> No
         peak = 30 * MiB + 7 * MiB * size
         return peak if peak <= 1024 * MiB else None
 
-    guided, e10 = _simulate(Guided(), linear), _simulate(E10(), linear)
+    guided, e10 = _simulate(Guided(), linear), _simulate(ExpandBisect(), linear)
     assert bracket(guided) == bracket(e10) == (142, 143)
     assert len(guided) == 4 < len(e10)
 

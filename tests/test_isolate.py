@@ -31,7 +31,7 @@ from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.engine.core.memory.oom import gc_frozen
 from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.core.search.search import search
-from oomguard.engine.core.search.strategies import E10, Guided
+from oomguard.engine.core.search.strategies import ExpandBisect, Guided
 from oomguard.engine.core.search.trial import run_trial
 from oomguard.engine.errors import ChildCrashed, ChildStartFailed, TrialFailed, UsageError
 from oomguard.metrics.synthetic import LinearAlloc
@@ -212,7 +212,7 @@ def test_a_real_oom_in_an_isolated_child_is_still_an_oom():
 @pytest.mark.slow
 def test_a_crash_under_a_budget_ends_the_search_with_the_trials_before_it():
     with pytest.raises(TrialFailed) as info:
-        search(ExitsAt(41), strategy=E10(start=25, step=8), budget=128 * MiB, isolate=True)
+        search(ExitsAt(41), strategy=ExpandBisect(start=25, step=8), budget=128 * MiB, isolate=True)
     exc = info.value
     assert isinstance(exc.__cause__, ChildCrashed)
     assert str(exc.__cause__) == (

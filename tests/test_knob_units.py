@@ -9,7 +9,7 @@ import json
 import pytest
 
 from oomguard.engine.cli.main import main
-from oomguard.engine.core.search.strategies import E10, Doubling
+from oomguard.engine.core.search.strategies import Doubling, ExpandBisect
 from oomguard.engine.core.search.trial import Trial
 from oomguard.metrics.workload import InUnits, MetricTrial
 
@@ -25,11 +25,11 @@ def _drive(strategy, fits, max_size: int = 65536) -> list[int]:
 
 
 def test_in_units_proposes_only_multiples_and_closes_one_unit_apart():
-    e10 = _drive(InUnits(E10(start=1, step=1), 64), lambda s: s <= 700)
+    e10 = _drive(InUnits(ExpandBisect(start=1, step=1), 64), lambda s: s <= 700)
     assert e10 == [64 * k for k in range(1, 12)]  # 640 fits, 704 is the first OOM
     doubling = _drive(InUnits(Doubling(start=1), 64), lambda s: s <= 700)
     assert doubling == [64, 128, 256, 512, 1024, 768, 640, 704]
-    capped = _drive(InUnits(E10(start=1, step=1), 64), lambda s: True, max_size=1024)
+    capped = _drive(InUnits(ExpandBisect(start=1, step=1), 64), lambda s: True, max_size=1024)
     assert capped == [64 * k for k in range(1, 17)]
 
 

@@ -17,7 +17,7 @@ from conftest import RaisesAt, in_fresh_process, once_per_run
 from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET, BudgetError, budget
 from oomguard.engine.core.memory.heap import free_heap_bytes, return_freed_memory_to_os
 from oomguard.engine.core.search.search import SearchConfig, search
-from oomguard.engine.core.search.strategies import E10, Doubling, LinearJump
+from oomguard.engine.core.search.strategies import Doubling, ExpandBisect, LinearJump
 from oomguard.engine.core.search.trial import Trial, run_trial
 from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError
 from oomguard.metrics.synthetic import LinearAlloc, e10_line
@@ -62,7 +62,7 @@ def _flat(size: int) -> int:
 
 
 def test_e10_sequence_and_answer():
-    sizes = _drive(E10(), _flat, lambda s: s <= 114)
+    sizes = _drive(ExpandBisect(), _flat, lambda s: s <= 114)
     assert [(s, s <= 114) for s in sizes] == E10_TABLE
 
 
@@ -72,11 +72,11 @@ def test_doubling_sequence_reaches_the_same_answer_in_fewer_trials():
 
 
 def test_start_that_does_not_fit_halves_then_bisects():
-    assert _drive(E10(start=32, step=8), _flat, lambda s: s <= 13) == [32, 16, 8, 12, 14, 13]
+    assert _drive(ExpandBisect(start=32, step=8), _flat, lambda s: s <= 13) == [32, 16, 8, 12, 14, 13]
 
 
 def test_nothing_fitting_halves_down_to_one_and_stops():
-    assert _drive(E10(), _flat, lambda s: False) == [32, 16, 8, 4, 2, 1]
+    assert _drive(ExpandBisect(), _flat, lambda s: False) == [32, 16, 8, 4, 2, 1]
 
 
 def test_linear_jump_fits_two_points_then_jumps_to_the_predicted_maximum():
@@ -143,8 +143,8 @@ def test_on_trial_sees_every_trial_in_order():
 
 @pytest.mark.parametrize(("call", "config"), [
     (dict(), {"strategy": "guided", "start": 32, "misses": 2}),
-    (dict(start=64, step=16), {"strategy": "e10", "start": 64, "step": 16}),
-    (dict(start=64), {"strategy": "e10", "start": 64, "step": 8}),
+    (dict(start=64, step=16), {"strategy": "expand-bisect", "start": 64, "step": 16}),
+    (dict(start=64), {"strategy": "expand-bisect", "start": 64, "step": 8}),
     (dict(strategy=Doubling(start=64)), {"strategy": "doubling", "start": 64, "factor": 2}),
     (dict(strategy=LinearJump(capacity_bytes=10**9, start=4)),
      {"strategy": "linear-jump", "capacity_bytes": 10**9, "start": 4}),
@@ -175,7 +175,7 @@ def test_search_config_object_and_overrides():
     (dict(start=64, step=16, strategy=Doubling()),
      "write strategy=Doubling(start=64, factor=2) (Doubling has no step)"),
     (dict(start=64, strategy=Doubling()), "write strategy=Doubling(start=64, factor=2)"),
-    (dict(step=4, strategy=E10(start=16)), "write strategy=E10(start=16, step=4)"),
+    (dict(step=4, strategy=ExpandBisect(start=16)), "write strategy=ExpandBisect(start=16, step=4)"),
 ])
 def test_start_or_step_with_a_strategy_is_a_usage_error_saying_how(kwargs, expected):
     with pytest.raises(UsageError) as info:
@@ -184,7 +184,7 @@ def test_start_or_step_with_a_strategy_is_a_usage_error_saying_how(kwargs, expec
 
 
 @dataclass(frozen=True)
-class LabelledE10(E10):
+class LabelledE10(ExpandBisect):
     """A user's strategy: E10 with a field of its own that is not a size."""
 
     label: str = "mine"
@@ -228,7 +228,7 @@ def test_start_and_step_with_a_config_strategy_is_a_usage_error():
     (dict(trial_timeout=float("inf")), "trial_timeout must be a positive number of seconds"),
     (dict(trial_timeout=True), "trial_timeout must be a positive number of seconds, got True"),
     (dict(device="tpu"), "unknown device 'tpu'"),
-    (dict(strategy="e10"), "strategy must be Guided(), E10(), Doubling(), LinearJump(capacity)"),
+    (dict(strategy="expand-bisect"), "strategy must be Guided(), ExpandBisect(), Doubling(), LinearJump(capacity)"),
 ])
 def test_bad_options_are_one_line_usage_errors(kwargs, words):
     calls: list[int] = []
@@ -244,7 +244,7 @@ def test_bad_options_are_one_line_usage_errors(kwargs, words):
 
 
 @pytest.mark.parametrize(("make", "words"), [
-    (lambda: E10(start=0), "start must be a positive integer, got 0"),
+    (lambda: ExpandBisect(start=0), "start must be a positive integer, got 0"),
     (lambda: Doubling(factor=1), "factor must be at least 2, got 1"),
     (lambda: Doubling(start=-2), "start must be a positive integer, got -2"),
     (lambda: LinearJump(capacity_bytes=0), "capacity_bytes must be a positive integer, got 0"),

@@ -11,6 +11,7 @@ import pytest
 
 from oomguard.engine.jobs import spec
 from oomguard.engine.jobs.example import example_text
+from oomguard.engine.core.search.config import SearchConfig
 from oomguard.engine.jobs.spec import JobError, line_of, parse_job
 
 METRIC = '[[metrics]]\nname = "loss"\n'
@@ -69,9 +70,15 @@ def _error(text: str, tmp_path: Path) -> str:
     ('[data]\nsource = "text"\npath = "missing.txt"\n' + METRIC,
      "line 3: data.path: data file not found: {tmp}/missing.txt"),
     ("search = 1\n" + METRIC, "line 1: search: expected a table [search], got int"),
-    ("[search]\nfoo = 1\n" + METRIC, "line 2: search.foo: unknown field; valid: enabled, "
-                                     "estimate, max_seconds, max_size, max_trials, start, "
-                                     "step"),
+    ("[search]\nfoo = 1\n" + METRIC, "line 2: search.foo: unknown field; valid: confirm, "
+                                     "enabled, isolate, margin, max_seconds, max_size, "
+                                     "max_trials, size_step, start, steps_per_trial, strategy, "
+                                     "trial_timeout"),
+    ('[search]\nstrategy = "fastest"\n' + METRIC, "line 2: search.strategy: unknown strategy "
+                                                 "'fastest': use one of guided, expand-bisect"),
+    ('[search]\nstrategy = "doubling"\nsize_step = 4\n' + METRIC,
+     "line 2: search.strategy: size_step is expand-bisect's increment; strategy doubling takes "
+     "none"),
     ("[search]\nenabled = 1\n" + METRIC, "line 2: search.enabled: expected true or false, got "
                                          "int 1"),
     ("[search]\nstep = 0\n" + METRIC, "line 2: search.step: expected a positive integer, got 0"),
@@ -117,6 +124,13 @@ def test_a_bad_field_is_one_line_naming_file_line_and_field(text: str, message: 
     assert expected in got, got
 
 
+def test_the_old_step_field_still_names_the_increment_with_a_deprecation(tmp_path: Path) -> None:
+    with pytest.warns(FutureWarning, match="size_step"):
+        job = parse_job("[search]\nstep = 4\n" + METRIC, path="job.toml", base=tmp_path)
+    config = SearchConfig.from_options(**job.search.options)
+    assert (config.strategy.name, config.strategy.step) == ("expand-bisect", 4)
+
+
 def test_defaults_and_every_field_read(tmp_path: Path) -> None:
     job = parse_job(METRIC, path="night.toml", base=tmp_path)
     assert (job.name, job.device, job.dtype, job.seed, job.models) == (
@@ -125,7 +139,9 @@ def test_defaults_and_every_field_read(tmp_path: Path) -> None:
     assert job.output == str(Path.cwd() / "oomguard-job")
     assert (job.data.source, job.data.path, job.data.seq_len, job.data.n_samples) == (
         "generated", None, 32, 8)
-    assert (job.search.enabled, job.search.max_trials, job.search.step) == (True, 6, None)
+    # No search option given: every one is SearchConfig's default, as in the API and the CLI.
+    assert (job.search.enabled, dict(job.search.options), job.search.max_size) == (
+        True, {}, SearchConfig().max_size)
     (metric,) = job.metrics
     assert (metric.id, metric.params, metric.sizes, metric.time_limit) == ("loss", {}, {}, 1200)
 
@@ -134,8 +150,8 @@ def test_defaults_and_every_field_read(tmp_path: Path) -> None:
         'name = "n"\ndevice = "cuda:1"\ndtype = "bfloat16"\nseed = 7\nbudget = "1KiB"\n'
         'time_limit = "1h30m"\nmodels = "tiny-llama"\non_oom = ["halve", "cpu"]\n'
         '[data]\nsource = "text"\npath = "corpus.txt"\nseq_len = 8\nn_samples = 2\n'
-        '[search]\nenabled = false\nmax_trials = 3\nmax_seconds = "2m"\nstart = 4\nstep = 2\n'
-        'max_size = 100\n[[metrics]]\nname = "loss_landscape"\nid = "ll"\n'
+        '[search]\nenabled = false\nmax_trials = 3\nmax_seconds = "2m"\nstart = 4\n'
+        'strategy = "expand-bisect"\nsize_step = 2\nmax_size = 100\n[[metrics]]\nname = "loss_landscape"\nid = "ll"\n'
         'params = { grid = 3 }\nsizes = { micro_batch_size = 2 }\ntime_limit = 30\n'
         'on_oom = ["halve"]\n', path="job.toml", base=tmp_path, output="elsewhere")
     assert (job.name, job.device, job.dtype, job.seed, job.budget_bytes) == (
@@ -143,7 +159,9 @@ def test_defaults_and_every_field_read(tmp_path: Path) -> None:
     assert job.models == ("tiny-llama",) and job.on_oom == ("halve", "cpu")
     assert job.output == str(Path.cwd() / "elsewhere")
     assert job.data.path == str(tmp_path / "corpus.txt")
-    assert (job.search.enabled, job.search.max_seconds, job.search.step) == (False, 120, 2)
+    assert job.search.enabled is False and job.search.options == {
+        "max_trials": 3, "max_seconds": 120, "start": 4, "strategy": "expand-bisect",
+        "size_step": 2, "max_size": 100}
     (metric,) = job.metrics
     assert metric.id == "ll" and metric.params["grid"] == 3 and set(metric.params) > {"grid"}
     assert (metric.sizes, metric.time_limit, metric.on_oom) == ({"micro_batch_size": 2}, 30,

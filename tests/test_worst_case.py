@@ -20,7 +20,7 @@ from conftest import in_fresh_process
 import oomguard
 from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.core.search.search import search
-from oomguard.engine.core.search.strategies import E10
+from oomguard.engine.core.search.strategies import ExpandBisect
 from oomguard.engine.core.search.trial import run_trial
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.train_step import TrainStep
@@ -72,8 +72,8 @@ def worst_case_and_lucky_maxima() -> dict:
     short batches, under the same CPU budget, and what the lucky maximum does on the
     longest batch."""
     workload = PadsToLongest()
-    worst = search(workload, strategy=E10(start=4, step=4), budget=BUDGET, max_size=64)
-    lucky = search(ShortBatches(workload), strategy=E10(start=4, step=4), budget=BUDGET,
+    worst = search(workload, strategy=ExpandBisect(start=4, step=4), budget=BUDGET, max_size=64)
+    lucky = search(ShortBatches(workload), strategy=ExpandBisect(start=4, step=4), budget=BUDGET,
                    max_size=64)
     with oomguard.budget(BUDGET, "cpu"):
         lucky_on_longest = run_trial(workload, lucky.max_ok)

@@ -32,18 +32,21 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class SearchSpec:
-    """Bounds of the per-metric size search (trials, seconds), its first size, and the
-    E10 increment ``step`` when the job file gives one (None: the default Guided search).
-    ``estimate``: on a first run, skip the search where the estimated peak of the whole
-    sample count fits the budget (off by default, as a search's ``estimate``)."""
+    """A job file's ``[search]`` table: ``enabled`` (false: no search, sizes from the cache or
+    the metrics' defaults) and ``options``, any :class:`~oomguard.engine.core.search.config.SearchConfig`
+    field by its name as plain values (``strategy`` by name, ``start``, ``size_step``,
+    ``max_size``, ``max_trials``, ``max_seconds``, ``margin``, ...); a field not given takes
+    SearchConfig's default, as on the command line and in the API."""
 
     enabled: bool = True
-    max_trials: int = 6
-    max_seconds: float = 60.0
-    start: int = 8
-    step: int | None = None
-    max_size: int = 4096
-    estimate: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_size(self) -> int:
+        """The largest size a search may try: the job file's, else SearchConfig's default."""
+        from oomguard.engine.core.search.config import SearchConfig
+
+        return int(self.options.get("max_size", SearchConfig.max_size))
 
 
 @dataclass(frozen=True)

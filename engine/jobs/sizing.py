@@ -22,20 +22,19 @@ reference on 8) searches again instead of reusing it.
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomguard.engine.core.search.fit import DEFAULT_MARGIN
 from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
-from oomguard.engine.core.search.seed import FITS_ALL, estimate_in_child
+from oomguard.engine.core.search.strategies import strategy_params
 from oomguard.engine.errors import NoSizeFits, TrialFailed
 from oomguard.engine.jobs.cache import SizeCache
 from oomguard.engine.jobs.records import Record
 from oomguard.engine.jobs.sink import Sink
 from oomguard.metrics.base import Metric
-from oomguard.metrics.workload import largest_useful, snap_to_unit
+from oomguard.metrics.workload import in_units, in_whole_units, largest_useful, snap_to_unit
 
 MEASURED, CACHE = "measured", "cache"
 _CAPS = {"samples": "the sample count", "largest useful size": "the knob's largest useful size",
@@ -172,8 +171,7 @@ def choose_sizes(req: Request, *, evaluate: Evaluate | None = None, slot: Slot |
         if on_record is not None:
             on_record(rec)
         sizes[name] = rec.safe if rec.safe is not None else int(knob.minimum)
-        sources.append(rec.source if rec.source == FITS_ALL else "search" if rec.safe
-                       is not None else "search (nothing fit; minimum)" if rec.max_ok is None
+        sources.append("search" if rec.safe is not None else "search (nothing fit; minimum)" if rec.max_ok is None
                        else "search (failed; minimum)")
     if slot is not None and records and not req.pinned and all(
             r.safe is not None for r in records):
@@ -226,6 +224,24 @@ def _cached_records(req: Request, entry: Mapping[str, Any]) -> list[SearchRecord
     return out
 
 
+def knob_config(config: SearchConfig, unit: int, cap: int,
+                max_seconds: float | None = None) -> SearchConfig:
+    r"""The one configuration of a knob's search (jobs, references, ``oomguard search
+    --metric``): ``config`` with its strategy's ``start`` and ``step`` counted in whole
+    ``unit``\ s (only multiples of ``unit`` are tried), up to ``cap`` (the smaller of
+    ``max_size`` and the knob's largest useful size), and at most ``max_seconds`` of trials
+    where that is less than the config's."""
+    strategy = config.strategy
+    params = strategy_params(strategy)
+    unit, start, step = in_whole_units(params.get("start", 1), params.get("step", 1), unit, cap)
+    if params:
+        strategy = dataclasses.replace(strategy, **{k: v for k, v in (
+            ("start", start), ("step", step)) if k in params})
+    seconds = min(s for s in (config.max_seconds, max_seconds, float("inf")) if s is not None)
+    return dataclasses.replace(config, strategy=in_units(strategy, unit), max_size=cap,
+                               max_seconds=None if seconds == float("inf") else seconds)
+
+
 def run_search(fn: Any, config: SearchConfig,
                on_trial: Callable[[Any], None] | None = None) -> SearchResult:
     """:func:`~oomguard.engine.core.search.search.search`, its recommendation rounded down
@@ -249,30 +265,6 @@ def measure(fn: Any, config: SearchConfig, *, metric: str,
         if strict:
             raise
         return record_of(exc.result, metric, fn.knob, unit, failure=exc)
-
-
-def estimated_fit(fn: Any, *, metric: str, knob: str, cap: int, unit: int,
-                  budget_bytes: int | None, device: str,
-                  margin: float = DEFAULT_MARGIN) -> SearchRecord | None:
-    """The record of a search not run: where ``fn``'s estimated peak at ``cap`` (the largest
-    size a search could try, the sample count where that is smaller) keeps ``margin`` of the
-    budget free, every sample fits at once and no trial is needed (``source``
-    ``FITS_ALL``; the peak an estimate, not a measurement). None without a budget, where
-    the estimate fails, or where it does not fit so: the search runs as before."""
-    if budget_bytes is None or fn is None:
-        return None
-    t0 = time.perf_counter()
-    peak = estimate_in_child(fn, device, cap)
-    limit = budget_bytes * (1 - margin)
-    if peak is None or peak > limit:
-        return None
-    safe = snap(cap, unit)
-    return SearchRecord(metric=metric, knob=knob, max_ok=None, safe=safe,
-                        peak_at_safe_bytes=peak, peak_source="estimated (fake tensors)",
-                        source=FITS_ALL, seconds=round(time.perf_counter() - t0, 3),
-                        strategy="estimate", unit=unit, stopped_because=FITS_ALL,
-                        note=f"estimated peak at {cap} within {1 - margin:.0%} of the budget: "
-                             "no search")
 
 
 def record_of(result: SearchResult, metric: str, knob: str, unit: int,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,8 @@ else:  # pragma: no cover - Python 3.10
 
 from oomguard.engine.core.execute.remedies import parse_on_oom
 from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET
-from oomguard.engine.errors import JobError, first_line
+from oomguard.engine.core.search.config import SearchConfig
+from oomguard.engine.errors import JobError, UsageError, first_line
 from oomguard.engine.jobs.data import check_data, check_seq_len_floor, check_size, check_vocab
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.jobs.plugins import import_plugin, load_plugin
@@ -220,10 +222,17 @@ _DATA = (
     _Field("path", _STR, "a string"),
     _Field("seq_len", (int,), "a positive integer", convert=lambda v, _: _seq_len(v)),
     _Field("n_samples", **_POSITIVE))
-_SEARCH = (_Field("enabled", (bool,), "true or false"), _Field("max_trials", **_POSITIVE),
-           _Field("max_seconds", **_DURATION_FIELD), _Field("start", **_POSITIVE),
-           _Field("step", **_POSITIVE), _Field("max_size", **_POSITIVE),
-           _Field("estimate", (bool,), "true or false"))
+_BOOL = {"kinds": (bool,), "expected": "true or false"}
+_MARGIN = {"kinds": (int, float, str), "expected": 'a fraction or "measured"'}
+# Any SearchConfig field, by its name, with SearchConfig's defaults (none given here).
+_SEARCH = (_Field("enabled", **_BOOL), _Field("strategy", _STR, "a string"),
+           _Field("start", **_POSITIVE), _Field("size_step", **_POSITIVE),
+           _Field("max_size", **_POSITIVE), _Field("max_trials", **_POSITIVE),
+           _Field("max_seconds", **_DURATION_FIELD), _Field("margin", **_MARGIN),
+           _Field("isolate", **_BOOL), _Field("confirm", **_BOOL),
+           _Field("steps_per_trial", **_POSITIVE), _Field("trial_timeout", **_DURATION_FIELD))
+# Old [search] fields, accepted for one release: step (now size_step), estimate (removed).
+_SEARCH_OLD = (_Field("step", **_POSITIVE), _Field("estimate", **_BOOL))
 _METRIC = (
     _Field("name", _STR, "a string", convert=lambda v, _: get_metric(v) and v,
            missing="missing: every [[metrics]] needs a name"),
@@ -327,7 +336,10 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
             check_seq_len(config, data.seq_len)
         except ValueError as exc:
             raise r.error("data.seq_len", f"models[{i}]: {exc}") from None
-    search = SearchSpec(**r.read(r.table(doc, "search"), _SEARCH, "search."))
+    table = r.table(doc, "search")
+    old = r.read({k: table.pop(k) for k in ("step", "estimate") if k in table}, _SEARCH_OLD,
+                 "search.")
+    search = _search(r, r.read(table, _SEARCH, "search."), old)
     metrics = _metrics(r, doc, top["time_limit"])
     _check_fits(r, top, data, search, metrics)
     for i, (spec, config) in enumerate(top["models"].items()):
@@ -341,6 +353,24 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
                device=top["device"], dtype=top["dtype"], seed=top["seed"],
                models=tuple(top["models"]), data=data, search=search, metrics=metrics,
                budget_bytes=top["budget"], plugins=top["plugins"], on_oom=top["on_oom"])
+
+
+def _search(r: _Reader, got: dict[str, Any], old: dict[str, Any]) -> SearchSpec:
+    """``[search]``: checked by building the SearchConfig it describes (a bad strategy name, or
+    an option the strategy does not take, is one line naming the field); ``old``: the
+    deprecated fields given."""
+    if "step" in old:
+        warnings.warn("[search] step is deprecated: use size_step", FutureWarning, stacklevel=2)
+        got.setdefault("size_step", old["step"])
+    if "estimate" in old:
+        warnings.warn("[search] estimate is removed (estimate seeding did not pay): it is "
+                      "ignored", FutureWarning, stacklevel=2)
+    enabled = got.pop("enabled", True)
+    try:
+        SearchConfig.from_options(**got)
+    except UsageError as exc:
+        raise r.error(f"search.{next(iter(got), 'strategy')}", str(exc)) from None
+    return SearchSpec(enabled=enabled, options=got)
 
 
 def _data(r: _Reader, doc: dict[str, Any], base: Path) -> DataSpec:
@@ -371,7 +401,8 @@ def _check_fits(r: _Reader, top: dict[str, Any], data: DataSpec, search: SearchS
             check_vocab(data, getattr(config, "vocab_size", None), top["seed"])
         except ValueError as exc:
             raise r.error("data.path", f"models[{i}]: {exc}") from None
-    sizes = [(f"search.{k}", getattr(search, k)) for k in ("start", "max_size")]
+    sizes = [(f"search.{k}", search.options[k]) for k in ("start", "max_size")
+             if k in search.options]
     sizes += [(f"metrics[{i}].sizes.{k}", v) for i, m in enumerate(metrics)
               for k, v in m.sizes.items()]
     for where, size in sizes:

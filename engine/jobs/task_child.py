@@ -37,7 +37,6 @@ from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.engine.core.memory.host_limit import limit_budget, unbudgeted_limit
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom, release_memory
 from oomguard.engine.core.search.search import SearchConfig
-from oomguard.engine.core.search.strategies import E10, Guided
 from oomguard.engine.errors import ExecutionFailed, RestartNeeded, TrialFailed, first_line
 from oomguard.engine.jobs import sizing
 from oomguard.engine.jobs.cache import entry_key
@@ -49,7 +48,6 @@ from oomguard.engine.util.jsonable import json_text, to_jsonable
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.knob_check import require_memory_knobs
 from oomguard.metrics.models import build_model
-from oomguard.metrics.workload import MetricTrial, in_units, in_whole_units
 from oomguard.probes.peak import PeakMeter
 
 log = logging.getLogger("oomguard.job")
@@ -183,50 +181,25 @@ class _KnobTrial:
 
 class _Search:
     """The job's evaluator for :func:`~oomguard.engine.jobs.sizing.choose_sizes`. Each
-    knob's search gets ``search.max_seconds``, at most a third of the task's time limit
+    knob's search gets at most ``search.max_seconds`` and a third of the task's time limit
     shared by its knobs; one that fails for a reason other than memory fails the task."""
 
     def __init__(self, task: Task, ctx: Context, call: Any, n_knobs: int, on_record: Any) -> None:
         self.task, self.ctx, self.call, self.on_record = task, ctx, call, on_record
-        self.seconds = min(ctx.job.search.max_seconds, task.time_limit / 3 / max(1, n_knobs))
+        self.seconds = task.time_limit / 3 / max(1, n_knobs)
 
     def __call__(self, knob: str, sizes: dict[str, int], unit: int, cap: int
                  ) -> sizing.SearchRecord:
-        spec, job = self.ctx.job.search, self.ctx.job
+        job = self.ctx.job
         trial = _KnobTrial(self.call, knob, sizes, self.task.key)
-        # The default strategy (Guided) from ``start``; a ``step`` the job file gives names
-        # the E10 routine with that increment, as --step does on the command line.
-        skip = sizing.estimated_fit(
-            _estimate_copy(self.task, job, knob, sizes) if spec.estimate
-            else None, metric=self.task.metric, knob=knob, cap=cap, unit=unit,
-            budget_bytes=job.budget_bytes, device=str(job.device))
-        if skip is not None:  # the whole sample count fits by the estimate: no trial
-            return skip
-        unit, start, step = in_whole_units(spec.start, spec.step or 1, unit, cap)
-        inner = Guided(start=start) if spec.step is None else E10(start=start, step=step)
-        config = SearchConfig(strategy=in_units(inner, unit), max_size=cap,
-                              max_trials=spec.max_trials, max_seconds=self.seconds,
-                              device=job.device, budget=job.budget_bytes)
+        base = SearchConfig.from_options(**job.search.options, device=job.device,
+                                         budget=job.budget_bytes)
+        config = sizing.knob_config(base, unit, cap, self.seconds)
         try:
             return sizing.measure(trial, config, metric=self.task.metric, strict=True)
         except TrialFailed as exc:  # the task fails, with the trials that ran recorded
             self.on_record(sizing.record_of(exc.result, self.task.metric, knob, unit, failure=exc))
             raise
-
-
-def _estimate_copy(task: Task, job: Any, knob: str, sizes: dict[str, int]) -> Any:
-    """The task's metric as a built-in workload described by names (the model's config, the
-    job's data shape), for an estimate in a child: its real model is never faked. None where
-    it cannot be described so (the estimate is then skipped), and for a plugin's metric (an
-    estimate's child imports the built-in ones; a plugin's compute may not run on fake tensors)."""
-    if not type(get_metric(task.metric)).__module__.startswith("oomguard.metrics."):
-        return None
-    try:
-        return MetricTrial(task.metric, knob=knob, model=task.model, dtype=job.dtype,
-                           n_samples=job.data.n_samples, seq_len=job.data.seq_len, seed=job.seed,
-                           params={**task.params, **{k: v for k, v in sizes.items() if k != knob}})
-    except Exception:  # noqa: BLE001 - an estimate is optional: the search runs
-        return None
 
 
 def _choose_sizes(task: Task, ctx: Context, metric: Any, work: _Work, sink: Sink,

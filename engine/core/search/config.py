@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,14 @@ import torch
 
 from oomguard.engine.core.memory.ramguard import RamGuard
 from oomguard.engine.core.search.fit import DEFAULT_MARGIN, MEASURED
-from oomguard.engine.core.search.strategies import E10, Guided, Strategy, strategy_params
+from oomguard.engine.core.search.strategies import (
+    Doubling,
+    ExpandBisect,
+    Guided,
+    LinearJump,
+    Strategy,
+    strategy_params,
+)
 from oomguard.engine.core.snapshot import check_restorable
 from oomguard.engine.errors import UsageError, check_positive_int
 
@@ -26,7 +34,7 @@ class SearchConfig:
     """How a search runs; every bad value is a one-line :class:`UsageError`, raised when the
     config is built, before any trial runs.
 
-    ``strategy`` proposes sizes (None: ``Guided(32)``; ``E10(start, step)`` from
+    ``strategy`` proposes sizes (None: ``Guided(32)``; ``ExpandBisect(start, step)`` from
     :func:`search`'s shorthand); its own fields are what runs. ``max_size``, ``max_trials``,
     ``max_seconds`` bound the search (seconds of trials from the first one's start: the
     warm-up is not counted). ``budget`` caps the bytes a trial may use above the warmed-up
@@ -47,12 +55,7 @@ class SearchConfig:
     an OOM. ``steps_per_trial``: workload calls per trial (None: the workload's own
     ``steps_per_trial``, else 1; the training step says 2, the first optimizer step and a
     steady one). ``verify_steps``: further steps run at the recommended size after the
-    search, any OOM reported (0: no verification). ``estimate``: before the first trial,
-    estimate the peaks with fake tensors (:mod:`~oomguard.engine.core.search.seed`) and run
-    the largest size predicted to fit the headroom first; off by default: measured on CPU it
-    saved a trial on linear workloads but cost more seconds than it saved, and took more
-    trials on curves (docs/measurements.md#estimate-seed-cost). An estimate that fails
-    leaves the search as without it.
+    search, any OOM reported (0: no verification).
 
     ``restore``: the modules and optimizers a training step changes, e.g. ``(model,
     optimizer)``, so the searched step can be the whole one (forward, backward,
@@ -83,13 +86,12 @@ class SearchConfig:
     steps_per_trial: int | None = None
     verify_steps: int = 0
     restore: tuple = ()
-    estimate: bool = False
 
     def __post_init__(self) -> None:
         # frozen: the checked tuple replaces what was given (a list, one module)
         object.__setattr__(self, "restore", check_restorable(self.restore))
         if self.strategy is not None and not callable(getattr(self.strategy, "next", None)):
-            raise UsageError(f"strategy must be Guided(), E10(), Doubling(), LinearJump(capacity) or have "
+            raise UsageError(f"strategy must be Guided(), ExpandBisect(), Doubling(), LinearJump(capacity) or have "
                              f"next(trials, max_size); got {self.strategy!r}")
         check_positive_int("max_size", self.max_size)
         check_positive_int("max_trials", self.max_trials)
@@ -113,8 +115,6 @@ class SearchConfig:
         _require(_is_number(self.verify_steps) and isinstance(self.verify_steps, int)
                  and self.verify_steps >= 0,
                  f"verify_steps must be a whole number >= 0, got {self.verify_steps!r}")
-        _require(isinstance(self.estimate, bool),
-                 f"estimate must be True or False, got {self.estimate!r}")
         for name in ("isolate", "confirm"):
             _require(isinstance(getattr(self, name), bool),
                      f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -138,7 +138,6 @@ class SearchConfig:
                 "max_trials": self.max_trials, "max_seconds": self.max_seconds,
                 "margin": self.margin, "steps_per_trial": self.steps_per_trial,
                 "verify_steps": self.verify_steps,
-                **({"estimate": True} if self.estimate else {}),
                 **({"restore": [type(o).__name__ for o in self.restore]} if self.restore else {})}
 
     def trial_steps(self, workload_steps: int) -> int:
@@ -147,7 +146,56 @@ class SearchConfig:
         return self.steps_per_trial or max(workload_steps, 2 if self.restore else 1)
 
 
+    @classmethod
+    def from_options(cls, *, strategy: str | Strategy | None = None, start: int | None = None,
+                     size_step: int | None = None, **fields: Any) -> SearchConfig:
+        """The config from plain values, as the command line and a job file's ``[search]``
+        table give them: ``strategy`` by name (:data:`STRATEGIES`; None: ``guided``, or
+        ``expand-bisect`` where only ``size_step`` is given), its ``start`` and ``size_step``
+        (None: the strategy's own defaults), every other :class:`SearchConfig` field as is.
+        Values left None take the field's default, so the API, the CLI and job files share one
+        set of defaults. A bad name or value is a one-line :class:`UsageError`."""
+        unknown = sorted(set(fields) - set(_OPTIONS) - {"strategy"})
+        if unknown:
+            raise UsageError(f"unknown search option(s) {', '.join(unknown)}: options are "
+                             f"strategy, start, size_step, {', '.join(_OPTIONS[1:])}")
+        given = {k: v for k, v in fields.items() if v is not None}
+        if not isinstance(strategy, str) and strategy is not None:
+            return cls(strategy=strategy, **given)
+        capacity = given.get("capacity_bytes", given.get("budget"))
+        return cls(strategy=strategy_named(strategy, start, size_step, capacity), **given)
+
+
 _OPTIONS = tuple(f.name for f in dataclasses.fields(SearchConfig))
+# The strategies a name chooses (the command line's --strategy, a job file's strategy).
+STRATEGIES: dict[str, type] = {"guided": Guided, "expand-bisect": ExpandBisect,
+                               "doubling": Doubling, "linear-jump": LinearJump}
+_RENAMED = {"e10": "expand-bisect"}  # old names, accepted for one release
+
+
+def strategy_named(name: str | None, start: int | None = None, size_step: int | None = None,
+                   capacity_bytes: int | None = None) -> Strategy:
+    """The strategy called ``name`` with its ``start`` and, for ``expand-bisect``, its
+    ``size_step`` (None: the strategy's defaults); ``linear-jump`` aims at ``capacity_bytes``.
+    One-line :class:`UsageError` for an unknown name or an option the strategy does not take."""
+    if name in _RENAMED:
+        warnings.warn(f"strategy {name!r} is deprecated: use {_RENAMED[name]!r}", FutureWarning,
+                      stacklevel=3)
+        name = _RENAMED[name]
+    name = name or ("expand-bisect" if size_step is not None else "guided")
+    if name not in STRATEGIES:
+        raise UsageError(f"unknown strategy {name!r}: use one of {', '.join(STRATEGIES)}")
+    if size_step is not None and name != "expand-bisect":
+        raise UsageError(f"size_step is expand-bisect's increment; strategy {name} takes none "
+                         "(guided predicts, doubling multiplies by 2, linear-jump fits a line)")
+    params: dict[str, Any] = {"start": start} if start is not None else {}
+    if size_step is not None:
+        params["step"] = size_step
+    if name == "linear-jump":
+        if capacity_bytes is None:
+            raise UsageError("strategy linear-jump needs a budget (or capacity_bytes) to aim at")
+        params["capacity_bytes"] = capacity_bytes
+    return STRATEGIES[name](**params)
 
 
 def _is_number(value: Any) -> bool:
@@ -179,7 +227,7 @@ def resolve(config: SearchConfig | None, start: int | None, step: int | None,
         return cfg if cfg.strategy is not None else dataclasses.replace(cfg, strategy=Guided())
     if cfg.strategy is not None:
         raise _shorthand_conflict(cfg.strategy, start, step)
-    shorthand = E10(start=32 if start is None else start, step=8 if step is None else step)
+    shorthand = ExpandBisect(start=32 if start is None else start, step=8 if step is None else step)
     return dataclasses.replace(cfg, strategy=shorthand)
 
 
@@ -191,5 +239,5 @@ def _shorthand_conflict(strategy: Strategy, start: int | None, step: int | None)
     lacking = [k for k in given if k not in own]
     note = f" ({kind} has no {' or '.join(lacking)})" if lacking else ""
     written = f"{kind}({', '.join(f'{k}={v!r}' for k, v in merged.items())})"
-    return UsageError(f"start/step are shorthand for strategy=E10(start, step) and do not apply "
+    return UsageError(f"start/step are shorthand for strategy=ExpandBisect(start, step) and do not apply "
                       f"to {kind}, which runs its own parameters: write strategy={written}{note}")

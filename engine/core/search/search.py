@@ -8,7 +8,7 @@ that ends without an answer raises a :class:`~oomguard.engine.errors.SearchFaile
 carrying every trial that ran::
 
     search(step, budget=2 * GiB)                          # Guided(start=32)
-    search(step, start=64, step=16, budget=2 * GiB)       # shorthand for E10(64, 16)
+    search(step, start=64, step=16, budget=2 * GiB)       # ExpandBisect(64, 16)
     search(step, strategy=Doubling(start=64), isolate=True, budget=2 * GiB)
     search(step, SearchConfig(strategy=Doubling(start=64), budget=2 * GiB))
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.memory.budget import check_budget, headroom_bytes
+from oomguard.engine.core.memory.budget import check_budget
 from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.engine.core.memory.host_limit import HostLimit, limit_budget, unbudgeted_limit
 from oomguard.engine.core.memory.oom import gc_frozen
@@ -43,8 +43,7 @@ from oomguard.engine.core.search.fit import (
     recommend,
 )
 from oomguard.engine.core.search.isolate import IsolatedRunner
-from oomguard.engine.core.search.seed import Seeded, SeedPlan, plan_seed
-from oomguard.engine.core.search.strategies import Confirm, Strategy, bracket
+from oomguard.engine.core.search.strategies import Confirm, Strategy, bracket, why_chosen
 from oomguard.engine.core.search.trial import Trial, run_trial, warm_up_trials
 from oomguard.engine.core.snapshot import Snapshot
 from oomguard.engine.core.workload import knob_of, name_of, steps_of
@@ -90,7 +89,6 @@ class SearchResult:
     size_name: str = "batch_size"  # what the searched size is: the workload's ``knob``, if any
     limit: dict[str, Any] | None = None
     verification: dict[str, Any] | None = None
-    seed: dict[str, Any] | None = None  # the estimate that chose the first trial (seed.py)
 
     @property
     def size_to_use(self) -> int | None:
@@ -114,7 +112,7 @@ def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
     """Find the largest size at which ``fn(size)`` runs without running out of memory.
 
     ``options`` are :class:`SearchConfig` fields and override those of ``config``.
-    ``start``/``step`` are shorthand for ``strategy=E10(start, step)`` only; with another
+    ``start``/``step`` are shorthand for ``strategy=ExpandBisect(start, step)`` only; with another
     strategy give them to it (``Doubling(start=64)``). ``on_trial`` is called with each
     :class:`Trial` as it completes.
 
@@ -145,13 +143,9 @@ def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
         # Built first: a workload that cannot be pickled fails before any trial, and the
         # forkserver starts while this process warms up.
         fresh = stack.enter_context(_isolated(fn, cfg, dev)) if cfg.confirm else None
-        # Before the warm-up and the budget: the estimate's own objects are trimmed with the
-        # rest of the free heap and never count against a trial.
-        plan = _seed_plan(fn, cfg, dev)
         runner, run.limit = _runner(fn, cfg, dev, stack)
         if run.capacity is None:  # after the warm-up: free memory then leaves the model out
             run.capacity = cfg.budget if cfg.budget is not None else probe(dev).free_bytes
-        run.seeded(plan)
         run.t_trials = time.perf_counter()  # max_seconds bounds the trials, not the warm-up
         stopped = run.phase(run.strategy, run.trials, runner,
                             "isolated" if cfg.isolate else "in-process")
@@ -180,26 +174,7 @@ class _Search:
         self.answer = self.trials  # the trials the answer comes from: with confirm, the fresh ones
         self.steps = cfg.trial_steps(steps_of(fn))
         self.limit: RamGuard | HostLimit | None = None
-        self.seed: SeedPlan | None = None
         self.t0 = self.t_trials = time.perf_counter()
-
-    def seeded(self, plan: SeedPlan | None) -> None:
-        """Run the estimate's predicted maximum first (:class:`Seeded`), where ``plan`` has
-        one: predicted before the budget from it, else now from the headroom the limit leaves
-        (no further estimate under the limit)."""
-        if plan is None:
-            return
-        if plan.first is None:
-            headroom = headroom_bytes(self.dev) if not self.cfg.isolate else None
-            if headroom is None and isinstance(self.limit, RamGuard):
-                headroom = self.limit.limit_bytes
-            if headroom is None or plan.predict(headroom, self.cfg.max_size) is None:
-                log.debug("%s: no headroom or line to seed the search from", self.name)
-                return
-        self.strategy, self.seed = Seeded(first=plan.first, then=self.strategy,
-                                            per_item_bytes=plan.per_item_bytes), plan
-        log.info("estimate: %d predicted to fit (estimated peaks %s, %.2f s)", plan.first,
-                 ", ".join(f"{fmt_bytes(p)} at {s}" for s, p in plan.points), plan.seconds)
 
     def result(self, stopped: str) -> SearchResult:
         max_ok, first_oom = bracket(self.answer)
@@ -210,8 +185,7 @@ class _Search:
             capacity_bytes=self.capacity, budget_bytes=self.cfg.budget, stopped_because=stopped,
             seconds=time.perf_counter() - self.t0, config=self.cfg.to_dict(),
             size_name=knob_of(self.fn),
-            limit=self.limit.to_dict() if self.limit is not None else None,
-            seed=self.seed.to_dict() if self.seed is not None else None)
+            limit=self.limit.to_dict() if self.limit is not None else None)
 
     def phase(self, proposer: Strategy, phase: list[Trial], run: Callable[[int, int], Trial],
               trial_mode: str) -> str:
@@ -224,8 +198,6 @@ class _Search:
             seconds = time.perf_counter() - self.t_trials  # of trials, not of the warm-up
             if cfg.max_seconds is not None and seconds > cfg.max_seconds:
                 return f"max_seconds ({cfg.max_seconds:g}) reached"
-            chooser = getattr(proposer, "chosen_by", None)
-            by = chooser(phase) if callable(chooser) else proposer.name
             size = proposer.next(phase, cfg.max_size)
             if size is None:
                 lo, _ = bracket(phase)
@@ -244,7 +216,8 @@ class _Search:
             except Exception as exc:  # not an OOM: the search cannot go on
                 partial = self.result(f"trial at size {size} failed: {type(exc).__name__}")
                 raise TrialFailed(_failure_text(self.name, size, exc, partial), partial) from exc
-            trial.mode, trial.chosen_by = trial_mode, by
+            trial.mode, trial.chosen_by = trial_mode, proposer.name
+            trial.reason = why_chosen(proposer, phase, size)
             phase.append(trial)
             if phase is not self.trials:
                 self.trials.append(trial)
@@ -277,17 +250,6 @@ class _Search:
         final.recommendation = recommend(self.answer, final.max_ok, self.capacity, final.fit,
                                          margin, final.first_oom, source)
         return final
-
-
-def _seed_plan(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device
-               ) -> SeedPlan | None:
-    """The estimates that seed the search (:mod:`~oomguard.engine.core.search.seed`), where
-    ``cfg.estimate`` asks for them, on cpu or cuda; None otherwise or where the estimate
-    fails."""
-    if not cfg.estimate or dev.type not in ("cpu", "cuda"):
-        return None
-    # the budget: the headroom each trial starts with (None: known after the warm-up)
-    return plan_seed(fn, dev, getattr(cfg.strategy, "start", 32), cfg.max_size, cfg.budget)
 
 
 def verify(fn: Callable[[int], Any], size: int, steps: int, config: SearchConfig | None = None,

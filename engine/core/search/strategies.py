@@ -27,6 +27,7 @@ from oomguard.engine.core.search.fit import (
 )
 from oomguard.engine.core.search.trial import Trial
 from oomguard.engine.errors import UsageError, check_positive_int
+from oomguard.engine.util.units import fmt_bytes
 
 # Bytes by which a fitted size's peak may exceed the headroom read before it: the sampled data
 # size and RLIMIT_DATA's count differ slightly in units and moment (GPT-2 steps up to 0.4 MB above
@@ -38,13 +39,34 @@ REACH_SIZES = 2
 
 
 class Strategy(Protocol):
-    """Proposes sizes. ``next`` returns None to stop."""
+    """Proposes sizes. ``next`` returns None to stop. A strategy may also say why it proposed
+    a size (``why(trials, size)``, one phrase, which the search records on the trial and the
+    report narrates); one without ``why`` is narrated by its name."""
 
     name: str
 
     def describe(self) -> str: ...
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None: ...
+
+
+def why_chosen(strategy: Any, trials: Sequence[Trial], size: int) -> str:
+    """Why ``strategy`` proposed ``size`` after ``trials``, in its own words (its ``why``), or
+    its name where it has none."""
+    why = getattr(strategy, "why", None)
+    return str(why(trials, size)) if callable(why) else f"proposed by {strategy.name}"
+
+
+def _bracket_why(trials: Sequence[Trial], size: int) -> str:
+    """The end game every strategy shares, in words: halving while nothing fits, bisecting."""
+    lo, hi = bracket(trials)
+    if not trials:
+        return "the start"
+    if lo is None:
+        return f"half of {hi}, which ran out of memory: nothing has fitted yet"
+    if hi is not None:
+        return f"bisecting between {lo} (fits) and {hi} (out of memory)"
+    return f"growing from {lo}, the largest size that fitted"
 
 
 def strategy_params(strategy: Any) -> dict[str, Any]:
@@ -81,7 +103,7 @@ class _PositiveFields:
 
 def _grow_then_refine(trials: Sequence[Trial], max_size: int, start: int,
                       grow: Callable[[int], int]) -> int | None:
-    """E10's and Doubling's shape: ``start``, then ``grow`` the largest fit while nothing
+    """ExpandBisect's and Doubling's shape: ``start``, then ``grow`` the largest fit while nothing
     above it failed, then :func:`_refine`; never above ``max_size``."""
     if not trials:
         return min(start, max_size)
@@ -92,12 +114,13 @@ def _grow_then_refine(trials: Sequence[Trial], max_size: int, start: int,
 
 
 @dataclass(frozen=True)
-class E10(_PositiveFields):
-    """The E10 report's routine (:meth:`describe`)."""
+class ExpandBisect(_PositiveFields):
+    """Expand by ``step`` while it fits, then bisect (:meth:`describe`): the routine of the E10
+    Maximum Batch Size Report, the reference every faster strategy must agree with."""
 
     start: int = 32
     step: int = 8
-    name: ClassVar[str] = "e10"
+    name: ClassVar[str] = "expand-bisect"
 
     def describe(self) -> str:
         return (f"Start at {self.start}; expand in +{self.step} increments while "
@@ -107,11 +130,29 @@ class E10(_PositiveFields):
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         return _grow_then_refine(trials, max_size, self.start, lambda n: n + self.step)
 
+    def why(self, trials: Sequence[Trial], size: int) -> str:
+        lo, hi = bracket(trials)
+        if trials and lo is not None and hi is None:
+            return f"+{self.step} from {lo}, which fitted"
+        return _bracket_why(trials, size)
+
+
+@dataclass(frozen=True)
+class E10(ExpandBisect):
+    """Deprecated name of :class:`ExpandBisect`, kept for one release."""
+
+    def __post_init__(self) -> None:
+        import warnings
+
+        warnings.warn("E10 is deprecated: use ExpandBisect (the same routine, named for what "
+                      "it does)", FutureWarning, stacklevel=3)
+        super().__post_init__()
+
 
 @dataclass(frozen=True)
 class Doubling(_PositiveFields):
     """Lightning's 'power' then 'binsearch' without their off-by-one (:meth:`describe`):
-    fewer trials than E10 when the maximum is far from the start, same answer."""
+    fewer trials than ExpandBisect when the maximum is far from the start, same answer."""
 
     start: int = 32
     factor: int = 2
@@ -128,6 +169,12 @@ class Doubling(_PositiveFields):
 
     def next(self, trials: Sequence[Trial], max_size: int) -> int | None:
         return _grow_then_refine(trials, max_size, self.start, lambda n: n * self.factor)
+
+    def why(self, trials: Sequence[Trial], size: int) -> str:
+        lo, hi = bracket(trials)
+        if trials and lo is not None and hi is None:
+            return f"x{self.factor} from {lo}, which fitted"
+        return _bracket_why(trials, size)
 
 
 @dataclass(frozen=True)
@@ -167,6 +214,11 @@ class LinearJump(_PositiveFields):
     def _predict(self, trials: Sequence[Trial]) -> int | None:
         fit = fit_line(trials)
         return fit.largest_size_within(self.capacity_bytes) if fit is not None else None
+
+    def why(self, trials: Sequence[Trial], size: int) -> str:
+        if trials and size == self._predict(trials):
+            return f"the largest size the fitted line predicts within {fmt_bytes(self.capacity_bytes)}"
+        return _bracket_why(trials, size)
 
 
 def _tried(trials: Sequence[Trial], size: int) -> bool:
@@ -230,6 +282,21 @@ class Guided(_PositiveFields):
         size = min(lo + 1 if guess <= lo else guess, max_size)  # m ran: bracket with m + 1
         return _refine(lo, hi) if _tried(trials, size) else size
 
+    def why(self, trials: Sequence[Trial], size: int) -> str:
+        lo, hi = bracket(trials)
+        if trials and size == predict_max(trials):
+            headroom = next((t.headroom_bytes for t in reversed(trials)
+                             if t.headroom_bytes is not None), None)
+            return (f"the largest size predicted to fit {fmt_bytes(headroom)} of headroom from "
+                    "the peaks measured so far")
+        if lo is not None and size == lo + 1:
+            return f"the size above {lo}, which fitted: closes the bracket if it runs out"
+        if lo is not None and size == _square_step(trials, lo):
+            return f"the size that fits if memory grows as the square of the size from {lo}"
+        if lo is not None and hi is None and size == 2 * lo:
+            return f"twice {lo}, which fitted (no prediction to trust yet)"
+        return _bracket_why(trials, size)
+
 
 @dataclass(frozen=True)
 class Confirm(_PositiveFields):
@@ -252,6 +319,14 @@ class Confirm(_PositiveFields):
             assert hi is not None
             return max(hi - 2 ** (len(trials) - 1), 1) if hi > 1 else None
         return Guided(start=self.start).next(trials, max_size)
+
+    def why(self, trials: Sequence[Trial], size: int) -> str:
+        if not trials:
+            return f"the in-process answer {self.start}, re-run in a fresh process"
+        lo, hi = bracket(trials)
+        if lo is None:
+            return f"{hi} ran out of memory in a fresh process: stepping down"
+        return Guided(start=self.start).why(trials, size)
 
 
 def predict_max(trials: Sequence[Trial], proven_bytes: int = 0) -> int | None:

@@ -57,9 +57,9 @@ class Trial:
     (None where no limit is known). ``items_per_second``: ``size`` items per second of the
     steps after the first (of the only step when ``steps`` is 1). ``worst_case``: each step
     ran on the worst-case batch (module docstring; ``peak_bytes`` then includes it).
-    ``chosen_by``: what chose the size, where a search records it: ``"estimate"`` (the size an
-    estimate predicted, :mod:`~oomguard.engine.core.search.seed`), ``"estimate - 1"``, or the
-    strategy's name.
+    ``chosen_by``: the name of the strategy that proposed the size, and ``reason`` why, in its
+    words (:func:`~oomguard.engine.core.search.strategies.why_chosen`), where a search records
+    them.
     """
 
     size: int
@@ -79,6 +79,7 @@ class Trial:
     items_per_second: float | None = None
     worst_case: bool = False
     chosen_by: str | None = None
+    reason: str | None = None
 
     @property
     def outcome(self) -> str:
