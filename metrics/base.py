@@ -30,7 +30,8 @@ from oomguard.metrics.padding import right_align
 
 @dataclass(frozen=True)
 class Knob:
-    """One parameter of a metric, of ``kind`` ``"memory"`` or ``"result"`` (module docstring).
+    """One parameter of a metric, of ``kind`` ``"memory"`` (tuned by oomguard; the result must
+    not depend on it beyond float rounding) or ``"result"`` (part of the question, never tuned).
     ``scales_with``: what memory grows with. ``unit``: what one unit of the knob's granularity is,
     where memory does not change at every +1 (its size: :meth:`Metric.size_unit`; empty: every size
     counts). ``largest``: the size from the transformers config above which the knob changes nothing

@@ -69,7 +69,13 @@ def metric(name: str | None = None, *, memory: Mapping[str, int | Knob] | None =
     :class:`~oomguard.metrics.base.Knob`; the result must not depend on them beyond float
     rounding (oomguard checks it, :mod:`~oomguard.metrics.knob_check`). ``result``:
     result-defining knobs, never tuned. ``combine``/``split``/``batches``/``models``/
-    ``second_model``: the forms of the module docstring. ``description``: default, the
+    ``second_model``: which form the function takes. By default it is called once,
+    ``fn(model, batch, **knobs)``, and uses its memory knobs itself. With ``combine=``
+    (``"concat"``, ``"sum"``, ``"mean"`` weighted by rows, or ``fn(results, rows)``) oomguard
+    calls it on pieces of at most ``split`` rows (``split``: a memory knob, the only one by
+    default) and combines their results. With ``batches=True`` it gets an iterator of those
+    pieces. ``models=2`` passes a second model first, ``fn(model_a, model_b, batch, ...)``,
+    built from the result knob ``second_model`` (a model spec; default the decorator's). ``description``: default, the
     docstring's first line. A bad declaration is a one-line :class:`UsageError` here. Bare
     ``@metric`` (no knobs) works too."""
     if callable(name):  # @metric without parentheses

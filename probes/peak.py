@@ -30,7 +30,8 @@ def cuda_async_backend() -> bool:
 
 def held_bytes(device: str | torch.device) -> int:
     """Bytes this process holds on a GPU ``device``, in the units its allocator's cap and its
-    peaks count (module docstring), measured after the cache is emptied: cached free blocks
+    peaks count (reserved bytes; bytes in use under ``backend:cudaMallocAsync``; the driver's
+    allocated bytes on MPS), measured after the cache is emptied: cached free blocks
     are released before an allocation meets the cap, so counting them would enlarge a budget."""
     dev = torch.device(device)
     if dev.type == "mps":
@@ -61,7 +62,11 @@ DATA_INTERVAL_S = 0.0005
 
 
 class PeakMeter:
-    """Measures the peak bytes a piece of work adds on ``device`` (module docstring). With
+    """Measures the peak bytes a piece of work adds on ``device``: ``reset()`` before the
+    work, ``read()`` after it gives the peak above what was in use at reset, measured. On the
+    CPU the resident high-water mark (``VmHWM`` after ``clear_refs``); on CUDA
+    ``max_memory_reserved`` (``max_memory_allocated`` under ``backend:cudaMallocAsync``),
+    the units the allocator's cap counts; on MPS the driver's allocated bytes. With
     ``limit_units`` on the CPU it also samples ``VmData`` (what a CPU budget counts) for
     :meth:`limit_read`; on a GPU the peak is already in the units its cap counts."""
 

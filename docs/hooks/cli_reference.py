@@ -4,7 +4,14 @@
   ``--help``, rendered from the argparse parsers (``oomguard.engine.cli.main``) at a fixed
   width (88 columns, whatever the terminal says). ``tests/test_docs_cli.py`` renders it too.
 - ``reference/api.md``: its ``<!-- api-reference -->`` marker becomes one mkdocstrings
-  block per public name: the top level's ``_EXPORTS`` and every namespace's ``__all__``.
+  block per public name: the top level's ``_EXPORTS`` and every namespace's ``__all__``,
+  then the names the guides use from deeper modules (:data:`BEYOND`). A name whose docstring
+  cites its module's docstring is followed by that docstring, so no entry points at text
+  the reader cannot see. A public name that is also a submodule's name (``oomguard.probe``:
+  the function, and ``probes/probe.py``) is rendered from the module that defines it, so
+  it is not rendered as the module.
+- ``changelog.md``: its ``<!-- changelog -->`` marker becomes the repository's
+  ``CHANGELOG.md``, which lives at the top where packagers look for it.
 - The package as it installs (``oomguard/`` plus ``engine/``, ``metrics/``, ``probes/``,
   ``reports/`` mapped under it by setup.cfg) is staged into ``build/docs-api`` for
   mkdocstrings' static analysis (griffe reads files; it cannot follow the editable
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import importlib.util
 import re
 import shutil
 from pathlib import Path
@@ -27,7 +35,19 @@ STAGE = ROOT / "build" / "docs-api"
 WIDTH = 88
 CLI_MARK = "<!-- cli-reference -->"
 API_MARK = "<!-- api-reference -->"
+CHANGELOG_MARK = "<!-- changelog -->"
 NAMESPACES = ("errors", "results", "strategies", "retry", "memory", "training", "integrations")
+# Names the guides use that live below the public face: (section title, dotted names).
+BEYOND = (
+    ("Your own metrics and workloads", (
+        "oomguard.metrics.metric", "oomguard.metrics.base.get_metric",
+        "oomguard.metrics.models.build_model", "oomguard.metrics.models.make_batch",
+        "oomguard.engine.core.workload.Workload", "oomguard.engine.core.workload.RebuiltInChild")),
+    ("What an OOM left behind", ("oomguard.engine.core.memory.forensics.OomEvent",)),
+    ("Jobs from Python", ("oomguard.engine.jobs.spec.load_job", "oomguard.engine.jobs.runner.run_job",
+                          "oomguard.engine.jobs.ray_job.OnRay")),
+)
+_CITES_MODULE = re.compile(r"module docstring")
 
 
 def command_parsers() -> dict[str, argparse.ArgumentParser]:
@@ -92,15 +112,69 @@ def public_names() -> list[str]:
     return names
 
 
+def _defining_path(dotted: str) -> str | None:
+    """Where the object ``dotted`` is defined, when a package on the way to it has a submodule
+    of the same name that griffe would render instead (``oomguard.probe``: the function, and
+    ``probes/probe.py``); else None."""
+    where, name = dotted.rsplit(".", 1)
+    obj = getattr(importlib.import_module(where), name)
+    module = getattr(obj, "__module__", None)
+    if not module or getattr(obj, "__qualname__", None) != name:
+        return None
+    parts = module.split(".")
+    packages = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    shadowed = any(hasattr(importlib.import_module(p), "__path__")
+                   and importlib.util.find_spec(f"{p}.{name}") is not None for p in packages)
+    return f"{module}.{name}" if shadowed else None
+
+
+def _cited_module(dotted: str) -> str | None:
+    """The module whose docstring ``dotted``'s docstring (or a public method's) cites."""
+    where, name = dotted.rsplit(".", 1)
+    obj = getattr(importlib.import_module(where), name)
+    docs = [obj.__doc__ or ""]
+    if isinstance(obj, type):
+        docs += [getattr(v, "__doc__", None) or "" for k, v in vars(obj).items()
+                 if not k.startswith("_")]
+    if any(_CITES_MODULE.search(d) for d in docs):
+        return getattr(obj, "__module__", None)
+    return None
+
+
+def _block(dotted: str, shown: set[str], defined: bool = False) -> str:
+    """``dotted``'s mkdocstrings block; ``defined``: rendered from the module that defines it
+    (a name resolved on first use, which griffe cannot follow), headed by ``dotted``."""
+    real = _defining_path(dotted)
+    if defined and real is None:
+        obj = getattr(importlib.import_module(dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1])
+        real = f"{obj.__module__}.{obj.__qualname__}"
+        real = None if real == dotted else real
+    text = f"::: {real}\n    options:\n      heading: \"{dotted}\"\n" if real else f"::: {dotted}\n"
+    module = _cited_module(dotted)
+    if module and module not in shown:
+        shown.add(module)
+        text += (f"\n::: {module}\n    options:\n      members: false\n"
+                 f"      heading: \"The module {module}\"\n"
+                 f"      heading_level: 4\n      show_root_toc_entry: false\n")
+    elif module:
+        text += f"\nThe module docstring it cites is shown [above](#{module}).\n"
+    return text
+
+
 def render_api() -> str:
-    parts, section = [], None
+    parts, section, shown = [], None, set()
     for dotted in public_names():
         where = dotted.rsplit(".", 1)[0]
         if where != section:
             section = where
             title = "The top level: `import oomguard`" if where == "oomguard" else f"`{where}`"
             parts.append(f"## {title}\n")
-        parts.append(f"::: {dotted}\n")
+        parts.append(_block(dotted, shown))
+    parts.append("## Beyond the public face\n\nNames the guides use from the modules that "
+                 "define them; they may move between releases, the names above may not.\n")
+    for title, names in BEYOND:
+        parts.append(f"### {title}\n")
+        parts += [_block(dotted, shown, defined=True) for dotted in names]
     return "\n".join(parts)
 
 
@@ -128,11 +202,25 @@ def on_post_build(config):
 _ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj):<code>([^<]*)</code>")
 
 
+# A private base class (strategies' ``_PositiveFields``) is an implementation detail.
+_PRIVATE_BASE = re.compile(r"(?:, )?<code>(?:<span[^>]*>)?_\w+(?:</span>)?</code>")
+
+
 def on_page_content(html, page, config, files):
     def code(match):
         name = match.group(1)
         return f"<code>{name.rsplit('.', 1)[-1] if name.startswith('~') else name}</code>"
+
     return _ROLE.sub(code, html)
+
+
+@event_priority(-100)  # after autorefs has resolved the cross-references
+def on_post_page(output, page, config):
+    def bases(match):
+        kept = _PRIVATE_BASE.sub("", match.group(2)).lstrip(", ")
+        return f"{match.group(1)}{kept}</p>" if kept else ""
+    return re.sub(r"(<p class=\"doc doc-class-bases\">\s*Bases: )(.*?)</p>", bases, output,
+                  flags=re.S)
 
 
 def on_page_markdown(markdown, page, config, files):
@@ -140,4 +228,7 @@ def on_page_markdown(markdown, page, config, files):
         markdown = markdown.replace(CLI_MARK, render_cli())
     if API_MARK in markdown:
         markdown = markdown.replace(API_MARK, render_api())
+    if CHANGELOG_MARK in markdown:
+        changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+        markdown = markdown.replace(CHANGELOG_MARK, changelog.split("\n", 1)[1])
     return markdown

@@ -85,8 +85,13 @@ def _datasets() -> Any:
 
 
 def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> Split:
-    """Choose ``trainer``'s per-device micro-batch (module docstring) and set it, the effective
-    batch kept; return the :class:`Split`. The micro-batch is at most the search's
+    """Choose ``trainer``'s per-device micro-batch and set it, the effective batch
+    (``per_device_train_batch_size x gradient_accumulation_steps``) kept; return the
+    :class:`Split`. It creates the optimizer (``trainer.create_optimizer()``, which training
+    then reuses), searches ``training_step`` plus ``optimizer.step()`` on the first rows of
+    the training set, two steps per trial, with the model and optimizer restored afterwards,
+    and sets ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` so that their
+    product is unchanged. The micro-batch is at most the search's
     recommended size, or with ``largest`` the largest size that ran
     (:func:`~.sizing.split_for`). ``options`` go to ``oomguard.search`` (``margin=``: the
     recommendation's)."""
@@ -154,7 +159,10 @@ def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, largest: bool = F
 
 class OomguardTrainerMixin:
     """Put before a ``Trainer`` class: ``train()`` first sizes the micro-batch, the effective
-    batch kept, and ``evaluate()`` the evaluation batch (module docstring). ``oomguard_options``
+    batch kept (:func:`fit_train_batch`), and ``evaluate()`` the evaluation batch
+    (:func:`fit_eval_batch`). A mixin and not a callback because the batch size must be set
+    before ``train()`` builds its dataloader, which happens before the first callback event;
+    it composes with your own subclass: ``class MyTrainer(OomguardTrainerMixin, SFTTrainer)``. ``oomguard_options``
     (a dict given to ``__init__``) go to ``oomguard.search``; ``oomguard_largest=True``
     runs up to the largest size that ran instead of the recommended size. The splits chosen
     are ``self.oomguard_train`` and ``self.oomguard_eval``."""

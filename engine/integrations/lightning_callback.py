@@ -52,7 +52,12 @@ log = logging.getLogger("oomguard.integrations")
 
 
 class BatchSizeCallback(pl.Callback):
-    """Size the micro-batch at the start of each ``fit`` (module docstring).
+    """Size the micro-batch at the start of each ``fit`` (``on_fit_start``: the optimizer
+    exists, the dataloaders are not built yet): search the module's ``training_step``,
+    ``backward`` and the optimizer's step, two steps per trial, to the exact maximum, with the
+    module and optimizer restored afterwards; then keep the effective batch
+    (``batch_size x accumulate_grad_batches``) by setting the batch size to its largest divisor
+    at or below the size chosen and ``trainer.accumulate_grad_batches`` to the quotient.
     ``batch_arg_name``: the attribute holding the batch size (on the module, its ``hparams``
     or the datamodule). The micro-batch is at most the search's recommended size, or with
     ``largest`` the largest size that ran (:func:`~.sizing.split_for`). ``search_options`` go to ``oomguard.search``. After ``fit`` starts,
