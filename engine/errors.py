@@ -64,7 +64,7 @@ def format_sizes(sizes: Mapping[str, int]) -> str:
 
 class RamLimitReached(OomguardError, MemoryError):
     """A CPU trial passed the RAM guard's estimated limit and was stopped
-    (:mod:`oomguard.engine.core.memory.ramguard`). A ``MemoryError``, so an OOM: a smaller
+    (:mod:`oomguard.engine.core.search.ramguard`). A ``MemoryError``, so an OOM: a smaller
     size may fit. Raised in the trial's thread by the guard's watchdog, so it
     carries no message; the trial's record says what was measured."""
 

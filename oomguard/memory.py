@@ -4,7 +4,7 @@
 (:class:`RamGuard`) and sizes with units (:func:`parse_size`: ``"1.5GiB"`` -> bytes)."""
 
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom
-from oomguard.engine.core.memory.ramguard import RamGuard
+from oomguard.engine.core.search.ramguard import RamGuard
 from oomguard.engine.util.units import parse_size
 from oomguard.probes import PeakMeter, probe_all
 

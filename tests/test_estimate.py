@@ -22,12 +22,8 @@ from torch._subclasses import fake_tensor as ft
 
 from oomguard.engine.cli.estimate import parse_sizes
 from oomguard.engine.cli.main import build_parser
-from oomguard.engine.core.estimate.estimate import (
-    LABEL,
-    StorageCounter,
-    estimate,
-    replays_workspace,
-)
+from oomguard.engine.core.estimate.estimate import LABEL, StorageCounter, estimate
+from oomguard.engine.core.estimate.hooks import replays_workspace
 from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.train_step import TrainStep

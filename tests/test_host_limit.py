@@ -22,13 +22,9 @@ from conftest import in_fresh_process
 
 from oomguard import search
 from oomguard.engine.core.memory.budget import active_budget
-from oomguard.engine.core.memory.host_limit import (
-    CGROUP_SLACK_MIN,
-    HostLimit,
-    limit_budget,
-    unbudgeted_limit,
-)
-from oomguard.engine.core.memory.ramguard import RamGuard
+from oomguard.engine.core.memory.host_limit import CGROUP_SLACK_MIN, HostLimit
+from oomguard.engine.core.search.limit import limit_budget, unbudgeted_limit
+from oomguard.engine.core.search.ramguard import RamGuard
 from oomguard.engine.errors import BudgetError
 from oomguard.metrics.synthetic import e10_line
 from oomguard.probes import host

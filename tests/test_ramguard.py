@@ -18,8 +18,8 @@ import torch
 from conftest import in_fresh_process
 
 from oomguard import SearchConfig, is_oom, search
-from oomguard.engine.core.memory.ramguard import Watchdog
 from oomguard.engine.core.search.fit import fit_line
+from oomguard.engine.core.search.ramguard import Watchdog
 from oomguard.engine.core.search.strategies import Doubling
 from oomguard.engine.core.search.trial import run_trial
 from oomguard.engine.errors import UsageError

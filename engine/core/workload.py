@@ -54,7 +54,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from oomguard.engine.core.estimate.estimate import (
+from oomguard.engine.core.estimate.hooks import (
     fake_module,
     host_device,
     replays_workspace,

@@ -13,7 +13,7 @@ docs/measurements.md#estimate-reference):
 - **Depth**: each size is estimated with 1, 2 and 3 hidden layers and extrapolated to
   the real depth (:class:`Estimator`).
 - **Repeats**: what a metric repeats identically runs once
-  (:func:`~oomguard.engine.core.estimate.estimate.shortcut`), and one warmed-up fake model
+  (:func:`~oomguard.engine.core.estimate.hooks.shortcut`), and one warmed-up fake model
   per depth serves every size a knob's search asks for
   (:class:`~oomguard.engine.core.estimate.estimate.EstimateSession`).
 - **Processes**: the metrics share nothing, so each is estimated in a worker of its own,

@@ -34,8 +34,8 @@ from oomguard.engine.core.execute.executor import Executor
 from oomguard.engine.core.execute.remedies import Ladder, apply_env
 from oomguard.engine.core.memory.forensics import start_history
 from oomguard.engine.core.memory.heap import return_freed_memory_to_os
-from oomguard.engine.core.memory.host_limit import limit_budget, unbudgeted_limit
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom, release_memory
+from oomguard.engine.core.search.limit import limit_budget, unbudgeted_limit
 from oomguard.engine.core.search.search import SearchConfig
 from oomguard.engine.errors import ExecutionFailed, RestartNeeded, TrialFailed, first_line
 from oomguard.engine.jobs import sizing

@@ -22,7 +22,6 @@ device context. Measured error and sizes: docs/measurements.md#estimate-error.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import gc
 import time
 import weakref
@@ -35,6 +34,7 @@ from torch._subclasses import fake_tensor as ft  # imported by torch itself: fre
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from oomguard.engine.core.estimate.hooks import _RUNNING, _Running
 from oomguard.engine.core.estimate.workspace import GEMMS, SLOW_DTYPE, add_workspace
 from oomguard.engine.errors import UsageError, check_positive_int
 
@@ -53,23 +53,6 @@ _RUNS_REAL: set[tuple] = set()
 CUDA_BLOCK = 512
 LABEL = "estimate, not measured"
 METHOD = "fake tensors (FakeTensorMode) + storage bytes counted at dispatch"
-
-
-@dataclass
-class _Running:
-    """The estimate in progress: the device type it is for, where host-side bookkeeping
-    goes, the shortcuts' notes (None: shortcuts off), whether its matrix multiplies'
-    workspace is replayed."""
-
-    target: str
-    host: str
-    cuts: set[str] | None
-    replay: bool = False
-
-
-# A context variable, so an estimate changes it for its own run only.
-_RUNNING: contextvars.ContextVar[_Running | None] = contextvars.ContextVar(
-    "oomguard_estimate", default=None)
 
 
 @dataclass
@@ -266,67 +249,6 @@ def _small(out: Any) -> bool:
         if room > 0:
             return False
     return True
-
-
-def fake_module(build: Callable[[], torch.nn.Module],
-                device: str | torch.device) -> torch.nn.Module:
-    """``build()`` on the ``meta`` device (no memory, no initialisation work), then every
-    parameter and buffer replaced by a fake tensor on ``device`` (tied weights stay tied):
-    the model with no weights, for a workload's ``warmup`` inside :func:`estimate`."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes() as modes:
-        fake = next((m for m in modes if isinstance(m, ft.FakeTensorMode)), None)
-        if fake is None:
-            raise RuntimeError("fake_module() runs only inside oomguard's estimate()")
-        with torch.device("meta"):
-            module = build()
-        memo: dict[int, torch.Tensor] = {}
-        with fake:
-            for mod in module.modules():
-                for table in (mod._parameters, mod._buffers):
-                    for name, t in table.items():
-                        if t is not None and id(t) not in memo:
-                            new = torch.empty_like(t, device=device)
-                            if isinstance(t, torch.nn.Parameter):
-                                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-                            memo[id(t)] = new
-                        if t is not None:
-                            table[name] = memo[id(t)]
-    return module
-
-
-def host_device() -> str:
-    """Where a workload keeps host-side bookkeeping (a Lanczos basis): ``cpu``, except in an
-    estimate for cuda on a torch build without CUDA (fake tensors then stand on cpu for
-    cuda): ``meta``, uncounted."""
-    running = _RUNNING.get()
-    return "cpu" if running is None else running.host
-
-
-def shortcut(why: str, devices: tuple[str, ...] = ("cpu", "cuda")) -> bool:
-    """Whether the caller may run *once* a step it would repeat identically (Lanczos steps,
-    the points of a loss landscape, blocks of VJPs): True only inside an :func:`estimate`
-    for a device of a type in ``devices`` (the steps must hold the same on that device's
-    memory), and then ``why`` (one line: what was cut, and why the peak holds) goes into
-    the estimate's notes. Always False in a real run: results never change."""
-    running = _RUNNING.get()
-    if running is None or running.cuts is None or running.target not in devices:
-        return False
-    running.cuts.add(why)
-    return True
-
-
-def replays_workspace() -> bool:
-    """Whether an :func:`estimate` is running whose matrix-multiply workspace is replayed
-    (a cpu target, ``workspace=True``). Its warm-up must then run as a trial's does (at the
-    knob's minimum, not the cheaper largest size): the bytes a size's multiplies add to the
-    BLAS buffers depend on the largest multiplies the warm-up ran (measured: a warm-up at
-    captum's 16 rows per forward left the trials' 8-row multiplies 0 bytes to add, where a
-    trial warmed up at 1 row adds 2.5 MB; docs/measurements.md, issue 28). False in a real
-    run and in other estimates."""
-    running = _RUNNING.get()
-    return running is not None and running.replay
 
 
 def fake_device(device: str | torch.device) -> tuple[torch.device, list[str]]:

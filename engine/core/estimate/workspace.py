@@ -15,14 +15,11 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from oomguard.engine.errors import IsolationError, first_line
-
-if TYPE_CHECKING:  # estimate.py imports this module: no cycle at run time
-    from oomguard.engine.core.estimate.estimate import Estimate
 
 # Matrix multiplies whose workspace is measured (what matmul, linear and eager attention
 # dispatch to, and the in-place forms an accumulator uses: cka's float64 Gram sums, whose
@@ -69,9 +66,9 @@ class WorkspaceReplay:
         return kept
 
 
-def add_workspace(e: Estimate, fn: Any, warm: dict[tuple, tuple[int, int]],
+def add_workspace(e: Any, fn: Any, warm: dict[tuple, tuple[int, int]],
                    run: dict[tuple, tuple[int, int]], segments: list[int]) -> None:
-    """Raise ``e`` by the workspace ``run``'s matrix multiplies keep on this host after
+    """Raise ``e`` (an :class:`~oomguard.engine.core.estimate.estimate.Estimate`) by the workspace ``run``'s matrix multiplies keep on this host after
     ``warm``'s, measured in an isolated child, or note why not. Each one's buffers exist from
     its first call on: the peak is the highest ``segments[k]`` plus the first k's."""
     from oomguard.engine.core.search.isolate import IsolatedRunner

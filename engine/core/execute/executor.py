@@ -44,7 +44,7 @@ from tenacity import RetryCallState, Retrying, retry_if_result, wait_none
 from oomguard.engine.core.execute.alloc_retries import CONSECUTIVE, AllocRetryWatch
 from oomguard.engine.core.execute.clean_retry import CleanRetry, Params
 from oomguard.engine.core.execute.remedies import Ladder, parse_on_oom, run_ladder, sized_call
-from oomguard.engine.core.execute.retry import Halve, RetryPolicy, Sizes
+from oomguard.engine.core.execute.retry import Halve, RetryPolicy, RunRecord, Sizes
 from oomguard.engine.core.execute.stats import SizeChange, SizeStats
 from oomguard.engine.core.memory.forensics import OomEvent, OomWatch, start_history
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom
@@ -76,22 +76,6 @@ class SizeAgreement(Protocol):
     def active(self) -> bool: ...
 
     def agree(self, proposal: Mapping[str, int], oom: bool) -> tuple[Sizes, bool]: ...
-
-
-@dataclass
-class RunRecord:
-    """What one run did: the sizes of each attempt, each OOM's message, the sizes that worked,
-    and one :class:`~oomguard.engine.core.memory.forensics.OomEvent` per OOM of this process."""
-
-    workload: str
-    attempts: list[Sizes] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    final: Sizes | None = None
-    events: list[OomEvent] = field(default_factory=list)
-
-    @property
-    def retries(self) -> int:
-        return max(0, len(self.attempts) - 1)
 
 
 def shown(sizes: Mapping[str, int | None]) -> Any:

@@ -31,11 +31,11 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from oomguard.engine.core.execute.retry import Sizes
+from oomguard.engine.core.execute.retry import RunRecord, Sizes
 from oomguard.engine.core.memory.heap import free_heap_bytes
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom
 from oomguard.engine.errors import (
@@ -49,9 +49,6 @@ from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
 from oomguard.probes.device import resolve_device
 from oomguard.probes.peak import cuda_async_backend
-
-if TYPE_CHECKING:  # the executor imports this module: no cycle at run time
-    from oomguard.engine.core.execute.executor import RunRecord
 
 T = TypeVar("T")
 log = logging.getLogger("oomguard.executor")

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from oomguard.engine.core.memory.budget import headroom_bytes
+from oomguard.engine.core.memory.forensics import OomEvent
 from oomguard.engine.core.search.fit import peak_model
 from oomguard.probes.peak import PeakMeter
 
@@ -159,3 +160,19 @@ class PeakProbe:
         if self.kind == "cuda" and torch.cuda.is_available():
             return max(0, torch.cuda.max_memory_allocated(self.device) - self.start)
         return None
+
+
+@dataclass
+class RunRecord:
+    """What one run did: the sizes of each attempt, each OOM's message, the sizes that worked,
+    and one :class:`~oomguard.engine.core.memory.forensics.OomEvent` per OOM of this process."""
+
+    workload: str
+    attempts: list[Sizes] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    final: Sizes | None = None
+    events: list[OomEvent] = field(default_factory=list)
+
+    @property
+    def retries(self) -> int:
+        return max(0, len(self.attempts) - 1)

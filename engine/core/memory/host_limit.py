@@ -12,25 +12,22 @@ Three limits can stop it, and each is met in its own way:
   entered, so that running out is an exception, never a kill
   (docs/measurements.md#cgroup-limits).
 - **Physical RAM**, which nothing enforces: one size past it makes the host swap. The
-  RAM guard (:mod:`~oomguard.engine.core.memory.ramguard`, 80% of the available RAM,
+  RAM guard (:mod:`~oomguard.engine.core.search.ramguard`, 80% of the available RAM,
   estimated) stands in for a limit.
 
-The tightest wins: an enforced limit binds where the room it leaves is below the RAM
-guard's limit (:func:`unbudgeted_limit`). Results and reports name the limit that bound.
+The tightest wins (:mod:`~oomguard.engine.core.search.limit` chooses). Results and reports
+name the limit that bound.
 """
 
 from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET, Budget, budget
-from oomguard.engine.core.memory.ramguard import RamGuard
 from oomguard.engine.errors import BudgetError
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
@@ -88,28 +85,3 @@ class HostLimit:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.name, "enforced": True, "limit_bytes": self.limit_bytes,
                 "room_bytes": self.room_bytes, "description": self.describe()}
-
-
-def unbudgeted_limit(device: str | torch.device = "cpu", guard: RamGuard | None = None
-                     ) -> HostLimit | RamGuard | None:
-    """What bounds work on ``device`` without a budget, chosen now (module docstring): on
-    the CPU the enforced limit with the least room where that room is below ``guard``'s
-    limit (by default a RAM guard at 80% of the available RAM, :meth:`RamGuard.for_host`),
-    else the guard; None on other devices (their own limit) and where nothing is known."""
-    if torch.device(device).type != "cpu":
-        return None
-    guard = guard if guard is not None else RamGuard.for_host()
-    limits = sorted(host.enforced_limits(), key=lambda lim: lim.room_bytes)
-    if limits and (guard is None or limits[0].room_bytes < guard.limit_bytes):
-        return HostLimit(limits[0].name, limits[0].limit_bytes, limits[0].room_bytes)
-    return guard
-
-
-def limit_budget(nbytes: int | None, device: str | torch.device,
-                 limit: HostLimit | RamGuard | None) -> AbstractContextManager[Budget | None]:
-    """The budget work on ``device`` runs under, to enter after its warm-up: ``nbytes``
-    when given; else the one an enforced ``limit`` leaves room for
-    (:meth:`HostLimit.enforced`); else none (a RAM guard watches trials instead)."""
-    if nbytes is not None:
-        return budget(nbytes, device)
-    return limit.enforced() if isinstance(limit, HostLimit) else nullcontext()

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.memory.ramguard import RamGuard
 from oomguard.engine.core.search.fit import DEFAULT_MARGIN, MEASURED
+from oomguard.engine.core.search.ramguard import RamGuard
 from oomguard.engine.core.search.strategies import (
     Doubling,
     ExpandBisect,
@@ -47,7 +47,7 @@ class SearchConfig:
     (:func:`~oomguard.engine.core.search.fit.choose_margin`; the report names it).
     ``capacity_bytes``: what the recommendation scales against (None: the budget, else the
     free memory probed before the search). ``ram_guard`` bounds CPU trials without a
-    budget by an estimated limit (:class:`~oomguard.engine.core.memory.ramguard.RamGuard`):
+    budget by an estimated limit (:class:`~oomguard.engine.core.search.ramguard.RamGuard`):
     None (default) at 80% of the RAM available after the warm-up, True always, False
     never, or the ``RamGuard`` given. ``trial_timeout``: seconds (finite, > 0) per isolated
     trial; a child still running then is killed and the search ends with

@@ -39,10 +39,11 @@ from oomguard.engine.core.memory.heap import (
     return_freed_memory_to_os,
     trim_heap,
 )
-from oomguard.engine.core.memory.host_limit import HostLimit, limit_budget
+from oomguard.engine.core.memory.host_limit import HostLimit
 from oomguard.engine.core.memory.oom import gc_frozen
-from oomguard.engine.core.memory.ramguard import RamGuard
 from oomguard.engine.core.search.config import is_positive_seconds
+from oomguard.engine.core.search.limit import limit_budget
+from oomguard.engine.core.search.ramguard import RamGuard
 from oomguard.engine.core.search.trial import Trial, run_trial, warm_up_trials
 from oomguard.engine.core.workload import qualname, workload_preload
 from oomguard.engine.errors import ChildCrashed, ChildStartFailed, UsageError, first_line

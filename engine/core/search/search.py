@@ -31,9 +31,8 @@ import torch
 
 from oomguard.engine.core.memory.budget import check_budget
 from oomguard.engine.core.memory.heap import return_freed_memory_to_os
-from oomguard.engine.core.memory.host_limit import HostLimit, limit_budget, unbudgeted_limit
+from oomguard.engine.core.memory.host_limit import HostLimit
 from oomguard.engine.core.memory.oom import gc_frozen
-from oomguard.engine.core.memory.ramguard import RamGuard
 from oomguard.engine.core.search.config import SearchConfig, resolve
 from oomguard.engine.core.search.fit import (
     LinearFit,
@@ -43,6 +42,8 @@ from oomguard.engine.core.search.fit import (
     recommend,
 )
 from oomguard.engine.core.search.isolate import IsolatedRunner
+from oomguard.engine.core.search.limit import limit_budget, trial_limit
+from oomguard.engine.core.search.ramguard import RamGuard
 from oomguard.engine.core.search.strategies import Confirm, Strategy, bracket, why_chosen
 from oomguard.engine.core.search.trial import Trial, run_trial, warm_up_trials
 from oomguard.engine.core.snapshot import Snapshot
@@ -289,21 +290,8 @@ def _verify(runner: Callable[[int, int], Trial], size: int, steps: int, mode: st
         "ok", "peak_bytes", "step_peaks", "seconds", "error", "guarded")}
 
 
-def _guarded(cfg: SearchConfig, dev: torch.device) -> bool:
-    """Whether the trials run under a RAM guard (see SearchConfig.ram_guard); CPU only."""
-    return dev.type == "cpu" and cfg.ram_guard is not False and (
-        cfg.ram_guard is not None or cfg.budget is None)
-
-
 def _limit(cfg: SearchConfig, dev: torch.device) -> RamGuard | HostLimit | None:
-    """What bounds the trials beside a budget, chosen now (after the warm-up in this
-    process): the ``RamGuard`` given, a RAM guard beside a budget (``ram_guard=True``),
-    else without a budget the tightest of the RAM guard and an enforced host limit."""
-    if not _guarded(cfg, dev):
-        return None
-    if isinstance(cfg.ram_guard, RamGuard):
-        return cfg.ram_guard
-    return RamGuard.for_host() if cfg.budget is not None else unbudgeted_limit(dev)
+    return trial_limit(dev, cfg.budget, cfg.ram_guard)
 
 
 def _isolated(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device) -> IsolatedRunner:
@@ -317,7 +305,7 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device, stac
     if cfg.isolate:
         isolated = stack.enter_context(_isolated(fn, cfg, dev))
         return isolated, isolated.limit
-    if dev.type == "cpu" and (cfg.budget is not None or _guarded(cfg, dev)):
+    if dev.type == "cpu" and (cfg.budget is not None or _limit(cfg, dev) is not None):
         # Before the warm-up, as in an isolated child: a warm-up under glibc's default
         # threshold leaves 27-47 MiB of free heap (varying run to run) that the budget
         # cannot see and trials reuse, so the boundary moved by up to one item

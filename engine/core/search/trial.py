@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -34,9 +34,6 @@ from oomguard.engine.core.workload import name_of, warm_up, worst_case_call
 from oomguard.engine.errors import first_line
 from oomguard.engine.util.jsonable import to_jsonable
 from oomguard.probes.peak import PeakMeter
-
-if TYPE_CHECKING:
-    from oomguard.engine.core.memory.ramguard import RamGuard
 
 log = logging.getLogger("oomguard.search")
 
@@ -48,7 +45,7 @@ class Trial:
     ``peak_bytes`` is measured (:class:`probes.PeakMeter` says what each device counts);
     None for an OOM, whose peak is unknown. ``mode``: ``"in-process"`` or ``"isolated"``.
     ``guarded``: the outcome is the RAM guard's verdict against an estimated limit
-    (:mod:`~oomguard.engine.core.memory.ramguard`), not a failed allocation; ``peak_bytes``
+    (:mod:`~oomguard.engine.core.search.ramguard`), not a failed allocation; ``peak_bytes``
     is then the peak measured until it was stopped, or None for a size not run because its
     predicted peak was over the limit. ``step_peaks``: the peak of each of the ``steps``
     calls (``peak_bytes`` units). ``limit_peak_bytes``: the peak in the units the limit
@@ -127,7 +124,7 @@ def warm_up_trials(fn: Callable[[int], Any], device: str | torch.device = "cpu",
 
 
 def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
-              guard: RamGuard | None = None, steps: int = 1) -> Trial:
+              guard: Any = None, steps: int = 1) -> Trial:
     """Run ``fn(size)`` ``steps`` times in this process and measure it, memory released
     first so the peak starts from a clean baseline. A worst-case batch (module docstring)
     counts in its step's peak and seconds, as a data loader's batch does in the real run.
@@ -194,7 +191,7 @@ def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = 
                  items_per_second=rate, **common)
 
 
-def _limit_units(meter: PeakMeter, budgeted: bool, guard: RamGuard | None) -> str | None:
+def _limit_units(meter: PeakMeter, budgeted: bool, guard: Any) -> str | None:
     """What ``limit_peak_bytes`` and ``headroom_bytes`` count, in words."""
     if meter.device.type == "cpu":
         if budgeted:

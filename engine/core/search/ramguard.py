@@ -73,7 +73,7 @@ class RamGuard:
         """A guard at ``fraction`` of the physical RAM available now (probed); None where it
         cannot be read (the search is then bounded by ``max_size`` only). Limits the kernel
         enforces (a cgroup, an ``RLIMIT_DATA``) are not counted here: where one leaves less
-        room, it binds instead (:func:`~oomguard.engine.core.memory.host_limit.unbudgeted_limit`)."""
+        room, it binds instead (:func:`~oomguard.engine.core.search.limit.unbudgeted_limit`)."""
         if not 0 < fraction <= 1:
             raise UsageError(f"RAM guard fraction must be in (0, 1], got {fraction!r}")
         _, free, sources = host.physical_memory()
