@@ -12,8 +12,8 @@ forkserver dies with its parent (:func:`die_with_parent`) and ignores SIGINT: Ct
 reaches the whole process group, and the command alone decides.
 
 A death after ``started`` is an OOM only with evidence (:func:`oom_evidence`,
-:class:`LimitWatch`): an allocation failure reported on stderr (:data:`ALLOCATION_FAILURES`;
-oneDNN's "could not create a primitive" under a memory limit), SIGKILL while a memory
+:class:`LimitWatch`): an allocation failure reported on stderr (a row of
+:data:`~oomguard.engine.core.memory.oom_texts.OOM_TABLE`; oneDNN's "could not create a primitive" under a memory limit), SIGKILL while a memory
 limit applies (the budget, ``RLIMIT_DATA``/``RLIMIT_AS``, a cgroup limit), or under a CPU
 budget a signal after the data segment came close to the limit.
 """
@@ -39,6 +39,7 @@ from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from oomguard.engine.core.memory.oom_texts import stderr_oom
 from oomguard.engine.errors import ChildCrashed, first_line
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
@@ -378,17 +379,6 @@ class Child(contextlib.AbstractContextManager["Child"]):
         return text
 
 
-# Text a child writes on stderr when it dies for want of memory (lower-case). libgomp
-# prints "libgomp: Thread creation failed: Resource temporarily unavailable" and exits
-# with code 1 when a thread's stack does not fit (docs/measurements.md#minimum-cpu-budget).
-ALLOCATION_FAILURES: tuple[str, ...] = (
-    "libgomp: out of memory",  # gomp_malloc: "libgomp: Out of memory allocating N bytes"
-    "libgomp: thread creation failed",
-    "std::bad_alloc",  # a C++ allocation failure nothing caught (terminate, SIGABRT)
-)
-# oneDNN's text counts only under a memory limit (docs/measurements.md#onednn-primitive).
-_ONEDNN_PRIMITIVE = ("could not create a primitive", "could not execute a primitive")
-
 # How close to its limit a budgeted child's sampled data segment must have come for its death by a
 # signal to count as running out of memory: a sixteenth of the budget, at least 4 MiB. Crashed LSTM
 # steps had come within 32 KiB and 1.86 MiB of a 32 MiB budget's limit; a sample every 0.5 ms can
@@ -401,14 +391,12 @@ def oom_evidence(exitcode: int | None, stderr: str, budgeted: bool) -> str | Non
     """Why a child's death counts as running out of memory, or None when nothing says so.
     ``budgeted``: an oomguard budget applied in the child; limits inherited from the
     environment are read in this process (children share its cgroup)."""
-    text = stderr.lower()
-    for pattern in ALLOCATION_FAILURES:
-        if pattern in text:
-            return f"it reported {pattern!r} on stderr"
+    row = stderr_oom(stderr)
+    if row is not None and not row.evidence:
+        return f"it reported {row.text!r} on stderr"
     limits = (["the budget"] if budgeted else []) + list(host.memory_limits())
-    onednn = next((p for p in _ONEDNN_PRIMITIVE if p in text), None)
-    if onednn is not None and limits:
-        return f"it reported {onednn!r} on stderr under {', '.join(limits)}"
+    if row is not None and limits:  # a text that means memory only under a limit
+        return f"it reported {row.text!r} on stderr under {', '.join(limits)}"
     if killed_by_sigkill(exitcode) and limits:
         return f"under a memory limit: {', '.join(limits)}"
     return None

@@ -19,103 +19,16 @@ import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from oomguard.engine.core.memory.budget import active_budget
+from oomguard.engine.core.memory.oom_texts import OOM_TABLE
 from oomguard.engine.core.memory.swallowed import Witness
 from oomguard.engine.errors import first_line
 from oomguard.probes import host
 
-
-class OomText(NamedTuple):
-    """One row of :data:`OOM_TABLE`: ``text`` in the message of an exception of
-    one of ``types`` is an OOM; with ``evidence`` only while a memory limit is near."""
-
-    text: str  # lower-case; matched case-insensitively as a substring of str(exc)
-    types: tuple[type[BaseException], ...]
-    evidence: bool
-    why: str
-    # Which limit is the evidence: "host" (memory_limit_near) or "cuda" (cuda_memory_near_limit).
-    near: str = "host"
-
-
-_RT = (RuntimeError,)  # torch.OutOfMemoryError is a RuntimeError too
-# Every message oomguard recognises: is_oom reads nothing else. tests/test_oom.py checks every row,
-# with real exceptions where this machine can raise them (CPU) and the devices' printed messages
-# where it cannot. A row with evidence also has causes a smaller size does not cure.
-OOM_TABLE: tuple[OomText, ...] = (
-    OomText("cuda out of memory", _RT, False, "torch.OutOfMemoryError's text on CUDA"),
-    OomText("cuda error: out of memory", _RT, False, "runtime error surfaced by a kernel launch"),
-    OomText("cuda driver error: out of memory", _RT, False, "expandable segments: cuMemCreate"),
-    OomText("cuda runtime error (2) : out of memory", _RT, False, "legacy THC wording"),
-    OomText("cuda failure 'out of memory'", _RT, False, "NCCL's ncclUnhandledCudaError"),
-    OomText("triton error [cuda]: out of memory", _RT, False, "Triton kernel launch"),
-    OomText("cublas_status_alloc_failed", _RT, False, "cuBLAS workspace allocation"),
-    OomText("cudnn_status_alloc_failed", _RT, False, "cuDNN < 9 allocation failure"),
-    OomText("cudnn_status_not_enough_workspace", _RT, False, "cuDNN workspace"),
-    OomText("cudnn_status_internal_error_device_allocation_failed", _RT, False,
-            "cuDNN >= 9 (torch >= 2.4) device allocation failure"),
-    OomText("cudnn_status_internal_error_host_allocation_failed", _RT, False,
-            "cuDNN >= 9 host allocation failure"),
-    # Not memory: cuDNN rejects batches above fixed limits (BatchNorm above 65535 in eval,
-    # some convolutions) and a smaller size is the cure, so it counts without evidence (which
-    # would miss the very case it is here for), as in accelerate. An input cuDNN never
-    # supports fails at every size: the wrapper gives up at its minimum quoting this message.
-    OomText("cudnn_status_not_supported", _RT, False, "cuDNN size limit (accelerate parity)"),
-    OomText("cufft_alloc_failed", _RT, False, "cuFFT plan allocation"),
-    OomText("cusolver_status_alloc_failed", _RT, False, "cuSOLVER handle allocation"),
-    OomText("mps backend out of memory", _RT, False, "Apple MPS"),
-    # MPSAllocator.mm: TORCH_CHECK(size < m_max_buffer_size, "Invalid buffer size: ", ...);
-    # the device's maxBufferLength, a size limit that a smaller batch cures.
-    OomText("invalid buffer size: ", _RT, False, "Apple MPS buffer above maxBufferLength"),
-    OomText("hip out of memory", _RT, False, "ROCm"),
-    OomText("xpu out of memory", _RT, False, "Intel XPU"),
-    OomText("npu out of memory", _RT, False, "Ascend NPU (torch_npu)"),
-    OomText("mlu out of memory", _RT, False, "Cambricon MLU (torch_mlu)"),
-    OomText("musa out of memory", _RT, False, "Moore Threads MUSA (torch_musa)"),
-    OomText("sdaa out of memory", _RT, False, "Tecorigin SDAA (torch_sdaa)"),
-    OomText("out of memory. tried to allocate", _RT, False, "forks of CUDA's caching allocator"),
-    OomText("pt_devmem allocation failed", _RT, False, "Intel Gaudi HPU"),
-    OomText("defaultcpuallocator: can't allocate memory", _RT, False, "CPU, under RLIMIT_DATA"),
-    OomText("failed to allocate memory", _RT, False, "c10 / oneDNN scratchpad"),
-    OomText("out of memory trying to allocate", _RT, False, "c10 allocators"),
-    # The rows below also have causes that are not memory. docs/measurements.md#onednn-primitive
-    OomText("could not create a primitive", _RT, True, "oneDNN building a kernel"),
-    # its scratchpad allocated when the kernel runs (an LSTM step under a budget)
-    OomText("could not execute a primitive", _RT, True, "oneDNN running a kernel"),
-    # The next four: docs/measurements.md#cpu-oom-without-memoryerror. A thread's stack
-    # (8 MiB) is private memory, counted by RLIMIT_DATA; with no memory limit near this is
-    # a thread limit instead.
-    OomText("can't start new thread", _RT, True, "threading.Thread.start"),
-    # A C function (compile() importing a module from source) failed an allocation
-    # without setting MemoryError; else a bug in that function.
-    OomText("returned null without setting an", (SystemError,), True, "an import, a C function"),
-    # dlopen cannot map a C extension's writable segments; also a noexec mount.
-    OomText("failed to map segment from shared object", (ImportError,), True, "an import (dlopen)"),
-    OomText("cannot map zero-fill pages", (ImportError,), True, "an import (dlopen)"),
-    # torch's cuDNN v8/v9 API tries every plan and swallows each plan's OutOfMemoryError
-    # (Conv_v8.cpp try_plans), so a full device ends in this; so does an unsupported
-    # layout. "FIND" with benchmark=True, "GET" without.
-    OomText("unable to find an engine to execute this computation", _RT, True,
-            "cuDNN v8/v9 API: every plan failed", "cuda"),
-    # cublasCreate fails to allocate its handle's memory on a full device; also a
-    # broken CUDA install.
-    OomText("cublas_status_not_initialized", _RT, True, "cuBLAS handle creation", "cuda"),
-    # The caching allocator's OOM path asks NVML about the device's processes before it
-    # raises (reportProcessMemoryInfo, c10/cuda/CUDACachingAllocator.cpp); where NVML
-    # refuses (a MIG parent without root, WSL2, locked-down containers) one of its three
-    # TORCH_INTERNAL_ASSERTs replaces the OutOfMemoryError. The texts as the preprocessor
-    # prints the conditions; each is an OOM only with evidence that the allocator met its
-    # limit (cuda_memory_near_limit), as the issue asks of an assert.
-    OomText("nvml_success == r internal assert failed", _RT, True,
-            "CUDA OOM whose NVML process query failed (pytorch#112377)", "cuda"),
-    OomText("nvml_success == driverapi::get()->nvmlinit_v2_() internal assert failed", _RT, True,
-            "CUDA OOM whose nvmlInit failed", "cuda"),
-    OomText("nvml_success == driverapi::get()->nvmldevicegethandlebypcibusid_v2_(", _RT, True,
-            "CUDA OOM whose NVML device lookup failed", "cuda"),
-)
 # An RLIMIT_DATA that someone else set counts as "near" when the process's
 # VmData is within this fraction of it.
 _NEAR_LIMIT = 0.10
