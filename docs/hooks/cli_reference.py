@@ -89,8 +89,10 @@ def help_text(parser: argparse.ArgumentParser) -> str:
 
 
 def option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    """Every option string (``--budget``, ``-h``) the parser accepts."""
-    return {s for action in parser._actions for s in action.option_strings}
+    """Every option string (``--budget``, ``-h``) the parser shows in its help: an old
+    spelling kept for one release (``help=argparse.SUPPRESS``) is accepted but not shown."""
+    return {s for action in parser._actions if action.help != argparse.SUPPRESS
+            for s in action.option_strings}
 
 
 def render_cli() -> str:
