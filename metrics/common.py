@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.engine.util.jsonable import to_jsonable
+from oomguard.engine.util.rows import slice_rows
 from oomguard.metrics.base import Metric
 
 IGNORE_INDEX = -100
@@ -36,7 +37,7 @@ def iter_micro_batches(data: Batch, size: int) -> Iterator[dict[str, torch.Tenso
     covering every sample once, in order."""
     check_positive_int("micro-batch size", size)
     for start in range(0, n_samples(data), size):
-        yield {key: value[start:start + size] for key, value in data.items()}
+        yield slice_rows(data, start, start + size)
 
 
 def labels_of(batch: Batch) -> torch.Tensor:

@@ -7,6 +7,7 @@ after it, so the reference's freed heap is not slack inside the budget.
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import gc
@@ -24,8 +25,8 @@ from oomguard.engine.training.accumulate import (
     accumulate,
     batch_length,
     forget,
-    slice_batch,
 )
+from oomguard.engine.util.rows import slice_rows
 from oomguard.metrics.models import build_model, make_batch
 
 MiB = 1024**2
@@ -330,10 +331,14 @@ def test_the_parameters_zeroed_are_the_models_trainable_ones():
 
 def test_batches_slice_on_dim_0():
     encoding = UserDict({"input_ids": torch.arange(12).view(6, 2), "meta": "kept"})
-    part = slice_batch(encoding, 2, 4)
+    part = slice_rows(encoding, 2, 4)
     assert isinstance(part, UserDict) and part["meta"] == "kept"
     assert part["input_ids"].tolist() == [[4, 5], [6, 7]]
-    assert slice_batch((torch.ones(5), [torch.zeros(5, 2)]), 0, 2)[1][0].shape == (2, 2)
+    assert slice_rows((torch.ones(5), [torch.zeros(5, 2)]), 0, 2)[1][0].shape == (2, 2)
+    # a named tuple (a dataset's record) keeps its type and fields
+    Pair = collections.namedtuple("Pair", "x y")
+    part = slice_rows(Pair(torch.ones(5, 3), torch.zeros(5)), 1, 3)
+    assert type(part) is Pair and part.x.shape == (2, 3) and part.y.shape == (2,)
     assert batch_length({"a": torch.ones(3), "b": torch.ones(3, 4)}) == 3
     with pytest.raises(ValueError, match="share dim 0"):
         batch_length({"a": torch.ones(3), "b": torch.ones(4)})

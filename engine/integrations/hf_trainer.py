@@ -52,12 +52,12 @@ from oomguard.engine.errors import UsageError
 from oomguard.engine.integrations.sizing import (
     Split,
     batch_rows,
-    rows,
     search_step,
     size_found,
     split_for,
     training_trial,
 )
+from oomguard.engine.util.rows import slice_rows
 
 log = logging.getLogger("oomguard.integrations")
 
@@ -104,7 +104,7 @@ def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> 
     if not hasattr(trainer, "current_gradient_accumulation_steps"):
         trainer.current_gradient_accumulation_steps = 1  # the loop sets it before each step
 
-    step = training_trial(lambda size: trainer.training_step(model, rows(batch, size)),
+    step = training_trial(lambda size: trainer.training_step(model, slice_rows(batch, 0, size)),
                           optimizer, effective)
     was_training = model.training
     try:
@@ -140,7 +140,7 @@ def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, largest: bool = F
     batch = first_rows(trainer, dataset, configured, "Evaluation")
 
     def step(size: int) -> int:
-        trainer.prediction_step(model, rows(batch, size), args.prediction_loss_only)
+        trainer.prediction_step(model, slice_rows(batch, 0, size), args.prediction_loss_only)
         return size
 
     was_training = model.training

@@ -42,11 +42,11 @@ from lightning.pytorch.utilities.parsing import (
 from oomguard.engine.errors import UsageError
 from oomguard.engine.integrations.sizing import (
     Split,
-    rows,
     search_step,
     split_for,
     training_trial,
 )
+from oomguard.engine.util.rows import slice_rows
 
 log = logging.getLogger("oomguard.integrations")
 
@@ -81,7 +81,7 @@ class BatchSizeCallback(pl.Callback):
 
         def micro_step(size: int) -> torch.Tensor:
             with precision.train_step_context(), _logging_off(pl_module):
-                out = pl_module.training_step(rows(batch, size), 0)
+                out = pl_module.training_step(slice_rows(batch, 0, size), 0)
             loss = out["loss"] if isinstance(out, Mapping) else out
             loss.backward()
             return loss

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from oomguard.engine.core.search.search import SearchResult, search
 from oomguard.engine.errors import UsageError, check_positive_int
@@ -92,12 +91,6 @@ def training_trial(micro_step: Callable[[int], torch.Tensor], optimizer: torch.o
         return float(loss.detach())
 
     return step
-
-
-def rows(batch: Any, n: int) -> Any:
-    """The first ``n`` rows (dim 0) of every tensor in ``batch`` (a tensor, or a dict, list or
-    tuple of them; anything else is kept)."""
-    return tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() else t, batch)
 
 
 def batch_rows(batch: Any) -> int:

@@ -56,6 +56,7 @@ from oomguard.engine.core.execute.executor import SizeController, SizeMemory, qu
 from oomguard.engine.core.execute.retry import FitPeaks, RetryPolicy, Sizes
 from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.engine.training.adaptive import make_controller, remembered
+from oomguard.engine.util.rows import slice_rows
 from oomguard.engine.util.weakmap import WeakIdMap
 
 Batch = Any  # a tensor, a Mapping of tensors, or a tuple/list of them, rows on dim 0
@@ -81,21 +82,6 @@ def _tensors(batch: Batch) -> Iterable[torch.Tensor]:
     elif isinstance(batch, (Mapping, tuple, list)):
         for value in batch.values() if isinstance(batch, Mapping) else batch:
             yield from _tensors(value)
-
-
-def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
-    """Rows ``start:stop`` of every tensor in ``batch`` (views, no copies); other values as they are."""
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop] if batch.dim() > 0 else batch
-    if isinstance(batch, Mapping):
-        out = {k: slice_batch(v, start, stop) for k, v in batch.items()}
-        if type(batch) is not dict:  # keep dict subclasses such as transformers' BatchEncoding
-            with contextlib.suppress(TypeError):
-                return type(batch)(out)
-        return out
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(slice_batch(v, start, stop) for v in batch)
-    return batch
 
 
 def _row_units(batch: Batch, weight_by: str, labels_key: str, ignore_index: int) -> list[int]:
@@ -340,7 +326,7 @@ class Accumulator:
         plan = []
         for start in range(0, n, m):
             stop = min(start + m, n)
-            micro = slice_batch(batch, start, stop)
+            micro = slice_rows(batch, start, stop)
             units = float(self.weight_by(micro)) if callable(self.weight_by) \
                 else prefix[stop] - prefix[start]
             if units != 0:  # no units: its mean is 0/0, its exact contribution zero
