@@ -96,15 +96,80 @@ def rates(result: SearchResult) -> dict[int, float]:
     return {t.size: t.items_per_second for t in result.trials if t.ok and t.items_per_second}
 
 
+def step_rates(t: Trial) -> list[float]:
+    """Items per second of each timed step of ``t`` (the steps after the first, or the only
+    one), from ``Trial.step_seconds``; empty where the trial did not record them."""
+    seconds = list(getattr(t, "step_seconds", None) or [])
+    return [t.size / s for s in (seconds[1:] or seconds) if s > 0]
+
+
+def rate_spread(result: SearchResult) -> float | None:
+    """How much the rate of one size varied from step to step: the largest ``(max - min) /
+    max`` of :func:`step_rates` over the trials that fitted and timed two steps or more (a
+    fraction, measured); None where none did, so the rates' noise is unknown."""
+    spreads = [(max(r) - min(r)) / max(r) for t in result.trials
+               if t.ok and len(r := step_rates(t)) >= 2]
+    return max(spreads, default=None)
+
+
 def fastest_safe_size(result: SearchResult) -> int | None:
-    """The fastest size (the largest is not always): the highest measured items per second
-    among the sizes at or below the recommended size (at or below the maximum when none
-    ran there); None without rates or a recommendation."""
-    measured, rec = rates(result), result.recommendation
-    if rec is None or not measured:
+    """The size that is fastest beyond the noise, among the sizes at or below the recommended
+    size (at or below the maximum when none ran there): its measured items per second beat
+    every other candidate's by more than :func:`rate_spread`. None without a recommendation,
+    with fewer than two candidates, without a measured spread, or when the best two are
+    within it: a rate within the spread of another is not faster, just noisier."""
+    measured, rec, spread = rates(result), result.recommendation, rate_spread(result)
+    if rec is None or spread is None:
         return None
     safe = {s: r for s, r in measured.items() if s <= rec.safe} or measured
+    if len(safe) < 2:
+        return None
+    best, second = sorted(safe.values(), reverse=True)[:2]
+    if (best - second) / best <= spread:
+        return None
     return max(safe, key=safe.__getitem__)
+
+
+def fastest_note(result: SearchResult, fastest: int | None, spread: float | None) -> str:
+    """Why a size is or is not named fastest (``fastest`` and ``spread`` as the summary's
+    ``fastest_safe_size`` and ``rate_spread``), in words."""
+    if fastest is not None:
+        return (f"{fastest} is faster than every other size at or below the recommendation by "
+                f"more than the step-to-step spread ({spread:.1%})")
+    rec, measured = result.recommendation, rates(result)
+    safe = sorted(n for n in measured if rec is None or n <= rec.safe) or sorted(measured)
+    if len(safe) < 2:
+        return (f"only {', '.join(map(str, safe)) or 'no size'} ran at or below the recommended "
+                "size: nothing to compare")
+    if spread is None:
+        return ("the rates' step-to-step spread is unknown (no trial timed two steady steps), "
+                "so their differences may be noise")
+    return (f"the rates at or below the recommendation differ by no more than the "
+            f"step-to-step spread ({spread:.1%}): noise")
+
+
+def safe_limits(result: SearchResult) -> dict[str, Any]:
+    """The peaks the recommendation keeps under, in the peak meter's bytes (None where there
+    is no capacity): ``safe_line_bytes``, capacity x (1 - margin), the line memory.png draws;
+    ``recommended_limit_bytes``, the peak the recommended size was chosen to stay under: the
+    safe line, or the margin taken off the fitted peak at the first OOM where that is lower
+    than the capacity (the limit counted bytes the peak does not); ``recommended_limit_against``
+    says which, in words. ``oomguard verify`` fails a peak above either. The rule restates
+    :func:`~oomguard.engine.core.search.fit.recommend`'s (a Recommendation does not record
+    the limit it used)."""
+    rec, cap, fit, oom = result.recommendation, result.capacity_bytes, result.fit, result.first_oom
+    if rec is None:
+        return {"safe_line_bytes": None, "recommended_limit_bytes": None,
+                "recommended_limit_against": None}
+    line = cap * (1 - rec.margin) if cap else None
+    usable, against = cap, "capacity"
+    if fit is not None and oom is not None and fit.per_item_bytes > 0:
+        at_oom = fit.predict(oom)
+        if usable is None or at_oom < usable:
+            usable, against = at_oom, f"the fitted peak at the first OOM ({oom})"
+    limit = usable * (1 - rec.margin) if usable else None
+    return {"safe_line_bytes": line, "recommended_limit_bytes": limit,
+            "recommended_limit_against": against if limit is not None else None}
 
 
 def rate_basis(result: SearchResult) -> str:
@@ -267,6 +332,8 @@ def summarise(result: SearchResult, context: Mapping[str, Any] | None = None) ->
         "peak_measures": PEAK_MEANING.get(result.device.split(":", 1)[0], "unknown"),
         "fit_is_estimate": True,
         "fastest_safe_size": fastest_safe_size(result),
+        "rate_spread": rate_spread(result),
+        **safe_limits(result),
         "mode_note": _MODE_NOTE.get(result.mode, "isolated: each trial in a fresh process, the "
                                                  "faithful maximum"),
         "search_steps": strategy_steps(result),

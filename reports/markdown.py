@@ -11,9 +11,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from oomguard.engine.core.search.search import SearchResult
-from oomguard.engine.errors import size_list
 from oomguard.engine.util.units import fmt_bytes
-from oomguard.reports.json_report import rate_basis, rates, status_text, summarise, utilisation
+from oomguard.reports.json_report import (
+    fastest_note,
+    rate_basis,
+    rates,
+    status_text,
+    summarise,
+    utilisation,
+)
 
 _KNOWN_CONTEXT = {"model", "parameters", "architecture", "device_name", "dtype", "data", "title",
                   "workload_spec"}  # the last is for `oomguard verify`, not for readers
@@ -52,6 +58,26 @@ _SCALING_OBSERVATION = {
     "approximate": "**Roughly linear scaling**: R² = {r2:.4f}; fitted estimates are rough.",
     "not supported": ("**Non-linear or noisy scaling**: R² = {r2:.4f}; do not trust the "
                       "fitted estimates, rely on measured sizes only."),
+}
+
+# What each search setting (SearchConfig.to_dict: the strategy's own fields, then the limits)
+# means; a setting not listed is shown as a parameter of its strategy.
+_SETTINGS = {
+    "strategy": "how the next size is chosen (see Search Strategy)",
+    "start": "the first size tried",
+    "step": "the increment the size grows by while it fits",
+    "factor": "the factor the size grows by while it fits",
+    "misses": ("after this many wrong predictions the strategy stops predicting and only "
+               "doubles and bisects"),
+    "capacity_bytes": "the bytes the strategy's line predicts against",
+    "max_size": "the largest size the search may try",
+    "max_trials": "the most trials the search may run",
+    "max_seconds": "the most seconds of trials (none: no time limit)",
+    "margin": ("the fraction of capacity the recommended size keeps free, or 'measured': "
+               "twice the largest spread of a trial's step peaks"),
+    "steps_per_trial": "workload calls per trial (none: the workload's own count)",
+    "verify_steps": "further steps run at the recommended size after the search (0: none)",
+    "restore": "the objects put back as they were after every trial",
 }
 
 
@@ -138,13 +164,25 @@ def _capacity(result: SearchResult, s: Mapping[str, Any]) -> str:
             "estimate of headroom, not a limit)")
 
 
+def _setting(key: str, value: Any, result: SearchResult) -> str:
+    """One search setting as a sub-bullet: its value and what it means."""
+    if key == "steps_per_trial":
+        ran = sorted({t.steps for t in result.trials})
+        what = (_SETTINGS[key] + (f" (here {', '.join(map(str, ran))})" if value is None and ran
+                                  else ""))
+    else:
+        what = _SETTINGS.get(key, "a parameter of the strategy")
+    shown = "none" if value is None else value
+    return f"  - {key} = {shown}: {what}"
+
+
 def _configuration(result: SearchResult, s: Mapping[str, Any], ctx: Mapping[str, Any]) -> list[str]:
     where = f"{ctx['device_name']} ({result.device})" if ctx.get("device_name") else result.device
-    settings = size_list(result.config)
+    settings = [_setting(k, v, result) for k, v in (result.config or {}).items()]
     return ["## Configuration", f"- **Workload**: {result.workload}", *_context(ctx),
             f"- **Device**: {where}", _budget(result), _capacity(result, s),
             f"- **Mode**: {_MODE.get(result.mode, _MODE['in-process'])}",
-            *([f"- **Search settings**: {settings}"] if settings else [])]
+            *(["- **Search settings**:", *settings] if settings else [])]
 
 
 def _data(ctx: Mapping[str, Any]) -> list[str]:
@@ -169,10 +207,15 @@ def _performance(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
     return ["### Performance Metrics", "| Metric | Value |", "|--------|-------|",
             f"| Peak Memory at maximum | {fmt_bytes(s['peak_bytes_at_max'])} |",
             f"| Memory Utilization | {_pct(util)}{of_cap if util is not None else ''} |",
-            f"| Margin left | {_bytes_exact(s['margin_left_bytes'])} |",
+            f"| Left free at maximum | {_bytes_exact(s['margin_left_bytes'])} |",
             f"| Seconds (trial at maximum) | {'-' if seconds is None else f'{seconds:.3f}'} |",
             f"| Value returned at maximum | {fmt_value(s['value_at_max'])} |",
-            f"| Search wall time | {result.seconds:.2f} s |"]
+            f"| Search wall time | {result.seconds:.2f} s |", "",
+            "Peak memory is measured above the state at the trial's start (see What the peak "
+            "measures); utilization is that peak over the capacity; left free is the capacity "
+            "less the peak. Seconds are the wall-clock seconds of the whole trial (every step, "
+            "the first included). The value is what the workload returned at the trial's last "
+            "step (the built-in training step returns its loss, in nats per token)."]
 
 
 def _trial_table(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
@@ -181,6 +224,9 @@ def _trial_table(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
            "|-----------|--------|-------------|---------|-------|",
            *(f"| {t.size} | {status_text(t)} | {fmt_bytes(t.peak_bytes)} | {t.seconds:.3f} | "
              f"{fmt_value(t.value)} |" for t in result.trials)]
+    steps = sorted({t.steps for t in result.trials})
+    out += ["", f"Each trial ran {' or '.join(map(str, steps))} "
+            f"step{'s' if steps != [1] else ''}; Seconds and Value as above, per trial."]
     if any(not t.ok and not t.guarded for t in result.trials):
         out += ["", "An OOM trial's peak is unknown (the allocation that failed never "
                 "happened); its row shows `-`."]
@@ -270,58 +316,129 @@ def _estimate(result: SearchResult, size: int) -> str:
             + (f", {_pct(util)} utilization" if util is not None else ""))
 
 
-def _risk(result: SearchResult, s: Mapping[str, Any]) -> str:
-    """How close the maximum's measured peak runs to capacity."""
-    util = s["utilisation"]
-    tight = ("Margin unknown (no capacity or no measured peak)" if util is None
-             else "Very tight memory margin" if util >= 0.9
-             else "Tight memory margin" if util >= 0.8 else "Moderate memory margin")
-    risk = tight if util is None else f"{tight} ({fmt_bytes(s['margin_left_bytes'])} buffer)"
-    if result.mode == "in-process":
-        risk += "; found in-process, so a fresh process may fit more, a fragmented one less"
-    return risk
+def _below_line(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
+    """Why the recommended size's limit is below the safe line, where it is."""
+    limit, line, rec = s["recommended_limit_bytes"], s["safe_line_bytes"], result.recommendation
+    if limit is None or (line is not None and limit >= line):
+        return []
+    assert rec is not None
+    usable = fmt_bytes(limit / (1 - rec.margin))
+    if line is None:
+        return [f"- **Against what**: no capacity is known; the margin is kept below {usable}, "
+                f"{s['recommended_limit_against']}, where memory ran out."]
+    return [f"- **Why under {fmt_bytes(limit)}, not the safe line**: memory ran out where the "
+            f"fitted peak is {usable}, below the {fmt_bytes(result.capacity_bytes)} "
+            f"{s['capacity_kind']}: the limit counted bytes the peak does not, so the margin is "
+            "kept below where memory ran out."]
 
 
-def _recommendations(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
-    rec = result.recommendation
+def _why(result: SearchResult, s: Mapping[str, Any]) -> str:
+    """The one recommendation in one sentence: which size, and why."""
+    rec, label = result.recommendation, s["size_label"]
+    assert rec is not None
+    limit, line = s["recommended_limit_bytes"], s["safe_line_bytes"]
+    if limit is None:
+        return (f"**Use {label} {rec.safe}.** It is {rec.margin:.0%} below the measured maximum "
+                f"({rec.maximum}), assuming memory grows in proportion to the size: no capacity "
+                "and no fitted line were known to keep a margin of memory against.")
+    against = (f"the {fmt_bytes(result.capacity_bytes)} {s['capacity_kind']}"
+               if line is not None and limit >= line
+               else f"{fmt_bytes(limit / (1 - rec.margin))}, "
+                    f"{s['recommended_limit_against']}")
+    return (f"**Use {label} {rec.safe}.** Its peak ({_estimate(result, rec.safe)}) stays under "
+            f"{fmt_bytes(limit)}, which keeps a {rec.margin:.0%} margin below {against}.")
+
+
+def _how_sure(result: SearchResult, s: Mapping[str, Any]) -> str:
+    """Whether the recommended size's peak was measured or read off the fitted line."""
+    rec, label, verdict = result.recommendation, s["size_label"], s["memory_scaling"]
+    assert rec is not None
+    if any(t.ok and t.size == rec.safe and t.peak_bytes is not None for t in result.trials):
+        return f"- **How sure**: {label} {rec.safe} ran in the search; its peak is measured."
+    if result.fit is None or s["recommended_limit_bytes"] is None:
+        return (f"- **How sure**: {label} {rec.safe} did not run in the search and no peak "
+                "could be estimated for it: verify it before a long run.")
+    fit = ("a line through two points, so its R² says nothing" if verdict == "untested"
+           else f"R² = {result.fit.r2:.4f} over {result.fit.points} points")
+    return (f"- **How sure**: {label} {rec.safe} did not run in the search; its peak is read "
+            f"off the line fitted to the measured peaks ({fit}), an estimate: verify it before "
+            "a long run.")
+
+
+def _measured_max(result: SearchResult, s: Mapping[str, Any]) -> str:
+    """The maximum, as a measured fact beside the recommendation."""
+    rec, label, util = result.recommendation, s["size_label"], s["utilisation"]
+    assert rec is not None
+    oom = (f"{result.first_oom} ran out of memory" if result.first_oom is not None
+           else "no size ran out of memory, so larger sizes may fit too")
+    free = ""
+    if util is not None:
+        free = (f"; it leaves {_pct(1 - util)} of the {s['capacity_kind']} unused "
+                f"({fmt_bytes(s['margin_left_bytes'])})"
+                + (f", less than the {rec.margin:.0%} margin" if 1 - util < rec.margin else ""))
+    return (f"- **Measured maximum**: {label} {rec.maximum} ran ({_estimate(result, rec.maximum)}); "
+            f"{oom}{free}. The largest size that fitted a few steps, not a size to run for "
+            "hours.")
+
+
+def _recommendation(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
+    """The report's first statement: the one size to use, why, and the facts beside it."""
+    rec, label = result.recommendation, s["size_label"]
     if rec is None:
-        return ["## Recommendations", "- No recommendation: no size fitted."]
-    label = s["size_label"]
-    lo_hi = f"{rec.conservative}-{rec.safe}" if rec.conservative != rec.safe else str(rec.safe)
-    return [
-        "## Recommendations", "", "### Safe Production Settings",
-        f"For production with a {rec.margin:.0%} safety margin of capacity "
-        f"({rec.margin_source or 'fixed'}):",
-        f"- **Recommended {label}**: {rec.safe} ({_estimate(result, rec.safe)}); basis: {rec.basis}",
-        f"- **Recommended range**: {lo_hi}",
-        f"- **Conservative {label}**: {rec.conservative} ({_estimate(result, rec.conservative)}; "
-        + ("the largest size that ran whose measured peak is within the margin)"
-           if result.capacity_bytes else "the largest size that ran at or below the recommended size)"),
-        "", "### Maximum Throughput Setting",
-        f"- **Absolute maximum**: {rec.maximum} ({_estimate(result, rec.maximum)})",
-        f"- **Risk**: {_risk(result, s)}",
-        f"- **Margin left at maximum**: {_bytes_exact(s['margin_left_bytes'])}",
-        "- **Suitable for**: benchmarking, time-limited runs",
-        *_speed_and_verification(result, s),
-    ]
-
-
-def _speed_and_verification(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
-    """Throughput per size (the largest is not always the fastest) and the verification."""
-    measured, fastest, out = rates(result), s["fastest_safe_size"], []
-    if fastest is not None:
-        out += ["", "### Throughput",
-                f"- **Fastest size that ran at or below the recommended size**: {fastest} "
-                f"({measured[fastest]:,.1f} items/s; {rate_basis(result)}); plotted in "
-                "`throughput.png`",
-                "- **Measured**: " + ", ".join(f"{n}: {r:,.1f}/s" for n, r in sorted(measured.items()))]
-    check = result.verification
-    if check:
-        verdict = ("ran without running out of memory" if check["ok"]
-                   else f"RAN OUT OF MEMORY: {check['error']}")
-        out += ["", "### Verification",
-                f"- {check['steps']} further steps at {check['size']}: {verdict}"]
+        return ["## Recommendation", f"**No {label} to recommend**: no size fitted."]
+    out = ["## Recommendation", _why(result, s), "",
+           f"- **Margin**: {rec.margin_source or f'{rec.margin:.0%} of capacity'}; kept free for what "
+           "a search's few steps do not show: later steps, fragmentation, other inputs."]
+    if s["safe_line_bytes"] is not None:
+        out.append(f"- **Safe line**: {fmt_bytes(s['safe_line_bytes'])} = capacity "
+                   f"{fmt_bytes(result.capacity_bytes)} × (1 − {rec.margin:.2f}), drawn in "
+                   "`memory.png`.")
+    out += [*_below_line(result, s), _how_sure(result, s)]
+    if rec.conservative_ran and rec.conservative != rec.safe and s["safe_line_bytes"] is not None:
+        out.append(f"- **Largest size measured under the line**: {rec.conservative} "
+                   f"({_estimate(result, rec.conservative)}).")
+    out += [_measured_max(result, s),
+            f"- **Check it**: `oomguard verify` on this report's folder runs further steps at "
+            f"{rec.safe} and fails, saying by how much, if a step's peak crosses "
+            + ("the safe line or the limit above." if s["safe_line_bytes"] is not None
+               else "the limit above." if s["recommended_limit_bytes"] is not None
+               else "nothing: without a capacity it only catches an out-of-memory.")]
     return out
+
+
+def _throughput(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
+    """Measured rates per size, and the fastest one only where it is faster beyond the
+    step-to-step spread (the largest is not always the fastest)."""
+    measured, fastest, spread = rates(result), s["fastest_safe_size"], s["rate_spread"]
+    if not measured:
+        return []
+    why = fastest_note(result, fastest, spread)
+    verdict = (f"- **Fastest at or below the recommended size**: {fastest} "
+               f"({measured[fastest]:,.1f} items/s): {why}; starred in `throughput.png`"
+               if fastest is not None else f"- **No size is named fastest**: {why}")
+    noise = (f"a size's rate varied by up to {spread:.1%} from one step to the next"
+             if spread is not None else "their step-to-step spread was not measured")
+    return ["## Throughput", verdict,
+            "- **Measured**: " + ", ".join(f"{n}: {r:,.1f}/s" for n, r in sorted(measured.items())),
+            f"- **What the rates are**: {rate_basis(result)}; {noise}."]
+
+
+def _verification(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
+    """The steps the search ran after it at the recommended size, against the safe line."""
+    check = result.verification
+    if not check:
+        return []
+    if not check["ok"]:
+        return ["## Verification", f"- {check['steps']} further steps at {check['size']}: "
+                f"RAN OUT OF MEMORY: {check['error']}"]
+    peaks, line = check.get("step_peaks") or [], s["safe_line_bytes"]
+    top = max(peaks, default=None)
+    where = ("" if top is None or line is None else
+             f"; highest step peak {fmt_bytes(top)}, "
+             + (f"{fmt_bytes(top - line)} ABOVE the safe line ({fmt_bytes(line)})" if top > line
+                else f"{fmt_bytes(line - top)} under the safe line ({fmt_bytes(line)})"))
+    return ["## Verification", f"- {check['steps']} further steps at {check['size']}: ran "
+            f"without running out of memory{where}"]
 
 
 def cap_advice(result: SearchResult, s: Mapping[str, Any]) -> str | None:
@@ -378,15 +495,17 @@ def _observations(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
 
 
 def _conclusion(result: SearchResult, s: Mapping[str, Any], ctx: Mapping[str, Any]) -> list[str]:
-    if result.max_ok is None:
-        return ["## Conclusion", f"**{result.workload}: no {s['size_label']} fitted.**"]
-    util = s["utilisation"]
+    rec, label = result.recommendation, s["size_label"]
+    if rec is None or result.max_ok is None:
+        return ["## Conclusion", f"**{result.workload}: no {label} fitted.**"]
     where = ctx.get("device_name") or result.device
-    tail = f", utilizing {_pct(util)} of {s['capacity_kind']}" if util is not None else ""
+    util = s["utilisation"]
+    of = f", {_pct(util)} of the {s['capacity_kind']}" if util is not None else ""
     bound = "at least " if result.first_oom is None else ""
     return ["## Conclusion",
-            f"**{result.workload} runs on {where} at {s['size_label']} {bound}{result.max_ok} "
-            f"({result.mode}){tail}.**"]
+            f"**Use {label} {rec.safe} for {result.workload} on {where}.** The measured "
+            f"maximum is {bound}{result.max_ok} ({result.mode}{of}), without the "
+            f"{rec.margin:.0%} margin."]
 
 
 def render_markdown(result: SearchResult, context: Mapping[str, Any] | None = None,
@@ -398,10 +517,11 @@ def render_markdown(result: SearchResult, context: Mapping[str, Any] | None = No
     ctx: Mapping[str, Any] = context or {}
     s = summary if summary is not None else summarise(result, ctx)
     title = ctx.get("title") or f"{result.workload} Maximum {_heading(s)} Report"
-    parts = [[f"# {title}"], _configuration(result, s, ctx), _data(ctx),
+    parts = [[f"# {title}"], _recommendation(result, s), _configuration(result, s, ctx),
+             _data(ctx),
              ["## Search Strategy", f"Strategy `{result.strategy}`: {result.strategy_description}"],
              [f"{i}. {step}" for i, step in enumerate(s["search_steps"], 1)],
              ["## Results"], [_maximum(result, s)], _performance(result, s),
-             _trial_table(result, s), _scaling(result, s), _recommendations(result, s),
-             _observations(result, s), _conclusion(result, s, ctx)]
+             _trial_table(result, s), _scaling(result, s), _throughput(result, s),
+             _verification(result, s), _observations(result, s), _conclusion(result, s, ctx)]
     return "\n\n".join("\n".join(p) for p in parts if p) + "\n"

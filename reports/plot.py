@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from oomguard.engine.core.search.search import SearchResult
 from oomguard.engine.util.units import GiB, MiB, fmt_bytes
 from oomguard.reports import style
-from oomguard.reports.json_report import rate_basis, rates, summarise
+from oomguard.reports.json_report import fastest_note, rate_basis, rates, step_rates, summarise
 
 if TYPE_CHECKING:  # for annotations only: matplotlib is imported when a figure is drawn
     from matplotlib.figure import Figure
@@ -41,16 +41,24 @@ def _scale(result: SearchResult) -> tuple[float, list[float]]:
 
 
 def _limits(ax: Any, result: SearchResult, s: Mapping[str, Any], unit: str, div: int) -> None:
-    """The capacity line and the safe limit below it, at ``capacity x (1 - margin)``."""
+    """The capacity line, the safe line below it at ``capacity x (1 - margin)``, and the
+    tighter limit the recommended size was held under where there is one."""
     cap, rec = result.capacity_bytes, result.recommendation
     margin = rec.margin if rec else result.config.get("margin")
     if cap:
         name = "capacity (budget)" if s["capacity_kind"] == "budget" else "free memory"
         ax.axhline(cap / div, color="black", lw=1.4, label=f"{name}: {fmt_bytes(cap, unit)}")
-    if cap and margin is not None:
-        safe = cap * (1 - margin)
-        ax.axhline(safe / div, color="tab:green", lw=1.1, ls=":",
-                   label=f"safe limit: capacity × (1 − {margin:.2f}) = {fmt_bytes(safe, unit)}")
+    line = s.get("safe_line_bytes")
+    if line is None and cap and isinstance(margin, float):
+        line = cap * (1 - margin)
+    if line is not None:
+        ax.axhline(line / div, color="tab:green", lw=1.1, ls=":",
+                   label=f"safe line: capacity × (1 − {margin:.2f}) = {fmt_bytes(line, unit)}")
+    limit = s.get("recommended_limit_bytes")
+    if limit is not None and (line is None or limit < line):
+        ax.axhline(limit / div, color="tab:olive", lw=1.1, ls=(0, (1, 3)),
+                   label=f"recommended size held under: {1 - margin:.0%} of "
+                         f"{s['recommended_limit_against']} = {fmt_bytes(limit, unit)}")
 
 
 def _fit_and_peaks(ax: Any, result: SearchResult, x_max: float, div: int) -> None:
@@ -107,7 +115,7 @@ def _maximum(ax: Any, result: SearchResult) -> None:
 def _safe(ax: Any, result: SearchResult) -> None:
     if result.recommendation is not None:
         ax.axvline(result.recommendation.safe, color="tab:green", lw=1.0, ls="-.",
-                   label=f"recommended safe size: {result.recommendation.safe}")
+                   label=f"recommended size (use this): {result.recommendation.safe}")
 
 
 def memory_figure(result: SearchResult, summary: Mapping[str, Any] | None = None) -> Figure:
@@ -139,11 +147,22 @@ def memory_figure(result: SearchResult, summary: Mapping[str, Any] | None = None
     return fig
 
 
+def _spreads(ax: Any, result: SearchResult) -> None:
+    """Each size's lowest to highest per-step rate, where a trial timed two steps or more."""
+    bars = [(t.size, min(r), max(r)) for t in result.trials if t.ok and len(r := step_rates(t)) >= 2]
+    if bars:
+        ax.vlines([b[0] for b in bars], [b[1] for b in bars], [b[2] for b in bars],
+                  color="tab:blue", lw=3, alpha=0.35,
+                  label="step-to-step range of a size's rate (measured)")
+
+
 def throughput_figure(result: SearchResult, summary: Mapping[str, Any] | None = None
                       ) -> Figure | None:
     """Measured items per second against size (None when no trial measured a rate), with
-    the recommended size, the maximum and the fastest size at or below the recommendation
-    marked. ``summary`` as for :func:`memory_figure`."""
+    each size's step-to-step range, the recommended size and the maximum marked, and a
+    star on the fastest size at or below the recommendation only where it is faster beyond
+    the measured spread (:func:`~oomguard.reports.json_report.fastest_safe_size`); otherwise
+    the legend says why none is. ``summary`` as for :func:`memory_figure`."""
     measured = rates(result)
     if not measured:
         return None
@@ -152,17 +171,23 @@ def throughput_figure(result: SearchResult, summary: Mapping[str, Any] | None = 
     sizes = sorted(measured)
     ax.plot(sizes, [measured[n] for n in sizes], "o-", color="tab:blue", ms=5, lw=1.2,
             label=f"measured ({len(sizes)} sizes that fitted; {rate_basis(result)})")
+    _spreads(ax, result)
     fastest = s["fastest_safe_size"]
+    note = fastest_note(result, fastest, s.get("rate_spread"))
     if fastest is not None:
         ax.plot([fastest], [measured[fastest]], "*", color="tab:orange", ms=14, zorder=4,
-                label=f"fastest at or below the recommendation: {fastest}")
+                label=f"fastest: {note}")
+    else:
+        ax.plot([], [], " ", label=f"no size named fastest: {note}")
     _safe(ax, result)
     _maximum(ax, result)
     label = s["size_label"]
+    top = max([measured[n] for n in sizes] + [b for t in result.trials for b in step_rates(t)])
     ax.set(xlabel=f"{label} (items)", ylabel="items per second (measured)",
            title=f"{result.workload}: throughput vs {label}\n{result.device} · {result.mode}",
-           xlim=(0, max(sizes) * 1.08), ylim=(0, max(measured.values()) * 1.15))
-    ax.legend(loc="lower right", frameon=False)
+           xlim=(0, max(sizes) * 1.08), ylim=(0, top * 1.15))
+    # Below the axes, so it never hides a point (the figure keeps its size; the axes shrink).
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, frameon=False)
     return fig
 
 

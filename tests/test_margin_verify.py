@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import in_fresh_process
+from conftest import cli_in_child, in_fresh_process
 
 from oomguard import search
 from oomguard.engine.cli.main import main
@@ -24,6 +24,7 @@ from oomguard.engine.core.search.fit import (
 )
 from oomguard.engine.core.search.search import verify
 from oomguard.engine.errors import UsageError
+from oomguard.engine.util.units import fmt_bytes
 from oomguard.results import Trial
 from oomguard.strategies import Guided
 
@@ -140,3 +141,78 @@ def test_cli_verify_refuses_a_corrupt_or_foreign_report_in_one_line(tmp_path, ca
     assert "search(..., verify_steps=N)" in capsys.readouterr().err
     assert main(["verify", str(tmp_path / "nowhere")]) == 2
     assert "no report at" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- verify against the safe line
+# A real bench and real verify runs, each `oomguard verify` a process of its own (a fresh
+# process: a peak is a memory boundary). The measured peaks are never edited; only the lines
+# the report promised are moved around them, far from the peak (half, twice), so run-to-run
+# noise in the peak (a few percent) cannot change a verdict.
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict, int]:
+    out = tmp_path_factory.mktemp("bench-lines")
+    done = cli_in_child("bench", "--seq-len", "16", "--start", "2", "--max-size", "4",
+                        "--budget", "1GiB", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    first = cli_in_child("verify", str(out), "--steps", "2", "--json")
+    assert first.returncode == 0, first.stdout + first.stderr
+    check = json.loads(first.stdout)
+    return out, json.loads((out / "report.json").read_text()), max(check["step_peaks"])
+
+
+def _with_lines(tmp: Any, doc: dict, line: float, limit: float | None) -> Any:
+    """A copy of the report whose safe line (through its margin) and recommended limit are
+    ``line`` and ``limit`` bytes; the rest, the workload included, as the bench wrote it."""
+    doc = json.loads(json.dumps(doc))
+    cap = doc["result"]["capacity_bytes"]
+    doc["result"]["recommendation"]["margin"] = 1 - line / cap
+    doc["summary"] |= {"safe_line_bytes": line, "recommended_limit_bytes": limit or line,
+                       "recommended_limit_against": "the fitted peak at the first OOM (5)"}
+    (tmp / "report.json").write_text(json.dumps(doc))
+    return tmp
+
+
+def _verified(folder: Any) -> tuple[int, str, dict]:
+    done = cli_in_child("verify", str(folder), "--steps", "2")
+    out = [line for line in done.stdout.splitlines() if line.startswith("verify:")]
+    assert len(out) == 1, done.stdout  # one line says what happened
+    return done.returncode, out[0], json.loads((folder / "verify.json").read_text())
+
+
+@pytest.mark.slow
+def test_verify_fails_saying_by_how_much_when_a_peak_crosses_the_safe_line(measured, tmp_path):
+    _, doc, peak = measured
+    code, line, check = _verified(_with_lines(tmp_path, doc, peak / 2, None))
+    top, safe = max(check["step_peaks"]), check["lines"]["safe_line_bytes"]
+    assert code == 1 and check["ok"] and check["verdict"] == "over the safe line"
+    assert safe == pytest.approx(peak / 2) and top > safe
+    assert line.startswith(f"verify: 2 steps at batch size 4: OVER THE SAFE LINE by "
+                           f"{fmt_bytes(top - safe)}: peak {fmt_bytes(top)} against the safe "
+                           f"line {fmt_bytes(safe)} (capacity 1.00 GiB × (1 − ")
+    assert line.endswith(f"of the capacity left free where the report promised "
+                         f"{1 - safe / 2**30:.0%}")
+
+
+@pytest.mark.slow
+def test_verify_fails_when_the_margin_the_report_promised_is_not_kept(measured, tmp_path):
+    # Under the safe line, but above the tighter limit the report held its size to.
+    _, doc, peak = measured
+    code, line, check = _verified(_with_lines(tmp_path, doc, 2 * peak, peak / 2))
+    top = max(check["step_peaks"])
+    assert code == 1 and check["verdict"] == "margin not kept"
+    assert check["held_to_bytes"] == pytest.approx(peak / 2) and peak / 2 < top < 2 * peak
+    assert line.startswith(f"verify: 2 steps at batch size 4: MARGIN NOT KEPT by "
+                           f"{fmt_bytes(top - peak / 2)}: peak {fmt_bytes(top)} above "
+                           f"{fmt_bytes(peak / 2)}, the limit the report held the recommended "
+                           "size to (")
+    assert line.endswith("the fitted peak at the first OOM (5))")
+
+
+@pytest.mark.slow
+def test_verify_passes_under_the_lines_and_says_by_how_much(measured, tmp_path):
+    _, doc, peak = measured
+    code, line, check = _verified(_with_lines(tmp_path, doc, 2 * peak, None))
+    top = max(check["step_peaks"])
+    assert code == 0 and check["verdict"] == "ok"
+    assert line.endswith(f"; {fmt_bytes(2 * peak - top)} under the report's line "
+                         f"({fmt_bytes(2 * peak)})")

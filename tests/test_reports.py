@@ -30,10 +30,9 @@ PER_ITEM = 2 * MiB
 BUDGET = 96 * MiB
 
 SECTIONS = [
-    "## Configuration", "## Data Configuration", "## Search Strategy", "## Results",
-    "### Maximum Batch Size: **", "### Performance Metrics", "### Search Details",
-    "## Memory Scaling Analysis", "## Recommendations", "### Safe Production Settings",
-    "### Maximum Throughput Setting", "## Key Observations", "## Conclusion",
+    "## Recommendation", "## Configuration", "## Data Configuration", "## Search Strategy",
+    "## Results", "### Maximum Batch Size: **", "### Performance Metrics", "### Search Details",
+    "## Memory Scaling Analysis", "## Key Observations", "## Conclusion",
 ]
 
 
@@ -110,7 +109,7 @@ def test_markdown_sections_and_table(result: SearchResult) -> None:
     assert f"found maximum at batch_size={result.max_ok}" in md
     assert "in-process" in md and "history-dependent" in md
     assert "least-squares" in md and "VmHWM" in md and "R²" in md
-    assert f"**Recommended batch size**: {result.recommendation.safe}" in md
+    assert f"**Use batch size {result.recommendation.safe}.**" in md
     assert "1,234,567" in md and "synthetic" in md
 
 
@@ -235,7 +234,7 @@ def test_report_names_the_knob_searched(tmp_path: Path) -> None:
     assert f"### Maximum chunk_size: **{res.max_ok}**" in md
     assert "| chunk_size | Status | Peak Memory |" in md
     assert "each +4 chunk_size increment adds" in md
-    assert f"**Recommended chunk_size**: {res.recommendation.safe}" in md
+    assert f"**Use chunk_size {res.recommendation.safe}.**" in md
     assert render_json(res)["summary"]["size_label"] == "chunk_size"
     ax = memory_figure(res).axes[0]
     assert ax.get_xlabel() == "chunk_size (items)"
@@ -317,17 +316,21 @@ def test_markdown_json_and_plots_state_the_one_record() -> None:
     record = summarise(res, CONTEXT)
     assert render_json(res, CONTEXT)["summary"] == json.loads(json.dumps(record))
     record |= {"search_steps": ["From the record"], "utilisation": 0.125, "trials_ok": 99,
-               "size_label": "widgets", "capacity_kind": "budget", "fastest_safe_size": 16}
+               "size_label": "widgets", "capacity_kind": "budget", "fastest_safe_size": 16,
+               "rate_spread": 0.01, "safe_line_bytes": 100 * MiB,
+               "recommended_limit_bytes": 100 * MiB}
     md = render_markdown(res, CONTEXT, record)
     assert "1. From the record\n" in md and "| Memory Utilization | 12.5% (of" in md
-    assert "(99 fitted," in md and "**Recommended widgets**" in md
-    assert "utilizing 12.5% of budget.**" in md and "ran at or below the recommended size**: 16" in md
+    assert "(99 fitted," in md and "**Use widgets " in md and "stays under 100.00 MiB" in md
+    assert "12.5% of the budget), without the" in md
+    assert "**Fastest at or below the recommended size**: 16" in md
     assert render_json(res, CONTEXT, record)["summary"]["trials_ok"] == 99
     ax = memory_figure(res, record).axes[0]
     assert ax.get_xlabel() == "widgets (items)"
-    assert ax.get_legend().get_texts()[0].get_text().startswith("capacity (budget): ")
-    assert "fastest at or below the recommendation: 16" in [
-        t.get_text() for t in throughput_figure(res, record).axes[0].get_legend().get_texts()]
+    texts = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert texts[0].startswith("capacity (budget): ") and "= 100.00 MiB" in texts[1]
+    assert any(t.startswith("fastest: 16 is faster") for t in [
+        t.get_text() for t in throughput_figure(res, record).axes[0].get_legend().get_texts()])
 
 
 @pytest.mark.slow
@@ -428,3 +431,118 @@ def test_a_job_on_two_gpu_kinds_reports_each_tasks_device_beside_its_sizes(
     assert "| attn | ok | NVIDIA A100-SXM4-40GB MIG 3g.20gb (40.00 GiB) | micro_batch_size=8 |" in md
     assert "| later | pending | - | - | - | - | - | - |" in md
     assert "- ran on NVIDIA H100 80GB HBM3 (79.65 GiB) on host `node-1`" in md
+
+
+# ------------------------------------------------------------------- one recommendation (issue 36)
+def _first_statement(md: str) -> str:
+    """The report's first paragraph after its title."""
+    return md.split("\n\n", 2)[1]
+
+
+@pytest.mark.slow
+def test_the_reports_first_statement_is_the_one_size_to_use_and_why(result: SearchResult) -> None:
+    md = render_markdown(result, CONTEXT)
+    rec, s = result.recommendation, summarise(result, CONTEXT)
+    first = _first_statement(md)
+    # Which size, then why: its peak against a line that keeps the margin, with the figures.
+    assert first.startswith(f"## Recommendation\n**Use batch size {rec.safe}.** Its peak (")
+    assert f"keeps a {rec.margin:.0%} margin below" in first
+    assert s["recommended_limit_bytes"] <= s["safe_line_bytes"] == pytest.approx(BUDGET * 0.85)
+    # One size is recommended: no range, no second "conservative" choice; the maximum is a
+    # measured fact after it, and the conclusion repeats the recommendation, not the maximum.
+    assert "Recommended range" not in md and "Conservative" not in md
+    assert md.index(f"- **Measured maximum**: batch size {result.max_ok} ran") > md.index(first)
+    assert md.split("## Conclusion\n", 1)[1].startswith(f"**Use batch size {rec.safe} for ")
+
+
+def test_a_recommendation_held_below_the_safe_line_says_against_what() -> None:
+    # The fitted peak at the first OOM (32) is below the capacity: the limit counted bytes the
+    # peak does not, so the margin is taken off that peak, and the report says so first.
+    trials = [Trial(size=s, ok=True, peak_bytes=(4 + 2 * s) * MiB, seconds=0.1) for s in (8, 16, 24)]
+    trials.append(Trial(size=32, ok=False, peak_bytes=None, seconds=0.1, error="oom"))
+    res = _hand_built(trials, 128 * MiB, fit=fit_line(trials), first_oom=32, stopped="bracket closed")
+    s = summarise(res)
+    assert s["safe_line_bytes"] == pytest.approx(128 * MiB * 0.85)
+    assert s["recommended_limit_bytes"] == pytest.approx(68 * MiB * 0.85)  # 4 + 2 x 32 MiB
+    md = render_markdown(res)
+    assert _first_statement(md) == (
+        "## Recommendation\n**Use batch size 24.** Its peak (measured 52.00 MiB, 40.6% "
+        "utilization) stays under 57.80 MiB, which keeps a 15% margin below "
+        "68.00 MiB, the fitted peak at the first OOM (32).")
+    assert "- **Why under 57.80 MiB, not the safe line**: memory ran out where" in md
+    texts = [t.get_text() for t in memory_figure(res, s).axes[0].get_legend().get_texts()]
+    assert "safe line: capacity × (1 − 0.15) = 108.80 MiB" in texts
+    assert any(t.startswith("recommended size held under: 85% of the fitted peak at the first "
+                            "OOM (32) = 57.80 MiB") for t in texts)
+
+
+def test_every_search_setting_the_report_shows_is_explained() -> None:
+    res = _hand_built([Trial(size=8, ok=True, peak_bytes=MiB, seconds=0.1, steps=2)], 64 * MiB)
+    res.config = {"strategy": "guided", "start": 8, "misses": 2, "max_size": 64,
+                  "max_trials": 64, "max_seconds": None, "margin": 0.15,
+                  "steps_per_trial": None, "verify_steps": 0, "knob_of_a_plugin": 3}
+    md = render_markdown(res)
+    assert "misses=2" not in md  # a bare name=value, as the report listed it before
+    block = md.split("- **Search settings**:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert [line.split(" = ", 1)[0].strip(" -") for line in block] == list(res.config)
+    assert all(re.match(r"  - \w+ = [^:]+: \S", line) for line in block), block
+    assert ("  - misses = 2: after this many wrong predictions the strategy stops predicting "
+            "and only doubles and bisects") in block
+    assert "  - steps_per_trial = none: workload calls per trial (none: the workload's own " \
+           "count) (here 2)" in block
+    assert "  - knob_of_a_plugin = 3: a parameter of the strategy" in block
+    # The tables' columns and the figures under them are said in words.
+    assert "Seconds are the wall-clock seconds of the whole trial" in md
+    assert "The value is what the workload returned at the trial's last step" in md
+    assert "Each trial ran 2 steps" in md
+
+
+def _timed(size: int, step_rates: list[float]) -> Trial:
+    """A fitted trial whose steps after the first ran at ``step_rates`` items per second."""
+    seconds = [2.0, *(size / r for r in step_rates)]
+    t = Trial(size=size, ok=True, peak_bytes=(4 + size) * MiB, seconds=sum(seconds),
+              steps=len(seconds), items_per_second=size * len(step_rates) / sum(seconds[1:]))
+    t.step_seconds = seconds  # Trial.step_seconds: the seconds of each step, as run_trial times them
+    return t
+
+
+@pytest.mark.parametrize(("rates_16", "rates_24", "fastest"), [
+    # The issue's case: 48.7 against 47.8 items/s, while one size's rate varies by 4.8% from
+    # one step to the next: noise, no size is named fastest.
+    ([47.5, 49.9], [47.0, 48.6], None),
+    # 24 is faster by far more than any step-to-step spread: named, and starred.
+    ([30.0, 30.5], [47.5, 48.0], 24),
+])
+def test_a_fastest_size_is_named_only_when_faster_beyond_the_step_spread(
+        rates_16: list[float], rates_24: list[float], fastest: int | None) -> None:
+    trials = [_timed(16, rates_16), _timed(24, rates_24)]
+    res = _hand_built(trials, 512 * MiB, fit=fit_line(trials))
+    assert res.recommendation.safe == 24  # both sizes are candidates
+    s = summarise(res)
+    assert s["fastest_safe_size"] == fastest
+    assert s["rate_spread"] == pytest.approx(max((max(r) - min(r)) / max(r)
+                                                 for r in (rates_16, rates_24)))
+    md = render_markdown(res, summary=s)
+    ax = throughput_figure(res, s).axes[0]
+    stars = [line for line in ax.get_lines() if line.get_marker() == "*"]
+    texts = [t.get_text() for t in ax.get_legend().get_texts()]
+    if fastest is None:
+        assert "- **No size is named fastest**: the rates at or below the recommendation " \
+               "differ by no more than the step-to-step spread (4.8%): noise" in md
+        assert stars == [] and not any(t.startswith("fastest") for t in texts)
+        assert any(t.startswith("no size named fastest: the rates") for t in texts)
+    else:
+        assert "- **Fastest at or below the recommended size**: 24 (" in md
+        assert [line.get_xdata()[0] for line in stars] == [24]
+    # Each size's step-to-step range is drawn: the spread the verdict is judged against.
+    assert "step-to-step range of a size's rate (measured)" in texts
+
+
+def test_no_fastest_size_without_a_measured_spread() -> None:
+    # Rates without per-step timings (one timed step each): their noise is unknown.
+    trials = [Trial(size=s, ok=True, peak_bytes=(4 + s) * MiB, seconds=1.0, steps=2,
+                    items_per_second=r) for s, r in ((16, 20.0), (24, 48.7))]
+    res = _hand_built(trials, 512 * MiB, fit=fit_line(trials))
+    s = summarise(res)
+    assert s["fastest_safe_size"] is None and s["rate_spread"] is None
+    assert "the rates' step-to-step spread is unknown" in render_markdown(res, summary=s)

@@ -79,8 +79,10 @@ def add_verify(p: argparse.ArgumentParser) -> None:
     p.description = ("Rebuild the workload a `bench` or `search` report searched and run "
                      "further steps at its recommended size (or --size), on the same device, "
                      "under the same budget and in the same mode as its trials. Prints what "
-                     "happened and writes verify.json beside the report; exit 0 when every "
-                     "step fitted, 1 on an out-of-memory.")
+                     "happened in one line and writes verify.json beside the report; exit 0 "
+                     "when every step fitted under the report's safe line (capacity x (1 - "
+                     "margin)) and, at the recommended size, under the limit the report held it "
+                     "to; 1, saying by how much, on an out-of-memory or a peak over either.")
     p.add_argument("report", help="the report folder (--out of bench/search) or its report.json")
     p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
                    help=f"steps to run (default {DEFAULT_STEPS})")
@@ -92,16 +94,66 @@ def add_verify(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_verify)
 
 
-def _line(check: dict[str, Any], label: str) -> str:
-    head = f"verify: {check['steps']} steps at {label} {check['size']}"
+def lines_of(doc: dict[str, Any]) -> dict[str, Any]:
+    """The lines a report promised its recommended size keeps under, from report.json:
+    ``capacity_bytes``, ``margin``, ``safe_line_bytes`` (capacity x (1 - margin), the line
+    memory.png draws) and ``limit_bytes`` with ``limit_against`` (the peak the recommended
+    size was held under, where it is below the safe line); None where unknown. A report
+    written before the summary held them gets the safe line from its result."""
+    result, summary = doc["result"], doc.get("summary") or {}
+    rec = result.get("recommendation") or {}
+    cap, margin = result.get("capacity_bytes"), rec.get("margin")
+    line = summary.get("safe_line_bytes")
+    if line is None and cap and isinstance(margin, (int, float)):
+        line = cap * (1 - margin)
+    limit = summary.get("recommended_limit_bytes")
+    tighter = limit is not None and (line is None or limit < line)
+    return {"capacity_bytes": cap, "margin": margin, "safe_line_bytes": line,
+            "limit_bytes": limit if tighter else None,
+            "limit_against": summary.get("recommended_limit_against") if tighter else None}
+
+
+def judge(check: dict[str, Any], lines: dict[str, Any], recommended: bool
+          ) -> tuple[str, float | None]:
+    """What the steps' highest peak says against the report's lines, and the line it was
+    held to (None: no line is known). The verdict: ``"ok"``, ``"out of memory"``, ``"over
+    the safe line"`` or (at the recommended size only, where the report held it under a limit
+    below the safe line) ``"margin not kept"``."""
+    line, limit = lines["safe_line_bytes"], lines["limit_bytes"] if recommended else None
     if not check["ok"]:
+        return "out of memory", None
+    top = max(check.get("step_peaks") or [check.get("peak_bytes") or 0])
+    if line is not None and top > line:
+        return "over the safe line", line
+    if limit is not None:
+        return ("margin not kept" if top > limit else "ok"), limit
+    return "ok", line
+
+
+def _line(check: dict[str, Any], label: str) -> str:
+    """The one line verify prints: what ran, the verdict and, against a line, by how much."""
+    head = f"verify: {check['steps']} steps at {label} {check['size']}"
+    verdict, lines, bound = check["verdict"], check["lines"], check["held_to_bytes"]
+    if verdict == "out of memory":
         return f"{head}: OUT OF MEMORY ({error_text(check['error'])[:120]})"
     from oomguard.engine.core.search.fit import peaks_spread
 
     peaks = check["step_peaks"]
+    top, margin, cap = max(peaks), lines["margin"], lines["capacity_bytes"]
+    if verdict == "over the safe line":
+        return (f"{head}: OVER THE SAFE LINE by {fmt_bytes(top - bound)}: peak {fmt_bytes(top)} "
+                f"against the safe line {fmt_bytes(bound)} (capacity {fmt_bytes(cap)} × "
+                f"(1 − {margin:.2f})); {1 - top / cap:.1%} of the capacity left free where the "
+                f"report promised {margin:.0%}")
+    if verdict == "margin not kept":
+        return (f"{head}: MARGIN NOT KEPT by {fmt_bytes(top - bound)}: peak {fmt_bytes(top)} "
+                f"above {fmt_bytes(bound)}, the limit the report held the recommended size to "
+                f"({margin:.0%} below {fmt_bytes(bound / (1 - margin))}, {lines['limit_against']})")
     spread = peaks_spread(peaks) or 0.0  # one step: no spread to show
-    return (f"{head}: ok, peak per step {fmt_bytes(min(peaks))} to {fmt_bytes(max(peaks))} "
-            f"(spread {spread:.1%}; {check['seconds']:.1f} s)")
+    room = ("" if bound is None else
+            f"; {fmt_bytes(bound - top)} under the report's line ({fmt_bytes(bound)})")
+    return (f"{head}: ok, peak per step {fmt_bytes(min(peaks))} to {fmt_bytes(top)} "
+            f"(spread {spread:.1%}; {check['seconds']:.1f} s){room}")
 
 
 def _verify_counted(workload: Any, size: int, steps: int, show: bool, **options: Any
@@ -129,7 +181,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     result = doc["result"]
     context = doc.get("context", {})
     workload = _rebuild(context.get("workload_spec"), file, context.get("plugins"))
-    size = args.size or (result["recommendation"] or {}).get("safe")
+    recommended = (result["recommendation"] or {}).get("safe")
+    size = args.size or recommended
     if not isinstance(size, int) or size <= 0:
         raise UsageError(f"{file} recommends no size: give one with --size N")
     check_sizes([("--size", size)], workload.seq_len)
@@ -144,9 +197,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     check = _verify_counted(workload, size, args.steps, wanted(args.progress), device=dev,
                             budget=budget, isolate=isolate)
     check["report"] = str(file)
+    check["lines"] = lines_of(doc)
+    check["verdict"], check["held_to_bytes"] = judge(check, check["lines"],
+                                                     recommended=size == recommended)
     out = atomic_write_json(file.parent / "verify.json", check)
     if args.json:
         print(json_text(check), end="")
     else:
         print(f"{_line(check, label)}\nwritten: {out}")
-    return 0 if check["ok"] else 1
+    return 0 if check["verdict"] == "ok" else 1
