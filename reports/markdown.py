@@ -424,21 +424,24 @@ def _throughput(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
 
 
 def _verification(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
-    """The steps the search ran after it at the recommended size, against the safe line."""
+    """The steps the search ran after it at the recommended size, against the line the
+    recommendation keeps (as ``oomguard verify`` judges them)."""
     check = result.verification
     if not check:
         return []
+    head = f"- {check['steps']} further steps at {check['size']}: "
     if not check["ok"]:
-        return ["## Verification", f"- {check['steps']} further steps at {check['size']}: "
-                f"RAN OUT OF MEMORY: {check['error']}"]
-    peaks, line = check.get("step_peaks") or [], s["safe_line_bytes"]
-    top = max(peaks, default=None)
-    where = ("" if top is None or line is None else
-             f"; highest step peak {fmt_bytes(top)}, "
-             + (f"{fmt_bytes(top - line)} ABOVE the safe line ({fmt_bytes(line)})" if top > line
-                else f"{fmt_bytes(line - top)} under the safe line ({fmt_bytes(line)})"))
-    return ["## Verification", f"- {check['steps']} further steps at {check['size']}: ran "
-            f"without running out of memory{where}"]
+        return ["## Verification", f"{head}RAN OUT OF MEMORY: {check['error']}"]
+    top = max(check.get("step_peaks") or [], default=None)
+    line = s["recommended_limit_bytes"]
+    if top is None or line is None:
+        return ["## Verification", f"{head}ran without running out of memory"]
+    where = (f"{fmt_bytes(top - line)} ABOVE the line the recommendation keeps "
+             f"({fmt_bytes(line)}): the margin was not kept" if top > line
+             else f"{fmt_bytes(line - top)} under the line the recommendation keeps "
+                  f"({fmt_bytes(line)})")
+    return ["## Verification", f"{head}ran without running out of memory; highest step peak "
+            f"{fmt_bytes(top)}, {where}"]
 
 
 def cap_advice(result: SearchResult, s: Mapping[str, Any]) -> str | None:

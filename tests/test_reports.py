@@ -546,3 +546,18 @@ def test_no_fastest_size_without_a_measured_spread() -> None:
     s = summarise(res)
     assert s["fastest_safe_size"] is None and s["rate_spread"] is None
     assert "the rates' step-to-step spread is unknown" in render_markdown(res, summary=s)
+
+
+@pytest.mark.parametrize(("peaks", "said"), [
+    ([40 * MiB, 41 * MiB], "41.00 MiB, 67.80 MiB under the line the recommendation keeps (108.80 MiB)"),
+    ([40 * MiB, 110 * MiB], "110.00 MiB, 1.20 MiB ABOVE the line the recommendation keeps "
+                            "(108.80 MiB): the margin was not kept"),
+])
+def test_the_searchs_own_verification_is_judged_against_the_line(peaks: list[int], said: str) -> None:
+    trials = [Trial(size=s, ok=True, peak_bytes=(4 + 2 * s) * MiB, seconds=0.1) for s in (8, 16)]
+    res = _hand_built(trials, 128 * MiB, fit=fit_line(trials))
+    res.verification = {"size": 16, "steps": 2, "ok": True, "step_peaks": peaks,
+                        "peak_bytes": max(peaks), "seconds": 0.2, "error": None}
+    md = render_markdown(res)
+    assert ("## Verification\n- 2 further steps at 16: ran without running out of memory; "
+            f"highest step peak {said}") in md
