@@ -12,6 +12,8 @@ The names users write against, re-exported from the packages that hold them::
     def train_step(batch_size): ...
 
     oomguard.accumulate(step_fn, batch, params=model)  # micro-batches, same gradients
+    model, optimizer = oomguard.release_memory(model, optimizer)  # accelerate's call
+    oomguard.free_memory("cuda")                  # gc, then the allocator's cache
 
 The rest is in namespaces: ``strategies``, ``retry``, ``errors`` (the whole tree),
 ``results`` (what the calls return), ``memory`` and ``training``. Names are resolved on
@@ -29,7 +31,8 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {name: module for module, names in {
     "oomguard.probes": ("probe",),
     "oomguard.engine.core.memory.budget": ("budget",),
-    "oomguard.engine.core.memory.oom": ("is_oom", "release_memory"),
+    "oomguard.engine.core.memory.oom": ("is_oom",),
+    "oomguard.engine.training.release": ("free_memory", "release_memory"),
     "oomguard.engine.core.search.search": ("search", "verify"),
     "oomguard.engine.core.search.config": ("SearchConfig",),
     "oomguard.engine.core.estimate.estimate": ("estimate",),
@@ -74,7 +77,6 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names ("as": re-expor
     from oomguard.engine.core.execute.stats import stats as stats
     from oomguard.engine.core.memory.budget import budget as budget
     from oomguard.engine.core.memory.oom import is_oom as is_oom
-    from oomguard.engine.core.memory.oom import release_memory as release_memory
     from oomguard.engine.core.search.config import SearchConfig as SearchConfig
     from oomguard.engine.core.search.search import search as search
     from oomguard.engine.core.search.search import verify as verify
@@ -88,5 +90,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names ("as": re-expor
     from oomguard.engine.training.adaptive import (
         find_executable_batch_size as find_executable_batch_size,
     )
+    from oomguard.engine.training.release import free_memory as free_memory
+    from oomguard.engine.training.release import release_memory as release_memory
     from oomguard.probes import probe as probe
     from oomguard.reports import write_report as write_report

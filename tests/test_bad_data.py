@@ -69,8 +69,8 @@ def test_a_job_with_seq_len_1_or_an_overflowing_size_is_refused_inone_usage_erro
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["estimate", "--sizes", HUGE], f"--sizes: {HUGE} is too large: {HUGE} x seq_len 512"),
-    (["estimate", "--workload", "loss", "--sizes", f"1,{HUGE}"], f"--sizes: {HUGE} is too large"),
+    (["estimate", "--sizes", HUGE], f"--sizes: {HUGE} is too large: {HUGE} x seq_len 128"),
+    (["estimate", "--metric", "loss", "--sizes", f"1,{HUGE}"], f"--sizes: {HUGE} is too large"),
     (["reference", "--estimate", "--memory", "1GiB", "--batches", HUGE], f"--batches: {HUGE}"),
     (["reference", "--estimate", "--memory", "1GiB", "--max-size", HUGE], f"--max-size {HUGE}"),
     (["bench", "--max-size", HUGE], f"--max-size {HUGE} is too large"),
@@ -78,7 +78,7 @@ def test_a_job_with_seq_len_1_or_an_overflowing_size_is_refused_inone_usage_erro
      f"--start {HUGE} is too large"),
     (["reference", "--max-size", HUGE], f"--max-size {HUGE} is too large"),
     (["estimate", "--sizes", "1", "--seq-len", "1"], "--seq-len must be at least 2"),
-    (["estimate", "--workload", "loss", "--sizes", "1", "--seq-len", "1"],
+    (["estimate", "--metric", "loss", "--sizes", "1", "--seq-len", "1"],
      "--seq-len must be at least 2"),
     (["search", "--metric", "loss", "--seq-len", "1"], "--seq-len must be at least 2"),
     (["bench", "--seq-len", "1"], "--seq-len must be at least 2"),

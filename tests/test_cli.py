@@ -19,7 +19,7 @@ from oomguard.engine.util.units import parse_size
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--start", "0"], "positive integer"),
-    (["bench", "--step", "-8"], "positive integer"),
+    (["bench", "--size-step", "-8"], "positive integer"),
     (["bench", "--max-size", "0"], "positive integer"),
     (["bench", "--start", "64", "--max-size", "32"], "larger than --max-size"),
     (["bench", "--device", "tpu"], "unknown device"),
@@ -32,7 +32,7 @@ from oomguard.engine.util.units import parse_size
     (["search", "--metric", "loss", "--samples", "0"], "positive integer"),
     (["run", "/nonexistent/job.toml"], "job file not found"),
     (["probe", "--device", "tpu"], "unknown device"),
-    (["bench", "--strategy", "doubling", "--step", "16"], "takes no --step"),
+    (["bench", "--strategy", "doubling", "--size-step", "16"], "takes no --size-step"),
     (["search", "--metric", "loss", "--model", "nosuchtype:n_layer=1"], "unknown model"),
     (["search", "--metric", "loss", "--dtype", "float8"], "unknown dtype"),
 ])
@@ -68,7 +68,7 @@ def test_bench_writes_the_report(tmp_path, capsys):
     out = tmp_path / "rep"
     code = main(["bench", "--model", "gpt2:n_embd=32,n_layer=1,n_head=2,vocab_size=256,"
                  "n_positions=64,bos_token_id=0,eos_token_id=0", "--seq-len", "64",
-                 "--budget", "48MiB", "--start", "8", "--step", "8", "--out", str(out), "--json"])
+                 "--budget", "48MiB", "--start", "8", "--size-step", "8", "--out", str(out), "--json"])
     assert code == 0
     cap = capsys.readouterr()
     result = json.loads(cap.out)

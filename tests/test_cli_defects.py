@@ -1,7 +1,7 @@
 """The command-line defects a new user met, each fixed: a bad option value is one line (no
 usage block), ``reference --estimate --measured`` checks its file before any estimate, an
-unknown metric in a ``--sizes`` file is refused and the sizes it pins are said to come from
-it, and ``reference`` options that did nothing either work (``--json``) or are refused
+unknown metric in a ``--sizes-file`` is refused and the sizes it pins are said to come from
+it, and ``reference`` options that did nothing either work (``--json``) or are not offered
 (``--verify-steps``)."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_help_still_shows_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
     ('{"rows": [1]}', "got an object without them"),
     ('{"rows": []', "cannot read a reference.json"),
     (json.dumps({"model": "tiny-gpt2", "dtype": "float32", "seq_len": 16, "n_samples": 8,
-                 "rows": []}), "--measured was measured for seq_len 16, this estimate is for 32"),
+                 "rows": []}), "--measured was measured for seq_len 16, this estimate is for 128"),
 ])
 def test_measured_is_checked_before_any_estimate(
         content: str, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -69,20 +69,20 @@ def test_measured_is_checked_before_any_estimate(
 
     monkeypatch.setattr(reference_estimate, "Estimator", no_estimates)
     (tmp_path / "measured.json").write_text(content, encoding="utf-8")
-    line = one_usage_error(["reference", "--estimate", "--memory", "1GiB", "--metrics", "loss",
+    line = one_usage_error(["reference", "--estimate", "--memory", "1GiB", "--metric", "loss",
                       "--measured", "measured.json"], capsys)
     assert says in line
 
 
-def test_reference_verify_steps_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert "--verify-steps is for search and bench" in one_usage_error(
-        ["reference", "--verify-steps", "3"], capsys)
+def test_reference_does_not_offer_verify_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    assert one_usage_error(["reference", "--verify-steps", "3"], capsys) == (
+        "oomguard: error: unrecognized arguments: --verify-steps 3")
 
 
 @pytest.mark.slow
 def test_reference_json_prints_the_reference(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["reference", "--estimate", "--memory", "1GiB", "--model", TINY, "--seq-len",
-                 "8", "--samples", "2", "--metrics", "loss", "--json", "--out", "est"]) == 0
+                 "8", "--samples", "2", "--metric", "loss", "--json", "--out", "est"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc == json.loads(Path("est/estimate-reference.json").read_text(encoding="utf-8"))
     assert [r["metric"] for r in doc["rows"]] == ["loss"]
@@ -109,7 +109,7 @@ def _sizes_job(tmp_path: Path, sizes_metric: str) -> tuple[str, str]:
 def test_an_unknown_metric_in_a_sizes_file_is_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job, sizes = _sizes_job(tmp_path, "los")
-    line = one_usage_error(["run", job, "--sizes", sizes], capsys)
+    line = one_usage_error(["run", job, "--sizes-file", sizes], capsys)
     assert line.startswith(f"oomguard: error: {sizes}: metrics[0]: unknown metric 'los': "
                            "valid metrics are ")
     assert "loss" in line.partition("valid metrics are ")[2].split(", ")
@@ -119,7 +119,7 @@ def test_an_unknown_metric_in_a_sizes_file_is_refused(
 def test_sizes_pinned_by_a_sizes_file_are_said_to_come_from_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job, sizes = _sizes_job(tmp_path, "loss")
-    assert main(["run", job, "--sizes", sizes]) == 0
+    assert main(["run", job, "--sizes-file", sizes]) == 0
     capsys.readouterr()
     result = json.loads((tmp_path / "out" / "results" / "loss.json").read_text())
     assert result["sizes"]["source"] == f"sizes file {sizes}"

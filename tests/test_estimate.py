@@ -249,9 +249,9 @@ def _cli(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize("argv, words", [
     (["--sizes", "1,0"], "positive"),
     (["--sizes", "1,x"], "not an integer"),
-    (["--sizes", "4", "--workload", "no-such-metric"], "train-step"),
+    (["--sizes", "4", "--metric", "no-such-metric"], "train-step"),
     (["--sizes", "4", "--knob", "micro_batch_size"], "for metrics"),
-    (["--sizes", "4", "--workload", "loss", "--knob", "nope"], "memory knob"),
+    (["--sizes", "4", "--metric", "loss", "--knob", "nope"], "memory knob"),
     (["--sizes", "4", "--seq-len", "0"], "positive"),
     (["--sizes", "4", "--device", "mps"], "cpu or cuda"),
 ])
@@ -268,7 +268,7 @@ def test_parse_sizes():
 
 @pytest.mark.slow
 def test_cli_prints_estimates_labelled_as_such(capsys):
-    args = _cli("--workload", "loss", "--samples", "4", "--seq-len", "16", "--sizes", "2,4",
+    args = _cli("--metric", "loss", "--samples", "4", "--seq-len", "16", "--sizes", "2,4",
                 "--no-workspace")
     assert args.func(args) == 0
     out = capsys.readouterr().out

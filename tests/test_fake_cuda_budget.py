@@ -34,8 +34,8 @@ def _ooms(device: Any, nbytes: int) -> str | None:
 
 
 def _args(**kw: Any) -> argparse.Namespace:
-    base = dict(start=8, budget=None, strategy="e10", step=None, isolate=False, margin=0.15,
-                trial_timeout=None, max_trials=40)
+    base = dict(start=8, budget=None, strategy="expand-bisect", size_step=None, isolate=False,
+                margin=0.15, trial_timeout=None, max_trials=40)
     return argparse.Namespace(**base | kw)
 
 

@@ -332,7 +332,7 @@ name = "boom"
 sizes = {{ micro_batch_size = 1 }}
 '''
 
-REFERENCE = ["reference", "--model", TINY, "--metrics", "loss,integrated_gradients",
+REFERENCE = ["reference", "--model", TINY, "--metric", "loss,integrated_gradients",
              "--samples", "2", "--seq-len", "8", "--budget", "256MiB", "--cache", "cache.json",
              "--out", "ref"]
 
@@ -476,7 +476,7 @@ FILES = {
 ERRORS: dict[str, list[str]] = {
     # sizes <= 0
     "bench --start 0": ["bench", "--start", "0"],
-    "bench --step -8": ["bench", "--step", "-8"],
+    "bench --size-step -8": ["bench", "--size-step", "-8"],
     "bench --max-size 0": ["bench", "--max-size", "0"],
     "bench --max-trials 0": ["bench", "--max-trials", "0"],
     "bench --start over --max-size": ["bench", "--start", "64", "--max-size", "32"],
@@ -501,9 +501,9 @@ ERRORS: dict[str, list[str]] = {
     "bench model key": ["bench", "--model", "gpt2:n_layr=1"],
     "bench model value": ["bench", "--model", "gpt2:n_layer=abc"],
     "metrics unknown model": ["metrics", "--model", "nosuch:x=1"],
-    "estimate --workload nope": ["estimate", "--sizes", "1", "--workload", "nope"],
-    "reference --metrics nope": ["reference", "--metrics", "nope"],
-    "reference --metrics ,": ["reference", "--metrics", ","],
+    "estimate --metric nope": ["estimate", "--sizes", "1", "--metric", "nope"],
+    "reference --metric nope": ["reference", "--metric", "nope"],
+    "reference --metric ,": ["reference", "--metric", ","],
     "reference --gpu without --estimate": ["reference", "--gpu", "H100 80GB"],
     "reference --estimate alone": ["reference", "--estimate"],
     "reference --estimate --gpu Z80": ["reference", "--estimate", "--gpu", "Z80"],
@@ -513,7 +513,8 @@ ERRORS: dict[str, list[str]] = {
     "reference --seq-len 64": ["reference", "--model", TINY, "--seq-len", "64"],
     "estimate --seq-len 64": ["estimate", "--sizes", "1", "--model", TINY, "--seq-len", "64"],
     # other options
-    "bench --strategy doubling --step": ["bench", "--strategy", "doubling", "--step", "16"],
+    "bench --strategy doubling --size-step": ["bench", "--strategy", "doubling", "--size-step",
+                                              "16"],
     "bench --margin 1.5": ["bench", "--margin", "1.5"],
     "bench --trial-timeout nan": ["bench", "--isolate", "--trial-timeout", "nan"],
     "verify no report": ["verify", "/nonexistent/rep"],
@@ -531,7 +532,7 @@ ERRORS: dict[str, list[str]] = {
     "run job dtype float8": ["run", "job-dtype.toml"],
     "run job device tpu": ["run", "job-device.toml"],
     "run job unknown param": ["run", "job-param.toml"],
-    "run --sizes not TOML": ["run", "job-ok.toml", "--sizes", "sizes-not-toml.toml"],
+    "run --sizes-file not TOML": ["run", "job-ok.toml", "--sizes-file", "sizes-not-toml.toml"],
     # the size cache: a warning, never an error
     "cache show corrupt file": ["cache", "show", "--cache", "cache-corrupt.json"],
     "cache show size 0": ["cache", "show", "--cache", "cache-size-0.json"],

@@ -127,8 +127,8 @@ def test_import_oomguard_and_help_and_probe_load_no_torch(tmp_path: Path):
 TOP_LEVEL = {
     "probe", "budget", "search", "SearchConfig", "verify", "estimate", "Executor", "adaptive",
     "find_executable_batch_size", "accumulate", "stats", "write_report", "is_oom",
-    "release_memory", "OomguardError", "UsageError", "ExecutionFailed", "SearchFailed",
-    "NoExecutableBatchSize",
+    "release_memory", "free_memory", "OomguardError", "UsageError", "ExecutionFailed",
+    "SearchFailed", "NoExecutableBatchSize",
 }
 NAMESPACES = {
     "strategies": {"E10", "Doubling", "Guided", "LinearJump"},

@@ -77,7 +77,7 @@ def test_search_with_a_plugin_finds_a_size_and_every_command_uses_it(
     listed = json.loads(capsys.readouterr().out)[plugin]
     assert listed["description"] == "logit norm per sample, in chunks"
 
-    assert main(["estimate", "--plugin", file, "--workload", plugin, *WORKLOAD,
+    assert main(["estimate", "--plugin", file, "--metric", plugin, *WORKLOAD,
                  "--sizes", "1,2", "--no-workspace", "--json"]) == 0
     estimates = json.loads(capsys.readouterr().out)["estimates"]
     # the scratch buffer alone is 2 MiB a chunk: seen by the estimate
@@ -89,7 +89,7 @@ def test_search_with_a_plugin_finds_a_size_and_every_command_uses_it(
     check = json.loads(capsys.readouterr().out)
     assert check["ok"] and check["size"] == found["recommendation"]["safe"]
 
-    ran = cli_in_child("reference", "--plugin", file, "--metrics", plugin, *WORKLOAD,
+    ran = cli_in_child("reference", "--plugin", file, "--metric", plugin, *WORKLOAD,
                        "--budget", "32MiB", "--max-size", "64", "--out", "ref", "--json",
                        cwd=Path.cwd())
     assert ran.returncode == 0, ran.stderr

@@ -98,7 +98,7 @@ def test_verify_shows_steps_done_and_the_time_left(searched,
 @pytest.mark.slow
 def test_reference_shows_rows_done_and_the_time_left(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    argv = ["reference", *TINY, "--metrics", "loss", "--budget", "256MiB", "--max-size", "2",
+    argv = ["reference", *TINY, "--metric", "loss", "--budget", "256MiB", "--max-size", "2",
             "--start", "1", "--cache", str(tmp_path / "sizes.json")]
     err = _stderr(monkeypatch, [*argv, "--out", str(tmp_path / "a"), "--progress"])
     assert _shown(err, "reference: 1/1 rows done", "row"), err

@@ -1,6 +1,6 @@
 """``oomguard reference``: every metric's memory knobs measured on this device, cached (a
 second run runs no trial), written as reference.md, reference.json and sizes.toml, and
-taken by jobs: automatically from the size cache, or pinned with ``--sizes``.
+taken by jobs: automatically from the size cache, or pinned with ``--sizes-file``.
 
 The end-to-end test runs the command line in fresh processes (forked from the test's
 forkserver, which imported torch once), as a user does, under a real CPU budget; the job that pins the reference's sizes runs every metric in a fresh
@@ -73,7 +73,7 @@ def test_reference_covers_every_knob_is_cached_and_its_sizes_run_in_a_job(tmp_pa
 
     # Every metric at the reference's sizes, each in a fresh child under the same budget.
     job = _job_file(tmp_path, sorted(_built_in()))
-    run = _oomguard("run", str(job), "--sizes", "ref/sizes.toml", "--cache",
+    run = _oomguard("run", str(job), "--sizes-file", "ref/sizes.toml", "--cache",
                     str(tmp_path / "other.json"), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((tmp_path / "job" / "results.json").read_text())

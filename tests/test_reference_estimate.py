@@ -63,7 +63,7 @@ def test_7b_llama_for_80gib_is_fast_and_allocates_no_weights(tmp_path):
     got = subprocess.run(
         [sys.executable, "-c", RSS_WRAPPER, "reference", "--estimate", "--memory", "80GiB",
          "--model", LLAMA_7B, "--dtype", "bfloat16", "--seq-len", "64", "--samples", "4",
-         "--metrics", "loss,attention_stats", "--out", str(tmp_path / "ref")],
+         "--metric", "loss,attention_stats", "--out", str(tmp_path / "ref")],
         capture_output=True, text=True, timeout=300)
     seconds = time.perf_counter() - t0
     assert got.returncode == 0, got.stderr
@@ -85,7 +85,7 @@ def test_7b_llama_for_80gib_is_fast_and_allocates_no_weights(tmp_path):
 @pytest.mark.slow
 def test_weights_beyond_the_memory_get_the_does_not_fit_row(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, err = _oomguard(capsys, "reference", "--estimate", "--memory", "1MiB", "--metrics",
+    code, err = _oomguard(capsys, "reference", "--estimate", "--memory", "1MiB", "--metric",
                           "loss", "--samples", "2", "--seq-len", "16", "--batches", "1,2",
                           "--out", "ref")
     assert code == 1, err

@@ -12,6 +12,8 @@ import sys
 from typing import Any
 
 from oomguard.engine.cli.options import (
+    DEFAULT_SEQ_LEN,
+    add_deprecated,
     add_plugin_option,
     add_workload_options,
     check_sizes,
@@ -28,13 +30,14 @@ def add_estimate(p: argparse.ArgumentParser) -> None:
                      "the model is built with no weights and the step runs on fake tensors, "
                      "so a 7B model can be estimated on a laptop for a GPU it does not have. "
                      "Estimates, not measurements.")
-    p.add_argument("--workload", default=TRAIN_STEP, metavar="train-step|METRIC",
-                   help="train-step (forward, backward, AdamW; default) or a metric name "
-                        "(see `oomguard metrics`)")
-    add_workload_options(p, knob=(None, "default: its first"),
+    work = p.add_argument_group("workload")
+    work.add_argument("--metric", default=TRAIN_STEP, metavar="train-step|METRIC",
+                      help="train-step (forward, backward, AdamW; default) or a metric name "
+                           "(see `oomguard metrics`)")
+    add_deprecated(work, "--workload", "--metric", "metric")
+    add_workload_options(p, group=work, knob=(None, "default: its first"),
                          model=("tiny-gpt2", "default tiny-gpt2; only its config is read"),
-                         dtype="float32",
-                         seq_len=(None, "default 512 for train-step, 128 for a metric"),
+                         dtype="float32", seq_len=DEFAULT_SEQ_LEN,
                          samples=(None, "a metric's; default 64"))
     p.add_argument("--sizes", required=True,
                    help="comma-separated sizes (batch size, or the knob's value), e.g. 1,8,32")
@@ -50,17 +53,18 @@ def add_estimate(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_estimate)
 
 
-def parse_sizes(text: str) -> list[int]:
-    """``"1,8,32"`` -> ``[1, 8, 32]``; UsageError (one line) for anything but positive integers."""
+def parse_sizes(text: str, option: str = "--sizes") -> list[int]:
+    """``"1,8,32"`` -> ``[1, 8, 32]``; UsageError (one line, naming ``option``) for anything
+    but positive integers."""
     sizes = []
     for item in text.split(","):
         try:
             size = int(item.strip())
         except ValueError:
-            raise UsageError(f"--sizes: {item.strip()!r} is not an integer: give positive "
+            raise UsageError(f"{option}: {item.strip()!r} is not an integer: give positive "
                              "integers separated by commas, e.g. 1,8,32") from None
         if size <= 0:
-            raise UsageError(f"--sizes: every size must be a positive integer, got {size}")
+            raise UsageError(f"{option}: every size must be a positive integer, got {size}")
         sizes.append(size)
     return sizes
 
@@ -70,28 +74,26 @@ def build_workload(args: argparse.Namespace) -> Any:
     from oomguard.metrics.models import check_seq_len, model_config
 
     check_workload(args)
-    if args.workload == TRAIN_STEP:
+    if args.metric == TRAIN_STEP:
         for option, value in (("--knob", args.knob), ("--samples", args.samples)):
             if value is not None:
                 raise UsageError(f"{option} is for metrics; {TRAIN_STEP} sizes are batch sizes")
         from oomguard.metrics.train_step import TrainStep
 
-        seq_len = args.seq_len or 512
-        check_seq_len(model_config(args.model), seq_len)
-        return TrainStep(model=args.model, seq_len=seq_len, dtype=args.dtype)
+        check_seq_len(model_config(args.model), args.seq_len)
+        return TrainStep(model=args.model, seq_len=args.seq_len, dtype=args.dtype)
     from oomguard.metrics.base import get_metric
     from oomguard.metrics.workload import MetricTrial
 
     try:
-        get_metric(args.workload)
+        get_metric(args.metric)
     except UsageError as exc:
-        raise UsageError(f"unknown workload {args.workload!r}: use {TRAIN_STEP} or a metric "
+        raise UsageError(f"unknown metric {args.metric!r}: use {TRAIN_STEP} or a metric "
                          f"({str(exc).partition('valid metrics are ')[2]})") from None
-    seq_len = args.seq_len or 128
-    check_seq_len(model_config(args.model), seq_len)
+    check_seq_len(model_config(args.model), args.seq_len)
     # MetricTrial checks the knob and whether the metric supports the model, from its config.
-    return MetricTrial(metric=args.workload, knob=args.knob, model=args.model,
-                       dtype=args.dtype, n_samples=args.samples or 64, seq_len=seq_len)
+    return MetricTrial(metric=args.metric, knob=args.knob, model=args.model,
+                       dtype=args.dtype, n_samples=args.samples or 64, seq_len=args.seq_len)
 
 
 def table(estimates: list[Any]) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.engine.cli.logs import log_to_file, setup_logging, stop_logging_to
-from oomguard.engine.cli.options import add_progress_option
+from oomguard.engine.cli.options import add_deprecated, add_progress_option
 from oomguard.engine.errors import UsageError
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.util.jsonable import json_text
@@ -49,10 +49,11 @@ def add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="output folder (overrides the job's output)")
     p.add_argument("--cache", metavar="PATH",
                    help="size cache file (default: sizes.json in the user cache folder)")
-    p.add_argument("--sizes", metavar="FILE",
+    p.add_argument("--sizes-file", metavar="FILE",
                    help="pin the sizes of a sizes.toml written by `oomguard reference` "
                         "(for the same model, dtype, seq_len, device and budget); sizes "
                         "the job file pins itself are kept")
+    add_deprecated(p, "--sizes", "--sizes-file", "sizes_file", metavar="FILE")
     p.add_argument("--no-search", action="store_true",
                    help="never search: sizes from the cache, else the metric defaults")
     p.add_argument("--json", action="store_true", help="print results.json to stdout when done")
@@ -75,8 +76,9 @@ def add_run(p: argparse.ArgumentParser) -> None:
 def add_cache(p: argparse.ArgumentParser) -> None:
     p.description = CACHE_HELP
     p.add_argument("action", choices=("show", "clear"), help="show the entries, or remove all")
-    p.add_argument("--cache", metavar="PATH", help="size cache file (default: user cache)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--cache", metavar="PATH",
+                   help="size cache file (default: sizes.json in the user cache folder)")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.set_defaults(func=cmd_cache)
 
 
@@ -118,11 +120,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     job_log = JobLog()
     try:
         job = load_job(args.job, output=args.out)
-        if args.sizes:
+        if args.sizes_file:
             from oomguard.engine.jobs.plan import device_identity
             from oomguard.engine.jobs.reference import apply_sizes, load_sizes
 
-            job = apply_sizes(job, *load_sizes(args.sizes), device_identity(job), args.sizes)
+            job = apply_sizes(job, *load_sizes(args.sizes_file), device_identity(job),
+                              args.sizes_file)
         # This process runs no torch code (it parses, plans and waits): for a CPU job a
         # plain fork is safe and cheaper than a forkserver
         # (docs/measurements.md#fork-after-openmp); a GPU job never forks.

@@ -67,6 +67,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="oomguard", description="Measure memory, find the largest safe batch, survive OOMs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"oomguard {_version()}",
+                        help="print oomguard's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     command = next((word for word in argv if not word.startswith("-")), None)
     for name, (where, line) in COMMANDS.items():
@@ -75,6 +77,18 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
             module, function = where.split(":")
             getattr(importlib.import_module(f"oomguard.engine.cli.{module}"), function)(p)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (importlib.metadata), else the package's own."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("oomguard")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from oomguard import __version__
+
+        return __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,7 @@ for bad sizes and counts."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +18,14 @@ from oomguard.engine.util.units import parse_size
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_STEP = 8  # the E10 routine's increment
+DEFAULT_STEP = 8  # the expand-bisect increment
+DEFAULT_START = 32  # every command's first size, as SearchConfig's Guided(32)
+DEFAULT_SEQ_LEN = 128  # every command's tokens per sample
 DEFAULT_CPU_BUDGET = "2GiB"
 REQUIRED = "required"  # a workload option's "default" when the command needs it given
+STRATEGIES = ("guided", "expand-bisect", "doubling", "linear-jump")
+# old spelling -> new, kept for one release (a deprecation line on stderr when used)
+DEPRECATED_STRATEGIES = {"e10": "expand-bisect"}
 
 # dest: (type, help); --seq-len and --samples are checked by check_workload, not by their
 # type, so that a command whose default depends on the workload (estimate) says it as one line
@@ -65,6 +71,54 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def warn_deprecated(old: str, new: str) -> None:
+    """The one line an old spelling prints on stderr (it still works, for one release)."""
+    print(f"oomguard: warning: {old} is deprecated, use {new}", file=sys.stderr, flush=True)
+
+
+class _Deprecated(argparse.Action):
+    """An old option name kept for one release: hidden from ``--help``; given, it prints
+    :func:`warn_deprecated`'s line (once per parse) and then does what the new option does
+    (stores into the same ``dest``, or appends where the new one appends)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str = "",
+                 append: bool = False, **kwargs: Any) -> None:
+        kwargs["help"] = argparse.SUPPRESS
+        super().__init__(option_strings, dest, **kwargs)
+        self.new, self.append = new, append
+        self._warned: set[int] = set()  # the namespaces (parses) already told
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if id(namespace) not in self._warned:
+            self._warned.add(id(namespace))
+            warn_deprecated(option_string or self.option_strings[0], self.new)
+        if self.append:
+            values = [*(getattr(namespace, self.dest, None) or []), values]
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated(p: argparse.ArgumentParser | Any, old: str, new: str, dest: str,
+                   **kwargs: Any) -> None:
+    """Accept ``old`` (an option renamed to ``new``, whose value goes to ``dest``) for one
+    release, hidden from ``--help``, with a one-line deprecation on stderr when used.
+    ``append=True`` where ``new`` is repeatable; other keywords (``type``, ``metavar``) as
+    :meth:`~argparse.ArgumentParser.add_argument` takes them."""
+    p.add_argument(old, action=_Deprecated, new=new, dest=dest, default=argparse.SUPPRESS,
+                   **kwargs)
+
+
+def strategy_name(text: str) -> str:
+    """``--strategy``'s value; a deprecated name (``e10``) becomes its new one
+    (``expand-bisect``) after one line on stderr. argparse checks it against
+    :data:`STRATEGIES` after this."""
+    new = DEPRECATED_STRATEGIES.get(text)
+    if new is None:
+        return text
+    warn_deprecated(f"--strategy {text}", f"--strategy {new}")
+    return new
+
+
 def add_progress_option(p: argparse.ArgumentParser) -> None:
     """``--progress``/``--no-progress``: steps done and the time left (an estimate) on
     stderr; by default only when stderr is a terminal."""
@@ -73,11 +127,13 @@ def add_progress_option(p: argparse.ArgumentParser) -> None:
                         "only when stderr is a terminal)")
 
 
-def add_workload_options(p: argparse.ArgumentParser, **defaults: Any) -> None:
+def add_workload_options(p: argparse.ArgumentParser, group: Any = None, **defaults: Any) -> Any:
     """Add the workload options named by ``defaults``, each with its default:
-    ``seq_len=128`` adds ``--seq-len``, default 128; :data:`REQUIRED` makes one required;
-    ``(default, note)`` puts ``note`` in its help instead of the default."""
-    group = p.add_argument_group("workload")
+    ``seq_len=128`` adds ``--seq-len``, default 128 (:data:`DEFAULT_SEQ_LEN`, every command's);
+    :data:`REQUIRED` makes one required; ``(default, note)`` puts ``note`` in its help instead
+    of the default. They go in ``group`` (the command's own "workload" group), else in a new
+    one; the group is returned."""
+    group = group if group is not None else p.add_argument_group("workload")
     for dest, default in defaults.items():
         kind, text = _WORKLOAD[dest]
         default, note = default if isinstance(default, tuple) else (default, f"default {default}")
@@ -85,6 +141,7 @@ def add_workload_options(p: argparse.ArgumentParser, **defaults: Any) -> None:
         group.add_argument(f"--{dest.replace('_', '-')}", type=kind, required=required,
                            default=None if required else default,
                            help=text if required else f"{text} ({note})")
+    return group
 
 
 def add_plugin_option(p: argparse.ArgumentParser) -> None:
@@ -157,25 +214,27 @@ def check_sizes(sizes: Sequence[tuple[str, int]], seq_len: int) -> None:
 
 def strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size: int) -> Any:
     """The strategy the options name; for a knob whose memory changes only at multiples of
-    ``unit``, ``--start``/``--step`` in whole units (at least one) and only multiples tried."""
+    ``unit``, ``--start``/``--size-step`` in whole units (at least one) and only multiples tried."""
     import math
 
-    from oomguard.engine.core.search.strategies import E10, Doubling, Guided, LinearJump
+    from oomguard.engine.core.search.strategies import Doubling, ExpandBisect, Guided, LinearJump
     from oomguard.metrics.workload import in_units, in_whole_units
 
-    # --step alone names the E10 routine (its increment); otherwise the default is guided.
-    name = args.strategy or ("e10" if args.step is not None else "guided")
-    if name != "e10" and args.step is not None:
-        raise UsageError(f"--step is the e10 increment; --strategy {name} takes no "
-                         "--step (guided predicts, doubling multiplies by 2, linear-jump fits)")
+    # --size-step alone names expand-bisect (its increment); otherwise the default is guided.
+    name = args.strategy or ("expand-bisect" if args.size_step is not None else "guided")
+    if name != "expand-bisect" and args.size_step is not None:
+        raise UsageError(f"--size-step is the expand-bisect increment; --strategy {name} takes "
+                         "no --size-step (guided predicts, doubling multiplies by 2, linear-jump "
+                         "fits)")
     # --align 8 for tensor cores; a Namespace built by hand may lack newer options
     unit = math.lcm(unit, getattr(args, "align", None) or 1)
-    unit, start, step = in_whole_units(args.start, args.step or DEFAULT_STEP, unit, max_size)
+    unit, start, step = in_whole_units(args.start, args.size_step or DEFAULT_STEP, unit,
+                                      max_size)
     if name == "linear-jump" and capacity is None:
         raise UsageError("--strategy linear-jump needs a --budget (or a GPU's free memory)")
     inner = (Guided(start=start) if name == "guided" else Doubling(start=start) if name == "doubling"
              else LinearJump(capacity_bytes=capacity, start=start) if name == "linear-jump"
-             else E10(start=start, step=step))
+             else ExpandBisect(start=start, step=step))
     return in_units(inner, unit)
 
 
@@ -201,13 +260,15 @@ def search_config(args: argparse.Namespace, dev: torch.device, max_size: int, un
         from oomguard.probes import probe
 
         capacity = probe(dev).free_bytes  # only where the strategy needs a number to aim at
-    timeout = {} if args.trial_timeout is None else {"trial_timeout": args.trial_timeout}
+    given = {} if args.trial_timeout is None else {"trial_timeout": args.trial_timeout}
+    if getattr(args, "max_trials", None) is not None:  # None: SearchConfig's default
+        given["max_trials"] = args.max_trials
     isolate = isolated(args, dev)
     return SearchConfig(strategy=strategy(args, capacity, unit, max_size), max_size=max_size,
-                        max_trials=args.max_trials, device=dev, budget=nbytes, isolate=isolate,
+                        device=dev, budget=nbytes, isolate=isolate,
                         confirm=getattr(args, "confirm", False) and not isolate,
                         margin=args.margin, steps_per_trial=getattr(args, "steps_per_trial", None),
-                        verify_steps=getattr(args, "verify_steps", 0), **timeout)
+                        verify_steps=getattr(args, "verify_steps", 0), **given)
 
 
 def default_budget(dev: torch.device, given: int | None) -> int | None:
@@ -234,7 +295,7 @@ def budget_free_limit(device: str) -> str:
     RLIMIT_DATA) or the RAM guard (a share of the available RAM, estimated and not
     enforced), whichever binds (as measured now, before the warm-up), with why there is
     no budget."""
-    from oomguard.engine.core.memory.host_limit import unbudgeted_limit
+    from oomguard.engine.core.search.limit import unbudgeted_limit
     from oomguard.probes import host
 
     if not str(device).startswith("cpu"):
@@ -246,27 +307,39 @@ def budget_free_limit(device: str) -> str:
     return f"the {limit.describe()} ({why})"
 
 
-def add_search_options(p: argparse.ArgumentParser, start: int) -> None:
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
+def add_search_options(p: argparse.ArgumentParser, verify_steps: bool = True,
+                       device: tuple[str | None, str] = ("cpu", "default: cpu")) -> None:
+    """The search options, each with the one default every command shares; ``verify_steps``
+    False where the command cannot verify its answers (``reference``): no ``--verify-steps``
+    offered that the command would refuse. ``device``: ``--device``'s default and what its
+    help says of it."""
+    p.add_argument("--device", default=device[0], help=f"cpu, cuda, cuda:N or mps ({device[1]})")
     p.add_argument("--budget", type=size, default=None,
                    help="memory the trials may use above the warmed-up process, e.g. 2GiB, "
                         "512MiB, 2GB (default: 2GiB on a Linux CPU; none on CUDA: trials meet "
                         "the device's own limit; on MPS the recommended working set left)")
-    p.add_argument("--start", type=positive_int, default=start, help=f"first size (default {start})")
-    p.add_argument("--step", type=positive_int, default=None,
-                   help=f"e10 increment (default {DEFAULT_STEP}; only with --strategy e10; "
-                        "a knob with a unit steps in whole units, at least one)")
-    p.add_argument("--max-size", type=positive_int, default=65536, help="largest size to try")
-    p.add_argument("--max-trials", type=positive_int, default=40, help="trial limit (default 40)")
-    p.add_argument("--strategy", choices=("guided", "e10", "doubling", "linear-jump"),
-                   default=None,
-                   help="guided: predict from measured peaks, verify, bracket (default; e10 "
-                        "when --step is given); e10: +step then bisect; doubling; linear-jump")
+    p.add_argument("--start", type=positive_int, default=DEFAULT_START,
+                   help=f"first size (default {DEFAULT_START})")
+    p.add_argument("--size-step", type=positive_int, default=None, metavar="N",
+                   help=f"expand-bisect's size increment (default {DEFAULT_STEP}; only with "
+                        "--strategy expand-bisect; a knob with a unit steps in whole units, at "
+                        "least one)")
+    add_deprecated(p, "--step", "--size-step", "size_step", type=positive_int)
+    p.add_argument("--max-size", type=positive_int, default=65536,
+                   help="largest size to try (default 65536)")
+    p.add_argument("--max-trials", type=positive_int, default=None,
+                   help="trial limit (default 64)")
+    p.add_argument("--strategy", type=strategy_name, choices=STRATEGIES, default=None,
+                   metavar="{" + ",".join(STRATEGIES) + "}",
+                   help="guided: predict from measured peaks, verify, bracket (default; "
+                        "expand-bisect when --size-step is given); expand-bisect: +size-step "
+                        "while it fits, then bisect; doubling; linear-jump")
     p.add_argument("--steps-per-trial", type=positive_int, default=None, metavar="N",
                    help="steps each trial runs (default: the workload's own steps_per_trial, "
                         "else 1)")
-    p.add_argument("--verify-steps", type=nonnegative_int, default=0, metavar="N",
-                   help="run N further steps at the recommended size and report any OOM")
+    if verify_steps:
+        p.add_argument("--verify-steps", type=nonnegative_int, default=0, metavar="N",
+                       help="run N further steps at the recommended size and report any OOM")
     p.add_argument("--align", type=positive_int, default=None, metavar="N",
                    help="try only multiples of N (8 for tensor cores)")
     p.add_argument("--margin", type=margin, default=0.15,

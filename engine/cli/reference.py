@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.engine.cli.options import (
+    DEFAULT_SEQ_LEN,
+    add_deprecated,
     add_plugin_option,
     add_search_options,
     add_workload_options,
@@ -30,22 +32,25 @@ def add_reference(p: argparse.ArgumentParser) -> None:
                      "their chosen sizes, the ones after it at their defaults, as a job sizes "
                      "them) on one model, dtype and sequence length, and write reference.md, "
                      "reference.json and sizes.toml (a ready [[metrics]] block for a job file, or "
-                     "`oomguard run JOB --sizes sizes.toml`). Answers go in the size cache: a "
+                     "`oomguard run JOB --sizes-file sizes.toml`). Answers go in the size cache: a "
                      "second run reads them back without a trial, and a job with the same model, "
                      "dtype, sequence length, device and budget takes its sizes from there. With "
                      "the defaults (14 rows, 17 trials for the tiny GPT-2), 30 s on 2 idle CPU cores, "
                      "up to 4 minutes on loaded ones "
                      "(docs/guides/reports.md#how-long-the-commands-take).")
-    add_workload_options(p, model="tiny-gpt2", dtype="float32",
-                         seq_len=(32, "default 32, as a job file's [data]"),
-                         samples=(8, "default 8, as a job file's [data]"))
-    p.add_argument("--metrics", default=None, metavar="NAME,NAME",
-                   help="only these metrics (default: every one, see `oomguard metrics`)")
+    work = add_workload_options(p, model="tiny-gpt2", dtype="float32", seq_len=DEFAULT_SEQ_LEN,
+                                samples=(8, "default 8, as a job file's [data]"))
+    work.add_argument("--metric", action="append", default=None, metavar="NAME[,NAME]",
+                      help="only these metrics: repeat it, or give a comma list (default: "
+                           "every one, see `oomguard metrics`)")
+    add_deprecated(work, "--metrics", "--metric", "metric", append=True)
     p.add_argument("--cache", metavar="PATH",
                    help="size cache file (default: sizes.json in the user cache folder)")
-    add_search_options(p, start=8)
-    p.set_defaults(device=None)  # cpu when measuring, cuda for --estimate --memory
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder ({DEFAULT_OUT})")
+    # a reference's rows have no verification; --device: cpu when measuring, cuda for --estimate
+    add_search_options(p, verify_steps=False,
+                       device=(None, "default: cpu; with --estimate, cuda"))
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"output folder (default {DEFAULT_OUT})")
     est = p.add_argument_group(
         "estimated reference (no device, no weights)",
         "--estimate writes estimate-reference.md/.json instead: per metric and knob, the "
@@ -73,9 +78,6 @@ def add_reference(p: argparse.ArgumentParser) -> None:
 def cmd_reference(args: argparse.Namespace) -> int:
     """Measure the reference (or, with ``--estimate``, estimate it); exit 1 where nothing fits."""
     check_workload(args)
-    if args.verify_steps:  # a search option the reference's rows have no place for
-        raise UsageError("--verify-steps is for search and bench: a reference does not verify "
-                         "its sizes (`oomguard search --metric NAME --verify-steps N` does)")
     if args.estimate:
         return cmd_estimate_reference(args)
     for option in ("gpu", "memory", "batches", "measured"):
@@ -89,7 +91,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
     from oomguard.probes.device import resolve_device
     from oomguard.reports.reference import render_reference_markdown
 
-    names = _metric_names(args.metrics)
+    names = _metric_names(args.metric)
     dev = resolve_device(args.device or "cpu", check=True)
     check_seq_len(model_config(args.model), args.seq_len)
     budget = search_config(args, dev, args.max_size).budget  # every option checked now
@@ -154,9 +156,9 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     if not isinstance(args.margin, float):
         raise UsageError("--margin for --estimate is a fraction in [0, 1) (nothing is "
                          "measured, so 'measured' has no spread to read)")
-    names = _metric_names(args.metrics)
+    names = _metric_names(args.metric)
     check_seq_len(model_config(args.model), args.seq_len)
-    batches = parse_sizes(args.batches) if args.batches else []
+    batches = parse_sizes(args.batches, "--batches") if args.batches else []
     check_sizes([("--batches:", b) for b in batches], args.seq_len)
     measured = None
     if args.measured:
@@ -231,14 +233,18 @@ def _rows(names: list[str], args: argparse.Namespace) -> Any:
     return Steps(total, "rows", "reference", wanted(args.progress))
 
 
-def _metric_names(given: str | None) -> list[str]:
-    """``--metrics NAME,NAME`` checked (a UsageError listing the valid ones), else every
-    metric of the catalogue."""
+def _metric_names(given: list[str] | None) -> list[str]:
+    """The metrics ``--metric`` names (repeated, or ``NAME,NAME``; each checked: a UsageError
+    lists the valid ones), else every metric of the catalogue."""
     from oomguard.metrics.base import get_metric, load_all
 
-    names = [m.strip() for m in given.split(",") if m.strip()] if given else sorted(load_all())
+    if given is None:
+        return sorted(load_all())
+    names = list(dict.fromkeys(m.strip() for text in given for m in text.split(",")
+                               if m.strip()))
     if not names:
-        raise UsageError("--metrics names no metric: give NAME,NAME (see `oomguard metrics`)")
+        raise UsageError("--metric names no metric: give NAME or NAME,NAME (see "
+                         "`oomguard metrics`)")
     for name in names:
         get_metric(name)
     return names

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.engine.cli.options import (
+    DEFAULT_SEQ_LEN,
     REQUIRED,
     add_plugin_option,
     add_search_options,
@@ -35,9 +36,10 @@ def add_bench(p: argparse.ArgumentParser) -> None:
                      "and memory.png. With the defaults: 3 trials, 17 s on 2 idle CPU cores, 44-57 s "
                      "on loaded ones "
                      "(docs/guides/reports.md#how-long-the-commands-take).")
-    add_workload_options(p, model="tiny-gpt2", seq_len=512)
-    add_search_options(p, start=32)
-    p.add_argument("--out", default="oomguard-report", help="report folder (oomguard-report)")
+    add_workload_options(p, model="tiny-gpt2", seq_len=DEFAULT_SEQ_LEN)
+    add_search_options(p)
+    p.add_argument("--out", default="oomguard-report", metavar="DIR",
+                   help="report folder (default oomguard-report)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -48,9 +50,10 @@ def add_search(p: argparse.ArgumentParser) -> None:
                      "defaults, beside another benchmark. A knob with a unit (`oomguard metrics`) is searched in "
                      "multiples of it.")
     add_workload_options(p, metric=REQUIRED, knob=(None, "default: each in turn"),
-                         model="tiny-gpt2", dtype="float32", samples=64, seq_len=128)
-    add_search_options(p, start=8)
-    p.add_argument("--out", default="oomguard-report", help="report folder (oomguard-report)")
+                         model="tiny-gpt2", dtype="float32", samples=64, seq_len=DEFAULT_SEQ_LEN)
+    add_search_options(p)
+    p.add_argument("--out", default="oomguard-report", metavar="DIR",
+                   help="report folder (default oomguard-report)")
     add_plugin_option(p)
     p.set_defaults(func=cmd_search)
 
