@@ -131,7 +131,7 @@ TOP_LEVEL = {
     "SearchFailed", "NoExecutableBatchSize",
 }
 NAMESPACES = {
-    "strategies": {"E10", "Doubling", "Guided", "LinearJump"},
+    "strategies": {"E10", "ExpandBisect", "Doubling", "Guided", "LinearJump"},
     "retry": {"FitPeaks", "Halve", "ReduceWith"},
     "results": {"SearchResult", "Trial", "LinearFit", "Recommendation", "Estimate",
                 "MemorySnapshot", "Budget"},

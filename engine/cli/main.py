@@ -80,15 +80,13 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    """The installed distribution's version (importlib.metadata), else the package's own."""
+    """The installed distribution's version (importlib.metadata)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("oomguard")
     except PackageNotFoundError:  # run from a source tree that is not installed
-        from oomguard import __version__
-
-        return __version__
+        return "(not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
