@@ -9,17 +9,15 @@ wall-clock seconds, fractions are in [0, 1] (not percent).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from oomguard.engine.core.search.record import closed, record_of, sample_cap
 from oomguard.engine.core.search.search import SearchResult
-from oomguard.engine.core.search.seed import BELOW_ESTIMATE, ESTIMATE
-from oomguard.engine.core.search.strategies import bracket, predict_max
-from oomguard.engine.core.search.trial import SAMPLE_KNOBS, Trial
+from oomguard.engine.core.search.trial import Trial
 from oomguard.engine.util.jsonable import to_jsonable
-from oomguard.engine.util.units import fmt_bytes
 
 SCHEMA = "oomguard.search-report/1"
 
@@ -37,39 +35,11 @@ _MODE_NOTE = {
     "confirmed": ("confirmed: searched in-process, the answer and the size above it re-run "
                   "in fresh processes; the faithful maximum"),
 }
-_OPTIONS = ("max_size", "max_trials", "max_seconds")
 
 
 def utilisation(peak: float | None, capacity: int | None) -> float | None:
     """``peak / capacity`` as a fraction, None if either is unknown."""
     return None if peak is None or not capacity else peak / capacity
-
-
-def closed(result: SearchResult) -> bool:
-    """Whether the search closed its bracket: an OOM right above the maximum."""
-    return (result.max_ok is not None and result.first_oom is not None
-            and result.first_oom - result.max_ok <= 1)
-
-
-def capped_by(result: SearchResult, context: Mapping[str, Any]) -> str | None:
-    """What ended a search before it closed its bracket, or None if it closed (an OOM right above
-    the maximum) or nothing fitted. ``"samples"``: it stopped at ``max_size`` equal to the number of
-    samples (``context["samples"]`` or ``["n_samples"]``) of a knob that slices the samples, where
-    larger sizes mean the same thing. ``"max_size"``, ``"max_trials"``, ``"max_seconds"``: the
-    search option of that name. ``"strategy"``: the strategy stopped proposing sizes without seeing
-    an OOM."""
-    if result.max_ok is None or closed(result):
-        return None
-    # The prefix search() writes: "max_size (64) reached".
-    option = next((o for o in _OPTIONS if result.stopped_because.startswith(f"{o} (")), None)
-    if option is None:
-        return "strategy" if result.first_oom is None else None
-    # `oomguard search` passes "samples"; MetricTrial.describe() says "n_samples".
-    samples = context.get("samples", context.get("n_samples"))
-    if (option == "max_size" and result.size_name in SAMPLE_KNOBS
-            and samples == result.config.get("max_size")):
-        return "samples"
-    return option
 
 
 def scaling_verdict(result: SearchResult) -> str | None:
@@ -151,25 +121,14 @@ def fastest_note(result: SearchResult, fastest: int | None, spread: float | None
 def safe_limits(result: SearchResult) -> dict[str, Any]:
     """The peaks the recommendation keeps under, in the peak meter's bytes (None where there
     is no capacity): ``safe_line_bytes``, capacity x (1 - margin), the line memory.png draws;
-    ``recommended_limit_bytes``, the peak the recommended size was chosen to stay under: the
-    safe line, or the margin taken off the fitted peak at the first OOM where that is lower
-    than the capacity (the limit counted bytes the peak does not); ``recommended_limit_against``
-    says which, in words. ``oomguard verify`` fails a peak above either. The rule restates
-    :func:`~oomguard.engine.core.search.fit.recommend`'s (a Recommendation does not record
-    the limit it used)."""
-    rec, cap, fit, oom = result.recommendation, result.capacity_bytes, result.fit, result.first_oom
-    if rec is None:
-        return {"safe_line_bytes": None, "recommended_limit_bytes": None,
-                "recommended_limit_against": None}
-    line = cap * (1 - rec.margin) if cap else None
-    usable, against = cap, "capacity"
-    if fit is not None and oom is not None and fit.per_item_bytes > 0:
-        at_oom = fit.predict(oom)
-        if usable is None or at_oom < usable:
-            usable, against = at_oom, f"the fitted peak at the first OOM ({oom})"
-    limit = usable * (1 - rec.margin) if usable else None
-    return {"safe_line_bytes": line, "recommended_limit_bytes": limit,
-            "recommended_limit_against": against if limit is not None else None}
+    ``recommended_limit_bytes``, the peak the recommended size was chosen to stay under, and
+    ``recommended_limit_against`` what it is the margin below, in words
+    (:class:`~oomguard.engine.core.search.fit.Recommendation`). ``oomguard verify`` fails a
+    peak above either."""
+    rec, cap = result.recommendation, result.capacity_bytes
+    return {"safe_line_bytes": cap * (1 - rec.margin) if rec is not None and cap else None,
+            "recommended_limit_bytes": rec.limit_bytes if rec is not None else None,
+            "recommended_limit_against": rec.limit_against if rec is not None else None}
 
 
 def rate_basis(result: SearchResult) -> str:
@@ -182,67 +141,6 @@ def rate_basis(result: SearchResult) -> str:
 def status_text(t: Trial) -> str:
     """A trial's outcome for a table cell."""
     return "✓ SUCCESS" if t.ok else "✗ RAM guard (estimated limit)" if t.guarded else "✗ OOM"
-
-
-def _growth(sizes: Sequence[int]) -> str:
-    pairs = list(zip(sizes, sizes[1:], strict=False))
-    if len({b - a for a, b in pairs}) == 1:
-        return f"+{pairs[0][1] - pairs[0][0]} increments"
-    ratios = {b // a if a > 0 and b % a == 0 else None for a, b in pairs}
-    if len(ratios) == 1 and None not in ratios:
-        return f"x{ratios.pop()} steps"
-    return "jumps (" + " → ".join(str(s) for s in sizes) + ")"
-
-
-def _guided_reason(seen: list[Trial], t: Trial) -> str:
-    """Why the guided strategy tried ``t`` after ``seen``: the prediction it had."""
-    lo, hi = bracket(seen)
-    if t.size == predict_max(seen):
-        return (f"the largest size predicted to fit {fmt_bytes(t.headroom_bytes)} of "
-                f"headroom (peaks measured as {t.limit_units or 'the trial peak'})")
-    if lo is not None and t.size == lo + 1:
-        return f"the size above {lo}, which ran: closes the bracket if it runs out"
-    if hi is not None and t.size == hi - 1:
-        return f"the size below {hi}, which was predicted to fit and did not"
-    return "doubling or bisection (the predictions were not reliable)"
-
-
-def _groups(trials: list[Trial]) -> list[tuple[str, int | None, int | None, list[Trial]]]:
-    """Runs of trials that expanded, halved or refined the bracket, with the bracket
-    ``(lo, hi)`` each run started from."""
-    groups: list[tuple[str, int | None, int | None, list[Trial]]] = []
-    for i, t in enumerate(trials[1:], 1):
-        lo, hi = bracket(trials[:i])
-        kind = "halve" if lo is None else "expand" if hi is None else "refine"
-        if groups and groups[-1][0] == kind:
-            groups[-1][3].append(t)
-        else:
-            groups.append((kind, lo, hi, [t]))
-    return groups
-
-
-def _expanded(name: str, base: int, group: list[Trial]) -> list[str]:
-    oks = [t.size for t in group if t.ok]
-    failed = [t for t in group if not t.ok]
-    steps = [f"Expanded in {_growth([base, *oks])} while successful "
-             f"({base} → {oks[-1]}, {len(oks)} more successful trials)"] if oks else []
-    return steps + ([f"When OOM encountered at {name}={failed[0].size}, switched to binary "
-                     "search refinement"] if failed else [])
-
-
-def _stepped(result: SearchResult) -> list[str]:
-    """The doubling and increment strategies' steps: runs of expanding, halving, bisecting."""
-    name, first, steps = result.size_name, result.trials[0], []
-    for kind, lo, hi, group in _groups(result.trials):
-        marks = ", ".join(f"{t.size} {'✓' if t.ok else '✗ RAM guard' if t.guarded else '✗ OOM'}"
-                          for t in group)
-        if kind == "expand":
-            steps += _expanded(name, lo if lo is not None else first.size, group)
-        elif kind == "halve":
-            steps.append(f"{name}={hi} ran out of memory; halved: {marks}")
-        else:
-            steps.append(f"Bisected between {lo} (fits) and {hi} (OOM): {marks}")
-    return steps
 
 
 def _ending(result: SearchResult) -> str:
@@ -259,34 +157,14 @@ def _ending(result: SearchResult) -> str:
 
 
 def strategy_steps(result: SearchResult) -> list[str]:
-    """Numbered-list items describing the search as it actually ran, from the trials."""
+    """Numbered-list items describing the search as it ran: each trial with the reason its
+    strategy gave for it (``Trial.reason``), then how it ended."""
     if not result.trials:
         return [f"No trial ran ({result.stopped_because})."]
-    trials, name = result.trials, result.size_name
-    middle = ([f"Tried {name}={t.size}, {_reason(trials[:i], t)} ({status_text(t)})"
-               for i, t in enumerate(trials) if i] if result.strategy == "guided"
-              else _stepped(result))
-    return [f"Started with {name}={trials[0].size}{_seeded(result)} ({status_text(trials[0])})",
-            *middle, _ending(result)]
-
-
-def _seeded(result: SearchResult) -> str:
-    """How the estimate chose the first trial, in words (empty where it did not)."""
-    seed = result.seed
-    if not seed or result.trials[0].chosen_by != ESTIMATE:
-        return ""
-    peaks = ", ".join(f"{fmt_bytes(p['peak_bytes'])} at {p['size']}"
-                      for p in seed["estimated_peaks"])
-    return (f", chosen by the estimate: the largest size predicted to fit "
-            f"{fmt_bytes(seed['capacity_bytes'])} of headroom from peaks estimated with fake "
-            f"tensors ({peaks}; estimates, not measurements, {seed['seconds']:.1f} s)")
-
-
-def _reason(seen: list[Trial], t: Trial) -> str:
-    """Why ``t`` ran after ``seen``: below an estimate that ran out, else Guided's reason."""
-    if t.chosen_by == BELOW_ESTIMATE:
-        return "chosen by the estimate: the size below its prediction, which ran out of memory"
-    return _guided_reason(seen, t)
+    name, first, *rest = result.size_name, *result.trials
+    return [f"Started with {name}={first.size} ({status_text(first)})",
+            *(f"Tried {name}={t.size}{f', {t.reason}' if t.reason else ''} ({status_text(t)})"
+              for t in rest), _ending(result)]
 
 
 def oomguard_version() -> str:
@@ -296,37 +174,30 @@ def oomguard_version() -> str:
         return "unknown"
 
 
-def _at_max(result: SearchResult) -> dict[str, Any]:
-    """The successful trial at the maximum (the last one if it ran twice), and how much of
-    the capacity (the budget, or the free memory probed) its peak used."""
-    best = next((t for t in reversed(result.trials) if t.ok and t.size == result.max_ok), None)
-    peak, cap = best.peak_bytes if best else None, result.capacity_bytes
-    return {"peak_bytes_at_max": peak, "seconds_at_max": best.seconds if best else None,
-            "value_at_max": best.value if best else None,
-            "capacity_kind": ("unknown" if cap is None else "budget" if cap == result.budget_bytes
-                              else "free memory"),
-            "utilisation": utilisation(peak, cap),
-            "margin_left_bytes": cap - peak if cap is not None and peak is not None else None}
-
-
 def summarise(result: SearchResult, context: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The derived figures of ``result``, ``report.json``'s ``summary`` (module docstring);
-    ``context`` says how many samples there were (for :func:`capped_by`)."""
+    """``report.json``'s ``summary``: the search's one record
+    (:func:`~oomguard.engine.core.search.record.record_of`, its fields under its names) and the
+    figures only a report shows (how memory scaled, the search's steps in prose, the rates);
+    ``context`` says how many samples there were (what capped a search at their number)."""
     cap, fit, size = result.capacity_bytes, result.fit, result.size_name
+    # `oomguard search` passes "samples"; MetricTrial.describe() says "n_samples".
+    samples = (context or {}).get("samples", (context or {}).get("n_samples"))
+    record = record_of(result, cap_reason=sample_cap(size, result.config.get("max_size"), samples))
+    best = next((t for t in reversed(result.trials) if t.ok and t.size == result.max_ok), None)
     n_ok = sum(t.ok for t in result.trials)
     return {
-        "max_ok": result.max_ok,
-        "first_oom": result.first_oom,
+        **{k: v for k, v in record.to_dict().items() if k not in ("metric", "others", "source")},
         "max_is_lower_bound": result.first_oom is None,
-        **_at_max(result),
-        "trials": len(result.trials),
+        "seconds_at_max": best.seconds if best else None,
+        "value_at_max": best.value if best else None,
+        "margin_left_bytes": (cap - record.peak_at_max_bytes
+                              if cap is not None and record.peak_at_max_bytes is not None else None),
         "trials_ok": n_ok,
         "trials_oom": len(result.trials) - n_ok,
         "trial_seconds": sum(t.seconds for t in result.trials),
         "non_monotonic_oom_sizes": [t.size for t in result.trials if not t.ok
                                     and result.max_ok is not None and t.size < result.max_ok],
         "size_label": "batch size" if size == "batch_size" else size,  # as the user says it
-        "capped_by": capped_by(result, context or {}),
         "memory_scaling": scaling_verdict(result),
         "fitted_size_at_capacity": fit.largest_size_within(cap) if fit is not None and cap else None,
         "peak_measures": PEAK_MEANING.get(result.device.split(":", 1)[0], "unknown"),

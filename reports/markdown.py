@@ -205,7 +205,7 @@ def _performance(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
     cap, util, seconds = result.capacity_bytes, s["utilisation"], s["seconds_at_max"]
     of_cap = f" (of {fmt_bytes(cap)} {s['capacity_kind']})" if cap else " (capacity unknown)"
     return ["### Performance Metrics", "| Metric | Value |", "|--------|-------|",
-            f"| Peak Memory at maximum | {fmt_bytes(s['peak_bytes_at_max'])} |",
+            f"| Peak Memory at maximum | {fmt_bytes(s['peak_at_max_bytes'])} |",
             f"| Memory Utilization | {_pct(util)}{of_cap if util is not None else ''} |",
             f"| Left free at maximum | {_bytes_exact(s['margin_left_bytes'])} |",
             f"| Seconds (trial at maximum) | {'-' if seconds is None else f'{seconds:.3f}'} |",

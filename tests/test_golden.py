@@ -94,7 +94,7 @@ _VOLATILE_KEYS = {
     **dict.fromkeys(("seconds", "total_seconds", "seconds_per_item", "seconds_at_max",
                      "trial_seconds"), "<seconds>"),
     "items_per_second": "<rate>",
-    **dict.fromkeys(("peak_bytes", "peak_at_safe_bytes", "peak_bytes_at_max", "headroom_bytes",
+    **dict.fromkeys(("peak_bytes", "peak_at_safe_bytes", "peak_at_max_bytes", "headroom_bytes",
                      "limit_peak_bytes", "margin_left_bytes", "step_peaks"), "<bytes>"),
     "utilisation": "<fraction>",
     "pid": "<pid>", "run": "<run-id>", "threads": "<threads>",

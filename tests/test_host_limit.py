@@ -264,8 +264,8 @@ def test_a_cgroup_that_leaves_too_little_room_is_a_one_line_error_before_any_wor
 
 def test_reports_and_records_name_the_enforced_limit_that_bound_the_search(tmp_path: Path) -> None:
     from oomguard.engine.core.search.fit import fit_line
+    from oomguard.engine.core.search.record import record_of
     from oomguard.engine.core.search.search import SearchResult
-    from oomguard.engine.jobs.sizing import record_of
     from oomguard.reports import write_report
     from oomguard.results import Trial
 
@@ -282,4 +282,4 @@ def test_reports_and_records_name_the_enforced_limit_that_bound_the_search(tmp_p
     assert ("- **Memory budget**: none; trials were bounded by the cgroup memory limit "
             "1.17 GiB (1000.00 MiB left; enforced:") in text
     assert "estimated, not enforced" not in text
-    assert record_of(result, "loss", "micro_batch_size", 1).limit == limit.describe()
+    assert record_of(result, metric="loss").limit == limit.describe()

@@ -59,7 +59,8 @@ def test_example_parses_and_names_every_section(tmp_path: Path) -> None:
     assert job.models == ("tiny-gpt2",)
     assert [m.name for m in job.metrics] == ["loss", "gradient_stats"]
     assert (job.data.source, job.data.seq_len, job.data.n_samples) == ("generated", 32, 8)
-    assert (job.search.enabled, job.search.max_trials, job.search.start) == (True, 6, 8)
+    assert job.search.enabled and (job.search.options["max_trials"], job.search.options["start"],
+                                   job.search.options["strategy"]) == (6, 8, "guided")
     assert [m.time_limit for m in job.metrics] == [20 * 60, 20 * 60]
     assert job.budget_bytes is None and job.output == str(Path.cwd() / "oomguard-job")
 

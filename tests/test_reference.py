@@ -91,7 +91,8 @@ def test_a_job_on_the_same_device_and_workload_finds_the_references_sizes(
         tmp_path: Path) -> None:
     # The key a job's metric looks up (engine/jobs/task_child.py) is the one the reference
     # stored its job sizes under: same device identity, same workload fingerprint.
-    from oomguard.engine.jobs.sizing import Request, SearchRecord, Slot, choose_sizes
+    from oomguard.engine.core.search.record import SearchRecord
+    from oomguard.engine.jobs.sizing import Request, Slot, choose_sizes
     from oomguard.metrics.base import get_metric
     from oomguard.metrics.models import model_config
 

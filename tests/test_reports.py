@@ -17,7 +17,7 @@ from conftest import in_fresh_process
 
 from oomguard.engine.core.search.fit import fit_line, recommend
 from oomguard.engine.core.search.search import SearchResult, search
-from oomguard.engine.core.search.strategies import E10
+from oomguard.engine.core.search.strategies import ExpandBisect
 from oomguard.engine.core.search.trial import Trial
 from oomguard.engine.util.units import MiB
 from oomguard.reports import plot_memory, render_json, render_markdown, style, write_report
@@ -125,7 +125,7 @@ def test_json_round_trips(result: SearchResult) -> None:
     assert doc["oomguard_version"]
     assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00$", doc["generated_at"])
     assert doc["summary"]["utilisation"] == pytest.approx(
-        doc["summary"]["peak_bytes_at_max"] / BUDGET)
+        doc["summary"]["peak_at_max_bytes"] / BUDGET)
 
 
 @pytest.mark.slow
@@ -147,9 +147,10 @@ def _hand_built(trials: list[Trial], capacity: int | None, fit=None, first_oom=N
                 stopped: str = "max_size (64) reached") -> SearchResult:
     max_ok = max(t.size for t in trials if t.ok)
     return SearchResult(
-        workload="hand", device="cpu", mode="isolated", strategy="e10",
-        strategy_description=E10().describe(), max_ok=max_ok, first_oom=first_oom,
-        trials=trials, fit=fit, recommendation=recommend(trials, max_ok, capacity, fit),
+        workload="hand", device="cpu", mode="isolated", strategy="expand-bisect",
+        strategy_description=ExpandBisect().describe(), max_ok=max_ok, first_oom=first_oom,
+        trials=trials, fit=fit,
+        recommendation=recommend(trials, max_ok, capacity, fit, first_oom=first_oom),
         capacity_bytes=capacity, budget_bytes=None, stopped_because=stopped, seconds=0.5,
         config={"start": 64, "step": 8, "max_size": 64, "max_trials": 64, "margin": 0.15})
 
@@ -178,14 +179,14 @@ def test_start_oom_then_halving_and_nan_value(tmp_path) -> None:
               Trial(size=20, ok=True, peak_bytes=None, seconds=0.1)]
     res = _hand_built(trials, None, first_oom=21, stopped="max_trials (4) reached")
     md = render_markdown(res, {"device_name": "test box"})
-    assert "batch_size=32 ran out of memory; halved: 16 ✓" in md
+    assert "Started with batch_size=32 (✗ OOM)" in md and "Tried batch_size=16 (✓ SUCCESS)" in md
     assert "Final refinement found maximum at batch_size=20 (batch_size=21 ran out of memory)" in md
     doc = json.loads(json.dumps(render_json(res, {"odd": object(), "dtype": torch.float16}),
                                 allow_nan=False))  # strict JSON: nan is a string
     assert doc["context"]["dtype"] == "torch.float16"
     assert doc["context"]["odd"].startswith("<object object at ")
     assert [t["value"] for t in doc["result"]["trials"]] == [None, "nan", None, None]
-    assert doc["summary"]["peak_bytes_at_max"] is None  # size 20 ran, its peak is unknown
+    assert doc["summary"]["peak_at_max_bytes"] is None  # size 20 ran, its peak is unknown
     png = plot_memory(res, tmp_path / "x.png").read_bytes()
     assert _png_size(png) == (9 * style.DPI, round(6.4 * style.DPI))
 

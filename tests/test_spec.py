@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.engine.core.search.config import SearchConfig
 from oomguard.engine.jobs import spec
 from oomguard.engine.jobs.example import example_text
-from oomguard.engine.core.search.config import SearchConfig
 from oomguard.engine.jobs.spec import JobError, line_of, parse_job
 
 METRIC = '[[metrics]]\nname = "loss"\n'

@@ -11,7 +11,7 @@ One JSON file (default ``user_cache_dir("oomguard")/sizes.json``)::
          "trials": 5, "capped": {}, "search": [...],
          "updated": "...Z", "history": [...]}}}
 
-``search`` holds each knob's search record (:class:`~oomguard.engine.jobs.sizing.SearchRecord`);
+``search`` holds each knob's search record (:class:`~oomguard.engine.core.search.record.SearchRecord`);
 ``capped`` the knobs whose answer reached a bound other than memory, with that bound: a request
 allowing more searches again (:mod:`~oomguard.engine.jobs.sizing`). The key (:func:`entry_key`) is
 the device (:func:`device_key`: a budget is a smaller device) and a hash of the workload (model

@@ -1,16 +1,18 @@
 """The typed records of a job: what a job file says, what a task is, what a task produced.
 
-Every module of the package imports these; this one imports only the standard library,
-so none of them needs another to describe its inputs or outputs.
+Every module of the package imports these; this one imports only the standard library and
+the shared :class:`~oomguard.engine.util.record.Record` base, so none of them needs another to
+describe its inputs or outputs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from oomguard.engine.util.record import Record
 
 OK, FAILED, INTERRUPTED, PENDING = "ok", "failed", "interrupted", "pending"
 
@@ -121,27 +123,6 @@ class Context:
     log_setup: Callable[[Any], Any] | None = None
     snapshot_on_oom: bool = False
     threads: int | None = None
-
-
-class Record:
-    """A dataclass written as a dict of its fields, with the keys it does not know (a file
-    written by another version, an evaluator's own figures) kept in its ``extra`` field."""
-
-    extra: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        """Every field (``extra`` merged in) as a plain dict, ready for the JSON sanitiser."""
-        return {**self.extra, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                                 if f.name != "extra"}}
-
-    @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> Any:
-        """The record ``doc`` holds; TypeError where it is not one."""
-        if not isinstance(doc, Mapping):
-            raise TypeError(f"{cls.__name__} from {type(doc).__name__}, not an object")
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        return cls(**{k: v for k, v in doc.items() if k in names},
-                   extra={k: v for k, v in doc.items() if k not in names})
 
 
 @dataclass

@@ -32,7 +32,8 @@ from oomguard.engine.jobs.cache import SizeCache, entry_key
 from oomguard.engine.jobs.data import check_size
 from oomguard.engine.jobs.plan import device_identity, plan
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec, now_iso
-from oomguard.engine.jobs.sizing import MEASURED, Request, SearchRecord, Slot, choose_sizes, measure
+from oomguard.engine.core.search.record import MEASURED, SearchRecord
+from oomguard.engine.jobs.sizing import Request, Slot, choose_sizes, measure
 from oomguard.metrics.base import get_metric, load_all
 from oomguard.metrics.models import model_config
 from oomguard.metrics.workload import MetricTrial

@@ -27,49 +27,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from oomguard.engine.core.search.record import CACHE, SearchRecord, record_of
 from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
 from oomguard.engine.core.search.strategies import strategy_params
 from oomguard.engine.errors import NoSizeFits, TrialFailed
 from oomguard.engine.jobs.cache import SizeCache
-from oomguard.engine.jobs.records import Record
 from oomguard.engine.jobs.sink import Sink
 from oomguard.metrics.base import Metric
 from oomguard.metrics.workload import in_units, in_whole_units, largest_useful, snap_to_unit
 
-MEASURED, CACHE = "measured", "cache"
 _CAPS = {"samples": "the sample count", "largest useful size": "the knob's largest useful size",
          "max_size": "max_size"}
 
-
-@dataclass
-class SearchRecord(Record):
-    """One knob's search: a job's result (``search``: the first, ``searches``: all), the
-    journal's ``search`` events, a cache entry's ``search`` and a reference's rows.
-    Sizes in items, bytes in bytes, seconds in seconds."""
-
-    metric: str
-    knob: str
-    max_ok: int | None
-    first_oom: int | None = None
-    safe: int | None = None  # the size to use (None: nothing fits, or the search failed)
-    # Measured where a trial ran at ``safe``, else from the fitted line (``peak_source``).
-    peak_at_safe_bytes: int | None = None
-    peak_source: str = ""
-    seconds_per_item: float | None = None
-    source: str = MEASURED  # or CACHE
-    trials: int = 0
-    seconds: float = 0.0
-    mode: str = ""
-    note: str = ""
-    strategy: str = ""
-    stopped_because: str = ""
-    unit: int = 1
-    cap: int | None = None  # the largest size the search could try
-    capped_by: str | None = None  # what set ``cap``, where the answer reached it without OOM
-    others: dict[str, int] = field(default_factory=dict)  # the other knobs meanwhile
-    extra: dict[str, Any] = field(default_factory=dict)  # an evaluator's own (an estimate's)
-    # What bounded the search without a budget: a cgroup, an RLIMIT_DATA or the RAM guard.
-    limit: str | None = None
 
 Evaluate = Callable[[str, dict[str, int], int, int], SearchRecord]
 
@@ -184,7 +153,8 @@ def choose_sizes(req: Request, *, evaluate: Evaluate | None = None, slot: Slot |
 
 
 def _mark_cap(rec: SearchRecord, cap: int, why: str) -> None:
-    """Record the bound of ``rec``'s search, and ``why`` where the answer reached it."""
+    """Record the bound of ``rec``'s search, and ``why`` (one of
+    :data:`~oomguard.engine.core.search.record.CAPPED_BY`) where the answer reached it."""
     rec.cap = cap
     if rec.first_oom is None and rec.max_ok is not None and rec.max_ok + rec.unit > cap:
         rec.capped_by = why
@@ -258,39 +228,10 @@ def measure(fn: Any, config: SearchConfig, *, metric: str,
     saying so, or, with ``strict``, raises its :class:`TrialFailed`."""
     unit = getattr(config.strategy, "unit", 1)
     try:
-        return record_of(run_search(fn, config, on_trial), metric, fn.knob, unit)
+        return record_of(run_search(fn, config, on_trial), metric=metric, unit=unit)
     except NoSizeFits as exc:
-        return record_of(exc.result, metric, fn.knob, unit)
+        return record_of(exc.result, metric=metric, unit=unit)
     except TrialFailed as exc:
         if strict:
             raise
-        return record_of(exc.result, metric, fn.knob, unit, failure=exc)
-
-
-def record_of(result: SearchResult, metric: str, knob: str, unit: int,
-              failure: BaseException | None = None) -> SearchRecord:
-    """The record of a finished search, of one where nothing fits, or of one that
-    ``failure`` ended."""
-    common = {"metric": metric, "knob": knob, "max_ok": result.max_ok,
-              "first_oom": result.first_oom, "trials": len(result.trials),
-              "seconds": round(result.seconds, 3), "mode": result.mode,
-              "strategy": result.strategy, "stopped_because": result.stopped_because,
-              "unit": unit, "limit": result.limit["description"] if result.limit else None}
-    if failure is not None:
-        return SearchRecord(**common, note=f"search failed: {str(failure)[:200]}")
-    if result.max_ok is None:
-        return SearchRecord(**common, note="nothing fits: even the smallest size ran out of memory")
-    safe = result.size_to_use
-    ran = {t.size: t for t in result.trials if t.ok}
-    if safe in ran:
-        peak, source = ran[safe].peak_bytes, "measured"
-    elif result.fit is not None and safe is not None:
-        peak, source = int(result.fit.predict(safe)), "estimated from the fitted line"
-    else:
-        peak, source = None, "not measured"
-    best = ran.get(result.max_ok)
-    rate = best.items_per_second if best is not None else None
-    note = (f"no OOM up to {result.max_ok}, the largest size tried"
-            if result.first_oom is None else "")
-    return SearchRecord(**common, safe=safe, peak_at_safe_bytes=peak, peak_source=source,
-                        seconds_per_item=1.0 / rate if rate else None, note=note)
+        return record_of(exc.result, metric=metric, unit=unit, failure=exc)

@@ -198,7 +198,8 @@ class _Search:
         try:
             return sizing.measure(trial, config, metric=self.task.metric, strict=True)
         except TrialFailed as exc:  # the task fails, with the trials that ran recorded
-            self.on_record(sizing.record_of(exc.result, self.task.metric, knob, unit, failure=exc))
+            self.on_record(sizing.record_of(exc.result, metric=self.task.metric, unit=unit,
+                                            failure=exc))
             raise
 
 

@@ -29,7 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from oomguard.engine.core.memory.heap import free_heap_bytes, return_freed_memory_to_os
+from oomguard.engine.core.memory.heap import (
+    ISOLATED_MMAP_THRESHOLD_BYTES,
+    free_heap_bytes,
+    return_freed_memory_to_os,
+)
 from oomguard.engine.errors import BudgetError, UsageError
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import cuda, host
@@ -167,7 +171,11 @@ def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
 
 @contextmanager
 def _cpu_budget(nbytes: int) -> Iterator[Budget]:
-    return_freed_memory_to_os()
+    # From here on every block of 4 KiB or more is a mapping of its own, returned to the kernel
+    # when freed: VmData counts what is live, as in an isolated child, so a budget entered in a
+    # script a user starts and in an isolated trial's child holds the same sizes
+    # (docs/measurements.md#free-heap-at-budget-entry).
+    return_freed_memory_to_os(ISOLATED_MMAP_THRESHOLD_BYTES)
     # Measure the baseline after what is already garbage is gone and after the OpenMP pool exists:
     # otherwise freed garbage becomes extra room and the first parallel op inside charges ~8 MiB of
     # thread stacks to the budget (docs/measurements.md#minimum-cpu-budget).
@@ -177,15 +185,15 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
     vm_data = host.proc_status("VmData")
     if vm_data is None:
         raise BudgetError("CPU budgets need Linux /proc/self/status (VmData)")
-    limit = vm_data + nbytes
+    # Free chunks in glibc's heap are counted in VmData already: code inside would reuse them
+    # without growing it, on top of nbytes. Charged to the budget, they make it exact: what
+    # the code inside may use, reused or new, is nbytes, however much free heap this process
+    # (a user's script, an isolated child, a long search) carries at entry
+    # (docs/measurements.md#free-heap-at-budget-entry).
+    free = min(free_heap_bytes() or 0, nbytes - MIN_CPU_BUDGET // 2)
+    limit = vm_data + nbytes - max(0, free)
     if soft != resource.RLIM_INFINITY:  # finite: also within the hard limit (soft <= hard)
         limit = min(limit, soft)
-    slack = free_heap_bytes()
-    if slack is not None and slack > max(nbytes // 20, 4 * 1024**2):
-        log.warning("%s of free heap chunks at budget entry can be reused without counting "
-                    "against the %s budget; for an exact budget run isolated (--isolate) or "
-                    "start the process with MALLOC_MMAP_THRESHOLD_=131072",
-                    fmt_bytes(slack), fmt_bytes(nbytes))
     b = Budget(nbytes=nbytes, device="cpu", mechanism="RLIMIT_DATA", limit=limit)
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     try:

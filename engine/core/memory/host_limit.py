@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET, Budget, budget
+from oomguard.engine.core.memory.heap import free_heap_bytes
 from oomguard.engine.errors import BudgetError
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
@@ -70,7 +71,9 @@ class HostLimit:
                               f"{fmt_bytes(room)} to this work, and a budget under it needs "
                               f"{fmt_bytes(MIN_CPU_BUDGET + slack)}: give the container or "
                               "job more memory")
-        with budget(room - slack, "cpu") as b:
+        # The budget charges the free heap chunks present at entry to itself (budget.py); the
+        # kernel's limit does not, so they are given back: the work may use the whole room.
+        with budget(room - slack + (free_heap_bytes() or 0), "cpu") as b:
             yield b
 
     def describe(self) -> str:

@@ -210,6 +210,13 @@ class Recommendation:
     basis: str
     conservative_ran: bool = True
     margin_source: str = ""
+    # The peak ``safe`` was chosen to stay under (peak-meter bytes; None without a capacity)
+    # and what it is ``margin`` below, in words: the capacity, or the fitted peak at the first
+    # OOM where that is lower (the limit counted bytes the peak meter does not).
+    limit_bytes: int | None = None
+    limit_against: str | None = None
+    # The measured peak of ``safe`` (a trial at that size, or the search's check of it).
+    checked_peak_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -248,7 +255,22 @@ def recommend(trials: Sequence[Trial], max_ok: int, capacity_bytes: int | None,
     measured = [t.size for t in trials if t.ok and t.peak_bytes is not None and t.size <= safe
                 and (limit is None or t.peak_bytes <= limit)]
     conservative = max(measured, default=None)
+    at_safe = [t.peak_bytes for t in trials if t.ok and t.size == safe and t.peak_bytes is not None]
     return Recommendation(safe=safe, conservative=conservative if conservative else safe,
                           maximum=max_ok, margin=margin, capacity_bytes=capacity_bytes,
                           basis=basis, conservative_ran=conservative is not None,
-                          margin_source=margin_source or f"fixed: {margin:.0%} of capacity")
+                          margin_source=margin_source or f"fixed: {margin:.0%} of capacity",
+                          limit_bytes=int(limit) if limit is not None else None,
+                          limit_against=basis_cap if limit is not None else None,
+                          checked_peak_bytes=max(at_safe) if at_safe else None)
+
+
+def step_down(size: int, peak: int | None, limit: float, fit: LinearFit | None) -> int:
+    """The size below ``size`` predicted to keep its peak under ``limit`` (an estimate): the
+    excess of the measured ``peak`` over the limit in the fitted bytes per item (per item of
+    ``peak`` itself without a rising fit), at least one size down; a quarter down where the
+    size ran out of memory (``peak`` None)."""
+    if peak is None:
+        return size - max(1, size // 4)
+    per_item = fit.per_item_bytes if fit is not None and fit.per_item_bytes > 0 else peak / size
+    return size - max(1, math.ceil((peak - limit) / per_item)) if per_item > 0 else size - 1

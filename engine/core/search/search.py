@@ -20,6 +20,7 @@ The result says which mode produced it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from oomguard.engine.core.search.fit import (
     choose_margin,
     fit_line,
     recommend,
+    step_down,
 )
 from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.core.search.limit import limit_budget, trial_limit
@@ -59,6 +61,8 @@ from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import probe
 
 log = logging.getLogger("oomguard.search")
+# Trials of the recommended size after a search, at most (each a size lower than the last).
+CHECKS = 3
 
 
 @dataclass
@@ -90,6 +94,8 @@ class SearchResult:
     size_name: str = "batch_size"  # what the searched size is: the workload's ``knob``, if any
     limit: dict[str, Any] | None = None
     verification: dict[str, Any] | None = None
+    # Trials at the recommended size after the search (_Search.checked); not part of the bracket.
+    checks: list[Trial] = field(default_factory=list)
 
     @property
     def size_to_use(self) -> int | None:
@@ -102,6 +108,7 @@ class SearchResult:
         out: dict[str, Any] = {"workload": self.workload, "size_name": self.size_name}
         out |= {f.name: getattr(self, f.name) for f in fields(self)}  # size_name stays 2nd
         out |= {"trials": [t.to_dict() for t in self.trials],
+                "checks": [t.to_dict() for t in self.checks],
                 "fit": self.fit.to_dict() if self.fit else None,
                 "recommendation": self.recommendation.to_dict() if self.recommendation else None}
         return out
@@ -152,7 +159,7 @@ def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
                             "isolated" if cfg.isolate else "in-process")
         if fresh is not None:
             stopped = run.confirm(fresh, stopped)
-        final = run.answered(stopped)
+        final = run.answered(stopped, fresh or runner)
         if cfg.verify_steps:
             final.verification = _verify(fresh or runner, final.recommendation.safe,
                                          cfg.verify_steps, "isolated" if fresh else run.mode)
@@ -240,17 +247,51 @@ class _Search:
         self.mode = "in-process"
         return stopped + " (not confirmed)"
 
-    def answered(self, stopped: str) -> SearchResult:
-        """The result with its recommendation; :class:`NoSizeFits` when nothing fitted."""
+    def answered(self, stopped: str, runner: Callable[[int, int], Trial]) -> SearchResult:
+        """The result with its recommendation, measured (:meth:`checked`); :class:`NoSizeFits`
+        when nothing fitted."""
         final = self.result(stopped)
         if final.max_ok is None:
             final.stopped_because = "nothing fits" + ("" if stopped.startswith("bracket closed")
                                                        else f" ({stopped})")
             raise NoSizeFits(final)
         margin, source = choose_margin(self.cfg.margin, self.answer)
-        final.recommendation = recommend(self.answer, final.max_ok, self.capacity, final.fit,
-                                         margin, final.first_oom, source)
+        rec = recommend(self.answer, final.max_ok, self.capacity, final.fit, margin,
+                        final.first_oom, source)
+        final.recommendation = self.checked(rec, final, runner)
+        final.seconds = time.perf_counter() - self.t0
         return final
+
+    def checked(self, rec: Recommendation, final: SearchResult,
+                runner: Callable[[int, int], Trial]) -> Recommendation:
+        """``rec`` with its size measured: where no trial ran the recommended size under the
+        limit it keeps, it runs once (as the trials ran) and, over the limit or out of memory,
+        the size below it predicted to keep it (:func:`step_down`) runs, at most
+        :data:`CHECKS` times; the largest size measured under the limit is recommended, and
+        the checks are the result's ``checks``. A fitted line predicts sizes it never ran: the
+        recommendation is a measurement, as ``oomguard verify`` would make it."""
+        limit = rec.limit_bytes
+        if limit is None or rec.checked_peak_bytes is not None and rec.checked_peak_bytes <= limit:
+            return rec
+        size = rec.safe
+        for _ in range(CHECKS):
+            trial = runner(size, self.steps)
+            trial.mode, trial.chosen_by = self.mode, "check"
+            trial.reason = f"the recommended size, measured against {fmt_bytes(limit)}"
+            final.checks.append(trial)
+            peak = trial.peak_bytes if trial.ok else None
+            log.info("check: size %d %s%s", size, trial.outcome.upper(),
+                     f", peak {fmt_bytes(peak)} (limit {fmt_bytes(limit)})" if peak else "")
+            if peak is not None and peak <= limit:
+                return dataclasses.replace(rec, safe=size, checked_peak_bytes=peak,
+                                           basis=f"{rec.basis}; measured at {size}")
+            size = step_down(size, peak, limit, final.fit)
+            if size < 1:
+                break
+        fallback = rec.conservative if rec.conservative_ran else 1
+        return dataclasses.replace(rec, safe=fallback, basis=(
+            f"the largest size measured under the limit: the fitted size ran over it in "
+            f"{len(final.checks)} check(s)"))
 
 
 def verify(fn: Callable[[int], Any], size: int, steps: int, config: SearchConfig | None = None,

@@ -422,14 +422,16 @@ def _refuted_by_oom(trials: Sequence[Trial]) -> bool:
 
 def _missed(trials: Sequence[Trial]) -> int:
     """How many trials contradicted the prediction made from the trials before them: an OOM at a
-    size predicted to fit, or a fit more than one size above the prediction made with its own peak
-    as capacity (one size is the line's noise: 0.1% of the peak on the GPT-2 step)."""
+    size predicted to fit, or a fit more than one size and 1% above the prediction made with its
+    own peak as capacity (one size is the line's noise: 0.1% of the peak on the GPT-2 step; a
+    curve fitted on three sizes predicted 1128 where 1130 fitted under an outer RLIMIT_DATA, a
+    good prediction that, counted as a miss, left the search bisecting a bracket of 3000)."""
     missed = 0
     for i, t in enumerate(trials[1:], start=1):
         peak = t.limit_peak_bytes if t.limit_peak_bytes is not None else t.peak_bytes
         guess = predict_max(trials[:i], (peak or 0) if t.ok else 0)
         if guess is None:
             continue
-        if (t.ok and t.size > guess + 1) or _refuted(trials, i):
+        if (t.ok and t.size > guess + 1 + guess // 100) or _refuted(trials, i):
             missed += 1
     return missed

@@ -48,7 +48,7 @@ class Trial:
     (:mod:`~oomguard.engine.core.search.ramguard`), not a failed allocation; ``peak_bytes``
     is then the peak measured until it was stopped, or None for a size not run because its
     predicted peak was over the limit. ``step_peaks``: the peak of each of the ``steps``
-    calls (``peak_bytes`` units). ``limit_peak_bytes``: the peak in the units the limit
+    calls (``peak_bytes`` units) and ``step_seconds`` its wall seconds. ``limit_peak_bytes``: the peak in the units the limit
     counts, named by ``limit_units`` (sampled ``VmData`` under a CPU budget: a lower
     bound); ``headroom_bytes``: what the limit left at the trial's start, in those units
     (None where no limit is known). ``items_per_second``: ``size`` items per second of the
@@ -77,6 +77,7 @@ class Trial:
     worst_case: bool = False
     chosen_by: str | None = None
     reason: str | None = None
+    step_seconds: list[float] = field(default_factory=list)
 
     @property
     def outcome(self) -> str:
@@ -167,7 +168,8 @@ def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = 
         limit_peak = meter.limit_read()
     seconds = time.perf_counter() - start
     common: dict[str, Any] = {"size": size, "seconds": seconds, "steps": steps,
-                              "step_peaks": step_peaks, "headroom_bytes": headroom,
+                              "step_peaks": step_peaks, "step_seconds": step_seconds,
+                              "headroom_bytes": headroom,
                               "limit_units": _limit_units(meter, budgeted, guard),
                               "worst_case": call is not fn}
     # The guard's exception (a MemoryError raised into this thread) may have been caught by

@@ -1,0 +1,132 @@
+"""The one record of a search: what a search found, summarised once, in one vocabulary.
+
+:func:`record_of` derives it from a :class:`~oomguard.engine.core.search.search.SearchResult`;
+the size cache, a job's results and journal, a reference's rows, ``report.json``'s summary and
+the estimated reference's rows all carry a :class:`SearchRecord`'s fields under these names.
+Sizes are in items, bytes in bytes, seconds in seconds, fractions in [0, 1].
+
+What capped a search, where it stopped without closing its bracket (``capped_by``), is one of
+:data:`CAPPED_BY`: a search option (``max_size``, ``max_trials``, ``max_seconds``), the strategy
+stopping without an OOM (``strategy``), or what set ``max_size`` for a knob: the number of
+samples (``samples``) or the knob's largest useful size (``largest useful size``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomguard.engine.core.search.trial import SAMPLE_KNOBS
+from oomguard.engine.util.record import Record
+
+CAPPED_BY = ("max_size", "max_trials", "max_seconds", "strategy", "samples",
+             "largest useful size")
+MEASURED, CACHE = "measured", "cache"  # where a record's sizes come from
+
+
+@dataclass
+class SearchRecord(Record):
+    """One search (module docstring). ``safe`` is the size to use (None: nothing fits, or the
+    search failed); ``peak_at_safe_bytes`` its peak, measured where a trial ran at ``safe``, else
+    from the fitted line (``peak_source`` says which); ``peak_at_max_bytes`` the measured peak
+    at ``max_ok`` and ``utilisation`` its share of ``capacity_bytes`` (the budget, or the free
+    memory probed: ``capacity_kind``). ``limit``: what bounded a search without a budget (a
+    cgroup, an RLIMIT_DATA, the RAM guard), in words. A knob's search also says its ``metric``,
+    its ``unit`` and ``cap`` (the largest size it could try), the other knobs' sizes meanwhile
+    (``others``) and whether it was measured now or read from the size cache (``source``)."""
+
+    metric: str
+    knob: str
+    max_ok: int | None
+    first_oom: int | None = None
+    safe: int | None = None
+    peak_at_safe_bytes: int | None = None
+    peak_source: str = ""
+    peak_at_max_bytes: int | None = None
+    capacity_bytes: int | None = None
+    capacity_kind: str = "unknown"
+    utilisation: float | None = None
+    seconds_per_item: float | None = None
+    source: str = MEASURED
+    trials: int = 0
+    seconds: float = 0.0
+    mode: str = ""
+    note: str = ""
+    strategy: str = ""
+    stopped_because: str = ""
+    unit: int = 1
+    cap: int | None = None
+    capped_by: str | None = None
+    others: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    limit: str | None = None
+
+
+def closed(result: Any) -> bool:
+    """Whether the search closed its bracket: an OOM right above the maximum."""
+    return (result.max_ok is not None and result.first_oom is not None
+            and result.first_oom - result.max_ok <= 1)
+
+
+def capped_by(result: Any, cap_reason: str | None = None) -> str | None:
+    """What ended a search before it closed its bracket (:data:`CAPPED_BY`), or None where it
+    closed or nothing fitted. ``cap_reason``: what set ``max_size`` (``samples``, ``largest
+    useful size``), said instead of ``max_size`` when the search stopped there."""
+    if result.max_ok is None or closed(result):
+        return None
+    option = next((o for o in CAPPED_BY[:3] if result.stopped_because.startswith(f"{o} (")), None)
+    if option is None:
+        return "strategy" if result.first_oom is None else None
+    return cap_reason if option == "max_size" and cap_reason in CAPPED_BY else option
+
+
+def sample_cap(size_name: str, max_size: int | None, samples: int | None) -> str | None:
+    """``samples`` where the knob splits the samples (:data:`SAMPLE_KNOBS`) and the search's
+    ``max_size`` is their number: above it every size means "all at once"."""
+    return "samples" if size_name in SAMPLE_KNOBS and samples == max_size else None
+
+
+def record_of(result: Any, *, metric: str = "", unit: int = 1, cap_reason: str | None = None,
+              failure: BaseException | None = None) -> SearchRecord:
+    """The record of a finished search, of one where nothing fits, or of one that ``failure``
+    ended; every figure derived here once."""
+    best = next((t for t in reversed(result.trials) if t.ok and t.size == result.max_ok), None)
+    peak_at_max = best.peak_bytes if best is not None else None
+    cap = result.capacity_bytes
+    common: dict[str, Any] = {
+        "metric": metric, "knob": result.size_name, "max_ok": result.max_ok,
+        "first_oom": result.first_oom, "trials": len(result.trials),
+        "seconds": round(result.seconds, 3), "mode": result.mode, "strategy": result.strategy,
+        "stopped_because": result.stopped_because, "unit": unit,
+        "limit": result.limit["description"] if result.limit else None,
+        "capacity_bytes": cap, "peak_at_max_bytes": peak_at_max,
+        "capacity_kind": ("unknown" if cap is None else "budget" if cap == result.budget_bytes
+                          else "free memory"),
+        "utilisation": peak_at_max / cap if peak_at_max is not None and cap else None,
+        "capped_by": capped_by(result, cap_reason)}
+    if failure is not None:
+        return SearchRecord(**common, note=f"search failed: {str(failure)[:200]}")
+    if result.max_ok is None:
+        return SearchRecord(**common, note="nothing fits: even the smallest size ran out of memory")
+    safe = result.size_to_use
+    peak, source = _peak_at(result, safe)
+    rate = best.items_per_second if best is not None else None
+    note = (f"no OOM up to {result.max_ok}, the largest size tried"
+            if result.first_oom is None else "")
+    return SearchRecord(**common, safe=safe, peak_at_safe_bytes=peak, peak_source=source,
+                        seconds_per_item=1.0 / rate if rate else None, note=note)
+
+
+def _peak_at(result: Any, size: int | None) -> tuple[int | None, str]:
+    """The peak at ``size`` and where it comes from: the largest measured at that size (a
+    trial, or the check of the recommended size), else the fitted line's estimate."""
+    rec = result.recommendation
+    measured = [t.peak_bytes for t in result.trials if t.ok and t.size == size
+                and t.peak_bytes is not None]
+    if rec is not None and rec.checked_peak_bytes is not None and rec.safe == size:
+        measured.append(rec.checked_peak_bytes)
+    if measured:
+        return max(measured), "measured"
+    if result.fit is not None and size is not None:
+        return int(result.fit.predict(size)), "estimated from the fitted line"
+    return None, "not measured"
