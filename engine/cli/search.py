@@ -33,9 +33,8 @@ from oomguard.probes.device import resolve_device
 def add_bench(p: argparse.ArgumentParser) -> None:
     p.description = ("Search the maximum batch size of a training step (forward, backward, AdamW) "
                      "of a small GPT-2 (random init, vocab 256) and write report.md, report.json "
-                     "and memory.png. With the defaults: 3 trials, 17 s on 2 idle CPU cores, 44-57 s "
-                     "on loaded ones "
-                     "(docs/guides/reports.md#how-long-the-commands-take).")
+                     "and memory.png. With the defaults (--seq-len 128): 4 trials, 89 s on 2 busy "
+                     "CPU cores (docs/guides/reports.md#how-long-the-commands-take).")
     add_workload_options(p, model="tiny-gpt2", seq_len=DEFAULT_SEQ_LEN)
     add_search_options(p)
     p.add_argument("--out", default="oomguard-report", metavar="DIR",
