@@ -33,8 +33,8 @@ def render_estimate_markdown(doc: Mapping[str, Any]) -> str:
            "the weights and data (est.) | next size | total at next (est.) | note |",
            "|---|---|---:|---:|---:|---:|---:|---|"]
     # A size is at least 1, so `or` stands in for None only.
-    out += [f"| {r['metric']} | {r['knob']} | {r['largest'] or 'does not fit'} | "
-            f"{_b(r['total_bytes'])} | {_b(r['peak_bytes'])} | {r['next_size'] or '-'} | "
+    out += [f"| {r['metric']} | {r['knob']} | {r['max_ok'] or 'does not fit'} | "
+            f"{_b(r['total_bytes'])} | {_b(r['peak_bytes'])} | {r['first_oom'] or '-'} | "
             f"{_b(r['next_total_bytes'])} | {r['note']} |" for r in doc["rows"]]
     out += ["", f"- **largest size (est.)**: the largest size whose estimated total fits the "
             f"memory less the {margin:.0%} margin, the metric's other knobs at their "

@@ -26,7 +26,7 @@ SMALL_LLAMA = ("llama:hidden_size=64,intermediate_size=160,num_hidden_layers=8,"
                "num_attention_heads=4,num_key_value_heads=2,vocab_size=256,"
                "max_position_embeddings=64")
 # What a row's numbers are (seconds are not)
-FIGURES = ("metric", "knob", "unit", "largest", "next_size", "total_bytes", "peak_bytes",
+FIGURES = ("metric", "knob", "unit", "max_ok", "first_oom", "total_bytes", "peak_bytes",
            "next_total_bytes", "largest_useful", "exact", "estimates", "others", "note")
 
 

@@ -77,7 +77,7 @@ def test_7b_llama_for_80gib_is_fast_and_allocates_no_weights(tmp_path):
     for row in doc["rows"]:
         assert row["kind"] == LABEL
         # bf16 weights of 6.7e9 parameters: 12.5 GiB at least, well inside 80 GiB x 0.85.
-        assert row["largest"] == 4 and 12.5 * 1024**3 < row["total_bytes"] < doc["capacity_bytes"]
+        assert row["max_ok"] == 4 and 12.5 * 1024**3 < row["total_bytes"] < doc["capacity_bytes"]
     _check_labelled((tmp_path / "ref" / "estimate-reference.md").read_text())
     assert not (tmp_path / "ref" / "reference.json").exists()  # never confused with measured
 
@@ -92,7 +92,7 @@ def test_weights_beyond_the_memory_get_the_does_not_fit_row(tmp_path, capsys, mo
     assert "estimated not to fit even at size 1: loss.micro_batch_size" in err
     doc = json.loads((tmp_path / "ref" / "estimate-reference.json").read_text())
     (row,) = doc["rows"]
-    assert row["largest"] is None and row["next_size"] == 1
+    assert row["max_ok"] is None and row["first_oom"] == 1
     assert row["next_total_bytes"] > doc["capacity_bytes"] == int(1024**2 * 0.85)
     md = (tmp_path / "ref" / "estimate-reference.md").read_text()
     assert "| loss | micro_batch_size | does not fit |" in md
@@ -114,16 +114,16 @@ def test_search_lands_on_the_boundary_of_its_estimates():
     ends = est.totals("loss", "micro_batch_size", 4, [1, 4])
     capacity = (ends[1][0] + ends[4][0]) // 2
     (row,) = estimate_rows(est, "loss", 4, capacity, 65536)
-    assert row["exact"] and 1 < row["largest"] < 4 and row["next_size"] == row["largest"] + 1
+    assert row["exact"] and 1 < row["max_ok"] < 4 and row["first_oom"] == row["max_ok"] + 1
     assert row["total_bytes"] <= capacity < row["next_total_bytes"]
-    check = est.totals("loss", "micro_batch_size", 4, [row["largest"], row["next_size"]])
-    assert check[row["largest"]][0] == row["total_bytes"]
+    check = est.totals("loss", "micro_batch_size", 4, [row["max_ok"], row["first_oom"]])
+    assert check[row["max_ok"]][0] == row["total_bytes"]
     # Against a measured reference of the same workload whose peak at its safe size reads
     # 10% above this estimate: the row shows both and the relative error.
-    est_peak = check[row["largest"]][1]
+    est_peak = check[row["max_ok"]][1]
     measured = {"model": "tiny-gpt2", "dtype": "float32", "seq_len": 8, "n_samples": 4,
                 "rows": [{"metric": "loss", "knob": "micro_batch_size", "max_ok": 4,
-                          "safe": row["largest"], "peak_at_safe_bytes": est_peak * 11 // 10,
+                          "safe": row["max_ok"], "peak_at_safe_bytes": est_peak * 11 // 10,
                           "peak_source": "measured"}]}
     compare_measured(est, [row], measured, 4)
     assert row["estimated_peak_bytes"] == est_peak and row["measured_max"] == 4

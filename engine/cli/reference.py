@@ -172,7 +172,7 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     out = Path(args.out)
 
     def show(row: dict[str, Any]) -> None:
-        what = "does not fit" if row["largest"] is None else f"largest {row['largest']}"
+        what = "does not fit" if row["max_ok"] is None else f"largest {row['max_ok']}"
         rows.write(f"oomguard: {row['metric']}.{row['knob']}: {what} (estimated, "
                    f"{row['estimates']} estimates, {row['seconds']:.1f} s)")
         rows.advance()
@@ -187,7 +187,7 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
                                        margin=args.margin, device=device, metrics=names,
                                        max_size=args.max_size, batches=batches,
                                        measured=measured, on_row=show)
-    missing = [f"{r['metric']}.{r['knob']}" for r in doc["rows"] if r["largest"] is None]
+    missing = [f"{r['metric']}.{r['knob']}" for r in doc["rows"] if r["max_ok"] is None]
     return _write(out, {"estimate-reference.json": doc,
                         "estimate-reference.md": render_estimate_markdown(doc)},
                   f"estimated reference: {out / 'estimate-reference.md'} ({len(doc['rows'])} "

@@ -244,13 +244,14 @@ def estimate_rows(est: Estimator, metric: str, n_samples: int, capacity: int,
                   max_size: int) -> list[dict[str, Any]]:
     """One row per memory knob of ``metric``, sized as a job sizes it: its largest size (at
     most its largest useful one and ``max_size``) whose estimated total fits ``capacity``
-    bytes, with its total and the next size's; ``largest`` None where none fits."""
+    bytes (``max_ok``, a search record's name), with its total and the next size's
+    (``first_oom``); ``max_ok`` None where none fits."""
     request = Request(get_metric(metric), {}, n_samples, model_config(est.model), max_size)
     got = choose_sizes(request, evaluate=EstimateSearch(est, metric, n_samples, capacity))
     out = []
     for rec in got.records:
         row = {"metric": rec.metric, "knob": rec.knob, "unit": rec.unit, **rec.extra,
-               "largest": rec.max_ok, "next_size": rec.first_oom, "estimates": rec.trials,
+               "max_ok": rec.max_ok, "first_oom": rec.first_oom, "estimates": rec.trials,
                "seconds": rec.seconds, "others": rec.others, "note": rec.note}
         if rec.capped_by:
             row["note"] = f"fits at the knob's largest useful size ({rec.max_ok})"
