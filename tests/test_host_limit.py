@@ -23,6 +23,7 @@ from conftest import in_fresh_process
 from oomguard import search
 from oomguard.engine.core.memory.budget import active_budget
 from oomguard.engine.core.memory.host_limit import CGROUP_SLACK_MIN, HostLimit
+from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.core.search.limit import limit_budget, unbudgeted_limit
 from oomguard.engine.core.search.ramguard import RamGuard
 from oomguard.engine.errors import BudgetError
@@ -72,6 +73,59 @@ def test_isolated_search_under_an_rlimit_is_bounded_by_it_not_by_the_guard() -> 
     best = next(t for t in got["trials"] if t["size"] == got["max_ok"])
     most = _largest_under(best["headroom_bytes"])
     assert most - 2 <= got["max_ok"] <= most
+
+
+@pytest.mark.slow
+def test_the_line_under_an_rlimit_answers_its_true_maximum_in_every_run() -> None:
+    # One of two quiet runs answered 113 before (the guided fit was not used under an enforced
+    # limit); three fresh processes now answer 114 each.
+    runs = [in_fresh_process(_search_under_rlimit, False) for _ in range(3)]
+    assert [(r["max_ok"], r["first_oom"]) for r in runs] == [(114, 115)] * 3
+    assert all(len(r["trials"]) <= 5 for r in runs), [len(r["trials"]) for r in runs]
+
+
+class SquareBlock:
+    """A user's curve: ``size x size x 32`` float32 (attention scores over the length) and
+    ``size x 8192`` float32 (its activations), both alive and written for 5 ms."""
+
+    name = "square-block"
+
+    def __call__(self, size: int) -> float:
+        scores, acts = torch.ones(size, size, 32), torch.ones(size, 8192)
+        time.sleep(0.005)
+        return float(scores[-1, -1, -1] + acts[-1, -1])
+
+
+def _square_under_rlimit(isolate: bool) -> dict:
+    """A guided search of :class:`SquareBlock` under an RLIMIT_DATA set around this process (as
+    ``ulimit -d`` or a scheduler sets it), with no budget; with ``isolate``, also whether the
+    answer and the size above it run in fresh children under the same limit."""
+    SquareBlock()(4)
+    torch.ones(1 << 20).sum()
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (host.proc_status("VmData") + 160 * MiB, hard))
+    try:
+        got = search(SquareBlock(), isolate=isolate, max_size=4096).to_dict()
+        if isolate:
+            limit = unbudgeted_limit()
+            with IsolatedRunner(SquareBlock(), limit=limit) as run:
+                got["fresh"] = [run(got["max_ok"] + k, 1).ok for k in (0, 1)]
+        return got
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "isolated"])
+def test_a_curve_under_an_enforced_rlimit_closes_in_six_trials_as_under_a_budget(
+        isolate: bool) -> None:
+    got = in_fresh_process(_square_under_rlimit, isolate)
+    seen = [(t["size"], t["outcome"]) for t in got["trials"]]
+    assert got["limit"]["kind"] == "RLIMIT_DATA", got["limit"]
+    assert got["first_oom"] == got["max_ok"] + 1 and len(got["trials"]) <= 6, seen
+    assert not any(t["guarded"] for t in got["trials"])
+    if isolate:  # exact: the answer runs in a fresh child under the limit, the size above not
+        assert got["fresh"] == [True, False], (got["max_ok"], got["fresh"])
 
 
 # --- cgroups -------------------------------------------------------------------------------
