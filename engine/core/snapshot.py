@@ -231,7 +231,7 @@ class _RngStates:
 @dataclass(repr=False)
 class Snapshot:
     """Modules' and optimizers' state (and the RNG states) copied to the host, put back
-    exactly by :meth:`restore`; see the module docstring for what is covered and what it
+    exactly by :meth:`restore`; parameters, buffers, gradients, optimizer state and ``param_groups`` and the RNG states are covered; it
     costs. :attr:`nbytes`: host bytes the copies hold."""
 
     slots: list[_TensorSlot] = field(default_factory=list)

@@ -69,7 +69,7 @@ __all__ = ["RebuiltInChild", "Workload", "estimate_copy", "fake_module", "host_d
 
 
 class Workload(Protocol):
-    """Runs the work once at ``size`` items; returns a small result (module docstring)."""
+    """Runs the work once at ``size`` items; returns a small result; the optional hooks (``warmup``, ``worst_case_batch``, ``steps_per_trial``, ``estimate_peak``, ``for_estimate``) are listed in this module's docstring, which the API reference shows."""
 
     def __call__(self, size: int, /) -> Any: ...
 

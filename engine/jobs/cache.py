@@ -161,7 +161,7 @@ class SizeCache:
 
     def load(self) -> dict[str, Any]:
         """The cache document (``{"version", "entries"}``) with only the usable entries;
-        :class:`CacheError` if the file exists but cannot be read (the module docstring)."""
+        :class:`CacheError` if the file exists but cannot be read (corrupt or another program's)."""
         try:
             doc = self._parse()
         except OSError as exc:
@@ -178,7 +178,7 @@ class SizeCache:
         return self.load()["entries"]
 
     def get(self, key: str) -> dict[str, Any] | None:
-        """The entry under ``key`` (:func:`entry_key`), or None (as the module docstring says)."""
+        """The entry under ``key`` (:func:`entry_key`), or None where it has none."""
         try:
             doc = self._parse()
         except OSError as exc:

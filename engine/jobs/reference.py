@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.engine.core.child import DIED, Child, context, start_method
+from oomguard.engine.core.search.record import MEASURED, SearchRecord
 from oomguard.engine.core.search.search import SearchConfig
 from oomguard.engine.core.workload import workload_preload
 from oomguard.engine.errors import JobError, UsageError
@@ -32,7 +33,6 @@ from oomguard.engine.jobs.cache import SizeCache, entry_key
 from oomguard.engine.jobs.data import check_size
 from oomguard.engine.jobs.plan import device_identity, plan
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec, now_iso
-from oomguard.engine.core.search.record import MEASURED, SearchRecord
 from oomguard.engine.jobs.sizing import Request, Slot, choose_sizes, measure
 from oomguard.metrics.base import get_metric, load_all
 from oomguard.metrics.models import model_config

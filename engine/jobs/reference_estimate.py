@@ -36,8 +36,8 @@ from typing import Any
 
 from oomguard.engine.core import child as launcher
 from oomguard.engine.core.estimate.estimate import LABEL, EstimateSession
-from oomguard.engine.errors import UsageError
 from oomguard.engine.core.search.record import SearchRecord
+from oomguard.engine.errors import UsageError
 from oomguard.engine.jobs.sizing import Request, choose_sizes
 from oomguard.metrics.base import get_metric, load_all
 from oomguard.metrics.models import BUILTIN_CONFIGS, model_config

@@ -142,7 +142,7 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
             log_setup: Callable[[Path], Any] | None = None, force: bool = False,
             snapshot_on_oom: bool = False, backend: Any = None,
             threads: int | None = None) -> Outcome:
-    """Run (or resume) ``job`` into ``job.output`` (see the module docstring); returns the exit code
+    """Run (or resume) ``job`` into ``job.output`` (sizes from pins, the cache or a search; each metric in its own process; resumable); returns the exit code
     and every record. A stale result's reasons go to the log, the journal, the result
     (``rerun_because``) and the report; ``force``: see :func:`claim`.
 

@@ -103,7 +103,7 @@ class StorageCounter(TorchDispatchMode):
     up to ``block``) count until it is freed. Storages first seen as *inputs* existed before
     (weights, optimizer state) and count only what a resize adds. ``current`` and ``peak``:
     bytes above where :meth:`start` left them. With a ``fake_mode`` it also decides what
-    runs for real (module docstring); without one it counts a real run. With
+    runs for real (an operation on real inputs whose outputs are small); without one it counts a real run. With
     ``device_type``, only tensors on devices of that type count."""
 
     def __init__(self, fake_mode: Any | None = None, block: int = 1,
@@ -271,7 +271,7 @@ def fake_device(device: str | torch.device) -> tuple[torch.device, list[str]]:
 def estimate(fn: Callable[[int], Any], sizes: Sequence[int], device: str | torch.device = "cpu",
              workspace: bool = True, shortcuts: bool = True) -> list[Estimate]:
     """Estimate the peak bytes of ``fn(size)`` for each of ``sizes`` on ``device`` (cpu,
-    cuda, cuda:N) without running the work (module docstring): one :class:`Estimate` per
+    cuda, cuda:N) without running the work (fake tensors, no weights; every figure labelled an estimate): one :class:`Estimate` per
     size, in order after one warm-up on fake tensors. ``workspace`` (cpu): measure the
     matrix multiplies' workspace on this host; ``shortcuts``: allow :func:`shortcut`.
     :class:`UsageError` for bad sizes or devices, or a workload whose memory depends on

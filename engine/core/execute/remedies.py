@@ -295,7 +295,7 @@ def _skip(remedy: str, work: Any, kind: str, ladder: Ladder, fresh_process: bool
 def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
                run_rung: Callable[[Callable[[Sizes], Any], Sizes, bool, Any], T], record: RunRecord,
                name: str, device: Any, fresh_process: bool, positional: bool) -> T:
-    """Run ``fn`` through the rungs of ``ladder`` from ``ladder.at`` (module docstring);
+    """Run ``fn`` through the rungs of ``ladder`` from ``ladder.at`` (each rung a smaller or cheaper way to run it: halve, lower precision, expandable segments, the CPU);
     return the first result. ``run_rung(attempt, sizes, fresh, device)`` is one run of the
     executor's retry at half from ``sizes`` (``fresh``: with nothing remembered). Raises
     :class:`NoExecutableBatchSize` listing every remedy and why it failed or was skipped,

@@ -156,7 +156,7 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
 @contextmanager
 def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
     """Cap the memory the code inside may allocate to ``nbytes`` bytes above what the
-    process holds now (module docstring). On CPU, enter it after one small warm-up step so
+    process holds now (on CUDA a per-process memory fraction; on a Linux CPU an ``RLIMIT_DATA`` above ``VmData``). On CPU, enter it after one small warm-up step so
     that thread pools and kernels the step creates once are not charged to it. Raises
     :class:`BudgetError` where :func:`check_budget` does. Nested budgets only shrink."""
     dev = check_budget(nbytes, device)

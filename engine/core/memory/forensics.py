@@ -118,7 +118,7 @@ class OomWatch:
 
 def capture(sizes: Mapping[str, int], device: Any = None,
             snapshot_dir: str | os.PathLike[str] | None = None, name: str = "workload") -> OomEvent:
-    """Measure memory now, at the OOM (module docstring); ``device`` None: as
+    """Measure memory now, at the OOM (the device's allocated, reserved and free bytes, the host's); ``device`` None: as
     :func:`~oomguard.probes.device.resolve_device`. A reading that fails is said in the
     event, never raised."""
     dev = resolve_device(device)

@@ -44,7 +44,7 @@ CGROUP_SLACK_MIN = 16 * 1024**2
 
 @dataclass(frozen=True)
 class HostLimit:
-    """An enforced limit that binds CPU work without a budget (module docstring):
+    """An enforced limit that binds CPU work without a budget:
     ``name`` "cgroup" or "RLIMIT_DATA", ``limit_bytes``, and ``room_bytes`` it left when it
     was chosen (measured)."""
 

@@ -77,7 +77,7 @@ def cuda_memory_near_limit() -> bool:
 
 
 def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> bool:
-    """Return True if ``exc`` is an out-of-memory error (module docstring).
+    """Return True if ``exc`` is an out-of-memory error (by type, then by a row of the one OOM table).
 
     An exception with an ``oomguard_is_oom`` attribute decides for itself (oomguard's own
     "gave up" errors say False). A row of :data:`OOM_TABLE` matches when ``exc`` is one of
@@ -154,7 +154,7 @@ def call_catching_oom(fn: Callable[..., Any], *args: Any, device: str | torch.de
                       workload: str | None = None, **kwargs: Any) -> Any | OOM:
     """Call ``fn``; return its value, or an :class:`OOM` record if it ran out of memory
     (any other exception propagates), after :func:`release_memory` ran outside the
-    ``except`` block (module docstring). ``on_oom(exc)`` is called once, first, while the
+    ``except`` block of its own. ``on_oom(exc)`` is called once, first, while the
     tensors are alive (to measure memory as the OOM left it); an error it raises is ignored.
 
     A call whose own code caught an OOM is an OOM too, whether it then returned normally or

@@ -106,7 +106,7 @@ _mode: str | UsageError = _checked(os.environ.get(ENV, "auto"))
 
 def set_spotter_mode(mode: str) -> None:
     """Set the CPU spotter's mode in this process (not in children already started):
-    ``auto``, ``on`` or ``off`` (module docstring); :class:`UsageError` (one line) for
+    ``auto``, ``on`` or ``off`` (``auto``: on where an OOM can be seen as it is raised); :class:`UsageError` (one line) for
     anything else."""
     global _mode
     checked = _checked(mode)
@@ -125,7 +125,7 @@ def spotter_mode() -> str:
 
 class _Spotter(TorchDispatchMode):
     """Runs each aten operator, notes an OOM leaving it in the innermost :class:`Witness`,
-    re-raises it unchanged (module docstring)."""
+    re-raises it unchanged."""
 
     # Higher-order operators (flex_attention, cond) reach __torch_dispatch__ instead of
     # failing under a mode that does not support them; they run unchanged.
@@ -213,7 +213,7 @@ class Witness:
 
 
 def _wants_spotter() -> bool:
-    """Whether the CPU signal is on for a call now (module docstring)."""
+    """Whether the CPU signal is on for a call now."""
     mode = spotter_mode()
     if mode != "auto":
         return mode == "on"

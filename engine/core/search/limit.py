@@ -24,7 +24,7 @@ from oomguard.probes import host
 
 def unbudgeted_limit(device: str | torch.device = "cpu", guard: RamGuard | None = None
                      ) -> HostLimit | RamGuard | None:
-    """What bounds work on ``device`` without a budget, chosen now (module docstring): on
+    """What bounds work on ``device`` without a budget, chosen now: on
     the CPU the enforced limit with the least room where that room is below ``guard``'s
     limit (by default a RAM guard at 80% of the available RAM, :meth:`RamGuard.for_host`),
     else the guard; None on other devices (their own limit) and where nothing is known."""

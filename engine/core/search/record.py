@@ -26,7 +26,7 @@ MEASURED, CACHE = "measured", "cache"  # where a record's sizes come from
 
 @dataclass
 class SearchRecord(Record):
-    """One search (module docstring). ``safe`` is the size to use (None: nothing fits, or the
+    """One search, summarised once. ``safe`` is the size to use (None: nothing fits, or the
     search failed); ``peak_at_safe_bytes`` its peak, measured where a trial ran at ``safe``, else
     from the fitted line (``peak_source`` says which); ``peak_at_max_bytes`` the measured peak
     at ``max_ok`` and ``utilisation`` its share of ``capacity_bytes`` (the budget, or the free

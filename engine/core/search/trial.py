@@ -53,7 +53,7 @@ class Trial:
     bound); ``headroom_bytes``: what the limit left at the trial's start, in those units
     (None where no limit is known). ``items_per_second``: ``size`` items per second of the
     steps after the first (of the only step when ``steps`` is 1). ``worst_case``: each step
-    ran on the worst-case batch (module docstring; ``peak_bytes`` then includes it).
+    ran on the batch ``worst_case_batch(size)`` returned (``peak_bytes`` then includes it).
     ``chosen_by``: the name of the strategy that proposed the size, and ``reason`` why, in its
     words (:func:`~oomguard.engine.core.search.strategies.why_chosen`), where a search records
     them.
@@ -127,7 +127,7 @@ def warm_up_trials(fn: Callable[[int], Any], device: str | torch.device = "cpu",
 def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
               guard: Any = None, steps: int = 1) -> Trial:
     """Run ``fn(size)`` ``steps`` times in this process and measure it, memory released
-    first so the peak starts from a clean baseline. A worst-case batch (module docstring)
+    first so the peak starts from a clean baseline. A worst-case batch (``worst_case_batch(size)``)
     counts in its step's peak and seconds, as a data loader's batch does in the real run.
     Raises whatever ``fn`` raises unless it is an OOM (an OOM in any step makes the trial
     an OOM). With a ``guard`` (CPU only), its watchdog stops the trial past the guard's
