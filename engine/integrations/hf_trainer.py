@@ -1,39 +1,16 @@
 """A transformers ``Trainer`` that finds its own micro-batch and keeps the effective batch.
 
-Why a mixin (and :class:`OomguardTrainer`, the mixin on ``Trainer``) and not a callback:
-the batch size has to be chosen before ``Trainer.train`` builds its dataloader, and the
-first callback event, ``on_train_begin``, comes after ``get_train_dataloader()`` in
-``_inner_training_loop`` (transformers 5.24 trainer.py). A mixin composes with a user's own
-``Trainer`` subclass: ``class MyTrainer(OomguardTrainerMixin, SFTTrainer)``.
+A mixin, not a callback: the batch size must be set before ``Trainer.train`` builds its
+dataloader, which comes before the first callback event (transformers 5.24 trainer.py).
 
-What ``train()`` does first (read from transformers 5.24 trainer.py and training_args.py):
-
-- creates the optimizer with ``create_optimizer()``; ``create_optimizer_and_scheduler``
-  later returns the same object (it builds one only while ``self.optimizer`` is None), so
-  the run steps the very optimizer the search stepped;
-- searches the largest per-device micro-batch at which ``training_step`` (forward, loss,
-  ``accelerator.backward``; twice below the effective batch, :func:`~.sizing.passes`)
-  followed by ``optimizer.step()`` and ``zero_grad()`` runs, two steps per trial (the first allocates the optimizer's state), on the first rows of the
-  training set as the Trainer collates them; the model, its gradients, the optimizer and
-  the RNG are restored after the search (``oomguard.search(..., restore=...)``);
-- keeps ``per_device_train_batch_size x gradient_accumulation_steps`` (one device's
-  effective batch; the world size is not touched) and sets the micro-batch to its largest
-  divisor at or below the search's recommended size (:func:`~.sizing.split_for`). ``TrainingArguments`` are plain mutable dataclass
-  fields; the dataloader reads ``self._train_batch_size`` (set from
-  ``args.train_batch_size``) and the loop reads ``args.gradient_accumulation_steps`` on
-  every step; the Accelerator is created with ``num_steps=1`` (the Trainer accumulates
-  itself), so nothing else holds the old values.
-
-The loss stays the same training: with a model that accepts ``num_items_in_batch`` (the
-causal LMs), each micro-batch's summed loss is divided by the tokens of the whole
-effective batch, and otherwise by ``current_gradient_accumulation_steps``, the number of
-micro-batches in the step (trainer.py ``training_step``), so the gradients of one
-optimizer step are those of the whole effective batch within float rounding.
-
-``evaluate()`` (also when the training loop evaluates) first searches the evaluation
-forward (``prediction_step``, no gradients) up to ``per_device_eval_batch_size`` and uses the
-largest size that ran: the evaluation batch changes no result (the loop weights each
-batch's loss by its rows).
+``train()`` first creates the optimizer (``create_optimizer()``, which training reuses),
+searches ``training_step`` plus ``optimizer.step()`` on the first rows of the training set
+(model, optimizer and RNG restored afterwards), then splits ``per_device_train_batch_size x
+gradient_accumulation_steps`` into the largest divisor at or below the recommended size
+(:func:`~.sizing.split_for`). The loss divides by the tokens of the whole effective batch (or
+by the micro-batches per step), so a step's gradients are the whole batch's within float
+rounding. ``evaluate()`` first searches ``prediction_step`` up to
+``per_device_eval_batch_size``.
 """
 
 from __future__ import annotations
@@ -63,10 +40,8 @@ log = logging.getLogger("oomguard.integrations")
 
 
 def first_rows(trainer: Trainer, dataset: Any, n: int, description: str) -> dict[str, Any]:
-    """The first ``n`` rows of ``dataset`` collated as the Trainer's dataloader collates them
-    (unused columns removed), on the Trainer's device. Not drawn from the dataloader: its
-    random sampler would draw from the RNG, and a half-read accelerate dataloader stays
-    registered as the one in progress."""
+    """The first ``n`` rows of ``dataset`` collated as the Trainer's dataloader collates them,
+    on its device. Not drawn from the dataloader: its sampler would draw from the RNG."""
     if not has_length(dataset):
         raise UsageError(f"sizing the {description.lower()} batch needs a dataset with a length "
                          f"(rows to try); got {type(dataset).__name__}")
@@ -85,16 +60,12 @@ def _datasets() -> Any:
 
 
 def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> Split:
-    """Choose ``trainer``'s per-device micro-batch and set it, the effective batch
-    (``per_device_train_batch_size x gradient_accumulation_steps``) kept; return the
-    :class:`Split`. It creates the optimizer (``trainer.create_optimizer()``, which training
-    then reuses), searches ``training_step`` plus ``optimizer.step()`` on the first rows of
-    the training set, two steps per trial, with the model and optimizer restored afterwards,
-    and sets ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` so that their
-    product is unchanged. The micro-batch is at most the search's
-    recommended size, or with ``largest`` the largest size that ran
-    (:func:`~.sizing.split_for`). ``options`` go to ``oomguard.search`` (``margin=``: the
-    recommendation's)."""
+    """Set ``trainer``'s per-device micro-batch and accumulation steps, their product (the
+    effective batch) kept; return the :class:`Split`. It creates the optimizer (which
+    training reuses) and searches ``training_step`` plus ``optimizer.step()`` on the first
+    rows of the training set, model and optimizer restored afterwards. The micro-batch is at
+    most the recommended size, or with ``largest`` the largest that ran. ``options`` go to
+    ``oomguard.search``."""
     args = trainer.args
     if trainer.train_dataset is None:
         raise UsageError("the Trainer has no train_dataset to size the micro-batch on")
@@ -124,12 +95,9 @@ def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> 
 
 def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, largest: bool = False,
                    **options: Any) -> Split:
-    """Choose ``trainer``'s per-device evaluation batch: the recommended size (with
-    ``largest``, the largest that ran) up to ``per_device_eval_batch_size`` of the search of
-    ``prediction_step``; set it and return the :class:`Split` (no accumulation: evaluation
-    has no optimizer step). What the evaluation loop keeps across batches (the logits, unless
-    ``prediction_loss_only``) grows with the evaluation set, not the batch: no batch size
-    sizes it."""
+    """Set ``trainer``'s per-device evaluation batch to the recommended size (with
+    ``largest``, the largest that ran) of a search of ``prediction_step`` up to
+    ``per_device_eval_batch_size``; return the :class:`Split` (no accumulation)."""
     args = trainer.args
     dataset = eval_dataset if eval_dataset is not None else trainer.eval_dataset
     if dataset is None or isinstance(dataset, (dict, str)):
@@ -160,9 +128,8 @@ def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, largest: bool = F
 class OomguardTrainerMixin:
     """Put before a ``Trainer`` class: ``train()`` first sizes the micro-batch, the effective
     batch kept (:func:`fit_train_batch`), and ``evaluate()`` the evaluation batch
-    (:func:`fit_eval_batch`). A mixin and not a callback because the batch size must be set
-    before ``train()`` builds its dataloader, which happens before the first callback event;
-    it composes with your own subclass: ``class MyTrainer(OomguardTrainerMixin, SFTTrainer)``. ``oomguard_options``
+    (:func:`fit_eval_batch`). It composes with your own subclass:
+    ``class MyTrainer(OomguardTrainerMixin, SFTTrainer)``. ``oomguard_options``
     (a dict given to ``__init__``) go to ``oomguard.search``; ``oomguard_largest=True``
     runs up to the largest size that ran instead of the recommended size. The splits chosen
     are ``self.oomguard_train`` and ``self.oomguard_eval``."""
@@ -196,11 +163,9 @@ class OomguardTrainerMixin:
 
     def _eval_batch_halved(self, exc: BaseException) -> bool:
         """After an OOM in ``evaluate()``, halve the evaluation batch and say so; False where
-        ``exc`` is no OOM or the batch is 1 already. Evaluation changes no state, so running
-        it again from the start is clean. Why it can happen after the search: the loop runs
-        later than the search, on a heap the training left (measured under a 40 MiB CPU budget:
-        the evaluation ran out of memory at 299 rows where a trial at 351 had run, in 1 of 7
-        runs under load)."""
+        ``exc`` is no OOM or the batch is 1 already. Evaluation changes no state, so it reruns
+        cleanly. The search can pass and the loop still fail: it runs later, on a heap the
+        training left (measured once under a 40 MiB CPU budget)."""
         args = self.args
         smaller = Halve().shrink({"batch": args.per_device_eval_batch_size}, {"batch": 1})
         if not is_oom(exc) or smaller is None:

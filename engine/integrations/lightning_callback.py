@@ -1,26 +1,12 @@
 """A Lightning callback that finds the exact largest micro-batch of the module's training step
 with its optimizer, and keeps the effective batch.
 
-Lightning's own ``BatchSizeFinder`` runs the fit loop at doubling sizes; its ``binsearch``
-mode then takes a further ``margin`` (5% by default) off the size found, and its ``power``
-mode stops at a power of two (lightning 2.6 tuner/batch_size_scaling.py). This callback
-searches every size (``oomguard.search``: the bracket between the largest fit and the
-smallest OOM closes at adjacent sizes), running the module's ``training_step``,
-``backward`` (twice below the effective batch: :func:`~.sizing.passes`) and the optimizer's
-``step`` and ``zero_grad``, two such steps per trial (the first allocates the optimizer's
-state), the module and optimizer restored afterwards.
-
-The effective batch is ``batch_size x accumulate_grad_batches`` rows per optimizer step. It is
-kept: the micro-batch becomes its largest divisor at or below the search's recommended size
-(:func:`~.sizing.split_for`; the exact maximum stays in ``split.found``), set with
-``lightning_setattr`` (the module, its ``hparams`` and the datamodule, as ``BatchSizeFinder``
-sets it), and ``trainer.accumulate_grad_batches`` becomes the quotient. Both are read while
-the fit runs: the epoch loop checks ``batch_idx % trainer.accumulate_grad_batches`` and the
-automatic optimization divides each micro-batch's loss by it (lightning 2.6
-loops/training_epoch_loop.py, loops/optimization/automatic.py), so each optimizer step sees
-the mean gradient of the same rows. The callback runs in ``on_fit_start``: after
-``strategy.setup`` (the optimizer exists, the module is on its device) and before the fit
-loop builds its dataloaders (trainer.py ``_run``).
+Lightning's ``BatchSizeFinder`` takes a further margin off the size it finds (``binsearch``)
+or stops at a power of two (``power``); this callback searches every size. The effective batch
+``batch_size x accumulate_grad_batches`` is kept: the micro-batch becomes its largest divisor
+at or below the recommended size (:func:`~.sizing.split_for`), and the epoch loop and the
+automatic optimization both read ``trainer.accumulate_grad_batches`` while the fit runs
+(lightning 2.6), so each optimizer step sees the mean gradient of the same rows.
 """
 
 from __future__ import annotations
@@ -40,28 +26,21 @@ from lightning.pytorch.utilities.parsing import (
 )
 
 from oomguard.engine.errors import UsageError
-from oomguard.engine.integrations.sizing import (
-    Split,
-    search_step,
-    split_for,
-    training_trial,
-)
+from oomguard.engine.integrations.sizing import Split, search_step, split_for, training_trial
 from oomguard.engine.util.rows import slice_rows
 
 log = logging.getLogger("oomguard.integrations")
 
 
 class BatchSizeCallback(pl.Callback):
-    """Size the micro-batch at the start of each ``fit`` (``on_fit_start``: the optimizer
-    exists, the dataloaders are not built yet): search the module's ``training_step``,
-    ``backward`` and the optimizer's step, two steps per trial, to the exact maximum, with the
-    module and optimizer restored afterwards; then keep the effective batch
-    (``batch_size x accumulate_grad_batches``) by setting the batch size to its largest divisor
-    at or below the size chosen and ``trainer.accumulate_grad_batches`` to the quotient.
+    """Size the micro-batch in ``on_fit_start`` (the optimizer exists, the dataloaders do not
+    yet): search the module's ``training_step``, ``backward`` and optimizer step, two steps per
+    trial, module and optimizer restored afterwards; then set the batch size to the largest
+    divisor of ``batch_size x accumulate_grad_batches`` at or below the recommended size (with
+    ``largest``: the largest that ran) and ``trainer.accumulate_grad_batches`` to the quotient.
     ``batch_arg_name``: the attribute holding the batch size (on the module, its ``hparams``
-    or the datamodule). The micro-batch is at most the search's recommended size, or with
-    ``largest`` the largest size that ran (:func:`~.sizing.split_for`). ``search_options`` go to ``oomguard.search``. After ``fit`` starts,
-    ``split`` holds what was chosen."""
+    or the datamodule). ``search_options`` go to ``oomguard.search``. ``split``: what was
+    chosen."""
 
     def __init__(self, batch_arg_name: str = "batch_size", largest: bool = False,
                  **search_options: Any) -> None:
@@ -87,8 +66,8 @@ class BatchSizeCallback(pl.Callback):
             return loss
 
         try:
-            result = search_step(training_trial(micro_step, optimizer, effective), effective, (pl_module, optimizer),
-                                 f"{type(pl_module).__name__}.training_step",
+            result = search_step(training_trial(micro_step, optimizer, effective), effective,
+                                 (pl_module, optimizer), f"{type(pl_module).__name__}.training_step",
                                  **self.search_options)
         finally:
             lightning_setattr(pl_module, self.batch_arg_name, configured)

@@ -1,10 +1,6 @@
 """What the framework integrations share: search a framework's real step, then split the
-user's effective batch into the largest micro-batch that fits.
-
-The effective batch (rows per optimizer step on one device) is part of the training's
-maths, so it is never changed: only how it is split. The micro-batch is the largest divisor
-of the effective batch at or below the size the search found, so every optimizer step sums
-the same number of equal micro-batches (:func:`micro_batch_for`).
+user's effective batch (rows per optimizer step on one device, never changed) into equal
+micro-batches, the largest that fit (:func:`micro_batch_for`).
 """
 
 from __future__ import annotations
@@ -61,11 +57,9 @@ def size_found(result: SearchResult, largest: bool = False) -> int:
 def split_for(effective: int, result: SearchResult, largest: bool = False) -> Split:
     """The :class:`Split` of ``effective`` rows a search's result allows: at most its
     ``size_to_use`` (the recommended size, its ``margin`` of the capacity below the largest
-    that ran), or with ``largest`` its ``max_ok`` itself. Why not the largest by default:
-    the framework's loop holds more than a trial (its dataloader, its state set up after the
-    search, what the search left behind); measured on the tiny GPT-2 of
-    tests/test_integrations_hf.py under 40 MiB, the Trainer at 256 x 4 rows needed 38-40
-    MiB where a trial at 263 peaked at 37.8 MiB."""
+    that ran), or with ``largest`` its ``max_ok``. Not the largest by default: the
+    framework's loop holds more than a trial (measured: a Trainer needed 38-40 MiB where a
+    trial at a larger size peaked at 37.8 MiB)."""
     micro = micro_batch_for(effective, size_found(result, largest))
     return Split(effective, micro, effective // micro, result.max_ok, result)
 
@@ -105,13 +99,10 @@ def search_step(step: Callable[[int], Any], effective: int,
                 restore: tuple[torch.nn.Module, torch.optim.Optimizer] | None, name: str,
                 **options: Any) -> SearchResult:
     """Search the largest size from 1 to ``effective`` rows at which ``step(size)`` runs.
-    A training step (``restore`` given: the model and the optimizer it steps) runs the
-    framework's whole step, optimizer step included, ``STEPS_PER_TRIAL`` times per trial, and
-    the model and optimizer are restored after every trial (parameters, gradients, optimizer
-    state, RNG); an evaluation step (``restore`` None) changes no state and runs once per
-    trial. ``options`` go to :func:`~oomguard.engine.core.search.search.search`; without a
-    ``budget`` the trials run under the limit that binds the process (an outer
-    ``oomguard.budget``, a cgroup, ``ulimit -d``) or the RAM guard."""
+    A training step (``restore``: the model and the optimizer it steps) runs
+    ``STEPS_PER_TRIAL`` times per trial, both restored after every trial; an evaluation step
+    (``restore`` None) runs once. ``options`` go to
+    :func:`~oomguard.engine.core.search.search.search`."""
     step.__name__ = name  # type: ignore[attr-defined]  # what logs and results call it
     options.setdefault("steps_per_trial", STEPS_PER_TRIAL if restore is not None else 1)
     return search(step, max_size=effective, restore=restore, **options)
