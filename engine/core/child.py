@@ -1,10 +1,9 @@
 """Child processes: how one starts, what it is given, how its result or its death comes
 back. Isolated trials, the measured reference, job tasks and the tests all use :class:`Child`.
 
-``fork`` only where no CUDA can have been initialised ("Cannot re-initialize CUDA in
-forked subprocess"; :func:`start_method`), else a forkserver that has imported torch, or
-``spawn`` on macOS and Windows (:func:`server_method`; their children re-run the parent's
-main module: a script needs ``if __name__ == "__main__":``).
+``fork`` only where no CUDA can have been initialised (:func:`start_method`), else a
+forkserver that has imported torch, or ``spawn`` on macOS and Windows (:func:`server_method`:
+a script needs ``if __name__ == "__main__":``).
 The child runs a picklable ``fn(*args)``, says ``started``, may tell the parent things
 (:class:`ToParent`) and sends what ``fn`` returned or raised; the parent reads that, or
 the death, as an :class:`Ended`; a time limit is a timeout, never an OOM. Every child and
@@ -12,10 +11,9 @@ forkserver dies with its parent (:func:`die_with_parent`) and ignores SIGINT: Ct
 reaches the whole process group, and the command alone decides.
 
 A death after ``started`` is an OOM only with evidence (:func:`oom_evidence`,
-:class:`LimitWatch`): an allocation failure reported on stderr (a row of
-:data:`~oomguard.engine.core.memory.oom_texts.OOM_TABLE`; oneDNN's "could not create a primitive" under a memory limit), SIGKILL while a memory
-limit applies (the budget, ``RLIMIT_DATA``/``RLIMIT_AS``, a cgroup limit), or under a CPU
-budget a signal after the data segment came close to the limit.
+:class:`LimitWatch`): an allocation failure on stderr (a row of
+:data:`~oomguard.engine.core.memory.oom_texts.OOM_TABLE`), SIGKILL under a memory limit,
+or under a CPU budget a signal after the data segment came close to the limit.
 """
 
 from __future__ import annotations
@@ -59,17 +57,9 @@ DIED, TIMED_OUT, STOPPED = "died", "timed out", "stopped"
 
 def server_method() -> str:
     """How children start where ``fork`` is not allowed: ``forkserver``, else ``spawn`` on
-    Windows (no fork), on macOS, and wherever multiprocessing has no forkserver.
-
-    macOS: Apple's frameworks are not fork-safe. A child forked from a process (or a
-    forkserver) that has imported torch, with Metal and libdispatch initialised, can be
-    aborted by the Objective-C runtime ("objc[...]: +[...] may have been in progress in
-    another thread when fork() was called") and cannot use Metal (MPS); CPython made
-    ``spawn`` macOS's default start method in 3.8 for this reason (bpo-33725; Lib/
-    multiprocessing/context.py: "running arbitrary code after fork() is no longer reliable
-    on macOS since macOS 10.14 (Mojave). Use spawn by default instead"). A spawned child
-    starts a fresh interpreter and imports torch itself: a small isolated CPU trial took
-    1.1 s spawned, 0.05 s from the forkserver (measured on a 2-core Linux machine)."""
+    Windows, on macOS (Apple's frameworks are not fork-safe: bpo-33725) and wherever
+    multiprocessing has no forkserver. A spawned child imports torch itself (measured: a
+    small CPU trial 1.1 s spawned, 0.05 s from the forkserver)."""
     if sys.platform in ("win32", "darwin") or "forkserver" not in mp.get_all_start_methods():
         return "spawn"
     return "forkserver"
@@ -96,18 +86,12 @@ def forkserver_context(preload: Iterable[str] = ()) -> Any:
 
 
 def start_forkserver(preload: Iterable[str] = ()) -> Any:
-    """Start the forkserver in the background (its imports overlap this process's work,
-    docs/measurements.md#isolated-children-start-up), with SIGINT blocked (the mask survives
-    ``exec``, a handler would not) like every child it forks; the context to use.
-
-    Blocked, not ignored, here while the server starts: a Ctrl-C in that moment waits and
-    reaches this process after it, where an ignored one was lost and the command went on
-    to exit 0."""
+    """Start the forkserver in the background (docs/measurements.md#isolated-children-start-up)
+    with SIGINT blocked (the mask survives ``exec``; a Ctrl-C meanwhile waits, not lost);
+    the context to use."""
     ctx = forkserver_context(preload)
     if ctx.get_start_method() == "forkserver":
-        # The server learns who started it from its environment: if this process dies
-        # while the server's interpreter starts (seconds under load), the server's parent
-        # is already the reaper when it asks for the death signal, and it must exit.
+        # The server's parent, for the server: it exits if this process died while it started.
         os.environ[PARENT_ENV] = str(os.getpid())
         try:
             with _sigint_blocked():
@@ -189,15 +173,12 @@ def _enter(conn: Any, parent: int | None, stderr_path: str | None, fn: Callable[
            args: tuple[Any, ...]) -> None:
     """Runs in the child: die with the parent, leave SIGINT to it, say it started, run."""
     global _to_parent
-    # What the child inherited is never its garbage: frozen, its collections scan only what
-    # it creates (with torch._dynamo loaded a full collection took 0.14-0.18 s, frozen 2 us)
-    # and never write to, so never copy, the pages the fork left shared, which a cgroup would
-    # charge (docs/measurements.md#cgroup-limits).
+    # Inherited objects are frozen: collections skip them and never copy fork-shared pages
+    # (docs/measurements.md#gc-freeze, docs/measurements.md#cgroup-limits).
     gc.freeze()
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Slurm's warning before a time limit (sbatch --signal=USR1@N) reaches every process of the
-    # job step, and stops a job like Ctrl-C: the command alone decides (its default kills).
+    # Slurm's USR1 before a time limit stops a job like Ctrl-C: the command alone decides.
     if hasattr(signal, "SIGUSR1"):
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # A forked child inherits the parent's handler (a job's stop flag): SIGTERM must stop it.
@@ -302,11 +283,8 @@ class Child(contextlib.AbstractContextManager["Child"]):
         self.started, self.messages = False, []
         self._answer: tuple[str, Any] | None = None
         self.t0 = time.monotonic()
-        # A forked child runs Python (the at-fork hooks: logging's lock reinit) before _enter
-        # ignores SIGINT: a Ctrl-C to the process group in that moment printed a
-        # KeyboardInterrupt traceback from the child. Blocked here, the child starts with the
-        # signals blocked and _enter unblocks them once ignored; this process gets its own
-        # Ctrl-C as soon as the fork returns.
+        # A forked child runs at-fork hooks before _enter ignores SIGINT: blocked around the
+        # fork, a Ctrl-C then cannot print a traceback from it; _enter unblocks them.
         with _sigint_blocked():
             self.proc.start()
         send.close()
@@ -379,10 +357,8 @@ class Child(contextlib.AbstractContextManager["Child"]):
         return text
 
 
-# How close to its limit a budgeted child's sampled data segment must have come for its death by a
-# signal to count as running out of memory: a sixteenth of the budget, at least 4 MiB. Crashed LSTM
-# steps had come within 32 KiB and 1.86 MiB of a 32 MiB budget's limit; a sample every 0.5 ms can
-# miss the last rise before the failing allocation (docs/measurements.md#crashes-at-the-limit).
+# How close (bytes) to its limit a budgeted child's sampled data segment must come for a death
+# by signal to count as an OOM (docs/measurements.md#crashes-at-the-limit).
 NEAR_LIMIT_FRACTION = 1 / 16
 NEAR_LIMIT_MIN = 4 * 1024**2
 
@@ -403,11 +379,8 @@ def oom_evidence(exitcode: int | None, stderr: str, budgeted: bool) -> str | Non
 
 
 def killed_by_sigkill(exitcode: int | None) -> bool:
-    """Whether a child's ``exitcode`` (multiprocessing's: minus the signal) says SIGKILL, as
-    the kernel's OOM killer sends it. Never on Windows: CPython's ``signal`` there has no
-    ``SIGKILL`` (only SIGABRT, SIGFPE, SIGILL, SIGINT, SIGSEGV, SIGTERM, SIGBREAK,
-    CTRL_C_EVENT, CTRL_BREAK_EVENT; Modules/signalmodule.c), and a process ended by
-    ``TerminateProcess`` reads ``-SIGTERM`` (Lib/multiprocessing/popen_spawn_win32.py)."""
+    """Whether a child's ``exitcode`` (minus the signal) says SIGKILL, as the kernel's OOM
+    killer sends it. Never on Windows, whose ``signal`` has no ``SIGKILL``."""
     sigkill = getattr(signal, "SIGKILL", None)
     return sigkill is not None and exitcode == -sigkill
 

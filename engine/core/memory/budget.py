@@ -62,11 +62,10 @@ class Budget:
 
 
 _active: list[Budget] = []
-# The fraction oomguard (or the user through set_memory_fraction) last set per GPU
-# ("cuda:N", "mps"): torch < 2.6 cannot read a CUDA fraction back, torch.mps never can.
+# The fraction last set per GPU ("cuda:N", "mps"): torch < 2.6 cannot read a CUDA one back,
+# torch.mps never can.
 _fractions: dict[str, float] = {}
-# MPSAllocator.mm's default high-watermark ratio (PYTORCH_MPS_HIGH_WATERMARK_RATIO
-# overrides it) and the largest fraction torch.mps accepts.
+# MPSAllocator.mm's default high-watermark ratio and the largest fraction torch.mps accepts.
 MPS_DEFAULT_FRACTION = 1.7
 MPS_MAX_FRACTION = 2.0
 
@@ -84,10 +83,8 @@ def host_budgets_available() -> bool:
 
 def tighten_active_budget() -> None:
     """Keep an active budget at ``nbytes`` above the *smallest* usage seen (``VmData`` on
-    CPU, :func:`gpu_held_bytes` on a GPU); called before each trial. Memory in the baseline
-    can be released after entry (thread stacks, malloc arenas, the warm-up's tensors) and
-    would silently enlarge the budget (docs/measurements.md#free-heap-at-budget-entry); the
-    limit is never raised, so memory that trials leave behind keeps counting."""
+    CPU, :func:`gpu_held_bytes` on a GPU), before each trial: baseline memory released after
+    entry would enlarge it (docs/measurements.md#free-heap-at-budget-entry). Never raised."""
     b = active_budget()
     if b is not None and b.device != "cpu":
         dev = torch.device(b.device)
@@ -100,11 +97,9 @@ def tighten_active_budget() -> None:
 
 
 def headroom_bytes(device: str | torch.device) -> int | None:
-    """Bytes the memory limit in force on ``device`` leaves this process now, in the units
-    it counts (measured): a CPU budget's ``RLIMIT_DATA`` minus ``VmData``; a GPU budget's
-    cap minus the bytes held (:func:`gpu_held_bytes`, call it with the cache emptied);
-    without a budget, CUDA's free device memory (``cudaMemGetInfo``, once this process has
-    a context). None where no limit is known (a CPU without budget, MPS without one)."""
+    """Bytes the limit in force on ``device`` leaves this process now (measured): a CPU
+    budget's ``RLIMIT_DATA`` minus ``VmData``; a GPU budget's cap minus the bytes held (cache
+    emptied); else CUDA's free memory once this process has a context. None: no limit known."""
     dev = torch.device(device)
     b = active_budget()
     if b is not None and b.device == ("cpu" if dev.type == "cpu" else _key(dev)):
@@ -112,8 +107,7 @@ def headroom_bytes(device: str | torch.device) -> int | None:
             limit, vm_data = host.data_limit(), host.proc_status("VmData")
             return None if limit is None or vm_data is None else limit - vm_data
         return b.limit - gpu_held_bytes(dev)
-    # has_context, not is_initialized: torch initialises CUDA without a context (a fraction
-    # or a property read), and cudaMemGetInfo would create one (~0.5 GiB).
+    # has_context: cudaMemGetInfo would create a context (~0.5 GiB).
     if dev.type == "cuda" and torch.cuda.is_available() and cuda.has_context(_cuda_index(dev)):
         return int(torch.cuda.mem_get_info(dev)[0])
     return None
@@ -156,9 +150,9 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
 @contextmanager
 def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
     """Cap the memory the code inside may allocate to ``nbytes`` bytes above what the
-    process holds now (on CUDA a per-process memory fraction; on a Linux CPU an ``RLIMIT_DATA`` above ``VmData``). On CPU, enter it after one small warm-up step so
-    that thread pools and kernels the step creates once are not charged to it. Raises
-    :class:`BudgetError` where :func:`check_budget` does. Nested budgets only shrink."""
+    process holds now (a CUDA memory fraction; on a Linux CPU ``RLIMIT_DATA`` above
+    ``VmData``). On CPU, enter it after one warm-up step so one-off thread pools are not
+    charged. Raises :class:`BudgetError` as :func:`check_budget`. Nested budgets only shrink."""
     dev = check_budget(nbytes, device)
     manager = _cpu_budget(nbytes) if dev.type == "cpu" else _gpu_budget(nbytes, dev)
     with manager as b:  # the limit is set: the budget is in force until it is restored
@@ -171,25 +165,19 @@ def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
 
 @contextmanager
 def _cpu_budget(nbytes: int) -> Iterator[Budget]:
-    # From here on every block of 4 KiB or more is a mapping of its own, returned to the kernel
-    # when freed: VmData counts what is live, as in an isolated child, so a budget entered in a
-    # script a user starts and in an isolated trial's child holds the same sizes
-    # (docs/measurements.md#free-heap-at-budget-entry).
+    # Blocks of 4 KiB or more get mappings of their own, returned when freed, as in an
+    # isolated child (docs/measurements.md#free-heap-at-budget-entry).
     return_freed_memory_to_os(ISOLATED_MMAP_THRESHOLD_BYTES)
-    # Measure the baseline after what is already garbage is gone and after the OpenMP pool exists:
-    # otherwise freed garbage becomes extra room and the first parallel op inside charges ~8 MiB of
-    # thread stacks to the budget (docs/measurements.md#minimum-cpu-budget).
+    # Baseline after garbage is gone and the OpenMP pool exists, else its ~8 MiB of thread
+    # stacks are charged to the budget (docs/measurements.md#minimum-cpu-budget).
     gc.collect()
     torch.ones(1 << 20).sum()  # an op large enough that torch parallelises it: its threads
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     vm_data = host.proc_status("VmData")
     if vm_data is None:
         raise BudgetError("CPU budgets need Linux /proc/self/status (VmData)")
-    # Free chunks in glibc's heap are counted in VmData already: code inside would reuse them
-    # without growing it, on top of nbytes. Charged to the budget, they make it exact: what
-    # the code inside may use, reused or new, is nbytes, however much free heap this process
-    # (a user's script, an isolated child, a long search) carries at entry
-    # (docs/measurements.md#free-heap-at-budget-entry).
+    # Free heap chunks are in VmData already and reusable: charged to the budget, so the
+    # code inside may use exactly nbytes (docs/measurements.md#free-heap-at-budget-entry).
     free = min(free_heap_bytes() or 0, nbytes - MIN_CPU_BUDGET // 2)
     limit = vm_data + nbytes - max(0, free)
     if soft != resource.RLIM_INFINITY:  # finite: also within the hard limit (soft <= hard)
@@ -219,11 +207,9 @@ def _key(dev: torch.device) -> str:
 
 
 def current_fraction(dev: torch.device) -> float:
-    """The fraction in force on ``dev``: torch's own answer where it has one (CUDA,
-    torch >= 2.6; :func:`oomguard.probes.cuda.memory_fraction`: 1.0 for no limit, also
-    under cudaMallocAsync, whose getter says about 2e8 then), else the last one set through
-    oomguard, else the default (CUDA 1.0; MPS ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` or 1.7,
-    where 0.0 means unlimited)."""
+    """The fraction in force on ``dev``: torch's answer where it has one (CUDA, torch >= 2.6),
+    else the last one set through oomguard, else the default (CUDA 1.0; MPS
+    ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` or 1.7, where 0.0 means unlimited)."""
     if dev.type == "cuda":
         read = cuda.memory_fraction(_cuda_index(dev))  # 1.0 for cudaMallocAsync's "no limit"
         return read if read is not None else _fractions.get(_key(dev), 1.0)

@@ -1,20 +1,15 @@
 """Memory forensics at an out-of-memory error: the allocator's and the host's view.
 
 Every OOM the size controller catches for a caller keeping a
-:class:`~oomguard.engine.core.execute.executor.RunRecord` (the executor, so every job
-metric) becomes an :class:`OomEvent`, measured by :class:`OomWatch` *inside* the
-``except`` block, before :func:`~oomguard.engine.core.memory.oom.call_catching_oom`
-releases memory for the retry (afterwards it would describe the cleaned-up state):
+:class:`~oomguard.engine.core.execute.retry.RunRecord` becomes an :class:`OomEvent`,
+measured by :class:`OomWatch` *inside* the ``except`` block, before memory is released:
 
-- Host, any device: ``VmData``, resident bytes, glibc's free heap chunks, and under an
-  oomguard budget on the device its limit in force and headroom.
-- CUDA: ``torch.cuda.memory_stats`` (reserved, allocated, ``num_alloc_retries``),
-  fragmentation = (reserved - allocated) / reserved, and the largest ``inactive`` block of
-  ``torch.cuda.memory_snapshot()``: that block, not ``inactive_split_bytes`` (a sum), is
-  the largest request the cache serves without a new ``cudaMalloc``, so a request above
-  it with much reserved is fragmentation.
-- With ``snapshot_dir``, ``torch.cuda.memory._dump_snapshot`` (history from
-  :func:`start_history`) for https://pytorch.org/memory_viz; elsewhere the event says why not.
+- Host: ``VmData``, resident bytes, glibc's free heap chunks, and an oomguard budget's
+  limit and headroom.
+- CUDA: ``memory_stats`` (reserved, allocated, ``num_alloc_retries``), fragmentation =
+  (reserved - allocated) / reserved, and the largest ``inactive`` block of
+  ``memory_snapshot()``: the largest request served without a new ``cudaMalloc``.
+- With ``snapshot_dir``, a ``_dump_snapshot`` for https://pytorch.org/memory_viz.
 
 Nothing is estimated: a figure is measured (a limit read) at the OOM, or None with
 ``sources`` saying why, never 0 for unknown. A failed reading never hides the OOM.
@@ -40,8 +35,7 @@ from oomguard.probes import host
 from oomguard.probes.device import resolve_device
 from oomguard.probes.peak import cuda_async_backend
 
-# Alloc/free events kept for a snapshot (a ring buffer, several KB each): the value of
-# PyTorch's "Understanding GPU memory" guide.
+# Alloc/free events kept for a snapshot (PyTorch's "Understanding GPU memory" guide's value).
 HISTORY_MAX_ENTRIES = 100_000
 _history: dict[str, Any] = {"on": False, "why_not": "no history recorded (start_history)"}
 _CUDA = ("reserved_bytes", "allocated_bytes", "fragmentation", "num_alloc_retries",
@@ -118,9 +112,8 @@ class OomWatch:
 
 def capture(sizes: Mapping[str, int], device: Any = None,
             snapshot_dir: str | os.PathLike[str] | None = None, name: str = "workload") -> OomEvent:
-    """Measure memory now, at the OOM (the device's allocated, reserved and free bytes, the host's); ``device`` None: as
-    :func:`~oomguard.probes.device.resolve_device`. A reading that fails is said in the
-    event, never raised."""
+    """Measure memory now, at the OOM (the device's and the host's bytes); ``device`` None:
+    as :func:`~oomguard.probes.device.resolve_device`. A failed reading is noted, not raised."""
     dev = resolve_device(device)
     ev = OomEvent(sizes=dict(sizes), device=str(dev), at=time.time())
     steps: list[tuple[tuple[str, ...], Callable[[], None]]] = [

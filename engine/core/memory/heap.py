@@ -1,10 +1,9 @@
 """glibc's heap, controlled so that CPU budgets count what is really live.
 
-A CPU budget limits ``VmData``. glibc keeps freed small blocks inside its heap, still
-counted in ``VmData`` and reusable without growing it, so what fits under a budget
-would depend on what ran before. These helpers make large frees go back to the kernel
-(``mallopt(M_MMAP_THRESHOLD)``), return the heap's free top (``malloc_trim``) and read
-what is left free (``mallinfo2``). Each returns False or None where there is no glibc.
+A CPU budget limits ``VmData``, which counts freed blocks glibc keeps in its heap. These
+helpers make large frees go back to the kernel (``mallopt(M_MMAP_THRESHOLD)``), return the
+heap's free top (``malloc_trim``) and read what is left free (``mallinfo2``); each returns
+False or None without glibc.
 """
 
 from __future__ import annotations
@@ -15,9 +14,8 @@ import functools
 
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 128 * 1024
-# A throwaway isolated child can afford every block >= 4 KiB its own mapping: VmData is
-# then the sum of live blocks whatever the order of frees, and answers repeat from child to
-# child, for a step up to 35% slower (docs/measurements.md#return-freed-memory).
+# Every block >= 4 KiB its own mapping: VmData is the sum of live blocks, for a step up to
+# 35% slower (measured: docs/measurements.md#return-freed-memory).
 ISOLATED_MMAP_THRESHOLD_BYTES = 4 * 1024
 _mmap_threshold: list[int] = []  # the lowest set here: a later budget must not raise it
 

@@ -1,22 +1,14 @@
 """What bounds CPU work that was given no budget: a search, a job's task, a reference row.
 
-Three limits can stop it, and each is met in its own way:
-
-- **An RLIMIT_DATA someone else set** (``ulimit -d``, a batch scheduler): an allocation
-  past it fails with a catchable error, a real OOM. The work runs under a budget at the
-  room it leaves, so trials are measured in what it counts (``VmData``) and a search
-  goes up to the limit.
-- **A cgroup memory limit** (Docker, Kubernetes, Slurm): past it the kernel kills a
-  process of the group (SIGKILL), and no exception is raised. The work runs under a
-  budget (an ``RLIMIT_DATA``) just under the room the cgroup leaves when the budget is
-  entered, so that running out is an exception, never a kill
+- **An RLIMIT_DATA someone else set** (``ulimit -d``, a scheduler): the work runs under a
+  budget at the room it leaves, so trials count ``VmData`` as the limit does.
+- **A cgroup memory limit** (Docker, Slurm): past it the kernel SIGKILLs; the work runs
+  under a budget just under the room it leaves, so running out is an exception
   (docs/measurements.md#cgroup-limits).
-- **Physical RAM**, which nothing enforces: one size past it makes the host swap. The
-  RAM guard (:mod:`~oomguard.engine.core.search.ramguard`, 80% of the available RAM,
-  estimated) stands in for a limit.
+- **Physical RAM**: the RAM guard (:mod:`~oomguard.engine.core.search.ramguard`, 80% of the
+  available RAM, estimated) stands in for a limit.
 
-The tightest wins (:mod:`~oomguard.engine.core.search.limit` chooses). Results and reports
-name the limit that bound.
+The tightest wins (:mod:`~oomguard.engine.core.search.limit` chooses).
 """
 
 from __future__ import annotations
@@ -33,11 +25,9 @@ from oomguard.engine.errors import BudgetError
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
 
-# A cgroup also charges what VmData does not count: page tables, kernel stacks, file pages a
-# trial touches, and the copy of each page a fork left shared that the process writes to. The
-# budget stays this far under the room; in a process whose garbage collector scans what the
-# fork left shared (it is not frozen, as it is in every child oomguard starts), also that far
-# under (it writes to every object it scans) (docs/measurements.md#cgroup-limits).
+# A cgroup also charges what VmData does not (page tables, file pages, copied fork-shared
+# pages): the budget stays this far under the room, and under an unfrozen gc also the
+# shared bytes it would copy (docs/measurements.md#cgroup-limits).
 CGROUP_SLACK_FRACTION = 0.02
 CGROUP_SLACK_MIN = 16 * 1024**2
 
@@ -71,8 +61,7 @@ class HostLimit:
                               f"{fmt_bytes(room)} to this work, and a budget under it needs "
                               f"{fmt_bytes(MIN_CPU_BUDGET + slack)}: give the container or "
                               "job more memory")
-        # The budget charges the free heap chunks present at entry to itself (budget.py); the
-        # kernel's limit does not, so they are given back: the work may use the whole room.
+        # The budget charges free heap chunks at entry; the kernel does not: given back.
         with budget(room - slack + (free_heap_bytes() or 0), "cpu") as b:
             yield b
 

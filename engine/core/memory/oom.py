@@ -29,9 +29,7 @@ from oomguard.engine.core.memory.swallowed import Witness
 from oomguard.engine.errors import first_line
 from oomguard.probes import host
 
-# An RLIMIT_DATA that someone else set counts as "near" when the process's
-# VmData is within this fraction of it.
-_NEAR_LIMIT = 0.10
+_NEAR_LIMIT = 0.10  # a limit counts as near within this fraction of it
 
 
 def memory_limit_near() -> bool:
@@ -45,18 +43,12 @@ def memory_limit_near() -> bool:
 
 
 def cuda_memory_near_limit() -> bool:
-    """True when a CUDA device this process has a context on is at its limit: within 10% of
-    it (reserved bytes against the per-process fraction's cap, or ``cudaMemGetInfo``'s free
-    bytes against its total), or its caching allocator has met it since it last reported an
-    OOM (:func:`oomguard.probes.cuda.unreported_oom_retries`). Devices without a context are
-    skipped (reading them would create one); a device that cannot be read counts as no
-    evidence.
-
-    Why both: when the allocator fails it first frees its whole cache, so the failure
-    leaves reserved bytes far below the cap when the request was large (a 4 GiB request
-    failing at 85% of a 16 GiB cap); the 10% test misses that, the allocator's own count of
-    last-resort retries does not. That count stays until ``reset_accumulated_memory_stats``,
-    so once a limit was met in this process it remains evidence."""
+    """True when a CUDA device this process has a context on is within 10% of its limit
+    (reserved bytes against the fraction's cap, or free bytes against the total), or its
+    allocator met the limit since its last reported OOM
+    (:func:`oomguard.probes.cuda.unreported_oom_retries`: a failing allocator frees its
+    cache first, so a large failed request leaves reserved bytes far below the cap).
+    Devices without a context, or that cannot be read, are no evidence."""
     # why: probes.cuda imports torch's CUDA helpers; only needed once a GPU row matched.
     from oomguard.probes import cuda
 
@@ -116,11 +108,10 @@ def release_memory(device: str | torch.device | None = None) -> None:
 
 @contextmanager
 def gc_frozen() -> Iterator[None]:
-    """Collect garbage once, then keep every object alive now out of later collections
-    while the block runs (``gc.freeze``), so that :func:`release_memory` before each trial
-    scans only what trials created: with transformers loaded a full collection took
-    ~200 ms, as long as a tiny GPT-2 step, and ~3 us frozen
-    (docs/measurements.md#gc-freeze). A freeze already in force is left as it is."""
+    """Collect garbage once, then ``gc.freeze`` every object alive now while the block runs,
+    so :func:`release_memory` before each trial scans only what trials created (a measured
+    ~200 ms collection becomes ~3 us: docs/measurements.md#gc-freeze). A freeze already in
+    force is left as it is."""
     if gc.get_freeze_count():
         yield
         return

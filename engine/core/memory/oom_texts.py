@@ -24,9 +24,8 @@ class OomText(NamedTuple):
 
 
 _RT = (RuntimeError,)  # torch.OutOfMemoryError is a RuntimeError too
-# Every message oomguard recognises: is_oom reads nothing else. tests/test_oom.py checks every row,
-# with real exceptions where this machine can raise them (CPU) and the devices' printed messages
-# where it cannot. A row with evidence also has causes a smaller size does not cure.
+# Every message oomguard recognises (tests/test_oom.py checks each row). A row with evidence
+# also has causes a smaller size does not cure.
 OOM_TABLE: tuple[OomText, ...] = (
     OomText("cuda out of memory", _RT, False, "torch.OutOfMemoryError's text on CUDA"),
     OomText("cuda error: out of memory", _RT, False, "runtime error surfaced by a kernel launch"),
@@ -41,16 +40,13 @@ OOM_TABLE: tuple[OomText, ...] = (
             "cuDNN >= 9 (torch >= 2.4) device allocation failure"),
     OomText("cudnn_status_internal_error_host_allocation_failed", _RT, False,
             "cuDNN >= 9 host allocation failure"),
-    # Not memory: cuDNN rejects batches above fixed limits (BatchNorm above 65535 in eval,
-    # some convolutions) and a smaller size is the cure, so it counts without evidence (which
-    # would miss the very case it is here for), as in accelerate. An input cuDNN never
-    # supports fails at every size: the wrapper gives up at its minimum quoting this message.
+    # Not memory: cuDNN's fixed batch limits (BatchNorm above 65535 in eval), cured by a
+    # smaller size, so no evidence is asked, as in accelerate.
     OomText("cudnn_status_not_supported", _RT, False, "cuDNN size limit (accelerate parity)"),
     OomText("cufft_alloc_failed", _RT, False, "cuFFT plan allocation"),
     OomText("cusolver_status_alloc_failed", _RT, False, "cuSOLVER handle allocation"),
     OomText("mps backend out of memory", _RT, False, "Apple MPS"),
-    # MPSAllocator.mm: TORCH_CHECK(size < m_max_buffer_size, "Invalid buffer size: ", ...);
-    # the device's maxBufferLength, a size limit that a smaller batch cures.
+    # MPSAllocator.mm's check against maxBufferLength: a smaller batch cures it.
     OomText("invalid buffer size: ", _RT, False, "Apple MPS buffer above maxBufferLength"),
     OomText("hip out of memory", _RT, False, "ROCm"),
     OomText("xpu out of memory", _RT, False, "Intel XPU"),
@@ -67,39 +63,30 @@ OOM_TABLE: tuple[OomText, ...] = (
     OomText("could not create a primitive", _RT, True, "oneDNN building a kernel", stderr=True),
     # its scratchpad allocated when the kernel runs (an LSTM step under a budget)
     OomText("could not execute a primitive", _RT, True, "oneDNN running a kernel", stderr=True),
-    # The next four: docs/measurements.md#cpu-oom-without-memoryerror. A thread's stack
-    # (8 MiB) is private memory, counted by RLIMIT_DATA; with no memory limit near this is
-    # a thread limit instead.
+    # The next four: docs/measurements.md#cpu-oom-without-memoryerror. A thread's 8 MiB
+    # stack counts against RLIMIT_DATA; with no limit near this is a thread limit.
     OomText("can't start new thread", _RT, True, "threading.Thread.start"),
-    # A C function (compile() importing a module from source) failed an allocation
-    # without setting MemoryError; else a bug in that function.
+    # A C function failed an allocation without setting MemoryError (or has a bug).
     OomText("returned null without setting an", (SystemError,), True, "an import, a C function"),
     # dlopen cannot map a C extension's writable segments; also a noexec mount.
     OomText("failed to map segment from shared object", (ImportError,), True, "an import (dlopen)"),
     OomText("cannot map zero-fill pages", (ImportError,), True, "an import (dlopen)"),
-    # torch's cuDNN v8/v9 API tries every plan and swallows each plan's OutOfMemoryError
-    # (Conv_v8.cpp try_plans), so a full device ends in this; so does an unsupported
-    # layout. "FIND" with benchmark=True, "GET" without.
+    # cuDNN v8/v9 swallows each plan's OutOfMemoryError (Conv_v8.cpp try_plans): a full
+    # device ends here, as does an unsupported layout.
     OomText("unable to find an engine to execute this computation", _RT, True,
             "cuDNN v8/v9 API: every plan failed", "cuda"),
-    # cublasCreate fails to allocate its handle's memory on a full device; also a
-    # broken CUDA install.
+    # cublasCreate on a full device; also a broken CUDA install.
     OomText("cublas_status_not_initialized", _RT, True, "cuBLAS handle creation", "cuda"),
-    # The caching allocator's OOM path asks NVML about the device's processes before it
-    # raises (reportProcessMemoryInfo, c10/cuda/CUDACachingAllocator.cpp); where NVML
-    # refuses (a MIG parent without root, WSL2, locked-down containers) one of its three
-    # TORCH_INTERNAL_ASSERTs replaces the OutOfMemoryError. The texts as the preprocessor
-    # prints the conditions; each is an OOM only with evidence that the allocator met its
-    # limit (cuda_memory_near_limit), as the issue asks of an assert.
+    # The allocator's OOM path queries NVML before raising; where NVML refuses (MIG without
+    # root, WSL2, containers) one of three TORCH_INTERNAL_ASSERTs replaces the OOM.
     OomText("nvml_success == r internal assert failed", _RT, True,
             "CUDA OOM whose NVML process query failed (pytorch#112377)", "cuda"),
     OomText("nvml_success == driverapi::get()->nvmlinit_v2_() internal assert failed", _RT, True,
             "CUDA OOM whose nvmlInit failed", "cuda"),
     OomText("nvml_success == driverapi::get()->nvmldevicegethandlebypcibusid_v2_(", _RT, True,
             "CUDA OOM whose NVML device lookup failed", "cuda"),
-    # Only ever on a dying child's stderr (no exception carries them). libgomp prints "libgomp:
-    # Thread creation failed: Resource temporarily unavailable" and exits with code 1 when a
-    # thread's stack does not fit (docs/measurements.md#minimum-cpu-budget).
+    # Only on a dying child's stderr: libgomp exits with code 1 when a thread's stack does
+    # not fit (docs/measurements.md#minimum-cpu-budget).
     OomText("libgomp: out of memory", (), False, "gomp_malloc: Out of memory allocating N bytes",
             stderr=True),
     OomText("libgomp: thread creation failed", (), False, "a thread's stack", stderr=True),

@@ -12,50 +12,29 @@ executor attempt and every job call goes through) then returns the same
 
 Two signals, one per kind of memory:
 
-- **CUDA** (always on): the caching allocator counts every OOM it reports,
-  ``memory_stats()["num_ooms"]``: ``DeviceCachingAllocator::malloc`` increments
-  ``stats.num_ooms`` right before it throws ``OutOfMemoryError``
-  (c10/cuda/CUDACachingAllocator.cpp, torch 2.13). A call during which the count rose on a
-  device this process has a context on ran out of memory there. torch's own code catches
-  some of these too (cuDNN trying a convolution's next algorithm when one's workspace does
-  not fit, aten/src/ATen/native/cudnn/Conv_v7.cpp ``try_all``): such a size counts as out of
-  memory as well, a conservative answer at the edge. ``backend:cudaMallocAsync`` keeps no
-  such count (its ``num_ooms`` stays 0): there the CPU's signal stands in under a budget.
-- **CPU** (on under a budget, see below): no allocator keeps a count; under ``RLIMIT_DATA``
-  torch 2.13 raises a plain ``RuntimeError("... DefaultCPUAllocator: can't allocate memory
-  ...")`` out of the operator that allocated. A ``TorchDispatchMode`` (:class:`_Spotter`),
-  active on this thread for the call only, runs each aten operator in ``try``/``except``,
-  notes an exception that :func:`~oomguard.engine.core.memory.oom.is_oom` calls an OOM, and
-  re-raises it unchanged. Operators of the backward pass are seen too: on the CPU the
-  calling thread runs them (tests/test_swallowed_oom.py), and the autograd engine's device
-  threads run under the caller's ``at::ThreadLocalState``, which carries the dispatch modes
-  (``torch_dispatch_mode_state_``, aten/src/ATen/ThreadLocalState.h): the spotter therefore
-  holds the witnesses of the thread that pushed it (seen on an H200:
-  bench/gpu_check_swallowed.py).
-  Not seen: a ``MemoryError`` raised by Python or numpy (not an aten operator) and
-  operators run by threads the call starts itself. The spotter ignores what
-  ``torch.compile`` does inside its compiled regions (``ignore_compile_internals``), so
-  compiled code stays compiled.
+- **CUDA** (always on): the caching allocator's ``memory_stats()["num_ooms"]``, incremented
+  right before it throws ``OutOfMemoryError``; a rise during the call on a device with a
+  context is an OOM there, including the ones torch catches itself (cuDNN's algorithm
+  search): a conservative answer at the edge. ``backend:cudaMallocAsync`` keeps no count:
+  there the CPU's signal stands in under a budget.
+- **CPU** (on under a budget): under ``RLIMIT_DATA`` torch raises a plain ``RuntimeError``
+  out of the operator that allocated. A ``TorchDispatchMode`` (:class:`_Spotter`), active on
+  this thread for the call only, runs each aten operator in ``try``/``except``, notes an
+  exception that :func:`~oomguard.engine.core.memory.oom.is_oom` calls an OOM, and re-raises
+  it unchanged. Backward operators are seen too: the autograd engine's threads run under
+  the caller's ``ThreadLocalState``, which carries the dispatch modes (checked on an H200:
+  bench/gpu_check_swallowed.py). Not seen: a ``MemoryError`` from Python or numpy, and
+  operators on threads the call starts itself. Compiled regions stay compiled
+  (``ignore_compile_internals``).
 
-Cost on the path without an OOM (bench/bench_overhead.py, this 2-core CPU, torch 2.13, 1
-thread): the spotter adds a Python call per aten operator, about 4 us: a tiny GPT-2's forward
-and backward (225 operators) took 1.77x as long (2211 against 1251 us), a matmul-heavy step
-(two 1024-wide linear layers on 256 rows, 27 operators) the same within noise (0.99-1.02x).
-Off, a call pays about 1 us (``@adaptive``: 2.2 us added per call, 1.25 us before). So the
-spotter is on by default only where a budget is in force (``active_budget()``: search
-trials, each isolated child, a job's calls, an enforced host limit, which enters a budget),
-where the call's OOMs are what is measured, and off elsewhere (an ``@adaptive`` step of a
-training script on the CPU). ``OOMGUARD_SWALLOWED_OOMS``, read at import (the children
-oomguard starts inherit it), sets it: ``auto`` (the default, as above), ``on`` (every call)
-or ``off`` (never; the CUDA counter stays on); :func:`set_spotter_mode` sets it for this
-process only. On a CUDA device a call pays about 40 us (two reads of the allocator's nested
-stats, 12.8 us each on an H200; ``memory_stats`` flattens them in Python: 79 us), 1.05x on a
-tiny GPT-2 step there; the spotter, when on, 1.49x.
-
-Python 3.12's ``sys.monitoring`` RAISE events would see every exception more cheaply: on the
-H200 host's CPU (Python 3.12.3, 1 thread) the same tiny GPT-2 step took 1.11-1.38x with them
-against 1.68-1.81x with the dispatch mode, in two runs. Not used: Python 3.10 and 3.11 need the
-dispatch mode anyway, and one path serves every version.
+Cost without an OOM (measured, bench/bench_overhead.py): the spotter adds about 4 us per
+aten operator (a tiny GPT-2 CPU step 1.77x, a matmul-heavy step within noise); off, a call
+pays about 1 us, on a CUDA device about 40 us (the allocator's stats read twice). So in
+``auto`` mode the spotter is on only where a budget is in force (``active_budget()``: search
+trials, isolated children, a job's calls, an enforced host limit). ``OOMGUARD_SWALLOWED_OOMS``,
+read at import and inherited by children, sets ``auto`` (default), ``on`` or ``off`` (the
+CUDA counter stays on); :func:`set_spotter_mode` sets it for this process only. Python
+3.12's ``sys.monitoring`` would be cheaper but 3.10 and 3.11 need the dispatch mode anyway.
 """
 
 from __future__ import annotations
@@ -137,10 +116,9 @@ class _Spotter(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        # torch wraps __torch_dispatch__ in torch._disable_dynamo otherwise: that wrapper imports
-        # torch._dynamo at the first operator (measured: a MemoryError under a tight budget in a
-        # process that had not imported it) and costs time per operator. No frame of this mode
-        # is compiled: ignore_compile_internals turns it off while torch.compile runs.
+        # Else torch wraps __torch_dispatch__ in torch._disable_dynamo, which imports
+        # torch._dynamo at the first operator (a MemoryError under a tight budget) and costs
+        # time per operator; ignore_compile_internals keeps this mode out of compiled code.
         return False
 
     def __init__(self, frames: list[Witness]) -> None:
