@@ -1,45 +1,20 @@
 """Micro-batching that keeps the effective batch: exact gradient accumulation on OOM.
 
 When a whole batch does not fit, it is split along dim 0 into micro-batches; each micro-batch's loss
-is scaled by its share of the batch's tokens (or samples) before ``backward()``, so ``.grad`` equals
-the whole batch's within float rounding. The micro-batch size is the core's one size controller's
-(:class:`~oomguard.engine.core.execute.executor.SizeController`).
+is scaled by its share of the batch's units before ``backward()``, so ``.grad`` equals the whole
+batch's within float rounding. ``step_fn(micro_batch)`` returns a scalar loss, the mean over the
+micro-batch's own units (``reduction="mean"``) or their sum (``"sum"``), and does not call
+``backward`` itself. ``weight_by`` counts units: ``"samples"`` (rows), ``"tokens"`` (``labels !=
+ignore_index``), ``"causal-tokens"`` (``labels[..., 1:] != ignore_index``) or a callable additive
+over rows; a micro-batch with no units is skipped (its exact contribution is zero).
 
-For the scaling to be exact, ``step_fn(micro_batch)`` runs the forward pass and returns a scalar
-loss tensor (it must not call ``backward`` itself):
-
-- ``reduction="mean"`` (default): the **mean over the micro-batch's own units** (a transformers
-  causal LM's ``model(**batch).loss`` with ``weight_by="causal-tokens"``), multiplied by
-  ``units_micro / units_total``.
-- ``reduction="sum"``: the sum over its units; losses are added unscaled.
-
-``weight_by`` counts units: ``"samples"`` (rows), ``"tokens"`` (``labels != ignore_index``),
-``"causal-tokens"`` (``labels[..., 1:] != ignore_index``, the shifted count causal LMs average
-over), or a callable ``fn(batch) -> number`` that is additive over rows. A micro-batch with no units
-is skipped (its mean would be 0/0 = NaN, its exact contribution is zero). Randomness in the step
-(dropout) draws differently per micro-batch: disable it for bit-comparable results.
-
-Each call *adds* its share to the gradients it finds, as ``loss.backward()`` does, so it can sit
-inside a loop of one's own (nanoGPT's ``micro_step`` loop) with that loop's backward
-(``backward=``: a GradScaler's ``scaler.scale(loss).backward()``, ``accelerator.backward``; the
-micro-batch loss it gets is already weighted by its share). Under DistributedDataParallel
-(``params`` is or contains one) every micro-batch but the last runs under ``no_sync``: at most
-one all-reduce per call, of the gradients summed so far. The last micro-batch follows the
-module's own setting (an outer loop that sets ``require_backward_grad_sync`` for its last
-step only, as nanoGPT does, keeps one all-reduce per optimizer step).
-
-A micro-batch that runs out of memory during ``backward`` may already have added part of its
-gradient to some ``.grad`` tensors, so an attempt that fails (or that ran but is redone
-because another rank ran out of memory) puts the gradients back as they were when the call
-started, then the whole batch runs again at a smaller size: each micro-batch counts exactly
-once. That takes one copy of the gradients present at entry, on
-their device, for the length of the call (none when no gradient exists: they are set to
-``None``). Gradients of tensors outside ``params`` are not restored.
-
-The size after an OOM comes from the controller's policy; the default,
-:class:`~oomguard.engine.core.execute.retry.FitPeaks`, measures the peak of the first few
-micro-batches of each size and goes to the largest size they predict fits what the limit
-leaves (never at or above the size that failed), halving where nothing was measured.
+Each call *adds* to the gradients it finds, as ``loss.backward()`` does, so it can sit inside a
+loop of one's own. Under DistributedDataParallel every micro-batch but the last runs under
+``no_sync``. An attempt that fails (or is redone because another rank ran out of memory) puts the
+gradients of ``params`` back as they were at entry (one copy of them, on their device), so each
+micro-batch counts exactly once. The size after an OOM comes from the controller's policy
+(default :class:`~oomguard.engine.core.execute.retry.FitPeaks`: the largest size the measured
+peaks predict fits, halving where nothing was measured).
 """
 
 from __future__ import annotations
@@ -97,8 +72,8 @@ def _row_units(batch: Batch, weight_by: str, labels_key: str, ignore_index: int)
 def _param_list(params: Params) -> list[torch.Tensor]:
     """The tensors whose ``.grad`` a call adds to (a tied parameter may appear twice)."""
     if isinstance(params, torch.nn.Module):
-        # Module.parameters() costs ~4 us per parameter tensor (generators, a memo set); this plain
-        # walk costs ~0.5 us, and it runs every call (docs/measurements.md#parameter-walk).
+        # A plain walk: ~8x cheaper than Module.parameters(), and it runs every call
+        # (measured: docs/measurements.md#parameter-walk).
         out: list[torch.Tensor] = []
         append = out.append
         stack: list[torch.nn.Module | None] = [params]
@@ -217,13 +192,11 @@ class Accumulator:
     ``params`` (a module, an optimizer, or tensors): whose ``.grad`` one call adds to;
     ``optimizer``: its parameters when ``params`` is not given (with both, they must be
     ``params``'). ``backward(loss)``: how a scaled micro-batch loss is back-propagated
-    (default ``loss.backward()``; ``accelerator.backward``, or
-    ``lambda loss: scaler.scale(loss).backward()``). ``micro_batch_size`` (rows): the first
-    size tried (None: the whole batch). The size options (``policy``, ``minimum``, ...) are
-    the size controller's; the default policy is
-    :class:`~oomguard.engine.core.execute.retry.FitPeaks`. With ``size``, an existing
-    controller (how :func:`accumulate` keeps the size between calls), its own apply and
-    ``micro_batch_size`` only bounds the micro-batches.
+    (default ``loss.backward()``; ``accelerator.backward``). ``micro_batch_size`` (rows): the
+    first size tried (None: the whole batch). The size options (``policy``, ``minimum``, ...)
+    are the size controller's. With ``size``, an existing controller (how :func:`accumulate`
+    keeps the size between calls), its options apply and ``micro_batch_size`` only bounds
+    the micro-batches.
     """
 
     def __init__(self, step_fn: Callable[[Batch], torch.Tensor], params: Params | None = None,
@@ -267,8 +240,8 @@ class Accumulator:
     @property
     def ddp(self) -> list[torch.nn.Module]:
         """The DistributedDataParallel modules in ``params``, looked for only when a batch is
-        split: whole batches need no ``no_sync``, and the module walk costs about what the
-        parameter walk does (measured: 54-90 us for a 12-layer GPT-2's 164 modules)."""
+        split (whole batches need no ``no_sync``, and the walk costs about what the parameter
+        walk does)."""
         if self._ddp is None:
             self._ddp = _ddp_modules(self._holder)
             self._holder = None  # found: hold no reference to the model longer than needed
@@ -406,11 +379,9 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
     if it does not fit.
 
     The function form of :class:`Accumulator`, whose options apply to this call only. The
-    micro-batch size found (and the peaks measured, for the default
-    :class:`~oomguard.engine.core.execute.retry.FitPeaks` policy) persists per ``params``
-    object, else ``optimizer`` (while it lives), and ``name`` (default: the step function's
-    qualified name, so a step function defined anew every iteration keeps its size).
-    Returns the whole batch's loss (detached, not scaled by ``backward``). Typical use::
+    micro-batch size found (and the measured peaks) persists per ``params`` object, else
+    ``optimizer`` (while it lives), and ``name`` (default: the step function's qualified
+    name). Returns the whole batch's loss (detached, not scaled by ``backward``). Typical use::
 
         loss = oomguard.accumulate(lambda mb: model(**mb).loss, batch, params=model,
                                    weight_by="causal-tokens")

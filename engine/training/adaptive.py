@@ -1,15 +1,7 @@
-"""Adaptive sizes inside training scripts: a decorator and an accelerate-shaped helper.
-
-Both wrappers are thin layers over the core's one size controller
-(:class:`~oomguard.engine.core.execute.executor.SizeController`), agreed between ranks
-under ``torch.distributed`` (:mod:`~oomguard.engine.training.distributed`). Size changes
-are logged on the ``oomguard.adaptive`` logger and counted in
-:func:`~oomguard.engine.core.execute.stats.stats`. Both take ``params=`` and
-``optimizer=``: a retry then starts from cleared gradients and never follows a partly
-applied optimizer step (:mod:`~oomguard.engine.core.execute.clean_retry`).
-
-:func:`find_executable_batch_size` is a drop-in for accelerate's and transformers' helpers
-of that name: the same positional and keyword calls, the same sizes tried.
+"""Adaptive sizes inside training scripts: :func:`adaptive` and
+:func:`find_executable_batch_size` (a drop-in for accelerate's and transformers' helpers), thin
+layers over the core's size controller, agreed between ranks under ``torch.distributed``; size
+changes are logged on the ``oomguard.adaptive`` logger and counted in ``oomguard.stats()``.
 """
 
 from __future__ import annotations
@@ -46,10 +38,7 @@ def make_controller(name: str, key: str, start: int | None | SizeMemory, *, mini
                clean: CleanRetry | None = None,
                watch_alloc_retries: bool = True) -> SizeController:
     """The size controller of a training-script helper: one knob ``key``, agreed between
-    the ranks of ``group`` with ``sync_ranks``. ``clean``: what a retry leaves clean
-    (:class:`~oomguard.engine.core.execute.clean_retry.CleanRetry` of the helper's
-    ``params``/``optimizer``). ``watch_alloc_retries`` (on by default; acts on CUDA only):
-    step down before an OOM when the allocator retries in consecutive calls."""
+    the ranks of ``group`` with ``sync_ranks``; ``clean``: what a retry leaves clean."""
     if not isinstance(start, SizeMemory):
         check_positive_int("start", start, optional=True)
         start = remembered(name, key, start)
@@ -61,7 +50,7 @@ def make_controller(name: str, key: str, start: int | None | SizeMemory, *, mini
 
 
 def _batch_size_guard(fn: Callable[..., Any]) -> Callable[[tuple, dict], None]:
-    """A check that raises TypeError when the caller passes the batch size the decorator supplies."""
+    """A check that raises TypeError when the caller passes the batch size itself."""
     fname = getattr(fn, "__name__", type(fn).__name__)
     try:
         params = list(inspect.signature(fn).parameters.values())
@@ -134,10 +123,8 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
 
 
 def accelerate_reduce(batch_size: int) -> int:
-    """accelerate's default step after an OOM (1.9 and later): ``int(batch_size * 0.9)``
-    (accelerate 1.15 ``accelerate/utils/memory.py``, ``find_executable_batch_size``'s inner
-    ``reduce_batch_size_fn``; transformers' Trainer calls that helper). From 128: 115, 103,
-    92, 82, ... 2, 1, then 0, where accelerate (and this helper) gives up."""
+    """accelerate's default step after an OOM (1.9 and later): ``int(batch_size * 0.9)``;
+    from 128: 115, 103, ... 2, 1, then 0, where accelerate (and this helper) gives up."""
     return int(batch_size * 0.9)
 
 
@@ -150,18 +137,14 @@ def find_executable_batch_size(function: Callable[..., T] | None = None,
     """accelerate's and transformers' helper, same calls: switch with one import line.
 
     Accepts accelerate's ``(function, starting_batch_size, reduce_batch_size_fn)`` and
-    transformers' ``(function, starting_batch_size, auto_find_batch_size)``, positionally or
-    by keyword (a callable third argument is accelerate's reduce function, a bool
-    transformers' switch). ``function(batch_size, ...)`` is called at
-    ``starting_batch_size``, then after each OOM at what accelerate tries
-    (:func:`accelerate_reduce`: ``int(size * 0.9)``) or what ``reduce_batch_size_fn``
-    returns (``fn(size) -> int`` or accelerate's ``fn() -> int``). At zero, accelerate's
-    :data:`ZERO_MESSAGE` (a :class:`NoExecutableBatchSize`). ``auto_find_batch_size=False``
-    does what transformers' helper does then: one call at ``starting_batch_size``, no retry.
-
+    transformers' ``(function, starting_batch_size, auto_find_batch_size)`` (a callable third
+    argument is accelerate's reduce function, a bool transformers' switch).
+    ``function(batch_size, ...)`` runs at ``starting_batch_size``, then after each OOM at
+    :func:`accelerate_reduce` of it or what ``reduce_batch_size_fn`` returns (``fn(size)`` or
+    accelerate's ``fn()``); at zero, accelerate's :data:`ZERO_MESSAGE` as a
+    :class:`NoExecutableBatchSize`. ``auto_find_batch_size=False``: one call, no retry.
     Beyond accelerate: ``params``/``optimizer`` keep retries clean (as in :func:`adaptive`),
-    each OOM is recorded and counted in ``oomguard.stats()``, and under
-    ``torch.distributed`` every rank takes the same size (``sync_ranks=False``: not).
+    and under ``torch.distributed`` every rank takes the same size (``sync_ranks=False``: not).
     """
     if callable(auto_find_batch_size) and not isinstance(auto_find_batch_size, bool):
         if reduce_batch_size_fn is not None:

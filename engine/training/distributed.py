@@ -1,23 +1,14 @@
 """Agreement between ranks on an adaptive size: one collective per attempt.
 
-Under ``torch.distributed`` an OOM on one rank must move *every* rank to the same smaller size, or
-the ranks run different batches (and, with gradient synchronisation, wait on each other forever).
-After each attempt every rank proposes its next size (``0``: nothing smaller) and whether it ran out
-of memory; one ``all_reduce(MIN)`` over ``[proposal, -oom]`` gives every rank the same decision. An
-adaptive object also agrees once on its starting size.
+An OOM on one rank must move *every* rank to the same smaller size, or the ranks run different
+batches and wait on each other forever. After each attempt one ``all_reduce(MIN)`` over
+``[proposal, -oom]`` gives every rank the same decision. The calls are collective: every rank
+makes them in the same order, and the wrapped function runs no collective itself.
+``sync_ranks=False`` makes none (each rank keeps its own size).
 
-The calls are **collective**: every rank calls the adaptive function (or
-``accumulate``) the same number of times, in the same order, and the function runs
-no collective itself (an OOM on one rank between two collectives would leave the
-others waiting). With DDP, run the micro-batches under ``model.no_sync()`` with
-``broadcast_buffers=False`` and synchronise with :func:`all_reduce_gradients`.
-Without an initialised process group nothing is communicated; ``sync_ranks=False``
-makes no collective at all (each rank keeps its own size: work only some ranks do).
-
-A call made on some ranks only would block until the backend's timeout (30 minutes on gloo), so the
-first call of each adaptive object checks through the process group's store, not a collective, that
-every rank makes it (:func:`check_every_rank_calls`; why not a collective:
-docs/measurements.md#rank-presence-check). Later calls are not checked.
+A call made on some ranks only would block until the backend's timeout, so the first call of
+each adaptive object checks through the store, not a collective, that every rank makes it
+(:func:`check_every_rank_calls`; why: docs/measurements.md#rank-presence-check).
 """
 
 from __future__ import annotations
@@ -34,14 +25,11 @@ from oomguard.engine.errors import CollectiveMismatch
 
 Sizes = dict[str, int]
 
-# How long the first call of an adaptive object waits for every rank to make it too (seconds). Ranks
-# reach a first call about together (they were in step at their last collective); raise it when the
-# work before a first call (loading data) differs between ranks by more than this.
+# Seconds the first call of an adaptive object waits for every rank to make it too; raise it when
+# the work before a first call (loading data) differs between ranks by more.
 FIRST_CALL_TIMEOUT_S = 60.0
 
-# Per process group: how many adaptive objects made their first call here.
-# Every rank counts the same first calls in the same order, so the count names
-# the same check on every rank (as a collective's order does).
+# Per process group: first calls made so far, the same count on every rank (as a collective's order).
 _first_calls: dict[str, int] = {}
 
 
@@ -106,8 +94,7 @@ def check_every_rank_calls(what: str, group: Any = None) -> None:
     except RuntimeError:  # DistStoreError: a timeout (any other store failure re-raises below)
         missing = [r for r in ranks if not store.check([prefix + str(r)])]
         if missing:
-            # Withdraw, so that this check is as if never made: a later call made
-            # by every rank then pairs up again (same count on every rank).
+            # Withdraw, so that a later call made by every rank pairs up again.
             store.delete_key(prefix + str(me))
             raise CollectiveMismatch(
                 f"{what}: oomguard's adaptive sizes are collective under torch.distributed: "
@@ -120,10 +107,8 @@ def check_every_rank_calls(what: str, group: Any = None) -> None:
 
 
 class RankAgreement:
-    """The core :class:`~oomguard.engine.core.execute.executor.SizeController`'s
-    ``agreement`` between the ranks of ``group`` (:func:`agree`, for every size at once).
-    The first :meth:`active` under ``torch.distributed`` runs :func:`check_every_rank_calls`.
-    """
+    """A size controller's ``agreement`` between the ranks of ``group`` (every size at once);
+    the first :meth:`active` under ``torch.distributed`` runs :func:`check_every_rank_calls`."""
 
     def __init__(self, group: Any = None, what: str = "an adaptive size") -> None:
         self.group = group

@@ -1,10 +1,5 @@
-"""Giving memory back, under the names a training script uses: :func:`release_memory` takes
-accelerate's call (``a, b = release_memory(a, b)``), so a script switched from accelerate
-keeps its lines; :func:`free_memory` returns a device's freed memory to it (what
-``release_memory(device)`` did before it took accelerate's call).
-
-Both end in :func:`oomguard.engine.core.memory.oom.release_memory`, which oomguard's own
-trials call between sizes.
+"""Giving memory back: :func:`release_memory` takes accelerate's call (``a, b =
+release_memory(a, b)``); :func:`free_memory` returns a device's freed memory to it.
 """
 
 from __future__ import annotations
