@@ -64,8 +64,7 @@ from oomguard.engine.errors import UsageError
 
 __all__ = ["RebuiltInChild", "Workload", "estimate_copy", "fake_module", "host_device",
            "knob_of", "name_of", "own_estimate", "preload_of", "replays_workspace", "shortcut",
-           "steps_of",
-           "warm_up", "worst_case_call", "worst_case_maker"]
+           "steps_of", "warm_up", "worst_case_call", "worst_case_maker"]
 
 
 class Workload(Protocol):

@@ -1,20 +1,13 @@
 """Stepping down before the OOM: the CUDA caching allocator's retries as an early warning.
 
-When a ``cudaMalloc`` fails, torch's caching allocator frees its whole cache and asks again
-before it reports an OOM, counting ``num_alloc_retries``
-(:func:`~oomguard.probes.cuda.alloc_retries`). A step that needs such a retry runs at the
-edge of the memory it may use; one that needs it on consecutive steps is thrashing (slow:
-every retry synchronises and frees the cache) and one fragment away from an OOM.
+When a ``cudaMalloc`` fails, torch's caching allocator frees its cache and retries before
+it reports an OOM, counting ``num_alloc_retries``. A step that needs such retries on
+consecutive calls is thrashing and one fragment away from an OOM.
 
-The rule is Composer's (mosaicml/composer ``composer/trainer/trainer.py``,
-``_update_num_consecutive_thrashes`` and its caller in ``_train_batch``): after each batch
-without an OOM, read ``torch.cuda.memory_stats()["num_alloc_retries"]``; a batch during
-which it rose counts as a thrash, a batch during which it did not resets the count to 0;
-at 2 consecutive thrashes the micro-batch size steps down as on an OOM
-(``_adjust_device_train_microbatch_size``) and the count restarts. The size controller
-applies it to every successful call of a wrapper on a CUDA device
-(:class:`~oomguard.engine.core.execute.executor.SizeController`, ``watch_alloc_retries``):
-the call's result stands, the next call runs at the smaller size.
+The rule is Composer's (``_update_num_consecutive_thrashes``): after each call without an
+OOM, a rise of the count is a thrash, no rise resets it; at :data:`CONSECUTIVE` thrashes in
+a row the size steps down as on an OOM. The call's result stands; the next call runs at the
+smaller size (``SizeController(watch_alloc_retries=True)``).
 """
 
 from __future__ import annotations

@@ -3,40 +3,22 @@ wrappers that run a user's whole step (``@adaptive``, ``find_executable_batch_si
 ``Executor``). ``accumulate`` keeps its own: it puts back the gradients an outer loop left
 (:class:`~oomguard.engine.training.accumulate.EntryGrads`) instead of clearing them.
 
-An attempt that runs out of memory in its backward has already added part of its gradient to
-some ``.grad`` tensors; one that runs out inside ``optimizer.step()`` may have updated some
-parameters, step counters or moment estimates. A retry on top of either trains on a mix of
-two attempts. :class:`CleanRetry`, built from the ``params=`` and ``optimizer=`` a user hands
-a wrapper, is what the size controller
-(:class:`~oomguard.engine.core.execute.executor.SizeController`) calls around every attempt
-and before every retry:
+An OOM in the backward has already added part of a gradient to some ``.grad`` tensors; one
+inside ``optimizer.step()`` may have updated parameters or state: a retry on top trains on a
+mix of two attempts. :class:`CleanRetry`, built from the ``params=`` and ``optimizer=`` a
+user hands a wrapper, runs around every attempt of the size controller:
 
-- before a retry, the gradients of ``params`` are set to ``None`` (what
-  ``zero_grad(set_to_none=True)`` does): the retry computes them from nothing, as a clean
-  run at the smaller size does;
-- during each attempt, the optimizer's own step pre- and post-hooks are registered (and
-  removed after it: no state is left on the optimizer). The pre-hook records the tensor
-  version counters (``t._version``, bumped by every in-place write) of the parameters and
-  of the tensors already in ``optimizer.state``. After an OOM between the two hooks:
+- before a retry, the gradients of ``params`` are set to ``None``;
+- during each attempt, the optimizer's step pre- and post-hooks (removed after it) record
+  the version counters (``t._version``) of the parameters and of ``optimizer.state``'s
+  tensors. After an OOM between the two hooks, if nothing was written (no version moved,
+  lazily created state still at version 0) the new state is dropped and the attempt
+  retried; else the step was partly applied and
+  :class:`~oomguard.engine.errors.StepPartlyApplied` says so and what to do. An OOM after
+  a completed step raises it too.
 
-  - nothing was written (no recorded version moved; every state tensor the step created
-    lazily, e.g. AdamW's ``exp_avg`` at its first step, still at version 0): the state the
-    step created is dropped, so the optimizer is exactly as before the step, the gradients
-    are cleared, and the attempt is retried;
-  - something was written (a parameter, a moment estimate or a step counter, in place or
-    by replacing a state value): the step was partly applied, and no retry can undo that.
-    :class:`~oomguard.engine.errors.StepPartlyApplied` says so in one line and what to do.
-
-  An OOM after a completed step (within the same attempt) raises it too: a retry would
-  apply the step twice.
-
-Measured on torch 2.13 CPU (AdamW on a ``Linear``): ``foreach=False`` and ``foreach=True``
-bump the parameters' versions by 2 and the state's (``step`` 1, ``exp_avg`` 1,
-``exp_avg_sq`` 2); ``fused=True`` bumps only ``step`` (the fused kernel writes the other
-tensors without bumping them), which it increments before the kernel runs: so a step
-counter that moved is the sign that a fused step began. Lazily created state starts at
-version 0 (``torch.zeros_like``, ``torch.tensor``). A write through ``p.data`` (some older
-custom optimizers) goes to a tensor with a version counter of its own and is not seen.
+A fused AdamW bumps only ``step``, before its kernel runs: enough to see it began (checked
+on torch 2.13 CPU). A write through ``p.data`` has a version counter of its own: unseen.
 
 Without ``params`` and ``optimizer``, nothing is cleared; a retry that can see gradients
 left on the function's module (``fn.__self__`` when it is a ``Module``, or the ``Module``
@@ -186,8 +168,7 @@ class CleanRetry:
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """One attempt, ``fn(*args, **kwargs)``, with the optimizer's step hooks registered
-        only while it runs (without an optimizer: a plain call, no context manager, since
-        it runs on every training step)."""
+        only while it runs (without an optimizer: a plain call)."""
         if self.optimizer is None:
             return fn(*args, **kwargs)
         watch = self.watch = _StepWatch(self.optimizer)
@@ -200,11 +181,10 @@ class CleanRetry:
                 handle.remove()
 
     def before_retry(self, name: str, message: str, once: Any) -> None:
-        """Called after an attempt failed and before it is retried (``message``: why it
-        failed; ``once``: an object whose ``warned`` attribute keeps the warning to one per
-        wrapper, its size memory). Raises :class:`~oomguard.engine.errors.StepPartlyApplied` when the
-        optimizer's step had begun writing or had completed; else drops what an
-        interrupted step created and clears the gradients."""
+        """After a failed attempt, before its retry (``message``: why it failed; ``once.warned``
+        keeps the warning to one per wrapper). Raises :class:`~oomguard.engine.errors.StepPartlyApplied`
+        when the step had begun writing or had completed; else drops what an interrupted step
+        created and clears the gradients."""
         watch, self.watch = self.watch, None
         if watch is not None:
             self._check_step(watch, name, message)

@@ -8,23 +8,14 @@ then :class:`~oomguard.engine.errors.NoExecutableBatchSize`. :class:`Executor`,
 :class:`SizeMemory` holds what is learnt across calls (numbers only, never the user's
 function, model or data, so whoever keeps it decides how long it lives).
 
-Only OOMs are retried, and an OOM the function's own code caught counts as one
-(:mod:`~oomguard.engine.core.memory.swallowed`). The OOM's exception and traceback are dropped
-*before* memory is released, so the failed attempt's tensors are really freed. The first
-attempt is a plain :func:`~oomguard.engine.core.memory.oom.call_catching_oom` (about a
-microsecond on the CPU without a budget, 40 us on a CUDA device);
+Only OOMs are retried, an OOM the function's own code caught included
+(:mod:`~oomguard.engine.core.memory.swallowed`); the exception is dropped *before* memory is
+released. The first attempt is a plain :func:`~oomguard.engine.core.memory.oom.call_catching_oom`;
 tenacity's ``Retrying`` is built only after a first OOM. Every change of size is logged
 (WARNING when it shrinks) and counted in :class:`~oomguard.engine.core.execute.stats.SizeStats`.
-Past the minimum, the executor's ``on_oom`` ladder takes over
-(:mod:`~oomguard.engine.core.execute.remedies`).
-
-Every attempt runs inside the controller's
-:class:`~oomguard.engine.core.execute.clean_retry.CleanRetry` (built from the ``params=`` and
-``optimizer=`` each wrapper takes): before a retry the gradients are cleared, and an OOM in
-a step that had begun writing raises :class:`~oomguard.engine.errors.StepPartlyApplied`
-instead of retrying. With ``watch_alloc_retries`` on a CUDA device, a size whose calls make
-the allocator retry twice in a row is stepped down before it runs out of memory
-(:mod:`~oomguard.engine.core.execute.alloc_retries`, Composer's rule).
+Past the minimum, the ``on_oom`` ladder takes over (:mod:`~oomguard.engine.core.execute.remedies`).
+Every attempt runs inside a :class:`~oomguard.engine.core.execute.clean_retry.CleanRetry`;
+``watch_alloc_retries`` steps down early (:mod:`~oomguard.engine.core.execute.alloc_retries`).
 """
 
 from __future__ import annotations
@@ -125,19 +116,15 @@ class _Failed(NamedTuple):
 class SizeController:
     """Runs attempts at adaptive sizes: shrink on OOM, remember, optionally grow back, agree.
 
-    ``memory``: the :class:`SizeMemory` to use (shared by controllers of one workload) or
-    the start sizes for a new one. On OOM the next sizes come from ``policy`` (default
-    :class:`Halve`) down to ``minimum`` (per knob, default 1); an OOM at grown sizes falls
-    back to the last sizes that worked. ``grow_after`` (off by default, for reproducible
-    runs) tries larger sizes after that many clean calls: halfway to the smallest size
-    that failed, else twice the size, never above ``maximum``. ``device``: whose cache is
-    emptied between attempts. ``failure_message``: the whole ``str()`` of
-    :class:`~oomguard.engine.errors.NoExecutableBatchSize`. ``snapshot_dir`` gets a CUDA
-    allocator snapshot per OOM. ``clean``: what every retry leaves clean (gradients, the
-    optimizer's step; default: nothing, the function's module only looked at for a
-    warning). ``watch_alloc_retries``: on a CUDA device, step down when the allocator
-    retried during :data:`~oomguard.engine.core.execute.alloc_retries.CONSECUTIVE` calls
-    in a row (one process only: under an agreement the rule is off)."""
+    ``memory``: a shared :class:`SizeMemory` or the start sizes for a new one. On OOM the
+    next sizes come from ``policy`` (default :class:`Halve`) down to ``minimum`` (per knob,
+    default 1); an OOM at grown sizes falls back to the last sizes that worked.
+    ``grow_after`` (off by default) tries larger sizes after that many clean calls: halfway
+    to the smallest failed size, else twice, never above ``maximum``. ``device``: whose
+    cache is emptied. ``failure_message``: the whole ``str()`` of
+    :class:`~oomguard.engine.errors.NoExecutableBatchSize`. ``snapshot_dir``: a CUDA
+    snapshot per OOM. ``clean``: what every retry leaves clean. ``watch_alloc_retries``: on
+    CUDA, step down on allocator thrashing (off under an agreement)."""
 
     def __init__(self, name: str, memory: SizeMemory | Start, *,
                  minimum: Mapping[str, int] | None = None,
@@ -284,15 +271,13 @@ class SizeController:
         def give_up(rs: RetryCallState | None = None) -> Any:
             tried = ", ".join(format_sizes(s) for s in record.attempts)
             self.log.error("%s: no executable size (tried %s)", self.name, tried)
-            # A failure_message is the error's whole text (the accelerate shim's exact
-            # words); the sizes tried stay on the error's attributes and in .detail.
+            # A failure_message is the error's whole text (the accelerate shim's words).
             raise NoExecutableBatchSize(self.name, record.attempts, record.errors, self.gave_up,
                                         verbatim=self.failure_message is not None) from None
 
         if pending is None:
             give_up()
-        # Retried while an attempt fails, until an OOM leaves no smaller sizes. No sleep
-        # between retries: memory was released before the next attempt.
+        # Retried until an OOM leaves no smaller sizes; no sleep: memory was released.
         value = Retrying(retry=retry_if_result(lambda r: type(r) is _Failed),
                          stop=lambda rs: rs.outcome.result().next is None,  # type: ignore[union-attr]
                          wait=wait_none(), after=after, retry_error_callback=give_up,

@@ -4,23 +4,16 @@
 in a job file) runs the rungs in the order given; each one runs the workload again
 through the executor's retry at half, from the call's start sizes:
 
-- ``halve``: the executor's own retry at half down to the minimums; always first (without
-  ``on_oom`` it is all there is, and none of the checks below run).
-- ``bfloat16`` / ``float16``: the workload at that precision (its ``at_precision(dtype)``),
-  only when it declares ``tolerates_lower_precision = True`` (the metrics say which of
-  them does, :class:`~oomguard.metrics.base.Metric`); its result is flagged.
-- ``expandable_segments``: a fresh process with
-  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (CUDA only). Only a caller that can
-  start one (a job's runner: ``fresh_process=True``) gets :class:`RestartNeeded` with
-  the ladder's state; elsewhere the rung is skipped, saying why.
-- ``cpu``: the workload on the CPU (its ``on_device("cpu")``), after logging a time estimate.
+- ``halve``: the executor's own retry at half down to the minimums; always first.
+- ``bfloat16`` / ``float16``: ``at_precision(dtype)``, only for a workload that declares
+  ``tolerates_lower_precision = True``; its result is flagged.
+- ``expandable_segments``: a fresh process with that allocator setting (CUDA only), for a
+  caller that can start one (``fresh_process=True``: :class:`RestartNeeded`); else skipped.
+- ``cpu``: ``on_device("cpu")``, after logging a time estimate.
 
-A rung keeps what the rungs before it changed (a lower precision stays), except that ``on_device``
-gives what it gives (a job builds the model again at its own dtype). Two checks run between attempts
-(:class:`_Checked`): memory came back (:func:`live_bytes` more than :data:`MEMORY_BACK_TOLERANCE`
-above its value before the failed attempt: a fresh process, :class:`RestartNeeded`), and progress
-(two failed attempts in a row with the same remedy, sizes and error: :class:`NoProgress`).
-:attr:`Ladder.rungs` says what each rung did.
+A rung keeps what earlier rungs changed (a lower precision stays). Between attempts
+(:class:`_Checked`): memory must come back (else :class:`RestartNeeded`), and two failed
+attempts in a row with the same remedy, sizes and error raise :class:`NoProgress`.
 """
 
 from __future__ import annotations
@@ -58,13 +51,9 @@ PRECISIONS = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 EXPANDABLE = "expandable_segments:True"
 # Bytes still in use after an OOM's clean-up, above their value before the failed attempt,
-# that count as memory that did not come back. Measured on seven metrics: the first OOM of a
-# process leaves 2.5-3.4 MiB (one-time state), later ones under 1 MiB; Fisher (torch.func)
-# keeps 35 MiB and the Lanczos metrics 20-23 MiB until their next call, and restart
-# (docs/measurements.md#memory-back-after-oom).
+# that count as memory that did not come back (measured: docs/measurements.md#memory-back-after-oom).
 MEMORY_BACK_TOLERANCE = 16 * 1024**2
-# How much slower the CPU rung is assumed to run than the GPU attempts: stated, not measured
-# (a dense transformer on a many-core CPU against one datacenter GPU is typically 10-100x).
+# How much slower the CPU rung is assumed to run than the GPU attempts: stated, not measured.
 CPU_SLOWDOWN = 30.0
 
 
@@ -295,11 +284,10 @@ def _skip(remedy: str, work: Any, kind: str, ladder: Ladder, fresh_process: bool
 def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
                run_rung: Callable[[Callable[[Sizes], Any], Sizes, bool, Any], T], record: RunRecord,
                name: str, device: Any, fresh_process: bool, positional: bool) -> T:
-    """Run ``fn`` through the rungs of ``ladder`` from ``ladder.at`` (each rung a smaller or cheaper way to run it: halve, lower precision, expandable segments, the CPU);
-    return the first result. ``run_rung(attempt, sizes, fresh, device)`` is one run of the
-    executor's retry at half from ``sizes`` (``fresh``: with nothing remembered). Raises
-    :class:`NoExecutableBatchSize` listing every remedy and why it failed or was skipped,
-    :class:`NoProgress`, or :class:`RestartNeeded`."""
+    """Run ``fn`` through the rungs of ``ladder`` from ``ladder.at``; the first result.
+    ``run_rung(attempt, sizes, fresh, device)`` is one retry at half from ``sizes``
+    (``fresh``: nothing remembered). Raises :class:`NoExecutableBatchSize` listing every
+    remedy, :class:`NoProgress`, or :class:`RestartNeeded`."""
     work = fn
     if ladder.device is not None:  # what earlier rungs changed, again in a fresh process
         work, device = work.on_device(ladder.device), ladder.device
@@ -360,10 +348,8 @@ def run_ladder(fn: Any, start: Sizes, ladder: Ladder, *,
 
 
 def _cast_failed(rung: Rung, oom: OOM, ladder: Ladder, name: str) -> None:
-    """Record ``rung`` (a lower precision) as failed because casting the model ran out of
-    memory (``at_precision`` allocates each parameter anew before the old one is freed),
-    and move the ladder on. The model may be partly cast: the rungs after a precision
-    build it again (``cpu``) or start a fresh process (``expandable_segments``)."""
+    """Record ``rung`` (a lower precision) as failed because casting ran out of memory, and
+    move on: the later rungs rebuild the model (``cpu``) or restart (``expandable_segments``)."""
     rung.outcome = "failed"
     rung.why = f"casting the model to {rung.remedy} ran out of memory ({oom.message})"
     ladder.rungs.append(rung)

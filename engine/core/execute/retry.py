@@ -1,11 +1,9 @@
 """Retry policies: what sizes to try after an out-of-memory error.
 
-A policy's one method, :meth:`RetryPolicy.shrink`, gets the sizes that ran out of memory
-and their minimums and returns the next (smaller) sizes, or None when nothing smaller is
-allowed (retrying stops). :class:`~oomguard.engine.core.execute.executor.SizeController`
-asks it after every OOM, once the OOM's memory is released; it is the only place where a
-retry size is decided. :class:`Halve` and :class:`ReduceWith` follow a rule;
-:class:`FitPeaks` goes to the largest size the peaks measured so far predict fits.
+:meth:`RetryPolicy.shrink` gets the sizes that ran out of memory and their minimums and
+returns the next smaller sizes, or None (retrying stops); the size controller asks it after
+every OOM. :class:`Halve` and :class:`ReduceWith` follow a rule; :class:`FitPeaks` goes to
+the largest size the measured peaks predict fits.
 """
 
 from __future__ import annotations
@@ -56,33 +54,24 @@ class Halve(ReduceWith):
     fn: Callable[[int], int] = _half
 
 
-# A micro-batch size is measured until it has this many peaks: enough for a line through a
-# noisy step, and then the meter costs nothing more (and, on CUDA, stops resetting the
-# allocator's peak counters, which a user's own per-step logging may read).
+# Peaks measured per micro-batch size; after that the meter costs nothing (and stops
+# resetting CUDA's peak counters, which a user's own logging may read).
 PEAKS_PER_SIZE = 3
 SIZES_KEPT = 16  # the most recent sizes whose peaks are kept
 
 
 @dataclass(eq=False)
 class FitPeaks:
-    """Shrink to the largest size the measured peaks predict fits the memory left, as the
-    guided search predicts (:func:`~oomguard.engine.core.search.fit.peak_model`: a
-    least-squares line of peak bytes against size from two sizes or more, proportional from
-    one), never at or above the size that failed; ``fallback`` (default :class:`Halve`)
-    where nothing was measured, no limit is known, the line says the size that failed fits
-    (refuted) or that not even the minimum does, or the last prediction ran out of memory.
+    """Shrink to the largest size the measured peaks predict fits the memory left
+    (:func:`~oomguard.engine.core.search.fit.peak_model`), never at or above the size that
+    failed; ``fallback`` (default :class:`Halve`) where nothing was measured, no limit is
+    known, the line is refuted or not even the minimum fits.
 
-    What it fits: :meth:`observe` gets ``(size, peak bytes)`` points measured by the caller
-    (:meth:`probe`: on the CPU the sampled data segment, the units ``RLIMIT_DATA`` counts; on
-    CUDA the allocator's allocated bytes), the first :data:`PEAKS_PER_SIZE` at each size.
-    The capacity is measured when the OOM is over (its memory released):
-    :func:`~oomguard.engine.core.memory.budget.headroom_bytes` of ``device``, minus
-    ``reserve_bytes``, what the retry will allocate that the points do not count (the
-    gradients it creates, set by :class:`~oomguard.engine.training.accumulate.Accumulator`).
-    The size it returns is an estimate: a wrong one costs one more OOM and a halving. On
-    CUDA the headroom counts reserved segments after the cache is emptied, and a segment
-    split by a live tensor stays reserved though its free rest could serve part of a
-    micro-batch: there the prediction errs low, never high.
+    :meth:`observe` gets ``(size, peak bytes)`` points the caller measured (:meth:`probe`),
+    the first :data:`PEAKS_PER_SIZE` per size. The capacity, measured after the OOM, is
+    :func:`~oomguard.engine.core.memory.budget.headroom_bytes` of ``device`` minus
+    ``reserve_bytes`` (what the retry allocates that the points miss, e.g. gradients). The
+    size returned is an estimate (on CUDA it errs low); a wrong one costs one more OOM.
     """
 
     device: Any = "cpu"
@@ -125,9 +114,7 @@ class FitPeaks:
         self.predicted = None
         guess = None if missed else self.predict()
         if guess is None or guess >= size or guess < minimum.get(key, 1):
-            # Nothing to go by, or the line was just refuted: an OOM at a size it said fits
-            # (taking the size below the OOM instead would walk down one size at a time),
-            # or it says not even the minimum fits (the rule's gentler step decides that).
+            # Nothing to go by, the line just refuted, or not even the minimum fits.
             return self.fallback.shrink(sizes, minimum)
         self.predicted = guess
         return {key: guess}
@@ -135,11 +122,9 @@ class FitPeaks:
 
 class PeakProbe:
     """The peak bytes one step adds on ``device``, measured cheaply enough for every
-    micro-batch: on the CPU :class:`~oomguard.probes.peak.PeakMeter` in the limit's units
-    (the data segment, sampled: a lower bound); on CUDA the allocator's own counters,
-    ``max_memory_allocated`` after ``reset_peak_memory_stats`` minus ``memory_allocated`` at
-    the start, without emptying the cache (PeakMeter's reset does, which would cost every
-    micro-batch a cudaFree and cudaMalloc of the cache); elsewhere nothing (0)."""
+    micro-batch: on the CPU the sampled data segment (a lower bound); on CUDA
+    ``max_memory_allocated`` minus ``memory_allocated`` at the start, without emptying the
+    cache; elsewhere nothing."""
 
     def __init__(self, device: Any) -> None:
         self.device = torch.device(device)

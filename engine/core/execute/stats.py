@@ -1,11 +1,8 @@
 """What adaptive sizes did: counters per size, and a bounded registry for :func:`stats`.
 
-Every :class:`~oomguard.engine.core.execute.executor.SizeController` counts into a
-:class:`SizeStats` of its own; those of the training-script helpers (``@adaptive``,
-``find_executable_batch_size``, ``accumulate``) are also registered here for
-:func:`stats`. The registry keeps the most recent :data:`MAX_SIZES_KEPT` sizes, as plain
-numbers only (never a user's function, model or tensor); a name taken by a size still
-kept gets a ``#N`` suffix.
+Every size controller counts into a :class:`SizeStats`; those of the training-script helpers
+are also registered here for :func:`stats`: the most recent :data:`MAX_SIZES_KEPT`, plain
+numbers only; a name already taken gets a ``#N`` suffix.
 """
 
 from __future__ import annotations
