@@ -1,16 +1,8 @@
-"""What a metric is: knobs of two kinds, a ``run``, and a registry.
+"""What a metric is: knobs of two kinds (:class:`Knob`), a ``run``, and a registry.
 
-Two kinds of size must never be confused:
-
-- ``result`` knobs are part of the question (number of samples, Lanczos k and iterations,
-  integration steps, grid points): never tuned, recorded with every result;
-- ``memory`` knobs (micro-batch, chunk, captum ``internal_batch_size``) are tuned by the engine,
-  and the result must not depend on them beyond float rounding.
-
-A metric also declares whether its result stays meaningful when the model runs in bfloat16 or
-float16 (``tolerates_lower_precision``): only then may a job's remedy ladder (``on_oom``) lower the
-precision after an OOM at the minimum sizes, and the result is flagged. Each metric says why, next
-to its declaration.
+A metric declares whether its result stays meaningful in bfloat16 or float16
+(``tolerates_lower_precision``): only then may a job's remedy ladder lower the precision after an
+OOM at the minimum sizes, and the result is flagged.
 """
 
 from __future__ import annotations
@@ -54,9 +46,8 @@ class Metric:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     knobs: ClassVar[tuple[Knob, ...]] = ()
-    # Whether the result is still the answer (a few significant digits) with the model in
-    # bfloat16/float16. False unless a metric says otherwise: precision is never lowered
-    # silently, and a metric of small differences or eigenvalues would be wrong, not rounded.
+    # Whether the result is still the answer with the model in bfloat16/float16. False unless
+    # a metric says so: a metric of small differences or eigenvalues would be wrong, not rounded.
     tolerates_lower_precision: ClassVar[bool] = False
 
     def memory_knobs(self) -> tuple[Knob, ...]:

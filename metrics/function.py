@@ -1,38 +1,10 @@
 """Any function as a metric: ``@metric`` registers ``fn(model, batch, *, knobs...)`` as a
 :class:`~oomguard.metrics.base.Metric` that jobs, searches and every command find by name.
 
-::
-
-    from oomguard.metrics import metric
-
-    @metric(memory={"chunk_size": 8}, result={"samples": 64})
-    def attn_entropy(model, batch, *, chunk_size, samples): ...
-
-Three forms, by what the function is given (``batch``: the data right-aligned, a dict of
-``input_ids``, ``attention_mask``, ``labels`` tensors ``[rows, seq_len]``):
-
-- **one call** (the default): ``fn(model, batch, **knobs)`` on every row; the function uses its
-  memory knobs itself (chunks, micro-batches) and must return the same result at any of their
-  sizes;
-- **pieces combined by oomguard** (``combine=``): ``fn(model, piece, **knobs)`` on consecutive
-  pieces of at most ``split`` rows (``split``: a memory knob; the only one by default), and the
-  pieces' results combined: ``"concat"`` (along dimension 0, per-row results), ``"sum"``,
-  ``"mean"`` (weighted by each piece's rows: the mean over rows, not a mean of means), or a
-  callable ``combine(results, rows) -> result``;
-- **an iterable of batches** (``batches=True``): ``fn(model, batches, **knobs)`` with an iterator
-  of consecutive pieces of at most ``split`` rows, in order; the function accumulates them.
-
-``models=2`` gives the function a second model before the batch, ``fn(model_a, model_b, batch,
-...)``: a comparison of two checkpoints. The second model is a *result* knob, ``second_model``
-(a model spec: a checkpoint folder, a built-in name, ``MODEL_TYPE:key=value``; default: the
-decorator's ``second_model``), which a job file sets per metric (``params = {second_model =
-"runs/ckpt-2000"}``). It is built once per process, in the first model's dtype and device
-(random-init specs with seed 0), on the first call: before any budget, since a job, a search and
-the knob check run the metric once at its smallest sizes first.
-
-A result may be a tensor, a numpy array, a number, a string, or a dict (nested) of them; arrays
-become tensors, numpy scalars Python numbers, and a result that is not a dict becomes
-``{"value": result}``.
+``batch`` is the data right-aligned: a dict of ``input_ids``, ``attention_mask``, ``labels``
+tensors ``[rows, seq_len]``. A two-model metric's second model is built once per process, in the
+first model's dtype and device, on the first call (before any budget: a job, a search and the
+knob check run the metric once at its smallest sizes first).
 """
 
 from __future__ import annotations
@@ -75,7 +47,9 @@ def metric(name: str | None = None, *, memory: Mapping[str, int | Knob] | None =
     calls it on pieces of at most ``split`` rows (``split``: a memory knob, the only one by
     default) and combines their results. With ``batches=True`` it gets an iterator of those
     pieces. ``models=2`` passes a second model first, ``fn(model_a, model_b, batch, ...)``,
-    built from the result knob ``second_model`` (a model spec; default the decorator's). ``description``: default, the
+    built from the result knob ``second_model`` (a model spec; default the decorator's; a
+    job file sets it per metric). A result may be a tensor, a numpy array, a number, a
+    string, or a (nested) dict of them (:func:`normalise`). ``description``: default, the
     docstring's first line. A bad declaration is a one-line :class:`UsageError` here. Bare
     ``@metric`` (no knobs) works too."""
     if callable(name):  # @metric without parentheses

@@ -1,27 +1,15 @@
 """``integrated_gradients``: token attribution with captum's ``LayerIntegratedGradients``.
 
-What is attributed (the target, one scalar per sample): the model's log-probability (nats) of each
-sample's *last valid token* given everything before it. We chose this over the summed token
-log-likelihood because it is the usual "which input tokens explain this prediction" question and
-keeps the completeness check on one number per sample. By causality the last valid token itself (and
-every padding position) gets exactly zero attribution.
+The target, one scalar per sample: the log-probability (nats) of each sample's *last valid token*
+given everything before it (the usual "which input tokens explain this prediction" question; one
+number per sample for the completeness check). The path runs from the baseline token's embedding
+(:func:`pad_id`) at every position to the real embeddings, ``method="gausslegendre"`` over
+``n_steps`` points; attributions are summed over the hidden dimension (float64 on output).
 
-How: the path is the input embeddings, from the embedding of the baseline token
-(:func:`pad_id`) at every position to the real embeddings, integrated with
-``method="gausslegendre"`` over ``n_steps`` points. Attributions are summed over the
-hidden dimension: one number per token (float64 on output; float32 sums at least for
-bfloat16/float16 models, as captum multiplies gradients by float32 step sizes).
-
-How the memory knobs of :func:`captum_knobs` interact (measured on torch 2.13 / captum 0.9): one
-forward gets :func:`rows_per_forward` rows, so ``internal_batch_size`` only saves memory while it is
-larger than the chunk, and changes nothing above ``examples x n_steps``. It is declared in units of
-``examples = min(chunk_size, samples left)`` (``Knob.unit``): peak memory changes only at its
-multiples (checked with forward hooks: 16 samples, rows per forward 16 for internal 1..31, 32 for
-32..47, 48 for 48..63), so a search steps in those units. A last, smaller chunk can step in between
-two multiples; the multiples still bracket it.
-
-Completeness: captum's convergence delta per sample is ``sum(attributions) - (f(x) - f(baseline))``;
-we report its absolute max and mean (nats).
+One captum forward gets :func:`rows_per_forward` rows, so ``internal_batch_size`` changes memory
+only at multiples of ``min(chunk_size, samples left)`` (its ``Knob.unit``; measured with forward
+hooks) and nothing above that times ``n_steps``. The convergence delta per sample is
+``sum(attributions) - (f(x) - f(baseline))``, reported as its absolute max and mean (nats).
 """
 
 from __future__ import annotations

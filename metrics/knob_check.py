@@ -1,21 +1,9 @@
-"""Is a memory knob really memory-only? The metric run at two sizes of the knob on a small slice
-of the data, and the two results compared.
-
-A memory knob (micro-batch, chunk, captum's ``internal_batch_size``) is tuned freely, so the
-result must not depend on it beyond float rounding. A metric that returns a mean of per-chunk
-means, drops a remainder, or returns other keys when chunked breaks that; a search would then
-pick a size that changes the answer. :func:`check_memory_knobs` runs ``metric`` on the first
-``rows`` (3) rows of the data, once at each knob's minimum and once at the next size up (2 for
-a minimum of 1; at most the knob's largest useful size, the rows for knobs that slice them, so
-3 rows at size 2 make pieces of 2 and 1), the other knobs at ``params`` (their defaults). The
-results must have the same keys and shapes, and every number must agree within the model's
-precision: ``rtol`` 1e-4 and ``atol`` 1e-6 for float32/float64 models, 2e-2 and 1e-3 for
-bfloat16/float16 (what float rounding can move; a dependence on the knob moves more).
-
-Jobs (before a knob's search) and ``oomguard search`` (before its first trial) call
-:func:`require_memory_knobs`, which refuses a knob that changes the result in one line;
-``oomguard metrics --check`` prints every verdict. A verdict is kept per process for the same
-model, metric, knob and parameters: a second caller does not run the metric again.
+"""Is a memory knob really memory-only? The metric run at two sizes of the knob (its minimum
+and the next size up) on the first 3 rows of the data, and the two results compared: the same
+keys and shapes, every number within the model's precision (:data:`TOLERANCE`). A mean of
+per-chunk means, a dropped remainder or other keys when chunked would make a search pick a size
+that changes the answer. Jobs and ``oomguard search`` call :func:`require_memory_knobs` first;
+``oomguard metrics --check`` prints every verdict. Verdicts are kept per process and model.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """``hessian_eigenvalues`` / ``ggn_eigenvalues``: top eigenvalues of the loss curvature by Lanczos.
 
-Measured: the ``k`` largest (algebraic) eigenvalues of the Hessian (or of the Gauss-Newton matrix)
-of the token-weighted mean loss over *all* data, with respect to all trainable parameters, in
-nats/token per unit parameter squared. Estimated: they are Ritz values of ``iterations`` Lanczos
-steps with full reorthogonalisation (float64) from a start vector seeded by ``seed``; ``residuals``
-are the standard bounds ``|beta_m * s_mi|`` on each Ritz value's error (exact when ``iterations``
-reaches the parameter count).
-
-Each matrix-vector product is summed over micro-batches, each weighted by its
-token share (:func:`metrics.common.token_weighted_sum`).
+The ``k`` largest eigenvalues of the Hessian (or Gauss-Newton matrix) of the token-weighted mean
+loss over *all* data, in nats/token per unit parameter squared, estimated as Ritz values of
+``iterations`` Lanczos steps (float64, full reorthogonalisation, seeded start); ``residuals`` bound
+each one's error. Each matrix-vector product is summed over micro-batches by token share.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Models and data for workloads: transformers causal LMs built from configs, offline.
 
-A model spec is one of:
-
-- a built-in name (``tiny-gpt2``, ``tiny-llama``): a small config with random weights, no download;
-- ``MODEL_TYPE:key=value,...`` (e.g. ``gpt2:n_layer=4,n_embd=256``): any transformers architecture
-  built from ``AutoConfig.for_model`` with random weights;
-- a local checkpoint directory: ``from_pretrained(path, local_files_only=True)``.
-
-Nothing here reaches the network.
+A model spec is a built-in name (``tiny-gpt2``, ``tiny-llama``), ``MODEL_TYPE:key=value,...``
+(any transformers architecture, random weights) or a local checkpoint directory. Nothing here
+reaches the network.
 """
 
 from __future__ import annotations
@@ -79,8 +74,7 @@ def model_config(spec: str) -> Any:
             f"unknown model {spec!r}: use {', '.join(BUILTIN_CONFIGS)}, a local checkpoint "
             "directory, or MODEL_TYPE:key=value (e.g. gpt2:n_layer=4)"
         ) from None
-    # transformers' typed config fields raise huggingface_hub's StrictDataclassError (not a
-    # ValueError) for a value of the wrong type (n_layer=abc); its own checks a ValueError.
+    # A value of the wrong type (n_layer=abc) raises StrictDataclassError, not a ValueError.
     from huggingface_hub.errors import StrictDataclassError
 
     try:
@@ -94,12 +88,10 @@ def model_config(spec: str) -> Any:
 
 
 def _check_keys(spec: str, model_type: str, default: Any, config: Any, kw: dict[str, Any]) -> None:
-    """UsageError naming every unknown key of ``kw`` and the closest valid one. transformers stores
-    any keyword it does not know as a plain attribute, so ``n_layr=1`` would silently build 12
-    layers. A key is unknown when ``config`` (built from ``kw``) stored it and it is none of
-    ``default``'s (the type's default config) fields, ``__init__`` parameters or aliases
-    (``attribute_map``: GPT-2's ``num_hidden_layers``), nor those of every transformers config;
-    legacy keywords a config consumes (LLaMA's ``rope_theta``) are accepted."""
+    """UsageError naming every unknown key of ``kw`` and the closest valid one: transformers
+    stores an unknown keyword as a plain attribute, so ``n_layr=1`` would silently build 12
+    layers. Unknown: stored on ``config`` and none of the type's fields, ``__init__`` parameters
+    or aliases, nor every config's; legacy keywords a config consumes are accepted."""
     import difflib
     import inspect
 
@@ -172,17 +164,14 @@ def build_model(spec: str = "tiny-gpt2", dtype: str | torch.dtype = "float32",
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(
             model_config(spec), attn_implementation=attn_implementation).to(dt)
-    if getattr(model, "loss_type", None) is None:
-        # transformers warns on every model whose class name does not imply a
-        # loss; these are all causal LMs, so say which one instead.
+    if getattr(model, "loss_type", None) is None:  # or transformers warns on every model
         model.loss_type = "ForCausalLM"
     return model.to(device).eval()
 
 
 def config_fingerprint(spec: str) -> str:
-    """A short hash of the model's config: two specs with the same config share it."""
-    # Where a config came from, and the dtype it was saved in (the cache keys
-    # dtype on its own), do not change the model's shape or memory.
+    """A short hash of the model's config: two specs with the same config share it (where it
+    came from and the dtype it was saved in left out)."""
     volatile = {"transformers_version", "_name_or_path", "_commit_hash", "architectures", "dtype",
                 "torch_dtype"}
     return stable_hash({k: v for k, v in model_config(spec).to_dict().items() if k not in volatile})

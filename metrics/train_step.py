@@ -1,12 +1,8 @@
 """The built-in default workload: one training step of a small GPT-2.
 
-Forward, backward and an AdamW step of a transformers causal LM built from a config with random
-weights (byte-level vocabulary 256, sequence length 512, as in the E10 setup), on generated tokens.
-``warmup()`` runs one step at size 1 so that weights, gradients and AdamW's two moment buffers exist
-before any budget is applied: the searched memory is then what the *batch* costs.
-
-Trials run two steps (``steps_per_trial``), so that a size must fit a step after one
-that left its memory behind.
+Forward, backward and an AdamW step of a randomly initialised causal LM on generated tokens.
+``warmup()`` takes one step at size 1, so weights, gradients and AdamW's moments exist before any
+budget: the searched memory is what the *batch* costs. Trials run two steps each.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""``MetricTrial``: one metric at one memory knob, as a searchable, picklable workload.
+"""``MetricTrial``: one metric at one memory knob, as a searchable, picklable workload
+(``search(MetricTrial("fisher_diagonal"), budget=...)``); :class:`InUnits` makes any strategy
+propose only multiples of a knob's granularity.
 
-``search(MetricTrial("fisher_diagonal"), budget=...)`` finds the largest ``micro_batch_size`` the
-Fisher metric runs at, in-process or isolated, through the workload protocol
-(:mod:`oomguard.engine.core.workload`). :meth:`MetricTrial.unit` is the knob's granularity (captum's
-``internal_batch_size`` changes memory only at multiples of its examples per call): :class:`InUnits`
-makes any strategy propose only those multiples.
-
-Which data define what. The metric's result is defined by the padded data (``make_batch``: sample
-``i`` has a seeded length in ``[seq_len/2, seq_len]``); a trial's memory by the worst case, every
-sample at ``seq_len``. For the built-in metrics the two cost the same (measured for every metric and
-knob at 8 samples x 64 tokens: the same peaks within run-to-run noise), but a metric may skip padded
-positions or whole samples (integrated gradients leaves out samples with fewer than 2 valid tokens),
-so a maximum must hold for the worst case, and the values a search's trials record (``Trial.value``)
-are the metric's summary on it, as the report says.
+The metric's result is defined by the padded data (``make_batch``: seeded lengths in
+``[seq_len/2, seq_len]``); a trial's memory by the worst case, every sample at ``seq_len``, since
+a metric may skip padded positions or whole samples. Trial values are the metric on the worst case.
 """
 
 from __future__ import annotations
@@ -132,23 +124,18 @@ class MetricTrial(RebuiltInChild):
                 "seq_len": self.seq_len, "seed": self.seed, "params": dict(self.params)}
 
     def warmup(self) -> None:
-        """Build model and data (not budgeted) and run the metric once, at the knob's
-        minimum on the first sample (for an estimate, at its largest useful size: fake
-        tensors cost no memory, and the fewest, largest pieces cost the fewest operations;
-        except where the estimate replays the matrix multiplies' workspace, which needs the
-        trial's own warm-up: :func:`~oomguard.engine.core.workload.replays_workspace`)."""
+        """Build model and data (not budgeted) and run the metric once on the first sample, at
+        the knob's minimum (for an estimate, at its largest useful size, the fewest operations,
+        unless the estimate replays the multiplies' workspace)."""
         if "model" in self._state:
             return
         model = build_for(self._state, self.model, self.dtype, self.device, self.seed)
         data = make_batch(self.n_samples, self.seq_len, model.config.vocab_size, seed=self.seed,
                           device=self.device)
-        # The worst case exists before the budget, like the data: it is what the metric is
-        # given, not what it builds, so a trial's peak counts neither (as before).
+        # Built before the budget, like the data: a trial's peak counts neither.
         worst = make_batch(self.n_samples, self.seq_len, model.config.vocab_size, seed=self.seed,
                            pad=False, device=self.device)
-        # Warm up on one sample: it creates the same kernels and thread pools as
-        # the full data at a fraction of the cost (a Lanczos run at micro-batch 1
-        # over all samples took ~50 s on 2 cores).
+        # Warm up on one sample: the same kernels and thread pools at a fraction of the cost.
         self._state.update(model=model, data={k: v[:1] for k, v in data.items()})
         # An estimate that replays the multiplies' workspace warms up as the trial it
         # predicts does: what a size adds to the BLAS buffers depends on the warm-up's.

@@ -1,11 +1,6 @@
-"""The torch CUDA allocator backend: what *this process's* caching allocator holds, in bytes.
-
-All measured: ``torch.cuda.mem_get_info`` (the driver's free and total bytes, other
-processes included), ``memory_allocated`` / ``memory_reserved`` (bytes in live tensors /
-bytes the caching allocator holds) and their peaks since ``reset_peak_memory_stats``.
-Everything is gated on ``torch.cuda.is_available()``: on a CPU-only build
-``memory_allocated()`` silently returns 0 and ``mem_get_info()`` raises an
-``AssertionError`` (measured on torch 2.13 CPU), so an ungated 0 would be a lie.
+"""The torch CUDA allocator backend: what *this process's* caching allocator holds, in bytes,
+measured. Gated on ``torch.cuda.is_available()``: on a CPU-only build ``memory_allocated()``
+returns 0, which would be a lie.
 """
 
 from __future__ import annotations
@@ -89,15 +84,9 @@ def async_backend() -> bool:
 
 def memory_fraction(index: int) -> float | None:
     """The per-process memory fraction in force on ``cuda:index``, 1.0 for "no limit"; None
-    where torch cannot read it (torch < 2.6). Creates no context.
-
-    Under ``backend:cudaMallocAsync`` torch's getter creates a context
-    (``getMemoryFraction`` calls ``lazy_init_device``) and returns
-    ``pytorch_memory_limits / total``, which starts at ``UINT64_MAX``: about 2e8 with no
-    fraction set (c10/cuda/CUDAMallocAsyncAllocator.cpp). Without a context no fraction can
-    have been set there (``setMemoryFraction`` creates one), so the answer is 1.0 unread; a
-    value above 1 means no limit, also 1.0, the value ``set_per_process_memory_fraction``
-    accepts back."""
+    where torch cannot read it (torch < 2.6). Creates no context: under
+    ``backend:cudaMallocAsync`` torch's getter would create one, and without one no fraction
+    can have been set (1.0 unread); its "no fraction" reads about 2e8, also 1.0."""
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if getter is None:
         return None
@@ -109,37 +98,25 @@ def memory_fraction(index: int) -> float | None:
 def alloc_retries(index: int) -> int:
     """The caching allocator's ``num_alloc_retries`` on ``cuda:index`` (measured, a count since
     the process started): how often a ``cudaMalloc`` failed and the allocator freed its whole
-    cache to ask again (``alloc_block(.., isRetry=true)`` after ``release_cached_blocks``,
-    c10/cuda/CUDACachingAllocator.cpp). Rising on every step means the step runs at the
-    edge of the memory it may use. 0 under ``backend:cudaMallocAsync`` (it keeps no such
-    count)."""
+    cache to ask again; rising on every step means the step runs at the edge. 0 under
+    ``backend:cudaMallocAsync``."""
     return int(torch.cuda.memory_stats(index).get("num_alloc_retries", 0))
 
 
 def oom_count(index: int) -> int:
     """The caching allocator's ``num_ooms`` on ``cuda:index`` (measured, a count since the
-    process started): every OOM it reported. ``DeviceCachingAllocator::malloc`` increments
-    ``stats.num_ooms`` right before it throws ``OutOfMemoryError``, whoever catches it: the
-    user's code, or torch's own (cuDNN trying a convolution's next algorithm when one's
-    workspace does not fit, aten/src/ATen/native/cudnn/Conv_v7.cpp ``try_all``)
-    (c10/cuda/CUDACachingAllocator.cpp). 0 under ``backend:cudaMallocAsync`` (it keeps no
-    such count). Read from the nested stats: ``memory_stats`` flattens them in Python, which
-    took 73 us a call on an H200 (bench/gpu_check_swallowed.py), and this is read twice per
-    call of every executor attempt on a CUDA device."""
+    process started): every OOM it raised, whoever caught it (the user's code, or torch's own,
+    as cuDNN does trying a convolution's next algorithm). 0 under ``backend:cudaMallocAsync``.
+    Read from the nested stats: the flattened ones cost more (measured, 73 us a call on an
+    H200), and this is read twice per executor attempt."""
     return int(torch.cuda.memory_stats_as_nested_dict(index).get("num_ooms", 0))
 
 
 def unreported_oom_retries(index: int) -> int:
-    """How many of the caching allocator's last-resort retries on ``cuda:index`` (it had
-    freed its whole cache and asked again: the cap or the device was reached) were not
-    followed by a reported OOM: ``num_alloc_retries - num_ooms`` of ``memory_stats``.
-
-    In ``DeviceCachingAllocator::malloc`` every OOM first goes through
-    ``alloc_block(.., isRetry=true)``, which counts ``num_alloc_retries``, and counts
-    ``num_ooms`` only after ``reportProcessMemoryInfo``; when that report's NVML query
-    fails its assert, the retry is counted and the OOM is not
-    (c10/cuda/CUDACachingAllocator.cpp). A retry that then succeeded counts too: the limit
-    was met. 0 under ``backend:cudaMallocAsync`` (it keeps neither count)."""
+    """How many of the caching allocator's last-resort retries on ``cuda:index`` (the cap or
+    the device was reached) were not followed by a reported OOM: ``num_alloc_retries -
+    num_ooms``. An OOM whose report's NVML query fails counts the retry but not the OOM; a
+    retry that then succeeded counts too. 0 under ``backend:cudaMallocAsync``."""
     stats = torch.cuda.memory_stats(index)
     return max(0, int(stats.get("num_alloc_retries", 0)) - int(stats.get("num_ooms", 0)))
 
@@ -147,10 +124,8 @@ def unreported_oom_retries(index: int) -> int:
 def allocator_stats(index: int) -> dict[str, int]:
     """Measured bytes of this process's caching allocator on ``cuda:index``: ``allocated``,
     ``reserved``, ``peak_allocated``, ``peak_reserved`` and ``fraction_cap`` (the cap of
-    ``set_per_process_memory_fraction``; the device's total when none). Creates no context
-    (:func:`memory_fraction`; under cudaMallocAsync the counters of a device not used yet
-    are 0, read without one). ``RuntimeError`` without CUDA: check
-    :func:`unavailable_reason` first."""
+    ``set_per_process_memory_fraction``; the device's total when none). Creates no context.
+    ``RuntimeError`` without CUDA."""
     _require_cuda()
     total = int(torch.cuda.get_device_properties(index).total_memory)
     fraction = memory_fraction(index)

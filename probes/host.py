@@ -1,15 +1,9 @@
 """The host (CPU RAM) backend: what this process may still allocate, in bytes.
 
-Linux (``/proc`` readable): three limits can stop a CPU allocation: the memory the
-kernel says is available (``MemAvailable``), the cgroup's ``memory.max`` (v2) or
-``memory.limit_in_bytes`` (v1), and the process's ``RLIMIT_DATA``. The smallest wins,
-and the snapshot says which one it was. Peaks are the resident high-water mark
-``VmHWM``, reset per piece of work through ``/proc/self/clear_refs``.
-
-macOS and Windows (:mod:`oomguard.probes.host_os`): total and available RAM (an
-*estimate* from ``vm_stat`` on macOS) and a lifetime peak, measured but not resettable.
-CPU budgets are enforced only on Linux (:func:`host_budget_unavailable`). A figure that
-cannot be read is None, never 0.
+On Linux the smallest of ``MemAvailable``, the cgroup limit and ``RLIMIT_DATA`` wins, and
+the snapshot says which; peaks are ``VmHWM``, reset through ``/proc/self/clear_refs``. macOS and
+Windows (:mod:`oomguard.probes.host_os`) give total and available RAM (an *estimate* on macOS)
+and a lifetime peak. A figure that cannot be read is None, never 0.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The NVML backend: what a physical NVIDIA GPU holds, all processes included, in bytes.
 
-NVML (``pynvml``, distribution ``nvidia-ml-py``) sees the device as the driver does: total, free and
-used memory of the whole GPU, and the memory of every process with a context on it; measured, so
-``free`` accounts for other processes, which torch's allocator cannot see. A missing library or
-driver is a normal answer: the functions here return a reason string, they do not raise.
-
-NVML numbers devices in PCI bus order and ignores ``CUDA_VISIBLE_DEVICES``; torch numbers the
-visible devices only, in CUDA's order. The pure rules in :mod:`oomguard.probes.nvml_ids` translate
-torch indices to NVML indices. A MIG slice is matched by its ``MIG-`` UUID and measured through its
-own MIG handle: its parent shares the PCI bus id with every other slice, so a bus-id match would
-report the whole card.
-
-Driver differences handled here (nvidia-ml-py 13.615): drivers before R510 lack
-``nvmlDeviceGetComputeRunningProcesses_v3`` and the unversioned wrapper then raises
-``NVMLLibraryMismatchError``, which is not an ``NVMLError``; drivers 535.43-535.86 fill ``_v3`` with
-a longer struct than pynvml reads, so entries after the first are garbage (``_v2`` is used there); a
-process whose ``usedGpuMemory`` is None (no permission, containers, WDDM) is unknown, never 0 B.
+Measured as the driver sees it, other processes included. A missing library or driver is a
+normal answer: a reason string, never a raise. Torch indices map to NVML's through
+:mod:`oomguard.probes.nvml_ids`; a MIG slice is matched by its ``MIG-`` UUID and measured through
+its own handle (its parent's bus id would report the whole card). Drivers before R510 lack the
+``_v3`` process list, and 535.43-535.86 misfill it (``_v2`` is used there); a process whose
+``usedGpuMemory`` is None is unknown, never 0 B.
 """
 
 from __future__ import annotations

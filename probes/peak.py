@@ -1,19 +1,4 @@
-"""Peak memory of one piece of work, per device, in bytes.
-
-``PeakMeter(device).reset()`` before the work, ``.read()`` after it: the
-result is the peak *above what was in use at reset*, measured, not estimated.
-
-- CPU: resident high-water mark (``VmHWM`` after ``clear_refs``) minus the resident
-  bytes at reset (pages reserved but never touched are not counted).
-- CUDA, native allocator: ``torch.cuda.max_memory_reserved`` minus the reserved bytes at
-  reset: its fraction cap and its OOM count reserved segments
-  (c10/cuda/CUDACachingAllocator.cpp).
-- CUDA, ``backend:cudaMallocAsync``: ``max_memory_allocated`` minus the bytes in use at
-  reset: its cap counts bytes in use, while its "reserved" is the driver pool's, which
-  keeps freed memory (c10/cuda/CUDAMallocAsyncAllocator.cpp).
-- MPS: ``torch.mps.driver_allocated_memory`` after minus before, the units its cap
-  counts (the MPS backend keeps no peak: a lower bound).
-"""
+"""Peak memory of one piece of work, per device, in bytes, measured (:class:`PeakMeter`)."""
 
 from __future__ import annotations
 
@@ -54,21 +39,20 @@ def _host_source() -> str:
             "that stays below an earlier peak)")
 
 
-# Seconds between two reads of the data segment: statm answers in ~2 us, so sampling
-# costs well under 1% of a core, and a training step's peak (activations alive from the
-# end of the forward into the backward) lasts far longer than this
-# (docs/measurements.md#cpu-limit-units).
+# Seconds between two reads of the data segment: well under 1% of a core, and far shorter than
+# a training step's peak lasts (measured: docs/measurements.md#cpu-limit-units).
 DATA_INTERVAL_S = 0.0005
 
 
 class PeakMeter:
     """Measures the peak bytes a piece of work adds on ``device``: ``reset()`` before the
     work, ``read()`` after it gives the peak above what was in use at reset, measured. On the
-    CPU the resident high-water mark (``VmHWM`` after ``clear_refs``); on CUDA
-    ``max_memory_reserved`` (``max_memory_allocated`` under ``backend:cudaMallocAsync``),
-    the units the allocator's cap counts; on MPS the driver's allocated bytes. With
+    CPU the resident high-water mark (``VmHWM`` after ``clear_refs``; untouched pages do not
+    count); on CUDA ``max_memory_reserved`` (``max_memory_allocated`` under
+    ``backend:cudaMallocAsync``, whose cap counts bytes in use), the units the allocator's
+    cap counts; on MPS the driver's allocated bytes (no peak kept there: a lower bound). With
     ``limit_units`` on the CPU it also samples ``VmData`` (what a CPU budget counts) for
-    :meth:`limit_read`; on a GPU the peak is already in the units its cap counts."""
+    :meth:`limit_read`."""
 
     def __init__(self, device: str | torch.device = "cpu", limit_units: bool = False) -> None:
         self.device = torch.device(device)
@@ -99,9 +83,8 @@ class PeakMeter:
                     self._data.close()  # type: ignore[union-attr]
                     raise
         elif kind == "cuda" and torch.cuda.is_available():
-            # After emptying the cache (cached blocks would serve the work without
-            # raising the peak, which would under-report, even 0); the peak is reset
-            # after it, or it would keep the cached bytes.
+            # Empty the cache first (cached blocks would serve the work without raising
+            # the peak), then reset the peak (or it would keep the cached bytes).
             self.baseline = held_bytes(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         elif kind == "mps" and torch.backends.mps.is_available():
