@@ -1,37 +1,21 @@
 """A host copy of a training script's state, put back exactly: :class:`Snapshot`.
 
-A search of a real training step (forward, backward, ``optimizer.step()``, ``zero_grad``)
-changes the model and the optimizer at every trial. ``search(step, restore=(model,
-optimizer))`` takes a :class:`Snapshot` of them before its first trial and restores it
-after every trial and once more at the end, so each trial starts from the user's state
-(the optimizer's state allocated lazily by its first step, as in the real run) and the
-search leaves nothing behind.
+``search(step, restore=(model, optimizer))`` takes a :class:`Snapshot` before its first
+trial and restores it after every trial and at the end, so each trial starts from the
+user's state and the search leaves nothing behind.
 
-What is copied, to the host (CPU tensors, whatever device the objects are on, so a
-snapshot costs a GPU trial no device memory; on a CPU device it is a second copy in RAM):
+What is copied, to the host (so a snapshot costs a GPU trial no device memory):
 
-- every parameter and buffer of each module (the module's own tensor objects are kept and
-  written back in place, so an optimizer, hooks and tied weights keep pointing at them),
-  and each parameter's ``.grad`` (or that it was None);
-- each optimizer's ``state`` (tensors copied, other values deep-copied; an entry absent at
-  :meth:`Snapshot.take` is absent again after :meth:`Snapshot.restore`, so a fresh
-  optimizer is fresh again) and its ``param_groups`` (``lr``, ``betas``, ... and the
-  ``step`` counters, which live in ``state``);
-- with ``rng``: torch's CPU generator, every CUDA device's generator where CUDA was
-  initialised at take, Python's ``random`` and numpy's global generator (where numpy is
-  imported; a later first import seeds it from the OS, so there is nothing to keep).
+- every parameter and buffer of each module (written back in place into the module's own
+  tensors, so optimizers, hooks and tied weights keep pointing at them), and each ``.grad``;
+- each optimizer's ``state`` (an entry absent at :meth:`Snapshot.take` is absent again after
+  :meth:`Snapshot.restore`) and its ``param_groups``;
+- with ``rng``: torch's CPU and initialised CUDA generators, ``random``'s and numpy's.
 
-Its cost, :attr:`Snapshot.nbytes` (host bytes held, counted exactly from the copies):
-parameters + buffers + gradients + optimizer state, plus the RNG states (12.3 KiB here:
-5056 bytes for torch's CPU generator, the rest ``random``'s and numpy's). Measured on the
-GPT-2 of tests/test_restore.py (922,112 float32 parameters, 3.52 MiB, no buffers): 3.53
-MiB for the model and a fresh AdamW (the usual case: no gradients, no state yet), 14.08
-MiB once AdamW has state and gradients are present (4 times the parameters); taking it
-took 7.5 ms and restoring it 1.6 ms on this CPU.
+:attr:`Snapshot.nbytes`: the host bytes held, counted exactly from the copies (parameters +
+buffers + gradients + optimizer state + about 12 KiB of RNG state).
 
-Not covered (they are neither modules nor optimizers): LR schedulers' counters, a
-``GradScaler``'s scale, a data loader's position. A step that advances them should
-leave them out of the searched step, or save and restore them itself.
+Not covered: LR schedulers, a ``GradScaler``'s scale, a data loader's position.
 """
 
 from __future__ import annotations

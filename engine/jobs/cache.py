@@ -17,25 +17,15 @@ allowing more searches again (:mod:`~oomguard.engine.jobs.sizing`). The key (:fu
 the device (:func:`device_key`: a budget is a smaller device) and a hash of the workload (model
 config hash, dtype, sequence length, metric and its result-defining parameters).
 
-Writing: every read-modify-write holds a :class:`filelock.FileLock` on ``<file>.lock`` and ends with
-the one atomic replace, so two jobs can share one cache and the file is valid JSON at every moment.
-Reading takes no lock (it sees the old file or the new one) and changes nothing on disk (no folder,
-no lock file), so ``oomguard cache show`` works on a read-only cache.
+Writing holds a :class:`filelock.FileLock` on ``<file>.lock`` and ends with one atomic replace;
+reading takes no lock and changes nothing on disk (a read-only cache can be shown).
 
-The cache only saves time; it never costs a result:
-
-- A cache that cannot be read (no permission, a path through a regular file) makes
-  :meth:`SizeCache.get` warn once and answer None: the job searches or uses defaults.
-- A cache that cannot be written (a read-only folder, a lock it cannot create, a lock
-  held longer than ``LOCK_TIMEOUT_S``) makes :meth:`SizeCache.put` and
-  :meth:`SizeCache.lower` warn and return False; the result is computed all the same.
-- A file that is not a valid cache is ignored with a warning on reading, and moved
-  aside to ``<file>.corrupt-<timestamp>`` by the next write, which starts an empty one.
-- An entry whose sizes are not all positive integers (``-5``, ``true``, ``"8"``) is
-  treated as absent, with a warning naming its key and value; the next write drops it.
-
-Only ``oomguard cache show`` (a file it cannot read) and ``oomguard cache clear`` (one it cannot
-write) report an unusable cache as an error: one line (:class:`CacheError`, exit code 2).
+The cache only saves time; it never costs a result: an unreadable cache warns once and answers
+None; an unwritable one (or a lock held past ``LOCK_TIMEOUT_S``) warns and ``put``/``lower``
+return False; an invalid file is ignored and moved aside to ``<file>.corrupt-<timestamp>`` by the
+next write; an entry whose sizes are not all positive integers is treated as absent, with a
+warning. Only ``oomguard cache show`` and ``cache clear`` report an unusable cache as an error
+(:class:`CacheError`, exit code 2).
 """
 
 from __future__ import annotations

@@ -3,22 +3,16 @@
 A finished result is kept on resume only while every input that defines it is
 unchanged. Those inputs (:func:`task_inputs`) are:
 
-- the **model**: its config hash (:func:`~oomguard.metrics.models.config_fingerprint`)
-  and, for a local checkpoint folder, the content (SHA-256) of its config and of every
-  weight file in it (``*.safetensors``, ``*.bin``, ``*.pt``, ...);
-- the **data**: the data section of the job and, for a file source, the content
-  (SHA-256) of the file;
+- the **model**: its config hash and, for a local checkpoint folder, the SHA-256 of its
+  config and weight files;
+- the **data**: the job's data section and, for a file source, the file's SHA-256;
 - the dtype, the seed, the device, the metric and its result-defining parameters, the
-  content of ``.py`` plugins and of the user's modules the plugins import (found by
-  :func:`~oomguard.engine.jobs.plugins.user_code`: modules outside the installed packages,
-  the standard library and oomguard), and oomguard's version.
+  content of ``.py`` plugins and of the user's modules they import
+  (:func:`~oomguard.engine.jobs.plugins.user_code`), and oomguard's version.
 
-Memory knobs and the budget are not inputs: a metric's result does not depend on them
-beyond float rounding (that is what makes them tunable).
-
-Hashing a multi-gigabyte checkpoint takes seconds, so content digests are memoised by
-(size, modification time in ns) in a :class:`Digests` file in the job's output folder: a
-file with either changed is hashed again, so a rewrite that keeps the size is caught.
+Memory knobs and the budget are not inputs (results do not depend on them beyond rounding).
+Content digests are memoised by (size, mtime in ns) in a :class:`Digests` file in the output
+folder.
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ name) and imports it, which registers its metrics. A ``.py`` plugin's folder goe
 outside the installed packages, the standard library and oomguard. A job's fingerprint
 hashes them, so editing that code reruns the results it defined.
 
-Children that do not inherit this process's imports (a forkserver's, for ``--isolate``)
-import the same plugins through :data:`PRELOAD` (:mod:`oomguard.engine.jobs.plugin_preload`),
-which reads them from :data:`PLUGINS_ENV`.
+Children that do not inherit this process's imports import the same plugins through
+:data:`PRELOAD`, which reads them from :data:`PLUGINS_ENV`.
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ one Ray task asking for one GPU, or for ``cpus_per_task`` CPUs when the job's de
   (``max_retries``), and the new attempt starts from the dead one's sizes halved, through
   the cache, labelled as a death (:func:`~oomguard.engine.jobs.ray_task.lowered_after_death`);
 - the tasks' outputs and the size cache go through one actor on this node
-  (:mod:`~oomguard.engine.jobs.ray_hub`); this process (the driver) writes the journal's
-  ``running`` and ``worker-died``, ``results.json``, the report and the plots: the job's
-  folder is what the single-process job writes, and a rerun resumes from it.
+  (:mod:`~oomguard.engine.jobs.ray_hub`); the job's folder is what the single-process job
+  writes, and a rerun resumes from it.
 
 Ray is an optional dependency (``pip install 'oomguard[ray]'``), imported only here.
 """

@@ -64,19 +64,10 @@ def lowered_after_death(task: Task, previous: Mapping[str, Any]) -> dict[str, An
 
 def task_device(device: str) -> str:
     """The device string this Ray task runs a job on ``device`` with: ``device`` itself, but
-    the GPU Ray assigned, ``cuda:<index>``, where Ray leaves every GPU visible.
-
-    Ray sets a GPU task's ``CUDA_VISIBLE_DEVICES`` to the GPUs it assigned, so there ``cuda``
-    is the task's GPU. Under ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` it does not
-    (``set_current_process_visible_accelerator_ids`` returns early), and ``cuda`` would be
-    ``cuda:0`` for every task. The task's GPU is then ``ray.get_gpu_ids()``
-    (ray/_private/worker.py, ``get_accelerator_ids_for_accelerator_resource``): "If the
-    CUDA_VISIBLE_DEVICES environment variable was set when the worker started up, then the
-    IDs returned by this method will be a subset of the IDs in CUDA_VISIBLE_DEVICES. If not,
-    the IDs will fall in the range [0, NUM_GPUS - 1]": entries of that variable, as strings
-    (``str(original_ids[i])``), whose position is torch's index, else the index itself.
-    A task asks for one GPU (:class:`~oomguard.engine.jobs.ray_job.OnRay`); of several, the
-    first in torch's order."""
+    the GPU Ray assigned, ``cuda:<index>``, where Ray leaves every GPU visible
+    (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``): ``ray.get_gpu_ids()`` are then entries
+    of ``CUDA_VISIBLE_DEVICES`` (their position is torch's index) or the indices themselves;
+    of several, the first."""
     if device != "cuda" or os.environ.get(NOSET_CUDA_VISIBLE_DEVICES, "").lower() not in ("1", "true"):
         return device
     import ray  # only ever called inside a Ray worker

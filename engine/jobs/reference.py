@@ -2,12 +2,10 @@
 on this device, from searches and the size cache.
 
 :func:`build_reference` sizes each metric of the catalogue on one model, dtype and
-sequence length as a job does (:func:`~oomguard.engine.jobs.sizing.choose_sizes`; each knob's search
-in a fresh process, as ``oomguard search`` does). Its rows are the searches' records; the sizes go
-in the size cache under the key a job looks up, so a later job on the same device, model, dtype,
-sequence length and budget takes them from there instead of searching (unless a capped answer allows
-it more), and a second reference reads every row back from the cache and runs no trial. An entry a
-job already stored is used, never overwritten: it may have been lowered after an OOM in a real run.
+sequence length as a job does (:func:`~oomguard.engine.jobs.sizing.choose_sizes`, each search in a
+fresh process). Its rows are the searches' records; the sizes go in the size cache under the key a
+job looks up, so later jobs and references reuse them. An entry a job already stored is used, never
+overwritten: it may have been lowered after an OOM in a real run.
 
 :func:`sizes_toml` writes those sizes as a job file's ``[[metrics]]`` blocks, with a ``[reference]``
 table saying what they were measured for; :func:`load_sizes` reads one back and :func:`apply_sizes`

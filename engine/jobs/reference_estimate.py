@@ -5,10 +5,7 @@ Every figure here is an estimate (:data:`~oomguard.engine.core.estimate.estimate
 :func:`~oomguard.engine.core.estimate.estimate.estimate` (fake tensors): never a measurement, and
 written apart from a measured reference (``estimate-reference.*``, ``"source": "estimated"``).
 
-What makes it fast (a 32-layer 7B LLaMA's ``loss`` at two sizes took 25 s at full depth;
-every metric of it, on 2 idle cores, 52 s before real inputs were converted to fake once
-per operation's shapes, 42 s after, 26 s with the metrics in two processes;
-docs/measurements.md#estimate-reference):
+What makes it fast (measured: docs/measurements.md#estimate-reference):
 
 - **Depth**: each size is estimated with 1, 2 and 3 hidden layers and extrapolated to
   the real depth (:class:`Estimator`).
@@ -21,10 +18,9 @@ docs/measurements.md#estimate-reference):
 - **Size**: sized as a job sizes a metric (:func:`~oomguard.engine.jobs.sizing.choose_sizes`),
   with an evaluator that estimates a few sizes instead of running (:class:`EstimateSearch`).
 
-The total a size needs is the storage alive after the warm-up (weights, gradients the
-warm-up left, buffers, the data) plus the estimated peak above it. The memory it must fit
-is ``memory x (1 - margin)``: the margin covers what estimates leave out (CUDA context,
-allocator cache and fragmentation, cuBLAS workspace).
+The total a size needs (bytes) is the storage alive after the warm-up plus the estimated
+peak above it; it must fit ``memory x (1 - margin)``, the margin covering what estimates
+leave out (CUDA context, allocator cache, cuBLAS workspace).
 """
 
 from __future__ import annotations

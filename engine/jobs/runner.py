@@ -1,24 +1,19 @@
 """Run a job: every (model, metric) task once, losing nothing already computed.
 
 This process plans the tasks, keeps the journal, and runs each task in a **child process**
-(:mod:`~oomguard.engine.jobs.task_child`; from a forkserver with torch and transformers imported,
-docs/measurements.md#isolated-children-start-up, safe even after this process ran OpenMP code, which
-a plain ``fork`` is not: docs/measurements.md#fork-after-openmp). Why a child: the **time limit**
-really stops a metric (SIGTERM, then SIGKILL after 5 s), whatever native code it is in; a budget or
-a crash stays in the child; each metric starts with a fresh heap. The limit covers the whole task
-(model build, search, run); the search is also bounded by ``search.max_trials`` and
-``search.max_seconds`` (at most a third of the limit).
+(:mod:`~oomguard.engine.jobs.task_child`; from a forkserver,
+docs/measurements.md#isolated-children-start-up, docs/measurements.md#fork-after-openmp): the
+**time limit** really stops a metric (SIGTERM, then SIGKILL after 5 s), a budget or a crash
+stays in the child, and each metric starts with a fresh heap. The limit covers the whole task;
+the search is also bounded by ``search.max_trials`` and ``search.max_seconds``.
 
 Resume: a task whose result file says ``ok`` and still answers it (the same inputs,
 :mod:`~oomguard.engine.jobs.fingerprint`; its tensor file present) is skipped and its
 file never rewritten; a stale one is moved to ``results/stale/`` and rerun, saying why
 (:mod:`~oomguard.engine.jobs.output`). Failed and interrupted tasks run again.
-SIGINT, SIGTERM and SIGUSR1 (Slurm's warning before a time limit, ``sbatch --signal``) stop
-cleanly, all one way: the running task is recorded as interrupted, its child stopped, and
-the report written (a signal during the report stops it before its next file;
-``results.json`` then says "interrupted" and a rerun finishes it); the exit code is 128 +
-the signal (:data:`EXIT_SIGNAL`). ``kill -9`` of the parent also ends the child
-(PR_SET_PDEATHSIG through the forkserver).
+SIGINT, SIGTERM and SIGUSR1 (Slurm's warning) stop cleanly: the running task is recorded as
+interrupted, its child stopped, the report written; the exit code is 128 + the signal
+(:data:`EXIT_SIGNAL`). ``kill -9`` of the parent also ends the child (PR_SET_PDEATHSIG).
 
 Backends: :class:`Sequential` runs the tasks one after another from this process (the
 default); :class:`~oomguard.engine.jobs.ray_job.OnRay` runs them concurrently as Ray
@@ -142,20 +137,17 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
             log_setup: Callable[[Path], Any] | None = None, force: bool = False,
             snapshot_on_oom: bool = False, backend: Any = None,
             threads: int | None = None) -> Outcome:
-    """Run (or resume) ``job`` into ``job.output`` (sizes from pins, the cache or a search; each metric in its own process; resumable); returns the exit code
-    and every record. A stale result's reasons go to the log, the journal, the result
-    (``rerun_because``) and the report; ``force``: see :func:`claim`.
+    """Run (or resume) ``job`` into ``job.output`` (sizes from pins, the cache or a search;
+    each metric in its own process); returns the exit code and every record. A stale
+    result's reasons go to the log, the journal, the result (``rerun_because``) and the
+    report; ``force``: see :func:`claim`.
 
-    ``start_method``: ``forkserver`` (safe from any process) or ``fork`` (faster; only from a
-    process that has not run torch code yet, :func:`~oomguard.engine.core.child.start_method`); a
-    GPU job always uses ``forkserver`` (CUDA cannot be used in a forked child); on macOS and
-    Windows every job uses ``spawn`` (:func:`~oomguard.engine.core.child.server_method`). ``log_setup(out)``,
-    if given, is called with the output folder once it is locked, in this process, and at the start
-    of every metric's process; it must pickle. Without it this function configures no logging at
-    all. ``threads``: torch's intra-op threads in each metric's process (None: torch's default; on
-    Ray, a CPU task's share of CPUs). ``snapshot_on_oom``: each metric's process records CUDA
-    allocation history from its start and writes an allocator snapshot at each OOM into
-    ``snapshots/`` (pytorch.org/memory_viz; on CPU the events say none was possible).
+    ``start_method``: ``forkserver`` or ``fork`` (only from a process that has run no torch
+    code; :func:`~oomguard.engine.core.child.start_method` decides for GPUs, macOS and
+    Windows). ``log_setup(out)`` (picklable) is called once the output folder is locked and
+    in every metric's process; without it no logging is configured. ``threads``: torch's
+    intra-op threads per metric's process (None: torch's default). ``snapshot_on_oom``: a
+    CUDA allocator snapshot per OOM into ``snapshots/``.
 
     Raises :class:`JobError` before any work if the job cannot start (device missing, a budget
     larger than the device, an output folder that is a file, not writable, in use by another run, or

@@ -6,12 +6,10 @@ job's files itself. :class:`FileSink` writes them directly (it is picklable: the
 writes too). :class:`HubSink`, on Ray, sends them in order to the job's
 :class:`~oomguard.engine.jobs.ray_hub.Hub` actor, which writes them with its own :class:`FileSink`.
 
-Why a pipe: the task runs in a child process of the Ray worker, and only a process that
-joined Ray can call an actor (joining as a driver of its own costs seconds per process).
-So the child's :class:`HubSink` sends each output over a pipe it inherits, and a thread
-of the worker passes them on (:func:`forward`). The worker's own outputs take the same
-pipe, so the hub gets all of them in the order they happened. A send is done when it
-returns: a child that dies next loses nothing it sent.
+Why a pipe: only a process that joined Ray can call an actor, and the task runs in a child
+of the Ray worker: the child's :class:`HubSink` sends each output over an inherited pipe and
+a worker thread passes them on in order (:func:`forward`); a child that dies next loses
+nothing it sent.
 """
 
 from __future__ import annotations
