@@ -41,18 +41,15 @@ from oomguard.metrics.workload import SAMPLE_KNOBS, MetricTrial
 from oomguard.probes import host
 
 GiB, MiB = 1024**3, 1024**2
-# Total memory of common GPUs as the driver reports it (NVML, nvidia-smi), not the marketed
-# figure: "80GB" reads 79.65 GiB on an H100, "16GB" 15.78 GiB on a V100
-# (docs/measurements.md#gpu-tiers). A process can allocate less still (the CUDA context,
-# the driver's own use), which the margin must cover, with the allocator's cache.
+# Total bytes of common GPUs as the driver reports them, not the marketed figure
+# (measured: docs/measurements.md#gpu-tiers); the margin covers what a process cannot use.
 GPUS: dict[str, int] = {"H100 80GB": 81559 * MiB, "A100 40GB": 40960 * MiB,
                         "RTX 4090 24GB": 24564 * MiB, "V100 16GB": 16160 * MiB}
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 DEPTHS = (1, 2, 3)  # the depths estimated, for a quadratic in the layer count
 ROUNDS = 4  # line-and-confirm rounds per knob after sizes 1 and the largest
 WORKERS: int | None = None  # processes for the metrics (None: one per CPU; 1: this one only)
-# What a worker of the parallel reference imports before its first metric (once, in the
-# forkserver, where there is one)
+# What a worker of the parallel reference imports once, before its first metric
 PRELOAD = ("transformers", "oomguard.engine.core.estimate.estimate", "oomguard.metrics.workload")
 
 
@@ -87,10 +84,9 @@ def layer_specs(spec: str) -> tuple[int, list[str]] | None:
 
 
 class _Resident:
-    """A workload for :func:`estimate` that also counts, after its warm-up, the bytes alive
-    in its state (parameters, their gradients, buffers, the data): what exists before a
-    size runs, which the estimate's peak does not include. ``block``: the allocation unit
-    the bytes round up to (the session's)."""
+    """A workload for :func:`estimate` that also counts the bytes alive in its state after
+    its warm-up (parameters, gradients, buffers, data), which the estimated peak excludes;
+    rounded up to ``block`` bytes (the session's)."""
 
     def __init__(self, trial: MetricTrial) -> None:
         self.work, self.block, self.resident = trial, 1, 0
@@ -115,18 +111,15 @@ class _Resident:
 
 class Estimator:
     """Totals (resident + peak, bytes, estimated) of one model's metrics, extrapolated from
-    1, 2 and 3 layers to the real depth where the spec allows (:func:`layer_specs`): by the
-    quadratic through them, exact for a base plus per-layer parts (weights, gradients,
-    activations) plus per-pair-of-layers parts (CKA's cross-layer Gram matrix, which a line
-    through 1 and 2 layers put 45% low at 8 layers)."""
+    1, 2 and 3 layers to the real depth where the spec allows (:func:`layer_specs`) by the
+    quadratic through them (per-layer and per-pair-of-layers parts, as CKA's Gram matrix)."""
 
     def __init__(self, model: str, dtype: str, seq_len: int, device: str) -> None:
         self.model, self.dtype, self.seq_len, self.device = model, dtype, seq_len, device
         self.layers = layer_specs(model)
         self.estimates = 0
         self.notes: set[str] = set()  # what the estimates changed or left out
-        # The warmed-up sessions of the (metric, knob, samples) last asked for, per spec: a
-        # search's next sizes skip the model build and the warm-up.
+        # The warmed-up sessions of the workload last asked for, per spec.
         self._sessions: dict[tuple, tuple[EstimateSession, _Resident]] = {}
 
     @property
@@ -151,8 +144,7 @@ class Estimator:
                 work = _Resident(MetricTrial(
                     metric, knob=knob, model=spec, dtype=self.dtype, n_samples=n_samples,
                     seq_len=self.seq_len, params=dict(fixed)))
-                # workspace=False: replaying a large model's matrix multiplies is slow and
-                # measures this host's BLAS, not the device the reference is for.
+                # workspace=False: a replay measures this host's BLAS, not the target device.
                 session = EstimateSession(work, device=self.device, workspace=False)
                 work.block = session.counter.block
                 self._sessions[key] = session, work
@@ -169,12 +161,9 @@ class Estimator:
 
 
 def _quadratic(f: Sequence[int], depth: int) -> int:
-    """``f`` (bytes at 1, 2 and 3 layers) at ``depth``: the quadratic through them (Newton's
-    forward differences) where they curve up (CKA's per-pair part); where they curve down,
-    the line through 2 and 3 layers. A peak is the largest of a few lines in the depth, and
-    with 1 layer another term can be the largest (attention_stats: a line through 1 and 2
-    layers put its peak 20% high at 8 layers, the quadratic 33% low; from 2 layers on, its
-    peak grows by the same bytes per layer). Never below the value at 3 layers."""
+    """``f`` (bytes at 1, 2 and 3 layers) at ``depth``: the quadratic through them where they
+    curve up; where they curve down (another term was the largest at 1 layer), the line
+    through 2 and 3 layers. Never below the value at 3 layers."""
     n = depth - 1
     d1, d2 = f[1] - f[0], f[2] - 2 * f[1] + f[0]
     if d2 < 0:
@@ -184,10 +173,9 @@ def _quadratic(f: Sequence[int], depth: int) -> int:
 
 class EstimateSearch:
     """The estimated reference's evaluator for :func:`~oomguard.engine.jobs.sizing.choose_sizes`:
-    the largest size of a knob whose estimated total fits ``capacity`` bytes, found by estimating
-    instead of running. The cap first (one micro-batch: the cheapest), size 1 only where it does not
-    fit (peaks grow with the size, so a fitting cap answers alone), then the line through the two
-    nearest known sizes, for at most :data:`ROUNDS` rounds."""
+    the largest size of a knob whose estimated total fits ``capacity`` bytes. The cap first, size
+    1 only where it does not fit, then the line through the two nearest known sizes, for at most
+    :data:`ROUNDS` rounds."""
 
     def __init__(self, est: Estimator, metric: str, n_samples: int, capacity: int) -> None:
         self.est, self.metric, self.n_samples, self.capacity = est, metric, n_samples, capacity
@@ -238,10 +226,9 @@ class EstimateSearch:
 
 def estimate_rows(est: Estimator, metric: str, n_samples: int, capacity: int,
                   max_size: int) -> list[dict[str, Any]]:
-    """One row per memory knob of ``metric``, sized as a job sizes it: its largest size (at
-    most its largest useful one and ``max_size``) whose estimated total fits ``capacity``
-    bytes (``max_ok``, a search record's name), with its total and the next size's
-    (``first_oom``); ``max_ok`` None where none fits."""
+    """One row per memory knob of ``metric``, sized as a job sizes it: ``max_ok`` the largest
+    size whose estimated total fits ``capacity`` bytes (None: none fits), ``first_oom`` the
+    next one, with their totals."""
     request = Request(get_metric(metric), {}, n_samples, model_config(est.model), max_size)
     got = choose_sizes(request, evaluate=EstimateSearch(est, metric, n_samples, capacity))
     out = []
@@ -258,8 +245,7 @@ def estimate_rows(est: Estimator, metric: str, n_samples: int, capacity: int,
 def batch_table(est: Estimator, metrics: Sequence[str], batches: Sequence[int]
                 ) -> list[dict[str, Any]]:
     """Per metric (its first memory knob at the batch size, over that many samples): the
-    estimated total bytes at each batch size. No time: fake tensors compute nothing, so
-    they say nothing honest about speed."""
+    estimated total bytes at each batch size (no time: fake tensors compute nothing)."""
     rows = []
     for metric in metrics:
         knobs = get_metric(metric).memory_knobs()
@@ -274,8 +260,7 @@ def batch_table(est: Estimator, metrics: Sequence[str], batches: Sequence[int]
 
 def check_measured(measured: Any, **want: Any) -> None:
     """UsageError (one line) unless ``measured`` is a measured ``reference.json``'s content
-    (an object whose ``rows`` are objects naming a metric and a knob) for what ``want``
-    names (``model``, ``dtype``, ``seq_len``, ``n_samples``): checked before any estimate."""
+    for what ``want`` names (``model``, ``dtype``, ``seq_len``, ``n_samples``)."""
     rows = measured.get("rows") if isinstance(measured, dict) else None
     if not isinstance(rows, list) or not all(
             isinstance(r, dict) and isinstance(r.get("metric"), str)
@@ -293,10 +278,8 @@ def check_measured(measured: Any, **want: Any) -> None:
 
 def compare_measured(est: Estimator, rows: list[dict[str, Any]], measured: dict[str, Any],
                      n_samples: int) -> None:
-    """Add to each row the measured reference's maximum and its peak above the warmed-up
-    state at its safe size (where a trial ran there), the estimated peak at that size, and
-    the relative error ``(estimated - measured) / measured``. ``measured`` is checked by
-    :func:`check_measured` (the command line checks it before any estimate)."""
+    """Add to each row the measured reference's maximum, its measured peak at its safe size,
+    the estimated peak there, and ``relative_error`` = (estimated - measured) / measured."""
     check_measured(measured, model=est.model, dtype=est.dtype, seq_len=est.seq_len,
                    n_samples=n_samples)
     by_key = {(r["metric"], r["knob"]): r for r in measured.get("rows", [])}
@@ -322,12 +305,9 @@ def _metric_rows(name: str, model: str, dtype: str, seq_len: int, device: str, n
 
 def _each_metric(names: Sequence[str], *args: Any
                  ) -> Iterator[tuple[list[dict[str, Any]], int, set[str]]]:
-    """:func:`_metric_rows` of each of ``names``, in their order. The metrics share nothing,
-    so on more than one CPU they are estimated in parallel, one process per CPU: the
-    estimate is Python-bound (fake tensors dispatch each operation in Python), and the 7B
-    reference took 42 s in one process, 26 s in two on two idle cores
-    (docs/measurements.md#estimate-reference). Sequential inside a daemonic process,
-    which cannot start children, and with a plugin's metric, which a worker would not know."""
+    """:func:`_metric_rows` of each of ``names``, in their order: in parallel, one process per
+    CPU (the estimate is Python-bound: docs/measurements.md#estimate-reference); sequential
+    inside a daemonic process and with a plugin's metric, which a worker would not know."""
     workers = min(len(names), WORKERS or host.cpu_count())
     plugin = any(not type(get_metric(n)).__module__.startswith("oomguard.metrics.")
                  for n in names)

@@ -14,9 +14,9 @@ Matrix-multiply workspace (CPU) is measured, not predicted
 (:mod:`oomguard.engine.core.estimate.workspace`). Only the target device's memory counts:
 host-side bookkeeping goes to :func:`host_device`.
 
-Not counted: other operators' workspace, free heap a real run reuses (the other way), the
-allocator's rounding beyond CUDA's 512-byte blocks and its cache, cuBLAS's workspace, the
-device context. Measured error and sizes: docs/measurements.md#estimate-error.
+Not counted: other operators' workspace, reused free heap, the allocator's cache and
+rounding beyond CUDA's 512-byte blocks, cuBLAS's workspace, the device context. Measured
+error: docs/measurements.md#estimate-error.
 """
 
 from __future__ import annotations
@@ -42,10 +42,9 @@ from oomguard.engine.errors import UsageError, check_positive_int
 # docstring); larger ones (a batch's 4-D attention mask) stay fake, counted all the same.
 REAL_LIMIT = 16 * 1024**2
 REAL_FLOAT_LIMIT = 64 * 1024
-# Operations on real inputs only whose fake run found their outputs small (they run for real):
-# keyed by _real_key, so a repeat skips the fake run and its conversion of the real inputs to
-# fake ones (about a third of an estimate's time on a 7B LLaMA's metrics, where the data's
-# token ids and masks meet every layer). REAL_CACHE False: every operation runs fake first.
+# Operations on real inputs whose fake run found their outputs small (they run for real),
+# keyed by _real_key: a repeat skips the fake run (measured: about a third of an estimate's
+# time, docs/measurements.md#estimate-reference). REAL_CACHE False: every one runs fake first.
 REAL_CACHE = True
 REAL_CACHE_SIZE = 65536
 _RUNS_REAL: set[tuple] = set()
@@ -101,10 +100,9 @@ class StorageCounter(TorchDispatchMode):
 
     A storage an operation returns that no operation saw before is new: its bytes (rounded
     up to ``block``) count until it is freed. Storages first seen as *inputs* existed before
-    (weights, optimizer state) and count only what a resize adds. ``current`` and ``peak``:
-    bytes above where :meth:`start` left them. With a ``fake_mode`` it also decides what
-    runs for real (an operation on real inputs whose outputs are small); without one it counts a real run. With
-    ``device_type``, only tensors on devices of that type count."""
+    and count only what a resize adds. ``current`` and ``peak``: bytes above where
+    :meth:`start` left them. With a ``fake_mode`` it also decides what runs for real;
+    without one it counts a real run. With ``device_type``, only that device type counts."""
 
     def __init__(self, fake_mode: Any | None = None, block: int = 1,
                  device_type: str | None = None) -> None:
@@ -201,9 +199,7 @@ class StorageCounter(TorchDispatchMode):
 def _real_key(func: Any, args: Any, kwargs: Any) -> tuple | None:
     """What decides whether an operation on real inputs only runs for real: the operation,
     its tensors' shapes, strides, offsets, dtypes and devices and its other arguments
-    (typed: ``1``, ``1.0`` and ``True`` differ). The fake run's output sizes follow from
-    these alone (where they would follow the values, the fake run raises and the operation
-    runs for real, the same decision). None where an argument has no such key."""
+    (typed); None where an argument has no such key."""
     def key(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided or type(obj) is not torch.Tensor:
@@ -222,9 +218,8 @@ def _real_key(func: Any, args: Any, kwargs: Any) -> tuple | None:
 
 
 def _real_mask_indices(func: Any, args: Any) -> list[Any] | None:
-    """For ``x[mask]`` (``index``, ``index_put``) on a fake ``x`` with *real* boolean masks:
-    the indices with each mask replaced by the positions it selects (what ATen does
-    itself), so the output's size is known; None for any other operation."""
+    """For ``x[mask]`` on a fake ``x`` with *real* boolean masks: the indices with each mask
+    replaced by the positions it selects, so the output's size is known; else None."""
     aten = torch.ops.aten
     if func not in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
         return None
@@ -271,12 +266,11 @@ def fake_device(device: str | torch.device) -> tuple[torch.device, list[str]]:
 def estimate(fn: Callable[[int], Any], sizes: Sequence[int], device: str | torch.device = "cpu",
              workspace: bool = True, shortcuts: bool = True) -> list[Estimate]:
     """Estimate the peak bytes of ``fn(size)`` for each of ``sizes`` on ``device`` (cpu,
-    cuda, cuda:N) without running the work (fake tensors, no weights; every figure labelled an estimate): one :class:`Estimate` per
-    size, in order after one warm-up on fake tensors. ``workspace`` (cpu): measure the
-    matrix multiplies' workspace on this host; ``shortcuts``: allow :func:`shortcut`.
-    :class:`UsageError` for bad sizes or devices, or a workload whose memory depends on
-    values only a real run computes (a tensor whose shape depends on the model's outputs).
-    """
+    cuda, cuda:N) without running the work (fake tensors, no weights; labelled estimates):
+    one :class:`Estimate` per size, in order, after one warm-up. ``workspace`` (cpu):
+    measure the matrix multiplies' workspace on this host; ``shortcuts``: allow
+    :func:`shortcut`. :class:`UsageError` for bad sizes or devices, or a workload whose
+    memory depends on values only a real run computes."""
     from oomguard.engine.core.workload import own_estimate  # why: it imports this module
     sizes = list(sizes)
     if not sizes:
@@ -296,12 +290,9 @@ def estimate(fn: Callable[[int], Any], sizes: Sequence[int], device: str | torch
 
 @contextlib.contextmanager
 def _no_cycle_collection() -> Iterator[None]:
-    """Python's cycle collector off while a workload runs on fake tensors: a fake tensor held
-    in a reference cycle is freed when the collector happens to run, which depends on every
-    object the process made before (another metric's estimate, an import), so the same
-    estimate read up to 30 KB apart on a 26 GB peak between a fresh process and one that had
-    run other metrics. Off, such tensors live to the end of the size, as they can in a real
-    run: the estimate is the same in any process, never lower."""
+    """Python's cycle collector off while a workload runs on fake tensors: when a cycle's
+    tensors are freed would depend on the process's history. Off, they live to the end of
+    the size, as they can in a real run: the same estimate in any process, never lower."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -334,9 +325,7 @@ class EstimateSession:
         sizes = list(sizes)
         for size in sizes:
             check_positive_int("size", size)
-        # On the data a trial measures: its worst case where the workload has one (cka's Gram
-        # multiplies span the valid tokens: padded data made four smaller, distinct ones where
-        # the trial makes one, read 14% high at 2).
+        # On the data a trial measures: its worst case where the workload has one.
         call = worst_case_call(self.work)
         counter, out = self.counter, []
         runs: list[tuple[dict[tuple, tuple[int, int]], list[int]]] = []

@@ -21,12 +21,10 @@ import torch
 
 from oomguard.engine.errors import IsolationError, first_line
 
-# Matrix multiplies whose workspace is measured (what matmul, linear and eager attention
-# dispatch to, and the in-place forms an accumulator uses: cka's float64 Gram sums, whose
-# ~2.4 MB of MKL buffers went uncounted), replayed only while none moves over REPLAY_LIMIT bytes and all take at most
-# REPLAY_MACS float32 multiply-adds, a few seconds of CPU: the replay must stay cheap. Other
-# than float32/64, each counts SLOW_DTYPE times: bfloat16 and float16 ran ~50 times slower
-# on CPU (docs/measurements.md#estimate-error).
+# Matrix multiplies whose workspace is measured (matmul, linear, attention and the in-place
+# forms accumulators use), replayed only while none moves over REPLAY_LIMIT bytes and all
+# take at most REPLAY_MACS float32 multiply-adds (a few CPU seconds); a bfloat16 or float16
+# one counts SLOW_DTYPE times (measured ~50x slower: docs/measurements.md#estimate-error).
 GEMMS = frozenset({"mm.default", "addmm.default", "bmm.default", "baddbmm.default",
                    "addmm_.default", "baddbmm_.default"})
 REPLAY_LIMIT, REPLAY_MACS, SLOW_DTYPE = 256 * 1024**2, 2**35, 64
