@@ -1,15 +1,8 @@
 """``attention_stats``: per layer and head, how attention is spread, over all valid queries.
 
-Measured, for every layer ``l`` and head ``h``, averaged over every valid
-(non-pad, ``attention_mask == 1``) query position of every sample:
-
-- ``entropy``: ``-sum_k p_k log p_k`` of the query's attention row (nats);
-- ``first_token``: the attention weight on key position 0 (a probability);
-- ``distance``: ``sum_k p_k (q - k)``, the mean look-back (positions).
-
-Each chunk of ``chunk_size`` samples adds float64 sums and the count of valid queries;
-the means are taken once at the end. Needs attention probabilities, so the model must
-use eager attention (``build_model(..., attn_implementation="eager")``).
+Per layer and head, averaged over every valid query position: ``entropy`` of the attention row
+(nats), ``first_token`` (the weight on key 0, a probability) and ``distance`` (``sum_k p_k (q - k)``,
+positions). Chunks add float64 sums; the means are taken at the end. Needs eager attention.
 """
 
 from __future__ import annotations
@@ -61,8 +54,7 @@ def attention_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor],
 @register
 class AttentionStats(JsonMetric):
     name = "attention_stats"
-    # Means of probabilities (entropy, weight, distance) summed in float64: bfloat16
-    # attention rows change them in the third digit; no difference of close numbers.
+    # Means of probabilities summed in float64: bfloat16 moves the third digit, nothing cancels.
     tolerates_lower_precision = True
     description = ("per layer and head: mean attention entropy (nats), mean weight on the first "
                    "token, mean attention distance (positions), over all valid query positions")

@@ -1,20 +1,11 @@
 """``cka``: linear CKA between the hidden states of every pair of layers.
 
-Features: the ``L + 1`` hidden states (``output_hidden_states=True``: the embedding
-output, then every block's output) at every *valid token*: ``n`` = total valid tokens
-rows. We chose tokens over mean-pooled samples because the question is about
-representations, and pooling would mix in sequence length.
-
-Linear CKA on centred features (Kornblith et al. 2019):
-``CKA(X, Y) = ||Xc^T Yc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F)``. Centering needs the means over
-*all* data, so chunks only accumulate exact sums (float64): the stacked Gram ``Z^T Z`` of
-``Z = [X_0 | ... | X_L]`` (every block ``X_i^T X_j`` at once), the feature sums and the token count;
-at the end ``Xc^T Yc = X^T Y - n mean_x mean_y^T``. To keep that subtraction well conditioned,
-features are first shifted by a fixed vector (the mean of the first sample's valid tokens, the same
-for every chunk size); centering removes any shift exactly.
-
-Memory: the accumulator is ``((L + 1) d)^2`` float64 (fixed; 1.2 MB for
-tiny-gpt2, ~0.8 GB for GPT-2 small), plus a forward over ``chunk_size`` samples.
+Features: the ``L + 1`` hidden states (embedding output, then every block's) at every *valid
+token* (not pooled: pooling would mix in sequence length). Linear CKA on centred features
+(Kornblith et al. 2019), ``||Xc^T Yc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F)``: chunks accumulate
+exact float64 sums (the Gram ``Z^T Z`` of ``Z = [X_0 | ... | X_L]``, the feature sums, the count),
+centred at the end, after a fixed shift (the first sample's mean) that keeps the subtraction well
+conditioned. Memory (estimated): a ``((L + 1) d)^2`` float64 accumulator (fixed), plus a forward.
 """
 
 from __future__ import annotations
@@ -49,8 +40,7 @@ def cka_from_gram(gram: torch.Tensor, sums: torch.Tensor, n: int,
 @register
 class CKA(JsonMetric):
     name = "cka"
-    # No: centring subtracts nearly equal sums, and the layers compared often differ
-    # in the third digit of CKA, where bfloat16 hidden states already err.
+    # No: centring subtracts nearly equal sums; layers differ where bfloat16 already errs.
     tolerates_lower_precision = False
     description = ("linear CKA between every pair of layers' hidden states (all valid tokens), "
                    "from exact Gram accumulators")

@@ -1,8 +1,6 @@
 """Shared pieces of every metric: micro-batches, token counts, exact losses, parameter groups.
-
-What keeps a result independent of the memory knobs (micro-batch, chunk) beyond float rounding: sums
-over micro-batches are float64 and divided by the whole data's token count at the end. Low-precision
-models (bfloat16, float16) run in their dtype; logits are up-cast to float32 before the log-softmax.
+Sums over micro-batches are float64, divided by the whole data's token count at the end, so a
+result does not depend on the memory knobs; logits are up-cast to float32 before the log-softmax.
 """
 
 from __future__ import annotations

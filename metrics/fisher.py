@@ -1,12 +1,8 @@
 """``fisher_diagonal``: the diagonal of the empirical Fisher, per parameter group.
 
-Measured: ``F_ii = (1/n) sum_s (d loss_s / d theta_i)^2`` where ``loss_s`` is sample ``s``'s mean
-NLL over its scored tokens (nats/token) and ``n`` the number of samples with at least one scored
-token. Per-sample gradients come from ``torch.func`` (``vmap(grad(functional_call))``) over
-micro-batches of samples; their squares are summed in float64 and divided by ``n`` once.
-
-Reported per group: ``trace`` (sum of the diagonal) and ``mean`` (trace per
-parameter); and the total trace.
+``F_ii = (1/n) sum_s (d loss_s / d theta_i)^2``, ``loss_s`` sample ``s``'s mean NLL (nats/token),
+``n`` the samples with a scored token; per-sample gradients by ``torch.func`` (``vmap(grad)``),
+squares summed in float64. Reported per group: ``trace`` and ``mean`` (per parameter); total trace.
 """
 
 from __future__ import annotations
@@ -33,9 +29,7 @@ from oomguard.metrics.common import (
 
 VMAP = "torch.func vmap(grad)"
 LOOP = "per-sample backward loop (torch.func cannot transform the model)"
-# Words of the errors torch.func raises for a model it cannot transform: an
-# autograd.Function without setup_context (Bloom's GeLU), or an in-place update that
-# vmap cannot batch (Mamba's slow path).
+# Words of torch.func's errors for a model it cannot transform (Bloom's GeLU, Mamba's slow path).
 TORCH_FUNC_REFUSALS = ("functorch", "setup_context", "vmap")
 
 
@@ -94,8 +88,7 @@ def fisher_diagonal_sums(model: torch.nn.Module, data: Mapping[str, torch.Tensor
 @register
 class FisherDiagonal(JsonMetric):
     name = "fisher_diagonal"
-    # No: squares of per-sample gradients, many near 0, whose relative error in
-    # bfloat16 is unbounded; a curvature estimate is not a statistic to round.
+    # No: squares of near-0 per-sample gradients have unbounded relative error in bfloat16.
     tolerates_lower_precision = False
     description = ("diagonal empirical Fisher, mean over samples of squared per-sample "
                    "gradients: trace and mean per parameter group, total trace")

@@ -1,9 +1,7 @@
 """``gradient_stats``: norms of the full-data mean-loss gradient, per parameter group.
 
-Measured: the gradient of the token-weighted mean loss over *all* data
-(:func:`metrics.common.mean_loss_grad`), then its L2 norm per parameter group
-(:func:`metrics.common.param_groups`) and in total, in nats/token per unit parameter.
-``micro_batch_size`` changes nothing beyond float rounding.
+The L2 norm of the gradient of the token-weighted mean loss over *all* data, per parameter group
+and in total, in nats/token per unit parameter.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from oomguard.metrics.common import (
 @register
 class GradientStats(JsonMetric):
     name = "gradient_stats"
-    # Norms of the gradient per group: about three significant digits in bfloat16, as
-    # in mixed-precision training; a norm adds squares, nothing cancels.
+    # Norms add squares, nothing cancels: about three significant digits in bfloat16.
     tolerates_lower_precision = True
     description = "L2 norm of the full-data token-weighted mean-loss gradient per parameter group"
     knobs = (

@@ -144,8 +144,7 @@ def captum_knobs(chunk_default: int) -> tuple[Knob, ...]:
 class CaptumMetric(JsonMetric):
     """A metric built on captum's attributions, with the knobs of :func:`captum_knobs`."""
 
-    # No: attributions are checked by completeness (they sum to the change of the
-    # output), which bfloat16 gradients along the path would no longer meet.
+    # No: bfloat16 gradients along the path would break the completeness check.
     tolerates_lower_precision = False
 
     def size_unit(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int:

@@ -92,8 +92,7 @@ class _CurvatureEigenvalues(JsonMetric):
     """Top-k eigenvalues of a curvature matrix of the full-data mean loss, by Lanczos."""
 
     matrix = "hessian"
-    # No: Lanczos builds eigenvalues from Hessian-vector products (a double backward) and
-    # reorthogonalises in float64; bfloat16 products would break the residual bounds.
+    # No: bfloat16 Hessian-vector products would break the residual bounds.
     tolerates_lower_precision = False
     knobs = (
         Knob("micro_batch_size", "memory", 16, 1,

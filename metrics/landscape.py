@@ -1,19 +1,11 @@
 """``loss_landscape``: the loss on a 2-D plane through the parameters (Li et al. 2018).
 
-Two random directions ``d1, d2`` (one Gaussian tensor per parameter, seeded by ``seed``; tied
-weights once) are *filter-normalised*: for a parameter of 2 or more dimensions, every slice along
-dim 0 (a row of an ``nn.Linear`` weight, one output unit; a row of GPT-2's transposed ``Conv1D``
-weight, one input unit) is rescaled to the norm of the same slice of the parameter; a 1-D parameter
-(bias, norm scale) as a whole. Li et al. zero the directions of biases and norm parameters in their
-default; we keep them, so every parameter moves.
-
-On the ``grid x grid`` points ``(a_i, b_j)`` (:func:`axis`), the parameters are set to
-``theta + a_i d1 + b_j d2`` (computed in float32 at least, stored in the model's dtype)
-and the loss is the token-weighted mean NLL (nats per token) over *all* data.
-
-The model's parameters are restored bit-for-bit afterwards, also after an error such as
-an OOM. Memory: the copy and the two directions cost 3x the parameters (fixed), beside
-the forward. Cost: ``grid^2`` passes over the data.
+Two seeded random directions ``d1, d2`` are *filter-normalised*: every slice along dim 0 of a
+parameter (a 1-D one as a whole) is rescaled to the norm of the same slice of the parameter; unlike
+Li et al.'s default, biases and norms move too. On the ``grid x grid`` points ``(a_i, b_j)``
+(:func:`axis`) the parameters are ``theta + a_i d1 + b_j d2`` and the loss is the token-weighted mean
+NLL (nats per token) over *all* data. Parameters are restored bit-for-bit afterwards, also after an
+OOM. Memory: 3x the parameters (fixed) beside the forward; cost: ``grid^2`` passes over the data.
 """
 
 from __future__ import annotations
@@ -58,8 +50,7 @@ def axis(grid: int, span: float) -> torch.Tensor:
 @register
 class LossLandscape(JsonMetric):
     name = "loss_landscape"
-    # No: neighbouring points of the plane differ by small steps of the weights,
-    # which bfloat16 (8 bits of mantissa) rounds away or distorts.
+    # No: neighbouring points differ by weight steps that bfloat16 rounds away.
     tolerates_lower_precision = False
     description = ("2-D loss landscape (token-weighted mean NLL) along two filter-normalised "
                    "random directions, Li et al. 2018")

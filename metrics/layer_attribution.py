@@ -1,18 +1,10 @@
 """``layer_attribution``: how much attribution flows through each transformer block.
 
-For every decoder block, captum's ``LayerIntegratedGradients`` integrates the gradient of the same
-target as ``integrated_gradients`` (log-probability, nats, of each sample's last valid token) along
-the straight path from the block's output on the baseline input to its output on the real input. One
-call per block: captum's multi-layer mode is only valid for layers that do not feed each other, and
-stacked blocks do.
-
-Result per sample and block (float64, ``[n_samples, n_layers]``):
-
-- ``scores``: the L1 mass of the attributions, ``sum |attr|`` over valid positions and hidden
-  features: how much of the prediction's explanation passes through that block's output.
-- ``totals``: the signed sum. By completeness it approximates ``f(x) -
-  f(baseline)`` for *every* block (each block's output is a full bottleneck
-  of the residual stream): a check, beside ``delta``, captum's convergence delta.
+For every decoder block (one captum call each: stacked blocks feed each other), captum's
+``LayerIntegratedGradients`` attributes the target of ``integrated_gradients`` to the block's output.
+Per sample and block (float64, ``[n_samples, n_layers]``): ``scores``, the L1 mass ``sum |attr|``
+over valid positions and features; ``totals``, the signed sum, which by completeness approximates
+``f(x) - f(baseline)`` for every block (a check beside ``delta``).
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ from oomguard.metrics.common import JsonMetric, n_samples, nll_sum, total_tokens
 @register
 class Loss(JsonMetric):
     name = "loss"
-    # A mean of per-token log-likelihoods, log-softmax in float32 and sums in float64:
-    # bfloat16 logits move it by about 1e-2 nats, not its meaning.
+    # Log-softmax in float32, sums in float64: bfloat16 logits move it by about 1e-2 nats.
     tolerates_lower_precision = True
     description = "token-weighted mean loss (nats/token) and perplexity over all data"
     knobs = (Knob("micro_batch_size", "memory", 32, 1,

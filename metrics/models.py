@@ -112,8 +112,7 @@ def _check_keys(spec: str, model_type: str, default: Any, config: Any, kw: dict[
     raise UsageError(f"bad model spec {spec!r}: {model_type} has no config key {', '.join(parts)}")
 
 
-# Config keys that bound the positions a model embeds (GPT-2 names it n_positions and
-# answers max_position_embeddings through its attribute_map).
+# Config keys that bound the positions a model embeds.
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length",
                  "seq_length")
 

@@ -1,23 +1,11 @@
 """How metrics see padding: every sample is right-aligned before a metric runs.
 
-Measured facts behind it: docs/measurements.md#float64-attention-softmax.
-
-Why: with left padding, a query at a leading pad position has no key it may attend to. transformers'
-eager attention takes its softmax in float32, so in a float64 model the masked scores (float64's
-most negative value) become ``-inf`` and the whole row NaN, which spreads into valid tokens in the
-next layer and into every gradient. Moving each sample's leading padding to its end leaves every
-query of a sample with a valid token at least one key (the sample's first token).
-
-What it changes, and what not:
-
-- nothing for models whose attention depends only on relative positions or on positions counted
-  along the mask: rotary embeddings (LLaMA, Mistral, Qwen2, Phi, GPT-NeoX, GPT-J, Falcon), ALiBi
-  (Bloom), OPT's learned positions (from the mask's cumulative sum). Left- and right-padded data
-  give the same results up to float rounding;
-- for absolute positions counted from 0 (GPT-2), a sample is read as it would be
-  without padding (what transformers recommends), not shifted by its padding;
-- positions a metric reports (``last_positions``, per-position norms, the attention weight on the
-  first token) count from each sample's first valid token.
+Why: with left padding, a query at a leading pad position has no key to attend to, and in a float64
+model transformers' float32 softmax turns that row into NaN, which spreads into every gradient
+(measured: docs/measurements.md#float64-attention-softmax). Right-aligned, every query has a key.
+Models with relative or mask-counted positions (rotary, ALiBi, OPT) give the same results; absolute
+positions (GPT-2) read a sample as without padding; reported positions count from each sample's
+first valid token.
 """
 
 from __future__ import annotations

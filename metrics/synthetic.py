@@ -1,10 +1,7 @@
 """A synthetic workload whose memory follows a straight line, for rehearsals and tests.
 
-``LinearAlloc(base_bytes, per_item_bytes)(size)`` really allocates and touches ``base_bytes`` plus
-``size`` blocks of ``per_item_bytes`` (the shape of a model's fixed cost plus per-sample
-activations), so under a budget it meets a real allocator OOM exactly where the line crosses the
-budget. ``e10_line()`` is the E10 report's measured line (14.62 GB at batch 32, +0.375 GB per item)
-scaled down to fit a CPU budget.
+Under a budget :class:`LinearAlloc` meets a real allocator OOM exactly where its line crosses the
+budget; ``e10_line()`` is the E10 report's measured line scaled down to fit a CPU budget.
 """
 
 from __future__ import annotations

@@ -137,8 +137,7 @@ class MetricTrial(RebuiltInChild):
                            pad=False, device=self.device)
         # Warm up on one sample: the same kernels and thread pools at a fraction of the cost.
         self._state.update(model=model, data={k: v[:1] for k, v in data.items()})
-        # An estimate that replays the multiplies' workspace warms up as the trial it
-        # predicts does: what a size adds to the BLAS buffers depends on the warm-up's.
+        # A workspace-replaying estimate warms up as its trial does (BLAS buffers depend on it).
         warm = None if replays_workspace() else self._state.get("warm_size")
         self(warm or self.minimum())
         self._state.update(data=data, worst_case=worst)

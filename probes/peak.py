@@ -83,8 +83,7 @@ class PeakMeter:
                     self._data.close()  # type: ignore[union-attr]
                     raise
         elif kind == "cuda" and torch.cuda.is_available():
-            # Empty the cache first (cached blocks would serve the work without raising
-            # the peak), then reset the peak (or it would keep the cached bytes).
+            # Empty the cache (cached blocks hide a peak), then reset the peak.
             self.baseline = held_bytes(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         elif kind == "mps" and torch.backends.mps.is_available():

@@ -81,8 +81,7 @@ def _merge_nvml(snap: MemorySnapshot, nv: nvml.NvmlDevice, how: str, ident: dict
     snap.free_bytes = nv.free
     snap.sources["free"] = f"{what} free"
     if nv.usable is not None and nv.usable > ident["total"]:
-        # NVML counts memory CUDA cannot use (MIG slices: ~256 MiB more than cudaMemGetInfo's
-        # total): the free part of it is not free for this process either.
+        # NVML counts memory CUDA cannot use (MIG slices): its free part is not free here.
         excess = nv.usable - ident["total"]
         snap.total_bytes, snap.free_bytes = ident["total"], max(0, nv.free - excess)
         snap.sources["total"] = ("torch.cuda.get_device_properties total_memory (below "
@@ -135,24 +134,20 @@ def _cuda_snapshot(index: int | None) -> MemorySnapshot:
     if nv is not None:
         _merge_nvml(snap, nv, how, ident)
         if not nv.pid_matched and cuda.has_context(idx):
-            # Our context exists but NVML lists no entry for our pid: a separate PID
-            # namespace (containers). NVML's "others" then include us; say nothing
-            # rather than something wrong.
+            # A context but no NVML entry for our pid: a PID namespace; say nothing wrong.
             snap.process_bytes = snap.other_processes_bytes = None
             snap.extra["note"] = "this pid is not in NVML's process list (PID namespace?)"
         elif not nv.pid_matched:
             snap.process_bytes = 0  # no context here yet: this process uses nothing
     else:
-        # No NVML: cudaMemGetInfo gives the device's free/total (all processes) but
-        # not who uses it. It creates a context if there is none; unavoidable here.
+        # No NVML: cudaMemGetInfo (all processes; creates a context if there is none).
         snap.free_bytes, snap.total_bytes = cuda.mem_get_info(idx)
         snap.sources.update({"total": "torch.cuda.mem_get_info", "free": "torch.cuda.mem_get_info"})
         snap.extra["nvml"] = how
     snap.extra["limited_by"] = "device free"
     cap = stats["fraction_cap"]
     if snap.total_bytes is not None and cap < snap.total_bytes:
-        # A per-process fraction (e.g. an oomguard budget) caps what the caching
-        # allocator may reserve: that, not the device, is what the next allocation meets.
+        # A per-process fraction (an oomguard budget) caps what the allocator may reserve.
         cap_free = max(0, cap - stats["reserved"])
         if snap.free_bytes is None or cap_free < snap.free_bytes:
             snap.free_bytes = cap_free
@@ -198,8 +193,7 @@ def probe_all() -> list[MemorySnapshot]:
     cannot use CUDA but NVML sees GPUs (a CPU-only torch), one unavailable ``cuda`` row
     says so; a host with no NVIDIA driver gets no CUDA row."""
     snaps = [_cpu_snapshot()]
-    # Torch is imported only where asking it about CUDA could find a device: it is already
-    # imported, NVML sees a GPU, or a ROCm device node exists (no NVML).
+    # Import torch only where CUDA could answer: already imported, an NVML GPU, or ROCm.
     if "torch" in sys.modules or nvml.device_count() > 0 or os.path.exists("/dev/kfd"):
         cuda = _backend("cuda")
         if cuda.unavailable_reason() is None:

@@ -36,9 +36,7 @@ class Sampler:
         self.first = self.peak = self.read()
         if self.first is not None:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            # A thread's stack is a private writable mapping, which RLIMIT_DATA counts:
-            # the default 8 MiB would be charged to the budgeted work it measures
-            # (docs/measurements.md#cpu-limit-units).
+            # RLIMIT_DATA counts a thread's stack: a small one (docs/measurements.md#cpu-limit-units).
             previous = threading.stack_size(STACK_BYTES)
             try:
                 self._thread.start()

@@ -18,8 +18,7 @@ from oomguard.engine.training.distributed import agree
 
 log = logging.getLogger("oomguard.integrations")
 
-# A trial runs the step twice at its size: the first optimizer step allocates the
-# optimizer's state (AdamW: two tensors per parameter), the second is the steady state.
+# Two steps per trial: the first allocates the optimizer's state, the second is the steady state.
 STEPS_PER_TRIAL = 2
 
 

@@ -72,8 +72,7 @@ def _row_units(batch: Batch, weight_by: str, labels_key: str, ignore_index: int)
 def _param_list(params: Params) -> list[torch.Tensor]:
     """The tensors whose ``.grad`` a call adds to (a tied parameter may appear twice)."""
     if isinstance(params, torch.nn.Module):
-        # A plain walk: ~8x cheaper than Module.parameters(), and it runs every call
-        # (measured: docs/measurements.md#parameter-walk).
+        # A plain walk: cheaper than parameters() (measured: docs/measurements.md#parameter-walk).
         out: list[torch.Tensor] = []
         append = out.append
         stack: list[torch.nn.Module | None] = [params]
@@ -269,8 +268,7 @@ class Accumulator:
             try:
                 return self._run_at(batch, n, sizes[KEY], weights, guided, entry)
             except BaseException:
-                # Undo this attempt's partial gradients now, before the OOM's memory is
-                # measured and the retry starts: each micro-batch then counts exactly once.
+                # Undo the partial gradients before the retry: each micro-batch counts once.
                 entry.restore()
                 added = False
                 raise
@@ -365,8 +363,7 @@ class _Remembered:
         return self.size
 
 
-# What accumulate() remembers: per params object (a module, an optimizer, or the first
-# tensor of a list; weakly), then per name. Never the model, the step function or the data.
+# What accumulate() remembers, weakly per params object (or a list's first tensor), then per name.
 _MEMORY: WeakIdMap[Any, dict[str, _Remembered]] = WeakIdMap()
 
 
