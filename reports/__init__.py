@@ -1,8 +1,6 @@
 """Reports: render what a search or a job produced (Markdown, JSON and PNG).
 
-A search's files (:func:`write_report`) are written with the one atomic writer
-(:func:`~oomguard.engine.util.atomic.atomic_write`: fsynced, then moved into place), so a
-reader never sees a half-written report, and all render one record, the figures
+A search's files (:func:`write_report`) are written atomically and all render the figures
 :func:`~oomguard.reports.json_report.summarise` derives. A job's report is
 :func:`oomguard.reports.job_report.write_job_report`.
 """

@@ -1,11 +1,9 @@
 """``report.md`` and plots of an overnight job (``oomguard run``), from the content of its
 ``results.json`` alone (plain JSON types), every file written atomically.
 
-Per metric: status, the sizes used and where they came from, retries, seconds, peak memory
-(measured) and the result summary; failures with their reason and traceback file; every
-out-of-memory event of the metrics' runs, with memory as measured at the OOM; every remedy tried
-(``on_oom``), a result at a lower precision flagged in the table itself. Plots (``plots/``: peak
-memory per metric, loss landscapes, attention entropy) use :mod:`oomguard.reports.style`.
+Per metric: status, sizes and their source, retries, seconds, measured peak memory and the
+result summary; failures; every OOM event with memory measured at it; every remedy tried.
+Plots go to ``plots/``.
 """
 
 from __future__ import annotations
@@ -148,8 +146,7 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|") if text not in (None, "") else "-"
 
 
-# An OOM event's figures (OomEvent.to_dict()), in the order shown: the key that says
-# whether it was measured, and the words (byte counts in binary units).
+# An OOM event's figures in the order shown: the key that must be known, and the words.
 _OOM_FIGURES = (
     ("reserved_bytes", "reserved {reserved_bytes}, allocated {allocated_bytes}"),
     ("fragmentation", "fragmentation {fragmentation:.1%}"),
@@ -269,8 +266,8 @@ def _metric_row(key: str, t: Mapping[str, Any], where: bool) -> str:
 
 
 def _search_cost(tasks: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Per metric whose sizes this run chose: the search's trials and seconds against the
-    metric's own run (measured seconds); nothing where no metric searched (sizes pinned, cached or defaults)."""
+    """Per metric whose sizes this run searched: the search's trials and measured seconds
+    against the metric's own run."""
     rows = []
     for key, t in tasks.items():
         searches = t.get("searches") or ([t["search"]] if t.get("search") else [])
@@ -365,9 +362,8 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
 
 def write_job_report(summary: Mapping[str, Any], out: str | Path,
                      cancelled: Callable[[], bool] | None = None) -> Path:
-    """Write ``report.md`` and the plots for a job's ``results.json`` content. A plot that
-    fails for any reason but the file system (``OSError`` propagates) is left out with a
-    logged traceback; ``cancelled()`` is also asked before ``report.md``."""
+    """Write ``report.md`` and the plots for a job's ``results.json`` content; a plot that
+    fails (but for ``OSError``) is left out with a logged traceback."""
     out = Path(out)
     try:
         plots = write_plots(summary, out, cancelled)

@@ -43,11 +43,9 @@ def utilisation(peak: float | None, capacity: int | None) -> float | None:
 
 
 def scaling_verdict(result: SearchResult) -> str | None:
-    """How measured peak memory scaled with the size, judged from the fit. None: no fit. ``"flat"``:
-    it did not grow (a zero or negative slope, or a positive one no larger than the scatter of the
-    points: t-statistic of the slope below 2). ``"untested"``: a rising line through two points (R²
-    is 1 by construction). Otherwise by R²: ``"confirmed"`` (>= 0.99), ``"approximate"`` (>= 0.9),
-    ``"not supported"``."""
+    """How measured peak memory scaled with the size: None (no fit), ``"flat"`` (slope <= 0,
+    or its t-statistic below 2), ``"untested"`` (two points), else by R²: ``"confirmed"``
+    (>= 0.99), ``"approximate"`` (>= 0.9), ``"not supported"``."""
     fit = result.fit
     if fit is None:
         return None
@@ -83,11 +81,9 @@ def rate_spread(result: SearchResult) -> float | None:
 
 
 def fastest_safe_size(result: SearchResult) -> int | None:
-    """The size that is fastest beyond the noise, among the sizes at or below the recommended
-    size (at or below the maximum when none ran there): its measured items per second beat
-    every other candidate's by more than :func:`rate_spread`. None without a recommendation,
-    with fewer than two candidates, without a measured spread, or when the best two are
-    within it: a rate within the spread of another is not faster, just noisier."""
+    """The size at or below the recommended one (else any) whose measured items per second
+    beat every other's by more than :func:`rate_spread`; None without a recommendation, two
+    candidates or a measured spread, or when the best two are within it (noise)."""
     measured, rec, spread = rates(result), result.recommendation, rate_spread(result)
     if rec is None or spread is None:
         return None
@@ -119,12 +115,9 @@ def fastest_note(result: SearchResult, fastest: int | None, spread: float | None
 
 
 def safe_limits(result: SearchResult) -> dict[str, Any]:
-    """The peaks the recommendation keeps under, in the peak meter's bytes (None where there
-    is no capacity): ``safe_line_bytes``, capacity x (1 - margin), the line memory.png draws;
-    ``recommended_limit_bytes``, the peak the recommended size was chosen to stay under, and
-    ``recommended_limit_against`` what it is the margin below, in words
-    (:class:`~oomguard.engine.core.search.fit.Recommendation`). ``oomguard verify`` fails a
-    peak above either."""
+    """The peaks (bytes, the peak meter's) the recommendation keeps under, which ``oomguard
+    verify`` checks: ``safe_line_bytes`` = capacity x (1 - margin) (None without a capacity);
+    ``recommended_limit_bytes`` and, in words, ``recommended_limit_against``."""
     rec, cap = result.recommendation, result.capacity_bytes
     return {"safe_line_bytes": cap * (1 - rec.margin) if rec is not None and cap else None,
             "recommended_limit_bytes": rec.limit_bytes if rec is not None else None,
@@ -175,10 +168,9 @@ def oomguard_version() -> str:
 
 
 def summarise(result: SearchResult, context: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``report.json``'s ``summary``: the search's one record
-    (:func:`~oomguard.engine.core.search.record.record_of`, its fields under its names) and the
-    figures only a report shows (how memory scaled, the search's steps in prose, the rates);
-    ``context`` says how many samples there were (what capped a search at their number)."""
+    """``report.json``'s ``summary``: the search's record
+    (:func:`~oomguard.engine.core.search.record.record_of`) and the figures only a report shows;
+    ``context`` gives the number of samples (a cap on the search)."""
     cap, fit, size = result.capacity_bytes, result.fit, result.size_name
     # `oomguard search` passes "samples"; MetricTrial.describe() says "n_samples".
     samples = (context or {}).get("samples", (context or {}).get("n_samples"))

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard.engine.util.atomic import atomic_write
 
-if TYPE_CHECKING:  # why: matplotlib takes ~0.9 s to import (docs/measurements.md#matplotlib-import);
-    # only figure() needs it, not every importer of oomguard.reports
+if TYPE_CHECKING:  # matplotlib's import is slow (docs/measurements.md#matplotlib-import)
     from matplotlib.figure import Figure
 
 SIZE = (8.0, 5.0)  # inches; wide plots (a search with its legend below) pass their own

@@ -12,10 +12,9 @@
 Every source returns ``input_ids``, ``attention_mask`` (ones, or make_batch's padding)
 and ``labels`` (``input_ids``, ``-100`` on padding), each ``[n_samples, seq_len]`` int64.
 
-What data no model can run is refused before any work, by the job file's checks and every
-command: a ``seq_len`` below :data:`MIN_SEQ_LEN` (:func:`check_seq_len_floor`), a size whose
-batch no device could hold (:func:`check_size`), and token ids outside a model's vocabulary
-(:func:`check_vocab`, on the very ids :func:`load_data` gives).
+Data no model can run is refused before any work: a ``seq_len`` below :data:`MIN_SEQ_LEN`
+(:func:`check_seq_len_floor`), a batch no device could hold (:func:`check_size`), token ids
+outside the vocabulary (:func:`check_vocab`).
 """
 from __future__ import annotations
 
@@ -27,16 +26,11 @@ import torch
 from oomguard.engine.jobs.records import DataSpec
 from oomguard.metrics.models import make_batch
 
-# A causal LM's loss predicts each token from the ones before it: one token has nothing to
-# predict, and generated data draws each sample's length from [max(2, seq_len // 2), seq_len]
-# (make_batch), an empty range below 2 (torch: "random_ expects 'from' to be less than 'to'").
+# A causal LM predicts each token from the ones before it: one token has nothing to predict
+# (and make_batch's length range would be empty).
 MIN_SEQ_LEN = 2
-# The most tokens (size x seq_len) a size may ask for at once. Their int64 ids alone take
-# 8 TiB, more than any one device holds (the largest GPUs hold under 200 GB, large hosts a
-# few TiB); and not far above it torch cannot even compute the bytes of a model's
-# activations: logits of 2**47 tokens x 50257 x 4 bytes pass 2**63 ("Storage size
-# calculation overflowed"). Under it, a tensor of tokens x width x 8 bytes fits int64 for
-# any width below 2**20.
+# The most tokens (size x seq_len) a size may ask for at once: their int64 ids alone take
+# 8 TiB, more than any device holds, and not far above torch's storage sizes overflow int64.
 MAX_TOKENS = 2**40
 
 
@@ -93,9 +87,7 @@ def check_seq_len_floor(seq_len: int, what: str = "seq_len") -> None:
 
 def check_size(size: int, seq_len: int, what: str) -> None:
     """ValueError (one line, naming ``what``) for a size whose batch of ``size x seq_len``
-    tokens passes :data:`MAX_TOKENS`: no device holds it, and torch's storage sizes
-    overflow int64 not far above. Sizes that are not sample counts are held to the same
-    bound (a chunk of 2**40 / seq_len of anything per step is not a size to try)."""
+    tokens passes :data:`MAX_TOKENS` (sizes that are not sample counts too)."""
     if size * max(seq_len, 1) > MAX_TOKENS:
         raise ValueError(f"{what} {size} is too large: {size} x seq_len {seq_len} tokens "
                          f"per step is more than any device holds (at most "

@@ -1,12 +1,9 @@
 """Progress on stderr, one module for every command: a search's trials, a job's tasks, the
 reference's rows, verify's steps.
 
-:class:`Steps` is the one progress display: steps done of the total, the time elapsed, and the
-time left, an **estimate** (the mean measured wall-clock seconds per step so far, times the
-steps left), shown as a tqdm line on stderr when :func:`wanted` (stderr is a terminal, or
-``--progress``; ``--no-progress`` never). :class:`Progress` reports a search's trials and a
-job's tasks through it; :class:`CountedSteps` counts the steps of a workload that runs
-elsewhere (``oomguard verify``'s steps, in this process or in a fresh child).
+:class:`Steps` is the one display (steps done, time elapsed, an **estimated** time left), a
+tqdm line on stderr when :func:`wanted`. :class:`Progress` reports a search's trials and a
+job's tasks through it; :class:`CountedSteps` counts the steps of ``oomguard verify``.
 """
 
 from __future__ import annotations
@@ -54,13 +51,11 @@ class _Bar(tqdm):
 
 
 class Steps:
-    """``total`` steps (None: not known yet, :meth:`set_total`) of ``unit`` (a plural noun:
-    "metrics", "steps") shown on stderr while ``show``: ``desc: 3/8 metrics done, 00:42
-    elapsed, about 01:10 left (estimate: 14.0 s per metric so far)``. The time left is an
-    estimate: the mean of the measured seconds per step so far (wall-clock between
-    :meth:`advance` calls, or the seconds given) times the steps left. A skipped step
-    (:meth:`skip`: a result kept from an earlier run) counts as done, never in the mean.
-    :meth:`write` prints a line above the bar (a plain line on stderr without one)."""
+    """``total`` steps (None: not known yet) of ``unit`` (a plural noun) shown on stderr while
+    ``show``: ``desc: 3/8 metrics done, 00:42 elapsed, about 01:10 left (estimate: 14.0 s per
+    metric so far)``; the time left is an estimate, the mean measured seconds per step times
+    the steps left. A :meth:`skip` counts as done, never in the mean. :meth:`write` prints a
+    line above the bar."""
 
     def __init__(self, total: int | None, unit: str, desc: str = "", show: bool = False) -> None:
         self.total, self.unit, self.show, self.n = total, unit, show, 0
@@ -155,14 +150,10 @@ def trials_left(trials: list[Any], unit: int, max_size: int) -> int | None:
 
 @dataclass
 class Progress:
-    """Called with each trial of a search (its ``on_trial``): one line,
-    ``  batch     48  ok   peak 1.93 GiB  (5.60 s)`` (``label``: the size's name;
-    ``fresh`` ends a trial run in a fresh child if ``mark_fresh``). With ``steps`` (a
-    search's :class:`Steps`) each trial is a step, and the total is the trials run plus
-    :func:`trials_left` (sizes in multiples of ``unit``, up to ``max_size``). Without
-    ``steps`` it pickles, so a search run in another process takes it along. A job's backend
-    reports its tasks here: :meth:`finished` keeps a result in ``results``, advances
-    ``steps`` (over ``n_tasks``) and logs a line; :meth:`show` says which task runs."""
+    """A search's ``on_trial``: one line per trial, ``  batch     48  ok   peak 1.93 GiB  (5.60 s)``
+    (``fresh`` marks an isolated trial if ``mark_fresh``). With ``steps`` each trial is a
+    step, the total the trials run plus :func:`trials_left`; without, it pickles. A job's
+    backend reports its tasks here (:meth:`finished`, :meth:`skipped`, :meth:`show`)."""
 
     label: str = "size"
     mark_fresh: bool = False
@@ -187,9 +178,8 @@ class Progress:
         self.steps.write(line)
         left = trials_left(self.trials, self.unit, self.max_size)
         self.steps.set_total(None if left is None else len(self.trials) + left)
-        # In-process, a trial's own seconds: the wall-clock since the last one would charge
-        # the first trial with the model's build and warm-up. An isolated trial's start-up
-        # (a fresh process) is paid again by each, so its wall-clock counts.
+        # In-process, a trial's own seconds (not the build and warm-up); isolated, the
+        # wall-clock, as each pays its process's start-up.
         self.steps.advance(None if trial.mode == "isolated" else trial.seconds)
 
     def skipped(self, record: TaskResult) -> None:
@@ -223,12 +213,9 @@ class Progress:
 
 
 class CountedSteps:
-    """A workload that counts its calls: each call of ``inner`` (one step of a trial) appends
-    its measured seconds as one line to the file ``path``, which :meth:`watch` reads into a
-    :class:`Steps` from this process. A file, because the steps may run in a fresh child
-    (an isolated verify); this object pickles with the path. Every other attribute is
-    ``inner``'s (its knob, warm-up, worst-case batch, name), so trials run it as they run
-    ``inner``; the line written after a step is outside the step's measured peak."""
+    """A workload that counts its calls: each call of ``inner`` appends its measured seconds
+    as a line to the file ``path`` (the steps may run in a fresh child), which
+    :meth:`watching` reads into a :class:`Steps`. Every other attribute is ``inner``'s."""
 
     def __init__(self, inner: Any, path: str | os.PathLike[str]) -> None:
         self.inner, self.path = inner, os.fspath(path)
