@@ -63,10 +63,9 @@ def format_sizes(sizes: Mapping[str, int]) -> str:
 
 
 class RamLimitReached(OomguardError, MemoryError):
-    """A CPU trial passed the RAM guard's estimated limit and was stopped
-    (:mod:`oomguard.engine.core.search.ramguard`). A ``MemoryError``, so an OOM: a smaller
-    size may fit. Raised in the trial's thread by the guard's watchdog, so it
-    carries no message; the trial's record says what was measured."""
+    """A CPU trial passed the RAM guard's estimated limit and was stopped by its watchdog
+    (:mod:`oomguard.engine.core.search.ramguard`). A ``MemoryError``, so an OOM; no message:
+    the trial's record says what was measured."""
 
 
 class ExecutionFailed(OomguardError, RuntimeError):
@@ -104,20 +103,17 @@ class NoExecutableBatchSize(ExecutionFailed):
 
 
 class RestartNeeded(ExecutionFailed):
-    """An OOM ladder (``on_oom``) must go on in a fresh process: memory did not come back
-    after an OOM. ``ladder`` (a :class:`~oomguard.engine.core.execute.remedies.Ladder`) says where,
-    ``why`` says why in one line. Not an OOM: a job's runner restarts the task; any other
-    caller gets it as the executor giving up in this process."""
+    """An OOM ladder (``on_oom``) must go on in a fresh process. ``ladder`` (a
+    :class:`~oomguard.engine.core.execute.remedies.Ladder`) says where, ``why`` why, in one
+    line. Not an OOM: a job's runner restarts the task."""
 
     ladder: Any = None
     why: str = ""
 
 
 class StepPartlyApplied(ExecutionFailed):
-    """An attempt ran out of memory after the optimizer's ``step()`` had begun writing the
-    parameters or its state (or had completed): a retry would apply the step on top of a
-    partly applied one, so none is made. ``str()`` is one line saying what to do. Not an
-    OOM: an outer handler must not retry it either."""
+    """An attempt ran out of memory after the optimizer's ``step()`` had begun writing (or had
+    completed): no retry is made. ``str()`` is one line saying what to do. Not an OOM."""
 
     def __init__(self, workload: str, error: str, message: str) -> None:
         super().__init__(workload, [], [error], message, verbatim=True)

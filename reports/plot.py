@@ -159,10 +159,9 @@ def _spreads(ax: Any, result: SearchResult) -> None:
 def throughput_figure(result: SearchResult, summary: Mapping[str, Any] | None = None
                       ) -> Figure | None:
     """Measured items per second against size (None when no trial measured a rate), with
-    each size's step-to-step range, the recommended size and the maximum marked, and a
-    star on the fastest size at or below the recommendation only where it is faster beyond
-    the measured spread (:func:`~oomguard.reports.json_report.fastest_safe_size`); otherwise
-    the legend says why none is. ``summary`` as for :func:`memory_figure`."""
+    each size's step-to-step range, the recommended size and the maximum marked, and a star
+    on :func:`~oomguard.reports.json_report.fastest_safe_size` where there is one.
+    ``summary`` as for :func:`memory_figure`."""
     measured = rates(result)
     if not measured:
         return None

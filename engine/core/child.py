@@ -128,10 +128,8 @@ def context(method: str = "forkserver", preload: Iterable[str] = ()) -> Any:
 
 
 def pool(workers: int, preload: Iterable[str] = ()) -> ProcessPoolExecutor:
-    """``workers`` processes for independent pieces of work (the standard library's pool),
-    started as :func:`context` starts every child here (the forkserver, or spawn), each
-    ending with its parent (:func:`die_with_parent`). For work whose pieces share nothing,
-    on CPUs this process would otherwise leave idle."""
+    """A ``ProcessPoolExecutor`` of ``workers`` processes started as :func:`context` starts
+    every child here, each ending with its parent (:func:`die_with_parent`)."""
     return ProcessPoolExecutor(workers, mp_context=context(server_method(), preload),
                                initializer=die_with_parent)
 
@@ -396,14 +394,10 @@ def how_it_ended(exitcode: int | None) -> str:
 
 
 class LimitWatch:
-    """A budgeted child's data segment (``VmData``, what ``RLIMIT_DATA`` counts), sampled
-    every ``interval`` seconds once it told its limit (bytes): :meth:`Child.wait`'s tick.
-
-    Native code that does not check ``malloc`` can die of SIGSEGV at a CPU budget's limit
-    instead of raising (docs/measurements.md#crashes-at-the-limit): a child that died by a
-    signal within ``near`` bytes of the limit (:data:`NEAR_LIMIT_FRACTION` of the budget,
-    at least :data:`NEAR_LIMIT_MIN`) ran out of memory; one that died far from it crashed.
-    """
+    """A budgeted child's data segment (``VmData`` bytes), sampled every ``interval`` seconds
+    once it told its limit: :meth:`Child.wait`'s tick. A child that died by a signal within
+    ``near`` bytes of the limit ran out of memory (native code can SIGSEGV there instead of
+    raising: docs/measurements.md#crashes-at-the-limit); one that died far from it crashed."""
 
     def __init__(self, budget: int) -> None:
         # Not at the top: it imports torch, which the forkserver imports after this module.

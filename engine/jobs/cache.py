@@ -63,9 +63,7 @@ def default_cache_path() -> Path:
 
 def device_key(device: Mapping[str, Any]) -> str:
     """``"<name>/<total bytes>[/mig=..][/driver=..][/torch=..][/budget=<bytes>]"``: what
-    makes two devices the same for sizes (the parts a device identity has). Two GPUs of
-    one model on one node share a key; a MIG slice, another driver or another torch (its
-    allocator and kernels) get their own. The host and the GPU's UUID are not in it."""
+    makes two devices the same for sizes (not the host, not the GPU's UUID)."""
     key = f"{device.get('name') or device.get('device', '?')}/{device.get('total_bytes')}"
     for part in ("mig_profile", "driver", "torch", "budget_bytes"):
         if device.get(part):

@@ -42,11 +42,9 @@ def plan(job: Job, digests: Digests | None = None) -> list[Task]:
 
 def device_identity(job: Job) -> dict[str, Any]:
     """The device this process runs ``job`` on, measured by :func:`oomguard.probes.probe`:
-    name and total bytes, the budget, torch's version and the host; on CUDA also the MIG
-    profile, the driver version and the GPU's UUID (NVML, matched to torch's device by
-    UUID, so a Ray worker whose ``CUDA_VISIBLE_DEVICES`` names one GPU gets that GPU's).
-    Raises :class:`JobError` if the device is missing or the job's budget is larger than
-    its total memory (a budget that can never be applied)."""
+    name and total bytes, the budget, torch's version, the host; on CUDA also the MIG
+    profile, driver version and UUID. Raises :class:`JobError` if the device is missing or
+    the job's budget is larger than its total memory."""
     snap = probe(job.device)
     if not snap.available:
         raise JobError(f"{job.path}: device: {job.device} is not available here: {snap.reason}")

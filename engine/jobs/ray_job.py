@@ -67,12 +67,10 @@ def _reachable(address: str) -> str | None:
 
 
 class OnRay:
-    """Run the tasks as Ray tasks. ``address``: a running cluster (``HOST:PORT`` of its
-    head, or ``auto``); None does what ``ray.init()`` does (``RAY_ADDRESS``, else a cluster
-    ``ray start`` began on this machine, else a new local instance); ``num_cpus`` always
-    starts a new local instance with that many CPUs. An instance this starts is stopped at
-    the end; a Ray this process already joined is used as it is, and left running.
-    ``max_retries``: how often Ray runs a task again after its worker died."""
+    """Run the tasks as Ray tasks. ``address``: a running cluster (``HOST:PORT`` or ``auto``);
+    None does what ``ray.init()`` does; ``num_cpus`` starts a new local instance with that
+    many CPUs. An instance this starts is stopped at the end. ``max_retries``: how often Ray
+    runs a task again after its worker died."""
 
     def __init__(self, address: str | None = None, *, num_cpus: int | None = None,
                  cpus_per_task: int = 1, max_retries: int = 3) -> None:

@@ -121,12 +121,9 @@ def build_reference(model: str, device: str, dtype: str, seq_len: int, n_samples
 def _measure_fresh(trial: MetricTrial, config: SearchConfig,
                    on_trial: Callable[[Any], None] | None) -> SearchRecord:
     """:func:`~oomguard.engine.jobs.sizing.measure` (a row even when nothing fits or the
-    search fails) in a fresh process of its own, started as a job starts its tasks (forked
-    from this process, which runs no torch work, on a Linux CPU; a forkserver's child
-    elsewhere), so that no search inherits the free heap, caches or peaks of the ones
-    before it: run one after another in one process, later searches found 30-60 MiB of
-    reusable free heap at their budget's entry and measured peaks of 4 KiB. ``on_trial``
-    must pickle."""
+    search fails) in a fresh process, started as a job starts its tasks, so that no search
+    inherits the free heap, caches or peaks of the ones before it
+    (docs/measurements.md#free-heap-at-budget-entry). ``on_trial`` must pickle."""
     with Child(context(start_method(trial.device), workload_preload(trial)),
                partial(measure, metric=trial.metric, on_trial=on_trial), trial, config) as child:
         ended = child.wait()

@@ -149,10 +149,8 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
     intra-op threads per metric's process (None: torch's default). ``snapshot_on_oom``: a
     CUDA allocator snapshot per OOM into ``snapshots/``.
 
-    Raises :class:`JobError` before any work if the job cannot start (device missing, a budget
-    larger than the device, an output folder that is a file, not writable, in use by another run, or
-    another job's; with Ray, a cluster that cannot be reached or has no GPU for a GPU job).
-    ``OSError`` from writing (a full disk) propagates; every result finished before it is kept.
+    Raises :class:`JobError` before any work if the job cannot start (device, budget, output
+    folder, Ray cluster). ``OSError`` from writing propagates; finished results are kept.
     """
     t0 = time.perf_counter()
     out = Path(job.output)

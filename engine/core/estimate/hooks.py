@@ -68,11 +68,9 @@ def host_device() -> str:
 
 
 def shortcut(why: str, devices: tuple[str, ...] = ("cpu", "cuda")) -> bool:
-    """Whether the caller may run *once* a step it would repeat identically (Lanczos steps,
-    the points of a loss landscape, blocks of VJPs): True only inside an :func:`estimate`
-    for a device of a type in ``devices`` (the steps must hold the same on that device's
-    memory), and then ``why`` (one line: what was cut, and why the peak holds) goes into
-    the estimate's notes. Always False in a real run: results never change."""
+    """Whether the caller may run *once* a step it would repeat identically: True only inside
+    an :func:`estimate` for a device type in ``devices``, and then ``why`` (one line) goes
+    into the estimate's notes. Always False in a real run: results never change."""
     running = _RUNNING.get()
     if running is None or running.cuts is None or running.target not in devices:
         return False
@@ -81,12 +79,9 @@ def shortcut(why: str, devices: tuple[str, ...] = ("cpu", "cuda")) -> bool:
 
 
 def replays_workspace() -> bool:
-    """Whether an :func:`estimate` is running whose matrix-multiply workspace is replayed
-    (a cpu target, ``workspace=True``). Its warm-up must then run as a trial's does (at the
-    knob's minimum, not the cheaper largest size): the bytes a size's multiplies add to the
-    BLAS buffers depend on the largest multiplies the warm-up ran (measured: a warm-up at
-    captum's 16 rows per forward left the trials' 8-row multiplies 0 bytes to add, where a
-    trial warmed up at 1 row adds 2.5 MB; docs/measurements.md, issue 28). False in a real
-    run and in other estimates."""
+    """Whether an :func:`estimate` is running whose matrix-multiply workspace is replayed (a
+    cpu target, ``workspace=True``): its warm-up must then run as a trial's does, since the
+    bytes a size's multiplies add to the BLAS buffers depend on the warm-up's (measured:
+    docs/measurements.md#estimate-error). False in a real run and in other estimates."""
     running = _RUNNING.get()
     return running is not None and running.replay

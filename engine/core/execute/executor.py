@@ -171,10 +171,9 @@ class SizeController:
 
     def run(self, attempt: Callable[[Sizes], T], cap: Mapping[str, int] | None = None,
             record: RunRecord | None = None) -> T:
-        """Return ``attempt(sizes)``, retrying at smaller sizes on OOM. ``cap`` bounds the
-        sizes of this call only (this batch's length, the sizes a caller asked for), not
-        what is remembered. ``record`` gets every attempt's sizes, every OOM's message and
-        event (measured only for a record), and the final sizes. Raises
+        """Return ``attempt(sizes)``, retrying at smaller sizes on OOM. ``cap`` bounds this
+        call's sizes only, not what is remembered. ``record`` gets every attempt's sizes,
+        every OOM's message and measured event, and the final sizes. Raises
         :class:`~oomguard.engine.errors.NoExecutableBatchSize` when no size fits."""
         mem = self.memory
         mem.stats.calls += 1
@@ -351,17 +350,13 @@ class Executor:
     """Runs workloads; on OOM retries at smaller sizes; remembers what worked.
 
     ``policy``, ``device`` and ``agreement`` as in :class:`SizeController`. ``history``
-    holds a :class:`RunRecord` per call (the last 1024). ``snapshot_on_oom``: a folder
-    where every OOM writes a CUDA allocator snapshot (``<name>-oom<k>.pickle``, for
-    pytorch.org/memory_viz). ``on_oom`` (default None: halve only) is a remedy ladder
-    such as ``["halve", "bfloat16", "cpu"]`` (:mod:`~oomguard.engine.core.execute.remedies`),
-    tried after the minimum; ``ladder`` holds what the last run's did. ``fresh_process``:
-    the caller can restart the run in a fresh process (a job's runner), so
-    ``expandable_segments`` and memory that did not come back raise
-    :class:`~oomguard.engine.errors.RestartNeeded` carrying the ladder to resume.
+    holds a :class:`RunRecord` per call (the last 1024). ``snapshot_on_oom``: a folder for
+    a CUDA allocator snapshot per OOM (``<name>-oom<k>.pickle``). ``on_oom`` (default None:
+    halve only) is a remedy ladder such as ``["halve", "bfloat16", "cpu"]``; ``ladder``
+    holds what the last run's did. ``fresh_process``: the caller can restart the run in a
+    fresh process, so :class:`~oomguard.engine.errors.RestartNeeded` carries the ladder.
 
-    What worked is remembered per ``name=`` (the last 1024 names), else per function
-    object while it lives (a function created anew for every call needs a ``name=``);
+    What worked is remembered per ``name=`` (the last 1024), else per live function object;
     a later call starts at the remembered sizes when they are smaller than those asked.
     """
 
@@ -387,13 +382,10 @@ class Executor:
             sizes: Mapping[str, int] | None = None, minimum: Mapping[str, int] | None = None,
             name: str | None = None, ladder: Ladder | None = None,
             params: Params | None = None, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """Run ``fn(batch_size)``, or ``fn(**sizes)`` (positive integers) for several sizes;
-        on OOM at smaller sizes, down to :class:`~oomguard.engine.errors.ExecutionFailed`
-        naming every size tried. ``ladder`` resumes one that a
-        :class:`~oomguard.engine.errors.RestartNeeded` carried out of another process.
-        ``params`` (a module, an optimizer or tensors) and ``optimizer``: what ``fn`` trains;
-        before a retry their gradients are cleared, and an OOM after the optimizer's step
-        began writing raises :class:`~oomguard.engine.errors.StepPartlyApplied`
+        """Run ``fn(batch_size)``, or ``fn(**sizes)`` for several sizes; on OOM at smaller
+        sizes, down to :class:`~oomguard.engine.errors.ExecutionFailed` naming every size
+        tried. ``ladder`` resumes one a :class:`~oomguard.engine.errors.RestartNeeded`
+        carried. ``params`` and ``optimizer``: what ``fn`` trains, kept clean between retries
         (:mod:`~oomguard.engine.core.execute.clean_retry`)."""
         if (batch_size is None) == (sizes is None):
             raise ValueError("give exactly one of batch_size or sizes")

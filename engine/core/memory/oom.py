@@ -69,14 +69,10 @@ def cuda_memory_near_limit() -> bool:
 
 
 def is_oom(exc: BaseException, *, memory_constrained: bool | None = None) -> bool:
-    """Return True if ``exc`` is an out-of-memory error (by type, then by a row of the one OOM table).
-
-    An exception with an ``oomguard_is_oom`` attribute decides for itself (oomguard's own
-    "gave up" errors say False). A row of :data:`OOM_TABLE` matches when ``exc`` is one of
-    its types and its text is in ``str(exc)``; a row marked ``evidence`` counts only while
-    ``memory_constrained``, or when that is None while the row's limit is near
-    (:func:`memory_limit_near` or :func:`cuda_memory_near_limit`, read only then).
-    """
+    """Return True if ``exc`` is an out-of-memory error: by its ``oomguard_is_oom``
+    attribute, its type, then a row of :data:`OOM_TABLE` (one of its types, its text in
+    ``str(exc)``); a row marked ``evidence`` counts only while ``memory_constrained``, or
+    when that is None while the row's limit is near."""
     verdict = getattr(exc, "oomguard_is_oom", None)  # an exception that says what it is
     if verdict is not None:
         return bool(verdict)
@@ -125,10 +121,8 @@ def gc_frozen() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class OOM:
-    """The record of an OOM: what went wrong, with the exception itself dropped.
-    ``caught_by_workload``: the call's own code caught the OOM, then returned normally or
-    raised another error (:mod:`~oomguard.engine.core.memory.swallowed`); it counts as an OOM
-    all the same."""
+    """The record of an OOM, the exception itself dropped. ``caught_by_workload``: the call's
+    own code caught it (:mod:`~oomguard.engine.core.memory.swallowed`); an OOM all the same."""
 
     message: str
     caught_by_workload: bool = False
@@ -145,13 +139,9 @@ def call_catching_oom(fn: Callable[..., Any], *args: Any, device: str | torch.de
                       workload: str | None = None, **kwargs: Any) -> Any | OOM:
     """Call ``fn``; return its value, or an :class:`OOM` record if it ran out of memory
     (any other exception propagates), after :func:`release_memory` ran outside the
-    ``except`` block of its own. ``on_oom(exc)`` is called once, first, while the
-    tensors are alive (to measure memory as the OOM left it); an error it raises is ignored.
-
-    A call whose own code caught an OOM is an OOM too, whether it then returned normally or
-    raised another error (:class:`~oomguard.engine.core.memory.swallowed.Witness`): its value
-    is dropped and the record, flagged ``caught_by_workload``, names ``workload`` (default:
-    ``fn``'s name).
+    ``except`` block. ``on_oom(exc)`` is called once, first, while the tensors are alive;
+    an error it raises is ignored. A call whose own code caught an OOM is an OOM too: its
+    record is flagged ``caught_by_workload`` and names ``workload`` (default: ``fn``'s name).
     """
     witness = Witness(oom_text, device, on_oom)
     try:

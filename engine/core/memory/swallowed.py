@@ -57,11 +57,8 @@ _MODES = ("auto", "on", "off")
 
 class _Thread(threading.local):
     """Per thread: the witnesses of the calls running on it, innermost last, and the spotter
-    it pushed. The spotter is pushed once, by the outermost witness that wants it, and holds
-    this thread's list: the autograd engine's device threads run it with the caller's
-    dispatch modes, and its notes must reach the caller's witness. An OOM counts for the
-    innermost call only, so one that an inner oomguard call handled (an executor inside a
-    searched workload) is not the outer call's."""
+    the outermost one pushed (it holds this list, so notes from autograd's threads reach the
+    caller's witness). An OOM counts for the innermost call only."""
 
     spotter: _Spotter | None = None
 
@@ -140,10 +137,9 @@ class Witness:
     afterwards :attr:`seen` is None, or the first OOM's text (``Type: first line``);
     :attr:`reported` says whether ``on_oom`` was already called with it.
 
-    ``classify(exc)``: the text of an OOM, None for any other exception (the OOM classifier,
-    passed in: this module sits below it). ``on_oom(exc)`` is called once, at the first OOM
-    the spotter sees, while the failed operator's tensors are alive (an error it raises is
-    ignored). ``device``: the call's device (None: every CUDA device with a context)."""
+    ``classify(exc)``: the text of an OOM, else None. ``on_oom(exc)`` is called once, at the
+    first OOM the spotter sees, while the tensors are alive (its errors ignored). ``device``:
+    the call's device (None: every CUDA device with a context)."""
 
     def __init__(self, classify: Callable[[BaseException], str | None],
                  device: str | torch.device | None = None,
@@ -211,9 +207,8 @@ def _async_backend() -> bool:
 
 def _cuda_ooms(device: str | torch.device | None) -> dict[int, int]:
     """``num_ooms`` per CUDA device this call can run out on: ``device``'s, or every device
-    with a context; none where CUDA is not initialised (no OOM can have been counted yet, and
-    reading would create a context: a device the call initialises counts from 0) or the
-    device is not CUDA."""
+    with a context; none where CUDA is not initialised (reading would create a context) or
+    the device is not CUDA."""
     if not torch.cuda.is_initialized():
         return {}
     dev = torch.device(device) if device is not None else None
