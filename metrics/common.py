@@ -39,10 +39,8 @@ def iter_micro_batches(data: Batch, size: int) -> Iterator[dict[str, torch.Tenso
 
 
 def labels_of(batch: Batch) -> torch.Tensor:
-    """Unshifted labels ``[n, L]`` of a batch (``labels``, else ``input_ids``), ``-100``
-    where nothing is scored: with an ``attention_mask``, a position is scored only when it
-    and the position before it are both valid (a token predicted from a masked position is
-    no prediction)."""
+    """Unshifted labels ``[n, L]`` of a batch (``labels``, else ``input_ids``), ``-100`` where
+    nothing is scored: a position and the one before it must both be valid."""
     labels = batch["labels"] if batch.get("labels") is not None else batch["input_ids"]
     mask = batch.get("attention_mask")
     if mask is None:
@@ -100,10 +98,8 @@ def expand_rows(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 def scored_samples(batch: Batch) -> dict[str, torch.Tensor] | None:
-    """The samples of ``batch`` that have at least one scored token; None if no sample has. A sample
-    without one adds exactly nothing to a token-weighted sum, and must not run: its attention rows
-    are all masked, which float64 models turn into NaN, and a backward pass spreads that NaN into
-    every gradient."""
+    """The samples of ``batch`` with a scored token (None if none has): the others add nothing
+    and must not run (all-masked attention rows are NaN in float64 models)."""
     keep = tokens_per_sample(batch) > 0
     return select_samples(batch, keep) if bool(keep.any()) else None
 
@@ -148,10 +144,9 @@ def nll_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int) -> float
 def token_weighted_sum(model: torch.nn.Module, data: Batch, micro_batch_size: int,
                        per_batch: Callable[[Batch, list[torch.Tensor]], Sequence[Any]],
                        params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Sum ``per_batch(mb, params)`` over micro-batches in float64, divided by the total tokens. The
-    one place where gradient-like products of the token-weighted mean loss are reduced: each
-    micro-batch (of :func:`scored_samples` only) returns one tensor (or None) per parameter, already
-    summed over its own tokens."""
+    """Sum ``per_batch(mb, params)`` (one tensor or None per parameter, summed over the
+    micro-batch's tokens) over the :func:`scored_samples` of each micro-batch in float64,
+    divided by the total tokens."""
     n_tok = total_tokens(data)
     acc = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in params]
     for mb in iter_micro_batches(data, micro_batch_size):

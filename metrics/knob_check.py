@@ -38,10 +38,8 @@ _SEEN: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[str, str, str], Kno
 @dataclass(frozen=True)
 class KnobVerdict:
     """Whether memory knob ``knob`` of ``metric`` left the result alone: ``status`` ``ok``,
-    ``differs`` (``key``: the first key whose value or presence differed; ``detail``: how) or
-    ``unchecked`` (``detail`` says why: one size only, or out of memory on the slice), at
-    ``sizes`` (items) on ``rows`` rows; ``max_abs_diff``: the largest absolute difference of
-    any number present in both results."""
+    ``differs`` (``key``: the first that differed; ``detail``: how) or ``unchecked`` (``detail``:
+    why), at ``sizes`` (items) on ``rows`` rows; ``max_abs_diff``: the largest difference."""
 
     metric: str
     knob: str
@@ -75,10 +73,8 @@ class KnobVerdict:
 def check_memory_knobs(metric: Metric, model: torch.nn.Module, data: Mapping[str, torch.Tensor],
                        params: Mapping[str, Any] | None = None, *,
                        knobs: Iterable[str] | None = None, rows: int = ROWS) -> list[KnobVerdict]:
-    """A verdict for each memory knob of ``metric`` (or those named in ``knobs``): the metric
-    run on ``model`` and the first ``rows`` rows of ``data`` at two sizes of the knob, the other
-    knobs at ``params`` (validated; defaults filled). Runs unbudgeted; an OOM on the slice
-    leaves the knob unchecked. Errors of the metric other than memory propagate."""
+    """A verdict for each memory knob of ``metric`` (or those in ``knobs``), run unbudgeted on
+    the first ``rows`` rows of ``data``, other knobs at ``params``; an OOM leaves it unchecked."""
     full = metric.validate(dict(params or {}))
     names = [k.name for k in metric.memory_knobs()] if knobs is None else list(knobs)
     piece = {k: v[:rows] for k, v in data.items()}

@@ -27,10 +27,9 @@ from oomguard.metrics.train_step import build_for
 
 def largest_useful(metric: Metric, knob: str, params: Mapping[str, Any], n_samples: int,
                    config: Any) -> tuple[int | None, str]:
-    """``(size, what sets it)``: the size above which ``knob`` changes nothing that runs, with the
-    other knobs at ``params`` (validated) on ``n_samples`` samples of a model of transformers
-    ``config``; ``(None, "")`` where there is none. What sets it: ``samples`` for knobs that slice
-    the samples, else ``largest useful size`` (what the metric or its ``Knob.largest`` declares)."""
+    """``(size, what sets it)``: the size above which ``knob`` changes nothing that runs
+    (``samples`` for knobs that slice them, else ``largest useful size``), other knobs at
+    ``params``, for ``config``; ``(None, "")`` where there is none."""
     if knob in SAMPLE_KNOBS:
         return n_samples, "samples"
     size = metric.largest_size(knob, params, n_samples)
@@ -176,10 +175,9 @@ class MetricTrial(RebuiltInChild):
 
 @dataclass(frozen=True)
 class InUnits:
-    """A strategy that proposes only multiples of ``unit``: ``inner`` (E10, Doubling,
-    LinearJump...) runs on counts of units ``k = size / unit`` and its proposals are
-    multiplied back. ``InUnits(E10(start=1, step=1), unit=64)`` tries 64, 128, 192, ...
-    and bisects in steps of 64, until the largest fit and the first OOM are one unit apart."""
+    """A strategy that proposes only multiples of ``unit``: ``inner`` runs on counts of units
+    and its proposals are multiplied back, until the largest fit and the first OOM are one
+    unit apart."""
 
     inner: Any
     unit: int
@@ -220,10 +218,9 @@ class InUnits:
 
 
 def in_whole_units(start: int, step: int, unit: int, max_size: int) -> tuple[int, int, int]:
-    """``(unit, start, step)`` for a search of a knob of granularity ``unit`` (items), with
-    ``start`` and ``step`` (items) counted in whole units: the start rounded up but at most
-    ``max_size``'s units, the step at least one unit. A unit larger than ``max_size``
-    becomes 1: no whole unit fits, so every size counts."""
+    """``(unit, start, step)`` of a search of a knob of granularity ``unit`` (items), start and
+    step in whole units (start rounded up, at most ``max_size``'s; step at least 1); a unit
+    above ``max_size`` becomes 1."""
     unit = unit if unit <= max_size else 1
     return unit, min(-(-start // unit), max(1, max_size // unit)), max(1, step // unit)
 

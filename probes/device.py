@@ -25,10 +25,9 @@ def parse_device(device: Any) -> tuple[str, int | None]:
 
 
 def resolve_device(device: Any = None, *, check: bool = False) -> torch.device:
-    """The ``torch.device`` ``device`` names. None is the current CUDA device where this
-    process has a CUDA context, else the CPU; ``cuda`` gets the current index where this
-    process has a context (asking elsewhere would create one). ``check``: a GPU this
-    machine lacks is a one-line :class:`UsageError` saying what to do."""
+    """The ``torch.device`` ``device`` names; None and ``cuda`` take the current CUDA device
+    only where this process has a context (None: else the CPU). ``check``: a GPU this machine
+    lacks is a one-line :class:`UsageError`."""
     import torch
 
     kind, index = parse_device(device) if device is not None else ("cuda", None)

@@ -34,10 +34,9 @@ def system() -> str:
 
 
 class DataSize:
-    """Reads a process's data segment in bytes, cheaply enough to sample every millisecond:
-    ``/proc/<pid>/statm``'s data field from an open descriptor (~2 us) minus the stack at
-    open, so it follows ``VmData``, the figure ``RLIMIT_DATA`` limits. ``pid``: this process
-    by default. :meth:`read` returns None where there is no statm (or the process is gone)."""
+    """Reads a process's data segment in bytes (``VmData``, what ``RLIMIT_DATA`` limits) cheaply
+    enough to sample every millisecond, from ``/proc/<pid>/statm`` (default: this process);
+    :meth:`read` returns None where there is none."""
 
     def __init__(self, pid: int | None = None) -> None:
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -74,10 +73,8 @@ def proc_status(key: str, pid: int | None = None) -> int | None:
 
 
 def shared_anonymous_bytes() -> int | None:
-    """Anonymous bytes this process shares with another (pages a ``fork`` left shared,
-    copy-on-write), from ``/proc/self/smaps_rollup``: ``Anonymous`` minus ``Private_Dirty``.
-    Writing one copies it, which a cgroup charges and ``VmData`` does not count. None where
-    there is no smaps_rollup (Linux < 4.14, other OSes)."""
+    """Anonymous bytes shared copy-on-write after a ``fork`` (a write copies them: a cgroup
+    charges that, ``VmData`` does not), from ``/proc/self/smaps_rollup``; None without it."""
     try:
         text = (PROC / "self" / "smaps_rollup").read_text()
     except OSError:
@@ -194,10 +191,8 @@ def resident_bytes() -> tuple[int | None, str]:
 @dataclass(frozen=True)
 class EnforcedLimit:
     """A limit the kernel enforces on this process's memory (Linux): ``name`` ("cgroup" or
-    "RLIMIT_DATA"), ``limit_bytes``, and ``room_bytes`` it leaves now (measured: the
-    limit minus the cgroup's working set, or minus ``VmData``). Past an ``RLIMIT_DATA`` an
-    allocation fails with a catchable error; past a cgroup's limit the kernel kills a
-    process of the group (SIGKILL)."""
+    "RLIMIT_DATA"), ``limit_bytes``, and ``room_bytes`` it leaves now (measured). Past an
+    ``RLIMIT_DATA`` an allocation fails; past a cgroup's limit the kernel kills (SIGKILL)."""
 
     name: str
     limit_bytes: int
@@ -237,11 +232,9 @@ def physical_memory() -> tuple[int | None, int | None, dict[str, str]]:
 
 
 def host_memory() -> dict:
-    """Bytes of the host as this process sees them: ``total``, ``free``, ``process`` (its
-    resident bytes), ``limited_by`` (which limit set ``free``), ``sources`` ("estimate"
-    where one is), ``budget`` (:func:`host_budget_unavailable`) and ``peak`` (how peaks
-    are measured here, or why they cannot be). ``free`` is the smallest of the available
-    RAM and the room each :func:`enforced_limits` leaves."""
+    """Bytes of the host as this process sees them: ``total``, ``free`` (the smallest of the
+    available RAM and each enforced limit's room), ``process``, ``limited_by``, ``sources``
+    ("estimate" where one is), ``budget`` and ``peak`` (how peaks are measured here)."""
     total, free, sources = physical_memory()
     limited_by = {"Windows": "available physical RAM",
                   "Darwin": "available physical RAM (estimated)"}.get(system(), "MemAvailable")

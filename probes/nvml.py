@@ -61,11 +61,9 @@ def _text(value: Any) -> str:
 @dataclass
 class NvmlDevice:
     """One GPU, or one MIG slice of it, as NVML measures it. Bytes; None = not reported.
-    ``reserved`` (v2 API only; v1 folds it into ``total`` and ``used``) is the driver-reserved part
-    CUDA cannot use. ``process_bytes`` is this process's usage, matched by pid (``pid_matched``
-    False: in a container with its own PID namespace NVML reports host pids).
-    ``other_processes_bytes`` sums the others, None when any is unknown (``unknown_pids``;
-    ``other_processes_known_bytes`` is then a lower bound)."""
+    ``reserved`` (v2 API only): the driver-reserved part CUDA cannot use. ``process_bytes``:
+    this process's, matched by pid. ``other_processes_bytes``: the others', None when any is
+    unknown (``other_processes_known_bytes`` is then a lower bound)."""
 
     index: int
     name: str

@@ -103,10 +103,8 @@ class MigIdentity:
 
 def match_mig(migs: Sequence[MigIdentity], torch_index: int, *, uuid: str | None,
               cuda_visible_devices: str | None) -> tuple[MigIdentity | None, str]:
-    """The MIG device that is torch's ``cuda:torch_index``, or (None, why not): by torch's
-    own UUID of the device, else the ``torch_index``-th ``MIG-`` entry of
-    ``CUDA_VISIBLE_DEVICES`` (a unique UUID prefix, as CUDA accepts; the pre-R470 form
-    ``MIG-GPU-<uuid>/gi/ci`` names no MIG UUID and matches nothing)."""
+    """The MIG device that is torch's ``cuda:torch_index``, or (None, why not): by torch's UUID
+    of it, else the ``torch_index``-th ``MIG-`` entry (a unique prefix) of ``CUDA_VISIBLE_DEVICES``."""
     if uuid:
         want = normalize_uuid(uuid)
         for m in migs:

@@ -14,10 +14,8 @@ def cuda_async_backend() -> bool:
 
 
 def held_bytes(device: str | torch.device) -> int:
-    """Bytes this process holds on a GPU ``device``, in the units its allocator's cap and its
-    peaks count (reserved bytes; bytes in use under ``backend:cudaMallocAsync``; the driver's
-    allocated bytes on MPS), measured after the cache is emptied: cached free blocks
-    are released before an allocation meets the cap, so counting them would enlarge a budget."""
+    """Bytes this process holds on a GPU ``device``, in the units its allocator's cap counts,
+    measured after the cache is emptied (cached blocks are freed before the cap is met)."""
     dev = torch.device(device)
     if dev.type == "mps":
         torch.mps.empty_cache()
@@ -117,10 +115,8 @@ class PeakMeter:
         return max(0, self.absolute() - self.baseline)
 
     def limit_read(self) -> int | None:
-        """Peak bytes since :meth:`reset` in the units the device's limit counts: on the CPU
-        the sampled data segment (a lower bound: a rise shorter than the interval is missed;
-        None without ``limit_units`` or where it cannot be read), else :meth:`read`. Stops
-        the sampling."""
+        """Peak bytes since :meth:`reset` in the units the device's limit counts (on the CPU the
+        sampled data segment, a lower bound; None without ``limit_units``); stops the sampling."""
         if self.device.type != "cpu":
             return self.read()
         if self._sampler is None or self._data is None:

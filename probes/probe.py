@@ -71,11 +71,9 @@ def _cuda_unavailable(label: str, torch_reason: str) -> MemorySnapshot:
 
 
 def _merge_nvml(snap: MemorySnapshot, nv: nvml.NvmlDevice, how: str, ident: dict[str, Any]) -> None:
-    """Put NVML's measured figures into ``snap``, naming the API behind each. The total is what CUDA
-    can use: NVML v2's ``total - reserved``; with only the v1 API (whose total includes
-    driver-reserved memory, ~0.5 GiB), or where NVML's figure is above it (a MIG slice), it
-    is torch's ``total_memory`` (cudaDeviceProp.totalGlobalMem), which creates no context;
-    the free bytes then lose what NVML counts beyond it."""
+    """Put NVML's measured figures into ``snap``, naming the API behind each. The total is what
+    CUDA can use: NVML v2's ``total - reserved``, else (v1, or a MIG slice above it) torch's
+    ``total_memory``, the free bytes less what NVML counts beyond it."""
     what = f"NVML {nv.memory_api}" + (f" (MIG {nv.mig_profile or 'slice'})"
                                       if nv.mig_index is not None else "")
     snap.free_bytes = nv.free

@@ -17,10 +17,8 @@ STACK_BYTES = 256 * 1024  # enough for a loop of small reads; the default is 8 M
 
 class Sampler:
     """Calls ``read()`` every ``interval`` seconds on a daemon thread between :meth:`start`
-    and :meth:`stop` (or as a context manager). ``peak`` is the largest value read (the
-    first in :meth:`start`, in the calling thread); ``on_sample(value)`` sees each later
-    value and stops the sampling by returning True. A read that returns None is skipped.
-    """
+    and :meth:`stop`; ``peak`` is the largest value read (None reads skipped);
+    ``on_sample(value)`` sees each value after the first and stops the sampling with True."""
 
     def __init__(self, read: Callable[[], int | None], interval: float,
                  on_sample: Callable[[int], bool] | None = None, name: str = "oomguard-sampler"

@@ -15,6 +15,7 @@ rounding. ``evaluate()`` first searches ``prediction_step`` up to
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
@@ -46,17 +47,11 @@ def first_rows(trainer: Trainer, dataset: Any, n: int, description: str) -> dict
         raise UsageError(f"sizing the {description.lower()} batch needs a dataset with a length "
                          f"(rows to try); got {type(dataset).__name__}")
     collator = trainer.data_collator
-    if is_datasets_available() and isinstance(dataset, _datasets().Dataset):
+    if is_datasets_available() and isinstance(dataset, importlib.import_module("datasets").Dataset):
         dataset = trainer._remove_unused_columns(dataset, description=description)
     else:  # what Trainer._get_dataloader does for other datasets
         collator = trainer._get_collator_with_removed_columns(collator, description=description)
     return trainer._prepare_inputs(collator([dataset[i] for i in range(min(n, len(dataset)))]))
-
-
-def _datasets() -> Any:
-    import datasets
-
-    return datasets
 
 
 def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> Split:
@@ -77,12 +72,8 @@ def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> 
 
     step = training_trial(lambda size: trainer.training_step(model, slice_rows(batch, 0, size)),
                           optimizer, effective)
-    was_training = model.training
-    try:
-        result = search_step(step, min(effective, batch_rows(batch)), (model, optimizer),
-                             "trainer.training_step", **options)
-    finally:
-        model.train(was_training)
+    result = _search_in_mode(model, False, step, min(effective, batch_rows(batch)),
+                             (model, optimizer), "trainer.training_step", **options)
     split = split_for(effective, result, largest)
     args.per_device_train_batch_size = split.micro_batch
     args.gradient_accumulation_steps = split.accumulation
@@ -111,18 +102,24 @@ def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, largest: bool = F
         trainer.prediction_step(model, slice_rows(batch, 0, size), args.prediction_loss_only)
         return size
 
-    was_training = model.training
-    model.eval()
-    try:
-        result = search_step(step, min(configured, batch_rows(batch)), None,
+    result = _search_in_mode(model, True, step, min(configured, batch_rows(batch)), None,
                              "trainer.prediction_step", **options)
-    finally:
-        model.train(was_training)
     size = size_found(result, largest)
     args.per_device_eval_batch_size = size
     log.info("Trainer: evaluation batch %d per device (configured %d, largest that ran: %d)",
              size, configured, result.max_ok)
     return Split(size, size, 1, result.max_ok, result)
+
+
+def _search_in_mode(model: torch.nn.Module, evaluate: bool, *args: Any, **options: Any) -> Any:
+    """:func:`~.sizing.search_step`, in eval mode with ``evaluate``; the model's mode kept."""
+    was_training = model.training
+    if evaluate:
+        model.eval()
+    try:
+        return search_step(*args, **options)
+    finally:
+        model.train(was_training)
 
 
 class OomguardTrainerMixin:

@@ -44,10 +44,8 @@ def micro_batch_for(effective: int, fits: int) -> int:
 
 
 def size_found(result: SearchResult, largest: bool = False) -> int:
-    """The size a run may use from a search's result: ``size_to_use`` (the recommended size),
-    or with ``largest`` ``max_ok``; under ``torch.distributed`` the smallest over the ranks
-    (one ``all_reduce``, every rank calls it), so that every rank accumulates the same number
-    of micro-batches per step and their gradient all-reduces pair up."""
+    """The size a run may use from a search's result: ``size_to_use``, or with ``largest``
+    ``max_ok``; under ``torch.distributed`` the smallest over the ranks (collective)."""
     size = result.max_ok if largest else result.size_to_use
     assert size is not None  # search raises NoSizeFits otherwise
     return agree(size, False).size
@@ -65,9 +63,7 @@ def split_for(effective: int, result: SearchResult, largest: bool = False) -> Sp
 
 def passes(size: int, effective: int) -> int:
     """Forward and backward passes a trial runs at ``size`` before its optimizer step: 2 below
-    the ``effective`` batch, where the run accumulates (the second backward adds into the
-    ``.grad`` the first left, which needs a gradient-sized temporary the first did not),
-    else 1."""
+    the ``effective`` batch (accumulating into ``.grad`` needs a temporary), else 1."""
     return 2 if size < effective else 1
 
 

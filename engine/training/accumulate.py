@@ -149,16 +149,11 @@ def _device_of(tensors: list[torch.Tensor]) -> torch.device:
 
 class EntryGrads:
     """The gradients present when a call starts, so that an attempt that fails can be undone:
-    a copy of each existing ``.grad`` on its device (none when no gradient exists: then
-    undoing sets them to None)."""
+    a copy of each existing ``.grad`` on its device."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
-        unique = list({id(p): p for p in params}.values())  # a tied parameter once
-        self.params = unique
-        present = any(p.grad is not None for p in unique)
-        self.saved: list[torch.Tensor | None] | None = (
-            [None if p.grad is None else p.grad.detach().clone() for p in unique]
-            if present else None)
+        self.params = list({id(p): p for p in params}.values())  # a tied parameter once
+        self.saved = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
 
     def missing_bytes(self, device: Any) -> int:
         """What the gradients absent at entry will take on ``device`` once created (bytes, from
@@ -172,10 +167,6 @@ class EntryGrads:
     def restore(self) -> None:
         """Put the gradients back as they were at entry (in place where one exists, so a
         DistributedDataParallel bucket view stays a view)."""
-        if self.saved is None:
-            for p in self.params:
-                p.grad = None
-            return
         for p, saved in zip(self.params, self.saved, strict=True):
             if saved is None:
                 p.grad = None
@@ -378,17 +369,11 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
     The function form of :class:`Accumulator`, whose options apply to this call only. The
     micro-batch size found (and the measured peaks) persists per ``params`` object, else
     ``optimizer`` (while it lives), and ``name`` (default: the step function's qualified
-    name). Returns the whole batch's loss (detached, not scaled by ``backward``). Typical use::
+    name). Returns the whole batch's loss (detached, not scaled by ``backward``)::
 
         loss = oomguard.accumulate(lambda mb: model(**mb).loss, batch, params=model,
                                    weight_by="causal-tokens")
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    Inside a loop of one's own (``for micro_step in range(k)``), with the user's backward::
-
-        oomguard.accumulate(step, batch, params=model,
-                            backward=lambda loss: scaler.scale(loss / k).backward())
     """
     check_backward(backward)
     check_positive_int("micro_batch_size", micro_batch_size, optional=True)
