@@ -74,8 +74,7 @@ class ExecutionFailed(OomguardError, RuntimeError):
     order; ``errors`` the OOM message of each. ``str()`` is ``detail`` (one line with all of
     it), or with ``verbatim`` just ``message`` (accelerate's exact words)."""
 
-    # The message quotes the last OOM, but giving up is not itself an OOM: an
-    # outer handler must not retry it as one (oomguard.engine.core.memory.oom.is_oom reads this).
+    # Giving up is not itself an OOM: an outer handler must not retry it (is_oom reads this).
     oomguard_is_oom = False
 
     def __init__(self, workload: str, tried: Sequence[Mapping[str, int]], errors: Sequence[str],
@@ -92,8 +91,7 @@ class ExecutionFailed(OomguardError, RuntimeError):
         super().__init__(self.message if verbatim else self.detail)
 
     def __reduce__(self) -> tuple:
-        # The default would call __init__(str(self)) alone: crossing a process
-        # boundary (multiprocessing) would fail to rebuild the error.
+        # The default calls __init__(str(self)): unpickled in another process it would fail.
         return (functools.partial(type(self), verbatim=self.verbatim),
                 (self.workload, self.tried, self.errors, self.message))
 

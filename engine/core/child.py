@@ -43,8 +43,7 @@ from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
 
 KILL_GRACE_S = 5.0  # seconds between SIGTERM and SIGKILL when a child is asked to stop
-# The forkserver's imports: its parent-death signal first, torch, torch._dynamo (1.5-3 s in every
-# child otherwise, docs/measurements.md#isolated-children-start-up), an isolated trial's code.
+# The forkserver's imports (docs/measurements.md#isolated-children-start-up).
 _SERVER_PRELOAD = ("oomguard.engine.core.in_forkserver", "torch", "torch._dynamo",
                    "oomguard.engine.core.search.isolate")
 _preload: dict[str, None] = {}  # every module asked for so far, in order (a set)

@@ -1,51 +1,39 @@
 """The workload protocol: what oomguard asks of the work it sizes, runs and estimates.
 
 A workload is any callable ``fn(size)`` (:class:`Workload`) that runs the work once at
-``size`` items (samples, a micro-batch, a chunk: whatever its memory knob counts) and
-returns a small result (recorded as plain JSON). That is all
-:func:`~oomguard.engine.core.search.search.search`, the
+``size`` items (whatever its memory knob counts) and returns a small result (recorded as
+plain JSON): all that :func:`~oomguard.engine.core.search.search.search`, the
 :class:`~oomguard.engine.core.execute.executor.Executor` and
 :func:`~oomguard.engine.core.estimate.estimate.estimate` need. Everything below is
-optional; oomguard reads each hook only through the helper named after it. The built-in
-metrics and training step are workloads of this protocol like any other.
+optional, read only through the helper named after it.
 
-Attributes: ``name`` (str; default ``__name__``, else the class name: :func:`name_of`),
-``knob`` (what ``size`` is called in reports, default ``batch_size``: :func:`knob_of`),
-``steps_per_trial`` (calls per search trial at one size, default 1; the training step's
-2 are the first optimizer step and a steady one: :func:`steps_of`), ``preload`` (modules
-an isolated trial's forkserver imports once, before any child starts: :func:`preload_of`).
+Attributes: ``name`` (default ``__name__``, else the class name: :func:`name_of`), ``knob``
+(what ``size`` is called, default ``batch_size``: :func:`knob_of`), ``steps_per_trial``
+(calls per search trial, default 1: :func:`steps_of`), ``preload`` (modules an isolated
+trial's forkserver imports once: :func:`preload_of`).
 
 Methods:
 
-- ``warmup()``: called once per process before the budget and the first trial (a search in
-  this process, each isolated child, an estimate's copy under fake tensors; never by the
-  executor). Build the model and data here, and run the work once at its smallest size: a
-  trial's peak then counts only what one call adds. A search calls a workload without one
-  once at size 1 instead (:func:`~oomguard.engine.core.search.trial.warm_up_trials`).
-  :func:`warm_up`
-- ``worst_case_batch(size)``: the batch of ``size`` items that costs the most memory
-  (every sample at the longest length); trials then call ``fn(size,
-  batch=fn.worst_case_batch(size))`` (:mod:`~oomguard.engine.core.search.trial`), and so
-  does an estimate of them.
+- ``warmup()``: called once per process before the budget and the first trial (never by
+  the executor). Build the model and data here and run the work once at its smallest size,
+  so a trial's peak counts only what one call adds; without one, a search calls ``fn(1)``
+  first. :func:`warm_up`
+- ``worst_case_batch(size)``: the batch of ``size`` items that costs the most memory;
+  trials and estimates then call ``fn(size, batch=fn.worst_case_batch(size))``.
   :func:`worst_case_maker`
-- ``estimate_peak(size, device) -> int``: the workload's own estimate of its peak at
-  ``size`` on ``device`` (where the estimate is made: ``"cpu"``, ``"cuda:0"``), in bytes
-  above what existed before the call; an estimate then runs nothing. :func:`own_estimate`
-- ``for_estimate(device) -> workload``: the copy an estimate runs instead, under fake
-  tensors on ``device`` (typically one whose ``warmup()`` builds the model with
-  :func:`fake_module`). :func:`estimate_copy`
-- The executor's ``on_oom`` remedies (:mod:`~oomguard.engine.core.execute.remedies`):
+- ``estimate_peak(size, device) -> int``: the workload's own estimated peak bytes at
+  ``size`` on ``device``, above what existed before the call. :func:`own_estimate`
+- ``for_estimate(device) -> workload``: the copy an estimate runs under fake tensors
+  (typically built with :func:`fake_module`). :func:`estimate_copy`
+- The ``on_oom`` remedies (:mod:`~oomguard.engine.core.execute.remedies`):
   ``tolerates_lower_precision = True`` with ``at_precision(dtype) -> workload``, and
   ``on_device(device) -> workload``.
 
-Rebuilding in a child: an isolated trial pickles the workload into a fresh process and
-calls its ``warmup()`` there. A workload that keeps what ``warmup()`` built in
-``self._state`` and derives from :class:`RebuiltInChild` ships only its description.
+An isolated trial pickles the workload into a fresh process and calls ``warmup()`` there;
+with :class:`RebuiltInChild`, what ``warmup()`` keeps in ``self._state`` is not shipped.
 
-Inside an estimate, a workload may call what the estimator implements:
-:func:`shortcut` (run once a step it repeats identically), :func:`host_device` (where
-host-side bookkeeping goes), :func:`fake_module` (a model with no weights) and
-:func:`replays_workspace` (whether its warm-up must run as a trial's does).
+Inside an estimate a workload may call :func:`shortcut`, :func:`host_device`,
+:func:`fake_module` and :func:`replays_workspace`.
 """
 
 from __future__ import annotations

@@ -56,8 +56,7 @@ def device_identity(job: Job) -> dict[str, Any]:
              "budget_bytes": job.budget_bytes, "torch": torch.__version__,
              "host": socket.gethostname()}
     if snap.device.startswith("cuda"):
-        # What else makes two GPUs answer differently: a MIG slice's profile, the driver.
-        # The UUID says which GPU it was (reports), never part of the cache key.
+        # A MIG profile and the driver make GPUs differ; the UUID is for reports only.
         ident.update({"mig_profile": snap.extra.get("mig_profile"),
                       "driver": nvml.driver_version(), "uuid": snap.extra.get("uuid")})
     return ident

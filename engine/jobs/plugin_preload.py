@@ -11,7 +11,6 @@ import os
 from oomguard.engine.jobs.plugins import PLUGINS_ENV, import_plugin
 
 for _plugin in json.loads(os.environ.get(PLUGINS_ENV) or "[]"):
-    # It imported in the command's process; should it fail here, the server must still
-    # start (only ImportError is ignored by multiprocessing): the trial then names the metric.
+    # The server must start even if it fails here: the trial then names the metric.
     with contextlib.suppress(Exception):
         import_plugin(_plugin)

@@ -129,10 +129,8 @@ class OnRay:
         seen: dict[tuple[str, int], Any] = {}
         try:
             while waiting or pending:
-                # No more tasks in flight than the cluster has room for, now (nodes may join):
-                # a task blocked in ray.get (its hub calls) lends its CPU back to Ray, which
-                # would start a queued task on a new worker beside it, both then importing
-                # torch on the same cores (docs/measurements.md#ray).
+                # No more tasks in flight than the cluster has room for now: a task blocked in
+                # ray.get lends its CPU back to Ray (docs/measurements.md#ray).
                 room = max(1, int(ray.cluster_resources().get(kind, 0) // each))
                 while waiting and len(pending) < room:
                     task = waiting.pop(0)
@@ -185,8 +183,7 @@ class OnRay:
             return record_failure(task, ctx, FileSink(ctx.out, ctx.cache_path), reason,
                                   str(exc), seconds)
         took = payload["seconds"]
-        # Where the time went: the task's own processes, what the worker added around them
-        # (device probe, hub calls, outputs reaching the hub), all from submission on.
+        # Where the time went, from submission on: the task's processes and the worker's part.
         journal.append("ray-task", task=task.key, run=ctx.run_id, attempt=payload["attempt"],
                        task_seconds=took["task"],
                        worker_seconds=round(took["worker"] - took["task"], 3),

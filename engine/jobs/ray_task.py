@@ -36,9 +36,7 @@ from oomguard.engine.jobs.spec import import_plugin
 from oomguard.engine.jobs.task_process import run_task
 from oomguard.metrics.base import get_metric
 
-# Ray leaves CUDA_VISIBLE_DEVICES as the worker found it where this is "1" or "true" (any case:
-# ray/_common/utils.py env_bool; ray/_private/accelerators/nvidia_gpu.py,
-# set_current_process_visible_accelerator_ids).
+# Ray leaves CUDA_VISIBLE_DEVICES as the worker found it where this is "1" or "true".
 NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 DEATH = "halved after worker death"  # the cache's label of sizes a dead attempt ran at, halved
 FORWARD_WAIT_S = 60.0  # for the last outputs to reach the hub, after the task's end
@@ -118,8 +116,7 @@ def run_on_worker(task: Task, ctx: Context, hub: Any) -> dict[str, Any]:
         here = dataclasses.replace(ctx, job=job, out=str(scratch), device=device,
                                    start_method=start_method(job.device), threads=threads)
         t_task = time.perf_counter()
-        # Never asked to stop (never None): the driver cancels a Ray task by ending its
-        # worker, which ends the task's process with it.
+        # Never asked to stop: the driver cancels a Ray task by ending its worker.
         record = run_task(task, here, sink, SimpleNamespace(signum=None))
         t_task = time.perf_counter() - t_task
         # What the task's process wrote outside its sink: allocator snapshots, its log.

@@ -1,8 +1,7 @@
 """The typed records of a job: what a job file says, what a task is, what a task produced.
 
 Every module of the package imports these; this one imports only the standard library and
-the shared :class:`~oomguard.engine.util.record.Record` base, so none of them needs another to
-describe its inputs or outputs.
+:class:`~oomguard.engine.util.record.Record`.
 """
 
 from __future__ import annotations
@@ -34,11 +33,9 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class SearchSpec:
-    """A job file's ``[search]`` table: ``enabled`` (false: no search, sizes from the cache or
-    the metrics' defaults) and ``options``, any :class:`~oomguard.engine.core.search.config.SearchConfig`
-    field by its name as plain values (``strategy`` by name, ``start``, ``size_step``,
-    ``max_size``, ``max_trials``, ``max_seconds``, ``margin``, ...); a field not given takes
-    SearchConfig's default, as on the command line and in the API."""
+    """A job file's ``[search]`` table: ``enabled`` (false: sizes from the cache or defaults)
+    and ``options``, any :class:`~oomguard.engine.core.search.config.SearchConfig` field by
+    name as plain values; a field not given takes SearchConfig's default."""
 
     enabled: bool = True
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -127,10 +124,8 @@ class Context:
 
 @dataclass
 class TaskResult(Record):
-    """What one task produced: ``results/<task>.json``, and one entry of ``results.json``.
-    The file has every field, ``null`` where one does not apply (``reason`` of a metric
-    that ran, ``peak_bytes`` of one that failed); unknown keys (another version's file)
-    are kept in ``extra``."""
+    """What one task produced: ``results/<task>.json``, and one entry of ``results.json``;
+    every field, ``null`` where one does not apply; unknown keys are kept in ``extra``."""
 
     task: str
     metric: str
@@ -147,8 +142,7 @@ class TaskResult(Record):
     sizes: dict[str, Any] | None = None  # where the sizes came from, and every attempt
     search: dict[str, Any] | None = None  # the first of ``searches`` (None: none ran)
     searches: list[dict[str, Any]] | None = None  # every knob's search: SearchRecord dicts
-    # One OomEvent.to_dict per OOM of the run (memory measured at the OOM); [] without one,
-    # None where nothing was recorded.
+    # One OomEvent.to_dict per OOM of the run; None where nothing was recorded.
     oom_events: list[dict[str, Any]] | None = None
     peak_bytes: int | None = None
     peak_source: str | None = None
@@ -163,8 +157,7 @@ class TaskResult(Record):
     remedies: list[dict[str, Any]] | None = None  # every rung of the ladder tried
     restarts: list[str] | None = None  # why each fresh process was started
     device: dict[str, Any] | None = None  # measured where it ran (on Ray, by the worker)
-    # torch's intra-op threads: a float sum split over another number of threads rounds
-    # differently in its last bits.
+    # torch's intra-op threads (they change a float sum's last bits).
     threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

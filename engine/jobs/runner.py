@@ -60,10 +60,8 @@ from oomguard.reports.job_report import ReportInterrupted, write_job_report
 log = logging.getLogger("oomguard.job")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-# Stopped by a signal: 128 + its number, as a shell reports a process it killed. SIGUSR1 is
-# what Slurm sends before a time limit with `sbatch --signal=USR1@90`; SIGTERM what it sends
-# at the limit, on preemption and on `scancel`.
-# Windows has no SIGUSR1 (CPython's signal there: SIGINT, SIGTERM, SIGBREAK and a few more).
+# Stopped by a signal: 128 + its number, as a shell reports it. Slurm sends SIGUSR1 before a
+# time limit (`sbatch --signal=USR1@90`), SIGTERM at it; Windows has no SIGUSR1.
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1")
                      if hasattr(signal, name))
 EXIT_SIGNAL = {sig: 128 + sig for sig in STOP_SIGNALS}  # Linux: 130, 143, 138
@@ -157,8 +155,7 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
     digests = Digests(out / ".digests.json")
     tasks = plan(job, digests)
     backend = backend if backend is not None else Sequential()
-    # What the platform allows (CUDA and MPS never after a fork; spawn on macOS and Windows),
-    # decided where every child's start is: what the journal records is what happens.
+    # What the platform allows, decided where every child starts: the journal records it.
     start_method = launcher.start_method(job.device, fork=start_method == "fork")
     try:
         device = backend.device(job)

@@ -1,7 +1,6 @@
 """Byte sizes: parsing at the edges (CLI, job files) and formatting for humans.
 
-Inside oomguard every size is an ``int`` of bytes; these helpers are the only
-place where ``"2GiB"`` or ``"512MiB"`` turn into bytes and back.
+Inside oomguard every size is an ``int`` of bytes; ``"2GiB"`` turns into bytes only here.
 """
 
 from __future__ import annotations
@@ -10,8 +9,7 @@ import re
 
 from oomguard.engine.errors import UsageError
 
-# SI units are powers of 1000, as the SI says; binary units (KiB) powers of 1024, and so
-# are bare K/M/G/T, as in ulimit, docker and PyTorch's allocator config.
+# SI units are powers of 1000; binary units (KiB) and bare K/M/G/T powers of 1024.
 _UNITS = {"": 1, "B": 1, **{f"{p}B": 1000**i for i, p in enumerate("KMGT", start=1)},
           **{f"{p}IB": 1024**i for i, p in enumerate("KMGT", start=1)},
           **{p: 1024**i for i, p in enumerate("KMGT", start=1)}}

@@ -38,8 +38,7 @@ from oomguard.engine.core.estimate.hooks import _RUNNING, _Running
 from oomguard.engine.core.estimate.workspace import GEMMS, SLOW_DTYPE, add_workspace
 from oomguard.engine.errors import UsageError, check_positive_int
 
-# Outputs of an operation on real inputs that are computed for real (see the module
-# docstring); larger ones (a batch's 4-D attention mask) stay fake, counted all the same.
+# Bytes up to which outputs of an operation on real inputs are computed for real.
 REAL_LIMIT = 16 * 1024**2
 REAL_FLOAT_LIMIT = 64 * 1024
 # Operations on real inputs whose fake run found their outputs small (they run for real),

@@ -235,8 +235,7 @@ class SizeController:
             proposal[k] >= self.floor[k] for k in proposal) else None
         message = (result.message if oom  # type: ignore[union-attr]
                    else f"another process ran out of memory at {format_sizes(sizes)}")
-        # Before anything is retried (or given up): a partly applied step raises here, and
-        # the failed attempt's gradients are cleared.
+        # Before a retry: a partly applied step raises here; gradients are cleared.
         self.clean.before_retry(self.name, message, self.memory)
         if nxt is not None:
             self._change(sizes, nxt, f"out of memory ({message})" if oom else message)

@@ -62,8 +62,7 @@ class Budget:
 
 
 _active: list[Budget] = []
-# The fraction last set per GPU ("cuda:N", "mps"): torch < 2.6 cannot read a CUDA one back,
-# torch.mps never can.
+# The fraction last set per GPU ("cuda:N", "mps"), which torch cannot always read back.
 _fractions: dict[str, float] = {}
 # MPSAllocator.mm's default high-watermark ratio and the largest fraction torch.mps accepts.
 MPS_DEFAULT_FRACTION = 1.7

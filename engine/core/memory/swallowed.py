@@ -75,8 +75,7 @@ def _checked(mode: str) -> str | UsageError:
         f"{ENV} must be one of {', '.join(_MODES)}, got {mode!r}")
 
 
-# Read once, at import (children read their own): os.environ.get costs 0.5 us, and this is
-# asked on every call. A bad value is said at the first call, not at import.
+# Read once, at import (asked on every call); a bad value is said at the first call.
 _mode: str | UsageError = _checked(os.environ.get(ENV, "auto"))
 
 
@@ -103,8 +102,7 @@ class _Spotter(TorchDispatchMode):
     """Runs each aten operator, notes an OOM leaving it in the innermost :class:`Witness`,
     re-raises it unchanged."""
 
-    # Higher-order operators (flex_attention, cond) reach __torch_dispatch__ instead of
-    # failing under a mode that does not support them; they run unchanged.
+    # Higher-order operators (flex_attention, cond) run unchanged through __torch_dispatch__.
     supports_higher_order_operators = True
 
     @classmethod
