@@ -24,10 +24,9 @@ from oomguard.metrics.padding import right_align
 class Knob:
     """One parameter of a metric, of ``kind`` ``"memory"`` (tuned by oomguard; the result must
     not depend on it beyond float rounding) or ``"result"`` (part of the question, never tuned).
-    ``scales_with``: what memory grows with. ``unit``: what one unit of the knob's granularity is,
-    where memory does not change at every +1 (its size: :meth:`Metric.size_unit`; empty: every size
-    counts). ``largest``: the size from the transformers config above which the knob changes nothing
-    that runs (``vjp_block`` above the hidden width; None: unknown)."""
+    ``scales_with``: what memory grows with. ``unit``: what one unit of its granularity is (its
+    size: :meth:`Metric.size_unit`; empty: every size counts). ``largest``: from the transformers
+    config, the size above which it changes nothing that runs (None: unknown)."""
 
     name: str
     kind: Literal["memory", "result"]

@@ -241,10 +241,9 @@ def _second_config(spec: str) -> Any:
 
 
 def normalise(value: Any, name: str = "metric") -> dict[str, Any]:
-    """A function's result as a metric's: a dict (nested dicts kept) of detached tensors,
-    numbers and strings; numpy arrays as tensors, numpy scalars as Python numbers, lists of
-    numbers or tensors as one tensor; anything but a dict as ``{"value": ...}``. UsageError
-    naming ``name`` and the key for anything else (None, objects)."""
+    """A function's result as a metric's: a (nested) dict of detached tensors, numbers and
+    strings (numpy and lists of numbers as tensors), anything but a dict as ``{"value": ...}``;
+    UsageError naming ``name`` and the key for anything else."""
     out = _leaf(value, name, "value")
     if not isinstance(out, dict):
         return {"value": out}

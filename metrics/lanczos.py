@@ -32,9 +32,7 @@ MatVec = Callable[[torch.Tensor], torch.Tensor]
 
 def lanczos(matvec: MatVec, dim: int, iterations: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """Lanczos with full reorthogonalisation on a symmetric operator of size ``dim``:
-    ``eigenvalues`` (Ritz values, descending), ``residuals`` (aligned) and ``steps``
-    (fewer than ``iterations`` when an invariant subspace is found). The basis,
-    ``iterations x dim`` floats, lives on the host (:func:`host_device`)."""
+    ``eigenvalues`` (descending), ``residuals`` and ``steps``; the basis lives on the host."""
     m = min(iterations, dim)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(dim, generator=g, dtype=torch.float64, device=host_device())

@@ -37,10 +37,8 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def hidden_tap(block: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
-    """An identity module that ``block``'s hidden-state output passes through, and the
-    hook handle that does it (remove it when done): captum attributes to every tensor a
-    layer returns, and blocks that return a tuple (GPT-J, Falcon, Bloom) would make it
-    differentiate outputs the forward never uses."""
+    """An identity module that ``block``'s hidden-state output passes through, and its hook
+    handle: captum would differentiate every tensor of a block's tuple output."""
     tap = torch.nn.Identity()
 
     def through_tap(module: torch.nn.Module, inputs: Any, output: Any) -> Any:

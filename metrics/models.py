@@ -88,10 +88,8 @@ def model_config(spec: str) -> Any:
 
 
 def _check_keys(spec: str, model_type: str, default: Any, config: Any, kw: dict[str, Any]) -> None:
-    """UsageError naming every unknown key of ``kw`` and the closest valid one: transformers
-    stores an unknown keyword as a plain attribute, so ``n_layr=1`` would silently build 12
-    layers. Unknown: stored on ``config`` and none of the type's fields, ``__init__`` parameters
-    or aliases, nor every config's; legacy keywords a config consumes are accepted."""
+    """UsageError naming every unknown key of ``kw`` and the closest valid one (transformers
+    stores one as a plain attribute: ``n_layr=1`` would silently build 12 layers)."""
     import difflib
     import inspect
 

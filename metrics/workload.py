@@ -41,10 +41,9 @@ def largest_useful(metric: Metric, knob: str, params: Mapping[str, Any], n_sampl
 
 @dataclass
 class MetricTrial(RebuiltInChild):
-    """``MetricTrial(metric, knob)(size)`` runs ``metric`` with ``knob=size`` on fixed data:
-    ``n_samples`` generated, padded sequences of ``seq_len`` tokens (seeded by ``seed``, as
-    are the model's random weights). ``knob`` defaults to the metric's first memory knob;
-    ``params`` fixes the other knobs (result knobs such as Lanczos ``k`` included)."""
+    """``MetricTrial(metric, knob)(size)`` runs ``metric`` with ``knob=size`` on ``n_samples``
+    generated, padded sequences of ``seq_len`` tokens (seeded by ``seed``, as are the weights).
+    ``knob``: default the first memory knob; ``params`` fixes the other knobs."""
 
     metric: str
     knob: str | None = None

@@ -36,12 +36,10 @@ def normalize_uuid(uuid: str) -> str:
 
 def map_visible_devices(cuda_visible_devices: str | None,
                         nvml_devices: Sequence[tuple[str, str]]) -> list[int]:
-    """NVML indices of the devices CUDA exposes, in torch's order (torch index -> position).
-    ``cuda_visible_devices``: the variable's value (None: every device, in NVML's order);
-    ``nvml_devices``: ``(uuid, pci_bus_id)`` per NVML index. Entries are integers (PCI order, CUDA's
-    only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or identical GPUs: prefer :func:`match_device`),
-    ``GPU-`` UUIDs or unique prefixes. As in CUDA, parsing stops at the first entry that names no
-    whole GPU (``MIG-`` included); no device is listed twice."""
+    """NVML indices of the devices CUDA exposes, in torch's order, from ``CUDA_VISIBLE_DEVICES``
+    (None: every device) and ``(uuid, pci_bus_id)`` per NVML index. Entries are integers (PCI
+    order: prefer :func:`match_device`), ``GPU-`` UUIDs or unique prefixes; as in CUDA, parsing
+    stops at the first entry that names no whole GPU."""
     n = len(nvml_devices)
     if cuda_visible_devices is None:
         return list(range(n))

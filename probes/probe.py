@@ -174,10 +174,9 @@ def _mps_snapshot() -> MemorySnapshot:
 
 
 def probe(device: Any = "cpu") -> MemorySnapshot:
-    """Measure the memory of ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``), in bytes. CUDA
-    merges NVML (device total/free with other processes, per-process usage) with this process's
-    allocator counters in ``extra``. A missing GPU or driver gives ``available=False`` and a
-    ``reason``; any other device string raises :class:`~oomguard.engine.errors.UsageError`."""
+    """Measure the memory of ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``), in bytes; CUDA
+    adds this process's allocator counters in ``extra``. A missing GPU or driver gives
+    ``available=False`` and a ``reason``; another device string raises ``UsageError``."""
     kind, index = parse_device(device)
     if kind == "cpu":
         return _cpu_snapshot()

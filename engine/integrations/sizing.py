@@ -24,10 +24,9 @@ STEPS_PER_TRIAL = 2
 
 @dataclass(frozen=True)
 class Split:
-    """How one device's effective batch is run: ``micro_batch`` rows per forward and backward,
-    ``accumulation`` of them per optimizer step (``micro_batch * accumulation ==
-    effective``, in rows). ``found``: the largest size the search ran (measured);
-    ``search``: its result (None when no search ran)."""
+    """How one device's effective batch (rows) is run: ``micro_batch`` rows per forward and
+    backward, ``accumulation`` of them per optimizer step. ``found``: the largest size the
+    search ran (measured); ``search``: its result (None when no search ran)."""
 
     effective: int
     micro_batch: int
@@ -53,10 +52,8 @@ def size_found(result: SearchResult, largest: bool = False) -> int:
 
 def split_for(effective: int, result: SearchResult, largest: bool = False) -> Split:
     """The :class:`Split` of ``effective`` rows a search's result allows: at most its
-    ``size_to_use`` (the recommended size, its ``margin`` of the capacity below the largest
-    that ran), or with ``largest`` its ``max_ok``. Not the largest by default: the
-    framework's loop holds more than a trial (measured: a Trainer needed 38-40 MiB where a
-    trial at a larger size peaked at 37.8 MiB)."""
+    ``size_to_use``, or with ``largest`` its ``max_ok`` (by default not: a framework's loop
+    holds more than a trial, measured on a Trainer)."""
     micro = micro_batch_for(effective, size_found(result, largest))
     return Split(effective, micro, effective // micro, result.max_ok, result)
 
@@ -93,11 +90,9 @@ def batch_rows(batch: Any) -> int:
 def search_step(step: Callable[[int], Any], effective: int,
                 restore: tuple[torch.nn.Module, torch.optim.Optimizer] | None, name: str,
                 **options: Any) -> SearchResult:
-    """Search the largest size from 1 to ``effective`` rows at which ``step(size)`` runs.
-    A training step (``restore``: the model and the optimizer it steps) runs
-    ``STEPS_PER_TRIAL`` times per trial, both restored after every trial; an evaluation step
-    (``restore`` None) runs once. ``options`` go to
-    :func:`~oomguard.engine.core.search.search.search`."""
+    """Search the largest size from 1 to ``effective`` rows at which ``step(size)`` runs: a
+    training step (``restore``: model and optimizer, restored after every trial)
+    ``STEPS_PER_TRIAL`` times per trial, an evaluation step once."""
     step.__name__ = name  # type: ignore[attr-defined]  # what logs and results call it
     options.setdefault("steps_per_trial", STEPS_PER_TRIAL if restore is not None else 1)
     return search(step, max_size=effective, restore=restore, **options)

@@ -100,16 +100,11 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
     :class:`NoExecutableBatchSize`. The size that worked is kept; ``grow_after`` clean calls let it
     grow back, never above ``maximum`` (default ``batch_size``) nor to a size that failed. Under
     ``torch.distributed`` each call is collective (``sync_ranks=False``: not), and ``fn`` must be
-    safe to re-run: a rank whose call succeeded runs again at the smaller size another rank needed.
-    ``adaptive_size``: the wrapper's size controller.
-
-    ``params`` (the model, or tensors) and ``optimizer``: what ``fn`` trains. Before a retry
-    their gradients are set to None, so the retried step equals a clean step at the smaller
-    size; an OOM after ``optimizer.step()`` began writing raises
-    :class:`~oomguard.engine.errors.StepPartlyApplied` (never a silent retry). Without them,
-    a retry that finds gradients left on ``fn``'s module logs one warning.
-    ``watch_alloc_retries`` (CUDA): step down before the OOM when the allocator had to
-    retry in consecutive calls (Composer's rule); False turns it off.
+    safe to re-run. ``adaptive_size``: the wrapper's size controller. ``params`` and
+    ``optimizer``: what ``fn`` trains; a retry first sets their gradients to None, and an OOM
+    after ``optimizer.step()`` began writing raises
+    :class:`~oomguard.engine.errors.StepPartlyApplied`. ``watch_alloc_retries`` (CUDA): step
+    down before the OOM when the allocator retries in consecutive calls.
     """
     def decorate(f: Callable[..., T]) -> Callable[..., T]:
         size = make_controller(name or qualname(f), KEY, batch_size, minimum=minimum,

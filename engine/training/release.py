@@ -17,8 +17,7 @@ _UNSET: Any = object()
 
 def free_memory(device: str | torch.device | None = None) -> None:
     """Return freed memory to ``device`` (None: every device): ``gc.collect()``, then its
-    allocator's cache (CUDA, MPS). Call it outside an ``except`` block, or the live traceback
-    keeps the failed step's tensors."""
+    allocator's cache. Call it outside an ``except`` block (the traceback keeps tensors)."""
     oom.release_memory(device)
 
 
