@@ -35,10 +35,9 @@ Restorable = torch.nn.Module | torch.optim.Optimizer
 
 
 def check_restorable(objects: Any) -> tuple[Restorable, ...]:
-    """``objects`` as a tuple of modules and optimizers (one module or optimizer alone is
-    accepted too); a one-line :class:`UsageError` for anything else, and for an optimizer
-    whose parameters are not parameters of a module given (when modules are given: its
-    state would then be restored while the weights it updates would not). None is ()."""
+    """``objects`` (one, a sequence or None) as a tuple of modules and optimizers; a one-line
+    :class:`UsageError` for anything else, and for an optimizer whose parameters are not
+    those of the modules given."""
     if objects is None:
         return ()
     if isinstance(objects, (torch.nn.Module, torch.optim.Optimizer)):
@@ -77,18 +76,13 @@ def _host_copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _device_of(value: Any) -> torch.device | None:
-    return value.device if isinstance(value, torch.Tensor) else None
-
-
 def _tensor_bytes(value: Any) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 def _put_back(current: Any, saved: Any, device: torch.device | None) -> Any:
     """The value to hold after restore: ``current`` overwritten in place where it is a
-    tensor of the same kind (its object kept, no new memory), else a new copy of ``saved``
-    on ``device`` (where it was at take)."""
+    tensor of the same kind, else a new copy of ``saved`` on ``device``."""
     if not isinstance(saved, torch.Tensor):
         return copy.deepcopy(saved)
     if (isinstance(current, torch.Tensor) and current.shape == saved.shape
@@ -109,7 +103,8 @@ class _Saved:
     @classmethod
     def of(cls, entries: dict[str, Any], skip: str = "") -> _Saved:
         return cls({k: _host_copy(v) for k, v in entries.items() if k != skip},
-                   {k: _device_of(v) for k, v in entries.items() if k != skip})
+                   {k: v.device if isinstance(v, torch.Tensor) else None
+                    for k, v in entries.items() if k != skip})
 
     @property
     def nbytes(self) -> int:
@@ -165,8 +160,7 @@ class _OptimizerCopy:
     def restore(self) -> None:
         opt = self.optimizer
         kept = {id(p): s for p, s in opt.state.items()}
-        # Drop what the trials created before writing anything back: the memory of
-        # lazily created state returns first.
+        # Drop what the trials created first, so its memory returns before any write.
         opt.state.clear()
         for param, saved in self.state:
             opt.state[param] = saved.put_back(kept.get(id(param), {}))
@@ -215,8 +209,7 @@ class _RngStates:
 @dataclass(repr=False)
 class Snapshot:
     """Modules' and optimizers' state (and the RNG states) copied to the host, put back
-    exactly by :meth:`restore`; parameters, buffers, gradients, optimizer state and ``param_groups`` and the RNG states are covered; it
-    costs. :attr:`nbytes`: host bytes the copies hold."""
+    exactly by :meth:`restore`. :attr:`nbytes`: host bytes the copies hold."""
 
     slots: list[_TensorSlot] = field(default_factory=list)
     optimizers: list[_OptimizerCopy] = field(default_factory=list)
@@ -264,9 +257,8 @@ class Snapshot:
                 f"rng={self.rng is not None}, nbytes={self.nbytes})")
 
     def restore(self) -> None:
-        """Put every object back as it was at :meth:`take`: optimizer state first (what the
-        trials allocated is dropped before anything is written), then parameters, buffers
-        and gradients in place, then the RNG states. May be called any number of times."""
+        """Put every object back as it was at :meth:`take` (optimizer state first, then
+        parameters, buffers and gradients in place, then RNG states); repeatable."""
         for opt in self.optimizers:
             opt.restore()
         for slot in self.slots:

@@ -1,9 +1,7 @@
 """The job journal: an append-only, fsynced JSON-lines record of every event.
 
-One event per line (``start``, ``sizes``, ``retry``, ``success``, ``failure``, ...), each written
-with a single ``os.write`` on a descriptor opened with ``O_APPEND``, then ``os.fsync``: an event
-:meth:`Journal.append` returned from is on disk, and several processes may append to one journal. A
-line torn by a ``kill -9`` is skipped by :func:`replay`, so a journal is always readable.
+One event per line, each one ``os.write`` with ``O_APPEND`` then ``os.fsync``: several
+processes may append, and a line torn by a ``kill -9`` is skipped by :func:`replay`.
 """
 
 from __future__ import annotations

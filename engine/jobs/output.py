@@ -1,9 +1,8 @@
 """The output folder of a job: whose it is, and which results in it are still true.
 
-An output folder belongs to one job (:func:`job_identity`); :func:`claim` refuses another job's
-folder, or with ``force`` moves its files into ``moved-aside/``. A finished result is kept on resume
-only while it still answers its task (:func:`stale_reasons`); otherwise :func:`set_aside` moves it
-into ``results/stale/`` (never deleted, never overwritten) and the task runs again.
+:func:`claim` refuses another job's folder, or with ``force`` moves its files into
+``moved-aside/``. A result that no longer answers its task (:func:`stale_reasons`) is moved
+into ``results/stale/`` by :func:`set_aside` and the task runs again.
 """
 
 from __future__ import annotations

@@ -5,9 +5,7 @@ folder: the job file's, or the current directory on the command line; anything e
 name) and imports it, which registers its metrics. A ``.py`` plugin's folder goes first on
 ``sys.path``, as ``python plugin.py`` puts a script's: the modules beside it import by name.
 
-:func:`user_code` finds the files of the user's code a plugin imports, transitively (its
-``import`` statements read from the source, those inside functions included): modules from
-outside the installed packages, the standard library and oomguard. A job's fingerprint
+:func:`user_code` finds the user's files a plugin imports, transitively: a job's fingerprint
 hashes them, so editing that code reruns the results it defined.
 
 Children that do not inherit this process's imports import the same plugins through
@@ -171,11 +169,9 @@ def _plugin_module(plugin: str) -> tuple[str, str | None]:
 
 
 def user_code(plugins: Iterable[str]) -> list[str]:
-    """The files (absolute, sorted) of the user's code that ``plugins`` (resolved, as
-    :func:`resolve_plugin` gives them) import, directly or through each other: ``.py``
-    files outside the standard library, the installed packages and oomguard; a plugin
-    given by module name counts when it is such code itself, a ``.py`` plugin's own file
-    does not (the job hashes it as the plugin)."""
+    """The files (absolute, sorted) of the user's code that ``plugins`` (resolved) import,
+    transitively: ``.py`` files outside the standard library, the installed packages and
+    oomguard (a ``.py`` plugin's own file is hashed as the plugin, not here)."""
     roots = _installed_roots()
     seen: dict[str, bool] = {}  # file: whether it is the user's code
     users: dict[str, bool] = {}  # top-level name: whether it is the user's package

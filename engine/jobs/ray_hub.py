@@ -1,12 +1,10 @@
 """What the tasks of one job on Ray share: the job's outputs, and where each attempt runs.
 
-One :class:`Hub` actor per ``oomguard run --ray``, on the driver's node (this module does not import
-Ray; :class:`~oomguard.engine.jobs.ray_job.OnRay` makes the class an actor). Every task's outputs
-arrive through its :class:`~oomguard.engine.jobs.sink.HubSink` and are written as the single-process
-job writes them, into the job's folder and the size cache (under its file lock). Ray runs an actor's
-methods one at a time, so concurrent tasks merge their sizes in turn; workers need no shared
-storage. The hub also keeps where each attempt runs (:meth:`Hub.begin`), for a retry after a worker
-died and for the driver's progress line and journal.
+One :class:`Hub` actor per ``oomguard run --ray``, on the driver's node (made an actor by
+:class:`~oomguard.engine.jobs.ray_job.OnRay`). Every task's outputs arrive through its
+:class:`~oomguard.engine.jobs.sink.HubSink` and are written as the single-process job writes
+them, one at a time; workers need no shared storage. The hub also keeps where each attempt
+runs (:meth:`Hub.begin`), for retries after a worker died and the driver's progress.
 """
 
 from __future__ import annotations
@@ -24,10 +22,9 @@ RUNNING, DONE, DIED = "running", "done", "died"
 
 
 class Hub:
-    """The job's folder ``out``, the size cache at ``cache_path`` (None: the user's
-    default), and every attempt: ``attempt`` (1, 2, ...), where it runs (``host``,
-    ``pid``, ``device``, ``device_key``, ``cache_key``), ``state`` (running,
-    done, died), ``sizes`` (once chosen) and ``retries`` (OOM retries inside the task)."""
+    """The job's folder ``out``, the size cache at ``cache_path`` (None: the default), and
+    every attempt: number, where it runs, ``state`` (running, done, died), ``sizes`` and
+    ``retries``."""
 
     def __init__(self, out: str | os.PathLike[str],
                  cache_path: str | os.PathLike[str] | None) -> None:

@@ -1,9 +1,7 @@
 """Run a job's tasks on Ray: every GPU of a node, or a cluster, each task sized where it lands.
 
-:class:`OnRay` is the backend :func:`~oomguard.engine.jobs.runner.run_job` takes for
-``oomguard run JOB --ray [ADDRESS]``. Ray places the tasks: each (model, metric) task is
-one Ray task asking for one GPU, or for ``cpus_per_task`` CPUs when the job's device is
-``cpu``; the worker runs it as the single-process job would
+:class:`OnRay` is the backend for ``oomguard run JOB --ray [ADDRESS]``: each task is one
+Ray task asking for one GPU (or ``cpus_per_task`` CPUs), run as the single-process job would
 (:mod:`~oomguard.engine.jobs.ray_task`). Ray knows nothing of GPU memory; oomguard adds it:
 
 - each task measures the device it got and takes its sizes from the cache for that device;

@@ -1,13 +1,10 @@
 """One task of a job on a Ray worker: measure the device, size for it, run, through the hub.
 
-:func:`run_on_worker` is the body of the Ray task. It runs the task exactly as the
-single-process job does (:func:`~oomguard.engine.jobs.task_process.run_task`), except:
-
-- **The device is measured here**, on the worker (:func:`~oomguard.engine.jobs.plan.device_identity`
-  probes the GPU Ray assigned, :func:`task_device`), and the size cache is keyed by that device.
-- **Every output goes to the job's hub** (:mod:`~oomguard.engine.jobs.ray_hub`) as it is
-  made, through a :class:`~oomguard.engine.jobs.sink.HubSink`. If this worker dies, the
-  next attempt starts from :func:`lowered_after_death`.
+:func:`run_on_worker` runs the task as the single-process job does
+(:func:`~oomguard.engine.jobs.task_process.run_task`), except that the device is measured on
+the worker (:func:`task_device`) and keys the size cache, and every output goes to the job's
+hub (:class:`~oomguard.engine.jobs.sink.HubSink`). A dead worker's next attempt starts from
+:func:`lowered_after_death`.
 """
 
 from __future__ import annotations
@@ -44,9 +41,8 @@ FORWARD_WAIT_S = 60.0  # for the last outputs to reach the hub, after the task's
 
 def lowered_after_death(task: Task, previous: Mapping[str, Any]) -> dict[str, Any] | None:
     """The cache lower (:meth:`~oomguard.engine.jobs.cache.SizeCache.lower`'s arguments,
-    labelled :data:`DEATH`) that starts the next attempt below where ``previous``, a dead
-    attempt, ran: its sizes halved, each at least its minimum. None when it had chosen no
-    sizes yet, when the job file pins them, or when every knob is at its minimum."""
+    labelled :data:`DEATH`) below a dead attempt ``previous``: its sizes halved, each at
+    least its minimum; None without sizes, with pinned ones, or at every minimum."""
     sizes, key = previous.get("sizes"), previous.get("cache_key")
     if not sizes or not key or task.pinned:
         return None

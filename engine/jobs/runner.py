@@ -7,18 +7,15 @@ docs/measurements.md#isolated-children-start-up, docs/measurements.md#fork-after
 stays in the child, and each metric starts with a fresh heap. The limit covers the whole task;
 the search is also bounded by ``search.max_trials`` and ``search.max_seconds``.
 
-Resume: a task whose result file says ``ok`` and still answers it (the same inputs,
-:mod:`~oomguard.engine.jobs.fingerprint`; its tensor file present) is skipped and its
-file never rewritten; a stale one is moved to ``results/stale/`` and rerun, saying why
-(:mod:`~oomguard.engine.jobs.output`). Failed and interrupted tasks run again.
+Resume: an ``ok`` result that still answers its task (:mod:`~oomguard.engine.jobs.fingerprint`)
+is kept; a stale one is moved aside and rerun (:mod:`~oomguard.engine.jobs.output`); failed and
+interrupted tasks run again.
 SIGINT, SIGTERM and SIGUSR1 (Slurm's warning) stop cleanly: the running task is recorded as
 interrupted, its child stopped, the report written; the exit code is 128 + the signal
 (:data:`EXIT_SIGNAL`). ``kill -9`` of the parent also ends the child (PR_SET_PDEATHSIG).
 
-Backends: :class:`Sequential` runs the tasks one after another from this process (the
-default); :class:`~oomguard.engine.jobs.ray_job.OnRay` runs them concurrently as Ray
-tasks. Both run a task through :func:`~oomguard.engine.jobs.task_process.run_task`, and
-this process writes the results, the journal and the report either way.
+Backends: :class:`Sequential` (the default) or :class:`~oomguard.engine.jobs.ray_job.OnRay`,
+both through :func:`~oomguard.engine.jobs.task_process.run_task`.
 """
 
 from __future__ import annotations

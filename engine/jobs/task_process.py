@@ -1,9 +1,8 @@
 """One task of a job in its own process: started, watched, stopped, restarted, recorded.
 
-:func:`run_task` is the one way a task runs, from the job's own process or a Ray worker.
-It starts the task's process (:func:`~oomguard.engine.jobs.task_child.child_main`), enforces its
-time limit (SIGTERM, then SIGKILL), starts a fresh process whenever the remedy ladder hands one
-over, and records a process that ended without a result as the task's failure.
+:func:`run_task` starts the task's process (:func:`~oomguard.engine.jobs.task_child.child_main`),
+enforces its time limit, restarts it when the remedy ladder asks, and records a process that
+ended without a result as a failure.
 """
 
 from __future__ import annotations
@@ -27,10 +26,9 @@ STOP_POLL_S = 0.2  # how often a running task's process looks whether the job mu
 
 
 def run_task(task: Task, ctx: Context, sink: Sink, stop: Any) -> TaskResult | None:
-    """Run one task in a child, and in a fresh one each time its remedy ladder asks for one
-    (journal ``restart``), all within the time limit; the record written, or None if the
-    job was interrupted: ``stop.signum`` is None while the task may go on, a signal
-    number once the job must stop. Every output goes to ``sink``."""
+    """Run one task in a child (a fresh one each time its remedy ladder asks), within the
+    time limit; the record written, or None once ``stop.signum`` is set. Every output goes
+    to ``sink``."""
     sink.event("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
                time_limit_s=task.time_limit, start_method=ctx.start_method)
     mp = launcher.context(ctx.start_method, preload_modules(task))

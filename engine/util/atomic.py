@@ -1,9 +1,8 @@
 """The one atomic writer: a file is replaced whole and durably, or not at all.
 
-:func:`atomic_write` writes to a temporary file in the target's folder, ``fsync``s it, moves it over
-the target with ``os.replace`` and ``fsync``s the folder. A reader sees the old content or the new
-one, never half of either, also after a crash or a ``kill -9``. Reports, job results, the size cache
-and job files all go through it.
+:func:`atomic_write` writes a temporary file beside the target, ``fsync``s it, ``os.replace``s
+the target and ``fsync``s the folder: a reader sees the old content or the new, also after a
+crash.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The one JSON sanitiser: any result oomguard records, as plain JSON types.
 
-Every file and every ``--json`` output oomguard writes goes through :func:`to_jsonable` (and
-:func:`json_text`), so they all follow the same rules: ``nan``/``inf`` become the strings
-``"nan"``/``"inf"`` (strict JSON has no such numbers); a tensor or a numpy array/scalar becomes a
-number (one element) or a nested list, or with ``max_items`` a larger one ``{"shape", "mean"}``; an
-object with ``to_dict()`` (oomguard's result records) goes through it, a dataclass through its
-fields; anything unknown becomes its ``str``. Tensors and arrays are recognised by their
-``tolist``/``item`` methods: no torch or numpy import.
+Every file and ``--json`` output goes through :func:`to_jsonable`: ``nan``/``inf`` become
+strings; a tensor or numpy value becomes a number or a nested list (with ``max_items``, a
+larger one ``{"shape", "mean"}``); ``to_dict()`` and dataclasses give their fields; anything
+else its ``str``. No torch or numpy import.
 """
 
 from __future__ import annotations

@@ -55,10 +55,9 @@ METHOD = "fake tensors (FakeTensorMode) + storage bytes counted at dispatch"
 
 @dataclass
 class Estimate:
-    """The estimated peak bytes of a workload at ``size`` above what existed before that size
-    ran (a trial's ``peak_bytes`` units), for ``device``, computed with fake tensors on
-    ``estimated_on``; ``notes`` say what it left out or assumed; ``workspace_bytes`` (None:
-    not counted) is measured on this host."""
+    """The estimated peak bytes of a workload at ``size`` above what existed before, for
+    ``device``, computed on ``estimated_on``; ``notes`` say what it left out or assumed;
+    ``workspace_bytes`` (None: not counted) is measured on this host."""
 
     size: int
     peak_bytes: int

@@ -1,8 +1,5 @@
-"""What a workload may ask of a running estimate (:mod:`~oomguard.engine.core.estimate.estimate`):
-whether one runs, for which device, and what it lets the workload skip. The workload protocol
-(:mod:`~oomguard.engine.core.workload`) re-exports these, so a workload reaches the estimator
-through the protocol alone; this module imports nothing of the estimator, which sets the state
-it reads."""
+"""What a workload may ask of a running estimate: whether one runs, for which device, and
+what it may skip. Re-exported by :mod:`~oomguard.engine.core.workload`."""
 
 from __future__ import annotations
 

@@ -147,11 +147,9 @@ _GONE = object()  # a state value that is no longer there
 
 
 class CleanRetry:
-    """What a retry must leave clean: the gradients of ``params`` (a module, an optimizer or
-    tensors; default: ``optimizer``'s parameters) and ``optimizer``'s step. ``fn``: the
-    user's function, looked at for a module with gradients when neither is given. Bad
-    arguments are one :class:`~oomguard.engine.errors.UsageError` line, raised here, before
-    any work."""
+    """What a retry must leave clean: the gradients of ``params`` (default: ``optimizer``'s)
+    and ``optimizer``'s step. ``fn`` is looked at for a module with gradients when neither
+    is given. Bad arguments raise one :class:`~oomguard.engine.errors.UsageError` line here."""
 
     def __init__(self, params: Params | None = None,
                  optimizer: torch.optim.Optimizer | None = None,

@@ -58,10 +58,9 @@ MAX_NAMES_KEPT = 1024  # named workloads whose sizes one executor remembers
 
 
 class SizeAgreement(Protocol):
-    """How the processes running one workload agree on its size after each attempt
-    (:mod:`~oomguard.engine.training.distributed` has the protocol). ``active()`` is asked
-    once per call (False: this process decides alone); then :meth:`agree` after *every*
-    attempt with this process's next sizes (zeros: it cannot go lower) and whether it ran
+    """How the processes running one workload agree on its size after each attempt.
+    ``active()`` is asked once per call (False: decide alone); then :meth:`agree` after
+    *every* attempt with this process's next sizes (zeros: none lower) and whether it ran
     out of memory, returning the sizes every process takes and whether any ran out."""
 
     def active(self) -> bool: ...
@@ -77,8 +76,7 @@ def shown(sizes: Mapping[str, int | None]) -> Any:
 @dataclass(eq=False)
 class SizeMemory:
     """What one adaptive size has learnt across calls: ``sizes`` the next call starts at
-    (None: the call's cap, the whole input); ``failed`` the smallest size per knob that ran
-    out of memory on any process; ``last_good`` the sizes of the last attempt that worked;
+    (None: the whole input); ``failed`` the smallest failed size per knob; ``last_good``;
     ``clean`` the calls without an OOM since the last change."""
 
     stats: SizeStats

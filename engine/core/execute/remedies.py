@@ -58,9 +58,8 @@ CPU_SLOWDOWN = 30.0
 
 
 def parse_on_oom(value: Any) -> tuple[str, ...]:
-    """The remedy names of ``value`` (a list of strings), checked: one-line
-    :class:`UsageError` for an unknown name, a repeat, both lower precisions, a ladder
-    that does not start with ``halve`` or a ``cpu`` that is not last."""
+    """The remedy names of ``value`` (a list of strings), checked: a one-line
+    :class:`UsageError` for anything a ladder cannot be."""
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
             isinstance(v, str) for v in value):
         raise UsageError(f"on_oom: expected a list of remedy names like [\"halve\", "
@@ -101,12 +100,11 @@ class Rung:
 @dataclass
 class Ladder:
     """The state of one workload's ladder (plain data: it crosses into a fresh process):
-    ``at`` the rung running now; ``resume`` the sizes it goes on at in a fresh process;
-    ``precision``/``device`` what earlier rungs changed (None: the workload's own);
-    ``fresh_for`` the rung this process was started for; ``env`` the variables the next
-    process starts with; ``restarts`` why each fresh process was started; ``last`` the last
-    failed attempt ``[remedy, sizes, error]``; ``seconds`` every attempt's duration;
-    ``produced`` the remedy of the result (None: the first attempt worked)."""
+    ``at`` the rung running; ``resume`` the sizes to go on at; ``precision``/``device``
+    what earlier rungs changed; ``fresh_for`` the rung this process was started for; ``env``
+    the next process's variables; ``restarts`` why each was started; ``last`` the last
+    failed ``[remedy, sizes, error]``; ``seconds`` every attempt's; ``produced`` the
+    remedy of the result (None: the first attempt worked)."""
 
     remedies: tuple[str, ...]
     at: int = 0
@@ -150,8 +148,7 @@ def _restart(name: str, record: RunRecord, ladder: Ladder, why: str, shown: str)
 
 def live_bytes(device: Any) -> tuple[int | None, str]:
     """Bytes this process has in use on ``device`` now (measured), and how: CPU ``VmData``
-    minus glibc's free heap chunks (reusable, so not lost); CUDA ``memory_allocated``. None
-    where it cannot be read (no procfs; MPS). ``device`` None: as :func:`device_kind` says."""
+    minus glibc's free heap chunks; CUDA ``memory_allocated``; None where unreadable."""
     dev = resolve_device(device)
     if dev.type == "cuda":
         # why: probes.cuda imports CUDA helpers; only a CUDA run needs them.
@@ -174,8 +171,8 @@ def device_kind(device: Any) -> str:
 
 
 def apply_env(env: dict[str, str]) -> None:
-    """Set a fresh process's variables before anything uses CUDA (its first lines). The
-    allocator is also told directly where torch can be (its settings may be read already)."""
+    """Set a fresh process's variables before anything uses CUDA, and tell the allocator
+    directly where torch can (its settings may be read already)."""
     os.environ.update(env)
     setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if ALLOC_CONF in env and setter is not None and torch.cuda.is_available():
@@ -186,8 +183,8 @@ def apply_env(env: dict[str, str]) -> None:
 
 
 def cpu_estimate(seconds: Sequence[float], kind: str) -> tuple[float, str]:
-    """Seconds the CPU rung is estimated to take (the longest attempt so far, which ended
-    at its OOM, times :data:`CPU_SLOWDOWN`), and the line that says so."""
+    """Seconds the CPU rung is estimated to take (the longest attempt so far times
+    :data:`CPU_SLOWDOWN`), and the line that says so."""
     longest = max(seconds, default=0.0)
     est = longest * CPU_SLOWDOWN
     return est, (f"estimated {est:.1f} s or more: the longest attempt on {kind} ran "
@@ -233,8 +230,8 @@ class _Checked:
         raise NoProgress(self.name, rec.attempts, rec.errors, stop)
 
     def memory_back(self, failed: Sizes, pending: Sizes | None) -> int | None:
-        """Bytes in use now; :class:`RestartNeeded` (at ``pending``, else at the ladder's
-        next rung) when more than the tolerance is still in use since before ``failed``."""
+        """Bytes in use now; :class:`RestartNeeded` when more than the tolerance is still in
+        use since before ``failed`` (resuming at ``pending``, else the next rung)."""
         now, how = live_bytes(self.device)
         if now is None or self.before is None or now - self.before <= MEMORY_BACK_TOLERANCE:
             return now

@@ -45,10 +45,9 @@ _BUDGET = ("budget_bytes", "budget_limit_bytes", "budget_headroom_bytes")
 
 @dataclass
 class OomEvent:
-    """One OOM (every field goes into the reports): the sizes it happened at, what was done
-    (``action``: ``retried at <sizes>`` or ``gave up: <why>``), when (``at``, Unix seconds)
-    and memory then (bytes; ``fragmentation`` a fraction of the reserved bytes).
-    ``sources``: for every figure and ``snapshot``, how it was measured or why it is None."""
+    """One OOM: its sizes, ``action`` (``retried at <sizes>`` or ``gave up: <why>``), ``at``
+    (Unix seconds) and memory then (bytes, measured; ``fragmentation`` a fraction).
+    ``sources``: how each figure was measured, or why it is None."""
 
     sizes: dict[str, int]
     device: str

@@ -27,9 +27,8 @@ class _MallInfo2(ctypes.Structure):
 
 
 def free_heap_bytes() -> int | None:
-    """Bytes in free chunks inside glibc's heaps (all arenas; ``mallinfo2().fordblks``): a
-    CPU budget entered while they exist allows up to this much more than asked
-    (docs/measurements.md#free-heap-at-budget-entry). None without glibc >= 2.33."""
+    """Bytes in free chunks inside glibc's heaps (``mallinfo2().fordblks``, measured;
+    docs/measurements.md#free-heap-at-budget-entry). None without glibc >= 2.33."""
     fn = getattr(_libc(), "mallinfo2", None)
     if fn is None:
         return None
@@ -47,10 +46,9 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def return_freed_memory_to_os(threshold: int = _MMAP_THRESHOLD_BYTES) -> bool:
-    """Make glibc serve allocations of ``threshold`` bytes or more (128 KiB by default)
-    with mmap, so that frees go back to the OS (docs/measurements.md#return-freed-memory).
-    A lower threshold already set in this process (an isolated child's) is kept. False
-    where there is no glibc (budgets still work, less deterministically)."""
+    """Make glibc serve allocations of ``threshold`` bytes or more with mmap, so frees go
+    back to the OS (docs/measurements.md#return-freed-memory); a lower threshold already set
+    is kept. False without glibc."""
     if _mmap_threshold:
         threshold = min(threshold, _mmap_threshold[0])
     done = _call("mallopt", _M_MMAP_THRESHOLD, threshold)
