@@ -1,10 +1,8 @@
 """The record of a size search: every figure a report states, computed once.
 
-:func:`summarise` derives the figures (peak at the maximum, utilisation, what the capacity is, what
-capped the search, how memory scaled, the search steps in prose) from a :class:`SearchResult`;
-``report.json`` is that record as JSON (:func:`render_json`), and the Markdown report and the plot
-render it, so all three state the same numbers. Bytes are ints of bytes, seconds are floats of
-wall-clock seconds, fractions are in [0, 1] (not percent).
+:func:`summarise` derives the figures from a :class:`SearchResult`; ``report.json``
+(:func:`render_json`), the Markdown report and the plots all render it. Bytes are ints of
+bytes, seconds wall-clock seconds, fractions in [0, 1].
 """
 
 from __future__ import annotations
@@ -206,8 +204,7 @@ def summarise(result: SearchResult, context: Mapping[str, Any] | None = None) ->
 def render_json(result: SearchResult, context: dict | None = None,
                 summary: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``report.json``: ``schema``, ``oomguard_version``, ``generated_at`` (UTC ISO 8601),
-    ``context``, ``result`` (:meth:`SearchResult.to_dict`: trials, fit, recommendation,
-    capacity, budget, config) and ``summary`` (:func:`summarise`, computed unless given)."""
+    ``context``, ``result`` (:meth:`SearchResult.to_dict`) and ``summary`` (:func:`summarise`)."""
     return to_jsonable({
         "schema": SCHEMA, "oomguard_version": oomguard_version(),
         # timezone.utc, not datetime.UTC: setup.cfg still admits Python 3.10.

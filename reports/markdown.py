@@ -1,8 +1,6 @@
-"""Markdown report of a size search (a batch size or a metric's knob) in the sections of the
-E10 Maximum Batch Size Report, rendered from the search's record: its trials and the figures
-:func:`~oomguard.reports.json_report.summarise` derives (the ones ``report.json`` holds). The
-prose around the numbers comes from the trial sequence, never hard-coded; bytes are printed
-in binary units (KiB, MiB, GiB), seconds are wall-clock seconds.
+"""Markdown report of a size search in the sections of the E10 Maximum Batch Size Report,
+rendered from its trials and :func:`~oomguard.reports.json_report.summarise`'s figures; bytes
+in binary units, seconds wall-clock.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""PNG plots of one search in the one plot style (:mod:`oomguard.reports.style`): peak
-memory against the searched size (batch size or a knob), ``memory.png``, in GiB or MiB when
-everything is under 1 GiB; measured throughput against it, ``throughput.png``.
-"""
+"""PNG plots of one search: peak memory (GiB or MiB) against the searched size,
+``memory.png``, and measured throughput against it, ``throughput.png``."""
 
 from __future__ import annotations
 
@@ -119,10 +117,9 @@ def _safe(ax: Any, result: SearchResult) -> None:
 
 
 def memory_figure(result: SearchResult, summary: Mapping[str, Any] | None = None) -> Figure:
-    """Peak memory against the searched size: the successful trials' measured peaks, the
-    least-squares fit (an estimate), the capacity and safe-margin lines, OOM trials (peak
-    unknown), the RAM guard's limit, and markers at the measured maximum and the recommended
-    safe size. ``summary`` is :func:`summarise` of ``result`` (computed here unless given)."""
+    """Peak memory (bytes, measured) against the searched size, with the fitted line (an
+    estimate), the capacity and safe lines, OOM trials, the RAM guard's limit, the maximum
+    and the recommended size. ``summary``: :func:`summarise` of ``result`` unless given."""
     s = summary if summary is not None else summarise(result)
     x_max, values = _scale(result)
     top = max((abs(v) for v in values), default=0.0)
@@ -192,7 +189,6 @@ def throughput_figure(result: SearchResult, summary: Mapping[str, Any] | None = 
 
 def plot_throughput(result: SearchResult, path: str | os.PathLike[str],
                     summary: Mapping[str, Any] | None = None) -> Path | None:
-    """Write :func:`throughput_figure` as a PNG to ``path`` (atomically); None, and nothing
-    written, when no trial measured a rate."""
+    """Write :func:`throughput_figure` as a PNG to ``path``; None when there is none."""
     fig = throughput_figure(result, summary)
     return style.save(fig, Path(path)) if fig is not None else None

@@ -4,11 +4,10 @@ back. Isolated trials, the measured reference, job tasks and the tests all use :
 ``fork`` only where no CUDA can have been initialised (:func:`start_method`), else a
 forkserver that has imported torch, or ``spawn`` on macOS and Windows (:func:`server_method`:
 a script needs ``if __name__ == "__main__":``).
-The child runs a picklable ``fn(*args)``, says ``started``, may tell the parent things
-(:class:`ToParent`) and sends what ``fn`` returned or raised; the parent reads that, or
-the death, as an :class:`Ended`; a time limit is a timeout, never an OOM. Every child and
-forkserver dies with its parent (:func:`die_with_parent`) and ignores SIGINT: Ctrl-C
-reaches the whole process group, and the command alone decides.
+The child runs a picklable ``fn(*args)``, may message the parent (:class:`ToParent`) and
+sends what ``fn`` returned or raised; the parent reads that, or the death, as an
+:class:`Ended`. Every child dies with its parent (:func:`die_with_parent`) and ignores
+SIGINT: the command alone decides.
 
 A death after ``started`` is an OOM only with evidence (:func:`oom_evidence`,
 :class:`LimitWatch`): an allocation failure on stderr (a row of

@@ -1,9 +1,7 @@
 """Plugins: the user's metrics, from a module name or a ``.py`` file, for jobs and every command.
 
-:func:`load_plugin` resolves a plugin as a job file names it (a ``.py`` path against a base
-folder: the job file's, or the current directory on the command line; anything else a module
-name) and imports it, which registers its metrics. A ``.py`` plugin's folder goes first on
-``sys.path``, as ``python plugin.py`` puts a script's: the modules beside it import by name.
+:func:`load_plugin` imports a plugin (a ``.py`` path against a base folder, else a module
+name), which registers its metrics; a ``.py`` plugin's folder goes first on ``sys.path``.
 
 :func:`user_code` finds the user's files a plugin imports, transitively: a job's fingerprint
 hashes them, so editing that code reruns the results it defined.

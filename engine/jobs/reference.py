@@ -7,9 +7,8 @@ fresh process). Its rows are the searches' records; the sizes go in the size cac
 job looks up, so later jobs and references reuse them. An entry a job already stored is used, never
 overwritten: it may have been lowered after an OOM in a real run.
 
-:func:`sizes_toml` writes those sizes as a job file's ``[[metrics]]`` blocks, with a ``[reference]``
-table saying what they were measured for; :func:`load_sizes` reads one back and :func:`apply_sizes`
-pins them in a job, refusing a job on another model, dtype, sequence length or device.
+:func:`sizes_toml` writes those sizes as a job file's ``[[metrics]]`` blocks; :func:`load_sizes`
+and :func:`apply_sizes` pin them in a job measured for the same model, dtype and device.
 """
 
 from __future__ import annotations

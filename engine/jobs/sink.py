@@ -1,10 +1,8 @@
 """Where a task's outputs go: its journal events, its size-cache puts and lowers, its files.
 
-A task (:func:`~oomguard.engine.jobs.task_process.run_task` and its process) hands every output to
-one sink (``event``, ``put``, ``lower``, ``write``; ``get`` reads the cache) and opens none of the
-job's files itself. :class:`FileSink` writes them directly (it is picklable: the task's process
-writes too). :class:`HubSink`, on Ray, sends them in order to the job's
-:class:`~oomguard.engine.jobs.ray_hub.Hub` actor, which writes them with its own :class:`FileSink`.
+A task hands every output to one sink (``event``, ``put``, ``lower``, ``write``; ``get`` reads
+the cache). :class:`FileSink` writes them directly (picklable); :class:`HubSink`, on Ray,
+sends them in order to the job's :class:`~oomguard.engine.jobs.ray_hub.Hub` actor.
 
 Why a pipe: only a process that joined Ray can call an actor, and the task runs in a child
 of the Ray worker: the child's :class:`HubSink` sends each output over an inherited pipe and

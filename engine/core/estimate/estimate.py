@@ -1,14 +1,11 @@
 """Estimate a workload's peak memory at given sizes without running the work.
 
 ``estimate(fn, [8, 32])`` runs ``fn`` under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`
-(tensors with shape, dtype and device but no data or memory: a 7B model's training step is
-estimated on a laptop for a GPU it does not have), and a dispatch mode counts the bytes of
-every tensor storage the work creates and frees. The estimate is the highest count above
-what existed before the size ran: what a trial measures above the warmed-up process, on the
-same data (a workload's ``worst_case_batch(size)`` where it has one). An
-operation on real inputs only (token ids, masks) runs for real when its outputs are small
-(:data:`REAL_LIMIT`, :data:`REAL_FLOAT_LIMIT`), so control flow follows the data; a Python
-number read from a fake tensor (``float(loss)``) reads as 1, and the notes count them.
+(no data, no memory) while a dispatch mode counts the bytes of every tensor storage created
+and freed; the estimate is the highest count above what existed before the size ran, as a
+trial measures it. An operation on real inputs only (token ids, masks) runs for real when
+its outputs are small (:data:`REAL_LIMIT`, :data:`REAL_FLOAT_LIMIT`); a Python number read
+from a fake tensor reads as 1, and the notes count them.
 
 Matrix-multiply workspace (CPU) is measured, not predicted
 (:mod:`oomguard.engine.core.estimate.workspace`). Only the target device's memory counts:

@@ -1,12 +1,9 @@
 """The executor and the one size controller and retry loop behind every adaptive wrapper.
 
-:class:`SizeController` runs ``attempt(sizes)``; on OOM its retry policy
-(:mod:`~oomguard.engine.core.execute.retry`) gives smaller sizes, down to the minimums,
-then :class:`~oomguard.engine.errors.NoExecutableBatchSize`. :class:`Executor`,
-``@adaptive``, ``find_executable_batch_size`` and ``accumulate`` all go through it. A
-:class:`SizeAgreement` makes several processes take the same decision; a
-:class:`SizeMemory` holds what is learnt across calls (numbers only, never the user's
-function, model or data, so whoever keeps it decides how long it lives).
+:class:`SizeController` runs ``attempt(sizes)``; on OOM its retry policy gives smaller sizes,
+down to the minimums, then :class:`~oomguard.engine.errors.NoExecutableBatchSize`. Every
+adaptive wrapper goes through it. A :class:`SizeAgreement` makes several processes decide
+alike; a :class:`SizeMemory` holds what is learnt across calls (numbers only).
 
 Only OOMs are retried, an OOM the function's own code caught included
 (:mod:`~oomguard.engine.core.memory.swallowed`); the exception is dropped *before* memory is

@@ -1,21 +1,17 @@
 """Memory budgets: real out-of-memory errors below the hardware limit.
 
-A budget caps what the code inside it may allocate, so that the OOM a user would meet on
-a smaller device happens here, for real, with the allocator's own error:
+A budget caps what the code inside it may allocate (bytes), so the OOM a smaller device
+would give happens here, with the allocator's own error:
 
-- CPU: ``RLIMIT_DATA`` set to the process's current ``VmData`` plus the budget. glibc is
-  first told to serve allocations of 128 KiB and more with ``mmap`` so freed tensors
-  really go back to the kernel; without it the heap keeps fragments and the same size
-  fits on one try and not the next (docs/measurements.md#return-freed-memory).
-- CUDA: ``torch.cuda.set_per_process_memory_fraction((held + budget) / total)``, ``held``
-  in the units the cap counts, after ``empty_cache()`` (:func:`gpu_held_bytes`).
+- CPU: ``RLIMIT_DATA`` at the current ``VmData`` plus the budget, large allocations served
+  by ``mmap`` so frees go back to the kernel (docs/measurements.md#return-freed-memory).
+- CUDA: ``set_per_process_memory_fraction((held + budget) / total)`` (:func:`gpu_held_bytes`).
 - MPS: ``torch.mps.set_per_process_memory_fraction((driver allocated + budget) /
-  recommended_max_memory)``: the MPS allocator compares the Metal driver's allocated
-  bytes with that fraction of the recommended working-set size (MPSAllocator.mm).
+  recommended_max_memory)``.
 
-Each budget counts bytes *above what the process holds when it is entered* and is kept
-there (:func:`tighten_active_budget`). The previous limit is restored on exit, also
-after an error. Host budgets need ``RLIMIT_DATA`` (Linux); elsewhere :class:`BudgetError`.
+Each budget counts bytes *above what the process holds when it is entered*
+(:func:`tighten_active_budget`); the previous limit is restored on exit. Host budgets need
+``RLIMIT_DATA`` (Linux); elsewhere :class:`BudgetError`.
 """
 
 from __future__ import annotations

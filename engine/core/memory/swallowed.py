@@ -1,14 +1,11 @@
 """Out-of-memory errors that the workload's own code caught: a call during which one was raised
 is not a success, even when it returned normally.
 
-Analysis code often wraps its work in ``except Exception`` and returns a placeholder
-(``{"computed": False, "error": str(e)}``). Seen from outside, such a call returned, so a
-search would count its size as a fit and a job would record a success. :class:`Witness`
-sees the OOM as it is raised, whatever the code around it does with it, and
-:func:`~oomguard.engine.core.memory.oom.call_catching_oom` (the one place every trial, every
-executor attempt and every job call goes through) then returns the same
+Analysis code often wraps its work in ``except Exception`` and returns a placeholder.
+:class:`Witness` sees the OOM as it is raised, and
+:func:`~oomguard.engine.core.memory.oom.call_catching_oom` then returns the
 :class:`~oomguard.engine.core.memory.oom.OOM` record a raised OOM gets, flagged
-``caught_by_workload``: retries, search brackets and job records treat it as an OOM.
+``caught_by_workload``.
 
 Two signals, one per kind of memory:
 
