@@ -80,10 +80,9 @@ class Outcome:
 
 
 class _Stop:
-    """SIGINT/SIGTERM/SIGUSR1 handler state: the first signal asks to stop; work in progress (a
-    metric's child, the final report) asks :attr:`signum`. The handler only records the
-    signal, never raises: an exception raised from a handler can land in a finalizer,
-    where Python prints it and carries on."""
+    """SIGINT/SIGTERM/SIGUSR1 handler state: the first signal asks to stop, and work in
+    progress asks :attr:`signum`. The handler never raises (an exception could land in a
+    finalizer, where Python prints it and carries on)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None

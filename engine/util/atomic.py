@@ -20,10 +20,9 @@ Content = bytes | str | Callable[[Path], Any]
 
 
 def atomic_write(path: str | os.PathLike[str], content: Content, mode: int = 0o644) -> Path:
-    """Replace ``path`` with ``content`` atomically and durably; returns the path.
-    ``content`` is bytes, text (UTF-8), or a callable ``write(tmp_path)`` that writes the
-    file itself (matplotlib's ``savefig``). The folder must exist. On any error the old
-    ``path`` is left untouched; an ``OSError`` (a full disk) names ``path``."""
+    """Replace ``path`` with ``content`` (bytes, UTF-8 text, or a callable ``write(tmp_path)``)
+    atomically and durably; returns the path. On any error the old ``path`` is untouched;
+    an ``OSError`` names ``path``."""
     target = Path(path)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
                                     suffix=f".tmp{target.suffix}")

@@ -11,10 +11,9 @@ import torch
 
 
 def slice_rows(batch: Any, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` (dim 0) of every tensor in ``batch``: a tensor, or a mapping, tuple
-    (named ones too) or list of them, nested; views, no copies. Other values, and tensors
-    without a dimension, are kept as they are; a dict subclass (transformers'
-    ``BatchEncoding``) keeps its type where it can be built from a dict."""
+    """Rows ``start:stop`` (dim 0) of every tensor in ``batch`` (nested mappings, tuples and
+    lists of them), as views; other values and 0-d tensors are kept, and a dict subclass
+    keeps its type where it can be built from a dict."""
     if isinstance(batch, torch.Tensor):
         return batch[start:stop] if batch.dim() > 0 else batch
     if isinstance(batch, Mapping):

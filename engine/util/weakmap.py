@@ -10,11 +10,9 @@ V = TypeVar("V")
 
 
 class WeakIdMap(Generic[K, V]):
-    """A map keyed by the identity of live objects; an entry goes when its key is collected. Unlike
-    :class:`weakref.WeakKeyDictionary` it never calls the key's ``__eq__`` or ``__hash__`` (a
-    tensor's ``==`` is elementwise); unlike torch's ``WeakIdKeyDictionary`` a lookup makes no
-    reference object (~0.1 us, not ~3). The value must not refer to the key, or the key never dies.
-    """
+    """A map keyed by the identity of live objects; an entry goes when its key is collected.
+    Never calls the key's ``__eq__`` or ``__hash__``, and a lookup makes no reference object.
+    The value must not refer to the key, or the key never dies."""
 
     def __init__(self) -> None:
         self._data: dict[int, tuple[weakref.ref[Any], V]] = {}

@@ -109,8 +109,8 @@ class StorageCounter(TorchDispatchMode):
         """Count from zero: every storage alive now existed before."""
         self._known: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.current = self.peak = self.placeholders = 0
-        # Each distinct matrix multiply since start(), in order: spec -> (bytes, multiply-adds);
-        # segments[k]: the peak count from the k-th of them to the next (see add_workspace).
+        # Distinct matrix multiplies since start(): spec -> (bytes, multiply-adds); segments[k]
+        # the peak count from the k-th to the next (add_workspace).
         self.gemms: dict[tuple, tuple[int, int]] = {}
         self.segments = [0]
 
