@@ -45,9 +45,9 @@ def add_bench(p: argparse.ArgumentParser) -> None:
 def add_search(p: argparse.ArgumentParser) -> None:
     p.description = ("The maximum safe size of each memory knob of a metric. Each trial runs "
                      "the whole metric (time grows with --samples and --seq-len): --metric "
-                     "integrated_gradients took 49 s (5 trials) on 2 CPU cores with the "
-                     "defaults, beside another benchmark. A knob with a unit (`oomguard metrics`) is searched in "
-                     "multiples of it.")
+                     "integrated_gradients took 362 s (5 trials) with the defaults on 2 CPU "
+                     "cores under a load of 5 (49 s with --start 8 beside one other benchmark). "
+                     "A knob with a unit (`oomguard metrics`) is searched in multiples of it.")
     add_workload_options(p, metric=REQUIRED, knob=(None, "default: each in turn"),
                          model="tiny-gpt2", dtype="float32", samples=64, seq_len=DEFAULT_SEQ_LEN)
     add_search_options(p)
