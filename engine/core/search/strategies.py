@@ -1,13 +1,11 @@
-"""Search strategies: small objects that propose the next size to try.
+"""Search strategies: small objects that propose the next size to try (``strategy=``).
 
-A strategy sees the trials so far and returns the next size, or ``None`` when it is done;
-the search, never the strategy, returns the largest size that actually ran. Pass one to
-:func:`oomguard.engine.core.search.search.search` as ``strategy=``. Every strategy
-brackets the maximum between the largest size that fitted and the smallest larger size
-that ran out of memory and bisects it until the two are adjacent, so all of them give
-the same answer on a monotone workload; they differ in how fast they find the bracket.
-The built-in ones are frozen: their fields are exactly what runs and what a search
-records in ``result.config``; each must be a positive integer (:class:`UsageError`).
+A strategy sees the trials so far and returns the next size, or ``None`` when done; the
+search returns the largest size that actually ran. Every strategy bisects the bracket
+between the largest fit and the smallest larger OOM until it is closed, so all give the
+same answer on a monotone workload, at different speeds. The built-in ones are frozen:
+their fields, each a positive integer (:class:`UsageError`), are what runs and what
+``result.config`` records.
 """
 
 from __future__ import annotations
@@ -30,18 +28,16 @@ from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.engine.util.units import fmt_bytes
 
 # Bytes by which a fitted size's peak may exceed the headroom read before it: the sampled data
-# size and RLIMIT_DATA's count differ slightly in units and moment (GPT-2 steps up to 0.4 MB above
-# the headroom, docs/measurements.md#cpu-limit-units; attention's maximum 344, isolated, 0.32 MB).
-# A predicted maximum is tried up to REACH_SIZES sizes higher where their peaks are predicted
-# within it.
+# size and RLIMIT_DATA's count differ in units and moment (measured up to 0.4 MB,
+# docs/measurements.md#cpu-limit-units). A predicted maximum is tried up to REACH_SIZES sizes
+# higher where their estimated peaks are within it.
 UNITS_SLACK_BYTES = 400_000
 REACH_SIZES = 2
 
 
 class Strategy(Protocol):
-    """Proposes sizes. ``next`` returns None to stop. A strategy may also say why it proposed
-    a size (``why(trials, size)``, one phrase, which the search records on the trial and the
-    report narrates); one without ``why`` is narrated by its name."""
+    """Proposes sizes; ``next`` returns None to stop. An optional ``why(trials, size)`` says
+    in one phrase why it proposed a size (recorded on the trial, narrated by the report)."""
 
     name: str
 
@@ -51,14 +47,14 @@ class Strategy(Protocol):
 
 
 def why_chosen(strategy: Any, trials: Sequence[Trial], size: int) -> str:
-    """Why ``strategy`` proposed ``size`` after ``trials``, in its own words (its ``why``), or
-    its name where it has none."""
+    """Why ``strategy`` proposed ``size``: its ``why``, or its name where it has none."""
     why = getattr(strategy, "why", None)
     return str(why(trials, size)) if callable(why) else f"proposed by {strategy.name}"
 
 
-def _bracket_why(trials: Sequence[Trial], size: int) -> str:
-    """The end game every strategy shares, in words: halving while nothing fits, bisecting."""
+def _bracket_why(trials: Sequence[Trial], size: int, grown: str = "") -> str:
+    """The end game every strategy shares, in words: halving while nothing fits, bisecting;
+    ``grown`` (``+8``, ``x2``) names the growth of a strategy that grows the largest fit."""
     lo, hi = bracket(trials)
     if not trials:
         return "the start"
@@ -66,7 +62,8 @@ def _bracket_why(trials: Sequence[Trial], size: int) -> str:
         return f"half of {hi}, which ran out of memory: nothing has fitted yet"
     if hi is not None:
         return f"bisecting between {lo} (fits) and {hi} (out of memory)"
-    return f"growing from {lo}, the largest size that fitted"
+    return f"{grown} from {lo}, which fitted" if grown else (
+        f"growing from {lo}, the largest size that fitted")
 
 
 def strategy_params(strategy: Any) -> dict[str, Any]:
@@ -93,7 +90,7 @@ def _refine(lo: int | None, hi: int | None) -> int | None:
 
 class _PositiveFields:
     """Checks on creation that every field of the built-in strategy is a positive integer
-    (a user's subclass may add fields of its own, of any type)."""
+    (a user's subclass may add fields of any type)."""
 
     def __post_init__(self) -> None:
         builtin = next(c for c in type(self).__mro__ if c.__module__ == __name__)
@@ -103,8 +100,8 @@ class _PositiveFields:
 
 def _grow_then_refine(trials: Sequence[Trial], max_size: int, start: int,
                       grow: Callable[[int], int]) -> int | None:
-    """ExpandBisect's and Doubling's shape: ``start``, then ``grow`` the largest fit while nothing
-    above it failed, then :func:`_refine`; never above ``max_size``."""
+    """``start``, then ``grow`` the largest fit while nothing above it failed, then
+    :func:`_refine`; never above ``max_size``."""
     if not trials:
         return min(start, max_size)
     lo, hi = bracket(trials)
@@ -115,8 +112,8 @@ def _grow_then_refine(trials: Sequence[Trial], max_size: int, start: int,
 
 @dataclass(frozen=True)
 class ExpandBisect(_PositiveFields):
-    """Expand by ``step`` while it fits, then bisect (:meth:`describe`): the routine of the E10
-    Maximum Batch Size Report, the reference every faster strategy must agree with."""
+    """Expand by ``step`` while it fits, then bisect (:meth:`describe`): the E10 Maximum Batch
+    Size Report's routine, the reference every faster strategy must agree with."""
 
     start: int = 32
     step: int = 8
@@ -131,10 +128,7 @@ class ExpandBisect(_PositiveFields):
         return _grow_then_refine(trials, max_size, self.start, lambda n: n + self.step)
 
     def why(self, trials: Sequence[Trial], size: int) -> str:
-        lo, hi = bracket(trials)
-        if trials and lo is not None and hi is None:
-            return f"+{self.step} from {lo}, which fitted"
-        return _bracket_why(trials, size)
+        return _bracket_why(trials, size, f"+{self.step}")
 
 
 @dataclass(frozen=True)
@@ -171,17 +165,14 @@ class Doubling(_PositiveFields):
         return _grow_then_refine(trials, max_size, self.start, lambda n: n * self.factor)
 
     def why(self, trials: Sequence[Trial], size: int) -> str:
-        lo, hi = bracket(trials)
-        if trials and lo is not None and hi is None:
-            return f"x{self.factor} from {lo}, which fitted"
-        return _bracket_why(trials, size)
+        return _bracket_why(trials, size, f"x{self.factor}")
 
 
 @dataclass(frozen=True)
 class LinearJump(_PositiveFields):
-    """Fit peak bytes = base + per_item * size on two sizes, jump to the predicted maximum
-    under ``capacity_bytes``, verify, then bisect (:meth:`describe`); doubles while no
-    usable fit exists, and never walks down one size at a time."""
+    """Fit a line of peak bytes against size, jump to its predicted maximum under
+    ``capacity_bytes``, verify, then bisect (:meth:`describe`); doubles while no usable fit
+    exists."""
 
     capacity_bytes: int
     start: int = 8
@@ -197,8 +188,7 @@ class LinearJump(_PositiveFields):
         lo, hi = bracket(trials)
         if lo is None or hi is not None:
             if lo is not None and hi is not None and hi - lo > 1:
-                guess = self._predict(trials)
-                # Probe the prediction first when it lies inside the bracket.
+                guess = self._predict(trials)  # probed first when inside the bracket
                 if guess is not None and lo < guess < hi and not _tried(trials, guess):
                     return guess
             return _refine(lo, hi)
@@ -229,16 +219,12 @@ def _tried(trials: Sequence[Trial], size: int) -> bool:
 class Guided(_PositiveFields):
     """The default: predict the maximum from measured peaks, run it, then bracket it.
 
-    Peaks and headroom are in the units the memory limit counts (``Trial.limit_peak_bytes``,
-    ``headroom_bytes``: reserved bytes against the cap on CUDA, ``VmData`` against ``RLIMIT_DATA``
-    under a CPU budget); :func:`predict_max` fits them (a line, or a quadratic where three sizes or
-    more curve up). After the predicted ``m`` runs, ``m + 1`` closes the bracket. An OOM at a size
-    predicted to fit measures no peak: memory grew faster than predicted, so the next size is
-    :func:`_square_step` (fits where memory grows at most as the square of the size), which gives
-    the quadratic a point near the maximum, then bisection until a new size fits. After
-    ``misses`` wrong predictions (:func:`_missed`), or where the limit is unknown, it only doubles
-    and bisects: it never walks down one size at a time. Attention over the sequence length
-    (bench/peers.py): 6 trials, against 13 with a line.
+    Peaks and headroom are in the units the limit counts (``Trial.limit_peak_bytes``,
+    ``headroom_bytes``); :func:`predict_max` fits them. After the predicted ``m`` runs,
+    ``m + 1`` closes the bracket. After an unexpected OOM (memory grew faster than predicted)
+    the next size is :func:`_square_step`, a point near the maximum for the quadratic, then
+    bisection. After ``misses`` wrong predictions (:func:`_missed`), or without a known limit,
+    it only doubles and bisects: it never walks down one size at a time.
     """
 
     start: int = 32
@@ -263,19 +249,16 @@ class Guided(_PositiveFields):
         if guess is None or _missed(trials) >= self.misses:
             return min(2 * lo, max_size) if hi is None else _refine(lo, hi)
         curved = any(_refuted(trials, i) for i in range(1, len(trials)))
-        if hi is not None and (guess >= hi or _refuted_by_oom(trials)):
-            # An OOM at or below the predicted maximum refutes the prediction, and an OOM measures
-            # no peak: the model is the one that was just wrong (a lower headroom moves it a few
-            # sizes at most). Proposing its guess again, or the size below the OOM, would walk down
-            # one size at a time. Memory grew faster than predicted: the square step from the
-            # largest fit gives a point near the maximum (a quadratic needs three), else bisect.
+        if hi is not None and (guess >= hi or _refuted(trials, len(trials) - 1)):
+            # An OOM at or below the prediction refutes it and measures no peak: re-proposing
+            # the model's guess, or the size below the OOM, would walk down one size at a time.
+            # The square step from the largest fit gives a third point near the maximum.
             step = _square_step(trials, lo) if curved else None
             inside = step is not None and lo < step < hi and not _tried(trials, step)
             return step if inside else _refine(lo, hi)
         if curved and _bends_up(trials):
-            # A prediction ran out of memory before and the line's base is below zero: memory grows
-            # faster than the line, which would overshoot again; the square step cannot, and its
-            # point is the third a quadratic needs.
+            # A prediction ran out before and the line's base is below zero: memory grows faster
+            # than the line, which would overshoot again; the square step cannot.
             guess = min(guess, _square_step(trials, lo) or guess)
         elif guess > lo:
             guess = _reach(trials, guess, hi)
@@ -301,10 +284,8 @@ class Guided(_PositiveFields):
 @dataclass(frozen=True)
 class Confirm(_PositiveFields):
     """Close the bracket around an answer found elsewhere (a confirmed search's in-process
-    answer), in fresh trials: ``start``, then as :class:`Guided` from there when it fits
-    (``start + 1`` next when the line agrees), or down by 1, 2, 4, ... while nothing has
-    fitted, then bisection. An answer one too high costs three trials (m, m - 1, m - 2
-    ran out of memory, fit, ...), not a halving and a climb back."""
+    answer), in fresh trials: ``start``, then as :class:`Guided` when it fits, or down by 1,
+    2, 4, ... while nothing has fitted, then bisection (not a halving and a climb back)."""
 
     start: int
     name: ClassVar[str] = "confirm"
@@ -331,15 +312,12 @@ class Confirm(_PositiveFields):
 
 def predict_max(trials: Sequence[Trial], proven_bytes: int = 0) -> int | None:
     """The largest size predicted to fit (an estimate) from the peaks measured in the limit's units
-    (:func:`~oomguard.engine.core.search.fit.curve_model`: a line, or a quadratic where the
-    measured peaks curve up); None without a headroom or a peak.
+    (:func:`~oomguard.engine.core.search.fit.curve_model`); None without a headroom or a peak.
 
-    The capacity is the latest known headroom, or the largest peak that fitted if that is more (or
-    ``proven_bytes``, a peak that fitted outside ``trials``): a size that ran proves the limit gave
-    it at least its peak. On a CPU the two differ slightly in units and moment (the sampled data
-    size also counts stack pages; the headroom is read before the step): GPT-2 steps' peaks came out
-    up to 0.4 MB (0.8%) above the headroom, and counting such a fit as a wrong prediction made the
-    search give up on the line (docs/measurements.md#cpu-limit-units)."""
+    The capacity is the latest headroom, or the largest peak that fitted (or ``proven_bytes``,
+    one that fitted outside ``trials``) if more: a size that ran proves the limit gave it its
+    peak, which on a CPU can exceed the headroom read before it
+    (docs/measurements.md#cpu-limit-units)."""
     model = _model(trials, proven_bytes)
     return model[0].largest_size_within(model[1]) if model is not None else None
 
@@ -364,11 +342,9 @@ def _model(trials: Sequence[Trial], proven_bytes: int = 0
 
 
 def _reach(trials: Sequence[Trial], guess: int, hi: int | None) -> int:
-    """The predicted maximum ``guess`` moved up by the sizes, at most :data:`REACH_SIZES`, whose
-    estimated peaks exceed the capacity by at most :data:`UNITS_SLACK_BYTES`, where the model rests
-    on three sizes or more and no OOM is known there. Where the size proposed fits, the bracket
-    closes in fewer trials than walking up from ``guess``; an OOM there costs about the trial that
-    ``guess + 1`` after ``guess`` would have."""
+    """``guess`` moved up by at most :data:`REACH_SIZES` sizes whose estimated peaks exceed the
+    capacity by at most :data:`UNITS_SLACK_BYTES`, where the model rests on three sizes or more
+    and no OOM is known there: closes the bracket in fewer trials than walking up."""
     model = _model(trials)
     if model is None or len({s for s, _ in _points(trials)}) < 3:
         return guess
@@ -381,11 +357,9 @@ def _reach(trials: Sequence[Trial], guess: int, hi: int | None) -> int:
 
 
 def _square_step(trials: Sequence[Trial], lo: int) -> int | None:
-    """The largest size that fits the capacity if the peak grows as the square of the size from
-    the largest size that fitted, ``lo`` (an estimate): ``lo * sqrt(capacity / peak at lo)``.
-    Where memory is ``a + b * size + c * size**2`` with a, b, c >= 0 (a line, attention's curve),
-    the peak per squared size only falls as the size grows, so this size fits: a curve's
-    prediction that cannot overshoot, taken once a line's prediction ran out of memory."""
+    """``lo * sqrt(capacity / peak at lo)`` (an estimate): the largest size that fits if the peak
+    grows as the square of the size from ``lo``, the largest fit. Where memory is
+    ``a + b * size + c * size**2`` with a, b, c >= 0 this cannot overshoot."""
     model = _model(trials)
     peak = max((p for s, p in _points(trials) if s == lo), default=0)
     if model is None or peak <= 0:
@@ -395,10 +369,8 @@ def _square_step(trials: Sequence[Trial], lo: int) -> int | None:
 
 def _bends_up(trials: Sequence[Trial]) -> bool:
     """Whether the model is a line through two sizes whose base is below zero by more than
-    :data:`~oomguard.engine.core.search.fit.CURVE_MISFIT` of the smaller size's peak: a trial's
-    fixed memory is not negative, so the two points grow faster than a line (a quadratic needs a
-    third). Attention's sizes 32 and 201: -150%; ``size x size`` blocks and a linear part, 32 and
-    305: -67%; a line whose small size's peak was lowered by a free heap: -0.5%."""
+    :data:`~oomguard.engine.core.search.fit.CURVE_MISFIT` of the smaller size's peak: fixed
+    memory is not negative, so the points grow faster than a line."""
     model, points = _model(trials), _points(trials)
     if model is None or not isinstance(model[0], LinearFit) or len({s for s, _ in points}) != 2:
         return False
@@ -407,7 +379,7 @@ def _bends_up(trials: Sequence[Trial]) -> bool:
 
 def _refuted(trials: Sequence[Trial], i: int) -> bool:
     """Whether trial ``i`` ran out of memory at a size the trials before it predicted to fit (a
-    guarded refusal is an estimate, not a measurement, and refutes nothing)."""
+    guarded refusal, an estimate, refutes nothing)."""
     t = trials[i]
     if t.ok or t.guarded:
         return False
@@ -415,17 +387,10 @@ def _refuted(trials: Sequence[Trial], i: int) -> bool:
     return guess is not None and t.size <= guess
 
 
-def _refuted_by_oom(trials: Sequence[Trial]) -> bool:
-    """Whether the latest trial ran out of memory at a size the trials before it predicted to fit."""
-    return _refuted(trials, len(trials) - 1)
-
-
 def _missed(trials: Sequence[Trial]) -> int:
     """How many trials contradicted the prediction made from the trials before them: an OOM at a
     size predicted to fit, or a fit more than one size and 1% above the prediction made with its
-    own peak as capacity (one size is the line's noise: 0.1% of the peak on the GPT-2 step; a
-    curve fitted on three sizes predicted 1128 where 1130 fitted under an outer RLIMIT_DATA, a
-    good prediction that, counted as a miss, left the search bisecting a bracket of 3000)."""
+    own peak as capacity (within that is the fit's noise, not a miss)."""
     missed = 0
     for i, t in enumerate(trials[1:], start=1):
         peak = t.limit_peak_bytes if t.limit_peak_bytes is not None else t.peak_bytes
