@@ -1,9 +1,5 @@
-"""How a search runs: :class:`SearchConfig`, every option checked before any trial.
-
-:func:`resolve` merges a config, keyword options and the ``start``/``step``
-shorthand of :func:`~oomguard.engine.core.search.search.search` into the one config
-that runs.
-"""
+"""How a search runs: :class:`SearchConfig`, every option checked before any trial;
+:func:`resolve` merges it with :func:`~oomguard.engine.core.search.search.search`'s options."""
 
 from __future__ import annotations
 
@@ -31,44 +27,38 @@ from oomguard.engine.errors import UsageError, check_positive_int
 
 @dataclass(frozen=True)
 class SearchConfig:
-    """How a search runs; every bad value is a one-line :class:`UsageError`, raised when the
-    config is built, before any trial runs.
+    """How a search runs; a bad value is a one-line :class:`UsageError` when the config is
+    built, before any trial.
 
-    ``strategy`` proposes sizes (None: ``Guided(32)``; ``ExpandBisect(start, step)`` from
-    :func:`search`'s shorthand); its own fields are what runs. ``max_size``, ``max_trials``,
-    ``max_seconds`` bound the search (seconds of trials from the first one's start: the
-    warm-up is not counted). ``budget`` caps the bytes a trial may use above the warmed-up
-    process (None: no cap); ``isolate`` runs each trial in a fresh child process;
-    ``confirm`` searches in this process, then re-runs the answer and the size above it in
-    fresh children and, where they disagree, goes on there (``Confirm``): the
-    fresh-process maximum at close to in-process cost. ``margin``: the fraction of
-    capacity the recommended size keeps free, or ``"measured"`` to derive it from the
-    spread of peaks across each trial's steps
-    (:func:`~oomguard.engine.core.search.fit.choose_margin`; the report names it).
-    ``capacity_bytes``: what the recommendation scales against (None: the budget, else the
-    free memory probed before the search). ``ram_guard`` bounds CPU trials without a
-    budget by an estimated limit (:class:`~oomguard.engine.core.search.ramguard.RamGuard`):
-    None (default) at 80% of the RAM available after the warm-up, True always, False
-    never, or the ``RamGuard`` given. ``trial_timeout``: seconds (finite, > 0) per isolated
-    trial; a child still running then is killed and the search ends with
-    :class:`TrialFailed` (the cause a :class:`~oomguard.engine.errors.ChildCrashed`), never
-    an OOM. ``steps_per_trial``: workload calls per trial (None: the workload's own
-    ``steps_per_trial``, else 1; the training step says 2, the first optimizer step and a
-    steady one). ``verify_steps``: further steps run at the recommended size after the
-    search, any OOM reported (0: no verification).
-
-    ``restore``: the modules and optimizers a training step changes, e.g. ``(model,
-    optimizer)``, so the searched step can be the whole one (forward, backward,
-    ``optimizer.step()``, ``zero_grad``). In-process trials then start from a
-    :class:`~oomguard.engine.core.snapshot.Snapshot` taken before the warm-up and the
-    budget (on the host: it costs a trial no device memory, and on CPU it is outside the
-    budget), restored after every trial and once more at the end, also when the search
-    raises: afterwards the objects and the RNG states are exactly as before. Each trial
-    then runs at least 2 steps (``steps_per_trial`` None means 2; 1 is refused): the first
-    allocates the optimizer's state as the real run's first step does, the second is the
-    steady state. With ``isolate=True`` each child works on its own unpickled copies, so the
-    objects here are never touched and ``restore`` is only checked; with ``confirm=True``
-    the in-process phase restores them.
+    - ``strategy`` proposes sizes (None: ``Guided(32)``, or ``ExpandBisect(start, step)``
+      from :func:`search`'s shorthand); its own fields are what runs.
+    - ``max_size``, ``max_trials``, ``max_seconds`` bound the search (seconds of trials, the
+      warm-up not counted). ``device``: where the trials run.
+    - ``budget``: bytes a trial may use above the warmed-up process (None: no cap).
+    - ``isolate``: each trial in a fresh child process. ``confirm``: search in this process,
+      then re-run the answer and the size above it in fresh children, going on there where
+      they disagree (``Confirm``): the fresh-process maximum at close to in-process cost.
+    - ``margin``: the fraction of capacity the recommended size keeps free, or ``"measured"``
+      (from the spread of peaks across a trial's steps,
+      :func:`~oomguard.engine.core.search.fit.choose_margin`).
+    - ``capacity_bytes``: what the recommendation scales against (None: the budget, else the
+      free memory probed before the search).
+    - ``trial_timeout``: seconds (finite, > 0) per isolated trial; a child still running then
+      is killed and the search ends with :class:`TrialFailed`, never an OOM.
+    - ``ram_guard`` bounds CPU trials without a budget by an estimated limit
+      (:class:`~oomguard.engine.core.search.ramguard.RamGuard`): None at 80% of the RAM
+      available after the warm-up, True always, False never, or the ``RamGuard`` given.
+    - ``steps_per_trial``: workload calls per trial (None: the workload's own, else 1).
+      ``verify_steps``: steps run at the recommended size after the search, any OOM
+      reported (0: none).
+    - ``restore``: the modules and optimizers a training step changes, e.g. ``(model,
+      optimizer)``, so the searched step can be the whole one. In-process trials start from a
+      host :class:`~oomguard.engine.core.snapshot.Snapshot` taken before the warm-up and the
+      budget, restored after every trial and at the end, also when the search raises (the
+      objects and RNG states end exactly as before). Each
+      trial then runs at least 2 steps (1 is refused): the first allocates the optimizer's
+      state, the second is the steady state. Isolated children work on their own copies;
+      with ``confirm`` the in-process phase restores them.
     """
 
     strategy: Strategy | None = None
@@ -131,8 +121,8 @@ class SearchConfig:
             raise UsageError(f"start ({start}) is larger than max_size ({self.max_size})")
 
     def to_dict(self) -> dict[str, Any]:
-        """What runs: the strategy's name and own parameters, the limits and the margin
-        (device, budget and mode are fields of the result)."""
+        """What runs: the strategy's name and parameters, the limits and the margin (device,
+        budget and mode are fields of the result)."""
         strategy = self.strategy if self.strategy is not None else Guided()
         return {"strategy": strategy.name, **strategy_params(strategy), "max_size": self.max_size,
                 "max_trials": self.max_trials, "max_seconds": self.max_seconds,
@@ -145,16 +135,13 @@ class SearchConfig:
         ``restore``: the first optimizer step and a steady one)."""
         return self.steps_per_trial or max(workload_steps, 2 if self.restore else 1)
 
-
     @classmethod
     def from_options(cls, *, strategy: str | Strategy | None = None, start: int | None = None,
                      size_step: int | None = None, **fields: Any) -> SearchConfig:
-        """The config from plain values, as the command line and a job file's ``[search]``
-        table give them: ``strategy`` by name (:data:`STRATEGIES`; None: ``guided``, or
-        ``expand-bisect`` where only ``size_step`` is given), its ``start`` and ``size_step``
-        (None: the strategy's own defaults), every other :class:`SearchConfig` field as is.
-        Values left None take the field's default, so the API, the CLI and job files share one
-        set of defaults. A bad name or value is a one-line :class:`UsageError`."""
+        """The config from plain values (the command line, a job file's ``[search]``):
+        ``strategy`` by name (:func:`strategy_named`), its ``start`` and ``size_step``, every
+        other field as is; values left None take the field's default, so the API, the CLI and
+        job files share one set of defaults."""
         unknown = sorted(set(fields) - set(_OPTIONS) - {"strategy"})
         if unknown:
             raise UsageError(f"unknown search option(s) {', '.join(unknown)}: options are "
@@ -175,9 +162,9 @@ _RENAMED = {"e10": "expand-bisect"}  # old names, accepted for one release
 
 def strategy_named(name: str | None, start: int | None = None, size_step: int | None = None,
                    capacity_bytes: int | None = None) -> Strategy:
-    """The strategy called ``name`` with its ``start`` and, for ``expand-bisect``, its
-    ``size_step`` (None: the strategy's defaults); ``linear-jump`` aims at ``capacity_bytes``.
-    One-line :class:`UsageError` for an unknown name or an option the strategy does not take."""
+    """The strategy called ``name`` (:data:`STRATEGIES`; None: ``guided``, or ``expand-bisect``
+    where ``size_step`` is given) with its ``start`` and ``size_step`` (None: its defaults);
+    ``linear-jump`` aims at ``capacity_bytes``. :class:`UsageError` for a bad name or option."""
     if name in _RENAMED:
         warnings.warn(f"strategy {name!r} is deprecated: use {_RENAMED[name]!r}", FutureWarning,
                       stacklevel=3)
