@@ -1,9 +1,6 @@
-"""Memory scaling: a least-squares line of measured peak bytes against size, and
-the recommendations derived from it.
-
-The line is *fitted to measurements*; sizes it predicts are estimates and are
-labelled as such. A recommendation is never above the largest size that ran.
-"""
+"""Memory scaling: measured peak bytes against size (a line, or a quadratic where they curve
+up) and the recommendations derived from it. Predicted sizes are estimates, labelled as such;
+a recommendation is never above the largest size that ran."""
 
 from __future__ import annotations
 
@@ -16,12 +13,10 @@ from oomguard.engine.core.search.trial import Trial
 
 DEFAULT_MARGIN = 0.15  # the E10 report's production advice: ~85% utilisation
 MEASURED = "measured"  # SearchConfig.margin: derive the margin from the trials' step peaks
-# A measured margin is SPREAD_FACTOR times the largest relative spread of peaks across the
-# steps of one trial, within [MIN_MEASURED_MARGIN, MAX_MEASURED_MARGIN]. Why twice: a trial
-# sees a few steps and a run sees thousands, so the next step may stray past the ones seen
-# by about as much again; the floor keeps room for what no trial shows (allocator rounding,
-# fragmentation after hours, an eval step), the cap keeps a noisy trial from recommending
-# almost nothing. Design choices, not measured facts; the report names the margin used.
+# A measured margin: SPREAD_FACTOR times the largest relative spread of peaks across one trial's
+# steps (a run sees thousands of steps, a trial a few), within [MIN, MAX]: the floor keeps room
+# for what no trial shows (fragmentation, an eval step), the cap keeps a noisy trial from
+# recommending almost nothing. Design choices, not measured facts.
 SPREAD_FACTOR = 2.0
 MIN_MEASURED_MARGIN = 0.05
 MAX_MEASURED_MARGIN = 0.5
@@ -51,17 +46,16 @@ class LinearFit:
 
 
 def fit_line(trials: Sequence[Trial]) -> LinearFit | None:
-    """:func:`fit_points` over the successful trials with a measured peak (every run of a
-    size is a point)."""
+    """:func:`fit_points` over the successful trials with a measured peak."""
     return fit_points([(t.size, t.peak_bytes) for t in trials
                        if t.ok and t.peak_bytes is not None])
 
 
 def peak_model(points: Sequence[tuple[int, int]]) -> LinearFit | None:
-    """Peak bytes against size from measured ``(size, peak bytes)`` points, to predict sizes not run
-    yet (an estimate): the least-squares line from two distinct sizes or more; from one size, a line
-    through the origin from its largest peak (proportional to the size, which overstates sizes above
-    it when part of the peak does not grow); None without a point or with a peak of 0."""
+    """Peak bytes against size from measured ``(size, peak bytes)`` points (an estimate): the
+    least-squares line from two distinct sizes or more; from one, a line through the origin and
+    its largest peak (overstates larger sizes when part of the peak does not grow); None
+    without a point or with a peak of 0."""
     if len({s for s, _ in points}) != 1:
         return fit_points(points)
     size, peak = max(points)
@@ -71,18 +65,15 @@ def peak_model(points: Sequence[tuple[int, int]]) -> LinearFit | None:
 
 
 # The line's misfit (largest absolute residual, a fraction of the largest peak) above which
-# convex points are fitted with a quadratic. Measured (bench/peers.py): a line's points stayed
-# within 0.2% (E10 line, GPT-2 step, loss metric, LSTM), 1.8% where a confirmed search mixes
-# in-process and fresh trials; attention's 3 sizes miss a line by 11-12%, and a size x size
-# block with a linear part (tests/test_guided_curve.py) by 10%.
+# convex points are fitted with a quadratic. Measured (bench/peers.py): linear workloads stay
+# within 1.8%, curves miss a line by 10% or more.
 CURVE_MISFIT = 0.05
 
 
 @dataclass(frozen=True)
 class QuadraticFit:
     """peak_bytes ~= base_bytes + per_item_bytes * size + per_item2_bytes * size**2 (an estimate
-    from ``points`` measured trials; ``per_item2_bytes`` > 0: memory that grows faster than the
-    size, such as attention scores over the sequence length)."""
+    from ``points`` measured trials), such as attention scores over the sequence length."""
 
     base_bytes: float
     per_item_bytes: float
@@ -109,8 +100,7 @@ class QuadraticFit:
 def curve_model(points: Sequence[tuple[int, int]]) -> LinearFit | QuadraticFit | None:
     """The peak model a guided search predicts with (an estimate): :func:`peak_model`, or from
     three distinct sizes or more, the least-squares quadratic where it curves up and the line
-    misses a point by more than :data:`CURVE_MISFIT` of the largest peak (measured peaks that a
-    line does not explain; noise alone stays within it)."""
+    misses a point by more than :data:`CURVE_MISFIT` of the largest peak."""
     line = peak_model(points)
     if len({s for s, _ in points}) < 3 or line is None:
         return line
@@ -164,8 +154,8 @@ def fit_points(pts: Sequence[tuple[int, int]]) -> LinearFit | None:
 
 
 def peaks_spread(peaks: Sequence[int]) -> float | None:
-    """Relative spread of per-step peaks (bytes), ``(max - min) / max`` (a fraction;
-    measured), or None for fewer than two steps or no positive peak."""
+    """``(max - min) / max`` of per-step peaks (a fraction), or None for fewer than two steps
+    or no positive peak."""
     if len(peaks) < 2 or max(peaks) <= 0:
         return None
     return (max(peaks) - min(peaks)) / max(peaks)
@@ -197,10 +187,13 @@ def choose_margin(margin: float | str, trials: Sequence[Trial]) -> tuple[float, 
 @dataclass(frozen=True)
 class Recommendation:
     """Sizes to use, each at most the measured maximum: ``safe``, the largest size whose estimated
-    peak keeps ``margin`` of the capacity free (E10: "recommended"); ``conservative``, the largest
-    size up to ``safe`` that ran with a measured peak within the same limit (``conservative_ran``
-    False: none did, it equals ``safe``); ``maximum``, the largest size that ran. ``basis``: how
-    ``safe`` was obtained; ``margin_source``: where ``margin`` came from (:func:`choose_margin`)."""
+    peak keeps ``margin`` of the capacity free; ``conservative``, the largest size up to ``safe``
+    that ran with a measured peak within the same limit (``conservative_ran`` False: none did, it
+    equals ``safe``); ``maximum``, the largest size that ran. ``basis``: how ``safe`` was
+    obtained; ``margin_source``: where ``margin`` came from (:func:`choose_margin`).
+    ``limit_bytes``: the peak ``safe`` stays under (peak-meter bytes; None without a capacity),
+    ``margin`` below ``limit_against``: the capacity, or the fitted peak at the first OOM where
+    lower. ``checked_peak_bytes``: the measured peak at ``safe`` (a trial, or the check)."""
 
     safe: int
     conservative: int
@@ -210,12 +203,8 @@ class Recommendation:
     basis: str
     conservative_ran: bool = True
     margin_source: str = ""
-    # The peak ``safe`` was chosen to stay under (peak-meter bytes; None without a capacity)
-    # and what it is ``margin`` below, in words: the capacity, or the fitted peak at the first
-    # OOM where that is lower (the limit counted bytes the peak meter does not).
     limit_bytes: int | None = None
     limit_against: str | None = None
-    # The measured peak of ``safe`` (a trial at that size, or the search's check of it).
     checked_peak_bytes: int | None = None
 
     def to_dict(self) -> dict:
@@ -225,14 +214,12 @@ class Recommendation:
 def recommend(trials: Sequence[Trial], max_ok: int, capacity_bytes: int | None,
               fit: LinearFit | None, margin: float = DEFAULT_MARGIN, first_oom: int | None = None,
               margin_source: str = "") -> Recommendation:
-    """Recommend safe, conservative and maximum sizes below ``max_ok``.
+    """Recommend safe, conservative and maximum sizes up to ``max_ok``.
 
     With a capacity and a fit, ``safe`` is the fitted size that leaves ``margin`` of the
-    capacity free. The meter and the limit need not count the same bytes (on CPU the meter
-    sees resident pages, ``RLIMIT_DATA`` counts virtual ones), so after an OOM the capacity
-    is also estimated in the meter's units as the fitted peak at ``first_oom``, and the
-    smaller is used. Without a fit: ``floor(max_ok * (1 - margin))``, an estimate that
-    assumes memory proportional to size, as ``basis`` says.
+    capacity free. The meter and the limit need not count the same bytes (on CPU resident
+    against virtual), so after an OOM the fitted peak at ``first_oom`` is used where smaller.
+    Without a fit: ``floor(max_ok * (1 - margin))``, assuming memory proportional to size.
     """
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin}")

@@ -1,20 +1,11 @@
-"""One trial: run a workload once at a size and record what happened.
+"""One trial: run a workload at a size for a few steps and record what happened (:class:`Trial`).
 
-A trial records whether it fitted (``ok``) or ran out of memory (``oom``), the measured
-peak bytes above the pre-trial baseline, the wall seconds, and the value the workload
-returned (as plain JSON types, :func:`~oomguard.engine.util.jsonable.to_jsonable`). An
-error that is not an OOM is not a trial outcome: it propagates.
-
-A trial may run several steps: a training workload's first step creates the optimizer
-state and the second is the steady state, so a size that fits one step can still run out
-in the next. The trial also measures its peak in the units the memory limit counts
-(``limit_peak_bytes``, against ``headroom_bytes``: what the limit left at its start),
-which is what a search predicts the maximum from, and its throughput after the first step.
-
-Worst-case data: a workload with ``worst_case_batch(size)`` (:mod:`~oomguard.engine.core.workload`)
-is called ``fn(size, batch=fn.worst_case_batch(size))`` in each step, the batch built inside the
-measured region (the real run holds its batch too), so a search never passes a size on a lucky batch
-of short samples; the executor's real run always calls ``fn(size)``.
+An error that is not an OOM is not a trial outcome: it propagates. Several steps, because a
+training step's first creates the optimizer state and a size that fits it can run out in
+the next. A workload with ``worst_case_batch(size)`` (:mod:`~oomguard.engine.core.workload`)
+is called ``fn(size, batch=fn.worst_case_batch(size))``, the batch built inside the measured
+region, so a search never passes a size on a lucky batch of short samples (the executor's
+real run calls ``fn(size)``).
 """
 
 from __future__ import annotations
@@ -40,23 +31,21 @@ log = logging.getLogger("oomguard.search")
 
 @dataclass
 class Trial:
-    """The outcome of running a workload once at ``size``.
+    """The outcome of running a workload at ``size``: ``ok`` (fitted) or an OOM, wall
+    ``seconds``, and the ``value`` it returned as plain JSON types.
 
-    ``peak_bytes`` is measured (:class:`probes.PeakMeter` says what each device counts);
-    None for an OOM, whose peak is unknown. ``mode``: ``"in-process"`` or ``"isolated"``.
-    ``guarded``: the outcome is the RAM guard's verdict against an estimated limit
-    (:mod:`~oomguard.engine.core.search.ramguard`), not a failed allocation; ``peak_bytes``
-    is then the peak measured until it was stopped, or None for a size not run because its
-    predicted peak was over the limit. ``step_peaks``: the peak of each of the ``steps``
-    calls (``peak_bytes`` units) and ``step_seconds`` its wall seconds. ``limit_peak_bytes``: the peak in the units the limit
-    counts, named by ``limit_units`` (sampled ``VmData`` under a CPU budget: a lower
-    bound); ``headroom_bytes``: what the limit left at the trial's start, in those units
-    (None where no limit is known). ``items_per_second``: ``size`` items per second of the
-    steps after the first (of the only step when ``steps`` is 1). ``worst_case``: each step
-    ran on the batch ``worst_case_batch(size)`` returned (``peak_bytes`` then includes it).
-    ``chosen_by``: the name of the strategy that proposed the size, and ``reason`` why, in its
-    words (:func:`~oomguard.engine.core.search.strategies.why_chosen`), where a search records
-    them.
+    ``peak_bytes``: measured above the pre-trial baseline (:class:`probes.PeakMeter` says what
+    each device counts); None for an OOM. ``mode``: ``"in-process"`` or ``"isolated"``.
+    ``guarded``: the RAM guard's verdict against an estimated limit
+    (:mod:`~oomguard.engine.core.search.ramguard`), not a failed allocation; ``peak_bytes`` is
+    then the peak until it was stopped, or None for a size not run. ``step_peaks`` and
+    ``step_seconds``: each of the ``steps`` calls' peak and wall seconds.
+    ``limit_peak_bytes``: the peak in the units the limit counts, named by ``limit_units``
+    (sampled ``VmData`` under a CPU budget: a lower bound); ``headroom_bytes``: what the limit
+    left at the trial's start, in those units (None: no known limit). ``items_per_second``:
+    throughput of the steps after the first (of the only one). ``worst_case``: each step ran
+    on ``worst_case_batch(size)`` (counted in ``peak_bytes``). ``chosen_by`` and ``reason``:
+    the strategy that proposed the size and why, where a search records them.
     """
 
     size: int
@@ -95,20 +84,15 @@ SAMPLE_KNOBS = frozenset({"micro_batch_size", "chunk_size", "batch_size"})
 def warm_up_trials(fn: Callable[[int], Any], device: str | torch.device = "cpu",
                    call: bool = True) -> None:
     """The one-time setup a process does before its first trial and before any limit is
-    entered (a search in this process, each isolated child): ``fn.warmup()`` when the
-    workload has one (the built-in workloads run their work once in it, at the knob's
-    minimum), else one call ``fn(1)`` (with the worst-case batch, as a trial calls it), the
-    smallest size. Imports inside the call, thread pools and kernels are then paid here, not
-    charged to the first trial: a lazy ``import`` under a tight budget can itself run out of
-    memory, or leave every later trial with less room. The call is not a trial: where it
-    fails (a workload that refuses size 1, such as BatchNorm in training mode, or a device
-    already full) a warning says so and the trials go on without it.
+    entered: ``fn.warmup()`` when the workload has one, else one call ``fn(1)`` (with the
+    worst-case batch, as a trial calls it). Imports, thread pools and kernels are paid here,
+    not by the first trial: a lazy ``import`` under a tight budget can itself run out of
+    memory. Where the call fails (size 1 refused, a device already full) a warning says so
+    and the trials go on without it.
 
     ``call=False`` (a search with ``restore=``): ``warmup()`` only. A whole training step is
-    measured from the user's state as it is, as the real loop starts from it: a warm-up step
-    would allocate the optimizer's state (in an isolated child, which restores nothing) or
-    leave caches (3.3 MiB measured with tests/test_restore.py's GPT-2) outside the budget,
-    where the loop's first step pays them inside."""
+    measured from the user's state as it is: a warm-up step would allocate the optimizer's
+    state or leave caches outside the budget, which the real loop's first step pays inside."""
     if not call or getattr(fn, "warmup", None) is not None:
         warm_up(fn)
         return
@@ -126,13 +110,10 @@ def warm_up_trials(fn: Callable[[int], Any], device: str | torch.device = "cpu",
 
 def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = "cpu",
               guard: Any = None, steps: int = 1) -> Trial:
-    """Run ``fn(size)`` ``steps`` times in this process and measure it, memory released
-    first so the peak starts from a clean baseline. A worst-case batch (``worst_case_batch(size)``)
-    counts in its step's peak and seconds, as a data loader's batch does in the real run.
-    Raises whatever ``fn`` raises unless it is an OOM (an OOM in any step makes the trial
-    an OOM). With a ``guard`` (CPU only), its watchdog stops the trial past the guard's
-    limit and a measured peak past it counts as out of memory (``Trial.guarded``).
-    """
+    """Run ``fn(size)`` ``steps`` times in this process and measure it from a clean baseline.
+    Raises what ``fn`` raises unless it is an OOM (in any step: the trial is an OOM). With a
+    ``guard`` (CPU only), its watchdog stops the trial past the guard's limit and a measured
+    peak past it counts as out of memory (``Trial.guarded``)."""
     call = worst_case_call(fn)
     dev = torch.device(device)
     release_memory(dev)
@@ -154,9 +135,7 @@ def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = 
                 if i:
                     meter.restart_peak()
                 t0 = time.perf_counter()
-                # The batch is a temporary: freed when the step returns, as the real
-                # run drops one batch before it builds the next.
-                result = call(n)
+                result = call(n)  # the batch is freed on return, as the real run drops it
                 step_seconds.append(time.perf_counter() - t0)
                 step_peaks.append(meter.read())
         return result
