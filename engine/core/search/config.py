@@ -173,8 +173,9 @@ def strategy_named(name: str | None, start: int | None = None, size_step: int | 
     if name not in STRATEGIES:
         raise UsageError(f"unknown strategy {name!r}: use one of {', '.join(STRATEGIES)}")
     if size_step is not None and name != "expand-bisect":
-        raise UsageError(f"size_step is expand-bisect's increment; strategy {name} takes none "
-                         "(guided predicts, doubling multiplies by 2, linear-jump fits a line)")
+        raise UsageError(f"the size step (size_step, --size-step) is expand-bisect's increment; "
+                         f"strategy {name} takes no size step (guided predicts, doubling "
+                         "multiplies by 2, linear-jump fits a line)")
     params: dict[str, Any] = {"start": start} if start is not None else {}
     if size_step is not None:
         params["step"] = size_step

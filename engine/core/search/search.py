@@ -1,21 +1,19 @@
 """Batch-size search: find the largest size that runs, by running it.
 
 ``search(fn, ...)`` calls ``fn(size)`` at sizes a :mod:`strategy
-<oomguard.engine.core.search.strategies>` proposes (Guided by default) until the bracket
-between the largest fit and the smallest OOM is closed. It returns only sizes that
-actually ran and always terminates (``max_size``, ``max_trials``, ``max_seconds``); one
-that ends without an answer raises a :class:`~oomguard.engine.errors.SearchFailed`
-carrying every trial that ran::
+<oomguard.engine.core.search.strategies>` proposes until the bracket between the largest fit
+and the smallest OOM is closed, or a bound is reached. It returns only sizes that ran; a
+search without an answer raises a :class:`~oomguard.engine.errors.SearchFailed` carrying
+every trial that ran::
 
     search(step, budget=2 * GiB)                          # Guided(start=32)
     search(step, start=64, step=16, budget=2 * GiB)       # ExpandBisect(64, 16)
     search(step, strategy=Doubling(start=64), isolate=True, budget=2 * GiB)
     search(step, SearchConfig(strategy=Doubling(start=64), budget=2 * GiB))
 
-Trials run in this process (fast; later trials inherit the caches and heap fragments of
-earlier ones, so the answer can differ from a fresh process's) or isolated, each in a
-fresh child process (the faithful maximum, docs/measurements.md#in-process-vs-isolated).
-The result says which mode produced it.
+Trials run in this process (fast; later trials inherit earlier ones' caches and heap) or
+each in a fresh child process (the faithful maximum,
+docs/measurements.md#in-process-vs-isolated); the result says which.
 """
 
 from __future__ import annotations
@@ -61,19 +59,18 @@ from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import probe
 
 log = logging.getLogger("oomguard.search")
-# Trials of the recommended size after a search, at most (each a size lower than the last).
-CHECKS = 3
+CHECKS = 3  # trials of the recommended size after a search, at most (each lower than the last)
 
 
 @dataclass
 class SearchResult:
     """What a search found (sizes in items). ``max_ok``: the largest size that ran; ``first_oom``:
-    the smallest size above it that ran out of memory (None: none did). ``capacity_bytes``: what the
-    workload could use, the budget, else the free memory probed before the search (an estimate of
-    headroom, not a limit). ``limit``: what bounded the trials without a budget, else None: the RAM
-    guard (``enforced`` False: an estimated limit), or a cgroup or RLIMIT_DATA limit (``enforced``
-    True; :mod:`~oomguard.engine.core.memory.host_limit`). ``verification``: the ``verify_steps`` run at the recommended size
-    and whether they ran out of memory, else None.
+    the smallest size above it that ran out of memory (None: none did). ``capacity_bytes``: the
+    budget, else the free memory probed before the search (an estimate, not a limit). ``limit``:
+    what bounded the trials without a budget: the RAM guard (``enforced`` False), or a cgroup or
+    RLIMIT_DATA limit (``enforced`` True; :mod:`~oomguard.engine.core.memory.host_limit`).
+    ``verification``: the ``verify_steps`` run at the recommended size, else None. ``checks``:
+    trials at the recommended size after the search (:meth:`_Search.checked`), not in the bracket.
     """
 
     workload: str
@@ -94,13 +91,12 @@ class SearchResult:
     size_name: str = "batch_size"  # what the searched size is: the workload's ``knob``, if any
     limit: dict[str, Any] | None = None
     verification: dict[str, Any] | None = None
-    # Trials at the recommended size after the search (_Search.checked); not part of the bracket.
     checks: list[Trial] = field(default_factory=list)
 
     @property
     def size_to_use(self) -> int | None:
-        """The size a run should use: the recommendation, or ``max_ok`` itself when nothing
-        ran out of memory up to the cap (every size ran, and larger ones do the same work)."""
+        """The size a run should use: the recommendation, or ``max_ok`` where nothing ran out
+        of memory up to the cap."""
         rec = self.recommendation
         return self.max_ok if self.first_oom is None or rec is None else rec.safe
 
@@ -120,24 +116,14 @@ def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
     """Find the largest size at which ``fn(size)`` runs without running out of memory.
 
     ``options`` are :class:`SearchConfig` fields and override those of ``config``.
-    ``start``/``step`` are shorthand for ``strategy=ExpandBisect(start, step)`` only; with another
-    strategy give them to it (``Doubling(start=64)``). ``on_trial`` is called with each
-    :class:`Trial` as it completes.
+    ``start``/``step`` are shorthand for ``strategy=ExpandBisect(start, step)`` only; give another
+    strategy its own (``Doubling(start=64)``). ``on_trial`` is called with each :class:`Trial`.
 
-    ``fn`` runs one trial; its ``warmup()``, if any, is called once per process before the budget is
-    applied (build the model, initialise thread pools); without one, ``fn(1)`` is called there
-    instead (not with ``restore=``), so imports inside ``fn`` are not charged to a trial
-    (:func:`warm_up_trials`). With
-    ``isolate=True`` each trial runs in a fresh child process: ``fn`` must be picklable and
-    defined in an importable file, and a script that calls this needs an ``if __name__ ==
-    "__main__":`` guard.
-
-    ``restore=(model, optimizer)`` lets ``fn`` be the whole training step (forward, backward,
-    ``optimizer.step()``, ``zero_grad``): in-process trials start from a host
-    :class:`~oomguard.engine.core.snapshot.Snapshot` of those objects and the RNG states,
-    put back after every trial and when the search ends, however it ends; each trial runs
-    at least 2 steps, the first allocating the optimizer's state as the real run does
-    (:class:`SearchConfig`). Isolated children work on their own copies.
+    ``fn`` runs one trial; its ``warmup()``, else ``fn(1)`` (not with ``restore=``), runs once per
+    process before the budget, so one-time setup is not charged to a trial
+    (:func:`warm_up_trials`). With ``isolate=True``, ``fn`` must be picklable and defined in an
+    importable file, and a calling script needs an ``if __name__ == "__main__":`` guard.
+    ``restore=(model, optimizer)`` lets ``fn`` be the whole training step (:class:`SearchConfig`).
 
     Raises :class:`UsageError` (a ``ValueError``) on bad options,
     :class:`ChildStartFailed` at once when an isolated ``fn`` cannot be pickled,
@@ -248,7 +234,7 @@ class _Search:
         return stopped + " (not confirmed)"
 
     def answered(self, stopped: str, runner: Callable[[int, int], Trial]) -> SearchResult:
-        """The result with its recommendation, measured (:meth:`checked`); :class:`NoSizeFits`
+        """The result with its recommendation measured (:meth:`checked`); :class:`NoSizeFits`
         when nothing fitted."""
         final = self.result(stopped)
         if final.max_ok is None:
@@ -264,12 +250,10 @@ class _Search:
 
     def checked(self, rec: Recommendation, final: SearchResult,
                 runner: Callable[[int, int], Trial]) -> Recommendation:
-        """``rec`` with its size measured: where no trial ran the recommended size under the
-        limit it keeps, it runs once (as the trials ran) and, over the limit or out of memory,
-        the size below it predicted to keep it (:func:`step_down`) runs, at most
-        :data:`CHECKS` times; the largest size measured under the limit is recommended, and
-        the checks are the result's ``checks``. A fitted line predicts sizes it never ran: the
-        recommendation is a measurement, as ``oomguard verify`` would make it."""
+        """``rec`` with its size measured: where no trial ran it under the limit it keeps, it
+        runs, then while over the limit or out of memory the size :func:`step_down` predicts,
+        at most :data:`CHECKS` times (the result's ``checks``). A fitted line predicts sizes
+        it never ran: the recommendation is a measurement, as ``oomguard verify`` makes it."""
         limit = rec.limit_bytes
         if limit is None or rec.checked_peak_bytes is not None and rec.checked_peak_bytes <= limit:
             return rec
@@ -296,12 +280,11 @@ class _Search:
 
 def verify(fn: Callable[[int], Any], size: int, steps: int, config: SearchConfig | None = None,
            **options: Any) -> dict[str, Any]:
-    """Run ``steps`` steps of ``fn`` at ``size`` as a search's trial runs them (the warm-up first,
-    then under the config's budget, in this process or a fresh child with ``isolate=True``) and say
-    what happened: ``ok``, ``peak_bytes`` and ``step_peaks`` (measured bytes above the warmed-up
-    baseline, as :class:`Trial` counts them), ``seconds`` and the OOM's ``error`` (reported, not
-    raised; any other error propagates). ``options`` are :class:`SearchConfig` fields; the search
-    itself verifies with ``search(..., verify_steps=N)``."""
+    """Run ``steps`` steps of ``fn`` at ``size`` as a search's trial runs them (warm-up, then the
+    config's budget, in this process or a fresh child) and say what happened: ``ok``,
+    ``peak_bytes`` and ``step_peaks`` (as :class:`Trial` counts them), ``seconds`` and an OOM's
+    ``error`` (reported, not raised). ``options`` are :class:`SearchConfig` fields; a search
+    verifies itself with ``verify_steps=N``."""
     check_positive_int("size", size)
     check_positive_int("steps", steps)
     cfg, dev = _checked(config, None, None, options)
@@ -322,8 +305,7 @@ def _checked(config: SearchConfig | None, start: int | None, step: int | None,
 
 def _verify(runner: Callable[[int, int], Trial], size: int, steps: int, mode: str
             ) -> dict[str, Any]:
-    """Run ``steps`` further steps at ``size`` as the trials ran; what happened (an OOM is
-    reported, not raised)."""
+    """Run ``steps`` steps at ``size`` as the trials ran; what happened (an OOM reported)."""
     trial = runner(size, steps)
     trial.mode = mode
     log.info("verify: %d steps at size %d %s", steps, size, trial.outcome.upper())
@@ -331,13 +313,9 @@ def _verify(runner: Callable[[int, int], Trial], size: int, steps: int, mode: st
         "ok", "peak_bytes", "step_peaks", "seconds", "error", "guarded")}
 
 
-def _limit(cfg: SearchConfig, dev: torch.device) -> RamGuard | HostLimit | None:
-    return trial_limit(dev, cfg.budget, cfg.ram_guard)
-
-
 def _isolated(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device) -> IsolatedRunner:
     return IsolatedRunner(fn, device=dev, budget=cfg.budget, timeout=cfg.trial_timeout,
-                          limit=_limit(cfg, dev), warm_call=not cfg.restore)
+                          limit=trial_limit(dev, cfg.budget, cfg.ram_guard), warm_call=not cfg.restore)
 
 
 def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device, stack: ExitStack
@@ -346,19 +324,15 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device, stac
     if cfg.isolate:
         isolated = stack.enter_context(_isolated(fn, cfg, dev))
         return isolated, isolated.limit
-    if dev.type == "cpu" and (cfg.budget is not None or _limit(cfg, dev) is not None):
-        # Before the warm-up, as in an isolated child: a warm-up under glibc's default
-        # threshold leaves 27-47 MiB of free heap (varying run to run) that the budget
-        # cannot see and trials reuse, so the boundary moved by up to one item
-        # (docs/measurements.md#free-heap-at-budget-entry); the RAM guard's peaks
-        # read 0 for trials that such heap served.
+    if dev.type == "cpu" and (cfg.budget is not None
+                              or trial_limit(dev, cfg.budget, cfg.ram_guard) is not None):
+        # Before the warm-up, as in an isolated child: free heap it leaves is invisible to the
+        # budget and reused by trials (docs/measurements.md#free-heap-at-budget-entry).
         return_freed_memory_to_os()
     snapshot = _snapshot(cfg, stack)
-    # Before the budget: imports and one-time setup are not a trial's (a whole step, restore=,
-    # is measured from the user's state as it is).
     warm_up_trials(fn, dev, call=snapshot is None)
     stack.enter_context(gc_frozen())  # the warmed-up objects are never a trial's garbage
-    limit = _limit(cfg, dev)
+    limit = trial_limit(dev, cfg.budget, cfg.ram_guard)  # after the warm-up
     stack.enter_context(limit_budget(cfg.budget, dev, limit))
     guard = limit if isinstance(limit, RamGuard) else None
     if snapshot is None:
@@ -373,9 +347,8 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device, stac
 
 
 def _snapshot(cfg: SearchConfig, stack: ExitStack) -> Snapshot | None:
-    """With ``restore``: the objects' snapshot, taken before the warm-up and the budget (on
-    CPU its copy is then part of the baseline, not of a trial's headroom), and restored
-    once more when ``stack`` closes, after the budget is left, however the search ends."""
+    """With ``restore``: the objects' snapshot, taken before the warm-up and the budget (part
+    of the baseline), restored once more when ``stack`` closes, however the search ends."""
     if not cfg.restore:
         return None
     snapshot = Snapshot.take(cfg.restore)
