@@ -1,23 +1,14 @@
-"""Isolated trials: each size runs in a fresh child process.
+"""Isolated trials: each size runs in a fresh child process, which measures the true maximum
+(in-process trials inherit earlier trials' caches and heap,
+docs/measurements.md#in-process-vs-isolated).
 
-In-process trials inherit the caches, JIT kernels and heap fragments of every earlier
-trial, so their headroom shrinks as a search runs; a fresh child per trial measures the
-true maximum (docs/measurements.md#in-process-vs-isolated).
-
-Children come from the launcher's forkserver (:mod:`oomguard.engine.core.child`), which
-has already imported torch, ``torch._dynamo`` and the workload's ``preload`` modules, so
-a trial pays a fork and the workload's ``warmup()``, not an interpreter start
-(docs/measurements.md#isolated-children-start-up); it starts as soon as
-:class:`IsolatedRunner` is built, so the parent's work overlaps its start-up. The child
-runs :func:`_trial`; its stderr is copied to this process's stderr after each trial.
-
-How the parent reads a child's end: a :class:`~oomguard.engine.core.search.trial.Trial`
-(fitted or OOM) is returned; an error raised in the child is re-raised here, with the
-child's traceback as a note; a child that dies before ``started`` (its re-import of an
-unguarded main script failed) or cannot unpickle the workload raises
-:class:`ChildStartFailed` naming the likely cause and the fix; a child that dies after
-``started`` is an OOM only with evidence (:func:`~oomguard.engine.core.child.oom_evidence`,
-:class:`~oomguard.engine.core.child.LimitWatch`), else :class:`ChildCrashed`.
+Children fork from the launcher's forkserver (:mod:`oomguard.engine.core.child`), started when
+:class:`IsolatedRunner` is built, with torch and the workload's ``preload`` modules imported
+(docs/measurements.md#isolated-children-start-up). A child's
+:class:`~oomguard.engine.core.search.trial.Trial` is returned; its error is re-raised here with
+its traceback as a note; a child that dies before ``started`` or cannot unpickle the workload raises
+:class:`ChildStartFailed` with the likely cause and fix; one that dies after is an OOM only
+with evidence (:func:`~oomguard.engine.core.child.oom_evidence`), else :class:`ChildCrashed`.
 """
 
 from __future__ import annotations
@@ -62,15 +53,12 @@ class _CannotUnpickle(Exception):
 def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
            limit: RamGuard | HostLimit | None = None, steps: int = 1,
            warm_call: bool = True) -> Trial:
-    """Runs in the child, once the launcher has started it: unpickle, warm up
-    (:func:`~oomguard.engine.core.search.trial.warm_up_trials`), budget (the
-    one given, else the one an enforced ``limit`` leaves room for, measured here), one
-    trial. Under a CPU budget, the budget's limit is told to the parent, which watches it."""
-    # Before anything allocates (unpickling imports the workload's modules, warmup()
-    # builds it): every block >= the threshold freed from here on goes back to the
-    # kernel, so no free heap from start-up or warm-up is left to absorb a trial's
-    # allocations under the budget (docs/measurements.md#free-heap-at-budget-entry).
-    # The child's lower threshold makes its answer the same from one child to the next.
+    """Runs in the child: unpickle, warm up, enter the budget (given, else the one an enforced
+    ``limit`` leaves room for), one trial. A CPU budget's limit is sent to the parent, which
+    watches it."""
+    # Before anything allocates: no free heap from start-up or warm-up is left to absorb a
+    # trial's allocations under the budget (docs/measurements.md#free-heap-at-budget-entry);
+    # the lower threshold makes the answer the same from one child to the next.
     return_freed_memory_to_os(ISOLATED_MMAP_THRESHOLD_BYTES)
     trim_heap()
     try:
@@ -85,8 +73,8 @@ def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
 
 
 def _main_program() -> str | None:
-    """What a forkserver/spawn child re-imports of the parent: a script path or module
-    name, or None (``python -c``, stdin, a notebook: nothing it can import)."""
+    """What a child re-imports of the parent: a script path or module name, or None
+    (``python -c``, stdin, a notebook)."""
     main = sys.modules.get("__main__")
     name = getattr(getattr(main, "__spec__", None), "name", None)
     if name:
@@ -98,16 +86,13 @@ def _main_program() -> str | None:
 class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
     """Context manager; calling it with a size runs one isolated trial -> :class:`Trial`.
 
-    ``fn`` must be picklable (a module-level function or class instance in an importable
-    file); :class:`ChildStartFailed` says so at once if it is not. ``budget`` bytes are
-    applied in the child after ``fn.warmup()``; without them, an enforced ``limit``
-    (:class:`~oomguard.engine.core.memory.host_limit.HostLimit`) sets the child's budget there,
-    and a RAM guard ``limit`` watches the child's trial
-    (:func:`~oomguard.engine.core.search.trial.run_trial`). ``timeout`` seconds (finite,
-    > 0) bound each trial from the child's start: a child still running then is killed
-    and reported as :class:`ChildCrashed`, never as an OOM. ``warm_call``: the child's
-    warm-up calls a workload without ``warmup()`` once at size 1 (False: a search with
-    ``restore=``; :func:`~oomguard.engine.core.search.trial.warm_up_trials`).
+    ``fn`` must be picklable (else :class:`ChildStartFailed` at once). ``budget`` bytes apply in
+    the child after its warm-up; without them an enforced ``limit``
+    (:class:`~oomguard.engine.core.memory.host_limit.HostLimit`) sets the child's budget, and a
+    RAM guard ``limit`` watches its trial. ``timeout`` seconds (finite, > 0) bound each trial
+    from the child's start: a child still running then is killed and reported as
+    :class:`ChildCrashed`, never an OOM. ``warm_call``: whether the warm-up may call ``fn(1)``
+    (False with ``restore=``; :func:`~oomguard.engine.core.search.trial.warm_up_trials`).
     """
 
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
@@ -129,8 +114,7 @@ class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
                 f" {first_line(exc)}): {MODULE_LEVEL_FIX}") from exc
         self.fn, self.device, self.budget, self.timeout = fn, str(device), budget, timeout
         self.limit, self.warm_call = limit, warm_call
-        # Started now, in the background: the parent's work until the first trial (its
-        # report header, a probe) overlaps the forkserver's imports.
+        # Started now: the parent's work until the first trial overlaps its imports.
         self.ctx = launcher.start_forkserver(workload_preload(fn))
 
     def __exit__(self, *exc: object) -> None:

@@ -1,13 +1,9 @@
 """The one place that chooses the limit a trial runs under: a budget given, an enforced host
-limit (:class:`~oomguard.engine.core.memory.host_limit.HostLimit`: a cgroup or an
-``RLIMIT_DATA`` someone else set), or the RAM guard
-(:class:`~oomguard.engine.core.search.ramguard.RamGuard`, an estimated limit). A search in this
-process, an isolated child, a job's task and a reference row all enter it through
-:func:`limit_budget`; :func:`trial_limit` says which binds for a search's options.
-
-The tightest wins: an enforced limit binds where the room it leaves is below the RAM guard's
-limit (:func:`unbudgeted_limit`). Under it the work runs under a budget at that room, so its
-trials are measured in the units the limit counts and searched as under a budget.
+limit (:class:`~oomguard.engine.core.memory.host_limit.HostLimit`: a cgroup or an outer
+``RLIMIT_DATA``), or the RAM guard (:class:`~oomguard.engine.core.search.ramguard.RamGuard`,
+estimated). Every search, isolated child, job task and reference row enters it through
+:func:`limit_budget`. The tightest wins; under an enforced limit the work runs under a budget
+at its room, so trials are measured and searched as under a budget.
 """
 
 from __future__ import annotations
@@ -24,10 +20,9 @@ from oomguard.probes import host
 
 def unbudgeted_limit(device: str | torch.device = "cpu", guard: RamGuard | None = None
                      ) -> HostLimit | RamGuard | None:
-    """What bounds work on ``device`` without a budget, chosen now: on
-    the CPU the enforced limit with the least room where that room is below ``guard``'s
-    limit (by default a RAM guard at 80% of the available RAM, :meth:`RamGuard.for_host`),
-    else the guard; None on other devices (their own limit) and where nothing is known."""
+    """What bounds work on ``device`` without a budget, chosen now: on the CPU the enforced
+    limit with the least room where that is below ``guard``'s limit (default
+    :meth:`RamGuard.for_host`), else the guard; None on other devices or where nothing is known."""
     if torch.device(device).type != "cpu":
         return None
     guard = guard if guard is not None else RamGuard.for_host()
@@ -39,9 +34,8 @@ def unbudgeted_limit(device: str | torch.device = "cpu", guard: RamGuard | None 
 
 def limit_budget(nbytes: int | None, device: str | torch.device,
                  limit: HostLimit | RamGuard | None) -> AbstractContextManager[Budget | None]:
-    """The budget work on ``device`` runs under, to enter after its warm-up: ``nbytes``
-    when given; else the one an enforced ``limit`` leaves room for
-    (:meth:`HostLimit.enforced`); else none (a RAM guard watches trials instead)."""
+    """The budget to enter after the warm-up: ``nbytes`` when given, else the one an enforced
+    ``limit`` leaves room for (:meth:`HostLimit.enforced`), else none."""
     if nbytes is not None:
         return budget(nbytes, device)
     return limit.enforced() if isinstance(limit, HostLimit) else nullcontext()
@@ -49,12 +43,10 @@ def limit_budget(nbytes: int | None, device: str | torch.device,
 
 def trial_limit(device: torch.device, budget_bytes: int | None,
                 ram_guard: RamGuard | bool | None) -> RamGuard | HostLimit | None:
-    """What bounds a search's trials beside a budget, chosen now (after the warm-up in this
-    process), from :class:`~oomguard.engine.core.search.config.SearchConfig`'s ``budget`` and
-    ``ram_guard``: on CPU the ``RamGuard`` given, a RAM guard beside a budget
-    (``ram_guard=True``), else without a budget the tightest of the RAM guard and an enforced
-    host limit (:func:`unbudgeted_limit`); None on other devices, with ``ram_guard=False``,
-    and with a budget alone."""
+    """What bounds a search's trials beside a budget, from its ``budget`` and ``ram_guard``: on
+    CPU the ``RamGuard`` given, a RAM guard beside a budget (``ram_guard=True``), else without a
+    budget :func:`unbudgeted_limit`; None on other devices, with ``ram_guard=False``, and with
+    a budget alone."""
     guarded = device.type == "cpu" and ram_guard is not False and (
         ram_guard is not None or budget_bytes is None)
     if not guarded:

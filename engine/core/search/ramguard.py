@@ -1,22 +1,11 @@
-"""The RAM guard: an estimated limit for CPU searches that run without a budget.
-
-Where the OS cannot cap a process's memory (macOS, Windows), or a caller gives no budget
-and no limit is enforced (:mod:`~oomguard.engine.core.memory.host_limit`), a CPU trial is
-bounded only by ``max_size``: one size past the RAM makes the host swap, or its OOM killer
-ends the whole run. The guard stands in for a budget:
-
-- **Its limit** is ``fraction`` of the physical RAM available after the warm-up (probed:
-  :func:`~oomguard.probes.host.physical_memory`), counted as bytes a trial may add to the
-  resident bytes at its start: the units of a trial's measured CPU peak.
-- **Before a trial** a size whose peak, predicted from the peaks measured so far, is past
-  the limit does not run.
-- **During a trial** a watchdog raises :class:`RamLimitReached` (a ``MemoryError``, so an
-  OOM) in the trial's thread at its next bytecode once the resident bytes pass the limit;
-  a single operation that allocates more than the headroom finishes first.
-- **After a trial** a measured peak past the limit counts as out of memory.
-
-Every verdict is marked on its trial (``Trial.guarded``); the search result says that
-its limit was estimated, not enforced.
+"""The RAM guard: an estimated limit for CPU searches without a budget or an enforced limit
+(:mod:`~oomguard.engine.core.memory.host_limit`), where one size past the RAM would make the
+host swap or its OOM killer end the run. Its limit is ``fraction`` of the RAM available after
+the warm-up, in bytes a trial may add to its starting resident bytes (the units of a CPU peak).
+A size predicted past it does not run; a watchdog raises :class:`RamLimitReached` (a
+``MemoryError``, so an OOM) in the trial's thread once resident bytes pass it (a single larger
+allocation finishes first); a measured peak past it counts as out of memory. Every verdict is
+marked ``Trial.guarded``; the result says the limit was estimated, not enforced.
 """
 
 from __future__ import annotations
@@ -36,12 +25,10 @@ from oomguard.probes.sampler import Sampler
 if TYPE_CHECKING:
     from oomguard.engine.core.search.trial import Trial
 
-# Of the RAM available after the warm-up, what a trial may add: the rest is left to the
-# OS and other processes (macOS compresses and Linux reclaims file cache before either
-# swaps, so available RAM is not all usable without slowing the host).
+# Of the RAM available after the warm-up, what a trial may add (not all of it is usable
+# without slowing the host).
 DEFAULT_FRACTION = 0.8
-# Seconds between two reads of the resident bytes: /proc (Linux), the Win32 API and
-# psutil answer in microseconds; the `ps` fallback (macOS without psutil) spawns a process.
+# Seconds between two reads of the resident bytes; the `ps` fallback spawns a process.
 FAST_INTERVAL_S = 0.02
 SLOW_INTERVAL_S = 0.25
 
@@ -49,9 +36,9 @@ SLOW_INTERVAL_S = 0.25
 @dataclass(frozen=True)
 class RamGuard:
     """An estimated, not enforced, limit: ``limit_bytes`` a CPU trial may add to the resident
-    bytes at its start. ``available_bytes``: the RAM available when the guard was made, and
-    ``source`` where that figure came from (None and "given" for a guard built from a
-    number). ``interval``: seconds between the watchdog's reads."""
+    bytes at its start. ``available_bytes`` (RAM available when made), ``fraction`` and
+    ``source``: None, None and "given" for a guard built from a number. ``interval``: seconds
+    between the watchdog's reads."""
 
     limit_bytes: int
     available_bytes: int | None = None
@@ -71,9 +58,8 @@ class RamGuard:
     @classmethod
     def for_host(cls, fraction: float = DEFAULT_FRACTION) -> RamGuard | None:
         """A guard at ``fraction`` of the physical RAM available now (probed); None where it
-        cannot be read (the search is then bounded by ``max_size`` only). Limits the kernel
-        enforces (a cgroup, an ``RLIMIT_DATA``) are not counted here: where one leaves less
-        room, it binds instead (:func:`~oomguard.engine.core.search.limit.unbudgeted_limit`)."""
+        cannot be read. An enforced limit that leaves less room binds instead
+        (:func:`~oomguard.engine.core.search.limit.unbudgeted_limit`)."""
         if not 0 < fraction <= 1:
             raise UsageError(f"RAM guard fraction must be in (0, 1], got {fraction!r}")
         _, free, sources = host.physical_memory()
@@ -82,8 +68,7 @@ class RamGuard:
         _, rss_source = host.resident_bytes()
         interval = SLOW_INTERVAL_S if rss_source.startswith("ps ") else FAST_INTERVAL_S
         return cls(limit_bytes=max(1, int(free * fraction)), available_bytes=int(free),
-                   fraction=fraction, source=sources["free"],
-                   interval=interval)
+                   fraction=fraction, source=sources["free"], interval=interval)
 
     def describe(self) -> str:
         """The limit in words, for the search's first line and its report."""
@@ -99,9 +84,8 @@ class RamGuard:
                 "description": self.describe()}
 
     def refuse(self, trials: Sequence[Trial], size: int) -> str | None:
-        """Why ``size`` must not run (its peak, predicted from the measured peaks of
-        ``trials`` by :func:`~oomguard.engine.core.search.fit.peak_model`, is past the limit),
-        or None (also before any peak was measured)."""
+        """Why ``size`` must not run (its peak, predicted by
+        :func:`~oomguard.engine.core.search.fit.peak_model`, is past the limit), or None."""
         model = peak_model([(t.size, t.peak_bytes) for t in trials
                             if t.ok and t.peak_bytes is not None])
         predicted = model.predict(size) if model is not None else None
@@ -122,10 +106,10 @@ class RamGuard:
 
 
 class Watchdog:
-    """Reads the resident bytes every ``interval`` seconds while the ``with`` block runs;
-    past ``limit_bytes`` above those at entry, raises :class:`RamLimitReached` in the
-    thread that entered. ``tripped`` is the bytes above the start when it did, else None.
-    Where resident bytes cannot be read it watches nothing (``watching`` is False)."""
+    """Reads the resident bytes every ``interval`` seconds while the ``with`` block runs; past
+    ``limit_bytes`` above those at entry, raises :class:`RamLimitReached` in the thread that
+    entered and sets ``tripped`` (bytes above the start). ``watching``: False where resident
+    bytes cannot be read."""
 
     def __init__(self, limit_bytes: int, interval: float,
                  read: Callable[[], int | None] | None = None) -> None:
@@ -160,9 +144,7 @@ class Watchdog:
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self._done = True
-            if self.tripped is not None:
-                # The block may have ended before the exception was delivered: take it
-                # back, so it cannot surface in code after the trial.
+            if self.tripped is not None:  # cancel one not yet delivered
                 _raise_in(threading.get_ident(), None)
         self._sampler.stop()
 

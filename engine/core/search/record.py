@@ -1,14 +1,8 @@
-"""The one record of a search: what a search found, summarised once, in one vocabulary.
-
-:func:`record_of` derives it from a :class:`~oomguard.engine.core.search.search.SearchResult`;
-the size cache, a job's results and journal, a reference's rows, ``report.json``'s summary and
-the estimated reference's rows all carry a :class:`SearchRecord`'s fields under these names.
-Sizes are in items, bytes in bytes, seconds in seconds, fractions in [0, 1].
-
-What capped a search, where it stopped without closing its bracket (``capped_by``), is one of
-:data:`CAPPED_BY`: a search option (``max_size``, ``max_trials``, ``max_seconds``), the strategy
-stopping without an OOM (``strategy``), or what set ``max_size`` for a knob: the number of
-samples (``samples``) or the knob's largest useful size (``largest useful size``).
+"""The one record of a search (:func:`record_of`), whose fields the size cache, jobs, reference
+rows and ``report.json`` carry under these names. Sizes in items, bytes in bytes, seconds in
+seconds, fractions in [0, 1]. ``capped_by`` (a search that stopped without closing its bracket)
+is one of :data:`CAPPED_BY`: a search option, the strategy stopping without an OOM, or what set
+a knob's ``max_size`` (the number of samples, or its largest useful size).
 """
 
 from __future__ import annotations
@@ -26,14 +20,13 @@ MEASURED, CACHE = "measured", "cache"  # where a record's sizes come from
 
 @dataclass
 class SearchRecord(Record):
-    """One search, summarised once. ``safe`` is the size to use (None: nothing fits, or the
-    search failed); ``peak_at_safe_bytes`` its peak, measured where a trial ran at ``safe``, else
-    from the fitted line (``peak_source`` says which); ``peak_at_max_bytes`` the measured peak
-    at ``max_ok`` and ``utilisation`` its share of ``capacity_bytes`` (the budget, or the free
-    memory probed: ``capacity_kind``). ``limit``: what bounded a search without a budget (a
-    cgroup, an RLIMIT_DATA, the RAM guard), in words. A knob's search also says its ``metric``,
-    its ``unit`` and ``cap`` (the largest size it could try), the other knobs' sizes meanwhile
-    (``others``) and whether it was measured now or read from the size cache (``source``)."""
+    """One search, summarised once. ``safe``: the size to use (None: nothing fits, or the search
+    failed); ``peak_at_safe_bytes`` its peak, measured or from the fitted line (``peak_source``);
+    ``peak_at_max_bytes`` the measured peak at ``max_ok``, ``utilisation`` its share of
+    ``capacity_bytes`` (the budget or the free memory probed: ``capacity_kind``). ``limit``: what
+    bounded a search without a budget, in words. A knob's search also has its ``metric``,
+    ``unit``, ``cap`` (the largest size it could try), the other knobs' sizes (``others``) and
+    ``source`` (measured now, or the size cache)."""
 
     metric: str
     knob: str
@@ -69,9 +62,8 @@ def closed(result: Any) -> bool:
 
 
 def capped_by(result: Any, cap_reason: str | None = None) -> str | None:
-    """What ended a search before it closed its bracket (:data:`CAPPED_BY`), or None where it
-    closed or nothing fitted. ``cap_reason``: what set ``max_size`` (``samples``, ``largest
-    useful size``), said instead of ``max_size`` when the search stopped there."""
+    """What ended a search before it closed its bracket (:data:`CAPPED_BY`), or None. ``cap_reason``:
+    what set ``max_size``, said instead of ``max_size`` when the search stopped there."""
     if result.max_ok is None or closed(result):
         return None
     option = next((o for o in CAPPED_BY[:3] if result.stopped_because.startswith(f"{o} (")), None)
@@ -81,15 +73,14 @@ def capped_by(result: Any, cap_reason: str | None = None) -> str | None:
 
 
 def sample_cap(size_name: str, max_size: int | None, samples: int | None) -> str | None:
-    """``samples`` where the knob splits the samples (:data:`SAMPLE_KNOBS`) and the search's
-    ``max_size`` is their number: above it every size means "all at once"."""
+    """``samples`` where the knob splits the samples (:data:`SAMPLE_KNOBS`) and ``max_size`` is
+    their number."""
     return "samples" if size_name in SAMPLE_KNOBS and samples == max_size else None
 
 
 def record_of(result: Any, *, metric: str = "", unit: int = 1, cap_reason: str | None = None,
               failure: BaseException | None = None) -> SearchRecord:
-    """The record of a finished search, of one where nothing fits, or of one that ``failure``
-    ended; every figure derived here once."""
+    """The record of a finished search, one where nothing fits, or one ``failure`` ended."""
     best = next((t for t in reversed(result.trials) if t.ok and t.size == result.max_ok), None)
     peak_at_max = best.peak_bytes if best is not None else None
     cap = result.capacity_bytes
@@ -118,8 +109,8 @@ def record_of(result: Any, *, metric: str = "", unit: int = 1, cap_reason: str |
 
 
 def _peak_at(result: Any, size: int | None) -> tuple[int | None, str]:
-    """The peak at ``size`` and where it comes from: the largest measured at that size (a
-    trial, or the check of the recommended size), else the fitted line's estimate."""
+    """The peak at ``size`` and its source: the largest measured (a trial, or the check of the
+    recommended size), else the fitted line's estimate."""
     rec = result.recommendation
     measured = [t.peak_bytes for t in result.trials if t.ok and t.size == size
                 and t.peak_bytes is not None]
