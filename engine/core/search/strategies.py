@@ -1,17 +1,16 @@
 """Search strategies: small objects that propose the next size to try (``strategy=``).
 
-A strategy sees the trials so far and returns the next size, or ``None`` when done; the
-search returns the largest size that actually ran. Every strategy bisects the bracket
-between the largest fit and the smallest larger OOM until it is closed, so all give the
-same answer on a monotone workload, at different speeds. The built-in ones are frozen:
-their fields, each a positive integer (:class:`UsageError`), are what runs and what
-``result.config`` records.
+Given the trials so far, a strategy returns the next size, or ``None`` when done. Each bisects
+the bracket between the largest fit and the smallest larger OOM until closed, so all answer
+alike on a monotone workload, at different speeds. The built-in ones are frozen: their fields,
+positive integers, are what runs and what ``result.config`` records.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -27,10 +26,9 @@ from oomguard.engine.core.search.trial import Trial
 from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.engine.util.units import fmt_bytes
 
-# Bytes by which a fitted size's peak may exceed the headroom read before it: the sampled data
-# size and RLIMIT_DATA's count differ in units and moment (measured up to 0.4 MB,
-# docs/measurements.md#cpu-limit-units). A predicted maximum is tried up to REACH_SIZES sizes
-# higher where their estimated peaks are within it.
+# Bytes by which a fitted size's peak may exceed the headroom read before it (measured up to
+# 0.4 MB, docs/measurements.md#cpu-limit-units); a predicted maximum is tried up to REACH_SIZES
+# sizes higher where their estimated peaks are within it.
 UNITS_SLACK_BYTES = 400_000
 REACH_SIZES = 2
 
@@ -81,16 +79,14 @@ def bracket(trials: Sequence[Trial]) -> tuple[int | None, int | None]:
 
 
 def _refine(lo: int | None, hi: int | None) -> int | None:
-    """The shared end game: halve below the smallest failure while nothing fits (``hi``
-    is then set), bisect a bracket until it is closed."""
+    """The shared end game: halve the smallest failure while nothing fits, then bisect."""
     if lo is None:
         return hi // 2 or None  # type: ignore[operator]
     return (lo + hi) // 2 if hi is not None and hi - lo > 1 else None
 
 
 class _PositiveFields:
-    """Checks on creation that every field of the built-in strategy is a positive integer
-    (a user's subclass may add fields of any type)."""
+    """Checks that every field of the built-in strategy (not a subclass's) is a positive int."""
 
     def __post_init__(self) -> None:
         builtin = next(c for c in type(self).__mro__ if c.__module__ == __name__)
@@ -100,8 +96,7 @@ class _PositiveFields:
 
 def _grow_then_refine(trials: Sequence[Trial], max_size: int, start: int,
                       grow: Callable[[int], int]) -> int | None:
-    """``start``, then ``grow`` the largest fit while nothing above it failed, then
-    :func:`_refine`; never above ``max_size``."""
+    """``start``, ``grow`` the largest fit while nothing failed above, :func:`_refine`."""
     if not trials:
         return min(start, max_size)
     lo, hi = bracket(trials)
@@ -136,8 +131,6 @@ class E10(ExpandBisect):
     """Deprecated name of :class:`ExpandBisect`, kept for one release."""
 
     def __post_init__(self) -> None:
-        import warnings
-
         warnings.warn("E10 is deprecated: use ExpandBisect (the same routine, named for what "
                       "it does)", FutureWarning, stacklevel=3)
         super().__post_init__()
@@ -170,9 +163,8 @@ class Doubling(_PositiveFields):
 
 @dataclass(frozen=True)
 class LinearJump(_PositiveFields):
-    """Fit a line of peak bytes against size, jump to its predicted maximum under
-    ``capacity_bytes``, verify, then bisect (:meth:`describe`); doubles while no usable fit
-    exists."""
+    """Fit a line of peak bytes against size, jump to its maximum under ``capacity_bytes``,
+    verify, then bisect (:meth:`describe`); doubles while no usable fit exists."""
 
     capacity_bytes: int
     start: int = 8
@@ -219,12 +211,10 @@ def _tried(trials: Sequence[Trial], size: int) -> bool:
 class Guided(_PositiveFields):
     """The default: predict the maximum from measured peaks, run it, then bracket it.
 
-    Peaks and headroom are in the units the limit counts (``Trial.limit_peak_bytes``,
-    ``headroom_bytes``); :func:`predict_max` fits them. After the predicted ``m`` runs,
-    ``m + 1`` closes the bracket. After an unexpected OOM (memory grew faster than predicted)
-    the next size is :func:`_square_step`, a point near the maximum for the quadratic, then
-    bisection. After ``misses`` wrong predictions (:func:`_missed`), or without a known limit,
-    it only doubles and bisects: it never walks down one size at a time.
+    :func:`predict_max` fits peaks in the limit's units; after the predicted ``m`` runs, ``m + 1``
+    closes the bracket. After an unexpected OOM, :func:`_square_step` (a point near the maximum
+    for the quadratic), then bisection. After ``misses`` wrong predictions (:func:`_missed`), or
+    without a known limit, it doubles and bisects: it never walks down one size at a time.
     """
 
     start: int = 32
@@ -250,9 +240,8 @@ class Guided(_PositiveFields):
             return min(2 * lo, max_size) if hi is None else _refine(lo, hi)
         curved = any(_refuted(trials, i) for i in range(1, len(trials)))
         if hi is not None and (guess >= hi or _refuted(trials, len(trials) - 1)):
-            # An OOM at or below the prediction refutes it and measures no peak: re-proposing
-            # the model's guess, or the size below the OOM, would walk down one size at a time.
-            # The square step from the largest fit gives a third point near the maximum.
+            # An OOM at or below the prediction refutes it and measures no peak: re-proposing near
+            # it would walk down one size at a time; the square step gives a point near the maximum.
             step = _square_step(trials, lo) if curved else None
             inside = step is not None and lo < step < hi and not _tried(trials, step)
             return step if inside else _refine(lo, hi)
@@ -283,9 +272,8 @@ class Guided(_PositiveFields):
 
 @dataclass(frozen=True)
 class Confirm(_PositiveFields):
-    """Close the bracket around an answer found elsewhere (a confirmed search's in-process
-    answer), in fresh trials: ``start``, then as :class:`Guided` when it fits, or down by 1,
-    2, 4, ... while nothing has fitted, then bisection (not a halving and a climb back)."""
+    """Close the bracket around a confirmed search's in-process answer in fresh trials: ``start``,
+    then as :class:`Guided` when it fits, or down by 1, 2, 4, ... until a size fits, then bisect."""
 
     start: int
     name: ClassVar[str] = "confirm"
@@ -315,8 +303,7 @@ def predict_max(trials: Sequence[Trial], proven_bytes: int = 0) -> int | None:
     (:func:`~oomguard.engine.core.search.fit.curve_model`); None without a headroom or a peak.
 
     The capacity is the latest headroom, or the largest peak that fitted (or ``proven_bytes``,
-    one that fitted outside ``trials``) if more: a size that ran proves the limit gave it its
-    peak, which on a CPU can exceed the headroom read before it
+    one outside ``trials``) if more: on a CPU a peak can exceed the headroom read before it
     (docs/measurements.md#cpu-limit-units)."""
     model = _model(trials, proven_bytes)
     return model[0].largest_size_within(model[1]) if model is not None else None
@@ -342,9 +329,8 @@ def _model(trials: Sequence[Trial], proven_bytes: int = 0
 
 
 def _reach(trials: Sequence[Trial], guess: int, hi: int | None) -> int:
-    """``guess`` moved up by at most :data:`REACH_SIZES` sizes whose estimated peaks exceed the
-    capacity by at most :data:`UNITS_SLACK_BYTES`, where the model rests on three sizes or more
-    and no OOM is known there: closes the bracket in fewer trials than walking up."""
+    """``guess`` moved up by at most :data:`REACH_SIZES` sizes whose estimated peaks are within
+    :data:`UNITS_SLACK_BYTES` over the capacity, where the model rests on three sizes or more."""
     model = _model(trials)
     if model is None or len({s for s, _ in _points(trials)}) < 3:
         return guess
@@ -369,8 +355,7 @@ def _square_step(trials: Sequence[Trial], lo: int) -> int | None:
 
 def _bends_up(trials: Sequence[Trial]) -> bool:
     """Whether the model is a line through two sizes whose base is below zero by more than
-    :data:`~oomguard.engine.core.search.fit.CURVE_MISFIT` of the smaller size's peak: fixed
-    memory is not negative, so the points grow faster than a line."""
+    :data:`~oomguard.engine.core.search.fit.CURVE_MISFIT` of the smaller peak (memory curves)."""
     model, points = _model(trials), _points(trials)
     if model is None or not isinstance(model[0], LinearFit) or len({s for s, _ in points}) != 2:
         return False
@@ -378,8 +363,7 @@ def _bends_up(trials: Sequence[Trial]) -> bool:
 
 
 def _refuted(trials: Sequence[Trial], i: int) -> bool:
-    """Whether trial ``i`` ran out of memory at a size the trials before it predicted to fit (a
-    guarded refusal, an estimate, refutes nothing)."""
+    """Whether trial ``i`` (not a guarded refusal) ran out at a size predicted to fit before it."""
     t = trials[i]
     if t.ok or t.guarded:
         return False
@@ -388,15 +372,13 @@ def _refuted(trials: Sequence[Trial], i: int) -> bool:
 
 
 def _missed(trials: Sequence[Trial]) -> int:
-    """How many trials contradicted the prediction made from the trials before them: an OOM at a
-    size predicted to fit, or a fit more than one size and 1% above the prediction made with its
-    own peak as capacity (within that is the fit's noise, not a miss)."""
+    """How many trials contradicted the prediction from the trials before them: an OOM at a size
+    predicted to fit, or a fit over one size and 1% (the fit's noise) above the prediction made
+    with its own peak as capacity."""
     missed = 0
     for i, t in enumerate(trials[1:], start=1):
         peak = t.limit_peak_bytes if t.limit_peak_bytes is not None else t.peak_bytes
         guess = predict_max(trials[:i], (peak or 0) if t.ok else 0)
-        if guess is None:
-            continue
-        if (t.ok and t.size > guess + 1 + guess // 100) or _refuted(trials, i):
-            missed += 1
+        missed += guess is not None and (
+            (t.ok and t.size > guess + 1 + guess // 100) or _refuted(trials, i))
     return missed
