@@ -121,8 +121,7 @@ class SearchConfig:
             raise UsageError(f"start ({start}) is larger than max_size ({self.max_size})")
 
     def to_dict(self) -> dict[str, Any]:
-        """What runs: the strategy's name and parameters, the limits and the margin (device,
-        budget and mode are fields of the result)."""
+        """What runs: the strategy's name and parameters, the limits and the margin."""
         strategy = self.strategy if self.strategy is not None else Guided()
         return {"strategy": strategy.name, **strategy_params(strategy), "max_size": self.max_size,
                 "max_trials": self.max_trials, "max_seconds": self.max_seconds,
@@ -131,17 +130,15 @@ class SearchConfig:
                 **({"restore": [type(o).__name__ for o in self.restore]} if self.restore else {})}
 
     def trial_steps(self, workload_steps: int) -> int:
-        """Steps per trial: ``steps_per_trial``, else the workload's own (at least 2 with
-        ``restore``: the first optimizer step and a steady one)."""
+        """Steps per trial: ``steps_per_trial``, else the workload's own (at least 2 with ``restore``)."""
         return self.steps_per_trial or max(workload_steps, 2 if self.restore else 1)
 
     @classmethod
     def from_options(cls, *, strategy: str | Strategy | None = None, start: int | None = None,
                      size_step: int | None = None, **fields: Any) -> SearchConfig:
-        """The config from plain values (the command line, a job file's ``[search]``):
-        ``strategy`` by name (:func:`strategy_named`), its ``start`` and ``size_step``, every
-        other field as is; values left None take the field's default, so the API, the CLI and
-        job files share one set of defaults."""
+        """The config from plain values (the command line, a job file's ``[search]``): ``strategy``
+        by name (:func:`strategy_named`), every other field as is; None takes the field's default,
+        so the API, the CLI and job files share one set of defaults."""
         unknown = sorted(set(fields) - set(_OPTIONS) - {"strategy"})
         if unknown:
             raise UsageError(f"unknown search option(s) {', '.join(unknown)}: options are "

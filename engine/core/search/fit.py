@@ -154,8 +154,7 @@ def fit_points(pts: Sequence[tuple[int, int]]) -> LinearFit | None:
 
 
 def peaks_spread(peaks: Sequence[int]) -> float | None:
-    """``(max - min) / max`` of per-step peaks (a fraction), or None for fewer than two steps
-    or no positive peak."""
+    """``(max - min) / max`` of per-step peaks (a fraction); None for < 2 steps or no peak."""
     if len(peaks) < 2 or max(peaks) <= 0:
         return None
     return (max(peaks) - min(peaks)) / max(peaks)
@@ -167,10 +166,9 @@ def step_spread(trial: Trial) -> float | None:
 
 
 def choose_margin(margin: float | str, trials: Sequence[Trial]) -> tuple[float, str]:
-    """The margin the recommendation keeps free, and where it comes from in words: a number
-    as given; ``"measured"``: :data:`SPREAD_FACTOR` times the largest :func:`step_spread`,
-    within [:data:`MIN_MEASURED_MARGIN`, :data:`MAX_MEASURED_MARGIN`], else (no trial of two
-    steps or more) :data:`DEFAULT_MARGIN`, saying so."""
+    """The margin to keep free and its source in words: a number as given; ``"measured"``:
+    :data:`SPREAD_FACTOR` x the largest :func:`step_spread`, clamped to the MIN/MAX measured
+    margins, else (no trial of two steps or more) :data:`DEFAULT_MARGIN`, saying so."""
     if margin != MEASURED:
         return float(margin), f"fixed: {float(margin):.0%} of capacity (as configured)"
     spreads = [(s, t.size) for t in trials if (s := step_spread(t)) is not None]
@@ -186,14 +184,13 @@ def choose_margin(margin: float | str, trials: Sequence[Trial]) -> tuple[float, 
 
 @dataclass(frozen=True)
 class Recommendation:
-    """Sizes to use, each at most the measured maximum: ``safe``, the largest size whose estimated
-    peak keeps ``margin`` of the capacity free; ``conservative``, the largest size up to ``safe``
-    that ran with a measured peak within the same limit (``conservative_ran`` False: none did, it
-    equals ``safe``); ``maximum``, the largest size that ran. ``basis``: how ``safe`` was
-    obtained; ``margin_source``: where ``margin`` came from (:func:`choose_margin`).
-    ``limit_bytes``: the peak ``safe`` stays under (peak-meter bytes; None without a capacity),
-    ``margin`` below ``limit_against``: the capacity, or the fitted peak at the first OOM where
-    lower. ``checked_peak_bytes``: the measured peak at ``safe`` (a trial, or the check)."""
+    """Sizes to use, at most the measured maximum: ``safe``, the largest whose estimated peak keeps
+    ``margin`` of the capacity free; ``conservative``, the largest up to ``safe`` that ran with a
+    measured peak within that limit (``conservative_ran`` False: none did, it equals ``safe``);
+    ``maximum``, the largest that ran. ``basis``: how ``safe`` was obtained; ``margin_source``:
+    :func:`choose_margin`'s words. ``limit_bytes``: the peak ``safe`` stays under (peak-meter
+    bytes), ``margin`` below ``limit_against`` (the capacity, or the fitted peak at the first OOM
+    where lower). ``checked_peak_bytes``: the measured peak at ``safe``."""
 
     safe: int
     conservative: int
@@ -253,10 +250,9 @@ def recommend(trials: Sequence[Trial], max_ok: int, capacity_bytes: int | None,
 
 
 def step_down(size: int, peak: int | None, limit: float, fit: LinearFit | None) -> int:
-    """The size below ``size`` predicted to keep its peak under ``limit`` (an estimate): the
-    excess of the measured ``peak`` over the limit in the fitted bytes per item (per item of
-    ``peak`` itself without a rising fit), at least one size down; a quarter down where the
-    size ran out of memory (``peak`` None)."""
+    """The size below ``size`` predicted to keep its peak under ``limit`` (an estimate): down by
+    the excess of ``peak`` over it in fitted bytes per item (or ``peak``'s own), at least one;
+    a quarter down after an OOM (``peak`` None)."""
     if peak is None:
         return size - max(1, size // 4)
     per_item = fit.per_item_bytes if fit is not None and fit.per_item_bytes > 0 else peak / size

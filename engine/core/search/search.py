@@ -125,17 +125,15 @@ def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
     importable file, and a calling script needs an ``if __name__ == "__main__":`` guard.
     ``restore=(model, optimizer)`` lets ``fn`` be the whole training step (:class:`SearchConfig`).
 
-    Raises :class:`UsageError` (a ``ValueError``) on bad options,
-    :class:`ChildStartFailed` at once when an isolated ``fn`` cannot be pickled,
-    :class:`NoSizeFits` when no size tried fitted, and :class:`TrialFailed` (``from``
-    the original error) when a trial failed for another reason; both carry the partial
-    result with every trial that ran.
+    Raises :class:`UsageError` (a ``ValueError``) on bad options, :class:`ChildStartFailed` at
+    once when an isolated ``fn`` cannot be pickled, :class:`NoSizeFits` when no size fitted and
+    :class:`TrialFailed` (``from`` the error) when a trial failed otherwise; both carry the
+    partial result with every trial that ran.
     """
     cfg, dev = _checked(config, start, step, options)
     run = _Search(fn, cfg, dev, on_trial)
     with ExitStack() as stack:
-        # Built first: a workload that cannot be pickled fails before any trial, and the
-        # forkserver starts while this process warms up.
+        # First: an unpicklable workload fails at once; the forkserver starts during the warm-up.
         fresh = stack.enter_context(_isolated(fn, cfg, dev)) if cfg.confirm else None
         runner, run.limit = _runner(fn, cfg, dev, stack)
         if run.capacity is None:  # after the warm-up: free memory then leaves the model out
@@ -183,8 +181,7 @@ class _Search:
 
     def phase(self, proposer: Strategy, phase: list[Trial], run: Callable[[int, int], Trial],
               trial_mode: str) -> str:
-        """Run the sizes ``proposer`` proposes from ``phase`` until it stops or a limit is
-        reached; return why it stopped."""
+        """Run the sizes ``proposer`` proposes from ``phase`` until it or a bound stops; why."""
         cfg = self.cfg
         while True:
             if len(self.trials) >= cfg.max_trials:
@@ -222,20 +219,17 @@ class _Search:
                 self.on_trial(trial)
 
     def confirm(self, fresh: Callable[[int, int], Trial], stopped: str) -> str:
-        """Confirm the in-process answer in fresh processes, from its largest fit up; why
-        the search stopped."""
+        """Confirm the in-process answer in fresh processes from its largest fit; why it stopped."""
         lo, _ = bracket(self.trials)
         if lo is not None and (stopped == "bracket closed" or stopped.startswith("max_size")):
             self.answer = []
             stopped = self.phase(Confirm(start=lo), self.answer, fresh, "isolated")
             return f"{stopped} (confirmed in fresh processes from {lo})"
-        # nothing to confirm: the answer stays the in-process one, and says so
         self.mode = "in-process"
         return stopped + " (not confirmed)"
 
     def answered(self, stopped: str, runner: Callable[[int, int], Trial]) -> SearchResult:
-        """The result with its recommendation measured (:meth:`checked`); :class:`NoSizeFits`
-        when nothing fitted."""
+        """The result, its recommendation measured (:meth:`checked`); else :class:`NoSizeFits`."""
         final = self.result(stopped)
         if final.max_ok is None:
             final.stopped_because = "nothing fits" + ("" if stopped.startswith("bracket closed")
@@ -250,10 +244,9 @@ class _Search:
 
     def checked(self, rec: Recommendation, final: SearchResult,
                 runner: Callable[[int, int], Trial]) -> Recommendation:
-        """``rec`` with its size measured: where no trial ran it under the limit it keeps, it
-        runs, then while over the limit or out of memory the size :func:`step_down` predicts,
-        at most :data:`CHECKS` times (the result's ``checks``). A fitted line predicts sizes
-        it never ran: the recommendation is a measurement, as ``oomguard verify`` makes it."""
+        """``rec`` with its size measured, as ``oomguard verify`` would: where no trial ran it under
+        its limit it runs, then, over the limit or out of memory, the size :func:`step_down`
+        predicts, at most :data:`CHECKS` times in all (the result's ``checks``)."""
         limit = rec.limit_bytes
         if limit is None or rec.checked_peak_bytes is not None and rec.checked_peak_bytes <= limit:
             return rec
@@ -280,11 +273,9 @@ class _Search:
 
 def verify(fn: Callable[[int], Any], size: int, steps: int, config: SearchConfig | None = None,
            **options: Any) -> dict[str, Any]:
-    """Run ``steps`` steps of ``fn`` at ``size`` as a search's trial runs them (warm-up, then the
-    config's budget, in this process or a fresh child) and say what happened: ``ok``,
-    ``peak_bytes`` and ``step_peaks`` (as :class:`Trial` counts them), ``seconds`` and an OOM's
-    ``error`` (reported, not raised). ``options`` are :class:`SearchConfig` fields; a search
-    verifies itself with ``verify_steps=N``."""
+    """Run ``steps`` steps of ``fn`` at ``size`` as a search's trial runs them and say what
+    happened: ``ok``, ``peak_bytes``, ``step_peaks``, ``seconds`` and an OOM's ``error``
+    (reported, not raised). ``options`` are :class:`SearchConfig` fields."""
     check_positive_int("size", size)
     check_positive_int("steps", steps)
     cfg, dev = _checked(config, None, None, options)
