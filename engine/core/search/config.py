@@ -27,20 +27,18 @@ from oomguard.engine.errors import UsageError, check_positive_int
 
 @dataclass(frozen=True)
 class SearchConfig:
-    """How a search runs; a bad value is a one-line :class:`UsageError` when the config is
-    built, before any trial.
+    """How a search runs; a bad value is a one-line :class:`UsageError` when it is built.
 
     - ``strategy`` proposes sizes (None: ``Guided(32)``, or ``ExpandBisect(start, step)``
       from :func:`search`'s shorthand); its own fields are what runs.
-    - ``max_size``, ``max_trials``, ``max_seconds`` bound the search (seconds of trials, the
-      warm-up not counted). ``device``: where the trials run.
-    - ``budget``: bytes a trial may use above the warmed-up process (None: no cap).
+    - ``max_size``, ``max_trials``, ``max_seconds`` (of trials, not the warm-up) bound the search.
+    - ``device``: where trials run. ``budget``: bytes a trial may use above the warmed-up
+      process (None: no cap).
     - ``isolate``: each trial in a fresh child process. ``confirm``: search in this process,
       then re-run the answer and the size above it in fresh children, going on there where
       they disagree (``Confirm``): the fresh-process maximum at close to in-process cost.
     - ``margin``: the fraction of capacity the recommended size keeps free, or ``"measured"``
-      (from the spread of peaks across a trial's steps,
-      :func:`~oomguard.engine.core.search.fit.choose_margin`).
+      (:func:`~oomguard.engine.core.search.fit.choose_margin`).
     - ``capacity_bytes``: what the recommendation scales against (None: the budget, else the
       free memory probed before the search).
     - ``trial_timeout``: seconds (finite, > 0) per isolated trial; a child still running then
@@ -51,14 +49,11 @@ class SearchConfig:
     - ``steps_per_trial``: workload calls per trial (None: the workload's own, else 1).
       ``verify_steps``: steps run at the recommended size after the search, any OOM
       reported (0: none).
-    - ``restore``: the modules and optimizers a training step changes, e.g. ``(model,
-      optimizer)``, so the searched step can be the whole one. In-process trials start from a
-      host :class:`~oomguard.engine.core.snapshot.Snapshot` taken before the warm-up and the
-      budget, restored after every trial and at the end, also when the search raises (the
-      objects and RNG states end exactly as before). Each
-      trial then runs at least 2 steps (1 is refused): the first allocates the optimizer's
-      state, the second is the steady state. Isolated children work on their own copies;
-      with ``confirm`` the in-process phase restores them.
+    - ``restore``: what a whole training step changes, e.g. ``(model, optimizer)``. In-process
+      trials start from a host :class:`~oomguard.engine.core.snapshot.Snapshot` taken before the
+      warm-up, restored after every trial and at the end, however the search ends (objects and
+      RNG states end as before); each runs at least 2 steps, the first allocating the optimizer's
+      state (``steps_per_trial=1`` is refused). Isolated children work on their own copies.
     """
 
     strategy: Strategy | None = None

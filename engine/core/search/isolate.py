@@ -1,14 +1,10 @@
-"""Isolated trials: each size runs in a fresh child process, which measures the true maximum
-(in-process trials inherit earlier trials' caches and heap,
-docs/measurements.md#in-process-vs-isolated).
-
-Children fork from the launcher's forkserver (:mod:`oomguard.engine.core.child`), started when
-:class:`IsolatedRunner` is built, with torch and the workload's ``preload`` modules imported
-(docs/measurements.md#isolated-children-start-up). A child's
-:class:`~oomguard.engine.core.search.trial.Trial` is returned; its error is re-raised here with
-its traceback as a note; a child that dies before ``started`` or cannot unpickle the workload raises
-:class:`ChildStartFailed` with the likely cause and fix; one that dies after is an OOM only
-with evidence (:func:`~oomguard.engine.core.child.oom_evidence`), else :class:`ChildCrashed`.
+"""Isolated trials: each size in a fresh child process, the true maximum
+(docs/measurements.md#in-process-vs-isolated), forked from the launcher's forkserver
+(:mod:`oomguard.engine.core.child`, docs/measurements.md#isolated-children-start-up).
+A child's error is re-raised with its traceback as a note; one that dies before ``started`` or
+cannot unpickle the workload raises :class:`ChildStartFailed` with the likely fix; one that
+dies after is an OOM only with evidence (:func:`~oomguard.engine.core.child.oom_evidence`),
+else :class:`ChildCrashed`.
 """
 
 from __future__ import annotations
@@ -87,12 +83,10 @@ class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
     """Context manager; calling it with a size runs one isolated trial -> :class:`Trial`.
 
     ``fn`` must be picklable (else :class:`ChildStartFailed` at once). ``budget`` bytes apply in
-    the child after its warm-up; without them an enforced ``limit``
-    (:class:`~oomguard.engine.core.memory.host_limit.HostLimit`) sets the child's budget, and a
-    RAM guard ``limit`` watches its trial. ``timeout`` seconds (finite, > 0) bound each trial
-    from the child's start: a child still running then is killed and reported as
-    :class:`ChildCrashed`, never an OOM. ``warm_call``: whether the warm-up may call ``fn(1)``
-    (False with ``restore=``; :func:`~oomguard.engine.core.search.trial.warm_up_trials`).
+    the child after its warm-up; without them an enforced ``limit`` (a ``HostLimit``) sets the
+    child's budget, and a RAM guard ``limit`` watches its trial. ``timeout`` seconds (finite,
+    > 0) bound each trial from the child's start; then it is killed: :class:`ChildCrashed`,
+    never an OOM. ``warm_call``: whether the warm-up may call ``fn(1)`` (False with ``restore=``).
     """
 
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",

@@ -1,9 +1,7 @@
-"""The one place that chooses the limit a trial runs under: a budget given, an enforced host
-limit (:class:`~oomguard.engine.core.memory.host_limit.HostLimit`: a cgroup or an outer
-``RLIMIT_DATA``), or the RAM guard (:class:`~oomguard.engine.core.search.ramguard.RamGuard`,
-estimated). Every search, isolated child, job task and reference row enters it through
-:func:`limit_budget`. The tightest wins; under an enforced limit the work runs under a budget
-at its room, so trials are measured and searched as under a budget.
+"""The one place that chooses the limit a trial runs under, entered through :func:`limit_budget`:
+a budget given, an enforced host limit (:class:`~oomguard.engine.core.memory.host_limit.HostLimit`:
+a cgroup or an outer ``RLIMIT_DATA``; the work then runs under a budget at its room), or the RAM
+guard (:class:`~oomguard.engine.core.search.ramguard.RamGuard`, estimated); the tightest wins.
 """
 
 from __future__ import annotations

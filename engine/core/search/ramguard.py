@@ -1,11 +1,9 @@
 """The RAM guard: an estimated limit for CPU searches without a budget or an enforced limit
 (:mod:`~oomguard.engine.core.memory.host_limit`), where one size past the RAM would make the
-host swap or its OOM killer end the run. Its limit is ``fraction`` of the RAM available after
-the warm-up, in bytes a trial may add to its starting resident bytes (the units of a CPU peak).
-A size predicted past it does not run; a watchdog raises :class:`RamLimitReached` (a
-``MemoryError``, so an OOM) in the trial's thread once resident bytes pass it (a single larger
-allocation finishes first); a measured peak past it counts as out of memory. Every verdict is
-marked ``Trial.guarded``; the result says the limit was estimated, not enforced.
+host swap or its OOM killer end the run. A size predicted past it does not run; a watchdog
+raises :class:`RamLimitReached` (a ``MemoryError``, so an OOM) in the trial's thread once
+resident bytes pass it (a single larger allocation finishes first); a measured peak past it is
+an OOM. Every verdict is marked ``Trial.guarded``.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ from oomguard.probes.sampler import Sampler
 if TYPE_CHECKING:
     from oomguard.engine.core.search.trial import Trial
 
-# Of the RAM available after the warm-up, what a trial may add (not all of it is usable
-# without slowing the host).
+# Of the RAM available after the warm-up, what a trial may add without slowing the host.
 DEFAULT_FRACTION = 0.8
 # Seconds between two reads of the resident bytes; the `ps` fallback spawns a process.
 FAST_INTERVAL_S = 0.02

@@ -1,8 +1,7 @@
 """The one record of a search (:func:`record_of`), whose fields the size cache, jobs, reference
-rows and ``report.json`` carry under these names. Sizes in items, bytes in bytes, seconds in
-seconds, fractions in [0, 1]. ``capped_by`` (a search that stopped without closing its bracket)
-is one of :data:`CAPPED_BY`: a search option, the strategy stopping without an OOM, or what set
-a knob's ``max_size`` (the number of samples, or its largest useful size).
+rows and ``report.json`` carry. Sizes in items, bytes, seconds, fractions in [0, 1].
+``capped_by`` (:data:`CAPPED_BY`): a search option, the strategy stopping without an OOM, or
+what set a knob's ``max_size``, where a search stopped without closing its bracket.
 """
 
 from __future__ import annotations
@@ -20,13 +19,12 @@ MEASURED, CACHE = "measured", "cache"  # where a record's sizes come from
 
 @dataclass
 class SearchRecord(Record):
-    """One search, summarised once. ``safe``: the size to use (None: nothing fits, or the search
-    failed); ``peak_at_safe_bytes`` its peak, measured or from the fitted line (``peak_source``);
-    ``peak_at_max_bytes`` the measured peak at ``max_ok``, ``utilisation`` its share of
-    ``capacity_bytes`` (the budget or the free memory probed: ``capacity_kind``). ``limit``: what
-    bounded a search without a budget, in words. A knob's search also has its ``metric``,
-    ``unit``, ``cap`` (the largest size it could try), the other knobs' sizes (``others``) and
-    ``source`` (measured now, or the size cache)."""
+    """One search, summarised once. ``safe``: the size to use (None: nothing fits, or it failed);
+    ``peak_at_safe_bytes``: its peak, measured or fitted (``peak_source``); ``peak_at_max_bytes``:
+    measured at ``max_ok``, ``utilisation`` its share of ``capacity_bytes`` (the budget or the
+    free memory probed: ``capacity_kind``). ``limit``: what bounded a search without a budget.
+    A knob's search also has its ``metric``, ``unit``, ``cap`` (the largest size it could try),
+    the other knobs' sizes (``others``) and ``source`` (measured now, or the size cache)."""
 
     metric: str
     knob: str

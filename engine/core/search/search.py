@@ -11,9 +11,8 @@ every trial that ran::
     search(step, strategy=Doubling(start=64), isolate=True, budget=2 * GiB)
     search(step, SearchConfig(strategy=Doubling(start=64), budget=2 * GiB))
 
-Trials run in this process (fast; later trials inherit earlier ones' caches and heap) or
-each in a fresh child process (the faithful maximum,
-docs/measurements.md#in-process-vs-isolated); the result says which.
+Trials run in this process (fast; later ones inherit earlier ones' caches and heap) or each in
+a fresh child (the faithful maximum, docs/measurements.md#in-process-vs-isolated).
 """
 
 from __future__ import annotations

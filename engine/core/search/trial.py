@@ -1,11 +1,8 @@
-"""One trial: run a workload at a size for a few steps and record what happened (:class:`Trial`).
-
-An error that is not an OOM is not a trial outcome: it propagates. Several steps, because a
-training step's first creates the optimizer state and a size that fits it can run out in
-the next. A workload with ``worst_case_batch(size)`` (:mod:`~oomguard.engine.core.workload`)
-is called ``fn(size, batch=fn.worst_case_batch(size))``, the batch built inside the measured
-region, so a search never passes a size on a lucky batch of short samples (the executor's
-real run calls ``fn(size)``).
+"""One trial: run a workload at a size for a few steps (a training step's first creates the
+optimizer state) and record what happened (:class:`Trial`); an error not an OOM propagates.
+A workload with ``worst_case_batch(size)`` is called ``fn(size, batch=fn.worst_case_batch(size))``,
+the batch built inside the measured region, so no size passes on a lucky batch (the
+executor's real run calls ``fn(size)``).
 """
 
 from __future__ import annotations
@@ -34,12 +31,11 @@ class Trial:
     """The outcome of running a workload at ``size``: ``ok`` (fitted) or an OOM, wall
     ``seconds``, and the ``value`` it returned as plain JSON types.
 
-    ``peak_bytes``: measured above the pre-trial baseline (:class:`probes.PeakMeter` says what
-    each device counts); None for an OOM. ``mode``: ``"in-process"`` or ``"isolated"``.
-    ``guarded``: the RAM guard's verdict against an estimated limit
+    ``peak_bytes``: measured above the pre-trial baseline (:class:`probes.PeakMeter`); None for
+    an OOM. ``mode``: ``"in-process"`` or ``"isolated"``. ``guarded``: the RAM guard's verdict
     (:mod:`~oomguard.engine.core.search.ramguard`), not a failed allocation; ``peak_bytes`` is
-    then the peak until it was stopped, or None for a size not run. ``step_peaks`` and
-    ``step_seconds``: each of the ``steps`` calls' peak and wall seconds.
+    then the peak until stopped, or None for a size not run. ``step_peaks``, ``step_seconds``:
+    each of the ``steps`` calls' peak and wall seconds.
     ``limit_peak_bytes``: the peak in the units the limit counts, named by ``limit_units``
     (sampled ``VmData`` under a CPU budget: a lower bound); ``headroom_bytes``: what the limit
     left at the trial's start, in those units (None: no known limit). ``items_per_second``:
@@ -76,23 +72,17 @@ class Trial:
         return asdict(self) | {"outcome": self.outcome}
 
 
-# Size knobs that split the samples (a training step's batch, a metric's micro-batches or
-# chunks): above the number of samples they all mean "everything at once".
+# Size knobs that split the samples: above their number, all mean "everything at once".
 SAMPLE_KNOBS = frozenset({"micro_batch_size", "chunk_size", "batch_size"})
 
 
 def warm_up_trials(fn: Callable[[int], Any], device: str | torch.device = "cpu",
                    call: bool = True) -> None:
-    """The one-time setup a process does before its first trial and before any limit is
-    entered: ``fn.warmup()`` when the workload has one, else one call ``fn(1)`` (with the
-    worst-case batch, as a trial calls it). Imports, thread pools and kernels are paid here,
-    not by the first trial: a lazy ``import`` under a tight budget can itself run out of
-    memory. Where the call fails (size 1 refused, a device already full) a warning says so
-    and the trials go on without it.
-
-    ``call=False`` (a search with ``restore=``): ``warmup()`` only. A whole training step is
-    measured from the user's state as it is: a warm-up step would allocate the optimizer's
-    state or leave caches outside the budget, which the real loop's first step pays inside."""
+    """A process's one-time setup before its first trial and any limit: ``fn.warmup()``, else one
+    call ``fn(1)`` as a trial calls it, so imports and kernels are not paid by the first trial
+    (a lazy ``import`` under a tight budget can itself run out). A failed call is a warning.
+    ``call=False`` (``restore=``): ``warmup()`` only; a warm-up step would allocate the
+    optimizer's state outside the budget, which the real loop's first step pays inside."""
     if not call or getattr(fn, "warmup", None) is not None:
         warm_up(fn)
         return
