@@ -6,12 +6,9 @@ then the budget, then trials. In-process searches each run in a fresh process of
 own; the "isolated" rows run each trial in a fresh child (``isolate=True``, the mode
 that gives the faithful maximum); the "confirmed" row searches in-process, then re-runs
 the answer and the size above it in fresh children and goes on there where they disagree
-(``confirm=True``). Rows: oomguard's E10 routine (``E10(32, 8)``) and ``Guided()``, each
-in-process and isolated, ``Guided()`` confirmed, ``Doubling(32)``, ``Guided()`` seeded by
-the estimate (``estimate=True``: fake-tensor estimates before the first trial predict the
-size it runs, engine/core/search/seed.py; in-process and isolated), and the peers of
-bench/peer_algorithms.py. Every other oomguard row runs with ``estimate=False``: the guided
-rows are the search as it was before the estimate seeded it.
+(``confirm=True``). Rows: oomguard's expand-then-bisect routine (``ExpandBisect(32, 8)``,
+the E10 report's) and ``Guided()``, each in-process and isolated, ``Guided()`` confirmed,
+``Doubling(32)``, and the peers of bench/peer_algorithms.py.
 
 Columns: trials (sizes run); seconds (measured, from the first trial's start to the
 search's end: the in-process warm-up, paid once by every algorithm, is left out; an
@@ -26,9 +23,7 @@ every smaller one does), which every workload here is built to satisfy. m and m 
 then run once more each ("unconfirmed" says when a second run disagreed). Summary rows
 count, per algorithm, the workloads found exactly (distance 0) and the sizes that ran
 fresh, and total its trials and seconds, also as multiples of E10's in the same mode
-(in-process, or isolated for the isolated rows), and the estimate's rows as multiples of
-guided's in the same mode. An estimate row's seconds include its estimates (made before the
-first trial, after the search's start).
+(in-process, or isolated for the isolated rows).
 
     .venv/bin/python bench/peers.py [--quick] [--only WORKLOAD] [--row ALGORITHM] [--out peers.json]
 """
@@ -60,14 +55,10 @@ from oomguard.engine.util.atomic import atomic_write_json
 ISOLATED = "oomguard guided, isolated"
 CONFIRMED = "oomguard guided, confirmed"
 E10_ISOLATED = "oomguard e10, isolated"
-SEEDED, SEEDED_ISOLATED = "oomguard guided + estimate", "oomguard guided + estimate, isolated"
 OURS: dict[str, Any] = {"oomguard e10": lambda: ExpandBisect(start=32, step=8),
                         "oomguard doubling": lambda: Doubling(start=32),
                         "oomguard guided": Guided, E10_ISOLATED: lambda: ExpandBisect(start=32, step=8),
-                        ISOLATED: Guided, CONFIRMED: Guided, SEEDED: Guided,
-                        SEEDED_ISOLATED: Guided}
-# The row each estimate row is compared with: the same search without the estimate.
-UNSEEDED = {SEEDED: "oomguard guided", SEEDED_ISOLATED: ISOLATED}
+                        ISOLATED: Guided, CONFIRMED: Guided}
 ROWS: set[str] | None = None  # --row: the rows to run (None: all)
 
 
@@ -130,7 +121,6 @@ def run_algorithm(w: Workload, algorithm: str) -> dict[str, Any]:
                           isolate=algorithm.endswith(", isolated"),
                           confirm=algorithm.endswith(", confirmed"),
                           steps_per_trial=peer.steps if peer else None,
-                          estimate=algorithm in UNSEEDED,
                           **({} if peer else {"max_size": w.max_size}))  # a peer has none
     row: dict[str, Any] = {"algorithm": algorithm, "extra": {}}
     try:
@@ -204,8 +194,8 @@ def run_workload(w: Workload, ctx: Any) -> dict[str, Any]:
             continue
         if algorithm.endswith(", isolated"):  # its trials are fresh children of this process
             rows.append(run_algorithm(w, algorithm))
-        elif algorithm.endswith(", confirmed") or algorithm == SEEDED:
-            # a fresh process that may have children (confirmed trials, the estimate's)
+        elif algorithm.endswith(", confirmed"):
+            # a fresh process that may have children (the confirmed trials)
             rows.append(_in_fresh_process(ctx, run_algorithm, w, algorithm))
         else:
             with ctx.Pool(1, maxtasksperchild=1) as pool:  # a fresh process per search
@@ -255,8 +245,7 @@ def summary(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     by_name = {s["algorithm"]: s for s in out}
     for s in out:
         s["vs"] = E10_ISOLATED if s["algorithm"].endswith(", isolated") else "oomguard e10"
-        for key, base in (("e10", by_name.get(s["vs"])),
-                          ("guided", by_name.get(UNSEEDED.get(s["algorithm"], ""), None))):
+        for key, base in (("e10", by_name.get(s["vs"])),):
             s[f"trials_vs_{key}"] = s["trials"] / base["trials"] if base and base["trials"] \
                 else None
             s[f"seconds_vs_{key}"] = s["seconds"] / base["seconds"] if base and base["seconds"] \
@@ -284,10 +273,8 @@ def table(results: dict[str, dict[str, Any]], totals: list[dict[str, Any]]) -> s
     for s in totals:
         n = s["workloads"]
         cells = [f"**all {n}**", "", f"**{s['algorithm']}**",
-                 f"{s['trials']}{_times(s['trials_vs_e10'], s['vs'])}"
-                 f"{_times(s['trials_vs_guided'], UNSEEDED.get(s['algorithm'], ''))}",
-                 f"{s['seconds']:.1f}{_times(s['seconds_vs_e10'], s['vs'])}"
-                 f"{_times(s['seconds_vs_guided'], UNSEEDED.get(s['algorithm'], ''))}", "",
+                 f"{s['trials']}{_times(s['trials_vs_e10'], s['vs'])}",
+                 f"{s['seconds']:.1f}{_times(s['seconds_vs_e10'], s['vs'])}", "",
                  f"{s['ran_fresh']}/{n}", f"0 on {s['exact']}/{n}", ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -32,7 +32,7 @@ from oomguard.engine.util.units import parse_size
     (["search", "--metric", "loss", "--samples", "0"], "positive integer"),
     (["run", "/nonexistent/job.toml"], "job file not found"),
     (["probe", "--device", "tpu"], "unknown device"),
-    (["bench", "--strategy", "doubling", "--size-step", "16"], "takes no --size-step"),
+    (["bench", "--strategy", "doubling", "--size-step", "16"], "takes no size step"),
     (["search", "--metric", "loss", "--model", "nosuchtype:n_layer=1"], "unknown model"),
     (["search", "--metric", "loss", "--dtype", "float8"], "unknown dtype"),
 ])

@@ -57,7 +57,7 @@ def test_help_still_shows_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
     ('{"rows": [1]}', "got an object without them"),
     ('{"rows": []', "cannot read a reference.json"),
     (json.dumps({"model": "tiny-gpt2", "dtype": "float32", "seq_len": 16, "n_samples": 8,
-                 "rows": []}), "--measured was measured for seq_len 16, this estimate is for 128"),
+                 "rows": []}), "--measured was measured for seq_len 16, this estimate is for 32"),
 ])
 def test_measured_is_checked_before_any_estimate(
         content: str, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -50,8 +50,8 @@ def test_confirm_with_isolate_is_a_usage_error() -> None:
 def test_the_cli_confirm_flag_reaches_the_search_config() -> None:
     args = argparse.Namespace(start=32, budget=None, strategy=None, size_step=None, align=None,
                               max_trials=40, margin=0.15, isolate=False, confirm=True,
-                              trial_timeout=None)
-    assert search_config(args, __import__("torch").device("cpu"), 1024).confirm is True
+                              trial_timeout=None, max_size=1024)
+    assert search_config(args, __import__("torch").device("cpu")).confirm is True
 
 
 def test_an_answer_that_does_not_fit_fresh_is_followed_down_by_1_2_4_not_halved() -> None:

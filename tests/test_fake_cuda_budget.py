@@ -35,7 +35,7 @@ def _ooms(device: Any, nbytes: int) -> str | None:
 
 def _args(**kw: Any) -> argparse.Namespace:
     base = dict(start=8, budget=None, strategy="expand-bisect", size_step=None, isolate=False,
-                margin=0.15, trial_timeout=None, max_trials=40)
+                margin=0.15, trial_timeout=None, max_trials=40, max_size=64)
     return argparse.Namespace(**base | kw)
 
 
@@ -66,7 +66,7 @@ def test_fake_cuda_default_search_after_warmup_meets_the_device_limit(
     from oomguard.engine.core.search.search import search
 
     gpu = FakeCuda(total=16 * GiB, context=512 * MiB).install(monkeypatch)
-    config = _search_config(_args(), torch.device("cuda"), max_size=64)
+    config = _search_config(_args(), torch.device("cuda"))
     result = search(FakeStep(gpu), config)
     # 16 GiB - 0.5 GiB context - 2 GiB model = 13.5 GiB = 54 items of 256 MiB
     assert (result.max_ok, result.first_oom) == (54, 55)
@@ -163,7 +163,7 @@ def test_fake_mps_search_config_defaults_to_isolated_trials_under_a_budget(
 
     mps = FakeMps(recommended=16 * GiB).install(monkeypatch)
     mps.alloc(1 * GiB)
-    config = _search_config(_args(), torch.device("mps"), max_size=64)
+    config = _search_config(_args(), torch.device("mps"))
     assert config.isolate and config.budget == 15 * GiB
 
 

@@ -258,8 +258,9 @@ def test_fake_cuda_search_on_a_mig_slice_counts_the_nvml_assert_as_an_oom(
     drv = _driver(monkeypatch, gpus=[_mig_card()])
     gpu = _slice(monkeypatch, drv)
     args = argparse.Namespace(start=8, budget=None, strategy="expand-bisect", size_step=None,
-                              isolate=False, margin=0.15, trial_timeout=None, max_trials=40)
-    result = search(_Step(gpu), search_config(args, torch.device("cuda"), max_size=64))
+                              isolate=False, margin=0.15, trial_timeout=None, max_trials=40,
+                              max_size=64)
+    result = search(_Step(gpu), search_config(args, torch.device("cuda")))
     # 9.75 GiB - 0.5 GiB context - 1 GiB model = 8.25 GiB: 33 items of 256 MiB
     assert (result.max_ok, result.first_oom) == (33, 34)  # before: the search raised
     assert gpu.num_ooms == 0 and gpu.num_alloc_retries > 0

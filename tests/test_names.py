@@ -83,18 +83,20 @@ def test_reference_metric_is_repeatable_or_a_comma_list() -> None:
 
 
 def test_the_old_step_still_sizes_expand_bisect(capsys: pytest.CaptureFixture[str]) -> None:
-    from oomguard.engine.cli.options import strategy
+    import torch
+
+    from oomguard.engine.cli.options import search_config
     from oomguard.engine.core.search.strategies import ExpandBisect
 
     for argv in (["--size-step", "16"], ["--step", "16"], ["--strategy", "e10", "--size-step",
                                                             "16"]):
-        inner = strategy(_parse("bench", *argv), None, 1, 1024)
+        inner = search_config(_parse("bench", *argv), torch.device("cpu")).strategy
         assert isinstance(inner, ExpandBisect) and (inner.start, inner.step) == (32, 16)
     capsys.readouterr()
 
 
 @pytest.mark.parametrize("option, default", [("--seq-len", DEFAULT_SEQ_LEN),
-                                             ("--start", DEFAULT_START)])
+                                             ("--start", None)])  # None: SearchConfig's 32
 def test_one_default_in_every_command(option: str, default: int) -> None:
     defaults = {}
     for command in COMMANDS:
@@ -107,7 +109,11 @@ def test_one_default_in_every_command(option: str, default: int) -> None:
     # --check, --seq-len is refused
     defaults.pop("metrics", None)
     assert defaults and set(defaults.values()) == {default}, defaults
-    assert (DEFAULT_SEQ_LEN, DEFAULT_START) == (128, 32)
+    from oomguard.engine.core.search.strategies import Guided
+    from oomguard.engine.jobs.records import DataSpec
+
+    # --seq-len: a job file's [data] default; --start: what --help says, SearchConfig's own
+    assert (DEFAULT_SEQ_LEN, DEFAULT_START) == (DataSpec.seq_len, Guided.start) == (32, 32)
 
 
 def test_reference_does_not_offer_verify_steps() -> None:

@@ -77,8 +77,8 @@ def _error(text: str, tmp_path: Path) -> str:
     ('[search]\nstrategy = "fastest"\n' + METRIC, "line 2: search.strategy: unknown strategy "
                                                  "'fastest': use one of guided, expand-bisect"),
     ('[search]\nstrategy = "doubling"\nsize_step = 4\n' + METRIC,
-     "line 2: search.strategy: size_step is expand-bisect's increment; strategy doubling takes "
-     "none"),
+     "line 2: search.strategy: the size step (size_step, --size-step) is expand-bisect's "
+     "increment; strategy doubling takes no size step"),
     ("[search]\nenabled = 1\n" + METRIC, "line 2: search.enabled: expected true or false, got "
                                          "int 1"),
     ("[search]\nstep = 0\n" + METRIC, "line 2: search.step: expected a positive integer, got 0"),

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_STEP = 8  # the expand-bisect increment
-DEFAULT_START = 32  # every command's first size, as SearchConfig's Guided(32)
-DEFAULT_SEQ_LEN = 128  # every command's tokens per sample
+DEFAULT_START = 32  # SearchConfig's first size (Guided(32)), said in --help
+DEFAULT_SEQ_LEN = 32  # every command's tokens per sample, as a job file's [data] seq_len
 DEFAULT_CPU_BUDGET = "2GiB"
 REQUIRED = "required"  # a workload option's "default" when the command needs it given
 STRATEGIES = ("guided", "expand-bisect", "doubling", "linear-jump")
@@ -129,7 +129,7 @@ def add_progress_option(p: argparse.ArgumentParser) -> None:
 
 def add_workload_options(p: argparse.ArgumentParser, group: Any = None, **defaults: Any) -> Any:
     """Add the workload options named by ``defaults``, each with its default:
-    ``seq_len=128`` adds ``--seq-len``, default 128 (:data:`DEFAULT_SEQ_LEN`, every command's);
+    ``seq_len=32`` adds ``--seq-len``, default 32 (:data:`DEFAULT_SEQ_LEN`, every command's);
     :data:`REQUIRED` makes one required; ``(default, note)`` puts ``note`` in its help instead
     of the default. They go in ``group`` (the command's own "workload" group), else in a new
     one; the group is returned."""
@@ -212,32 +212,6 @@ def check_sizes(sizes: Sequence[tuple[str, int]], seq_len: int) -> None:
             raise UsageError(str(exc)) from None
 
 
-def strategy(args: argparse.Namespace, capacity: int | None, unit: int, max_size: int) -> Any:
-    """The strategy the options name; for a knob whose memory changes only at multiples of
-    ``unit``, ``--start``/``--size-step`` in whole units (at least one) and only multiples tried."""
-    import math
-
-    from oomguard.engine.core.search.strategies import Doubling, ExpandBisect, Guided, LinearJump
-    from oomguard.metrics.workload import in_units, in_whole_units
-
-    # --size-step alone names expand-bisect (its increment); otherwise the default is guided.
-    name = args.strategy or ("expand-bisect" if args.size_step is not None else "guided")
-    if name != "expand-bisect" and args.size_step is not None:
-        raise UsageError(f"--size-step is the expand-bisect increment; --strategy {name} takes "
-                         "no --size-step (guided predicts, doubling multiplies by 2, linear-jump "
-                         "fits)")
-    # --align 8 for tensor cores; a Namespace built by hand may lack newer options
-    unit = math.lcm(unit, getattr(args, "align", None) or 1)
-    unit, start, step = in_whole_units(args.start, args.size_step or DEFAULT_STEP, unit,
-                                      max_size)
-    if name == "linear-jump" and capacity is None:
-        raise UsageError("--strategy linear-jump needs a --budget (or a GPU's free memory)")
-    inner = (Guided(start=start) if name == "guided" else Doubling(start=start) if name == "doubling"
-             else LinearJump(capacity_bytes=capacity, start=start) if name == "linear-jump"
-             else ExpandBisect(start=start, step=step))
-    return in_units(inner, unit)
-
-
 def isolated(args: argparse.Namespace, dev: torch.device) -> bool:
     """Whether the search's trials run in fresh children: ``--isolate``, and always on MPS,
     which aborts the process on a tensor over 4 GiB instead of raising (a trial must not
@@ -245,30 +219,45 @@ def isolated(args: argparse.Namespace, dev: torch.device) -> bool:
     return bool(args.isolate) or dev.type == "mps"
 
 
-def search_config(args: argparse.Namespace, dev: torch.device, max_size: int, unit: int = 1) -> Any:
-    """Every search option checked before any model is built (a bad --margin fails first)."""
-    from oomguard.engine.core.memory.budget import check_budget
-    from oomguard.engine.core.search.search import SearchConfig
+# The search options as SearchConfig names them; one not given (None) takes SearchConfig's default.
+_SEARCH_OPTIONS = ("strategy", "start", "size_step", "max_size", "max_trials", "margin",
+                   "steps_per_trial", "verify_steps", "trial_timeout")
 
-    if args.start > max_size:
-        raise UsageError(f"--start {args.start} is larger than --max-size {max_size}")
+
+def search_config(args: argparse.Namespace, dev: torch.device) -> Any:
+    """The one :class:`~oomguard.engine.core.search.config.SearchConfig` the options describe,
+    built as the API and a job file build it (:meth:`SearchConfig.from_options`: an option not
+    given takes its default), every option checked before any model is built."""
+    from oomguard.engine.core.memory.budget import check_budget
+    from oomguard.engine.core.search.config import SearchConfig
+
+    start, top = getattr(args, "start", None), getattr(args, "max_size", None)
+    if start is not None and top is not None and start > top:
+        raise UsageError(f"--start {start} is larger than --max-size {top}")
     nbytes = default_budget(dev, args.budget)
     if nbytes is not None:
         check_budget(nbytes, dev)
-    capacity = nbytes
-    if capacity is None and dev.type == "cuda" and args.strategy == "linear-jump":
+    capacity = None
+    if nbytes is None and dev.type == "cuda" and args.strategy == "linear-jump":
         from oomguard.probes import probe
 
         capacity = probe(dev).free_bytes  # only where the strategy needs a number to aim at
-    given = {} if args.trial_timeout is None else {"trial_timeout": args.trial_timeout}
-    if getattr(args, "max_trials", None) is not None:  # None: SearchConfig's default
-        given["max_trials"] = args.max_trials
     isolate = isolated(args, dev)
-    return SearchConfig(strategy=strategy(args, capacity, unit, max_size), max_size=max_size,
-                        device=dev, budget=nbytes, isolate=isolate,
-                        confirm=getattr(args, "confirm", False) and not isolate,
-                        margin=args.margin, steps_per_trial=getattr(args, "steps_per_trial", None),
-                        verify_steps=getattr(args, "verify_steps", 0), **given)
+    return SearchConfig.from_options(
+        **{name: getattr(args, name, None) for name in _SEARCH_OPTIONS}, device=dev,
+        budget=nbytes, capacity_bytes=capacity, isolate=isolate,
+        confirm=bool(getattr(args, "confirm", False)) and not isolate)
+
+
+def knob_search_config(config: Any, args: argparse.Namespace, unit: int, cap: int) -> Any:
+    """``config`` for one knob of granularity ``unit`` searched up to ``cap``, as a job sizes a
+    knob (:func:`~oomguard.engine.jobs.sizing.knob_config`); ``--align N`` tries only multiples
+    of N too."""
+    import math
+
+    from oomguard.engine.jobs.sizing import knob_config
+
+    return knob_config(config, math.lcm(unit, getattr(args, "align", None) or 1), cap)
 
 
 def default_budget(dev: torch.device, given: int | None) -> int | None:
@@ -318,14 +307,14 @@ def add_search_options(p: argparse.ArgumentParser, verify_steps: bool = True,
                    help="memory the trials may use above the warmed-up process, e.g. 2GiB, "
                         "512MiB, 2GB (default: 2GiB on a Linux CPU; none on CUDA: trials meet "
                         "the device's own limit; on MPS the recommended working set left)")
-    p.add_argument("--start", type=positive_int, default=DEFAULT_START,
+    p.add_argument("--start", type=positive_int, default=None,
                    help=f"first size (default {DEFAULT_START})")
     p.add_argument("--size-step", type=positive_int, default=None, metavar="N",
                    help=f"expand-bisect's size increment (default {DEFAULT_STEP}; only with "
                         "--strategy expand-bisect; a knob with a unit steps in whole units, at "
                         "least one)")
     add_deprecated(p, "--step", "--size-step", "size_step", type=positive_int)
-    p.add_argument("--max-size", type=positive_int, default=65536,
+    p.add_argument("--max-size", type=positive_int, default=None,
                    help="largest size to try (default 65536)")
     p.add_argument("--max-trials", type=positive_int, default=None,
                    help="trial limit (default 64)")
@@ -342,7 +331,7 @@ def add_search_options(p: argparse.ArgumentParser, verify_steps: bool = True,
                        help="run N further steps at the recommended size and report any OOM")
     p.add_argument("--align", type=positive_int, default=None, metavar="N",
                    help="try only multiples of N (8 for tensor cores)")
-    p.add_argument("--margin", type=margin, default=0.15,
+    p.add_argument("--margin", type=margin, default=None,
                    help="fraction of capacity the recommended size keeps free (default 0.15), "
                         "or 'measured': twice the spread of peaks across each trial's steps")
     p.add_argument("--isolate", action="store_true",

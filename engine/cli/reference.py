@@ -84,7 +84,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
     for option in ("gpu", "memory", "batches", "measured"):
         if getattr(args, option) is not None:
             raise UsageError(f"--{option} is for --estimate: add --estimate, or leave it out")
-    from oomguard.engine.cli.options import search_config
+    from oomguard.engine.cli.options import knob_search_config, search_config
     from oomguard.engine.jobs.output import check_output_folder
     from oomguard.engine.jobs.progress import Progress
     from oomguard.engine.jobs.reference import build_reference, sizes_toml
@@ -95,13 +95,12 @@ def cmd_reference(args: argparse.Namespace) -> int:
     names = _metric_names(args.metric)
     dev = resolve_device(args.device or "cpu", check=True)
     check_seq_len(model_config(args.model), args.seq_len)
-    budget = search_config(args, dev, args.max_size).budget  # every option checked now
+    base = search_config(args, dev)  # every option checked now
     out = Path(args.out)
     check_output_folder(out)
 
     def config_for(trial: Any, cap: int) -> Any:
-        ns = argparse.Namespace(**vars(args) | {"start": min(args.start, cap)})
-        return search_config(ns, dev, cap, trial.unit())
+        return knob_search_config(base, args, trial.unit(), cap)
 
     def show(row: Any) -> None:
         what = f"maximum {row.max_ok}, safe {row.safe}" if row.max_ok is not None else row.note
@@ -117,8 +116,8 @@ def cmd_reference(args: argparse.Namespace) -> int:
     rows = _rows(names, args)  # after the header: the bar stays below it
     with rows:
         ref = build_reference(args.model, str(dev), args.dtype, args.seq_len, args.samples,
-                              budget_bytes=budget, cache_path=args.cache, config_for=config_for,
-                              metrics=names, max_size=args.max_size,
+                              budget_bytes=base.budget, cache_path=args.cache,
+                              config_for=config_for, metrics=names, max_size=base.max_size,
                               on_trial=Progress("size", args.confirm), on_row=show)
     doc = ref.to_dict()
     missing = [f"{r.metric}.{r.knob}" for r in ref.rows if r.safe is None]
@@ -154,7 +153,10 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
         memory, memory_name = gpu_memory(args.gpu), args.gpu
     else:
         memory, memory_name = args.memory, fmt_bytes(args.memory)
-    if not isinstance(args.margin, float):
+    from oomguard.engine.core.search.config import SearchConfig
+
+    margin = SearchConfig.margin if args.margin is None else args.margin  # one default
+    if not isinstance(margin, float):
         raise UsageError("--margin for --estimate is a fraction in [0, 1) (nothing is "
                          "measured, so 'measured' has no spread to read)")
     names = _metric_names(args.metric)
@@ -180,13 +182,14 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
 
     print(f"oomguard: estimated reference of {len(names)} metrics for {args.model} "
           f"({args.dtype}, seq_len {args.seq_len}, {args.samples} samples) in {memory_name} "
-          f"less a {args.margin:.0%} margin", file=sys.stderr, flush=True)
+          f"less a {margin:.0%} margin", file=sys.stderr, flush=True)
     rows = _rows(names, args)  # after the header: the bar stays below it
     with rows:
         doc = build_estimate_reference(args.model, args.dtype, args.seq_len, args.samples,
                                        memory=memory, memory_name=memory_name,
-                                       margin=args.margin, device=device, metrics=names,
-                                       max_size=args.max_size, batches=batches,
+                                       margin=margin, device=device, metrics=names,
+                                       max_size=args.max_size or SearchConfig.max_size,
+                                       batches=batches,
                                        measured=measured, on_row=show)
     missing = [f"{r['metric']}.{r['knob']}" for r in doc["rows"] if r["max_ok"] is None]
     return _write(out, {"estimate-reference.json": doc,

@@ -21,6 +21,7 @@ from oomguard.engine.cli.options import (
     budget_free_limit,
     check_workload,
     isolated,
+    knob_search_config,
     search_config,
 )
 from oomguard.engine.cli.verify import workload_spec
@@ -58,7 +59,8 @@ def add_search(p: argparse.ArgumentParser) -> None:
 
 
 def _search(workload: Any, config: Any, context: dict[str, Any], show: bool = False) -> Any:
-    """Run one search planned (and checked) before; None (after one line) if no size fit.
+    """Run one search planned (and checked) before; where no size fit, one line and the
+    result with no maximum.
     ``show``: trials done and the estimated time left on stderr (:class:`Steps`)."""
     from oomguard.engine.errors import NoSizeFits
     from oomguard.engine.jobs.sizing import run_search
@@ -78,7 +80,7 @@ def _search(workload: Any, config: Any, context: dict[str, Any], show: bool = Fa
             return run_search(workload, config, progress)
         except NoSizeFits as exc:  # other knobs may still fit; TrialFailed goes to main()
             steps.write(f"oomguard: {exc}")
-            return None
+            return exc.result
 
 
 def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out: Path) -> int:
@@ -128,7 +130,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         start_forkserver(TrainStep.preload + (TrainStep.__module__,))
     check_seq_len(model_config(args.model), args.seq_len)
-    config = search_config(args, dev, args.max_size)
+    base = search_config(args, dev)
+    config = knob_search_config(base, args, 1, base.max_size)
     out = Path(args.out)
     check_output_folder(out)
     workload = TrainStep(model=args.model, seq_len=args.seq_len, device=args.device)
@@ -139,7 +142,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     context = workload.describe() | {"workload_spec": workload_spec(workload)}
     context["title"] = f"{args.model} training step: Maximum Batch Size Report"
     result = _search(workload, config, context, wanted(args.progress))
-    return 1 if result is None else _report(args, result, context, out)
+    return 1 if result.max_ok is None else _report(args, result, context, out)
 
 
 def _check_knobs(trial: Any, knobs: list[str], isolate: bool) -> None:
@@ -158,45 +161,65 @@ def _check_knobs(trial: Any, knobs: list[str], isolate: bool) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    """Each memory knob sized as a job sizes it (:func:`~oomguard.engine.jobs.sizing.choose_sizes`):
+    in the metric's order, each searched with the knobs before it at the sizes found (``--knob``:
+    that one alone, the others at their defaults), a report per knob."""
+    from oomguard.engine.core.search.record import record_of
     from oomguard.engine.jobs.output import check_output_folder
+    from oomguard.engine.jobs.sizing import Request, choose_sizes
     from oomguard.metrics.base import get_metric
     from oomguard.metrics.models import check_seq_len, model_config
     from oomguard.metrics.workload import MetricTrial
 
     check_workload(args)
-    knobs = [k.name for k in get_metric(args.metric).memory_knobs()]
+    metric = get_metric(args.metric)
+    knobs = [k.name for k in metric.memory_knobs()]
     if args.knob and args.knob not in knobs:
         raise UsageError(f"metric {args.metric!r} has no memory knob {args.knob!r}: "
                          f"valid: {', '.join(knobs)}")
     dev = resolve_device(args.device, check=True)
+    searched = [args.knob] if args.knob else knobs
+
+    def trial_of(knob: str, sizes: dict[str, int]) -> Any:
+        return MetricTrial(metric=args.metric, knob=knob, model=args.model, dtype=args.dtype,
+                           device=args.device, n_samples=args.samples, seq_len=args.seq_len,
+                           params={k: v for k, v in sizes.items() if k != knob})
+
     if isolated(args, dev) or args.confirm:  # started now: imports overlap the planning
         from oomguard.engine.core.child import start_forkserver
         from oomguard.engine.core.workload import workload_preload
 
-        first = MetricTrial(metric=args.metric, knob=args.knob or knobs[0], model=args.model)
-        start_forkserver(workload_preload(first))
-    check_seq_len(model_config(args.model), args.seq_len)
-    plans = []  # every knob's search planned (and checked) before the first one runs
-    for knob in [args.knob] if args.knob else knobs:
-        trial = MetricTrial(metric=args.metric, knob=knob, model=args.model, dtype=args.dtype,
-                            device=args.device, n_samples=args.samples, seq_len=args.seq_len)
-        max_size = min(trial.max_size() or args.max_size, args.max_size)
-        out = Path(args.out) / knob if len(knobs) > 1 and not args.knob else Path(args.out)
-        ns = argparse.Namespace(**vars(args) | {"start": min(args.start, max_size)})
-        config = search_config(ns, dev, max_size, trial.unit())
+        start_forkserver(workload_preload(trial_of(searched[0], {})))
+    config = model_config(args.model)
+    check_seq_len(config, args.seq_len)
+    base = search_config(args, dev)  # every option checked before any model is built
+    outs = {k: Path(args.out) / k if len(searched) > 1 else Path(args.out) for k in searched}
+    _check_knobs(trial_of(searched[0], {}), searched, base.isolate)
+    for out in outs.values():  # last, so a bad option leaves no folder behind
+        check_output_folder(out)
+    nothing_fits: list[str] = []
+
+    def evaluate(knob: str, sizes: dict[str, int], unit: int, cap: int) -> Any:
+        trial = trial_of(knob, sizes)
         context = trial.report_context() | {"workload_spec": workload_spec(trial)}
         if args.plugin:  # what `oomguard verify` needs given again to rebuild the workload
             context["plugins"] = args.plugin
-        plans.append((trial, config, context, out))
-    _check_knobs(plans[0][0], [trial.knob for trial, *_ in plans], plans[0][1].isolate)
-    for *_, out in plans:  # last, so a bad option leaves no folder behind
-        check_output_folder(out)
-    status = 0
-    for trial, config, context, out in plans:
-        result = _search(trial, config, context, wanted(args.progress))
-        if result is None:  # nothing fitted this knob; the others may still fit
-            status = 1
-            continue
-        if _report(args, result, context, out):
-            return 1  # nowhere to write (a full disk): the reports already written stay whole
-    return status
+        result = _search(trial, knob_search_config(base, args, unit, cap), context,
+                         wanted(args.progress))
+        if result.max_ok is None:  # nothing fitted this knob; the others may still fit
+            nothing_fits.append(knob)
+        elif _report(args, result, context, outs[knob]):
+            raise _NowhereToWrite  # a full disk: the reports already written stay whole
+        return record_of(result, metric=args.metric, unit=unit)
+
+    pinned = {k.name: int(k.default) for k in metric.memory_knobs() if k.name not in searched}
+    request = Request(metric, {}, args.samples, config, base.max_size, pinned, "metric default")
+    try:
+        choose_sizes(request, evaluate=evaluate)
+    except _NowhereToWrite:
+        return 1
+    return 1 if nothing_fits else 0
+
+
+class _NowhereToWrite(Exception):
+    """A report could not be written (its one line is out): no further knob is searched."""

@@ -28,6 +28,7 @@ import torch
 from oomguard.engine.core.memory.heap import (
     ISOLATED_MMAP_THRESHOLD_BYTES,
     free_heap_bytes,
+    mmap_threshold_bytes,
     return_freed_memory_to_os,
 )
 from oomguard.engine.errors import BudgetError, UsageError
@@ -160,9 +161,7 @@ def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
 
 @contextmanager
 def _cpu_budget(nbytes: int) -> Iterator[Budget]:
-    # Blocks of 4 KiB or more get mappings of their own, returned when freed, as in an
-    # isolated child (docs/measurements.md#free-heap-at-budget-entry).
-    return_freed_memory_to_os(ISOLATED_MMAP_THRESHOLD_BYTES)
+    return_freed_memory_to_os()
     # Baseline after garbage is gone and the OpenMP pool exists, else its ~8 MiB of thread
     # stacks are charged to the budget (docs/measurements.md#minimum-cpu-budget).
     gc.collect()
@@ -171,12 +170,18 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
     vm_data = host.proc_status("VmData")
     if vm_data is None:
         raise BudgetError("CPU budgets need Linux /proc/self/status (VmData)")
-    # Free heap chunks are in VmData already and reusable: charged to the budget, so the
-    # code inside may use exactly nbytes (docs/measurements.md#free-heap-at-budget-entry).
-    free = min(free_heap_bytes() or 0, nbytes - MIN_CPU_BUDGET // 2)
-    limit = vm_data + nbytes - max(0, free)
+    limit = vm_data + nbytes
     if soft != resource.RLIM_INFINITY:  # finite: also within the hard limit (soft <= hard)
         limit = min(limit, soft)
+    slack = free_heap_bytes()
+    # An isolated child lowered the threshold before anything allocated: what it holds free
+    # came from its forkserver, and no advice to the user changes it.
+    child = (mmap_threshold_bytes() or 1 << 62) <= ISOLATED_MMAP_THRESHOLD_BYTES
+    if slack is not None and slack > max(nbytes // 20, 4 * 1024**2) and not child:
+        log.warning("%s of free heap chunks at budget entry can be reused without counting "
+                    "against the %s budget; for an exact budget start the process with "
+                    "MALLOC_MMAP_THRESHOLD_=131072 (docs/measurements.md#free-heap-at-budget-entry)",
+                    fmt_bytes(slack), fmt_bytes(nbytes))
     b = Budget(nbytes=nbytes, device="cpu", mechanism="RLIMIT_DATA", limit=limit)
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     try:

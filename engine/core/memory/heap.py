@@ -57,6 +57,11 @@ def return_freed_memory_to_os(threshold: int = _MMAP_THRESHOLD_BYTES) -> bool:
     return done
 
 
+def mmap_threshold_bytes() -> int | None:
+    """The lowest ``M_MMAP_THRESHOLD`` oomguard set in this process (bytes), or None."""
+    return _mmap_threshold[0] if _mmap_threshold else None
+
+
 def trim_heap() -> bool:
     """Give the free memory at the top of glibc's heaps back to the OS (``malloc_trim(0)``)."""
     return _call("malloc_trim", 0)

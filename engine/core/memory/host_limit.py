@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET, Budget, budget
-from oomguard.engine.core.memory.heap import free_heap_bytes
 from oomguard.engine.errors import BudgetError
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
@@ -61,8 +60,7 @@ class HostLimit:
                               f"{fmt_bytes(room)} to this work, and a budget under it needs "
                               f"{fmt_bytes(MIN_CPU_BUDGET + slack)}: give the container or "
                               "job more memory")
-        # The budget charges free heap chunks at entry; the kernel does not: given back.
-        with budget(room - slack + (free_heap_bytes() or 0), "cpu") as b:
+        with budget(room - slack, "cpu") as b:
             yield b
 
     def describe(self) -> str:
