@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from oomguard.engine.core.search.record import peak_at
 from oomguard.engine.core.search.search import SearchResult
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.reports.json_report import (
@@ -303,14 +304,13 @@ def _scaling(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
 
 
 def _estimate(result: SearchResult, size: int) -> str:
-    """The peak at ``size``: measured where a trial ran there, else from the fitted line."""
-    measured = {t.size: t.peak_bytes for t in result.trials
-                if t.ok and t.peak_bytes is not None}.get(size)
-    peak = measured if measured is not None else result.fit.predict(size) if result.fit else None
+    """The peak at ``size`` as the search's record states it: measured where a trial or the
+    check of the recommended size ran there, else from the fitted line."""
+    peak, source = peak_at(result, size)
     if peak is None:
         return "peak unknown"
     util = utilisation(peak, result.capacity_bytes)
-    return (f"{'measured' if measured is not None else 'estimated'} {fmt_bytes(peak)}"
+    return (f"{'measured' if source == 'measured' else 'estimated'} {fmt_bytes(peak)}"
             + (f", {_pct(util)} utilization" if util is not None else ""))
 
 

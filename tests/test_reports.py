@@ -103,9 +103,10 @@ def test_markdown_sections_and_table(result: SearchResult) -> None:
     assert _table_rows(md) == [(t.size, "✓ SUCCESS" if t.ok else "✗ OOM")
                                for t in result.trials]
     assert "1. Started with batch_size=8" in md
-    assert "+8 increments" in md
+    # each trial narrated with the reason its strategy gave for it
+    assert "Tried batch_size=16, +8 from 8, which fitted (✓ SUCCESS)" in md
     first_oom_seen = next(t.size for t in result.trials if not t.ok)
-    assert f"When OOM encountered at batch_size={first_oom_seen}" in md
+    assert f"Tried batch_size={first_oom_seen}, +8 from {first_oom_seen - 8}, which fitted (✗ OOM)" in md
     assert f"found maximum at batch_size={result.max_ok}" in md
     assert "in-process" in md and "history-dependent" in md
     assert "least-squares" in md and "VmHWM" in md and "R²" in md

@@ -98,7 +98,7 @@ def record_of(result: Any, *, metric: str = "", unit: int = 1, cap_reason: str |
     if result.max_ok is None:
         return SearchRecord(**common, note="nothing fits: even the smallest size ran out of memory")
     safe = result.size_to_use
-    peak, source = _peak_at(result, safe)
+    peak, source = peak_at(result, safe)
     rate = best.items_per_second if best is not None else None
     note = (f"no OOM up to {result.max_ok}, the largest size tried"
             if result.first_oom is None else "")
@@ -106,7 +106,7 @@ def record_of(result: Any, *, metric: str = "", unit: int = 1, cap_reason: str |
                         seconds_per_item=1.0 / rate if rate else None, note=note)
 
 
-def _peak_at(result: Any, size: int | None) -> tuple[int | None, str]:
+def peak_at(result: Any, size: int | None) -> tuple[int | None, str]:
     """The peak at ``size`` and its source: the largest measured (a trial, or the check of the
     recommended size), else the fitted line's estimate."""
     rec = result.recommendation
