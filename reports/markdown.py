@@ -317,7 +317,7 @@ def _estimate(result: SearchResult, size: int) -> str:
 def _below_line(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
     """Why the recommended size's limit is below the safe line, where it is."""
     limit, line, rec = s["recommended_limit_bytes"], s["safe_line_bytes"], result.recommendation
-    if limit is None or (line is not None and limit >= line):
+    if limit is None or (line is not None and limit >= int(line)):
         return []
     assert rec is not None
     usable = fmt_bytes(limit / (1 - rec.margin))

@@ -92,10 +92,11 @@ TINY = ("gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=32,bos_toke
 _VOLATILE_KEYS = {
     **dict.fromkeys(("generated_at", "created", "finished", "updated", "t"), "<time>"),
     **dict.fromkeys(("seconds", "total_seconds", "seconds_per_item", "seconds_at_max",
-                     "trial_seconds"), "<seconds>"),
+                     "trial_seconds", "step_seconds"), "<seconds>"),
     "items_per_second": "<rate>",
     **dict.fromkeys(("peak_bytes", "peak_at_safe_bytes", "peak_at_max_bytes", "headroom_bytes",
-                     "limit_peak_bytes", "margin_left_bytes", "step_peaks"), "<bytes>"),
+                     "limit_peak_bytes", "margin_left_bytes", "step_peaks",
+                     "checked_peak_bytes"), "<bytes>"),
     "utilisation": "<fraction>",
     "pid": "<pid>", "run": "<run-id>", "threads": "<threads>",
     "oomguard_version": "<version>", "oomguard": "<version>",
