@@ -32,8 +32,8 @@ Exit codes: 0 all done, 1 some metrics failed (or an output could not be
 written), 2 bad job file or arguments, 130/143/138 stopped cleanly by
 SIGINT/SIGTERM/SIGUSR1 (Slurm: sbatch --signal=USR1@90): what finished is kept,
 the running metric is rerun by the same command.
-Runtime: the example job took 4.4 s on 2 idle CPU cores, 14-15 s on loaded ones
- (docs/guides/reports.md#how-long-the-commands-take)."""
+Runtime: the example job took 12.7 s on 2 idle CPU cores
+ (docs/benchmarks.md#how-long-the-commands-take)."""
 
 CACHE_HELP = """\
 Show or clear the size cache: the sizes that worked per device (name, total

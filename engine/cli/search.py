@@ -34,8 +34,8 @@ from oomguard.probes.device import resolve_device
 def add_bench(p: argparse.ArgumentParser) -> None:
     p.description = ("Search the maximum batch size of a training step (forward, backward, AdamW) "
                      "of a small GPT-2 (random init, vocab 256) and write report.md, report.json "
-                     "and memory.png. With the defaults (--seq-len 128): 4 trials, 89 s on 2 busy "
-                     "CPU cores (docs/guides/reports.md#how-long-the-commands-take).")
+                     "and memory.png. With the defaults: 13 trials, 162 s on 2 idle CPU cores "
+                     "(docs/benchmarks.md#how-long-the-commands-take).")
     add_workload_options(p, model="tiny-gpt2", seq_len=DEFAULT_SEQ_LEN)
     add_search_options(p)
     p.add_argument("--out", default="oomguard-report", metavar="DIR",
@@ -46,8 +46,9 @@ def add_bench(p: argparse.ArgumentParser) -> None:
 def add_search(p: argparse.ArgumentParser) -> None:
     p.description = ("The maximum safe size of each memory knob of a metric. Each trial runs "
                      "the whole metric (time grows with --samples and --seq-len): --metric "
-                     "integrated_gradients took 362 s (5 trials) with the defaults on 2 CPU "
-                     "cores under a load of 5 (49 s with --start 8 beside one other benchmark). "
+                     "integrated_gradients took 35 s (4 trials) with the defaults on 2 idle CPU "
+                     "cores (docs/benchmarks.md#how-long-the-commands-take). Knobs are sized as a "
+                     "job sizes them: in turn, each with the ones before it at their found sizes. "
                      "A knob with a unit (`oomguard metrics`) is searched in multiples of it.")
     add_workload_options(p, metric=REQUIRED, knob=(None, "default: each in turn"),
                          model="tiny-gpt2", dtype="float32", samples=64, seq_len=DEFAULT_SEQ_LEN)
