@@ -1,9 +1,6 @@
-"""The options the commands share, each defined once: the workload options (``--model``,
-``--dtype``, ``--seq-len``, ``--samples``, ``--metric``, ``--knob``) and the search options
-(``bench``, ``search``, ``reference``) with the one
-:class:`~oomguard.engine.core.search.search.SearchConfig` they become, checked before any model
-is built, and the budget its trials run under; the argument types that give one-line errors
-for bad sizes and counts."""
+"""The options the commands share, each defined once: the workload options, the search options
+and the one :class:`~oomguard.engine.core.search.config.SearchConfig` they become (checked
+before any model is built), and argument types whose errors are one line."""
 
 from __future__ import annotations
 
@@ -77,9 +74,8 @@ def warn_deprecated(old: str, new: str) -> None:
 
 
 class _Deprecated(argparse.Action):
-    """An old option name kept for one release: hidden from ``--help``; given, it prints
-    :func:`warn_deprecated`'s line (once per parse) and then does what the new option does
-    (stores into the same ``dest``, or appends where the new one appends)."""
+    """An old option name kept for one release, hidden from ``--help``: one deprecation line
+    per parse, then it does what the new option does (stores, or appends)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, new: str = "",
                  append: bool = False, **kwargs: Any) -> None:
@@ -100,18 +96,15 @@ class _Deprecated(argparse.Action):
 
 def add_deprecated(p: argparse.ArgumentParser | Any, old: str, new: str, dest: str,
                    **kwargs: Any) -> None:
-    """Accept ``old`` (an option renamed to ``new``, whose value goes to ``dest``) for one
-    release, hidden from ``--help``, with a one-line deprecation on stderr when used.
-    ``append=True`` where ``new`` is repeatable; other keywords (``type``, ``metavar``) as
-    :meth:`~argparse.ArgumentParser.add_argument` takes them."""
+    """Accept ``old`` (renamed to ``new``, stored in ``dest``) for one release (:class:`_Deprecated`;
+    ``append=True`` where ``new`` repeats; other keywords as ``add_argument`` takes them)."""
     p.add_argument(old, action=_Deprecated, new=new, dest=dest, default=argparse.SUPPRESS,
                    **kwargs)
 
 
 def strategy_name(text: str) -> str:
-    """``--strategy``'s value; a deprecated name (``e10``) becomes its new one
-    (``expand-bisect``) after one line on stderr. argparse checks it against
-    :data:`STRATEGIES` after this."""
+    """``--strategy``'s value; a deprecated name (``e10``) becomes its new one after one line on
+    stderr (argparse then checks it against :data:`STRATEGIES`)."""
     new = DEPRECATED_STRATEGIES.get(text)
     if new is None:
         return text
@@ -153,10 +146,8 @@ def add_plugin_option(p: argparse.ArgumentParser) -> None:
 
 
 def load_plugins(specs: Sequence[str]) -> list[str]:
-    """Import each ``--plugin`` (a ``.py`` path against the current folder, else a module
-    name), as a job resolves its plugins; the resolved plugins. UsageError (one line) for one
-    that cannot be imported. Children started from a forkserver import them too (its
-    preload names :data:`~oomguard.engine.jobs.plugins.PRELOAD`)."""
+    """Import each ``--plugin`` as a job resolves its plugins (forkserver children too); the
+    resolved plugins. UsageError (one line) for one that cannot be imported."""
     if not specs:
         return []
     from pathlib import Path
@@ -175,10 +166,8 @@ def load_plugins(specs: Sequence[str]) -> list[str]:
 
 
 def check_workload(args: argparse.Namespace) -> None:
-    """UsageError (one line), before any work, for a ``--seq-len`` or ``--samples`` that is
-    given and not a positive integer, a ``--seq-len`` below 2, a ``--start`` or
-    ``--max-size`` whose batch no device holds (:func:`check_sizes`), or a ``--dtype``
-    torch does not have."""
+    """UsageError (one line), before any work, for a bad ``--seq-len`` or ``--samples``, a
+    ``--start`` or ``--max-size`` no device holds (:func:`check_sizes`), or an unknown dtype."""
     for dest in ("seq_len", "samples"):
         value = getattr(args, dest, None)
         if value is not None and value <= 0:
@@ -279,11 +268,8 @@ def default_budget(dev: torch.device, given: int | None) -> int | None:
 
 
 def budget_free_limit(device: str) -> str:
-    """What limits trials that run without a budget, in words, for the search's first line:
-    the device's own limit on a GPU; on the host, an enforced limit (a cgroup, an
-    RLIMIT_DATA) or the RAM guard (a share of the available RAM, estimated and not
-    enforced), whichever binds (as measured now, before the warm-up), with why there is
-    no budget."""
+    """What limits trials without a budget, in words, for the search's first line: a GPU's own
+    limit; on the host the enforced limit or the RAM guard that binds now, and why no budget."""
     from oomguard.engine.core.search.limit import unbudgeted_limit
     from oomguard.probes import host
 
