@@ -69,7 +69,7 @@ def test_a_job_with_seq_len_1_or_an_overflowing_size_is_refused_inone_usage_erro
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["estimate", "--sizes", HUGE], f"--sizes: {HUGE} is too large: {HUGE} x seq_len 128"),
+    (["estimate", "--sizes", HUGE], f"--sizes: {HUGE} is too large: {HUGE} x seq_len 32"),
     (["estimate", "--metric", "loss", "--sizes", f"1,{HUGE}"], f"--sizes: {HUGE} is too large"),
     (["reference", "--estimate", "--memory", "1GiB", "--batches", HUGE], f"--batches: {HUGE}"),
     (["reference", "--estimate", "--memory", "1GiB", "--max-size", HUGE], f"--max-size {HUGE}"),
