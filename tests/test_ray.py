@@ -401,7 +401,7 @@ def test_ctrl_c_under_ray_keeps_what_finished_and_a_rerun_finishes_the_rest(
     # the whole process group, Ray's processes too.
     job = _job(tmp_path, "out", ["loss", "test_steady"], search=False)
     text = job.read_text().replace('name = "test_steady"\n',
-                                   'name = "test_steady"\nparams = {seconds = 20.0}\n')
+                                   'name = "test_steady"\nparams = {seconds = 8.0}\n')
     job.write_text(text)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "oomguard", "run", str(job), "--ray",
