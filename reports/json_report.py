@@ -12,7 +12,12 @@ from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from oomguard.engine.core.search.record import closed, record_of, sample_cap
+from oomguard.engine.core.search.record import (
+    closed,
+    record_of,
+    sample_cap,
+    trial_at_max,
+)
 from oomguard.engine.core.search.search import SearchResult
 from oomguard.engine.core.search.trial import Trial
 from oomguard.engine.util.jsonable import to_jsonable
@@ -33,11 +38,6 @@ _MODE_NOTE = {
     "confirmed": ("confirmed: searched in-process, the answer and the size above it re-run "
                   "in fresh processes; the faithful maximum"),
 }
-
-
-def utilisation(peak: float | None, capacity: int | None) -> float | None:
-    """``peak / capacity`` as a fraction, None if either is unknown."""
-    return None if peak is None or not capacity else peak / capacity
 
 
 def scaling_verdict(result: SearchResult) -> str | None:
@@ -173,7 +173,7 @@ def summarise(result: SearchResult, context: Mapping[str, Any] | None = None) ->
     # `oomguard search` passes "samples"; MetricTrial.describe() says "n_samples".
     samples = (context or {}).get("samples", (context or {}).get("n_samples"))
     record = record_of(result, cap_reason=sample_cap(size, result.config.get("max_size"), samples))
-    best = next((t for t in reversed(result.trials) if t.ok and t.size == result.max_ok), None)
+    best = trial_at_max(result)
     n_ok = sum(t.ok for t in result.trials)
     return {
         **{k: v for k, v in record.to_dict().items() if k not in ("metric", "others", "source")},

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from oomguard.engine.core.search.record import peak_at
+from oomguard.engine.core.search.record import peak_at, utilisation
 from oomguard.engine.core.search.search import SearchResult
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.reports.json_report import (
@@ -17,7 +17,6 @@ from oomguard.reports.json_report import (
     rates,
     status_text,
     summarise,
-    utilisation,
 )
 
 _KNOWN_CONTEXT = {"model", "parameters", "architecture", "device_name", "dtype", "data", "title",

@@ -124,6 +124,17 @@ def test_a_bad_field_is_one_line_naming_file_line_and_field(text: str, message: 
     assert expected in got, got
 
 
+def test_a_linear_jump_job_aims_at_the_jobs_budget(tmp_path: Path) -> None:
+    text = 'budget = "1GiB"\n[search]\nstrategy = "linear-jump"\n' + METRIC
+    job = parse_job(text, path="job.toml", base=tmp_path)
+    config = SearchConfig.from_options(**job.search.options, budget=job.budget_bytes)
+    assert (config.strategy.name, config.strategy.capacity_bytes) == ("linear-jump", 1024**3)
+    # without a budget there is nothing to aim at: one line naming the field
+    with pytest.raises(JobError, match="search.strategy: strategy linear-jump needs a budget"):
+        parse_job('[search]\nstrategy = "linear-jump"\n' + METRIC, path="job.toml",
+                  base=tmp_path)
+
+
 def test_the_old_step_field_still_names_the_increment_with_a_deprecation(tmp_path: Path) -> None:
     with pytest.warns(FutureWarning, match="size_step"):
         job = parse_job("[search]\nstep = 4\n" + METRIC, path="job.toml", base=tmp_path)

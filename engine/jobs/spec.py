@@ -339,7 +339,7 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
     table = r.table(doc, "search")
     old = r.read({k: table.pop(k) for k in ("step", "estimate") if k in table}, _SEARCH_OLD,
                  "search.")
-    search = _search(r, r.read(table, _SEARCH, "search."), old)
+    search = _search(r, r.read(table, _SEARCH, "search."), old, top["budget"])
     metrics = _metrics(r, doc, top["time_limit"])
     _check_fits(r, top, data, search, metrics)
     for i, (spec, config) in enumerate(top["models"].items()):
@@ -355,7 +355,8 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
                budget_bytes=top["budget"], plugins=top["plugins"], on_oom=top["on_oom"])
 
 
-def _search(r: _Reader, got: dict[str, Any], old: dict[str, Any]) -> SearchSpec:
+def _search(r: _Reader, got: dict[str, Any], old: dict[str, Any],
+            budget: int | None) -> SearchSpec:
     """``[search]``: checked by building the SearchConfig it describes (a bad strategy name, or
     an option the strategy does not take, is one line naming the field); ``old``: the
     deprecated fields given."""
@@ -367,7 +368,7 @@ def _search(r: _Reader, got: dict[str, Any], old: dict[str, Any]) -> SearchSpec:
                       "ignored", FutureWarning, stacklevel=2)
     enabled = got.pop("enabled", True)
     try:
-        SearchConfig.from_options(**got)
+        SearchConfig.from_options(**got, budget=budget)  # linear-jump aims at the budget
     except UsageError as exc:
         raise r.error(f"search.{next(iter(got), 'strategy')}", str(exc)) from None
     return SearchSpec(enabled=enabled, options=got)

@@ -76,10 +76,20 @@ def sample_cap(size_name: str, max_size: int | None, samples: int | None) -> str
     return "samples" if size_name in SAMPLE_KNOBS and samples == max_size else None
 
 
+def utilisation(peak: float | None, capacity: int | None) -> float | None:
+    """``peak / capacity`` as a fraction, None if either is unknown."""
+    return None if peak is None or not capacity else peak / capacity
+
+
+def trial_at_max(result: Any) -> Any:
+    """The successful trial at ``max_ok`` (the last one where it ran twice), or None."""
+    return next((t for t in reversed(result.trials) if t.ok and t.size == result.max_ok), None)
+
+
 def record_of(result: Any, *, metric: str = "", unit: int = 1, cap_reason: str | None = None,
               failure: BaseException | None = None) -> SearchRecord:
     """The record of a finished search, one where nothing fits, or one ``failure`` ended."""
-    best = next((t for t in reversed(result.trials) if t.ok and t.size == result.max_ok), None)
+    best = trial_at_max(result)
     peak_at_max = best.peak_bytes if best is not None else None
     cap = result.capacity_bytes
     common: dict[str, Any] = {
@@ -91,7 +101,7 @@ def record_of(result: Any, *, metric: str = "", unit: int = 1, cap_reason: str |
         "capacity_bytes": cap, "peak_at_max_bytes": peak_at_max,
         "capacity_kind": ("unknown" if cap is None else "budget" if cap == result.budget_bytes
                           else "free memory"),
-        "utilisation": peak_at_max / cap if peak_at_max is not None and cap else None,
+        "utilisation": utilisation(peak_at_max, cap),
         "capped_by": capped_by(result, cap_reason)}
     if failure is not None:
         return SearchRecord(**common, note=f"search failed: {str(failure)[:200]}")
