@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from oomguard.engine.core.memory.heap import (
-    ISOLATED_MMAP_THRESHOLD_BYTES,
     free_heap_bytes,
-    mmap_threshold_bytes,
+    plug_free_heap,
     return_freed_memory_to_os,
+    unplug_heap,
 )
 from oomguard.engine.errors import BudgetError, UsageError
 from oomguard.engine.util.units import fmt_bytes
@@ -167,27 +167,36 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
     gc.collect()
     torch.ones(1 << 20).sum()  # an op large enough that torch parallelises it: its threads
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    vm_data = host.proc_status("VmData")
-    if vm_data is None:
-        raise BudgetError("CPU budgets need Linux /proc/self/status (VmData)")
-    limit = vm_data + nbytes
-    if soft != resource.RLIM_INFINITY:  # finite: also within the hard limit (soft <= hard)
-        limit = min(limit, soft)
-    slack = free_heap_bytes()
-    # An isolated child lowered the threshold before anything allocated: what it holds free
-    # came from its forkserver, and no advice to the user changes it.
-    child = (mmap_threshold_bytes() or 1 << 62) <= ISOLATED_MMAP_THRESHOLD_BYTES
-    if slack is not None and slack > max(nbytes // 20, 4 * 1024**2) and not child:
-        log.warning("%s of free heap chunks at budget entry can be reused without counting "
-                    "against the %s budget; for an exact budget start the process with "
-                    "MALLOC_MMAP_THRESHOLD_=131072 (docs/measurements.md#free-heap-at-budget-entry)",
-                    fmt_bytes(slack), fmt_bytes(nbytes))
-    b = Budget(nbytes=nbytes, device="cpu", mechanism="RLIMIT_DATA", limit=limit)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    # Free chunks already in the heap count in VmData, yet would serve the code inside
+    # without growing it: a warm-up's leftovers (30 MiB measured) made a step of 55 fit
+    # where 40 does from an empty heap. Filled first, every byte the code allocates counts.
+    plugs = plug_free_heap()
     try:
-        yield b
+        vm_data = host.proc_status("VmData")
+        if vm_data is None:
+            raise BudgetError("CPU budgets need Linux /proc/self/status (VmData)")
+        limit = vm_data + nbytes
+        if soft != resource.RLIM_INFINITY:  # finite: also within the hard limit (soft <= hard)
+            limit = min(limit, soft)
+        _warn_unplugged(nbytes)
+        b = Budget(nbytes=nbytes, device="cpu", mechanism="RLIMIT_DATA", limit=limit)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+        try:
+            yield b
+        finally:
+            resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
     finally:
-        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+        unplug_heap(plugs)
+
+
+def _warn_unplugged(nbytes: int) -> None:
+    """Say so when other threads' arenas hold free chunks the budget cannot fill (bytes)."""
+    slack = free_heap_bytes()
+    if slack is not None and slack > max(nbytes // 20, 4 * 1024**2):
+        log.warning("%s of free heap chunks in other threads' memory arenas can be reused "
+                    "without counting against the %s budget; for an exact budget start the "
+                    "process with MALLOC_ARENA_MAX=1 (docs/measurements.md#free-heap-at-budget-entry)",
+                    fmt_bytes(slack), fmt_bytes(nbytes))
 
 
 def _cuda_index(dev: torch.device) -> int:

@@ -14,10 +14,10 @@ import functools
 
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 128 * 1024
-# Every block >= 4 KiB its own mapping: VmData is the sum of live blocks, for a step up to
-# 35% slower (measured: docs/measurements.md#return-freed-memory).
-ISOLATED_MMAP_THRESHOLD_BYTES = 4 * 1024
 _mmap_threshold: list[int] = []  # the lowest set here: a later budget must not raise it
+# Plug sizes, largest first, all below the mmap threshold (a plug must come from the heap):
+# the free chunks that the small allocations of the code inside a budget could reuse.
+_PLUG_BYTES = (96 * 1024, 12 * 1024, 1536)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -26,14 +26,99 @@ class _MallInfo2(ctypes.Structure):
         "fordblks", "keepcost")]
 
 
-def free_heap_bytes() -> int | None:
-    """Bytes in free chunks inside glibc's heaps (``mallinfo2().fordblks``, measured;
-    docs/measurements.md#free-heap-at-budget-entry). None without glibc >= 2.33."""
+def _mallinfo2() -> _MallInfo2 | None:
     fn = getattr(_libc(), "mallinfo2", None)
     if fn is None:
         return None
     fn.restype = _MallInfo2
-    return int(fn().fordblks)
+    return fn()
+
+
+# Plug sizes, largest first, each below the 128 KiB threshold (a plug must come from the
+# heap, not from mmap): the holes a budget's small allocations could reuse.
+_PLUG_BYTES = (96 * 1024, 12 * 1024, 1536)
+
+
+def plug_free_heap() -> list[int]:
+    """Fill the free chunks of this thread's glibc heap with blocks of its own, so that code
+    run next cannot reuse memory already counted in ``VmData``: a block is kept while taking
+    it grew no heap (``mallinfo2().arena``). Returns the blocks, for :func:`unplug_heap`;
+    empty without glibc >= 2.33."""
+    libc = _libc()
+    if libc is None or _mallinfo2() is None:
+        return []
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    plugs: list[int] = []
+    for size in _PLUG_BYTES:
+        while True:
+            before = _mallinfo2().arena
+            block = libc.malloc(size)
+            if not block:
+                break
+            if _mallinfo2().arena > before:  # no hole left that holds it: the heap grew
+                libc.free(block)
+                break
+            plugs.append(block)
+    return plugs
+
+
+def unplug_heap(plugs: list[int]) -> None:
+    """Free the blocks :func:`plug_free_heap` took."""
+    libc = _libc()
+    for block in plugs:
+        libc.free(block)
+    plugs.clear()
+
+
+def _mallinfo2() -> _MallInfo2 | None:
+    fn = getattr(_libc(), "mallinfo2", None)
+    if fn is None:
+        return None
+    fn.restype = _MallInfo2
+    return fn()
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes in free chunks inside glibc's heaps, every arena's (``mallinfo2().fordblks``,
+    measured; docs/measurements.md#free-heap-at-budget-entry). None without glibc >= 2.33."""
+    info = _mallinfo2()
+    return None if info is None else int(info.fordblks)
+
+
+def plug_free_heap() -> list[int]:
+    """Fill the free chunks of the calling thread's glibc arena with blocks of our own, so
+    that what runs next cannot reuse memory already counted in ``VmData``
+    (docs/measurements.md#free-heap-at-budget-entry). A block is kept while taking it grew
+    no heap (``mallinfo2().arena``); the threshold must be :func:`return_freed_memory_to_os`'s
+    first. Returns the blocks for :func:`unplug_heap`; none without glibc >= 2.33."""
+    libc = _libc()
+    if libc is None or _mallinfo2() is None:
+        return []
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    plugs: list[int] = []
+    for size in _PLUG_BYTES:
+        while True:
+            before = _mallinfo2().arena
+            block = libc.malloc(size)
+            if not block:
+                break
+            if _mallinfo2().arena > before:  # no free chunk held it: the heap grew
+                libc.free(block)
+                break
+            plugs.append(block)
+    return plugs
+
+
+def unplug_heap(plugs: list[int]) -> None:
+    """Free the blocks :func:`plug_free_heap` took (and forget them)."""
+    libc = _libc()
+    for block in plugs:
+        libc.free(block)
+    plugs.clear()
 
 
 @functools.cache  # find_library runs ldconfig in a subprocess: 1.5 ms a call
@@ -55,11 +140,6 @@ def return_freed_memory_to_os(threshold: int = _MMAP_THRESHOLD_BYTES) -> bool:
     if done:
         _mmap_threshold[:] = [threshold]
     return done
-
-
-def mmap_threshold_bytes() -> int | None:
-    """The lowest ``M_MMAP_THRESHOLD`` oomguard set in this process (bytes), or None."""
-    return _mmap_threshold[0] if _mmap_threshold else None
 
 
 def trim_heap() -> bool:

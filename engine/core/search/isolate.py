@@ -22,7 +22,6 @@ import torch
 
 from oomguard.engine.core import child as launcher
 from oomguard.engine.core.memory.heap import (
-    ISOLATED_MMAP_THRESHOLD_BYTES,
     return_freed_memory_to_os,
     trim_heap,
 )
@@ -52,10 +51,10 @@ def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
     """Runs in the child: unpickle, warm up, enter the budget (given, else the one an enforced
     ``limit`` leaves room for), one trial. A CPU budget's limit is sent to the parent, which
     watches it."""
-    # Before anything allocates: no free heap from start-up or warm-up is left to absorb a
-    # trial's allocations under the budget (docs/measurements.md#free-heap-at-budget-entry);
-    # the lower threshold makes the answer the same from one child to the next.
-    return_freed_memory_to_os(ISOLATED_MMAP_THRESHOLD_BYTES)
+    # Before anything allocates, as search(budget=) does: large frees leave the heap. The
+    # budget fills what is still free inside it, as it does in a user's own process, so
+    # the two answer alike (docs/measurements.md#free-heap-at-budget-entry).
+    return_freed_memory_to_os()
     trim_heap()
     try:
         fn = pickle.loads(payload)
