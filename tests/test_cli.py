@@ -122,8 +122,8 @@ def test_no_size_fits_is_one_line_and_exit_code_1(tmp_path):
     # A memory boundary, so a fresh process: in this one, heap that earlier tests freed
     # (44 MiB once in a shuffled CI run) absorbed batch 1 under the 24 MiB budget. Even a
     # fresh one holds 47-62 MiB of freed heap at the budget's start, and batch 1 at 512
-    # tokens peaked at 22.8-23.8 MiB: it fitted 3 times in 4. Large blocks from mmap (the
-    # budget's own advice) and 1024 tokens put batch 1 well over: its first 16 MiB fails.
+    # tokens peaked at 22.8-23.8 MiB: it fitted 3 times in 4. Large blocks from mmap from
+    # the start and 1024 tokens put batch 1 well over: its first 16 MiB fails.
     done = subprocess.run([sys.executable, "-m", "oomguard", "bench", "--seq-len", "1024",
                            "--budget", "24MiB", "--start", "2", "--max-size", "2",
                            "--out", str(tmp_path / "rep")], capture_output=True, text=True,

@@ -1,47 +1,90 @@
-"""The budget's free-heap warning gives advice a user can act on, and an isolated child gives
-none: the free heap it holds came from its forkserver (before, each isolated child printed
-"... free heap chunks at budget entry ... for an exact budget run isolated (--isolate)")."""
+"""A CPU budget counts every byte the code inside allocates, whatever free heap the process
+carried in: free chunks of the entering thread's heap are filled at entry, and free chunks
+that other threads hold, which it cannot fill, are named in a warning whose advice works.
+(Before, a warm-up's free chunks served the code inside without counting, and each
+isolated child was told to "run isolated (--isolate)".)"""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
-from conftest import in_fresh_process
 
-MiB = 1024**2
+MiB, KiB = 1024**2, 1024
 
 
-def _warnings_entering_a_budget(as_isolated_child: bool) -> list[str]:
-    """In a fresh process: 6 MiB of free heap chunks walled in by live blocks (what imports can
-    leave), then a 48 MiB budget; the warnings it logged."""
-    import oomguard
-    from oomguard.engine.core.memory.heap import (
-        ISOLATED_MMAP_THRESHOLD_BYTES,
-        return_freed_memory_to_os,
-    )
-
-    if as_isolated_child:  # what an isolated child does first
-        return_freed_memory_to_os(ISOLATED_MMAP_THRESHOLD_BYTES)
+def _holes(blocks: int = 192) -> None:
+    """6 MiB of free 64 KiB chunks walled in by live ones, in the calling thread's arena
+    (what a warm-up leaves); the live ones are kept for the process's life."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.malloc.restype = ctypes.c_void_p
-    blocks = [libc.malloc(64 * 1024) for _ in range(192)]
-    for block in blocks[::2]:
-        libc.free(ctypes.c_void_p(block))
+    libc.free.argtypes = [ctypes.c_void_p]
+    taken = [libc.malloc(64 * KiB) for _ in range(blocks)]
+    for block in taken[::2]:
+        libc.free(block)
+    _holes.kept = taken[1::2]  # type: ignore[attr-defined]
+
+
+def _enter_budget(holes_in_thread: bool) -> dict:
+    """Holes in this thread's heap or another thread's, then a 48 MiB budget inside which
+    this thread takes 3 MiB of 60 KiB blocks: the warnings logged, and how much VmData grew
+    for those blocks (bytes)."""
+    import logging
+
+    import oomguard
+    from oomguard.probes.host import proc_status
+
+    if holes_in_thread:
+        worker = threading.Thread(target=_holes)
+        worker.start()
+        worker.join()
+    else:
+        _holes()
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("oomguard").addHandler(handler)
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype = ctypes.c_void_p
     with oomguard.budget(48 * MiB):
-        pass
-    return seen
+        before = proc_status("VmData")
+        blocks = [libc.malloc(60 * KiB) for _ in range(51)]
+        grew = proc_status("VmData") - before
+    assert all(blocks)
+    return {"warnings": seen, "grew": grew}
+
+
+def _in_new_python(holes_in_thread: bool, **env: str) -> dict:
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
+            "from test_isolated_budget_message import _enter_budget; "
+            "print(json.dumps(_enter_budget(sys.argv[2] == '1')))")
+    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent),
+                           "1" if holes_in_thread else "0"], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_the_free_heap_warning_advises_the_user_and_an_isolated_child_gives_none() -> None:
-    user = in_fresh_process(_warnings_entering_a_budget, False)
-    assert any("free heap chunks" in w and "MALLOC_MMAP_THRESHOLD_" in w for w in user), user
-    assert not any("--isolate" in w for w in user), user
-    assert in_fresh_process(_warnings_entering_a_budget, True) == []
+def test_free_chunks_of_the_entering_thread_are_filled_so_the_code_inside_counts_all() -> None:
+    got = _in_new_python(holes_in_thread=False)
+    # 51 blocks of 60 KiB: 3 MiB, all new heap (the 6 MiB of holes would have held them all).
+    assert got["grew"] >= 3 * MiB - 64 * KiB, got
+    assert got["warnings"] == [], got
+
+
+@pytest.mark.slow
+def test_another_threads_free_chunks_are_named_and_the_advice_given_removes_them() -> None:
+    got = _in_new_python(holes_in_thread=True)
+    assert len(got["warnings"]) == 1, got
+    warning = got["warnings"][0]
+    assert "free heap chunks in other threads'" in warning and "MALLOC_ARENA_MAX=1" in warning
+    assert "--isolate" not in warning
+    assert _in_new_python(holes_in_thread=True, MALLOC_ARENA_MAX="1")["warnings"] == []

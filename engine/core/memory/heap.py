@@ -34,52 +34,6 @@ def _mallinfo2() -> _MallInfo2 | None:
     return fn()
 
 
-# Plug sizes, largest first, each below the 128 KiB threshold (a plug must come from the
-# heap, not from mmap): the holes a budget's small allocations could reuse.
-_PLUG_BYTES = (96 * 1024, 12 * 1024, 1536)
-
-
-def plug_free_heap() -> list[int]:
-    """Fill the free chunks of this thread's glibc heap with blocks of its own, so that code
-    run next cannot reuse memory already counted in ``VmData``: a block is kept while taking
-    it grew no heap (``mallinfo2().arena``). Returns the blocks, for :func:`unplug_heap`;
-    empty without glibc >= 2.33."""
-    libc = _libc()
-    if libc is None or _mallinfo2() is None:
-        return []
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    plugs: list[int] = []
-    for size in _PLUG_BYTES:
-        while True:
-            before = _mallinfo2().arena
-            block = libc.malloc(size)
-            if not block:
-                break
-            if _mallinfo2().arena > before:  # no hole left that holds it: the heap grew
-                libc.free(block)
-                break
-            plugs.append(block)
-    return plugs
-
-
-def unplug_heap(plugs: list[int]) -> None:
-    """Free the blocks :func:`plug_free_heap` took."""
-    libc = _libc()
-    for block in plugs:
-        libc.free(block)
-    plugs.clear()
-
-
-def _mallinfo2() -> _MallInfo2 | None:
-    fn = getattr(_libc(), "mallinfo2", None)
-    if fn is None:
-        return None
-    fn.restype = _MallInfo2
-    return fn()
-
-
 def free_heap_bytes() -> int | None:
     """Bytes in free chunks inside glibc's heaps, every arena's (``mallinfo2().fordblks``,
     measured; docs/measurements.md#free-heap-at-budget-entry). None without glibc >= 2.33."""

@@ -316,8 +316,8 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device, stac
         return isolated, isolated.limit
     if dev.type == "cpu" and (cfg.budget is not None
                               or trial_limit(dev, cfg.budget, cfg.ram_guard) is not None):
-        # Before the warm-up, as in an isolated child: free heap it leaves is invisible to the
-        # budget and reused by trials (docs/measurements.md#free-heap-at-budget-entry).
+        # Before the warm-up, as in an isolated child: the large blocks it frees leave the
+        # heap instead of waiting there (docs/measurements.md#free-heap-at-budget-entry).
         return_freed_memory_to_os()
     snapshot = _snapshot(cfg, stack)
     warm_up_trials(fn, dev, call=snapshot is None)
