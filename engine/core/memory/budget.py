@@ -27,9 +27,8 @@ import torch
 
 from oomguard.engine.core.memory.heap import (
     free_heap_bytes,
-    plug_free_heap,
+    heap_plugged,
     return_freed_memory_to_os,
-    unplug_heap,
 )
 from oomguard.engine.errors import BudgetError, UsageError
 from oomguard.engine.util.units import fmt_bytes
@@ -170,8 +169,7 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
     # Free chunks already in the heap count in VmData, yet would serve the code inside
     # without growing it: a warm-up's leftovers (30 MiB measured) made a step of 55 fit
     # where 40 does from an empty heap. Filled first, every byte the code allocates counts.
-    plugs = plug_free_heap()
-    try:
+    with heap_plugged():
         vm_data = host.proc_status("VmData")
         if vm_data is None:
             raise BudgetError("CPU budgets need Linux /proc/self/status (VmData)")
@@ -185,8 +183,6 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
             yield b
         finally:
             resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
-    finally:
-        unplug_heap(plugs)
 
 
 def _warn_unplugged(nbytes: int) -> None:

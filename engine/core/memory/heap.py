@@ -8,9 +8,11 @@ False or None without glibc.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
+from collections.abc import Iterator
 
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 128 * 1024
@@ -73,6 +75,16 @@ def unplug_heap(plugs: list[int]) -> None:
     for block in plugs:
         libc.free(block)
     plugs.clear()
+
+
+@contextlib.contextmanager
+def heap_plugged() -> Iterator[list[int]]:
+    """:func:`plug_free_heap` for the block, :func:`unplug_heap` after it."""
+    plugs = plug_free_heap()
+    try:
+        yield plugs
+    finally:
+        unplug_heap(plugs)
 
 
 @functools.cache  # find_library runs ldconfig in a subprocess: 1.5 ms a call

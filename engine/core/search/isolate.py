@@ -21,10 +21,7 @@ from typing import Any
 import torch
 
 from oomguard.engine.core import child as launcher
-from oomguard.engine.core.memory.heap import (
-    return_freed_memory_to_os,
-    trim_heap,
-)
+from oomguard.engine.core.memory.heap import heap_plugged, return_freed_memory_to_os, trim_heap
 from oomguard.engine.core.memory.host_limit import HostLimit
 from oomguard.engine.core.memory.oom import gc_frozen
 from oomguard.engine.core.search.config import is_positive_seconds
@@ -61,7 +58,9 @@ def _trial(payload: bytes, size: int, device: str, budget_bytes: int | None,
     except BaseException as exc:  # noqa: BLE001 - any failure to rebuild the workload
         raise _CannotUnpickle(f"{type(exc).__name__}: {first_line(exc)}") from None
     warm_up_trials(fn, device, warm_call)
-    with gc_frozen(), limit_budget(budget_bytes, device, limit) as entered:
+    # Plugged with or without a budget: a peak is measured as resident growth, which the
+    # warm-up's free chunks would hide (-15% on cka) when reused.
+    with gc_frozen(), heap_plugged(), limit_budget(budget_bytes, device, limit) as entered:
         if entered is not None and entered.device == "cpu":  # the parent watches it
             launcher.ToParent().send(entered.limit)
         return run_trial(fn, size, device, limit if isinstance(limit, RamGuard) else None, steps)
