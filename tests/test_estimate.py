@@ -88,10 +88,13 @@ def test_cka_estimate_counts_its_gram_multiplies_on_the_worst_case_data():
     # were not replayed (-24.1% at chunk 2 before); on the padded data the estimate would
     # replay four distinct smaller multiplies where the trial's worst case makes one.
     # Measured: +0.2% where the replay kept 2.43 MB, -1.8% where it kept 1.64 MB (its own
-    # spread between runs): bound 2.5%.
+    # spread between runs). The child's resident peak, now taken with the 128 KiB threshold
+    # and the heap plugged (docs/measurements.md#free-heap-at-budget-entry), read 7.15-7.28 MB
+    # with three such tests at once against 6.96 MB estimated (-2.7% to -4.5%): bound 6%,
+    # which still fails the -24% of the missing multiplies.
     est, workspace, meas, err = _error(MetricTrial("cka", n_samples=4, seq_len=128), 2)
     assert workspace > MiB, f"{workspace} bytes of workspace"
-    assert abs(err) < 0.025, f"estimated {est} ({workspace} workspace), measured {meas} ({err:+.2%})"
+    assert abs(err) < 0.06, f"estimated {est} ({workspace} workspace), measured {meas} ({err:+.2%})"
 
 
 class _WorstCase:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a fresh interpreter: its torch import alone took 7.8 s on busy cores
 def test_importing_the_namespace_imports_no_framework_until_a_name_is_used():
     code = ("import sys, oomguard.integrations as i\n"
             "before = [m for m in ('transformers', 'lightning', 'torch') if m in sys.modules]\n"

@@ -26,6 +26,9 @@ from oomguard.probes import host
 
 TESTS = Path(__file__).parent
 MiB = 1024**2
+# One worker runs this module, so the module fixture that makes the fake OSes' reports
+# (both OSes, every module imported: ~29 s of a core) runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group("fake_os")
 
 
 @pytest.fixture(scope="module")
