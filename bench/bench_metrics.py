@@ -82,7 +82,7 @@ def main() -> None:
             trial.warmup()
             bound = trial.max_size() or 4096
             try:
-                res = search(trial, start=min(8, bound), step=8, max_size=bound, budget=nbytes,
+                res = search(trial, start=min(8, bound), size_step=8, max_size=bound, budget=nbytes,
                              max_trials=20)
             except NoSizeFits:
                 searched[knob] = 0

@@ -187,7 +187,7 @@ def check_search(dev: torch.device) -> tuple[bool, str]:
         return float(y.mean().item())
 
     t0 = time.perf_counter()
-    res = search(trial, start=32, step=8, device=dev, budget=1 * GiB, max_trials=40)
+    res = search(trial, start=32, size_step=8, device=dev, budget=1 * GiB, max_trials=40)
     secs = time.perf_counter() - t0
     peaks_ok = all(t.peak_bytes and t.peak_bytes > 0 for t in res.trials if t.ok)
     # The bracket must be closed (adjacent) and the maximum must respect the budget;

@@ -95,10 +95,10 @@ def check_search_vs_brute_force(dev: torch.device) -> tuple[bool, str]:
             brute = size
     clean(dev)
     t0 = time.perf_counter()
-    here = search(fn, start=32, step=8, device=dev, budget=1 * GiB)
+    here = search(fn, start=32, size_step=8, device=dev, budget=1 * GiB)
     t_here = time.perf_counter() - t0
     t0 = time.perf_counter()
-    iso = search(fn, start=32, step=8, device=dev, budget=1 * GiB, isolate=True)
+    iso = search(fn, start=32, size_step=8, device=dev, budget=1 * GiB, isolate=True)
     t_iso = time.perf_counter() - t0
     with IsolatedRunner(fn, device=dev, budget=1 * GiB) as run:
         at_max, above = run(iso.max_ok).ok, run(iso.max_ok + 1).ok
@@ -137,7 +137,7 @@ step.describe()  # as `oomguard bench --isolate` does: on the meta device
 held = []
 def look(trial):
     held.append(torch.cuda.memory_reserved() if torch.cuda.is_initialized() else 0)
-res = search(step, start=4, step=4, max_size=16, device=sys.argv[1], isolate=True,
+res = search(step, start=4, size_step=4, max_size=16, device=sys.argv[1], isolate=True,
              on_trial=look)
 print(json.dumps({"held": held, "initialized": torch.cuda.is_initialized(),
                   "max_ok": res.max_ok}))
@@ -243,7 +243,7 @@ step = TrainStep(model="tiny-gpt2", seq_len=128, device=str(dev))
 step.describe()
 snap = probe(dev)  # what `oomguard bench --isolate` shows before it searches
 seen = [context()]
-res = search(step, start=4, step=4, max_size=16, device=str(dev), isolate=True,
+res = search(step, start=4, size_step=4, max_size=16, device=str(dev), isolate=True,
              on_trial=lambda trial: seen.append(context()))
 print(json.dumps({"context": seen, "max_ok": res.max_ok, "free": snap.free_bytes,
                   "backend": torch.cuda.get_allocator_backend()}))

@@ -43,7 +43,7 @@ def check_soak_recommended(dev: torch.device) -> tuple[bool, str]:
 
     clean(dev)
     step = TrainStep(model="tiny-gpt2", seq_len=128, device=str(dev))
-    found = search(step, start=8, step=8, device=dev, budget=SOAK_BUDGET, max_size=8192)
+    found = search(step, start=8, size_step=8, device=dev, budget=SOAK_BUDGET, max_size=8192)
     if found.recommendation is None:
         return False, f"no recommendation: max_ok {found.max_ok}"
     size = found.recommendation.safe

@@ -4,7 +4,7 @@ The names users write against, re-exported from the packages that hold them::
 
     import oomguard
     oomguard.probe("cpu").free_bytes              # memory snapshot, bytes
-    result = oomguard.search(step, start=32, step=8, budget=2 * 1024**3)
+    result = oomguard.search(step, start=32, size_step=8, budget=2 * 1024**3)
     oomguard.write_report(result, "out/")         # report.md, report.json, memory.png
     oomguard.Executor().run(step, batch_size=64)  # OOM -> retry at half
 

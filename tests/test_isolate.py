@@ -201,7 +201,7 @@ def test_a_workload_that_cannot_be_pickled_is_refused_before_any_child(fn):
 def test_a_real_oom_in_an_isolated_child_is_still_an_oom():
     w = LinearAlloc(base_bytes=8 * MiB, per_item_bytes=4 * MiB)
     nbytes = (w.bytes_at(13) + w.bytes_at(14)) // 2
-    result = search(w, start=8, step=8, budget=nbytes, isolate=True)
+    result = search(w, start=8, size_step=8, budget=nbytes, isolate=True)
     assert _ran(result) == [(8, True), (16, False), (12, True), (14, False), (13, True)]
     assert (result.max_ok, result.first_oom) == (13, 14)
     assert all("can't allocate memory" in t.error for t in result.trials if not t.ok)
@@ -225,7 +225,7 @@ def test_a_crash_under_a_budget_ends_the_search_with_the_trials_before_it():
 
 @pytest.mark.slow
 def test_libgomp_thread_failure_is_an_oom_and_the_childs_stderr_reaches_ours(capfd):
-    result = search(ThreadHungry(12), start=8, step=2, budget=64 * MiB, isolate=True)
+    result = search(ThreadHungry(12), start=8, size_step=2, budget=64 * MiB, isolate=True)
     assert _ran(result) == [(8, True), (10, True), (12, False), (11, True)]
     oom = result.trials[2]
     assert oom.error == ("child process exited with code 1 (it reported "
@@ -251,7 +251,7 @@ def test_sigkill_is_an_oom_under_a_budget_and_a_crash_without_a_limit():
 @pytest.mark.slow
 def test_an_error_in_the_child_is_re_raised_with_its_traceback_and_the_partial_result():
     with pytest.raises(TrialFailed) as info:
-        search(RaisesAt(48), start=40, step=8, isolate=True)
+        search(RaisesAt(48), start=40, size_step=8, isolate=True)
     cause = info.value.__cause__
     assert isinstance(cause, ValueError) and str(cause) == "not a memory problem at 48"
     assert any('raise ValueError(f"not a memory problem at {size}")' in note
@@ -262,7 +262,7 @@ def test_an_error_in_the_child_is_re_raised_with_its_traceback_and_the_partial_r
 @pytest.mark.slow
 def test_sys_exit_and_a_hung_trial_in_the_child_are_crashes_not_ooms():
     with pytest.raises(TrialFailed) as info:
-        search(ExitsCleanlyAt(48), start=40, step=8, isolate=True)
+        search(ExitsCleanlyAt(48), start=40, size_step=8, isolate=True)
     assert str(info.value.__cause__) == ("isolated trial at size 48: the workload raised "
                                          "SystemExit: 2 in the child process")
     assert _ran(info.value.result) == [(40, True)]
@@ -281,7 +281,7 @@ def test_trial_timeout_is_set_from_search_and_a_timeout_is_a_crash_not_an_oom():
     in_fresh_process(abs, 1)
     t0 = time.perf_counter()
     with pytest.raises(TrialFailed) as info:
-        search(SleepsFrom(48, seconds=120), start=40, step=8, budget=256 * MiB, isolate=True,
+        search(SleepsFrom(48, seconds=120), start=40, size_step=8, budget=256 * MiB, isolate=True,
                trial_timeout=4)
     assert time.perf_counter() - t0 < 60  # not the default 600 s
     cause = info.value.__cause__
@@ -305,7 +305,7 @@ from oomguard.metrics.synthetic import LinearAlloc
 
 def main():
     result = oomguard.search(LinearAlloc(base_bytes=2**20, per_item_bytes=2**20), start=4,
-                             step=4, max_size=8, isolate=True, budget=64 * 2**20)
+                             size_step=4, max_size=8, isolate=True, budget=64 * 2**20)
     print("max", result.max_ok)
 """
 
@@ -339,7 +339,7 @@ def test_a_workload_defined_in_python_c_is_told_to_be_module_level(tmp_path):
         import oomguard
         def work(size):
             return size
-        oomguard.search(work, start=4, step=4, max_size=8, isolate=True)
+        oomguard.search(work, start=4, size_step=4, max_size=8, isolate=True)
     """)
     run = _python(["-c", code], tmp_path)
     assert run.returncode == 1

@@ -61,7 +61,7 @@ def test_import_and_a_decorated_step_work_beside_a_users_engine_and_metrics(tmp_
 
         size, loss = step()
         assert size == 16, size
-        found = oomguard.search(lambda n: torch.ones(n, 8).sum().item(), start=2, step=2,
+        found = oomguard.search(lambda n: torch.ones(n, 8).sum().item(), start=2, size_step=2,
                                 max_size=6)
         assert found.max_ok == 6, found.max_ok
         assert engine.train_one_epoch() == "user engine"

@@ -195,7 +195,7 @@ def metric_trial_search() -> tuple[int | None, int | None, list[int]]:
     # on one thread this boundary moved between 11 and 12 from one run to the next).
     torch.set_num_threads(2)
     trial = MetricTrial("loss", n_samples=16, seq_len=128, seed=1)
-    found = search(trial, start=4, step=4, budget=24 * MiB, max_size=trial.max_size())
+    found = search(trial, start=4, size_step=4, budget=24 * MiB, max_size=trial.max_size())
     return found.max_ok, found.first_oom, [t.size for t in found.trials]
 
 

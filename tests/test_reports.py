@@ -61,7 +61,7 @@ CONTEXT = {
 
 
 def _search() -> SearchResult:
-    return search(LinearAlloc(), start=8, step=8, budget=BUDGET, device="cpu", max_trials=30)
+    return search(LinearAlloc(), start=8, size_step=8, budget=BUDGET, device="cpu", max_trials=30)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def _prose(res: SearchResult, md: str) -> str:
 
 
 def _knob_search() -> SearchResult:
-    return search(KnobAlloc(MiB, "chunk_size"), start=4, step=4, max_size=16)
+    return search(KnobAlloc(MiB, "chunk_size"), start=4, size_step=4, max_size=16)
 
 
 @pytest.mark.slow
@@ -246,7 +246,7 @@ def test_report_names_the_knob_searched(tmp_path: Path) -> None:
 
 def test_zero_slope_is_not_linear_scaling() -> None:
     # Memory does not depend on the knob: every measured peak is the same.
-    res = search(KnobAlloc(0, "chunk_size"), start=8, step=8, max_size=32)
+    res = search(KnobAlloc(0, "chunk_size"), start=8, size_step=8, max_size=32)
     assert res.fit is not None and res.fit.points == 4
     md = render_markdown(res)
     assert "Linear scaling" not in md and "Linear memory scaling" not in md
@@ -273,7 +273,7 @@ def test_falling_peaks_with_an_oom_say_the_limit_is_elsewhere() -> None:
 @pytest.mark.parametrize("samples_key", ["samples", "n_samples"])
 def test_cap_from_samples_does_not_advise_max_size(samples_key: str) -> None:
     # As `oomguard search` runs a knob that slices the samples: max_size = the number of samples.
-    res = search(KnobAlloc(0, "chunk_size"), start=8, step=8, max_size=16)
+    res = search(KnobAlloc(0, "chunk_size"), start=8, size_step=8, max_size=16)
     context = {"knob": "chunk_size", samples_key: 16}
     md = render_markdown(res, context)
     assert "max_size (16) reached" in res.stopped_because
@@ -286,7 +286,7 @@ def test_cap_from_samples_does_not_advise_max_size(samples_key: str) -> None:
 
 def test_cap_from_user_max_size_advises_raising_it() -> None:
     # --max-size 16 below --samples 64: the user's cap, not the data's.
-    res = search(KnobAlloc(0, "chunk_size"), start=8, step=8, max_size=16)
+    res = search(KnobAlloc(0, "chunk_size"), start=8, size_step=8, max_size=16)
     context = {"knob": "chunk_size", "samples": 64}
     md = render_markdown(res, context)
     assert "stopped at max_size (16)" in md and "raise max_size (--max-size)" in md
@@ -298,7 +298,7 @@ def test_cap_from_user_max_size_advises_raising_it() -> None:
                                                ({"max_seconds": 0.1, "max_trials": 10**6},
                                                 "raise max_seconds")])
 def test_cap_from_trials_or_time_names_that_option(limit: dict, option: str) -> None:
-    res = search(KnobAlloc(0), start=8, step=8, **limit)  # the batch of a training step
+    res = search(KnobAlloc(0), start=8, size_step=8, **limit)  # the batch of a training step
     name = next(iter(limit))
     assert res.stopped_because.startswith(name) and res.first_oom is None
     md = render_markdown(res)
@@ -339,7 +339,7 @@ def test_markdown_json_and_plots_state_the_one_record() -> None:
 def test_write_report_of_a_plain_search_does_not_load_the_metrics(tmp_path: Path) -> None:
     # Reports sit above the metrics in the layers; a search of a plain function needs none.
     code = ("import sys\nimport oomguard\nfrom oomguard.engine.core.search.search import search\n"
-            "result = search(lambda n: n, start=2, step=2, max_size=8)\n"
+            "result = search(lambda n: n, start=2, size_step=2, max_size=8)\n"
             f"oomguard.write_report(result, {str(tmp_path)!r})\n"
             "print(sorted(m for m in sys.modules if m.startswith('oomguard.metrics')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

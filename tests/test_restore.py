@@ -241,7 +241,7 @@ def test_search_restores_after_each_trial_and_when_it_raises(error, raised):
         return n
 
     with pytest.raises(raised):
-        oomguard.search(step, start=1, step=1, max_size=8, restore=(model, opt))
+        oomguard.search(step, start=1, size_step=1, max_size=8, restore=(model, opt))
     # every trial's first step saw the user's state: no optimizer state, counters at 0
     assert [s for s in seen if s[1] == 0] == [(1, 0, 0), (2, 0, 0), (3, 0, 0)]
     assert all(_same(before, _state(model, opt)).values())
@@ -265,7 +265,7 @@ class BatchNormStep:
 def test_isolated_search_checks_restore_and_leaves_the_objects_here_alone():
     step = BatchNormStep()
     before = _state(step.model, step.opt)
-    result = oomguard.search(step, start=2, step=1, max_size=3, isolate=True,
+    result = oomguard.search(step, start=2, size_step=1, max_size=3, isolate=True,
                              restore=(step.model, step.opt))
     assert [(t.size, t.ok, t.steps, t.value) for t in result.trials] == [
         (2, True, 2, 6), (3, True, 2, 6)]  # each child stepped its own copy twice
@@ -280,7 +280,7 @@ def test_verify_and_verify_steps_restore_too():
     before = _state(step.model, step.opt)
     done = oomguard.verify(step, 4, 3, restore=(step.model, step.opt))
     assert done["ok"] and done["steps"] == 3
-    result = oomguard.search(step, start=2, step=1, max_size=3, verify_steps=2,
+    result = oomguard.search(step, start=2, size_step=1, max_size=3, verify_steps=2,
                              restore=(step.model, step.opt))
     assert result.verification["ok"] and [t.steps for t in result.trials] == [2, 2]
     assert all(_same(before, _state(step.model, step.opt)).values())

@@ -100,11 +100,11 @@ def test_linear_jump_bisects_when_the_prediction_is_too_high():
 
 
 def test_limits_terminate_and_only_sizes_that_ran_are_returned():
-    result = search(Echo(), start=4, step=4, max_size=30)
+    result = search(Echo(), start=4, size_step=4, max_size=30)
     assert _ran(result) == [(s, True) for s in (4, 8, 12, 16, 20, 24, 28, 30)]
     assert (result.max_ok, result.first_oom) == (30, None)
     assert result.stopped_because == "max_size (30) reached"
-    result = search(Echo(), start=4, step=4, max_trials=3)
+    result = search(Echo(), start=4, size_step=4, max_trials=3)
     assert _ran(result) == [(4, True), (8, True), (12, True)] and result.max_ok == 12
     assert result.stopped_because == "max_trials (3) reached"
 
@@ -121,7 +121,7 @@ def test_max_seconds_stops_the_search():
 
 def test_non_oom_error_mid_search_is_trial_failed_with_the_partial_result():
     with pytest.raises(TrialFailed) as info:
-        search(RaisesAt(48), start=32, step=8)
+        search(RaisesAt(48), start=32, size_step=8)
     exc = info.value
     assert isinstance(exc.__cause__, ValueError)
     assert str(exc.__cause__) == "not a memory problem at 48"
@@ -132,9 +132,16 @@ def test_non_oom_error_mid_search_is_trial_failed_with_the_partial_result():
                         "problem at 48); 2 trial(s) ran before it, largest that fit: 40")
 
 
+def test_the_old_step_keyword_still_works_for_one_release_and_says_its_new_name():
+    with pytest.warns(FutureWarning, match=r"search\(step=\) is now search\(size_step=\)"):
+        result = search(Echo(), start=16, step=8, max_size=40)
+    assert result.strategy == "expand-bisect"
+    assert [t.size for t in result.trials] == [16, 24, 32, 40]
+
+
 def test_on_trial_sees_every_trial_in_order():
     seen: list[int] = []
-    result = search(Echo(), start=16, step=8, max_size=40, on_trial=lambda t: seen.append(t.size))
+    result = search(Echo(), start=16, size_step=8, max_size=40, on_trial=lambda t: seen.append(t.size))
     assert seen == [t.size for t in result.trials] == [16, 24, 32, 40]
 
 
@@ -143,8 +150,9 @@ def test_on_trial_sees_every_trial_in_order():
 
 @pytest.mark.parametrize(("call", "config"), [
     (dict(), {"strategy": "guided", "start": 32, "misses": 2}),
-    (dict(start=64, step=16), {"strategy": "expand-bisect", "start": 64, "step": 16}),
-    (dict(start=64), {"strategy": "expand-bisect", "start": 64, "step": 8}),
+    (dict(start=64, size_step=16), {"strategy": "expand-bisect", "start": 64, "step": 16}),
+    # start alone chooses as --start does: guided from there, not expand-bisect
+    (dict(start=64), {"strategy": "guided", "start": 64, "misses": 2}),
     (dict(strategy=Doubling(start=64)), {"strategy": "doubling", "start": 64, "factor": 2}),
     (dict(strategy=LinearJump(capacity_bytes=10**9, start=4)),
      {"strategy": "linear-jump", "capacity_bytes": 10**9, "start": 4}),
@@ -172,10 +180,11 @@ def test_search_config_object_and_overrides():
 
 
 @pytest.mark.parametrize(("kwargs", "expected"), [
-    (dict(start=64, step=16, strategy=Doubling()),
-     "write strategy=Doubling(start=64, factor=2) (Doubling has no step)"),
+    (dict(start=64, size_step=16, strategy=Doubling()),
+     "write strategy=Doubling(start=64, factor=2) (Doubling has no size_step)"),
     (dict(start=64, strategy=Doubling()), "write strategy=Doubling(start=64, factor=2)"),
-    (dict(step=4, strategy=ExpandBisect(start=16)), "write strategy=ExpandBisect(start=16, step=4)"),
+    (dict(size_step=4, strategy=ExpandBisect(start=16)),
+     "write strategy=ExpandBisect(start=16, step=4)"),
 ])
 def test_start_or_step_with_a_strategy_is_a_usage_error_saying_how(kwargs, expected):
     with pytest.raises(UsageError) as info:
@@ -205,7 +214,7 @@ def test_start_and_step_with_a_config_strategy_is_a_usage_error():
     (dict(start=0), "start must be a positive integer, got 0"),
     (dict(start=True), "start must be a positive integer, got True"),
     (dict(start=2.5), "start must be a positive integer, got 2.5"),
-    (dict(step=-1), "step must be a positive integer, got -1"),
+    (dict(size_step=-1), "step must be a positive integer, got -1"),
     (dict(max_size=0), "max_size must be a positive integer, got 0"),
     (dict(max_trials=0), "max_trials must be a positive integer, got 0"),
     (dict(start=64, max_size=32), "start (64) is larger than max_size (32)"),
@@ -237,7 +246,7 @@ def test_bad_options_are_one_line_usage_errors(kwargs, words):
     assert words in str(info.value) and "\n" not in str(info.value)
     assert isinstance(info.value, ValueError)
     assert calls == []  # refused before any trial ran
-    if not {"start", "step"} & set(kwargs):  # the same check when a config is built
+    if not {"start", "size_step"} & set(kwargs):  # the same check when a config is built
         with pytest.raises(UsageError, match=words.replace("(", r"\(").replace(")", r"\)")
                            .replace("[", r"\[")):
             SearchConfig(**kwargs)
@@ -303,7 +312,7 @@ def _e10_search(strategy_name: str | None = None):
     strategy = {None: None, "linear": LinearJump(capacity_bytes=nbytes)}[strategy_name]
     _warm()
     if strategy is None:
-        return search(w, start=32, step=8, budget=nbytes)
+        return search(w, start=32, size_step=8, budget=nbytes)
     return search(w, strategy=strategy, budget=nbytes)
 
 
@@ -404,7 +413,7 @@ def _brute_in_fresh_process(nbytes: int) -> int:
 
 def _search_in_fresh_process(nbytes: int) -> tuple[int | None, int | None]:
     # One step per trial, as the brute force runs it: the subject is the bracket.
-    result = search(TrainStep(**GPT2), start=4, step=4, budget=nbytes, steps_per_trial=1)
+    result = search(TrainStep(**GPT2), start=4, size_step=4, budget=nbytes, steps_per_trial=1)
     return result.max_ok, result.first_oom
 
 
@@ -460,7 +469,7 @@ def test_gpt2_step_search_isolated_matches_brute_force(gpt2_boundary):
     # half-item of slack on each side of the budget it is the same as brute force in
     # one process.
     nbytes, brute = gpt2_boundary
-    result = search(TrainStep(**GPT2), start=4, step=4, budget=nbytes, isolate=True,
+    result = search(TrainStep(**GPT2), start=4, size_step=4, budget=nbytes, isolate=True,
                     steps_per_trial=1)
     assert result.mode == "isolated" and all(t.mode == "isolated" for t in result.trials)
     assert (result.max_ok, result.first_oom) == (brute, brute + 1)

@@ -192,32 +192,36 @@ def _require(ok: bool, message: str) -> None:
         raise UsageError(message)
 
 
-def resolve(config: SearchConfig | None, start: int | None, step: int | None,
-             options: dict[str, Any]) -> SearchConfig:
-    """The one SearchConfig that runs: ``config`` with ``options``, the shorthand applied."""
+def resolve(config: SearchConfig | None, start: int | None, size_step: int | None,
+            options: dict[str, Any]) -> SearchConfig:
+    """The one SearchConfig that runs: ``config`` with ``options``; ``start`` and ``size_step``
+    choose the strategy as the command line's ``--start`` and ``--size-step`` do
+    (:func:`strategy_named`: guided from ``start``, expand-bisect where a size step is given)."""
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"search() got unexpected keyword argument(s) {', '.join(unknown)}; "
-                        f"options are start, step, on_trial, {', '.join(_OPTIONS)}")
+                        f"options are start, size_step, on_trial, {', '.join(_OPTIONS)}")
     if config is not None and not isinstance(config, SearchConfig):
         hint = f" (did you mean start={config!r}?)" if isinstance(config, int) else ""
         raise UsageError(f"search()'s second argument is a SearchConfig, got {config!r}{hint}")
     cfg = dataclasses.replace(config, **options) if config is not None else SearchConfig(**options)
-    if start is None and step is None:
+    if start is None and size_step is None:
         return cfg if cfg.strategy is not None else dataclasses.replace(cfg, strategy=Guided())
     if cfg.strategy is not None:
-        raise _shorthand_conflict(cfg.strategy, start, step)
-    shorthand = ExpandBisect(start=32 if start is None else start, step=8 if step is None else step)
-    return dataclasses.replace(cfg, strategy=shorthand)
+        raise _shorthand_conflict(cfg.strategy, start, size_step)
+    chosen = strategy_named(None, start, size_step, cfg.capacity_bytes or cfg.budget)
+    return dataclasses.replace(cfg, strategy=chosen)
 
 
-def _shorthand_conflict(strategy: Strategy, start: int | None, step: int | None) -> UsageError:
+def _shorthand_conflict(strategy: Strategy, start: int | None, size_step: int | None
+                        ) -> UsageError:
     kind = type(strategy).__name__
     own = strategy_params(strategy)
-    given = {k: v for k, v in (("start", start), ("step", step)) if v is not None}
+    given = {k: v for k, v in (("start", start), ("step", size_step)) if v is not None}
     merged = own | {k: v for k, v in given.items() if k in own}
-    lacking = [k for k in given if k not in own]
+    lacking = [k.replace("step", "size_step") for k in given if k not in own]
     note = f" ({kind} has no {' or '.join(lacking)})" if lacking else ""
     written = f"{kind}({', '.join(f'{k}={v!r}' for k, v in merged.items())})"
-    return UsageError(f"start/step are shorthand for strategy=ExpandBisect(start, step) and do not apply "
-                      f"to {kind}, which runs its own parameters: write strategy={written}{note}")
+    return UsageError(f"start and size_step choose a strategy (guided, or expand-bisect with a "
+                      f"size step) and do not apply beside strategy={kind}, which runs its own "
+                      f"parameters: write strategy={written}{note}")

@@ -7,7 +7,8 @@ search without an answer raises a :class:`~oomguard.engine.errors.SearchFailed` 
 every trial that ran::
 
     search(step, budget=2 * GiB)                          # Guided(start=32)
-    search(step, start=64, step=16, budget=2 * GiB)       # ExpandBisect(64, 16)
+    search(step, start=64, budget=2 * GiB)                # Guided(start=64)
+    search(step, start=64, size_step=16, budget=2 * GiB)  # ExpandBisect(64, 16)
     search(step, strategy=Doubling(start=64), isolate=True, budget=2 * GiB)
     search(step, SearchConfig(strategy=Doubling(start=64), budget=2 * GiB))
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, fields
@@ -110,13 +112,16 @@ class SearchResult:
 
 
 def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
-           start: int | None = None, step: int | None = None,
-           on_trial: Callable[[Trial], None] | None = None, **options: Any) -> SearchResult:
+           start: int | None = None, size_step: int | None = None,
+           on_trial: Callable[[Trial], None] | None = None, step: int | None = None,
+           **options: Any) -> SearchResult:
     """Find the largest size at which ``fn(size)`` runs without running out of memory.
 
     ``options`` are :class:`SearchConfig` fields and override those of ``config``.
-    ``start``/``step`` are shorthand for ``strategy=ExpandBisect(start, step)`` only; give another
-    strategy its own (``Doubling(start=64)``). ``on_trial`` is called with each :class:`Trial`.
+    ``start`` and ``size_step`` choose the strategy as ``--start`` and ``--size-step`` do: guided
+    from ``start``, expand-bisect where a size step is given; give another strategy its own
+    (``Doubling(start=64)``). ``step`` is ``size_step``'s old name (one release, with a
+    ``FutureWarning``). ``on_trial`` is called with each :class:`Trial`.
 
     ``fn`` runs one trial; its ``warmup()``, else ``fn(1)`` (not with ``restore=``), runs once per
     process before the budget, so one-time setup is not charged to a trial
@@ -129,7 +134,11 @@ def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
     :class:`TrialFailed` (``from`` the error) when a trial failed otherwise; both carry the
     partial result with every trial that ran.
     """
-    cfg, dev = _checked(config, start, step, options)
+    if step is not None:
+        warnings.warn("search(step=) is now search(size_step=): a size increment, not a "
+                      "training step", FutureWarning, stacklevel=2)
+        size_step = step if size_step is None else size_step
+    cfg, dev = _checked(config, start, size_step, options)
     run = _Search(fn, cfg, dev, on_trial)
     with ExitStack() as stack:
         # First: an unpicklable workload fails at once; the forkserver starts during the warm-up.
@@ -283,10 +292,10 @@ def verify(fn: Callable[[int], Any], size: int, steps: int, config: SearchConfig
         return _verify(runner, size, steps, "isolated" if cfg.isolate else "in-process")
 
 
-def _checked(config: SearchConfig | None, start: int | None, step: int | None,
+def _checked(config: SearchConfig | None, start: int | None, size_step: int | None,
              options: dict[str, Any]) -> tuple[SearchConfig, torch.device]:
     """The config that runs (:func:`resolve`) and its device, the budget checked."""
-    cfg = resolve(config, start, step, options)
+    cfg = resolve(config, start, size_step, options)
     dev = torch.device(cfg.device)
     if cfg.budget is not None:
         check_budget(cfg.budget, dev)
