@@ -34,7 +34,7 @@ from oomguard.probes.device import resolve_device
 def add_bench(p: argparse.ArgumentParser) -> None:
     p.description = ("Search the maximum batch size of a training step (forward, backward, AdamW) "
                      "of a small GPT-2 (random init, vocab 256) and write report.md, report.json "
-                     "and memory.png. With the defaults: 13 trials, 162 s on 2 idle CPU cores "
+                     "and memory.png. With the defaults: 12 trials, 137 s on 2 idle CPU cores "
                      "(docs/benchmarks.md#how-long-the-commands-take).")
     add_workload_options(p, model="tiny-gpt2", seq_len=DEFAULT_SEQ_LEN)
     add_search_options(p)
