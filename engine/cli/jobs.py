@@ -32,7 +32,7 @@ Exit codes: 0 all done, 1 some metrics failed (or an output could not be
 written), 2 bad job file or arguments, 130/143/138 stopped cleanly by
 SIGINT/SIGTERM/SIGUSR1 (Slurm: sbatch --signal=USR1@90): what finished is kept,
 the running metric is rerun by the same command.
-Runtime: the example job took 12.7 s on 2 idle CPU cores
+Runtime: the example job took 11.2 s on 2 idle CPU cores
  (docs/benchmarks.md#how-long-the-commands-take)."""
 
 CACHE_HELP = """\

@@ -35,7 +35,7 @@ def add_reference(p: argparse.ArgumentParser) -> None:
                      "`oomguard run JOB --sizes-file sizes.toml`). Answers go in the size cache: a "
                      "second run reads them back without a trial, and a job with the same model, "
                      "dtype, sequence length, device and budget takes its sizes from there. With "
-                     "the defaults (14 rows, 17 trials for the tiny GPT-2): 91 s on 2 idle CPU "
+                     "the defaults (14 rows, 17 trials for the tiny GPT-2): 84 s on 2 idle CPU "
                      "cores (docs/benchmarks.md#how-long-the-commands-take).")
     work = add_workload_options(p, model="tiny-gpt2", dtype="float32", seq_len=DEFAULT_SEQ_LEN,
                                 samples=(8, "default 8, as a job file's [data]"))
