@@ -88,3 +88,36 @@ def test_another_threads_free_chunks_are_named_and_the_advice_given_removes_them
     assert "free heap chunks in other threads'" in warning and "MALLOC_ARENA_MAX=1" in warning
     assert "--isolate" not in warning
     assert _in_new_python(holes_in_thread=True, MALLOC_ARENA_MAX="1")["warnings"] == []
+
+
+def _plugged_in(thread: bool) -> tuple[int, int]:
+    """6 MiB of holes made and plugged by the same thread (the main one, or another):
+    the free heap bytes before and after the plugging."""
+    from oomguard.engine.core.memory.heap import free_heap_bytes, plug_free_heap, unplug_heap
+
+    got: list[int] = []
+
+    def holes_then_plug() -> None:
+        _holes()
+        before = free_heap_bytes()
+        plugs = plug_free_heap()
+        got.extend([before, free_heap_bytes()])
+        unplug_heap(plugs)
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.free.argtypes = [ctypes.c_void_p]
+        for block in _holes.kept:  # type: ignore[attr-defined]
+            libc.free(block)
+
+    if thread:
+        worker = threading.Thread(target=holes_then_plug)
+        worker.start()
+        worker.join()
+    else:
+        holes_then_plug()
+    return got[0], got[1]
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["main thread", "another thread"])
+def test_plugging_fills_the_calling_threads_holes(thread: bool) -> None:
+    before, after = _plugged_in(thread)
+    assert before - after > 5.5 * MiB, (before, after)
