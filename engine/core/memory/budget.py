@@ -167,7 +167,7 @@ def _cpu_budget(nbytes: int) -> Iterator[Budget]:
     torch.ones(1 << 20).sum()  # an op large enough that torch parallelises it: its threads
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     # Free chunks already in the heap count in VmData, yet would serve the code inside
-    # without growing it: a warm-up's leftovers (30 MiB measured) made a step of 55 fit
+    # without growing it: a warm-up's leftovers (30 MiB measured) made a step of 52 fit
     # where 40 does from an empty heap. Filled first, every byte the code allocates counts.
     with heap_plugged():
         vm_data = host.proc_status("VmData")
