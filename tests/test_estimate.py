@@ -74,12 +74,14 @@ def test_internal_batch_size_estimate_warms_up_as_its_trial_does():
     # multiplies grow the BLAS buffers; an estimate warmed up at the largest useful size
     # (8 rows) replayed them as adding nothing: -12.3% measured before, -1.9% now alone,
     # -3.3% and -3.7% after the other estimate and layout tests in one pytest process
-    # (replayed 0.73 MB there, 1.20 MB alone): 5% holds both and fails the old -12%.
+    # (replayed 0.73 MB there, 1.20 MB alone). The child's peak, now taken with the heap
+    # plugged (docs/measurements.md#free-heap-at-budget-entry), counts its small allocations
+    # too: 11.07 MB against 10.44 MB estimated (-5.7%) in a CI run. 8% fails the old -12%.
     work = MetricTrial("integrated_gradients", knob="internal_batch_size", n_samples=4,
                        seq_len=64, params={"n_steps": 8})
     est, workspace, meas, err = _error(work, 4)
     assert workspace > 0, "the size's multiplies are new after the trial's warm-up"
-    assert abs(err) < 0.05, f"estimated {est} ({workspace} workspace), measured {meas} ({err:+.2%})"
+    assert abs(err) < 0.08, f"estimated {est} ({workspace} workspace), measured {meas} ({err:+.2%})"
 
 
 @pytest.mark.slow

