@@ -2,8 +2,8 @@
 
 A CPU budget limits ``VmData``, which counts freed blocks glibc keeps in its heap. These
 helpers make large frees go back to the kernel (``mallopt(M_MMAP_THRESHOLD)``), return the
-heap's free top (``malloc_trim``) and read what is left free (``mallinfo2``); each returns
-False or None without glibc.
+heap's free top (``malloc_trim``), read what is left free (``mallinfo2``) and fill it for the
+length of a budget (:func:`heap_plugged`); each does nothing without glibc.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 128 * 1024
-_mmap_threshold: list[int] = []  # the lowest set here: a later budget must not raise it
 # Plug sizes, largest first, all below the mmap threshold (a plug must come from the heap):
 # the free chunks that the small allocations of the code inside a budget could reuse.
 _PLUG_BYTES = (96 * 1024, 12 * 1024, 1536, 192)
@@ -112,16 +111,10 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def return_freed_memory_to_os(threshold: int = _MMAP_THRESHOLD_BYTES) -> bool:
-    """Make glibc serve allocations of ``threshold`` bytes or more with mmap, so frees go
-    back to the OS (docs/measurements.md#return-freed-memory); a lower threshold already set
-    is kept. False without glibc."""
-    if _mmap_threshold:
-        threshold = min(threshold, _mmap_threshold[0])
-    done = _call("mallopt", _M_MMAP_THRESHOLD, threshold)
-    if done:
-        _mmap_threshold[:] = [threshold]
-    return done
+def return_freed_memory_to_os() -> bool:
+    """Make glibc serve allocations of 128 KiB or more with mmap, so frees go back to the OS
+    (docs/measurements.md#return-freed-memory). False without glibc."""
+    return _call("mallopt", _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
 
 
 def trim_heap() -> bool:

@@ -213,13 +213,16 @@ def resolve(config: SearchConfig | None, start: int | None, size_step: int | Non
     return dataclasses.replace(cfg, strategy=chosen)
 
 
+_OPTION_OF = {"start": "start", "step": "size_step"}  # a strategy's field -> search()'s option
+
+
 def _shorthand_conflict(strategy: Strategy, start: int | None, size_step: int | None
                         ) -> UsageError:
     kind = type(strategy).__name__
     own = strategy_params(strategy)
     given = {k: v for k, v in (("start", start), ("step", size_step)) if v is not None}
     merged = own | {k: v for k, v in given.items() if k in own}
-    lacking = [k.replace("step", "size_step") for k in given if k not in own]
+    lacking = [_OPTION_OF[k] for k in given if k not in own]
     note = f" ({kind} has no {' or '.join(lacking)})" if lacking else ""
     written = f"{kind}({', '.join(f'{k}={v!r}' for k, v in merged.items())})"
     return UsageError(f"start and size_step choose a strategy (guided, or expand-bisect with a "
