@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,16 +21,31 @@ import pytest
 MiB, KiB = 1024**2, 1024
 
 
-def _holes(blocks: int = 192) -> None:
-    """6 MiB of free 64 KiB chunks walled in by live ones, in the calling thread's arena
-    (what a warm-up leaves); the live ones are kept for the process's life."""
+def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+def _holes(blocks: int = 192) -> list[int]:
+    """6 MiB of free 64 KiB chunks walled in by live ones, in the calling thread's arena
+    (what a warm-up leaves); the live ones, for the caller to free or keep."""
+    libc = _libc()
     taken = [libc.malloc(64 * KiB) for _ in range(blocks)]
     for block in taken[::2]:
         libc.free(block)
-    _holes.kept = taken[1::2]  # type: ignore[attr-defined]
+    return taken[1::2]
+
+
+def _in_thread_or_here(fn: Callable[[], object], thread: bool) -> None:
+    """``fn()`` in a new thread (its own glibc arena), or in this one."""
+    if thread:
+        worker = threading.Thread(target=fn)
+        worker.start()
+        worker.join()
+    else:
+        fn()
 
 
 def _enter_budget(holes_in_thread: bool) -> dict:
@@ -41,18 +57,12 @@ def _enter_budget(holes_in_thread: bool) -> dict:
     import oomguard
     from oomguard.probes.host import proc_status
 
-    if holes_in_thread:
-        worker = threading.Thread(target=_holes)
-        worker.start()
-        worker.join()
-    else:
-        _holes()
+    _in_thread_or_here(_holes, holes_in_thread)  # its live blocks kept for the process's life
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("oomguard").addHandler(handler)
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.malloc.restype = ctypes.c_void_p
+    libc = _libc()
     with oomguard.budget(48 * MiB):
         before = proc_status("VmData")
         blocks = [libc.malloc(60 * KiB) for _ in range(51)]
@@ -98,22 +108,16 @@ def _plugged_in(thread: bool) -> tuple[int, int]:
     got: list[int] = []
 
     def holes_then_plug() -> None:
-        _holes()
+        kept = _holes()
         before = free_heap_bytes()
         plugs = plug_free_heap()
         got.extend([before, free_heap_bytes()])
         unplug_heap(plugs)
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.free.argtypes = [ctypes.c_void_p]
-        for block in _holes.kept:  # type: ignore[attr-defined]
+        libc = _libc()
+        for block in kept:
             libc.free(block)
 
-    if thread:
-        worker = threading.Thread(target=holes_then_plug)
-        worker.start()
-        worker.join()
-    else:
-        holes_then_plug()
+    _in_thread_or_here(holes_then_plug, thread)
     return got[0], got[1]
 
 

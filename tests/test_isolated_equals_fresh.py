@@ -85,9 +85,9 @@ except RuntimeError as exc:  # torch.OutOfMemoryError, or the CPU allocator's te
 '''
 
 
-def _last_json(proc: subprocess.CompletedProcess[str]) -> object:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _last_json(returncode: int, stdout: str, stderr: str) -> object:
+    assert returncode == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -95,8 +95,9 @@ def test_an_isolated_search_answers_what_the_users_own_fresh_process_holds(
         tmp_path: Path) -> None:
     for name, text in {"user_gru.py": WORKLOAD, "search.py": SEARCH, "train.py": TRAIN}.items():
         (tmp_path / name).write_text(text, encoding="utf-8")
-    found = _last_json(subprocess.run([sys.executable, "search.py"], cwd=tmp_path,
-                                      capture_output=True, text=True, timeout=240))
+    search = subprocess.run([sys.executable, "search.py"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=240)
+    found = _last_json(search.returncode, search.stdout, search.stderr)
     assert found["why"] == "bracket closed", found
     m = found["max_ok"]
     # Two runs each, two at a time: a budget is per process. One size above m fits in some
@@ -108,5 +109,5 @@ def test_an_isolated_search_answers_what_the_users_own_fresh_process_holds(
     fits = []
     for proc in procs:
         out, err = proc.communicate(timeout=240)
-        fits.append(_last_json(subprocess.CompletedProcess(proc.args, proc.returncode, out, err)))
+        fits.append(_last_json(proc.returncode, out, err))
     assert fits == [True, True, False, False], (m, dict(zip(sizes, fits, strict=True)))
