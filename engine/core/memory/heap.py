@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
-import threading
 from collections.abc import Callable, Iterator
 
 _M_MMAP_THRESHOLD = -3
@@ -74,13 +73,20 @@ def plug_free_heap() -> list[int]:
 
 
 def _heap_size_reader(libc: ctypes.CDLL) -> Callable[[], int]:
-    """What tells that the calling thread's heap grew: the program break for the main thread
-    (``sbrk(0)``, constant time: 56,209 plugs took 16.4 s when each read ``mallinfo2``, which
-    walks every free chunk), else the bytes of every arena (``mallinfo2().arena``)."""
-    if threading.current_thread() is threading.main_thread() and hasattr(libc, "sbrk"):
-        libc.sbrk.restype = ctypes.c_void_p
-        libc.sbrk.argtypes = [ctypes.c_ssize_t]
-        return lambda: int(libc.sbrk(0) or 0)
+    """What tells that the calling thread's heap grew. Where its arena is glibc's main one (a
+    probe block lies below the program break), the break (``sbrk(0)``, constant time: 56,209
+    plugs took 16.4 s when each read ``mallinfo2``, which walks every free chunk); else, as
+    for other threads, or a main thread glibc moved to another arena after an allocation
+    failed there (a trial's OOM), the bytes of every arena (``mallinfo2().arena``)."""
+    sbrk = getattr(libc, "sbrk", None)
+    if sbrk is not None:
+        sbrk.restype = ctypes.c_void_p
+        sbrk.argtypes = [ctypes.c_ssize_t]
+        probe = libc.malloc(_PLUG_BYTES[-2])  # above tcache's sizes: from this arena's own bins
+        on_brk = bool(probe) and probe < (sbrk(0) or 0)
+        libc.free(probe)
+        if on_brk:
+            return lambda: int(sbrk(0) or 0)
     return lambda: int(_mallinfo2().arena)
 
 
