@@ -6,7 +6,8 @@
   ``<!-- test-setup`` ... ``-->`` comment, which runs first.
 - A ```` ```bash ```` block runs line by line, every line an ``oomguard`` command (a
   comment after ``#`` and a ``> FILE`` at the end allowed), in one temporary folder; each
-  must exit 0. Identical blocks (the README's and a guide's) run once.
+  must exit 0. Identical blocks (the README's and a guide's) run once, and a block whose
+  commands are those of console blocks, one whole block after another, runs there.
 - A ```` ```console ```` block's ``$ oomguard ...`` lines run, and the lines after each
   must appear in what it printed (stdout and stderr); ``...`` in them stands for any text.
 - ``<!-- no-test: REASON -->`` on the line before a block skips it, with its reason (a
@@ -147,7 +148,51 @@ def test_python_examples(page, tmp_path):
     in_fresh_process(run_python_page, setup_code(page), codes, str(tmp_path))
 
 
-_SHELL = _unique([b for b in RUN if b.lang == "bash"])
+def _console(block: Block) -> list[tuple[list[str], list[str]]]:
+    runs: list[tuple[list[str], list[str]]] = []
+    for line in block.text.splitlines():
+        if line.startswith("$ "):
+            runs.append((shlex.split(line[2:]), []))
+        elif line.strip() and runs:
+            runs[-1][1].append(line.strip())
+    return runs
+
+
+def _console_commands(block: Block) -> list[list[str]]:
+    return [["oomguard", *argv[1:]] for argv, _ in _console(block)]
+
+
+def _covering(shell: Block) -> list[Block] | None:
+    """Console blocks whose commands, one whole block after another, are ``shell``'s (no
+    ``> FILE``): the console test runs them, each from a fresh folder as here, and checks
+    that each exits 0; else None."""
+    commands, found = _commands(shell.text), []
+    consoles = [b for b in RUN if b.lang == "console" and _console_commands(b)]
+    while commands and not any(">" in words for words in commands):
+        block = next((b for b in consoles
+                      if commands[:len(_console_commands(b))] == _console_commands(b)), None)
+        if block is None:
+            return None
+        found.append(block)
+        commands = commands[len(_console_commands(block)):]
+    return found or None
+
+
+_BASH = _unique([b for b in RUN if b.lang == "bash"])
+_SHELL = [b for b in _BASH if _covering(b) is None]
+# Console blocks that stand for a shell block: each of their commands must exit 0.
+_COVERING = {c.where for b in _BASH for c in _covering(b) or []}
+
+
+def test_a_shell_block_runs_or_its_commands_run_in_console_blocks():
+    readme = next(b for b in _BASH if b.where.startswith("README.md") and "bench" in b.text)
+    covering = _covering(readme)
+    assert covering is not None, "the README's bench example is no longer in a console block"
+    assert sum((_console_commands(c) for c in covering), []) == _commands(readme.text)
+    # A redirect, or a command no console block runs, keeps the block in the shell test.
+    assert _covering(Block(readme.page, 0, "bash", readme.text + "oomguard show elsewhere\n", None)) is None
+    assert _covering(Block(readme.page, 0, "bash", "oomguard run --example > job.toml\n",
+                           None)) is None
 
 
 @pytest.mark.slow
@@ -162,16 +207,6 @@ def test_shell_examples(block, tmp_path):
         assert done.returncode == 0, f"{block.where}: {' '.join(words)}\n{done.stderr[-3000:]}"
         if out_file:
             (tmp_path / out_file).write_text(done.stdout)
-
-
-def _console(block: Block) -> list[tuple[list[str], list[str]]]:
-    runs: list[tuple[list[str], list[str]]] = []
-    for line in block.text.splitlines():
-        if line.startswith("$ "):
-            runs.append((shlex.split(line[2:]), []))
-        elif line.strip() and runs:
-            runs[-1][1].append(line.strip())
-    return runs
 
 
 def _check_console(block: Block, run) -> None:
@@ -199,7 +234,10 @@ def test_console_examples(block, tmp_path, monkeypatch):
     def run(argv):
         out, err = io.StringIO(), io.StringIO()
         with redirect_stdout(out), redirect_stderr(err):
-            main(argv)
-        return out.getvalue() + err.getvalue()
+            code = main(argv)
+        printed = out.getvalue() + err.getvalue()
+        # It stands for a shell block's commands (_covering): each must succeed.
+        assert block.where not in _COVERING or code == 0, f"{block.where}: exit {code}\n{printed}"
+        return printed
 
     _check_console(block, run)
