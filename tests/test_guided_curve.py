@@ -169,5 +169,8 @@ def test_guided_on_a_square_block_under_a_real_budget_closes_in_six_trials() -> 
     assert abs(in_process["max_ok"] - m) <= 1, seen
     assert in_process["first_oom"] == in_process["max_ok"] + 1, seen
     assert len(in_process["trials"]) <= 6, seen
-    # it fitted a curve: a line through the first two fits would have run out of memory
-    assert all(t["outcome"] == "ok" for t in isolated["trials"][2:-1])
+    # it fitted a curve: a line through the first two fits would have run out of memory far
+    # above m; after the first refuted guess no trial ran out except at the boundary itself
+    # (a loaded CI run closed the bracket from above: m + 1 out of memory, then m)
+    assert all(t["outcome"] == "ok" or t["size"] == m + 1
+               for t in isolated["trials"][2:]), seen
