@@ -174,6 +174,10 @@ def in_fresh_process(fn, *args):
     return in_fresh_processes(fn, [args])[0]
 
 
+# What the worker's forkserver imports once for every child it starts.
+_SERVER_PRELOAD = ("transformers", "oomguard.metrics.train_step", "oomguard.metrics.synthetic")
+
+
 def in_fresh_processes(fn, arg_lists, workers: int = 1):
     """``[fn(*args) for args in arg_lists]``, each call in a fresh child of its own (as
     :func:`in_fresh_process`), ``workers`` at a time: a budget is per process, so calls
@@ -181,8 +185,7 @@ def in_fresh_processes(fn, arg_lists, workers: int = 1):
     is raised here; a child that dies raises ChildCrashed."""
     from oomguard.engine.core.child import Child, start_forkserver
 
-    ctx = start_forkserver(("transformers", "oomguard.metrics.train_step",
-                            "oomguard.metrics.synthetic"))
+    ctx = start_forkserver(_SERVER_PRELOAD)
     arg_lists, results = [tuple(a) for a in arg_lists], []
     for i in range(0, len(arg_lists), workers):
         with contextlib.ExitStack() as running:
@@ -231,6 +234,63 @@ def cli_in_child(*argv: str, cwd: Any = None, env: dict[str, str] | None = None,
     code, out, err = in_fresh_process(oomguard_here, list(argv), None if cwd is None else str(cwd),
                                       env or {}, missing)
     return subprocess.CompletedProcess(["oomguard", *argv], code, out, err)
+
+
+def _session_cli(argv: list[str], cwd: str | None, env: dict[str, str]) -> tuple[int, str, str]:
+    """:func:`oomguard_here` in a session of its own: a signal sent to its process group
+    reaches it and the processes it starts, and nothing else (as Slurm signals a job step)."""
+    os.setsid()
+    return oomguard_here(argv, cwd, env)
+
+
+class Started:
+    """``oomguard ARGV`` running in a fresh child of this worker's forkserver (as
+    :func:`cli_in_child`: torch is not imported again), in a session of its own, for tests
+    that signal a command while it runs. ``pid``, ``poll()``, ``send_signal(sig)`` and
+    ``communicate(timeout)`` (stdout, stderr) as ``subprocess.Popen`` has them;
+    ``returncode`` is the code ``main`` returned, or minus the signal that killed the
+    process (its output then lost with it). A process killed for running past ``timeout``
+    ends with minus that signal too."""
+
+    def __init__(self, *argv: str, cwd: Any = None, env: dict[str, str] | None = None) -> None:
+        from oomguard.engine.core.child import Child, start_forkserver
+
+        self._child = Child(start_forkserver(_SERVER_PRELOAD), _session_cli, list(argv),
+                            None if cwd is None else str(cwd), env or {})
+        self.pid: int = self._child.proc.pid
+        self.returncode: int | None = None
+        self._output: tuple[str, str] | None = None
+
+    def poll(self) -> int | None:
+        if self._output is None and self._child.proc.exitcode is not None:
+            self.communicate()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        if self._output is None:
+            import time
+
+            from oomguard.engine.core.child import RAISED, RETURNED
+
+            child = self._child
+            ended = child.wait(None if timeout is None else time.monotonic() - child.t0 + timeout)
+            child.__exit__(None, None, None)
+            if ended.how == RAISED:
+                raise ended.error()
+            if ended.how == RETURNED:
+                self.returncode, *out = ended.value
+            else:
+                self.returncode, out = ended.exitcode, ["", ""]
+            self._output = (out[0], out[1])
+        return self._output
 
 
 def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str,

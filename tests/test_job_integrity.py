@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_in_child
+from conftest import Started, cli_in_child
 
 from oomguard.engine.core.child import server_method, start_method
 from oomguard.engine.errors import JobError
@@ -251,8 +251,7 @@ def test_an_interrupt_during_the_final_report_is_recorded_and_a_rerun_finishes_i
     (out / "report.md").unlink()
     # A fully resumed run spends its time on results.json and the report (matplotlib,
     # the memory plot): interrupt it once the last metric has been skipped.
-    proc = subprocess.Popen([sys.executable, "-m", "oomguard", "run", str(path)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = Started("run", str(path), cwd=ROOT)
     deadline = time.monotonic() + 120
     while len(_events(out, "skip")) < 6 and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_in_child
+from conftest import Started, cli_in_child
 
 from oomguard.engine.jobs.journal import replay
 
@@ -62,9 +60,7 @@ def _events(out: Path, event: str) -> list[dict]:
 def test_a_signal_from_slurm_stops_the_job_cleanly_and_a_rerun_resumes(
         tmp_path: Path, sig: signal.Signals) -> None:
     job, out, cache = _job(tmp_path), tmp_path / "out", str(tmp_path / "cache.json")
-    proc = subprocess.Popen([sys.executable, "-m", "oomguard", "run", str(job), "--cache", cache],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = Started("run", str(job), "--cache", cache, cwd=ROOT)  # a session of its own
     try:
         deadline = time.monotonic() + 120
         # The first metric's result is journaled, and the second one runs.

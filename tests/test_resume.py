@@ -14,15 +14,13 @@ import json
 import logging
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_in_child
+from conftest import Started, cli_in_child
 
 from oomguard.engine.jobs.cache import SizeCache
 from oomguard.engine.jobs.journal import replay
@@ -82,9 +80,8 @@ def _job(tmp_path: Path, body: str, name: str = "job.toml", seq_len: int = 8,
     return path
 
 
-def _cli(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "oomguard", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _cli(*args: str) -> Started:
+    return Started(*args, cwd=ROOT)
 
 
 def _events(out: Path, event: str, task: str | None = None) -> list[dict]:
@@ -92,7 +89,7 @@ def _events(out: Path, event: str, task: str | None = None) -> list[dict]:
             if e["event"] == event and (task is None or e.get("task") == task)]
 
 
-def _wait(proc: subprocess.Popen, ready: Callable[[], bool], seconds: float = 120) -> None:
+def _wait(proc: Started, ready: Callable[[], bool], seconds: float = 120) -> None:
     """Poll until ``ready()``; fail with the process's output if it ends or time runs out."""
     deadline = time.monotonic() + seconds
     while not ready():

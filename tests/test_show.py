@@ -6,12 +6,10 @@ results file, is one line and exit code 2."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_in_child
+from conftest import Started, cli_in_child
 
 from oomguard.engine.cli.main import main
 
@@ -106,9 +104,9 @@ def test_show_reads_a_killed_run_from_its_results_and_journal(tmp_path: Path, ca
     # SIGKILL: the job's process writes nothing more (no results.json for this run).
     job, out = _job(tmp_path, '[[metrics]]\nname = "test_stops_the_job"\n'
                               'params = { signal = 9 }\n')
-    run = subprocess.run([sys.executable, "-m", "oomguard", "run", str(job), "--cache",
-                          str(tmp_path / "c.json")], cwd=ROOT, capture_output=True, timeout=120)
-    assert run.returncode == -9, run.stderr[-2000:]
+    run = Started("run", str(job), "--cache", str(tmp_path / "c.json"), cwd=ROOT)
+    run.communicate(timeout=120)
+    assert run.returncode == -9, run.returncode
     assert not (out / "results.json").exists()
     doc = json.loads(_show(capsys, str(out), "--json"))
     assert (doc["status"], doc["killed"]) == ("interrupted", True)
