@@ -57,20 +57,21 @@ class Recorder:
 
 def table(rows: list[dict], top: int) -> str:
     ranked = sorted(rows, key=lambda r: -r["cpu_s"])
-    total = sum(r["cpu_s"] for r in rows)
-    head = sum(r["cpu_s"] for r in ranked[:top])
     lines = ["| CPU s | kernel s | wall s | test |", "|---:|---:|---:|---|"]
     lines += [f"| {r['cpu_s']:.1f} | {r['kernel_s']:.1f} | {r['wall_s']:.1f} | {r['test']} |"
               for r in ranked[:top]]
+    total = sum(r["cpu_s"] for r in rows)
+    if not total:
+        return "\n".join([*lines, "", f"{len(rows)} tests: no CPU time recorded"])
+    head = sum(r["cpu_s"] for r in ranked[:top])
     kernel = sum(r["kernel_s"] for r in rows)
     wall = sum(r["wall_s"] for r in rows)
-    lines += ["", f"{len(rows)} tests: {total:.0f} CPU-seconds ({kernel:.0f} in the kernel, "
-              f"{kernel / total:.0%}), {wall:.0f} s wall one at a time" if total else
-              f"{len(rows)} tests: no CPU time recorded",
-              f"the top {min(top, len(rows))}: {head:.0f} CPU-seconds"
-              f" ({head / total:.0%}); the other {max(0, len(rows) - top)}: {total - head:.0f}"
-              if total else ""]
-    return "\n".join(lines)
+    return "\n".join([
+        *lines, "",
+        f"{len(rows)} tests: {total:.0f} CPU-seconds ({kernel:.0f} in the kernel, "
+        f"{kernel / total:.0%}), {wall:.0f} s wall one at a time",
+        f"the top {min(top, len(rows))}: {head:.0f} CPU-seconds ({head / total:.0%}); "
+        f"the other {max(0, len(rows) - top)}: {total - head:.0f}"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,9 @@ import gc
 import logging
 import math
 import os
+import signal
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -270,26 +272,22 @@ class Started:
         os.kill(self.pid, sig)
 
     def kill(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGKILL)
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         if self._output is None:
-            import time
-
             from oomguard.engine.core.child import RAISED, RETURNED
 
-            child = self._child
-            ended = child.wait(None if timeout is None else time.monotonic() - child.t0 + timeout)
-            child.__exit__(None, None, None)
+            with self._child as child:  # leaving it reaps the child and closes its pipe
+                ended = child.wait(None if timeout is None
+                                   else time.monotonic() - child.t0 + timeout)
             if ended.how == RAISED:
                 raise ended.error()
             if ended.how == RETURNED:
-                self.returncode, *out = ended.value
+                self.returncode, out, err = ended.value
             else:
-                self.returncode, out = ended.exitcode, ["", ""]
-            self._output = (out[0], out[1])
+                self.returncode, out, err = ended.exitcode, "", ""
+            self._output = (out, err)
         return self._output
 
 

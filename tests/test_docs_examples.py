@@ -159,7 +159,7 @@ def _console(block: Block) -> list[tuple[list[str], list[str]]]:
 
 
 def _console_commands(block: Block) -> list[list[str]]:
-    return [["oomguard", *argv[1:]] for argv, _ in _console(block)]
+    return [argv for argv, _ in _console(block)]
 
 
 def _covering(shell: Block) -> list[Block] | None:
@@ -167,21 +167,21 @@ def _covering(shell: Block) -> list[Block] | None:
     ``> FILE``): the console test runs them, each from a fresh folder as here, and checks
     that each exits 0; else None."""
     commands, found = _commands(shell.text), []
-    consoles = [b for b in RUN if b.lang == "console" and _console_commands(b)]
+    consoles = [(b, c) for b in RUN if b.lang == "console" and (c := _console_commands(b))]
     while commands and not any(">" in words for words in commands):
-        block = next((b for b in consoles
-                      if commands[:len(_console_commands(b))] == _console_commands(b)), None)
-        if block is None:
+        match = next(((b, c) for b, c in consoles if commands[:len(c)] == c), None)
+        if match is None:
             return None
-        found.append(block)
-        commands = commands[len(_console_commands(block)):]
+        found.append(match[0])
+        commands = commands[len(match[1]):]
     return found or None
 
 
 _BASH = _unique([b for b in RUN if b.lang == "bash"])
-_SHELL = [b for b in _BASH if _covering(b) is None]
+_COVERED = {b: _covering(b) for b in _BASH}
+_SHELL = [b for b, by in _COVERED.items() if by is None]
 # Console blocks that stand for a shell block: each of their commands must exit 0.
-_COVERING = {c.where for b in _BASH for c in _covering(b) or []}
+_COVERING = {c.where for by in _COVERED.values() for c in by or []}
 
 
 def test_a_shell_block_runs_or_its_commands_run_in_console_blocks():
@@ -190,7 +190,8 @@ def test_a_shell_block_runs_or_its_commands_run_in_console_blocks():
     assert covering is not None, "the README's bench example is no longer in a console block"
     assert sum((_console_commands(c) for c in covering), []) == _commands(readme.text)
     # A redirect, or a command no console block runs, keeps the block in the shell test.
-    assert _covering(Block(readme.page, 0, "bash", readme.text + "oomguard show elsewhere\n", None)) is None
+    assert _covering(Block(readme.page, 0, "bash", readme.text + "oomguard show elsewhere\n",
+                           None)) is None
     assert _covering(Block(readme.page, 0, "bash", "oomguard run --example > job.toml\n",
                            None)) is None
 

@@ -354,7 +354,8 @@ def _children(os_name: str) -> dict:
                  "context": launcher.context(launcher.start_method("cpu")).get_start_method(),
                  "isolated": {d: IsolatedRunner(_fits, d).ctx.get_start_method()
                               for d in ("cpu", "mps")}}
-    for key, fn in (("fits", _fits), ("dies", _dies))[:2 if os_name == "Windows" else 1]:
+    cases = [("fits", _fits)] + ([("dies", _dies)] if os_name == "Windows" else [])
+    for key, fn in cases:
         try:
             with IsolatedRunner(fn, "cpu", timeout=120) as runner:
                 trial = runner(4)
