@@ -85,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("this needs Linux's /proc/stat (machine-wide CPU time)")
     recorder = Recorder()
     os.chdir(ROOT)
+    sys.path.insert(0, str(ROOT))  # as `python -m pytest` does: the tests import tests.conftest
     code = pytest.main(["-q", "-n", "0", "-p", "no:randomly", *pytest_args], plugins=[recorder])
+    if not recorder.rows:
+        print(f"no test ran (pytest exit {int(code)}): see pytest's output above", file=sys.stderr)
+        return int(code) or 1
     print(table(recorder.rows, args.top))
     if args.json:
         args.json.write_text(json.dumps(recorder.rows, indent=1), encoding="utf-8")

@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from oomguard.engine.core.memory.budget import budget
-from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.metrics.models import build_model, make_batch
 
 # One torch thread in every test process and in every command, forkserver and child it
@@ -35,14 +34,6 @@ from oomguard.metrics.models import build_model, make_batch
 # two threads and 41 s with one; the metric tests ran 10-17x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # this process read it already
-
-# Budgets count virtual memory above the process's data size at entry. Free
-# chunks that glibc keeps inside its heap are part of that size and are reused
-# without growing it, so a test process that ran big computations before its
-# budget gets silently more room (measured: +120 MiB after the metric tests).
-# Serving every allocation of 128 KiB and more with mmap from the start keeps
-# the heap small and the budgets exact, whatever ran before.
-return_freed_memory_to_os()
 
 ARCHS = ("tiny-gpt2", "tiny-llama")
 

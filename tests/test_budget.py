@@ -15,7 +15,7 @@ from oomguard.engine.core.memory.budget import (
     budget,
     check_budget,
 )
-from oomguard.engine.core.memory.heap import return_freed_memory_to_os, trim_heap
+from oomguard.engine.core.memory.heap import freed_memory_returned, trim_heap
 from oomguard.engine.core.memory.oom import is_oom
 from oomguard.probes.host import meminfo
 
@@ -156,5 +156,43 @@ def test_check_budget_makes_the_entry_checks_without_a_budget() -> None:
 
 
 def test_glibc_helpers_answer_on_linux() -> None:
-    assert return_freed_memory_to_os() is True
+    with freed_memory_returned() as ok:
+        assert ok is True
     assert isinstance(trim_heap(), bool)  # 1 if memory went back, 0 if there was none
+
+
+def _mapped_inside_and_after(for_good: bool) -> list[bool]:
+    """In a fresh process: whether a 1 MiB block is a mapping of its own (glibc's mmap
+    threshold below it) inside a budget, after an inner budget ends, and after the budget."""
+    import ctypes
+
+    from oomguard.engine.core.memory import heap
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def mapped() -> bool:
+        before = heap._mallinfo2().hblks
+        block = libc.malloc(1 << 20)
+        grew = heap._mallinfo2().hblks > before
+        libc.free(block)
+        return grew
+
+    if for_good:  # as every child oomguard starts and measures does
+        heap.return_freed_memory_to_os()
+    with budget(64 * MiB):
+        inside = mapped()
+        with budget(32 * MiB):
+            pass
+        after_inner = mapped()
+    return [inside, after_inner, mapped()]
+
+
+@pytest.mark.slow
+def test_a_budget_returns_large_frees_to_the_os_and_leaves_glibc_fast_after_it() -> None:
+    # Inside: 128 KiB and more is mapped, so a free leaves VmData. After the outermost
+    # budget, large blocks come from the heap again (a training step at 128 KiB costs 1.8x
+    # its time in page faults), unless the process set the threshold for good.
+    assert in_fresh_process(_mapped_inside_and_after, False) == [True, True, False]
+    assert in_fresh_process(_mapped_inside_and_after, True) == [True, True, True]

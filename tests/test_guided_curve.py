@@ -140,6 +140,10 @@ class SquareBlock:
 
 
 BUDGET = 128 * MiB  # as bench/peers.py's attention row
+# Six trials close the bracket on a fit that lands on the boundary; one more where the fit
+# lands one item below it: near the boundary an item is 0.3 MB, within what a child's
+# starting data size varies (1 in 12 fresh runs of the rlimit case, and more under load).
+MOST_TRIALS = 7
 
 
 def _guided(isolate: bool) -> dict:
@@ -153,7 +157,7 @@ def _fresh_runs(size: int) -> bool:
 
 
 @pytest.mark.slow
-def test_guided_on_a_square_block_under_a_real_budget_closes_in_six_trials() -> None:
+def test_guided_on_a_square_block_under_a_real_budget_closes_in_six_or_seven_trials() -> None:
     isolated = _guided(isolate=True)
     in_process = in_fresh_process(_guided, False)
     m = isolated["max_ok"]
@@ -162,13 +166,13 @@ def test_guided_on_a_square_block_under_a_real_budget_closes_in_six_trials() -> 
     # the brute-force maximum: m runs in a fresh process and m + 1 does not (fitting is
     # monotone in the size: larger blocks)
     assert _fresh_runs(m) and not _fresh_runs(m + 1)
-    assert isolated["first_oom"] == m + 1 and len(isolated["trials"]) <= 6, seen
+    assert isolated["first_oom"] == m + 1 and len(isolated["trials"]) <= MOST_TRIALS, seen
     # In-process trials share one heap, so their answer can sit one size off the fresh
     # maximum (901 against 902 in one loaded CI run; docs/measurements.md#in-process-vs-isolated);
     # the bracket still closes at adjacent sizes.
     assert abs(in_process["max_ok"] - m) <= 1, seen
     assert in_process["first_oom"] == in_process["max_ok"] + 1, seen
-    assert len(in_process["trials"]) <= 6, seen
+    assert len(in_process["trials"]) <= MOST_TRIALS, seen
     # it fitted a curve: a line through the first two fits would have run out of memory far
     # above m; after the first refuted guess no trial ran out except at the boundary itself
     # (a loaded CI run closed the bracket from above: m + 1 out of memory, then m)

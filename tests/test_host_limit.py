@@ -31,6 +31,7 @@ from oomguard.metrics.synthetic import e10_line
 from oomguard.probes import host
 
 MiB = 1024**2
+MOST_TRIALS = 7  # 6 where the fit lands on the boundary; see tests/test_guided_curve.py
 LINE = e10_line()  # 26.2 MB + 3.75 MB per item, real touched allocations
 # Between 114 and 115 items of the line: the E10 report's answer.
 ROOM_114 = (LINE.bytes_at(114) + LINE.bytes_at(115)) // 2
@@ -117,12 +118,12 @@ def _square_under_rlimit(isolate: bool) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "isolated"])
-def test_a_curve_under_an_enforced_rlimit_closes_in_six_trials_as_under_a_budget(
+def test_a_curve_under_an_enforced_rlimit_closes_in_six_or_seven_trials_as_under_a_budget(
         isolate: bool) -> None:
     got = in_fresh_process(_square_under_rlimit, isolate)
     seen = [(t["size"], t["outcome"]) for t in got["trials"]]
     assert got["limit"]["kind"] == "RLIMIT_DATA", got["limit"]
-    assert got["first_oom"] == got["max_ok"] + 1 and len(got["trials"]) <= 6, seen
+    assert got["first_oom"] == got["max_ok"] + 1 and len(got["trials"]) <= MOST_TRIALS, seen
     assert not any(t["guarded"] for t in got["trials"])
     if isolate:  # exact: the answer runs in a fresh child under the limit, the size above not
         assert got["fresh"] == [True, False], (got["max_ok"], got["fresh"])

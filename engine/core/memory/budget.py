@@ -27,8 +27,8 @@ import torch
 
 from oomguard.engine.core.memory.heap import (
     free_heap_bytes,
+    freed_memory_returned,
     heap_plugged,
-    return_freed_memory_to_os,
 )
 from oomguard.engine.errors import BudgetError, UsageError
 from oomguard.engine.util.units import fmt_bytes
@@ -160,7 +160,14 @@ def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
 
 @contextmanager
 def _cpu_budget(nbytes: int) -> Iterator[Budget]:
-    return_freed_memory_to_os()
+    # Inside, and for the warm-up op below, large frees leave the heap
+    # (docs/measurements.md#return-freed-memory).
+    with freed_memory_returned():
+        yield from _cpu_limit(nbytes)
+
+
+def _cpu_limit(nbytes: int) -> Iterator[Budget]:
+    """:func:`_cpu_budget`'s ``RLIMIT_DATA``, set for the length of the generator."""
     # Baseline after garbage is gone and the OpenMP pool exists, else its ~8 MiB of thread
     # stacks are charged to the budget (docs/measurements.md#minimum-cpu-budget).
     gc.collect()

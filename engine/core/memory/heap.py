@@ -1,7 +1,8 @@
 """glibc's heap, controlled so that CPU budgets count what is really live.
 
 A CPU budget limits ``VmData``, which counts freed blocks glibc keeps in its heap. These
-helpers make large frees go back to the kernel (``mallopt(M_MMAP_THRESHOLD)``), return the
+helpers make large frees go back to the kernel (``mallopt(M_MMAP_THRESHOLD)``) for a
+process we own or for the length of a block (:func:`freed_memory_returned`), return the
 heap's free top (``malloc_trim``), read what is left free (``mallinfo2``) and fill it for the
 length of a budget (:func:`heap_plugged`); each does nothing without glibc.
 """
@@ -14,8 +15,16 @@ import ctypes.util
 import functools
 from collections.abc import Callable, Iterator
 
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 128 * 1024
+# After a block: where glibc's own dynamic thresholds end in a process that frees large
+# tensors (the mmap threshold rises to the largest block freed, at most 32 MiB on 64-bit,
+# the trim threshold to twice that). glibc cannot be told to adjust them again once
+# set, and 128 KiB left set costs a training step 1.8x its time in page faults
+# (docs/measurements.md#return-freed-memory).
+_AFTER_MMAP_THRESHOLD_BYTES = 32 << 20
+_AFTER_TRIM_THRESHOLD_BYTES = 64 << 20
 # Plug sizes, largest first, all below the mmap threshold (a plug must come from the heap):
 # the free chunks that the small allocations of the code inside a budget could reuse.
 _PLUG_BYTES = (96 * 1024, 12 * 1024, 1536, 192)
@@ -117,10 +126,34 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+# glibc's thresholds are the process's, so is what holds them: whether a process we own
+# set them for good, and how many blocks hold them now.
+_held = {"for_good": False, "blocks": 0}
+
+
 def return_freed_memory_to_os() -> bool:
     """Make glibc serve allocations of 128 KiB or more with mmap, so frees go back to the OS
-    (docs/measurements.md#return-freed-memory). False without glibc."""
+    (docs/measurements.md#return-freed-memory), for the rest of the process: for the
+    processes oomguard starts and measures. False without glibc."""
+    _held["for_good"] = True
     return _call("mallopt", _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+
+
+@contextlib.contextmanager
+def freed_memory_returned() -> Iterator[bool]:
+    """The 128 KiB threshold of :func:`return_freed_memory_to_os` for the block only (a
+    budget or a search in the user's own process); after the outermost block, glibc's
+    thresholds are set where its dynamic ones end (32 MiB mmap, 64 MiB trim), unless the
+    process set them for good. Yields False without glibc."""
+    ok = _call("mallopt", _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+    _held["blocks"] += 1
+    try:
+        yield ok
+    finally:
+        _held["blocks"] -= 1
+        if ok and not _held["blocks"] and not _held["for_good"]:
+            _call("mallopt", _M_MMAP_THRESHOLD, _AFTER_MMAP_THRESHOLD_BYTES)
+            _call("mallopt", _M_TRIM_THRESHOLD, _AFTER_TRIM_THRESHOLD_BYTES)
 
 
 def trim_heap() -> bool:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from oomguard.engine.core.memory.budget import check_budget
-from oomguard.engine.core.memory.heap import return_freed_memory_to_os
+from oomguard.engine.core.memory.heap import freed_memory_returned
 from oomguard.engine.core.memory.host_limit import HostLimit
 from oomguard.engine.core.memory.oom import gc_frozen
 from oomguard.engine.core.search.config import SearchConfig, resolve
@@ -327,7 +327,7 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device, stac
                               or trial_limit(dev, cfg.budget, cfg.ram_guard) is not None):
         # Before the warm-up, as in an isolated child: the large blocks it frees leave the
         # heap instead of waiting there (docs/measurements.md#free-heap-at-budget-entry).
-        return_freed_memory_to_os()
+        stack.enter_context(freed_memory_returned())
     snapshot = _snapshot(cfg, stack)
     warm_up_trials(fn, dev, call=snapshot is None)
     stack.enter_context(gc_frozen())  # the warmed-up objects are never a trial's garbage
