@@ -26,6 +26,7 @@ import torch
 
 from oomguard.engine.core.child import forkserver_context
 from oomguard.engine.core.memory.budget import budget
+from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.metrics.models import build_model, make_batch
 
 # One torch thread in every test process and in every command, forkserver and child it
@@ -37,6 +38,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # this process read it already
 
 ARCHS = ("tiny-gpt2", "tiny-llama")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Budgets count virtual memory above the process's data size at entry. Free chunks that
+    # glibc keeps in its heaps are part of that size and are reused without growing it; a
+    # budget fills those of the thread that enters it, not other threads' arenas, so a test
+    # process that ran big computations in other threads before its budget gets silently
+    # more room (measured: 124 MiB in other threads' arenas against a 48 MiB budget, and a
+    # search that found no OOM). Serving every allocation of 128 KiB and more with mmap for
+    # the worker's whole life keeps the heaps small and the budgets exact, whatever ran
+    # before. Here, not at import: the forkserver imports this module too, and its children
+    # stand for a user's fresh process, with glibc's own thresholds.
+    return_freed_memory_to_os()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -173,10 +173,12 @@ def _mapped_inside_and_after(for_good: bool) -> list[bool]:
     libc.free.argtypes = [ctypes.c_void_p]
 
     def mapped() -> bool:
-        before = heap._mallinfo2().hblks
-        block = libc.malloc(1 << 20)
-        grew = heap._mallinfo2().hblks > before
-        libc.free(block)
+        # With the heap's free chunks filled: glibc maps a block only where none can hold it
+        with heap.heap_plugged():
+            before = heap._mallinfo2().hblks
+            block = libc.malloc(1 << 20)
+            grew = heap._mallinfo2().hblks > before
+            libc.free(block)
         return grew
 
     if for_good:  # as every child oomguard starts and measures does
