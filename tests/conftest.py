@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from oomguard.engine.core.child import forkserver_context
+from oomguard.engine.core.child import RAISED, RETURNED, Child, forkserver_context, start_forkserver
 from oomguard.engine.core.memory.budget import budget
 from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.metrics.models import build_model, make_batch
@@ -196,8 +196,6 @@ def in_fresh_processes(fn, arg_lists, workers: int = 1):
     :func:`in_fresh_process`), ``workers`` at a time: a budget is per process, so calls
     that each set their own (single-threaded) can share the cores. An exception in a child
     is raised here; a child that dies raises ChildCrashed."""
-    from oomguard.engine.core.child import Child, start_forkserver
-
     ctx = start_forkserver(_SERVER_PRELOAD)
     arg_lists, results = [tuple(a) for a in arg_lists], []
     for i in range(0, len(arg_lists), workers):
@@ -266,8 +264,6 @@ class Started:
     ends with minus that signal too."""
 
     def __init__(self, *argv: str, cwd: Any = None, env: dict[str, str] | None = None) -> None:
-        from oomguard.engine.core.child import Child, start_forkserver
-
         self._child = Child(start_forkserver(_SERVER_PRELOAD), _session_cli, list(argv),
                             None if cwd is None else str(cwd), env or {})
         self.pid: int = self._child.proc.pid
@@ -287,8 +283,6 @@ class Started:
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         if self._output is None:
-            from oomguard.engine.core.child import RAISED, RETURNED
-
             with self._child as child:  # leaving it reaps the child and closes its pipe
                 ended = child.wait(None if timeout is None
                                    else time.monotonic() - child.t0 + timeout)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import in_fresh_process
+from test_guided_curve import MOST_TRIALS, SquareBlock
 
 from oomguard import search
 from oomguard.engine.core.memory.budget import active_budget
@@ -31,7 +32,6 @@ from oomguard.metrics.synthetic import e10_line
 from oomguard.probes import host
 
 MiB = 1024**2
-MOST_TRIALS = 7  # 6 where the fit lands on the boundary; see tests/test_guided_curve.py
 LINE = e10_line()  # 26.2 MB + 3.75 MB per item, real touched allocations
 # Between 114 and 115 items of the line: the E10 report's answer.
 ROOM_114 = (LINE.bytes_at(114) + LINE.bytes_at(115)) // 2
@@ -83,18 +83,6 @@ def test_the_line_under_an_rlimit_answers_its_true_maximum_in_every_run() -> Non
     runs = [in_fresh_process(_search_under_rlimit, False) for _ in range(3)]
     assert [(r["max_ok"], r["first_oom"]) for r in runs] == [(114, 115)] * 3
     assert all(len(r["trials"]) <= 5 for r in runs), [len(r["trials"]) for r in runs]
-
-
-class SquareBlock:
-    """A user's curve: ``size x size x 32`` float32 (attention scores over the length) and
-    ``size x 8192`` float32 (its activations), both alive and written for 5 ms."""
-
-    name = "square-block"
-
-    def __call__(self, size: int) -> float:
-        scores, acts = torch.ones(size, size, 32), torch.ones(size, 8192)
-        time.sleep(0.005)
-        return float(scores[-1, -1, -1] + acts[-1, -1])
 
 
 def _square_under_rlimit(isolate: bool) -> dict:
