@@ -164,8 +164,8 @@ def _console_commands(block: Block) -> list[list[str]]:
 
 def _covering(shell: Block) -> list[Block] | None:
     """Console blocks whose commands, one whole block after another, are ``shell``'s (no
-    ``> FILE``): the console test runs them, each from a fresh folder as here, and checks
-    that each exits 0; else None."""
+    ``> FILE``): the console test runs them, each from a fresh folder and in a fresh child
+    as here, and checks that each exits 0; else None."""
     commands, found = _commands(shell.text), []
     consoles = [(b, c) for b in RUN if b.lang == "console" and (c := _console_commands(b))]
     while commands and not any(">" in words for words in commands):
@@ -226,19 +226,24 @@ _CONSOLE = [pytest.param(b, id=b.where, marks=() if b.mark == ("test", "fast") e
 
 @pytest.mark.parametrize("block", _CONSOLE)
 def test_console_examples(block, tmp_path, monkeypatch):
-    """In-process (``main``): these are the one-line errors given before any work."""
+    """In-process (``main``): these are the one-line errors given before any work. A block
+    that stands for a shell block's commands (:func:`_covering`) runs each command as the
+    shell test does, in a fresh child (a search's in-process trials must not start from this
+    worker's heap), and each must exit 0."""
     from oomguard.engine.cli.main import main
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    monkeypatch.setenv("XDG_CACHE_HOME", env["XDG_CACHE_HOME"])
 
     def run(argv):
+        if block.where in _COVERING:
+            done = cli_in_child(*argv, cwd=tmp_path, env=env)
+            assert done.returncode == 0, f"{block.where}: exit {done.returncode}\n{done.stderr}"
+            return done.stdout + done.stderr
         out, err = io.StringIO(), io.StringIO()
         with redirect_stdout(out), redirect_stderr(err):
-            code = main(argv)
-        printed = out.getvalue() + err.getvalue()
-        # It stands for a shell block's commands (_covering): each must succeed.
-        assert block.where not in _COVERING or code == 0, f"{block.where}: exit {code}\n{printed}"
-        return printed
+            main(argv)
+        return out.getvalue() + err.getvalue()
 
     _check_console(block, run)
