@@ -31,7 +31,7 @@ def check_positive_int(name: str, value: Any, *, optional: bool = False) -> None
         return
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise UsageError(f"{name} must be a positive integer{' or None' if optional else ''}, "
-                         f"got {value!r}")
+                         f"got {value!r}; give a whole number such as 8")
 
 
 class BudgetError(UsageError):

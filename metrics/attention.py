@@ -70,7 +70,8 @@ class AttentionStats(JsonMetric):
                 chunk_size: int = 96) -> dict[str, Any]:
         sums, count = attention_sums(model, data, chunk_size)
         if count == 0:
-            raise UsageError("the data has no valid query positions (attention_mask is all 0)")
+            raise UsageError("the data has no valid query positions (attention_mask is all "
+                             "0); give samples with unmasked tokens")
         means = {s: (sums[s] / count) for s in STATS}
         layers, heads = means["entropy"].shape
         return {**{s: m.tolist() for s, m in means.items()},  # [layer][head]

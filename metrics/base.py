@@ -79,7 +79,8 @@ class Metric:
         reason = self.unsupported(config)
         if reason:
             kind = getattr(config, "model_type", None) or type(config).__name__
-            raise UsageError(f"{self.name} does not support {kind} models: {reason}")
+            raise UsageError(f"{self.name} does not support {kind} models: {reason}; "
+                             "choose another model or metric")
 
     def validate(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """Fill defaults; raise UsageError (one line, listing valid knobs) on bad input."""
@@ -87,23 +88,27 @@ class Metric:
         unknown = sorted(set(params) - set(known))
         if unknown:
             raise UsageError(f"unknown knob(s) {', '.join(unknown)} for metric {self.name!r}: "
-                             f"valid knobs are {', '.join(known) or '(none)'}")
+                             f"use one of {', '.join(known) or '(none)'}")
         out = {k.name: k.default for k in self.knobs}
         for key, value in params.items():
             knob = known[key]
             if isinstance(knob.default, str):
                 if not isinstance(value, str) or not value:
-                    raise UsageError(f"{self.name}.{key} must be a non-empty string, got {value!r}")
+                    raise UsageError(f"{self.name}.{key} must be a non-empty string, "
+                                     f"got {value!r}; give one")
                 out[key] = value
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise UsageError(f"{self.name}.{key} must be a number, got {value!r}")
+                raise UsageError(f"{self.name}.{key} must be a number, got {value!r}; "
+                                 "give one such as 0.5")
             if isinstance(knob.default, int) and not isinstance(value, int):
-                raise UsageError(f"{self.name}.{key} must be an integer, got {value!r}")
+                raise UsageError(f"{self.name}.{key} must be an integer, got {value!r}; "
+                                 "give a whole number")
             if value < knob.minimum:
                 raise UsageError(
                     f"{self.name}.{key} must be >= {knob.minimum}, got {value!r} (knobs of "
-                    f"{self.name}: {', '.join(f'{k.name} >= {k.minimum}' for k in self.knobs)})")
+                    f"{self.name}: {', '.join(f'{k.name} >= {k.minimum}' for k in self.knobs)}); "
+                    f"give {knob.minimum} or more")
             out[key] = value
         return out
 
@@ -156,5 +161,5 @@ def get_metric(name: str) -> Metric:
     try:
         return METRICS[name]
     except KeyError:
-        raise UsageError(f"unknown metric {name!r}: valid metrics are "
+        raise UsageError(f"unknown metric {name!r}: use one of "
                          f"{', '.join(sorted(METRICS))}") from None

@@ -72,7 +72,8 @@ class CKA(JsonMetric):
                 n += z.shape[0]
                 del z
         if gram is None or sums is None or n < 2:
-            raise UsageError("cka needs at least 2 valid tokens")
+            raise UsageError("cka needs at least 2 valid tokens; give longer samples or more "
+                             "of them")
         matrix = cka_from_gram(gram, sums, n, widths).cpu()
         return {"cka": matrix, "n_layers": len(widths), "n_tokens": n,
                 "n_samples": n_samples(data)}

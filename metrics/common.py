@@ -64,7 +64,8 @@ def total_tokens(data: Batch) -> int:
     """Scored tokens of the whole data; UsageError if there are none."""
     n = token_count(data)
     if n <= 0:
-        raise UsageError("the data has no scored tokens (every shifted label is -100)")
+        raise UsageError("the data has no scored tokens (every shifted label is -100); "
+                         "give samples with labels")
     return n
 
 

@@ -82,13 +82,15 @@ def _knobs(label: str, memory: Mapping[str, Any], result: Mapping[str, Any], mod
     """The declared knobs as :class:`Knob` (memory ones first, in order); UsageError naming
     ``label`` for a bad default, a name declared twice, or a bad ``models``."""
     if models not in (1, 2):
-        raise UsageError(f"metric {label!r}: models must be 1 or 2, got {models!r}")
+        raise UsageError(f"metric {label!r}: models must be 1 or 2, got {models!r}; give "
+                         "one of those")
     if (models == 2) != (second_model is not None):
         raise UsageError(f"metric {label!r}: models=2 needs second_model= (a model spec: the "
-                         "default second model), and second_model= needs models=2")
+                         "default second model), and second_model= needs models=2: give both "
+                         "or neither")
     if models == 2 and (not isinstance(second_model, str) or not second_model):
         raise UsageError(f"metric {label!r}: second_model must be a model spec (a string), "
-                         f"got {second_model!r}")
+                         f"got {second_model!r}; give one such as 'gpt2:n_layer=2'")
     knobs = [_knob(label, key, value, "memory") for key, value in memory.items()]
     knobs += [_knob(label, key, value, "result") for key, value in result.items()]
     if models == 2:
@@ -96,9 +98,11 @@ def _knobs(label: str, memory: Mapping[str, Any], result: Mapping[str, Any], mod
     names = [k.name for k in knobs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise UsageError(f"metric {label!r}: knob(s) {', '.join(twice)} declared twice")
+        raise UsageError(f"metric {label!r}: knob(s) {', '.join(twice)} declared twice; "
+                         "declare each once")
     if "params" in names:
-        raise UsageError(f"metric {label!r}: 'params' is reserved (the result knobs used)")
+        raise UsageError(f"metric {label!r}: 'params' is reserved (the result knobs used); "
+                         "rename that knob")
     return tuple(knobs)
 
 
@@ -106,14 +110,16 @@ def _knob(label: str, key: str, value: Any, kind: str) -> Knob:
     if isinstance(value, Knob):
         if value.kind != kind or value.name != key:
             raise UsageError(f"metric {label!r}: knob {key!r} is declared under {kind} but is "
-                             f"Knob({value.name!r}, {value.kind!r})")
+                             f"Knob({value.name!r}, {value.kind!r}); declare it under its "
+                             "own kind")
         return value
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not isinstance(key, str) or not key.isidentifier() or not number or (
             kind == "memory" and (not isinstance(value, int) or value < 1)):
         want = "a positive integer" if kind == "memory" else "a number"
         raise UsageError(f"metric {label!r}: {kind} knob {key!r} needs {want} as its default "
-                         f"(and a name that is a Python identifier), got {value!r}")
+                         f"(and a name that is a Python identifier), got {value!r}; give such a "
+                         "default")
     # result knobs: integers (counts, seeds) from 0, other numbers unbounded
     low = 1 if kind == "memory" else 0 if isinstance(value, int) else float("-inf")
     return Knob(key, kind, value, low)  # type: ignore[arg-type]
@@ -157,7 +163,8 @@ def _check_signature(label: str, fn: Callable[..., Any], knobs: tuple[Knob, ...]
     varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
     if len(positional) < models + 1 and not varargs:
         want = "model, batch" if models == 1 else "model_a, model_b, batch"
-        raise UsageError(f"metric {label!r}: {fn.__name__} must take ({want}, *, knobs...)")
+        raise UsageError(f"metric {label!r}: {fn.__name__} must take ({want}, *, knobs...); "
+                         "define it that way")
     if any(p.kind == p.VAR_KEYWORD for p in params):
         return
     names = {p.name for p in params[models + 1:]} | {
@@ -165,7 +172,8 @@ def _check_signature(label: str, fn: Callable[..., Any], knobs: tuple[Knob, ...]
     missing = [k.name for k in knobs if k.name not in names and k.name not in (split, SECOND_MODEL)]
     if missing:
         raise UsageError(f"metric {label!r}: {fn.__name__} takes no keyword argument "
-                         f"{', '.join(missing)} (every declared knob is passed by name)")
+                         f"{', '.join(missing)} (every declared knob is passed by name); add "
+                         "them, or **knobs")
 
 
 class FunctionMetric(JsonMetric):
@@ -295,13 +303,14 @@ def _combine(values: list[Any], rows: list[int], how: str, name: str, where: str
         if any(not isinstance(v, dict) or list(v) != keys for v in values):
             raise UsageError(f"metric {name!r}: its pieces returned different keys"
                              f"{f' under {where!r}' if where else ''}; combine needs the same "
-                             "keys from every piece")
+                             "keys from every piece: return them")
         return {k: _combine([v[k] for v in values], rows, how, name, f"{where}.{k}".lstrip("."))
                 for k in keys}
     if isinstance(first, str) or isinstance(first, bool):
         if any(v != first for v in values):
             raise UsageError(f"metric {name!r}: {where!r} differs between pieces ({first!r}, ...)"
-                             f"; it cannot be combined by {how}")
+                             f"; it cannot be combined by {how}: return the same value from "
+                             "every piece")
         return first
     tensors = [v if isinstance(v, torch.Tensor) else _tensor(v) for v in values]
     if how == "concat":

@@ -72,7 +72,8 @@ def last_positions(attention_mask: torch.Tensor, min_valid: int = 2) -> torch.Te
     than ``min_valid`` valid tokens (2 for a next-token target, the default)."""
     mask = attention_mask.long()
     if bool((mask.sum(dim=1) < min_valid).any()):
-        raise UsageError(f"every sample needs at least {_needs(min_valid)}")
+        raise UsageError(f"every sample needs at least {_needs(min_valid)}; give "
+                         "longer samples")
     pos = torch.arange(mask.shape[1], device=mask.device)
     return (mask * (pos + 1)).argmax(dim=1)
 

@@ -107,7 +107,7 @@ class _CurvatureEigenvalues(JsonMetric):
         out = super().validate(params)
         if out["k"] > out["iterations"]:
             raise UsageError(f"{self.name}: k ({out['k']}) must be <= iterations "
-                             f"({out['iterations']})")
+                             f"({out['iterations']}); lower k or raise iterations")
         return out
 
     def compute(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor],

@@ -32,7 +32,8 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
         if best is None or len(module) > len(best):
             best = module
     if best is None:
-        raise UsageError(f"no stack of transformer blocks found in {type(model).__name__}")
+        raise UsageError(f"no stack of transformer blocks found in {type(model).__name__}; "
+                         "use a transformer model")
     return best
 
 

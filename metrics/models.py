@@ -62,7 +62,8 @@ def model_config(spec: str) -> Any:
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
-            raise UsageError(f"bad model spec {spec!r}: expected MODEL_TYPE:key=value,...")
+            raise UsageError(f"bad model spec {spec!r}: expected MODEL_TYPE:key=value,...; "
+                             "write it like gpt2:n_layer=2")
         try:  # numbers, true/false and "quoted strings" as JSON; bare words as strings
             kw[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
@@ -82,7 +83,7 @@ def model_config(spec: str) -> Any:
     except (StrictDataclassError, ValueError, TypeError) as exc:
         cause = exc.__cause__ if exc.__cause__ is not None else exc
         raise UsageError(f"bad model spec {spec!r}: {first_line(cause) or type(cause).__name__}"
-                         ) from None
+                         "; fix the spec (MODEL_TYPE:key=value,...)") from None
     _check_keys(spec, model_type, default, config, kw)
     return config
 
@@ -107,7 +108,8 @@ def _check_keys(spec: str, model_type: str, default: Any, config: Any, kw: dict[
     for key in unknown:
         close = difflib.get_close_matches(key, sorted(valid), n=1)
         parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise UsageError(f"bad model spec {spec!r}: {model_type} has no config key {', '.join(parts)}")
+    raise UsageError(f"bad model spec {spec!r}: {model_type} has no config key {', '.join(parts)}"
+                     "; use the key names of its transformers config")
 
 
 # Config keys that bound the positions a model embeds.
@@ -180,7 +182,8 @@ def make_batch(n: int, seq_len: int, vocab_size: int, seed: int = 0, pad: bool =
     with ``pad``, sample ``i`` has a seeded length in [seq_len/2, seq_len], right-padded
     (labels -100)."""
     if n <= 0 or seq_len <= 0:
-        raise UsageError(f"n and seq_len must be positive, got n={n}, seq_len={seq_len}")
+        raise UsageError(f"n and seq_len must be positive, got n={n}, seq_len={seq_len}; "
+                         "give 1 or more")
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (n, seq_len), generator=g)
     lengths = (torch.randint(max(2, seq_len // 2), seq_len + 1, (n,), generator=g) if pad

@@ -100,7 +100,8 @@ class TrainStep(RebuiltInChild):
         ids = self.worst_case_batch(batch_size) if batch is None else batch
         if ids.dim() != 2 or ids.shape[0] != batch_size:
             raise UsageError(f"{self.name}: a batch of {batch_size} must be token ids of shape "
-                             f"[{batch_size}, length], got {list(ids.shape)}")
+                             f"[{batch_size}, length], got {list(ids.shape)}; give it such a "
+                             "batch")
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()

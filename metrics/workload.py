@@ -61,11 +61,12 @@ class MetricTrial(RebuiltInChild):
         memory = [k.name for k in metric.memory_knobs()]
         if self.knob is None:
             if not memory:
-                raise UsageError(f"metric {self.metric!r} has no memory knob to search")
+                raise UsageError(f"metric {self.metric!r} has no memory knob to search; choose a "
+                                 "metric with one (oomguard metrics lists them)")
             self.knob = memory[0]
         if self.knob not in memory:
             raise UsageError(f"{self.knob!r} is not a memory knob of {self.metric!r}: "
-                             f"searchable knobs are {', '.join(memory) or '(none)'}")
+                             f"searchable knobs are {', '.join(memory) or '(none)'}; use one of them")
         if self.knob in self.params:
             raise UsageError(f"{self.knob!r} is the searched knob: do not fix it in params")
         check_positive_int("n_samples", self.n_samples)
@@ -185,7 +186,7 @@ class InUnits:
         check_positive_int("unit", self.unit)
         if not callable(getattr(self.inner, "next", None)):
             raise UsageError(f"InUnits needs a strategy with next(trials, max_size), "
-                             f"got {self.inner!r}")
+                             f"got {self.inner!r}; pass a strategy such as Guided()")
 
     @property
     def name(self) -> str:

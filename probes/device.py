@@ -34,7 +34,8 @@ def resolve_device(device: Any = None, *, check: bool = False) -> torch.device:
     if check and kind == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: no CUDA GPU is available here; use --device cpu")
     if check and kind == "cuda" and index is not None and index >= torch.cuda.device_count():
-        raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
+        raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s); "
+                         f"give cuda:0 to cuda:{max(torch.cuda.device_count() - 1, 0)}")
     if check and kind == "mps" and not torch.backends.mps.is_available():
         raise UsageError(f"--device {device}: MPS is not available here; use --device cpu")
     if kind == "cuda" and index is None:

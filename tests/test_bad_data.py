@@ -58,7 +58,7 @@ def test_a_job_with_seq_len_1_or_an_overflowing_size_is_refused_inone_usage_erro
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = one_usage_error(["run", _job(tmp_path, "seq_len = 1\nn_samples = 2")], capsys)
     assert line.endswith("data.seq_len: a sequence length must be at least 2 (a causal LM "
-                         "predicts each token from those before it), got 1")
+                         "predicts each token from those before it), got 1; give 2 or more")
     line = one_usage_error(["run", _job(tmp_path, "seq_len = 8\nn_samples = 2", 'name = "loss"\n'
                                   f"sizes = {{ micro_batch_size = {HUGE} }}")], capsys)
     assert f"metrics[0].sizes.micro_batch_size: micro_batch_size {HUGE} is too large" in line

@@ -117,7 +117,7 @@ def test_bad_job_one_line_error_with_field_and_line(tmp_path: Path, patch, field
 
 
 def test_unknown_metric_lists_valid_names(tmp_path: Path) -> None:
-    with pytest.raises(JobError, match="valid metrics are .*gradient_stats.*loss"):
+    with pytest.raises(JobError, match="use one of .*gradient_stats.*loss"):
         load_job(_write(tmp_path, GOOD.replace('"loss"', '"nope"')))
 
 

@@ -170,7 +170,8 @@ def test_metrics_check_prints_a_line_per_knob_and_fails_on_a_difference(capsys):
         "kc_mean_of_means", "chunk_size", "differs", "loss")
     assert main(["metrics", "--seq-len", "8"]) == 2
     assert capsys.readouterr().err == ("oomguard: error: --seq-len is for --check (the data the "
-                                       "knobs are checked on)\n")
+                                       "knobs are checked on): add --check, or drop "
+                                       "--seq-len\n")
 
 
 JOB_PLUGIN = '''

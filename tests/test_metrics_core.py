@@ -165,16 +165,16 @@ def test_executor_survives_real_oom(name: str) -> None:
 def test_bad_input_is_one_line_usage_error() -> None:
     model, data = tiny_model("tiny-gpt2"), tiny_data(n=2, seq_len=8)
     cases = [
-        (lambda: get_metric("nope"), "valid metrics are"),
-        (lambda: get_metric("loss").run(model, data, batch=3), "valid knobs are micro_batch_size"),
+        (lambda: get_metric("nope"), "use one of attention_stats"),
+        (lambda: get_metric("loss").run(model, data, batch=3), "use one of micro_batch_size"),
         (lambda: get_metric("loss").run(model, data, micro_batch_size=0), ">= 1"),
         (lambda: get_metric("attention_stats").run(model, data, chunk_size=-2), ">= 1"),
         (lambda: get_metric("hessian_eigenvalues").run(model, data, k=4, iterations=2), "<="),
         (lambda: get_metric("hessian_eigenvalues").run(model, data, seed=-1), "seed"),
-        (lambda: MetricTrial("loss", knob="k"), "searchable knobs are micro_batch_size"),
+        (lambda: MetricTrial("loss", knob="k"), "searchable knobs are micro_batch_size; use one"),
         (lambda: MetricTrial("hessian_eigenvalues", params={"micro_batch_size": 2}), "searched"),
         (lambda: MetricTrial("fisher_diagonal", n_samples=0), "positive"),
-        (lambda: MetricTrial("nope"), "valid metrics are"),
+        (lambda: MetricTrial("nope"), "use one of attention_stats"),
     ]
     for call, text in cases:
         with pytest.raises(UsageError) as info:

@@ -108,14 +108,14 @@ def _job(tmp_path: Path, metrics: str, top: str = "") -> Path:
 def test_unknown_remedy_is_a_one_line_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as info:
         parse_on_oom(["halve", "bf16"])
-    assert str(info.value) == ("on_oom: unknown remedy 'bf16': valid remedies are halve, "
+    assert str(info.value) == ("on_oom: unknown remedy 'bf16': use one of halve, "
                                "bfloat16, float16, expandable_segments, cpu")
     path = _job(tmp_path, '[[metrics]]\nname = "loss"\n', top='on_oom = ["halve", "bf16"]\n')
     with pytest.raises(JobError) as job_info:
         load_job(path)
     message = str(job_info.value)
     assert "\n" not in message and "line 5: on_oom: unknown remedy 'bf16'" in message
-    assert "valid remedies are " + ", ".join(REMEDIES) in message
+    assert "use one of " + ", ".join(REMEDIES) in message
     per_metric = _job(tmp_path, '[[metrics]]\nname = "loss"\non_oom = ["halve", "gpu"]\n')
     with pytest.raises(JobError, match=r"line 12: metrics\[0\]\.on_oom: unknown remedy 'gpu'"):
         load_job(per_metric)

@@ -275,5 +275,5 @@ def test_the_spotter_mode_is_checked_in_one_line() -> None:
     with pytest.raises(UsageError) as err:
         set_spotter_mode("sometimes")
     assert str(err.value) == ("OOMGUARD_SWALLOWED_OOMS must be one of auto, on, off, "
-                              "got 'sometimes'")
+                              "got 'sometimes'; set it to one of those, or unset it")
     assert spotter_mode() == "auto"

@@ -38,7 +38,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     if args.check:
         return _check(args)
     if args.seq_len is not None:
-        raise UsageError("--seq-len is for --check (the data the knobs are checked on)")
+        raise UsageError("--seq-len is for --check (the data the knobs are checked on): add --check, "
+                         "or drop --seq-len")
     table = load_all() if args.metric is None else {args.metric: get_metric(args.metric)}
     config = model_config(args.model) if args.model else None
     support = {name: (m.unsupported(config) if config is not None else None)
@@ -73,7 +74,8 @@ def _check(args: argparse.Namespace) -> int:
 
     seq_len = CHECK_SEQ_LEN if args.seq_len is None else args.seq_len
     if seq_len <= 0:
-        raise UsageError(f"--seq-len must be a positive integer, got {seq_len}")
+        raise UsageError(f"--seq-len must be a positive integer, got {seq_len}; give one "
+                         "such as 32")
     spec = args.model or CHECK_MODEL
     config = model_config(spec)
     check_seq_len(config, seq_len)

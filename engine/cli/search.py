@@ -22,6 +22,7 @@ from oomguard.engine.cli.options import (
     check_workload,
     isolated,
     knob_search_config,
+    lowered_default,
     search_config,
 )
 from oomguard.engine.cli.verify import workload_spec
@@ -68,7 +69,7 @@ def _search(workload: Any, config: Any, context: dict[str, Any], show: bool = Fa
 
     unit = getattr(config.strategy, "unit", 1)
     limit = fmt_bytes(config.budget) if config.budget is not None else budget_free_limit(
-        config.device)
+        config.device, context.get("default_budget"))
     print(f"oomguard: searching {workload.name} on {config.device} under "
           f"{limit} ({'isolated' if config.isolate else 'in-process'} trials"
           f"{', the answer confirmed in fresh processes' if config.confirm else ''}"
@@ -141,9 +142,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # Isolated, this process keeps nothing on the device: children measure alone.
         workload.warmup()
     context = workload.describe() | {"workload_spec": workload_spec(workload)}
+    context.update(_default_budget(args, config))
     context["title"] = f"{args.model} training step: Maximum Batch Size Report"
     result = _search(workload, config, context, wanted(args.progress))
     return 1 if result.max_ok is None else _report(args, result, context, out)
+
+
+def _default_budget(args: argparse.Namespace, config: Any) -> dict[str, str]:
+    """``{"default_budget": why}`` for the report and the first line where no ``--budget`` was
+    given and the default did not fit (:func:`lowered_default`); else empty."""
+    why = (lowered_default(config.device) if args.budget is None and config.budget is None
+           else None)
+    return {} if why is None else {"default_budget": why}
 
 
 def _check_knobs(trial: Any, knobs: list[str], isolate: bool) -> None:
@@ -177,7 +187,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     knobs = [k.name for k in metric.memory_knobs()]
     if args.knob and args.knob not in knobs:
         raise UsageError(f"metric {args.metric!r} has no memory knob {args.knob!r}: "
-                         f"valid: {', '.join(knobs)}")
+                         f"use one of {', '.join(knobs)}")
     dev = resolve_device(args.device, check=True)
     searched = [args.knob] if args.knob else knobs
 
@@ -202,7 +212,8 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     def evaluate(knob: str, sizes: dict[str, int], unit: int, cap: int) -> Any:
         trial = trial_of(knob, sizes)
-        context = trial.report_context() | {"workload_spec": workload_spec(trial)}
+        context = (trial.report_context() | {"workload_spec": workload_spec(trial)}
+                   | _default_budget(args, base))
         if args.plugin:  # what `oomguard verify` needs given again to rebuild the workload
             context["plugins"] = args.plugin
         result = _search(trial, knob_search_config(base, args, unit, cap), context,

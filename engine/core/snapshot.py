@@ -44,11 +44,13 @@ def check_restorable(objects: Any) -> tuple[Restorable, ...]:
         objects = (objects,)
     if isinstance(objects, (str, bytes)) or not isinstance(objects, Sequence):
         raise UsageError(f"restore= takes a tuple of torch.nn.Module and torch.optim.Optimizer "
-                         f"objects, e.g. restore=(model, optimizer); got {_described(objects)}")
+                         f"objects, e.g. restore=(model, optimizer); got {_described(objects)}; "
+                         "pass those")
     for obj in objects:
         if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
             raise UsageError(f"restore= takes torch.nn.Module and torch.optim.Optimizer objects, "
-                             f"e.g. restore=(model, optimizer); got {_described(obj)}")
+                             f"e.g. restore=(model, optimizer); got {_described(obj)}; "
+                             "pass only those")
     modules = [o for o in objects if isinstance(o, torch.nn.Module)]
     if modules:
         owned = {id(p) for m in modules for p in m.parameters()}

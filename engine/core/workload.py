@@ -104,7 +104,7 @@ def _method(fn: Any, hook: str, signature: str) -> Callable[..., Any] | None:
     method = getattr(fn, hook, None)
     if method is not None and not callable(method):
         raise UsageError(f"{name_of(fn)}: {hook} must be a method {signature}, "
-                         f"got {type(method).__name__}")
+                         f"got {type(method).__name__}; define it as one, or remove it")
     return method
 
 

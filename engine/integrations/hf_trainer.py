@@ -63,7 +63,8 @@ def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> 
     ``oomguard.search``."""
     args = trainer.args
     if trainer.train_dataset is None:
-        raise UsageError("the Trainer has no train_dataset to size the micro-batch on")
+        raise UsageError("the Trainer has no train_dataset to size the micro-batch on; pass "
+                         "train_dataset= to the Trainer")
     effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
     batch = first_rows(trainer, trainer.train_dataset, effective, "Training")
     model, optimizer = trainer.model, trainer.create_optimizer()
@@ -93,7 +94,8 @@ def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, largest: bool = F
     dataset = eval_dataset if eval_dataset is not None else trainer.eval_dataset
     if dataset is None or isinstance(dataset, (dict, str)):
         raise UsageError("fit_eval_batch sizes one evaluation dataset; got "
-                         f"{type(dataset).__name__}")
+                         f"{type(dataset).__name__}; pass one dataset as eval_dataset= "
+                         "(call it once for each)")
     configured = args.per_device_eval_batch_size
     model = trainer.model
     batch = first_rows(trainer, dataset, configured, "Evaluation")

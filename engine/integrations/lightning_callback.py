@@ -83,16 +83,19 @@ def _check(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Non
     """One-line :class:`UsageError` for what the callback cannot size, before any work."""
     if not pl_module.automatic_optimization:
         raise UsageError("BatchSizeCallback sizes automatic optimization; this module steps "
-                         "its optimizers itself (automatic_optimization=False)")
+                         "its optimizers itself (automatic_optimization=False); size its batch "
+                         "with oomguard.search instead")
     if len(trainer.optimizers) != 1:
         raise UsageError(f"BatchSizeCallback sizes a module with one optimizer; "
-                         f"configure_optimizers returned {len(trainer.optimizers)}")
+                         f"configure_optimizers returned {len(trainer.optimizers)}; size its "
+                         "batch with oomguard.search instead")
     if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
         raise UsageError("BatchSizeCallback sets accumulate_grad_batches, which a "
                          "GradientAccumulationScheduler would change: use one of them")
     if not lightning_hasattr(pl_module, name):
         raise UsageError(f"BatchSizeCallback: no {name!r} on the module, its hparams or the "
-                         "datamodule; the dataloaders must read the batch size from there")
+                         f"datamodule; the dataloaders must read the batch size from there: "
+                         f"give the module a {name!r} attribute and read it in them")
     if not trainer.fit_loop._data_source.is_module():
         raise UsageError("BatchSizeCallback cannot size dataloaders passed to fit() directly: "
                          "build them in the LightningModule or a LightningDataModule")

@@ -42,10 +42,11 @@ def _token_stream(path: Path) -> np.ndarray:
         try:
             arr = np.array(path.read_text(encoding="utf-8").split(), dtype=np.int64)
         except ValueError as exc:
-            raise ValueError(f"{path}: not a file of whitespace-separated integers ({exc})") from None
+            raise ValueError(f"{path}: not a file of whitespace-separated integers ({exc}); give token "
+                             "ids as whitespace-separated integers") from None
     if arr.ndim not in (1, 2) or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{path}: expected a 1-D or 2-D array of integer token ids, got "
-                         f"{arr.ndim}-D {arr.dtype}")
+                         f"{arr.ndim}-D {arr.dtype}; save the ids as one such array")
     return arr
 
 
@@ -53,7 +54,8 @@ def _need(have: int, spec: DataSpec, what: str) -> None:
     need = spec.n_samples * spec.seq_len
     if have < need:
         raise ValueError(f"{spec.path} has {have} {what}; n_samples x seq_len = "
-                         f"{spec.n_samples} x {spec.seq_len} needs {need}")
+                         f"{spec.n_samples} x {spec.seq_len} needs {need}; lower n_samples or "
+                         "seq_len, or give a longer file")
 
 
 def check_data(spec: DataSpec) -> None:
@@ -66,23 +68,26 @@ def check_data(spec: DataSpec) -> None:
         return _need(path.stat().st_size, spec, "bytes")
     if spec.source == "bytes":
         if (size := path.stat().st_size) < spec.seq_len:
-            raise ValueError(f"{path} has {size} bytes, fewer than seq_len {spec.seq_len}")
+            raise ValueError(f"{path} has {size} bytes, fewer than seq_len {spec.seq_len}; "
+                             "lower seq_len, or give a longer file")
         return
     arr = _token_stream(path)
     if arr.ndim == 2 and (arr.shape[0] < spec.n_samples or arr.shape[1] < spec.seq_len):
         raise ValueError(f"{path} holds {arr.shape[0]} x {arr.shape[1]} token ids; need at "
-                         f"least {spec.n_samples} x {spec.seq_len}")
+                         f"least {spec.n_samples} x {spec.seq_len}; lower n_samples or seq_len, "
+                         "or give a longer file")
     if arr.ndim == 1:
         _need(arr.shape[0], spec, "token ids")
     if arr.size and int(arr.min()) < 0:
-        raise ValueError(f"{path} holds negative token ids")
+        raise ValueError(f"{path} holds negative token ids; give ids of 0 or more (a "
+                         "tokenizer's output)")
 
 
 def check_seq_len_floor(seq_len: int, what: str = "seq_len") -> None:
     """ValueError (one line, naming ``what``) for a sequence length below :data:`MIN_SEQ_LEN`."""
     if seq_len < MIN_SEQ_LEN:
         raise ValueError(f"{what} must be at least {MIN_SEQ_LEN} (a causal LM predicts each "
-                         f"token from those before it), got {seq_len}")
+                         f"token from those before it), got {seq_len}; give {MIN_SEQ_LEN} or more")
 
 
 def check_size(size: int, seq_len: int, what: str) -> None:
@@ -91,7 +96,7 @@ def check_size(size: int, seq_len: int, what: str) -> None:
     if size * max(seq_len, 1) > MAX_TOKENS:
         raise ValueError(f"{what} {size} is too large: {size} x seq_len {seq_len} tokens "
                          f"per step is more than any device holds (at most "
-                         f"{MAX_TOKENS // max(seq_len, 1)} at seq_len {seq_len})")
+                         f"{MAX_TOKENS // max(seq_len, 1)} at seq_len {seq_len}); lower it")
 
 
 def check_vocab(spec: DataSpec, vocab_size: int | None, seed: int = 0) -> None:
@@ -105,10 +110,12 @@ def check_vocab(spec: DataSpec, vocab_size: int | None, seed: int = 0) -> None:
 def _in_vocab(ids: np.ndarray, spec: DataSpec, vocab_size: int) -> None:
     top = int(ids.max()) if ids.size else 0
     if top >= vocab_size:
-        kind = ("its bytes are the token ids (0-255): a byte-level model needs vocab_size "
-                ">= 256" if spec.source in ("text", "bytes") else "ids must be below vocab_size")
         raise ValueError(f"{spec.path}: token id {top} is outside the model's vocabulary "
-                         f"({vocab_size} ids, 0-{vocab_size - 1}); {kind}")
+                         f"({vocab_size} ids, 0-{vocab_size - 1}); "
+                         + ("its bytes are the token ids (0-255): give a byte-level model "
+                            "vocab_size >= 256" if spec.source in ("text", "bytes")
+                            else "give ids below vocab_size, or a model with a larger "
+                            "vocab_size"))
 
 
 def _token_ids(spec: DataSpec, seed: int) -> np.ndarray:

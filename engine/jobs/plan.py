@@ -47,7 +47,8 @@ def device_identity(job: Job) -> dict[str, Any]:
     the job's budget is larger than its total memory."""
     snap = probe(job.device)
     if not snap.available:
-        raise JobError(f"{job.path}: device: {job.device} is not available here: {snap.reason}")
+        raise JobError(f"{job.path}: device: {job.device} is not available here: {snap.reason}; "
+                       "give another device (cpu runs anywhere)")
     if job.budget_bytes and snap.total_bytes and job.budget_bytes > snap.total_bytes:
         raise JobError(f"{job.path}: budget: {fmt_bytes(job.budget_bytes)} is more than "
                        f"{job.device}'s {fmt_bytes(snap.total_bytes)} in total; give a "

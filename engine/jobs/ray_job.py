@@ -47,7 +47,7 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise UsageError(f"--ray needs Ray, which is not installed here: {INSTALL}") from None
+        raise UsageError(f"--ray needs Ray, which is not installed here; install it: {INSTALL}") from None
     return ray
 
 

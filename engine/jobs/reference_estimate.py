@@ -268,7 +268,8 @@ def check_measured(measured: Any, **want: Any) -> None:
         got = ("an object without them" if isinstance(measured, dict)
                else f"a JSON {type(measured).__name__}")
         raise UsageError(f"--measured: not a reference.json of `oomguard reference` (an object "
-                         f"with rows of metric and knob; got {got})")
+                         f"with rows of metric and knob; got {got}); give the reference.json "
+                         "that `oomguard reference` wrote")
     for key, value in want.items():
         if measured.get(key) != value:
             raise UsageError(f"--measured was measured for {key} {measured.get(key)!r}, this "
@@ -333,7 +334,8 @@ def build_estimate_reference(model: str, dtype: str, seq_len: int, n_samples: in
                              ) -> dict[str, Any]:
     """The estimated reference as a JSON-ready dict (every figure an estimate, in bytes)."""
     if not 0 <= margin < 1:
-        raise UsageError(f"--margin must be a fraction in [0, 1) for an estimate, got {margin!r}")
+        raise UsageError(f"--margin must be a fraction in [0, 1) for an estimate, got {margin!r}; "
+                         "give one such as 0.05")
     names = list(metrics) if metrics else sorted(load_all())
     t0 = time.perf_counter()
     est = Estimator(model, dtype, seq_len, device)

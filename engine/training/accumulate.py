@@ -95,7 +95,8 @@ def resolve_params(params: Params | None, optimizer: torch.optim.Optimizer | Non
     every trainable parameter of ``optimizer`` must be one of ``params``' (one-line
     :class:`UsageError` otherwise, before any work). An iterable comes back as a list."""
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise UsageError(f"optimizer= takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise UsageError(f"optimizer= takes a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                         "pass the optimizer your loop steps")
     if params is None:
         if optimizer is None:
             raise UsageError("give params= (the model, or its tensors) or optimizer=: whose "
@@ -139,7 +140,7 @@ def check_backward(backward: Callable[[torch.Tensor], Any] | None) -> Callable[[
         return _default_backward
     if not callable(backward):
         raise UsageError(f"backward= takes a function of the loss (e.g. accelerator.backward), "
-                         f"got {type(backward).__name__}")
+                         f"got {type(backward).__name__}; pass such a function, or leave it out")
     return backward
 
 

@@ -149,7 +149,7 @@ def find_executable_batch_size(function: Callable[..., T] | None = None,
     if not isinstance(auto_find_batch_size, bool):
         raise UsageError("find_executable_batch_size: the third argument is "
                          "auto_find_batch_size (a bool) or a reduce function, got "
-                         f"{type(auto_find_batch_size).__name__}")
+                         f"{type(auto_find_batch_size).__name__}; pass True, False or a function")
     if function is None:
         return functools.partial(find_executable_batch_size,
                                  starting_batch_size=starting_batch_size,

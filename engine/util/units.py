@@ -32,7 +32,8 @@ def parse_size(text: str | int) -> int:
                              "(B, KB, MB, GB, KiB, MiB, GiB, TiB), e.g. 2GiB, 512MiB, 2GB")
         value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise UsageError(f"invalid size {text!r}: a memory size must be greater than 0 bytes")
+        raise UsageError(f"invalid size {text!r}: a memory size must be greater "
+                         "than 0 bytes; give one such as 2GiB")
     return value
 
 

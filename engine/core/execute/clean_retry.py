@@ -63,14 +63,17 @@ def param_list(params: Params | None, optimizer: torch.optim.Optimizer | None) -
 def _check(params: Any, optimizer: Any) -> list[torch.Tensor]:
     """One :class:`UsageError` line for a ``params=``/``optimizer=`` that cannot be cleaned."""
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise UsageError(f"optimizer= must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise UsageError(f"optimizer= must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                         "pass the optimizer your loop steps")
     if params is not None and not isinstance(params, (torch.nn.Module, torch.optim.Optimizer)):
         if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
             raise UsageError("params= must be a torch.nn.Module, an optimizer or an iterable of "
-                             f"tensors, got {type(params).__name__}")
+                             f"tensors, got {type(params).__name__}; pass the model, its "
+                             "optimizer or a list of its parameters")
         params = list(params)
         if not all(isinstance(p, torch.Tensor) for p in params):
-            raise UsageError("params= must hold tensors only")
+            raise UsageError("params= must hold tensors only; pass model.parameters() or a list "
+                             "of tensors")
     tensors = param_list(params, optimizer)
     if params is not None and optimizer is not None:
         mine = {id(t) for t in tensors}

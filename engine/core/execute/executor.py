@@ -181,7 +181,8 @@ class SizeController:
         if cap is not None:
             sizes = {k: v if v is not None and v <= cap[k] else cap[k] for k, v in sizes.items()}
         elif None in sizes.values():
-            raise UsageError(f"{self.name}: an adaptive size without a start needs a cap")
+            raise UsageError(f"{self.name}: an adaptive size without a start needs a cap; give "
+                             "each size a start value, or a max_size")
         watch = None
         if record is not None:
             record.attempts.append(dict(sizes))
@@ -360,7 +361,8 @@ class Executor:
                  on_oom: Sequence[str] | None = None, fresh_process: bool = False) -> None:
         self.on_oom = parse_on_oom(on_oom) if on_oom is not None else None
         if self.on_oom is not None and agreement is not None:
-            raise UsageError("on_oom runs in one process: it cannot be combined with an agreement")
+            raise UsageError("on_oom runs in one process: it cannot be combined with an "
+                             "agreement; drop on_oom, or the agreement")
         self.fresh_process = fresh_process
         self.ladder: Ladder | None = None
         self.policy = policy or Halve()

@@ -63,22 +63,23 @@ def parse_on_oom(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
             isinstance(v, str) for v in value):
         raise UsageError(f"on_oom: expected a list of remedy names like [\"halve\", "
-                         f"\"bfloat16\"], got {value!r}")
+                         f"\"bfloat16\"], got {value!r}; give such a list")
     names = tuple(value)
     for name in names:
         if name not in REMEDIES:
-            raise UsageError(f"on_oom: unknown remedy {name!r}: valid remedies are "
+            raise UsageError(f"on_oom: unknown remedy {name!r}: use one of "
                              f"{', '.join(REMEDIES)}")
     if not names or names[0] != "halve":
         raise UsageError(f"on_oom: the first remedy must be \"halve\" (the executor's retry "
-                         f"at half), got {list(names)}")
+                         f"at half), got {list(names)}; start the list with it")
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise UsageError(f"on_oom: {name!r} is given twice")
+            raise UsageError(f"on_oom: {name!r} is given twice; list each remedy once")
     if "bfloat16" in names and "float16" in names:
         raise UsageError("on_oom: give one lower precision, bfloat16 or float16, not both")
     if "cpu" in names and names[-1] != "cpu":
-        raise UsageError("on_oom: \"cpu\" must come last (no GPU remedy applies on the CPU)")
+        raise UsageError("on_oom: \"cpu\" must come last (no GPU remedy applies on the CPU); move it to "
+                         "the end")
     return names
 
 

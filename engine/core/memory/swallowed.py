@@ -69,7 +69,8 @@ _local = _Thread()
 def _checked(mode: str) -> str | UsageError:
     mode = mode.strip().lower() or "auto"
     return mode if mode in _MODES else UsageError(
-        f"{ENV} must be one of {', '.join(_MODES)}, got {mode!r}")
+        f"{ENV} must be one of {', '.join(_MODES)}, got {mode!r}; set it to one of "
+        "those, or unset it")
 
 
 # Read once, at import (asked on every call); a bad value is said at the first call.

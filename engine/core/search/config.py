@@ -77,32 +77,36 @@ class SearchConfig:
         object.__setattr__(self, "restore", check_restorable(self.restore))
         if self.strategy is not None and not callable(getattr(self.strategy, "next", None)):
             raise UsageError(f"strategy must be Guided(), ExpandBisect(), Doubling(), LinearJump(capacity) or have "
-                             f"next(trials, max_size); got {self.strategy!r}")
+                             f"next(trials, max_size); got {self.strategy!r}: pass one of those")
         check_positive_int("max_size", self.max_size)
         check_positive_int("max_trials", self.max_trials)
         for name in ("budget", "capacity_bytes"):  # "positive integer": None is the default
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         _require(self.max_seconds is None or is_positive_seconds(self.max_seconds),
-                 f"max_seconds must be a positive number or None, got {self.max_seconds!r}")
+                 f"max_seconds must be a positive number or None, got {self.max_seconds!r}"
+                 "; give seconds such as 600, or None for no limit")
         _require(is_positive_seconds(self.trial_timeout), "trial_timeout must be a positive "
-                 f"number of seconds, got {self.trial_timeout!r}")
+                 f"number of seconds, got {self.trial_timeout!r}; give one such as 300")
         _require(self.margin == MEASURED or (_is_number(self.margin) and math.isfinite(
             self.margin) and 0 <= self.margin < 1), f"margin must be a fraction in [0, 1) or "
-                 f"{MEASURED!r}, got {self.margin!r}")
+                 f"{MEASURED!r}, got {self.margin!r}; give one such as 0.05")
         _require(self.ram_guard is None or isinstance(self.ram_guard, (bool, RamGuard)),
-                 f"ram_guard must be None, True, False or a RamGuard, got {self.ram_guard!r}")
+                 f"ram_guard must be None, True, False or a RamGuard, got {self.ram_guard!r}; "
+                 "pass one of those")
         check_positive_int("steps_per_trial", self.steps_per_trial, optional=True)
         _require(not self.restore or self.steps_per_trial is None or self.steps_per_trial >= 2,
                  f"with restore=, each trial runs the first optimizer step (which allocates "
                  f"its state) and a steady one: steps_per_trial must be at least 2 or None, "
-                 f"got {self.steps_per_trial!r}")
+                 f"got {self.steps_per_trial!r}; give 2 or more")
         _require(_is_number(self.verify_steps) and isinstance(self.verify_steps, int)
                  and self.verify_steps >= 0,
-                 f"verify_steps must be a whole number >= 0, got {self.verify_steps!r}")
+                 f"verify_steps must be a whole number >= 0, got {self.verify_steps!r}; give 0 "
+                 "to skip the check, or a number of steps such as 3")
         for name in ("isolate", "confirm"):
             _require(isinstance(getattr(self, name), bool),
-                     f"{name} must be True or False, got {getattr(self, name)!r}")
+                     f"{name} must be True or False, got {getattr(self, name)!r}; give "
+                     "true or false")
         _require(not (self.isolate and self.confirm), "confirm re-runs an in-process search's "
                  "answer in fresh processes; with isolate every trial already runs in one: give "
                  "one of them")
@@ -167,13 +171,15 @@ def strategy_named(name: str | None, start: int | None = None, size_step: int | 
     if size_step is not None and name != "expand-bisect":
         raise UsageError(f"the size step (size_step, --size-step) is expand-bisect's increment; "
                          f"strategy {name} takes no size step (guided predicts, doubling "
-                         "multiplies by 2, linear-jump fits a line)")
+                         "multiplies by 2, linear-jump fits a line); drop the size step, or use "
+                         "strategy expand-bisect")
     params: dict[str, Any] = {"start": start} if start is not None else {}
     if size_step is not None:
         params["step"] = size_step
     if name == "linear-jump":
         if capacity_bytes is None:
-            raise UsageError("strategy linear-jump needs a budget (or capacity_bytes) to aim at")
+            raise UsageError("strategy linear-jump needs a budget (or capacity_bytes) to aim at; "
+                             "give --budget, or use another strategy")
         params["capacity_bytes"] = capacity_bytes
     return STRATEGIES[name](**params)
 
@@ -203,7 +209,8 @@ def resolve(config: SearchConfig | None, start: int | None, size_step: int | Non
                         f"options are start, size_step, on_trial, {', '.join(_OPTIONS)}")
     if config is not None and not isinstance(config, SearchConfig):
         hint = f" (did you mean start={config!r}?)" if isinstance(config, int) else ""
-        raise UsageError(f"search()'s second argument is a SearchConfig, got {config!r}{hint}")
+        raise UsageError(f"search()'s second argument is a SearchConfig, got {config!r}{hint}; "
+                         "pass config=SearchConfig(...) or leave it out")
     cfg = dataclasses.replace(config, **options) if config is not None else SearchConfig(**options)
     if start is None and size_step is None:
         return cfg if cfg.strategy is not None else dataclasses.replace(cfg, strategy=Guided())

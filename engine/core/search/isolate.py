@@ -92,7 +92,7 @@ class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
                  limit: RamGuard | HostLimit | None = None, warm_call: bool = True) -> None:
         if not is_positive_seconds(timeout):
             raise UsageError(f"the trial timeout must be a positive number of seconds, "
-                             f"got {timeout!r}")
+                             f"got {timeout!r}; give one such as 300")
         # True while a multiprocessing child re-imports the main script (before its target runs)
         if getattr(mp.current_process(), "_inheriting", False):
             raise ChildStartFailed(

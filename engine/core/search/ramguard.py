@@ -47,10 +47,10 @@ class RamGuard:
         if isinstance(self.limit_bytes, bool) or not isinstance(self.limit_bytes, int) \
                 or self.limit_bytes <= 0:
             raise UsageError(f"RamGuard limit_bytes must be a positive number of bytes, "
-                             f"got {self.limit_bytes!r}")
+                             f"got {self.limit_bytes!r}; give one such as 2 << 30")
         if not (isinstance(self.interval, (int, float)) and 0 < self.interval <= 10):
             raise UsageError(f"RamGuard interval must be seconds in (0, 10], "
-                             f"got {self.interval!r}")
+                             f"got {self.interval!r}; give one such as 0.01")
 
     @classmethod
     def for_host(cls, fraction: float = DEFAULT_FRACTION) -> RamGuard | None:
@@ -58,7 +58,7 @@ class RamGuard:
         cannot be read. An enforced limit that leaves less room binds instead
         (:func:`~oomguard.engine.core.search.limit.unbudgeted_limit`)."""
         if not 0 < fraction <= 1:
-            raise UsageError(f"RAM guard fraction must be in (0, 1], got {fraction!r}")
+            raise UsageError(f"RAM guard fraction must be in (0, 1], got {fraction!r}; give one such as 0.8")
         _, free, sources = host.physical_memory()
         if not free:
             return None

@@ -204,7 +204,8 @@ class _Search:
                         and lo >= cfg.max_size else "bracket closed")
             if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= cfg.max_size:
                 raise UsageError(f"strategy {proposer.name} proposed size {size!r}: sizes must "
-                                 f"be integers from 1 to max_size ({cfg.max_size})")
+                                 f"be integers from 1 to max_size ({cfg.max_size}); make its next() "
+                                 "return one")
             if any(t.size == size for t in phase):  # a strategy that repeats itself is done
                 return f"strategy proposed size {size} again"
             refused = (self.limit.refuse(phase, size) if isinstance(self.limit, RamGuard)

@@ -148,7 +148,7 @@ class Doubling(_PositiveFields):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.factor < 2:
-            raise UsageError(f"factor must be at least 2, got {self.factor}")
+            raise UsageError(f"factor must be at least 2, got {self.factor}; give 2 or more")
 
     def describe(self) -> str:
         return (f"Start at {self.start}; multiply by {self.factor} while successful; then bisect "
