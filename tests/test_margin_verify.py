@@ -7,12 +7,18 @@ depends on what earlier tests left in the heap.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import cli_in_child, in_fresh_process
+from conftest import Started, cli_in_child, in_fresh_process
+from test_full_disk import _free, small_disk  # noqa: F401 - small_disk: the fixture, by name
 
 from oomguard import search
 from oomguard.engine.cli.main import main
@@ -216,3 +222,65 @@ def test_verify_passes_under_the_lines_and_says_by_how_much(measured, tmp_path):
     assert code == 0 and check["verdict"] == "ok"
     assert line.endswith(f"; {fmt_bytes(2 * peak - top)} under the report's line "
                          f"({fmt_bytes(2 * peak)})")
+
+
+# ------------------------------------------------------------- a folder verify cannot write
+# A real small disk (a tmpfs, test_full_disk's fixture): made read-only with a remount, or
+# filled with a file, before verify starts or while its steps run.
+def _report_on(disk: Path, measured: tuple[Any, dict, int]) -> Path:
+    shutil.copy(measured[0] / "report.json", disk / "report.json")
+    return disk
+
+
+def _fill(disk: Path) -> None:
+    """Leave no page free on ``disk``."""
+    with open(disk / "filler", "wb") as f:
+        f.write(bytes(_free(disk)))
+    assert _free(disk) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["read-only", "full"])
+def test_verify_refuses_a_folder_it_cannot_write_before_any_step(how, measured, request):
+    disk = request.getfixturevalue("small_disk")
+    folder = _report_on(disk, measured)
+    if how == "read-only":
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    else:
+        _fill(disk)
+    done = cli_in_child("verify", str(folder), "--steps", "2")
+    assert done.returncode == 2 and not done.stdout, (done.stdout, done.stderr)
+    (line,) = done.stderr.splitlines()  # one line, no "verifying" line: no step ran
+    why = "Read-only file system" if how == "read-only" else "No space left on device"
+    assert line == (f"oomguard: error: {folder}: cannot write the output folder ({why}); verify "
+                    "writes verify.json beside report.json: free space there, or copy the "
+                    "report folder somewhere writable and verify the copy")
+
+
+@pytest.mark.slow
+def test_a_disk_full_after_the_steps_prints_the_whole_result_and_one_line(measured, request):
+    disk = request.getfixturevalue("small_disk")
+    folder = _report_on(disk, measured)
+    running = Started("verify", str(folder), "--steps", "20")
+    # The command's stderr is a file (Started captures it): read it while the command runs,
+    # and fill the disk once it says it is verifying (the check is behind it, the steps ahead).
+    deadline, said = time.monotonic() + 120, ""
+    while "oomguard: verifying" not in said and running.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+        with contextlib.suppress(OSError):  # the process may be between fork and its dup2
+            said = Path(f"/proc/{running.pid}/fd/2").read_text()
+    assert running.poll() is None, running.communicate()
+    _fill(disk)
+    out, err = running.communicate(timeout=300)
+    assert running.returncode == 1, (out, err)
+    assert not (folder / "verify.json").exists()
+    assert err.splitlines()[-1] == (
+        f"oomguard: cannot write {folder}/verify.json (No space left on device): the result is "
+        "on stdout above, in full; save it from there, or free space and run verify again")
+    assert "Traceback" not in err
+    verdict, _, text = out.partition("\n")
+    assert verdict.startswith("verify: 20 steps at batch size 4: ok, peak per step")
+    check = json.loads(text)  # everything verify.json would have held
+    assert check["verdict"] == "ok" and len(check["step_peaks"]) == 20
+    assert check["report"] == f"{folder}/report.json"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from oomguard.engine.cli.options import (
 )
 from oomguard.engine.errors import UsageError
 from oomguard.engine.jobs.progress import CountedSteps, Steps, error_text, wanted
+from oomguard.engine.util.jsonable import read_json
 from oomguard.engine.util.units import fmt_bytes
 
 DEFAULT_STEPS = 10
@@ -67,7 +67,7 @@ def read_report(path: str | Path) -> tuple[Path, dict[str, Any]]:
         raise UsageError(f"no report at {file}: give the folder `oomguard bench` or "
                          "`oomguard search` wrote (their --out), or its report.json")
     try:
-        doc = json.loads(file.read_text(encoding="utf-8"))
+        doc = read_json(file)  # refuses hostile nesting (a ValueError)
         doc["result"]["recommendation"]  # noqa: B018 - present in every search report
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"{file} is not a readable oomguard report ({type(exc).__name__}: "
@@ -82,7 +82,10 @@ def add_verify(p: argparse.ArgumentParser) -> None:
                      "happened in one line and writes verify.json beside the report; exit 0 "
                      "when every step fitted under the report's safe line (capacity x (1 - "
                      "margin)) and, at the recommended size, under the limit the report held it "
-                     "to; 1, saying by how much, on an out-of-memory or a peak over either.")
+                     "to; 1, saying by how much, on an out-of-memory or a peak over either, "
+                     "and 1 when verify.json cannot be written (the result is then printed in "
+                     "full on stdout). A report folder it cannot write is refused before any "
+                     "step.")
     p.add_argument("report", help="the report folder (--out of bench/search) or its report.json")
     p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
                    help=f"steps to run (default {DEFAULT_STEPS})")
@@ -173,6 +176,7 @@ def _verify_counted(workload: Any, size: int, steps: int, show: bool, **options:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from oomguard.engine.jobs.output import check_output_folder
     from oomguard.engine.util.atomic import atomic_write_json
     from oomguard.engine.util.jsonable import json_text
     from oomguard.probes.device import resolve_device
@@ -187,6 +191,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise UsageError(f"{file} recommends no size: give one with --size N")
     check_sizes([("--size", size)], workload.seq_len)
     dev = resolve_device(result["device"], check=True)
+    # Before any step: a read-only or full folder would cost the whole run's result.
+    check_output_folder(file.parent, fix=(
+        "verify writes verify.json beside report.json: free space there, or copy the report "
+        "folder somewhere writable and verify the copy"))
     label = (result.get("size_name") or "batch_size").replace("_", " ")
     budget = result.get("budget_bytes")
     isolate = result.get("mode") in ("isolated", "confirmed")  # where the answer was found
@@ -200,9 +208,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
     check["lines"] = lines_of(doc)
     check["verdict"], check["held_to_bytes"] = judge(check, check["lines"],
                                                      recommended=size == recommended)
-    out = atomic_write_json(file.parent / "verify.json", check)
+    try:
+        out = atomic_write_json(file.parent / "verify.json", check)
+    except OSError as exc:  # the disk filled up (or went read-only) during the steps
+        return _unwritten(check, label, exc, args.json)
     if args.json:
         print(json_text(check), end="")
     else:
         print(f"{_line(check, label)}\nwritten: {out}")
     return 0 if check["verdict"] == "ok" else 1
+
+
+def _unwritten(check: dict[str, Any], label: str, exc: OSError, as_json: bool) -> int:
+    """Exit code 1 when verify.json cannot be written after the steps ran: the measured
+    result printed in full on stdout (the verdict line, then verify.json's content), so
+    nothing measured is lost, and one line on stderr saying what to do."""
+    from oomguard.engine.util.jsonable import json_text
+
+    if not as_json:
+        print(_line(check, label))
+    print(json_text(check), end="")
+    where = exc.filename or Path(check["report"]).parent / "verify.json"
+    print(f"oomguard: cannot write {where} ({exc.strerror or exc}): the result is on stdout "
+          "above, in full; save it from there, or free space and run verify again",
+          file=sys.stderr)
+    return 1

@@ -68,17 +68,21 @@ def job_identity(job: Job) -> dict[str, str]:
     return {"name": job.name, "path": job.path}
 
 
-def check_output_folder(out: Path) -> None:
-    """Create ``out`` if needed and prove it writable, before any work (a run never
-    computes results it cannot keep); :class:`JobError` (one line) if not."""
+def check_output_folder(out: Path, fix: str = "give a writable --out") -> None:
+    """Create ``out`` if needed and prove it writable, a first block of 4 KiB included,
+    before any work (a run never computes results it cannot keep); :class:`JobError` (one
+    line, ending in ``fix``: what to do) if not."""
     if out.exists() and not out.is_dir():
         raise JobError(f"{out}: the output folder is an existing file; give another --out")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
+        with tempfile.TemporaryFile(dir=out) as probe:
+            # why: a full disk still creates an empty file; only a written block finds it full
+            probe.write(bytes(4096))
+            probe.flush()
     except OSError as exc:
-        raise JobError(f"{out}: cannot write the output folder ({exc.strerror or exc}); give "
-                       "a writable --out") from None
+        raise JobError(f"{out}: cannot write the output folder ({exc.strerror or exc}); "
+                       f"{fix}") from None
 
 
 MOVED_ASIDE = "moved-aside"
