@@ -101,3 +101,12 @@ def test_verify_refuses_a_size_no_device_holds(tmp_path: Path,
     (tmp_path / "report.json").write_text(json.dumps(report), encoding="utf-8")
     line = one_usage_error(["verify", str(tmp_path), "--size", HUGE], capsys)
     assert f"--size {HUGE} is too large: {HUGE} x seq_len 8 tokens" in line
+
+
+def test_more_samples_than_the_host_holds_is_one_line_before_any_data_is_made(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 10**14 samples of 8 tokens would take about 18 PiB of ids, masks and labels
+    line = one_usage_error(["run", _job(tmp_path, "seq_len = 8\nn_samples = 99999999999999")],
+                           capsys)
+    assert "data.n_samples: n_samples 99999999999999 is too many" in line
+    assert "give at most" in line

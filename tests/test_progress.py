@@ -132,3 +132,25 @@ def test_a_job_shows_metrics_done_and_the_time_left(tmp_path: Path) -> None:
                          "--cache", str(tmp_path / "c.json"))
     assert quiet.returncode == 0, quiet.stderr
     assert " done, " not in quiet.stderr and "left" not in quiet.stderr
+
+
+@pytest.mark.slow
+def test_a_resumed_job_numbers_each_result_once_in_the_order_they_come(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from oomguard.engine.jobs.runner import run_job
+    from oomguard.engine.jobs.spec import load_job
+
+    path = tmp_path / "job.toml"
+    path.write_text(f'output = "{tmp_path / "out"}"\nmodels = ["tiny-gpt2"]\n[data]\n'
+                    'seq_len = 8\nn_samples = 2\n[search]\nenabled = false\n'
+                    '[[metrics]]\nname = "loss"\nsizes = { micro_batch_size = 1 }\n'
+                    '[[metrics]]\nname = "loss"\nid = "second"\n'
+                    'sizes = { micro_batch_size = 2 }\n', encoding="utf-8")
+    assert run_job(load_job(str(path)), progress=False).exit_code == 0
+    (tmp_path / "out" / "results" / "loss.json").unlink()  # the first metric runs again
+    caplog.clear()
+    with caplog.at_level("INFO", logger="oomguard.job"):
+        assert run_job(load_job(str(path)), progress=False).exit_code == 0
+    counted = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[")]
+    assert counted == ["[1/2] second: already done, kept",
+                       "[2/2] loss: ok in " + counted[1].partition(" ok in ")[2]]

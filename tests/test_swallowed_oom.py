@@ -277,3 +277,23 @@ def test_the_spotter_mode_is_checked_in_one_line() -> None:
     assert str(err.value) == ("OOMGUARD_SWALLOWED_OOMS must be one of auto, on, off, "
                               "got 'sometimes'; set it to one of those, or unset it")
     assert spotter_mode() == "auto"
+
+
+@pytest.mark.slow
+def test_a_bad_spotter_mode_in_the_environment_stops_a_job_in_one_line_before_any_work(
+        tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    job = tmp_path / "job.toml"
+    job.write_text(f'output = "{tmp_path / "out"}"\nmodels = ["tiny-gpt2"]\n[data]\nseq_len = 8\n'
+                   'n_samples = 2\n[[metrics]]\nname = "loss"\n', encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "oomguard", "run", str(job)], cwd=tmp_path,
+                          env={**os.environ, "OOMGUARD_SWALLOWED_OOMS": "sometimes"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "oomguard: error: OOMGUARD_SWALLOWED_OOMS must be one of auto, on, off, got "
+        "'sometimes'; set it to one of those, or unset it"]
+    assert not (tmp_path / "out").exists()  # no metric ran, nothing was written

@@ -13,7 +13,8 @@ Every source returns ``input_ids``, ``attention_mask`` (ones, or make_batch's pa
 and ``labels`` (``input_ids``, ``-100`` on padding), each ``[n_samples, seq_len]`` int64.
 
 Data no model can run is refused before any work: a ``seq_len`` below :data:`MIN_SEQ_LEN`
-(:func:`check_seq_len_floor`), a batch no device could hold (:func:`check_size`), token ids
+(:func:`check_seq_len_floor`), a batch no device could hold (:func:`check_size`), more
+samples than the host's RAM holds (:func:`check_samples`), token ids
 outside the vocabulary (:func:`check_vocab`).
 """
 from __future__ import annotations
@@ -97,6 +98,26 @@ def check_size(size: int, seq_len: int, what: str) -> None:
         raise ValueError(f"{what} {size} is too large: {size} x seq_len {seq_len} tokens "
                          f"per step is more than any device holds (at most "
                          f"{MAX_TOKENS // max(seq_len, 1)} at seq_len {seq_len}); lower it")
+
+
+# Each sample's ids, attention mask and labels: three int64 rows of seq_len.
+_BYTES_PER_TOKEN = 3 * 8
+
+
+def check_samples(n_samples: int, seq_len: int, what: str = "n_samples") -> None:
+    """ValueError (one line, naming ``what``) when the data of ``n_samples x seq_len`` tokens
+    (ids, mask and labels: 24 bytes a token, held on the host at once) is larger than this
+    machine's RAM (``/proc/meminfo`` ``MemTotal``, measured; unchecked where unreadable)."""
+    from oomguard.engine.util.units import fmt_bytes
+    from oomguard.probes.host import physical_memory
+
+    need = n_samples * max(seq_len, 1) * _BYTES_PER_TOKEN
+    total = physical_memory()[0]
+    if total and need > total:
+        most = max(1, total // (max(seq_len, 1) * _BYTES_PER_TOKEN))
+        raise ValueError(f"{what} {n_samples} is too many: {n_samples} x seq_len {seq_len} "
+                         f"tokens take {fmt_bytes(need)} on the host, more than its "
+                         f"{fmt_bytes(total)} of RAM; give at most {most}")
 
 
 def check_vocab(spec: DataSpec, vocab_size: int | None, seed: int = 0) -> None:

@@ -183,9 +183,11 @@ class Progress:
         self.steps.advance(None if trial.mode == "isolated" else trial.seconds)
 
     def skipped(self, record: TaskResult) -> None:
-        """A result kept from an earlier run (its line is logged by the caller)."""
+        """A result kept from an earlier run: counted and logged in the order results come,
+        as a finished one is (``[n/N]`` numbers results, not the job's order)."""
         self.results[record.task] = record
         self.count += 1
+        log.info("[%d/%d] %s: already done, kept", self.count, self.n_tasks, record.task)
         if self.steps is not None:
             self.steps.skip()
 
