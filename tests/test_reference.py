@@ -125,11 +125,11 @@ def test_a_sizes_file_for_another_setting_or_corrupt_is_a_one_line_error(tmp_pat
             'sizes = { micro_batch_size = 3 }\n')
     path = tmp_path / "sizes.toml"
     path.write_text(good)
-    pinned = apply_sizes(job, *load_sizes(path), dev, str(path))
+    pinned = apply_sizes(job, load_sizes(path), dev)
     assert pinned.metrics[0].sizes == {"micro_batch_size": 3}
     path.write_text(good.replace("seq_len = 16", "seq_len = 64"))
     with pytest.raises(JobError, match="seq_len 64 .*the job: 16") as err:
-        apply_sizes(job, *load_sizes(path), dev, str(path))
+        apply_sizes(job, load_sizes(path), dev)
     assert "\n" not in str(err.value)
     path.write_text("[reference\nnot toml")
     with pytest.raises(JobError, match="not a valid TOML sizes file"):
@@ -137,3 +137,100 @@ def test_a_sizes_file_for_another_setting_or_corrupt_is_a_one_line_error(tmp_pat
     path.write_text(good.replace("micro_batch_size = 3", "micro_batch_size = 0"))
     with pytest.raises(JobError, match="positive whole numbers"):
         load_sizes(path)
+    path.write_text(good + "capped = { vjp_block = 8 }\n")
+    with pytest.raises(JobError, match="capped names knobs of its sizes"):
+        load_sizes(path)
+
+
+# ------------------------------------------------- sizes.toml on any sample count and budget
+def _sizes_file(tmp_path: Path, dev: dict, budget: int | None, capped: bool) -> Path:
+    """A sizes file as `oomguard reference` writes it (through sizes_toml) for MODEL on 8
+    samples: loss.micro_batch_size 8, capped by those 8 samples where ``capped``."""
+    from oomguard.engine.jobs.reference import Reference, sizes_toml
+
+    ref = Reference(model=MODEL, dtype="float32", seq_len=16, n_samples=8,
+                    device={**dev, "budget_bytes": budget},
+                    job_sizes={"loss": {"micro_batch_size": 8}},
+                    job_capped={"loss": {"micro_batch_size": 8}} if capped else {})
+    path = tmp_path / "sizes.toml"
+    path.write_text(sizes_toml(ref), encoding="utf-8")
+    return path
+
+
+def _job_on(tmp_path: Path, n_samples: int, budget: str | None, search: bool = True):
+    text = _job_file(tmp_path, ["loss"]).read_text().replace(
+        "n_samples = 2", f"n_samples = {n_samples}").replace(
+        f'budget = "{BUDGET}"\n', f'budget = "{budget}"\n' if budget else "")
+    path = tmp_path / "job.toml"
+    path.write_text(text + ("" if search else "[search]\nenabled = false\n"))
+    job = load_job(path)
+    return job, device_identity(job)
+
+
+def test_a_size_capped_by_the_references_samples_is_searched_by_a_job_on_more(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    job, dev = _job_on(tmp_path, 16, BUDGET)
+    pins = load_sizes(_sizes_file(tmp_path, dev, dev["budget_bytes"], capped=True))
+    assert pins.capped == {"loss": {"micro_batch_size": 8}}
+    # 8 fitted on 8 samples without an OOM: on 16 the job searches instead of pinning 8.
+    with caplog.at_level("INFO", logger="oomguard.job"):
+        assert apply_sizes(job, pins, dev).metrics[0].sizes == {}
+    assert ("loss.micro_batch_size = 8 reached the reference's cap (8), not memory; this job "
+            "allows up to 16: it searches micro_batch_size instead of pinning it") in caplog.text
+    # Where the job cannot search, or allows no more, the size that fitted stays pinned.
+    assert apply_sizes(job, pins, dev, search=False).metrics[0].sizes == {"micro_batch_size": 8}
+    job, dev = _job_on(tmp_path, 16, BUDGET, search=False)
+    assert apply_sizes(job, pins, dev).metrics[0].sizes == {"micro_batch_size": 8}
+    for n in (8, 4):
+        job, dev = _job_on(tmp_path, n, BUDGET)
+        assert apply_sizes(job, pins, dev).metrics[0].sizes == {"micro_batch_size": 8}
+    # A size memory bounded holds on any sample count: per batch, more batches on more samples.
+    job, dev = _job_on(tmp_path, 64, BUDGET)
+    plain = load_sizes(_sizes_file(tmp_path, dev, dev["budget_bytes"], capped=False))
+    assert apply_sizes(job, plain, dev).metrics[0].sizes == {"micro_batch_size": 8}
+
+
+def test_sizes_found_under_a_budget_hold_under_a_larger_one_or_none_and_say_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    two = 2 * 1024**3
+    job, dev = _job_on(tmp_path, 2, None)
+    path = _sizes_file(tmp_path, dev, two, capped=False)
+    with caplog.at_level("INFO", logger="oomguard.job"):
+        assert apply_sizes(job, load_sizes(path), dev).metrics[0].sizes == {
+            "micro_batch_size": 8}
+    (said,) = [r.getMessage() for r in caplog.records if "found under" in r.getMessage()]
+    assert said.startswith(f"{path}: sizes found under a 2.00 GiB budget")
+    assert "this job has none" in said or "retried at half" in said  # as free memory says
+    job, dev = _job_on(tmp_path, 2, "4GiB")
+    assert apply_sizes(job, load_sizes(path), dev).metrics[0].sizes == {"micro_batch_size": 8}
+    # A smaller budget than the sizes were found under, or sizes found with none: refused.
+    job, dev = _job_on(tmp_path, 2, BUDGET)
+    with pytest.raises(JobError, match=r"budget 2.00 GiB \(the job: 384.00 MiB; its sizes hold "
+                       "under the same budget, a larger one or none\\); run `oomguard "
+                       "reference` with"):
+        apply_sizes(job, load_sizes(path), dev)
+    with pytest.raises(JobError, match=r"budget none \(the job: 384.00 MiB"):
+        apply_sizes(job, load_sizes(_sizes_file(tmp_path, dev, None, capped=False)), dev)
+
+
+@pytest.mark.slow
+def test_the_documented_flow_reference_then_run_sizes_file_works_with_the_defaults(
+        tmp_path: Path) -> None:
+    # docs/guides/quick-reference.md: `oomguard reference`, then `oomguard run JOB.toml
+    # --sizes-file sizes.toml`, each with its defaults: the reference under its default
+    # budget, the job under none; the job on more samples than the reference's 8.
+    ref = _oomguard("reference", "--model", MODEL, "--metric", "loss", "--seq-len", "16",
+                    "--cache", str(tmp_path / "sizes.json"), "--out", "ref", cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    sizes = (tmp_path / "ref" / "sizes.toml").read_text()
+    assert "capped = { micro_batch_size = 8 }" in sizes
+    job, _ = _job_on(tmp_path, 16, None)
+    run = _oomguard("run", job.path, "--sizes-file", "ref/sizes.toml", "--cache",
+                    str(tmp_path / "other.json"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    if "budget_bytes" in sizes:  # a default budget (none where the OS cannot cap memory)
+        assert "ref/sizes.toml: sizes found under a " in run.stderr
+    assert "it searches micro_batch_size instead of pinning it" in run.stderr
+    task = json.loads((tmp_path / "job" / "results.json").read_text())["tasks"]["loss"]
+    assert task["status"] == "ok" and task["sizes"]["source"] == "search", task["sizes"]
+    assert task["sizes"]["final"] == {"micro_batch_size": 16}  # all 16 samples in one batch

@@ -124,8 +124,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             from oomguard.engine.jobs.plan import device_identity
             from oomguard.engine.jobs.reference import apply_sizes, load_sizes
 
-            job = apply_sizes(job, *load_sizes(args.sizes_file), device_identity(job),
-                              args.sizes_file)
+            job = apply_sizes(job, load_sizes(args.sizes_file), device_identity(job),
+                              search=not args.no_search)
         # This process runs no torch code (it parses, plans and waits): for a CPU job a
         # plain fork is safe and cheaper than a forkserver
         # (docs/measurements.md#fork-after-openmp); a GPU job never forks.
