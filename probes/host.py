@@ -109,30 +109,56 @@ def _read_int(path: Path) -> int | None:
 
 
 def cgroup_limit() -> tuple[int | None, int | None]:
-    """(limit, working set) of this process's memory cgroup in bytes, or None. The working
-    set is the usage minus the inactive file pages, which the kernel reclaims before it
-    kills a process of the group (the figure ``docker stats`` and the kubelet count)."""
+    """(limit, working set) in bytes of the memory cgroup that leaves this process the least
+    room (limit minus working set), or None: its own group or any ancestor up to the root
+    (cgroup v1 and v2), since a parent's limit binds its children too (Slurm and some
+    container runtimes limit a parent and run the job in an unlimited child). The working set
+    is the usage minus the inactive file pages, which the kernel reclaims before it kills a
+    process of the group (the figure ``docker stats`` and the kubelet count)."""
     try:
         lines = (PROC / "self" / "cgroup").read_text().splitlines()
     except OSError:
         return None, None
+    tightest: tuple[int, int | None] | None = None
     for line in lines:
         _, controllers, rel = line.split(":", 2)
         if controllers == "":  # cgroup v2 unified hierarchy
-            base = CGROUP_ROOT / rel.lstrip("/")
-            limit, usage = _read_int(base / "memory.max"), _read_int(base / "memory.current")
-            inactive = "inactive_file"
+            root, files = CGROUP_ROOT, ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
-            base = CGROUP_ROOT / "memory" / rel.lstrip("/")
-            limit = _read_int(base / "memory.limit_in_bytes")
-            usage = _read_int(base / "memory.usage_in_bytes")
-            inactive = "total_inactive_file"
+            root, files = CGROUP_ROOT / "memory", ("memory.limit_in_bytes",
+                                                   "memory.usage_in_bytes", "total_inactive_file")
         else:
             continue
-        if limit is not None and limit < _CGROUP_UNLIMITED:
-            reclaimable = _stat(base / "memory.stat").get(inactive, 0)
-            return limit, None if usage is None else max(0, usage - reclaimable)
-    return None, None
+        for base in _groups(root, rel):
+            found = _group_limit(base, *files)
+            if found is not None and (tightest is None or _room(found) < _room(tightest)):
+                tightest = found
+    return (None, None) if tightest is None else tightest
+
+
+def _groups(root: Path, rel: str) -> list[Path]:
+    """The folders of the group at ``rel`` under the hierarchy mounted at ``root`` and of each
+    ancestor, the root last. In a container without a cgroup namespace ``rel`` names the host's
+    path while ``root`` is the container's own group: the folders that do not exist are left
+    out, so the walk starts where the mount does."""
+    parts = [p for p in rel.split("/") if p and p not in (".", "..")]
+    return [root.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)
+            if root.joinpath(*parts[:n]).is_dir()]
+
+
+def _group_limit(base: Path, limit_file: str, usage_file: str,
+                 inactive: str) -> tuple[int, int | None] | None:
+    """(limit, working set) of one cgroup folder in bytes; None where it sets no limit."""
+    limit, usage = _read_int(base / limit_file), _read_int(base / usage_file)
+    if limit is None or limit >= _CGROUP_UNLIMITED:
+        return None
+    reclaimable = _stat(base / "memory.stat").get(inactive, 0)
+    return limit, None if usage is None else max(0, usage - reclaimable)
+
+
+def _room(found: tuple[int, int | None]) -> int:
+    """Bytes a (limit, working set) leaves; the whole limit where the usage is unknown."""
+    return found[0] - (found[1] or 0)
 
 
 def _stat(path: Path) -> dict[str, int]:

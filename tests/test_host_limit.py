@@ -240,7 +240,8 @@ def test_the_ram_guard_binds_where_enforced_limits_leave_more_room(monkeypatch) 
     assert unbudgeted_limit("cuda", guard) is None  # a GPU has its own limit
 
 
-# A metric whose memory is its knob: `chunk` blocks of 8 MiB, touched.
+# A metric whose memory is its knob: `chunk` blocks of 8 MiB, touched; its result does not
+# depend on the knob (a search checks that first).
 GROW_PLUGIN = '''
 import torch
 from oomguard.metrics.base import Knob, Metric, register
@@ -251,7 +252,7 @@ class Grow(Metric):
     knobs = (Knob("chunk", "memory", 64, 1),)
     def compute(self, model, data, chunk=64):
         blocks = [torch.ones(2**20, dtype=torch.float64) for _ in range(chunk)]
-        return {"sum": float(sum(b.sum() for b in blocks))}
+        return {"mean": float(sum(b.sum() for b in blocks)) / chunk}
 '''
 
 
@@ -326,3 +327,186 @@ def test_reports_and_records_name_the_enforced_limit_that_bound_the_search(tmp_p
             "1.17 GiB (1000.00 MiB left; enforced:") in text
     assert "estimated, not enforced" not in text
     assert record_of(result, metric="loss").limit == limit.describe()
+
+
+# --- limits on a parent cgroup, and the CLI's default budget inside one ---------------------
+
+def _fake_tree(tmp_path: Path, own: str, groups: dict[str, tuple[int | None, int]],
+               v1: bool = False) -> tuple[Path, Path]:
+    """A /proc and cgroup tree as the kernel lays them out, this process in group ``own``:
+    ``groups`` maps each folder (relative, "" the root) to (limit or None for none, working set)
+    in bytes, with no inactive file pages; v2 (``0::/own``, memory.max, "max" for none) or v1
+    (``4:memory:/own``, memory.limit_in_bytes, ~2**63 for none, the ``memory`` mount)."""
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    for name in ("status", "statm", "clear_refs", "smaps_rollup"):
+        (proc / "self" / name).symlink_to(f"/proc/self/{name}")
+    (proc / "meminfo").symlink_to("/proc/meminfo")
+    (proc / "self" / "cgroup").write_text(f"4:memory:/{own}\n" if v1 else f"0::/{own}\n")
+    mount = root / "memory" if v1 else root
+    for rel, (limit, used) in groups.items():
+        where = mount / rel
+        where.mkdir(parents=True, exist_ok=True)
+        if v1:
+            (where / "memory.limit_in_bytes").write_text(f"{limit or 9223372036854771712}\n")
+            (where / "memory.usage_in_bytes").write_text(f"{used}\n")
+            (where / "memory.stat").write_text(f"total_inactive_file 0\nrss {used}\n")
+        else:
+            (where / "memory.max").write_text(f"{limit or 'max'}\n")
+            (where / "memory.current").write_text(f"{used}\n")
+            (where / "memory.stat").write_text(f"inactive_file 0\nanon {used}\n")
+    return proc, root
+
+
+@pytest.mark.parametrize("v1", [False, True], ids=["v2", "v1"])
+def test_a_limit_on_an_ancestor_cgroup_binds_the_process_in_an_unlimited_child(
+        tmp_path: Path, monkeypatch, v1: bool) -> None:
+    # Slurm's layout: the job's group limited, the step's (this process's) not; a roomier
+    # limit on the grandparent, none on the root.
+    proc, root = _fake_tree(tmp_path, "slurm/job_7/step_0", {
+        "": (None, 20 * 1024 * MiB), "slurm": (4096 * MiB, 3500 * MiB),
+        "slurm/job_7": (1024 * MiB, 300 * MiB), "slurm/job_7/step_0": (None, 200 * MiB)}, v1)
+    monkeypatch.setattr(host, "PROC", proc)
+    monkeypatch.setattr(host, "CGROUP_ROOT", root)
+    # the grandparent's limit is larger, but leaves less room (596 MiB against 724): it binds
+    assert host.cgroup_limit() == (4096 * MiB, 3500 * MiB)
+    (root / ("memory/slurm" if v1 else "slurm") / ("memory.usage_in_bytes" if v1 else
+                                                   "memory.current")).write_text(f"{500 * MiB}\n")
+    assert host.cgroup_limit() == (1024 * MiB, 300 * MiB)
+    snap = host.host_memory()
+    assert (snap["total"], snap["free"], snap["limited_by"]) == (1024 * MiB, 724 * MiB, "cgroup")
+
+
+def test_a_container_without_a_cgroup_namespace_reads_its_own_group_at_the_mount(
+        tmp_path: Path, monkeypatch) -> None:
+    # /proc/self/cgroup names the host's path, while the container sees its own group at the
+    # mount point: the folders that do not exist are skipped.
+    proc, root = _fake_tree(tmp_path, "docker/0123abcd", {"": (768 * MiB, 100 * MiB)}, v1=True)
+    monkeypatch.setattr(host, "PROC", proc)
+    monkeypatch.setattr(host, "CGROUP_ROOT", root)
+    assert host.cgroup_limit() == (768 * MiB, 100 * MiB)
+
+
+def test_the_default_cpu_budget_is_lowered_inside_a_cgroup_and_a_given_one_is_refused(
+        tmp_path: Path, monkeypatch) -> None:
+    import argparse
+
+    from oomguard.engine.cli import options
+    from oomguard.engine.cli.main import build_parser
+    from oomguard.engine.core.memory.budget import check_budget
+
+    proc, root = _fake_tree(tmp_path, "job/step", {"job": (1024 * MiB, 200 * MiB),
+                                                   "job/step": (None, 100 * MiB)})
+    monkeypatch.setattr(host, "PROC", proc)
+    monkeypatch.setattr(host, "CGROUP_ROOT", root)
+    cpu = torch.device("cpu")
+    assert options.default_budget(cpu, None) is None  # was 2 GiB: past the 824 MiB room, a kill
+    why = options.lowered_default(cpu)
+    assert why is not None and "default 2.00 GiB budget" in why and "1.00 GiB" in why
+    assert options.default_budget(cpu, 512 * MiB) == 512 * MiB
+    with pytest.raises(BudgetError) as err:  # given, it is the user's: refused, not lowered
+        check_budget(2048 * MiB, "cpu")
+    assert "\n" not in str(err.value) and "choose a smaller --budget" in str(err.value)
+    argv = ["bench", "--budget", "none"]
+    args = build_parser(argv).parse_args(argv)
+    assert isinstance(args, argparse.Namespace) and options.default_budget(cpu, args.budget) is None
+    assert options.search_config(args, cpu).budget is None
+
+
+def test_a_budget_entered_inside_a_cgroup_never_passes_the_room_it_leaves(
+        tmp_path: Path, monkeypatch) -> None:
+    from oomguard.engine.core.memory.budget import budget
+
+    vm_data = host.proc_status("VmData")
+    proc, root = _fake_tree(tmp_path, "box", {"box": (vm_data + 400 * MiB, vm_data)})
+    monkeypatch.setattr(host, "PROC", proc)
+    monkeypatch.setattr(host, "CGROUP_ROOT", root)
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    with budget(300 * MiB, "cpu") as small:  # fits: as asked
+        assert small.limit - host.proc_status("VmData") <= 300 * MiB
+    # 1 GiB checked elsewhere (another process, before a warm-up) is lowered under the room
+    with budget(1024 * MiB, "cpu") as large:
+        room = large.limit - host.proc_status("VmData")
+        assert 300 * MiB < room <= 400 * MiB - CGROUP_SLACK_MIN  # was 1 GiB: past it, a kill
+        assert resource.getrlimit(resource.RLIMIT_DATA)[0] == large.limit
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before
+
+
+def _probe_and_search_in_cgroup(procs: str) -> dict:
+    from oomguard.probes import probe
+
+    Path(procs).write_text(str(os.getpid()))
+    return {"cgroup": host.cgroup_limit(), "total": probe("cpu").total_bytes,
+            "search": search(LINE).to_dict()}
+
+
+@pytest.mark.slow
+def test_an_unlimited_child_of_a_limited_real_cgroup_probes_its_parents_limit_and_is_never_killed(
+        ) -> None:
+    parent = _new_cgroup(1024 * MiB)
+    if parent is None:
+        pytest.skip("this machine does not let the test create a memory cgroup; "
+                    "test_a_limit_on_an_ancestor_cgroup_binds_... covers the reading")
+    child = parent / "step_0"
+    try:
+        child.mkdir()  # no limit of its own, as a Slurm step's or a container's inner group
+        got = in_fresh_process(_probe_and_search_in_cgroup, str(child / "cgroup.procs"))
+        kills = _kills(parent)
+    finally:
+        _remove_cgroup(child)
+        _remove_cgroup(parent)
+    assert got["cgroup"][0] == 1024 * MiB and got["total"] == 1024 * MiB  # was the host's RAM
+    s = got["search"]
+    assert s["limit"]["kind"] == "cgroup" and s["limit"]["limit_bytes"] == 1024 * MiB
+    assert kills == 0 and s["first_oom"] is not None
+    assert not any(t["guarded"] for t in s["trials"])
+
+
+def _cli_in_cgroup(procs: str, argv: list[str], cwd: str) -> tuple[int, str, str]:
+    from conftest import oomguard_here
+
+    Path(procs).write_text(str(os.getpid()))
+    return oomguard_here(argv, cwd, {})
+
+
+@pytest.mark.slow
+def test_search_with_the_default_budget_or_none_in_a_1gib_cgroup_is_never_killed(
+        tmp_path: Path) -> None:
+    group = _new_cgroup(1024 * MiB)
+    if group is None:
+        pytest.skip("this machine does not let the test create a memory cgroup; "
+                    "test_the_default_cpu_budget_is_lowered_inside_a_cgroup_... covers the rest")
+    (tmp_path / "grow_plugin.py").write_text(GROW_PLUGIN, encoding="utf-8")
+    argv = ["search", "--plugin", "grow_plugin.py", "--metric", "test_grow", "--samples", "2",
+            "--seq-len", "8"]
+    procs = str(group / "cgroup.procs")
+    try:
+        # The default 2 GiB budget was entered as given: the kernel killed the search (137)
+        # after its first trial, with nothing written.
+        default = in_fresh_process(_cli_in_cgroup, procs, [*argv, "--out", "default"],
+                                   str(tmp_path))
+        none = in_fresh_process(_cli_in_cgroup, procs, [*argv, "--budget", "none", "--out",
+                                                        "none"], str(tmp_path))
+        given = in_fresh_process(_cli_in_cgroup, procs, [*argv, "--budget", "2GiB", "--out",
+                                                         "given"], str(tmp_path))
+        kills = _kills(group)
+    finally:
+        _remove_cgroup(group)
+    assert kills == 0
+    code, out, err = default
+    assert code == 0, err
+    assert "maximum chunk:" in out and (tmp_path / "default" / "report.md").exists()
+    first = err.splitlines()[0]
+    assert "under the cgroup memory limit 1.00 GiB" in first and "default 2.00 GiB" in first
+    report = (tmp_path / "default" / "report.md").read_text()
+    assert "- **Default budget**: the default 2.00 GiB budget is more than the" in report
+    # 128 MiB of blocks plus the process fit the room, not 2 GiB
+    assert 32 < int(out.split("maximum chunk: ")[1].split()[0]) < 128
+    code, out, err = none
+    assert code == 0 and "maximum chunk:" in out, err
+    assert "under the cgroup memory limit 1.00 GiB" in err.splitlines()[0]
+    assert "default" not in err.splitlines()[0]  # none was given: nothing was lowered
+    code, out, err = given  # the user's own budget past the room: one line, before any work
+    assert code != 0 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "budget 2.00 GiB is more than the" in err and "choose a smaller --budget" in err
+    assert not (tmp_path / "given").exists()

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from oomguard.engine.errors import UsageError
-from oomguard.engine.util.units import parse_size
+from oomguard.engine.util.units import fmt_bytes, parse_size
 
 if TYPE_CHECKING:
     import torch
@@ -19,6 +19,7 @@ DEFAULT_STEP = 8  # the expand-bisect increment
 DEFAULT_START = 32  # SearchConfig's first size (Guided(32)), said in --help
 DEFAULT_SEQ_LEN = 32  # every command's tokens per sample, as a job file's [data] seq_len
 DEFAULT_CPU_BUDGET = "2GiB"
+NO_BUDGET = "none"  # --budget none: no budget, the trials run to the limit that binds
 REQUIRED = "required"  # a workload option's "default" when the command needs it given
 STRATEGIES = ("guided", "expand-bisect", "doubling", "linear-jump")
 # old spelling -> new, kept for one release (a deprecation line on stderr when used)
@@ -66,6 +67,16 @@ def size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def budget_size(text: str) -> int | str:
+    """``--budget``: a size in bytes (``2GiB``, ``512MiB``), or :data:`NO_BUDGET` (``none``)."""
+    if text.strip().lower() == NO_BUDGET:
+        return NO_BUDGET
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; or 'none' for no budget") from None
 
 
 def warn_deprecated(old: str, new: str) -> None:
@@ -249,17 +260,24 @@ def knob_search_config(config: Any, args: argparse.Namespace, unit: int, cap: in
     return knob_config(config, math.lcm(unit, getattr(args, "align", None) or 1), cap)
 
 
-def default_budget(dev: torch.device, given: int | None) -> int | None:
-    """The budget a search runs under: the one given; on CPU 2 GiB (None where the OS cannot cap
-    host memory); on CUDA None, so trials meet the device's own limit, whatever the warm-up left
-    free (a number probed before the warm-up counted the model twice); on MPS the probed recommended
-    working set left, since MPS's default cap (1.7x that) lets a process swap before it runs out."""
+def default_budget(dev: torch.device, given: int | str | None) -> int | None:
+    """The budget a search runs under (bytes): the one given (:data:`NO_BUDGET`: None); on CPU
+    2 GiB, or None where the OS cannot cap host memory or the default does not fit the room
+    this process has (:func:`lowered_default`: the trials then run to the limit that binds,
+    as with ``--budget none``); on CUDA None, so trials meet the device's own limit, whatever
+    the warm-up left free (a number probed before the warm-up counted the model twice); on MPS
+    the probed recommended working set left, since MPS's default cap (1.7x that) lets a process
+    swap before it runs out."""
+    if given == NO_BUDGET:
+        return None
     if given is not None:
-        return given
+        return int(given)
     if dev.type == "cpu":
         from oomguard.engine.core.memory.budget import host_budgets_available
 
-        return parse_size(DEFAULT_CPU_BUDGET) if host_budgets_available() else None
+        if not host_budgets_available() or lowered_default(dev) is not None:
+            return None
+        return parse_size(DEFAULT_CPU_BUDGET)
     if dev.type == "cuda":
         return None
     from oomguard.probes import probe
@@ -267,16 +285,45 @@ def default_budget(dev: torch.device, given: int | None) -> int | None:
     return probe(dev).free_bytes
 
 
-def budget_free_limit(device: str) -> str:
+def lowered_default(dev: torch.device) -> str | None:
+    """Why the default CPU budget (:data:`DEFAULT_CPU_BUDGET`) does not fit this process now,
+    in words, for the search's first line and its report; None where it fits (or off the CPU).
+    It does not fit past the room a memory cgroup leaves (its own or an ancestor's, less the
+    slack a budget keeps under it: past it the kernel kills), an ``RLIMIT_DATA`` set around
+    the process, or the RAM the host has available. Without it the trials run under a budget
+    at the room the tightest enforced limit leaves when they start, else the RAM guard."""
+    if dev.type != "cpu":
+        return None
+    from oomguard.engine.core.memory.budget import cgroup_budget_room
+    from oomguard.probes import host
+
+    nbytes = parse_size(DEFAULT_CPU_BUDGET)
+    cgroup = cgroup_budget_room()
+    rooms = [] if cgroup is None else [
+        (cgroup[0], f"the cgroup memory limit of {fmt_bytes(cgroup[1])} leaves")]
+    rooms += [(lim.room_bytes, f"RLIMIT_DATA {fmt_bytes(lim.limit_bytes)} leaves")
+              for lim in host.enforced_limits() if lim.name == "RLIMIT_DATA"]
+    avail = host.meminfo().get("MemAvailable")
+    if avail is not None:
+        rooms.append((avail, "this host has available"))
+    room, where = min(rooms, key=lambda r: r[0], default=(nbytes, ""))
+    if room >= nbytes:
+        return None
+    return (f"the default {fmt_bytes(nbytes)} budget is more than the {fmt_bytes(max(0, room))} "
+            f"{where}: lowered to the limit that binds; --budget BYTES sets another")
+
+
+def budget_free_limit(device: str, why: str | None = None) -> str:
     """What limits trials without a budget, in words, for the search's first line: a GPU's own
-    limit; on the host the enforced limit or the RAM guard that binds now, and why no budget."""
+    limit; on the host the enforced limit or the RAM guard that binds now, and why no budget
+    (``why``, e.g. :func:`lowered_default`'s line, else found here)."""
     from oomguard.engine.core.search.limit import unbudgeted_limit
     from oomguard.probes import host
 
     if not str(device).startswith("cpu"):
         return "the device's own limit"
     limit = unbudgeted_limit(device)
-    why = host.host_budget_unavailable() or "no budget given"
+    why = why or host.host_budget_unavailable() or "no budget given"
     if limit is None:
         return f"no budget ({why}; available RAM unknown: bounded by --max-size only)"
     return f"the {limit.describe()} ({why})"
@@ -289,10 +336,13 @@ def add_search_options(p: argparse.ArgumentParser, verify_steps: bool = True,
     offered that the command would refuse. ``device``: ``--device``'s default and what its
     help says of it."""
     p.add_argument("--device", default=device[0], help=f"cpu, cuda, cuda:N or mps ({device[1]})")
-    p.add_argument("--budget", type=size, default=None,
+    p.add_argument("--budget", type=budget_size, default=None,
                    help="memory the trials may use above the warmed-up process, e.g. 2GiB, "
-                        "512MiB, 2GB (default: 2GiB on a Linux CPU; none on CUDA: trials meet "
-                        "the device's own limit; on MPS the recommended working set left)")
+                        "512MiB, 2GB, or 'none': trials run to the limit that binds, a "
+                        "container's or job's cgroup included (default: 2GiB on a Linux CPU, "
+                        "lowered to the room a cgroup, RLIMIT_DATA or the available RAM leaves; "
+                        "none on CUDA: trials meet the device's own limit; on MPS the "
+                        "recommended working set left)")
     p.add_argument("--start", type=positive_int, default=None,
                    help=f"first size (default {DEFAULT_START})")
     p.add_argument("--size-step", type=positive_int, default=None, metavar="N",

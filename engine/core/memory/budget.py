@@ -45,6 +45,11 @@ log = logging.getLogger("oomguard.budget")
 
 # Below this, libgomp cannot even create its threads (docs/measurements.md#minimum-cpu-budget).
 MIN_CPU_BUDGET = 24 * 1024**2
+# A cgroup also charges what VmData does not (page tables, file pages, copied fork-shared
+# pages): a budget stays this far under the room it leaves, and under an unfrozen gc also
+# the shared bytes it would copy (docs/measurements.md#cgroup-limits).
+CGROUP_SLACK_FRACTION = 0.02
+CGROUP_SLACK_MIN = 16 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -108,10 +113,44 @@ def headroom_bytes(device: str | torch.device) -> int | None:
     return None
 
 
+def cgroup_slack(room: int) -> int:
+    """Bytes a CPU budget keeps under the ``room`` (bytes) a cgroup leaves, for what the cgroup
+    charges and ``VmData`` does not (:data:`CGROUP_SLACK_FRACTION`, at least
+    :data:`CGROUP_SLACK_MIN`, plus the fork-shared pages an unfrozen gc would copy)."""
+    scanned = 0 if gc.get_freeze_count() else host.shared_anonymous_bytes() or 0
+    return max(CGROUP_SLACK_MIN, int(room * CGROUP_SLACK_FRACTION)) + scanned
+
+
+def cgroup_budget_room() -> tuple[int, int] | None:
+    """(bytes, limit): the largest CPU budget the tightest memory cgroup of this process (its
+    own group or an ancestor's) lets it enter now without the kernel's kill (the room it leaves
+    less :func:`cgroup_slack`, possibly negative), and that cgroup's limit in bytes; None where
+    no cgroup limits this process."""
+    lim = next((lim for lim in host.enforced_limits() if lim.name == "cgroup"), None)
+    if lim is None:
+        return None
+    return lim.room_bytes - cgroup_slack(lim.room_bytes), lim.limit_bytes
+
+
 def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.device:
-    """Raise :class:`BudgetError` unless ``nbytes`` can be a budget on ``device``; return
-    the device. The checks :func:`budget` makes on entry, for callers that apply the
-    budget later or elsewhere (an isolated trial's child process)."""
+    """Raise :class:`BudgetError` unless ``nbytes`` can be a budget on ``device`` now; return
+    the device. The checks :func:`budget` makes on entry, and on the CPU also that a memory
+    cgroup leaves room for it (:func:`cgroup_budget_room`: past it the kernel would kill, not
+    fail an allocation), for callers that check before any work and apply the budget later or
+    elsewhere (an isolated trial's child process)."""
+    dev = _check(nbytes, device)
+    room = cgroup_budget_room() if dev.type == "cpu" else None
+    if room is not None and nbytes > room[0]:
+        raise BudgetError(f"budget {fmt_bytes(nbytes)} is more than the "
+                          f"{fmt_bytes(max(0, room[0]))} the cgroup memory limit of "
+                          f"{fmt_bytes(room[1])} leaves this process (past it the kernel kills "
+                          "it): choose a smaller --budget, or none (leave it out) to run to "
+                          "the limit")
+    return dev
+
+
+def _check(nbytes: int, device: str | torch.device) -> torch.device:
+    """:func:`check_budget`'s checks of the number and the device, made again on entry."""
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
         raise BudgetError(f"a budget must be a positive number of bytes, got {nbytes!r}")
     try:
@@ -148,7 +187,7 @@ def budget(nbytes: int, device: str | torch.device = "cpu") -> Iterator[Budget]:
     process holds now (a CUDA memory fraction; on a Linux CPU ``RLIMIT_DATA`` above
     ``VmData``). On CPU, enter it after one warm-up step so one-off thread pools are not
     charged. Raises :class:`BudgetError` as :func:`check_budget`. Nested budgets only shrink."""
-    dev = check_budget(nbytes, device)
+    dev = _check(nbytes, device)
     manager = _cpu_budget(nbytes) if dev.type == "cpu" else _gpu_budget(nbytes, dev)
     with manager as b:  # the limit is set: the budget is in force until it is restored
         _active.append(b)
@@ -183,6 +222,7 @@ def _cpu_limit(nbytes: int) -> Iterator[Budget]:
         limit = vm_data + nbytes
         if soft != resource.RLIM_INFINITY:  # finite: also within the hard limit (soft <= hard)
             limit = min(limit, soft)
+        limit = _under_cgroup(limit, vm_data, nbytes)
         _warn_unplugged(nbytes)
         b = Budget(nbytes=nbytes, device="cpu", mechanism="RLIMIT_DATA", limit=limit)
         resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
@@ -190,6 +230,25 @@ def _cpu_limit(nbytes: int) -> Iterator[Budget]:
             yield b
         finally:
             resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def _under_cgroup(limit: int, vm_data: int, nbytes: int) -> int:
+    """``limit`` (an ``RLIMIT_DATA`` in bytes, ``VmData`` now ``vm_data``) lowered to the room a
+    memory cgroup leaves (:func:`cgroup_budget_room`), with a warning: a budget that fitted when
+    it was checked, before a warm-up or in another process, must not reach the kernel's kill.
+    :class:`BudgetError` where that room is below :data:`MIN_CPU_BUDGET`."""
+    room = cgroup_budget_room()
+    if room is None or vm_data + room[0] >= limit:
+        return limit
+    if room[0] < MIN_CPU_BUDGET:
+        raise BudgetError(f"the cgroup memory limit of {fmt_bytes(room[1])} leaves "
+                          f"{fmt_bytes(max(0, room[0]))} for a budget here, and a budget needs "
+                          f"{fmt_bytes(MIN_CPU_BUDGET)}: give the container or job more memory")
+    if limit - (vm_data + room[0]) > CGROUP_SLACK_MIN:  # not a budget set at the room just now
+        log.warning("the %s budget is lowered to %s: the cgroup memory limit of %s leaves no "
+                    "more room to this process now", fmt_bytes(nbytes), fmt_bytes(room[0]),
+                    fmt_bytes(room[1]))
+    return vm_data + room[0]
 
 
 def _warn_unplugged(nbytes: int) -> None:

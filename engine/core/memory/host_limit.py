@@ -13,22 +13,22 @@ The tightest wins (:mod:`~oomguard.engine.core.search.limit` chooses).
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET, Budget, budget
+from oomguard.engine.core.memory.budget import (  # noqa: F401 - CGROUP_SLACK_*: this module's face
+    CGROUP_SLACK_FRACTION,
+    CGROUP_SLACK_MIN,
+    MIN_CPU_BUDGET,
+    Budget,
+    budget,
+    cgroup_slack,
+)
 from oomguard.engine.errors import BudgetError
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import host
-
-# A cgroup also charges what VmData does not (page tables, file pages, copied fork-shared
-# pages): the budget stays this far under the room, and under an unfrozen gc also the
-# shared bytes it would copy (docs/measurements.md#cgroup-limits).
-CGROUP_SLACK_FRACTION = 0.02
-CGROUP_SLACK_MIN = 16 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,7 @@ class HostLimit:
         if room is None:  # the limit was lifted since it was chosen
             yield None
             return
-        slack = 0
-        if self.name == "cgroup":
-            scanned = 0 if gc.get_freeze_count() else host.shared_anonymous_bytes() or 0
-            slack = max(CGROUP_SLACK_MIN, int(room * CGROUP_SLACK_FRACTION)) + scanned
+        slack = cgroup_slack(room) if self.name == "cgroup" else 0
         if room - slack < MIN_CPU_BUDGET:
             raise BudgetError(f"the {self.name} limit of {fmt_bytes(self.limit_bytes)} leaves "
                               f"{fmt_bytes(room)} to this work, and a budget under it needs "
