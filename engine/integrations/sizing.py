@@ -84,7 +84,8 @@ def batch_rows(batch: Any) -> int:
     for leaf in torch.utils._pytree.tree_leaves(batch):
         if isinstance(leaf, torch.Tensor) and leaf.dim():
             return int(leaf.shape[0])
-    raise UsageError("the batch holds no tensor with a batch dimension")
+    raise UsageError("the batch holds no tensor with a batch dimension; give batches of "
+                     "tensors whose first dimension is the batch")
 
 
 def search_step(step: Callable[[int], Any], effective: int,
