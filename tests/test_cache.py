@@ -19,7 +19,7 @@ import pytest
 
 from oomguard.engine.cli.jobs import JobLog
 from oomguard.engine.cli.main import main
-from oomguard.engine.errors import CacheError
+from oomguard.engine.errors import CacheError, UsageError, check_positive_int
 from oomguard.engine.jobs.cache import (
     SizeCache,
     default_cache_path,
@@ -30,7 +30,9 @@ from oomguard.engine.jobs.cache import (
 from oomguard.engine.jobs.journal import Journal, replay
 from oomguard.engine.jobs.records import Job, TaskResult
 from oomguard.engine.jobs.runner import device_identity, plan, run_job
+from oomguard.engine.jobs.sizing import Request, Slot, choose_sizes
 from oomguard.engine.jobs.spec import load_job
+from oomguard.metrics.base import get_metric
 
 DEVICE = {"device": "cpu", "name": "test-cpu", "total_bytes": 1 << 30, "budget_bytes": None}
 
@@ -97,7 +99,15 @@ def test_concurrent_processes_keep_valid_json_with_every_entry(tmp_path: Path) -
     assert not list(tmp_path.glob(".sizes.json.*"))  # no temporary files left behind
 
 
-@pytest.mark.parametrize("content", [b"{not json", b'{"entries": []}', b"\xff\xfe", b""])
+# What Python's json parser cannot read without a RecursionError, and what it can but every
+# recursive walk after it (the sanitiser, the next write, deep in a task's stack) may not.
+NESTED = b'{"version": 1, "entries": {"k": {"sizes": {"n": 1}, "history": ' + b"[" * 5000
+DEEP = (b'{"version": 1, "entries": {"k": {"sizes": {"n": 1}, "history": ' + b"[" * 150
+        + b"]" * 150 + b"}}}")
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"entries": []}', b"\xff\xfe", b"",
+                                     NESTED + b"]" * 5000 + b"}}}", DEEP])
 def test_corrupt_cache_ignored_on_read_and_moved_aside_on_write(
         tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "sizes.json"
@@ -174,8 +184,9 @@ def test_bad_sizes_are_an_absent_entry_with_a_warning(tmp_path: Path,
     cache = SizeCache(path)
     with caplog.at_level(logging.WARNING, logger="oomguard.cache"):
         assert cache.get("neg") is None
-    assert caplog.messages == [f"size cache {path}: entry neg ignored: "
-                               "micro_batch_size must be a positive integer, got -5"]
+    with pytest.raises(UsageError) as why:  # the one check of every size says why
+        check_positive_int("micro_batch_size", -5)
+    assert caplog.messages == [f"size cache {path}: entry neg ignored: {why.value}"]
     assert cache.get("good") == good  # the other entries stay usable
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="oomguard.cache"):
@@ -286,10 +297,10 @@ def test_journal_is_append_only_and_survives_a_torn_line(tmp_path: Path,
     assert path.read_bytes().count(b"\n") == 4  # three records and the torn line, ended
 
 
-def _tiny_job(tmp_path: Path, search: str) -> Job:
+def _tiny_job(tmp_path: Path, search: str, out: str = "out") -> Job:
     """One ``loss`` on the tiny GPT-2 over 2 generated samples of 8 tokens: seconds."""
-    path = tmp_path / "job.toml"
-    path.write_text(f'output = "{tmp_path / "out"}"\nmodels = ["tiny-gpt2"]\n'
+    path = tmp_path / f"{out}.toml"
+    path.write_text(f'output = "{tmp_path / out}"\nmodels = ["tiny-gpt2"]\n'
                     f'[data]\nseq_len = 8\nn_samples = 2\n[search]\n{search}\n'
                     '[[metrics]]\nname = "loss"\n', encoding="utf-8")
     return load_job(path)
@@ -330,3 +341,117 @@ def test_job_ignores_a_bad_cached_size(tmp_path: Path) -> None:
     assert result.status == "ok" and result.sizes["source"] == "metric default"
     assert result.sizes["start"]["micro_batch_size"] > 0
     assert f"entry {key} ignored: micro_batch_size must be a positive integer, got -5" in log_text
+
+
+def test_cli_cache_show_on_a_nested_cache_is_one_warning(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "sizes.json"
+    path.write_bytes(NESTED + b"]" * 5000 + b"}}}")
+    assert main(["cache", "show", "--cache", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{path}: empty\n"
+    assert err.splitlines() == [
+        f"WARNING oomguard.cache: size cache {path} is not a valid cache file (nested deeper "
+        "than 100 levels); ignored it: `oomguard cache clear` moves it aside (so does the "
+        "next write)"]
+
+
+def _entry(job: Job, cache: Path) -> dict:
+    """The job's one task's cache entry, as the file holds it."""
+    (task,) = plan(job)
+    return json.loads(cache.read_text())["entries"][entry_key(device_identity(job),
+                                                              task.workload)]
+
+
+@pytest.mark.slow
+def test_job_searches_past_a_nested_cache_and_moves_it_aside(tmp_path: Path) -> None:
+    job = _tiny_job(tmp_path, "max_trials = 4\nstart = 1\nsize_step = 1")
+    cache = tmp_path / "sizes.json"
+    cache.write_bytes(NESTED + b"]" * 5000 + b"}}}")
+    result, log_text = _run(job, cache)
+    assert result.status == "ok" and result.summary and result.sizes["source"] == "search"
+    assert "not a valid cache file (nested deeper than 100 levels)" in log_text
+    assert [p.read_bytes()[:20] for p in tmp_path.glob("sizes.json.corrupt-*")] == [NESTED[:20]]
+    assert _entry(job, cache)["sizes"] == result.sizes["start"]
+
+
+@pytest.mark.slow
+def test_job_refuses_an_absurd_cached_size_and_searches_again(tmp_path: Path) -> None:
+    job = _tiny_job(tmp_path, "max_trials = 4\nstart = 1\nsize_step = 1")
+    (task,) = plan(job)
+    key = entry_key(device_identity(job), task.workload)
+    cache = tmp_path / "sizes.json"
+    cache.write_text(json.dumps({"version": 1, "entries": {
+        key: {"sizes": {"micro_batch_size": 10**12}, "source": "search"}}}))
+    result, log_text = _run(job, cache)
+    assert result.status == "ok" and result.sizes["source"] == "search"
+    # Two samples: the search's cap, and no record says the metric ran at 10**12.
+    assert result.sizes["start"] == result.sizes["final"] == {"micro_batch_size": 2}
+    assert str(10**12) not in json.dumps(result.to_dict())
+    assert (f"size cache entry {key}: micro_batch_size = {10**12} is above the sample count "
+            "(2) and no search of it measured it; ignored it and searching again") in log_text
+    assert _entry(job, cache)["sizes"] == {"micro_batch_size": 2}
+
+
+@pytest.mark.slow
+def test_a_search_cut_short_is_cached_as_unfinished_and_never_served(tmp_path: Path) -> None:
+    cache = tmp_path / "sizes.json"
+    # max_seconds well below one trial's 100 steps: the search stops after its first trial,
+    # at 1 of 2 samples (it checks the clock before each trial).
+    short = _tiny_job(tmp_path, "max_seconds = 0.05\nsteps_per_trial = 100\nstart = 1\n"
+                      "size_step = 1", "short")
+    result, _ = _run(short, cache)
+    assert result.sizes["source"] == "search" and result.search["capped_by"] == "max_seconds"
+    entry = _entry(short, cache)
+    assert entry["finished"] is False and entry["sizes"] == {"micro_batch_size": 1}
+    assert "search (unfinished)" in format_entries({"k": entry})
+    # The next job on the same workload searches again, to the end; the one after reuses it.
+    full = _tiny_job(tmp_path, "start = 1\nsize_step = 1", "full")
+    result, log_text = _run(full, cache)
+    assert result.sizes["source"] == "search" and result.sizes["start"] == {"micro_batch_size": 2}
+    assert "its search was cut short (max_trials or max_seconds); searching again" in log_text
+    assert _entry(full, cache)["finished"] is True
+    again = _tiny_job(tmp_path, "start = 1\nsize_step = 1", "again")
+    result, _ = _run(again, cache)
+    assert result.sizes["source"] == "cache" and result.sizes["start"] == {"micro_batch_size": 2}
+
+
+def _sized(tmp_path: Path, entry: dict, n_samples: int = 4) -> tuple[dict, str]:
+    """What :func:`choose_sizes` makes of a cache file holding ``entry`` for ``loss`` on
+    ``n_samples`` samples, with no search to fall back on: (sizes, source)."""
+    path = tmp_path / "sizes.json"
+    path.write_text(json.dumps({"version": 1, "entries": {"k": entry}}))
+    got = choose_sizes(Request(get_metric("loss"), {}, n_samples, None),
+                       slot=Slot(SizeCache(path), "k", DEVICE, _workload()))
+    return got.sizes, got.source
+
+
+RECORD = {"metric": "loss", "knob": "micro_batch_size", "max_ok": 64, "first_oom": 72,
+          "safe": 48, "capped_by": None}
+
+
+@pytest.mark.parametrize("entry, served", [
+    ({"sizes": {"micro_batch_size": 3}, "finished": True}, {"micro_batch_size": 3}),
+    ({"sizes": {"micro_batch_size": 3}, "finished": False}, None),
+    # Written before the field: its records say whether a bound on the effort stopped it.
+    ({"sizes": {"micro_batch_size": 3}}, {"micro_batch_size": 3}),
+    ({"sizes": {"micro_batch_size": 3}, "search": [{**RECORD, "capped_by": "max_trials"}]},
+     None),
+    ({"sizes": {"micro_batch_size": 3}, "search": [{**RECORD, "capped_by": "max_seconds"}]},
+     None),
+    # Above the request's cap (4 samples): lowered to it where a search measured it...
+    ({"sizes": {"micro_batch_size": 48}, "search": [RECORD]}, {"micro_batch_size": 4}),
+    # ...refused where nothing did (a hand-edited size, or one above what was measured).
+    ({"sizes": {"micro_batch_size": 10**12}}, None),
+    ({"sizes": {"micro_batch_size": 10**12}, "search": [RECORD]}, None),
+])
+def test_only_a_finished_and_sane_entry_answers(tmp_path: Path, entry: dict,
+                                                served: dict | None,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="oomguard.cache"):
+        sizes, source = _sized(tmp_path, entry)
+    assert (sizes, source) == ((served, "cache") if served else (
+        {"micro_batch_size": 32}, "metric default"))
+    if entry["sizes"]["micro_batch_size"] == 10**12:
+        assert ("micro_batch_size = 1000000000000 is above the sample count (4) and no search "
+                "of it measured it; ignored it and searching again") in caplog.text

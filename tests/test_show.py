@@ -124,6 +124,8 @@ def _folder(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 JOB_JSON = json.dumps({"name": "j", "path": "/j.toml", "tasks": ["loss"]})
+NESTED = "[" * 5000 + "]" * 5000  # past what Python's json parser reads without recursing out
+DEEP = "[" * 101 + "]" * 101  # past the nesting any file oomguard writes has
 
 
 @pytest.mark.parametrize("files, message", [
@@ -135,6 +137,12 @@ JOB_JSON = json.dumps({"name": "j", "path": "/j.toml", "tasks": ["loss"]})
     ({"job.json": JOB_JSON, "results/loss.json": "\x00garbage"}, "loss.json: cannot read"),
     ({"job.json": JOB_JSON, "results/loss.json": "{\"task\": 1}"},
      "loss.json: not a metric's result"),
+    ({"job.json": NESTED}, "job.json: cannot read the job's record (nested deeper than 100 "
+     "levels); run the job again to rewrite it"),
+    ({"job.json": JOB_JSON, "results.json": DEEP}, "results.json: cannot read the job's "
+     "results (nested deeper than 100 levels)"),
+    ({"job.json": JOB_JSON, "results/loss.json": f'{{"task": {NESTED}}}'},
+     "loss.json: cannot read a metric's result (nested deeper than 100 levels)"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path, capsys, files, message) -> None:
     out = _folder(tmp_path, files)
@@ -148,3 +156,15 @@ def test_a_missing_folder_is_one_line_and_exit_code_2(tmp_path: Path, capsys) ->
     err = capsys.readouterr().err.splitlines()
     assert err == [f"oomguard: error: {tmp_path / 'nowhere'}: no such folder: give the "
                    "output folder of `oomguard run`"]
+
+
+def test_a_nested_journal_line_is_skipped_with_a_warning(tmp_path: Path, capsys) -> None:
+    out = _folder(tmp_path, {"job.json": JOB_JSON, "journal.jsonl": '{"event": "job-start", '
+                             f'"run": "r1"}}\n{{"event": "start", "task": {NESTED}}}\n'})
+    assert main(["show", str(out), "--json"]) == 0
+    printed, err = capsys.readouterr()
+    state = json.loads(printed)
+    assert [(t["task"], t["status"]) for t in state["tasks"]] == [("loss", "not run")]
+    assert state["run"] == "r1"
+    assert err.splitlines() == [f"WARNING oomguard.journal: {out / 'journal.jsonl'}:2: skipping "
+                                "an unreadable journal line (torn write?)"]

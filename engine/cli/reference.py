@@ -129,14 +129,13 @@ def cmd_reference(args: argparse.Namespace) -> int:
 def cmd_estimate_reference(args: argparse.Namespace) -> int:
     """``oomguard reference --estimate``: write estimate-reference.md/.json (every figure an
     estimate); exit 1 where even the smallest size of a knob does not fit."""
-    import json
-
     from oomguard.engine.cli.estimate import parse_sizes
     from oomguard.engine.jobs.reference_estimate import (
         build_estimate_reference,
         check_measured,
         gpu_memory,
     )
+    from oomguard.engine.util.jsonable import read_json
     from oomguard.engine.util.units import fmt_bytes
     from oomguard.metrics.models import check_seq_len, model_config
     from oomguard.reports.reference_estimate import render_estimate_markdown
@@ -164,7 +163,7 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     measured = None
     if args.measured:
         try:
-            measured = json.loads(Path(args.measured).read_text(encoding="utf-8"))
+            measured = read_json(args.measured)  # refuses hostile nesting
         except (OSError, ValueError) as exc:
             raise UsageError(f"--measured {args.measured}: cannot read a reference.json "
                              f"({getattr(exc, 'strerror', None) or exc})") from None

@@ -14,14 +14,13 @@ finished and what was running. Nothing here imports torch.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from oomguard.engine.errors import UsageError, size_list
 from oomguard.engine.jobs.journal import replay
 from oomguard.engine.jobs.records import FAILED, INTERRUPTED, OK, PENDING, TaskResult
-from oomguard.engine.util.jsonable import json_text
+from oomguard.engine.util.jsonable import json_text, read_json
 
 NOT_RUN, RUNNING = "not run", "running"
 HEADLINE_MAX = 6  # numbers per metric in the table (--json has them all)
@@ -39,10 +38,11 @@ def add_show(p: argparse.ArgumentParser) -> None:
 
 
 def _read_json(path: Path, what: str) -> Any:
-    """``path``'s JSON; a one-line UsageError naming it when it cannot be read."""
+    """``path``'s JSON; a one-line UsageError naming it when it cannot be read (nested too
+    deep included)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return read_json(path)
+    except (OSError, ValueError) as exc:
         raise UsageError(f"{path}: cannot read {what} ({getattr(exc, 'strerror', None) or exc}); "
                          "run the job again to rewrite it") from None
 

@@ -8,12 +8,13 @@ One JSON file (default ``user_cache_dir("oomguard")/sizes.json``)::
          "workload": {"model_config": ..., "dtype": ..., "seq_len": ..., "metric": ...,
                       "params": {...}},
          "sizes": {"micro_batch_size": 8}, "source": "search", "max_ok": 12,
-         "trials": 5, "capped": {}, "search": [...],
+         "trials": 5, "capped": {}, "finished": true, "search": [...],
          "updated": "...Z", "history": [...]}}}
 
 ``search`` holds each knob's search record (:class:`~oomguard.engine.core.search.record.SearchRecord`);
 ``capped`` the knobs whose answer reached a bound other than memory, with that bound: a request
-allowing more searches again (:mod:`~oomguard.engine.jobs.sizing`). The key (:func:`entry_key`) is
+allowing more searches again (:mod:`~oomguard.engine.jobs.sizing`); ``finished`` false where a
+bound on the search's effort (:data:`UNFINISHED`) cut it short: no request takes its sizes. The key (:func:`entry_key`) is
 the device (:func:`device_key`: a budget is a smaller device) and a hash of the workload (model
 config hash, dtype, sequence length, metric and its result-defining parameters).
 
@@ -22,7 +23,8 @@ reading takes no lock and changes nothing on disk (a read-only cache can be show
 
 The cache only saves time; it never costs a result: an unreadable cache warns once and answers
 None; an unwritable one (or a lock held past ``LOCK_TIMEOUT_S``) warns and ``put``/``lower``
-return False; an invalid file is ignored and moved aside to ``<file>.corrupt-<timestamp>`` by the
+return False; an invalid file (not JSON, or nested deeper than
+:data:`~oomguard.engine.util.jsonable.MAX_JSON_DEPTH` levels) is ignored and moved aside to ``<file>.corrupt-<timestamp>`` by the
 next write; an entry whose sizes are not all positive integers is treated as absent, with a
 warning. Only ``oomguard cache show`` and ``cache clear`` report an unusable cache as an error
 (:class:`CacheError`, exit code 2).
@@ -31,7 +33,6 @@ warning. Only ``oomguard cache show`` and ``cache clear`` report an unusable cac
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -45,7 +46,7 @@ from platformdirs import user_cache_dir
 from oomguard.engine.errors import CacheError, UsageError, check_positive_int, size_list
 from oomguard.engine.jobs.records import now_iso
 from oomguard.engine.util.atomic import atomic_write_json, unused_path
-from oomguard.engine.util.jsonable import stable_hash
+from oomguard.engine.util.jsonable import parse_json, stable_hash
 from oomguard.engine.util.table import text_table
 
 log = logging.getLogger("oomguard.cache")
@@ -53,6 +54,9 @@ log = logging.getLogger("oomguard.cache")
 VERSION = 1
 LOCK_TIMEOUT_S = 60.0
 _HISTORY = 20  # changes kept per entry
+# What cuts a search short without answering it: bounds on its effort, not on the size; an
+# entry whose search one of them ended says so (``"finished": false``) and answers nothing.
+UNFINISHED = ("max_trials", "max_seconds")
 
 
 def default_cache_path() -> Path:
@@ -78,6 +82,16 @@ def workload_hash(workload: Mapping[str, Any]) -> str:
 
 def entry_key(device: Mapping[str, Any], workload: Mapping[str, Any]) -> str:
     return f"{device_key(device)}|{workload_hash(workload)}"
+
+
+def finished(entry: Mapping[str, Any]) -> bool:
+    """Whether an entry's search finished, i.e. was not cut short by :data:`UNFINISHED`: its
+    ``finished`` field, else (an entry written before the field) none of its ``search``
+    records says it was (an entry with no records counts as finished)."""
+    if "finished" in entry:
+        return entry["finished"] is True
+    return not any(isinstance(doc, Mapping) and doc.get("capped_by") in UNFINISHED
+                   for doc in entry.get("search") or [])
 
 
 def _entry_problem(entry: Any) -> str | None:
@@ -123,19 +137,21 @@ class SizeCache:
         self.lock = FileLock(str(self.path) + ".lock", timeout=LOCK_TIMEOUT_S)
 
     # ------------------------------------------------------------- reading
-    def _parse(self) -> dict[str, Any] | None:
-        """The raw document (empty if there is no file), or None if the file is not a
-        valid cache. An :class:`OSError` (no permission, a folder) propagates."""
+    def _parse(self) -> tuple[dict[str, Any] | None, str]:
+        """``(the raw document, "")`` (empty if there is no file), or ``(None, why)`` if the
+        file is not a valid cache. An :class:`OSError` (no permission, a folder) propagates."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
-            return _empty()
+            return _empty(), ""
         try:
-            doc = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return None
+            doc = parse_json(raw)  # refuses text not UTF-8, not JSON, or nested too deep
+        except ValueError as exc:
+            return None, str(exc)
         # The file's shape: an object with an ``entries`` object (each entry is checked alone).
-        return doc if isinstance(doc, dict) and isinstance(doc.get("entries"), dict) else None
+        if isinstance(doc, dict) and isinstance(doc.get("entries"), dict):
+            return doc, ""
+        return None, "no \"entries\" object"
 
     def _usable(self, entries: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """The entries whose sizes can be used; each other one is named in a warning."""
@@ -151,13 +167,13 @@ class SizeCache:
         """The cache document (``{"version", "entries"}``) with only the usable entries;
         :class:`CacheError` if the file exists but cannot be read (corrupt or another program's)."""
         try:
-            doc = self._parse()
+            doc, why = self._parse()
         except OSError as exc:
             raise CacheError(f"cannot read the size cache {self.path}: "
                              f"{exc.strerror or exc}") from None
         if doc is None:
-            log.warning("size cache %s is not a valid cache file; ignored it (the next write "
-                        "moves it aside)", self.path)
+            log.warning("size cache %s is not a valid cache file (%s); ignored it: `oomguard "
+                        "cache clear` moves it aside (so does the next write)", self.path, why)
             return _empty()
         return {**doc, "entries": self._usable(doc["entries"])}
 
@@ -168,13 +184,14 @@ class SizeCache:
     def get(self, key: str) -> dict[str, Any] | None:
         """The entry under ``key`` (:func:`entry_key`), or None where it has none."""
         try:
-            doc = self._parse()
+            doc, why = self._parse()
         except OSError as exc:
             log.warning("cannot read the size cache %s: %s; going on without it", self.path,
                         exc.strerror or exc)
             return None
         if doc is None:
-            log.warning("size cache %s is not a valid cache file; going on without it", self.path)
+            log.warning("size cache %s is not a valid cache file (%s); going on without it "
+                        "(the next write moves it aside)", self.path, why)
             return None
         return self._usable({key: doc["entries"][key]}).get(key) if key in doc["entries"] else None
 
@@ -182,14 +199,14 @@ class SizeCache:
     def _read_for_writing(self) -> dict[str, Any]:
         """The raw document; a file that is not a valid cache is moved aside (caller holds
         the lock)."""
-        doc = self._parse()
+        doc, why = self._parse()
         if doc is not None:
             return doc
         stamp = time.strftime("%Y%m%d-%H%M%S")
         aside = unused_path(self.path.with_name(f"{self.path.name}.corrupt-{stamp}"))
         os.replace(self.path, aside)
-        log.warning("size cache %s is not a valid cache file; moved it aside to %s and "
-                    "started an empty cache", self.path, aside)
+        log.warning("size cache %s is not a valid cache file (%s); moved it aside to %s and "
+                    "started an empty cache", self.path, why, aside)
         return _empty()
 
     @contextlib.contextmanager
@@ -284,6 +301,7 @@ def format_entries(entries: Mapping[str, Mapping[str, Any]]) -> str:
         w = e.get("workload", {})
         rows.append((key.split("|", 1)[0],
                      *(str(w.get(k, "?")) for k in ("metric", "model_config", "dtype", "seq_len")),
-                     size_list(e.get("sizes")) or "-", str(e.get("source", "?")),
+                     size_list(e.get("sizes")) or "-",
+                     str(e.get("source", "?")) + ("" if finished(e) else " (unfinished)"),
                      str(e.get("updated", "?"))))
     return text_table(rows)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -30,6 +29,7 @@ from typing import Any
 from oomguard.engine.jobs.plugins import user_code
 from oomguard.engine.jobs.records import Job, MetricSpec
 from oomguard.engine.util.atomic import atomic_write_json
+from oomguard.engine.util.jsonable import read_json
 from oomguard.metrics.models import config_fingerprint
 from oomguard.reports.json_report import oomguard_version
 
@@ -55,7 +55,7 @@ class Digests:
         self.changed = False
         if self.path is not None:  # absent or unreadable: start empty, files are hashed again
             with contextlib.suppress(OSError, ValueError, AttributeError):  # (not an object)
-                doc = json.loads(self.path.read_text(encoding="utf-8"))
+                doc = read_json(self.path)
                 self.memo = {k: v for k, v in doc.items() if isinstance(v, dict)}
 
     def of(self, file: str | os.PathLike[str]) -> str:

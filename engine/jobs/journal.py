@@ -6,14 +6,13 @@ processes may append, and a line torn by a ``kill -9`` is skipped by :func:`repl
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from oomguard.engine.jobs.records import now_iso
-from oomguard.engine.util.jsonable import json_text
+from oomguard.engine.util.jsonable import json_text, parse_json
 
 __all__ = ["Journal", "now_iso", "replay", "stamp"]
 
@@ -75,8 +74,8 @@ def replay(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     with p.open("rb") as fh:
         for number, raw in enumerate(fh, start=1):
             try:
-                record = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
+                record = parse_json(raw)
+            except ValueError:  # not UTF-8, not JSON, or nested too deep
                 record = None
             if not isinstance(record, dict) or "event" not in record:
                 log.warning("%s:%d: skipping an unreadable journal line (torn write?)", p, number)

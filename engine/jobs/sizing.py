@@ -18,11 +18,20 @@ takes its minimum, and the next is searched from there.
 OOM is *capped* (its record's ``capped_by`` and ``cap``; the cache entry's ``capped``:
 knob -> cap), and a later request whose cap is larger (a job on 64 samples after a
 reference on 8) searches again instead of reusing it.
+
+A cache entry is an answer only where its search finished: one cut short by a bound on the
+search's effort (:data:`~oomguard.engine.jobs.cache.UNFINISHED`: ``max_seconds``, the task's time limit, ``max_trials``)
+is stored with ``finished = false`` and searched again by every later request (an entry
+written before the field existed counts as finished unless its search records say it was cut
+short). A cached size above the request's ``cap`` is used only where the entry's own search
+record measured it (``max_ok``), and then lowered to the cap (every smaller size fits too);
+any other (a hand-edited ``10**12``) is refused with a warning and the knob searched again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,10 +40,12 @@ from oomguard.engine.core.search.record import CACHE, SearchRecord, record_of
 from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
 from oomguard.engine.core.search.strategies import strategy_params
 from oomguard.engine.errors import NoSizeFits, TrialFailed
-from oomguard.engine.jobs.cache import SizeCache
+from oomguard.engine.jobs.cache import UNFINISHED, SizeCache, finished
 from oomguard.engine.jobs.sink import Sink
 from oomguard.metrics.base import Metric
 from oomguard.metrics.workload import in_units, in_whole_units, largest_useful, snap_to_unit
+
+log = logging.getLogger("oomguard.cache")
 
 _CAPS = {"samples": "the sample count", "largest useful size": "the knob's largest useful size",
          "max_size": "max_size"}
@@ -115,9 +126,9 @@ def choose_sizes(req: Request, *, evaluate: Evaluate | None = None, slot: Slot |
         return Sizing({}, "none (no memory knobs)", [])
     sizes = {k.name: int(k.default) for k in knobs} | dict(req.pinned)
     entry = slot.cache.get(slot.key) if slot is not None and not req.pinned else None
-    if entry is not None and _reusable(req, entry, sizes):
-        return Sizing({k: int(v) for k, v in entry["sizes"].items()}, CACHE,
-                      _cached_records(req, entry), entry)
+    cached = _cached_sizes(req, entry, sizes, slot.key) if entry is not None else None
+    if cached is not None:
+        return Sizing(cached, CACHE, _cached_records(req, entry, cached), entry)
     searched = [k.name for k in knobs if k.name not in req.pinned]
     if evaluate is not None and check is not None and searched:
         check(searched, dict(sizes))
@@ -148,6 +159,7 @@ def choose_sizes(req: Request, *, evaluate: Evaluate | None = None, slot: Slot |
                        workload=slot.workload, max_ok=records[0].max_ok,
                        trials=sum(r.trials for r in records),
                        capped={r.knob: r.cap for r in records if r.capped_by},
+                       finished=not any(r.capped_by in UNFINISHED for r in records),
                        search=[r.to_dict() for r in records])
     return Sizing(sizes, " + ".join(dict.fromkeys(sources)), records)
 
@@ -162,18 +174,44 @@ def _mark_cap(rec: SearchRecord, cap: int, why: str) -> None:
                     "memory; a request allowing larger sizes searches again")
 
 
-def _reusable(req: Request, entry: Mapping[str, Any], defaults: Mapping[str, int]) -> bool:
-    """Whether a cache entry answers ``req``: a size for every knob, and no capped answer
-    whose cap is below what ``req`` allows for that knob."""
+def _cached_sizes(req: Request, entry: Mapping[str, Any], defaults: Mapping[str, int],
+                  key: str) -> dict[str, int] | None:
+    """The sizes a cache entry answers ``req`` with, or None (search again): it needs a size
+    for every knob, a finished search, and no capped answer whose cap is below what ``req``
+    allows for that knob. A size above the knob's cap for ``req`` is lowered to the cap where
+    the entry's search measured it, and refused (a warning) where nothing did."""
     sizes, capped = entry["sizes"], entry.get("capped")
-    return set(sizes) == set(defaults) and (not isinstance(capped, Mapping) or all(
-        isinstance(cap, int) and knob in sizes and req.bounds(knob, sizes)[1] <= cap
-        for knob, cap in capped.items()))
+    if set(sizes) != set(defaults):
+        return None
+    if not finished(entry):
+        log.info("size cache entry %s: its search was cut short (%s); searching again", key,
+                 " or ".join(UNFINISHED))
+        return None
+    if isinstance(capped, Mapping) and not all(
+            isinstance(cap, int) and knob in sizes and req.bounds(knob, sizes)[1] <= cap
+            for knob, cap in capped.items()):
+        return None
+    measured = {doc.get("knob"): doc.get("max_ok") for doc in entry.get("search") or []
+                if isinstance(doc, Mapping)}
+    out = {k: int(v) for k, v in sizes.items()}
+    for knob, size in sizes.items():
+        unit, cap, why = req.bounds(knob, sizes)
+        if size <= cap:
+            continue
+        if not (isinstance(measured.get(knob), int) and size <= measured[knob]):
+            log.warning("size cache entry %s: %s = %d is above %s (%d) and no search of it "
+                        "measured it; ignored it and searching again", key, knob, size,
+                        _CAPS[why], cap)
+            return None
+        out[knob] = snap(cap, unit)
+    return out
 
 
-def _cached_records(req: Request, entry: Mapping[str, Any]) -> list[SearchRecord]:
-    """The records an entry holds for each knob (``source`` cache); one holding only the
-    sizes (an entry written by another version) where it has none."""
+def _cached_records(req: Request, entry: Mapping[str, Any],
+                    sizes: Mapping[str, int]) -> list[SearchRecord]:
+    """The records an entry holds for each knob (``source`` cache), ``safe`` the size used
+    (``sizes``); one holding only the size (an entry written by another version) where it
+    has none."""
     stored: dict[str, SearchRecord] = {}
     for doc in entry.get("search") or []:
         try:
@@ -182,7 +220,7 @@ def _cached_records(req: Request, entry: Mapping[str, Any]) -> list[SearchRecord
             continue
         stored[rec.knob] = rec
     out = []
-    for knob, size in entry["sizes"].items():
+    for knob, size in sizes.items():
         rec = stored.get(knob) or SearchRecord(
             metric=req.metric.name, knob=knob, max_ok=None, safe=int(size),
             note=f"size cache ({entry.get('source', '?')}), no search record")
@@ -190,6 +228,10 @@ def _cached_records(req: Request, entry: Mapping[str, Any]) -> list[SearchRecord
         if knob in stored:  # what capped it still holds
             rec.note = f"measured {entry.get('updated', '?')}" + (
                 f"; {rec.note}" if rec.capped_by else "")
+            if size != entry["sizes"][knob]:  # lowered to this request's cap
+                rec.note += (f"; cached {entry['sizes'][knob]}, lowered to {size}, the most "
+                             "this request can use")
+                rec.safe = size
         out.append(rec)
     return out
 

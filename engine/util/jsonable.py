@@ -1,4 +1,5 @@
-"""The one JSON sanitiser: any result oomguard records, as plain JSON types.
+"""The one JSON sanitiser: any result oomguard records, as plain JSON types; and the one
+reader of the JSON files it wrote (:func:`read_json`), which refuses hostile nesting.
 
 Every file and ``--json`` output goes through :func:`to_jsonable`: ``nan``/``inf`` become
 strings; a tensor or numpy value becomes a number or a nested list (with ``max_items``, a
@@ -15,7 +16,14 @@ import json
 import math
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+# Nesting levels a JSON file oomguard reads may have. What it writes nests under 20 (a cache
+# entry's trials, a summary's groups); deeper text is not ours, and Python's json parser (and
+# every recursive walk after it: the sanitiser, a hash, the next write) would raise
+# RecursionError near 1000 levels, or sooner deep in a task's stack.
+MAX_JSON_DEPTH = 100
 
 
 def to_jsonable(value: Any, max_items: int | None = None) -> Any:
@@ -72,3 +80,31 @@ def json_text(value: Any, *, indent: int | None = 2) -> str:
     text = json.dumps(to_jsonable(value), indent=indent, sort_keys=True, ensure_ascii=False,
                       allow_nan=False)
     return text + "\n" if indent is not None else text
+
+
+class JSONTooDeep(ValueError):
+    """JSON text nested deeper than :data:`MAX_JSON_DEPTH` (a ValueError, as a JSON syntax
+    error is: every reader handles the two alike)."""
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``text`` (bytes: UTF-8) as JSON; a :class:`ValueError` for text that is not UTF-8 or
+    not JSON, and :class:`JSONTooDeep` for arrays and objects nested deeper than
+    :data:`MAX_JSON_DEPTH` levels (checked without recursion, so it cannot itself overflow)."""
+    try:
+        value = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except RecursionError:
+        raise JSONTooDeep(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    level = [value]  # the values one level down at a time (``[]`` is one level)
+    for _ in range(MAX_JSON_DEPTH):
+        level = [child for v in level if isinstance(v, (dict, list))
+                 for child in (v.values() if isinstance(v, dict) else v)]
+    if any(isinstance(v, (dict, list)) for v in level):
+        raise JSONTooDeep(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """The JSON file at ``path`` (:func:`parse_json`): an :class:`OSError` where it cannot be
+    read, a :class:`ValueError` where it is not JSON or nests too deep."""
+    return parse_json(Path(path).read_bytes())
