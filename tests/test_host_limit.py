@@ -267,11 +267,15 @@ def _job_in_cgroup(procs: str, job_path: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("where", ["own", "parent"], ids=["its-own-group", "a-parents-limit"])
 def test_a_job_without_budget_in_a_real_cgroup_retries_an_oom_instead_of_being_killed(
-        tmp_path: Path) -> None:
+        tmp_path: Path, where: str) -> None:
     group = _new_cgroup(1024 * MiB)
     if group is None:
         pytest.skip("this machine does not let the test create a memory cgroup")
+    # "parent": the job runs in an unlimited child of the limited group (Slurm's job and step
+    # layout); its task was killed there and recorded as a crash, never retried.
+    inner = group / "step_0" if where == "parent" else group
     (tmp_path / "grow_plugin.py").write_text(GROW_PLUGIN, encoding="utf-8")
     job = tmp_path / "job.toml"
     job.write_text(f'output = "{tmp_path / "out"}"\nplugins = ["{tmp_path / "grow_plugin.py"}"]\n'
@@ -279,9 +283,12 @@ def test_a_job_without_budget_in_a_real_cgroup_retries_an_oom_instead_of_being_k
                    '[search]\nenabled = false\n[[metrics]]\nname = "test_grow"\n'
                    'sizes = { chunk = 128 }\n', encoding="utf-8")
     try:
-        got = in_fresh_process(_job_in_cgroup, str(group / "cgroup.procs"), str(job))
-        kills = _kills(group)
+        inner.mkdir(exist_ok=True)
+        got = in_fresh_process(_job_in_cgroup, str(inner / "cgroup.procs"), str(job))
+        kills = _kills(group) + (_kills(inner) if inner != group else 0)
     finally:
+        if inner != group:
+            _remove_cgroup(inner)
         _remove_cgroup(group)
     # 128 blocks (1 GiB) cannot fit in 1 GiB beside the job's processes: an OOM the executor
     # answers at half, and the kernel kills no process of the job.
@@ -451,7 +458,7 @@ def test_an_unlimited_child_of_a_limited_real_cgroup_probes_its_parents_limit_an
     try:
         child.mkdir()  # no limit of its own, as a Slurm step's or a container's inner group
         got = in_fresh_process(_probe_and_search_in_cgroup, str(child / "cgroup.procs"))
-        kills = _kills(parent)
+        kills = _kills(parent) + _kills(child)
     finally:
         _remove_cgroup(child)
         _remove_cgroup(parent)
