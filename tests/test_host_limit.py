@@ -496,6 +496,10 @@ def test_search_with_the_default_budget_or_none_in_a_1gib_cgroup_is_never_killed
                                                         "none"], str(tmp_path))
         given = in_fresh_process(_cli_in_cgroup, procs, [*argv, "--budget", "2GiB", "--out",
                                                          "given"], str(tmp_path))
+        # reference refused its own default: "2.00 GiB is more than cpu's 1.00 GiB in total"
+        reference = in_fresh_process(_cli_in_cgroup, procs, [
+            "reference", "--metric", "loss", "--samples", "2", "--seq-len", "8", "--cache",
+            "sizes.json", "--out", "ref"], str(tmp_path))
         kills = _kills(group)
     finally:
         _remove_cgroup(group)
@@ -517,3 +521,6 @@ def test_search_with_the_default_budget_or_none_in_a_1gib_cgroup_is_never_killed
     assert code != 0 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "budget 2.00 GiB is more than the" in err and "choose a smaller --budget" in err
     assert not (tmp_path / "given").exists()
+    code, out, err = reference
+    assert code == 0 and (tmp_path / "ref" / "sizes.toml").exists(), err
+    assert "the default 2.00 GiB budget is more than the" in err.splitlines()[0]

@@ -292,9 +292,10 @@ def lowered_default(dev: torch.device) -> str | None:
     slack a budget keeps under it: past it the kernel kills), an ``RLIMIT_DATA`` set around
     the process, or the RAM the host has available. Without it the trials run under a budget
     at the room the tightest enforced limit leaves when they start, else the RAM guard."""
-    if dev.type != "cpu":
+    from oomguard.engine.core.memory.budget import cgroup_budget_room, host_budgets_available
+
+    if dev.type != "cpu" or not host_budgets_available():  # no default budget to lower
         return None
-    from oomguard.engine.core.memory.budget import cgroup_budget_room
     from oomguard.probes import host
 
     nbytes = parse_size(DEFAULT_CPU_BUDGET)

@@ -108,9 +108,12 @@ def cmd_reference(args: argparse.Namespace) -> int:
                    f"trials)")
         rows.advance()
 
+    from oomguard.engine.cli.options import lowered_default
+
+    lowered = lowered_default(dev) if args.budget is None and base.budget is None else None
     print(f"oomguard: reference of {len(names)} metrics on {dev} for {args.model} "
-          f"({args.dtype}, seq_len {args.seq_len}, {args.samples} samples)",
-          file=sys.stderr, flush=True)
+          f"({args.dtype}, seq_len {args.seq_len}, {args.samples} samples)"
+          + (f"; {lowered}" if lowered else ""), file=sys.stderr, flush=True)
     rows = _rows(names, args)  # after the header: the bar stays below it
     with rows:
         ref = build_reference(args.model, str(dev), args.dtype, args.seq_len, args.samples,
