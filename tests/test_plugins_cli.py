@@ -9,16 +9,23 @@ CPU budget."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from oomguard.engine.cli.main import main
-from tests.conftest import cli_in_child
+from oomguard.engine.jobs.plugins import PLUGINS_ENV
+from oomguard.metrics.base import METRICS, get_metric
+from tests.conftest import cli_in_child, once_per_run
 
 TINY = ("gpt2:n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=32,bos_token_id=0,"
         "eos_token_id=0")
@@ -139,3 +146,179 @@ def test_verify_names_the_plugin_a_report_was_searched_with(tmp_path: Path) -> N
     with pytest.raises(UsageError, match=r"its metric comes from a plugin: give "
                                          r"--plugin /lab/p\.py$"):
         _rebuild(spec, tmp_path / "report.json", ["/lab/p.py"])
+
+
+def _metric(name: str, body: str = "return {'x': 1.0}") -> str:
+    """A plugin's metric without memory knobs, its ``compute`` running ``body``."""
+    return ("from oomguard.metrics.base import Metric, register\n\n\n@register\n"
+            f"class M_{name}(Metric):\n    name = {name!r}\n    description = 'a test metric'\n\n"
+            f"    def compute(self, model, data):\n        {body}\n")
+
+
+def _job_file(folder: Path, plugins: list[str], metrics: str) -> Path:
+    job = folder / "job.toml"
+    job.write_text(f'output = "out"\nplugins = {json.dumps(plugins)}\nmodels = ["tiny-gpt2"]\n'
+                   "[data]\nseq_len = 8\nn_samples = 2\n[search]\nenabled = false\n" + metrics,
+                   encoding="utf-8")
+    return job
+
+
+@pytest.mark.parametrize("code", ["0", "3", "'stopping here'"])
+def test_a_plugin_that_exits_at_import_is_one_line_naming_it_before_any_work(
+        code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exits.py").write_text(f"import sys\nsys.exit({code})\n", encoding="utf-8")
+    _job_file(tmp_path, ["exits.py"], '[[metrics]]\nname = "loss"\n')
+    for argv, where in ((["metrics", "--plugin", "exits.py"], "--plugin "),
+                        (["run", "job.toml"], "job.toml, line 2: plugins[0]: ")):
+        assert main(argv) == 2  # (before the fix: SystemExit out of main, no message)
+        assert capsys.readouterr().err.splitlines() == [
+            f"oomguard: error: {where}cannot import 'exits.py': it called sys.exit({code}) "
+            "while being imported; remove that call, or put it under "
+            "'if __name__ == \"__main__\":'"]
+    assert not (tmp_path / "out").exists()  # refused before any work
+
+
+def test_same_named_plugins_in_two_folders_both_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(PLUGINS_ENV, "[]")  # what this test loads is not left for the next
+    first, second = (f"from_{d}_{uuid.uuid4().hex[:8]}" for d in "ab")
+    for folder, name in (("a", first), ("b", second)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "metrics.py").write_text(_metric(name), encoding="utf-8")
+    assert main(["metrics", "--plugin", "a/metrics.py", "--plugin", "b/metrics.py",
+                 "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert first in listed and second in listed
+
+
+def test_two_plugins_defining_one_metric_name_clash_in_one_line_naming_both(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(PLUGINS_ENV, "[]")
+    name = f"twice_{uuid.uuid4().hex[:8]}"
+    for folder in "ab":
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "metrics.py").write_text(_metric(name), encoding="utf-8")
+    assert main(["metrics", "--plugin", "a/metrics.py", "--plugin", "b/metrics.py"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"oomguard: error: --plugin 'b/metrics.py' ({tmp_path / 'b' / 'metrics.py'}) defines "
+        f"metric {name!r}, which {tmp_path / 'a' / 'metrics.py'} defines too; rename one of "
+        "them (its name attribute)"]
+
+
+def test_a_plugin_reusing_a_built_in_metrics_name_is_one_line_and_the_built_in_stays(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(PLUGINS_ENV, "[]")
+    builtin = get_metric("loss")
+    monkeypatch.setitem(METRICS, "loss", builtin)  # (before the fix the plugin's replaced it)
+    (tmp_path / "mine.py").write_text(_metric("loss"), encoding="utf-8")
+    assert main(["metrics", "--plugin", "mine.py"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "oomguard: error: --plugin cannot import 'mine.py': it defines metric 'loss', which "
+        "oomguard's built-in metrics define too; rename yours (its name attribute)"]
+    assert METRICS["loss"] is builtin
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper has ended)."""
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def _a_job_of_plugins_that_leave_processes_and_hang(folder: Path) -> dict[str, Any]:
+    """Two plugins named ``metrics.py`` in two folders, one metric each: ``hangs`` starts a
+    process, then sleeps past its 3 s time limit; ``leaves`` starts one and returns. The
+    job's output, and which started processes still ran 5 s after it ended (then killed)."""
+    leave = ("import subprocess, sys, os; p = subprocess.Popen([sys.executable, '-c', "
+             "'import time; time.sleep(300)']); open(os.path.join({where!r}, {name!r}), 'a')"
+             ".write(f'{{p.pid}}\\n')")
+    for sub, name, then in (("a", "hangs", "; import time; time.sleep(300)"), ("b", "leaves", "")):
+        (folder / sub).mkdir()
+        body = leave.format(where=str(folder), name=f"{name}.pid") + then + "; return {'x': 1.0}"
+        (folder / sub / "metrics.py").write_text(_metric(name, body), encoding="utf-8")
+    job = _job_file(folder, ["a/metrics.py", "b/metrics.py"],
+                    '[[metrics]]\nname = "hangs"\ntime_limit = "3s"\n'
+                    '[[metrics]]\nname = "leaves"\n')
+    ran = cli_in_child("run", str(job), cwd=folder)
+    # (each metric runs twice: its warm-up on one sample, then the run)
+    pids = [(p.stem, int(pid)) for p in folder.glob("*.pid") for pid in p.read_text().split()]
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for _, pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = sorted(name for name, pid in pids if _alive(pid))
+    for _, pid in pids:  # the test's own processes: none may outlive it
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    out = folder / "out"
+    results = {p.stem: json.loads(p.read_text()) for p in (out / "results").glob("*.json")}
+    tracebacks = {p.stem: p.read_text() for p in (out / "tracebacks").glob("*.txt")}
+    return {"code": ran.returncode, "stderr": ran.stderr, "started": sorted({n for n, _ in pids}),
+            "alive": alive,
+            "results": results, "tracebacks": tracebacks}
+
+
+@pytest.fixture(scope="module")
+def plugin_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folder = tmp_path_factory.mktemp("plugin-job")
+    return once_per_run(tmp_path_factory, "plugin-job",
+                        lambda: _a_job_of_plugins_that_leave_processes_and_hang(folder))
+
+
+@pytest.mark.slow
+def test_same_named_plugins_of_a_job_both_run(plugin_job: dict[str, Any]) -> None:
+    assert sorted(plugin_job["results"]) == ["hangs", "leaves"], plugin_job["stderr"]
+    assert plugin_job["results"]["leaves"]["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_processes_a_metric_starts_end_with_its_task(plugin_job: dict[str, Any]) -> None:
+    assert "leaves" in plugin_job["started"], plugin_job["stderr"]
+    assert plugin_job["alive"] == []
+
+
+@pytest.mark.slow
+def test_a_metric_past_its_time_limit_is_stopped_with_one_line_and_the_job_goes_on(
+        plugin_job: dict[str, Any]) -> None:
+    assert plugin_job["code"] == 1, plugin_job["stderr"]
+    hangs = plugin_job["results"]["hangs"]
+    assert hangs["status"] == "failed"
+    assert hangs["reason"] == (
+        "time limit of 3 s exceeded (stopped); if the metric needs longer, raise its "
+        "time_limit in the job file, else see where it hung in its traceback file")
+    said = [line for line in plugin_job["stderr"].splitlines() if "time limit" in line]
+    assert len(said) == 1 and "hangs: FAILED: time limit of 3 s exceeded" in said[0], said
+    # Where it was: sleeping in the plugin's metric (or still warming the model up, when a
+    # loaded machine took the 3 s before the metric ran).
+    where = plugin_job["tracebacks"]["hangs"]
+    assert "Where its process was when the time limit stopped it:" in where
+    assert "in compute" in where or "in on_device" in where, where
+    assert plugin_job["results"]["leaves"]["status"] == "ok"  # the job went on
+
+
+def test_a_plugin_whose_import_takes_long_says_so_while_it_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An import that hangs is not silent: the log says which plugin is still importing
+    (after 30 s; here after 0.2 s, for an import of 1 s)."""
+    from oomguard.engine.jobs import plugins
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(PLUGINS_ENV, "[]")
+    monkeypatch.setattr(plugins, "SLOW_IMPORT_S", 0.2)
+    name = f"slow_{uuid.uuid4().hex[:8]}"
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(1.0)\n" + _metric(name),
+                                      encoding="utf-8")
+    assert main(["metrics", "--plugin", "slow.py"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "slow.py" in line]
+    assert said == ["WARNING oomguard.plugins: importing plugin 'slow.py' has taken 0.2 s so "
+                    "far; if it hangs, press Ctrl-C and move the work it does at import into "
+                    "its metric"]

@@ -166,10 +166,10 @@ def load_plugins(specs: Sequence[str]) -> list[str]:
     from oomguard.engine.core.child import forkserver_context
     from oomguard.engine.jobs.plugins import PRELOAD, load_plugin
 
-    loaded = []
+    loaded, defined = [], {}
     for spec in specs:
         try:
-            loaded.append(load_plugin(spec, Path.cwd()))
+            loaded.append(load_plugin(spec, Path.cwd(), defined))
         except ValueError as exc:
             raise UsageError(f"--plugin {exc}") from None
     forkserver_context([PRELOAD])  # before the server starts: it imports them too

@@ -7,7 +7,8 @@ a script needs ``if __name__ == "__main__":``).
 The child runs a picklable ``fn(*args)``, may message the parent (:class:`ToParent`) and
 sends what ``fn`` returned or raised; the parent reads that, or the death, as an
 :class:`Ended`. Every child dies with its parent (:func:`die_with_parent`) and ignores
-SIGINT: the command alone decides.
+SIGINT: the command alone decides. One that runs user code may lead a process group of
+its own, so that what it started and left running ends with it (:func:`kill_group`).
 
 A death after ``started`` is an OOM only with evidence (:func:`oom_evidence`,
 :class:`LimitWatch`): an allocation failure on stderr (a row of
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import gc
 import importlib
 import multiprocessing as mp
@@ -34,6 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any
 
 from oomguard.engine.core.memory.oom_texts import stderr_oom
@@ -139,6 +142,18 @@ def stop_children() -> None:
     for proc in mp.active_children():
         proc.kill()
         proc.join(5)
+        kill_group(proc.pid)
+
+
+def kill_group(pid: int | None) -> None:
+    """SIGKILL what is left of the process group a child (``own_group``: :class:`Child`)
+    led: processes it started and left behind (a metric's ``subprocess.Popen``), which
+    would otherwise outlive it. Call it once the child itself ended; nothing happens where
+    ``pid`` led no group (then no group has that id)."""
+    if pid is None or not hasattr(os, "killpg"):
+        return
+    with contextlib.suppress(OSError):  # none left (ESRCH), or the child never led one
+        os.killpg(pid, signal.SIGKILL)
 
 
 def die_with_parent(parent: int | None = None) -> None:
@@ -166,9 +181,17 @@ class ToParent:
 
 
 def _enter(conn: Any, parent: int | None, stderr_path: str | None, fn: Callable[..., Any],
-           args: tuple[Any, ...]) -> None:
-    """Runs in the child: die with the parent, leave SIGINT to it, say it started, run."""
+           args: tuple[Any, ...], stack_path: str | None = None, own_group: bool = False
+           ) -> None:
+    """Runs in the child: die with the parent, leave SIGINT to it, say it started, run.
+    ``stack_path``: where its threads' stacks go when SIGTERM stops it; ``own_group``: lead
+    a process group of its own (:class:`Child`)."""
     global _to_parent
+    if own_group and hasattr(os, "setpgid"):
+        # First, before it can start anything. A Ctrl-C at the terminal then reaches the
+        # command only, which decides, as before (the child ignores SIGINT).
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
     # Inherited objects are frozen: collections skip them and never copy fork-shared pages
     # (docs/measurements.md#gc-freeze, docs/measurements.md#cgroup-limits).
     gc.freeze()
@@ -179,6 +202,11 @@ def _enter(conn: Any, parent: int | None, stderr_path: str | None, fn: Callable[
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # A forked child inherits the parent's handler (a job's stop flag): SIGTERM must stop it.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if stack_path is not None and hasattr(faulthandler, "register"):  # not on Windows
+        # Written by the C handler, which then dies of SIGTERM as before: a stopped child
+        # says where it was (a hang in a metric), even inside native code.
+        stack = open(stack_path, "w", encoding="utf-8")  # noqa: SIM115 - kept for the handler
+        faulthandler.register(signal.SIGTERM, file=stack, all_threads=True, chain=True)
     if hasattr(signal, "pthread_sigmask"):  # blocked by the parent around the fork (Child)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGUSR1})
     _to_parent = conn
@@ -231,6 +259,7 @@ class Ended:
     raised: tuple[bytes | None, str, str] | None = None
     stderr: str = ""
     messages: list[Any] = field(default_factory=list)
+    stack: str = ""  # with ``stack_on_stop``: its Python stacks when it was stopped
 
     def error(self, where: str = "a child process") -> BaseException:
         """The child's exception (else a RuntimeError with its text), its traceback a note."""
@@ -256,25 +285,37 @@ class Ended:
         raise ChildCrashed(f"the child process {how} without a result")
 
 
+def _temp_file(suffix: str) -> str:
+    """An empty temporary file (its path) a child writes for its parent."""
+    fd, path = tempfile.mkstemp(prefix="oomguard-child-", suffix=suffix)
+    os.close(fd)
+    return path
+
+
 class Child(contextlib.AbstractContextManager["Child"]):
     """``fn(*args)`` (picklable) in a child started now from ``ctx`` (:func:`context`);
     leaving the ``with`` block kills it if it still runs. ``capture_stderr``: its fd 2 goes
-    to a file, copied to this stderr at its end and kept (:attr:`Ended.stderr`)."""
+    to a file, copied to this stderr at its end and kept (:attr:`Ended.stderr`).
+    ``stack_on_stop``: a child stopped by :meth:`stop` (a time limit) leaves its Python
+    stacks at that moment (:attr:`Ended.stack`). ``own_group``: it leads a process group,
+    and what it started and left running ends with it (:func:`kill_group`): for user code,
+    such as a job's metric that starts a ``subprocess.Popen`` and returns."""
 
     def __init__(self, ctx: Any, fn: Callable[..., Any], *args: Any, name: str | None = None,
-                 capture_stderr: bool = False) -> None:
+                 capture_stderr: bool = False, stack_on_stop: bool = False,
+                 own_group: bool = False) -> None:
         self.conn, send = ctx.Pipe(duplex=False)
-        self.stderr_path: str | None = None
-        if capture_stderr:
-            fd, self.stderr_path = tempfile.mkstemp(prefix="oomguard-child-", suffix=".stderr")
-            os.close(fd)
+        self.stderr_path = _temp_file(".stderr") if capture_stderr else None
+        self.stack_path = _temp_file(".stack") if stack_on_stop else None
         if ctx.get_start_method() == "forkserver":  # running from here on (a dead one restarts)
             start_forkserver()
             parent = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
         else:  # fork or spawn: this process is the child's parent
             parent = os.getpid()
         self.proc = ctx.Process(target=_enter, name=name,
-                                args=(send, parent, self.stderr_path, fn, tuple(args)))
+                                args=(send, parent, self.stderr_path, fn, tuple(args),
+                                      self.stack_path, own_group))
+        self.own_group = own_group
         self.every: float | None = None
         self.started, self.messages = False, []
         self._answer: tuple[str, Any] | None = None
@@ -289,6 +330,7 @@ class Child(contextlib.AbstractContextManager["Child"]):
         self.stop(0)
         self.conn.close()
         self._stderr()
+        self._stack()
 
     def wait(self, timeout: float | None = None, tick: Callable[[Child], bool] | None = None,
              grace: float = 0.0) -> Ended:
@@ -312,7 +354,7 @@ class Child(contextlib.AbstractContextManager["Child"]):
         kind, payload = self._answer or (how or DIED, None)
         return Ended(kind, self.started, self.proc.exitcode, time.monotonic() - self.t0,
                      payload if kind == RETURNED else None, payload if kind == RAISED else None,
-                     self._stderr(), self.messages)
+                     self._stderr(), self.messages, self._stack())
 
     def stop(self, grace: float = KILL_GRACE_S) -> None:
         """Stop the child if it runs: SIGTERM, SIGKILL ``grace`` seconds later (0: at once)."""
@@ -322,6 +364,8 @@ class Child(contextlib.AbstractContextManager["Child"]):
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join()
+        if self.own_group:
+            kill_group(self.proc.pid)
 
     def _receive(self, timeout: float | None) -> bool:
         """Read what came within ``timeout`` seconds; True once it answered or is gone."""
@@ -338,6 +382,16 @@ class Child(contextlib.AbstractContextManager["Child"]):
         else:
             self._answer = (kind, payload)
         return kind in (RETURNED, RAISED)
+
+    def _stack(self) -> str:
+        """The stacks the child wrote when stopped (``stack_on_stop``), once; the file removed."""
+        path, self.stack_path, text = self.stack_path, None, ""
+        if path is not None:
+            with contextlib.suppress(OSError):
+                text = Path(path).read_text(encoding="utf-8", errors="replace")
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        return text
 
     def _stderr(self) -> str:
         """The child's captured stderr, once: also written to this process's stderr."""

@@ -11,6 +11,7 @@ import os
 from oomguard.engine.jobs.plugins import PLUGINS_ENV, import_plugin
 
 for _plugin in json.loads(os.environ.get(PLUGINS_ENV) or "[]"):
-    # The server must start even if it fails here: the trial then names the metric.
-    with contextlib.suppress(Exception):
+    # The server must start even if it fails here, or exits (sys.exit at import): the
+    # trial then names the metric.
+    with contextlib.suppress(Exception, SystemExit):
         import_plugin(_plugin)

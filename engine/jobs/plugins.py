@@ -2,6 +2,9 @@
 
 :func:`load_plugin` imports a plugin (a ``.py`` path against a base folder, else a module
 name), which registers its metrics; a ``.py`` plugin's folder goes first on ``sys.path``.
+Each ``.py`` file is a module of its own (:func:`module_name`: two folders' ``metrics.py``
+both load); a metric name defined twice, a ``sys.exit()`` at import, or any other import
+failure is one line, before any work.
 
 :func:`user_code` finds the user's files a plugin imports, transitively: a job's fingerprint
 hashes them, so editing that code reruns the results it defined.
@@ -13,22 +16,31 @@ Children that do not inherit this process's imports import the same plugins thro
 from __future__ import annotations
 
 import ast
+import contextlib
+import hashlib
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import site
 import sys
 import sysconfig
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from oomguard.engine.errors import first_line
 
-__all__ = ["PLUGINS_ENV", "PRELOAD", "import_plugin", "load_plugin", "resolve_plugin",
+__all__ = ["PLUGINS_ENV", "PRELOAD", "import_plugin", "load_plugin", "module_name",
+           "resolve_plugin",
            "user_code"]
 
+log = logging.getLogger("oomguard.plugins")
+
+SLOW_IMPORT_S = 30.0  # seconds a plugin's import may take before the log says it still runs
 PLUGINS_ENV = "OOMGUARD_PLUGINS"  # JSON list of the plugins this command loaded
 PRELOAD = "oomguard.engine.jobs.plugin_preload"
 
@@ -38,14 +50,24 @@ def resolve_plugin(spec: str, base: Path) -> str:
     return str((base / Path(spec).expanduser()).resolve()) if spec.endswith(".py") else spec
 
 
-def import_plugin(spec: str) -> None:
-    """Import a plugin: a module name, or the path of a ``.py`` file (registers its metrics)."""
+def module_name(path: str) -> str:
+    """The module a ``.py`` plugin is imported as: its stem and a digest of its resolved
+    path, so that ``a/metrics.py`` and ``b/metrics.py`` are two modules (the same in every
+    process: a forkserver's child imports it under this name too)."""
+    resolved = str(Path(path).resolve())
+    digest = hashlib.sha256(resolved.encode("utf-8", "surrogateescape")).hexdigest()[:10]
+    stem = re.sub(r"\W", "_", Path(resolved).stem)
+    return f"oomguard_plugin_{stem}_{digest}"
+
+
+def import_plugin(spec: str) -> tuple[str, ...]:
+    """Import a plugin: a module name, or the path of a ``.py`` file (registers its metrics);
+    the names of the metrics it registered (also when it was imported before)."""
     if not spec.endswith(".py"):
-        importlib.import_module(spec)
-        return
-    name = "oomguard_plugin_" + re.sub(r"\W", "_", Path(spec).stem)
+        return _registering(lambda: importlib.import_module(spec), spec)
+    name = module_name(spec)
     if name in sys.modules:
-        return
+        return getattr(sys.modules[name], _DEFINES, ())
     folder = str(Path(spec).resolve().parent)
     if folder not in sys.path:  # its own modules import by name, as a script's do
         sys.path.insert(0, folder)
@@ -54,26 +76,89 @@ def import_plugin(spec: str) -> None:
     module = importlib.util.module_from_spec(mod_spec)
     sys.modules[name] = module
     try:
-        mod_spec.loader.exec_module(module)
+        return _registering(lambda: mod_spec.loader.exec_module(module), name)
     except BaseException:
         sys.modules.pop(name, None)
         raise
 
 
-def load_plugin(spec: str, base: Path) -> str:
+_DEFINES = "__oomguard_metrics__"  # on a plugin's module: the metrics its import registered
+_BUILTIN = "oomguard.metrics."  # the package of the built-in metrics
+
+
+class PluginClash(ValueError):
+    """A plugin defines a metric that another plugin, or oomguard, defines (one line)."""
+
+
+def _registering(run: Callable[[], Any], name: str) -> tuple[str, ...]:
+    """Run ``run`` (the import of module ``name``); the metrics it registered, noted on the
+    module so that a second import, which runs nothing, still knows them. PluginClash (the
+    built-in kept) when it registers a built-in metric's name."""
+    from oomguard.metrics.base import METRICS, load_all
+
+    load_all()  # the built-in metrics first: a plugin that reuses one's name is seen
+    before = dict(METRICS)
+    run()
+    defined = tuple(n for n, m in METRICS.items() if before.get(n) is not m)
+    builtin = [n for n in defined if n in before and before[n].__module__.startswith(_BUILTIN)]
+    if builtin:
+        METRICS.update({n: before[n] for n in builtin})
+        raise PluginClash(f"it defines metric {builtin[0]!r}, which oomguard's built-in "
+                          "metrics define too; rename yours (its name attribute)")
+    module = sys.modules.get(name)
+    if module is not None and not hasattr(module, _DEFINES):
+        # (an extension module's attributes may be read-only: then only this call knows)
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(module, _DEFINES, defined)
+    return getattr(module, _DEFINES, defined) if module is not None else defined
+
+
+def load_plugin(spec: str, base: Path, defined: dict[str, str] | None = None) -> str:
     """Resolve (:func:`resolve_plugin`) and import ``spec``; its resolved form, also noted
-    in :data:`PLUGINS_ENV` for children. ValueError, one line, when it cannot be imported."""
+    in :data:`PLUGINS_ENV` for children. ``defined`` (metric name: plugin, filled here): the
+    metrics the command's earlier plugins define. ValueError, one line, when it cannot be
+    imported, exits at import, or defines a metric that oomguard or one of ``defined`` does."""
     plugin = resolve_plugin(spec, base)
     if plugin.endswith(".py") and not Path(plugin).is_file():
-        raise ValueError(f"cannot import {spec!r}: no such file {plugin}")
+        raise ValueError(f"cannot import {spec!r}: no such file {plugin}; check the path "
+                         "(a .py plugin is relative to the job file's folder, or the "
+                         "current folder for --plugin)")
+    # An import that hangs (a plugin waiting for input, a lock or a server) says so once.
+    notice = threading.Timer(SLOW_IMPORT_S, log.warning, (
+        "importing plugin %r has taken %g s so far; if it hangs, press Ctrl-C and move the "
+        "work it does at import into its metric", spec, SLOW_IMPORT_S))
+    notice.daemon = True
+    notice.start()
     try:
-        import_plugin(plugin)
+        names = import_plugin(plugin)
+    except PluginClash as exc:
+        raise ValueError(f"cannot import {spec!r}: {exc}") from None
+    except SystemExit as exc:  # not a command's end: nothing ran yet, and nothing is lost
+        raise ValueError(f"cannot import {spec!r}: it called sys.exit({exc.code!r}) while "
+                         "being imported; remove that call, or put it under "
+                         "'if __name__ == \"__main__\":'") from None
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
-        raise ValueError(f"cannot import {spec!r}: {first_line(exc) or type(exc).__name__}") from None
+        raise ValueError(f"cannot import {spec!r}: {first_line(exc) or type(exc).__name__}; "
+                         "fix the plugin so that it imports, or leave it out") from None
+    finally:
+        notice.cancel()
+    if defined is not None:
+        _check_unique(spec, plugin, names, defined)
     loaded = json.loads(os.environ.get(PLUGINS_ENV) or "[]")
     if plugin not in loaded:
         os.environ[PLUGINS_ENV] = json.dumps([*loaded, plugin])
     return plugin
+
+
+def _check_unique(spec: str, plugin: str, names: Iterable[str], defined: dict[str, str]) -> None:
+    """ValueError naming both plugins when ``plugin`` defines a metric that an earlier one
+    in ``defined`` defines; else its metrics added to ``defined``."""
+    for name in names:
+        other = defined.get(name, plugin)
+        if other != plugin:
+            raise ValueError(f"{spec!r} ({plugin}) defines metric {name!r}, which {other} "
+                             "defines too; rename one of them (its name attribute)")
+    defined.update(dict.fromkeys(names, plugin))
 
 
 def _installed_roots() -> tuple[str, ...]:
@@ -162,7 +247,7 @@ def _imports(origin: str, package: str) -> Iterator[str]:
 def _plugin_module(plugin: str) -> tuple[str, str | None]:
     """The module name and file of a plugin (resolved, as :func:`resolve_plugin` gives it)."""
     if plugin.endswith(".py"):
-        return "oomguard_plugin_" + re.sub(r"\W", "_", Path(plugin).stem), plugin
+        return module_name(plugin), plugin
     return plugin, _origin(plugin)
 
 

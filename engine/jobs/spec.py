@@ -159,13 +159,14 @@ def _models(value: list | str, _: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plugins(value: list, got: dict[str, Any]) -> tuple[str, ...]:
-    """Each plugin imported (a ``.py`` path resolved against the job file's folder)."""
-    plugins = []
+    """Each plugin imported (a ``.py`` path resolved against the job file's folder); two
+    that define one metric name are refused."""
+    plugins, defined = [], {}
     for i, plug in enumerate(value):
         if not isinstance(plug, str):
             raise _Bad(f"expected a string, got {plug!r}", f"plugins[{i}]")
         try:
-            plugins.append(load_plugin(plug, got["base"]))
+            plugins.append(load_plugin(plug, got["base"], defined))
         except ValueError as exc:
             raise _Bad(str(exc), f"plugins[{i}]") from None
     return tuple(plugins)

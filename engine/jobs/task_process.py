@@ -27,8 +27,9 @@ STOP_POLL_S = 0.2  # how often a running task's process looks whether the job mu
 
 def run_task(task: Task, ctx: Context, sink: Sink, stop: Any) -> TaskResult | None:
     """Run one task in a child (a fresh one each time its remedy ladder asks), within the
-    time limit; the record written, or None once ``stop.signum`` is set. Every output goes
-    to ``sink``."""
+    time limit (its process, and what that started, stopped there; the traceback file
+    shows where it was); the record written, or None once ``stop.signum`` is set. Every
+    output goes to ``sink``."""
     sink.event("start", task=task.key, run=ctx.run_id, metric=task.metric, model=task.model,
                time_limit_s=task.time_limit, start_method=ctx.start_method)
     mp = launcher.context(ctx.start_method, preload_modules(task))
@@ -36,7 +37,8 @@ def run_task(task: Task, ctx: Context, sink: Sink, stop: Any) -> TaskResult | No
     handoff: dict[str, Any] | None = None
     while True:
         with launcher.Child(mp, child_main, task, ctx, sink, handoff, launcher.ToParent(),
-                            name=f"oomguard-{task.key}") as child:
+                            name=f"oomguard-{task.key}", stack_on_stop=True,
+                            own_group=True) as child:
             child.every = STOP_POLL_S
             ended = child.wait(task.time_limit - (time.monotonic() - t0),
                                lambda _: stop.signum is not None, grace=launcher.KILL_GRACE_S)
@@ -59,10 +61,14 @@ def run_task(task: Task, ctx: Context, sink: Sink, stop: Any) -> TaskResult | No
         interrupted(sink.event, task, ctx, stop)
         return None
     how = launcher.how_it_ended(ended.exitcode)
-    reason = (f"time limit of {task.time_limit:g} s exceeded (stopped)" if timed_out
+    reason = (f"time limit of {task.time_limit:g} s exceeded (stopped); if the metric needs "
+              "longer, raise its time_limit in the job file, else see where it hung in its "
+              "traceback file" if timed_out
               else f"the metric's process {how} without a result (crash?)")
-    return record_failure(task, ctx, sink, reason, "No Python traceback: the child "
-                          "process was stopped or died (see job.log).", time.monotonic() - t0)
+    detail = (f"Where its process was when the time limit stopped it:\n{ended.stack}"
+              if timed_out and ended.stack.strip() else
+              "No Python traceback: the child process was stopped or died (see job.log).")
+    return record_failure(task, ctx, sink, reason, detail, time.monotonic() - t0)
 
 
 def preload_modules(task: Task) -> tuple[str, ...]:
