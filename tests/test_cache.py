@@ -32,7 +32,7 @@ from oomguard.engine.jobs.records import Job, TaskResult
 from oomguard.engine.jobs.runner import device_identity, plan, run_job
 from oomguard.engine.jobs.sizing import Request, Slot, choose_sizes
 from oomguard.engine.jobs.spec import load_job
-from oomguard.metrics.base import get_metric
+from oomguard.metrics.base import Knob, Metric, get_metric
 
 DEVICE = {"device": "cpu", "name": "test-cpu", "total_bytes": 1 << 30, "budget_bytes": None}
 
@@ -455,3 +455,22 @@ def test_only_a_finished_and_sane_entry_answers(tmp_path: Path, entry: dict,
     if entry["sizes"]["micro_batch_size"] == 10**12:
         assert ("micro_batch_size = 1000000000000 is above the sample count (4) and no search "
                 "of it measured it; ignored it and searching again") in caplog.text
+
+
+class _FourAtLeast(Metric):
+    """A plugin's metric whose memory knob starts at 4 (not registered: nothing global)."""
+
+    name = "test_four_at_least"
+    knobs = (Knob("chunk", "memory", 8, 4),)
+
+
+def test_a_cached_size_the_metric_refuses_is_searched_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "sizes.json"
+    path.write_text(json.dumps({"version": 1, "entries": {"k": {"sizes": {"chunk": 2}}}}))
+    with caplog.at_level(logging.WARNING, logger="oomguard.cache"):
+        got = choose_sizes(Request(_FourAtLeast(), {}, 4, None),
+                           slot=Slot(SizeCache(path), "k", DEVICE, _workload()))
+    assert (got.sizes, got.source) == ({"chunk": 8}, "metric default")
+    assert "size cache entry k ignored: test_four_at_least.chunk must be >= 4, got 2" in (
+        caplog.text)

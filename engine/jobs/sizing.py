@@ -39,7 +39,7 @@ from typing import Any
 from oomguard.engine.core.search.record import CACHE, SearchRecord, record_of
 from oomguard.engine.core.search.search import SearchConfig, SearchResult, search
 from oomguard.engine.core.search.strategies import strategy_params
-from oomguard.engine.errors import NoSizeFits, TrialFailed
+from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError
 from oomguard.engine.jobs.cache import UNFINISHED, SizeCache, finished
 from oomguard.engine.jobs.sink import Sink
 from oomguard.metrics.base import Metric
@@ -183,19 +183,24 @@ def _cached_sizes(req: Request, entry: Mapping[str, Any], defaults: Mapping[str,
     sizes, capped = entry["sizes"], entry.get("capped")
     if set(sizes) != set(defaults):
         return None
+    try:  # the metric's own check of its knobs (a minimum above 1), as a search would meet it
+        bounds = {knob: req.bounds(knob, sizes) for knob in sizes}
+    except UsageError as exc:
+        log.warning("size cache entry %s ignored: %s; searching again", key, exc)
+        return None
     if not finished(entry):
         log.info("size cache entry %s: its search was cut short (%s); searching again", key,
                  " or ".join(UNFINISHED))
         return None
     if isinstance(capped, Mapping) and not all(
-            isinstance(cap, int) and knob in sizes and req.bounds(knob, sizes)[1] <= cap
+            isinstance(cap, int) and knob in sizes and bounds[knob][1] <= cap
             for knob, cap in capped.items()):
         return None
     measured = {doc.get("knob"): doc.get("max_ok") for doc in entry.get("search") or []
                 if isinstance(doc, Mapping)}
     out = {k: int(v) for k, v in sizes.items()}
     for knob, size in sizes.items():
-        unit, cap, why = req.bounds(knob, sizes)
+        unit, cap, why = bounds[knob]
         if size <= cap:
             continue
         if not (isinstance(measured.get(knob), int) and size <= measured[knob]):
