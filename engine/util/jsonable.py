@@ -95,13 +95,14 @@ def parse_json(text: str | bytes) -> Any:
         value = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
     except RecursionError:
         raise JSONTooDeep(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
-    level = [value]  # the values one level down at a time (``[]`` is one level)
+    # The arrays and objects one level down at a time (``[]`` is one level).
+    level = [value] if isinstance(value, (dict, list)) else []
     for _ in range(MAX_JSON_DEPTH):
-        level = [child for v in level if isinstance(v, (dict, list))
-                 for child in (v.values() if isinstance(v, dict) else v)]
-    if any(isinstance(v, (dict, list)) for v in level):
-        raise JSONTooDeep(f"nested deeper than {MAX_JSON_DEPTH} levels")
-    return value
+        level = [child for v in level for child in (v.values() if isinstance(v, dict) else v)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return value
+    raise JSONTooDeep(f"nested deeper than {MAX_JSON_DEPTH} levels")
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:
