@@ -144,8 +144,8 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
         raise BudgetError(f"budget {fmt_bytes(nbytes)} is more than the "
                           f"{fmt_bytes(max(0, room[0]))} the cgroup memory limit of "
                           f"{fmt_bytes(room[1])} leaves this process (past it the kernel kills "
-                          "it): choose a smaller --budget, or none (leave it out) to run to "
-                          "the limit")
+                          "it): choose a smaller --budget, or --budget none (budget=None) to run "
+                          "to the limit")
     return dev
 
 
