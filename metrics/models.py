@@ -7,14 +7,14 @@ reaches the network.
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from oomguard.engine.errors import UsageError, first_line
-from oomguard.engine.util.jsonable import stable_hash
+from oomguard.engine.util.jsonable import parse_json, stable_hash
 
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     # GPT-2 with a byte-level vocabulary, as in the E10 setup (vocab 256).
@@ -50,7 +50,7 @@ def model_config(spec: str) -> Any:
         kw = dict(BUILTIN_CONFIGS[spec])
         return AutoConfig.for_model(kw.pop("model_type"), **kw)
     path = Path(spec).expanduser()
-    if path.is_dir():
+    if os.path.isdir(path):  # not Path.is_dir: a spec too long for a file name raises there
         try:
             return AutoConfig.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as exc:
@@ -65,8 +65,8 @@ def model_config(spec: str) -> Any:
             raise UsageError(f"bad model spec {spec!r}: expected MODEL_TYPE:key=value,...; "
                              "write it like gpt2:n_layer=2")
         try:  # numbers, true/false and "quoted strings" as JSON; bare words as strings
-            kw[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
+            kw[key.strip()] = parse_json(value)  # refuses hostile nesting: a string then
+        except ValueError:
             kw[key.strip()] = value.strip()
     try:
         default = AutoConfig.for_model(model_type)

@@ -56,3 +56,12 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_key():
     with pytest.raises(UsageError, match="max_position_embeddings"):
         check_seq_len(model_config("tiny-llama"), 4096)
     check_seq_len(model_config("bloom:n_layer=1"), 10**6)  # ALiBi: no declared limit
+
+
+@pytest.mark.parametrize("value", ["[" * 100_000, "[" * 50 + "]" * 50 + "x" * 5000])
+def test_a_hostile_value_or_a_spec_too_long_for_a_file_name_is_one_line(value):
+    # 100,000 brackets overflowed json's recursion; 5,000 characters overflowed the file
+    # name the spec was first tried as (a checkpoint folder)
+    with pytest.raises(UsageError) as info:
+        model_config(f"gpt2:n_embd={value}")
+    assert "\n" not in str(info.value) and "fix the spec" in str(info.value)

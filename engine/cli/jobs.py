@@ -7,6 +7,7 @@ size cache). A job's log records, from this process and every metric's, also go 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 
 from oomguard.engine.cli.logs import log_to_file, setup_logging, stop_logging_to
 from oomguard.engine.cli.options import add_deprecated, add_progress_option
-from oomguard.engine.errors import UsageError
+from oomguard.engine.errors import CacheError, UsageError
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.util.jsonable import json_text
 
@@ -170,6 +171,12 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from oomguard.engine.jobs.cache import SizeCache, format_entries
 
     cache = SizeCache(args.cache)  # a file it cannot read or write: main's one-line error
+    try:  # a symbolic link loop "exists" for no one: without this, "cleared 0 entries"
+        os.stat(cache.path)
+    except OSError as exc:  # else nothing there, or a place the cache's own errors name
+        if exc.errno == errno.ELOOP:
+            raise CacheError(f"cannot read the size cache {cache.path}: {exc.strerror}; fix "
+                             "the link or give another --cache PATH") from None
     if args.action == "clear":
         n = cache.clear()
         print(json_text({"cleared": n, "path": cache.path}, indent=None) if args.json

@@ -34,7 +34,7 @@ class Journal:
 
     def _descriptor(self) -> int:
         if self._fd is None or self._pid != os.getpid():
-            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
             self._pid = os.getpid()
             size = os.fstat(self._fd).st_size
             if size and os.pread(self._fd, 1, size - 1) != b"\n":

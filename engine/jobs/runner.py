@@ -39,10 +39,11 @@ from oomguard.engine.errors import JobError
 from oomguard.engine.jobs.fingerprint import Digests
 from oomguard.engine.jobs.journal import Journal
 from oomguard.engine.jobs.output import (
+    add_to_record,
     check_output_folder,
     claim,
-    job_identity,
     read_result,
+    record,
     set_aside,
     stale_reasons,
 )
@@ -163,6 +164,7 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
             raise JobError(f"{out}: another oomguard run is using this output folder") from None
         try:
             claim(out, job, force)
+            record(out, job, [t.key for t in tasks])  # the record first: it says whose files
             digests.save()
             ctx = Context(job=job, out=str(out), run_id=uuid.uuid4().hex[:12],
                           cache_path=str(cache_path) if cache_path else None, search=search,
@@ -182,8 +184,8 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
         (out / sub).mkdir(exist_ok=True)
     if ctx.log_setup is not None:
         ctx.log_setup(out)
-    atomic_write_json(out / "job.json", {**job_identity(job), "tasks": [t.key for t in tasks]})
-    atomic_write(out / "job.toml", job.text)
+    if (out / "job.toml").resolve() != Path(job.path).resolve():  # not over the job file itself
+        atomic_write(out / "job.toml", job.text)
     journal = Journal(out / "journal.jsonl")
     journal.append("job-start", run=run_id, job=job.path, tasks=[t.key for t in tasks],
                    device=ctx.device, start_method=ctx.start_method, backend=type(backend).__name__)
@@ -211,6 +213,11 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
             backend.run(todo, ctx, journal, stop, sink)
         # In job order (the report's); a task that never ran is pending.
         results = {t.key: results.get(t.key) or TaskResult.of(t, run_id, PENDING) for t in tasks}
+        # CUDA snapshots are named as they are written (in the tasks' processes): recorded here.
+        snapshots = [Path(ev["snapshot"]) for r in results.values() for ev in r.oom_events or ()
+                     if isinstance(ev, dict) and isinstance(ev.get("snapshot"), str)]
+        if mine := [str(p.relative_to(out)) for p in snapshots if p.is_relative_to(out)]:
+            add_to_record(out, mine)
         code, status, report = _finish(job, ctx.device, run_id, results, out, journal, stop)
     log.info("job %s: %s (%s) in %.1f s; results in %s", job.name, status,
              ", ".join(f"{k} failed" for k, r in results.items() if r.status == FAILED)

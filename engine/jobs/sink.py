@@ -20,7 +20,7 @@ from typing import Any
 
 from oomguard.engine.jobs.cache import SizeCache
 from oomguard.engine.jobs.journal import Journal, stamp
-from oomguard.engine.util.atomic import atomic_write
+from oomguard.engine.util.atomic import atomic_write, inside
 
 __all__ = ["FileSink", "HubSink", "Sink", "forward"]
 
@@ -50,8 +50,9 @@ class FileSink:
         return SizeCache(self.cache_path).get(key)
 
     def write(self, rel: str, data: bytes | str, append: bool = False) -> None:
-        """The file ``rel`` of the job's folder: replaced atomically, or appended to."""
-        path = self.out / rel
+        """The file ``rel`` of the job's folder (``/``-separated, each part a plain name:
+        ValueError otherwise): replaced atomically, or appended to."""
+        path = inside(self.out, rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         if not append:
             atomic_write(path, data)

@@ -37,6 +37,7 @@ from oomguard.engine.jobs.data import check_data, check_seq_len_floor, check_siz
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.jobs.plugins import import_plugin, load_plugin
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec
+from oomguard.engine.util.atomic import path_part_problem
 from oomguard.engine.util.units import fmt_bytes, parse_size
 from oomguard.metrics.base import get_metric
 from oomguard.metrics.models import DTYPES, check_seq_len, model_config
@@ -49,6 +50,13 @@ _DURATION = re.compile(r"^\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*m)?
 _DATA_SOURCES = ("generated", "text", "tokens", "bytes")
 _SECTIONS = ("data", "search", "metrics")  # tables of their own, read after the top level
 _ABSENT = object()  # no default: the record's own applies
+# Deeper than any job file needs (a metric's params table holds plain values: 4 levels):
+# nesting beyond it is refused before Python's parser recurses into it.
+MAX_DEPTH = 32
+# A table header or a dotted key, the part that can nest (tomllib takes time quadratic in
+# a header's depth: 3,000 nested headers took 8 s to parse).
+_KEY_PATH = re.compile(r"^[ \t]*(?:\[{1,2}([^\]\n#]*)\]|([^=#\[\n]+)=)", re.MULTILINE)
+_ID = re.compile(r"^(?!\.+$)[A-Za-z0-9_.-]+$")  # a file-name part (results/<id>.json), not "."
 
 
 def parse_duration(value: Any) -> float:
@@ -121,6 +129,20 @@ def _must(test: Callable[[Any], Any], message: str) -> Callable[[Any, dict[str, 
             raise ValueError(message.format(v=value))
         return value
     return check
+
+
+def _output(value: str, _: dict[str, Any]) -> str:
+    if not value.strip():
+        raise ValueError('is empty; give a folder ("." is the current one, if it is empty or '
+                         "holds this job's results)")
+    return value
+
+
+def _job_name(value: str, _: dict[str, Any]) -> str:
+    """A name that can label a folder (``moved-aside/<time>-<name>``); see path_part_problem."""
+    if (why := path_part_problem(value)) is not None:
+        raise ValueError(f"{why}; give a name without '/', '\\' and '..'")
+    return value
 
 
 def _seq_len(value: int) -> int:
@@ -210,8 +232,8 @@ _JOB = (
         lambda v: v in DTYPES, "unknown dtype {v!r}: use one of " + ", ".join(DTYPES))),
     _Field("seed", (int,), "an integer", 0, _must(  # torch's generators take 64-bit seeds
         lambda v: 0 <= v < 2**63, "{v} is out of range: use 0 <= seed < 2**63")),
-    _Field("output", _STR, "a string", "oomguard-job"),
-    _Field("name", _STR, "a string"),  # default: the file's name
+    _Field("output", _STR, "a string", "oomguard-job", _output),
+    _Field("name", _STR, "a string", convert=_job_name),  # default: the file's name
     _Field("budget", (str, int), 'a size like "1GiB"', None, _budget),
     _Field("time_limit", default=1200.0, **_DURATION_FIELD),
     _Field("models", (list, str), "a list of strings", ["tiny-gpt2"], _models),
@@ -237,7 +259,7 @@ _SEARCH_OLD = (_Field("step", **_POSITIVE), _Field("estimate", **_BOOL))
 _METRIC = (
     _Field("name", _STR, "a string", convert=lambda v, _: get_metric(v) and v,
            missing="missing: every [[metrics]] needs a name"),
-    _Field("id", _STR, "a string", convert=_must(lambda v: re.match(r"^[A-Za-z0-9_.-]+$", v),
+    _Field("id", _STR, "a string", convert=_must(lambda v: _ID.match(v),
            "{v!r}: use letters, digits, '_', '-', '.'")),
     _Field("params", _TABLE, "a table", {}, _params),
     _Field("sizes", _TABLE, "a table", {}, _sizes),
@@ -324,13 +346,27 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
     """Parse job-file text; relative paths are resolved against ``base`` (data, plugins)
     and the current directory (output)."""
     r = _Reader(path, text)
+    too_deep = JobError(f"{path}: nested more than {MAX_DEPTH} levels deep; write a job file "
+                        "of plain tables (a [[metrics]] table's params are 3 levels down)")
+    if any((m[1] or m[2]).count(".") >= MAX_DEPTH for m in _KEY_PATH.finditer(text)):
+        raise too_deep
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:  # the message carries "(at line L, column C)"
         raise JobError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:  # arrays or inline tables nested ~900 deep: the parser recurses
+        doc = None
+    if doc is None or _deeper_than(doc, MAX_DEPTH):
+        raise too_deep
     base = base or Path.cwd()
+    stem = Path(path).stem
+    if "name" not in doc and path_part_problem(stem) is not None:
+        raise r.error("name", f"the file's name {stem!r} cannot label a folder; give a name")
     top = r.read(doc, _JOB, "", "valid top-level fields are " + ", ".join(
-        sorted([*(f.key for f in _JOB), *_SECTIONS])), name=Path(path).stem, base=base)
+        sorted([*(f.key for f in _JOB), *_SECTIONS])), name=stem, base=base)
+    if output is not None and not output.strip():
+        raise JobError('--out: the output folder is empty; give a folder ("." is the current '
+                       "one, if it is empty or holds this job's results)")
     data = _data(r, doc, base)
     for i, config in enumerate(top["models"].values()):
         try:
@@ -350,10 +386,36 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
                               f"({model_label(spec)}): {reason}; remove one of them",
                               f"metrics[{index}].name")
     return Job(path=str(Path(path).resolve()) if path != "<job>" else path, text=text,
-               name=top["name"], output=str(Path(output or top["output"]).expanduser().resolve()),
+               name=top["name"], output=_resolved_output(r, output, top["output"]),
                device=top["device"], dtype=top["dtype"], seed=top["seed"],
                models=tuple(top["models"]), data=data, search=search, metrics=metrics,
                budget_bytes=top["budget"], plugins=top["plugins"], on_oom=top["on_oom"])
+
+
+def _deeper_than(doc: Any, limit: int) -> bool:
+    """Whether tables and arrays in ``doc`` nest more than ``limit`` levels (the document is
+    level 1); iterative, so that no depth makes it recurse."""
+    stack = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    return False
+
+
+def _resolved_output(r: _Reader, given: str | None, field: str) -> str:
+    """The output folder, absolute: ``--out`` (``given``) or the job file's ``output``."""
+    where = "--out" if given is not None else "output"
+    try:
+        return str(Path(given if given is not None else field).expanduser().resolve())
+    except (OSError, RuntimeError) as exc:  # a symlink loop: RuntimeError before Python 3.13
+        raise (JobError(f"--out: {given}: {first_line(exc)}; give another folder")
+               if given is not None else r.error(where, f"{field}: {first_line(exc)}; give "
+                                                 "another folder")) from None
 
 
 def _search(r: _Reader, got: dict[str, Any], old: dict[str, Any],
@@ -429,6 +491,10 @@ def _metrics(r: _Reader, doc: dict[str, Any], time_limit: float) -> tuple[Metric
             full = get_metric(got["name"]).validate({**got["params"], **got["sizes"]})
         except ValueError as exc:
             raise r.error(f"metrics[{i}].params", str(exc)) from None
+        if "id" not in got and not _ID.match(got["name"]):  # a plugin's name: its files' names
+            raise r.error(f"metrics[{i}].name", f"{got['name']!r} cannot name the metric's "
+                          "files (results/<id>.json); give this entry an id of letters, "
+                          "digits, '_', '-', '.'")
         out.append(MetricSpec(**{"id": got["name"], **got, "sizes": {
             k: int(full[k]) for k in got["sizes"]}, "params": {
             k: full[k] for k in _result_knobs(got["name"])}}))
