@@ -170,7 +170,8 @@ class SizeCache:
             doc, why = self._parse()
         except OSError as exc:
             raise CacheError(f"cannot read the size cache {self.path}: "
-                             f"{exc.strerror or exc}") from None
+                             f"{exc.strerror or exc}; fix its permissions, or give "
+                             "another --cache") from None
         if doc is None:
             log.warning("size cache %s is not a valid cache file (%s); ignored it: `oomguard "
                         "cache clear` moves it aside (so does the next write)", self.path, why)
@@ -224,7 +225,8 @@ class SizeCache:
                 yield
         except Timeout:
             raise CacheError(f"cannot lock the size cache {self.path} within "
-                             f"{LOCK_TIMEOUT_S:g} s (held by another job?)") from None
+                             f"{LOCK_TIMEOUT_S:g} s (held by another job?); wait for "
+                             "it to end, or give another --cache") from None
         except OSError as exc:
             raise CacheError(f"cannot write the size cache {self.path}: "
                              f"{exc.strerror or exc}; give a writable --cache PATH") from None

@@ -152,7 +152,8 @@ def check_budget(nbytes: int, device: str | torch.device = "cpu") -> torch.devic
 def _check(nbytes: int, device: str | torch.device) -> torch.device:
     """:func:`check_budget`'s checks of the number and the device, made again on entry."""
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
-        raise BudgetError(f"a budget must be a positive number of bytes, got {nbytes!r}")
+        raise BudgetError(f"a budget must be a positive number of bytes, got {nbytes!r}; "
+                          "give one such as 2 << 30")
     try:
         dev = resolve_device(device)
     except UsageError as exc:  # a budget's bad input is a BudgetError, whatever it is
@@ -218,7 +219,8 @@ def _cpu_limit(nbytes: int) -> Iterator[Budget]:
     with heap_plugged():
         vm_data = host.proc_status("VmData")
         if vm_data is None:
-            raise BudgetError("CPU budgets need Linux /proc/self/status (VmData)")
+            raise BudgetError("CPU budgets need Linux /proc/self/status (VmData); run "
+                              "without a budget here")
         limit = vm_data + nbytes
         if soft != resource.RLIM_INFINITY:  # finite: also within the hard limit (soft <= hard)
             limit = min(limit, soft)
@@ -302,7 +304,8 @@ def set_memory_fraction(fraction: float, device: str | torch.device = "cuda") ->
     elif dev.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(float(fraction), _cuda_index(dev))
     else:
-        raise BudgetError(f"a memory fraction applies to cuda and mps, not {dev.type!r}")
+        raise BudgetError(f"a memory fraction applies to cuda and mps, not {dev.type!r}; "
+                          "give a budget in bytes instead")
     _fractions[_key(dev)] = float(fraction)
 
 
