@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -235,20 +236,29 @@ def _alive(pid: int) -> bool:
 
 
 def _a_job_of_plugins_that_leave_processes_and_hang(folder: Path) -> dict[str, Any]:
-    """Two plugins named ``metrics.py`` in two folders, one metric each: ``hangs`` starts a
-    process, then sleeps past its 3 s time limit; ``leaves`` starts one and returns. The
-    job's output, and which started processes still ran 5 s after it ended (then killed)."""
-    leave = ("import subprocess, sys, os; p = subprocess.Popen([sys.executable, '-c', "
-             "'import time; time.sleep(300)']); open(os.path.join({where!r}, {name!r}), 'a')"
-             ".write(f'{{p.pid}}\\n')")
-    for sub, name, then in (("a", "hangs", "; import time; time.sleep(300)"), ("b", "leaves", "")):
+    """Three plugins named ``metrics.py`` in three folders, one metric each: ``worker``
+    starts a ``multiprocessing`` worker and returns; ``hangs`` starts a process, then sleeps
+    past its 3 s time limit; ``leaves`` starts one and returns. The job's output, and which
+    started processes still ran 5 s after it ended (then killed)."""
+    popen = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
+             "'import time; time.sleep(300)'])")
+    worker = ("import multiprocessing, time; p = multiprocessing.get_context('fork').Process("
+              "target=time.sleep, args=(300,)); p.start()")
+    note = "; import os; open(os.path.join({where!r}, {name!r}), 'a').write(f'{{p.pid}}\\n')"
+    for sub, name, start, then in (("a", "worker", worker, ""), ("b", "hangs", popen,
+                                   "; import time; time.sleep(300)"), ("c", "leaves", popen, "")):
         (folder / sub).mkdir()
-        body = leave.format(where=str(folder), name=f"{name}.pid") + then + "; return {'x': 1.0}"
+        body = (start + note.format(where=str(folder), name=f"{name}.pid") + then
+                + "; return {'x': 1.0}")
         (folder / sub / "metrics.py").write_text(_metric(name, body), encoding="utf-8")
-    job = _job_file(folder, ["a/metrics.py", "b/metrics.py"],
+    job = _job_file(folder, ["a/metrics.py", "b/metrics.py", "c/metrics.py"],
+                    '[[metrics]]\nname = "worker"\n'
                     '[[metrics]]\nname = "hangs"\ntime_limit = "3s"\n'
                     '[[metrics]]\nname = "leaves"\n')
-    ran = cli_in_child("run", str(job), cwd=folder)
+    # A command line of its own, as users run it (a child of this worker's forkserver does
+    # not show multiprocessing's wait for a worker at exit)
+    ran = subprocess.run([sys.executable, "-m", "oomguard", "run", str(job)], cwd=folder,
+                         capture_output=True, text=True, timeout=240)
     # (each metric runs twice: its warm-up on one sample, then the run)
     pids = [(p.stem, int(pid)) for p in folder.glob("*.pid") for pid in p.read_text().split()]
     deadline = time.monotonic() + 5
@@ -261,8 +271,9 @@ def _a_job_of_plugins_that_leave_processes_and_hang(folder: Path) -> dict[str, A
     out = folder / "out"
     results = {p.stem: json.loads(p.read_text()) for p in (out / "results").glob("*.json")}
     tracebacks = {p.stem: p.read_text() for p in (out / "tracebacks").glob("*.txt")}
+    journal = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
     return {"code": ran.returncode, "stderr": ran.stderr, "started": sorted({n for n, _ in pids}),
-            "alive": alive,
+            "alive": alive, "journal": journal,
             "results": results, "tracebacks": tracebacks}
 
 
@@ -275,14 +286,22 @@ def plugin_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_same_named_plugins_of_a_job_both_run(plugin_job: dict[str, Any]) -> None:
-    assert sorted(plugin_job["results"]) == ["hangs", "leaves"], plugin_job["stderr"]
+    assert sorted(plugin_job["results"]) == ["hangs", "leaves", "worker"], plugin_job["stderr"]
     assert plugin_job["results"]["leaves"]["status"] == "ok"
+    assert plugin_job["results"]["worker"]["status"] == "ok"
 
 
 @pytest.mark.slow
 def test_processes_a_metric_starts_end_with_its_task(plugin_job: dict[str, Any]) -> None:
-    assert "leaves" in plugin_job["started"], plugin_job["stderr"]
+    assert plugin_job["started"] == ["hangs", "leaves", "worker"], plugin_job["stderr"]
     assert plugin_job["alive"] == []
+    # and at once: the task's process does not wait for its multiprocessing worker to end
+    # (before: multiprocessing's exit joined it, and the parent killed it after 30 s)
+    done = next(e["t"] for e in plugin_job["journal"]
+                if e["event"] == "success" and e["task"] == "worker")
+    nxt = next(e["t"] for e in plugin_job["journal"]
+               if e["event"] == "start" and e["task"] == "hangs")
+    assert (datetime.fromisoformat(nxt) - datetime.fromisoformat(done)).total_seconds() < 15
 
 
 @pytest.mark.slow

@@ -221,6 +221,8 @@ def _enter(conn: Any, parent: int | None, stderr_path: str | None, fn: Callable[
         answer: tuple[str, Any] = (RETURNED, fn(*args))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         answer = (RAISED, _described(exc))
+    if own_group:  # the multiprocessing workers fn left: its exit would wait for them
+        stop_children()
     sys.stderr.flush()
     _send(conn, answer)
     conn.close()
