@@ -180,7 +180,7 @@ def add_to_record(out: Path, files: Iterable[str]) -> None:
 
 
 def check_output_folder(out: Path, fix: str = "give a writable --out") -> None:
-    """Create ``out`` if needed and prove it writable, a first block of 4 KiB included,
+    """Create ``out`` if needed and prove it writable, a first block on its disk included,
     before any work (a run never computes results it cannot keep); :class:`JobError` (one
     line, ending in ``fix``: what to do) if not."""
     if out.exists() and not out.is_dir():
@@ -188,8 +188,9 @@ def check_output_folder(out: Path, fix: str = "give a writable --out") -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out) as probe:
-            # why: a full disk still creates an empty file; only a written block finds it full
-            probe.write(bytes(4096))
+            # why: a full disk still creates an empty file; a byte needs a block and finds it
+            # full (one byte: a file-size limit, `ulimit -f`, is met by the real files)
+            probe.write(b"\0")
             probe.flush()
     except OSError as exc:
         raise JobError(f"{out}: cannot write the output folder ({exc.strerror or exc}); "
