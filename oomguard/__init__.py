@@ -22,8 +22,15 @@ first use (PEP 562): ``import oomguard`` and ``oomguard --help`` import no torch
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+# First, before anything else is imported: the `oomguard` command's Ctrl-C handler, so that
+# a Ctrl-C while the command line loads waits for its `main` (a no-op in any other program).
+from oomguard.engine.cli.interrupt import install_at_start as _install_at_start
+
+_install_at_start()
+del _install_at_start
+
+import importlib  # noqa: E402 - after the handler, on purpose
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 __version__ = "0.1.0"
 

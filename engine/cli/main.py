@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from oomguard.engine.cli.interrupt import Signals, Terminated
 from oomguard.engine.cli.logs import setup_logging
 from oomguard.engine.errors import SearchFailed, UsageError
 
@@ -91,16 +92,38 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``oomguard`` console script; returns the exit code. Ctrl-C
-    anywhere (parser, imports, a search) is one line, ``oomguard: interrupted``, exit 130."""
+    anywhere (parser, imports, a search) is one line, ``oomguard: interrupted``, exit 130;
+    SIGTERM ``oomguard: terminated``, 143. Neither is lost while torch imports, nor raised
+    after the command's last line (:mod:`~oomguard.engine.cli.interrupt`). Called from a
+    program, it takes SIGINT and SIGTERM for the call only."""
+    # The command's handler, installed when the package was first imported; else ours now.
+    signals = Signals.current()
+    own = signals is None
+    if own:
+        signals = Signals.install()
+    was_armed = signals is not None and signals.armed
     try:
+        if signals is not None:
+            signals.arm()  # a signal that came while the command line loaded is raised here
         return _main(sys.argv[1:] if argv is None else list(argv))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if signals is not None:
+            signals.disarm()  # a second Ctrl-C cannot cut the cleanup and the line short
         if "multiprocessing" in sys.modules:  # children (they ignore SIGINT) end first
             from oomguard.engine.core.child import stop_children
 
             stop_children()
-        print("oomguard: interrupted", file=sys.stderr)
-        return 130
+        terminated = isinstance(exc, Terminated)
+        print(f"oomguard: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
+    finally:
+        if signals is not None:
+            if own:
+                signals.restore()
+            elif not was_armed:  # the console script's: ignored from here to the exit
+                signals.disarm()
+            else:  # main called inside main: the outer call's stays armed
+                signals.armed = True
 
 
 def _main(argv: list[str]) -> int:
@@ -118,9 +141,11 @@ def _main(argv: list[str]) -> int:
             args.plugin = load_plugins(args.plugin)  # resolved, as a report records them
         return int(args.func(args) or 0)
     except UsageError as exc:
+        _last_word()
         print(f"oomguard: error: {exc}", file=sys.stderr)
         return 2
     except SearchFailed as exc:  # the trials that ran are in exc.result (and any report)
+        _last_word()
         if exc.__cause__ is not None:  # a crash or a bug ended it: show where, then the summary
             traceback.print_exception(exc.__cause__, file=sys.stderr)
         print(f"oomguard: {exc}", file=sys.stderr)
@@ -128,6 +153,14 @@ def _main(argv: list[str]) -> int:
     except BrokenPipeError:  # e.g. `oomguard probe --json | head`
         sys.stderr.close()
         return 0
+
+
+def _last_word() -> None:
+    """The command is saying its last line: a Ctrl-C from here on is not raised (it would
+    cut that line and add another)."""
+    signals = Signals.current()
+    if signals is not None:
+        signals.disarm()
 
 
 if __name__ == "__main__":

@@ -307,8 +307,20 @@ class Child(contextlib.AbstractContextManager["Child"]):
                  capture_stderr: bool = False, stack_on_stop: bool = False,
                  own_group: bool = False) -> None:
         self.conn, send = ctx.Pipe(duplex=False)
-        self.stderr_path = _temp_file(".stderr") if capture_stderr else None
-        self.stack_path = _temp_file(".stack") if stack_on_stop else None
+        self.stderr_path: str | None = None
+        self.stack_path: str | None = None
+        try:
+            self.stderr_path = _temp_file(".stderr") if capture_stderr else None
+            self.stack_path = _temp_file(".stack") if stack_on_stop else None
+            self._start(ctx, send, fn, args, name, own_group)
+        except BaseException:  # Ctrl-C or SIGTERM meanwhile: no `with` will clean up
+            self._abandon()
+            raise
+        finally:
+            send.close()
+
+    def _start(self, ctx: Any, send: Any, fn: Callable[..., Any], args: tuple[Any, ...],
+               name: str | None, own_group: bool) -> None:
         if ctx.get_start_method() == "forkserver":  # running from here on (a dead one restarts)
             start_forkserver()
             parent = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
@@ -326,7 +338,20 @@ class Child(contextlib.AbstractContextManager["Child"]):
         # fork, a Ctrl-C then cannot print a traceback from it; _enter unblocks them.
         with _sigint_blocked():
             self.proc.start()
-        send.close()
+
+    def _abandon(self) -> None:
+        """After an interrupted start: the child killed if it started, the pipe closed, the
+        temporary files removed (the command's Ctrl-C leaves none behind)."""
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.pid is not None:  # started
+            proc.kill()
+            proc.join()
+        self.conn.close()
+        for path in (self.stderr_path, self.stack_path):
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        self.stderr_path = self.stack_path = None
 
     def __exit__(self, *exc: object) -> None:
         self.stop(0)

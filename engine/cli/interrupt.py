@@ -1,0 +1,168 @@
+"""Ctrl-C and SIGTERM for the command line: never lost, never a traceback.
+
+Python's own SIGINT handler raises :class:`KeyboardInterrupt` wherever the main thread is.
+Inside an import that can be lost: torch's C code imports numpy and clears any exception
+that import raised (it then runs without numpy; the command ran on to exit 0, or failed
+later with a numpy error), and importlib's own callbacks print "Exception ignored" and go
+on. :class:`Signals` raises the signal at once, except there (:func:`_would_be_lost`):
+then it records it and raises it as soon as that part is over (checked every
+:data:`RECHECK_S` seconds with ``SIGALRM``).
+SIGTERM is raised as :class:`Terminated`, a ``KeyboardInterrupt``: the same ``finally``
+blocks and ``with`` exits run (a child's captured-stderr file is removed, a forkserver's
+socket folder too), then :func:`~oomguard.engine.cli.main.main` prints one line and
+returns 130, or 143 for SIGTERM.
+
+The console script and ``python -m oomguard`` install it when the ``oomguard`` package is
+first imported (:func:`install_at_start`), before the rest of the command line is
+imported, so that a Ctrl-C in those first milliseconds waits for ``main`` too; the window
+left is Python's own start-up (``site``) before any oomguard code runs. ``main`` called
+from a program or a test installs it for the call only and restores the handlers it found.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from types import FrameType
+
+RECHECK_S = 0.02  # seconds between checks whether a deferred signal may be raised
+# Seconds a signal waits before it is raised where it may be lost anyway: numpy's import
+# takes 0.1-0.5 s; one that hangs is still interrupted.
+DEFER_S = 5.0
+_IMPORTING = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")
+HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM in the command, raised where Ctrl-C is, so the same cleanup runs."""
+
+
+def _would_be_lost(frame: FrameType | None) -> bool:
+    """Whether an exception raised at ``frame`` may be lost: in importlib's own code (its
+    callbacks print "Exception ignored" and go on), or anywhere inside an import of numpy
+    (torch's C code imports it and clears the exception)."""
+    if frame is not None and frame.f_code.co_filename in _IMPORTING:
+        return True
+    numpy = False
+    while frame is not None:
+        name = frame.f_globals.get("__name__") or ""
+        numpy = numpy or name.partition(".")[0] == "numpy"
+        if numpy and frame.f_code.co_filename in _IMPORTING:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class Signals:
+    """The command's SIGINT and SIGTERM handler (:data:`HANDLED`), installed by
+    :meth:`install`, taken back by :meth:`restore`. A signal is raised only once
+    :meth:`arm` ran (in ``main``'s ``try``) and until :meth:`disarm` (its ``except``):
+    before, it is kept for ``arm``; after, the command's last line is out and it is ignored.
+    A second signal of a pending one is raised at once, even inside an import."""
+
+    def __init__(self) -> None:
+        self.previous: dict[int, object] = {}
+        self.pid = os.getpid()
+        self.armed = False
+        self.pending: int | None = None  # the signal recorded and not yet raised
+        self.since = 0.0  # time.monotonic() of that signal
+        self.alarm_previous: object = None  # SIGALRM's handler while a recheck is set
+
+    @classmethod
+    def install(cls) -> Signals | None:
+        """A new instance handling SIGINT and SIGTERM where they are at Python's defaults
+        (a SIGINT the shell ignores, in a background job, stays ignored); None where neither
+        is, or off the main thread (only it may set handlers: ValueError elsewhere)."""
+        defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+        self = cls()
+        try:
+            for sig in HANDLED:
+                if signal.getsignal(sig) is defaults[sig]:
+                    self.previous[sig] = signal.signal(sig, self._handle)
+        except ValueError:
+            return None
+        return self if self.previous else None
+
+    @staticmethod
+    def current() -> Signals | None:
+        """The instance handling SIGINT or SIGTERM now in this process, if one is."""
+        for sig in HANDLED:
+            owner = getattr(signal.getsignal(sig), "__self__", None)
+            if isinstance(owner, Signals) and owner.pid == os.getpid():
+                return owner
+        return None
+
+    def restore(self) -> None:
+        """The handlers found at :meth:`install` back, and no recheck left set."""
+        self._cancel_recheck()
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
+
+    def arm(self) -> None:
+        """From now on a signal is raised; one recorded before is raised now."""
+        self.armed = True
+        if self.pending is not None:
+            self._raise_or_defer(sys._getframe(1))
+
+    def disarm(self) -> None:
+        """From now on a signal is ignored (the command is saying its last line)."""
+        self.armed, self.pending = False, None
+        self._cancel_recheck()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid:  # a forked child before it set its own handlers
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        again = self.pending is not None
+        if not again:
+            self.pending, self.since = signum, time.monotonic()
+        if self.armed:
+            self._raise_or_defer(frame, at_once=again)
+
+    def _recheck(self, signum: int, frame: FrameType | None) -> None:
+        if self.armed and self.pending is not None:
+            self._raise_or_defer(frame)
+
+    def _raise_or_defer(self, frame: FrameType | None, at_once: bool = False) -> None:
+        """Raise the pending signal, unless it would be lost there (and :data:`DEFER_S` has
+        not passed): then check again in :data:`RECHECK_S` seconds."""
+        assert self.pending is not None
+        deferred = (not at_once and _would_be_lost(frame)
+                    and time.monotonic() - self.since < DEFER_S and self._set_recheck())
+        if deferred:
+            return
+        signum, self.pending = self.pending, None
+        self._cancel_recheck()
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    def _set_recheck(self) -> bool:
+        """SIGALRM in :data:`RECHECK_S` seconds calls :meth:`_recheck`; False where there
+        is no ``setitimer`` (Windows): the signal is then raised at once."""
+        if not hasattr(signal, "setitimer"):
+            return False
+        if self.alarm_previous is None:
+            self.alarm_previous = signal.signal(signal.SIGALRM, self._recheck)
+        signal.setitimer(signal.ITIMER_REAL, RECHECK_S)
+        return True
+
+    def _cancel_recheck(self) -> None:
+        if self.alarm_previous is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.alarm_previous)
+            self.alarm_previous = None
+
+
+def install_at_start() -> None:
+    """Install :class:`Signals` (not armed: a signal waits for ``main``) when this process
+    is the ``oomguard`` command: the console script, or ``python -m oomguard``. Called by
+    the ``oomguard`` package's ``__init__`` before anything else it imports; for any other
+    program that imports oomguard it does nothing."""
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    argv = getattr(sys, "orig_argv", [])
+    as_module = any(a == "-m" and b == "oomguard" for a, b in zip(argv, argv[1:], strict=False))
+    if (script in ("oomguard", "oomguard.exe") or as_module) and Signals.current() is None:
+        Signals.install()

@@ -1,0 +1,201 @@
+"""Ctrl-C and SIGTERM at any moment of a command's start-up: one line on stderr, exit 130
+(SIGTERM: 143), never lost, never a traceback, no temporary file left.
+
+The loops start the real console script as a user does and signal it at spread moments of
+its first seconds. A signal that comes before the interpreter reached oomguard's first line
+is Python's own start-up (``site``), which no package can handle: a moment is checked
+once the command's handler is in place, which the kernel shows (``SigCgt`` in
+``/proc/PID/status``: SIGTERM is caught). One more start is signalled the moment it is in
+place (the command line is still importing): the loops fail on a command that never
+installs it, and on any traceback, lost signal or second line after it did.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import in_fresh_process
+
+SCRIPT = Path(sys.executable).with_name("oomguard")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="reads /proc/PID/status")
+
+
+def _handler_installed(pid: int) -> bool:
+    """Whether process ``pid`` catches SIGTERM (the command's handler is in place)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            caught = next(line for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def _start(argv: list[str], tmp: Path) -> subprocess.Popen:
+    """The console script with its own TMPDIR and cache, SIGINT at its default (a test
+    process may ignore it, and Python then installs no handler in the command)."""
+    env = dict(os.environ, TMPDIR=str(tmp), OOMGUARD_CACHE=str(tmp / "sizes.json"))
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        return subprocess.Popen([str(SCRIPT), *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env, cwd=tmp, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _left_in(tmp: Path) -> list[str]:
+    """What a command left in its TMPDIR (torch's compile cache folder is torch's own)."""
+    return sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")
+                  and p.name != "sizes.json")
+
+
+def _signal_at_moments(tmp_path: Path, argv: list[str], moments: list[float | None],
+                       sig: int = signal.SIGINT, together: int = 4) -> list[tuple]:
+    """``argv`` started once per moment (``together`` at a time), ``sig`` sent that many
+    seconds after its start (None: as soon as its handler is in place): per start (moment,
+    handler in place when sent, exit code, stdout, stderr, files left in its TMPDIR)."""
+    results = []
+    for first in range(0, len(moments), together):
+        runs = []
+        for k, moment in enumerate(moments[first:first + together], start=first):
+            tmp = tmp_path / f"run{k}"
+            tmp.mkdir()
+            runs.append((moment, tmp, _start(argv, tmp), time.monotonic()))
+        strict = {}
+        for moment, _, proc, t0 in sorted(runs, key=lambda r: r[3] + (r[0] or 0.0)):
+            if moment is None:
+                while not _handler_installed(proc.pid) and proc.poll() is None:
+                    time.sleep(0.001)
+            else:
+                time.sleep(max(0.0, t0 + moment - time.monotonic()))
+            strict[proc.pid] = _handler_installed(proc.pid)  # before: then it meets it
+            proc.send_signal(sig)
+        for moment, tmp, proc, _ in runs:
+            out, err = proc.communicate(timeout=120)
+            results.append((moment, strict[proc.pid], proc.returncode, out, err, _left_in(tmp)))
+    return results
+
+
+def _check(results: list[tuple], finished: tuple[int, str], code: int = 130,
+           line: str = "oomguard: interrupted") -> None:
+    """Each start that met the handler: ``line`` and ``code``, or it had finished
+    (``finished``: its exit code and a text its complete output holds); no traceback, at
+    most one line on stderr, no temporary file. The start signalled as soon as the handler
+    was in place met it."""
+    assert all(met for moment, met, *_ in results if moment is None), results
+    for moment, met, rc, out, err, left in results:
+        if not met:  # Python's own start-up, before oomguard's first line
+            continue
+        what = (moment, rc, out[-300:], err[-2000:], left)
+        assert "Traceback" not in err and len(err.splitlines()) <= 1, what
+        if rc == finished[0] and finished[1] in out + err:
+            continue  # it had finished before the signal came
+        assert (rc, err) == (code, line + "\n"), what
+        assert left == [], what
+
+
+def _moments(n: int, first: float, last: float, seed: int) -> list[float]:
+    """``n`` moments spread evenly from ``first`` to ``last`` seconds, each moved by up to
+    a quarter of the step between two (the same moments on every run)."""
+    rng = random.Random(seed)
+    step = (last - first) / (n - 1)
+    return [max(0.0, first + i * step + rng.uniform(-step / 4, step / 4)) for i in range(n)]
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_twenty_moments_of_estimate_start_up_is_one_line_and_130(tmp_path: Path):
+    # The first 2 s: the interpreter, the command line, torch importing numpy (which
+    # swallowed a Ctrl-C), the model's config; estimate has not finished by then.
+    results = _signal_at_moments(tmp_path, ["estimate", "--sizes", "1,2"],
+                                 [None, *_moments(20, 0.1, 2.0, seed=37)])
+    _check(results, finished=(0, "method:"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, finished", [
+    (["probe"], (0, "cpu")),
+    (["cache", "show"], (0, "")),
+    (["show", "no-such-folder"], (2, "no such folder")),
+], ids=["probe", "cache", "show"])
+def test_ctrl_c_while_a_quick_command_starts_is_one_line_and_130(
+        tmp_path: Path, argv: list[str], finished: tuple[int, str]) -> None:
+    # These take about 0.1 s: the moments cover the interpreter's start, the imports and
+    # the command, and run past its end.
+    results = _signal_at_moments(tmp_path, argv,
+                                 [None, *_moments(10, 0.0, 0.4, seed=len(argv))])
+    _check(results, finished=finished)
+
+
+def _wait_for_child_file(tmp: Path, proc: subprocess.Popen) -> None:
+    """Until estimate's isolated child runs (its captured-stderr file is in ``tmp``)."""
+    deadline = time.monotonic() + 300
+    while not any(p.name.startswith("oomguard-child-") for p in tmp.iterdir()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code, line", [
+    (signal.SIGTERM, 143, "oomguard: terminated"),
+    (signal.SIGINT, 130, "oomguard: interrupted"),
+], ids=["SIGTERM", "SIGINT"])
+def test_estimate_stopped_while_it_replays_leaves_no_temporary_file(
+        tmp_path: Path, sig: int, code: int, line: str) -> None:
+    # The workspace replay runs in a child whose stderr goes to a temporary file, started
+    # from a forkserver whose socket is in a temporary folder: both in TMPDIR.
+    proc = _start(["estimate", "--sizes", "1,2"], tmp_path)
+    _wait_for_child_file(tmp_path, proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (code, line + "\n"), (out, err)
+    assert _left_in(tmp_path) == []
+
+
+def _interrupted_while_a_child_starts(tmp: str) -> tuple[str, list[str]]:
+    """In a fresh process: a Child whose start meets a Ctrl-C (a real SIGINT to itself,
+    sent as the process object is made); what was raised and what is left in ``tmp``."""
+    import multiprocessing as mp
+    import tempfile
+
+    from oomguard.engine.core.child import Child
+
+    tempfile.tempdir = tmp
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # children ignore it
+    fork = mp.get_context("fork")
+
+    class SignalledContext:  # the fork context, with a Ctrl-C as its process is made
+        def __getattr__(self, name: str):
+            return getattr(fork, name)
+
+        def Process(self, *args, **kwargs):  # noqa: N802 - multiprocessing's name
+            os.kill(os.getpid(), signal.SIGINT)
+            return fork.Process(*args, **kwargs)
+
+    try:
+        Child(SignalledContext(), print, capture_stderr=True)
+        raised = "nothing"
+    except KeyboardInterrupt:
+        raised = "KeyboardInterrupt"
+    return raised, sorted(os.listdir(tmp))
+
+
+@pytest.mark.slow
+def test_a_child_whose_start_is_interrupted_leaves_no_temporary_file(tmp_path: Path):
+    assert in_fresh_process(_interrupted_while_a_child_starts, str(tmp_path)) == (
+        "KeyboardInterrupt", [])
+
+
+def test_main_gives_back_the_signal_handlers_it_found(capsys: pytest.CaptureFixture[str]):
+    from oomguard.engine.cli.main import main
+
+    before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)]
+    assert main(["metrics"]) == 0
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)] == before
