@@ -108,5 +108,6 @@ def test_more_samples_than_the_host_holds_is_one_line_before_any_data_is_made(
     # 10**14 samples of 8 tokens would take about 18 PiB of ids, masks and labels
     line = one_usage_error(["run", _job(tmp_path, "seq_len = 8\nn_samples = 99999999999999")],
                            capsys)
-    assert "data.n_samples: n_samples 99999999999999 is too many" in line
-    assert "give at most" in line
+    assert "data.n_samples: 99999999999999 samples x data.seq_len 8 take " in line
+    assert line.endswith("of RAM; lower data.n_samples (at most "
+                         + line.rpartition("(at most ")[2])

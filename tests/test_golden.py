@@ -173,8 +173,8 @@ class Norm:
         placeholder = _VOLATILE_KEYS.get(key)
         if parent == "device" and key in _DEVICE_KEYS:
             placeholder = _DEVICE_KEYS[key]
-        if placeholder is None or value is None:
-            return self.json(value, key)
+        if placeholder is None or value is None or isinstance(value, bool):
+            return self.json(value, key)  # a flag ("finished": true) is kept, not a time
         return [placeholder] * len(value) if isinstance(value, list) else placeholder
 
 

@@ -132,7 +132,7 @@ def test_missing_job_file_and_bad_arguments(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.toml"
     assert main(["run", str(missing)]) == 2
-    assert capsys.readouterr().err == f"oomguard: error: {missing}: job file not found\n"
+    assert capsys.readouterr().err.startswith(f"oomguard: error: {missing}: job file not found; ")
     assert main(["run"]) == 2
     assert capsys.readouterr().err == ("oomguard: error: run: give a job file "
                                        "(oomguard run JOB.toml), or --example\n")

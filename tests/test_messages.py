@@ -22,7 +22,7 @@ PARTS = ("oomguard", "engine", "metrics", "probes", "reports")
 
 # The constructors of one-line user errors (errors.py's UsageError family, the job parser's
 # private _Bad, and argparse's two ways of refusing an option).
-RAISERS = {"UsageError", "JobError", "BudgetError", "CacheError", "_Bad",
+RAISERS = {"UsageError", "JobError", "BudgetError", "CacheError", "_Bad", "PluginClash",
            "ArgumentTypeError"}
 
 # An instruction: an imperative verb at the start of a clause ("...; give ...", "(use ...",
@@ -40,9 +40,22 @@ INSTRUCTION = re.compile(rf"(^|[;:(—]\s*|,\s*(or|and|then)?\s*|\b(or|then|and|
 VALUE_ERRORS_ARE_USER_ERRORS = {"engine/jobs/spec.py", "engine/jobs/data.py",
                                 "engine/jobs/plugins.py", "engine/util/units.py"}
 
-# Raise sites whose message is not a literal: each re-raises a message built, and checked by
-# this test, elsewhere. A new dynamic site must be added here with the reason it is safe.
+# Raise sites whose message is computed, or a prefix (file, field) around another message:
+# each passes on a message built, and checked by this test, elsewhere. A new one must be added
+# here with the reason it is safe.
 DYNAMIC = {
+    ("engine/jobs/output.py", "f'{out}: cannot write the output folder ({exc.strerror or exc}); "
+     "{fix}'"): "fix= is an instruction: 'give a writable --out' or verify's own",
+    ("engine/jobs/plugins.py", "f'cannot import {spec!r}: {exc}'"): "a PluginClash, scanned",
+    ("engine/jobs/reference.py", "f'{p}: metrics[{i}]: {exc}'"): "get_metric's UsageError, "
+    "scanned",
+    ("engine/jobs/reference.py", "f'{source}: {exc}'"): "check_size's ValueError (jobs/data.py), "
+    "scanned",
+    ("engine/jobs/spec.py", "f\"{self.path}{(f', line {line}' if line else '')}: {where}: "
+     "{message}\""): "the job parser's error(where, message): its messages are scanned",
+    ("engine/jobs/spec.py", "str(exc).removeprefix(f'{f.key}: ')"): "a field converter's "
+    "ValueError: the converters' messages (spec.py, data.py, remedies.py, base.py) are scanned",
+    ("engine/jobs/spec.py", "f.missing"): "the _Field(missing=...) texts, scanned",
     ("engine/core/search/config.py", "message"): "_require(ok, message): its callers are scanned",
     ("engine/cli/options.py", "f'--plugin {exc}'"): "load_plugin's ValueError (jobs/plugins.py), "
     "scanned",

@@ -29,7 +29,7 @@ def _error(text: str, tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("colour = 1\n" + METRIC, f"line 1: colour: unknown field; valid top-level fields are {TOP}"),
+    ("colour = 1\n" + METRIC, f"line 1: colour: unknown field (remove it, or fix its name); valid top-level fields are {TOP}"),
     ("device = 3\n" + METRIC, "line 1: device: expected a string, got int 3"),
     ('device = "tpu"\n' + METRIC, "line 1: device: unknown device 'tpu': use cpu, cuda, cuda:N "
                                   "or mps"),
@@ -54,11 +54,11 @@ def _error(text: str, tmp_path: Path) -> str:
     ('plugins = ["no_such_module_xyz"]\n' + METRIC,
      "line 1: plugins[0]: cannot import 'no_such_module_xyz': No module named "
      "'no_such_module_xyz'"),
-    ('on_oom = ["halve", "pray"]\n' + METRIC, "line 1: on_oom: unknown remedy 'pray': valid "
-                                              "remedies are halve, bfloat16, float16, "
+    ('on_oom = ["halve", "pray"]\n' + METRIC, "line 1: on_oom: unknown remedy 'pray': use "
+                                              "one of halve, bfloat16, float16, "
                                               "expandable_segments, cpu"),
     ("data = 3\n" + METRIC, "line 1: data: expected a table [data], got int"),
-    ("[data]\nsize = 3\n" + METRIC, "line 2: data.size: unknown field; valid: source, path, "
+    ("[data]\nsize = 3\n" + METRIC, "line 2: data.size: unknown field (remove it, or fix its name); valid: source, path, "
                                     "seq_len, n_samples"),
     ('[data]\nsource = "web"\n' + METRIC, "line 2: data.source: unknown source 'web': use one "
                                           "of generated, text, tokens, bytes"),
@@ -70,7 +70,7 @@ def _error(text: str, tmp_path: Path) -> str:
     ('[data]\nsource = "text"\npath = "missing.txt"\n' + METRIC,
      "line 3: data.path: data file not found: {tmp}/missing.txt"),
     ("search = 1\n" + METRIC, "line 1: search: expected a table [search], got int"),
-    ("[search]\nfoo = 1\n" + METRIC, "line 2: search.foo: unknown field; valid: confirm, "
+    ("[search]\nfoo = 1\n" + METRIC, "line 2: search.foo: unknown field (remove it, or fix its name); valid: confirm, "
                                      "enabled, isolate, margin, max_seconds, max_size, "
                                      "max_trials, size_step, start, steps_per_trial, strategy, "
                                      "trial_timeout"),
@@ -86,7 +86,7 @@ def _error(text: str, tmp_path: Path) -> str:
     ('models = ["tiny-gpt2"]\n', "metrics: no metrics: add at least one [[metrics]] table with "
                                  "a name"),
     ("metrics = [1, 2]\n", "line 1: metrics: expected [[metrics]] tables"),
-    (METRIC + "colour = 1\n", "line 3: metrics[0].colour: unknown field; valid: id, name, "
+    (METRIC + "colour = 1\n", "line 3: metrics[0].colour: unknown field (remove it, or fix its name); valid: id, name, "
                               "on_oom, params, sizes, time_limit"),
     ('[[metrics]]\nid = "x"\n', "line 1: metrics[0].name: missing: every [[metrics]] needs a "
                                 "name"),

@@ -64,7 +64,8 @@ def parse_sizes(text: str, option: str = "--sizes") -> list[int]:
             raise UsageError(f"{option}: {item.strip()!r} is not an integer: give positive "
                              "integers separated by commas, e.g. 1,8,32") from None
         if size <= 0:
-            raise UsageError(f"{option}: every size must be a positive integer, got {size}")
+            raise UsageError(f"{option}: every size must be a positive integer, got {size}; "
+                             "give 1 or more")
         sizes.append(size)
     return sizes
 
@@ -77,7 +78,8 @@ def build_workload(args: argparse.Namespace) -> Any:
     if args.metric == TRAIN_STEP:
         for option, value in (("--knob", args.knob), ("--samples", args.samples)):
             if value is not None:
-                raise UsageError(f"{option} is for metrics; {TRAIN_STEP} sizes are batch sizes")
+                raise UsageError(f"{option} is for metrics; {TRAIN_STEP} sizes are batch sizes: "
+                                 f"drop {option}, or give --metric")
         from oomguard.metrics.train_step import TrainStep
 
         check_seq_len(model_config(args.model), args.seq_len)
@@ -89,7 +91,7 @@ def build_workload(args: argparse.Namespace) -> Any:
         get_metric(args.metric)
     except UsageError as exc:
         raise UsageError(f"unknown metric {args.metric!r}: use {TRAIN_STEP} or a metric "
-                         f"({str(exc).partition('valid metrics are ')[2]})") from None
+                         f"({str(exc).partition('use one of ')[2]})") from None
     check_seq_len(model_config(args.model), args.seq_len)
     # MetricTrial checks the knob and whether the metric supports the model, from its config.
     return MetricTrial(metric=args.metric, knob=args.knob, model=args.model,

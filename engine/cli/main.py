@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import re
 import sys
 import traceback
@@ -135,6 +136,10 @@ def _main(argv: list[str]) -> int:
     quiet = logging.INFO if args.command == "run" else logging.WARNING
     setup_logging(logging.DEBUG if args.verbose else quiet)
     try:
+        if "OOMGUARD_SWALLOWED_OOMS" in os.environ:  # a bad value: one line before any work
+            from oomguard.engine.core.memory.swallowed import spotter_mode
+
+            spotter_mode()
         if getattr(args, "plugin", None):  # the commands that take --plugin (options.py)
             from oomguard.engine.cli.options import load_plugins
 

@@ -42,9 +42,11 @@ def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a whole number "
+                                         "such as 16") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}; give 1 "
+                                         "or more")
     return value
 
 
@@ -59,7 +61,8 @@ def margin(text: str) -> float | str:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a fraction nor 'measured'") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a fraction nor 'measured'; "
+                                         "give one such as 0.05, or measured") from None
 
 
 def size(text: str) -> int:
@@ -76,7 +79,7 @@ def budget_size(text: str) -> int | str:
     try:
         return parse_size(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{exc}; or 'none' for no budget") from None
+        raise argparse.ArgumentTypeError(f"{exc}; or give 'none' for no budget") from None
 
 
 def warn_deprecated(old: str, new: str) -> None:
@@ -182,12 +185,15 @@ def check_workload(args: argparse.Namespace) -> None:
     for dest in ("seq_len", "samples"):
         value = getattr(args, dest, None)
         if value is not None and value <= 0:
-            raise UsageError(f"--{dest.replace('_', '-')} must be a positive integer, got {value}")
+            raise UsageError(f"--{dest.replace('_', '-')} must be a positive integer, got "
+                             f"{value}; give 1 or more")
     if getattr(args, "seq_len", None) is not None:
-        from oomguard.engine.jobs.data import check_seq_len_floor
+        from oomguard.engine.jobs.data import check_samples, check_seq_len_floor
 
         try:
             check_seq_len_floor(args.seq_len, "--seq-len")
+            given = getattr(args, "samples", None)  # None: the command's default count
+            check_samples(given or 1, args.seq_len, given and "--samples", "--seq-len")
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         # the search options, as given (a search caps them at the knob's useful sizes)
@@ -233,7 +239,8 @@ def search_config(args: argparse.Namespace, dev: torch.device) -> Any:
 
     start, top = getattr(args, "start", None), getattr(args, "max_size", None)
     if start is not None and top is not None and start > top:
-        raise UsageError(f"--start {start} is larger than --max-size {top}")
+        raise UsageError(f"--start {start} is larger than --max-size {top}; lower --start "
+                         "or raise --max-size")
     nbytes = default_budget(dev, args.budget)
     if nbytes is not None:
         check_budget(nbytes, dev)

@@ -144,7 +144,8 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     from oomguard.reports.reference_estimate import render_estimate_markdown
 
     if (args.gpu is None) == (args.memory is None):
-        raise UsageError("--estimate needs one of --gpu NAME or --memory BYTES (e.g. 24GiB)")
+        raise UsageError("--estimate needs one of --gpu NAME or --memory BYTES: give one, "
+                         "such as --memory 24GiB")
     device = args.device or "cuda"
     if args.gpu is not None:
         if device.split(":")[0] != "cuda":
@@ -158,7 +159,8 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     margin = SearchConfig.margin if args.margin is None else args.margin  # one default
     if not isinstance(margin, float):
         raise UsageError("--margin for --estimate is a fraction in [0, 1) (nothing is "
-                         "measured, so 'measured' has no spread to read)")
+                         "measured, so 'measured' has no spread to read); give one such as "
+                         "0.05")
     names = _metric_names(args.metric)
     check_seq_len(model_config(args.model), args.seq_len)
     batches = parse_sizes(args.batches, "--batches") if args.batches else []
@@ -169,7 +171,8 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
             measured = read_json(args.measured)  # refuses hostile nesting
         except (OSError, ValueError) as exc:
             raise UsageError(f"--measured {args.measured}: cannot read a reference.json "
-                             f"({getattr(exc, 'strerror', None) or exc})") from None
+                             f"({getattr(exc, 'strerror', None) or exc}); give the reference.json "
+                             "that `oomguard reference` wrote") from None
         check_measured(measured, model=args.model, dtype=args.dtype, seq_len=args.seq_len,
                        n_samples=args.samples)  # before any estimate, not after them all
     out = Path(args.out)

@@ -46,7 +46,7 @@ def _rebuild(spec: Any, where: Path, plugins: Any = None) -> Any:
     if kind not in _KINDS or not isinstance(spec.get("fields"), dict):
         raise UsageError(f"{where} does not describe a built-in workload oomguard can rebuild "
                          "(written by an older oomguard, or by write_report from your own "
-                         "code): verify your own workload with search(..., verify_steps=N)")
+                         "code): run search(..., verify_steps=N) to verify your own workload")
     cls = getattr(importlib.import_module(_KINDS[kind]), kind)
     try:
         return cls(**spec["fields"])

@@ -104,20 +104,26 @@ def check_size(size: int, seq_len: int, what: str) -> None:
 _BYTES_PER_TOKEN = 3 * 8
 
 
-def check_samples(n_samples: int, seq_len: int, what: str = "n_samples") -> None:
-    """ValueError (one line, naming ``what``) when the data of ``n_samples x seq_len`` tokens
-    (ids, mask and labels: 24 bytes a token, held on the host at once) is larger than this
-    machine's RAM (``/proc/meminfo`` ``MemTotal``, measured; unchecked where unreadable)."""
+def check_samples(n_samples: int, seq_len: int, samples: str | None = "n_samples",
+                  seq_len_name: str = "seq_len") -> None:
+    """ValueError (one line) when the data of ``n_samples x seq_len`` tokens (ids, mask and
+    labels: 24 bytes a token, held on the host at once) is larger than this machine's RAM
+    (``/proc/meminfo`` ``MemTotal``, measured; unchecked where unreadable). The message asks
+    to lower ``samples`` (the option or field that gave the count; None: a default the user
+    never gave, so only ``seq_len_name`` is named) or ``seq_len_name``."""
     from oomguard.engine.util.units import fmt_bytes
     from oomguard.probes.host import physical_memory
 
     need = n_samples * max(seq_len, 1) * _BYTES_PER_TOKEN
     total = physical_memory()[0]
-    if total and need > total:
-        most = max(1, total // (max(seq_len, 1) * _BYTES_PER_TOKEN))
-        raise ValueError(f"{what} {n_samples} is too many: {n_samples} x seq_len {seq_len} "
-                         f"tokens take {fmt_bytes(need)} on the host, more than its "
-                         f"{fmt_bytes(total)} of RAM; give at most {most}")
+    if not total or need <= total:
+        return
+    most = total // (max(seq_len, 1) * _BYTES_PER_TOKEN)
+    lower = (f"{samples} (at most {most} at this {seq_len_name}) or {seq_len_name}"
+             if samples and most >= 1 else seq_len_name)
+    raise ValueError(f"{n_samples} sample{'s' * (n_samples != 1)} x {seq_len_name} {seq_len} take {fmt_bytes(need)} "
+                     f"on the host (ids, masks and labels), more than its {fmt_bytes(total)} "
+                     f"of RAM; lower {lower}")
 
 
 def check_vocab(spec: DataSpec, vocab_size: int | None, seed: int = 0) -> None:

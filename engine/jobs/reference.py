@@ -205,14 +205,16 @@ def load_sizes(path: str | Path) -> SizesFile:
     try:
         doc = tomllib.loads(p.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise JobError(f"{p}: cannot read the sizes file ({exc.strerror or exc})") from None
+        raise JobError(f"{p}: cannot read the sizes file ({exc.strerror or exc}); check "
+                       "the path and its permissions") from None
     except ValueError as exc:
         raise JobError(f"{p}: not a valid TOML sizes file ({exc}); write it again with "
                        "`oomguard reference`") from None
     meta, metrics = doc.get("reference"), doc.get("metrics")
     if not isinstance(meta, dict) or not isinstance(metrics, list):
         raise JobError(f"{p}: a sizes file needs a [reference] table and [[metrics]] blocks, "
-                       "as `oomguard reference` writes them")
+                       "as `oomguard reference` writes them; write it again with "
+                       "`oomguard reference`")
     sizes: dict[str, dict[str, int]] = {}
     capped: dict[str, dict[str, int]] = {}
     for i, m in enumerate(metrics):
@@ -220,7 +222,7 @@ def load_sizes(path: str | Path) -> SizesFile:
         if not isinstance(name, str) or not isinstance(knobs, dict) or not all(
                 _whole(v) for v in knobs.values()):
             raise JobError(f"{p}: metrics[{i}] needs a name and sizes of positive whole "
-                           "numbers, e.g. sizes = {{ micro_batch_size = 8 }}")
+                           "numbers: give them, e.g. sizes = {{ micro_batch_size = 8 }}")
         caps = m.get("capped", {})
         if not isinstance(caps, dict) or not all(
                 k in knobs and _whole(v) for k, v in caps.items()):

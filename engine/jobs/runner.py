@@ -161,7 +161,8 @@ def run_job(job: Job, *, cache_path: str | os.PathLike[str] | None = None, searc
         try:
             lock.acquire()
         except Timeout:
-            raise JobError(f"{out}: another oomguard run is using this output folder") from None
+            raise JobError(f"{out}: another oomguard run is using this output folder; "
+                           "wait for it to end, or give another --out") from None
         try:
             claim(out, job, force)
             record(out, job, [t.key for t in tasks])  # the record first: it says whose files
@@ -195,19 +196,18 @@ def _run_locked(tasks: list[Task], ctx: Context, backend: Any, progress: bool | 
         with Steps(len(tasks), "metrics", job.name, wanted(progress)) as steps:
             sink = Progress(n_tasks=len(tasks), steps=steps, results=results)
             todo = []
-            for i, task in enumerate(tasks, start=1):
+            for task in tasks:
                 done = read_result(out, task.key)
                 if done is not None and done.ok:
                     why = stale_reasons(done, task, out)
                     if not why:
                         journal.append("skip", task=task.key, run=run_id, reason="already done")
-                        log.info("[%d/%d] %s: already done, kept", i, len(tasks), task.key)
                         sink.skipped(done)
                         continue
                     moved = set_aside(out, task.key, done)
                     journal.append("stale", task=task.key, run=run_id, reasons=why, moved_to=moved)
-                    log.warning("[%d/%d] %s: rerunning, because %s (the old result is in %s)",
-                                i, len(tasks), task.key, "; ".join(why), moved)
+                    log.warning("%s: rerunning, because %s (the old result is in %s)",
+                                task.key, "; ".join(why), moved)
                     task = dataclasses.replace(task, rerun_because=tuple(why))
                 todo.append(task)
             backend.run(todo, ctx, journal, stop, sink)

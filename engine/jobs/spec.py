@@ -33,7 +33,13 @@ from oomguard.engine.core.execute.remedies import parse_on_oom
 from oomguard.engine.core.memory.budget import MIN_CPU_BUDGET
 from oomguard.engine.core.search.config import SearchConfig
 from oomguard.engine.errors import JobError, UsageError, first_line
-from oomguard.engine.jobs.data import check_data, check_seq_len_floor, check_size, check_vocab
+from oomguard.engine.jobs.data import (
+    check_data,
+    check_samples,
+    check_seq_len_floor,
+    check_size,
+    check_vocab,
+)
 from oomguard.engine.jobs.example import example_text
 from oomguard.engine.jobs.plugins import import_plugin, load_plugin
 from oomguard.engine.jobs.records import DataSpec, Job, MetricSpec, SearchSpec
@@ -62,7 +68,8 @@ _ID = re.compile(r"^(?!\.+$)[A-Za-z0-9_.-]+$")  # a file-name part (results/<id>
 def parse_duration(value: Any) -> float:
     """Seconds from a number or a string like ``"90"``, ``"90s"``, ``"20m"``, ``"1h30m"``."""
     if isinstance(value, bool):
-        raise ValueError(f"expected a duration, got {value!r}")
+        raise ValueError(f"expected a duration, got {value!r}; give seconds such as 90, "
+                         "or \"20m\"")
     if isinstance(value, (int, float)):
         seconds = float(value)
     elif isinstance(value, str) and (m := _DURATION.match(value)) and any(m.groups()):
@@ -70,9 +77,10 @@ def parse_duration(value: Any) -> float:
         seconds = h * 3600 + mi * 60 + s
     else:
         raise ValueError(f"expected a duration like 90, \"90s\", \"20m\" or \"1h30m\", "
-                         f"got {value!r}")
+                         f"got {value!r}; give one of those")
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"a duration must be a positive, finite number of seconds, got {value!r}")
+        raise ValueError(f"a duration must be a positive, finite number of seconds, got "
+                         f"{value!r}; give one such as 90 or \"20m\"")
     return seconds
 
 
@@ -170,7 +178,8 @@ def _models(value: list | str, _: dict[str, Any]) -> dict[str, Any]:
     configs = {}
     for i, spec in enumerate(specs):
         if not isinstance(spec, str):
-            raise _Bad(f"expected a string, got {spec!r}", f"models[{i}]")
+            raise _Bad(f"expected a string, got {spec!r}; give a quoted model spec",
+                       f"models[{i}]")
         try:
             configs[spec] = model_config(spec)
         except (ValueError, OSError, KeyError) as exc:
@@ -186,7 +195,8 @@ def _plugins(value: list, got: dict[str, Any]) -> tuple[str, ...]:
     plugins, defined = [], {}
     for i, plug in enumerate(value):
         if not isinstance(plug, str):
-            raise _Bad(f"expected a string, got {plug!r}", f"plugins[{i}]")
+            raise _Bad(f"expected a string, got {plug!r}; give a quoted path or module",
+                       f"plugins[{i}]")
         try:
             plugins.append(load_plugin(plug, got["base"], defined))
         except ValueError as exc:
@@ -204,7 +214,8 @@ def _params(value: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
                        "it", f"params.{key}")
         if key not in result:
             raise _Bad(f"unknown parameter of {got['name']!r}; its result-defining parameters "
-                       f"are {', '.join(result) or '(none)'}", f"params.{key}")
+                       f"are {', '.join(result) or '(none)'}: remove it, or use one of them",
+                       f"params.{key}")
     return value
 
 
@@ -214,13 +225,13 @@ def _sizes(value: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
     for key in value:
         if key not in memory:
             raise _Bad(f"not a memory knob of {got['name']!r}; its memory knobs are "
-                       f"{', '.join(memory) or '(none)'}", f"sizes.{key}")
+                       f"{', '.join(memory) or '(none)'}: remove it, or use one of them", f"sizes.{key}")
     return value
 
 
 _STR, _TABLE = (str,), (dict,)
 _POSITIVE = {"kinds": (int,), "expected": "a positive integer",
-             "convert": _must(lambda v: v > 0, "expected a positive integer, got {v!r}")}
+             "convert": _must(lambda v: v > 0, "expected a positive integer, got {v!r}; give 1 or more")}
 _DURATION_FIELD = {"kinds": None, "convert": lambda v, _: parse_duration(v)}
 _LADDER = {"kinds": None, "default": None, "convert": lambda v, _: parse_on_oom(v)}
 # The tables of a job file, each in the order its fields are read.
@@ -258,7 +269,7 @@ _SEARCH = (_Field("enabled", **_BOOL), _Field("strategy", _STR, "a string"),
 _SEARCH_OLD = (_Field("step", **_POSITIVE), _Field("estimate", **_BOOL))
 _METRIC = (
     _Field("name", _STR, "a string", convert=lambda v, _: get_metric(v) and v,
-           missing="missing: every [[metrics]] needs a name"),
+           missing="missing: every [[metrics]] needs a name; add one, such as name = \"loss\""),
     _Field("id", _STR, "a string", convert=_must(lambda v: _ID.match(v),
            "{v!r}: use letters, digits, '_', '-', '.'")),
     _Field("params", _TABLE, "a table", {}, _params),
@@ -281,7 +292,8 @@ class _Reader:
     def table(self, doc: dict[str, Any], key: str) -> dict[str, Any]:
         value = doc.get(key, {})
         if not isinstance(value, dict):
-            raise self.error(key, f"expected a table [{key}], got {type(value).__name__}")
+            raise self.error(key, f"expected a table [{key}], got {type(value).__name__}; "
+                             f"write it as a [{key}] table")
         return value
 
     def read(self, table: dict[str, Any], fields: tuple[_Field, ...], prefix: str,
@@ -293,7 +305,7 @@ class _Reader:
         extra = sorted(set(table) - {f.key for f in fields} - set(() if prefix else _SECTIONS))
         if extra:
             valid = valid or "valid: " + ", ".join(sorted(f.key for f in fields))
-            raise self.error(prefix + extra[0], f"unknown field; {valid}")
+            raise self.error(prefix + extra[0], f"unknown field (remove it, or fix its name); {valid}")
         for f in fields:
             if f.key in table:
                 got[f.key] = self._value(table[f.key], f, got, prefix)
@@ -307,7 +319,8 @@ class _Reader:
         where = prefix + f.key
         if f.kinds is not None and (not isinstance(value, f.kinds)
                                     or (isinstance(value, bool) and bool not in f.kinds)):
-            raise self.error(where, f"expected {f.expected}, got {type(value).__name__} {value!r}")
+            raise self.error(where, f"expected {f.expected}, got {type(value).__name__} "
+                                    f"{value!r}; give {f.expected}")
         try:
             return f.convert(value, got) if f.convert else value
         except _Bad as exc:  # about part of the field: at the field's own line
@@ -335,9 +348,11 @@ def load_job(path: str | Path, *, output: str | None = None) -> Job:
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise JobError(f"{path}: job file not found") from None
+        raise JobError(f"{path}: job file not found; check the path, or write one with "
+                       "`oomguard run --example > job.toml`") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise JobError(f"{path}: cannot read the job file: {exc}") from None
+        raise JobError(f"{path}: cannot read the job file: {exc}; check its permissions, "
+                       "and save it as UTF-8") from None
     return parse_job(text, path=str(p), base=p.resolve().parent, output=output)
 
 
@@ -353,7 +368,7 @@ def parse_job(text: str, *, path: str = "<job>", base: Path | None = None,
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:  # the message carries "(at line L, column C)"
-        raise JobError(f"{path}: not valid TOML: {exc}") from None
+        raise JobError(f"{path}: not valid TOML: {exc}; fix the line it names") from None
     except RecursionError:  # arrays or inline tables nested ~900 deep: the parser recurses
         doc = None
     if doc is None or _deeper_than(doc, MAX_DEPTH):
@@ -460,6 +475,10 @@ def _check_fits(r: _Reader, top: dict[str, Any], data: DataSpec, search: SearchS
                 metrics: tuple[MetricSpec, ...]) -> None:
     """What no model can run, refused before the job starts: token ids outside a model's
     vocabulary, and sizes whose batch no device holds (:mod:`~oomguard.engine.jobs.data`)."""
+    try:
+        check_samples(data.n_samples, data.seq_len, "data.n_samples", "data.seq_len")
+    except ValueError as exc:
+        raise r.error("data.n_samples", str(exc)) from None
     for i, config in enumerate(top["models"].values()):
         try:
             check_vocab(data, getattr(config, "vocab_size", None), top["seed"])

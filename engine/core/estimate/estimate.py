@@ -173,7 +173,8 @@ class StorageCounter(TorchDispatchMode):
                     return func(args[0], indices, *args[2:], **kwargs)
                 raise UsageError(
                     f"cannot estimate this workload without running it: {func} makes a tensor "
-                    "whose shape depends on values computed from the model") from exc
+                    "whose shape depends on values computed from the model; run a search "
+                    "instead (it measures)") from exc
         key = _real_key(func, args, kwargs) if REAL_CACHE else None
         if key is None or key not in _RUNS_REAL:
             try:  # real inputs (or none): the outputs' sizes first, from a fake run
@@ -249,7 +250,8 @@ def fake_device(device: str | torch.device) -> tuple[torch.device, list[str]]:
     except (RuntimeError, TypeError):
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda"):
-        raise UsageError(f"estimates are for cpu or cuda (cuda:N), got {str(device)!r}")
+        raise UsageError(f"estimates are for cpu or cuda (cuda:N), got {str(device)!r}; "
+                         "give one of those")
     if dev.type == "cuda" and not torch.backends.cuda.is_built():
         return torch.device("cpu"), [
             f"estimated on cpu for {dev}: this torch build has no CUDA, which fake CUDA tensors "
