@@ -143,6 +143,9 @@ DEEP = "[" * 101 + "]" * 101  # past the nesting any file oomguard writes has
      "results (nested deeper than 100 levels)"),
     ({"job.json": JOB_JSON, "results/loss.json": f'{{"task": {NESTED}}}'},
      "loss.json: cannot read a metric's result (nested deeper than 100 levels)"),
+    # a record naming a task that climbs out would read a file outside the folder
+    ({"job.json": json.dumps({"name": "j", "path": "/j.toml", "tasks": ["../../secret"]})},
+     "job.json: 'results/../../secret.json' cannot be a path inside"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path, capsys, files, message) -> None:
     out = _folder(tmp_path, files)

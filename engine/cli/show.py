@@ -20,6 +20,7 @@ from typing import Any
 from oomguard.engine.errors import UsageError, size_list
 from oomguard.engine.jobs.journal import replay
 from oomguard.engine.jobs.records import FAILED, INTERRUPTED, OK, PENDING, TaskResult
+from oomguard.engine.util.atomic import inside
 from oomguard.engine.util.jsonable import json_text, read_json
 
 NOT_RUN, RUNNING = "not run", "running"
@@ -48,8 +49,13 @@ def _read_json(path: Path, what: str) -> Any:
 
 
 def _result(out: Path, key: str) -> TaskResult | None:
-    """``results/<key>.json`` (None when absent); a UsageError when it is corrupt."""
-    path = out / "results" / f"{key}.json"
+    """``results/<key>.json`` (None when absent); a UsageError when it is corrupt, or when
+    ``key`` (read from the folder's job record) would make it a path outside ``out``."""
+    try:
+        path = inside(out, f"results/{key}.json")
+    except ValueError as exc:
+        raise UsageError(f"{out / 'job.json'}: {exc}; run the job again to rewrite its "
+                         "record") from None
     if not path.exists():
         return None
     try:
