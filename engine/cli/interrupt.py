@@ -1,12 +1,14 @@
 """Ctrl-C and SIGTERM for the command line: never lost, never a traceback.
 
 Python's own SIGINT handler raises :class:`KeyboardInterrupt` wherever the main thread is.
-Inside an import that can be lost: torch's C code imports numpy and clears any exception
-that import raised (it then runs without numpy; the command ran on to exit 0, or failed
-later with a numpy error), and importlib's own callbacks print "Exception ignored" and go
-on. :class:`Signals` raises the signal at once, except there (:func:`_would_be_lost`):
-then it records it and raises it as soon as that part is over (checked every
-:data:`RECHECK_S` seconds with ``SIGALRM``).
+Inside an import that can be lost or worse: torch's C code imports numpy and clears any
+exception that import raised (it then runs without numpy; the command ran on to exit 0,
+or failed later with a numpy error), transformers turns it into a ModuleNotFoundError
+traceback, and one raised while torch's C++ calls back into Python aborts the process
+(SIGABRT, a C++ traceback). :class:`Signals` raises the signal at once outside imports;
+inside one (:func:`_would_be_lost`) it records it and raises it as soon as the import is
+over (checked every :data:`RECHECK_S` seconds with ``SIGALRM``): importing torch takes
+1-3 s on an idle machine.
 SIGTERM is raised as :class:`Terminated`, a ``KeyboardInterrupt``: the same ``finally``
 blocks and ``with`` exits run (a child's captured-stderr file is removed, a forkserver's
 socket folder too), then :func:`~oomguard.engine.cli.main.main` prints one line and
@@ -28,9 +30,10 @@ import time
 from types import FrameType
 
 RECHECK_S = 0.02  # seconds between checks whether a deferred signal may be raised
-# Seconds a signal waits before it is raised where it may be lost anyway: numpy's import
-# takes 0.1-0.5 s; one that hangs is still interrupted.
-DEFER_S = 5.0
+# Seconds a signal waits for an import to end before it is raised inside it anyway, so that
+# an import that hangs (a plugin's) is still interrupted: torch's took up to 13 s on 2
+# cores under a load of 12. A second Ctrl-C is raised at once.
+DEFER_S = 30.0
 _IMPORTING = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 
@@ -40,16 +43,14 @@ class Terminated(KeyboardInterrupt):
 
 
 def _would_be_lost(frame: FrameType | None) -> bool:
-    """Whether an exception raised at ``frame`` may be lost: in importlib's own code (its
-    callbacks print "Exception ignored" and go on), or anywhere inside an import of numpy
-    (torch's C code imports it and clears the exception)."""
-    if frame is not None and frame.f_code.co_filename in _IMPORTING:
-        return True
-    numpy = False
+    """Whether an exception raised at ``frame`` may be lost or abort: anywhere inside an
+    import (importlib's bootstrap runs below it). Torch's C code imports numpy and clears
+    what that import raised; torch's C++ calls back into Python while torch imports
+    (``torch.distributed``'s ``_c10d_init``: a KeyboardInterrupt there is a C++ exception
+    nothing catches, ``terminate called``, SIGABRT); importlib's own callbacks print
+    "Exception ignored" and go on."""
     while frame is not None:
-        name = frame.f_globals.get("__name__") or ""
-        numpy = numpy or name.partition(".")[0] == "numpy"
-        if numpy and frame.f_code.co_filename in _IMPORTING:
+        if frame.f_code.co_filename in _IMPORTING:
             return True
         frame = frame.f_back
     return False
