@@ -214,3 +214,49 @@ def test_main_gives_back_the_signal_handlers_it_found(capsys: pytest.CaptureFixt
     before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)]
     assert main(["metrics"]) == 0
     assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)] == before
+
+
+def _ctrl_c_inside_an_import(folder: str) -> tuple[bool, str, bool]:
+    """In a fresh process, the command's handler armed: a module whose body gets a real
+    SIGINT, then sleeps and ends; (whether its body ran to its end, where the
+    KeyboardInterrupt came, whether a second SIGINT as it exits ended the process)."""
+    import importlib
+    import subprocess
+
+    from oomguard.engine.cli.interrupt import Signals
+
+    sys.path.insert(0, folder)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # children ignore it
+    signals = Signals.install()
+    assert signals is not None
+    signals.arm()
+    where = "nowhere"
+    try:
+        try:
+            importlib.import_module("gets_ctrl_c")
+        finally:
+            finished = getattr(sys.modules.get("gets_ctrl_c"), "finished", False)
+        time.sleep(1)  # raised at the next check, within RECHECK_S
+    except KeyboardInterrupt:
+        where = "after the import" if finished else "inside the import"
+    signals.disarm()
+    signals.restore()
+    # Disarmed as the command exits: one Ctrl-C is ignored, a second one ends it.
+    code = ("from oomguard.engine.cli.interrupt import Signals; import os, signal, time; "
+            "s = Signals.install(); s.arm(); s.disarm(); os.kill(os.getpid(), signal.SIGINT); "
+            "time.sleep(0.1); print('ignored', flush=True); os.kill(os.getpid(), signal.SIGINT); "
+            "time.sleep(5); print('not ended')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    return finished, where, (done.returncode, done.stdout) == (-signal.SIGINT, "ignored\n")
+
+
+@pytest.mark.slow
+def test_ctrl_c_inside_an_import_is_raised_once_the_import_ended(tmp_path: Path) -> None:
+    # What torch does to a Ctrl-C inside its import of numpy (its C code clears it) is why
+    # the command waits: the import ends whole, then the Ctrl-C is raised.
+    (tmp_path / "gets_ctrl_c.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.3)\n"
+        "finished = True\n")
+    assert in_fresh_process(_ctrl_c_inside_an_import, str(tmp_path)) == (
+        True, "after the import", True)

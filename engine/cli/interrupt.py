@@ -60,13 +60,15 @@ class Signals:
     """The command's SIGINT and SIGTERM handler (:data:`HANDLED`), installed by
     :meth:`install`, taken back by :meth:`restore`. A signal is raised only once
     :meth:`arm` ran (in ``main``'s ``try``) and until :meth:`disarm` (its ``except``):
-    before, it is kept for ``arm``; after, the command's last line is out and it is ignored.
-    A second signal of a pending one is raised at once, even inside an import."""
+    before, it is kept for ``arm``; after, the command's last line is out and it is ignored
+    (a second one: the signal's default action). A second signal of a pending one is raised
+    at once, even inside an import."""
 
     def __init__(self) -> None:
         self.previous: dict[int, object] = {}
         self.pid = os.getpid()
         self.armed = False
+        self.done = False  # disarmed after main began: the command is ending
         self.pending: int | None = None  # the signal recorded and not yet raised
         self.since = 0.0  # time.monotonic() of that signal
         self.alarm_previous: object = None  # SIGALRM's handler while a recheck is set
@@ -104,21 +106,24 @@ class Signals:
 
     def arm(self) -> None:
         """From now on a signal is raised; one recorded before is raised now."""
-        self.armed = True
+        self.armed, self.done = True, False
         if self.pending is not None:
             self._raise_or_defer(sys._getframe(1))
 
     def disarm(self) -> None:
-        """From now on a signal is ignored (the command is saying its last line)."""
-        self.armed, self.pending = False, None
+        """From now on a signal is not raised (the command is saying its last line, or
+        exiting); a second one ends the process as the signal's default action does."""
+        self.armed, self.pending, self.done = False, None, True
         self._cancel_recheck()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if os.getpid() != self.pid:  # a forked child before it set its own handlers
+        again = self.pending is not None
+        if os.getpid() != self.pid or (again and self.done):
+            # A forked child before it set its own handlers, or a process asked twice to
+            # stop as it exits (an exit that hangs): the signal's default action.
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        again = self.pending is not None
         if not again:
             self.pending, self.since = signum, time.monotonic()
         if self.armed:

@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif not was_armed:  # the console script's: ignored from here to the exit
                 signals.disarm()
             else:  # main called inside main: the outer call's stays armed
-                signals.armed = True
+                signals.arm()
 
 
 def _main(argv: list[str]) -> int:
