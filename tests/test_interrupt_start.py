@@ -260,3 +260,19 @@ def test_ctrl_c_inside_an_import_is_raised_once_the_import_ended(tmp_path: Path)
         "finished = True\n")
     assert in_fresh_process(_ctrl_c_inside_an_import, str(tmp_path)) == (
         True, "after the import", True)
+
+
+@pytest.mark.slow
+def test_a_program_that_imports_oomguard_keeps_its_signal_handlers() -> None:
+    # Only the command installs its handler at import; a training script's Ctrl-C and
+    # SIGTERM stay Python's (and a spawned child, handed the command's sys.argv, too).
+    code = ("import sys; sys.argv[0] = 'oomguard'; import oomguard, signal; "
+            "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
+            "signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)")
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)  # as _start: Python's default
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60, cwd="/")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (done.returncode, done.stdout) == (0, "True True\n"), done.stderr

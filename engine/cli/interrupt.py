@@ -36,6 +36,9 @@ RECHECK_S = 0.02  # seconds between checks whether a deferred signal may be rais
 DEFER_S = 30.0
 _IMPORTING = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")
 HANDLED = (signal.SIGINT, signal.SIGTERM)
+# What the interpreter runs as the command: the console script (pip's Windows launcher:
+# an .exe), or the package with ``python -m``.
+COMMAND_NAMES = ("oomguard", "oomguard.exe", "oomguard-script.py")
 
 
 class Terminated(KeyboardInterrupt):
@@ -166,9 +169,9 @@ def install_at_start() -> None:
     """Install :class:`Signals` (not armed: a signal waits for ``main``) when this process
     is the ``oomguard`` command: the console script, or ``python -m oomguard``. Called by
     the ``oomguard`` package's ``__init__`` before anything else it imports; for any other
-    program that imports oomguard it does nothing."""
-    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    program that imports oomguard it does nothing. Read from the interpreter's own command
+    line (``sys.orig_argv``): a spawned child is handed its parent's ``sys.argv``."""
     argv = getattr(sys, "orig_argv", [])
-    as_module = any(a == "-m" and b == "oomguard" for a, b in zip(argv, argv[1:], strict=False))
-    if (script in ("oomguard", "oomguard.exe") or as_module) and Signals.current() is None:
+    first = next((a for a in argv[1:] if not a.startswith("-")), "")  # script, or -m's module
+    if os.path.basename(first) in COMMAND_NAMES and Signals.current() is None:
         Signals.install()
