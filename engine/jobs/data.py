@@ -100,7 +100,8 @@ def check_size(size: int, seq_len: int, what: str) -> None:
                          f"{MAX_TOKENS // max(seq_len, 1)} at seq_len {seq_len}); lower it")
 
 
-# Each sample's ids, attention mask and labels: three int64 rows of seq_len.
+# Each sample's ids, attention mask and labels: three int64 rows of seq_len
+# (docs/measurements.md#hostile-files).
 _BYTES_PER_TOKEN = 3 * 8
 
 

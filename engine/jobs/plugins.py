@@ -40,7 +40,9 @@ __all__ = ["PLUGINS_ENV", "PRELOAD", "import_plugin", "load_plugin", "module_nam
 
 log = logging.getLogger("oomguard.plugins")
 
-SLOW_IMPORT_S = 30.0  # seconds a plugin's import may take before the log says it still runs
+# Seconds a plugin's import may take before the log says it still runs
+# (docs/measurements.md#plugin-processes).
+SLOW_IMPORT_S = 30.0
 PLUGINS_ENV = "OOMGUARD_PLUGINS"  # JSON list of the plugins this command loaded
 PRELOAD = "oomguard.engine.jobs.plugin_preload"
 

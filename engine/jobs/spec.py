@@ -57,7 +57,8 @@ _DATA_SOURCES = ("generated", "text", "tokens", "bytes")
 _SECTIONS = ("data", "search", "metrics")  # tables of their own, read after the top level
 _ABSENT = object()  # no default: the record's own applies
 # Deeper than any job file needs (a metric's params table holds plain values: 4 levels):
-# nesting beyond it is refused before Python's parser recurses into it.
+# nesting beyond it is refused before Python's parser recurses into it (its time grows with
+# the square of the depth: docs/measurements.md#hostile-files).
 MAX_DEPTH = 32
 # A table header or a dotted key, the part that can nest (tomllib takes time quadratic in
 # a header's depth: 3,000 nested headers took 8 s to parse).

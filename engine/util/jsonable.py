@@ -22,7 +22,8 @@ from typing import Any
 # Nesting levels a JSON file oomguard reads may have. What it writes nests under 20 (a cache
 # entry's trials, a summary's groups); deeper text is not ours, and Python's json parser (and
 # every recursive walk after it: the sanitiser, a hash, the next write) would raise
-# RecursionError near 1000 levels, or sooner deep in a task's stack.
+# RecursionError near 1000 levels, or sooner deep in a task's stack
+# (docs/measurements.md#hostile-files).
 MAX_JSON_DEPTH = 100
 
 
