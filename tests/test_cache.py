@@ -329,14 +329,20 @@ def test_job_computes_its_metric_with_an_unwritable_cache(tmp_path: Path,
     assert not unwritable.exists()
 
 
-@pytest.mark.slow
-def test_job_ignores_a_bad_cached_size(tmp_path: Path) -> None:
-    job = _tiny_job(tmp_path, "enabled = false")
+def _cached(job: Job, tmp_path: Path, entry: dict) -> tuple[str, Path]:
+    """A cache file holding ``entry`` for the job's one task: (its key, the file)."""
     (task,) = plan(job)
     key = entry_key(device_identity(job), task.workload)
     cache = tmp_path / "sizes.json"
-    cache.write_text(json.dumps({"version": 1, "entries": {
-        key: {"sizes": {"micro_batch_size": -5}, "source": "edited by hand"}}}))
+    cache.write_text(json.dumps({"version": 1, "entries": {key: entry}}))
+    return key, cache
+
+
+@pytest.mark.slow
+def test_job_ignores_a_bad_cached_size(tmp_path: Path) -> None:
+    job = _tiny_job(tmp_path, "enabled = false")
+    key, cache = _cached(job, tmp_path, {"sizes": {"micro_batch_size": -5},
+                                         "source": "edited by hand"})
     result, log_text = _run(job, cache)
     assert result.status == "ok" and result.sizes["source"] == "metric default"
     assert result.sizes["start"]["micro_batch_size"] > 0
@@ -378,11 +384,8 @@ def test_job_searches_past_a_nested_cache_and_moves_it_aside(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_job_refuses_an_absurd_cached_size_and_searches_again(tmp_path: Path) -> None:
     job = _tiny_job(tmp_path, "max_trials = 4\nstart = 1\nsize_step = 1")
-    (task,) = plan(job)
-    key = entry_key(device_identity(job), task.workload)
-    cache = tmp_path / "sizes.json"
-    cache.write_text(json.dumps({"version": 1, "entries": {
-        key: {"sizes": {"micro_batch_size": 10**12}, "source": "search"}}}))
+    key, cache = _cached(job, tmp_path, {"sizes": {"micro_batch_size": 10**12},
+                                         "source": "search"})
     result, log_text = _run(job, cache)
     assert result.status == "ok" and result.sizes["source"] == "search"
     # Two samples: the search's cap, and no record says the metric ran at 10**12.
