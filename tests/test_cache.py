@@ -244,7 +244,8 @@ def test_console_cache_commands_never_print_a_traceback(tmp_path: Path) -> None:
         assert run.stderr.splitlines() == [
             f"oomguard: error: cannot {verb} the size cache {folder}: Is a directory; "
             "give a writable --cache PATH" if verb == "write" else
-            f"oomguard: error: cannot {verb} the size cache {folder}: Is a directory"]
+            f"oomguard: error: cannot {verb} the size cache {folder}: Is a directory; give a "
+            "cache file you can read (--cache PATH)"]
     # A corrupt file: show warns and shows nothing, and moves nothing; clear moves it aside.
     corrupt = tmp_path / "corrupt.json"
     corrupt.write_text("{not json")

@@ -333,7 +333,7 @@ def test_ray_not_installed_is_one_line_saying_how_to_install_it(tmp_path: Path) 
     run = cli_in_child("run", str(job), "--ray", cwd=tmp_path, missing=("ray",))
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines()[-1] == (
-        "oomguard: error: --ray needs Ray, which is not installed here: "
+        "oomguard: error: --ray needs Ray, which is not installed here; install it: "
         "pip install 'oomguard[ray]'")
 
 

@@ -170,8 +170,8 @@ class SizeCache:
             doc, why = self._parse()
         except OSError as exc:
             raise CacheError(f"cannot read the size cache {self.path}: "
-                             f"{exc.strerror or exc}; fix its permissions, or give "
-                             "another --cache") from None
+                             f"{exc.strerror or exc}; give a cache file you can read "
+                             "(--cache PATH)") from None
         if doc is None:
             log.warning("size cache %s is not a valid cache file (%s); ignored it: `oomguard "
                         "cache clear` moves it aside (so does the next write)", self.path, why)
