@@ -7,8 +7,10 @@ or failed later with a numpy error), transformers turns it into a ModuleNotFound
 traceback, and one raised while torch's C++ calls back into Python aborts the process
 (SIGABRT, a C++ traceback). :class:`Signals` raises the signal at once outside imports;
 inside one (:func:`_would_be_lost`) it records it and raises it as soon as the import is
-over (checked every :data:`RECHECK_S` seconds with ``SIGALRM``): importing torch takes
-1-3 s on an idle machine.
+over (checked every :data:`RECHECK_S` seconds with ``SIGALRM``), and at the latest when the
+command returns or says its error line (:meth:`Signals.raise_pending`: a quick command
+could end between two checks, and the signal was lost): importing torch takes 1-3 s on an
+idle machine.
 SIGTERM is raised as :class:`Terminated`, a ``KeyboardInterrupt``: the same ``finally``
 blocks and ``with`` exits run (a child's captured-stderr file is removed, a forkserver's
 socket folder too), then :func:`~oomguard.engine.cli.main.main` prints one line and
@@ -112,6 +114,13 @@ class Signals:
         self.armed, self.done = True, False
         if self.pending is not None:
             self._raise_or_defer(sys._getframe(1))
+
+    def raise_pending(self) -> None:
+        """Raise a signal still recorded: one deferred while an import ran, where the command
+        ended before the next check (:data:`RECHECK_S`) could raise it. Called as the command
+        returns, so that it is never lost."""
+        if self.armed and self.pending is not None:
+            self._raise_or_defer(None, at_once=True)
 
     def disarm(self) -> None:
         """From now on a signal is not raised (the command is saying its last line, or

@@ -106,7 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if signals is not None:
             signals.arm()  # a signal that came while the command line loaded is raised here
-        return _main(sys.argv[1:] if argv is None else list(argv))
+        code = _main(sys.argv[1:] if argv is None else list(argv))
+        if signals is not None:
+            signals.raise_pending()  # deferred in an import the command then finished
+        return code
     except KeyboardInterrupt as exc:
         if signals is not None:
             signals.disarm()  # a second Ctrl-C cannot cut the cleanup and the line short
@@ -162,9 +165,11 @@ def _main(argv: list[str]) -> int:
 
 def _last_word() -> None:
     """The command is saying its last line: a Ctrl-C from here on is not raised (it would
-    cut that line and add another)."""
+    cut that line and add another). One that came before, still deferred, is raised now:
+    the command ends as interrupted, in one line, never losing it."""
     signals = Signals.current()
     if signals is not None:
+        signals.raise_pending()
         signals.disarm()
 
 
