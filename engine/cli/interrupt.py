@@ -32,6 +32,7 @@ import time
 from types import FrameType
 
 RECHECK_S = 0.02  # seconds between checks whether a deferred signal may be raised
+# (docs/measurements.md#start-up-signals)
 # Seconds a signal waits for an import to end before it is raised inside it anyway, so that
 # an import that hangs (a plugin's) is still interrupted: torch's took up to 13 s on 2
 # cores under a load of 12. A second Ctrl-C is raised at once.
