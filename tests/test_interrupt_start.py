@@ -162,7 +162,7 @@ def test_ctrl_c_while_bench_imports_and_builds_is_one_line_and_130(tmp_path: Pat
     # aborted on one: "terminate called", SIGABRT), then builds the model and trains.
     argv = ["bench", "--model", "tiny-gpt2", "--seq-len", "16", "--start", "1",
             "--max-size", "4", "--out", "out"]
-    results = _signal_at_moments(tmp_path, argv, [None, *_moments(2, 0.6, 2.0, seed=7)])
+    results = _signal_at_moments(tmp_path, argv, [None, *_moments(2, 0.8, 1.6, seed=7)])
     _check(results, finished=(0, "maximum batch size"), progress=True)
 
 
@@ -177,7 +177,7 @@ def test_ctrl_c_while_a_quick_command_starts_is_one_line_and_130(
     # These take about 0.1 s: the moments cover the interpreter's start, the imports and
     # the command, and run past its end.
     results = _signal_at_moments(tmp_path, argv,
-                                 [None, *_moments(10, 0.0, 0.4, seed=len(argv))])
+                                 [None, *_moments(6, 0.0, 0.4, seed=len(argv))])
     _check(results, finished=finished)
 
 
