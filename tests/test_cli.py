@@ -30,6 +30,9 @@ from oomguard.engine.util.units import parse_size
     (["search", "--metric", "nope"], "use one of attention_stats"),
     (["search", "--metric", "loss", "--knob", "nope"], "use one of micro_batch_size"),
     (["search", "--metric", "loss", "--samples", "0"], "positive integer"),
+    (["reference", "--metric", ""], "--metric names no metric: give NAME"),  # not "every metric"
+    (["reference", "--metrics", ""], "--metric names no metric: give NAME"),
+    (["search", "--metric", ""], "unknown metric '': use one of"),
     (["search", "--metric", "loss", "--samples", "99999999999999"],
      "lower --samples (at most "),
     (["search", "--metric", "loss", "--seq-len", "99999999999"], "; lower --seq-len"),
