@@ -73,3 +73,20 @@ def test_search_metric_sizes_each_knob_with_the_ones_before_it_at_their_found_si
     second = json.loads((tmp_path / "rep/vjp_block/report.json").read_text())
     found = first["summary"]["safe"]
     assert second["context"]["workload_spec"]["fields"]["params"] == {"micro_batch_size": found}
+
+
+@pytest.mark.parametrize("max_size", [1, 8, 16, 31])
+def test_a_max_size_below_the_default_start_starts_there_and_an_explicit_start_is_still_checked(
+        max_size: int) -> None:
+    # A LoRA run's effective batch (4-8 rows x 2-4 steps) is below the default start of 32:
+    # search(max_size=16) refused with "start (32) is larger than max_size (16)".
+    from oomguard import search
+    from oomguard.engine.errors import UsageError
+
+    assert resolve(None, None, None, {"max_size": max_size}).strategy.start == max_size
+    assert SearchConfig.from_options(max_size=max_size).strategy.start == max_size
+    assert SearchConfig.from_options(max_size=64).strategy.start == 32  # the default stays
+    result = search(lambda n: None, max_size=max_size)
+    assert result.trials[0].size == max_size and result.max_ok == max_size
+    with pytest.raises(UsageError, match=rf"start \(64\) is larger than max_size \({max_size}\)"):
+        search(lambda n: None, start=64, max_size=max_size)

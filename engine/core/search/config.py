@@ -146,7 +146,8 @@ class SearchConfig:
         if not isinstance(strategy, str) and strategy is not None:
             return cls(strategy=strategy, **given)
         capacity = given.get("capacity_bytes", given.get("budget"))
-        return cls(strategy=strategy_named(strategy, start, size_step, capacity), **given)
+        return cls(strategy=strategy_named(strategy, start, size_step, capacity,
+                                           given.get("max_size", cls.max_size)), **given)
 
 
 _OPTIONS = tuple(f.name for f in dataclasses.fields(SearchConfig))
@@ -157,10 +158,12 @@ _RENAMED = {"e10": "expand-bisect"}  # old names, accepted for one release
 
 
 def strategy_named(name: str | None, start: int | None = None, size_step: int | None = None,
-                   capacity_bytes: int | None = None) -> Strategy:
+                   capacity_bytes: int | None = None, max_size: int | None = None) -> Strategy:
     """The strategy called ``name`` (:data:`STRATEGIES`; None: ``guided``, or ``expand-bisect``
-    where ``size_step`` is given) with its ``start`` and ``size_step`` (None: its defaults);
-    ``linear-jump`` aims at ``capacity_bytes``. :class:`UsageError` for a bad name or option."""
+    where ``size_step`` is given) with its ``start`` and ``size_step`` (None: its defaults; a
+    default start above ``max_size`` starts at ``max_size``: a LoRA run's effective batch of
+    8 is below the default 32); ``linear-jump`` aims at ``capacity_bytes``.
+    :class:`UsageError` for a bad name or option."""
     if name in _RENAMED:
         warnings.warn(f"strategy {name!r} is deprecated: use {_RENAMED[name]!r}", FutureWarning,
                       stacklevel=3)
@@ -173,6 +176,9 @@ def strategy_named(name: str | None, start: int | None = None, size_step: int | 
                          f"strategy {name} takes no size step (guided predicts, doubling "
                          "multiplies by 2, linear-jump fits a line); drop the size step, or use "
                          "strategy expand-bisect")
+    default = getattr(STRATEGIES[name], "start", None)
+    if start is None and max_size is not None and isinstance(default, int) and default > max_size:
+        start = max_size
     params: dict[str, Any] = {"start": start} if start is not None else {}
     if size_step is not None:
         params["step"] = size_step
@@ -213,10 +219,11 @@ def resolve(config: SearchConfig | None, start: int | None, size_step: int | Non
                          "pass config=SearchConfig(...) or leave it out")
     cfg = dataclasses.replace(config, **options) if config is not None else SearchConfig(**options)
     if start is None and size_step is None:
-        return cfg if cfg.strategy is not None else dataclasses.replace(cfg, strategy=Guided())
+        return cfg if cfg.strategy is not None else dataclasses.replace(
+            cfg, strategy=strategy_named(None, max_size=cfg.max_size))
     if cfg.strategy is not None:
         raise _shorthand_conflict(cfg.strategy, start, size_step)
-    chosen = strategy_named(None, start, size_step, cfg.capacity_bytes or cfg.budget)
+    chosen = strategy_named(None, start, size_step, cfg.capacity_bytes or cfg.budget, cfg.max_size)
     return dataclasses.replace(cfg, strategy=chosen)
 
 
