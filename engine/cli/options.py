@@ -233,7 +233,9 @@ _SEARCH_OPTIONS = ("strategy", "start", "size_step", "max_size", "max_trials", "
 def search_config(args: argparse.Namespace, dev: torch.device) -> Any:
     """The one :class:`~oomguard.engine.core.search.config.SearchConfig` the options describe,
     built as the API and a job file build it (:meth:`SearchConfig.from_options`: an option not
-    given takes its default), every option checked before any model is built."""
+    given takes its default), every option checked before any model is built. Sets
+    ``args.lowered_budget``: why the default CPU budget was dropped (:func:`lowered_default`),
+    or None."""
     from oomguard.engine.core.memory.budget import check_budget
     from oomguard.engine.core.search.config import SearchConfig
 
@@ -241,7 +243,7 @@ def search_config(args: argparse.Namespace, dev: torch.device) -> Any:
     if start is not None and top is not None and start > top:
         raise UsageError(f"--start {start} is larger than --max-size {top}; lower --start "
                          "or raise --max-size")
-    nbytes = default_budget(dev, args.budget)
+    nbytes, args.lowered_budget = _default_budget(dev, args.budget)  # the first line says it
     if nbytes is not None:
         check_budget(nbytes, dev)
     capacity = None
@@ -275,21 +277,28 @@ def default_budget(dev: torch.device, given: int | str | None) -> int | None:
     the warm-up left free (a number probed before the warm-up counted the model twice); on MPS
     the probed recommended working set left, since MPS's default cap (1.7x that) lets a process
     swap before it runs out."""
+    return _default_budget(dev, given)[0]
+
+
+def _default_budget(dev: torch.device, given: int | str | None) -> tuple[int | None, str | None]:
+    """:func:`default_budget`, and :func:`lowered_default`'s line where that decided it (read
+    once, before any warm-up: the reason said is the one that chose)."""
     if given == NO_BUDGET:
-        return None
+        return None, None
     if given is not None:
-        return int(given)
+        return int(given), None
     if dev.type == "cpu":
         from oomguard.engine.core.memory.budget import host_budgets_available
 
-        if not host_budgets_available() or lowered_default(dev) is not None:
-            return None
-        return parse_size(DEFAULT_CPU_BUDGET)
+        if not host_budgets_available():
+            return None, None
+        why = lowered_default(dev)
+        return (None, why) if why is not None else (parse_size(DEFAULT_CPU_BUDGET), None)
     if dev.type == "cuda":
-        return None
+        return None, None
     from oomguard.probes import probe
 
-    return probe(dev).free_bytes
+    return probe(dev).free_bytes, None
 
 
 def lowered_default(dev: torch.device) -> str | None:

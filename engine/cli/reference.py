@@ -108,9 +108,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
                    f"trials)")
         rows.advance()
 
-    from oomguard.engine.cli.options import lowered_default
-
-    lowered = lowered_default(dev) if args.budget is None and base.budget is None else None
+    lowered = args.lowered_budget  # search_config's reason where the default did not fit
     print(f"oomguard: reference of {len(names)} metrics on {dev} for {args.model} "
           f"({args.dtype}, seq_len {args.seq_len}, {args.samples} samples)"
           + (f"; {lowered}" if lowered else ""), file=sys.stderr, flush=True)

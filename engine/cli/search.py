@@ -22,7 +22,6 @@ from oomguard.engine.cli.options import (
     check_workload,
     isolated,
     knob_search_config,
-    lowered_default,
     search_config,
 )
 from oomguard.engine.cli.verify import workload_spec
@@ -142,17 +141,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # Isolated, this process keeps nothing on the device: children measure alone.
         workload.warmup()
     context = workload.describe() | {"workload_spec": workload_spec(workload)}
-    context.update(_default_budget(args, config))
+    context.update(_default_budget(args))
     context["title"] = f"{args.model} training step: Maximum Batch Size Report"
     result = _search(workload, config, context, wanted(args.progress))
     return 1 if result.max_ok is None else _report(args, result, context, out)
 
 
-def _default_budget(args: argparse.Namespace, config: Any) -> dict[str, str]:
+def _default_budget(args: argparse.Namespace) -> dict[str, str]:
     """``{"default_budget": why}`` for the report and the first line where no ``--budget`` was
-    given and the default did not fit (:func:`lowered_default`); else empty."""
-    why = (lowered_default(config.device) if args.budget is None and config.budget is None
-           else None)
+    given and the default did not fit (:func:`lowered_default`, as
+    :func:`~oomguard.engine.cli.options.search_config` found it); else empty."""
+    why = getattr(args, "lowered_budget", None)
     return {} if why is None else {"default_budget": why}
 
 
@@ -213,7 +212,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     def evaluate(knob: str, sizes: dict[str, int], unit: int, cap: int) -> Any:
         trial = trial_of(knob, sizes)
         context = (trial.report_context() | {"workload_spec": workload_spec(trial)}
-                   | _default_budget(args, base))
+                   | _default_budget(args))
         if args.plugin:  # what `oomguard verify` needs given again to rebuild the workload
             context["plugins"] = args.plugin
         result = _search(trial, knob_search_config(base, args, unit, cap), context,

@@ -294,6 +294,18 @@ def _temp_file(suffix: str) -> str:
     return path
 
 
+def _taken(path: str | None) -> str:
+    """The text of a file :func:`_temp_file` made (``""`` where there is none or it cannot
+    be read), the file removed."""
+    text = ""
+    if path is not None:
+        with contextlib.suppress(OSError):
+            text = Path(path).read_text(encoding="utf-8", errors="replace")
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return text
+
+
 class Child(contextlib.AbstractContextManager["Child"]):
     """``fn(*args)`` (picklable) in a child started now from ``ctx`` (:func:`context`);
     leaving the ``with`` block kills it if it still runs. ``capture_stderr``: its fd 2 goes
@@ -348,9 +360,7 @@ class Child(contextlib.AbstractContextManager["Child"]):
             proc.join()
         self.conn.close()
         for path in (self.stderr_path, self.stack_path):
-            if path is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            _taken(path)  # removed: nobody reads them now
         self.stderr_path = self.stack_path = None
 
     def __exit__(self, *exc: object) -> None:
@@ -412,23 +422,15 @@ class Child(contextlib.AbstractContextManager["Child"]):
 
     def _stack(self) -> str:
         """The stacks the child wrote when stopped (``stack_on_stop``), once; the file removed."""
-        path, self.stack_path, text = self.stack_path, None, ""
-        if path is not None:
-            with contextlib.suppress(OSError):
-                text = Path(path).read_text(encoding="utf-8", errors="replace")
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        return text
+        path, self.stack_path = self.stack_path, None
+        return _taken(path)
 
     def _stderr(self) -> str:
         """The child's captured stderr, once: also written to this process's stderr."""
-        path, self.stderr_path, text = self.stderr_path, None, ""
+        path, self.stderr_path = self.stderr_path, None
         if path is None:
-            return text
-        with contextlib.suppress(OSError):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read()
-            os.unlink(path)
+            return ""
+        text = _taken(path)
         sys.stderr.write(text)
         sys.stderr.flush()
         return text
