@@ -29,6 +29,7 @@ import torch
 
 from oomguard.engine.core.execute.executor import SizeController, SizeMemory, qualname
 from oomguard.engine.core.execute.retry import FitPeaks, RetryPolicy, Sizes
+from oomguard.engine.core.snapshot import BufferCopy
 from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.engine.training.adaptive import make_controller, remembered
 from oomguard.engine.util.rows import slice_rows
@@ -227,6 +228,8 @@ class Accumulator:
         self.params = _param_list(params)
         self._holder = params
         self._ddp: list[torch.nn.Module] | None = None
+        # Whose buffers (BatchNorm's running statistics) a failed attempt's forward updated.
+        self._modules = [params] if isinstance(params, torch.nn.Module) else []
 
     @property
     def ddp(self) -> list[torch.nn.Module]:
@@ -245,6 +248,7 @@ class Accumulator:
         cap = n if self.limit is None else min(n, self.limit)
         weights: dict[str, Any] = {}  # units per row, computed once and only when splitting
         entry = EntryGrads(self.params)
+        buffers = BufferCopy.take(self._modules)  # put back with the gradients
         policy = self.size.policy
         guided = policy if isinstance(policy, FitPeaks) else None
         if guided is not None:
@@ -256,12 +260,14 @@ class Accumulator:
             nonlocal added
             if added:  # an attempt that ran, redone because another rank ran out of memory
                 entry.restore()
+                buffers.restore()
             added = True
             try:
                 return self._run_at(batch, n, sizes[KEY], weights, guided, entry)
             except BaseException:
                 # Undo the partial gradients before the retry: each micro-batch counts once.
                 entry.restore()
+                buffers.restore()
                 added = False
                 raise
 

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from oomguard.engine.core.execute.clean_retry import CleanRetry, Params
+from oomguard.engine.core.execute.clean_retry import CleanRetry, Params, Restore
 from oomguard.engine.core.execute.executor import SizeController, SizeMemory, qualname
 from oomguard.engine.core.execute.retry import ReduceWith, RetryPolicy
 from oomguard.engine.core.execute.stats import register
@@ -82,7 +82,8 @@ def _wrap(fn: Callable[..., T], size: SizeController | None) -> Callable[..., T]
         guard(args, kwargs)
         if size is None:  # find_executable_batch_size(starting_batch_size=0)
             raise NoExecutableBatchSize(qualname(fn), [], [], ZERO_MESSAGE, verbatim=True)
-        return size.run(lambda sizes: fn(sizes[KEY], *args, **kwargs))
+        with size.clean.starting_point():  # restore=: the call's start, for every retry
+            return size.run(lambda sizes: fn(sizes[KEY], *args, **kwargs))
 
     call.adaptive_size = size  # type: ignore[attr-defined]
     return call
@@ -92,7 +93,7 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
              maximum: int | None = None, policy: RetryPolicy | None = None,
              grow_after: int | None = None, device: Any = None, group: Any = None,
              sync_ranks: bool = True, name: str | None = None, params: Params | None = None,
-             optimizer: Any = None, watch_alloc_retries: bool = True) -> Any:
+             optimizer: Any = None, restore: Restore = None, watch_alloc_retries: bool = True) -> Any:
     """Decorate ``fn(batch_size, ...)`` so that an OOM costs a retry at a smaller size.
 
     The decorator supplies the batch size (passing one raises ``TypeError``). On OOM ``fn`` runs
@@ -101,16 +102,20 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
     grow back, never above ``maximum`` (default ``batch_size``) nor to a size that failed. Under
     ``torch.distributed`` each call is collective (``sync_ranks=False``: not), and ``fn`` must be
     safe to re-run. ``adaptive_size``: the wrapper's size controller. ``params`` and
-    ``optimizer``: what ``fn`` trains; a retry first sets their gradients to None, and an OOM
-    after ``optimizer.step()`` began writing raises
-    :class:`~oomguard.engine.errors.StepPartlyApplied`. ``watch_alloc_retries`` (CUDA): step
-    down before the OOM when the allocator retries in consecutive calls.
+    ``optimizer``: what ``fn`` trains; a retry first sets their gradients to None and puts
+    the modules' buffers (BatchNorm's running statistics) back, and an OOM after
+    ``optimizer.step()`` began writing raises :class:`~oomguard.engine.errors.StepPartlyApplied`.
+    ``restore`` (a model and optimizer, ``restore=(model, optimizer)``, as ``search`` takes):
+    each call copies them to the host when it starts and every retry starts from that copy,
+    so that ``fn`` may be a whole training loop. ``watch_alloc_retries`` (CUDA): step down
+    before the OOM when the allocator retries in consecutive calls.
     """
     def decorate(f: Callable[..., T]) -> Callable[..., T]:
         size = make_controller(name or qualname(f), KEY, batch_size, minimum=minimum,
                                maximum=maximum or batch_size, policy=policy,
                                grow_after=grow_after, device=device, group=group,
-                               sync_ranks=sync_ranks, clean=CleanRetry(params, optimizer, f),
+                               sync_ranks=sync_ranks,
+                               clean=CleanRetry(params, optimizer, f, restore),
                                watch_alloc_retries=watch_alloc_retries)
         return _wrap(f, size)
 
@@ -128,7 +133,7 @@ def find_executable_batch_size(function: Callable[..., T] | None = None,
                                auto_find_batch_size: bool | Callable[..., int] = True, *,
                                reduce_batch_size_fn: Callable[..., int] | None = None,
                                params: Params | None = None, optimizer: Any = None,
-                               sync_ranks: bool = True) -> Any:
+                               restore: Restore = None, sync_ranks: bool = True) -> Any:
     """accelerate's and transformers' helper, same calls: switch with one import line.
 
     Accepts accelerate's ``(function, starting_batch_size, reduce_batch_size_fn)`` and
@@ -138,8 +143,9 @@ def find_executable_batch_size(function: Callable[..., T] | None = None,
     :func:`accelerate_reduce` of it or what ``reduce_batch_size_fn`` returns (``fn(size)`` or
     accelerate's ``fn()``); at zero, accelerate's :data:`ZERO_MESSAGE` as a
     :class:`NoExecutableBatchSize`. ``auto_find_batch_size=False``: one call, no retry.
-    Beyond accelerate: ``params``/``optimizer`` keep retries clean (as in :func:`adaptive`),
-    and under ``torch.distributed`` every rank takes the same size (``sync_ranks=False``: not).
+    Beyond accelerate: ``params``/``optimizer`` keep retries clean and ``restore`` starts each
+    retry of a whole loop from the call's start (as in :func:`adaptive`), and under
+    ``torch.distributed`` every rank takes the same size (``sync_ranks=False``: not).
     """
     if callable(auto_find_batch_size) and not isinstance(auto_find_batch_size, bool):
         if reduce_batch_size_fn is not None:
@@ -155,7 +161,8 @@ def find_executable_batch_size(function: Callable[..., T] | None = None,
                                  starting_batch_size=starting_batch_size,
                                  auto_find_batch_size=auto_find_batch_size,
                                  reduce_batch_size_fn=reduce_batch_size_fn,
-                                 params=params, optimizer=optimizer, sync_ranks=sync_ranks)
+                                 params=params, optimizer=optimizer, restore=restore,
+                                 sync_ranks=sync_ranks)
     if not auto_find_batch_size:  # transformers: functools.partial(function, batch_size=start)
         return functools.partial(function, starting_batch_size)
     if starting_batch_size <= 0:
@@ -164,7 +171,7 @@ def find_executable_batch_size(function: Callable[..., T] | None = None,
     size = make_controller(qualname(function), KEY, starting_batch_size,
                            policy=ReduceWith(reduce), sync_ranks=sync_ranks,
                            failure_message=ZERO_MESSAGE,
-                           clean=CleanRetry(params, optimizer, function))
+                           clean=CleanRetry(params, optimizer, function, restore))
     return _wrap(function, size)
 
 

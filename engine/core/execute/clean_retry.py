@@ -17,32 +17,49 @@ user hands a wrapper, runs around every attempt of the size controller:
   :class:`~oomguard.engine.errors.StepPartlyApplied` says so and what to do. An OOM after
   a completed step raises it too.
 
+- the buffers of the modules trained (``params`` when it is a ``Module``, else the modules
+  ``fn`` reaches whose parameters are ``params``' or ``optimizer``'s) are cloned on their
+  device before each attempt (:class:`~oomguard.engine.core.snapshot.BufferCopy`) and put
+  back before a retry: BatchNorm's running statistics and ``num_batches_tracked`` count the
+  retried step once, not the failed attempt's forward too.
+
 A fused AdamW bumps only ``step``, before its kernel runs: enough to see it began (checked
 on torch 2.13 CPU). A write through ``p.data`` has a version counter of its own: unseen.
 
-Without ``params`` and ``optimizer``, nothing is cleared; a retry that can see gradients
-left on the function's module (``fn.__self__`` when it is a ``Module``, or the ``Module``
-objects in ``fn``'s closure cells) logs one warning per wrapper saying what to pass.
+With ``restore`` (modules and optimizers, as ``search(restore=...)`` takes; ``optimizer``
+and a ``params`` module join them), a wrapper's call takes a host
+:class:`~oomguard.engine.core.snapshot.Snapshot` when it starts (:meth:`CleanRetry.starting_point`)
+and every retry starts from it: a whole training loop that ran optimizer steps before its OOM
+is retried from its start instead of raising ``StepPartlyApplied``.
+
+Without ``params``, ``optimizer`` and ``restore``, nothing is cleared; a retry that can see
+gradients left on what the function reaches (:func:`reachable`: ``fn.__self__``, its
+closure cells, the globals its code names) logs one warning per wrapper saying what to pass.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Callable, Iterable
+import types
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 
+from oomguard.engine.core.snapshot import BufferCopy, Restorable, Snapshot, check_restorable
 from oomguard.engine.errors import StepPartlyApplied, UsageError
 
 log = logging.getLogger("oomguard.executor")
 T = TypeVar("T")
 
 Params = torch.nn.Module | torch.optim.Optimizer | Iterable[torch.Tensor]
+Restore = Restorable | Sequence[Restorable] | None  # restore=: one object or several
 WHAT_TO_DO = ("restore the model and optimizer (a checkpoint) before going on, or find a size "
               "that fits the whole step first with oomguard.search(step, restore=(model, "
-              "optimizer)) and train at it")
+              "optimizer)) and train at it; for a whole loop, pass restore=(model, optimizer) "
+              "to the wrapper so that a retry starts from the call's start")
 
 
 def param_list(params: Params | None, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
@@ -150,26 +167,64 @@ _GONE = object()  # a state value that is no longer there
 
 
 class CleanRetry:
-    """What a retry must leave clean: the gradients of ``params`` (default: ``optimizer``'s)
-    and ``optimizer``'s step. ``fn`` is looked at for a module with gradients when neither
-    is given. Bad arguments raise one :class:`~oomguard.engine.errors.UsageError` line here."""
+    """What a retry must leave clean: the gradients of ``params`` (default: ``optimizer``'s),
+    the buffers of the modules trained, and ``optimizer``'s step; with ``restore``, everything
+    those objects hold, as at the call's start. ``fn`` is looked at for what it trains when
+    nothing is given. Bad arguments raise one :class:`~oomguard.engine.errors.UsageError`
+    line here."""
 
     def __init__(self, params: Params | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
-                 fn: Callable[..., Any] | None = None) -> None:
+                 fn: Callable[..., Any] | None = None,
+                 restore: Restore = None) -> None:
         self.params = _check(params, optimizer)
         self.optimizer = optimizer
         self.fn = fn
+        self.restore = _restorable(restore, params, optimizer)
         self.watch: _StepWatch | None = None
+        self.buffers: BufferCopy | None = None
+        self.start: Snapshot | None = None  # restore='s snapshot while a call runs
+        # Whose buffers come back: found once, at the first attempt (a script's globals may
+        # be assigned after the decorator ran).
+        self._modules: list[torch.nn.Module] | None = (
+            [params] if isinstance(params, torch.nn.Module) else None)
 
     @property
     def given(self) -> bool:
-        """Whether the user said what to clean (``params`` or ``optimizer``)."""
-        return bool(self.params) or self.optimizer is not None
+        """Whether the user said what to clean (``params``, ``optimizer`` or ``restore``)."""
+        return bool(self.params) or self.optimizer is not None or bool(self.restore)
+
+    @contextlib.contextmanager
+    def starting_point(self) -> Iterator[None]:
+        """One call of a wrapper: with ``restore``, the objects' host snapshot, taken here and
+        dropped when the call ends (its cost: docs/measurements.md#buffer-copy)."""
+        if not self.restore or self.start is not None:  # a call inside a call: the outer's
+            yield
+            return
+        self.start = Snapshot.take(self.restore)
+        try:
+            yield
+        finally:
+            self.start = None
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The modules whose buffers a retry puts back: a ``params`` module, else those ``fn``
+        reaches that own a parameter of ``params`` (or ``optimizer``); none without them."""
+        if self._modules is None:
+            mine = {id(p) for p in self.params}
+            self._modules = [m for m in (reachable(self.fn) if self.fn is not None and mine else ())
+                             if isinstance(m, torch.nn.Module)
+                             and any(id(p) in mine for p in m.parameters())]
+        return self._modules
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """One attempt, ``fn(*args, **kwargs)``, with the optimizer's step hooks registered
-        only while it runs (without an optimizer: a plain call)."""
+        """One attempt, ``fn(*args, **kwargs)``: the modules' buffers cloned first, and the
+        optimizer's step hooks registered only while it runs (without an optimizer, or
+        within :meth:`starting_point`'s snapshot: neither)."""
+        if self.start is not None:
+            return fn(*args, **kwargs)
+        modules = self.modules()
+        self.buffers = BufferCopy.take(modules) if modules else None
         if self.optimizer is None:
             return fn(*args, **kwargs)
         watch = self.watch = _StepWatch(self.optimizer)
@@ -183,15 +238,24 @@ class CleanRetry:
 
     def before_retry(self, name: str, message: str, once: Any) -> None:
         """After a failed attempt, before its retry (``message``: why it failed; ``once.warned``
-        keeps the warning to one per wrapper). Raises :class:`~oomguard.engine.errors.StepPartlyApplied`
-        when the step had begun writing or had completed; else drops what an interrupted step
-        created and clears the gradients."""
+        keeps the warning to one per wrapper). Within :meth:`starting_point`'s snapshot:
+        restores it. Else raises :class:`~oomguard.engine.errors.StepPartlyApplied` when the
+        step had begun writing or had completed; else drops what an interrupted step created,
+        puts the buffers back and clears the gradients."""
         watch, self.watch = self.watch, None
+        buffers, self.buffers = self.buffers, None
+        if self.start is not None:
+            self.start.restore()
+            log.info("%s: %s put back as at the call's start (restore=) for the retry", name,
+                     ", ".join(type(o).__name__ for o in self.restore))
+            return
         if watch is not None:
             self._check_step(watch, name, message)
         if not self.given:
             self._warn_if_dirty(name, once)
             return
+        if buffers is not None:
+            buffers.restore()
         for p in self.params:
             p.grad = None
 
@@ -214,25 +278,63 @@ class CleanRetry:
     def _warn_if_dirty(self, name: str, once: Any) -> None:
         if once.warned or self.fn is None:
             return
-        modules = modules_of(self.fn)
-        if any(p.grad is not None for m in modules for p in m.parameters()):
-            once.warned = True
-            log.warning("%s: retrying after an out-of-memory error with gradients left on %s "
-                        "by the failed attempt; pass params=model, optimizer=optimizer to the "
-                        "wrapper so that a retry starts from clean gradients", name,
-                        type(modules[0]).__name__)
+        for obj in reachable(self.fn):
+            if any(p.grad is not None for p in param_list(obj, None)):
+                once.warned = True
+                log.warning("%s: retrying after an out-of-memory error with gradients left on "
+                            "%s by the failed attempt; pass params=model, optimizer=optimizer "
+                            "to the wrapper so that a retry starts from clean gradients", name,
+                            type(obj).__name__)
+                return
 
 
-def modules_of(fn: Callable[..., Any]) -> list[torch.nn.Module]:
-    """The modules a function can reach directly: a bound method's ``__self__`` and the
-    ``Module`` objects in its closure cells (its globals are not looked at)."""
-    found: list[torch.nn.Module] = []
-    owner = getattr(fn, "__self__", None)
-    if isinstance(owner, torch.nn.Module):
-        found.append(owner)
+def _restorable(restore: Any, params: Any, optimizer: Any) -> tuple[Restorable, ...]:
+    """``restore``'s objects (:func:`~oomguard.engine.core.snapshot.check_restorable`), with
+    ``optimizer`` and a ``params`` module or optimizer added: what the retry would otherwise
+    clean is put back too. Empty without ``restore``."""
+    objects = list(check_restorable(restore))
+    if not objects:
+        return ()
+    for extra in (params, optimizer):
+        if isinstance(extra, (torch.nn.Module, torch.optim.Optimizer)) and all(
+                extra is not o for o in objects):
+            objects.append(extra)
+    return check_restorable(objects)
+
+
+def reachable(fn: Callable[..., Any]) -> list[Restorable]:
+    """The modules and optimizers a function reaches directly: a bound method's
+    ``__self__``, a ``functools.partial``'s arguments, the objects in its closure cells and
+    the globals its code names (its nested functions' and lambdas' code included); each
+    once, in that order."""
+    found: dict[int, Restorable] = {}
+
+    def keep(value: Any) -> None:
+        if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+            found.setdefault(id(value), value)
+
+    while isinstance(fn, functools.partial):
+        for value in (*fn.args, *fn.keywords.values()):
+            keep(value)
+        fn = fn.func
+    keep(getattr(fn, "__self__", None))
     code_fn = getattr(fn, "__func__", fn)
     for cell in getattr(code_fn, "__closure__", None) or ():
         with contextlib.suppress(ValueError):  # an empty cell
-            if isinstance(cell.cell_contents, torch.nn.Module):
-                found.append(cell.cell_contents)
-    return found
+            keep(cell.cell_contents)
+    names = getattr(code_fn, "__globals__", None)
+    code = getattr(code_fn, "__code__", None)
+    if isinstance(names, dict) and isinstance(code, types.CodeType):
+        for name in _global_names(code):
+            keep(names.get(name))
+    return list(found.values())
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The names ``code`` and the code objects nested in it look up (``co_names``: globals,
+    and attribute names, which the caller's lookup in the globals filters out)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
