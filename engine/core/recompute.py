@@ -93,7 +93,8 @@ def _checkpointed_forward(block: torch.nn.Module, forward: Any) -> Any:
 def checkpointed(model: torch.nn.Module, every: int = 1) -> Iterator[list[torch.nn.Module]]:
     """Within the ``with``, every ``every``-th of ``model``'s :func:`repeated_blocks` (1: all;
     2: every other one, selective) recomputes its activations in the backward instead of
-    keeping them; yields the checkpointed blocks. Raises :class:`UsageError` for a model
+    keeping them (a transformers model's ``config.use_cache`` is off meanwhile); yields the
+    checkpointed blocks. Raises :class:`UsageError` for a model
     with no repeated blocks."""
     check_positive_int("every", every)
     blocks = repeated_blocks(model)[::every]
@@ -105,9 +106,18 @@ def checkpointed(model: torch.nn.Module, every: int = 1) -> Iterator[list[torch.
     before = [vars(b).get("forward", _UNSET) for b in blocks]
     for block in blocks:
         block.forward = _checkpointed_forward(block, block.forward)  # type: ignore[method-assign]
+    # A transformers model fills its key/value cache inside each block: the recomputation
+    # would append to it a second time (attention then sees twice the keys and fails), so
+    # the cache is off while the ``with`` lasts, as transformers' own checkpointing does.
+    config = getattr(model, "config", None)
+    cache_was = getattr(config, "use_cache", None)
+    if cache_was:
+        config.use_cache = False
     try:
         yield blocks
     finally:
+        if cache_was:
+            config.use_cache = cache_was
         for block, forward in zip(blocks, before, strict=True):
             if forward is _UNSET:
                 del block.forward
