@@ -278,7 +278,8 @@ class CleanRetry:
     def _warn_if_dirty(self, name: str, once: Any) -> None:
         if once.warned or self.fn is None:
             return
-        for obj in reachable(self.fn):
+        found = reachable(self.fn)  # a module named before an optimizer
+        for obj in sorted(found, key=lambda o: not isinstance(o, torch.nn.Module)):
             if any(p.grad is not None for p in param_list(obj, None)):
                 once.warned = True
                 log.warning("%s: retrying after an out-of-memory error with gradients left on "
@@ -330,11 +331,11 @@ def reachable(fn: Callable[..., Any]) -> list[Restorable]:
     return list(found.values())
 
 
-def _global_names(code: types.CodeType) -> set[str]:
-    """The names ``code`` and the code objects nested in it look up (``co_names``: globals,
-    and attribute names, which the caller's lookup in the globals filters out)."""
-    names = set(code.co_names)
+def _global_names(code: types.CodeType) -> list[str]:
+    """The names ``code`` and the code objects nested in it look up, in order (``co_names``:
+    globals, and attribute names, which the caller's lookup in the globals filters out)."""
+    names = list(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _global_names(const)
+            names += _global_names(const)
     return names
