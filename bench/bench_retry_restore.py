@@ -19,26 +19,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from bench_overhead import per_call_us as best_us  # beside this file: one timing rule
 from torch import nn
 
 from oomguard.engine.core.snapshot import BufferCopy, Snapshot
 from oomguard.engine.training.adaptive import adaptive
-
-
-def best_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
-    """Median over ``repeats`` blocks of the mean time per call, in microseconds."""
-    fn()
-    blocks = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        blocks.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(blocks)
 
 
 class Block(nn.Module):
