@@ -2,11 +2,15 @@
 
 A metric declares whether its result stays meaningful in bfloat16 or float16
 (``tolerates_lower_precision``): only then may a job's remedy ladder lower the precision after an
-OOM at the minimum sizes, and the result is flagged.
+OOM at the minimum sizes, and the result is flagged. It also declares whether recomputation
+helps it (``recomputes``): then ``run(..., recompute=True)`` checkpoints the model's repeated
+blocks (:func:`~oomguard.engine.core.recompute.checkpointed`), the same result in less memory, and
+a job measures that configuration against the plain one and keeps the faster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pkgutil
 from collections.abc import Callable, Mapping
@@ -16,6 +20,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 import oomguard.metrics as package
+from oomguard.engine.core.recompute import checkpointed, repeated_blocks
 from oomguard.engine.errors import UsageError
 from oomguard.metrics.padding import right_align
 
@@ -48,6 +53,17 @@ class Metric:
     # Whether the result is still the answer with the model in bfloat16/float16. False unless
     # a metric says so: a metric of small differences or eigenvalues would be wrong, not rounded.
     tolerates_lower_precision: ClassVar[bool] = False
+    # Whether checkpointing the model's repeated blocks lowers this metric's peak: one backward
+    # per forward, whose saved activations are most of the memory. False unless a metric says
+    # so: a double backward (Hessian-vector products) keeps every recomputed activation alive
+    # until its second backward, and torch.func transforms refuse the checkpoint's hooks
+    # (docs/measurements.md#recompute-for-metrics).
+    recomputes: ClassVar[bool] = False
+
+    def can_recompute(self, model: torch.nn.Module) -> bool:
+        """Whether ``run(model, ..., recompute=True)`` applies: the metric :attr:`recomputes`
+        and the model has repeated blocks to checkpoint."""
+        return self.recomputes and bool(repeated_blocks(model))
 
     def memory_knobs(self) -> tuple[Knob, ...]:
         return tuple(k for k in self.knobs if k.kind == "memory")
@@ -112,13 +128,20 @@ class Metric:
             out[key] = value
         return out
 
-    def run(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor], **params: Any) -> dict:
+    def run(self, model: torch.nn.Module, data: Mapping[str, torch.Tensor], *,
+            recompute: bool = False, **params: Any) -> dict:
         """Validate ``params`` and compute the metric on ``data`` right-aligned
         (:func:`~oomguard.metrics.padding.right_align`). Returns a dict of results (tensors
-        or floats) with the result knobs used as ``params``."""
+        or floats) with the result knobs used as ``params``. ``recompute``: with the model's
+        repeated blocks checkpointed (only for a metric that :attr:`recomputes`); the result is
+        the same up to float rounding."""
         full = self.validate(params)
         self.check_model(getattr(model, "config", None))
-        result = self.compute(model, right_align(data), **full)
+        if recompute and not self.recomputes:
+            raise UsageError(f"{self.name} does not gain from recomputation (recompute=True); "
+                             "run it plain")
+        with checkpointed(model) if recompute else contextlib.nullcontext():
+            result = self.compute(model, right_align(data), **full)
         result["params"] = {k.name: full[k.name] for k in self.result_knobs()}
         return result
 

@@ -147,6 +147,10 @@ class CaptumMetric(JsonMetric):
 
     # No: bfloat16 gradients along the path would break the completeness check.
     tolerates_lower_precision = False
+    # Yes: one forward and one backward per captum batch, whose activations (rows x steps)
+    # are most of the peak; checkpointed blocks keep one block's at a time
+    # (docs/measurements.md#recompute-for-metrics).
+    recomputes = True
 
     def size_unit(self, knob: str, params: Mapping[str, Any], n_samples: int) -> int:
         if knob != "internal_batch_size":

@@ -92,6 +92,10 @@ class _CurvatureEigenvalues(JsonMetric):
     matrix = "hessian"
     # No: bfloat16 Hessian-vector products would break the residual bounds.
     tolerates_lower_precision = False
+    # No: the double backward of a Hessian- or Gauss-Newton-vector product keeps every block's
+    # recomputed activations until its second backward, so checkpointing saves nothing and
+    # costs a forward (measured: docs/measurements.md#recompute-for-metrics).
+    recomputes = False
     knobs = (
         Knob("micro_batch_size", "memory", 16, 1,
              "micro_batch_size x seq_len x activations (double backward)",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -43,8 +43,12 @@ def largest_useful(metric: Metric, knob: str, params: Mapping[str, Any], n_sampl
 class MetricTrial(RebuiltInChild):
     """``MetricTrial(metric, knob)(size)`` runs ``metric`` with ``knob=size`` on ``n_samples``
     generated, padded sequences of ``seq_len`` tokens (seeded by ``seed``, as are the weights).
-    ``knob``: default the first memory knob; ``params`` fixes the other knobs."""
+    ``knob``: default the first memory knob; ``params`` fixes the other knobs. ``recompute``:
+    the model's repeated blocks checkpointed (a metric that ``recomputes``)."""
 
+    # Metrics catch their own exceptions (and return a placeholder): every step of a trial
+    # runs with the swallowed-OOM detector (engine.core.workload.catches_own_errors).
+    catches_own_errors: ClassVar[bool] = True
     metric: str
     knob: str | None = None
     model: str = "tiny-gpt2"
@@ -54,6 +58,7 @@ class MetricTrial(RebuiltInChild):
     seq_len: int = 128
     seed: int = 0
     params: dict[str, Any] = field(default_factory=dict)
+    recompute: bool = False
     _state: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +77,9 @@ class MetricTrial(RebuiltInChild):
         check_positive_int("n_samples", self.n_samples)
         check_positive_int("seq_len", self.seq_len)
         metric.validate(self.params)  # unknown or bad fixed knobs fail here, not in a trial
+        if self.recompute and not metric.recomputes:
+            raise UsageError(f"{self.metric} does not gain from recomputation "
+                             "(recompute=True); use recompute=False")
         metric.check_model(model_config(self.model))  # from the config: no weights built
 
     @property
@@ -106,6 +114,9 @@ class MetricTrial(RebuiltInChild):
                          "sequence_length": self.seq_len,
                          "lengths": "every sample at the full sequence length in the trials "
                                     "(the worst case); trial values are the metric on these"},
+                **({"configuration": "recompute: the model's repeated blocks checkpointed "
+                                     "(activations recomputed in the backward)"}
+                   if self.recompute else {}),
                 **metric.notes(knob, params, self.n_samples)}
 
     def unit(self) -> int:
@@ -120,7 +131,8 @@ class MetricTrial(RebuiltInChild):
     def describe(self) -> dict[str, Any]:
         return {"metric": self.metric, "knob": self.knob, "model": self.model,
                 "dtype": self.dtype, "device": self.device, "n_samples": self.n_samples,
-                "seq_len": self.seq_len, "seed": self.seed, "params": dict(self.params)}
+                "seq_len": self.seq_len, "seed": self.seed, "params": dict(self.params),
+                **({"recompute": True} if self.recompute else {})}
 
     def warmup(self) -> None:
         """Build model and data (not budgeted) and run the metric once on the first sample, at
@@ -169,7 +181,8 @@ class MetricTrial(RebuiltInChild):
         metric = get_metric(self.metric)
         data = self._state["data"] if batch is None else batch
         with torch.enable_grad():
-            result = metric.run(self._state["model"], data, **{**self.params, self.knob: size})
+            result = metric.run(self._state["model"], data, recompute=self.recompute,
+                                **{**self.params, self.knob: size})
         return metric.summary(result)
 
 

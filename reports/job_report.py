@@ -2,7 +2,8 @@
 ``results.json`` alone (plain JSON types), every file written atomically.
 
 Per metric: status, sizes and their source, retries, seconds, measured peak memory and the
-result summary; failures; every OOM event with memory measured at it; every remedy tried.
+result summary; failures; every OOM event with memory measured at it; every remedy tried; for a
+metric that could run recomputed, each configuration measured and the one kept.
 Plots go to ``plots/``.
 """
 
@@ -218,6 +219,30 @@ def remedies_section(tasks: Mapping[str, Any], dtype: str) -> list[str]:
             "flagged in the table above.", "", *lines, ""]
 
 
+def recompute_section(tasks: Mapping[str, Any]) -> list[str]:
+    """The report's "Recomputation": per metric that could run with the model's blocks
+    checkpointed, each configuration (its sizes, peak, one timed run's samples per second)
+    and the one kept; nothing where no metric had that choice."""
+    rows = []
+    for key, t in tasks.items():
+        for c in (t.get("sizes") or {}).get("configurations") or ():
+            rate = c.get("samples_per_second")
+            rows.append(f"| {_cell(key)} | {_cell(c.get('configuration'))} "
+                        f"| {_sizes(c.get('sizes'))} | {fmt_bytes(c.get('peak_bytes'))} "
+                        f"| {'-' if rate is None else f'{rate:.3g}'} "
+                        f"| {'**yes**' if c.get('chosen') else 'no'} | {_cell(c.get('note'))} |")
+    if not rows:
+        return []
+    return ["## Recomputation", "",
+            "Metrics that can run with the model's repeated blocks checkpointed (activations "
+            "recomputed in the backward: the same result in less memory, for one more forward "
+            "per block) were sized both ways; each configuration ran once at its sizes, timed, "
+            "and the one with more samples per second was kept. Peaks are the searches' "
+            "(measured or fitted); a size from the cache keeps the measurements of its search.",
+            "", "| metric | configuration | sizes | peak | samples per second | kept | note |",
+            "|---|---|---|---:|---:|---|---|", *rows, ""]
+
+
 def device_label(device: Mapping[str, Any] | None) -> str:
     """A task's device in a few words: name, MIG profile, total memory."""
     if not device:
@@ -330,7 +355,9 @@ def _task(key: str, t: Mapping[str, Any], dtype: str) -> list[str]:
              + (f", {t['threads']} thread(s)" if t.get("threads") else ""),
              f"- sizes: started at {_sizes(s.get('start'))} ({s.get('source')}), "
              f"ran at {_sizes(s.get('final'))} after {s.get('retries', 0)} retries",
-             *([f"- OOMs: {'; '.join(s['errors'])}"] if s.get("errors") else [])]
+             *([f"- OOMs: {'; '.join(s['errors'])}"] if s.get("errors") else []),
+             *([f"- configuration: {s.get('configuration')} (see Recomputation)"]
+               if s.get("configurations") else [])]
     if t.get("lowered_precision"):
         lines.append(f"- **precision: {t.get('precision')}** (the job's dtype is {dtype}), "
                      f"lowered by the remedy `{t.get('remedy')}`")
@@ -351,7 +378,7 @@ def render_job_markdown(summary: Mapping[str, Any], plots: Mapping[str, str]) ->
     tasks, dtype = summary["tasks"], summary["job"]["dtype"]
     kinds = Counter(device_label(t.get("device")) for t in tasks.values() if t.get("device"))
     lines = [*_header(summary, kinds), *_metrics(summary, kinds), *_search_cost(tasks),
-             *remedies_section(tasks, dtype),
+             *recompute_section(tasks), *remedies_section(tasks, dtype),
              *oom_events_section(tasks), *_reruns_and_failures(tasks)]
     for key, t in tasks.items():
         lines += _task(key, t, dtype) if t.get("status") == "ok" else []

@@ -2,7 +2,9 @@
 
 integrated_gradients, layer_attribution, position_jacobian, loss_landscape and
 cka, on both built-in architectures: the result at the smallest memory sizes
-equals the result at the largest (float64: rel <= 1e-9; float32: <= 1e-5);
+equals the result at the largest (float64: rel <= 1e-9; float32: <= 1e-5), and for
+the metrics that can run recomputed (their blocks checkpointed) the same again that
+way, equal to the plain result;
 under a real CPU budget where the default sizes OOM, the executor returns the
 unconstrained result; IG's completeness delta is small; CKA's diagonal is 1;
 the landscape's centre is the model's loss and parameters come back bit-for-bit.
@@ -56,7 +58,10 @@ OOM_CASES: dict[str, tuple[int, int, dict]] = {
     "cka": (8, 192, {}),
 }
 BUDGET = 32 * MiB  # measured peaks (RSS) at the default sizes: 36-71 MiB; at half: 16-22 MiB
-_results: dict[tuple[str, str], dict[str, Any]] = {}
+_results: dict[tuple[str, str, bool], dict[str, Any]] = {}
+# (metric, recompute): every metric plain, and recomputed where it can run so
+WAYS = [(name, False) for name in CASES] + [
+    (name, True) for name in CASES if get_metric(name).recomputes]
 
 
 
@@ -78,32 +83,42 @@ def compare(a: dict[str, Any], b: dict[str, Any], keys: tuple[str, ...]) -> floa
     return worst
 
 
-def run_small_large(name: str, arch: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Results at the smallest and largest sizes (cached for the property tests)."""
-    if (name, arch) not in _results:
+def run_small_large(name: str, arch: str, recompute: bool = False
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Results at the smallest and largest sizes, plain or recomputed (cached for the property
+    tests)."""
+    key = (name, arch, recompute)
+    if key not in _results:
         params, small, large, _ = CASES[name]
         model, data = tiny_model(arch), tiny_data(n=4, seq_len=8)
         metric = get_metric(name)
-        _results[(name, arch)] = {"small": metric.run(model, data, **params, **small),
-                                  "large": metric.run(model, data, **params, **large),
-                                  "model": model, "data": data}
-    r = _results[(name, arch)]
+        _results[key] = {
+            "small": metric.run(model, data, recompute=recompute, **params, **small),
+            "large": metric.run(model, data, recompute=recompute, **params, **large),
+            "model": model, "data": data}
+    r = _results[key]
     return r["small"], r["large"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
-def test_result_does_not_depend_on_memory_sizes(name: str, arch: str) -> None:
-    small, large = run_small_large(name, arch)
+@pytest.mark.parametrize(("name", "recompute"), WAYS,
+                         ids=[f"{n}-{'recompute' if r else 'plain'}" for n, r in WAYS])
+def test_result_does_not_depend_on_memory_sizes(name: str, recompute: bool, arch: str) -> None:
+    small, large = run_small_large(name, arch, recompute)
     assert compare(small, large, CASES[name][3]) <= 1e-9
     assert small["params"] == large["params"] == {
         k.name: CASES[name][0].get(k.name, k.default) for k in get_metric(name).result_knobs()}
+    if recompute:  # nor on the configuration: the plain results, up to float rounding
+        plain_small, plain_large = run_small_large(name, arch)
+        assert compare(small, plain_small, CASES[name][3]) <= 1e-9
+        assert compare(large, plain_large, CASES[name][3]) <= 1e-9
 
 
-def test_float32_integrated_gradients_agree_to_1e5() -> None:
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_float32_integrated_gradients_agree_to_1e5(recompute: bool) -> None:
     model, data = tiny_model("tiny-gpt2", "float32"), tiny_data(n=4, seq_len=8)
     ig = get_metric("integrated_gradients")
-    a = ig.run(model, data, n_steps=8, chunk_size=1, internal_batch_size=1)
+    a = ig.run(model, data, recompute=recompute, n_steps=8, chunk_size=1, internal_batch_size=1)
     b = ig.run(model, data, n_steps=8, chunk_size=4, internal_batch_size=64)
     assert rel_diff(a["attributions"], b["attributions"]) <= 1e-5
 
@@ -131,13 +146,14 @@ def test_internal_batch_size_only_rounds_and_rows_per_forward_is_what_captum_run
     assert rows_per_forward(2, 8, n_steps=3) == 6 and rows_per_forward(4, 2) == 4
 
 
-def test_ig_completeness_delta_is_small(arch: str) -> None:
-    small, large = run_small_large("integrated_gradients", arch)
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_ig_completeness_delta_is_small(arch: str, recompute: bool) -> None:
+    small, large = run_small_large("integrated_gradients", arch, recompute)
     change = large["attributions"].sum(dim=1) - large["delta"]  # f(x) - f(baseline)
     rel = large["delta_max"] / float(change.abs().max())
     assert large["delta_max"] < 1e-3 and rel < 1e-2
     assert large["delta_mean"] <= large["delta_max"]
-    pads = _results[("integrated_gradients", arch)]["data"]["attention_mask"] == 0
+    pads = _results[("integrated_gradients", arch, recompute)]["data"]["attention_mask"] == 0
     assert bool((large["attributions"][pads] == 0).all())
 
 
@@ -158,7 +174,7 @@ def test_cka_diagonal_is_one(arch: str) -> None:
 
 def test_landscape_centre_is_the_loss_and_parameters_come_back(arch: str) -> None:
     small, large = run_small_large("loss_landscape", arch)
-    model, data = (_results[("loss_landscape", arch)][k] for k in ("model", "data"))
+    model, data = (_results[("loss_landscape", arch, False)][k] for k in ("model", "data"))
     reference = tiny_model(arch)
     for (n1, p1), (_, p2) in zip(model.named_parameters(), reference.named_parameters(),
                                  strict=True):

@@ -26,6 +26,15 @@ written before the field existed counts as finished unless its search records sa
 short). A cached size above the request's ``cap`` is used only where the entry's own search
 record measured it (``max_ok``), and then lowered to the cap (every smaller size fits too);
 any other (a hand-edited ``10**12``) is refused with a warning and the knob searched again.
+
+A metric that recomputes (``Metric.recomputes``), sized by a caller that can run it so
+(:class:`Recompute`: a job), has two configurations: ``plain`` and ``recompute`` (the model's
+repeated blocks checkpointed). Every knob is sized in each, each is timed once at its sizes,
+and the faster in samples per second is kept (:func:`_faster`; a tie keeps plain). Where no
+plain knob met its memory limit (every answer capped by the request), recomputation could
+only add work and is not measured. The cache entry holds the ``configuration`` chosen and the
+``configurations`` measured, and its search records each say theirs; an entry answers a caller
+that can run its configuration, and a caller that would measure both only where both were.
 """
 
 from __future__ import annotations
@@ -52,6 +61,19 @@ _CAPS = {"samples": "the sample count", "largest useful size": "the knob's large
 
 
 Evaluate = Callable[[str, dict[str, int], int, int], SearchRecord]
+PLAIN, RECOMPUTE = "plain", "recompute"  # a metric as written; its blocks checkpointed
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """What a caller that can run a metric recomputed gives :func:`choose_sizes`: ``evaluate``
+    searches a knob with the model's repeated blocks checkpointed, as ``choose_sizes``' own
+    ``evaluate`` searches it plainly (None: no search); ``seconds(configuration, sizes)`` is
+    one timed run of the metric in that configuration at those sizes (wall seconds,
+    measured; None where it ran out of memory)."""
+
+    evaluate: Evaluate | None
+    seconds: Callable[[str, dict[str, int]], float | None]
 
 
 @dataclass(frozen=True)
@@ -95,12 +117,16 @@ class Slot:
 class Sizing:
     """The sizes chosen, where they came from (``job file``, ``cache``, ``search``,
     ``metric default``, joined by `` + `` where knobs differ), every knob's record (searched
-    now, or read from the cache), and the cache entry used (None: none)."""
+    now, or read from the cache), and the cache entry used (None: none). ``configuration``:
+    the one the sizes are for (:data:`PLAIN`, :data:`RECOMPUTE`); ``configurations``: each
+    one measured, where there was a choice (:func:`_faster`), else empty."""
 
     sizes: dict[str, int]
     source: str
     records: list[SearchRecord]
     entry: dict[str, Any] | None = None
+    configuration: str = PLAIN
+    configurations: list[dict[str, Any]] = field(default_factory=list)
 
 
 def minimums(metric: Metric) -> dict[str, int]:
@@ -114,27 +140,58 @@ def snap(size: int, unit: int) -> int:
 
 def choose_sizes(req: Request, *, evaluate: Evaluate | None = None, slot: Slot | None = None,
                  on_record: Callable[[SearchRecord], None] | None = None,
-                 check: Callable[[list[str], dict[str, int]], Any] | None = None) -> Sizing:
+                 check: Callable[[list[str], dict[str, int]], Any] | None = None,
+                 recompute: Recompute | None = None) -> Sizing:
     """Every memory knob's size for ``req``: pinned, else the cache (``slot``), else
     ``evaluate`` (None: no search), else the default. ``on_record`` sees each new record
     as its search ends; the sizes are cached when no knob is pinned and each found one.
     ``check(knobs, sizes)`` runs before the first search, with the knobs to be searched and
     every knob's size meanwhile (defaults, pins): it raises to refuse a knob that is not
-    memory-only (:func:`~oomguard.metrics.knob_check.require_memory_knobs`)."""
+    memory-only (:func:`~oomguard.metrics.knob_check.require_memory_knobs`). ``recompute``
+    (given only where the metric can run recomputed): every knob is also searched with the
+    blocks checkpointed and the faster configuration kept (:func:`_faster`)."""
     knobs = req.metric.memory_knobs()
     if not knobs:
         return Sizing({}, "none (no memory knobs)", [])
     sizes = {k.name: int(k.default) for k in knobs} | dict(req.pinned)
+    both = (recompute is not None and recompute.evaluate is not None and evaluate is not None
+            and not req.pinned)
     entry = slot.cache.get(slot.key) if slot is not None and not req.pinned else None
-    cached = _cached_sizes(req, entry, sizes, slot.key) if entry is not None else None
+    cached = (_cached_sizes(req, entry, sizes, slot.key, recompute is not None, both)
+              if entry is not None else None)
     if cached is not None:
-        return Sizing(cached, CACHE, _cached_records(req, entry, cached), entry)
+        return Sizing(cached, CACHE, _cached_records(req, entry, cached), entry,
+                      _configuration(entry), list(entry.get("configurations") or []))
     searched = [k.name for k in knobs if k.name not in req.pinned]
     if evaluate is not None and check is not None and searched:
         check(searched, dict(sizes))
-    records: list[SearchRecord] = []
-    sources = []
-    for knob in knobs:
+    got = _search(req, sizes, evaluate, on_record, PLAIN if both else None)
+    if both:
+        assert recompute is not None and recompute.evaluate is not None
+        got = _faster(req, sizes, got, recompute, on_record)
+    chosen = [r for r in got.records if _configuration(r.extra) == got.configuration]
+    if slot is not None and chosen and not req.pinned and all(r.safe is not None for r in chosen):
+        # An entry chosen between configurations says so; a plain search that replaces one
+        # says it is plain (a put keeps the fields it does not name).
+        marks = ({"configuration": got.configuration, "configurations": got.configurations}
+                 if both or (entry is not None and "configuration" in entry) else {})
+        slot.cache.put(slot.key, got.sizes, source=slot.source, device=slot.device,
+                       workload=slot.workload, max_ok=chosen[0].max_ok,
+                       trials=sum(r.trials for r in got.records),
+                       capped={r.knob: r.cap for r in chosen if r.capped_by},
+                       finished=not any(r.capped_by in UNFINISHED for r in got.records),
+                       search=[r.to_dict() for r in got.records], **marks)
+    return got
+
+
+def _search(req: Request, start: Mapping[str, int], evaluate: Evaluate | None,
+            on_record: Callable[[SearchRecord], None] | None,
+            configuration: str | None) -> Sizing:
+    """Each knob in turn from ``start`` (defaults and pins): searched by ``evaluate``, else
+    its default. ``configuration``: what each record says it was searched in (None: nothing,
+    the metric has one)."""
+    sizes, records, sources = dict(start), [], []
+    for knob in req.metric.memory_knobs():
         name = knob.name
         if name in req.pinned:
             sources.append(req.pinned_from)
@@ -146,6 +203,8 @@ def choose_sizes(req: Request, *, evaluate: Evaluate | None = None, slot: Slot |
             continue
         rec = evaluate(name, dict(sizes), unit, cap)
         rec.others = {k: v for k, v in sizes.items() if k != name}
+        if configuration is not None:
+            rec.extra["configuration"] = configuration
         _mark_cap(rec, cap, why)
         records.append(rec)
         if on_record is not None:
@@ -153,15 +212,49 @@ def choose_sizes(req: Request, *, evaluate: Evaluate | None = None, slot: Slot |
         sizes[name] = rec.safe if rec.safe is not None else int(knob.minimum)
         sources.append("search" if rec.safe is not None else "search (nothing fit; minimum)" if rec.max_ok is None
                        else "search (failed; minimum)")
-    if slot is not None and records and not req.pinned and all(
-            r.safe is not None for r in records):
-        slot.cache.put(slot.key, sizes, source=slot.source, device=slot.device,
-                       workload=slot.workload, max_ok=records[0].max_ok,
-                       trials=sum(r.trials for r in records),
-                       capped={r.knob: r.cap for r in records if r.capped_by},
-                       finished=not any(r.capped_by in UNFINISHED for r in records),
-                       search=[r.to_dict() for r in records])
-    return Sizing(sizes, " + ".join(dict.fromkeys(sources)), records)
+    return Sizing(sizes, " + ".join(dict.fromkeys(sources)), records,
+                  configuration=configuration or PLAIN)
+
+
+def _faster(req: Request, start: Mapping[str, int], plain: Sizing, recompute: Recompute,
+            on_record: Callable[[SearchRecord], None] | None) -> Sizing:
+    """``plain`` (searched) against the same knobs searched recomputed: each timed once at its
+    sizes, the more samples per second kept (a tie, or two runs out of memory, keeps plain).
+    Not measured where every plain answer stopped at the request's cap, not at an OOM: larger
+    sizes are not allowed, and recomputation only adds a forward per block."""
+    if all(r.capped_by in _CAPS for r in plain.records):
+        plain.configurations = [
+            {"configuration": PLAIN, "sizes": dict(plain.sizes), "chosen": True},
+            {"configuration": RECOMPUTE, "chosen": False,
+             "note": "not measured: no plain size met a memory limit (each stopped at its cap)"}]
+        return plain
+    assert recompute.evaluate is not None
+    other = _search(req, start, recompute.evaluate, on_record, RECOMPUTE)
+    rows = [_timed(req, got, recompute.seconds) for got in (plain, other)]
+    best = max((0, 1), key=lambda i: rows[i]["samples_per_second"] or 0.0)
+    for i, row in enumerate(rows):
+        row["chosen"] = i == best
+    chosen = (plain, other)[best]
+    return Sizing(chosen.sizes, chosen.source, plain.records + other.records,
+                  configuration=chosen.configuration, configurations=rows)
+
+
+def _timed(req: Request, got: Sizing, seconds: Callable[[str, dict[str, int]], float | None]
+           ) -> dict[str, Any]:
+    """One configuration's row: its sizes, the peak its last knob's search gives them, one timed
+    run's wall seconds and the data's samples per second (None: it ran out of memory)."""
+    took = seconds(got.configuration, dict(got.sizes))
+    last = got.records[-1] if got.records else None
+    return {"configuration": got.configuration, "sizes": dict(got.sizes),
+            "peak_bytes": last.peak_at_safe_bytes if last else None,
+            "peak_source": last.peak_source if last else "",
+            "seconds": took, "samples_per_second": req.n_samples / took if took else None,
+            **({} if took is not None else {"note": "ran out of memory in its timed run"})}
+
+
+def _configuration(doc: Mapping[str, Any]) -> str:
+    """The configuration a cache entry or a search record is for (none named: plain)."""
+    return str(doc.get("configuration") or PLAIN)
 
 
 def _mark_cap(rec: SearchRecord, cap: int, why: str) -> None:
@@ -175,13 +268,24 @@ def _mark_cap(rec: SearchRecord, cap: int, why: str) -> None:
 
 
 def _cached_sizes(req: Request, entry: Mapping[str, Any], defaults: Mapping[str, int],
-                  key: str) -> dict[str, int] | None:
+                  key: str, recomputes: bool = False, measures: bool = False
+                  ) -> dict[str, int] | None:
     """The sizes a cache entry answers ``req`` with, or None (search again): it needs a size
     for every knob, a finished search, and no capped answer whose cap is below what ``req``
     allows for that knob. A size above the knob's cap for ``req`` is lowered to the cap where
-    the entry's search measured it, and refused (a warning) where nothing did."""
+    the entry's search measured it, and refused (a warning) where nothing did. A recomputed
+    entry answers only a caller that ``recomputes``; one that ``measures`` both configurations
+    needs an entry where both were."""
     sizes, capped = entry["sizes"], entry.get("capped")
     if set(sizes) != set(defaults):
+        return None
+    configuration = _configuration(entry)
+    if configuration not in (PLAIN, RECOMPUTE) or (configuration == RECOMPUTE and not recomputes):
+        log.info("size cache entry %s: its sizes are for the configuration %r, which this "
+                 "request does not run; searching again", key, configuration)
+        return None
+    if measures and not entry.get("configurations"):
+        log.info("size cache entry %s: sized plain only; measuring recomputation too", key)
         return None
     try:  # the metric's own check of its knobs (a minimum above 1), as a search would meet it
         bounds = {knob: req.bounds(knob, sizes) for knob in sizes}
@@ -196,8 +300,7 @@ def _cached_sizes(req: Request, entry: Mapping[str, Any], defaults: Mapping[str,
             isinstance(cap, int) and knob in sizes and bounds[knob][1] <= cap
             for knob, cap in capped.items()):
         return None
-    measured = {doc.get("knob"): doc.get("max_ok") for doc in entry.get("search") or []
-                if isinstance(doc, Mapping)}
+    measured = {doc.get("knob"): doc.get("max_ok") for doc in _searches(entry)}
     out = {k: int(v) for k, v in sizes.items()}
     for knob, size in sizes.items():
         unit, cap, why = bounds[knob]
@@ -218,7 +321,7 @@ def _cached_records(req: Request, entry: Mapping[str, Any],
     (``sizes``); one holding only the size (an entry written by another version) where it
     has none."""
     stored: dict[str, SearchRecord] = {}
-    for doc in entry.get("search") or []:
+    for doc in _searches(entry):
         try:
             rec = SearchRecord.from_dict(doc)
         except (KeyError, TypeError):
@@ -239,6 +342,12 @@ def _cached_records(req: Request, entry: Mapping[str, Any],
                 rec.safe = size
         out.append(rec)
     return out
+
+
+def _searches(entry: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The search records of a cache entry's own configuration (not the one it did not keep)."""
+    return [doc for doc in entry.get("search") or [] if isinstance(doc, Mapping)
+            and _configuration(doc) == _configuration(entry)]
 
 
 def knob_config(config: SearchConfig, unit: int, cap: int,

@@ -6,7 +6,8 @@ through its sink (:mod:`~oomguard.engine.jobs.sink`); a crash or a kill leaves n
 result, and the parent (:mod:`~oomguard.engine.jobs.task_process`) records that.
 
 Sizes come from :func:`~oomguard.engine.jobs.sizing.choose_sizes` (a search runs in this
-process, under the job's budget). An OOM during the run retries at half (the executor)
+process, under the job's budget); for a metric that can run recomputed, the sizes of each
+configuration, each timed once under the budget, and the faster configuration runs. An OOM during the run retries at half (the executor)
 and lowers the cached sizes to what worked; each OOM is in the result's ``oom_events``
 (memory measured at the OOM; with ``snapshot_on_oom``, an allocator snapshot on CUDA).
 
@@ -19,6 +20,7 @@ parent a *handoff* (the ladder, the sizes, what ran so far) and ends without a r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import logging
 import signal
@@ -54,7 +56,8 @@ log = logging.getLogger("oomguard.job")
 
 TENSOR_INLINE_MAX = 64  # tensors with more elements go to results/<task>.pt
 # What the task's first process chose, handed to the next one (a restart keeps the sizes).
-_CHOSEN = ("start", "source", "search", "searches", "cache_key")
+_CHOSEN = ("start", "source", "search", "searches", "cache_key", "configuration",
+           "configurations")
 
 
 def child_main(task: Task, ctx: Context, sink: Sink, handoff: dict[str, Any] | None = None,
@@ -128,10 +131,13 @@ def _sizes_info(state: dict[str, Any]) -> dict[str, Any]:
     rec = executor.history[-1] if executor and executor.history else None
     prior = state["handoff"]
     attempts = prior.get("attempts", []) + (rec.attempts if rec else [])
+    # The configuration only where there was a choice (a metric that can run recomputed).
+    chosen = ({key: state.get(key) for key in ("configuration", "configurations")}
+              if state.get("configurations") else {})
     return {"start": state.get("start"), "source": state.get("source"),
             "final": rec.final if rec else None, "attempts": attempts,
             "errors": prior.get("errors", []) + (rec.errors if rec else []),
-            "retries": max(0, len(attempts) - 1), "cache_key": state.get("cache_key")}
+            "retries": max(0, len(attempts) - 1), "cache_key": state.get("cache_key"), **chosen}
 
 
 def _what_ran(state: dict[str, Any], out: Path, work: Any = None,
@@ -184,9 +190,10 @@ class _Search:
     knob's search gets at most ``search.max_seconds`` and a third of the task's time limit
     shared by its knobs; one that fails for a reason other than memory fails the task."""
 
-    def __init__(self, task: Task, ctx: Context, call: Any, n_knobs: int, on_record: Any) -> None:
+    def __init__(self, task: Task, ctx: Context, call: Any, n_searches: int,
+                 on_record: Any) -> None:
         self.task, self.ctx, self.call, self.on_record = task, ctx, call, on_record
-        self.seconds = task.time_limit / 3 / max(1, n_knobs)
+        self.seconds = task.time_limit / 3 / max(1, n_searches)
 
     def __call__(self, knob: str, sizes: dict[str, int], unit: int, cap: int
                  ) -> sizing.SearchRecord:
@@ -219,16 +226,51 @@ def _choose_sizes(task: Task, ctx: Context, metric: Any, work: _Work, sink: Sink
     if metric.memory_knobs() and not task.pinned:
         slot = sizing.Slot(sink, entry_key(ctx.device, task.workload), ctx.device, task.workload)
         state["cache_key"] = slot.key
-    evaluate = (_Search(task, ctx, work.call, len(metric.memory_knobs()) - len(task.pinned),
-                        record) if ctx.search and job.search.enabled else None)
+    searching = ctx.search and job.search.enabled
+    both = metric.can_recompute(work.model)
+    n_searches = (len(metric.memory_knobs()) - len(task.pinned)) * (2 if both else 1)
+    evaluate = _Search(task, ctx, work.call, n_searches, record) if searching else None
+    recompute = sizing.Recompute(
+        _Search(task, ctx, functools.partial(work.call, recompute=True), n_searches, record)
+        if searching else None,
+        lambda configuration, sizes: _timed_run(task, ctx, work, configuration, sizes)
+    ) if both else None
     request = sizing.Request(metric, task.params, job.data.n_samples, work.model.config,
                              job.search.max_size, task.pinned, task.pinned_from)
     got = sizing.choose_sizes(request, evaluate=evaluate, slot=slot, on_record=record,
                               check=lambda knobs, sizes: require_memory_knobs(
                                   metric, work.model, work.data, {**task.params, **sizes},
-                                  knobs=knobs))
-    state["source"] = got.source
+                                  knobs=knobs), recompute=recompute)
+    state.update(source=got.source, configuration=got.configuration,
+                 configurations=got.configurations)
+    if got.configurations:
+        sink.event("configuration", task=task.key, run=ctx.run_id, chosen=got.configuration,
+                   measured=got.configurations)
     return got.sizes
+
+
+def _run_limit(job: Any) -> Any:
+    """The memory limit the metric runs under: the job's budget, else the one an enforced host
+    limit (a cgroup: the kernel kills past it) leaves room for, so that running out is a
+    retry, never a kill."""
+    return limit_budget(job.budget_bytes or None, job.device,
+                        None if job.budget_bytes else unbudgeted_limit(job.device))
+
+
+def _timed_run(task: Task, ctx: Context, work: _Work, configuration: str,
+               sizes: dict[str, int]) -> float | None:
+    """Wall seconds of one run of the metric in ``configuration`` at ``sizes``, under the
+    limit the real run has (measured); None where it ran out of memory."""
+    def run() -> None:  # the result is dropped on return, as a search's trial drops it
+        work.call(recompute=configuration == sizing.RECOMPUTE, **sizes)
+
+    release_memory(ctx.job.device)
+    with _run_limit(ctx.job):
+        t0 = time.perf_counter()
+        outcome = call_catching_oom(run, device=ctx.job.device, workload=task.key)
+        took = time.perf_counter() - t0
+    release_memory(ctx.job.device)
+    return None if isinstance(outcome, OOM) else took
 
 
 def _big_tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -249,6 +291,7 @@ class _Work:
         self.task, self.ctx, self.metric, self.sink = task, ctx, metric, sink
         self.model = self.data = None
         self.executor: Executor | None = None  # the run's, once it is made
+        self.recompute = False  # the configuration chosen: the model's blocks checkpointed
         self.tolerates_lower_precision = bool(metric.tolerates_lower_precision)
 
     def __call__(self, **sizes: int) -> dict[str, Any]:
@@ -258,9 +301,12 @@ class _Work:
                             after=rec.errors[-1] if rec.errors else None)
         return self.call(**sizes)
 
-    def call(self, **sizes: int) -> dict[str, Any]:
-        """The metric at ``sizes`` (what the size search runs)."""
-        return self.metric.run(self.model, self.data, **self.task.params, **sizes)
+    def call(self, *, recompute: bool | None = None, **sizes: int) -> dict[str, Any]:
+        """The metric at ``sizes`` (what the size search runs), recomputed or not (None: as
+        chosen, :attr:`recompute`)."""
+        again = self.recompute if recompute is None else recompute
+        return self.metric.run(self.model, self.data, recompute=again, **self.task.params,
+                               **sizes)
 
     def _warm_up_metric(self) -> None:
         """Run the metric once at its minimum sizes on the first sample, before any budget,
@@ -269,13 +315,17 @@ class _Work:
         to the run. It is not the work: a failure is logged (debug) and the task goes on."""
         first = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in self.data.items()}
         sizes = sizing.minimums(self.metric)
-        try:
-            outcome = call_catching_oom(
-                lambda: self.metric.run(self.model, first, **self.task.params, **sizes),
-                device=self.ctx.job.device, workload=self.task.key)
-            failed = outcome.message if isinstance(outcome, OOM) else None
-        except Exception as exc:  # noqa: BLE001 - the real run reports its own errors
-            failed = f"{type(exc).__name__}: {first_line(exc)[:300]}"
+        failed = None
+        # both configurations where the metric may run recomputed: the checkpoint's own setup
+        for again in (False, True)[:1 + self.metric.can_recompute(self.model)]:
+            try:
+                outcome = call_catching_oom(
+                    lambda again=again: self.metric.run(self.model, first, recompute=again,
+                                                        **self.task.params, **sizes),
+                    device=self.ctx.job.device, workload=self.task.key)
+                failed = failed or (outcome.message if isinstance(outcome, OOM) else None)
+            except Exception as exc:  # noqa: BLE001 - the real run reports its own errors
+                failed = failed or f"{type(exc).__name__}: {first_line(exc)[:300]}"
         if failed is not None:  # debug: a metric that fails here mostly fails in its run too
             log.debug("%s: the warm-up at the minimum sizes on one sample failed (%s): "
                       "one-time setup inside the metric is charged to its first call",
@@ -320,15 +370,13 @@ def _execute(task: Task, ctx: Context, sink: Sink, state: dict[str, Any], t0: fl
         state["start"] = _choose_sizes(task, ctx, metric, work, sink, state)
         sink.event("sizes", task=task.key, run=ctx.run_id, sizes=state["start"],
                    source=state["source"])
+    work.recompute = state.get("configuration") == sizing.RECOMPUTE
     executor = work.executor = state["executor"] = Executor(
         device=job.device, snapshot_on_oom=out / "snapshots" if ctx.snapshot_on_oom else None,
         on_oom=task.on_oom, fresh_process=True)
     ladder = Ladder.from_dict(prior["ladder"]) if prior else None
     work.meter.reset()
-    # Without a budget, an enforced host limit (a cgroup: the kernel kills past it) sets one,
-    # so that running out is a retry, never a kill.
-    with limit_budget(job.budget_bytes or None, job.device,
-                      None if job.budget_bytes else unbudgeted_limit(job.device)):
+    with _run_limit(job):
         t_run = time.perf_counter()
         result = executor.run(work, sizes=state["start"], minimum=sizing.minimums(metric),
                               name=task.key, ladder=ladder)
