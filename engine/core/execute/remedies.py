@@ -251,6 +251,22 @@ class _Checked:
         raise _restart(self.name, rec, self.ladder, why, why + return_here)
 
 
+def expandable_in_force() -> bool:
+    """Whether this process's CUDA allocator was started with expandable segments
+    (:data:`ALLOC_CONF` holds :data:`EXPANDABLE`)."""
+    return EXPANDABLE in os.environ.get(ALLOC_CONF, "")
+
+
+def expandable_unavailable(kind: str) -> str | None:
+    """Why expandable segments cannot apply on a device of ``kind`` (``cuda``, ``cpu``, ...),
+    or None: CUDA only, and not under ``backend:cudaMallocAsync``."""
+    if kind != "cuda":
+        return "CUDA only"
+    if cuda_async_backend():
+        return "backend:cudaMallocAsync has no expandable segments"
+    return None
+
+
 def _skip(remedy: str, work: Any, kind: str, ladder: Ladder, fresh_process: bool) -> str | None:
     """Why ``remedy`` cannot apply here, or None."""
     if remedy in PRECISIONS:
@@ -262,11 +278,10 @@ def _skip(remedy: str, work: Any, kind: str, ladder: Ladder, fresh_process: bool
         if not callable(getattr(work, "at_precision", None)):
             return "the workload has no at_precision(dtype) to lower its precision"
     elif remedy == "expandable_segments":
-        if kind != "cuda":
-            return "CUDA only"
-        if cuda_async_backend():
-            return "backend:cudaMallocAsync has no expandable segments"
-        if EXPANDABLE in os.environ.get(ALLOC_CONF, "") and ladder.fresh_for != ladder.at:
+        unavailable = expandable_unavailable(kind)
+        if unavailable is not None:
+            return unavailable
+        if expandable_in_force() and ladder.fresh_for != ladder.at:
             return f"already in force ({ALLOC_CONF}={os.environ[ALLOC_CONF]})"
         if not fresh_process:
             return (f"needs a fresh process (oomguard run starts one; in Python start yours "

@@ -283,8 +283,9 @@ class _Search:
 def verify(fn: Callable[[int], Any], size: int, steps: int, config: SearchConfig | None = None,
            **options: Any) -> dict[str, Any]:
     """Run ``steps`` steps of ``fn`` at ``size`` as a search's trial runs them and say what
-    happened: ``ok``, ``peak_bytes``, ``step_peaks``, ``seconds`` and an OOM's ``error``
-    (reported, not raised). ``options`` are :class:`SearchConfig` fields."""
+    happened: ``ok``, ``peak_bytes``, ``step_peaks``, ``seconds`` (``step_seconds``: each
+    step's) and an OOM's ``error`` (reported, not raised). ``options`` are
+    :class:`SearchConfig` fields."""
     check_positive_int("size", size)
     check_positive_int("steps", steps)
     cfg, dev = _checked(config, None, None, options)
@@ -310,7 +311,7 @@ def _verify(runner: Callable[[int, int], Trial], size: int, steps: int, mode: st
     trial.mode = mode
     log.info("verify: %d steps at size %d %s", steps, size, trial.outcome.upper())
     return {"size": size, "steps": steps} | {k: getattr(trial, k) for k in (
-        "ok", "peak_bytes", "step_peaks", "seconds", "error", "guarded")}
+        "ok", "peak_bytes", "step_peaks", "seconds", "step_seconds", "error", "guarded")}
 
 
 def _isolated(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device) -> IsolatedRunner:
