@@ -161,7 +161,7 @@ def choose_sizes(req: Request, *, evaluate: Evaluate | None = None, slot: Slot |
               if entry is not None else None)
     if cached is not None:
         return Sizing(cached, CACHE, _cached_records(req, entry, cached), entry,
-                      _configuration(entry), list(entry.get("configurations") or []))
+                      _configuration(entry), _measured(entry))
     searched = [k.name for k in knobs if k.name not in req.pinned]
     if evaluate is not None and check is not None and searched:
         check(searched, dict(sizes))
@@ -257,6 +257,12 @@ def _configuration(doc: Mapping[str, Any]) -> str:
     return str(doc.get("configuration") or PLAIN)
 
 
+def _measured(entry: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The configurations a cache entry's search measured (none: it had no choice)."""
+    rows = entry.get("configurations")
+    return [dict(r) for r in rows if isinstance(r, Mapping)] if isinstance(rows, list) else []
+
+
 def _mark_cap(rec: SearchRecord, cap: int, why: str) -> None:
     """Record the bound of ``rec``'s search, and ``why`` (one of
     :data:`~oomguard.engine.core.search.record.CAPPED_BY`) where the answer reached it."""
@@ -284,7 +290,7 @@ def _cached_sizes(req: Request, entry: Mapping[str, Any], defaults: Mapping[str,
         log.info("size cache entry %s: its sizes are for the configuration %r, which this "
                  "request does not run; searching again", key, configuration)
         return None
-    if measures and not entry.get("configurations"):
+    if measures and not _measured(entry):
         log.info("size cache entry %s: sized plain only; measuring recomputation too", key)
         return None
     try:  # the metric's own check of its knobs (a minimum above 1), as a search would meet it
