@@ -126,6 +126,39 @@ def strategy_name(text: str) -> str:
     return new
 
 
+def add_remedy_options(p: argparse.ArgumentParser) -> None:
+    """``--remedies NAMES`` and ``--effective-batch N``: price the ways to fit an effective
+    batch that does not fit at one micro-batch (checked by :func:`remedy_names`)."""
+    group = p.add_argument_group("remedies priced by speed")
+    group.add_argument("--remedies", default=None, metavar="NAMES",
+                       help="after the search, measure each named way to fit --effective-batch "
+                            "rows (accumulate, checkpoint, bf16, expandable_segments; comma-"
+                            "separated, e.g. accumulate,checkpoint) and report the fastest "
+                            "whose peak keeps the margin; bf16 only when named")
+    group.add_argument("--effective-batch", type=positive_int, default=None, metavar="N",
+                       help="rows per optimizer step the remedies must fit (default: twice the "
+                            "maximum batch size the search found, which one micro-batch "
+                            "cannot hold)")
+
+
+def remedy_names(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The ``--remedies`` names, checked (one line for a bad one), before any work; None
+    without ``--remedies``. ``--effective-batch`` alone, or ``--remedies`` with trials in
+    other processes, is one line too: pricing runs on this process's model."""
+    from oomguard.engine.core.execute.priced import parse_remedies
+
+    if args.remedies is None:
+        if args.effective_batch is not None:
+            raise UsageError("--effective-batch is the batch --remedies must fit; give "
+                             "--remedies too (e.g. --remedies accumulate,checkpoint)")
+        return None
+    names = parse_remedies(args.remedies, "--remedies")
+    if args.isolate or getattr(args, "confirm", False):
+        raise UsageError("--remedies measures this process's model; drop --isolate and "
+                         "--confirm to price remedies")
+    return names
+
+
 def add_progress_option(p: argparse.ArgumentParser) -> None:
     """``--progress``/``--no-progress``: steps done and the time left (an estimate) on
     stderr; by default only when stderr is a terminal."""

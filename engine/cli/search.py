@@ -16,12 +16,14 @@ from oomguard.engine.cli.options import (
     DEFAULT_SEQ_LEN,
     REQUIRED,
     add_plugin_option,
+    add_remedy_options,
     add_search_options,
     add_workload_options,
     budget_free_limit,
     check_workload,
     isolated,
     knob_search_config,
+    remedy_names,
     search_config,
 )
 from oomguard.engine.cli.verify import workload_spec
@@ -38,6 +40,7 @@ def add_bench(p: argparse.ArgumentParser) -> None:
                      "(docs/benchmarks.md#how-long-the-commands-take).")
     add_workload_options(p, model="tiny-gpt2", seq_len=DEFAULT_SEQ_LEN)
     add_search_options(p)
+    add_remedy_options(p)
     p.add_argument("--out", default="oomguard-report", metavar="DIR",
                    help="report folder (default oomguard-report)")
     p.set_defaults(func=cmd_bench)
@@ -98,7 +101,8 @@ def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out:
                               f"{exc.strerror or exc}; the result is on stdout")
     try:
         if args.json:
-            print(json_text(result.to_dict() | {"files": files}), end="")
+            priced = {"remedies": context["remedies"]} if "remedies" in context else {}
+            print(json_text(result.to_dict() | priced | {"files": files}), end="")
         else:
             what = f"maximum {context['knob']}" if "knob" in context else "maximum batch size"
             print(f"{what}: {result.max_ok} (first OOM: {result.first_oom}); recommended: "
@@ -108,6 +112,8 @@ def _report(args: argparse.Namespace, result: Any, context: dict[str, Any], out:
             if check:
                 print(f"verify: {check['steps']} steps at {check['size']}: "
                       + ("ok" if check["ok"] else f"OUT OF MEMORY ({(check['error'] or '')[:80]})"))
+            if "remedies" in context:
+                print(_remedies_text(context["remedies"]))
             if files:
                 print(f"report: {files['markdown']}\nplot:   {files['png']}\njson:   {files['json']}")
         sys.stdout.flush()  # a full disk under a redirected stdout fails here, not at exit
@@ -125,6 +131,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     # Every input is checked before the model is built; the folder last (none left behind).
     check_workload(args)
+    remedies = remedy_names(args)
     dev = resolve_device(args.device, check=True)
     if isolated(args, dev) or args.confirm:  # started now: imports overlap the checks
         from oomguard.engine.core.child import start_forkserver
@@ -140,11 +147,49 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # Warm up before the search probes free memory, so capacity excludes the model.
         # Isolated, this process keeps nothing on the device: children measure alone.
         workload.warmup()
+    if remedies is not None:  # what the model allows (blocks, dtype), before the search
+        from oomguard.engine.core.execute.priced import check_remedies
+
+        check_remedies(remedies, workload._state["model"], dev)
     context = workload.describe() | {"workload_spec": workload_spec(workload)}
     context.update(_default_budget(args))
     context["title"] = f"{args.model} training step: Maximum Batch Size Report"
     result = _search(workload, config, context, wanted(args.progress))
-    return 1 if result.max_ok is None else _report(args, result, context, out)
+    if result.max_ok is None:
+        return 1
+    if remedies is not None:
+        context["remedies"] = _price(workload, remedies, args.effective_batch or 2 * result.max_ok,
+                                     config, args)
+    return _report(args, result, context, out)
+
+
+def _price(workload: Any, remedies: tuple[str, ...], rows: int, config: Any,
+           args: argparse.Namespace) -> dict[str, Any]:
+    """The remedies of the built-in training step priced for ``rows`` rows (forward and
+    backward per micro-batch, then AdamW's step), under the search's budget and margin
+    (:func:`~oomguard.engine.core.execute.priced.choose_remedy`); its record."""
+    from oomguard.engine.core.execute.priced import choose_remedy
+
+    model, optimizer = workload._state["model"], workload._state["opt"]  # built by warmup()
+    ids = workload.worst_case_batch(rows)
+
+    def step(n: int) -> None:
+        model(input_ids=ids[:n], labels=ids[:n]).loss.backward()
+
+    print(f"oomguard: pricing {', '.join(remedies)} for {rows} rows per optimizer step",
+          file=sys.stderr, flush=True)
+    choice = choose_remedy(step, rows, model, optimizer=optimizer, remedies=remedies,
+                           name=workload.name, device=config.device, budget=config.budget,
+                           margin=config.margin, max_trials=args.max_trials)
+    return choice.to_dict()
+
+
+def _remedies_text(record: dict[str, Any]) -> str:
+    """The priced remedies for the terminal: what was chosen, then the table."""
+    from oomguard.engine.util.table import text_table
+    from oomguard.reports.remedies import chosen_line, remedy_rows
+
+    return f"remedies for {chosen_line(record)}\n{text_table(remedy_rows(record))}"
 
 
 def _default_budget(args: argparse.Namespace) -> dict[str, str]:

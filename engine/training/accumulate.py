@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from oomguard.engine.core.execute.executor import SizeController, SizeMemory, qualname
+from oomguard.engine.core.execute.priced import batch_remedy
 from oomguard.engine.core.execute.retry import FitPeaks, RetryPolicy, Sizes
 from oomguard.engine.core.snapshot import BufferCopy
 from oomguard.engine.errors import UsageError, check_positive_int
@@ -369,9 +370,13 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
                micro_batch_size: int | None = None, *, params: Params | None = None,
                optimizer: torch.optim.Optimizer | None = None,
                backward: Callable[[torch.Tensor], Any] | None = None,
-               name: str | None = None, **options: Any) -> torch.Tensor:
+               name: str | None = None, remedies: Any = None, **options: Any) -> torch.Tensor:
     """Add the gradients of ``step_fn`` over the whole ``batch`` to ``.grad``, in micro-batches
     if it does not fit.
+
+    ``remedies`` (e.g. ``("accumulate", "checkpoint")``; ``params`` the model): the first call
+    measures each way to fit the batch and runs the fastest, remembered for later calls
+    (:mod:`~oomguard.engine.core.execute.priced`).
 
     The function form of :class:`Accumulator`, whose options apply to this call only. The
     micro-batch size found (and the measured peaks) persists per ``params`` object, else
@@ -397,8 +402,16 @@ def accumulate(step_fn: Callable[[Batch], torch.Tensor], batch: Batch,
     chosen = {k: options.pop(k) for k in SIZE_OPTIONS if k in options}
     if chosen.get("policy") is None:
         chosen["policy"] = entry.guided(chosen.get("device"), params)
-    return Accumulator(step_fn, params, backward=backward, micro_batch_size=micro_batch_size,
-                       size=entry.controller(chosen), **options)(batch)
+    applied: Any = contextlib.nullcontext()
+    if remedies is not None:  # the configuration priced fastest, at most its micro-batch
+        choice = batch_remedy(step_fn, batch, batch_length(batch), params,
+                              backward=check_backward(backward), optimizer=optimizer,
+                              remedies=remedies, name=key, device=chosen.get("device"))
+        micro_batch_size = min(micro_batch_size or choice.micro_batch, choice.micro_batch)
+        applied = choice.applied(params)  # type: ignore[arg-type]
+    with applied:
+        return Accumulator(step_fn, params, backward=backward, micro_batch_size=micro_batch_size,
+                           size=entry.controller(chosen), **options)(batch)
 
 
 def forget(name: str | None = None) -> None:

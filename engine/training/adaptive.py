@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from oomguard.engine.core.execute.clean_retry import CleanRetry, Params, Restore
 from oomguard.engine.core.execute.executor import SizeController, SizeMemory, qualname
+from oomguard.engine.core.execute.priced import PricedCalls
 from oomguard.engine.core.execute.retry import ReduceWith, RetryPolicy
 from oomguard.engine.core.execute.stats import register
 from oomguard.engine.errors import NoExecutableBatchSize, UsageError, check_positive_int
@@ -74,7 +75,8 @@ def _batch_size_guard(fn: Callable[..., Any]) -> Callable[[tuple, dict], None]:
     return guard
 
 
-def _wrap(fn: Callable[..., T], size: SizeController | None) -> Callable[..., T]:
+def _wrap(fn: Callable[..., T], size: SizeController | None,
+          priced: PricedCalls | None = None) -> Callable[..., T]:
     guard = _batch_size_guard(fn)
 
     @functools.wraps(fn)
@@ -83,6 +85,8 @@ def _wrap(fn: Callable[..., T], size: SizeController | None) -> Callable[..., T]
         if size is None:  # find_executable_batch_size(starting_batch_size=0)
             raise NoExecutableBatchSize(qualname(fn), [], [], ZERO_MESSAGE, verbatim=True)
         with size.clean.starting_point():  # restore=: the call's start, for every retry
+            if priced is not None:  # remedies=: priced on the first call, then in force
+                return priced.run(size, KEY, lambda n: fn(n, *args, **kwargs))
             return size.run(lambda sizes: fn(sizes[KEY], *args, **kwargs))
 
     call.adaptive_size = size  # type: ignore[attr-defined]
@@ -93,7 +97,8 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
              maximum: int | None = None, policy: RetryPolicy | None = None,
              grow_after: int | None = None, device: Any = None, group: Any = None,
              sync_ranks: bool = True, name: str | None = None, params: Params | None = None,
-             optimizer: Any = None, restore: Restore = None, watch_alloc_retries: bool = True) -> Any:
+             optimizer: Any = None, restore: Restore = None, watch_alloc_retries: bool = True,
+             remedies: Any = None) -> Any:
     """Decorate ``fn(batch_size, ...)`` so that an OOM costs a retry at a smaller size.
 
     The decorator supplies the batch size (passing one raises ``TypeError``). On OOM ``fn`` runs
@@ -108,16 +113,21 @@ def adaptive(fn: Callable[..., T] | None = None, *, batch_size: int = 64, minimu
     ``restore`` (a model and optimizer, ``restore=(model, optimizer)``, as ``search`` takes):
     each call copies them to the host when it starts and every retry starts from that copy,
     so that ``fn`` may be a whole training loop. ``watch_alloc_retries`` (CUDA): step down
-    before the OOM when the allocator retries in consecutive calls.
+    before the OOM when the allocator retries in consecutive calls. ``remedies`` (e.g.
+    ``("accumulate", "checkpoint")``, with ``params=model``): where ``batch_size`` does not
+    fit, the first call measures each way to run (a smaller batch, checkpointing, ...) and
+    runs the fastest (:class:`~oomguard.engine.core.execute.priced.PricedCalls`).
     """
     def decorate(f: Callable[..., T]) -> Callable[..., T]:
+        priced = None if remedies is None else PricedCalls(remedies, params, optimizer,
+                                                           batch_size, name or qualname(f), device)
         size = make_controller(name or qualname(f), KEY, batch_size, minimum=minimum,
                                maximum=maximum or batch_size, policy=policy,
                                grow_after=grow_after, device=device, group=group,
                                sync_ranks=sync_ranks,
                                clean=CleanRetry(params, optimizer, f, restore),
                                watch_alloc_retries=watch_alloc_retries)
-        return _wrap(f, size)
+        return _wrap(f, size, priced)
 
     return decorate if fn is None else decorate(fn)
 

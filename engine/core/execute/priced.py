@@ -47,7 +47,9 @@ from oomguard.engine.core.execute.remedies import (
     expandable_in_force,
     expandable_unavailable,
 )
+from oomguard.engine.core.memory.oom import gc_frozen
 from oomguard.engine.core.recompute import checkpointed, repeated_blocks
+from oomguard.engine.core.search.config import SearchConfig
 from oomguard.engine.core.search.fit import step_down
 from oomguard.engine.core.search.search import search, verify
 from oomguard.engine.errors import (
@@ -75,28 +77,33 @@ STEP_DOWNS = 2
 # configuration's safe micro-batch, not its exact maximum (a search that stops here still
 # recommends from the trials that ran).
 MAX_TRIALS = 12
+# The pricing's own defaults for its searches: trials in this process, each put back with
+# restore= (the model measured is the one that will run; a forked trial would measure a copy
+# whose first writes are copies too), and MAX_TRIALS.
+IN_PROCESS: dict[str, Any] = {"max_trials": MAX_TRIALS} | (
+    {"fork": False} if "fork" in SearchConfig.__dataclass_fields__ else {})
 SEARCH_OPTIONS = ("budget", "margin", "max_trials", "max_seconds", "ram_guard", "capacity_bytes",
                   "steps_per_trial", "trial_timeout", "fork")
 
 
-def parse_remedies(value: Any) -> tuple[str, ...]:
+def parse_remedies(value: Any, where: str = "remedies") -> tuple[str, ...]:
     """The remedy names of ``value`` (a sequence of names, or one string of names separated by
-    commas, as the command line gives them), checked: a one-line :class:`UsageError` for an
-    unknown or repeated name or none at all."""
+    commas, as the command line gives them), checked: a one-line :class:`UsageError` that
+    starts with ``where`` for an unknown or repeated name or none at all."""
     names = value.split(",") if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise UsageError(f"remedies: expected names like (\"accumulate\", \"checkpoint\"), got "
+        raise UsageError(f"{where}: expected names like (\"accumulate\", \"checkpoint\"), got "
                          f"{value!r}; give such a tuple")
     names = tuple(n.strip() for n in names)
     if not names or not all(names):
-        raise UsageError(f"remedies: no remedy named in {value!r}; name one or more of "
+        raise UsageError(f"{where}: no remedy named in {value!r}; name one or more of "
                          f"{', '.join(REMEDY_NAMES)}")
     for i, name in enumerate(names):
         if name not in REMEDY_NAMES:
-            raise UsageError(f"remedies: unknown remedy {name!r}: use one or more of "
+            raise UsageError(f"{where}: unknown remedy {name!r}: use one or more of "
                              f"{', '.join(REMEDY_NAMES)}")
         if name in names[:i]:
-            raise UsageError(f"remedies: {name!r} is given twice; name each remedy once")
+            raise UsageError(f"{where}: {name!r} is given twice; name each remedy once")
     return names
 
 
@@ -236,9 +243,12 @@ def check_remedies(remedies: Any, model: Any, device: torch.device) -> tuple[str
     return names
 
 
-def _device_of(model: torch.nn.Module, device: Any) -> torch.device:
+def _device_of(model: Any, device: Any) -> torch.device:
+    """``device``, else where ``model``'s first parameter is (the CPU for anything else)."""
     if device is not None:
         return torch.device(device)
+    if not isinstance(model, torch.nn.Module):
+        return torch.device("cpu")  # check_remedies refuses it
     first = next(model.parameters(), None)
     return first.device if first is not None else torch.device("cpu")
 
@@ -247,8 +257,8 @@ def _search_options(options: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(options) - set(SEARCH_OPTIONS))
     if unknown:
         raise UsageError(f"remedies: option(s) {', '.join(unknown)} do not apply to pricing; "
-                         f"options are {', '.join(SEARCH_OPTIONS)}")
-    return {"max_trials": MAX_TRIALS} | {k: v for k, v in options.items() if v is not None}
+                         f"pass only {', '.join(SEARCH_OPTIONS)}")
+    return IN_PROCESS | {k: v for k, v in options.items() if v is not None}
 
 
 def choose_remedy(step: Callable[[int], Any], rows: int, model: torch.nn.Module, *,
@@ -291,7 +301,8 @@ def choose_remedy(step: Callable[[int], Any], rows: int, model: torch.nn.Module,
                  choice.chosen.name, choice.micro_batch, choice.rows)
         return choice
     pricing = _Pricing(step, rows, model, optimizer, objects, keeps_rows, workload, dev, opts)
-    choice = pricing.run(names)
+    with gc_frozen():  # one collection for every search and timed step, not one each
+        choice = pricing.run(names)
     known[(key, rows)] = choice
     return choice
 
@@ -319,8 +330,8 @@ class PricedCalls:
 
     def __init__(self, remedies: Any, model: Any, optimizer: Any, rows: int, name: str,
                  device: Any = None) -> None:
-        self.device = _device_of(model, device) if isinstance(model, torch.nn.Module) else None
-        self.names = check_remedies(remedies, model, self.device or torch.device("cpu"))
+        self.device = _device_of(model, device)
+        self.names = check_remedies(remedies, model, self.device)
         self.model, self.rows, self.name = model, rows, name
         self.restore = (model,) + ((optimizer,) if optimizer is not None else ())
         self.choice: RemedyChoice | None = None
@@ -402,8 +413,9 @@ class _Pricing:
         gradient, which one micro-batch alone never holds), then the optimizer's step."""
         row = Priced(config.name, config.remedy, "measured")
         try:
-            result = search(self.effective(config, micro_batches=2), max_size=self.rows,
-                            **self.options)
+            # From the whole effective batch: where it fits, one trial answers.
+            result = search(self.effective(config, micro_batches=2), start=self.rows,
+                            max_size=self.rows, **self.options)
         except NoSizeFits as exc:
             row.status, row.why = "nothing fits", str(exc)
             row.trials = len(exc.result.trials)
