@@ -3,9 +3,10 @@
 A tiny GPT-2 inside a ``LightningModule`` learns generated sequences from a
 ``LightningDataModule`` whose ``batch_size`` (``--batch``, 512 rows) does not fit the CPU
 budget (``--budget``, default 40MiB; 0 for none). At the start of ``fit`` the callback
-searches the module's training step with its optimizer, then sets ``batch_size`` to the
-largest divisor of the effective batch that fits and ``accumulate_grad_batches`` to the
-rest, so every optimizer step still sees 512 rows. Runs on CPU in seconds::
+searches the module's training step with its optimizer, then runs the effective batch as the
+fewest micro-batches that fit, as equal as the rows allow (``batch_size`` and
+``accumulate_grad_batches``; unequal ones through a rebuilt DataLoader), so every optimizer
+step still sees 512 rows. Runs on CPU in seconds::
 
     python examples/lightning_script.py --steps 5 --budget 40MiB
 
@@ -110,10 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
     callback = BatchSizeCallback(largest=args.finder == "largest")
     module, data, trainer = fit(callback, args.batch, args.steps, nbytes)
     split = callback.split
-    print(f"batch_size {data.batch_size} x accumulate_grad_batches "
-          f"{trainer.accumulate_grad_batches} = {args.batch} rows per step (exact maximum: "
+    print(f"micro-batches {split.describe()} = {args.batch} rows per step (exact maximum: "
           f"{split.found}); {trainer.global_step} steps, last loss {module.losses[-1]:.4f}")
-    return {"micro": data.batch_size, "accum": trainer.accumulate_grad_batches,
+    return {"sizes": list(split.sizes), "accum": trainer.accumulate_grad_batches,
             "found": split.found, "steps": trainer.global_step}
 
 

@@ -8,10 +8,11 @@ optimizer step. Two oomguard lines change it:
    (forward, backward, ``scaler.step``, ``zero_grad``; the first optimizer step allocates
    AdamW's state) at growing sizes, and puts the model and optimizer back as they were after
    every trial. The loop then keeps its effective batch (``--batch x --accum`` rows per
-   optimizer step) and splits it into the largest micro-batch that fits
-   (``oomguard.integrations.micro_batch_for``).
+   optimizer step) and splits it into the fewest micro-batches that fit, as equal as the rows
+   allow (``oomguard.training.micro_batches``: 480 rows where 130 fit run as 120 x 4).
 2. Inside the ``micro_step`` loop, ``oomguard.accumulate(..., backward=...)`` runs the user's
-   own backward (``scaler.scale(loss / accum).backward()``) and, should memory shrink
+   own backward (``scaler.scale(loss * rows / effective).backward()``, each micro-batch's
+   share of the rows) and, should memory shrink
    mid-run, splits that micro-batch further with each row counted exactly once.
 
 A CPU memory budget (``--budget``, default 28MiB; 0 for none) makes the OOMs real on a machine
@@ -33,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import oomguard
-from oomguard.integrations import micro_batch_for
+from oomguard.training import micro_batches
 
 VOCAB, BLOCK = 64, 32  # tokens, context length
 
@@ -124,29 +125,30 @@ def main(argv: list[str] | None = None) -> dict:
     limited = (lambda: oomguard.budget(nbytes, "cpu")) if nbytes else contextlib.nullcontext
     with limited():
         found = oomguard.search(step, restore=(model, optimizer), max_size=effective)
-    micro = micro_batch_for(effective, found.size_to_use)
-    accum = effective // micro
-    logging.info("search: largest that ran %d, using %d x %d = %d rows per step",
-                 found.max_ok, micro, accum, effective)
+    sizes = micro_batches(effective, found.size_to_use)  # rows of each micro-step
+    logging.info("search: largest that ran %d, safe %d; micro-batches %s = %d rows per step",
+                 found.max_ok, found.size_to_use, " + ".join(map(str, sizes)), effective)
 
     losses, start = [], time.perf_counter()
     with limited():
         for _ in range(args.iters):
             total = 0.0
-            for _micro_step in range(accum):
-                batch = get_batch(data, micro, g)
+            for rows in sizes:  # nanoGPT's micro_step loop, one micro-batch of `rows` each
+                share = rows / effective  # of the step's loss: the micro-batches may differ
+                batch = get_batch(data, rows, g)
                 loss = oomguard.accumulate(
                     lambda mb: model(mb["x"], mb["y"]), batch, params=model, optimizer=optimizer,
-                    backward=lambda loss: scaler.scale(loss / accum).backward())
-                total += float(loss) / accum
+                    backward=lambda loss, share=share: scaler.scale(loss * share).backward())
+                total += float(loss) * share
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             losses.append(total)
     seconds = time.perf_counter() - start
-    print(f"micro-batch {micro} x {accum} = {effective} rows per step; loss {losses[0]:.3f} -> "
-          f"{losses[-1]:.3f} (ln {VOCAB} = {math.log(VOCAB):.3f}) in {seconds:.1f} s")
-    return {"micro": micro, "accum": accum, "found": found.max_ok, "losses": losses}
+    print(f"micro-batches {' + '.join(map(str, sizes))} = {effective} rows per step; loss "
+          f"{losses[0]:.3f} -> {losses[-1]:.3f} (ln {VOCAB} = {math.log(VOCAB):.3f}) in "
+          f"{seconds:.1f} s")
+    return {"sizes": sizes, "found": found.max_ok, "safe": found.size_to_use, "losses": losses}
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
 A tiny GPT-2 (built from a config, random weights, no download) learns generated sequences.
 The arguments ask for 512 rows per device and step (``--batch``), which do not fit the CPU
 budget (``--budget``, default 40MiB; 0 for none, as a smaller GPU would). Before training,
-``OomguardTrainer`` searches the Trainer's own step (forward, backward, AdamW's step) and
-splits the 512 rows into micro-batches with gradient accumulation, so every optimizer step
-still sees 512 rows and the losses are those of the configured run; the evaluation batch is
-sized the same way. Runs on CPU in seconds::
+``OomguardTrainer`` searches the Trainer's own step (forward, backward, clipping, AdamW's
+step) and splits the 512 rows into the fewest micro-batches that fit, as equal as the rows
+allow, so every optimizer step still sees 512 rows and the losses are those of the
+configured run; the evaluation batch is sized the same way. Runs on CPU in seconds::
 
     python examples/trainer_script.py --steps 5 --budget 40MiB
 """
@@ -62,13 +62,12 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.train()
         eval_loss = trainer.evaluate()["eval_loss"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    a = trainer.args
-    print(f"micro-batch {a.per_device_train_batch_size} x {a.gradient_accumulation_steps} = "
-          f"{effective} rows per step (largest that ran: {trainer.oomguard_train.found}); "
-          f"eval batch {a.per_device_eval_batch_size}; losses {' '.join(f'{x:.4f}' for x in losses)};"
-          f" eval {eval_loss:.4f}")
-    return {"micro": a.per_device_train_batch_size, "accum": a.gradient_accumulation_steps,
-            "losses": losses, "eval_loss": eval_loss}
+    split = trainer.oomguard_train
+    print(f"micro-batches {split.describe()} = {effective} rows per step (largest that ran: "
+          f"{split.found}); eval batch {trainer.args.per_device_eval_batch_size}; losses "
+          f"{' '.join(f'{x:.4f}' for x in losses)}; eval {eval_loss:.4f}")
+    return {"sizes": list(split.sizes), "found": split.found, "losses": losses,
+            "eval_loss": eval_loss}
 
 
 if __name__ == "__main__":

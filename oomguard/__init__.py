@@ -12,6 +12,7 @@ The names users write against, re-exported from the packages that hold them::
     def train_step(batch_size): ...
 
     oomguard.accumulate(step_fn, batch, params=model)  # micro-batches, same gradients
+    oomguard.micro_batch_for(64, 37)              # 32: 64 rows as 32 + 32 where 37 fit
     model, optimizer = oomguard.release_memory(model, optimizer)  # accelerate's call
     oomguard.free_memory("cuda")                  # gc, then the allocator's cache
 
@@ -46,7 +47,7 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "oomguard.engine.core.execute.executor": ("Executor",),
     "oomguard.engine.training.adaptive": ("adaptive", "find_executable_batch_size"),
     "oomguard.engine.core.execute.stats": ("stats",),
-    "oomguard.engine.training.accumulate": ("accumulate",),
+    "oomguard.engine.training.accumulate": ("accumulate", "micro_batch_for"),
     "oomguard.reports": ("write_report",),
     # the errors a caller catches; the whole tree is oomguard.errors
     "oomguard.engine.errors": ("OomguardError", "UsageError", "ExecutionFailed",
@@ -93,6 +94,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names ("as": re-expor
     from oomguard.engine.errors import SearchFailed as SearchFailed
     from oomguard.engine.errors import UsageError as UsageError
     from oomguard.engine.training.accumulate import accumulate as accumulate
+    from oomguard.engine.training.accumulate import micro_batch_for as micro_batch_for
     from oomguard.engine.training.adaptive import adaptive as adaptive
     from oomguard.engine.training.adaptive import (
         find_executable_batch_size as find_executable_batch_size,

@@ -22,7 +22,8 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "oomguard.engine.integrations.hf_trainer": ("OomguardTrainer", "OomguardTrainerMixin",
                                                 "fit_train_batch", "fit_eval_batch"),
     "oomguard.engine.integrations.lightning_callback": ("BatchSizeCallback",),
-    "oomguard.engine.integrations.sizing": ("Split", "micro_batch_for"),
+    "oomguard.engine.integrations.sizing": ("Split",),
+    "oomguard.engine.training.accumulate": ("micro_batch_for",),  # also oomguard.micro_batch_for
 }.items() for name in names}
 
 __all__ = sorted(_EXPORTS)
@@ -52,4 +53,4 @@ if TYPE_CHECKING:
         BatchSizeCallback as BatchSizeCallback,
     )
     from oomguard.engine.integrations.sizing import Split as Split
-    from oomguard.engine.integrations.sizing import micro_batch_for as micro_batch_for
+    from oomguard.engine.training.accumulate import micro_batch_for as micro_batch_for

@@ -1,11 +1,13 @@
 """Training-script parts beyond ``adaptive``, ``find_executable_batch_size``,
-``accumulate`` and ``stats``: the :class:`Accumulator` that ``accumulate`` runs (for a
-step that keeps its own), :func:`reset_stats` (zero the counters ``stats`` shows) and
-:class:`Snapshot` (a host copy of models, optimizers and RNG states, put back exactly:
-what ``search(step, restore=(model, optimizer))`` takes before its trials)."""
+``accumulate``, ``micro_batch_for`` and ``stats``: the :class:`Accumulator` that
+``accumulate`` runs (for a step that keeps its own), :func:`micro_batches` (the rows of each
+micro-batch an effective batch runs as, where ``micro_batch_for`` is the largest),
+:func:`reset_stats` (zero the counters ``stats`` shows) and :class:`Snapshot` (a host copy of
+models, optimizers and RNG states, put back exactly: what ``search(step, restore=(model,
+optimizer))`` takes before its trials)."""
 
 from oomguard.engine.core.execute.stats import reset_stats
 from oomguard.engine.core.snapshot import Snapshot
-from oomguard.engine.training.accumulate import Accumulator
+from oomguard.engine.training.accumulate import Accumulator, micro_batch_for, micro_batches
 
-__all__ = ["Accumulator", "Snapshot", "reset_stats"]
+__all__ = ["Accumulator", "Snapshot", "micro_batch_for", "micro_batches", "reset_stats"]

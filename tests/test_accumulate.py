@@ -342,3 +342,30 @@ def test_batches_slice_on_dim_0():
     assert batch_length({"a": torch.ones(3), "b": torch.ones(3, 4)}) == 3
     with pytest.raises(ValueError, match="share dim 0"):
         batch_length({"a": torch.ones(3), "b": torch.ones(4)})
+
+
+def test_batch_statistics_are_warned_about_once_per_model_and_only_when_a_batch_is_split():
+    import warnings
+
+    torch.manual_seed(0)
+
+    def net(norm: torch.nn.Module) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), norm, torch.nn.Linear(8, 1))
+
+    batch_norm, layer_norm = net(torch.nn.BatchNorm1d(8)), net(torch.nn.LayerNorm(8))
+    frozen = net(torch.nn.BatchNorm1d(8)).eval()  # running statistics: no batch's own
+    x = torch.randn(8, 4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        accumulate(lambda mb: batch_norm(mb).square().mean(), x, params=batch_norm, name="bn")
+        assert not seen  # whole: the batch's own statistics, as without accumulate
+        for _ in range(3):
+            accumulate(lambda mb: batch_norm(mb).square().mean(), x, 3, params=batch_norm,
+                       name="bn-split")
+        for model in (layer_norm, frozen):
+            accumulate(lambda mb, m=model: m(mb).square().mean(), x, 3, params=model,
+                       name="other")
+    texts = [str(w.message) for w in seen]
+    assert len(texts) == 1, texts  # once, not per call
+    assert "BatchNorm1d" in texts[0] and "8 rows run as 3 + 3 + 2" in texts[0]
+    assert "\n" not in texts[0] and "once per model" in texts[0]

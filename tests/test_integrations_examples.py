@@ -28,9 +28,9 @@ def test_nanogpt_loop_splits_its_step_under_the_budget_and_trains_as_without_it(
     limited, free = in_fresh_processes(_run_example, [
         ("nanogpt_loop", ["--iters", "4"], str(tmp_path)),
         ("nanogpt_loop", ["--iters", "4", "--budget", "0"], str(tmp_path))])
-    assert limited["micro"] < 480 and limited["micro"] * limited["accum"] == 480
-    assert limited["micro"] <= limited["found"] < 480  # the configured rows do not fit
-    assert free["micro"] == 480  # nothing to split without a budget
+    assert len(limited["sizes"]) > 1 and sum(limited["sizes"]) == 480
+    assert max(limited["sizes"]) <= limited["safe"] <= limited["found"] < 480  # 480 do not fit
+    assert free["sizes"] == [480]  # nothing to split without a budget
     assert limited["losses"] == pytest.approx(free["losses"], rel=1e-4)
 
 
@@ -39,8 +39,8 @@ def test_trainer_script_splits_the_batch_and_trains_as_without_the_budget(tmp_pa
     limited, free = in_fresh_processes(_run_example, [
         ("trainer_script", ["--steps", "3"], str(tmp_path)),
         ("trainer_script", ["--steps", "3", "--budget", "0"], str(tmp_path))])
-    assert limited["micro"] < 512 and limited["micro"] * limited["accum"] == 512
-    assert free["micro"] == 512
+    assert len(limited["sizes"]) > 1 and sum(limited["sizes"]) == 512
+    assert max(limited["sizes"]) <= limited["found"] and free["sizes"] == [512]
     assert limited["losses"] == pytest.approx(free["losses"], rel=1e-5)
     assert limited["eval_loss"] == pytest.approx(free["eval_loss"], rel=1e-5)
 
@@ -48,5 +48,6 @@ def test_trainer_script_splits_the_batch_and_trains_as_without_the_budget(tmp_pa
 @pytest.mark.slow
 def test_lightning_script_keeps_the_effective_batch_under_the_budget(tmp_path):
     got = in_fresh_process(_run_example, "lightning_script", ["--steps", "3"], str(tmp_path))
-    assert got["micro"] < 512 and got["micro"] * got["accum"] == 512
-    assert got["micro"] <= got["found"] < 512 and got["steps"] == 3
+    assert len(got["sizes"]) > 1 and sum(got["sizes"]) == 512
+    assert got["accum"] == len(got["sizes"])
+    assert max(got["sizes"]) <= got["found"] < 512 and got["steps"] == 3

@@ -59,9 +59,9 @@ def _train_three_ways() -> dict:
         ours.train()
         out["eval"] = ours.evaluate()["eval_loss"]
     out["ours"] = _losses(ours)
-    a = ours.args
-    out["split"] = (a.per_device_train_batch_size, a.gradient_accumulation_steps,
-                    ours.oomguard_train.search.size_to_use, ours.oomguard_train.found,
+    a, split = ours.args, ours.oomguard_train
+    out["split"] = (list(split.sizes), a.per_device_train_batch_size,
+                    a.gradient_accumulation_steps, split.search.size_to_use, split.found,
                     a.per_device_eval_batch_size)
     out["steps"] = ours.state.global_step
 
@@ -77,29 +77,43 @@ def _train_three_ways() -> dict:
 
 @pytest.mark.slow
 def test_trainer_finds_the_micro_batch_keeps_the_effective_batch_and_trains_the_same():
-    from oomguard.integrations import micro_batch_for
+    from oomguard.training import micro_batches
 
     got = in_fresh_process(_train_three_ways)
-    micro, accumulation, fits, found, eval_batch = got["split"]
+    sizes, per_device, accumulation, fits, found, eval_batch = got["split"]
     assert got["plain"] == "oom"  # the configured batch does not fit this budget
-    assert micro < EFFECTIVE and micro * accumulation == EFFECTIVE
-    assert micro == micro_batch_for(EFFECTIVE, fits) and fits <= found
+    assert sizes == micro_batches(EFFECTIVE, fits) and len(sizes) > 1 and fits <= found
+    # equal micro-batches are the Trainer's accumulation, unequal ones split in training_step
+    equal = len(set(sizes)) == 1
+    assert (per_device, accumulation) == ((sizes[0], len(sizes)) if equal else (EFFECTIVE, 1))
     assert got["steps"] == STEPS  # trained to the end: no OOM
     assert got["ours"] == pytest.approx(got["reference"], rel=1e-5)  # the same training
     assert eval_batch < EFFECTIVE  # the evaluation batch was sized too, and the loss kept
     assert got["eval"] == pytest.approx(got["reference_eval"], rel=1e-5)
 
 
-def test_the_micro_batch_is_the_largest_divisor_of_the_effective_batch_that_fits():
+def test_the_micro_batches_are_the_fewest_that_fit_as_equal_as_the_rows_allow():
+    import oomguard
+    from oomguard import integrations, training
     from oomguard.engine.errors import UsageError
-    from oomguard.integrations import micro_batch_for
 
-    assert micro_batch_for(1024, 264) == 256
-    assert micro_batch_for(96, 40) == 32
-    assert micro_batch_for(97, 96) == 1  # a prime: one row at a time keeps it exact
-    assert micro_batch_for(64, 1000) == 64
+    micro_batches = training.micro_batches
+    assert micro_batches(64, 37) == [32, 32]  # not 37 + 27: the same passes, a lower peak
+    assert micro_batches(64, 25) == [22, 21, 21]
+    assert micro_batches(97, 96) == [49, 48]  # a prime: two passes, not 97 of one row
+    assert micro_batches(97, 96, equal=True) == [1] * 97
+    assert micro_batches(1024, 264) == [256] * 4 and micro_batches(64, 1000) == [64]
+    for rows in range(1, 70):
+        for most in range(1, 75):
+            sizes = micro_batches(rows, most)
+            assert sum(sizes) == rows and max(sizes) - min(sizes) <= 1 and sizes[0] <= most
+            assert len(sizes) == -(-rows // most)  # the fewest passes that fit
+            equal = micro_batches(rows, most, equal=True)
+            assert len(set(equal)) == 1 and sum(equal) == rows and equal[0] <= most
+    assert oomguard.micro_batch_for(64, 37) == 32 and oomguard.micro_batch_for(64, 1000) == 64
+    assert oomguard.micro_batch_for is training.micro_batch_for is integrations.micro_batch_for
     with pytest.raises(UsageError):
-        micro_batch_for(64, 0)
+        oomguard.micro_batch_for(64, 0)
 
 
 @pytest.mark.slow  # builds a Trainer (~1 s)

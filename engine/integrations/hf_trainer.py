@@ -4,17 +4,21 @@ A mixin, not a callback: the batch size must be set before ``Trainer.train`` bui
 dataloader, which comes before the first callback event (transformers 5.24 trainer.py).
 
 ``train()`` first creates the optimizer (``create_optimizer()``, which training reuses),
-searches ``training_step`` plus ``optimizer.step()`` on the first rows of the training set
-(model, optimizer and RNG restored afterwards), then splits ``per_device_train_batch_size x
-gradient_accumulation_steps`` into the largest divisor at or below the recommended size
-(:func:`~.sizing.split_for`). The loss divides by the tokens of the whole effective batch (or
-by the micro-batches per step), so a step's gradients are the whole batch's within float
-rounding. ``evaluate()`` first searches ``prediction_step`` up to
-``per_device_eval_batch_size``.
+searches ``training_step``, the Trainer's gradient clipping and ``optimizer.step()`` on the
+first rows of the training set (model, optimizer and RNG restored afterwards), then splits
+``per_device_train_batch_size x gradient_accumulation_steps`` rows into the fewest
+micro-batches that fit the recommended size, as equal as the rows allow
+(:func:`~.sizing.split_for`). Equal micro-batches run as the Trainer's own gradient
+accumulation. Unequal ones (64 rows where 25 fit: 22 + 21 + 21) run inside one
+``training_step`` over the whole effective batch, each micro-batch's loss weighted by its
+share of the rows, or by the tokens of the whole batch where the Trainer passes
+``num_items_in_batch``; either way a step's gradients are the whole batch's within float
+rounding. ``evaluate()`` first searches ``prediction_step`` up to ``per_device_eval_batch_size``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from typing import Any
@@ -35,6 +39,7 @@ from oomguard.engine.integrations.sizing import (
     split_for,
     training_trial,
 )
+from oomguard.engine.training.accumulate import micro_batches
 from oomguard.engine.util.rows import slice_rows
 
 log = logging.getLogger("oomguard.integrations")
@@ -55,11 +60,15 @@ def first_rows(trainer: Trainer, dataset: Any, n: int, description: str) -> dict
 
 
 def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> Split:
-    """Set ``trainer``'s per-device micro-batch and accumulation steps, their product (the
-    effective batch) kept; return the :class:`Split`. It creates the optimizer (which
-    training reuses) and searches ``training_step`` plus ``optimizer.step()`` on the first
-    rows of the training set, model and optimizer restored afterwards. The micro-batch is at
-    most the recommended size, or with ``largest`` the largest that ran. ``options`` go to
+    """Set ``trainer``'s per-device batch and accumulation steps so that each optimizer step
+    still sees the effective batch (``per_device_train_batch_size x
+    gradient_accumulation_steps`` rows); return the :class:`Split`. It creates the optimizer
+    (which training reuses) and searches ``training_step``, the gradient clipping and
+    ``optimizer.step()`` on the first rows of the training set, model and optimizer restored
+    afterwards. The micro-batches are at most the recommended size (the largest safe one), or
+    with ``largest`` the largest that ran. Equal micro-batches become the Trainer's own
+    accumulation; unequal ones (only an :class:`OomguardTrainerMixin` runs them) a per-device
+    batch of the whole effective batch, split in ``training_step``. ``options`` go to
     ``oomguard.search``."""
     args = trainer.args
     if trainer.train_dataset is None:
@@ -71,18 +80,35 @@ def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> 
     if not hasattr(trainer, "current_gradient_accumulation_steps"):
         trainer.current_gradient_accumulation_steps = 1  # the loop sets it before each step
 
+    def clip() -> None:  # what the Trainer's loop does before each optimizer step
+        trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+
     step = training_trial(lambda size: trainer.training_step(model, slice_rows(batch, 0, size)),
-                          optimizer, effective)
+                          optimizer, effective, clip if args.max_grad_norm > 0 else None)
     result = _search_in_mode(model, False, step, min(effective, batch_rows(batch)),
                              (model, optimizer), "trainer.training_step", **options)
-    split = split_for(effective, result, largest)
-    args.per_device_train_batch_size = split.micro_batch
-    args.gradient_accumulation_steps = split.accumulation
-    trainer._train_batch_size = args.train_batch_size
-    log.info("Trainer: micro-batch %d x %d accumulation steps = %d rows per device and step "
-             "(largest that ran: %d)", split.micro_batch, split.accumulation, effective,
-             split.found)
+    # DeepSpeed accumulates in its engine, which steps at its own boundaries: equal ones only.
+    unequal = isinstance(trainer, OomguardTrainerMixin) and not trainer.is_deepspeed_enabled
+    split = split_for(effective, result, largest, equal=not unequal)
+    use_train_split(trainer, split)
+    log.info("Trainer: micro-batches %s = %d rows per device and step (at most %d rows; "
+             "largest that ran: %d)", split.describe(), effective, split.allowed, split.found)
     return split
+
+
+def use_train_split(trainer: Trainer, split: Split) -> None:
+    """Set ``trainer``'s arguments to run ``split``: equal micro-batches as its own gradient
+    accumulation, unequal ones as one per-device batch of the effective batch, which an
+    :class:`OomguardTrainerMixin`'s ``training_step`` runs in micro-batches (it must hold
+    ``split`` as ``oomguard_train``)."""
+    args = trainer.args
+    if split.equal:
+        args.per_device_train_batch_size = split.micro_batch
+        args.gradient_accumulation_steps = split.accumulation
+    else:
+        args.per_device_train_batch_size = split.effective
+        args.gradient_accumulation_steps = 1
+    trainer._train_batch_size = args.train_batch_size
 
 
 def fit_eval_batch(trainer: Trainer, eval_dataset: Any = None, largest: bool = False,
@@ -140,12 +166,52 @@ class OomguardTrainerMixin:
         self.oomguard_largest = oomguard_largest
         self.oomguard_train: Split | None = None
         self.oomguard_eval: Split | None = None
+        self._oomguard_share: float | None = None  # the running micro-batch's loss weight
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         if self.oomguard_train is None:
             self.oomguard_train = fit_train_batch(self, self.oomguard_largest,
                                                   **self.oomguard_options)
         return super().train(*args, **kwargs)
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        """The Trainer's ``training_step`` on each micro-batch of an unequal split (every one
+        but the last under ``no_sync``), each loss weighted by its share of ``inputs``' rows
+        where the Trainer does not normalise it by ``num_items_in_batch`` itself; the sum of
+        their losses. Equal splits and the search's trials pass straight through."""
+        split = self.oomguard_train
+        if split is None or split.equal:
+            return super().training_step(model, inputs, num_items_in_batch)
+        rows = batch_rows(inputs)
+        weighted = not _loss_scaled_for_accumulation(self, num_items_in_batch)
+        sizes = micro_batches(rows, split.micro_batch)
+        total: torch.Tensor | None = None
+        stop = 0
+        for i, n in enumerate(sizes):
+            start, stop = stop, stop + n
+            last = i == len(sizes) - 1
+            self._oomguard_share = n / rows if weighted else None
+            try:
+                with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                    loss = super().training_step(model, slice_rows(inputs, start, stop),
+                                                 num_items_in_batch)
+            finally:
+                self._oomguard_share = None
+            total = loss if total is None else total + loss
+        assert total is not None
+        return total
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any],
+                     return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        """The Trainer's loss, times the running micro-batch's share of the rows while
+        :meth:`training_step` runs an unequal split (else unchanged)."""
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                   num_items_in_batch=num_items_in_batch)
+        share = self._oomguard_share
+        if share is None:
+            return out
+        return (out[0] * share, *out[1:]) if return_outputs else out * share
 
     def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -173,6 +239,17 @@ class OomguardTrainerMixin:
                     args.per_device_eval_batch_size, smaller["batch"])
         args.per_device_eval_batch_size = smaller["batch"]
         return True
+
+
+def _loss_scaled_for_accumulation(trainer: Trainer, num_items_in_batch: Any) -> bool:
+    """Whether the Trainer takes each micro-batch's loss as already divided by the whole
+    batch's ``num_items_in_batch`` (by the model or ``compute_loss_func``), as its
+    ``training_step`` decides (transformers 5.24); else it divides by the accumulation steps."""
+    told = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if told is not None:
+        return bool(told)
+    return bool((trainer.model_accepts_loss_kwargs and num_items_in_batch is not None)
+                or trainer.compute_loss_func is not None)
 
 
 class OomguardTrainer(OomguardTrainerMixin, Trainer):

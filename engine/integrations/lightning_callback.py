@@ -3,17 +3,21 @@ with its optimizer, and keeps the effective batch.
 
 Lightning's ``BatchSizeFinder`` takes a further margin off the size it finds (``binsearch``)
 or stops at a power of two (``power``); this callback searches every size. The effective batch
-``batch_size x accumulate_grad_batches`` is kept: the micro-batch becomes its largest divisor
-at or below the recommended size (:func:`~.sizing.split_for`), and the epoch loop and the
-automatic optimization both read ``trainer.accumulate_grad_batches`` while the fit runs
-(lightning 2.6), so each optimizer step sees the mean gradient of the same rows.
+``batch_size x accumulate_grad_batches`` is kept: it runs as the fewest micro-batches that fit
+the recommended size, as equal as the rows allow (:func:`~.sizing.split_for`), and the epoch
+loop and the automatic optimization both read ``trainer.accumulate_grad_batches`` while the fit
+runs (lightning 2.6). Equal micro-batches are Lightning's own accumulation at a smaller
+``batch_size``. Unequal ones (64 rows where 25 fit: 22 + 21 + 21) need a plain ``DataLoader``:
+it is rebuilt to load the effective batch and hand it out in micro-batches
+(:class:`ChunkedBatchSampler`), and each micro-batch's loss is weighted by its share of the
+rows, so each optimizer step sees the mean gradient of the same rows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,9 +28,17 @@ from lightning.pytorch.utilities.parsing import (
     lightning_hasattr,
     lightning_setattr,
 )
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from oomguard.engine.errors import UsageError
-from oomguard.engine.integrations.sizing import Split, search_step, split_for, training_trial
+from oomguard.engine.integrations.sizing import (
+    Split,
+    batch_rows,
+    search_step,
+    split_for,
+    training_trial,
+)
+from oomguard.engine.training.accumulate import micro_batches
 from oomguard.engine.util.rows import slice_rows
 
 log = logging.getLogger("oomguard.integrations")
@@ -34,13 +46,15 @@ log = logging.getLogger("oomguard.integrations")
 
 class BatchSizeCallback(pl.Callback):
     """Size the micro-batch in ``on_fit_start`` (the optimizer exists, the dataloaders do not
-    yet): search the module's ``training_step``, ``backward`` and optimizer step, two steps per
-    trial, module and optimizer restored afterwards; then set the batch size to the largest
-    divisor of ``batch_size x accumulate_grad_batches`` at or below the recommended size (with
-    ``largest``: the largest that ran) and ``trainer.accumulate_grad_batches`` to the quotient.
-    ``batch_arg_name``: the attribute holding the batch size (on the module, its ``hparams``
-    or the datamodule). ``search_options`` go to ``oomguard.search``. ``split``: what was
-    chosen."""
+    yet): search the module's ``training_step``, ``backward``, gradient clipping and optimizer
+    step, two steps per trial, module and optimizer restored afterwards; then split
+    ``batch_size x accumulate_grad_batches`` rows into the fewest micro-batches of at most the
+    recommended size (with ``largest``: the largest that ran), as equal as the rows allow.
+    Equal ones set the batch size and ``trainer.accumulate_grad_batches``; unequal ones
+    rebuild a plain ``DataLoader`` to hand out the micro-batches, with each loss weighted by
+    its rows (a loader that cannot be rebuilt gets equal ones). ``batch_arg_name``: the
+    attribute holding the batch size (on the module, its ``hparams`` or the datamodule).
+    ``search_options`` go to ``oomguard.search``. ``split``: what was chosen."""
 
     def __init__(self, batch_arg_name: str = "batch_size", largest: bool = False,
                  **search_options: Any) -> None:
@@ -49,13 +63,15 @@ class BatchSizeCallback(pl.Callback):
         self.largest = largest
         self.search_options = search_options
         self.split: Split | None = None
+        self._share = 1.0  # the running micro-batch's loss weight (unequal micro-batches)
+        self._undo: list[Callable[[], None]] = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _check(trainer, pl_module, self.batch_arg_name)
         configured = int(lightning_getattr(pl_module, self.batch_arg_name))
         effective = configured * trainer.accumulate_grad_batches
         optimizer = trainer.optimizers[0]
-        batch = _first_rows(trainer, pl_module, self.batch_arg_name, effective)
+        loader, batch = _first_rows(trainer, pl_module, self.batch_arg_name, effective)
         precision = trainer.strategy.precision_plugin
 
         def micro_step(size: int) -> torch.Tensor:
@@ -65,18 +81,127 @@ class BatchSizeCallback(pl.Callback):
             loss.backward()
             return loss
 
+        def clip() -> None:  # what the loop calls before each optimizer step
+            with _logging_off(pl_module):
+                pl_module.configure_gradient_clipping(
+                    optimizer, gradient_clip_val=trainer.gradient_clip_val,
+                    gradient_clip_algorithm=trainer.gradient_clip_algorithm)
+
         try:
-            result = search_step(training_trial(micro_step, optimizer, effective), effective,
-                                 (pl_module, optimizer), f"{type(pl_module).__name__}.training_step",
+            result = search_step(training_trial(micro_step, optimizer, effective, clip),
+                                 effective, (pl_module, optimizer),
+                                 f"{type(pl_module).__name__}.training_step",
                                  **self.search_options)
         finally:
             lightning_setattr(pl_module, self.batch_arg_name, configured)
-        self.split = split = split_for(effective, result, self.largest)
-        lightning_setattr(pl_module, self.batch_arg_name, split.micro_batch)
+        self.split = split = split_for(effective, result, self.largest,
+                                       equal=not _chunkable(loader))
+        if split.equal:
+            lightning_setattr(pl_module, self.batch_arg_name, split.micro_batch)
+        else:  # the loader loads every row of a step, and hands them out in micro-batches
+            lightning_setattr(pl_module, self.batch_arg_name, effective)
+            self._hand_out(trainer, pl_module, split)
         trainer.accumulate_grad_batches = split.accumulation
-        log.info("Lightning: micro-batch %d x %d accumulated batches = %d rows per optimizer "
-                 "step (largest that ran: %d)", split.micro_batch, split.accumulation,
-                 effective, split.found)
+        log.info("Lightning: micro-batches %s = %d rows per optimizer step (at most %d rows; "
+                 "largest that ran: %d)", split.describe(), effective, split.allowed,
+                 split.found)
+
+    def _hand_out(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                  split: Split) -> None:
+        """Run an unequal split: the training dataloader rebuilt with a
+        :class:`ChunkedBatchSampler` and the module's ``backward`` weighting each micro-batch's
+        loss by its rows (Lightning divides every loss by ``accumulate_grad_batches``); both
+        undone when the fit ends."""
+        source = trainer.datamodule if trainer.datamodule is not None else pl_module
+        hook = source.train_dataloader
+        backward = pl_module.backward
+
+        def train_dataloader() -> DataLoader:
+            return chunked(hook(), split.micro_batch)
+
+        def weighted(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            backward(loss * self._share, *args, **kwargs)
+
+        self._undo += [_replaced(source, "train_dataloader", train_dataloader),
+                       _replaced(pl_module, "backward", weighted)]
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        split = self.split
+        if split is not None and not split.equal:  # rows x steps / effective: 1 on average
+            self._share = batch_rows(batch) * split.accumulation / split.effective
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        """Put back what :meth:`_hand_out` replaced: the module and datamodule as before."""
+        while self._undo:
+            self._undo.pop()()
+
+
+class ChunkedBatchSampler(BatchSampler):
+    """The batches of ``batch_size`` indices that ``BatchSampler(sampler, batch_size,
+    drop_last)`` yields, each handed out as :func:`~oomguard.engine.training.accumulate.micro_batches`
+    of at most ``most`` indices (a short last batch too). Its arguments are a ``BatchSampler``'s,
+    so Lightning can give it a distributed sampler."""
+
+    def __init__(self, sampler: Any, batch_size: int, drop_last: bool, most: int) -> None:
+        super().__init__(sampler, batch_size, drop_last)
+        self.most = most
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for whole in super().__iter__():
+            stop = 0
+            for rows in micro_batches(len(whole), self.most):
+                start, stop = stop, stop + rows
+                yield whole[start:stop]
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.sampler), self.batch_size)  # type: ignore[arg-type]
+        count = full * len(micro_batches(self.batch_size, self.most))
+        return count + (len(micro_batches(rest, self.most)) if rest and not self.drop_last else 0)
+
+
+def _chunkable(loader: Any) -> bool:
+    """Whether ``loader`` can be rebuilt with a :class:`ChunkedBatchSampler`: a plain
+    ``DataLoader`` batching a map-style dataset with its own ``BatchSampler``."""
+    return (type(loader) is DataLoader and loader.batch_size is not None
+            and type(loader.batch_sampler) is BatchSampler
+            and not isinstance(loader.dataset, IterableDataset))
+
+
+def chunked(loader: DataLoader, most: int) -> DataLoader:
+    """``loader`` (a plain ``DataLoader``: :func:`_chunkable`) rebuilt to hand out each of its
+    batches as micro-batches of at most ``most`` rows: the same dataset, sampler, order and
+    workers."""
+    sampler = ChunkedBatchSampler(loader.sampler, loader.batch_size, loader.drop_last, most)
+    return DataLoader(
+        loader.dataset, batch_sampler=sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator, prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
+        in_order=loader.in_order)
+
+
+def _replaced(owner: Any, name: str, value: Any) -> Callable[[], None]:
+    """Set ``owner.name`` to ``value`` on the instance; return what puts it back (the
+    instance's own attribute where it had one, else the class's)."""
+    own = name in vars(owner)
+    before = vars(owner).get(name)
+    setattr(owner, name, value)
+
+    def undo() -> None:
+        if own:
+            setattr(owner, name, before)
+        else:
+            delattr(owner, name)
+    return undo
 
 
 def _check(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> None:
@@ -101,14 +226,17 @@ def _check(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Non
                          "build them in the LightningModule or a LightningDataModule")
 
 
-def _first_rows(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, n: int) -> Any:
-    """A batch of ``n`` rows from the training dataloader, as the fit loop would see it on
-    the device; drawn with the RNG forked so that the run's shuffling is unchanged."""
+def _first_rows(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, n: int
+                ) -> tuple[Any, Any]:
+    """The training dataloader at ``n`` rows per batch, and its first batch as the fit loop
+    would see it on the device; drawn with the RNG forked so that the run's shuffling is
+    unchanged."""
     source = trainer.datamodule if trainer.datamodule is not None else pl_module
     lightning_setattr(pl_module, name, n)
     with torch.random.fork_rng(devices=[]):
-        batch = next(iter(source.train_dataloader()))
-    return trainer.strategy.batch_to_device(batch)
+        loader = source.train_dataloader()
+        batch = next(iter(loader))
+    return loader, trainer.strategy.batch_to_device(batch)
 
 
 @contextlib.contextmanager

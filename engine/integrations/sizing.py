@@ -1,19 +1,29 @@
 """What the framework integrations share: search a framework's real step, then split the
-user's effective batch (rows per optimizer step on one device, never changed) into equal
-micro-batches, the largest that fit (:func:`micro_batch_for`).
+user's effective batch (rows per optimizer step on one device, never changed) into the fewest
+micro-batches that fit, as equal as the rows allow (:func:`~oomguard.engine.training.accumulate.micro_batches`).
+
+A trial runs what the loop's step runs: the whole effective batch in memory (the loop holds it,
+collated, while its micro-batches run), two forwards and backwards of the size tried (the
+second adds into the gradients, as accumulation does), the framework's gradient clipping, then
+the optimizer's step. Measured on the transformers Trainer: the search's largest size equals the
+largest at which a fresh process runs 20 steps of the Trainer's own loop
+(docs/measurements.md#integrations-at-the-loops-maximum). What a search leaves in its
+process (4-14 MiB of `VmData` under a 40 MiB budget) is why the default is the recommended
+(largest safe) size and not the largest that ran.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from oomguard.engine.core.search.search import SearchResult, search
-from oomguard.engine.errors import UsageError, check_positive_int
+from oomguard.engine.errors import UsageError
+from oomguard.engine.training.accumulate import micro_batches
 from oomguard.engine.training.distributed import agree
 
 log = logging.getLogger("oomguard.integrations")
@@ -24,38 +34,53 @@ STEPS_PER_TRIAL = 2
 
 @dataclass(frozen=True)
 class Split:
-    """How one device's effective batch (rows) is run: ``micro_batch`` rows per forward and
-    backward, ``accumulation`` of them per optimizer step. ``found``: the largest size the
-    search ran (measured); ``search``: its result (None when no search ran)."""
+    """How one device's effective batch (rows per optimizer step) runs: ``sizes``, the rows of
+    each micro-batch of a step (a forward and backward each), ``micro_batch`` the largest of
+    them and ``accumulation`` their number. ``found``: the largest size the search ran
+    (measured); ``allowed``: the size the split keeps under (the search's recommendation, or
+    ``found`` with ``largest``); ``search``: its result (None when no search ran)."""
 
     effective: int
     micro_batch: int
     accumulation: int
     found: int | None
     search: SearchResult | None = None
+    sizes: tuple[int, ...] = field(default=())
+    allowed: int | None = None
 
+    def __post_init__(self) -> None:
+        if not self.sizes:  # given as micro-batch x accumulation: equal micro-batches
+            object.__setattr__(self, "sizes", (self.micro_batch,) * self.accumulation)
 
-def micro_batch_for(effective: int, fits: int) -> int:
-    """The largest divisor of ``effective`` (rows) at or below ``fits`` (rows); 1 at least."""
-    check_positive_int("effective", effective)
-    check_positive_int("fits", fits)
-    return max(d for d in range(1, min(effective, fits) + 1) if effective % d == 0)
+    @property
+    def equal(self) -> bool:
+        """Whether every micro-batch has the same rows (a loop's own accumulation runs it)."""
+        return len(set(self.sizes)) == 1
+
+    def describe(self) -> str:
+        """The micro-batches in words: ``32 x 2`` or ``22 + 21 + 21``."""
+        if self.equal:
+            return f"{self.micro_batch} x {self.accumulation}"
+        return " + ".join(map(str, self.sizes))
 
 
 def size_found(result: SearchResult, largest: bool = False) -> int:
-    """The size a run may use from a search's result: ``size_to_use``, or with ``largest``
-    ``max_ok``; under ``torch.distributed`` the smallest over the ranks (collective)."""
+    """The size a run may use from a search's result: ``size_to_use`` (the largest safe size),
+    or with ``largest`` ``max_ok`` (the largest that ran); under ``torch.distributed`` the
+    smallest over the ranks (collective)."""
     size = result.max_ok if largest else result.size_to_use
     assert size is not None  # search raises NoSizeFits otherwise
     return agree(size, False).size
 
 
-def split_for(effective: int, result: SearchResult, largest: bool = False) -> Split:
-    """The :class:`Split` of ``effective`` rows a search's result allows: at most its
-    ``size_to_use``, or with ``largest`` its ``max_ok`` (by default not: a framework's loop
-    holds more than a trial, measured on a Trainer)."""
-    micro = micro_batch_for(effective, size_found(result, largest))
-    return Split(effective, micro, effective // micro, result.max_ok, result)
+def split_for(effective: int, result: SearchResult, largest: bool = False,
+              equal: bool = False) -> Split:
+    """The :class:`Split` of ``effective`` rows a search's result allows: micro-batches of at
+    most its ``size_to_use`` rows (with ``largest``: its ``max_ok``), the fewest that fit, as
+    equal as the rows allow; with ``equal``, all the same (a divisor of ``effective``)."""
+    allowed = size_found(result, largest)
+    sizes = micro_batches(effective, allowed, equal)
+    return Split(effective, sizes[0], len(sizes), result.max_ok, result, tuple(sizes), allowed)
 
 
 def passes(size: int, effective: int) -> int:
@@ -65,13 +90,17 @@ def passes(size: int, effective: int) -> int:
 
 
 def training_trial(micro_step: Callable[[int], torch.Tensor], optimizer: torch.optim.Optimizer,
-                   effective: int) -> Callable[[int], float]:
+                   effective: int, clip: Callable[[], Any] | None = None
+                   ) -> Callable[[int], float]:
     """A framework's whole training step at ``size`` rows, as a trial: ``micro_step(size)``
-    (forward and backward, returning the loss) :func:`passes` times, then the optimizer's
-    step and ``zero_grad``; the trial's value is the last loss."""
+    (forward and backward, returning the loss) :func:`passes` times, ``clip()`` (the
+    framework's gradient clipping, where it clips), then the optimizer's step and
+    ``zero_grad``; the trial's value is the last loss."""
     def step(size: int) -> float:
         for _ in range(passes(size, effective)):
             loss = micro_step(size)
+        if clip is not None:
+            clip()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())

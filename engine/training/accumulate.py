@@ -1,8 +1,10 @@
 """Micro-batching that keeps the effective batch: exact gradient accumulation on OOM.
 
-When a whole batch does not fit, it is split along dim 0 into micro-batches; each micro-batch's loss
-is scaled by its share of the batch's units before ``backward()``, so ``.grad`` equals the whole
-batch's within float rounding. ``step_fn(micro_batch)`` returns a scalar loss, the mean over the
+When a whole batch does not fit, it is split along dim 0 into micro-batches (the fewest that fit,
+as equal as the rows allow: :func:`micro_batches`); each micro-batch's loss is scaled by its share
+of the batch's units before ``backward()``, so ``.grad`` equals the whole batch's within float
+rounding. Modules that normalise with batch statistics (BatchNorm) are the exception: each
+micro-batch is normalised with its own statistics, so :func:`accumulate` warns once per module. ``step_fn(micro_batch)`` returns a scalar loss, the mean over the
 micro-batch's own units (``reduction="mean"``) or their sum (``"sum"``), and does not call
 ``backward`` itself. ``weight_by`` counts units: ``"samples"`` (rows), ``"tokens"`` (``labels !=
 ignore_index``), ``"causal-tokens"`` (``labels[..., 1:] != ignore_index``) or a callable additive
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +43,30 @@ Batch = Any  # a tensor, a Mapping of tensors, or a tuple/list of them, rows on 
 Params = torch.nn.Module | torch.optim.Optimizer | Iterable[torch.Tensor]
 WEIGHTS = ("samples", "tokens", "causal-tokens")
 KEY = "micro_batch_size"
+
+
+def micro_batches(rows: int, most: int, equal: bool = False) -> list[int]:
+    """How ``rows`` (a batch; for a training step, its effective batch) run when at most ``most``
+    rows fit in one forward and backward: the rows of each micro-batch, largest first. The
+    fewest micro-batches that fit, ``ceil(rows / most)``, as equal as the rows allow (sizes
+    differ by one row at most): 64 rows where 37 fit run as 32 + 32, not 37 + 27 (the same
+    passes, a lower peak, and faster: measured, docs/measurements.md#unequal-micro-batches).
+    With ``equal``, every micro-batch has the same rows: the largest divisor of ``rows`` at or
+    below ``most`` (for a loop that cannot run unequal ones; 97 rows: 97 of 1)."""
+    check_positive_int("rows", rows)
+    check_positive_int("most", most)
+    if equal:
+        size = max(d for d in range(1, min(rows, most) + 1) if rows % d == 0)
+        return [size] * (rows // size)
+    count = -(-rows // most)
+    base, extra = divmod(rows, count)
+    return [base + 1] * extra + [base] * (count - extra)
+
+
+def micro_batch_for(effective: int, fits: int) -> int:
+    """The micro-batch (rows) to run ``effective`` rows in where ``fits`` rows fit: the largest
+    of :func:`micro_batches` (``micro_batch_for(64, 37)`` is 32: 64 rows as 32 + 32)."""
+    return micro_batches(effective, fits)[0]
 
 
 def batch_length(batch: Batch) -> int:
@@ -114,22 +141,49 @@ def resolve_params(params: Params | None, optimizer: torch.optim.Optimizer | Non
     return params
 
 
-def _ddp_modules(params: Params) -> list[torch.nn.Module]:
-    """The DistributedDataParallel modules ``params`` is or contains (outermost ones only)."""
+def _walk_modules(params: Params) -> tuple[list[torch.nn.Module], torch.nn.Module | None]:
+    """The DistributedDataParallel modules ``params`` is or contains (outermost ones only), and
+    its first module that normalises with the statistics of its batch (a BatchNorm in training
+    mode, or one that keeps no running statistics), or None."""
     ddp = torch.nn.parallel.DistributedDataParallel
+    batch_norm = torch.nn.modules.batchnorm._BatchNorm
     if not isinstance(params, torch.nn.Module):
-        return []
+        return [], None
     found: list[torch.nn.Module] = []
+    batch_stats: torch.nn.Module | None = None
     stack: list[torch.nn.Module | None] = [params]
     while stack:
         module = stack.pop()
         if module is None:
             continue
+        if batch_stats is None and isinstance(module, batch_norm) and (
+                module.training or not module.track_running_stats):
+            batch_stats = module
         if type(module) is ddp or isinstance(module, ddp):
             found.append(module)
-        else:
-            stack.extend(module._modules.values())
-    return found
+        stack.extend(module._modules.values())
+    return found, batch_stats
+
+
+# The models accumulate() warned about (batch statistics), weakly: once per model.
+_WARNED: WeakIdMap[torch.nn.Module, bool] = WeakIdMap()
+
+
+def warn_batch_statistics(model: torch.nn.Module, norm: torch.nn.Module, rows: int,
+                          sizes: list[int]) -> None:
+    """Say once per ``model`` that its ``norm`` module (a BatchNorm) normalises each micro-batch
+    with that micro-batch's statistics: gradients and running statistics then differ from one
+    step over the whole ``rows``, which accumulation cannot reproduce."""
+    if _WARNED.get(model):
+        return
+    _WARNED[model] = True
+    shown = " + ".join(map(str, sizes)) if len(sizes) <= 4 else f"{len(sizes)} x ~{sizes[0]}"
+    warnings.warn(
+        f"{type(norm).__name__} normalises each micro-batch with its own statistics: "
+        f"{rows} rows run as {shown} differ from one {rows}-row step (gradients and running "
+        "statistics; accumulation cannot equal the whole batch here). Where that matters, "
+        "use GroupNorm or LayerNorm, or give the batch room to run whole. Said once per model.",
+        UserWarning, stacklevel=2)
 
 
 def _default_backward(loss: torch.Tensor) -> None:
@@ -229,6 +283,7 @@ class Accumulator:
         self.params = _param_list(params)
         self._holder = params
         self._ddp: list[torch.nn.Module] | None = None
+        self._split: tuple[int, list[int]] | None = None  # rows and sizes of a split batch
         # Whose buffers (BatchNorm's running statistics) a failed attempt's forward updated.
         self._modules = [params] if isinstance(params, torch.nn.Module) else []
 
@@ -236,10 +291,13 @@ class Accumulator:
     def ddp(self) -> list[torch.nn.Module]:
         """The DistributedDataParallel modules in ``params``, looked for only when a batch is
         split (whole batches need no ``no_sync``, and the walk costs about what the parameter
-        walk does)."""
+        walk does); the same walk warns once about batch statistics
+        (:func:`warn_batch_statistics`)."""
         if self._ddp is None:
-            self._ddp = _ddp_modules(self._holder)
-            self._holder = None  # found: hold no reference to the model longer than needed
+            holder, self._holder = self._holder, None  # hold no reference to the model longer
+            self._ddp, norm = _walk_modules(holder)
+            if norm is not None and self._split is not None:
+                warn_batch_statistics(holder, norm, *self._split)
         return self._ddp
 
     def __call__(self, batch: Batch) -> torch.Tensor:
@@ -291,11 +349,13 @@ class Accumulator:
 
     def _plan(self, batch: Batch, n: int, m: int, cache: dict[str, Any]
               ) -> list[tuple[Batch, int, float]]:
-        """The micro-batches of ``m`` rows that have units: (rows, their count, their weight)."""
+        """The micro-batches of at most ``m`` rows (:func:`micro_batches`) that have units:
+        (rows, their count, their weight)."""
         prefix, total = self._units(batch, n, cache)
         plan = []
-        for start in range(0, n, m):
-            stop = min(start + m, n)
+        stop = 0
+        for rows in micro_batches(n, m):
+            start, stop = stop, stop + rows
             micro = slice_rows(batch, start, stop)
             units = float(self.weight_by(micro)) if callable(self.weight_by) \
                 else prefix[stop] - prefix[start]
@@ -310,6 +370,9 @@ class Accumulator:
         last under each DDP module's ``no_sync`` (one all-reduce per call, as DDP expects)."""
         plan = [(batch, n, 1.0)] if m >= n else self._plan(batch, n, m, cache)
         assert plan  # total > 0 guarantees one micro-batch with units
+        if len(plan) > 1:
+            self._split = (n, [rows for _, rows, _ in plan])
+            _ = self.ddp  # the modules' walk, once per call that splits
         # The first backward creates the missing gradients: not part of a micro-batch's line.
         created = guided.reserve_bytes if guided is not None else 0
         total_loss: torch.Tensor | None = None
