@@ -55,7 +55,7 @@ class Metric:
     tolerates_lower_precision: ClassVar[bool] = False
     # Whether checkpointing the model's repeated blocks lowers this metric's peak: one backward
     # per forward, whose saved activations are most of the memory. False unless a metric says
-    # so: a double backward (Hessian-vector products) keeps every recomputed activation alive
+    # so: a double backward (Hessian-vector products) keeps the recomputed activations alive
     # until its second backward, and torch.func transforms refuse the checkpoint's hooks
     # (docs/measurements.md#recompute-for-metrics).
     recomputes: ClassVar[bool] = False

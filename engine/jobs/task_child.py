@@ -188,7 +188,8 @@ class _KnobTrial:
 class _Search:
     """The job's evaluator for :func:`~oomguard.engine.jobs.sizing.choose_sizes`. Each
     knob's search gets at most ``search.max_seconds`` and a third of the task's time limit
-    shared by its knobs; one that fails for a reason other than memory fails the task."""
+    shared by its searches (each knob, in each configuration); one that fails for a reason
+    other than memory fails the task."""
 
     def __init__(self, task: Task, ctx: Context, call: Any, n_searches: int,
                  on_record: Any) -> None:
