@@ -13,18 +13,22 @@ The candidates (``remedies=``, the user's choice; default ``("accumulate", "chec
   it (then every row ran with it), else its row says to start a fresh process with it.
 
 Each configuration's largest safe micro-batch is searched with
-:func:`~oomguard.engine.core.search.search.search` (``restore=``: every trial starts from the
-user's model and optimizer and leaves them as they were) and its recommendation (the margin is
-:mod:`~oomguard.engine.core.search.fit`'s). Each is then timed for one effective step (every
-micro-batch, then the optimizer's step) as a trial, under the same limit
-(:func:`~oomguard.engine.core.search.search.verify`), in :data:`TIMED_ROUNDS` rounds that take
-the configurations in turn (other work on the machine slows them alike). The
-one with the most samples per second whose measured peak stays under its recommendation's
-limit is chosen and confirmed by one more real step; a configuration whose confirming step runs
-out of memory or over the limit gives way to the next fastest.
+:func:`~oomguard.engine.core.search.search.search`, in this process with ``restore=`` (every
+trial starts from the user's model and optimizer and leaves them as they were), from the whole
+effective batch down; its micro-batch is the search's recommendation, so its peak keeps the
+margin of :mod:`~oomguard.engine.core.search.fit`. A search trial runs two micro-batches (the
+second adds to the gradients the first left, as accumulation does) and the optimizer's step.
+Each configuration is then timed for one effective step (every micro-batch, then the
+optimizer's step) as a trial under the same limit
+(:func:`~oomguard.engine.core.search.search.verify`, whose timed steps run without the
+swallowed-OOM detector), in :data:`TIMED_ROUNDS` rounds that take the configurations in turn,
+so that other work on the machine slows them alike; a timed step that runs out of memory
+steps its micro-batch down. The one with the most samples per second is chosen and confirmed
+by one more real step; one whose confirming step runs out of memory gives way to the next
+fastest. The micro-batches of a priced step are ``size`` rows each and the rest last.
 
 A choice is remembered per model (weakly: it goes with the model) and per device, workload,
-effective batch, remedies and options: a second call answers without measuring
+remedies and options: a later call for as many rows or fewer answers without measuring
 (:func:`choose_remedy`; :func:`forget_remedies`).
 """
 
