@@ -114,10 +114,10 @@ def fastest_note(result: SearchResult, fastest: int | None, spread: float | None
 
 def safe_limits(result: SearchResult) -> dict[str, Any]:
     """The peaks (bytes, the peak meter's) the recommendation keeps under, which ``oomguard
-    verify`` checks: ``safe_line_bytes`` = capacity x (1 - margin) (None without a capacity);
-    ``recommended_limit_bytes`` and, in words, ``recommended_limit_against``."""
-    rec, cap = result.recommendation, result.capacity_bytes
-    return {"safe_line_bytes": cap * (1 - rec.margin) if rec is not None and cap else None,
+    verify`` checks: ``safe_line_bytes``, the capacity less the margin's bytes (None without a
+    capacity); ``recommended_limit_bytes`` and, in words, ``recommended_limit_against``."""
+    rec = result.recommendation
+    return {"safe_line_bytes": rec.safe_line_bytes if rec is not None else None,
             "recommended_limit_bytes": rec.limit_bytes if rec is not None else None,
             "recommended_limit_against": rec.limit_against if rec is not None else None}
 

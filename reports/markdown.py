@@ -72,8 +72,9 @@ _SETTINGS = {
     "max_size": "the largest size the search may try",
     "max_trials": "the most trials the search may run",
     "max_seconds": "the most seconds of trials (none: no time limit)",
-    "margin": ("the fraction of capacity the recommended size keeps free, or 'measured': "
-               "twice the largest spread of a trial's step peaks"),
+    "margin": ("the fraction of what grows with the size (the usable memory above the fixed "
+               "part) the recommended size keeps free, or 'measured': twice the largest "
+               "spread of a trial's steady step peaks, at least 3% of what grows"),
     "steps_per_trial": "workload calls per trial (none: the workload's own count)",
     "verify_steps": "further steps run at the recommended size after the search (0: none)",
     "restore": "the objects put back as they were after every trial",
@@ -320,7 +321,7 @@ def _below_line(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
     if limit is None or (line is not None and limit >= int(line)):
         return []
     assert rec is not None
-    usable = fmt_bytes(limit / (1 - rec.margin))
+    usable = fmt_bytes(limit + (rec.margin_bytes or 0))
     if line is None:
         return [f"- **Against what**: no capacity is known; the margin is kept below {usable}, "
                 f"{s['recommended_limit_against']}, where memory ran out."]
@@ -340,11 +341,12 @@ def _why(result: SearchResult, s: Mapping[str, Any]) -> str:
                 f"({rec.maximum}), assuming memory grows in proportion to the size: no capacity "
                 "and no fitted line were known to keep a margin of memory against.")
     against = (f"the {fmt_bytes(result.capacity_bytes)} {s['capacity_kind']}"
-               if line is not None and limit >= line
-               else f"{fmt_bytes(limit / (1 - rec.margin))}, "
+               if line is not None and rec.limit_against == "capacity"
+               else f"{fmt_bytes(limit + (rec.margin_bytes or 0))}, "
                     f"{s['recommended_limit_against']}")
     return (f"**Use {label} {rec.safe}.** Its peak ({_estimate(result, rec.safe)}) stays under "
-            f"{fmt_bytes(limit)}, which keeps a {rec.margin:.0%} margin below {against}.")
+            f"{fmt_bytes(limit)}, which keeps a {fmt_bytes(rec.margin_bytes)} margin below "
+            f"{against}.")
 
 
 def _how_sure(result: SearchResult, s: Mapping[str, Any]) -> str:
@@ -373,7 +375,9 @@ def _measured_max(result: SearchResult, s: Mapping[str, Any]) -> str:
     if util is not None:
         free = (f"; it leaves {_pct(1 - util)} of the {s['capacity_kind']} unused "
                 f"({fmt_bytes(s['margin_left_bytes'])})"
-                + (f", less than the {rec.margin:.0%} margin" if 1 - util < rec.margin else ""))
+                + (f", less than the {fmt_bytes(rec.margin_bytes)} margin"
+                   if rec.margin_bytes is not None and s["margin_left_bytes"] is not None
+                   and s["margin_left_bytes"] < rec.margin_bytes else ""))
     return (f"- **Measured maximum**: {label} {rec.maximum} ran ({_estimate(result, rec.maximum)}); "
             f"{oom}{free}. The largest size that fitted a few steps, not a size to run for "
             "hours.")
@@ -385,12 +389,19 @@ def _recommendation(result: SearchResult, s: Mapping[str, Any]) -> list[str]:
     if rec is None:
         return ["## Recommendation", f"**No {label} to recommend**: no size fitted."]
     out = ["## Recommendation", _why(result, s), "",
-           f"- **Margin**: {rec.margin_source or f'{rec.margin:.0%} of capacity'}; kept free for what "
-           "a search's few steps do not show: later steps, fragmentation, other inputs."]
-    if s["safe_line_bytes"] is not None:
-        out.append(f"- **Safe line**: {fmt_bytes(s['safe_line_bytes'])} = capacity "
-                   f"{fmt_bytes(result.capacity_bytes)} × (1 − {rec.margin:.2f}), drawn in "
-                   "`memory.png`.")
+           f"- **Margin**: {rec.margin_source or f'{rec.margin:.0%}'}; kept free for what "
+           "a search's few steps do not show: later steps, fragmentation, other inputs. The "
+           "fixed part (weights, gradients, optimizer state: the fitted peak at size 0) needs "
+           "no margin: it does not grow with the size."]
+    line, keep = s["safe_line_bytes"], rec.margin_bytes or 0
+    if line is not None:
+        top = (f"capacity {fmt_bytes(result.capacity_bytes)}"
+               if result.capacity_bytes is not None and line + keep <= result.capacity_bytes
+               else f"{fmt_bytes(line + keep)}, {rec.limit_against} (the peaks read more than "
+                    f"the {fmt_bytes(result.capacity_bytes)} capacity: the meter counts bytes the "
+                    "limit does not)")
+        out.append(f"- **Safe line**: {fmt_bytes(line)} = {top} less the {fmt_bytes(keep)} "
+                   "margin, drawn in `memory.png`.")
     out += [*_below_line(result, s), _how_sure(result, s)]
     if rec.conservative_ran and rec.conservative != rec.safe and s["safe_line_bytes"] is not None:
         out.append(f"- **Largest size measured under the line**: {rec.conservative} "
@@ -506,7 +517,8 @@ def _conclusion(result: SearchResult, s: Mapping[str, Any], ctx: Mapping[str, An
     return ["## Conclusion",
             f"**Use {label} {rec.safe} for {result.workload} on {where}.** The measured "
             f"maximum is {bound}{result.max_ok} ({result.mode}{of}), without the "
-            f"{rec.margin:.0%} margin."]
+            + (f"{fmt_bytes(rec.margin_bytes)} margin." if rec.margin_bytes is not None
+               else f"{rec.margin:.0%} margin.")]
 
 
 def render_markdown(result: SearchResult, context: Mapping[str, Any] | None = None,

@@ -39,24 +39,22 @@ def _scale(result: SearchResult) -> tuple[float, list[float]]:
 
 
 def _limits(ax: Any, result: SearchResult, s: Mapping[str, Any], unit: str, div: int) -> None:
-    """The capacity line, the safe line below it at ``capacity x (1 - margin)``, and the
-    tighter limit the recommended size was held under where there is one."""
+    """The capacity line, the safe line below it (the capacity less the margin's bytes), and
+    the tighter limit the recommended size was held under where there is one."""
     cap, rec = result.capacity_bytes, result.recommendation
-    margin = rec.margin if rec else result.config.get("margin")
     if cap:
         name = "capacity (budget)" if s["capacity_kind"] == "budget" else "free memory"
         ax.axhline(cap / div, color="black", lw=1.4, label=f"{name}: {fmt_bytes(cap, unit)}")
     line = s.get("safe_line_bytes")
-    if line is None and cap and isinstance(margin, float):
-        line = cap * (1 - margin)
+    keep = fmt_bytes(rec.margin_bytes, unit) if rec is not None else "-"
     if line is not None:
         ax.axhline(line / div, color="tab:green", lw=1.1, ls=":",
-                   label=f"safe line: capacity × (1 − {margin:.2f}) = {fmt_bytes(line, unit)}")
+                   label=f"safe line: capacity less the {keep} margin = {fmt_bytes(line, unit)}")
     limit = s.get("recommended_limit_bytes")
     if limit is not None and (line is None or limit < line):
         ax.axhline(limit / div, color="tab:olive", lw=1.1, ls=(0, (1, 3)),
-                   label=f"recommended size held under: {1 - margin:.0%} of "
-                         f"{s['recommended_limit_against']} = {fmt_bytes(limit, unit)}")
+                   label=f"recommended size held under: {s['recommended_limit_against']} less "
+                         f"the {keep} margin = {fmt_bytes(limit, unit)}")
 
 
 def _fit_and_peaks(ax: Any, result: SearchResult, x_max: float, div: int) -> None:

@@ -96,7 +96,11 @@ _VOLATILE_KEYS = {
     "items_per_second": "<rate>",
     **dict.fromkeys(("peak_bytes", "peak_at_safe_bytes", "peak_at_max_bytes", "headroom_bytes",
                      "limit_peak_bytes", "margin_left_bytes", "step_peaks",
-                     "checked_peak_bytes"), "<bytes>"),
+                     "checked_peak_bytes",
+                     # The margin is kept of what grows above the fixed part, which is fitted
+                     # to the measured peaks: these follow them.
+                     "fixed_bytes", "margin_bytes", "limit_bytes", "safe_line_bytes",
+                     "recommended_limit_bytes"), "<bytes>"),
     "utilisation": "<fraction>",
     "pid": "<pid>", "run": "<run-id>", "threads": "<threads>",
     "oomguard_version": "<version>", "oomguard": "<version>",

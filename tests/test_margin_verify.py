@@ -26,7 +26,7 @@ from oomguard.engine.core.search.fit import (
     DEFAULT_MARGIN,
     MIN_MEASURED_MARGIN,
     choose_margin,
-    step_spread,
+    steady_spread,
 )
 from oomguard.engine.core.search.search import verify
 from oomguard.engine.errors import UsageError
@@ -51,43 +51,52 @@ class AlternatingSteps:
         return float(block[0])
 
 
-def _search(extra: float, margin: Any = DEFAULT_MARGIN):
+def _search(extra: float, margin: Any = "measured"):
     # Each search in a fresh process: resident free heap left by earlier tests would
     # serve some steps' allocations unseen by the peak meter and fake a spread.
     return in_fresh_process(_search_here, extra, margin)
 
 
 def _search_here(extra: float, margin: Any):
+    # Three steps: the first may allocate what a run allocates once; two steady ones after it.
     return search(AlternatingSteps(extra), strategy=Guided(start=8), max_size=32,
-                  budget=512 * MiB, steps_per_trial=2, margin=margin)
+                  budget=512 * MiB, steps_per_trial=3, margin=margin)
 
 
 @pytest.mark.slow
-def test_measured_margin_is_twice_the_spread_of_step_peaks_and_the_report_says_so() -> None:
-    result = _search(0.25, margin="measured")
+def test_measured_margin_is_twice_the_spread_of_steady_step_peaks_in_bytes() -> None:
+    result = _search(1.0)
     rec = result.recommendation
-    spreads = [step_spread(t) for t in result.trials if t.ok]
-    # The allocations differ by 1/5 between steps; the measured spread sees it.
-    assert max(spreads) == pytest.approx(0.2, abs=0.03)
-    assert rec.margin == pytest.approx(2 * max(spreads))
-    assert rec.margin_source.startswith("measured: 2 x the largest spread")
-    assert f"{max(spreads):.1%}" in rec.margin_source
+    spreads = [s for t in result.trials if (s := steady_spread(t)) is not None]
+    # Steady steps hold 32 and 64 MiB in turn at the largest size: the spread sees 32 MiB.
+    assert max(spreads) == pytest.approx(32 * MiB, rel=0.05)
+    assert rec.margin_bytes == pytest.approx(2 * max(spreads), rel=0.01)
+    assert rec.margin == pytest.approx(rec.margin_bytes / (512 * MiB - rec.fixed_bytes), rel=0.01)
+    assert "measured, 2 x the largest spread of a trial's steady step peaks" in rec.margin_source
+    assert f"({fmt_bytes(max(spreads))} at size 32" in rec.margin_source
+    assert f"that grows above the fixed {fmt_bytes(rec.fixed_bytes)}" in rec.margin_source
     assert result.to_dict()["recommendation"]["margin_source"] == rec.margin_source
 
 
 @pytest.mark.slow
-def test_steady_steps_measure_a_smaller_margin_than_the_fixed_one() -> None:
-    measured = _search(0.0, margin="measured").recommendation
-    fixed = _search(0.0).recommendation
+def test_steady_steps_measure_a_smaller_margin_than_a_configured_one() -> None:
+    measured = _search(0.0).recommendation
+    fixed = _search(0.0, margin=0.15).recommendation
     assert measured.margin == MIN_MEASURED_MARGIN  # the floor: steps agreed
-    assert fixed.margin == DEFAULT_MARGIN and fixed.margin_source.startswith("fixed")
+    assert "raised to the 3% floor" in measured.margin_source
+    assert fixed.margin == 0.15 and fixed.margin_source.endswith("(as configured)")
     assert measured.safe >= fixed.safe
 
 
-def test_measured_margin_without_several_steps_falls_back_and_says_why() -> None:
-    trials = [Trial(size=8, ok=True, peak_bytes=8 * MiB, seconds=0.1, step_peaks=[8 * MiB])]
-    margin, source = choose_margin("measured", trials)
-    assert margin == DEFAULT_MARGIN and "no trial ran two steps" in source
+def test_measured_margin_without_two_steady_steps_falls_back_and_says_why() -> None:
+    # Two steps: the second is steady, the first may allocate the optimizer's state.
+    trials = [Trial(size=8, ok=True, peak_bytes=9 * MiB, seconds=0.1, steps=2,
+                    step_peaks=[8 * MiB, 9 * MiB])]
+    margin = choose_margin("measured", trials, grows=64 * MiB, fixed=16 * MiB)
+    assert margin.fraction == DEFAULT_MARGIN
+    assert margin.source.startswith(f"{DEFAULT_MARGIN:.0%} of the 64.00 MiB that grows above "
+                                    "the fixed 16.00 MiB")
+    assert "no trial ran three steps or more" in margin.source
 
 
 @pytest.mark.parametrize("bad", ["estimated", 1.0, -0.1, float("nan")])
@@ -171,7 +180,7 @@ def _with_lines(tmp: Any, doc: dict, line: float, limit: float | None) -> Any:
     ``line`` and ``limit`` bytes; the rest, the workload included, as the bench wrote it."""
     doc = json.loads(json.dumps(doc))
     cap = doc["result"]["capacity_bytes"]
-    doc["result"]["recommendation"]["margin"] = 1 - line / cap
+    doc["result"]["recommendation"] |= {"margin_bytes": cap - line, "safe_line_bytes": line}
     doc["summary"] |= {"safe_line_bytes": line, "recommended_limit_bytes": limit or line,
                        "recommended_limit_against": "the fitted peak at the first OOM (5)"}
     (tmp / "report.json").write_text(json.dumps(doc))
@@ -194,9 +203,10 @@ def test_verify_fails_saying_by_how_much_when_a_peak_crosses_the_safe_line(measu
     assert safe == pytest.approx(peak / 2) and top > safe
     assert line.startswith(f"verify: 2 steps at batch size 4: OVER THE SAFE LINE by "
                            f"{fmt_bytes(top - safe)}: peak {fmt_bytes(top)} against the safe "
-                           f"line {fmt_bytes(safe)} (capacity 1.00 GiB × (1 − ")
-    assert line.endswith(f"of the capacity left free where the report promised "
-                         f"{1 - safe / 2**30:.0%}")
+                           f"line {fmt_bytes(safe)} (capacity 1.00 GiB less the "
+                           f"{fmt_bytes(2**30 - safe)} margin); {fmt_bytes(2**30 - top)} of the "
+                           "capacity left free where the report promised "
+                           f"{fmt_bytes(2**30 - safe)}")
 
 
 @pytest.mark.slow

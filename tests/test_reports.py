@@ -19,7 +19,7 @@ from oomguard.engine.core.search.fit import fit_line, recommend
 from oomguard.engine.core.search.search import SearchResult, search
 from oomguard.engine.core.search.strategies import ExpandBisect
 from oomguard.engine.core.search.trial import Trial
-from oomguard.engine.util.units import MiB
+from oomguard.engine.util.units import MiB, fmt_bytes
 from oomguard.reports import plot_memory, render_json, render_markdown, style, write_report
 from oomguard.reports.job_report import write_job_report
 from oomguard.reports.json_report import summarise
@@ -151,7 +151,7 @@ def _hand_built(trials: list[Trial], capacity: int | None, fit=None, first_oom=N
         workload="hand", device="cpu", mode="isolated", strategy="expand-bisect",
         strategy_description=ExpandBisect().describe(), max_ok=max_ok, first_oom=first_oom,
         trials=trials, fit=fit,
-        recommendation=recommend(trials, max_ok, capacity, fit, first_oom=first_oom),
+        recommendation=recommend(trials, max_ok, capacity, fit, margin=0.15, first_oom=first_oom),
         capacity_bytes=capacity, budget_bytes=None, stopped_because=stopped, seconds=0.5,
         config={"start": 64, "step": 8, "max_size": 64, "max_trials": 64, "margin": 0.15})
 
@@ -448,8 +448,8 @@ def test_the_reports_first_statement_is_the_one_size_to_use_and_why(result: Sear
     first = _first_statement(md)
     # Which size, then why: its peak against a line that keeps the margin, with the figures.
     assert first.startswith(f"## Recommendation\n**Use batch size {rec.safe}.** Its peak (")
-    assert f"keeps a {rec.margin:.0%} margin below" in first
-    assert s["recommended_limit_bytes"] <= s["safe_line_bytes"] == pytest.approx(BUDGET * 0.85)
+    assert f"keeps a {fmt_bytes(rec.margin_bytes)} margin below" in first
+    assert s["recommended_limit_bytes"] <= s["safe_line_bytes"] == BUDGET - rec.margin_bytes
     # One size is recommended: no range, no second "conservative" choice; the maximum is a
     # measured fact after it, and the conclusion repeats the recommendation, not the maximum.
     assert "Recommended range" not in md and "Conservative" not in md
@@ -459,23 +459,30 @@ def test_the_reports_first_statement_is_the_one_size_to_use_and_why(result: Sear
 
 def test_a_recommendation_held_below_the_safe_line_says_against_what() -> None:
     # The fitted peak at the first OOM (32) is below the capacity: the limit counted bytes the
-    # peak does not, so the margin is taken off that peak, and the report says so first.
+    # peak does not, so the margin is taken off that peak, and the report says so first. The
+    # margin is 15% of what grows: 4 + 2 x 32 MiB less the fixed 4 MiB.
     trials = [Trial(size=s, ok=True, peak_bytes=(4 + 2 * s) * MiB, seconds=0.1) for s in (8, 16, 24)]
     trials.append(Trial(size=32, ok=False, peak_bytes=None, seconds=0.1, error="oom"))
     res = _hand_built(trials, 128 * MiB, fit=fit_line(trials), first_oom=32, stopped="bracket closed")
     s = summarise(res)
-    assert s["safe_line_bytes"] == pytest.approx(128 * MiB * 0.85)
-    assert s["recommended_limit_bytes"] == pytest.approx(68 * MiB * 0.85)  # 4 + 2 x 32 MiB
+    assert res.recommendation.fixed_bytes == 4 * MiB == s["fixed_bytes"]
+    assert res.recommendation.margin_bytes == int(0.15 * 64 * MiB) == s["margin_bytes"]
+    assert s["safe_line_bytes"] == 128 * MiB - int(0.15 * 64 * MiB)
+    assert s["recommended_limit_bytes"] == 68 * MiB - int(0.15 * 64 * MiB)
+    assert s["margin_source"] == ("15% of the 64.00 MiB that grows above the fixed 4.00 MiB "
+                                  "(as configured)")
     md = render_markdown(res)
     assert _first_statement(md) == (
         "## Recommendation\n**Use batch size 24.** Its peak (measured 52.00 MiB, 40.6% "
-        "utilization) stays under 57.80 MiB, which keeps a 15% margin below "
+        "utilization) stays under 58.40 MiB, which keeps a 9.60 MiB margin below "
         "68.00 MiB, the fitted peak at the first OOM (32).")
-    assert "- **Why under 57.80 MiB, not the safe line**: memory ran out where" in md
+    assert ("- **Margin**: 15% of the 64.00 MiB that grows above the fixed 4.00 MiB (as "
+            "configured); kept free") in md
+    assert "- **Why under 58.40 MiB, not the safe line**: memory ran out where" in md
     texts = [t.get_text() for t in memory_figure(res, s).axes[0].get_legend().get_texts()]
-    assert "safe line: capacity × (1 − 0.15) = 108.80 MiB" in texts
-    assert any(t.startswith("recommended size held under: 85% of the fitted peak at the first "
-                            "OOM (32) = 57.80 MiB") for t in texts)
+    assert "safe line: capacity less the 9.60 MiB margin = 118.40 MiB" in texts
+    assert ("recommended size held under: the fitted peak at the first OOM (32) less the "
+            "9.60 MiB margin = 58.40 MiB") in texts
 
 
 def test_every_search_setting_the_report_shows_is_explained() -> None:
@@ -551,9 +558,10 @@ def test_no_fastest_size_without_a_measured_spread() -> None:
 
 
 @pytest.mark.parametrize(("peaks", "said"), [
-    ([40 * MiB, 41 * MiB], "41.00 MiB, 67.80 MiB under the line the recommendation keeps (108.80 MiB)"),
-    ([40 * MiB, 110 * MiB], "110.00 MiB, 1.20 MiB ABOVE the line the recommendation keeps "
-                            "(108.80 MiB): the margin was not kept"),
+    # 15% of what grows (128 MiB less the fixed 4 MiB) kept free: under 109.40 MiB.
+    ([40 * MiB, 41 * MiB], "41.00 MiB, 68.40 MiB under the line the recommendation keeps (109.40 MiB)"),
+    ([40 * MiB, 110 * MiB], "110.00 MiB, 614.40 KiB ABOVE the line the recommendation keeps "
+                            "(109.40 MiB): the margin was not kept"),
 ])
 def test_the_searchs_own_verification_is_judged_against_the_line(peaks: list[int], said: str) -> None:
     trials = [Trial(size=s, ok=True, peak_bytes=(4 + 2 * s) * MiB, seconds=0.1) for s in (8, 16)]

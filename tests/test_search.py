@@ -170,7 +170,7 @@ def test_search_config_object_and_overrides():
     cfg = SearchConfig(strategy=Doubling(start=8), max_size=64)
     result = search(Echo(), cfg, max_trials=5)
     assert result.config == {"strategy": "doubling", "start": 8, "factor": 2, "max_size": 64,
-                             "max_trials": 5, "max_seconds": None, "margin": 0.15,
+                             "max_trials": 5, "max_seconds": None, "margin": "measured",
                              "steps_per_trial": None, "verify_steps": 0}
     assert [t.size for t in result.trials] == [8, 16, 32, 64]
     assert result.stopped_because == "max_size (64) reached"

@@ -418,8 +418,10 @@ def add_search_options(p: argparse.ArgumentParser, verify_steps: bool = True,
     p.add_argument("--align", type=positive_int, default=None, metavar="N",
                    help="try only multiples of N (8 for tensor cores)")
     p.add_argument("--margin", type=margin, default=None,
-                   help="fraction of capacity the recommended size keeps free (default 0.15), "
-                        "or 'measured': twice the spread of peaks across each trial's steps")
+                   help="fraction of what grows with the size (the usable memory above the "
+                        "fixed weights, gradients and optimizer state) the recommended size "
+                        "keeps free, or 'measured' (default): twice the largest spread of a "
+                        "trial's steady step peaks, at least 3%% of what grows")
     p.add_argument("--isolate", action="store_true",
                    help="run each trial in a fresh child process (the faithful maximum)")
     p.add_argument("--confirm", action="store_true",

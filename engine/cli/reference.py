@@ -132,6 +132,7 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
     estimate); exit 1 where even the smallest size of a knob does not fit."""
     from oomguard.engine.cli.estimate import parse_sizes
     from oomguard.engine.jobs.reference_estimate import (
+        ESTIMATE_MARGIN,
         build_estimate_reference,
         check_measured,
         gpu_memory,
@@ -154,7 +155,7 @@ def cmd_estimate_reference(args: argparse.Namespace) -> int:
         memory, memory_name = args.memory, fmt_bytes(args.memory)
     from oomguard.engine.core.search.config import SearchConfig
 
-    margin = SearchConfig.margin if args.margin is None else args.margin  # one default
+    margin = ESTIMATE_MARGIN if args.margin is None else args.margin
     if not isinstance(margin, float):
         raise UsageError("--margin for --estimate is a fraction in [0, 1) (nothing is "
                          "measured, so 'measured' has no spread to read); give one such as "

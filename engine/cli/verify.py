@@ -80,8 +80,8 @@ def add_verify(p: argparse.ArgumentParser) -> None:
                      "further steps at its recommended size (or --size), on the same device, "
                      "under the same budget and in the same mode as its trials. Prints what "
                      "happened in one line and writes verify.json beside the report; exit 0 "
-                     "when every step fitted under the report's safe line (capacity x (1 - "
-                     "margin)) and, at the recommended size, under the limit the report held it "
+                     "when every step fitted under the report's safe line (the capacity less "
+                     "the margin) and, at the recommended size, under the limit the report held it "
                      "to; 1, saying by how much, on an out-of-memory or a peak over either, "
                      "and 1 when verify.json cannot be written (the result is then printed in "
                      "full on stdout). A report folder it cannot write is refused before any "
@@ -99,8 +99,10 @@ def add_verify(p: argparse.ArgumentParser) -> None:
 
 def lines_of(doc: dict[str, Any]) -> dict[str, Any]:
     """The lines a report promised its recommended size keeps under, from report.json:
-    ``capacity_bytes``, ``margin``, ``safe_line_bytes`` (capacity x (1 - margin), the line
-    memory.png draws) and ``limit_bytes`` with ``limit_against`` (the peak the recommended
+    ``capacity_bytes``, ``margin``, ``safe_line_bytes`` (the capacity less the margin's bytes,
+    the line memory.png draws; for a report without it, capacity x (1 - margin)),
+    ``margin_bytes`` (the capacity less the safe line) and ``limit_bytes`` with
+    ``limit_against`` (the peak the recommended
     size was held under, where it is below the safe line); None where unknown. A report
     written before the summary held them gets the safe line from its result."""
     result, summary = doc["result"], doc.get("summary") or {}
@@ -112,6 +114,7 @@ def lines_of(doc: dict[str, Any]) -> dict[str, Any]:
     limit = summary.get("recommended_limit_bytes")
     tighter = limit is not None and (line is None or limit < line)
     return {"capacity_bytes": cap, "margin": margin, "safe_line_bytes": line,
+            "margin_bytes": cap - line if cap and line is not None else None,
             "limit_bytes": limit if tighter else None,
             "limit_against": summary.get("recommended_limit_against") if tighter else None}
 
@@ -142,16 +145,17 @@ def _line(check: dict[str, Any], label: str) -> str:
     from oomguard.engine.core.search.fit import peaks_spread
 
     peaks = check["step_peaks"]
-    top, margin, cap = max(peaks), lines["margin"], lines["capacity_bytes"]
+    top, keep, cap = max(peaks), lines["margin_bytes"], lines["capacity_bytes"]
     if verdict == "over the safe line":
         return (f"{head}: OVER THE SAFE LINE by {fmt_bytes(top - bound)}: peak {fmt_bytes(top)} "
-                f"against the safe line {fmt_bytes(bound)} (capacity {fmt_bytes(cap)} × "
-                f"(1 − {margin:.2f})); {1 - top / cap:.1%} of the capacity left free where the "
-                f"report promised {margin:.0%}")
+                f"against the safe line {fmt_bytes(bound)} (capacity {fmt_bytes(cap)} less the "
+                f"{fmt_bytes(keep)} margin); {fmt_bytes(cap - top)} of the capacity left free "
+                f"where the report promised {fmt_bytes(keep)}")
     if verdict == "margin not kept":
         return (f"{head}: MARGIN NOT KEPT by {fmt_bytes(top - bound)}: peak {fmt_bytes(top)} "
                 f"above {fmt_bytes(bound)}, the limit the report held the recommended size to "
-                f"({margin:.0%} below {fmt_bytes(bound / (1 - margin))}, {lines['limit_against']})")
+                f"(the {fmt_bytes(keep)} margin below {fmt_bytes(bound + (keep or 0))}, "
+                f"{lines['limit_against']})")
     spread = peaks_spread(peaks) or 0.0  # one step: no spread to show
     room = ("" if bound is None else
             f"; {fmt_bytes(bound - top)} under the report's line ({fmt_bytes(bound)})")

@@ -10,7 +10,9 @@ optional, read only through the helper named after it.
 Attributes: ``name`` (default ``__name__``, else the class name: :func:`name_of`), ``knob``
 (what ``size`` is called, default ``batch_size``: :func:`knob_of`), ``steps_per_trial``
 (calls per search trial, default 1: :func:`steps_of`), ``preload`` (modules an isolated
-trial's forkserver imports once: :func:`preload_of`).
+trial's forkserver imports once: :func:`preload_of`), ``catches_own_errors`` (True: the
+work catches exceptions itself, so every step of a trial runs with the swallowed-OOM
+detector, not only the first: :func:`catches_own_errors`).
 
 Methods:
 
@@ -50,7 +52,7 @@ from oomguard.engine.core.estimate.hooks import (
 )
 from oomguard.engine.errors import UsageError
 
-__all__ = ["RebuiltInChild", "Workload", "estimate_copy", "fake_module", "host_device",
+__all__ = ["RebuiltInChild", "Workload", "catches_own_errors", "estimate_copy", "fake_module", "host_device",
            "knob_of", "name_of", "own_estimate", "preload_of", "replays_workspace", "shortcut",
            "steps_of", "warm_up", "worst_case_call", "worst_case_maker"]
 
@@ -86,6 +88,12 @@ def knob_of(fn: Any) -> str:
 
 def steps_of(fn: Any) -> int:
     return int(getattr(fn, "steps_per_trial", 1) or 1)
+
+
+def catches_own_errors(fn: Any) -> bool:
+    """Whether ``fn`` says its own code catches exceptions (``catches_own_errors = True``, as
+    the metrics do): an OOM it catches can only be seen as it is raised, in every step."""
+    return bool(getattr(fn, "catches_own_errors", False))
 
 
 def preload_of(fn: Any) -> tuple[str, ...]:

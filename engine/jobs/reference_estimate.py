@@ -45,6 +45,10 @@ GiB, MiB = 1024**3, 1024**2
 # (measured: docs/measurements.md#gpu-tiers); the margin covers what a process cannot use.
 GPUS: dict[str, int] = {"H100 80GB": 81559 * MiB, "A100 40GB": 40960 * MiB,
                         "RTX 4090 24GB": 24564 * MiB, "V100 16GB": 16160 * MiB}
+# The share of the memory an estimate keeps free for what it leaves out (the CUDA context,
+# the allocator's cache, cuBLAS's workspace): the E10 report's production advice, ~85%
+# utilisation. A search's margin is another (SearchConfig.margin: of what grows, measured).
+ESTIMATE_MARGIN = 0.15
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 DEPTHS = (1, 2, 3)  # the depths estimated, for a quadratic in the layer count
 ROUNDS = 4  # line-and-confirm rounds per knob after sizes 1 and the largest

@@ -32,6 +32,13 @@ trials, isolated children, a job's calls, an enforced host limit). ``OOMGUARD_SW
 read at import and inherited by children, sets ``auto`` (default), ``on`` or ``off`` (the
 CUDA counter stays on); :func:`set_spotter_mode` sets it for this process only. Python
 3.12's ``sys.monitoring`` would be cheaper but 3.10 and 3.11 need the dispatch mode anyway.
+
+Timing: a search trial's items per second come from its steps after the first, which run
+with the spotter paused (:func:`spotter_paused`), so a size's rate is the workload's own and
+not the spotter's (docs/measurements.md#throughput-without-the-detector). The first step,
+which allocates everything (an optimizer's state included), keeps it; so does every step of
+a workload whose own code catches its errors (``catches_own_errors``: the metrics, and so
+the jobs), where a swallowed OOM would be a wrong result.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -126,6 +133,25 @@ class _Spotter(TorchDispatchMode):
             if self.frames:
                 self.frames[-1].saw(exc)
             raise
+
+
+@contextlib.contextmanager
+def spotter_paused() -> Iterator[None]:
+    """Inside, this thread's CPU spotter is off, where an enclosing :class:`Witness` pushed one
+    (an OOM raised inside is still the call's: it leaves through the witness); a witness
+    entered inside may push its own. For steps timed for throughput, whose cost must not be
+    the spotter's."""
+    spotter = _local.spotter
+    if spotter is None:
+        yield
+        return
+    spotter.__exit__(None, None, None)
+    _local.spotter = None
+    try:
+        yield
+    finally:
+        spotter.__enter__()
+        _local.spotter = spotter
 
 
 class Witness:

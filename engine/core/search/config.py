@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.search.fit import DEFAULT_MARGIN, MEASURED
+from oomguard.engine.core.search.fit import MEASURED
 from oomguard.engine.core.search.ramguard import RamGuard
 from oomguard.engine.core.search.strategies import (
     Doubling,
@@ -37,8 +37,10 @@ class SearchConfig:
     - ``isolate``: each trial in a fresh child process. ``confirm``: search in this process,
       then re-run the answer and the size above it in fresh children, going on there where
       they disagree (``Confirm``): the fresh-process maximum at close to in-process cost.
-    - ``margin``: the fraction of capacity the recommended size keeps free, or ``"measured"``
-      (:func:`~oomguard.engine.core.search.fit.choose_margin`).
+    - ``margin``: the fraction of what grows with the size (the usable bytes above the fixed
+      part: weights, gradients, optimizer state) the recommended size keeps free, or
+      ``"measured"`` (the default): twice the largest spread of a trial's steady step peaks,
+      at least 3% of what grows (:func:`~oomguard.engine.core.search.fit.choose_margin`).
     - ``capacity_bytes``: what the recommendation scales against (None: the budget, else the
       free memory probed before the search).
     - ``trial_timeout``: seconds (finite, > 0) per isolated trial; a child still running then
@@ -64,7 +66,7 @@ class SearchConfig:
     budget: int | None = None
     isolate: bool = False
     confirm: bool = False
-    margin: float | str = DEFAULT_MARGIN
+    margin: float | str = MEASURED
     capacity_bytes: int | None = None
     trial_timeout: float = 600.0
     ram_guard: RamGuard | bool | None = None

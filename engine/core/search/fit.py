@@ -10,16 +10,20 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from oomguard.engine.core.search.trial import Trial
+from oomguard.engine.util.units import fmt_bytes
 
-DEFAULT_MARGIN = 0.15  # the E10 report's production advice: ~85% utilisation
+# A margin is kept free of what grows with the size: the usable bytes less the fixed part (the
+# weights, gradients and optimizer state), docs/measurements.md#margin-on-what-grows.
 MEASURED = "measured"  # SearchConfig.margin: derive the margin from the trials' step peaks
-# A measured margin: SPREAD_FACTOR times the largest relative spread of peaks across one trial's
-# steps (a run sees thousands of steps, a trial a few), within [MIN, MAX]: the floor keeps room
-# for what no trial shows (fragmentation, an eval step), the cap keeps a noisy trial from
-# recommending almost nothing. Design choices, not measured facts.
+# A measured margin: SPREAD_FACTOR times the largest spread (bytes) of one trial's steady step
+# peaks (a run sees thousands of steps, a trial a few), within [MIN, MAX] of what grows: the
+# floor keeps room for the boundary's noise between fresh processes (measured: 1-2% of the
+# size) and some for what no trial shows (fragmentation, an eval step), the cap keeps a noisy
+# trial from recommending almost nothing. DEFAULT_MARGIN: where no trial ran two steady steps.
 SPREAD_FACTOR = 2.0
-MIN_MEASURED_MARGIN = 0.05
+MIN_MEASURED_MARGIN = 0.03
 MAX_MEASURED_MARGIN = 0.5
+DEFAULT_MARGIN = MIN_MEASURED_MARGIN
 
 
 @dataclass(frozen=True)
@@ -160,37 +164,68 @@ def peaks_spread(peaks: Sequence[int]) -> float | None:
     return (max(peaks) - min(peaks)) / max(peaks)
 
 
-def step_spread(trial: Trial) -> float | None:
-    """:func:`peaks_spread` of a trial's per-step peaks; None for a trial that did not fit."""
-    return peaks_spread(trial.step_peaks) if trial.ok else None
+def steady_spread(trial: Trial) -> int | None:
+    """``max - min`` (bytes) of a fitting trial's steady step peaks, the steps after the first
+    (the first allocates what a run allocates once: an optimizer's state, lazily built
+    caches); None for a trial that did not fit or ran fewer than three steps."""
+    steady = trial.step_peaks[1:]
+    return max(steady) - min(steady) if trial.ok and len(steady) >= 2 else None
 
 
-def choose_margin(margin: float | str, trials: Sequence[Trial]) -> tuple[float, str]:
-    """The margin to keep free and its source in words: a number as given; ``"measured"``:
-    :data:`SPREAD_FACTOR` x the largest :func:`step_spread`, clamped to the MIN/MAX measured
-    margins, else (no trial of two steps or more) :data:`DEFAULT_MARGIN`, saying so."""
+@dataclass(frozen=True)
+class Margin:
+    """What a recommendation keeps free: ``fraction`` of what grows with the size, and in
+    words, with bytes, where it came from (``source``)."""
+
+    fraction: float
+    source: str
+
+
+def choose_margin(margin: float | str, trials: Sequence[Trial], grows: float | None,
+                  fixed: float = 0.0) -> Margin:
+    """The fraction of ``grows`` (the usable bytes less the ``fixed`` bytes that do not grow
+    with the size; None: unknown) to keep free: a number as given; ``"measured"``:
+    :data:`SPREAD_FACTOR` x the largest :func:`steady_spread` in bytes, within the MIN/MAX
+    measured margins of ``grows`` (without ``grows``: of the trial's own peak), else (no
+    trial of three steps or more) :data:`DEFAULT_MARGIN`, saying so."""
+    of = ("of the size (no capacity known to measure bytes against)" if grows is None
+          else f"of the {fmt_bytes(grows)} that grows above the fixed {fmt_bytes(fixed)}"
+          if fixed > 0 else f"of the {fmt_bytes(grows)} that grows with the size (no fixed "
+                            "part: the fitted peak at size 0 is not above 0)")
     if margin != MEASURED:
-        return float(margin), f"fixed: {float(margin):.0%} of capacity (as configured)"
-    spreads = [(s, t.size) for t in trials if (s := step_spread(t)) is not None]
+        return Margin(float(margin), f"{float(margin):.0%} {of} (as configured)")
+    spreads = [(s, t.size, t.peak_bytes or 0) for t in trials if (s := steady_spread(t)) is not None]
     if not spreads:
-        return DEFAULT_MARGIN, (f"fixed: {DEFAULT_MARGIN:.0%} (measured margin asked for, but "
-                                "no trial ran two steps or more: no spread to measure)")
-    spread, size = max(spreads)
-    chosen = min(MAX_MEASURED_MARGIN, max(MIN_MEASURED_MARGIN, SPREAD_FACTOR * spread))
-    return chosen, (f"measured: {SPREAD_FACTOR:g} x the largest spread of peaks across a "
-                    f"trial's steps, {spread:.1%} at size {size} of {len(spreads)} trial(s) of "
-                    f"several steps, kept within {MIN_MEASURED_MARGIN:.0%}-{MAX_MEASURED_MARGIN:.0%}")
+        return Margin(DEFAULT_MARGIN, (
+            f"{DEFAULT_MARGIN:.0%} {of}: the measured margin's floor, as no trial ran three "
+            "steps or more (no spread of steady steps to measure)"))
+    spread, size, peak = max(spreads)
+    whole = grows if grows is not None else peak
+    wanted = SPREAD_FACTOR * spread / whole if whole > 0 else MAX_MEASURED_MARGIN
+    chosen = min(MAX_MEASURED_MARGIN, max(MIN_MEASURED_MARGIN, wanted))
+    bound = ("" if chosen == wanted else f", raised to the {MIN_MEASURED_MARGIN:.0%} floor"
+             if chosen > wanted else f", capped at {MAX_MEASURED_MARGIN:.0%}")
+    return Margin(chosen, (
+        f"{chosen:.1%} {of}: measured, {SPREAD_FACTOR:g} x the largest spread of a trial's "
+        f"steady step peaks ({fmt_bytes(spread)} at size {size}, of {len(spreads)} trial(s) of "
+        f"three steps or more){bound}"))
 
 
 @dataclass(frozen=True)
 class Recommendation:
     """Sizes to use, at most the measured maximum: ``safe``, the largest whose estimated peak keeps
-    ``margin`` of the capacity free; ``conservative``, the largest up to ``safe`` that ran with a
-    measured peak within that limit (``conservative_ran`` False: none did, it equals ``safe``);
-    ``maximum``, the largest that ran. ``basis``: how ``safe`` was obtained; ``margin_source``:
-    :func:`choose_margin`'s words. ``limit_bytes``: the peak ``safe`` stays under (peak-meter
-    bytes), ``margin`` below ``limit_against`` (the capacity, or the fitted peak at the first OOM
-    where lower). ``checked_peak_bytes``: the measured peak at ``safe``."""
+    ``margin_bytes`` free below ``limit_against``; ``conservative``, the largest up to ``safe``
+    that ran with a measured peak within that limit (``conservative_ran`` False: none did, it
+    equals ``safe``); ``maximum``, the largest that ran. ``basis``: how ``safe`` was obtained.
+
+    The margin is kept of what grows with the size: ``fixed_bytes`` is the fitted peak at size 0
+    (the weights, gradients, optimizer state: an estimate), ``margin`` the fraction of the usable
+    bytes above it kept free (``margin_bytes``), ``margin_source`` which rule chose it, in
+    words (:func:`choose_margin`). ``limit_bytes``: the peak ``safe`` stays under (peak-meter
+    bytes), ``limit_against`` the usable bytes (the capacity, or the fitted peak at the first
+    OOM where lower) less the margin; ``safe_line_bytes``: the capacity (or the usable bytes,
+    where the meter read more than the capacity) less the same margin.
+    ``checked_peak_bytes``: the measured peak at ``safe``."""
 
     safe: int
     conservative: int
@@ -203,50 +238,85 @@ class Recommendation:
     limit_bytes: int | None = None
     limit_against: str | None = None
     checked_peak_bytes: int | None = None
+    fixed_bytes: int | None = None
+    margin_bytes: int | None = None
+    safe_line_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def usable_bytes(trials: Sequence[Trial], capacity_bytes: int | None, fit: LinearFit | None,
+                 first_oom: int | None) -> tuple[int | None, str]:
+    """The bytes a size's peak may reach, in the peak meter's units, and what they are, in
+    words: the capacity, or where memory ran out (the fitted peak at ``first_oom``, never
+    below the peak measured at the largest size that fitted: it ran) where that is lower, or
+    where a measured peak exceeded the capacity. The meter and the limit need not count the
+    same bytes: on CPU resident against virtual, and a child's resident pages copied from its
+    parent count, not charged to its budget."""
+    fitted = [t for t in trials if t.ok and t.peak_bytes is not None]
+    top = max((t.size for t in fitted), default=None)
+    ran = max((t.peak_bytes for t in fitted if t.size == top), default=0)
+    over = capacity_bytes is not None and any(t.peak_bytes > capacity_bytes for t in fitted)
+    if fit is not None and first_oom is not None and fit.per_item_bytes > 0:
+        at_oom = max(fit.predict(first_oom), ran)
+        if capacity_bytes is None or at_oom < capacity_bytes or over:
+            return int(at_oom), f"the fitted peak at the first OOM ({first_oom})"
+    elif over:
+        return ran, f"the peak measured at {top}, the largest size that ran"
+    return capacity_bytes, "capacity"
+
+
+def fixed_part(fit: LinearFit | None, usable: int | None) -> int:
+    """The bytes that do not grow with the size (an estimate): the fitted line's peak at size
+    0, clamped to [0, ``usable``); 0 without a fit, or where the line crosses 0 at or above
+    the usable bytes (it says nothing about a fixed part there)."""
+    if fit is None or usable is None or not 0 < fit.base_bytes < usable:
+        return 0
+    return int(fit.base_bytes)
+
+
 def recommend(trials: Sequence[Trial], max_ok: int, capacity_bytes: int | None,
-              fit: LinearFit | None, margin: float = DEFAULT_MARGIN, first_oom: int | None = None,
-              margin_source: str = "") -> Recommendation:
+              fit: LinearFit | None, margin: float | str = MEASURED,
+              first_oom: int | None = None) -> Recommendation:
     """Recommend safe, conservative and maximum sizes up to ``max_ok``.
 
-    With a capacity and a fit, ``safe`` is the fitted size that leaves ``margin`` of the
-    capacity free. The meter and the limit need not count the same bytes (on CPU resident
-    against virtual), so after an OOM the fitted peak at ``first_oom`` is used where smaller.
-    Without a fit: ``floor(max_ok * (1 - margin))``, assuming memory proportional to size.
+    With a capacity and a fit, ``safe`` is the fitted size whose estimated peak keeps the
+    margin (:func:`choose_margin`: a fraction of what grows, the usable bytes
+    (:func:`usable_bytes`) less the :func:`fixed_part`) free. Without a fit:
+    ``floor(max_ok * (1 - margin))``, assuming memory proportional to size.
     """
-    if not 0 <= margin < 1:
-        raise ValueError(f"margin must be in [0, 1), got {margin}")
-    usable, basis_cap = capacity_bytes, "capacity"
-    if fit is not None and first_oom is not None and fit.per_item_bytes > 0:
-        at_oom = fit.predict(first_oom)
-        if usable is None or at_oom < usable:
-            usable, basis_cap = int(at_oom), f"the fitted peak at the first OOM ({first_oom})"
-    limit = usable * (1 - margin) if usable else None
+    if margin != MEASURED and not 0 <= margin < 1:  # type: ignore[operator]
+        raise ValueError(f"margin must be in [0, 1) or {MEASURED!r}, got {margin}")
+    usable, against = usable_bytes(trials, capacity_bytes, fit, first_oom)
+    fixed = fixed_part(fit, usable)
+    chosen = choose_margin(margin, trials, usable - fixed if usable else None, fixed)
+    keep = int(chosen.fraction * (usable - fixed)) if usable else None
+    limit = usable - keep if usable and keep is not None else None
     safe = fit.largest_size_within(limit) if limit is not None and fit is not None else None
-    basis = (f"fitted line: estimated peak <= {1 - margin:.0%} of {basis_cap}" if safe is not None
-             else f"floor(max_ok x {1 - margin:.2f}): no capacity or fit to scale against")
+    basis = (f"fitted line: estimated peak <= {fmt_bytes(limit)}, {against} less the margin"
+             if safe is not None
+             else f"floor(max_ok x {1 - chosen.fraction:.2f}): no capacity or fit to scale against")
     if safe is None and limit is not None:
         at_max = [t.peak_bytes for t in trials if t.ok and t.size == max_ok and t.peak_bytes is not None]
         if at_max and max(at_max) <= limit:
-            safe, basis = max_ok, f"measured peak at {max_ok} is within {1 - margin:.0%} of capacity"
+            safe, basis = max_ok, f"measured peak at {max_ok} is within {fmt_bytes(limit)}"
     if safe is None:
-        safe = int(max_ok * (1 - margin))
+        safe = int(max_ok * (1 - chosen.fraction))
     safe = max(1, min(safe, max_ok))
     measured = [t.size for t in trials if t.ok and t.peak_bytes is not None and t.size <= safe
                 and (limit is None or t.peak_bytes <= limit)]
     conservative = max(measured, default=None)
     at_safe = [t.peak_bytes for t in trials if t.ok and t.size == safe and t.peak_bytes is not None]
     return Recommendation(safe=safe, conservative=conservative if conservative else safe,
-                          maximum=max_ok, margin=margin, capacity_bytes=capacity_bytes,
+                          maximum=max_ok, margin=chosen.fraction, capacity_bytes=capacity_bytes,
                           basis=basis, conservative_ran=conservative is not None,
-                          margin_source=margin_source or f"fixed: {margin:.0%} of capacity",
-                          limit_bytes=int(limit) if limit is not None else None,
-                          limit_against=basis_cap if limit is not None else None,
-                          checked_peak_bytes=max(at_safe) if at_safe else None)
+                          margin_source=chosen.source,
+                          limit_bytes=limit, limit_against=against if limit is not None else None,
+                          checked_peak_bytes=max(at_safe) if at_safe else None,
+                          fixed_bytes=fixed if usable else None, margin_bytes=keep,
+                          safe_line_bytes=(max(capacity_bytes, usable) - keep if capacity_bytes
+                                           and usable and keep is not None else None))
 
 
 def step_down(size: int, peak: int | None, limit: float, fit: LinearFit | None) -> int:

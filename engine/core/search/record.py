@@ -22,7 +22,9 @@ class SearchRecord(Record):
     """One search, summarised once. ``safe``: the size to use (None: nothing fits, or it failed);
     ``peak_at_safe_bytes``: its peak, measured or fitted (``peak_source``); ``peak_at_max_bytes``:
     measured at ``max_ok``, ``utilisation`` its share of ``capacity_bytes`` (the budget or the
-    free memory probed: ``capacity_kind``). ``limit``: what bounded a search without a budget.
+    free memory probed: ``capacity_kind``). ``fixed_bytes``: the part of the peak that does not
+    grow with the size (fitted, an estimate); ``margin_bytes``: what ``safe`` keeps free of the
+    rest, chosen as ``margin_source`` says. ``limit``: what bounded a search without a budget.
     A knob's search also has its ``metric``, ``unit``, ``cap`` (the largest size it could try),
     the other knobs' sizes (``others``) and ``source`` (measured now, or the size cache)."""
 
@@ -51,6 +53,9 @@ class SearchRecord(Record):
     others: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     limit: str | None = None
+    fixed_bytes: int | None = None
+    margin_bytes: int | None = None
+    margin_source: str = ""
 
 
 def closed(result: Any) -> bool:
@@ -112,18 +117,24 @@ def record_of(result: Any, *, metric: str = "", unit: int = 1, cap_reason: str |
     rate = best.items_per_second if best is not None else None
     note = (f"no OOM up to {result.max_ok}, the largest size tried"
             if result.first_oom is None else "")
+    rec = result.recommendation
+    margin = ({"fixed_bytes": rec.fixed_bytes, "margin_bytes": rec.margin_bytes,
+               "margin_source": rec.margin_source} if rec is not None else {})
     return SearchRecord(**common, safe=safe, peak_at_safe_bytes=peak, peak_source=source,
-                        seconds_per_item=1.0 / rate if rate else None, note=note)
+                        seconds_per_item=1.0 / rate if rate else None, note=note, **margin)
 
 
 def peak_at(result: Any, size: int | None) -> tuple[int | None, str]:
     """The peak at ``size`` and its source: the largest measured (a trial, or the check of the
-    recommended size), else the fitted line's estimate."""
+    recommended size), else the fitted line's estimate. A confirmed search's answer is its
+    fresh children's: their peaks first (a fork's or this process's read other bytes)."""
     rec = result.recommendation
-    measured = [t.peak_bytes for t in result.trials if t.ok and t.size == size
-                and t.peak_bytes is not None]
-    if rec is not None and rec.checked_peak_bytes is not None and rec.safe == size:
-        measured.append(rec.checked_peak_bytes)
+    ran = [t for t in result.trials if t.ok and t.size == size and t.peak_bytes is not None]
+    checked = ([rec.checked_peak_bytes] if rec is not None and rec.checked_peak_bytes is not None
+               and rec.safe == size else [])  # measured as the answer was: fresh, if confirmed
+    fresh = ([t.peak_bytes for t in ran if t.mode == "isolated"] + checked
+             if result.mode == "confirmed" else [])
+    measured = fresh or [t.peak_bytes for t in ran] + checked
     if measured:
         return max(measured), "measured"
     if result.fit is not None and size is not None:

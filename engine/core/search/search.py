@@ -37,7 +37,6 @@ from oomguard.engine.core.search.config import SearchConfig, resolve
 from oomguard.engine.core.search.fit import (
     LinearFit,
     Recommendation,
-    choose_margin,
     fit_line,
     recommend,
     step_down,
@@ -244,9 +243,11 @@ class _Search:
             final.stopped_because = "nothing fits" + ("" if stopped.startswith("bracket closed")
                                                        else f" ({stopped})")
             raise NoSizeFits(final)
-        margin, source = choose_margin(self.cfg.margin, self.answer)
-        rec = recommend(self.answer, final.max_ok, self.capacity, final.fit, margin,
-                        final.first_oom, source)
+        # Against the answer's own peaks: a confirmed answer's fresh children read other
+        # bytes than the trials before them (a fork's copied pages count as resident).
+        fit = final.fit if self.answer is self.trials else fit_line(self.answer)
+        rec = recommend(self.answer, final.max_ok, self.capacity, fit, self.cfg.margin,
+                        final.first_oom)
         final.recommendation = self.checked(rec, final, runner)
         final.seconds = time.perf_counter() - self.t0
         return final

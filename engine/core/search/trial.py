@@ -18,7 +18,8 @@ import torch
 
 from oomguard.engine.core.memory.budget import active_budget, headroom_bytes, tighten_active_budget
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom, release_memory
-from oomguard.engine.core.workload import name_of, warm_up, worst_case_call
+from oomguard.engine.core.memory.swallowed import spotter_paused
+from oomguard.engine.core.workload import catches_own_errors, name_of, warm_up, worst_case_call
 from oomguard.engine.errors import first_line
 from oomguard.engine.util.jsonable import to_jsonable
 from oomguard.probes.peak import PeakMeter
@@ -39,7 +40,9 @@ class Trial:
     ``limit_peak_bytes``: the peak in the units the limit counts, named by ``limit_units``
     (sampled ``VmData`` under a CPU budget: a lower bound); ``headroom_bytes``: what the limit
     left at the trial's start, in those units (None: no known limit). ``items_per_second``:
-    throughput of the steps after the first (of the only one). ``worst_case``: each step ran
+    throughput of the steps after the first (of the only one), which run without the
+    swallowed-OOM detector (:func:`~oomguard.engine.core.memory.swallowed.spotter_paused`)
+    unless the workload ``catches_own_errors``. ``worst_case``: each step ran
     on ``worst_case_batch(size)`` (counted in ``peak_bytes``). ``chosen_by`` and ``reason``:
     the strategy that proposed the size and why, where a search records them.
     """
@@ -118,15 +121,20 @@ def run_trial(fn: Callable[[int], Any], size: int, device: str | torch.device = 
     step_peaks: list[int] = []
     step_seconds: list[float] = []
 
+    watched = catches_own_errors(fn)
+
     def run_steps(n: int) -> Any:
         result = None
         with watch or nullcontext():  # inside: the watchdog's exception is a caught OOM
             for i in range(steps):
                 if i:
                     meter.restart_peak()
-                t0 = time.perf_counter()
-                result = call(n)  # the batch is freed on return, as the real run drops it
-                step_seconds.append(time.perf_counter() - t0)
+                # The steps after the first are timed for throughput: without the swallowed-OOM
+                # detector's cost, unless the workload catches its own errors.
+                with spotter_paused() if i and not watched else nullcontext():
+                    t0 = time.perf_counter()
+                    result = call(n)  # the batch is freed on return, as the real run drops it
+                    step_seconds.append(time.perf_counter() - t0)
                 step_peaks.append(meter.read())
         return result
 
