@@ -3,13 +3,14 @@ user's effective batch (rows per optimizer step on one device, never changed) in
 micro-batches that fit, as equal as the rows allow (:func:`~oomguard.engine.training.accumulate.micro_batches`).
 
 A trial runs what the loop's step runs: the whole effective batch in memory (the loop holds it,
-collated, while its micro-batches run), two forwards and backwards of the size tried (the
-second adds into the gradients, as accumulation does), the framework's gradient clipping, then
-the optimizer's step. Measured on the transformers Trainer: the search's largest size equals the
-largest at which a fresh process runs 20 steps of the Trainer's own loop
-(docs/measurements.md#integrations-at-the-loops-maximum). What a search leaves in its
-process (4-14 MiB of `VmData` under a 40 MiB budget) is why the default is the recommended
-(largest safe) size and not the largest that ran.
+collated, while its micro-batches run), two forwards and backwards (the size tried, then a row
+fewer: the second adds into the gradients, as accumulation does), the framework's gradient
+clipping, then the optimizer's step. Measured on the transformers Trainer, the step a trial runs fits where the
+Trainer's own loop fits in a fresh process, and with forked trials (the search's default on a
+Linux CPU) the loop after the search has that room too
+(docs/measurements.md#integrations-at-the-loops-maximum). The micro-batches keep under the
+search's recommendation, the largest safe size (its margin is of what grows with the size),
+or with ``largest`` under the largest size that ran.
 """
 
 from __future__ import annotations
@@ -83,22 +84,25 @@ def split_for(effective: int, result: SearchResult, largest: bool = False,
     return Split(effective, sizes[0], len(sizes), result.max_ok, result, tuple(sizes), allowed)
 
 
-def passes(size: int, effective: int) -> int:
-    """Forward and backward passes a trial runs at ``size`` before its optimizer step: 2 below
-    the ``effective`` batch (accumulating into ``.grad`` needs a temporary), else 1."""
-    return 2 if size < effective else 1
+def passes(size: int, effective: int) -> list[int]:
+    """The rows of each forward and backward a trial runs at ``size`` before its optimizer
+    step: the whole ``effective`` batch at once, else two passes (accumulating into ``.grad``
+    needs a temporary), the second a row shorter where it can be: the two shapes near-equal
+    micro-batches have, which a library that keeps kernels per input shape (oneDNN on a CPU)
+    holds both of."""
+    return [size] if size >= effective else [size, max(1, size - 1)]
 
 
 def training_trial(micro_step: Callable[[int], torch.Tensor], optimizer: torch.optim.Optimizer,
                    effective: int, clip: Callable[[], Any] | None = None
                    ) -> Callable[[int], float]:
-    """A framework's whole training step at ``size`` rows, as a trial: ``micro_step(size)``
-    (forward and backward, returning the loss) :func:`passes` times, ``clip()`` (the
-    framework's gradient clipping, where it clips), then the optimizer's step and
-    ``zero_grad``; the trial's value is the last loss."""
+    """A framework's whole training step at ``size`` rows, as a trial: ``micro_step(rows)``
+    (forward and backward of the first ``rows`` rows, returning the loss) for each of
+    :func:`passes`, ``clip()`` (the framework's gradient clipping, where it clips), then the
+    optimizer's step and ``zero_grad``; the trial's value is the last loss."""
     def step(size: int) -> float:
-        for _ in range(passes(size, effective)):
-            loss = micro_step(size)
+        for rows in passes(size, effective):
+            loss = micro_step(rows)
         if clip is not None:
             clip()
         optimizer.step()
