@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import in_fresh_process, in_fresh_processes
+from tests.framework_parts import gpt2, lightning_parts, token_ids
 
 EFFECTIVE = 160  # rows per optimizer step: more than fits, so the step runs in micro-batches
 STEPS = 2  # the first allocates AdamW's state, the second is the steady state
@@ -22,20 +23,6 @@ STEPS = 2  # the first allocates AdamW's state, the second is the steady state
 # the recommendation keeps 3% of what grows, and the search ran out 1-2 rows below the loop's
 # own maximum (docs/measurements.md#integrations-at-the-loops-maximum).
 BUDGET = 64 * 1024**2
-SEQ, VOCAB = 32, 1024
-
-
-def _gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB,
-                                      n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-                                      attn_pdrop=0.0, bos_token_id=None, eos_token_id=None))
-
-
-def _ids(n: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(3))
 
 
 def _ran_out(run) -> bool:
@@ -52,7 +39,7 @@ def _ran_out(run) -> bool:
 
 def _warm(model: torch.nn.Module) -> None:
     """One small step's kernels and thread pools before the budget, as a user's script."""
-    ids = _ids(2)
+    ids = token_ids(2)
     model(input_ids=ids, labels=ids).loss.backward()
     model.zero_grad(set_to_none=True)
 
@@ -64,13 +51,13 @@ def _trainer(cls: type, per_device: int, accumulation: int):
 
     from transformers import TrainingArguments
 
-    rows = [{"input_ids": r, "labels": r} for r in _ids(EFFECTIVE * STEPS)]
+    rows = [{"input_ids": r, "labels": r} for r in token_ids(EFFECTIVE * STEPS)]
     args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="oomguard-test-"), seed=0,
                              per_device_train_batch_size=per_device, max_steps=STEPS,
                              gradient_accumulation_steps=accumulation, report_to=[],
                              save_strategy="no", logging_strategy="no", use_cpu=True,
                              disable_tqdm=True)
-    trainer = cls(model=_gpt2(), args=args, train_dataset=rows)
+    trainer = cls(model=gpt2(), args=args, train_dataset=rows)
     _warm(trainer.model)
     return trainer
 
@@ -103,28 +90,8 @@ def _trainer_adopted() -> dict:
 def _lightning(batch_size: int, accumulation: int, callbacks: list):
     import lightning.pytorch as pl
 
-    class Data(pl.LightningDataModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.batch_size = batch_size
-
-        def train_dataloader(self) -> torch.utils.data.DataLoader:
-            data = torch.utils.data.TensorDataset(_ids(EFFECTIVE * STEPS))
-            return torch.utils.data.DataLoader(data, batch_size=self.batch_size, shuffle=True)
-
-    class Net(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = _gpt2()
-
-        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-            (ids,) = batch
-            return self.net(input_ids=ids, labels=ids).loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    module, data = Net(), Data()
+    module, data = lightning_parts(EFFECTIVE * STEPS, batch_size, torch.float32,
+                                   lambda params: torch.optim.AdamW(params, lr=1e-3))
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False,
                          callbacks=callbacks, accumulate_grad_batches=accumulation,
                          enable_checkpointing=False, enable_progress_bar=False,
@@ -159,7 +126,7 @@ def _lightning_adopted() -> dict:
 def _accelerated():
     from accelerate import Accelerator
 
-    model = _gpt2()
+    model = gpt2()
     accelerator = Accelerator(cpu=True)
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
     _warm(model)
@@ -172,7 +139,7 @@ def _accelerate_loop(micro: int) -> bool:
     model, optimizer, accelerator = _accelerated()
 
     def run() -> None:
-        ids = _ids(2 * micro)
+        ids = token_ids(2 * micro)
         for _ in range(STEPS):
             for part in (ids[:micro], ids[micro:]):
                 accelerator.backward(model(input_ids=part, labels=part).loss / 2)
@@ -188,7 +155,7 @@ def _accelerate_adopted() -> dict:
     from oomguard.training import micro_batches
 
     model, optimizer, accelerator = _accelerated()
-    ids = _ids(EFFECTIVE)
+    ids = token_ids(EFFECTIVE)
 
     def step(size: int) -> float:  # the whole step: the search restores model and optimizer
         loss = model(input_ids=ids[:size], labels=ids[:size]).loss

@@ -10,23 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.framework_parts import gpt2, lightning_parts, token_ids
+
 EFFECTIVE = 61  # rows per optimizer step
 STEPS = 2
 SEARCH_BUDGET = 32 * 1024**2  # measured: a step at 61 rows needs more, at 30 less (float64 below)
-
-
-def _gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=1024, n_positions=32,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
-                        eos_token_id=None)
-    return GPT2LMHeadModel(config).double()  # no dropout: one batch and its parts agree
-
-
-def _ids(n: int) -> torch.Tensor:
-    return torch.randint(0, 1024, (n, 32), generator=torch.Generator().manual_seed(5))
 
 
 def _moved(model: torch.nn.Module, before: list[torch.Tensor]) -> torch.Tensor:
@@ -47,9 +35,9 @@ def _trainer_update(ours: bool, loss_kwargs: bool) -> tuple[torch.Tensor, object
 
     from oomguard.integrations import OomguardTrainer
 
-    model = _gpt2()
+    model = gpt2(torch.float64)  # no dropout: one batch and its parts agree
     before = [p.detach().clone() for p in model.parameters()]
-    rows = [{"input_ids": r, "labels": r} for r in _ids(EFFECTIVE * STEPS)]
+    rows = [{"input_ids": r, "labels": r} for r in token_ids(EFFECTIVE * STEPS)]
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, per_device_train_batch_size=EFFECTIVE,
                                  max_steps=STEPS, optim="sgd", learning_rate=0.5,
@@ -79,39 +67,15 @@ def _lightning_update(ours: bool) -> tuple[torch.Tensor, object, list[int]]:
 
     from oomguard.integrations import BatchSizeCallback
 
-    class Data(pl.LightningDataModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.batch_size = EFFECTIVE
-
-        def train_dataloader(self) -> torch.utils.data.DataLoader:
-            data = torch.utils.data.TensorDataset(_ids(EFFECTIVE * STEPS))
-            return torch.utils.data.DataLoader(data, batch_size=self.batch_size, shuffle=True)
-
-    class Net(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = _gpt2()
-            self.rows: list[int] = []
-
-        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-            (ids,) = batch
-            self.rows.append(len(ids))
-            return self.net(input_ids=ids, labels=ids).loss
-
-        def on_train_start(self) -> None:
-            self.rows = []  # the search's trials ran training_step too
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.5)
-
+    module, data = lightning_parts(EFFECTIVE * STEPS, EFFECTIVE, torch.float64,
+                                   lambda params: torch.optim.SGD(params, lr=0.5))
+    callback = BatchSizeCallback(budget=SEARCH_BUDGET)
     torch.manual_seed(0)
-    module, callback = Net(), BatchSizeCallback(budget=SEARCH_BUDGET)
     before = [p.detach().clone() for p in module.parameters()]
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False,
                          callbacks=[callback] if ours else [], enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, Data())
+    trainer.fit(module, data)
     assert "backward" not in vars(module)  # the weighting is undone when the fit ends
     return _moved(module, before), callback.split if ours else None, module.rows
 
