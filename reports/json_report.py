@@ -34,6 +34,8 @@ PEAK_MEANING = {
            "MPS keeps no peak)",
 }
 _MODE_NOTE = {
+    "forked": ("forked: each trial in a fork of the searching process, which keeps nothing "
+               "of it; the maximum of that process"),
     "in-process": "in-process: history-dependent, can differ from a fresh process's maximum",
     "confirmed": ("confirmed: searched in-process, the answer and the size above it re-run "
                   "in fresh processes; the faithful maximum"),

@@ -25,6 +25,10 @@ _KNOWN_CONTEXT = {"model", "parameters", "architecture", "device_name", "dtype",
 _BUDGET_HOW = {"cpu": "RLIMIT_DATA above the process's data size at the start",
                "cuda": "torch.cuda.set_per_process_memory_fraction"}
 _MODE = {
+    "forked": ("forked: each trial ran in a fork of the searching process, which worked on "
+               "copies and ended after it, so no trial inherits another's caches (oneDNN's "
+               "kernels per input shape) or heap fragments, and the process itself keeps "
+               "none; the maximum of this process as it was before the search"),
     "isolated": ("isolated: each trial ran in a fresh child process, so no trial inherits "
                  "another's caches or heap fragments; this is the faithful maximum"),
     "confirmed": ("confirmed: the search ran in-process, then the answer and the size above "
@@ -37,6 +41,9 @@ _MODE = {
                    "without counting (rerun isolated for the faithful figure)"),
 }
 _MODE_OBSERVATION = {
+    "forked": ("**Mode**: each trial ran in a fork of the searching process; the maximum "
+               "does not depend on the order of the trials, and the search left nothing "
+               "behind in the process that trains."),
     "in-process": ("**Mode caveat**: trials ran in-process; the maximum can differ from a "
                    "fresh process's (lower: caches, heap fragments; higher under a CPU "
                    "budget: reused free heap). Rerun with isolation for the faithful figure."),

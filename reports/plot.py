@@ -17,7 +17,8 @@ if TYPE_CHECKING:  # for annotations only: matplotlib is imported when a figure 
     from matplotlib.figure import Figure
 
 _METER = {"cpu": "resident, VmHWM", "cuda": "allocator reserved"}  # what a peak counts
-_MODE = {"isolated": "isolated trials (fresh process each)",
+_MODE = {"forked": "forked trials (a copy of this process each)",
+         "isolated": "isolated trials (fresh process each)",
          "confirmed": "in-process trials, answer confirmed in fresh processes",
          "in-process": "in-process trials (history-dependent)"}
 

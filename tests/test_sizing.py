@@ -182,7 +182,7 @@ def test_vjp_block_is_searched_only_up_to_the_hidden_width() -> None:
 
     def evaluate(knob: str, sizes: dict[str, int], unit: int, cap: int) -> SearchRecord:
         config = SearchConfig(strategy=Guided(start=8), max_size=cap, max_trials=64,
-                              ram_guard=False)
+                              ram_guard=False, fork=False)  # in this process: `tried` sees it
         return measure(Free(), config, metric="position_jacobian")
 
     got = choose_sizes(_request("position_jacobian", 8), evaluate=evaluate)

@@ -76,7 +76,8 @@ class Padded:
 
 def test_warmup_worst_case_batch_steps_name_and_knob_are_used_by_a_search():
     work = Padded()
-    result = oomguard.search(work, strategy=Doubling(start=2), max_size=8)
+    # In this process (fork=False), where the calls the workload records are seen here.
+    result = oomguard.search(work, strategy=Doubling(start=2), max_size=8, fork=False)
     assert work.warmups == 1  # once, before the first trial
     assert result.max_ok == 8 and result.workload == "padded-encoder"
     assert result.size_name == "micro_batch_size"

@@ -66,6 +66,7 @@ def _search(workload: Any, config: Any, context: dict[str, Any], show: bool = Fa
     """Run one search planned (and checked) before; where no size fit, one line and the
     result with no maximum.
     ``show``: trials done and the estimated time left on stderr (:class:`Steps`)."""
+    from oomguard.engine.core.search.search import trial_mode
     from oomguard.engine.errors import NoSizeFits
     from oomguard.engine.jobs.sizing import run_search
 
@@ -73,7 +74,7 @@ def _search(workload: Any, config: Any, context: dict[str, Any], show: bool = Fa
     limit = fmt_bytes(config.budget) if config.budget is not None else budget_free_limit(
         config.device, context.get("default_budget"))
     print(f"oomguard: searching {workload.name} on {config.device} under "
-          f"{limit} ({'isolated' if config.isolate else 'in-process'} trials"
+          f"{limit} ({trial_mode(config)} trials"
           f"{', the answer confirmed in fresh processes' if config.confirm else ''}"
           f"{f', sizes in multiples of {unit}' if unit > 1 else ''})", file=sys.stderr, flush=True)
     label = context.get("knob", "batch")

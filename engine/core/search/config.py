@@ -37,6 +37,9 @@ class SearchConfig:
     - ``isolate``: each trial in a fresh child process. ``confirm``: search in this process,
       then re-run the answer and the size above it in fresh children, going on there where
       they disagree (``Confirm``): the fresh-process maximum at close to in-process cost.
+    - ``fork``: run each trial that is not isolated in a fork of this process, which works on
+      copies and leaves this process as it was (Linux, CPU, no CUDA context; elsewhere in this
+      process): :mod:`~oomguard.engine.core.search.forked`. False: in this process.
     - ``margin``: the fraction of what grows with the size (the usable bytes above the fixed
       part: weights, gradients, optimizer state) the recommended size keeps free, or
       ``"measured"`` (the default): twice the largest spread of a trial's steady step peaks,
@@ -66,6 +69,7 @@ class SearchConfig:
     budget: int | None = None
     isolate: bool = False
     confirm: bool = False
+    fork: bool = True
     margin: float | str = MEASURED
     capacity_bytes: int | None = None
     trial_timeout: float = 600.0
@@ -105,7 +109,7 @@ class SearchConfig:
                  and self.verify_steps >= 0,
                  f"verify_steps must be a whole number >= 0, got {self.verify_steps!r}; give 0 "
                  "to skip the check, or a number of steps such as 3")
-        for name in ("isolate", "confirm"):
+        for name in ("isolate", "confirm", "fork"):
             _require(isinstance(getattr(self, name), bool),
                      f"{name} must be True or False, got {getattr(self, name)!r}; give "
                      "true or false")

@@ -87,6 +87,8 @@ class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
     never an OOM. ``warm_call``: whether the warm-up may call ``fn(1)`` (False with ``restore=``).
     """
 
+    mode = "isolated"
+
     def __init__(self, fn: Callable[[int], Any], device: str | torch.device = "cpu",
                  budget: int | None = None, timeout: float = 600.0,
                  limit: RamGuard | HostLimit | None = None, warm_call: bool = True) -> None:
@@ -120,49 +122,66 @@ class IsolatedRunner(AbstractContextManager["IsolatedRunner"]):
                 ended = child.wait(self.timeout, watch)
             finally:
                 watch.close()
-        if ended.how == launcher.TIMED_OUT:
-            raise ChildCrashed(f"isolated trial at size {size}: no result after "
-                               f"{self.timeout:g} s; the child process was killed")
-        if not ended.started:
+        if ended.how != launcher.TIMED_OUT and not ended.started:
             raise _start_failure(size, ended.exitcode)
-        if ended.how == launcher.RAISED:
-            raise self._raised(size, ended)
-        if ended.how != launcher.RETURNED:
-            return self._died(size, ended, watch)
-        trial: Trial = ended.value
-        trial.mode = "isolated"
+        trial = child_trial(ended, size, watch, self.budget is not None, "isolated",
+                            self.timeout, self._raised)
         log.debug("isolated trial %d: %.2f s in the child, %.2f s in all", size, trial.seconds,
                   ended.seconds)
         return trial
 
     def _raised(self, size: int, ended: launcher.Ended) -> Exception:
         """What to raise for an exception in the child: the workload's own, re-raised."""
-        assert ended.raised is not None
-        log.debug("isolated trial at size %d failed:\n%s", size, ended.raised[2])
-        exc = ended.error(f"the isolated child process at size {size}")
+        exc = raised_in_child(size, ended, "isolated")
         if isinstance(exc, _CannotUnpickle):
             where = (" (a child cannot import what python -c, stdin or a notebook defines)"
                      if _main_program() is None else "")
             return ChildStartFailed(f"isolated trial at size {size}: the child process cannot "
                                     f"unpickle {qualname(self.fn)} ({exc}){where}: "
                                     f"{MODULE_LEVEL_FIX}")
-        if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: not ours to raise
-            return ChildCrashed(f"isolated trial at size {size}: the workload raised "
-                                f"{ended.raised[1]} in the child process")
         return exc
 
-    def _died(self, size: int, ended: launcher.Ended, watch: launcher.LimitWatch) -> Trial:
-        exitcode = ended.exitcode
-        how = launcher.how_it_ended(exitcode)
-        evidence = (launcher.oom_evidence(exitcode, ended.stderr, self.budget is not None)
-                    or watch.evidence(exitcode))
-        if evidence is not None:
-            return Trial(size=size, ok=False, peak_bytes=None, seconds=ended.seconds,
-                         mode="isolated", error=f"child process {how} ({evidence})")
-        hint = (" (SIGKILL without a memory limit: the kernel's OOM killer or another process;"
-                " see dmesg)" if launcher.killed_by_sigkill(exitcode) else "")
-        raise ChildCrashed(f"isolated trial at size {size}: the child process {how} while "
-                           f"running the workload, with no sign of running out of memory{hint}")
+
+def child_trial(ended: launcher.Ended, size: int, watch: launcher.LimitWatch, budgeted: bool,
+                mode: str, timeout: float,
+                raised: Callable[[int, launcher.Ended], Exception]) -> Trial:
+    """The :class:`Trial` a child that ran one trial (isolated, or forked:
+    :mod:`~oomguard.engine.core.search.forked`) ``ended`` with, its ``mode`` set: what it
+    returned, an OOM where it died with evidence of one (``budgeted``: an oomguard budget
+    applied in it), else raised: ``raised(size, ended)`` for its own exception,
+    :class:`ChildCrashed` for a timeout or a death without evidence."""
+    if ended.how == launcher.TIMED_OUT:
+        raise ChildCrashed(f"{mode} trial at size {size}: no result after {timeout:g} s; the "
+                           "child process was killed")
+    if ended.how == launcher.RAISED:
+        raise raised(size, ended)
+    if ended.how == launcher.RETURNED:
+        trial: Trial = ended.value
+        trial.mode = mode
+        return trial
+    exitcode = ended.exitcode
+    how = launcher.how_it_ended(exitcode)
+    evidence = launcher.oom_evidence(exitcode, ended.stderr, budgeted) or watch.evidence(exitcode)
+    if evidence is not None:
+        return Trial(size=size, ok=False, peak_bytes=None, seconds=ended.seconds, mode=mode,
+                     error=f"child process {how} ({evidence})")
+    hint = (" (SIGKILL without a memory limit: the kernel's OOM killer or another process;"
+            " see dmesg)" if launcher.killed_by_sigkill(exitcode) else "")
+    raise ChildCrashed(f"{mode} trial at size {size}: the child process {how} while running "
+                       f"the workload, with no sign of running out of memory{hint}")
+
+
+def raised_in_child(size: int, ended: launcher.Ended, mode: str) -> Exception:
+    """The exception a ``mode`` trial's child raised, for the parent to raise: the workload's
+    own, its traceback a note; :class:`ChildCrashed` for a ``SystemExit`` or
+    ``KeyboardInterrupt``, which are not ours to raise."""
+    assert ended.raised is not None
+    log.debug("%s trial at size %d failed:\n%s", mode, size, ended.raised[2])
+    exc = ended.error(f"the {mode} child process at size {size}")
+    if not isinstance(exc, Exception):
+        return ChildCrashed(f"{mode} trial at size {size}: the workload raised "
+                            f"{ended.raised[1]} in the child process")
+    return exc
 
 
 def _start_failure(size: int, exitcode: int | None) -> ChildStartFailed:

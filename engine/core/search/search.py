@@ -41,6 +41,7 @@ from oomguard.engine.core.search.fit import (
     recommend,
     step_down,
 )
+from oomguard.engine.core.search.forked import ForkedRunner, fork_refused
 from oomguard.engine.core.search.isolate import IsolatedRunner
 from oomguard.engine.core.search.limit import limit_budget, trial_limit
 from oomguard.engine.core.search.ramguard import RamGuard
@@ -146,8 +147,9 @@ def search(fn: Callable[[int], Any], config: SearchConfig | None = None, *,
         if run.capacity is None:  # after the warm-up: free memory then leaves the model out
             run.capacity = cfg.budget if cfg.budget is not None else probe(dev).free_bytes
         run.t_trials = time.perf_counter()  # max_seconds bounds the trials, not the warm-up
-        stopped = run.phase(run.strategy, run.trials, runner,
-                            "isolated" if cfg.isolate else "in-process")
+        run.trial_mode = _mode_of(runner)
+        run.mode = "confirmed" if cfg.confirm else run.trial_mode
+        stopped = run.phase(run.strategy, run.trials, runner, run.trial_mode)
         if fresh is not None:
             stopped = run.confirm(fresh, stopped)
         final = run.answered(stopped, fresh or runner)
@@ -167,6 +169,9 @@ class _Search:
         self.strategy: Strategy = cfg.strategy
         self.name = name_of(fn)
         self.capacity = cfg.capacity_bytes
+        # How each trial runs (_mode_of: in-process, forked, isolated), set once the runner
+        # is chosen; mode: how the answer was found (with confirm: "confirmed").
+        self.trial_mode = "isolated" if cfg.isolate else "in-process"
         self.mode = "isolated" if cfg.isolate else "confirmed" if cfg.confirm else "in-process"
         log.info("searching %s on %s (%s, %s)", self.name, dev, self.mode, self.strategy.name)
         self.trials: list[Trial] = []  # every trial, in the order they ran
@@ -233,7 +238,7 @@ class _Search:
             self.answer = []
             stopped = self.phase(Confirm(start=lo), self.answer, fresh, "isolated")
             return f"{stopped} (confirmed in fresh processes from {lo})"
-        self.mode = "in-process"
+        self.mode = self.trial_mode
         return stopped + " (not confirmed)"
 
     def answered(self, stopped: str, runner: Callable[[int, int], Trial]) -> SearchResult:
@@ -292,7 +297,7 @@ def verify(fn: Callable[[int], Any], size: int, steps: int, config: SearchConfig
     cfg, dev = _checked(config, None, None, options)
     with ExitStack() as stack:
         runner, _ = _runner(fn, cfg, dev, stack)
-        return _verify(runner, size, steps, "isolated" if cfg.isolate else "in-process")
+        return _verify(runner, size, steps, _mode_of(runner))
 
 
 def _checked(config: SearchConfig | None, start: int | None, size_step: int | None,
@@ -320,9 +325,25 @@ def _isolated(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device) ->
                           limit=trial_limit(dev, cfg.budget, cfg.ram_guard), warm_call=not cfg.restore)
 
 
+def trial_mode(cfg: SearchConfig) -> str:
+    """How a search with ``cfg`` runs its trials, decided now: ``"isolated"``, ``"forked"``
+    (``fork``, where :func:`~oomguard.engine.core.search.forked.fork_refused` allows) or
+    ``"in-process"``."""
+    if cfg.isolate:
+        return "isolated"
+    return "forked" if cfg.fork and fork_refused(torch.device(cfg.device)) is None else "in-process"
+
+
+def _mode_of(runner: Callable[[int, int], Trial]) -> str:
+    """How ``runner``'s trials run: ``"isolated"``, ``"forked"`` or ``"in-process"``."""
+    return getattr(runner, "mode", "in-process")
+
+
 def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device, stack: ExitStack
             ) -> tuple[Callable[[int, int], Trial], RamGuard | HostLimit | None]:
-    """What runs one trial, and what bounds it beside a budget (chosen after the warm-up)."""
+    """What runs one trial, and what bounds it beside a budget (chosen after the warm-up):
+    an isolated child, a fork of this process (``fork``, where :func:`fork_refused` allows),
+    else this process."""
     if cfg.isolate:
         isolated = stack.enter_context(_isolated(fn, cfg, dev))
         return isolated, isolated.limit
@@ -331,12 +352,17 @@ def _runner(fn: Callable[[int], Any], cfg: SearchConfig, dev: torch.device, stac
         # Before the warm-up, as in an isolated child: the large blocks it frees leave the
         # heap instead of waiting there (docs/measurements.md#free-heap-at-budget-entry).
         stack.enter_context(freed_memory_returned())
-    snapshot = _snapshot(cfg, stack)
-    warm_up_trials(fn, dev, call=snapshot is None)
+    # Forks work on copies and warm up themselves: this process and the user's objects stay
+    # as they were, never called (docs/measurements.md#forked-trials).
+    forked = trial_mode(cfg) == "forked"
+    snapshot = None if forked else _snapshot(cfg, stack)
+    warm_up_trials(fn, dev, call=not cfg.restore and not forked)
     stack.enter_context(gc_frozen())  # the warmed-up objects are never a trial's garbage
     limit = trial_limit(dev, cfg.budget, cfg.ram_guard)  # after the warm-up
     stack.enter_context(limit_budget(cfg.budget, dev, limit))
     guard = limit if isinstance(limit, RamGuard) else None
+    if forked:
+        return ForkedRunner(fn, dev, guard, cfg.trial_timeout, cfg.restore), limit
     if snapshot is None:
         return (lambda size, steps: run_trial(fn, size, dev, guard, steps)), limit
 
