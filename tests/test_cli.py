@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from conftest import in_fresh_process, oomguard_here
 
 from oomguard.engine.cli.main import main
 from oomguard.engine.util.units import parse_size
@@ -96,33 +97,31 @@ def test_python_dash_m_oomguard_help():
     assert "--isolate" in done.stdout
 
 
-BUGGY_METRIC = """
-import sys
-from oomguard.engine.cli.main import main
-from oomguard.metrics.base import Knob, Metric, register
+def _search_a_buggy_metric(out: str) -> tuple[int, str, str]:
+    """In a fresh child (the metric registered there only): ``oomguard search`` on a metric
+    that raises a ValueError from inside its computation; exit code, stdout, stderr."""
+    from oomguard.metrics.base import Knob, Metric, register
 
-@register
-class Buggy(Metric):
-    name = "buggy"
-    description = "raises a ValueError from inside its computation"
-    knobs = (Knob("micro_batch_size", "memory", 4),)
+    @register
+    class Buggy(Metric):
+        name = "buggy"
+        description = "raises a ValueError from inside its computation"
+        knobs = (Knob("micro_batch_size", "memory", 4),)
 
-    def compute(self, model, data, **params):
-        raise ValueError("shapes do not line up (a bug in the metric)")
+        def compute(self, model, data, **params):
+            raise ValueError("shapes do not line up (a bug in the metric)")
 
-sys.exit(main(["search", "--metric", "buggy", "--samples", "2", "--seq-len", "8",
-               "--budget", "64MiB", "--out", sys.argv[1]]))
-"""
+    return oomguard_here(["search", "--metric", "buggy", "--samples", "2", "--seq-len", "8",
+                          "--budget", "64MiB", "--out", out], None, {})
 
 
 @pytest.mark.slow
 def test_a_bug_inside_a_metric_keeps_its_traceback_and_is_not_a_usage_error(tmp_path):
-    done = subprocess.run([sys.executable, "-c", BUGGY_METRIC, str(tmp_path)],
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 1, done.stderr[-2000:]
-    assert "Traceback (most recent call last)" in done.stderr
-    assert "ValueError: shapes do not line up (a bug in the metric)" in done.stderr
-    assert "oomguard: error:" not in done.stderr  # the usage-error line is for bad input only
+    code, _, err = in_fresh_process(_search_a_buggy_metric, str(tmp_path))
+    assert code == 1, err[-2000:]
+    assert "Traceback (most recent call last)" in err
+    assert "ValueError: shapes do not line up (a bug in the metric)" in err
+    assert "oomguard: error:" not in err  # the usage-error line is for bad input only
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import in_fresh_process
+from conftest import Started, in_fresh_process
 
 SCRIPT = Path(sys.executable).with_name("oomguard")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -181,7 +181,7 @@ def test_ctrl_c_while_a_quick_command_starts_is_one_line_and_130(
     _check(results, finished=finished)
 
 
-def _wait_for_child_file(tmp: Path, proc: subprocess.Popen) -> None:
+def _wait_for_child_file(tmp: Path, proc: Started) -> None:
     """Until estimate's isolated child runs (its captured-stderr file is in ``tmp``)."""
     deadline = time.monotonic() + 300
     while not any(p.name.startswith("oomguard-child-") for p in tmp.iterdir()):
@@ -198,11 +198,18 @@ def _wait_for_child_file(tmp: Path, proc: subprocess.Popen) -> None:
 def test_estimate_stopped_while_it_replays_leaves_no_temporary_file(
         tmp_path: Path, sig: int, code: int, line: str) -> None:
     # The workspace replay runs in a child whose stderr goes to a temporary file, started
-    # from a forkserver whose socket is in a temporary folder: both in TMPDIR.
-    proc = _start(["estimate", "--sizes", "1,2"], tmp_path)
-    _wait_for_child_file(tmp_path, proc)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=120)
+    # from a forkserver whose socket is in a temporary folder: both in TMPDIR. The command
+    # runs forked from the worker's forkserver (its start-up is the loops' above; the
+    # imports are not paid again), in a session of its own as a terminal starts it.
+    proc = Started("estimate", "--sizes", "1,2", cwd=tmp_path,
+                   env={"TMPDIR": str(tmp_path), "OOMGUARD_CACHE": str(tmp_path / "sizes.json")})
+    try:
+        _wait_for_child_file(tmp_path, proc)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert (proc.returncode, err) == (code, line + "\n"), (out, err)
     assert _left_in(tmp_path) == []
 

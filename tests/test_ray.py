@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -21,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import cli_in_child
+from conftest import Started, cli_in_child
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'oomguard[ray]'")
 
@@ -401,25 +400,29 @@ def _outputs(sink: HubSink) -> None:
 
 def test_ctrl_c_under_ray_keeps_what_finished_and_a_rerun_finishes_the_rest(
         tmp_path: Path) -> None:
-    # The command line as a user runs it, with its own local Ray instance; Ctrl-C reaches
-    # the whole process group, Ray's processes too.
+    # The command with its own local Ray instance, in a session of its own as a terminal
+    # runs it (forked from the worker's forkserver, which imported torch: the command line's
+    # own start-up is tests/test_interrupt_start.py's); Ctrl-C reaches the whole process
+    # group, Ray's processes too.
     job = _job(tmp_path, "out", ["loss", "test_steady"], search=False)
     text = job.read_text().replace('name = "test_steady"\n',
                                    'name = "test_steady"\nparams = {seconds = 8.0}\n')
     job.write_text(text)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "oomguard", "run", str(job), "--ray",
-           "--cache", str(tmp_path / "sizes.json")]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (out / "journal.jsonl").exists() and _events(out, "success", "loss") and [
-                e for e in _events(out, "running", "test_steady") if e["sizes"]]:
-            break
-        time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    proc = Started("run", str(job), "--ray", "--cache", str(tmp_path / "sizes.json"),
+                   cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "journal.jsonl").exists() and _events(out, "success", "loss") and [
+                    e for e in _events(out, "running", "test_steady") if e["sizes"]]:
+                break
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "interrupted"
