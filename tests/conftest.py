@@ -222,13 +222,15 @@ def in_fresh_processes(fn, arg_lists, workers: int = 1):
 
 
 def oomguard_here(argv: list[str], cwd: str | None, env: dict[str, str],
-                  missing: tuple[str, ...] = ()) -> tuple[int, str, str]:
+                  missing: tuple[str, ...] = (), stderr_path: str | None = None
+                  ) -> tuple[int, str, str]:
     """In a fresh child: ``oomguard ARGV`` in ``cwd`` with ``env`` added and the modules
     ``missing`` unimportable (as on a machine without them), its file descriptors 1 and 2
     (and so its own children's) captured: exit code, stdout, stderr (an exception ``main``
     raised: its traceback, and 1, as the interpreter ends a command on one). A ``TMPDIR`` in
     ``env`` holds its temporary files and folders as in a new interpreter (the forkserver's
-    own choices, which a forked child inherits, are forgotten)."""
+    own choices, which a forked child inherits, are forgotten). ``stderr_path``: stderr goes
+    to that file instead, which others can read while the command runs."""
     import multiprocessing
     import sys
     import tempfile
@@ -243,7 +245,9 @@ def oomguard_here(argv: list[str], cwd: str | None, env: dict[str, str],
     if "TMPDIR" in env:
         tempfile.tempdir = None  # tempfile's cached folder: read again from TMPDIR
         multiprocessing.current_process()._config.pop("tempdir", None)  # the forkserver's socket
-    files = [tempfile.TemporaryFile(mode="w+b") for _ in (1, 2)]
+    files = [tempfile.TemporaryFile(mode="w+b"),
+             tempfile.TemporaryFile(mode="w+b") if stderr_path is None
+             else open(stderr_path, "w+b")]  # noqa: SIM115 - read back and closed with the process
     for fd, f in zip((1, 2), files, strict=True):
         os.dup2(f.fileno(), fd)
     try:
@@ -273,13 +277,14 @@ def cli_in_child(*argv: str, cwd: Any = None, env: dict[str, str] | None = None,
     return subprocess.CompletedProcess(["oomguard", *argv], code, out, err)
 
 
-def _session_cli(argv: list[str], cwd: str | None, env: dict[str, str]) -> tuple[int, str, str]:
+def _session_cli(argv: list[str], cwd: str | None, env: dict[str, str],
+                 stderr_path: str | None = None) -> tuple[int, str, str]:
     """:func:`oomguard_here` in a session of its own: a signal sent to its process group
     reaches it and the processes it starts, and nothing else (as Slurm signals a job step).
     SIGINT at Python's default, as a terminal starts a command (children ignore it)."""
     os.setsid()
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    return oomguard_here(argv, cwd, env)
+    return oomguard_here(argv, cwd, env, (), stderr_path)
 
 
 class Started:
@@ -289,11 +294,14 @@ class Started:
     ``communicate(timeout)`` (stdout, stderr) as ``subprocess.Popen`` has them;
     ``returncode`` is the code ``main`` returned, or minus the signal that killed the
     process (its output then lost with it). A process killed for running past ``timeout``
-    ends with minus that signal too."""
+    ends with minus that signal too. ``stderr_path``: its stderr goes to that file (which
+    the test can read while it runs) and is what ``communicate`` returns."""
 
-    def __init__(self, *argv: str, cwd: Any = None, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *argv: str, cwd: Any = None, env: dict[str, str] | None = None,
+                 stderr_path: Any = None) -> None:
         self._child = Child(start_forkserver(_SERVER_PRELOAD), _session_cli, list(argv),
-                            None if cwd is None else str(cwd), env or {})
+                            None if cwd is None else str(cwd), env or {},
+                            None if stderr_path is None else str(stderr_path))
         self.pid: int = self._child.proc.pid
         self.returncode: int | None = None
         self._output: tuple[str, str] | None = None

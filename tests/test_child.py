@@ -2,7 +2,7 @@
 limit come back to the parent; every child dies with its parent and leaves Ctrl-C to it.
 
 The unit tests fork their children (milliseconds each). The two slow tests run
-``oomguard reference`` as a user does, in a session of its own, and kill it: with
+``oomguard reference`` in a session of its own, as a terminal does, and kill it: with
 ``kill -9`` (no process it started may be left 2 s later) and with Ctrl-C (one line,
 ``oomguard: interrupted``, exit 130, no traceback).
 """
@@ -13,12 +13,12 @@ import contextlib
 import ctypes
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import Started
 
 from oomguard.engine.core.child import (
     DIED,
@@ -232,22 +232,15 @@ def _in_session(sid: int) -> list[tuple[int, str]]:
     return found
 
 
-def _reference_in_a_session(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, Path]:
+def _reference_in_a_session(tmp_path: Path, *options: str) -> tuple[Started, Path]:
     """``oomguard reference`` started in a session of its own, stopped (SIGSTOP, the whole
-    session) once its first trial ran: the caller sends what it tests, then SIGCONT."""
+    session) once its first trial ran: the caller sends what it tests, then SIGCONT. The
+    command is forked from the worker's forkserver, with SIGINT at its default as a
+    terminal starts it (the interpreter's own start-up is tests/test_interrupt_start.py's)."""
     err = tmp_path / "stderr.txt"
-    # As a terminal starts it: with SIGINT at its default, also where this test process
-    # ignores it (a background job of a non-interactive shell does, and Python then
-    # installs no KeyboardInterrupt handler in the command, rightly).
-    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
-    try:
-        with open(err, "wb") as f:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "oomguard", "reference", *TINY, *options, "--cache",
-                 str(tmp_path / "sizes.json"), "--out", str(tmp_path / "ref")],
-                stdout=subprocess.DEVNULL, stderr=f, cwd=tmp_path, start_new_session=True)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    err.touch()
+    proc = Started("reference", *TINY, *options, "--cache", str(tmp_path / "sizes.json"),
+                   "--out", str(tmp_path / "ref"), cwd=tmp_path, stderr_path=err)
     deadline = time.monotonic() + 300
     while "  size " not in err.read_text(errors="replace"):
         assert proc.poll() is None, err.read_text()
@@ -269,7 +262,8 @@ def test_no_process_is_left_two_seconds_after_kill_9_of_reference(tmp_path: Path
         os.kill(proc.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):  # the others, stopped, must still end
             os.killpg(proc.pid, signal.SIGCONT)        # by themselves once they run
-        proc.wait()
+        proc.communicate()
+        assert proc.returncode == -signal.SIGKILL
         assert _left_after(proc.pid, 2.0) == []
     finally:
         for pid, _ in _in_session(proc.pid):
@@ -284,7 +278,8 @@ def test_ctrl_c_in_reference_is_one_line_and_exit_130(tmp_path: Path) -> None:
         signals = _signal_masks(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
         os.killpg(proc.pid, signal.SIGCONT)
-        assert proc.wait(timeout=60) == 130, (signals, err.read_text()[-3000:])
+        proc.communicate(timeout=60)
+        assert proc.returncode == 130, (signals, err.read_text()[-3000:])
         text = err.read_text()
         after = text.encode()[before:].decode(errors="replace").splitlines()
         assert after[-1:] == ["oomguard: interrupted"], after

@@ -109,11 +109,11 @@ def test_search_with_a_plugin_finds_a_size_and_every_command_uses_it(
 @pytest.mark.slow
 def test_an_isolated_search_imports_the_plugin_in_its_children(plugin: str) -> None:
     """``--isolate``: each trial in a forkserver's child, which imports the plugin too (a
-    fresh command, as users run it: this test process's forkserver may be running already)."""
-    exe = Path(sys.executable).with_name("oomguard")
-    done = subprocess.run([str(exe), "search", "--plugin", f"{plugin}.py", "--metric", plugin,
-                           *WORKLOAD, "--budget", "32MiB", "--max-size", "64", "--isolate",
-                           "--out", "rep", "--json"], capture_output=True, text=True, timeout=240)
+    command of its own: this test process's forkserver, which runs already, never imported
+    the plugin; the command, forked from it, starts a forkserver of its own, as users' do)."""
+    done = cli_in_child("search", "--plugin", f"{plugin}.py", "--metric", plugin, *WORKLOAD,
+                        "--budget", "32MiB", "--max-size", "64", "--isolate", "--out", "rep",
+                        "--json", cwd=Path.cwd())
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout)
     assert found["mode"] == "isolated"
