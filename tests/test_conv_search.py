@@ -19,8 +19,9 @@ import oomguard
 from oomguard.engine.core.memory.heap import return_freed_memory_to_os
 from oomguard.engine.core.memory.oom import OOM, call_catching_oom
 from oomguard.engine.core.search.config import SearchConfig
-from oomguard.engine.core.search.forked import fork_refused
+from oomguard.engine.core.search.forked import ForkedRunner, fork_refused
 from oomguard.engine.core.search.search import trial_mode
+from oomguard.engine.core.search.trial import run_trial
 from oomguard.reports import render_markdown
 from oomguard.reports.json_report import summarise
 
@@ -185,3 +186,16 @@ def test_a_forked_search_says_so_in_its_report() -> None:
     assert result.mode == "forked" and {t.mode for t in result.trials} == {"forked"}
     assert "- **Mode**: forked: each trial ran in a fork" in render_markdown(result)
     assert summarise(result)["mode_note"].startswith("forked: each trial in a fork")
+
+
+def test_a_forked_trials_resident_peak_is_the_one_the_process_itself_measures() -> None:
+    # A fork maps none of the parent's library code; a trial that faulted it back in read
+    # 11-33 MiB more than in the process (docs/measurements.md#forked-trials).
+    step, _, _ = _training_step()
+    step(1)
+    step(16)  # this size's kernels exist: neither trial compiles any
+    device = torch.device("cpu")
+    here = run_trial(step, 16, device)
+    forked = ForkedRunner(step, device, None, 60.0)(16)
+    assert forked.mode == "forked" and forked.ok and here.ok
+    assert abs(forked.peak_bytes - here.peak_bytes) < 2 * MiB, (forked.peak_bytes, here.peak_bytes)

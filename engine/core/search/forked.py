@@ -10,20 +10,21 @@ there). The ``RLIMIT_DATA`` budget and the filled heap are inherited. The child 
 :class:`~oomguard.engine.core.search.trial.Trial` back through a pipe; a death is an OOM only
 with evidence, as for isolated trials (:func:`~oomguard.engine.core.search.isolate.child_trial`).
 
-Only on Linux, for CPU trials, where no CUDA context exists (:func:`fork_refused`). Two things
-keep the child's trial the one the caller would run:
+Only on Linux, for CPU trials, where no CUDA context exists (:func:`fork_refused`). Three
+things keep the child's trial the one the caller would run:
 
 - GNU OpenMP keeps its thread pool across a fork, without the threads: a child's first
   parallel region with more than one thread then waits forever. The caller's pool is released
   (``omp_pause_resource_all``) before each fork, so the child starts its own; where that call
   is missing the child runs one thread.
+- A fork copies no page-table entries for file mappings never written (the libraries' code),
+  so a resident peak would count each page of code the trial runs, which the caller has
+  mapped already: the child maps them first (:func:`map_parents_file_pages`).
 - The child warms up before its trial (:func:`~oomguard.engine.core.search.trial.warm_up_trials`:
   ``warmup()``, else one call at size 1; a ``restore=`` step inside a snapshot of its objects,
   so that the trial's first step still allocates the optimizer's state), outside the budget,
   which then leaves the trial the room the caller had: what the warm-up keeps is not charged,
-  as in a search in the caller's process. It also copies the pages the child shares with the
-  caller and writes: counted by a resident peak, they would add 11-35 MiB on small steps
-  (measured), which the user's own process writes in place.
+  as in a search in the caller's process, which itself never calls the step.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ import contextlib
 import ctypes
 import functools
 import logging
+import mmap
 import multiprocessing as mp
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy
 import torch
 
 from oomguard.engine.core import child as launcher
@@ -51,6 +55,8 @@ from oomguard.probes import host
 log = logging.getLogger("oomguard.search")
 
 MODE = "forked"
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_READ = 22
 _OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")
 
 
@@ -111,6 +117,7 @@ def _forked_trial(fn: Callable[[int], Any], size: int, device: torch.device,
     now, not in the trial), the heap filled again, one trial."""
     if not threads:  # the parent's OpenMP pool could not be released: its threads are gone here
         torch.set_num_threads(1)
+    map_parents_file_pages()
     with _outside_the_limit():
         snapshot = Snapshot.take(restore) if restore else None
         warm_up_trials(fn, device)
@@ -124,6 +131,46 @@ def _forked_trial(fn: Callable[[int], Any], size: int, device: torch.device,
     # filled the parent's (docs/measurements.md#free-heap-at-budget-entry).
     with heap_plugged():
         return run_trial(fn, size, device, guard, steps)
+
+
+def map_parents_file_pages() -> int:
+    """In a forked child: map the pages of files (the libraries' code and data) that the parent
+    has mapped; the pages mapped (0 where /proc says nothing). A fork copies no page-table
+    entries for file mappings never written, so the child's resident size starts without them,
+    and a trial's peak would count each page of code it runs (27 MiB of a small GPT-2 step,
+    measured: docs/measurements.md#forked-trials). Each run of pages present in the parent is
+    populated at once (``MADV_POPULATE_READ``, Linux 5.14), else read a byte a page."""
+    parent, mapped = os.getppid(), 0
+    try:
+        with open(f"/proc/{parent}/maps", encoding="utf-8") as maps:
+            ranges = [line.split() for line in maps]
+        pagemap = open(f"/proc/{parent}/pagemap", "rb")  # noqa: SIM115 - closed below
+    except OSError:
+        return 0
+    with pagemap:
+        for fields in ranges:
+            if len(fields) < 6 or not fields[5].startswith("/") or fields[1][0] != "r":
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            try:
+                pagemap.seek(start // _PAGE * 8)
+                present = numpy.frombuffer(pagemap.read((end - start) // _PAGE * 8),
+                                           dtype="<u8") >> 63
+            except (OSError, ValueError):
+                continue
+            # Runs of present pages: where the 0/1 sequence, padded with 0 each side, changes.
+            edges = numpy.flatnonzero(numpy.diff(numpy.concatenate(([0], present, [0]))))
+            for first, after in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+                _populate(start + first * _PAGE, (after - first) * _PAGE)
+                mapped += after - first
+    return mapped
+
+
+def _populate(address: int, length: int) -> None:
+    """Map ``length`` bytes of a readable mapping at ``address`` into this process."""
+    if _madvise()(address, length, _MADV_POPULATE_READ) != 0:  # before Linux 5.14: EINVAL
+        for page in range(address, address + length, _PAGE):
+            ctypes.string_at(page, 1)
 
 
 @contextlib.contextmanager
@@ -157,6 +204,15 @@ def _release_openmp_threads() -> bool:
     if pause is not None and pause(2) == 0:  # 2: omp_pause_hard
         return True
     return torch.get_num_threads() == 1
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int]:
+    """libc's ``madvise(address, length, advice)``."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.restype, madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t,
+                                                       ctypes.c_int]
+    return madvise
 
 
 @functools.cache
