@@ -66,6 +66,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _xdist_groups_seen(items)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # This process's forkserver started now, where slow tests will run (they start fresh
+    # children), with what this module preloads and nothing else: started by the first test
+    # that needs it, it also preloaded what that test named (an isolated search's workload
+    # module, a pool's), so what a fresh child holds depended on the order of the tests.
+    # It imports torch in the background while the first tests run.
+    if any(item.get_closest_marker("slow") is not None for item in session.items):
+        worker_forkserver()
+
+
 def _slow_first(config: pytest.Config, items: list[pytest.Item]) -> None:
     """In a pytest-xdist worker, with pytest-randomly's shuffle: the tests marked slow
     first, then the rest, each part in its shuffled order (a stable sort on top of the
@@ -206,12 +216,18 @@ _SERVER_PRELOAD = ("transformers", "oomguard.metrics.train_step", "oomguard.metr
 forkserver_context(_SERVER_PRELOAD)
 
 
+def worker_forkserver() -> Any:
+    """This worker's forkserver (started here if it runs not yet): the context every fresh
+    child of the tests comes from."""
+    return start_forkserver(_SERVER_PRELOAD)
+
+
 def in_fresh_processes(fn, arg_lists, workers: int = 1):
     """``[fn(*args) for args in arg_lists]``, each call in a fresh child of its own (as
     :func:`in_fresh_process`), ``workers`` at a time: a budget is per process, so calls
     that each set their own (single-threaded) can share the cores. An exception in a child
     is raised here; a child that dies raises ChildCrashed."""
-    ctx = start_forkserver(_SERVER_PRELOAD)
+    ctx = worker_forkserver()
     arg_lists, results = [tuple(a) for a in arg_lists], []
     for i in range(0, len(arg_lists), workers):
         with contextlib.ExitStack() as running:
@@ -299,7 +315,7 @@ class Started:
 
     def __init__(self, *argv: str, cwd: Any = None, env: dict[str, str] | None = None,
                  stderr_path: Any = None) -> None:
-        self._child = Child(start_forkserver(_SERVER_PRELOAD), _session_cli, list(argv),
+        self._child = Child(worker_forkserver(), _session_cli, list(argv),
                             None if cwd is None else str(cwd), env or {},
                             None if stderr_path is None else str(stderr_path))
         self.pid: int = self._child.proc.pid

@@ -1,11 +1,10 @@
 """Two ranks on gloo: they agree on one size, and a call made on rank 0 only does not hang.
 
-Each rank is a spawned process. In the first test each warms up (a small step
-and one collective), then enters its own CPU budget: rank 0 has plenty, rank 1
-runs out of memory on the whole batch and on half of it. The agreement (one
-all_reduce per attempt) must move rank 0 to rank 1's size; both finish, and
-their parameters equal a single-process reference of the same data-parallel
-steps.
+Each rank is a fresh process (a child of the test worker's forkserver). In the first
+test each warms up (a small step and one collective), then enters its own CPU budget:
+rank 0 has plenty, rank 1 runs out of memory on the whole batch and on half of it. The
+agreement (one all_reduce per attempt) must move rank 0 to rank 1's size; both finish,
+and their parameters equal a single-process reference of the same data-parallel steps.
 
 In the others, rank 1 waits in a barrier while rank 0 alone calls adaptive
 functions: with ``sync_ranks=False`` they return at once (no collective);
@@ -16,6 +15,7 @@ ranks afterwards works.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import budget_after_warmup, once_per_run
+from conftest import budget_after_warmup, once_per_run, worker_forkserver
 from test_accumulate import mlp, regression_step, rows
 
+from oomguard.engine.core.child import DIED, RAISED, TIMED_OUT, Child
 from oomguard.engine.core.execute.stats import stats
 from oomguard.engine.errors import OomguardError
 from oomguard.engine.training import distributed
@@ -113,20 +113,29 @@ def reference_params() -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def run_ranks(fn, args: tuple, timeout_s: float, nprocs: int = 2) -> None:
-    """Run ``fn(rank, *args)`` on ``nprocs`` spawned ranks; kill them all after ``timeout_s``."""
+def _as_rank(fn, rank: int, args: tuple) -> None:
+    """In a rank's process: gloo on the loopback device, then ``fn(rank, *args)``."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=0.2):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the ranks did not finish within {timeout_s} s (a hang?)")
-    finally:  # whatever happened, leave no rank behind
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+    fn(rank, *args)
+
+
+def run_ranks(fn, args: tuple, timeout_s: float, nprocs: int = 2) -> None:
+    """Run ``fn(rank, *args)`` on ``nprocs`` ranks, each a fresh child of this worker's
+    forkserver, which imported torch (a spawned rank imported torch and these test modules
+    again: 2-3 CPU-seconds each); kill them all after ``timeout_s``. A rank ends with
+    :func:`_exit_now` (exit code 0); one that raised raises here."""
+    with contextlib.ExitStack() as running:  # leaving it kills every rank still running
+        ranks = [running.enter_context(Child(worker_forkserver(), _as_rank, fn, rank, args))
+                 for rank in range(nprocs)]
+        deadline = time.monotonic() + timeout_s
+        ended = [child.wait(deadline - child.t0) for child in ranks]
+    for rank, end in enumerate(ended):
+        if end.how == RAISED:
+            raise end.error(f"rank {rank}")
+    for rank, end in enumerate(ended):
+        assert (end.how, end.exitcode) == (DIED, 0), (
+            f"rank {rank} {end.how} (exit code {end.exitcode}): the ranks did not finish "
+            f"within {timeout_s} s (a hang?)" if end.how == TIMED_OUT else end.how)
 
 
 @pytest.mark.slow
