@@ -147,7 +147,7 @@ MOST_TRIALS = 7
 
 
 def _guided(isolate: bool) -> dict:
-    return search(SquareBlock(), budget=BUDGET, max_size=4096, isolate=isolate).to_dict()
+    return search(SquareBlock(), budget=BUDGET, max_size=4096, isolate=isolate, fork=False).to_dict()
 
 
 def _fresh_runs(size: int) -> bool:
