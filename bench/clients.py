@@ -32,11 +32,11 @@ optimizer steps of the real loop:
 Columns: the micro-batches of a step, the largest micro-batch oomguard allows over m (goal:
 0.95 to 1), the micro-batches per step against the fewest that m allows, the effective batch
 run, the OOMs in the run (the frameworks' loops end at their first), and samples per second
-of each variant's configuration, with its ratio to oomguard's. The rates are measured side by
-side after the runs, because the runs take minutes each and the shared cores' load changes
-between them: each configuration runs ``--timing-steps`` (10) optimizer steps in a fresh
-process under the budget, the variants interleaved, ``--rounds`` (3) times; a rate is rows
-over the median step, and the row shows the median over the rounds.
+per CPU second of each variant's configuration (one thread: on a machine of its own, per
+second), with its ratio to oomguard's. The rates are measured side by side after the runs:
+each configuration runs ``--timing-steps`` (10) optimizer steps in a fresh process under the
+budget, the variants interleaved, ``--rounds`` (3) times; a rate is rows over the median
+step's CPU time, and the row shows the median over the rounds.
 
     .venv/bin/python bench/clients.py [--steps 200] [--check-steps 20] [--clients loop,conv]
 """
@@ -105,19 +105,21 @@ def _current(name: str) -> int | None:
 
 
 class Clock:
-    """When each optimizer step of a run ended (the first "end" is when the clock started);
-    its rate from the median step, so that neither the first step (the optimizer's state, the
-    dataloader's start) nor a burst of another process's work on the shared cores decides a
-    row."""
+    """When each optimizer step of a run ended, in this process's CPU seconds (the first "end"
+    is when the clock started); its rate from the median step. CPU time, because the runs
+    share 2 cores with other work: a step's wall time also counts its waits for a core
+    (measured: the same configuration at 131 and 169 rows per wall second side by side), and
+    every run here is one thread. The median, so that the first step (the optimizer's state,
+    the dataloader's start) does not decide a row."""
 
     def __init__(self) -> None:
-        self.ends: list[float] = [time.perf_counter()]
+        self.ends: list[float] = [time.process_time()]
 
     def tick(self) -> None:
-        self.ends.append(time.perf_counter())
+        self.ends.append(time.process_time())
 
     def per_s(self, rows: int) -> float:
-        """Rows per second at the median step (0 where no step ran)."""
+        """Rows per CPU second at the median step (0 where no step ran)."""
         steps = sorted(b - a for a, b in itertools.pairwise(self.ends))
         return rows / steps[len(steps) // 2] if steps else 0.0
 
@@ -201,16 +203,18 @@ class Loop:
 
     def searched(self, model: torch.nn.Module, opt: torch.optim.Optimizer,
                  backward: Callable[[torch.Tensor], Any]) -> Any:
-        """The documented search: one whole step at ``size`` rows, model and optimizer
-        restored after every trial."""
+        """The documented search (docs/guides/training-search.md): the loop's whole step at
+        ``size`` rows, two micro-batches where it accumulates (the second a row shorter),
+        model and optimizer restored after every trial."""
         import oomguard
         from oomguard.engine.util.rows import slice_rows
 
-        probe = self.batch(self.effective, -2)
+        probe, e = self.batch(self.effective, -2), self.effective
 
         def step(size: int) -> float:
-            loss = self.loss(model, slice_rows(probe, 0, size))
-            backward(loss)
+            for rows in (size,) if size >= e else (size, max(1, size - 1)):
+                loss = self.loss(model, slice_rows(probe, 0, rows))
+                backward(loss)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return float(loss.detach())
@@ -295,10 +299,10 @@ class Loop:
                 clock[0].tick()
 
         with oomguard.budget(self.budget, "cpu"):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             loop()
         return _row([tried[-1]], tried[-1], len(tried) - 1, steps, clock[0],
-                    search_s=clock[0].ends[0] - t0, note=f"sizes tried {tried}")
+                    search_cpu_s=clock[0].ends[0] - t0, note=f"sizes tried {tried}")
 
 
 class Accelerate(Loop):
@@ -491,11 +495,11 @@ class TrainerClient:
 
         trainer = self.trainer(self.effective, 1, steps, auto_find_batch_size=True)
         tried: list[int] = []
-        inner, at = trainer._inner_training_loop, [0.0]
+        inner, at = trainer._inner_training_loop, [0.0, 0.0]
 
         def recorded(batch_size: int | None = None, *args: Any, **kwargs: Any) -> Any:
             tried.append(batch_size)
-            at[0] = time.perf_counter()
+            at[:] = time.process_time(), time.perf_counter()
             return inner(batch_size, *args, **kwargs)
 
         trainer._inner_training_loop = recorded
@@ -504,7 +508,7 @@ class TrainerClient:
             trainer.train()
         self.clock.ends = [at[0], *(t for t in self.clock.ends if t > at[0])]  # the last try's
         return _row([tried[-1]], tried[-1], len(tried) - 1, trainer.state.global_step,
-                    self.clock, search_s=at[0] - t0, note=f"per-device batches tried {tried}")
+                    self.clock, search_s=at[1] - t0, note=f"per-device batches tried {tried}")
 
 
 class LightningClient:
@@ -737,6 +741,7 @@ def _print_table(results: dict[str, dict[str, Any]], steps: int) -> None:
         for variant in ("oomguard", "native"):
             v = r[variant]
             extra = [f"search {v['search_s']:.1f} s"] if "search_s" in v else []
+            extra += [f"restarts {v['search_cpu_s']:.1f} CPU s"] if "search_cpu_s" in v else []
             extra += [f"largest that ran {v['found']}"] if "found" in v else []
             extra += [v["note"]] if "note" in v else []
             if extra:

@@ -5,8 +5,8 @@ The loop is the usual shape: a tiny GPT (written here), AdamW, a GradScaler, and
 optimizer step. Two oomguard lines change it:
 
 1. Before training, ``oomguard.search(step, restore=(model, optimizer))`` runs the whole step
-   (forward, backward, ``scaler.step``, ``zero_grad``; the first optimizer step allocates
-   AdamW's state) at growing sizes, and puts the model and optimizer back as they were after
+   (two micro-steps of forward and backward, ``scaler.step``, ``zero_grad``; the first
+   optimizer step allocates AdamW's state) at growing sizes, and puts the model and optimizer back as they were after
    every trial. The loop then keeps its effective batch (``--batch x --accum`` rows per
    optimizer step) and splits it into the fewest micro-batches that fit, as equal as the rows
    allow (``oomguard.training.micro_batches``: 480 rows where 130 fit run as 120 x 4).
@@ -112,8 +112,11 @@ def main(argv: list[str] | None = None) -> dict:
     probe = get_batch(data, effective, torch.Generator().manual_seed(2))
 
     def step(size: int) -> float:  # one whole optimizer step at ``size`` rows: what a trial runs
-        loss = model(probe["x"][:size], probe["y"][:size])
-        scaler.scale(loss).backward()
+        # Two micro-steps where the loop accumulates, the second a row shorter: the gradients'
+        # accumulation, and both shapes of near-equal micro-batches.
+        for rows in (size,) if size >= effective else (size, max(1, size - 1)):
+            loss = model(probe["x"][:rows], probe["y"][:rows])
+            scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)

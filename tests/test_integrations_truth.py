@@ -157,9 +157,10 @@ def _accelerate_adopted() -> dict:
     model, optimizer, accelerator = _accelerated()
     ids = token_ids(EFFECTIVE)
 
-    def step(size: int) -> float:  # the whole step: the search restores model and optimizer
-        loss = model(input_ids=ids[:size], labels=ids[:size]).loss
-        accelerator.backward(loss)
+    def step(size: int) -> float:  # the loop's step, two micro-steps (training-search.md)
+        for rows in (size,) if size >= EFFECTIVE else (size, max(1, size - 1)):
+            loss = model(input_ids=ids[:rows], labels=ids[:rows]).loss
+            accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
