@@ -71,9 +71,29 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # children), with what this module preloads and nothing else: started by the first test
     # that needs it, it also preloaded what that test named (an isolated search's workload
     # module, a pool's), so what a fresh child holds depended on the order of the tests.
-    # It imports torch in the background while the first tests run.
-    if any(item.get_closest_marker("slow") is not None for item in session.items):
+    # It imports torch in the background while the first tests run. Its stdout and stderr,
+    # which its children inherit unless a test captures theirs, go to a file in the run's
+    # temporary folder, not among pytest's lines.
+    if not any(item.get_closest_marker("slow") is not None for item in session.items):
+        return
+    folder = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    name = f"forkserver-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}.log"
+    with open(folder / name, "ab") as log, _fds_to(log.fileno()):
         worker_forkserver()
+
+
+@contextlib.contextmanager
+def _fds_to(fd: int):
+    """File descriptors 1 and 2 of this process point at ``fd`` inside the block."""
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        for target in (1, 2):
+            os.dup2(fd, target)
+        yield
+    finally:
+        for target, old in zip((1, 2), saved, strict=True):
+            os.dup2(old, target)
+            os.close(old)
 
 
 def _slow_first(config: pytest.Config, items: list[pytest.Item]) -> None:
