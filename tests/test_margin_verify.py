@@ -134,15 +134,26 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.mark.slow
 def test_cli_verify_reruns_the_reports_workload_and_writes_verify_json(report, capsys) -> None:
+    assert json.loads((report / "report.json").read_text())["result"]["mode"] == "forked"
     assert main(["verify", str(report), "--steps", "2"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "verify: 2 steps at batch size 4: ok" in out
+    # A run after a search is in the searching process, not in a fork as the trials were.
+    assert "in this process, as a run after the search; the report's trials ran in forks" in err
     check = json.loads((report / "verify.json").read_text())
     assert check["ok"] and check["size"] == 4 and len(check["step_peaks"]) == 2
     # Far beyond the 1 GiB budget the report's trials ran under: a real OOM, exit 1.
     assert main(["verify", str(report / "report.json"), "--steps", "1", "--size", "100000"]) == 1
     assert "OUT OF MEMORY" in capsys.readouterr().out
     assert json.loads((report / "verify.json").read_text())["ok"] is False
+
+
+@pytest.mark.slow
+def test_cli_no_fork_runs_the_trials_in_this_process_and_the_report_says_so(tmp_path) -> None:
+    assert main(["bench", "--seq-len", "16", "--start", "2", "--max-size", "4", "--budget",
+                 "1GiB", "--no-fork", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "report.json").read_text())["result"]
+    assert result["mode"] == "in-process" and {t["mode"] for t in result["trials"]} == {"in-process"}
 
 
 def test_cli_verify_refuses_a_corrupt_or_foreign_report_in_one_line(tmp_path, capsys) -> None:

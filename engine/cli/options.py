@@ -260,7 +260,7 @@ def isolated(args: argparse.Namespace, dev: torch.device) -> bool:
 
 # The search options as SearchConfig names them; one not given (None) takes SearchConfig's default.
 _SEARCH_OPTIONS = ("strategy", "start", "size_step", "max_size", "max_trials", "margin",
-                   "steps_per_trial", "verify_steps", "trial_timeout")
+                   "steps_per_trial", "verify_steps", "trial_timeout", "fork")
 
 
 def search_config(args: argparse.Namespace, dev: torch.device) -> Any:
@@ -424,6 +424,10 @@ def add_search_options(p: argparse.ArgumentParser, verify_steps: bool = True,
                         "trial's steady step peaks, at least 3%% of what grows")
     p.add_argument("--isolate", action="store_true",
                    help="run each trial in a fresh child process (the faithful maximum)")
+    p.add_argument("--no-fork", dest="fork", action="store_const", const=False, default=None,
+                   help="run the trials in this process, not in forks of it (the default on a "
+                        "Linux CPU: what a trial leaves, such as a conv net's kernels for each "
+                        "size, dies with its fork)")
     p.add_argument("--confirm", action="store_true",
                    help="search in this process, then confirm the answer in fresh child "
                         "processes and go on there where they disagree (the faithful "

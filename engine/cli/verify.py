@@ -201,10 +201,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         "folder somewhere writable and verify the copy"))
     label = (result.get("size_name") or "batch_size").replace("_", " ")
     budget = result.get("budget_bytes")
-    isolate = result.get("mode") in ("isolated", "confirmed")  # where the answer was found
+    mode = result.get("mode")
+    isolate = mode in ("isolated", "confirmed")  # where the answer was found
     print(f"oomguard: verifying {workload.name}: {args.steps} steps at {label} {size} on {dev} "
-          f"under {fmt_bytes(budget) if budget else 'no budget'} "
-          f"({'isolated' if isolate else 'in-process'}, as the report's trials ran)",
+          f"under {fmt_bytes(budget) if budget else 'no budget'} ({_where(mode)})",
           file=sys.stderr, flush=True)
     check = _verify_counted(workload, size, args.steps, wanted(args.progress), device=dev,
                             budget=budget, isolate=isolate)
@@ -221,6 +221,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         print(f"{_line(check, label)}\nwritten: {out}")
     return 0 if check["verdict"] == "ok" else 1
+
+
+def _where(mode: str | None) -> str:
+    """Where verify's steps run, against where the report's trials ran (its ``mode``)."""
+    if mode in ("isolated", "confirmed"):
+        return "isolated, as the report's trials ran"
+    if mode == "forked":  # a run after the search is in the searching process, not a fork
+        return "in this process, as a run after the search; the report's trials ran in forks"
+    return "in-process, as the report's trials ran"
 
 
 def _unwritten(check: dict[str, Any], label: str, exc: OSError, as_json: bool) -> int:

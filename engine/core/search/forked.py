@@ -45,7 +45,7 @@ import torch
 
 from oomguard.engine.core import child as launcher
 from oomguard.engine.core.memory.budget import active_budget
-from oomguard.engine.core.memory.heap import heap_plugged
+from oomguard.engine.core.memory.heap import plug_free_heap, unplug_heap
 from oomguard.engine.core.search.isolate import child_trial, raised_in_child
 from oomguard.engine.core.search.ramguard import RamGuard
 from oomguard.engine.core.search.trial import Trial, run_trial, warm_up_trials
@@ -113,24 +113,32 @@ def _raised(size: int, ended: launcher.Ended) -> Exception:
 def _forked_trial(fn: Callable[[int], Any], size: int, device: torch.device,
                   guard: RamGuard | None, steps: int, restore: tuple[Restorable, ...],
                   threads: bool) -> Trial:
-    """Runs in the child: the warm-up again outside the budget (the pages it writes are copied
-    now, not in the trial), the heap filled again, one trial."""
+    """Runs in the child: everything before the trial outside the budget (the parent's file
+    pages mapped, the warm-up, whose pages are copied now and not in the trial, the heap
+    filled again), then one trial with the room the parent had at the fork."""
     if not threads:  # the parent's OpenMP pool could not be released: its threads are gone here
         torch.set_num_threads(1)
-    map_parents_file_pages()
+    # What the preparation keeps is not charged to the trial: reading the parent's page map
+    # left 1.0 MiB in the heap and filling it 0.3 MiB (measured on a small GPT-2 Trainer
+    # step, 2 rows of its 64 MiB search: docs/measurements.md#forked-trials). The budget's
+    # entry fills the heap before it measures, too.
     with _outside_the_limit():
+        map_parents_file_pages()
         snapshot = Snapshot.take(restore) if restore else None
         warm_up_trials(fn, device)
         if snapshot is not None:
             snapshot.restore()
         del snapshot
+        # The warm-up's frees left chunks the trial could reuse uncounted; the budget's entry
+        # filled the parent's (docs/measurements.md#free-heap-at-budget-entry).
+        plugs = plug_free_heap()
     limit = host.data_limit()
     if active_budget() is not None and limit is not None:  # the parent watches the data segment
         launcher.ToParent().send(limit)
-    # The warm-up's frees left chunks the trial could reuse uncounted; the budget's entry
-    # filled the parent's (docs/measurements.md#free-heap-at-budget-entry).
-    with heap_plugged():
+    try:
         return run_trial(fn, size, device, guard, steps)
+    finally:
+        unplug_heap(plugs)
 
 
 def map_parents_file_pages() -> int:
