@@ -8,6 +8,7 @@ optimizer))`` takes before its trials)."""
 
 from oomguard.engine.core.execute.stats import reset_stats
 from oomguard.engine.core.snapshot import Snapshot
-from oomguard.engine.training.accumulate import Accumulator, micro_batch_for, micro_batches
+from oomguard.engine.training.accumulate import Accumulator, micro_batch_for
+from oomguard.engine.util.rows import micro_batches
 
 __all__ = ["Accumulator", "Snapshot", "micro_batch_for", "micro_batches", "reset_stats"]

@@ -10,13 +10,13 @@ import torch
 SEQ, VOCAB = 32, 1024  # logits of 1024 words: memory grows with the rows, compute stays small
 
 
-def gpt2(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """GPT-2 with 1 layer, 32 wide, fixed random weights, no dropout (one batch and its parts
-    then compute the same)."""
+def gpt2(dtype: torch.dtype = torch.float32, layers: int = 1) -> torch.nn.Module:
+    """GPT-2 with ``layers`` layers (1: no repeated blocks to checkpoint), 32 wide, fixed
+    random weights, no dropout (one batch and its parts then compute the same)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+    config = GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
                         eos_token_id=None)
     return GPT2LMHeadModel(config).to(dtype)
@@ -28,9 +28,9 @@ def token_ids(n: int, seed: int = 3) -> torch.Tensor:
 
 
 def lightning_parts(rows: int, batch_size: int, dtype: torch.dtype,
-                    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-                    ) -> tuple[object, object]:
-    """A LightningModule around :func:`gpt2` (its ``rows`` list: the rows of every
+                    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                    layers: int = 1) -> tuple[object, object]:
+    """A LightningModule around :func:`gpt2` of ``layers`` layers (its ``rows`` list: the rows of every
     ``training_step`` of the fit) and a datamodule of ``rows`` shuffled token rows whose
     loader reads ``batch_size`` from the datamodule."""
     import lightning.pytorch as pl
@@ -47,7 +47,7 @@ def lightning_parts(rows: int, batch_size: int, dtype: torch.dtype,
     class Net(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = gpt2(dtype)
+            self.net = gpt2(dtype, layers)
             self.rows: list[int] = []
 
         def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -209,3 +209,20 @@ def test_accumulate_and_adaptive_run_the_configuration_chosen() -> None:
     assert train() == pytest.approx(float(plain))
     assert train.adaptive_size.current == 4
     forget_remedies(net)
+
+
+def test_one_rule_keeps_the_faster_the_first_within_the_spread_and_never_an_oom() -> None:
+    """engine/util/faster.py: what the pricing and a job's plain-or-recomputed choice share."""
+    from oomguard.engine.util.faster import fastest, spread
+
+    assert fastest([100.0, 120.0]) == 1  # more samples per second
+    assert fastest([100.0, 100.0]) == 0  # a tie keeps the first (plain)
+    assert fastest([None, 50.0]) == 1 and fastest([100.0, None]) == 0  # an OOM never chosen
+    assert fastest([None, None]) is None and fastest([]) is None
+    # within the larger of the two spreads the first stays; beyond it the faster is chosen
+    assert fastest([100.0, 108.0], [0.1, 0.02]) == 0
+    assert fastest([100.0, 112.0], [0.1, 0.02]) == 1
+    assert fastest([100.0, 130.0, 125.0], [0.0, 0.0, 0.0]) == 1
+    assert spread([2.0, 2.5]) == pytest.approx(0.25) and spread([2.0]) == 0.0
+    with pytest.raises(ValueError, match="one spread per rate"):
+        fastest([1.0, 2.0], [0.1])

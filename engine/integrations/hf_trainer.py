@@ -14,6 +14,11 @@ accumulation. Unequal ones (64 rows where 25 fit: 22 + 21 + 21) run inside one
 share of the rows, or by the tokens of the whole batch where the Trainer passes
 ``num_items_in_batch``; either way a step's gradients are the whole batch's within float
 rounding. ``evaluate()`` first searches ``prediction_step`` up to ``per_device_eval_batch_size``.
+
+With ``oomguard_options={"remedies": ("accumulate", "checkpoint")}``, ``train()`` prices each
+configuration instead of the one search (:func:`~.sizing.priced_split`): the fastest safe
+one's micro-batch splits the effective batch, and its configuration (checkpointing the
+model's repeated blocks) holds while ``train()`` runs and is undone when it returns.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,19 +34,20 @@ from transformers import Trainer
 from transformers.trainer_utils import has_length
 from transformers.utils import is_datasets_available
 
+from oomguard.engine.core.execute.priced import RemedyChoice, check_remedies, pricing_options
 from oomguard.engine.core.execute.retry import Halve
 from oomguard.engine.core.memory.oom import is_oom
 from oomguard.engine.errors import UsageError
 from oomguard.engine.integrations.sizing import (
     Split,
     batch_rows,
+    priced_split,
     search_step,
     size_found,
     split_for,
     training_trial,
 )
-from oomguard.engine.training.accumulate import micro_batches
-from oomguard.engine.util.rows import slice_rows
+from oomguard.engine.util.rows import micro_batches, slice_rows
 
 log = logging.getLogger("oomguard.integrations")
 
@@ -59,7 +66,8 @@ def first_rows(trainer: Trainer, dataset: Any, n: int, description: str) -> dict
     return trainer._prepare_inputs(collator([dataset[i] for i in range(min(n, len(dataset)))]))
 
 
-def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> Split:
+def fit_train_batch(trainer: Trainer, largest: bool = False,
+                    remedies: Sequence[str] | None = None, **options: Any) -> Split:
     """Set ``trainer``'s per-device batch and accumulation steps so that each optimizer step
     still sees the effective batch (``per_device_train_batch_size x
     gradient_accumulation_steps`` rows); return the :class:`Split`. It creates the optimizer
@@ -69,7 +77,11 @@ def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> 
     with ``largest`` the largest that ran. Equal micro-batches become the Trainer's own
     accumulation; unequal ones (only an :class:`OomguardTrainerMixin` runs them) a per-device
     batch of the whole effective batch, split in ``training_step``. ``options`` go to
-    ``oomguard.search``."""
+    ``oomguard.search``. With ``remedies`` (checked: :func:`~oomguard.engine.core.execute.priced.check_remedies`),
+    ``training_step`` and the optimizer's step are priced in each configuration instead
+    (:func:`~.sizing.priced_split`; ``options`` are the pricing's): the split's ``remedy`` is
+    the choice, whose configuration the caller runs training in (:meth:`OomguardTrainerMixin.train`
+    does)."""
     args = trainer.args
     if trainer.train_dataset is None:
         raise UsageError("the Trainer has no train_dataset to size the micro-batch on; pass "
@@ -83,16 +95,27 @@ def fit_train_batch(trainer: Trainer, largest: bool = False, **options: Any) -> 
     def clip() -> None:  # what the Trainer's loop does before each optimizer step
         trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
 
-    step = training_trial(lambda size: trainer.training_step(model, slice_rows(batch, 0, size)),
-                          optimizer, effective, clip if args.max_grad_norm > 0 else None)
-    result = _search_in_mode(model, False, step, min(effective, batch_rows(batch)),
-                             (model, optimizer), "trainer.training_step", **options)
+    def micro_step(size: int) -> torch.Tensor:
+        return trainer.training_step(model, slice_rows(batch, 0, size))
+
     # DeepSpeed accumulates in its engine, which steps at its own boundaries: equal ones only.
     unequal = isinstance(trainer, OomguardTrainerMixin) and not trainer.is_deepspeed_enabled
-    split = split_for(effective, result, largest, equal=not unequal)
+    rows = min(effective, batch_rows(batch))
+    if remedies is not None:
+        split = priced_split(micro_step, effective, rows, model, optimizer,
+                             check_remedies(remedies, model, args.device),
+                             "trainer.training_step", "Trainer", largest, equal=not unequal,
+                             **options)
+    else:
+        step = training_trial(micro_step, optimizer, effective,
+                              clip if args.max_grad_norm > 0 else None)
+        result = _search_in_mode(model, False, step, rows, (model, optimizer),
+                                 "trainer.training_step", **options)
+        split = split_for(effective, result, largest, equal=not unequal)
     use_train_split(trainer, split)
     log.info("Trainer: micro-batches %s = %d rows per device and step (at most %d rows; "
-             "largest that ran: %d)", split.describe(), effective, split.allowed, split.found)
+             "largest that ran: %s)%s", split.describe(), effective, split.allowed, split.found,
+             "" if split.remedy is None else f", in the configuration {split.remedy.chosen.name}")
     return split
 
 
@@ -157,22 +180,45 @@ class OomguardTrainerMixin:
     ``class MyTrainer(OomguardTrainerMixin, SFTTrainer)``. ``oomguard_options``
     (a dict given to ``__init__``) go to ``oomguard.search``; ``oomguard_largest=True``
     runs up to the largest size that ran instead of the recommended size. The splits chosen
-    are ``self.oomguard_train`` and ``self.oomguard_eval``."""
+    are ``self.oomguard_train`` and ``self.oomguard_eval``.
+
+    ``oomguard_options["remedies"]`` (e.g. ``("accumulate", "checkpoint")``; default none):
+    where the effective batch does not fit at one micro-batch, ``train()`` runs the fastest
+    safe configuration, priced (:func:`fit_train_batch`); its table is
+    ``self.oomguard_remedy``. The remedies, the model (repeated blocks for ``checkpoint``) and
+    the options (the pricing's: ``budget``, ``margin``, ...) are checked here, in one line,
+    before any work."""
 
     def __init__(self, *args: Any, oomguard_options: dict[str, Any] | None = None,
                  oomguard_largest: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.oomguard_options = dict(oomguard_options or {})
+        options = dict(oomguard_options or {})
+        remedies = options.pop("remedies", None)
+        self.oomguard_remedies: tuple[str, ...] | None = None
+        if remedies is not None:
+            self.oomguard_remedies = check_remedies(remedies, self.model, self.args.device)
+            pricing_options(options)
+        self.oomguard_options = options
         self.oomguard_largest = oomguard_largest
         self.oomguard_train: Split | None = None
         self.oomguard_eval: Split | None = None
         self._oomguard_share: float | None = None  # the running micro-batch's loss weight
 
+    @property
+    def oomguard_remedy(self) -> RemedyChoice | None:
+        """The remedies' pricing of ``train()``: its table (``.table``, ``.to_dict()``) and the
+        configuration chosen (None: no ``remedies``, or not trained yet)."""
+        return None if self.oomguard_train is None else self.oomguard_train.remedy
+
     def train(self, *args: Any, **kwargs: Any) -> Any:
         if self.oomguard_train is None:
             self.oomguard_train = fit_train_batch(self, self.oomguard_largest,
+                                                  self.oomguard_remedies,
                                                   **self.oomguard_options)
-        return super().train(*args, **kwargs)
+        remedy = self.oomguard_train.remedy
+        # The chosen configuration (checkpointed blocks) while training runs, undone after.
+        with contextlib.nullcontext() if remedy is None else remedy.applied(self.model):
+            return super().train(*args, **kwargs)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:

@@ -11,6 +11,11 @@ runs (lightning 2.6). Equal micro-batches are Lightning's own accumulation at a 
 it is rebuilt to load the effective batch and hand it out in micro-batches
 (:class:`ChunkedBatchSampler`), and each micro-batch's loss is weighted by its share of the
 rows, so each optimizer step sees the mean gradient of the same rows.
+
+With ``remedies=("accumulate", "checkpoint")``, ``on_fit_start`` prices each configuration
+instead of the one search (:func:`~.sizing.priced_split`): the fastest safe one's micro-batch
+splits the effective batch, and its configuration (checkpointing the module's repeated
+blocks) holds while the fit runs and is undone when it ends.
 """
 
 from __future__ import annotations
@@ -30,16 +35,22 @@ from lightning.pytorch.utilities.parsing import (
 )
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from oomguard.engine.core.execute.priced import (
+    RemedyChoice,
+    check_remedies,
+    parse_remedies,
+    pricing_options,
+)
 from oomguard.engine.errors import UsageError
 from oomguard.engine.integrations.sizing import (
     Split,
     batch_rows,
+    priced_split,
     search_step,
     split_for,
     training_trial,
 )
-from oomguard.engine.training.accumulate import micro_batches
-from oomguard.engine.util.rows import slice_rows
+from oomguard.engine.util.rows import micro_batches, slice_rows
 
 log = logging.getLogger("oomguard.integrations")
 
@@ -54,20 +65,38 @@ class BatchSizeCallback(pl.Callback):
     rebuild a plain ``DataLoader`` to hand out the micro-batches, with each loss weighted by
     its rows (a loader that cannot be rebuilt gets equal ones). ``batch_arg_name``: the
     attribute holding the batch size (on the module, its ``hparams`` or the datamodule).
-    ``search_options`` go to ``oomguard.search``. ``split``: what was chosen."""
+    ``search_options`` go to ``oomguard.search``. ``split``: what was chosen.
+
+    ``remedies`` (e.g. ``("accumulate", "checkpoint")``; default none): where the effective
+    batch does not fit at one micro-batch, the fit runs in the fastest safe configuration,
+    priced (:func:`~.sizing.priced_split`; ``search_options`` are then the pricing's:
+    ``budget``, ``margin``, ...); its table is ``remedy``. The names and options are checked
+    here, the module (repeated blocks for ``checkpoint``) when the fit starts, each in one
+    line before any work."""
 
     def __init__(self, batch_arg_name: str = "batch_size", largest: bool = False,
-                 **search_options: Any) -> None:
+                 remedies: Any = None, **search_options: Any) -> None:
         super().__init__()
         self.batch_arg_name = batch_arg_name
         self.largest = largest
+        self.remedies = None if remedies is None else parse_remedies(remedies)
+        if self.remedies is not None:
+            pricing_options(search_options)
         self.search_options = search_options
         self.split: Split | None = None
         self._share = 1.0  # the running micro-batch's loss weight (unequal micro-batches)
         self._undo: list[Callable[[], None]] = []
 
+    @property
+    def remedy(self) -> RemedyChoice | None:
+        """The remedies' pricing: its table (``.table``, ``.to_dict()``) and the configuration
+        chosen (None: no ``remedies``, or no fit started)."""
+        return None if self.split is None else self.split.remedy
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _check(trainer, pl_module, self.batch_arg_name)
+        if self.remedies is not None:
+            check_remedies(self.remedies, pl_module, pl_module.device)
         configured = int(lightning_getattr(pl_module, self.batch_arg_name))
         effective = configured * trainer.accumulate_grad_batches
         optimizer = trainer.optimizers[0]
@@ -87,15 +116,25 @@ class BatchSizeCallback(pl.Callback):
                     optimizer, gradient_clip_val=trainer.gradient_clip_val,
                     gradient_clip_algorithm=trainer.gradient_clip_algorithm)
 
+        name = f"{type(pl_module).__name__}.training_step"
         try:
-            result = search_step(training_trial(micro_step, optimizer, effective, clip),
-                                 effective, (pl_module, optimizer),
-                                 f"{type(pl_module).__name__}.training_step",
-                                 **self.search_options)
+            if self.remedies is not None:
+                split = priced_split(micro_step, effective, min(effective, batch_rows(batch)),
+                                     pl_module, optimizer, self.remedies, name, "Lightning",
+                                     self.largest, equal=not _chunkable(loader),
+                                     **self.search_options)
+            else:
+                result = search_step(training_trial(micro_step, optimizer, effective, clip),
+                                     effective, (pl_module, optimizer), name,
+                                     **self.search_options)
+                split = split_for(effective, result, self.largest, equal=not _chunkable(loader))
         finally:
             lightning_setattr(pl_module, self.batch_arg_name, configured)
-        self.split = split = split_for(effective, result, self.largest,
-                                       equal=not _chunkable(loader))
+        self.split = split
+        if split.remedy is not None:  # the chosen configuration while the fit runs
+            applied = contextlib.ExitStack()
+            applied.enter_context(split.remedy.applied(pl_module))
+            self._undo.append(applied.close)
         if split.equal:
             lightning_setattr(pl_module, self.batch_arg_name, split.micro_batch)
         else:  # the loader loads every row of a step, and hands them out in micro-batches
@@ -103,8 +142,9 @@ class BatchSizeCallback(pl.Callback):
             self._hand_out(trainer, pl_module, split)
         trainer.accumulate_grad_batches = split.accumulation
         log.info("Lightning: micro-batches %s = %d rows per optimizer step (at most %d rows; "
-                 "largest that ran: %d)", split.describe(), effective, split.allowed,
-                 split.found)
+                 "largest that ran: %s)%s", split.describe(), effective, split.allowed,
+                 split.found, "" if split.remedy is None
+                 else f", in the configuration {split.remedy.chosen.name}")
 
     def _hand_out(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                   split: Split) -> None:
@@ -139,14 +179,15 @@ class BatchSizeCallback(pl.Callback):
         self._restore()
 
     def _restore(self) -> None:
-        """Put back what :meth:`_hand_out` replaced: the module and datamodule as before."""
+        """Put back what :meth:`_hand_out` replaced and undo the chosen remedy's
+        configuration: the module and datamodule as before."""
         while self._undo:
             self._undo.pop()()
 
 
 class ChunkedBatchSampler(BatchSampler):
     """The batches of ``batch_size`` indices that ``BatchSampler(sampler, batch_size,
-    drop_last)`` yields, each handed out as :func:`~oomguard.engine.training.accumulate.micro_batches`
+    drop_last)`` yields, each handed out as :func:`~oomguard.engine.util.rows.micro_batches`
     of at most ``most`` indices (a short last batch too). Its arguments are a ``BatchSampler``'s,
     so Lightning can give it a distributed sampler."""
 

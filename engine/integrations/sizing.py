@@ -1,6 +1,6 @@
 """What the framework integrations share: search a framework's real step, then split the
 user's effective batch (rows per optimizer step on one device, never changed) into the fewest
-micro-batches that fit, as equal as the rows allow (:func:`~oomguard.engine.training.accumulate.micro_batches`).
+micro-batches that fit, as equal as the rows allow (:func:`~oomguard.engine.util.rows.micro_batches`).
 
 A trial runs what the loop's step runs: the whole effective batch in memory (the loop holds it,
 collated, while its micro-batches run), two forwards and backwards (the size tried, then a row
@@ -11,21 +11,29 @@ Linux CPU) the loop after the search has that room too
 (docs/measurements.md#integrations-at-the-loops-maximum). The micro-batches keep under the
 search's recommendation, the largest safe size (its margin is of what grows with the size),
 or with ``largest`` under the largest size that ran.
+
+With ``remedies=`` (e.g. ``("accumulate", "checkpoint")``), the size comes from
+:func:`~oomguard.engine.core.execute.priced.choose_remedy` instead (:func:`priced_split`): each
+configuration's largest safe micro-batch is searched and one effective step of each is timed;
+the fastest safe one runs (its micro-batch, and its configuration while training lasts:
+:attr:`Split.remedy`), the effective batch kept.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from oomguard.engine.core.execute.priced import RemedyChoice, choose_remedy
 from oomguard.engine.core.search.search import SearchResult, search
 from oomguard.engine.errors import UsageError
-from oomguard.engine.training.accumulate import micro_batches
 from oomguard.engine.training.distributed import agree
+from oomguard.engine.util.rows import micro_batches
+from oomguard.engine.util.units import fmt_bytes
 
 log = logging.getLogger("oomguard.integrations")
 
@@ -39,7 +47,9 @@ class Split:
     each micro-batch of a step (a forward and backward each), ``micro_batch`` the largest of
     them and ``accumulation`` their number. ``found``: the largest size the search ran
     (measured); ``allowed``: the size the split keeps under (the search's recommendation, or
-    ``found`` with ``largest``); ``search``: its result (None when no search ran)."""
+    ``found`` with ``largest``); ``search``: its result (None when no search ran, or the
+    remedies were priced); ``remedy``: the remedies' pricing, its table and the configuration
+    chosen (None without ``remedies=``)."""
 
     effective: int
     micro_batch: int
@@ -48,6 +58,7 @@ class Split:
     search: SearchResult | None = None
     sizes: tuple[int, ...] = field(default=())
     allowed: int | None = None
+    remedy: RemedyChoice | None = None
 
     def __post_init__(self) -> None:
         if not self.sizes:  # given as micro-batch x accumulation: equal micro-batches
@@ -82,6 +93,40 @@ def split_for(effective: int, result: SearchResult, largest: bool = False,
     allowed = size_found(result, largest)
     sizes = micro_batches(effective, allowed, equal)
     return Split(effective, sizes[0], len(sizes), result.max_ok, result, tuple(sizes), allowed)
+
+
+def priced_split(micro_step: Callable[[int], Any], effective: int, rows: int,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 remedies: Sequence[str], name: str, where: str, largest: bool = False,
+                 equal: bool = False, **options: Any) -> Split:
+    """The :class:`Split` of ``effective`` rows in the fastest safe configuration of
+    ``remedies``: :func:`~oomguard.engine.core.execute.priced.choose_remedy` prices one
+    effective step of ``rows`` rows (the first ``rows`` the loop loads; at most
+    ``effective``) of ``micro_step(n)`` (forward and backward of ``n`` rows, adding to
+    ``.grad``) and ``optimizer``'s step, trials putting ``model`` and ``optimizer`` back;
+    the micro-batches keep under the chosen configuration's micro-batch (with ``largest``, the
+    largest that ran in it), as equal as the rows allow (with ``equal``, all the same).
+    ``options``: the pricing's search options (``budget``, ``margin``, ...; trials forked
+    unless ``fork=False``). The table is
+    logged, one line per configuration, each starting with ``where``."""
+    # Forked trials, as the integrations' own searches run them. Priced in this process, a
+    # Trainer (two-layer GPT-2, 128 rows) under a 48 MiB CPU budget kept what its searches
+    # allocated: the room left fell to 15.8 MiB after two configurations' searches, too little
+    # for the third's limit (BudgetError); forked, the same pricing and training ran through.
+    options.setdefault("fork", True)
+    choice = choose_remedy(micro_step, rows, model, optimizer=optimizer, remedies=remedies,
+                           name=name, **options)
+    row = choice.row
+    most = row.max_ok if largest and row.max_ok is not None else choice.micro_batch
+    allowed = agree(most, False).size
+    sizes = micro_batches(effective, allowed, equal)
+    for r in choice.table:
+        log.info("%s: remedy %s: micro-batch %s, peak %s, %s samples/s: %s%s", where,
+                 r.configuration, "-" if r.micro_batch is None else r.micro_batch,
+                 fmt_bytes(r.peak_bytes), "-" if r.samples_per_second is None
+                 else f"{r.samples_per_second:.1f}", r.status, f" ({r.why})" if r.why else "")
+    return Split(effective, sizes[0], len(sizes), row.max_ok, None, tuple(sizes), allowed,
+                 choice)
 
 
 def passes(size: int, effective: int) -> list[int]:

@@ -51,6 +51,7 @@ from oomguard.engine.core.search.strategies import strategy_params
 from oomguard.engine.errors import NoSizeFits, TrialFailed, UsageError
 from oomguard.engine.jobs.cache import UNFINISHED, SizeCache, finished
 from oomguard.engine.jobs.sink import Sink
+from oomguard.engine.util.faster import fastest
 from oomguard.metrics.base import Metric
 from oomguard.metrics.workload import in_units, in_whole_units, largest_useful, snap_to_unit
 
@@ -219,7 +220,9 @@ def _search(req: Request, start: Mapping[str, int], evaluate: Evaluate | None,
 def _faster(req: Request, start: Mapping[str, int], plain: Sizing, recompute: Recompute,
             on_record: Callable[[SearchRecord], None] | None) -> Sizing:
     """``plain`` (searched) against the same knobs searched recomputed: each timed once at its
-    sizes, the more samples per second kept (a tie, or two runs out of memory, keeps plain).
+    sizes, the faster kept by the rule every side-by-side timing uses
+    (:func:`~oomguard.engine.util.faster.fastest`: a tie keeps plain, a run out of memory is
+    never chosen; two out of memory keep plain).
     Not measured where every plain answer stopped at the request's cap, not at an OOM: larger
     sizes are not allowed, and recomputation only adds a forward per block."""
     if all(r.capped_by in _CAPS for r in plain.records):
@@ -231,7 +234,8 @@ def _faster(req: Request, start: Mapping[str, int], plain: Sizing, recompute: Re
     assert recompute.evaluate is not None
     other = _search(req, start, recompute.evaluate, on_record, RECOMPUTE)
     rows = [_timed(req, got, recompute.seconds) for got in (plain, other)]
-    best = max((0, 1), key=lambda i: rows[i]["samples_per_second"] or 0.0)
+    best = fastest([row["samples_per_second"] for row in rows])
+    best = 0 if best is None else best  # neither ran: plain, as searched
     for i, row in enumerate(rows):
         row["chosen"] = i == best
     chosen = (plain, other)[best]

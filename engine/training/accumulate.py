@@ -36,31 +36,13 @@ from oomguard.engine.core.execute.retry import FitPeaks, RetryPolicy, Sizes
 from oomguard.engine.core.snapshot import BufferCopy
 from oomguard.engine.errors import UsageError, check_positive_int
 from oomguard.engine.training.adaptive import make_controller, remembered
-from oomguard.engine.util.rows import slice_rows
+from oomguard.engine.util.rows import micro_batches, slice_rows
 from oomguard.engine.util.weakmap import WeakIdMap
 
 Batch = Any  # a tensor, a Mapping of tensors, or a tuple/list of them, rows on dim 0
 Params = torch.nn.Module | torch.optim.Optimizer | Iterable[torch.Tensor]
 WEIGHTS = ("samples", "tokens", "causal-tokens")
 KEY = "micro_batch_size"
-
-
-def micro_batches(rows: int, most: int, equal: bool = False) -> list[int]:
-    """How ``rows`` (a batch; for a training step, its effective batch) run when at most ``most``
-    rows fit in one forward and backward: the rows of each micro-batch, largest first. The
-    fewest micro-batches that fit, ``ceil(rows / most)``, as equal as the rows allow (sizes
-    differ by one row at most): 64 rows where 37 fit run as 32 + 32, not 37 + 27 (the same
-    passes, a lower peak, and faster: measured, docs/measurements.md#unequal-micro-batches).
-    With ``equal``, every micro-batch has the same rows: the largest divisor of ``rows`` at or
-    below ``most`` (for a loop that cannot run unequal ones; 97 rows: 97 of 1)."""
-    check_positive_int("rows", rows)
-    check_positive_int("most", most)
-    if equal:
-        size = max(d for d in range(1, min(rows, most) + 1) if rows % d == 0)
-        return [size] * (rows // size)
-    count = -(-rows // most)
-    base, extra = divmod(rows, count)
-    return [base + 1] * extra + [base] * (count - extra)
 
 
 def micro_batch_for(effective: int, fits: int) -> int:

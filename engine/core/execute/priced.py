@@ -23,9 +23,14 @@ optimizer's step) as a trial under the same limit
 (:func:`~oomguard.engine.core.search.search.verify`, whose timed steps run without the
 swallowed-OOM detector), in :data:`TIMED_ROUNDS` rounds that take the configurations in turn,
 so that other work on the machine slows them alike; a timed step that runs out of memory
-steps its micro-batch down. The one with the most samples per second is chosen and confirmed
-by one more real step; one whose confirming step runs out of memory gives way to the next
-fastest. The micro-batches of a priced step are ``size`` rows each and the rest last.
+steps its micro-batch down. The choice is the rule every side-by-side timing uses
+(:func:`~oomguard.engine.util.faster.fastest`): the most samples per second, a tie or a
+difference within the measured spread of the rounds keeping the earlier configuration
+(accumulation first); it is confirmed by one more real step, and one whose confirming step
+runs out of memory gives way to the next choice among the rest. The micro-batches of a
+priced step are those :func:`~oomguard.engine.util.rows.micro_batches` gives (the fewest at
+most ``size`` rows, as equal as the rows allow), as accumulation and the integrations run
+them.
 
 A choice is remembered per model (weakly: it goes with the model) and per device, workload,
 remedies and options: a later call for as many rows or fewer answers without measuring
@@ -62,7 +67,8 @@ from oomguard.engine.errors import (
     UsageError,
     check_positive_int,
 )
-from oomguard.engine.util.rows import slice_rows
+from oomguard.engine.util.faster import fastest, spread
+from oomguard.engine.util.rows import micro_batches, slice_rows
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.engine.util.weakmap import WeakIdMap
 
@@ -148,7 +154,8 @@ class Priced:
     ``skipped`` (``why`` says more). ``micro_batch`` (rows) is the recommendation of its search
     (``max_ok``, ``trials``: that search's); ``steps`` micro-batches make one effective step;
     ``peak_bytes`` and ``seconds`` are measured over the timed step, ``samples_per_second`` is
-    the effective batch's rows (or the micro-batch where rows are not kept) over those seconds;
+    the effective batch's rows (or the micro-batch where rows are not kept) over those seconds,
+    ``spread`` the relative spread of its timed rounds (:func:`~oomguard.engine.util.faster.spread`);
     ``limit_bytes`` the peak its recommendation keeps under (the margin)."""
 
     configuration: str
@@ -163,6 +170,7 @@ class Priced:
     limit_bytes: int | None = None
     seconds: float | None = None
     samples_per_second: float | None = None
+    spread: float | None = None
 
 
 @dataclass
@@ -257,7 +265,10 @@ def _device_of(model: Any, device: Any) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def _search_options(options: Mapping[str, Any]) -> dict[str, Any]:
+def pricing_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of a pricing's searches and timed steps: ``options`` (each one of
+    :data:`SEARCH_OPTIONS`: a one-line :class:`UsageError` for any other, before any work)
+    over :data:`IN_PROCESS`, None values left out."""
     unknown = sorted(set(options) - set(SEARCH_OPTIONS))
     if unknown:
         raise UsageError(f"remedies: option(s) {', '.join(unknown)} do not apply to pricing; "
@@ -288,7 +299,7 @@ def choose_remedy(step: Callable[[int], Any], rows: int, model: torch.nn.Module,
     check_positive_int("rows", rows)
     dev = _device_of(model, device)
     names = check_remedies(remedies, model, dev)
-    opts = _search_options(options)
+    opts = pricing_options(options)
     objects = tuple(restore) if restore is not None else (
         (model,) + ((optimizer,) if optimizer is not None else ()))
     workload = name or getattr(step, "__qualname__", None) or type(step).__name__
@@ -363,18 +374,22 @@ class _Pricing:
         self.options = {**options, "device": device, "restore": restore}
         self.t0 = time.perf_counter()
 
-    def effective(self, config: Configuration, micro_batches: int | None = None
+    def effective(self, config: Configuration, first: int | None = None
                   ) -> Callable[[int], Any]:
-        """One effective step in ``config`` at micro-batch ``size``: every micro-batch (the
-        last one the rows left; at most ``micro_batches`` of them where given), then the
-        optimizer's step. It runs as a trial runs it (on copies where trials are forked): what
-        it measures comes back in the trial's record, not through this process's objects."""
+        """One effective step in ``config`` at micro-batch ``size``: every micro-batch of
+        :func:`~oomguard.engine.util.rows.micro_batches` (what accumulation runs), then the
+        optimizer's step; with ``first``, only the first ``first`` micro-batches, each of
+        ``size`` rows (the rest last): a search trial, whose peak is then the peak at ``size``.
+        It runs as a trial runs it (on copies where trials are forked): what it measures
+        comes back in the trial's record, not through this process's objects."""
         def run(size: int) -> None:
             with config.applied(self.model, self.device):
-                if self.keeps_rows:
-                    starts = range(0, self.rows, size)
-                    for start in starts[:micro_batches]:
+                if self.keeps_rows and first is not None:
+                    for start in range(0, self.rows, size)[:first]:
                         self.step(min(size, self.rows - start))
+                elif self.keeps_rows:
+                    for rows in micro_batches(self.rows, size):
+                        self.step(rows)
                 else:
                     self.step(size)
                 self._optimizer_step()
@@ -418,7 +433,7 @@ class _Pricing:
         row = Priced(config.name, config.remedy, "measured")
         try:
             # From the whole effective batch: where it fits, one trial answers.
-            result = search(self.effective(config, micro_batches=2), start=self.rows,
+            result = search(self.effective(config, first=2), start=self.rows,
                             max_size=self.rows, **self.options)
         except NoSizeFits as exc:
             row.status, row.why = "nothing fits", str(exc)
@@ -456,6 +471,7 @@ class _Pricing:
             if row.status != "measured":
                 continue
             row.seconds = min(seconds[config.name])
+            row.spread = spread(seconds[config.name])
             done = self.rows if self.keeps_rows else row.micro_batch
             row.samples_per_second = done / row.seconds if row.seconds > 0 else None  # type: ignore[operator]
             log.info("%s: %s at micro-batch %d: %s samples/s, peak %s", self.workload,
@@ -499,12 +515,16 @@ class _Pricing:
 
     def chosen(self, names: tuple[str, ...], table: list[Priced],
                searched: list[tuple[Configuration, Priced]]) -> RemedyChoice:
-        """The fastest row that keeps its margin, confirmed by one more real step; the next
-        fastest where a confirming step fails."""
-        ranked = sorted((pair for pair in searched if pair[1].status == "measured"
-                         and pair[1].samples_per_second is not None),
-                        key=lambda pair: -pair[1].samples_per_second)  # type: ignore[operator]
-        for config, row in ranked:
+        """The row :func:`~oomguard.engine.util.faster.fastest` keeps (the most samples per
+        second beyond the spread of the timings; a tie keeps the earlier), confirmed by one
+        more real step; where a confirming step fails, the rule's choice among the rest."""
+        left = [pair for pair in searched if pair[1].status == "measured"
+                and pair[1].samples_per_second is not None]
+        while left:
+            best = fastest([row.samples_per_second for _, row in left],
+                           [row.spread or 0.0 for _, row in left])
+            assert best is not None  # every row left has a rate
+            config, row = left.pop(best)
             confirmation = self.confirmed(config, row)
             if confirmation["ok"]:
                 row.status = "chosen"
