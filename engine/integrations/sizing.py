@@ -109,11 +109,6 @@ def priced_split(micro_step: Callable[[int], Any], effective: int, rows: int,
     ``options``: the pricing's search options (``budget``, ``margin``, ...; trials forked
     unless ``fork=False``). The table is
     logged, one line per configuration, each starting with ``where``."""
-    # Forked trials, as the integrations' own searches run them. Priced in this process, a
-    # Trainer (two-layer GPT-2, 128 rows) under a 48 MiB CPU budget kept what its searches
-    # allocated: the room left fell to 15.8 MiB after two configurations' searches, too little
-    # for the third's limit (BudgetError); forked, the same pricing and training ran through.
-    options.setdefault("fork", True)
     choice = choose_remedy(micro_step, rows, model, optimizer=optimizer, remedies=remedies,
                            name=name, **options)
     row = choice.row
