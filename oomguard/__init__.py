@@ -5,6 +5,7 @@ The names users write against, re-exported from the packages that hold them::
     import oomguard
     oomguard.probe("cpu").free_bytes              # memory snapshot, bytes
     result = oomguard.search(step, start=32, size_step=8, budget=2 * 1024**3)
+    plan = oomguard.search_shapes(step2, lengths)  # step2(batch, seq_len): batch per length
     oomguard.write_report(result, "out/")         # report.md, report.json, memory.png
     oomguard.Executor().run(step, batch_size=64)  # OOM -> retry at half
 
@@ -43,6 +44,7 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "oomguard.engine.training.release": ("free_memory", "release_memory"),
     "oomguard.engine.core.search.search": ("search", "verify"),
     "oomguard.engine.core.search.config": ("SearchConfig",),
+    "oomguard.engine.core.search.shapes": ("search_shapes", "ShapePlan"),
     "oomguard.engine.core.estimate.estimate": ("estimate",),
     "oomguard.engine.core.execute.executor": ("Executor",),
     "oomguard.engine.training.adaptive": ("adaptive", "find_executable_batch_size"),
@@ -88,6 +90,8 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names ("as": re-expor
     from oomguard.engine.core.search.config import SearchConfig as SearchConfig
     from oomguard.engine.core.search.search import search as search
     from oomguard.engine.core.search.search import verify as verify
+    from oomguard.engine.core.search.shapes import ShapePlan as ShapePlan
+    from oomguard.engine.core.search.shapes import search_shapes as search_shapes
     from oomguard.engine.errors import ExecutionFailed as ExecutionFailed
     from oomguard.engine.errors import NoExecutableBatchSize as NoExecutableBatchSize
     from oomguard.engine.errors import OomguardError as OomguardError
