@@ -2,14 +2,14 @@
 
 Text has long-tailed lengths: sizing the batch at the longest length is safe, but most batches
 then use a fraction of the memory. ``search_shapes(step, lengths)`` runs the batch-size
-:func:`~oomguard.engine.core.search.search.search` of ``step`` at two lengths (the longest
-and a short one, the 10th percentile) and fits, from their measured peaks (estimates)::
+:func:`~oomguard.engine.core.search.search.search` of ``step`` at up to three lengths: the
+longest, a short one (the 10th percentile) and their geometric mean. The :class:`ShapePlan`
+it returns gives the largest safe batch at any length (:meth:`ShapePlan.max_batch`: the
+searches' safe batches, interpolated), batches planned from the data's lengths
+(:meth:`ShapePlan.batches`, :meth:`ShapePlan.batch_sampler` for a ``DataLoader``), and the
+memory model fitted on the measured peaks (estimates)::
 
-    peak(batch, length) ~= fixed + batch * (a * length + b * length**2)
-
-The :class:`ShapePlan` it returns gives the largest safe batch at any length
-(:meth:`ShapePlan.max_batch`), and batches planned from the data's lengths
-(:meth:`ShapePlan.batches`, :meth:`ShapePlan.batch_sampler` for a ``DataLoader``).
+    peak(batch, length) ~= fixed + batch * (c + a * length + b * length**2)
 """
 
 from __future__ import annotations
@@ -36,7 +36,13 @@ from oomguard.engine.errors import check_positive_int
 log = logging.getLogger("oomguard.search")
 
 SHORT_QUANTILE = 0.10  # the short length searched: this quantile of the dataset's lengths
-SHORT_TRIALS = 3  # trials of the short length's search, at most (then its recommendation)
+# The share of the bend three searched lengths show that max_batch adds to the straight line
+# between two of them (log-log axes): ShapePlan.max_batch.
+BEND_SHARE = 0.5
+EXTRA_TRIALS = 3  # trials of each search after the longest length's, at most
+# A length between the short and the longest one is searched too where the short one is
+# shorter than this fraction of the longest.
+MID_LENGTH_RATIO = 0.5
 # A second length closer than this fraction of the longest to it adds little to the fit.
 MIN_LENGTH_RATIO = 0.9
 
@@ -65,12 +71,13 @@ class ShapePoint:
 class ShapePlan:
     """The largest safe batch at each length, from searches at a few lengths.
 
-    Measured: ``points`` (:class:`ShapePoint`, one per searched length, and ``results``, the
-    searches themselves). Estimates (fitted on the measured peaks, bytes):
-    ``fixed_bytes`` (what no batch adds: weights, gradients, optimizer state),
-    ``per_token_bytes`` (a) and ``per_token2_bytes`` (b) of the per-row cost
-    ``a * length + b * length**2``, and ``room_bytes``, the peak bytes above ``fixed_bytes``
-    a batch may use (the searches' safe line, their margin kept).
+    Measured: ``points`` (:class:`ShapePoint`, one per searched length, from the shortest;
+    ``results``, the searches themselves). :meth:`max_batch` interpolates the points' safe
+    batches. Estimates (bytes, fitted on the measured peaks, for reading, not for sizing):
+    ``fixed_bytes`` (what no batch adds: weights, gradients, optimizer state, the longest
+    length's fitted line at batch 0), and the per-row bytes ``c + a * length + b * length**2``
+    (``per_row_const_bytes``, ``per_token_bytes``, ``per_token2_bytes``: :meth:`per_row_bytes`).
+    ``max_size``: the searches' largest size.
     """
 
     workload: str
@@ -78,41 +85,57 @@ class ShapePlan:
     budget_bytes: int | None
     points: list[ShapePoint]
     fixed_bytes: float
+    per_row_const_bytes: float
     per_token_bytes: float
     per_token2_bytes: float
-    room_bytes: float
     max_size: int
     seconds: float
     results: list[SearchResult] = field(default_factory=list, repr=False)
 
     def per_row_bytes(self, seq_len: int) -> float:
-        """The estimated peak bytes one row of ``seq_len`` adds. Below the shortest searched
-        length, never less than the estimate there scaled in proportion to the length (the
-        model is not trusted where nothing ran)."""
-        def fitted(n: int) -> float:
-            return n * (self.per_token_bytes + self.per_token2_bytes * n)
-
-        short = self.points[0].seq_len
-        if seq_len < short:  # a falling per-token cost below it is not measured: none
-            return max(fitted(seq_len), fitted(short) * seq_len / short)
-        return fitted(seq_len)
+        """The estimated peak bytes one row of ``seq_len`` adds (fitted, an estimate)."""
+        return (self.per_row_const_bytes
+                + seq_len * (self.per_token_bytes + self.per_token2_bytes * seq_len))
 
     def max_batch(self, seq_len: int) -> int:
-        """The largest safe batch (rows) at ``seq_len``: the fitted surface's, bounded by what
-        the searches measured. Memory grows with the length, so the batch safe at a searched
-        length is a ceiling for longer lengths and a floor for shorter ones; at a searched
-        length it is that search's recommendation. 0 where no row is predicted to fit."""
+        """The largest safe batch (rows) at ``seq_len``; 0 where no row is predicted to fit.
+
+        At a searched length, that search's recommendation (its margin kept). Between two,
+        their safe batches interpolated on log-log axes: a batch ``~ room / per-row bytes``,
+        whose per-row bytes (a polynomial in the length with no negative term) grow ever
+        faster on those axes, so the straight line there is below the truth; half the bend
+        three searched lengths show is added back (measured: the straight line alone was 12%
+        below a fresh process's maximum between lengths 39 and 128 of an attention model, the
+        whole bend 1% above it between 12 and 39). Below the shortest: in proportion to the
+        length, or less where the points fall slower. Above the longest: as the length
+        squared. Never above the batch safe at a shorter searched length (memory grows with
+        the length), never below one safe at a longer one.
+        """
         check_positive_int("seq_len", seq_len)
-        per_row = self.per_row_bytes(seq_len)
-        fitted = (self.max_size if per_row <= 0
-                  else min(self.max_size, max(0, math.floor(self.room_bytes / per_row))))
+        xs = [math.log(p.seq_len) for p in self.points]
+        ys = [math.log(p.safe) for p in self.points]
+        x = math.log(seq_len)
+        slopes = [(ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) for i in range(len(xs) - 1)]
+        if x <= xs[0]:
+            y = ys[0] - min(1.0, -slopes[0] if slopes else 1.0) * (x - xs[0])
+        elif x >= xs[-1]:
+            y = ys[-1] - max(2.0, -slopes[-1] if slopes else 2.0) * (x - xs[-1])
+        else:
+            i = max(k for k in range(len(xs) - 1) if xs[k] <= x)
+            # The bend: the second divided difference of the points around the segment (the
+            # smaller where two triples hold it), never one that would lower the line.
+            bends = [-(slopes[k + 1] - slopes[k]) / (xs[k + 2] - xs[k])
+                     for k in (i - 1, i) if 0 <= k < len(slopes) - 1]
+            bend = max(0.0, min(bends, default=0.0))
+            y = ys[i] + slopes[i] * (x - xs[i]) + BEND_SHARE * bend * (x - xs[i]) * (xs[i + 1] - x)
+        size = min(self.max_size, max(0, math.floor(math.exp(y) + 1e-9)))
         ceiling = [p.safe for p in self.points if p.seq_len <= seq_len]
         floor = [p.safe for p in self.points if p.seq_len >= seq_len]
         if ceiling:
-            fitted = min(fitted, ceiling[-1])  # points run from the shortest
+            size = min(size, ceiling[-1])  # points run from the shortest
         if floor:
-            fitted = max(fitted, floor[0])
-        return fitted
+            size = max(size, floor[0])
+        return size
 
     def batches(self, lengths: Sequence[int], *, shuffle: bool = False,
                 seed: int | None = None) -> list[list[int]]:
@@ -155,12 +178,13 @@ def search_shapes(step: Callable[[int, int], Any], lengths: Sequence[int], *,
 
     ``step(batch_size, seq_len)`` runs the real step (a training step with its optimizer,
     given as ``restore=(model, optimizer)`` as to :func:`search`, or a metric); ``lengths``
-    are the dataset's sample lengths. A :func:`search` runs at the longest length, then one at
-    the 10th percentile, started where the first predicts (per-row bytes in proportion to the
-    length: at or below the maximum where memory grows with the length at least that fast).
-    ``budget`` (bytes), ``device`` and ``search_options`` (:class:`SearchConfig` fields,
-    ``start``) are the searches'. Raises what :func:`search` raises; :class:`UsageError` for
-    bad ``lengths``, before any trial.
+    are the dataset's sample lengths. A :func:`search` runs at the longest length; then, where
+    the 10th percentile is shorter than 0.9 of it, one there, and where it is shorter than
+    half of it, one at their geometric mean. Each of those starts at the batch the plan so
+    far predicts and runs :data:`EXTRA_TRIALS` trials at most (then its recommendation is
+    measured, as every search's). ``budget`` (bytes), ``device`` and ``search_options``
+    (:class:`SearchConfig` fields, ``start``) are the searches'. Raises what :func:`search`
+    raises; :class:`UsageError` for bad ``lengths``, before any trial.
     """
     lengths = check_lengths(lengths)
     t0 = time.perf_counter()
@@ -175,40 +199,46 @@ def search_shapes(step: Callable[[int, int], Any], lengths: Sequence[int], *,
     longest = ordered[-1]
     short = ordered[int(SHORT_QUANTILE * (len(ordered) - 1))]
     first = search(_AtLength(step, longest), **options)
-    results = [first]
+    searched = [(longest, first)]
     if short < MIN_LENGTH_RATIO * longest:
-        results.insert(0, search(_AtLength(step, short), **_second(options, first, short,
-                                                                    longest)))
-    points = [_point(r, n) for r, n in zip(results, (short, longest)[-len(results):],
-                                           strict=True)]
-    fixed, a, b = _surface(results, points)
-    # The bytes a batch may add above the fixed part: the least of the searched lengths' safe
-    # batches' (their margins kept), so that the surface gives each its own safe batch or less.
-    room = min(p.safe * p.seq_len * (a + b * p.seq_len) for p in points)
-    plan = ShapePlan(workload=name_of(step), device=first.device, budget_bytes=first.budget_bytes,
-                     points=points, fixed_bytes=fixed, per_token_bytes=a, per_token2_bytes=b,
-                     room_bytes=room, max_size=int(first.config.get("max_size", 65536)),
-                     seconds=time.perf_counter() - t0, results=results)
-    log.info("shapes: %s", ", ".join(f"{p.safe} rows at length {p.seq_len}" for p in points))
+        searched.insert(0, (short, search(_AtLength(step, short),
+                                          **_then(options, _plan(step, searched, t0), short))))
+        # Between them, where the two lengths' surface is furthest from the truth if the
+        # per-row bytes have a part that does not grow with the length, or a bend.
+        mid = round(math.sqrt(short * longest))
+        if short < mid < longest and short < MID_LENGTH_RATIO * longest:
+            searched.insert(1, (mid, search(_AtLength(step, mid),
+                                            **_then(options, _plan(step, searched, t0), mid))))
+    plan = _plan(step, searched, t0)
+    log.info("shapes: %s", ", ".join(f"{p.safe} rows at length {p.seq_len}" for p in plan.points))
     return plan
 
 
-def _second(options: dict[str, Any], first: SearchResult, short: int, longest: int
-            ) -> dict[str, Any]:
-    """The short length's search options: started at the batch the first search predicts
-    there (per-row bytes in proportion to the length), unless the caller chose a strategy."""
-    if "strategy" in options or "size_step" in options or first.fit is None:
-        return options
-    point = _point(first, longest)
-    per_row = point.per_row_bytes * short / longest
-    if per_row <= 0:
-        return options
-    max_size = options.get("max_size", 65536)
-    start = max(1, min(max_size, int(point.safe * point.per_row_bytes // per_row)))
-    # The start and the sizes the guided strategy predicts from it: the short length's
-    # points for the fit, and its bound; closing its bracket row by row (hundreds of rows)
-    # would add trials and nothing the plan uses.
-    trials = min(SHORT_TRIALS, options.get("max_trials", SHORT_TRIALS))
+def _plan(step: Callable[[int, int], Any], searched: list[tuple[int, SearchResult]],
+          t0: float) -> ShapePlan:
+    """The plan from searches ``(length, result)`` by length from the shortest."""
+    points = [_point(r, n) for n, r in searched]
+    results = [r for _, r in searched]
+    fixed, c0, a, b = _surface(results, points)
+    first = results[-1]
+    return ShapePlan(workload=name_of(step), device=first.device, budget_bytes=first.budget_bytes,
+                     points=points, fixed_bytes=fixed, per_row_const_bytes=c0, per_token_bytes=a,
+                     per_token2_bytes=b,
+                     max_size=int(first.config.get("max_size", 65536)),
+                     seconds=time.perf_counter() - t0, results=results)
+
+
+def _then(options: dict[str, Any], plan: ShapePlan, seq_len: int) -> dict[str, Any]:
+    """A further length's search options: started at the batch the plan so far predicts there
+    (from the longest length alone: per-row bytes in proportion to the length, at or below the
+    maximum where they grow at least that fast), unless the caller chose a strategy; at most
+    :data:`EXTRA_TRIALS` trials: its points for the fit and its recommendation, the bracket
+    not closed row by row (hundreds of rows, for nothing the plan uses)."""
+    trials = min(EXTRA_TRIALS, options.get("max_trials", EXTRA_TRIALS))
+    chosen = getattr(options.get("config"), "strategy", None) is not None
+    if chosen or "strategy" in options or "size_step" in options:
+        return options | {"max_trials": trials}
+    start = max(1, min(plan.max_size, plan.max_batch(seq_len)))
     return options | {"start": start, "max_trials": trials}
 
 
@@ -216,7 +246,7 @@ def _point(result: SearchResult, seq_len: int) -> ShapePoint:
     """What a search at ``seq_len`` measured: its safe batch and its fitted line (bytes)."""
     rec, fit = result.recommendation, result.fit
     # The recommendation, its margin kept, also where the search stopped before an OOM
-    # (SHORT_TRIALS): its size was measured under the limit (SearchResult.checks).
+    # (EXTRA_TRIALS): its size was measured under the limit (SearchResult.checks).
     safe = rec.safe if rec is not None else result.size_to_use
     assert safe is not None and result.max_ok is not None  # a search without an answer raised
     if fit is not None and fit.per_item_bytes > 0:
@@ -231,23 +261,26 @@ def _point(result: SearchResult, seq_len: int) -> ShapePoint:
 
 
 def _surface(results: list[SearchResult], points: list[ShapePoint]
-             ) -> tuple[float, float, float]:
-    """(fixed, a, b) of ``peak ~= fixed + batch * (a * length + b * length**2)`` (bytes, an
-    estimate): least squares over every trial that fitted with a measured peak, at every
-    searched length; a and b never below 0 (memory does not shrink as a length grows), the
-    other refitted alone where one would be. From one length: in proportion to it."""
-    rows = [(t.size, p.seq_len, float(t.peak_bytes)) for r, p in zip(results, points, strict=True)
-            for t in [*r.trials, *r.checks] if t.ok and t.peak_bytes is not None]
-    if len(points) == 1:
-        p = points[0]
-        return p.fixed_bytes, p.per_row_bytes / p.seq_len, 0.0
-    for terms in ((1, 2), (1,), (2,)):  # the powers of the length in the per-row bytes
-        x = numpy.array([[1.0, *(n * length**k for k in terms)] for n, length, _ in rows])
-        y = numpy.array([peak for *_, peak in rows])
+             ) -> tuple[float, float, float, float]:
+    """(fixed, c, a, b) of ``peak ~= fixed + batch * (c + a * length + b * length**2)`` (bytes,
+    an estimate). ``fixed``: the longest length's fitted line at batch 0 (its trials span the
+    widest share of their batches); the per-row bytes at each length: its largest fitting
+    trial's peak less ``fixed``, per row; c, a, b: least squares through them, c only from
+    three lengths, none below 0 (the fit with the most terms none of which is)."""
+    fixed = points[-1].fixed_bytes
+    per_row = []
+    for result, point in zip(results, points, strict=True):
+        top = max((t for t in [*result.trials, *result.checks]
+                   if t.ok and t.peak_bytes is not None), key=lambda t: t.size)
+        per_row.append((point.seq_len, (top.peak_bytes - fixed) / top.size))
+    candidates = ((0, 1, 2), (1, 2), (0, 2), (0, 1), (1,), (2,)) if len(points) >= 3 else (
+        (1, 2), (1,), (2,)) if len(points) == 2 else ((1,),)
+    for terms in candidates:  # the powers of the length in the per-row bytes
+        x = numpy.array([[float(length) ** k for k in terms] for length, _ in per_row])
+        y = numpy.array([bytes_ for _, bytes_ in per_row])
         coef = numpy.linalg.lstsq(x, y, rcond=None)[0]
-        if all(c >= 0 for c in coef[1:]):
-            per = dict(zip(terms, coef[1:], strict=True))
-            return max(0.0, float(coef[0])), float(per.get(1, 0.0)), float(per.get(2, 0.0))
-    # No non-negative fit (noise at one size each): in proportion to the longest's own line.
-    p = points[-1]
-    return p.fixed_bytes, p.per_row_bytes / p.seq_len, 0.0
+        if all(c >= 0 for c in coef):
+            per = dict(zip(terms, (float(c) for c in coef), strict=True))
+            return fixed, per.get(0, 0.0), per.get(1, 0.0), per.get(2, 0.0)
+    length, bytes_ = per_row[-1]  # no such fit: in proportion to the longest length
+    return fixed, 0.0, max(0.0, bytes_) / length, 0.0
