@@ -12,6 +12,7 @@ sizes accelerate 1.15 tries (``int(size * 0.9)``) and oomguard's stats.
 
 from __future__ import annotations
 
+import math
 import tempfile
 
 import pytest
@@ -67,11 +68,15 @@ def _trainer_epoch(nbytes: int, start: int) -> dict:
 @pytest.mark.slow
 def test_trainer_auto_find_batch_size_trains_an_epoch_with_oomguards_helper():
     got = in_fresh_process(_trainer_epoch, TRAINER_BUDGET, START)
-    # accelerate's sizes, int(n * 0.9), where oomguard's helper halved (32 -> 16) before
-    assert got["changes"] == [(32, 28), (28, 25), (25, 22), (22, 19)]
-    assert got["ooms"] == [4]
-    assert got["settled"] == 19
-    assert got["epoch"] == 1.0 and got["steps"] == 4  # 64 rows at 19: 19, 19, 19, 7
+    # accelerate's sizes, int(n * 0.9), where oomguard's helper halved (32 -> 16) before.
+    # Measured: 32 -> 19 in four steps on an idle machine; under load the boundary moved a
+    # step (17), so the rule is asserted, not where the budget's boundary fell.
+    changes = got["changes"]
+    assert changes and changes[0][0] == START
+    assert all(new == int(old * 0.9) for old, new in changes), changes
+    assert all(a[1] == b[0] for a, b in zip(changes, changes[1:], strict=False)), changes
+    assert got["ooms"] == [len(changes)] and got["settled"] == changes[-1][1]
+    assert got["epoch"] == 1.0 and got["steps"] == math.ceil(64 / got["settled"])
 
 
 def test_accelerate_reduce_is_accelerates_sequence():
