@@ -154,6 +154,42 @@ def test_max_batch_interpolates_the_measured_points_never_past_them():
         assert 0.97 * most <= plan.max_batch(n) <= most, n
 
 
+def _four_kib_a_token(batch_size: int, seq_len: int) -> float:
+    """A step whose memory is exactly linear in the tokens: 4 KiB each, written."""
+    return float(torch.ones(batch_size, seq_len, 1024).sum())
+
+
+def _synthetic_plans() -> list[dict]:
+    import oomguard
+
+    out = []
+    for lengths in ([50] * 10, [40, 50, 50], [10, 30, 50, 50]):
+        plan = oomguard.search_shapes(_four_kib_a_token, lengths, budget=32 * 1024**2)
+        out.append({"lengths": [p.seq_len for p in plan.points],
+                    "trials": [p.trials for p in plan.points],
+                    "max_batch": {n: plan.max_batch(n) for n in (5, 10, 22, 30, 50, 80)},
+                    "a": plan.per_token_bytes, "b": plan.per_token2_bytes})
+    return out
+
+
+@pytest.mark.slow  # three plans of forked trials under a budget, about a second each
+def test_plans_of_a_step_linear_in_the_tokens_are_within_10_percent_of_what_fits():
+    one, two, three = in_fresh_process(_synthetic_plans)
+    # One length where the 10th percentile is close to the longest, two where it is not
+    # under half of it, three otherwise (the geometric mean: 22); the later ones 3 trials
+    # at most, and their recommendation's checks.
+    assert one["lengths"] == [50] and two["lengths"] == [40, 50]
+    assert three["lengths"] == [10, 22, 50] and max(three["trials"][:2]) <= 3 + 3
+    for got in (one, two, three):
+        for n, size in got["max_batch"].items():
+            fits = 32 * 1024**2 // (n * 4096)  # the step's tensor alone, in the budget
+            assert size <= fits, (n, got)
+            # Above the longest length the plan falls as the length squared, on purpose.
+            assert n > 50 or size >= 0.9 * fits, (n, got)
+    # The fitted model: 4 KiB a token (the peak meter counts a little more than the tensor).
+    assert 4096 * 0.95 < three["a"] < 4096 * 1.05 and three["b"] * 50 < 0.02 * three["a"]
+
+
 # --- the plan under a real budget, in fresh processes -------------------------------------------
 
 BUDGET = 64 * 1024**2

@@ -266,7 +266,7 @@ def _surface(results: list[SearchResult], points: list[ShapePoint]
     an estimate). ``fixed``: the longest length's fitted line at batch 0 (its trials span the
     widest share of their batches); the per-row bytes at each length: its largest fitting
     trial's peak less ``fixed``, per row; c, a, b: least squares through them, c only from
-    three lengths, none below 0 (the fit with the most terms none of which is)."""
+    three lengths, none below 0 (of the fits with no term below 0, the closest)."""
     fixed = points[-1].fixed_bytes
     per_row = []
     for result, point in zip(results, points, strict=True):
@@ -275,12 +275,16 @@ def _surface(results: list[SearchResult], points: list[ShapePoint]
         per_row.append((point.seq_len, (top.peak_bytes - fixed) / top.size))
     candidates = ((0, 1, 2), (1, 2), (0, 2), (0, 1), (1,), (2,)) if len(points) >= 3 else (
         (1, 2), (1,), (2,)) if len(points) == 2 else ((1,),)
+    y = numpy.array([bytes_ for _, bytes_ in per_row])
+    fits = []
     for terms in candidates:  # the powers of the length in the per-row bytes
         x = numpy.array([[float(length) ** k for k in terms] for length, _ in per_row])
-        y = numpy.array([bytes_ for _, bytes_ in per_row])
         coef = numpy.linalg.lstsq(x, y, rcond=None)[0]
         if all(c >= 0 for c in coef):
-            per = dict(zip(terms, (float(c) for c in coef), strict=True))
-            return fixed, per.get(0, 0.0), per.get(1, 0.0), per.get(2, 0.0)
+            fits.append((float(numpy.sum((x @ coef - y) ** 2)), terms, coef))
+    if fits:
+        _, terms, coef = min(fits, key=lambda f: f[0])  # the closest of the non-negative fits
+        per = dict(zip(terms, (float(c) for c in coef), strict=True))
+        return fixed, per.get(0, 0.0), per.get(1, 0.0), per.get(2, 0.0)
     length, bytes_ = per_row[-1]  # no such fit: in proportion to the longest length
     return fixed, 0.0, max(0.0, bytes_) / length, 0.0
