@@ -165,7 +165,9 @@ def _synthetic_plans() -> list[dict]:
     out = []
     for lengths in ([50] * 10, [40, 50, 50], [10, 30, 50, 50]):
         plan = oomguard.search_shapes(_four_kib_a_token, lengths, budget=32 * 1024**2)
-        out.append({"lengths": [p.seq_len for p in plan.points],
+        checked = plan.check(_four_kib_a_token, lengths)
+        out.append({"lengths": [p.seq_len for p in plan.points], "checked": checked,
+                    "data": lengths,
                     "trials": [p.trials for p in plan.points],
                     "max_batch": {n: plan.max_batch(n) for n in (5, 10, 22, 30, 50, 80)},
                     "a": plan.per_token_bytes, "b": plan.per_token2_bytes})
@@ -186,6 +188,10 @@ def test_plans_of_a_step_linear_in_the_tokens_are_within_10_percent_of_what_fits
             assert size <= fits, (n, got)
             # Above the longest length the plan falls as the length squared, on purpose.
             assert n > 50 or size >= 0.9 * fits, (n, got)
+        # The worst predicted batch (these datasets' are one batch each: all the samples) ran.
+        checked = got["checked"]
+        assert checked["ok"] and checked["steps"] == 2 and checked["batch"] == 0, checked
+        assert (checked["size"], checked["seq_len"]) == (len(got["data"]), 50)
     # The fitted model: 4 KiB a token (the peak meter counts a little more than the tensor).
     assert 4096 * 0.95 < three["a"] < 4096 * 1.05 and three["b"] * 50 < 0.02 * three["a"]
 
@@ -262,6 +268,10 @@ def _plan_and_epoch(kind: str) -> dict:
 
     step, model, optimizer = _training(kind)
     plan = oomguard.search_shapes(step, DATA, budget=BUDGET, restore=(model, optimizer))
+    checked = plan.check(step, DATA, restore=(model, optimizer))
+    worst = plan.batches(DATA)[checked["batch"]]
+    checked["shape_matches"] = (len(worst), max(DATA[i] for i in worst)) == (
+        checked["size"], checked["seq_len"])
     batches = plan.batches(DATA, shuffle=True, seed=0)
     ooms = 0
     with oomguard.budget(BUDGET, "cpu"):
@@ -273,7 +283,7 @@ def _plan_and_epoch(kind: str) -> dict:
                     raise
                 ooms += 1
     padded = sum(len(b) * max(DATA[i] for i in b) for b in batches)
-    return {"max_batch": {n: plan.max_batch(n) for n in CHECKED}, "ooms": ooms,
+    return {"max_batch": {n: plan.max_batch(n) for n in CHECKED}, "ooms": ooms, "checked": checked,
             "batches": len(batches), "trials": sum(p.trials for p in plan.points),
             "lengths": [p.seq_len for p in plan.points], "padded_tokens": padded,
             "quadratic": plan.per_token2_bytes, "b_at_longest": plan.max_batch(LONGEST)}
@@ -302,6 +312,8 @@ def _check_plan(kind: str) -> dict:
     # of their recommendations (measured: 11 to 14 in all).
     assert got["ooms"] == 0 and got["trials"] <= 16, got
     assert got["lengths"] == [12, 39, LONGEST]
+    # The epoch's worst predicted batch ran once for real, and the plan said which it was.
+    assert got["checked"]["ok"] and got["checked"]["shape_matches"], got["checked"]
     # On this long tail, at least 3x the real tokens per batch of sizing at the longest length.
     assert len(DATA) / got["batches"] >= 3 * got["b_at_longest"], got
     # Within 10% of the fresh-process maximum and not above it, at each checked length: the

@@ -29,7 +29,7 @@ from oomguard.engine.core.length_batches import (
     check_lengths,
     plan_batches,
 )
-from oomguard.engine.core.search.search import SearchResult, search
+from oomguard.engine.core.search.search import SearchResult, search, verify
 from oomguard.engine.core.workload import name_of
 from oomguard.engine.errors import check_positive_int
 
@@ -150,6 +150,34 @@ class ShapePlan:
         (:class:`LengthBatchSampler`)."""
         return LengthBatchSampler(lengths, self.max_batch, shuffle=shuffle, seed=seed,
                                   rank=rank, world_size=world_size)
+
+    def check(self, step: Callable[[int, int], Any], lengths: Sequence[int], *,
+              restore: Sequence[Any] | None = None, steps: int = 2,
+              **search_options: Any) -> dict[str, Any]:
+        """Run the epoch's worst predicted batch once for real, before the run: the batch of
+        :meth:`batches` (unshuffled; shuffling changes no batch's shape) whose fitted peak is
+        the largest, ``steps`` steps of ``step`` at its shape, as a search's trial runs them
+        (:func:`verify`, under the plan's budget and on its device unless ``search_options``
+        say otherwise; ``restore`` as for :func:`search_shapes`). Returns which batch it was
+        (``batch``: its index; ``size``, ``seq_len``, ``predicted_peak_bytes``, an estimate)
+        and what happened (``ok``, ``peak_bytes``, an OOM's ``error``: reported, not raised).
+        """
+        lengths = check_lengths(lengths)
+        batches = self.batches(lengths)
+        shapes = [(len(b), max(lengths[i] for i in b)) for b in batches]
+
+        def predicted(shape: tuple[int, int]) -> float:
+            return self.fixed_bytes + shape[0] * self.per_row_bytes(shape[1])
+        worst = max(range(len(shapes)), key=lambda k: predicted(shapes[k]))
+        size, seq_len = shapes[worst]
+        options: dict[str, Any] = {"budget": self.budget_bytes, "device": self.device}
+        if restore is not None:
+            options["restore"] = tuple(restore)
+        got = verify(_AtLength(step, seq_len), size, steps, **(options | search_options))
+        log.info("shapes: the worst predicted batch, %d rows of length %d (batch %d), %s",
+                 size, seq_len, worst, "ran" if got["ok"] else "ran out of memory")
+        return {"batch": worst, "seq_len": seq_len,
+                "predicted_peak_bytes": int(predicted(shapes[worst]))} | got
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types: the measured points, the fitted coefficients and the searches."""
