@@ -75,6 +75,9 @@ def test_bad_lengths_are_one_line_usage_errors():
         with pytest.raises(UsageError, match=said) as info:
             plan_batches(bad, _tokens_cap)
         assert "\n" not in str(info.value)
+    tensor = torch.tensor(LENGTHS)  # a tensor's (or a numpy array's) lengths are taken as ints
+    assert plan_batches(tensor, _tokens_cap) == plan_batches(LENGTHS, _tokens_cap)
+    assert plan_batches(tensor.numpy(), _tokens_cap) == plan_batches(LENGTHS, _tokens_cap)
     with pytest.raises(UsageError, match="no batch fits at length 300"):
         plan_batches([10, 300], lambda n: 0 if n > 256 else 4)
 

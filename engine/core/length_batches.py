@@ -25,12 +25,14 @@ MaxBatch = Callable[[int], int]  # length -> the largest batch at that length (r
 
 
 def check_lengths(lengths: Iterable[Any]) -> list[int]:
-    """``lengths`` as a list of ints > 0 (each sample's length, in tokens or items); a one-line
-    :class:`UsageError` for an empty list or any other value."""
+    """``lengths`` (a list, a numpy array, a tensor) as a list of ints > 0 (each sample's
+    length, in tokens or items); a one-line :class:`UsageError` for an empty list or any
+    other value."""
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
         raise UsageError(f"lengths must be a list of the samples' lengths (ints > 0), got "
                          f"{type(lengths).__name__}; pass e.g. [len(s) for s in dataset]")
-    out = list(lengths)
+    # A numpy array's or a tensor's elements are not ints: their tolist() is.
+    out = list(lengths.tolist() if callable(getattr(lengths, "tolist", None)) else lengths)
     if not out:
         raise UsageError("lengths is empty: pass one length (an int > 0) per sample of the "
                          "dataset, e.g. [len(s) for s in dataset]")
