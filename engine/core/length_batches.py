@@ -66,7 +66,7 @@ def plan_batches(lengths: Sequence[int], max_batch: MaxBatch, *, shuffle: bool =
             limits[n] = int(max_batch(n))
             if limits[n] < 1:
                 raise UsageError(f"no batch fits at length {n}: the plan's max_batch({n}) is "
-                                 f"{limits[n]}; truncate samples longer than the longest length "
+                                 f"{limits[n]}; shorten samples longer than the longest length "
                                  "that fits, or plan with a larger budget")
         # Sorted ascending: the new sample is the batch's longest, so its limit is the batch's.
         if batch and len(batch) + 1 > limits[n]:
@@ -112,12 +112,12 @@ class LengthBatchSampler:
                  seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
         self.lengths = check_lengths(lengths)
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise UsageError(f"world_size must be an int >= 1, got {world_size!r}")
+            raise UsageError(f"world_size must be an int >= 1, got {world_size!r}; give the number of ranks")
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
             raise UsageError(f"rank must be an int from 0 to world_size - 1 ({world_size - 1}), "
-                             f"got {rank!r}")
+                             f"got {rank!r}; give this rank's index")
         if not isinstance(seed, int) or isinstance(seed, bool):
-            raise UsageError(f"seed must be an int, got {seed!r}")
+            raise UsageError(f"seed must be an int, got {seed!r}; give a whole number")
         self.max_batch, self.shuffle, self.seed = max_batch, shuffle, seed
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
