@@ -22,6 +22,19 @@ def gpt2(dtype: torch.dtype = torch.float32, layers: int = 1) -> torch.nn.Module
     return GPT2LMHeadModel(config).to(dtype)
 
 
+def trained_under(budget: Callable[[], object], trainer: object) -> str:
+    """``trainer.train()`` inside the context ``budget()`` makes: "ran", "oom" (an OOM as
+    oomguard reads it) or the error's repr, for a test to assert."""
+    import oomguard
+
+    try:
+        with budget():
+            trainer.train()
+    except Exception as exc:  # the OOM a budget causes, or anything else to report
+        return "oom" if oomguard.is_oom(exc) else repr(exc)
+    return "ran"
+
+
 def token_ids(n: int, seed: int = 3) -> torch.Tensor:
     """``n`` rows of ``SEQ`` tokens."""
     return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import budget_after_warmup, in_fresh_process
+from tests.framework_parts import trained_under
 
 EFFECTIVE = 1024  # rows per device and optimizer step, as configured
 STEPS = 3
@@ -45,7 +46,6 @@ def _train_three_ways() -> dict:
     budget, and the configured Trainer under the same budget (must run out)."""
     from transformers import Trainer
 
-    import oomguard
     from oomguard.integrations import OomguardTrainer
 
     out: dict = {}
@@ -66,12 +66,7 @@ def _train_three_ways() -> dict:
     out["steps"] = ours.state.global_step
 
     plain = _trainer(Trainer)
-    try:
-        with budget_after_warmup(BUDGET):
-            plain.train()
-        out["plain"] = "ran"
-    except Exception as exc:  # the OOM this budget causes, or anything else to report
-        out["plain"] = "oom" if oomguard.is_oom(exc) else repr(exc)
+    out["plain"] = trained_under(lambda: budget_after_warmup(BUDGET), plain)
     return out
 
 
