@@ -84,13 +84,20 @@ class TrainStep(RebuiltInChild):
         on ``device`` (its ``warmup()`` builds fake tensors)."""
         return dataclasses.replace(self, device=device, _state={"fake": True})
 
-    def worst_case_batch(self, batch_size: int) -> torch.Tensor:
+    def worst_case_batch(self, batch_size: int, seq_len: int | None = None) -> torch.Tensor:
         """The batch a step at ``batch_size`` uses: token ids ``[batch_size, seq_len]`` (int64, on
-        ``device``, no padding), uniform over the vocabulary, seeded by ``seed + batch_size``."""
+        ``device``, no padding; ``seq_len`` None: the step's own), uniform over the vocabulary,
+        seeded by ``seed + batch_size``."""
         self.warmup()  # builds once
         g = torch.Generator().manual_seed(self.seed + batch_size)
-        ids = torch.randint(0, self._state["vocab"], (batch_size, self.seq_len), generator=g)
+        shape = (batch_size, self.seq_len if seq_len is None else seq_len)
+        ids = torch.randint(0, self._state["vocab"], shape, generator=g)
         return ids.to(self.device)
+
+    def at_length(self, batch_size: int, seq_len: int) -> float:
+        """One training step at ``batch_size`` rows of ``seq_len`` tokens (the shape
+        :func:`oomguard.search_shapes` varies); the loss."""
+        return self(batch_size, self.worst_case_batch(batch_size, seq_len))
 
     def __call__(self, batch_size: int, batch: torch.Tensor | None = None) -> float:
         """One training step on ``batch`` (token ids ``[batch_size, length]``), or on

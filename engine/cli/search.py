@@ -41,6 +41,10 @@ def add_bench(p: argparse.ArgumentParser) -> None:
     add_workload_options(p, model="tiny-gpt2", seq_len=DEFAULT_SEQ_LEN)
     add_search_options(p)
     add_remedy_options(p)
+    p.add_argument("--lengths", default=None, metavar="FILE",
+                   help="plan batches from a dataset's sample lengths (one integer a line) "
+                        "instead: searches at up to 3 lengths (the longest replaces --seq-len), "
+                        "written as shapes.json, shapes.png and shapes.md")
     p.add_argument("--out", default="oomguard-report", metavar="DIR",
                    help="report folder (default oomguard-report)")
     p.set_defaults(func=cmd_bench)
@@ -133,6 +137,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # Every input is checked before the model is built; the folder last (none left behind).
     check_workload(args)
     remedies = remedy_names(args)
+    lengths = None
+    if args.lengths is not None:
+        from oomguard.engine.cli.shapes import check_shape_options, read_lengths
+
+        lengths = read_lengths(args.lengths)
+        check_shape_options(args)
+        args.seq_len = max(lengths)  # the longest length bounds the model's positions
     dev = resolve_device(args.device, check=True)
     if isolated(args, dev) or args.confirm:  # started now: imports overlap the checks
         from oomguard.engine.core.child import start_forkserver
@@ -148,6 +159,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # Warm up before the search probes free memory, so capacity excludes the model.
         # Isolated, this process keeps nothing on the device: children measure alone.
         workload.warmup()
+    if lengths is not None:
+        from oomguard.engine.cli.shapes import bench_shapes
+
+        return bench_shapes(args, workload, config, lengths, out)
     if remedies is not None:  # what the model allows (blocks, dtype), before the search
         from oomguard.engine.core.execute.priced import check_remedies
 

@@ -1,0 +1,123 @@
+"""``oomguard bench --lengths FILE``: batches planned from a dataset's sample lengths
+(:func:`oomguard.search_shapes` of the bench's training step), written as ``shapes.json``,
+``shapes.png`` and ``shapes.md`` in the report folder.
+
+No torch import at module level, as every command module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from oomguard.engine.errors import UsageError
+
+LENGTHS_FIX = "give a file with one sample length (an integer > 0, in tokens) per line"
+
+
+def read_lengths(path: str) -> list[int]:
+    """The lengths in the text file ``path``, one integer > 0 per line (blank lines skipped);
+    a one-line :class:`UsageError` saying what to do for a file that cannot be read, a line
+    that is not an integer or a length <= 0."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise UsageError(f"--lengths {path}: cannot read it ({why}); {LENGTHS_FIX}") from None
+    lengths = []
+    for number, line in enumerate(text.splitlines(), 1):
+        word = line.strip()
+        if not word:
+            continue
+        try:
+            value = int(word)
+        except ValueError:
+            raise UsageError(f"--lengths {path} line {number}: {word[:40]!r} is not an integer; "
+                             f"{LENGTHS_FIX}") from None
+        if value <= 0:
+            raise UsageError(f"--lengths {path} line {number}: length {value} is not above 0; "
+                             f"drop empty samples and {LENGTHS_FIX}")
+        lengths.append(value)
+    if not lengths:
+        raise UsageError(f"--lengths {path}: no lengths in it; {LENGTHS_FIX}")
+    return lengths
+
+
+class LengthStep:
+    """The bench's training step (:class:`~oomguard.metrics.train_step.TrainStep`) at any
+    length: ``step(batch_size, seq_len)``, as :func:`oomguard.search_shapes` calls it."""
+
+    def __init__(self, workload: Any) -> None:
+        self.workload = workload
+        self.name = workload.name
+        self.steps_per_trial = workload.steps_per_trial
+
+    def __call__(self, batch_size: int, seq_len: int) -> float:
+        return self.workload.at_length(batch_size, seq_len)
+
+
+def check_shape_options(args: argparse.Namespace) -> None:
+    """UsageError (one line) for options ``--lengths`` cannot honour, before any work: the
+    plan runs its searches' trials from this process (forked on a Linux CPU)."""
+    if args.isolate or args.confirm:
+        raise UsageError("--lengths plans from this process's step; drop --isolate and "
+                         "--confirm")
+    if args.remedies is not None:
+        raise UsageError("--lengths plans batches of unequal size, --remedies prices one "
+                         "effective batch; give one of them")
+
+
+def bench_shapes(args: argparse.Namespace, workload: Any, config: Any, lengths: list[int],
+                 out: Path) -> int:
+    """Plan batches of ``lengths`` for ``workload`` under ``config``'s budget and write the
+    plan's files into ``out``; 0, or 1 and one line when no row fits or the files could not
+    be written."""
+    from oomguard.engine.core.search.shapes import search_shapes
+    from oomguard.engine.errors import NoSizeFits
+    from oomguard.engine.util.jsonable import json_text
+    from oomguard.reports.shapes import shapes_record, write_shapes
+
+    # The plan starts its further lengths where it predicts (its own strategy) unless a
+    # strategy or a size step was asked for.
+    options: dict[str, Any] = {}
+    if args.strategy is None and args.size_step is None:
+        config = dataclasses.replace(config, strategy=None)
+        if args.start is not None:
+            options["start"] = args.start
+    print(f"oomguard: planning batches of {len(lengths):,} samples of {min(lengths)} to "
+          f"{max(lengths)} tokens: searches of {workload.name} at up to 3 lengths on "
+          f"{config.device}", file=sys.stderr, flush=True)
+    try:
+        plan = search_shapes(LengthStep(workload), lengths, config=config, **options)
+    except NoSizeFits as exc:
+        print(f"oomguard: {exc}", file=sys.stderr)
+        return 1
+    record = shapes_record(plan, lengths)
+    try:
+        files = {k: str(v) for k, v in write_shapes(plan, lengths, out, record).items()}
+    except OSError as exc:
+        print(f"oomguard: error: cannot write the plan to {exc.filename or out}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json_text(record | {"files": files}), end="")
+    else:
+        print(summary_line(record))
+        print(f"report: {files['markdown']}\nplot:   {files['png']}\njson:   {files['json']}")
+    return 0
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    """``bench --lengths``'s line on stdout, from :func:`~oomguard.reports.shapes.shapes_record`:
+    the planned batches' tokens against longest-length sizing's, and the searched lengths."""
+    planned, fixed = record["planned"], record["longest_length_sizing"]
+    ratio = record["tokens_ratio"]
+    points = ", ".join(f"{p['safe']} rows at length {p['seq_len']}" for p in record["points"])
+    return (f"planned {planned['batches']} batches of {planned['tokens_per_batch']:,.0f} real "
+            f"tokens; at the longest length {fixed['batch']} rows, "
+            f"{fixed['tokens_per_batch'] or 0:,.0f} tokens a batch"
+            + (f" ({ratio:.2f}x the tokens per batch)" if ratio else "")
+            + f"; searched: {points}; {record['seconds']:.1f} s")
