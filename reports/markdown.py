@@ -19,9 +19,10 @@ from oomguard.reports.json_report import (
     summarise,
 )
 from oomguard.reports.remedies import remedies_section
+from oomguard.reports.shapes import shapes_section
 
 _KNOWN_CONTEXT = {"model", "parameters", "architecture", "device_name", "dtype", "data", "title",
-                  "remedies", "workload_spec"}  # the last is for `oomguard verify`, not for readers
+                  "remedies", "shapes", "workload_spec"}  # the last is for `oomguard verify`, not for readers
 _BUDGET_HOW = {"cpu": "RLIMIT_DATA above the process's data size at the start",
                "cuda": "torch.cuda.set_per_process_memory_fraction"}
 _MODE = {
@@ -544,5 +545,6 @@ def render_markdown(result: SearchResult, context: Mapping[str, Any] | None = No
              ["## Results"], [_maximum(result, s)], _performance(result, s),
              _trial_table(result, s), _scaling(result, s), _throughput(result, s),
              remedies_section(ctx.get("remedies")),
+             shapes_section(ctx.get("shapes")),
              _verification(result, s), _observations(result, s), _conclusion(result, s, ctx)]
     return "\n\n".join("\n".join(p) for p in parts if p) + "\n"

@@ -92,6 +92,29 @@ def shapes_figure(record: Mapping[str, Any]) -> Figure:
 
 def shapes_markdown(record: Mapping[str, Any]) -> str:
     """``shapes.md``: the searched lengths and what the plan's batches move."""
+    return "\n".join([f"# {record['workload']}: Batches Planned from the Lengths", "",
+                      *_body(record), ""])
+
+
+def shapes_section(record: Mapping[str, Any] | None) -> list[str]:
+    """``report.md``'s section for ``bench --lengths`` (empty without a plan): what
+    :func:`shapes_markdown` says, under a heading of its own."""
+    if not record:
+        return []
+    return ["## Batches Planned from the Lengths", "", *_body(record)]
+
+
+def report_summary(record: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``report.json``'s context keeps of :func:`shapes_record` (shapes.json has it all):
+    no batch shapes and no searches."""
+    planned = {k: v for k, v in record["planned"].items() if k != "shapes"}
+    keep = ("workload", "device", "budget_bytes", "seconds", "points", "lengths",
+            "longest_length_sizing", "tokens_ratio")
+    return {k: record[k] for k in keep} | {"planned": planned}
+
+
+def _body(record: Mapping[str, Any]) -> list[str]:
+    """The paragraphs and the table of the searched lengths, under a heading."""
     lengths, planned = record["lengths"], record["planned"]
     fixed, ratio = record["longest_length_sizing"], record["tokens_ratio"]
     rows = [f"| {p['seq_len']} | {p['safe']} | {p['max_ok']} | "
@@ -103,8 +126,7 @@ def shapes_markdown(record: Mapping[str, Any]) -> str:
                   f"{fixed['tokens_per_batch']:,.0f} real tokens: the plan moves "
                   f"**{ratio:.2f}x the real tokens per batch**."
                   if ratio else "No row fits at the longest length.")
-    return "\n".join([
-        f"# {record['workload']}: Batches Planned from the Lengths", "",
+    return [
         f"{lengths['count']:,} samples of {lengths['shortest']} to {lengths['longest']} tokens "
         f"(median {lengths['median']:g}), on {record['device']} under a {budget} budget; "
         f"planned in {record['seconds']:.1f} s.", "",
@@ -118,7 +140,7 @@ def shapes_markdown(record: Mapping[str, Any]) -> str:
         "Each searched length is a batch-size search of the training step at that length; "
         "between them the safe batch is interpolated (`ShapePlan.max_batch`). shapes.png "
         "draws it with every planned batch's shape; shapes.json has the plan "
-        "(`ShapePlan.to_dict()`), each batch's shape and the tokens per batch.", ""])
+        "(`ShapePlan.to_dict()`), each batch's shape and the tokens per batch."]
 
 
 def write_shapes(plan: ShapePlan, lengths: Sequence[int], out: str | os.PathLike[str],

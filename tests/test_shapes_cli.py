@@ -25,7 +25,8 @@ def test_bench_lengths_writes_the_plan(tmp_path) -> None:
                         "--budget", "24MiB", "--max-size", "128", "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "x the tokens per batch" in done.stdout
-    assert {p.name for p in out.iterdir()} >= {"shapes.json", "shapes.png", "shapes.md"}
+    assert {p.name for p in out.iterdir()} >= {"shapes.json", "shapes.png", "shapes.md",
+                                                "report.md", "report.json", "memory.png"}
     assert (out / "shapes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     record = json.loads((out / "shapes.json").read_text())
     # The plan searched the longest length and shorter ones; its batches hold every sample.
@@ -46,6 +47,13 @@ def test_bench_lengths_writes_the_plan(tmp_path) -> None:
     md = (out / "shapes.md").read_text()
     assert "Batches Planned from the Lengths" in md
     assert f"{record['tokens_ratio']:.2f}x the real tokens per batch" in md
+    # report.md: the longest length's search, as bench's, with the plan as a section.
+    report = (out / "report.md").read_text()
+    assert "## Batches Planned from the Lengths" in report
+    assert f"{record['tokens_ratio']:.2f}x the real tokens per batch" in report
+    context = json.loads((out / "report.json").read_text())["context"]
+    assert context["shapes"]["tokens_ratio"] == pytest.approx(record["tokens_ratio"])
+    assert context["data"]["sequence_length"] == 32
 
 
 @pytest.mark.parametrize(("content", "words"), [

@@ -43,8 +43,9 @@ def add_bench(p: argparse.ArgumentParser) -> None:
     add_remedy_options(p)
     p.add_argument("--lengths", default=None, metavar="FILE",
                    help="plan batches from a dataset's sample lengths (one integer a line) "
-                        "instead: searches at up to 3 lengths (the longest replaces --seq-len), "
-                        "written as shapes.json, shapes.png and shapes.md")
+                        "too: searches at up to 3 lengths (the longest replaces --seq-len), "
+                        "written as shapes.json, shapes.png, shapes.md and a section of "
+                        "report.md")
     p.add_argument("--out", default="oomguard-report", metavar="DIR",
                    help="report folder (default oomguard-report)")
     p.set_defaults(func=cmd_bench)

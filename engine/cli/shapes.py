@@ -73,12 +73,15 @@ def check_shape_options(args: argparse.Namespace) -> None:
 def bench_shapes(args: argparse.Namespace, workload: Any, config: Any, lengths: list[int],
                  out: Path) -> int:
     """Plan batches of ``lengths`` for ``workload`` under ``config``'s budget and write the
-    plan's files into ``out``; 0, or 1 and one line when no row fits or the files could not
-    be written."""
+    plan's files into ``out`` (shapes.json, shapes.png, shapes.md), and the longest length's
+    search as bench's report (report.md with the plan's section, report.json, memory.png);
+    0, or 1 and one line when no row fits or the files could not be written."""
+    from oomguard.engine.cli.verify import workload_spec
     from oomguard.engine.core.search.shapes import search_shapes
     from oomguard.engine.errors import NoSizeFits
     from oomguard.engine.util.jsonable import json_text
-    from oomguard.reports.shapes import shapes_record, write_shapes
+    from oomguard.reports import write_report
+    from oomguard.reports.shapes import report_summary, shapes_record, write_shapes
 
     # The plan starts its further lengths where it predicts (its own strategy) unless a
     # strategy or a size step was asked for.
@@ -96,8 +99,18 @@ def bench_shapes(args: argparse.Namespace, workload: Any, config: Any, lengths: 
         print(f"oomguard: {exc}", file=sys.stderr)
         return 1
     record = shapes_record(plan, lengths)
+    # The longest length's search is the search `oomguard bench` runs at that length: its
+    # report, with the plan as a section of it.
+    context = (workload.describe() | {"workload_spec": workload_spec(workload)}
+               | {"title": f"{args.model} training step: Maximum Batch Size Report",
+                  "shapes": report_summary(record)})
+    why = getattr(args, "lowered_budget", None)  # as bench's report says it
+    if why is not None:
+        context["default_budget"] = why
     try:
         files = {k: str(v) for k, v in write_shapes(plan, lengths, out, record).items()}
+        files |= {f"report_{k}": str(v)
+                  for k, v in write_report(plan.results[-1], out, context=context).items()}
     except OSError as exc:
         print(f"oomguard: error: cannot write the plan to {exc.filename or out}: "
               f"{exc.strerror or exc}", file=sys.stderr)
@@ -106,7 +119,8 @@ def bench_shapes(args: argparse.Namespace, workload: Any, config: Any, lengths: 
         print(json_text(record | {"files": files}), end="")
     else:
         print(summary_line(record))
-        print(f"report: {files['markdown']}\nplot:   {files['png']}\njson:   {files['json']}")
+        print(f"plan:   {files['markdown']}, {files['png']}, {files['json']}\n"
+              f"report: {files['report_markdown']} (the longest length's search and the plan)")
     return 0
 
 
