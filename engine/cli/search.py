@@ -136,15 +136,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from oomguard.metrics.train_step import TrainStep
 
     # Every input is checked before the model is built; the folder last (none left behind).
-    check_workload(args)
-    remedies = remedy_names(args)
     lengths = None
     if args.lengths is not None:
         from oomguard.engine.cli.shapes import check_shape_options, read_lengths
 
         lengths = read_lengths(args.lengths)
         check_shape_options(args)
-        args.seq_len = max(lengths)  # the longest length bounds the model's positions
+        # The longest length bounds the model's positions and the sizes a device can hold.
+        args.seq_len = max(lengths)
+    check_workload(args)
+    remedies = remedy_names(args)
     dev = resolve_device(args.device, check=True)
     if isolated(args, dev) or args.confirm:  # started now: imports overlap the checks
         from oomguard.engine.core.child import start_forkserver
