@@ -112,7 +112,8 @@ class LengthBatchSampler:
                  seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
         self.lengths = check_lengths(lengths)
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise UsageError(f"world_size must be an int >= 1, got {world_size!r}; give the number of ranks")
+            raise UsageError(f"world_size must be an int >= 1, got {world_size!r}; give the "
+                             "number of ranks")
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
             raise UsageError(f"rank must be an int from 0 to world_size - 1 ({world_size - 1}), "
                              f"got {rank!r}; give this rank's index")

@@ -29,6 +29,7 @@ from oomguard.engine.core.length_batches import (
     check_lengths,
     plan_batches,
 )
+from oomguard.engine.core.search.config import SearchConfig
 from oomguard.engine.core.search.search import SearchResult, search, verify
 from oomguard.engine.core.workload import name_of
 from oomguard.engine.errors import check_positive_int
@@ -252,7 +253,7 @@ def _plan(step: Callable[[int, int], Any], searched: list[tuple[int, SearchResul
     return ShapePlan(workload=name_of(step), device=first.device, budget_bytes=first.budget_bytes,
                      points=points, fixed_bytes=fixed, per_row_const_bytes=c0, per_token_bytes=a,
                      per_token2_bytes=b,
-                     max_size=int(first.config.get("max_size", 65536)),
+                     max_size=int(first.config.get("max_size", SearchConfig.max_size)),
                      seconds=time.perf_counter() - t0, results=results)
 
 
