@@ -30,13 +30,19 @@ optimizer steps of the real loop:
   ``BatchSizeFinder(mode="binsearch")``; each changes the effective batch.
 
 Columns: the micro-batches of a step, the largest micro-batch oomguard allows over m (goal:
-0.95 to 1), the micro-batches per step against the fewest that m allows, the effective batch
-run, the OOMs in the run (the frameworks' loops end at their first), and samples per second
-per CPU second of each variant's configuration (one thread: on a machine of its own, per
-second), with its ratio to oomguard's. The rates are measured side by side after the runs:
-each configuration runs ``--timing-steps`` (10) optimizer steps in a fresh process under the
-budget, the variants interleaved, ``--rounds`` (3) times; a rate is rows over the median
-step's CPU time, and the row shows the median over the rounds.
+0.95 to 1), the micro-batches per step against the fewest that m allows and the fewest that
+run (the effective batch split as ``micro_batches`` splits it, counted up from m's in
+fresh processes: unequal micro-batches are two shapes, and a conv net on a CPU keeps oneDNN
+kernels for each), the effective batch run, the OOMs in the run (the frameworks' loops end
+at their first), and samples per second per CPU second of each variant's configuration (one
+thread: on a machine of its own, per second), with its ratio to oomguard's, then the same
+rate under the budget. The rates are measured side by side after the runs: each
+configuration runs ``--timing-steps`` (10) optimizer steps in a fresh process without the
+budget, then under it, the variants interleaved, ``--rounds`` (3) times; a rate is rows
+over the median step's CPU time, and the row shows the median over the rounds. Without the
+budget is what a user's process gets: under a CPU budget glibc serves every block of
+128 KiB or more with a fresh mmap, so a step with large blocks pays their page faults every
+time (the conv net's 40-row micro-batches lose about 2.7x, its 2-row ones nothing).
 
     .venv/bin/python bench/clients.py [--steps 200] [--check-steps 20] [--clients loop,conv]
 """
@@ -134,7 +140,15 @@ def _row(sizes: list[int] | None, effective: int, ooms: int, steps: int, clock: 
 # --- the loops a user writes ------------------------------------------------------------------
 
 
-class Loop:
+class _Runs:
+    """What every client's ``timed`` gives: whether its loop runs at given micro-batches."""
+
+    def runs(self, sizes: list[int], steps: int) -> bool:
+        """Whether ``steps`` optimizer steps at micro-batches ``sizes`` run under the budget."""
+        return not _ran_out(lambda: self.timed(sizes, steps, True))  # type: ignore[attr-defined]
+
+
+class Loop(_Runs):
     """The nanoGPT-style loop: a GPT-2 language model, AdamW, batches of token rows."""
 
     name = "loop"
@@ -183,14 +197,13 @@ class Loop:
         with oomguard.budget(self.budget, "cpu"):
             return not _ran_out(run)
 
-    def timed(self, sizes: list[int], steps: int) -> float:
+    def timed(self, sizes: list[int], steps: int, budgeted: bool) -> float:
         """Rows per second of the loop at micro-batches ``sizes`` (median step), each loss
-        weighted by its rows, under the budget: a configuration's own speed."""
-        import oomguard
-
+        weighted by its rows, under the budget or (``budgeted`` False) as a user's process
+        runs it: a configuration's own speed."""
         model, opt, backward = self.setup()
         total = sum(sizes)
-        with oomguard.budget(self.budget, "cpu"):
+        with _limit(self.budget, budgeted):
             clock = Clock()
             for i in range(steps):
                 for j, rows in enumerate(sizes):
@@ -395,7 +408,7 @@ def _token_rows(n: int, seq: int, vocab: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": r, "labels": r} for r in ids]
 
 
-class TrainerClient:
+class TrainerClient(_Runs):
     """The transformers Trainer on a GPT-2, AdamW (its defaults: gradient clipping at 1)."""
 
     name = "trainer"
@@ -445,10 +458,9 @@ class TrainerClient:
         with oomguard.budget(self.budget, "cpu"):
             return not _ran_out(trainer.train)
 
-    def timed(self, sizes: list[int], steps: int) -> float:
+    def timed(self, sizes: list[int], steps: int, budgeted: bool) -> float:
         """Rows per second of the Trainer at micro-batches ``sizes`` (median step): its own
         accumulation where they are equal, else ``OomguardTrainer``'s split without a search."""
-        import oomguard
         from oomguard.engine.integrations.hf_trainer import use_train_split
         from oomguard.engine.integrations.sizing import Split
         from oomguard.integrations import OomguardTrainer
@@ -459,7 +471,7 @@ class TrainerClient:
         if not split.equal:
             trainer.oomguard_train = split
             use_train_split(trainer, split)
-        with oomguard.budget(self.budget, "cpu"):
+        with _limit(self.budget, budgeted):
             trainer.train()
         return self.clock.per_s(split.effective)
 
@@ -511,7 +523,7 @@ class TrainerClient:
                     self.clock, search_s=at[1] - t0, note=f"per-device batches tried {tried}")
 
 
-class LightningClient:
+class LightningClient(_Runs):
     """A Lightning module around a GPT-2 (examples/lightning_script.py's, larger), AdamW."""
 
     name = "lightning"
@@ -577,11 +589,10 @@ class LightningClient:
         with oomguard.budget(self.budget, "cpu"):
             return not _ran_out(lambda: trainer.fit(module, data))
 
-    def timed(self, sizes: list[int], steps: int) -> float:
+    def timed(self, sizes: list[int], steps: int, budgeted: bool) -> float:
         """Rows per second of the fit at micro-batches ``sizes`` (median step): Lightning's own
         accumulation where they are equal, else ``BatchSizeCallback``'s loader and weights
         without a search."""
-        import oomguard
         from oomguard.engine.integrations.sizing import Split
         from oomguard.integrations import BatchSizeCallback
 
@@ -597,7 +608,7 @@ class LightningClient:
         else:
             module, data, trainer = self.fit(split.effective, split.accumulation, steps,
                                              Preset())
-        with oomguard.budget(self.budget, "cpu"):
+        with _limit(self.budget, budgeted):
             trainer.fit(module, data)
         return self.clock.per_s(split.effective)
 
@@ -654,6 +665,15 @@ CLIENTS: dict[str, Any] = {c.name: c for c in (Loop, TrainerClient, LightningCli
                                                 Accelerate, Conv)}
 
 
+def _limit(budget: int, budgeted: bool) -> contextlib.AbstractContextManager[Any]:
+    """The client's CPU budget, or nothing: under a CPU budget glibc serves every block of
+    128 KiB or more with a fresh mmap (so that frees leave ``VmData``), and a step pays the
+    page faults of its large blocks every time: a speed no user's process has."""
+    import oomguard
+
+    return oomguard.budget(budget, "cpu") if budgeted else contextlib.nullcontext()
+
+
 def _client(name: str, sizes: dict[str, int]) -> Any:
     """Client ``name`` with its ``effective`` batch and ``budget`` changed as ``sizes`` says."""
     client = CLIENTS[name]()
@@ -691,17 +711,38 @@ VARIANTS = ("oomguard", "halving", "native")
 def _time_side_by_side(ctx: Any, name: str, sizes: dict[str, int], row: dict[str, Any],
                        rounds: int, steps: int) -> None:
     """Each variant's configuration (the micro-batches its run settled on) timed in fresh
-    processes, the variants interleaved in every round (in a rotated order), so that the
-    load of the shared cores falls on all alike; ``per_s`` becomes the median over rounds,
+    processes, without the budget (``per_s``: what a user's process gets) and under it
+    (``budget_per_s``), the variants interleaved in every round (in a rotated order), so that
+    the load of the shared cores falls on all alike; each rate is the median over rounds,
     and the run's own rate is kept as ``run_per_s``."""
     ran = [v for v in VARIANTS if "failed" not in row[v]]
-    rates: dict[str, list[float]] = {v: [] for v in ran}
+    rates: dict[tuple[str, bool], list[float]] = {}
     for r in range(rounds):
         for variant in ran[r % len(ran):] + ran[:r % len(ran)]:
-            rates[variant].append(_fresh(ctx, name, sizes, "timed", row[variant]["sizes"], steps))
+            for budgeted in (False, True):
+                rates.setdefault((variant, budgeted), []).append(_fresh(
+                    ctx, name, sizes, "timed", row[variant]["sizes"], steps, budgeted))
     for variant in ran:
         row[variant]["run_per_s"] = row[variant]["per_s"]
-        row[variant]["per_s"] = sorted(rates[variant])[len(rates[variant]) // 2]
+        for key, budgeted in (("per_s", False), ("budget_per_s", True)):
+            got = sorted(rates[variant, budgeted])
+            row[variant][key] = got[len(got) // 2]
+
+
+def _fewest_passes(ctx: Any, client: str, sizes: dict[str, int], effective: int, m: int,
+                   steps: int) -> int:
+    """The fewest micro-batches per optimizer step at which the client's loop runs its
+    effective batch split as :func:`~oomguard.engine.util.rows.micro_batches` splits it,
+    from the fewest that m allows up (a fresh process each). Unequal micro-batches are two
+    shapes, and on a CPU a conv net keeps oneDNN kernels for each: the split of m's passes
+    may not run where two equal micro-batches of m did."""
+    from oomguard.engine.util.rows import micro_batches
+
+    passes = math.ceil(effective / m)
+    while passes < effective and not _fresh(ctx, client, sizes, "runs", micro_batches(
+            effective, math.ceil(effective / passes)), steps):
+        passes += 1
+    return passes
 
 
 def _describe(sizes: list[int] | None) -> str:
@@ -714,19 +755,19 @@ def _describe(sizes: list[int] | None) -> str:
 
 def _print_table(results: dict[str, dict[str, Any]], steps: int) -> None:
     print(f"\n| client (effective batch, budget) | m | variant | micro-batches | allowed / m "
-          f"| passes (fewest at m) | effective run | OOMs in {steps} steps | samples/s "
-          "| / oomguard's |")
-    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|")
+          f"| passes (fewest at m; that run) | effective run | OOMs in {steps} steps "
+          "| samples/s | / oomguard's | under the budget |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         (effective, budget), m = r["client"], r["m"]
         base = r["oomguard"].get("per_s") or float("nan")
-        fewest = math.ceil(effective / m)
+        fewest = f"{math.ceil(effective / m)}; {r['runs']}"
         first = f"{name} ({effective} rows, {budget // MiB} MiB)"
         for variant in VARIANTS:
             v = r[variant]
             if "failed" in v:
                 print(f"| {first} | {m} | {variant} | failed: {v['failed'][:80]} "
-                      "| | | | | | |")
+                      "| | | | | | | |")
                 first = ""
                 continue
             allowed = f"{v['allowed'] / m:.2f}" if "allowed" in v else "-"
@@ -736,7 +777,7 @@ def _print_table(results: dict[str, dict[str, Any]], steps: int) -> None:
             done = "" if v["steps"] == steps else f" (ended at step {v['steps']})"
             print(f"| {first} | {m} | {variant} | {_describe(v['sizes'])} | {allowed} "
                   f"| {passes} | {kept} | {v['ooms']}{done} | {v['per_s']:.1f} "
-                  f"| {v['per_s'] / base:.2f} |")
+                  f"| {v['per_s'] / base:.2f} | {v['budget_per_s']:.1f} |")
             first = ""  # the client on its first row only
         for variant in ("oomguard", "native"):
             v = r[variant]
@@ -785,10 +826,11 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         sizes = {key: values[name] for key, values in given.items() if name in values}
         client = _client(name, sizes)
-        row = {"m": _true_max(ctx, name, sizes, client.effective, args.check_steps),
-               "client": (client.effective, client.budget)}
+        m = _true_max(ctx, name, sizes, client.effective, args.check_steps)
+        row = {"m": m, "client": (client.effective, client.budget),
+               "runs": _fewest_passes(ctx, name, sizes, client.effective, m, args.check_steps)}
         if args.max_only:
-            print(f"{name}: m {row['m']} ({client.effective} rows, {client.budget // MiB} MiB, "
+            print(f"{name}: m {m}, {row['runs']} passes ({client.effective} rows, {client.budget // MiB} MiB, "
                   f"{time.perf_counter() - t0:.0f} s)", flush=True)
             continue
         for variant in VARIANTS:
