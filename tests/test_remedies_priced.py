@@ -226,3 +226,28 @@ def test_one_rule_keeps_the_faster_the_first_within_the_spread_and_never_an_oom(
     assert spread([2.0, 2.5]) == pytest.approx(0.25) and spread([2.0]) == 0.0
     with pytest.raises(ValueError, match="one spread per rate"):
         fastest([1.0, 2.0], [0.1])
+
+
+def test_a_frameworks_gradient_clipping_is_paid_in_every_priced_step() -> None:
+    """The Trainer and Lightning clip gradients before each optimizer step: a priced step
+    that left it out would time (and size) a step the loop never runs. A clip that waits
+    0.25 s caps every configuration's rate at 4 rows / 0.25 s."""
+    torch.manual_seed(0)
+    net = Net(32, 8, [Cheap(8), Cheap(8)])
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    ids = torch.randint(0, 32, (4, 8))
+
+    def step(n: int) -> None:
+        net(ids[:n]).backward()
+
+    def clip() -> None:
+        time.sleep(0.25)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+
+    rates = {}
+    for name, given in (("unclipped", None), ("clipped", clip)):
+        choice = choose_remedy(step, 4, net, optimizer=optimizer, remedies=("accumulate",),
+                               name=name, clip=given)
+        rates[name] = choice.row.samples_per_second
+        forget_remedies(net)
+    assert rates["clipped"] < 4 / 0.25 < rates["unclipped"], rates

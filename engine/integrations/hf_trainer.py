@@ -98,6 +98,7 @@ def fit_train_batch(trainer: Trainer, largest: bool = False,
     def micro_step(size: int) -> torch.Tensor:
         return trainer.training_step(model, slice_rows(batch, 0, size))
 
+    clipping = clip if args.max_grad_norm > 0 else None
     # DeepSpeed accumulates in its engine, which steps at its own boundaries: equal ones only.
     unequal = isinstance(trainer, OomguardTrainerMixin) and not trainer.is_deepspeed_enabled
     rows = min(effective, batch_rows(batch))
@@ -105,10 +106,9 @@ def fit_train_batch(trainer: Trainer, largest: bool = False,
         split = priced_split(micro_step, effective, rows, model, optimizer,
                              check_remedies(remedies, model, args.device),
                              "trainer.training_step", "Trainer", largest, equal=not unequal,
-                             **options)
+                             clip=clipping, **options)
     else:
-        step = training_trial(micro_step, optimizer, effective,
-                              clip if args.max_grad_norm > 0 else None)
+        step = training_trial(micro_step, optimizer, effective, clipping)
         result = _search_in_mode(model, False, step, rows, (model, optimizer),
                                  "trainer.training_step", **options)
         split = split_for(effective, result, largest, equal=not unequal)

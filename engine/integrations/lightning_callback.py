@@ -121,7 +121,7 @@ class BatchSizeCallback(pl.Callback):
             if self.remedies is not None:
                 split = priced_split(micro_step, effective, min(effective, batch_rows(batch)),
                                      pl_module, optimizer, self.remedies, name, "Lightning",
-                                     self.largest, equal=not _chunkable(loader),
+                                     self.largest, equal=not _chunkable(loader), clip=clip,
                                      **self.search_options)
             else:
                 result = search_step(training_trial(micro_step, optimizer, effective, clip),

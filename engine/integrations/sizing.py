@@ -98,19 +98,21 @@ def split_for(effective: int, result: SearchResult, largest: bool = False,
 def priced_split(micro_step: Callable[[int], Any], effective: int, rows: int,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  remedies: Sequence[str], name: str, where: str, largest: bool = False,
-                 equal: bool = False, **options: Any) -> Split:
+                 equal: bool = False, clip: Callable[[], Any] | None = None,
+                 **options: Any) -> Split:
     """The :class:`Split` of ``effective`` rows in the fastest safe configuration of
     ``remedies``: :func:`~oomguard.engine.core.execute.priced.choose_remedy` prices one
     effective step of ``rows`` rows (the first ``rows`` the loop loads; at most
     ``effective``) of ``micro_step(n)`` (forward and backward of ``n`` rows, adding to
-    ``.grad``) and ``optimizer``'s step, trials putting ``model`` and ``optimizer`` back;
+    ``.grad``), ``clip()`` (the framework's gradient clipping, where it clips) and
+    ``optimizer``'s step, trials putting ``model`` and ``optimizer`` back;
     the micro-batches keep under the chosen configuration's micro-batch (with ``largest``, the
     largest that ran in it), as equal as the rows allow (with ``equal``, all the same).
     ``options``: the pricing's search options (``budget``, ``margin``, ...; trials forked
     unless ``fork=False``). The table is
     logged, one line per configuration, each starting with ``where``."""
     choice = choose_remedy(micro_step, rows, model, optimizer=optimizer, remedies=remedies,
-                           name=name, **options)
+                           name=name, clip=clip, **options)
     row = choice.row
     most = row.max_ok if largest and row.max_ok is not None else choice.micro_batch
     allowed = agree(most, False).size

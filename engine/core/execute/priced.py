@@ -280,13 +280,14 @@ def choose_remedy(step: Callable[[int], Any], rows: int, model: torch.nn.Module,
                   restore: Sequence[Any] | None = None,
                   remedies: Any = DEFAULT_REMEDIES, keeps_rows: bool = True,
                   name: str | None = None, device: Any = None,
-                  **options: Any) -> RemedyChoice:
+                  clip: Callable[[], Any] | None = None, **options: Any) -> RemedyChoice:
     """Measure each configuration of ``remedies`` for one effective step of ``rows`` rows and
     choose the fastest whose peak keeps the margin (the module's docstring says how).
 
     ``step(n)``: forward and backward of ``n`` rows, adding to ``.grad``; ``optimizer``: stepped
     (and its gradients set to None) once per effective step, None where ``step`` does that
-    itself. ``keeps_rows``: an effective step is ``ceil(rows / m)`` calls of ``step`` at
+    itself; ``clip()``: called after an effective step's micro-batches, before the optimizer's
+    step (a framework's gradient clipping, which a timed step then pays). ``keeps_rows``: an effective step is ``ceil(rows / m)`` calls of ``step`` at
     micro-batch ``m`` (True), or one call at ``m`` (False: a smaller micro-batch is a smaller
     batch, as for ``@adaptive``). ``restore``: what the trials put back (default the model and
     ``optimizer``). ``options``: :data:`SEARCH_OPTIONS` for every search and timed step
@@ -302,7 +303,7 @@ def choose_remedy(step: Callable[[int], Any], rows: int, model: torch.nn.Module,
     objects = tuple(restore) if restore is not None else (
         (model,) + ((optimizer,) if optimizer is not None else ()))
     workload = name or getattr(step, "__qualname__", None) or type(step).__name__
-    key = (str(dev), workload, names, keeps_rows, tuple(sorted(
+    key = (str(dev), workload, names, keeps_rows, clip is not None, tuple(sorted(
         (k, repr(v)) for k, v in opts.items())))
     known = _CHOSEN.get(model)
     if known is None:
@@ -314,7 +315,8 @@ def choose_remedy(step: Callable[[int], Any], rows: int, model: torch.nn.Module,
         log.info("%s: remedy %s at micro-batch %d (remembered for %d rows)", workload,
                  choice.chosen.name, choice.micro_batch, choice.rows)
         return choice
-    pricing = _Pricing(step, rows, model, optimizer, objects, keeps_rows, workload, dev, opts)
+    pricing = _Pricing(step, rows, model, optimizer, objects, keeps_rows, workload, dev, opts,
+                       clip)
     with gc_frozen():  # one collection for every search and timed step, not one each
         choice = pricing.run(names)
     known[(key, rows)] = choice
@@ -367,8 +369,9 @@ class _Pricing:
     def __init__(self, step: Callable[[int], Any], rows: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None, restore: tuple[Any, ...],
                  keeps_rows: bool, workload: str, device: torch.device,
-                 options: dict[str, Any]) -> None:
+                 options: dict[str, Any], clip: Callable[[], Any] | None = None) -> None:
         self.step, self.rows, self.model, self.optimizer = step, rows, model, optimizer
+        self.clip = clip
         self.keeps_rows, self.workload, self.device = keeps_rows, workload, device
         self.options = {**options, "device": device, "restore": restore}
         self.t0 = time.perf_counter()
@@ -413,6 +416,8 @@ class _Pricing:
         return run
 
     def _optimizer_step(self) -> None:
+        if self.clip is not None:
+            self.clip()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
