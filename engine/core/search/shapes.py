@@ -31,8 +31,9 @@ from oomguard.engine.core.length_batches import (
 )
 from oomguard.engine.core.search.config import SearchConfig
 from oomguard.engine.core.search.search import SearchResult, search, verify
+from oomguard.engine.core.search.strategies import Guided
 from oomguard.engine.core.workload import name_of
-from oomguard.engine.errors import check_positive_int
+from oomguard.engine.errors import NoSizeFits, check_positive_int
 
 log = logging.getLogger("oomguard.search")
 
@@ -40,7 +41,24 @@ SHORT_QUANTILE = 0.10  # the short length searched: this quantile of the dataset
 # The share of the bend three searched lengths show that max_batch adds to the straight line
 # between two of them (log-log axes): ShapePlan.max_batch.
 BEND_SHARE = 0.5
-EXTRA_TRIALS = 3  # trials of each search after the longest length's, at most
+# Real runs of the step per plan, at most (issue 39): the longest length's search takes
+# LONGEST_TRIALS trials at most, and its recommendation's check where one is needed; each
+# further length one trial, where the budget leaves one (see search_shapes).
+MAX_TRIALS = 6
+LONGEST_TRIALS = 3
+# The longest length's search starts at this share of the batch the estimate predicts fits:
+# the estimate leaves out the allocator's rounding and the fixed part it cannot see, and a
+# start that fits measures a peak the search predicts the rest from.
+START_SHARE = 0.8
+ESTIMATE_BATCHES = (8, 64)  # the batches an estimate's per-row bytes come from
+# A further length's one trial aims this share of what grows under the safe line: a
+# prediction 3% over still fits under it (measured: the estimate's per-row bytes were 1.5%
+# to 6% over the fitted ones at lengths 12 and 39, docs/guides/shapes.md#how-it-measures).
+SLACK = 0.03
+# From a one-trial length's measured peak, its safe batch reaches up along the line through
+# the longest length's fixed part, at most this share above the size that ran (the margin
+# covers the line's error that far: a fixed part off by F bytes moves the peak by REACH * F).
+REACH = 0.10
 # A length between the short and the longest one is searched too where the short one is
 # shorter than this fraction of the longest.
 MID_LENGTH_RATIO = 0.5
@@ -78,7 +96,10 @@ class ShapePlan:
     ``fixed_bytes`` (what no batch adds: weights, gradients, optimizer state, the longest
     length's fitted line at batch 0), and the per-row bytes ``c + a * length + b * length**2``
     (``per_row_const_bytes``, ``per_token_bytes``, ``per_token2_bytes``: :meth:`per_row_bytes`).
-    ``max_size``: the searches' largest size.
+    ``max_size``: the searches' largest size. ``estimated_row_bytes``: the per-row bytes
+    the fake-tensor estimate gave at each searched length (estimates; empty: none ran).
+    :attr:`trials`: the real runs of the step making this plan took (0 for a plan read back
+    with :meth:`from_dict`: ``results`` are not kept there).
     """
 
     workload: str
@@ -92,6 +113,12 @@ class ShapePlan:
     max_size: int
     seconds: float
     results: list[SearchResult] = field(default_factory=list, repr=False)
+    estimated_row_bytes: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def trials(self) -> int:
+        """Real runs of the step this plan made: every search's trials and checks."""
+        return sum(_runs(r) for r in self.results)
 
     def per_row_bytes(self, seq_len: int) -> float:
         """The estimated peak bytes one row of ``seq_len`` adds (fitted, an estimate)."""
@@ -181,11 +208,26 @@ class ShapePlan:
                 "predicted_peak_bytes": int(predicted(shapes[worst]))} | got
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON types: the measured points, the fitted coefficients and the searches."""
+        """Plain JSON types: the measured points, the fitted coefficients, ``trials`` and the
+        searches."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                if f.name not in ("points", "results")}
-        return out | {"points": [p.to_dict() for p in self.points],
+        return out | {"trials": self.trials, "points": [p.to_dict() for p in self.points],
                       "results": [r.to_dict() for r in self.results]}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> ShapePlan:
+        """The plan :meth:`to_dict` wrote (read back from JSON: the size cache), without its
+        searches (``results`` empty, so :attr:`trials` is 0: none ran for it); KeyError or
+        TypeError where ``doc`` is not such a plan."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"points", "results"}
+        fields = {k: doc[k] for k in names if k in doc}
+        fields["estimated_row_bytes"] = {int(n): float(v) for n, v in
+                                         (doc.get("estimated_row_bytes") or {}).items()}
+        points = [ShapePoint(**p) for p in doc["points"]]
+        if not points:
+            raise KeyError("points")
+        return cls(**fields, points=points)
 
 
 class _AtLength:
@@ -202,18 +244,24 @@ class _AtLength:
 
 def search_shapes(step: Callable[[int, int], Any], lengths: Sequence[int], *,
                   budget: int | None = None, restore: Sequence[Any] | None = None,
-                  device: Any = None, **search_options: Any) -> ShapePlan:
+                  device: Any = None, estimate: bool = True,
+                  **search_options: Any) -> ShapePlan:
     """Plan batch sizes over sequence lengths from real trials: a :class:`ShapePlan`.
 
     ``step(batch_size, seq_len)`` runs the real step (a training step with its optimizer,
     given as ``restore=(model, optimizer)`` as to :func:`search`, or a metric); ``lengths``
-    are the dataset's sample lengths. A :func:`search` runs at the longest length; then, where
-    the 10th percentile is shorter than 0.9 of it, one there, and where it is shorter than
-    half of it, one at their geometric mean. Each of those starts at the batch the plan so
-    far predicts and runs :data:`EXTRA_TRIALS` trials at most (then its recommendation is
-    measured, as every search's). ``budget`` (bytes), ``device`` and ``search_options``
-    (:class:`SearchConfig` fields, ``start``) are the searches'. Raises what :func:`search`
-    raises; :class:`UsageError` for bad ``lengths``, before any trial.
+    are the dataset's sample lengths. At most :data:`MAX_TRIALS` real runs of ``step`` in all
+    (:attr:`ShapePlan.trials`). With ``estimate``, the step's per-row bytes at each length
+    searched are first estimated on fake tensors (:func:`_estimated_rows`: no memory, no real
+    trial; with ``restore`` its objects are put back after). A :func:`search` runs at the
+    longest length, started at the batch the estimate predicts, :data:`LONGEST_TRIALS` trials
+    at most (then its recommendation is measured, as every search's); then, where the 10th
+    percentile is shorter than 0.9 of it, one trial there, and where it is shorter than half
+    of it, one at their geometric mean, each at the batch the measured peaks and the estimate
+    predict keeps under the longest length's safe line (:func:`_one_trial`). ``budget`` (bytes),
+    ``device`` and ``search_options`` (:class:`SearchConfig` fields, ``start``) are the
+    searches'. Raises what :func:`search` raises; :class:`UsageError` for bad ``lengths``,
+    before any trial.
     """
     lengths = check_lengths(lengths)
     t0 = time.perf_counter()
@@ -227,26 +275,163 @@ def search_shapes(step: Callable[[int, int], Any], lengths: Sequence[int], *,
     ordered = sorted(lengths)
     longest = ordered[-1]
     short = ordered[int(SHORT_QUANTILE * (len(ordered) - 1))]
-    first = search(_AtLength(step, longest), **options)
-    searched = [(longest, first)]
+    wanted = [longest]
     if short < MIN_LENGTH_RATIO * longest:
-        searched.insert(0, (short, search(_AtLength(step, short),
-                                          **_then(options, _plan(step, searched, t0), short))))
+        wanted.insert(0, short)
         # Between them, where the two lengths' surface is furthest from the truth if the
         # per-row bytes have a part that does not grow with the length, or a bend.
         mid = round(math.sqrt(short * longest))
         if short < mid < longest and short < MID_LENGTH_RATIO * longest:
-            searched.insert(1, (mid, search(_AtLength(step, mid),
-                                            **_then(options, _plan(step, searched, t0), mid))))
-    plan = _plan(step, searched, t0)
-    log.info("shapes: %s", ", ".join(f"{p.safe} rows at length {p.seq_len}" for p in plan.points))
+            wanted.insert(1, mid)
+    rows = _estimated_rows(step, wanted, options) if estimate else None
+    searched = [(longest, search(_AtLength(step, longest), **_first(options, rows, longest)))]
+    for seq_len in wanted[-2::-1]:  # the short length, then the one between
+        used = sum(_runs(r) for _, r in searched)
+        if used >= MAX_TRIALS:
+            log.info("shapes: %d trials ran; length %d not searched", used, seq_len)
+            continue
+        result = _one_trial(step, seq_len, options, _plan(step, searched, t0, rows), rows)
+        if result is not None:
+            searched.append((seq_len, result))
+            searched.sort(key=lambda s: s[0])
+    plan = _plan(step, searched, t0, rows)
+    log.info("shapes: %s (%d trials)", ", ".join(
+        f"{p.safe} rows at length {p.seq_len}" for p in plan.points), plan.trials)
     return plan
 
 
+def _runs(result: SearchResult) -> int:
+    """The real runs of the step a search made: its trials and its recommendation's checks
+    (a trial the RAM guard refused never ran)."""
+    return sum(not t.guarded for t in result.trials) + len(result.checks)
+
+
+def _estimated_rows(step: Callable[[int, int], Any], lengths: Sequence[int],
+                    options: dict[str, Any]) -> dict[int, dict[str, float]] | None:
+    """Per length, the estimated per-row bytes of ``step`` (``row``) and its peak at batch 0
+    (``fixed``): :func:`~oomguard.engine.core.estimate.estimate.estimate` at two batches, on
+    fake tensors (no memory, no real trial, estimates). The step runs on fake tensors, but
+    operations on small real inputs run for real: ``restore``'s objects are put back after,
+    as after a trial (a step with its own ``for_estimate`` runs on that copy instead). None,
+    logged, where the step cannot be estimated (a workload whose memory depends on values, a
+    device estimates do not cover): the plan then predicts from the measured peaks alone."""
+    from oomguard.engine.core.estimate.estimate import estimate
+    from oomguard.engine.core.snapshot import Snapshot
+
+    device = options.get("device", getattr(options.get("config"), "device", "cpu"))
+    restore = options.get("restore") or getattr(options.get("config"), "restore", ())
+    snapshot = Snapshot.take(restore) if restore else None
+    t0 = time.perf_counter()
+    try:
+        rows = {}
+        for seq_len in lengths:
+            low, high = estimate(_AtLength(step, seq_len), ESTIMATE_BATCHES, device,
+                                 workspace=False)
+            row = (high.peak_bytes - low.peak_bytes) / (high.size - low.size)
+            if row <= 0:
+                return None
+            rows[seq_len] = {"row": row, "fixed": low.peak_bytes - low.size * row}
+    except Exception as exc:  # an estimate only saves trials: the plan goes on without it
+        log.info("shapes: no estimate of %s (%s: %s); predicting from the trials alone",
+                 name_of(step), type(exc).__name__, str(exc)[:200])
+        return None
+    finally:
+        if snapshot is not None:
+            snapshot.restore()
+    log.info("shapes: estimated per-row bytes %s (%.1f s)", ", ".join(
+        f"{r['row']:,.0f} at length {n}" for n, r in rows.items()), time.perf_counter() - t0)
+    return rows
+
+
+def _first(options: dict[str, Any], rows: dict[int, dict[str, float]] | None,
+           longest: int) -> dict[str, Any]:
+    """The longest length's search options: at most :data:`LONGEST_TRIALS` trials, started
+    (unless the caller chose a start or a strategy) at :data:`START_SHARE` of the batch the
+    estimate predicts fits the budget, else the free memory (an estimate that leaves out the
+    allocator's rounding: below it, so the start fits and its peak predicts the rest)."""
+    trials = min(LONGEST_TRIALS, options.get("max_trials", LONGEST_TRIALS))
+    if rows is None or _chose_strategy(options) or "start" in options:
+        return options | {"max_trials": trials}
+    config = options.get("config")
+    capacity = options.get("capacity_bytes", getattr(config, "capacity_bytes", None)) or \
+        options.get("budget", getattr(config, "budget", None))
+    if capacity is None:
+        from oomguard.probes import probe
+
+        capacity = probe(options.get("device", getattr(config, "device", "cpu"))).free_bytes
+    most = options.get("max_size", getattr(config, "max_size", SearchConfig.max_size))
+    if not capacity:
+        return options | {"max_trials": trials}
+    row = rows[longest]
+    start = int(START_SHARE * (capacity - max(0.0, row["fixed"])) / row["row"])
+    return options | {"start": max(1, min(most, start)), "max_trials": trials}
+
+
+def _chose_strategy(options: dict[str, Any]) -> bool:
+    """Whether the caller chose how a search proposes sizes (a strategy, a size step)."""
+    chosen = getattr(options.get("config"), "strategy", None) is not None
+    return chosen or "strategy" in options or "size_step" in options
+
+
+def _predicted_row(plan: ShapePlan, rows: dict[int, dict[str, float]] | None,
+                   seq_len: int) -> float | None:
+    """The per-row bytes at ``seq_len`` (an estimate) from the measured points' per-row bytes,
+    each scaled by the estimate's ratio between the lengths; where two points bracket it,
+    their scale factors interpolated on the log of the length. None without an estimate."""
+    if rows is None or seq_len not in rows:
+        return None
+    factors = [(math.log(p.seq_len), p.per_row_bytes / rows[p.seq_len]["row"])
+               for p in plan.points if p.seq_len in rows]
+    if not factors:
+        return None
+    x = math.log(seq_len)
+    below = [f for f in factors if f[0] <= x]
+    above = [f for f in factors if f[0] >= x]
+    if below and above and above[0][0] > below[-1][0]:
+        (x0, f0), (x1, f1) = below[-1], above[0]
+        factor = f0 + (f1 - f0) * (x - x0) / (x1 - x0)
+    else:
+        factor = (below[-1] if below else above[0])[1]
+    return factor * rows[seq_len]["row"]
+
+
+def _one_trial(step: Callable[[int, int], Any], seq_len: int, options: dict[str, Any],
+               plan: ShapePlan, rows: dict[int, dict[str, float]] | None) -> SearchResult | None:
+    """A further length's search: one trial, at the batch predicted to keep the peak under
+    the longest length's safe line (its recommendation's limit, less :data:`SLACK` of what
+    grows: a prediction's error stays under the line), from the per-row bytes
+    :func:`_predicted_row` gives, else (no estimate) where the plan so far puts it
+    (:meth:`ShapePlan.max_batch`: the per-row bytes in proportion to the length, at or below
+    the maximum where they grow at least that fast). Its recommendation is measured as every
+    search's (its ``checks``). An OOM there tries once more at three quarters of it; then
+    None: the length is left out of the plan."""
+    longest = plan.points[-1]
+    line = longest.limit_bytes
+    row = _predicted_row(plan, rows, seq_len)
+    if row is not None and line is not None:
+        size = int((1 - SLACK) * (line - longest.fixed_bytes) / row)
+    else:
+        size = plan.max_batch(seq_len)
+    config = {k: v for k, v in options.items() if k not in ("start", "size_step", "strategy")}
+    for _ in range(2):
+        size = max(1, min(plan.max_size, size))
+        try:
+            return search(_AtLength(step, seq_len), **config, strategy=Guided(start=size),
+                          max_trials=1)
+        except NoSizeFits:
+            log.info("shapes: %d rows at length %d ran out of memory", size, seq_len)
+            if size == 1:
+                break
+            size = size * 3 // 4
+    return None
+
+
 def _plan(step: Callable[[int, int], Any], searched: list[tuple[int, SearchResult]],
-          t0: float) -> ShapePlan:
-    """The plan from searches ``(length, result)`` by length from the shortest."""
-    points = [_point(r, n) for n, r in searched]
+          t0: float, rows: dict[int, dict[str, float]] | None = None) -> ShapePlan:
+    """The plan from searches ``(length, result)`` by length from the shortest; the longest
+    length's fitted fixed bytes stand for every length's (an estimate)."""
+    longest = _point(searched[-1][1], searched[-1][0])
+    points = [_point(r, n, longest) for n, r in searched[:-1]] + [longest]
     results = [r for _, r in searched]
     fixed, c0, a, b = _surface(results, points)
     first = results[-1]
@@ -254,39 +439,39 @@ def _plan(step: Callable[[int, int], Any], searched: list[tuple[int, SearchResul
                      points=points, fixed_bytes=fixed, per_row_const_bytes=c0, per_token_bytes=a,
                      per_token2_bytes=b,
                      max_size=int(first.config.get("max_size", SearchConfig.max_size)),
-                     seconds=time.perf_counter() - t0, results=results)
+                     seconds=time.perf_counter() - t0, results=results,
+                     estimated_row_bytes={n: r["row"] for n, r in (rows or {}).items()})
 
 
-def _then(options: dict[str, Any], plan: ShapePlan, seq_len: int) -> dict[str, Any]:
-    """A further length's search options: started at the batch the plan so far predicts there
-    (from the longest length alone: per-row bytes in proportion to the length, at or below the
-    maximum where they grow at least that fast), unless the caller chose a strategy; at most
-    :data:`EXTRA_TRIALS` trials: its points for the fit and its recommendation, the bracket
-    not closed row by row (hundreds of rows, for nothing the plan uses)."""
-    trials = min(EXTRA_TRIALS, options.get("max_trials", EXTRA_TRIALS))
-    chosen = getattr(options.get("config"), "strategy", None) is not None
-    if chosen or "strategy" in options or "size_step" in options:
-        return options | {"max_trials": trials}
-    start = max(1, min(plan.max_size, plan.max_batch(seq_len)))
-    return options | {"start": start, "max_trials": trials}
-
-
-def _point(result: SearchResult, seq_len: int) -> ShapePoint:
-    """What a search at ``seq_len`` measured: its safe batch and its fitted line (bytes)."""
+def _point(result: SearchResult, seq_len: int, longest: ShapePoint | None = None) -> ShapePoint:
+    """What a search at ``seq_len`` measured: its safe batch and its fitted line (bytes). A
+    further length's one trial (``longest``: the longest length's point) has no line of its
+    own: its per-row bytes are its peak above the longest length's fixed part, and its safe
+    batch reaches up from the size measured under the limit as far as that line keeps the
+    peak under it, :data:`REACH` above it at most."""
     rec, fit = result.recommendation, result.fit
-    # The recommendation, its margin kept, also where the search stopped before an OOM
-    # (EXTRA_TRIALS): its size was measured under the limit (SearchResult.checks).
+    # The recommendation, its margin kept, also where the search stopped before an OOM: its
+    # size was measured under the limit (SearchResult.checks).
     safe = rec.safe if rec is not None else result.size_to_use
     assert safe is not None and result.max_ok is not None  # a search without an answer raised
     if fit is not None and fit.per_item_bytes > 0:
         per_row, fixed = fit.per_item_bytes, max(0.0, fit.base_bytes)
-    else:  # one size ran: its peak, all of it per row (overstates the per-row bytes)
-        peak = max((t.peak_bytes or 0) for t in result.trials if t.ok and t.size == result.max_ok)
-        per_row, fixed = peak / result.max_ok, 0.0
+    else:  # one size ran: its peak, above the longest length's fixed part where known
+        peak = max((t.peak_bytes or 0) for t in [*result.trials, *result.checks]
+                   if t.ok and t.size == result.max_ok)
+        fixed = longest.fixed_bytes if longest is not None and peak > longest.fixed_bytes else 0.0
+        per_row = (peak - fixed) / result.max_ok
+    measured = rec.checked_peak_bytes if rec is not None else None
+    lines = [x for x in (rec.limit_bytes if rec else None,
+                         longest.limit_bytes if longest else None) if x is not None]
+    if longest is not None and measured is not None and lines and measured <= min(lines):
+        base = longest.fixed_bytes if measured > longest.fixed_bytes else 0.0
+        row = (measured - base) / safe
+        safe = max(safe, min(int(safe * (1 + REACH)), int((min(lines) - base) / row)))
     return ShapePoint(seq_len=seq_len, safe=safe, max_ok=result.max_ok,
                       first_oom=result.first_oom, per_row_bytes=per_row, fixed_bytes=fixed,
                       limit_bytes=rec.limit_bytes if rec else None,
-                      trials=len(result.trials) + len(result.checks))
+                      trials=_runs(result))
 
 
 def _surface(results: list[SearchResult], points: list[ShapePoint]
