@@ -10,6 +10,17 @@ and resumable mid-epoch::
     batches = plan_batches(lengths, plan.max_batch)     # [[3, 0, 7], [5, 1], ...]
     sampler = LengthBatchSampler(lengths, plan.max_batch, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=pad)
+
+A training loop that keeps its effective batch (a number of rows, or of tokens, per optimizer
+step) plans optimizer steps instead: :func:`plan_steps` cuts the length-sorted samples into
+steps first, then each step into batches; :func:`step_shares` gives each batch's share of its
+step, so that ``loss * share`` summed over a step's batches is the mean over the step's rows
+or tokens, exactly (never a mean of batch means)::
+
+    for step in plan_steps(lengths, plan.max_batch, tokens=16384):
+        for batch, share in zip(step, step_shares(step, lengths)):
+            (model(**pad(batch)).loss * share).backward()   # loss: mean over batch's tokens
+        optimizer.step(); optimizer.zero_grad()
 """
 
 from __future__ import annotations
@@ -79,6 +90,96 @@ def plan_batches(lengths: Sequence[int], max_batch: MaxBatch, *, shuffle: bool =
     return batches
 
 
+# With shuffle, samples are sorted by length within windows of this many steps' samples (a
+# random draw from the dataset each), not across the whole dataset: steps then hold samples
+# of like length (little padding) without every epoch running from the shortest up.
+SHUFFLE_WINDOW_STEPS = 50
+
+
+def _check_per_step(rows: int | None, tokens: int | None, longest: int) -> None:
+    if (rows is None) == (tokens is None):
+        raise UsageError("give one of rows= (samples per optimizer step) or tokens= (tokens "
+                         "per optimizer step)")
+    for name, value in (("rows", rows), ("tokens", tokens)):
+        if value is not None and (not isinstance(value, Integral) or isinstance(value, bool)
+                                  or value <= 0):
+            raise UsageError(f"{name} per step must be an int > 0, got {value!r}")
+    if tokens is not None and tokens < longest:
+        raise UsageError(f"tokens={tokens} per step is below the longest sample ({longest} "
+                         f"tokens): give at least {longest}, or shorten the longest samples")
+
+
+def _cut_steps(order: list[int], lengths: list[int], rows: int | None,
+               tokens: int | None) -> list[list[int]]:
+    """``order`` cut into consecutive steps of ``rows`` samples (the last one the rest), or of
+    at most ``tokens`` tokens (sum of lengths) each."""
+    if rows is not None:
+        return [order[i:i + rows] for i in range(0, len(order), rows)]
+    steps: list[list[int]] = [[]]
+    held = 0
+    for i in order:
+        if steps[-1] and held + lengths[i] > tokens:  # type: ignore[operator]
+            steps.append([])
+            held = 0
+        steps[-1].append(i)
+        held += lengths[i]
+    return steps
+
+
+def plan_steps(lengths: Sequence[int], max_batch: MaxBatch, *, rows: int | None = None,
+               tokens: int | None = None, shuffle: bool = False,
+               seed: int | None = None) -> list[list[list[int]]]:
+    """Optimizer steps, each a list of batches (lists of indices of ``lengths``): every index
+    exactly once, every step ``rows`` samples (the last one the rest) or at most ``tokens``
+    tokens (the sum of its samples' lengths), every batch at most ``max_batch(its longest
+    length)`` rows (:func:`plan_batches` within the step).
+
+    Samples are sorted by length, so a step holds samples of like length and its batches
+    little padding; with ``shuffle``, sorted within windows of
+    :data:`SHUFFLE_WINDOW_STEPS` steps' samples drawn at random, and the steps come in a
+    random order, the same for the same ``seed``. A one-line :class:`UsageError`, before
+    any planning, unless exactly one of ``rows``/``tokens`` is an int > 0 (``tokens`` at
+    least the longest sample)."""
+    lengths = check_lengths(lengths)
+    _check_per_step(rows, tokens, max(lengths))
+    rng = random.Random(seed)
+    order = list(range(len(lengths)))
+    if shuffle:
+        rng.shuffle(order)
+        per_step = rows if rows is not None else max(1, tokens // max(  # type: ignore[operator]
+            1, round(sum(lengths) / len(lengths))))
+        span = per_step * SHUFFLE_WINDOW_STEPS
+        order = [i for w in range(0, len(order), span)
+                 for i in sorted(order[w:w + span], key=lengths.__getitem__)]
+    else:
+        order.sort(key=lengths.__getitem__)
+    steps = _cut_steps(order, lengths, rows, tokens)
+    if shuffle:
+        rng.shuffle(steps)
+    out = []
+    for step in steps:
+        local = plan_batches([lengths[i] for i in step], max_batch)
+        out.append([[step[k] for k in batch] for batch in local])
+    return out
+
+
+def step_shares(step: Sequence[Sequence[int]], units: Sequence[int] | None = None
+                ) -> list[float]:
+    """Each batch's share of its optimizer ``step`` (batches of indices, as
+    :func:`plan_steps` gives): its rows over the step's rows, or with ``units`` (per sample:
+    the tokens its loss counts, e.g. the lengths, or the lengths less one for a causal
+    language model's shifted labels) its units over the step's. A batch's loss, a mean over
+    its rows or units, times its share, summed over the step, is the mean over the step's:
+    exact, whatever the batches' sizes."""
+    count = [sum(units[i] for i in batch) if units is not None else len(batch)
+             for batch in step]
+    total = sum(count)
+    if total <= 0:
+        raise UsageError("the step counts no units: every sample's units are 0; give units "
+                         "that count what the loss averages over (e.g. the lengths)")
+    return [c / total for c in count]
+
+
 def split_for_ranks(batches: list[list[int]], world_size: int) -> list[list[int]]:
     """``batches`` with the largest split in two until their number is a multiple of
     ``world_size`` (a part of a batch that fits fits too): every rank then takes as many
@@ -96,6 +197,33 @@ def split_for_ranks(batches: list[list[int]], world_size: int) -> list[list[int]
     return out
 
 
+def _steps_for_ranks(steps: list[list[list[int]]], world_size: int) -> list[list[list[int]]]:
+    """``steps`` with the one of most samples split in two (its batches re-cut by halves)
+    until their number is a multiple of ``world_size``: every rank takes as many steps.
+    :class:`UsageError` where there are fewer samples than ranks."""
+    out = [list(s) for s in steps]
+    while len(out) % world_size:
+        i = max(range(len(out)), key=lambda k: sum(map(len, out[k])))
+        flat = [j for batch in out[i] for j in batch]
+        if len(flat) < 2:
+            raise UsageError(f"{sum(sum(map(len, s)) for s in out)} sample(s) cannot be split "
+                             f"into equal numbers of steps for {world_size} ranks; give at "
+                             f"least {world_size} samples")
+        cut = len(flat) // 2
+        # Each half's batches: the step's own, cut where the halves part (parts of a batch
+        # that fits fit too).
+        halves: list[list[list[int]]] = [[], []]
+        seen = 0
+        for batch in out[i]:
+            for part, lo, hi in ((0, 0, cut), (1, cut, len(flat))):
+                piece = batch[max(0, lo - seen):max(0, hi - seen)]
+                if piece:
+                    halves[part].append(piece)
+            seen += len(batch)
+        out[i:i + 1] = halves
+    return out
+
+
 class LengthBatchSampler:
     """A ``DataLoader`` batch sampler over :func:`plan_batches`'s batches, one epoch at a time.
 
@@ -106,11 +234,19 @@ class LengthBatchSampler:
     remaining batches, then whole epochs again. A ``DataLoader`` with workers asks for batches
     ahead of the loop: save the batches the loop has consumed (``state["batches_done"]``)
     where that matters. ``len()``: the batches the next iteration yields.
+
+    With ``rows_per_step`` or ``tokens_per_step``, the batches come a step at a time
+    (:func:`plan_steps`), whole steps split across ranks, and :meth:`schedule` says, for each
+    batch the next iteration yields, its share of its step's loss and whether it ends the step.
     """
 
     def __init__(self, lengths: Sequence[int], max_batch: MaxBatch, *, shuffle: bool = False,
-                 seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+                 seed: int = 0, rank: int = 0, world_size: int = 1,
+                 rows_per_step: int | None = None, tokens_per_step: int | None = None) -> None:
         self.lengths = check_lengths(lengths)
+        self.per_step = (rows_per_step, tokens_per_step)
+        if self.per_step != (None, None):
+            _check_per_step(rows_per_step, tokens_per_step, max(self.lengths))
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise UsageError(f"world_size must be an int >= 1, got {world_size!r}; give the "
                              "number of ranks")
@@ -124,16 +260,42 @@ class LengthBatchSampler:
         self.epoch = 0
         self._start = 0  # batches of this epoch to skip: a resumed sampler's progress
         self._done = 0  # batches of this epoch handed out
-        self._cached: tuple[int, list[list[int]]] | None = None
+        self._cached: tuple[int, list[list[list[int]]]] | None = None
+
+    def epoch_steps(self) -> list[list[list[int]]]:
+        """This rank's batches of the current epoch grouped by optimizer step (one batch a
+        step without ``rows_per_step``/``tokens_per_step``), in order."""
+        if self._cached is None or self._cached[0] != self.epoch:
+            rows, tokens = self.per_step
+            seed = self.seed + self.epoch
+            if rows is None and tokens is None:
+                every = plan_batches(self.lengths, self.max_batch, shuffle=self.shuffle,
+                                     seed=seed)
+                mine = [[b] for b in split_for_ranks(every, self.world_size)[
+                    self.rank::self.world_size]]
+            else:
+                steps = plan_steps(self.lengths, self.max_batch, rows=rows, tokens=tokens,
+                                   shuffle=self.shuffle, seed=seed)
+                mine = _steps_for_ranks(steps, self.world_size)[self.rank::self.world_size]
+            self._cached = (self.epoch, mine)
+        return self._cached[1]
 
     def epoch_batches(self) -> list[list[int]]:
         """This rank's batches of the current epoch, in order."""
-        if self._cached is None or self._cached[0] != self.epoch:
-            every = plan_batches(self.lengths, self.max_batch, shuffle=self.shuffle,
-                                 seed=self.seed + self.epoch)
-            self._cached = (self.epoch, split_for_ranks(every, self.world_size)[
-                self.rank::self.world_size])
-        return self._cached[1]
+        return [batch for step in self.epoch_steps() for batch in step]
+
+    def schedule(self, units: Sequence[int] | None = None) -> list[tuple[float, bool]]:
+        """For each batch the next iteration yields (call it before iterating): its share of
+        its step's loss (:func:`step_shares`; ``units`` per sample, default the lengths with
+        ``tokens_per_step``, one a row otherwise) and whether an optimizer step follows it.
+        A resumed sampler's first step counts all its batches, those run before the save too."""
+        if units is None and self.per_step[1] is not None:
+            units = self.lengths
+        out = []
+        for step in self.epoch_steps():
+            shares = step_shares(step, units)
+            out += [(share, k == len(step) - 1) for k, share in enumerate(shares)]
+        return out[self._start:]
 
     def __iter__(self) -> Iterator[list[int]]:
         batches, start = self.epoch_batches(), self._start
