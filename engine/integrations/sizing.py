@@ -31,7 +31,7 @@ import torch
 from oomguard.engine.core.execute.priced import RemedyChoice, choose_remedy
 from oomguard.engine.core.search.search import SearchResult, search
 from oomguard.engine.errors import UsageError
-from oomguard.engine.training.distributed import agree
+from oomguard.engine.training.distributed import agree, agree_remedy
 from oomguard.engine.util.rows import micro_batches
 from oomguard.engine.util.units import fmt_bytes
 
@@ -105,14 +105,16 @@ def priced_split(micro_step: Callable[[int], Any], effective: int, rows: int,
     effective step of ``rows`` rows (the first ``rows`` the loop loads; at most
     ``effective``) of ``micro_step(n)`` (forward and backward of ``n`` rows, adding to
     ``.grad``), ``clip()`` (the framework's gradient clipping, where it clips) and
-    ``optimizer``'s step, trials putting ``model`` and ``optimizer`` back;
-    the micro-batches keep under the chosen configuration's micro-batch (with ``largest``, the
-    largest that ran in it), as equal as the rows allow (with ``equal``, all the same).
-    ``options``: the pricing's search options (``budget``, ``margin``, ...; trials forked
-    unless ``fork=False``). The table is
-    logged, one line per configuration, each starting with ``where``."""
-    choice = choose_remedy(micro_step, rows, model, optimizer=optimizer, remedies=remedies,
-                           name=name, clip=clip, **options)
+    ``optimizer``'s step, trials putting ``model`` and ``optimizer`` back; under
+    ``torch.distributed`` every rank then runs one configuration at one micro-batch
+    (:func:`~oomguard.engine.training.distributed.agree_remedy`). The micro-batches keep
+    under the chosen configuration's micro-batch (with ``largest``, the largest that ran in
+    it), as equal as the rows allow (with ``equal``, all the same). ``options``: the
+    pricing's search options (``budget``, ``margin``, ...; trials forked unless
+    ``fork=False``). The table is logged, one line per configuration, each starting with
+    ``where``."""
+    choice = agree_remedy(choose_remedy(micro_step, rows, model, optimizer=optimizer,
+                                        remedies=remedies, name=name, clip=clip, **options))
     row = choice.row
     most = row.max_ok if largest and row.max_ok is not None else choice.micro_batch
     allowed = agree(most, False).size

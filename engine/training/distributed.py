@@ -13,6 +13,8 @@ each adaptive object checks through the store, not a collective, that every rank
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,7 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from oomguard.engine.core.execute.priced import RemedyChoice, configuration
 from oomguard.engine.errors import CollectiveMismatch
+from oomguard.engine.util.faster import fastest
+
+log = logging.getLogger("oomguard.distributed")
 
 Sizes = dict[str, int]
 
@@ -60,6 +66,55 @@ def agree(proposed: int, oom: bool, group: Any = None) -> Agreement:
         return Agreement(proposed, oom)
     size, flag = _min_over_ranks([proposed, -int(oom)], group)
     return Agreement(size, flag < 0)
+
+
+# A rate no rank measured because its plain step fit the whole batch ("not needed"): it
+# does not bound the agreed rate (milli-samples per second).
+_UNBOUNDED = 2**62
+
+
+def agree_remedy(choice: RemedyChoice, group: Any = None) -> RemedyChoice:
+    """One configuration and one micro-batch for every rank of ``group``, from each rank's
+    :class:`~oomguard.engine.core.execute.priced.RemedyChoice` (the same remedies, so the
+    same rows): per configuration, the smallest micro-batch any rank found safe and the
+    slowest rank's rate (a row a rank did not need, its plain step fitting the whole batch,
+    fits there at the whole batch and bounds nothing); the choice then follows
+    :func:`~oomguard.engine.util.faster.fastest`, as each rank's own did. Ranks that chose
+    alike change nothing but, where smaller elsewhere, the micro-batch. Ranks whose choices
+    differ would run different numbers of backward passes per step, and a data-parallel
+    step waits for each one on every rank. One ``all_reduce(MIN)``; outside
+    ``torch.distributed``, ``choice`` itself."""
+    if not is_active():
+        return choice
+    table = choice.table
+    micro = [r.micro_batch or 0 if r.status != "not needed" else choice.rows for r in table]
+    rate = [_UNBOUNDED if r.status == "not needed" else round(1000 * r.samples_per_second)
+            if r.samples_per_second and r.status in ("chosen", "measured") else 0 for r in table]
+    agreed = _min_over_ranks([len(table), -len(table), *micro, *rate], group)
+    if agreed[0] != -agreed[1]:
+        raise CollectiveMismatch("ranks priced different remedies; give every rank the same "
+                                 "remedies=")
+    micro, rate = agreed[2:2 + len(table)], agreed[2 + len(table):]
+    candidates = [i for i in range(len(table))
+                  if micro[i] > 0 and 0 < rate[i] < _UNBOUNDED]
+    best = fastest([rate[i] / 1000 for i in candidates],
+                   [table[i].spread or 0.0 for i in candidates])
+    if best is None:
+        raise CollectiveMismatch("no configuration was measured safe on every rank: run "
+                                 "every rank on the same device and budget, or without "
+                                 "remedies=")
+    row = table[candidates[best]]
+    if row.configuration == choice.chosen.name and micro[candidates[best]] == choice.micro_batch:
+        return choice
+    table = [dataclasses.replace(r, status="measured" if r.status == "chosen" else r.status)
+             for r in table]  # copies: the choice remembered for this rank stays as it was
+    row = table[candidates[best]]
+    row.status, row.why = "chosen", f"agreed by {dist.get_world_size(group)} ranks"
+    log.info("%s: ranks agreed on %s at micro-batch %d (this rank chose %s at %d)",
+             choice.workload, row.configuration, micro[candidates[best]], choice.chosen.name,
+             choice.micro_batch)
+    return dataclasses.replace(choice, table=table, chosen=configuration(row.configuration),
+                               micro_batch=micro[candidates[best]])
 
 
 def _min_over_ranks(values: list[int], group: Any) -> list[int]:

@@ -146,6 +146,11 @@ CONFIGURATIONS: dict[str, tuple[Configuration, ...]] = {
 }
 
 
+def configuration(name: str) -> Configuration:
+    """The configuration named ``name`` (a :class:`Priced` row's ``configuration``)."""
+    return next(c for group in CONFIGURATIONS.values() for c in group if c.name == name)
+
+
 @dataclass
 class Priced:
     """One configuration's row: ``status`` ``chosen``, ``measured``,
