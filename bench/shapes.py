@@ -148,7 +148,7 @@ def _epoch(way: str, lengths: list[int], budget: int, size: int) -> dict[str, An
         plan = oomguard.search_shapes(step, lengths, budget=budget, device="cpu",
                                       restore=(model, optimizer))
         extra = {"plan_s": time.perf_counter() - t0,
-                 "trials": sum(p.trials for p in plan.points),
+                 "trials": plan.trials,
                  "at_longest": plan.max_batch(max(lengths))}
         batches = plan.batches(lengths, shuffle=True, seed=0)
     ooms = 0

@@ -44,7 +44,7 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "oomguard.engine.training.release": ("free_memory", "release_memory"),
     "oomguard.engine.core.search.search": ("search", "verify"),
     "oomguard.engine.core.search.config": ("SearchConfig",),
-    "oomguard.engine.core.search.shapes": ("search_shapes",),
+    "oomguard.engine.core.shapes": ("search_shapes",),
     "oomguard.engine.core.estimate.estimate": ("estimate",),
     "oomguard.engine.core.execute.executor": ("Executor",),
     "oomguard.engine.training.adaptive": ("adaptive", "find_executable_batch_size"),
@@ -90,7 +90,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names ("as": re-expor
     from oomguard.engine.core.search.config import SearchConfig as SearchConfig
     from oomguard.engine.core.search.search import search as search
     from oomguard.engine.core.search.search import verify as verify
-    from oomguard.engine.core.search.shapes import search_shapes as search_shapes
+    from oomguard.engine.core.shapes import search_shapes as search_shapes
     from oomguard.engine.errors import ExecutionFailed as ExecutionFailed
     from oomguard.engine.errors import NoExecutableBatchSize as NoExecutableBatchSize
     from oomguard.engine.errors import OomguardError as OomguardError

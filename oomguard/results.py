@@ -7,8 +7,8 @@ from oomguard.engine.core.estimate.estimate import Estimate
 from oomguard.engine.core.memory.budget import Budget
 from oomguard.engine.core.search.fit import LinearFit, Recommendation
 from oomguard.engine.core.search.search import SearchResult
-from oomguard.engine.core.search.shapes import ShapePlan
 from oomguard.engine.core.search.trial import Trial
+from oomguard.engine.core.shapes import ShapePlan
 from oomguard.probes import MemorySnapshot
 
 __all__ = ["Budget", "Estimate", "LinearFit", "MemorySnapshot", "Recommendation",

@@ -1,5 +1,5 @@
 """Batches planned from a dataset's lengths (``oomguard bench --lengths``): the record written to
-``shapes.json`` (the :class:`~oomguard.engine.core.search.shapes.ShapePlan`'s ``to_dict()`` and
+``shapes.json`` (the :class:`~oomguard.engine.core.shapes.ShapePlan`'s ``to_dict()`` and
 the tokens per batch of its batches against sizing at the longest length), ``shapes.png`` (the
 largest batch against length) and ``shapes.md``. Bytes in binary units; lengths in tokens."""
 
@@ -19,7 +19,7 @@ from oomguard.reports import style
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from oomguard.engine.core.search.shapes import ShapePlan
+    from oomguard.engine.core.shapes import ShapePlan
 
 
 def shapes_record(plan: ShapePlan, lengths: Sequence[int]) -> dict[str, Any]:
@@ -108,7 +108,7 @@ def report_summary(record: Mapping[str, Any]) -> dict[str, Any]:
     """What ``report.json``'s context keeps of :func:`shapes_record` (shapes.json has it all):
     no batch shapes and no searches."""
     planned = {k: v for k, v in record["planned"].items() if k != "shapes"}
-    keep = ("workload", "device", "budget_bytes", "seconds", "points", "lengths",
+    keep = ("workload", "device", "budget_bytes", "seconds", "trials", "points", "lengths",
             "longest_length_sizing", "tokens_ratio")
     return {k: record[k] for k in keep} | {"planned": planned}
 
@@ -121,6 +121,9 @@ def _body(record: Mapping[str, Any]) -> list[str]:
             f"{'-' if p['first_oom'] is None else p['first_oom']} | "
             f"{fmt_bytes(p['per_row_bytes'])} | {p['trials']} |" for p in record["points"]]
     budget = fmt_bytes(record["budget_bytes"]) if record["budget_bytes"] else "none"
+    how = (f"read from the size cache (planned in {record['seconds']:.1f} s before; no trial "
+           "now)" if record.get("source") == "cache" else
+           f"planned in {record['seconds']:.1f} s, {record['trials']} real trials of the step")
     fixed_line = (f"Sizing every batch at the longest length ({lengths['longest']} tokens, "
                   f"{fixed['batch']} rows) takes {fixed['batches']} batches of "
                   f"{fixed['tokens_per_batch']:,.0f} real tokens: the plan moves "
@@ -129,7 +132,7 @@ def _body(record: Mapping[str, Any]) -> list[str]:
     return [
         f"{lengths['count']:,} samples of {lengths['shortest']} to {lengths['longest']} tokens "
         f"(median {lengths['median']:g}), on {record['device']} under a {budget} budget; "
-        f"planned in {record['seconds']:.1f} s.", "",
+        f"{how}.", "",
         f"The plan cuts them into **{planned['batches']} batches of "
         f"{planned['tokens_per_batch']:,.0f} real tokens** on average "
         f"({planned['padded_tokens_per_batch']:,.0f} with padding to each batch's longest "
@@ -137,8 +140,10 @@ def _body(record: Mapping[str, Any]) -> list[str]:
         "| searched length | safe batch | measured maximum | first OOM | per-row bytes "
         "(fitted) | trials |",
         "|---|---|---|---|---|---|", *rows, "",
-        "Each searched length is a batch-size search of the training step at that length; "
-        "between them the safe batch is interpolated (`ShapePlan.max_batch`). shapes.png "
+        "The longest length is a batch-size search of the training step; each shorter "
+        "searched length one trial, at the batch that search and the estimated per-row bytes "
+        "predict; between them the safe batch is interpolated (`ShapePlan.max_batch`). "
+        "shapes.png "
         "draws it with every planned batch's shape; shapes.json has the plan "
         "(`ShapePlan.to_dict()`), each batch's shape and the tokens per batch."]
 

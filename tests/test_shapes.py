@@ -134,7 +134,7 @@ def test_search_shapes_checks_lengths_before_any_trial():
 
 
 def _plan_of(safe_at: dict[int, int]):
-    from oomguard.engine.core.search.shapes import ShapePlan, ShapePoint
+    from oomguard.engine.core.shapes import ShapePlan, ShapePoint
 
     points = [ShapePoint(n, safe, safe + 1, safe + 2, 0.0, 0.0, None, 3)
               for n, safe in sorted(safe_at.items())]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 from conftest import cli_in_child
@@ -21,8 +22,11 @@ def test_bench_lengths_writes_the_plan(tmp_path) -> None:
     lengths = [4] * 200 + [6] * 100 + [8] * 60 + [12] * 30 + [20] * 8 + [32] * 3
     (tmp_path / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
     out = tmp_path / "rep"
-    done = cli_in_child("bench", "--model", TINY, "--lengths", str(tmp_path / "lengths.txt"),
-                        "--budget", "24MiB", "--max-size", "128", "--out", str(out))
+    args = ("bench", "--model", TINY, "--lengths", str(tmp_path / "lengths.txt"), "--budget",
+            "24MiB", "--max-size", "128", "--cache", str(tmp_path / "sizes.json"))
+    started = time.perf_counter()
+    done = cli_in_child(*args, "--out", str(out))
+    searched_s = time.perf_counter() - started
     assert done.returncode == 0, done.stderr[-2000:]
     assert "x the tokens per batch" in done.stdout
     assert {p.name for p in out.iterdir()} >= {"shapes.json", "shapes.png", "shapes.md",
@@ -54,6 +58,52 @@ def test_bench_lengths_writes_the_plan(tmp_path) -> None:
     context = json.loads((out / "report.json").read_text())["context"]
     assert context["shapes"]["tokens_ratio"] == pytest.approx(record["tokens_ratio"])
     assert context["data"]["sequence_length"] == 32
+    # At most 6 real trials of the step, counted from the searches.
+    runs = sum(len(r["trials"]) + len(r["checks"]) for r in record["results"])
+    assert record["source"] == "search" and record["trials"] == runs <= 6, record["trials"]
+    assert all(p["safe"] <= 128 for p in record["points"]), record["points"]  # --max-size
+
+    # The plan is in the size cache: a second run reads it back, no trial, the same plan.
+    started = time.perf_counter()
+    again = cli_in_child(*args, "--out", str(tmp_path / "again"))
+    cached_s = time.perf_counter() - started
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "from the size cache" in again.stderr and "0 trials" in again.stdout, again.stdout
+    cached = json.loads((tmp_path / "again" / "shapes.json").read_text())
+    assert cached["source"] == "cache" and cached["trials"] == 0 and cached["results"] == []
+    assert cached["points"] == record["points"] and cached["planned"] == record["planned"]
+    assert cached["cache_key"] == record["cache_key"]
+    assert not (tmp_path / "again" / "report.md").exists()  # no search to report
+    assert cached_s < searched_s, (cached_s, searched_s)
+    # An entry whose plan cannot be read is ignored with a warning, and searched again.
+    doc = json.loads((tmp_path / "sizes.json").read_text())
+    doc["entries"][record["cache_key"]]["plan"]["points"] = "not points"
+    (tmp_path / "sizes.json").write_text(json.dumps(doc))
+    redone = cli_in_child(*args, "--out", str(tmp_path / "redone"))
+    assert redone.returncode == 0, redone.stderr[-2000:]
+    assert f"entry {record['cache_key']} ignored" in redone.stderr, redone.stderr[-2000:]
+    assert json.loads((tmp_path / "redone" / "shapes.json").read_text())["trials"] > 0
+
+
+def test_plan_cache_key_is_the_device_with_its_budget_and_the_searched_lengths() -> None:
+    from oomguard.engine.cli.shapes import plan_workload
+    from oomguard.engine.core.search.config import SearchConfig
+    from oomguard.engine.jobs.cache import entry_key
+    from oomguard.engine.jobs.plan import identify_device
+    from oomguard.metrics.train_step import TrainStep
+
+    step, config = TrainStep(model=TINY, seq_len=32), SearchConfig(budget=24 * 2**20)
+    lengths = [4] * 200 + [8] * 60 + [32] * 3
+    work = plan_workload(step, config, lengths)
+    key = entry_key(identify_device("cpu", 24 * 2**20, "test"), work)
+    # Another budget is another device, so another entry.
+    assert key != entry_key(identify_device("cpu", 32 * 2**20, "test"), work)
+    # Other lengths that the plan searches alike (the same 10th percentile and longest) share
+    # the entry: the batches come from each run's own lengths; other searched lengths do not.
+    assert work == plan_workload(step, config, lengths + [4] * 50 + [16] * 10)
+    assert work["params"]["searched_lengths"] == [4, 11, 32]
+    assert work != plan_workload(step, config, [8] * 200 + [32] * 3)
+    assert work != plan_workload(step, SearchConfig(budget=24 * 2**20, margin=0.1), lengths)
 
 
 @pytest.mark.parametrize(("content", "words"), [

@@ -45,7 +45,15 @@ def add_bench(p: argparse.ArgumentParser) -> None:
                    help="plan batches from a dataset's sample lengths (one integer a line) "
                         "too: searches at up to 3 lengths (the longest replaces --seq-len), "
                         "written as shapes.json, shapes.png, shapes.md and a section of "
-                        "report.md")
+                        "report.md; the plan is kept in the size cache, and a second run "
+                        "with the same model, device, budget and searched lengths reads it "
+                        "back without a trial")
+    p.add_argument("--cache", metavar="PATH",
+                   help="with --lengths: size cache file (default: sizes.json in the user "
+                        "cache folder)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="with --lengths: plan again even where the size cache has the plan, "
+                        "and replace it there")
     p.add_argument("--out", default="oomguard-report", metavar="DIR",
                    help="report folder (default oomguard-report)")
     p.set_defaults(func=cmd_bench)
@@ -142,6 +150,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         lengths = read_lengths(args.lengths)
         check_shape_options(args)
+    elif args.cache is not None or args.no_cache:
+        raise UsageError("--cache and --no-cache are for --lengths (the plan is cached; "
+                         "bench's own search is not): give --lengths FILE, or drop them")
         # The longest length bounds the model's positions and the sizes a device can hold.
         args.seq_len = max(lengths)
     check_workload(args)

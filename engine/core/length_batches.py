@@ -2,7 +2,7 @@
 
 Samples are sorted by length and cut into batches greedily: a batch, padded to its longest
 sample, holds at most ``max_batch(longest)`` rows. ``max_batch`` is any function of a length
-that does not grow with it (a :class:`~oomguard.engine.core.search.shapes.ShapePlan`'s): the
+that does not grow with it (a :class:`~oomguard.engine.core.shapes.ShapePlan`'s): the
 longest sample is then always the one added last. :class:`LengthBatchSampler` hands the
 batches to a ``DataLoader`` (``batch_sampler=``), one epoch at a time, split across ranks
 and resumable mid-epoch::

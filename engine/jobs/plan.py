@@ -16,7 +16,7 @@ from oomguard.engine.util.jsonable import stable_hash
 from oomguard.engine.util.units import fmt_bytes
 from oomguard.probes import nvml, probe
 
-__all__ = ["device_identity", "plan"]
+__all__ = ["device_identity", "identify_device", "plan"]
 
 
 def plan(job: Job, digests: Digests | None = None) -> list[Task]:
@@ -41,20 +41,28 @@ def plan(job: Job, digests: Digests | None = None) -> list[Task]:
 
 
 def device_identity(job: Job) -> dict[str, Any]:
-    """The device this process runs ``job`` on, measured by :func:`oomguard.probes.probe`:
-    name and total bytes, the budget, torch's version, the host; on CUDA also the MIG
-    profile, driver version and UUID. Raises :class:`JobError` if the device is missing or
-    the job's budget is larger than its total memory."""
-    snap = probe(job.device)
+    """The device this process runs ``job`` on: :func:`identify_device` of its device and
+    budget. Raises :class:`JobError` if the device is missing or the job's budget is larger
+    than its total memory."""
+    return identify_device(job.device, job.budget_bytes, job.path)
+
+
+def identify_device(device: str, budget_bytes: int | None, where: str) -> dict[str, Any]:
+    """``device`` as this process sees it, measured by :func:`oomguard.probes.probe`: name and
+    total bytes, ``budget_bytes``, torch's version, the host; on CUDA also the MIG profile,
+    driver version and UUID: the size cache's device (:func:`~oomguard.engine.jobs.cache.device_key`).
+    Raises :class:`JobError` naming ``where`` (a job file, a command) if the device is
+    missing or the budget is larger than its total memory."""
+    snap = probe(device)
     if not snap.available:
-        raise JobError(f"{job.path}: device: {job.device} is not available here: {snap.reason}; "
+        raise JobError(f"{where}: device: {device} is not available here: {snap.reason}; "
                        "give another device (cpu runs anywhere)")
-    if job.budget_bytes and snap.total_bytes and job.budget_bytes > snap.total_bytes:
-        raise JobError(f"{job.path}: budget: {fmt_bytes(job.budget_bytes)} is more than "
-                       f"{job.device}'s {fmt_bytes(snap.total_bytes)} in total; give a "
+    if budget_bytes and snap.total_bytes and budget_bytes > snap.total_bytes:
+        raise JobError(f"{where}: budget: {fmt_bytes(budget_bytes)} is more than "
+                       f"{device}'s {fmt_bytes(snap.total_bytes)} in total; give a "
                        "smaller budget, or none")
-    ident = {"device": job.device, "name": snap.name, "total_bytes": snap.total_bytes,
-             "budget_bytes": job.budget_bytes, "torch": torch.__version__,
+    ident = {"device": device, "name": snap.name, "total_bytes": snap.total_bytes,
+             "budget_bytes": budget_bytes, "torch": torch.__version__,
              "host": socket.gethostname()}
     if snap.device.startswith("cuda"):
         # A MIG profile and the driver make GPUs differ; the UUID is for reports only.

@@ -1,15 +1,21 @@
-"""A memory model over batch and length, from real searches: :func:`search_shapes`.
+"""A memory model over batch and length, from an estimate and a few real trials:
+:func:`search_shapes`.
 
-Text has long-tailed lengths: sizing the batch at the longest length is safe, but most batches
-then use a fraction of the memory. ``search_shapes(step, lengths)`` runs the batch-size
-:func:`~oomguard.engine.core.search.search.search` of ``step`` at up to three lengths: the
-longest, a short one (the 10th percentile) and their geometric mean. The :class:`ShapePlan`
-it returns gives the largest safe batch at any length (:meth:`ShapePlan.max_batch`: the
-searches' safe batches, interpolated), batches planned from the data's lengths
-(:meth:`ShapePlan.batches`, :meth:`ShapePlan.batch_sampler` for a ``DataLoader``), and the
-memory model fitted on the measured peaks (estimates)::
+Text has long-tailed lengths: sizing the batch at the longest length is safe, but most
+batches then use a fraction of the memory. ``search_shapes(step, lengths)`` estimates the
+step's per-row bytes at up to three lengths (the longest, a short one, the 10th percentile,
+and their geometric mean) on fake tensors, runs the batch-size
+:func:`~oomguard.engine.core.search.search.search` of ``step`` at the longest length from
+the estimate's start, then one real trial at each other length, at the batch the estimate
+and the measured peaks predict: at most :data:`MAX_TRIALS` real runs of the step. The
+:class:`ShapePlan` it returns gives the largest safe batch at any length
+(:meth:`ShapePlan.max_batch`: the lengths' safe batches, interpolated), batches planned from
+the data's lengths (:meth:`ShapePlan.batches`, :meth:`ShapePlan.batch_sampler` for a
+``DataLoader``), and the memory model fitted on the measured peaks (estimates)::
 
     peak(batch, length) ~= fixed + batch * (c + a * length + b * length**2)
+
+It lives beside the search, not in it: the search knows nothing of the estimator.
 """
 
 from __future__ import annotations
@@ -241,6 +247,16 @@ class _AtLength:
     def __call__(self, size: int) -> Any:
         return self.step(size, self.seq_len)
 
+    def __getattr__(self, name: str) -> Any:
+        # The step's own warm-up and estimate copy, where it has them (a workload's hooks,
+        # engine/core/workload.py): an estimate runs the copy, warmed up outside its count.
+        if name not in ("warmup", "for_estimate") or "step" not in self.__dict__:
+            raise AttributeError(name)
+        hook = getattr(self.step, name)
+        if name == "warmup":
+            return hook
+        return lambda device: _AtLength(hook(device), self.seq_len)
+
 
 def search_shapes(step: Callable[[int, int], Any], lengths: Sequence[int], *,
                   budget: int | None = None, restore: Sequence[Any] | None = None,
@@ -251,7 +267,9 @@ def search_shapes(step: Callable[[int, int], Any], lengths: Sequence[int], *,
     ``step(batch_size, seq_len)`` runs the real step (a training step with its optimizer,
     given as ``restore=(model, optimizer)`` as to :func:`search`, or a metric); ``lengths``
     are the dataset's sample lengths. At most :data:`MAX_TRIALS` real runs of ``step`` in all
-    (:attr:`ShapePlan.trials`). With ``estimate``, the step's per-row bytes at each length
+    (:attr:`ShapePlan.trials`; a further length is tried only while one is left, and the one
+    way past it is that length's trial landing over its safe line: its recommendation is then
+    checked as every search's). With ``estimate``, the step's per-row bytes at each length
     searched are first estimated on fake tensors (:func:`_estimated_rows`: no memory, no real
     trial; with ``restore`` its objects are put back after). A :func:`search` runs at the
     longest length, started at the batch the estimate predicts, :data:`LONGEST_TRIALS` trials
@@ -272,7 +290,33 @@ def search_shapes(step: Callable[[int, int], Any], lengths: Sequence[int], *,
         options["restore"] = tuple(restore)
     if device is not None:
         options["device"] = device
-    ordered = sorted(lengths)
+    wanted = searched_lengths(lengths)
+    longest = wanted[-1]
+    rows = _estimated_rows(step, wanted, options) if estimate else None
+    searched = [(longest, search(_AtLength(step, longest), **_first(options, rows, longest)))]
+    # The short length first: the one between is then predicted from both sides.
+    for seq_len in wanted[:-1]:
+        used = sum(_runs(r) for _, r in searched)
+        if used >= MAX_TRIALS:
+            log.info("shapes: %d trials ran; length %d not searched", used, seq_len)
+            continue
+        result = _one_trial(step, seq_len, options, _plan(step, searched, t0, rows), rows,
+                            MAX_TRIALS - used)
+        if result is not None:
+            searched.append((seq_len, result))
+            searched.sort(key=lambda s: s[0])
+    plan = _plan(step, searched, t0, rows)
+    log.info("shapes: %s (%d trials)", ", ".join(
+        f"{p.safe} rows at length {p.seq_len}" for p in plan.points), plan.trials)
+    return plan
+
+
+def searched_lengths(lengths: Sequence[int]) -> list[int]:
+    """The lengths a plan of ``lengths`` searches, from the shortest: the longest; the 10th
+    percentile where it is shorter than 0.9 of it; their geometric mean where the 10th
+    percentile is shorter than half of it. A plan depends on ``lengths`` only through these
+    (the size cache's key: ``oomguard bench --lengths``)."""
+    ordered = sorted(check_lengths(lengths))
     longest = ordered[-1]
     short = ordered[int(SHORT_QUANTILE * (len(ordered) - 1))]
     wanted = [longest]
@@ -283,21 +327,7 @@ def search_shapes(step: Callable[[int, int], Any], lengths: Sequence[int], *,
         mid = round(math.sqrt(short * longest))
         if short < mid < longest and short < MID_LENGTH_RATIO * longest:
             wanted.insert(1, mid)
-    rows = _estimated_rows(step, wanted, options) if estimate else None
-    searched = [(longest, search(_AtLength(step, longest), **_first(options, rows, longest)))]
-    for seq_len in wanted[-2::-1]:  # the short length, then the one between
-        used = sum(_runs(r) for _, r in searched)
-        if used >= MAX_TRIALS:
-            log.info("shapes: %d trials ran; length %d not searched", used, seq_len)
-            continue
-        result = _one_trial(step, seq_len, options, _plan(step, searched, t0, rows), rows)
-        if result is not None:
-            searched.append((seq_len, result))
-            searched.sort(key=lambda s: s[0])
-    plan = _plan(step, searched, t0, rows)
-    log.info("shapes: %s (%d trials)", ", ".join(
-        f"{p.safe} rows at length {p.seq_len}" for p in plan.points), plan.trials)
-    return plan
+    return wanted
 
 
 def _runs(result: SearchResult) -> int:
@@ -324,13 +354,15 @@ def _estimated_rows(step: Callable[[int, int], Any], lengths: Sequence[int],
     t0 = time.perf_counter()
     try:
         rows = {}
-        for seq_len in lengths:
-            low, high = estimate(_AtLength(step, seq_len), ESTIMATE_BATCHES, device,
-                                 workspace=False)
+        shapes = _ByShape(step, lengths)
+        got = estimate(shapes, [shapes.size(b, i) for i in range(len(lengths))
+                                for b in ESTIMATE_BATCHES], device, workspace=False)
+        for i, seq_len in enumerate(lengths):
+            low, high = got[2 * i: 2 * i + 2]
             row = (high.peak_bytes - low.peak_bytes) / (high.size - low.size)
             if row <= 0:
                 return None
-            rows[seq_len] = {"row": row, "fixed": low.peak_bytes - low.size * row}
+            rows[seq_len] = {"row": row, "fixed": low.peak_bytes - (low.size % _SPAN) * row}
     except Exception as exc:  # an estimate only saves trials: the plan goes on without it
         log.info("shapes: no estimate of %s (%s: %s); predicting from the trials alone",
                  name_of(step), type(exc).__name__, str(exc)[:200])
@@ -341,6 +373,33 @@ def _estimated_rows(step: Callable[[int, int], Any], lengths: Sequence[int],
     log.info("shapes: estimated per-row bytes %s (%.1f s)", ", ".join(
         f"{r['row']:,.0f} at length {n}" for n, r in rows.items()), time.perf_counter() - t0)
     return rows
+
+
+_SPAN = 1 << 20  # sizes of one length in a _ByShape: more than any estimated batch
+
+
+class _ByShape(_AtLength):
+    """``step(batch, length)`` at several lengths as one workload, so one estimate (one
+    warm-up) covers them: size ``i * _SPAN + batch`` runs ``batch`` rows of
+    ``lengths[i]``."""
+
+    def __init__(self, step: Callable[[int, int], Any], lengths: Sequence[int]) -> None:
+        super().__init__(step, max(lengths))
+        self.lengths = list(lengths)
+        self.name = f"{name_of(step)} at lengths {', '.join(map(str, lengths))}"
+
+    def size(self, batch: int, index: int) -> int:
+        return index * _SPAN + batch
+
+    def __call__(self, size: int) -> Any:
+        index, batch = divmod(size, _SPAN)
+        return self.step(batch, self.lengths[index])
+
+    def __getattr__(self, name: str) -> Any:
+        hook = super().__getattr__(name)
+        if name == "for_estimate":
+            return lambda device: _ByShape(getattr(self.step, name)(device), self.lengths)
+        return hook
 
 
 def _first(options: dict[str, Any], rows: dict[int, dict[str, float]] | None,
@@ -396,15 +455,16 @@ def _predicted_row(plan: ShapePlan, rows: dict[int, dict[str, float]] | None,
 
 
 def _one_trial(step: Callable[[int, int], Any], seq_len: int, options: dict[str, Any],
-               plan: ShapePlan, rows: dict[int, dict[str, float]] | None) -> SearchResult | None:
+               plan: ShapePlan, rows: dict[int, dict[str, float]] | None,
+               left: int) -> SearchResult | None:
     """A further length's search: one trial, at the batch predicted to keep the peak under
     the longest length's safe line (its recommendation's limit, less :data:`SLACK` of what
     grows: a prediction's error stays under the line), from the per-row bytes
     :func:`_predicted_row` gives, else (no estimate) where the plan so far puts it
     (:meth:`ShapePlan.max_batch`: the per-row bytes in proportion to the length, at or below
     the maximum where they grow at least that fast). Its recommendation is measured as every
-    search's (its ``checks``). An OOM there tries once more at three quarters of it; then
-    None: the length is left out of the plan."""
+    search's (its ``checks``). An OOM there tries once more at three quarters of it where
+    ``left`` (trials the plan may still run) allows; then None: the length is left out."""
     longest = plan.points[-1]
     line = longest.limit_bytes
     row = _predicted_row(plan, rows, seq_len)
@@ -413,7 +473,7 @@ def _one_trial(step: Callable[[int, int], Any], seq_len: int, options: dict[str,
     else:
         size = plan.max_batch(seq_len)
     config = {k: v for k, v in options.items() if k not in ("start", "size_step", "strategy")}
-    for _ in range(2):
+    for _ in range(min(2, left)):
         size = max(1, min(plan.max_size, size))
         try:
             return search(_AtLength(step, seq_len), **config, strategy=Guided(start=size),
@@ -448,7 +508,7 @@ def _point(result: SearchResult, seq_len: int, longest: ShapePoint | None = None
     further length's one trial (``longest``: the longest length's point) has no line of its
     own: its per-row bytes are its peak above the longest length's fixed part, and its safe
     batch reaches up from the size measured under the limit as far as that line keeps the
-    peak under it, :data:`REACH` above it at most."""
+    peak under it, :data:`REACH` above it at most (and never past ``max_size``)."""
     rec, fit = result.recommendation, result.fit
     # The recommendation, its margin kept, also where the search stopped before an OOM: its
     # size was measured under the limit (SearchResult.checks).
@@ -467,7 +527,8 @@ def _point(result: SearchResult, seq_len: int, longest: ShapePoint | None = None
     if longest is not None and measured is not None and lines and measured <= min(lines):
         base = longest.fixed_bytes if measured > longest.fixed_bytes else 0.0
         row = (measured - base) / safe
-        safe = max(safe, min(int(safe * (1 + REACH)), int((min(lines) - base) / row)))
+        most = int(result.config.get("max_size", SearchConfig.max_size))
+        safe = max(safe, min(int(safe * (1 + REACH)), int((min(lines) - base) / row), most))
     return ShapePoint(seq_len=seq_len, safe=safe, max_ok=result.max_ok,
                       first_oom=result.first_oom, per_row_bytes=per_row, fixed_bytes=fixed,
                       limit_bytes=rec.limit_bytes if rec else None,
