@@ -15,6 +15,13 @@ share of the rows, or by the tokens of the whole batch where the Trainer passes
 ``num_items_in_batch``; either way a step's gradients are the whole batch's within float
 rounding. ``evaluate()`` first searches ``prediction_step`` up to ``per_device_eval_batch_size``.
 
+Where the Trainer groups samples by length (``train_sampling_strategy="group_by_length"``),
+``train()`` plans the micro-batches from the training samples' lengths instead
+(:func:`fit_train_steps`): each optimizer step's samples, of like length, come as one batch of
+the effective batch's rows, and ``training_step`` runs it in the micro-batches the plan allows
+at their own longest length, each trimmed to it (:mod:`~.length_steps`); the loss is
+normalised as above, so a step's gradients are the whole step's.
+
 With ``oomguard_options={"remedies": ("accumulate", "checkpoint")}``, ``train()`` prices each
 configuration instead of the one search (:func:`~.sizing.priced_split`): the fastest safe
 one's micro-batch splits the effective batch, and its configuration (checkpointing the
@@ -25,8 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,8 +45,11 @@ from transformers.utils import is_datasets_available
 from oomguard.engine.core.execute.priced import RemedyChoice, check_remedies, pricing_options
 from oomguard.engine.core.execute.retry import Halve
 from oomguard.engine.core.memory.oom import is_oom
+from oomguard.engine.core.shapes import search_shapes
 from oomguard.engine.errors import UsageError
+from oomguard.engine.integrations.length_steps import StepSampler, cut_step
 from oomguard.engine.integrations.sizing import (
+    STEPS_PER_TRIAL,
     Split,
     batch_rows,
     priced_split,
@@ -52,9 +63,9 @@ from oomguard.engine.util.rows import micro_batches, slice_rows
 log = logging.getLogger("oomguard.integrations")
 
 
-def first_rows(trainer: Trainer, dataset: Any, n: int, description: str) -> dict[str, Any]:
-    """The first ``n`` rows of ``dataset`` collated as the Trainer's dataloader collates them,
-    on its device. Not drawn from the dataloader: its sampler would draw from the RNG."""
+def _dataset_and_collator(trainer: Trainer, dataset: Any, description: str) -> tuple[Any, Any]:
+    """``dataset`` and the collator as the Trainer's dataloader uses them (unused columns
+    removed)."""
     if not has_length(dataset):
         raise UsageError(f"sizing the {description.lower()} batch needs a dataset with a length "
                          f"(rows to try); got {type(dataset).__name__}")
@@ -63,7 +74,83 @@ def first_rows(trainer: Trainer, dataset: Any, n: int, description: str) -> dict
         dataset = trainer._remove_unused_columns(dataset, description=description)
     else:  # what Trainer._get_dataloader does for other datasets
         collator = trainer._get_collator_with_removed_columns(collator, description=description)
+    return dataset, collator
+
+
+def first_rows(trainer: Trainer, dataset: Any, n: int, description: str) -> dict[str, Any]:
+    """The first ``n`` rows of ``dataset`` collated as the Trainer's dataloader collates them,
+    on its device. Not drawn from the dataloader: its sampler would draw from the RNG."""
+    dataset, collator = _dataset_and_collator(trainer, dataset, description)
     return trainer._prepare_inputs(collator([dataset[i] for i in range(min(n, len(dataset)))]))
+
+
+def by_length(trainer: Trainer) -> bool:
+    """Whether the Trainer groups its training samples by length (its
+    ``train_sampling_strategy``, or the older ``group_by_length`` flag)."""
+    args = trainer.args
+    return (getattr(args, "train_sampling_strategy", None) == "group_by_length"
+            or bool(getattr(args, "group_by_length", False)))
+
+
+def dataset_lengths(trainer: Trainer, dataset: Any) -> list[int]:
+    """Each training sample's length, as the Trainer's length-grouped sampler reads it: the
+    ``length_column_name`` column of a ``datasets.Dataset``, else the length of each
+    sample's first model input (``input_ids``)."""
+    args = trainer.args
+    column = getattr(args, "length_column_name", "length")
+    if (is_datasets_available() and isinstance(dataset, importlib.import_module("datasets").Dataset)
+            and column in dataset.column_names):
+        return [int(n) for n in dataset[column]]
+    names = getattr(trainer.processing_class, "model_input_names", None) or ["input_ids"]
+    first = dataset[0]
+    if not isinstance(first, Mapping) or names[0] not in first:
+        raise UsageError(f"grouping by length needs each sample to hold {names[0]!r} (or a "
+                         f"{column!r} column): give samples as dicts of token ids")
+    return [len(sample[names[0]]) for sample in dataset]
+
+
+def _cut_sample(sample: Mapping[str, Any], length: int, seq_len: int) -> dict[str, Any]:
+    """``sample`` (a dict of per-token lists or tensors of ``length``) cut to ``seq_len``."""
+    return {k: v[:seq_len] if hasattr(v, "__len__") and not isinstance(v, str)
+            and len(v) == length else v for k, v in sample.items()}
+
+
+def fit_train_steps(trainer: Trainer, **options: Any) -> Split:
+    """The Trainer's effective batch kept per optimizer step, its micro-batches planned from
+    the training samples' lengths: a :func:`~oomguard.engine.core.shapes.search_shapes` of
+    the Trainer's whole step (``training_step`` of two micro-batches, the gradient clipping,
+    the optimizer's step) at shapes it chooses, on the longest sample cut to each length;
+    model and optimizer restored. Returns the :class:`Split` holding the plan; the mixin's
+    dataloader then yields each step's samples as one batch (:class:`StepSampler`) and its
+    ``training_step`` runs it in the micro-batches the plan allows at their lengths
+    (:func:`cut_step`). ``options`` go to ``search_shapes``."""
+    args = trainer.args
+    effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    dataset, collator = _dataset_and_collator(trainer, trainer.train_dataset, "Training")
+    lengths = dataset_lengths(trainer, dataset)
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    model, optimizer = trainer.model, trainer.create_optimizer()
+    if not hasattr(trainer, "current_gradient_accumulation_steps"):
+        trainer.current_gradient_accumulation_steps = 1
+
+    def clip() -> None:
+        trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+
+    def step(size: int, seq_len: int) -> float:
+        row = _cut_sample(dataset[longest], lengths[longest], seq_len)
+        batch = trainer._prepare_inputs(collator([row] * size))
+        return training_trial(lambda n: trainer.training_step(model, slice_rows(batch, 0, n)),
+                              optimizer, effective, clip if args.max_grad_norm > 0 else None)(size)
+
+    step.__name__ = "trainer.training_step"  # type: ignore[attr-defined]
+    options.setdefault("steps_per_trial", STEPS_PER_TRIAL)
+    options.setdefault("max_size", effective)
+    plan = search_shapes(step, lengths, restore=(model, optimizer), **options)
+    split = Split(effective, effective, 1, None, plan=plan)
+    use_train_split(trainer, split)
+    log.info("Trainer: %d rows per device and step, micro-batches %s (%d real trials)",
+             effective, split.describe(), plan.trials)
+    return split
 
 
 def fit_train_batch(trainer: Trainer, largest: bool = False,
@@ -211,7 +298,9 @@ class OomguardTrainerMixin:
         return None if self.oomguard_train is None else self.oomguard_train.remedy
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        if self.oomguard_train is None:
+        if self.oomguard_train is None and by_length(self) and self.oomguard_remedies is None:
+            self.oomguard_train = fit_train_steps(self, **self.oomguard_options)
+        elif self.oomguard_train is None:
             self.oomguard_train = fit_train_batch(self, self.oomguard_largest,
                                                   self.oomguard_remedies,
                                                   **self.oomguard_options)
@@ -231,22 +320,46 @@ class OomguardTrainerMixin:
             return super().training_step(model, inputs, num_items_in_batch)
         rows = batch_rows(inputs)
         weighted = not _loss_scaled_for_accumulation(self, num_items_in_batch)
-        sizes = micro_batches(rows, split.micro_batch)
+        if split.plan is not None:  # a step of samples of like length: cut by their lengths
+            pieces = cut_step(inputs, split.plan.max_batch)
+        else:
+            bounds = itertools.accumulate(micro_batches(rows, split.micro_batch), initial=0)
+            pieces = [slice_rows(inputs, a, b) for a, b in itertools.pairwise(bounds)]
         total: torch.Tensor | None = None
-        stop = 0
-        for i, n in enumerate(sizes):
-            start, stop = stop, stop + n
-            last = i == len(sizes) - 1
-            self._oomguard_share = n / rows if weighted else None
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            self._oomguard_share = batch_rows(piece) / rows if weighted else None
             try:
                 with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
-                    loss = super().training_step(model, slice_rows(inputs, start, stop),
-                                                 num_items_in_batch)
+                    loss = super().training_step(model, piece, num_items_in_batch)
             finally:
                 self._oomguard_share = None
             total = loss if total is None else total + loss
         assert total is not None
         return total
+
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's own, or where the micro-batches are planned from the lengths, one
+        whose every batch is an optimizer step's samples (:class:`StepSampler`: shuffled each
+        epoch from the Trainer's seed, whole steps per rank), prepared by accelerate as the
+        Trainer prepares its own."""
+        split = self.oomguard_train
+        if split is None or split.plan is None:
+            return super().get_train_dataloader()
+        args = self.args
+        dataset, collator = _dataset_and_collator(self, self.train_dataset, "Training")
+        world = max(1, args.world_size)
+        sampler = StepSampler(dataset_lengths(self, dataset), split.plan.max_batch,
+                              split.effective, seed=args.data_seed or args.seed,
+                              rank=args.process_index if world > 1 else 0, world_size=world)
+        loader = self.accelerator.prepare(torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, collate_fn=collator,
+            num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory))
+        # accelerate shards a batch sampler across processes; this one is rank-aware already
+        prepared = getattr(loader, "batch_sampler", None)
+        if prepared is not None and getattr(prepared, "batch_sampler", None) is sampler:
+            prepared.num_processes, prepared.process_index = 1, 0
+        return loader
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any],
                      return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:

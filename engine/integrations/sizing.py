@@ -59,6 +59,7 @@ class Split:
     sizes: tuple[int, ...] = field(default=())
     allowed: int | None = None
     remedy: RemedyChoice | None = None
+    plan: Any = None  # a ShapePlan: micro-batches cut per step by length (length_steps.py)
 
     def __post_init__(self) -> None:
         if not self.sizes:  # given as micro-batch x accumulation: equal micro-batches
@@ -66,11 +67,17 @@ class Split:
 
     @property
     def equal(self) -> bool:
-        """Whether every micro-batch has the same rows (a loop's own accumulation runs it)."""
-        return len(set(self.sizes)) == 1
+        """Whether every micro-batch has the same rows (a loop's own accumulation runs it);
+        never with a ``plan``, whose micro-batches follow each step's lengths."""
+        return self.plan is None and len(set(self.sizes)) == 1
 
     def describe(self) -> str:
-        """The micro-batches in words: ``32 x 2`` or ``22 + 21 + 21``."""
+        """The micro-batches in words: ``32 x 2``, ``22 + 21 + 21`` or, with a plan, the
+        largest batch at its longest length."""
+        if self.plan is not None:
+            longest = max(p.seq_len for p in self.plan.points)
+            return (f"as each step's lengths allow ({self.plan.max_batch(longest)} rows at "
+                    f"length {longest})")
         if self.equal:
             return f"{self.micro_batch} x {self.accumulation}"
         return " + ".join(map(str, self.sizes))
