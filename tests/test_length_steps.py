@@ -204,3 +204,23 @@ def test_steps_split_across_ranks_use_every_sample_once_in_as_many_steps_per_ran
         for step in steps:
             for batch in step:
                 assert len(batch) <= _tokens_cap(max(LENGTHS[i] for i in batch))
+
+
+def test_a_shape_plans_steps_and_step_sampler_are_the_plans_max_batch() -> None:
+    from oomguard.engine.core.shapes import ShapePlan, ShapePoint
+
+    # a plan read back as the size cache keeps it: two measured points, no searches
+    point = dict(max_ok=64, first_oom=None, per_row_bytes=1.0, fixed_bytes=0.0,
+                 limit_bytes=None, trials=1)
+    plan = ShapePlan(workload="w", device="cpu", budget_bytes=None,
+                     points=[ShapePoint(seq_len=4, safe=64, **point),
+                             ShapePoint(seq_len=64, safe=4, **point)],
+                     fixed_bytes=0.0, per_row_const_bytes=0.0, per_token_bytes=1.0,
+                     per_token2_bytes=0.0, max_size=64, seconds=0.0)
+    steps = plan.steps(LENGTHS, rows=32)
+    assert steps == plan_steps(LENGTHS, plan.max_batch, rows=32)
+    for step in steps:
+        for batch in step:
+            assert len(batch) <= plan.max_batch(max(LENGTHS[i] for i in batch))
+    sampler = plan.batch_sampler(LENGTHS, rows_per_step=32)
+    assert sampler.epoch_steps() == steps

@@ -26,7 +26,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy
 
@@ -34,10 +34,10 @@ from oomguard.engine.core.length_batches import (
     LengthBatchSampler,
     check_lengths,
     plan_batches,
+    plan_steps,
 )
 from oomguard.engine.core.search.config import SearchConfig
 from oomguard.engine.core.search.search import SearchResult, search, verify
-from oomguard.engine.core.search.strategies import Guided
 from oomguard.engine.core.workload import name_of
 from oomguard.engine.errors import NoSizeFits, check_positive_int
 
@@ -120,11 +120,13 @@ class ShapePlan:
     seconds: float
     results: list[SearchResult] = field(default_factory=list, repr=False)
     estimated_row_bytes: dict[int, float] = field(default_factory=dict)
+    failed_trials: int = 0
 
     @property
     def trials(self) -> int:
-        """Real runs of the step this plan made: every search's trials and checks."""
-        return sum(_runs(r) for r in self.results)
+        """Real runs of the step this plan made: every search's trials and checks, and those
+        of a length where no batch fitted (``failed_trials``, left out of the plan)."""
+        return sum(_runs(r) for r in self.results) + self.failed_trials
 
     def per_row_bytes(self, seq_len: int) -> float:
         """The estimated peak bytes one row of ``seq_len`` adds (fitted, an estimate)."""
@@ -178,12 +180,24 @@ class ShapePlan:
         return plan_batches(lengths, self.max_batch, shuffle=shuffle, seed=seed)
 
     def batch_sampler(self, lengths: Sequence[int], *, shuffle: bool = False, seed: int = 0,
-                      rank: int = 0, world_size: int = 1) -> LengthBatchSampler:
-        """A ``DataLoader(dataset, batch_sampler=...)`` sampler of :meth:`batches`: resumable
-        (``state_dict``), split across ranks, deterministic for a seed
+                      rank: int = 0, world_size: int = 1, rows_per_step: int | None = None,
+                      tokens_per_step: int | None = None) -> LengthBatchSampler:
+        """A ``DataLoader(dataset, batch_sampler=...)`` sampler of :meth:`batches` (with
+        ``rows_per_step`` or ``tokens_per_step``: of :meth:`steps`, a step at a time):
+        resumable (``state_dict``), split across ranks, deterministic for a seed
         (:class:`LengthBatchSampler`)."""
         return LengthBatchSampler(lengths, self.max_batch, shuffle=shuffle, seed=seed,
-                                  rank=rank, world_size=world_size)
+                                  rank=rank, world_size=world_size, rows_per_step=rows_per_step,
+                                  tokens_per_step=tokens_per_step)
+
+    def steps(self, lengths: Sequence[int], *, rows: int | None = None,
+              tokens: int | None = None, shuffle: bool = False,
+              seed: int | None = None) -> list[list[list[int]]]:
+        """Optimizer steps of ``rows`` samples or at most ``tokens`` tokens each, cut into
+        batches :meth:`max_batch` allows: :func:`plan_steps` (each batch's share of its step's
+        loss: :func:`~oomguard.engine.core.length_batches.step_shares`)."""
+        return plan_steps(lengths, self.max_batch, rows=rows, tokens=tokens, shuffle=shuffle,
+                          seed=seed)
 
     def check(self, step: Callable[[int, int], Any], lengths: Sequence[int], *,
               restore: Sequence[Any] | None = None, steps: int = 2,
@@ -226,7 +240,8 @@ class ShapePlan:
         """The plan :meth:`to_dict` wrote (read back from JSON: the size cache), without its
         searches (``results`` empty, so :attr:`trials` is 0: none ran for it); KeyError or
         TypeError where ``doc`` is not such a plan."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"points", "results"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"points", "results",
+                                                             "failed_trials"}
         fields = {k: doc[k] for k in names if k in doc}
         fields["estimated_row_bytes"] = {int(n): float(v) for n, v in
                                          (doc.get("estimated_row_bytes") or {}).items()}
@@ -295,17 +310,21 @@ def search_shapes(step: Callable[[int, int], Any], lengths: Sequence[int], *,
     rows = _estimated_rows(step, wanted, options) if estimate else None
     searched = [(longest, search(_AtLength(step, longest), **_first(options, rows, longest)))]
     # The short length first: the one between is then predicted from both sides.
-    for seq_len in wanted[:-1]:
-        used = sum(_runs(r) for _, r in searched)
-        if used >= MAX_TRIALS:
+    used = _runs(searched[0][1])
+    for k, seq_len in enumerate(wanted[:-1]):
+        # One trial kept for each length after this one.
+        left = MAX_TRIALS - used - (len(wanted) - 2 - k)
+        if left < 1:
             log.info("shapes: %d trials ran; length %d not searched", used, seq_len)
             continue
-        result = _one_trial(step, seq_len, options, _plan(step, searched, t0, rows), rows,
-                            MAX_TRIALS - used)
+        result, runs = _one_trial(step, seq_len, options, _plan(step, searched, t0, rows),
+                                  rows, left)
+        used += runs
         if result is not None:
             searched.append((seq_len, result))
             searched.sort(key=lambda s: s[0])
     plan = _plan(step, searched, t0, rows)
+    plan.failed_trials = used - plan.trials  # of lengths where nothing fitted
     log.info("shapes: %s (%d trials)", ", ".join(
         f"{p.safe} rows at length {p.seq_len}" for p in plan.points), plan.trials)
     return plan
@@ -454,17 +473,56 @@ def _predicted_row(plan: ShapePlan, rows: dict[int, dict[str, float]] | None,
     return factor * rows[seq_len]["row"]
 
 
+@dataclass(frozen=True)
+class _Planned:
+    """A further length's trials: ``start`` (the predicted batch); after it fits with a peak,
+    the batch the line through that peak and the longest length's ``fixed_bytes`` puts at
+    ``1 - SLACK`` of the room under ``line_bytes``, where that is more than :data:`REACH`
+    above it (a prediction that was too low: measured, not reached); after an OOM, three
+    quarters of it. Otherwise done. ``max_trials`` bounds it, as every search."""
+
+    start: int
+    line_bytes: int
+    fixed_bytes: float
+    name: ClassVar[str] = "planned"
+
+    def describe(self) -> str:
+        return (f"Run {self.start}, the batch predicted under the safe line; then, where its "
+                f"peak puts the line's batch more than {REACH:.0%} higher, that batch; after "
+                "an OOM, three quarters of it.")
+
+    def next(self, trials: Sequence[Any], max_size: int) -> int | None:
+        if not trials:
+            return min(self.start, max_size)
+        last = trials[-1]
+        if not last.ok:
+            return last.size * 3 // 4 or None
+        if len(trials) > 1 or last.peak_bytes is None or last.peak_bytes <= self.fixed_bytes:
+            return None
+        row = (last.peak_bytes - self.fixed_bytes) / last.size
+        size = min(max_size, int((1 - SLACK) * (self.line_bytes - self.fixed_bytes) / row))
+        return size if size > last.size * (1 + REACH) else None
+
+    def why(self, trials: Sequence[Any], size: int) -> str:
+        if not trials:
+            return "the batch predicted to keep the peak under the longest length's safe line"
+        if not trials[-1].ok:
+            return f"three quarters of {trials[-1].size}, which ran out of memory"
+        return f"where the peak at {trials[-1].size} puts the safe line's batch"
+
+
 def _one_trial(step: Callable[[int, int], Any], seq_len: int, options: dict[str, Any],
                plan: ShapePlan, rows: dict[int, dict[str, float]] | None,
-               left: int) -> SearchResult | None:
-    """A further length's search: one trial, at the batch predicted to keep the peak under
-    the longest length's safe line (its recommendation's limit, less :data:`SLACK` of what
-    grows: a prediction's error stays under the line), from the per-row bytes
-    :func:`_predicted_row` gives, else (no estimate) where the plan so far puts it
-    (:meth:`ShapePlan.max_batch`: the per-row bytes in proportion to the length, at or below
-    the maximum where they grow at least that fast). Its recommendation is measured as every
-    search's (its ``checks``). An OOM there tries once more at three quarters of it where
-    ``left`` (trials the plan may still run) allows; then None: the length is left out."""
+               left: int) -> tuple[SearchResult | None, int]:
+    """A further length's search and its real runs: one trial (:class:`_Planned`), at the batch
+    predicted to keep the peak under the longest length's safe line (its recommendation's
+    limit, less :data:`SLACK` of what grows: a prediction's error stays under the line), from
+    the per-row bytes :func:`_predicted_row` gives, else (no estimate) where the plan so far
+    puts it (:meth:`ShapePlan.max_batch`: the per-row bytes in proportion to the length, at
+    or below the maximum where they grow at least that fast). Where ``left`` (trials this
+    length may run, at least 1) allows, a second: where the first's peak says the prediction
+    was too low, or after an OOM. Its recommendation is measured as every search's (its
+    ``checks``). None where nothing fitted: the length is left out of the plan."""
     longest = plan.points[-1]
     line = longest.limit_bytes
     row = _predicted_row(plan, rows, seq_len)
@@ -472,18 +530,16 @@ def _one_trial(step: Callable[[int, int], Any], seq_len: int, options: dict[str,
         size = int((1 - SLACK) * (line - longest.fixed_bytes) / row)
     else:
         size = plan.max_batch(seq_len)
+    size = max(1, min(plan.max_size, size))
     config = {k: v for k, v in options.items() if k not in ("start", "size_step", "strategy")}
-    for _ in range(min(2, left)):
-        size = max(1, min(plan.max_size, size))
-        try:
-            return search(_AtLength(step, seq_len), **config, strategy=Guided(start=size),
-                          max_trials=1)
-        except NoSizeFits:
-            log.info("shapes: %d rows at length %d ran out of memory", size, seq_len)
-            if size == 1:
-                break
-            size = size * 3 // 4
-    return None
+    planned = _Planned(size, line if line is not None else 0, longest.fixed_bytes)
+    try:
+        result = search(_AtLength(step, seq_len), **config, strategy=planned,
+                        max_trials=max(1, min(2, left)) if line is not None else 1)
+    except NoSizeFits as exc:
+        log.info("shapes: no batch from %d ran at length %d", size, seq_len)
+        return None, _runs(exc.result)
+    return result, _runs(result)
 
 
 def _plan(step: Callable[[int, int], Any], searched: list[tuple[int, SearchResult]],
