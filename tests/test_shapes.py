@@ -166,27 +166,32 @@ def _synthetic_plans() -> list[dict]:
     import oomguard
 
     out = []
-    for lengths in ([50] * 10, [40, 50, 50], [10, 30, 50, 50]):
-        plan = oomguard.search_shapes(_four_kib_a_token, lengths, budget=32 * 1024**2)
+    for lengths, estimate in (([50] * 10, True), ([40, 50, 50], True),
+                              ([10, 30, 50, 50], True), ([10, 30, 50, 50], False)):
+        plan = oomguard.search_shapes(_four_kib_a_token, lengths, budget=32 * 1024**2,
+                                      estimate=estimate)
         checked = plan.check(_four_kib_a_token, lengths)
         out.append({"lengths": [p.seq_len for p in plan.points], "checked": checked,
                     "data": lengths,
                     "trials": [p.trials for p in plan.points], "plan_trials": plan.trials,
                     "runs": sum(len(r.trials) + len(r.checks) for r in plan.results),
                     "max_batch": {n: plan.max_batch(n) for n in (5, 10, 22, 30, 50, 80)},
-                    "a": plan.per_token_bytes, "b": plan.per_token2_bytes})
+                    "a": plan.per_token_bytes, "b": plan.per_token2_bytes,
+                    "estimated": sorted(plan.estimated_row_bytes)})
     return out
 
 
-@pytest.mark.slow  # three plans of forked trials under a budget, about a second each
+@pytest.mark.slow  # four plans of forked trials under a budget, about a second each
 def test_plans_of_a_step_linear_in_the_tokens_are_within_10_percent_of_what_fits():
-    one, two, three = in_fresh_process(_synthetic_plans)
+    one, two, three, unestimated = in_fresh_process(_synthetic_plans)
     # One length where the 10th percentile is close to the longest, two where it is not
     # under half of it, three otherwise (the geometric mean: 22); the later ones one trial
     # each where it ran under the safe line; at most 6 real runs of the step in all.
     assert one["lengths"] == [50] and two["lengths"] == [40, 50]
     assert three["lengths"] == [10, 22, 50] and three["trials"][:2] == [1, 1]
-    for got in (one, two, three):
+    # The estimate covered the lengths searched; without it, the trials alone predict.
+    assert three["estimated"] == [10, 22, 50] and unestimated["estimated"] == []
+    for got in (one, two, three, unestimated):
         assert got["runs"] == got["plan_trials"] == sum(got["trials"]) <= 6, got
         for n, size in got["max_batch"].items():
             fits = 32 * 1024**2 // (n * 4096)  # the step's tensor alone, in the budget
