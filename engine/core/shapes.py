@@ -282,9 +282,10 @@ def search_shapes(step: Callable[[int, int], Any], lengths: Sequence[int], *,
     ``step(batch_size, seq_len)`` runs the real step (a training step with its optimizer,
     given as ``restore=(model, optimizer)`` as to :func:`search`, or a metric); ``lengths``
     are the dataset's sample lengths. At most :data:`MAX_TRIALS` real runs of ``step`` in all
-    (:attr:`ShapePlan.trials`; a further length is tried only while one is left, and the one
-    way past it is that length's trial landing over its safe line: its recommendation is then
-    checked as every search's). With ``estimate``, the step's per-row bytes at each length
+    (:attr:`ShapePlan.trials`; a further length is tried only while one is left, and its
+    search keeps no margin of its own, so runs no check: :func:`_under_line`; a
+    ``verify_steps`` verification of the longest length's answer is one more). With
+    ``estimate``, the step's per-row bytes at each length
     searched are first estimated on fake tensors (:func:`_estimated_rows`: no memory, no real
     trial; with ``restore`` its objects are put back after). A :func:`search` runs at the
     longest length, started at the batch the estimate predicts, :data:`LONGEST_TRIALS` trials
@@ -350,9 +351,10 @@ def searched_lengths(lengths: Sequence[int]) -> list[int]:
 
 
 def _runs(result: SearchResult) -> int:
-    """The real runs of the step a search made: its trials and its recommendation's checks
-    (a trial the RAM guard refused never ran)."""
-    return sum(not t.guarded for t in result.trials) + len(result.checks)
+    """The real runs of the step a search made: its trials, its recommendation's checks and
+    its verification (``verify_steps``; a trial the RAM guard refused never ran)."""
+    return (sum(not t.guarded for t in result.trials) + len(result.checks)
+            + (result.verification is not None))
 
 
 def _estimated_rows(step: Callable[[int, int], Any], lengths: Sequence[int],
@@ -521,8 +523,9 @@ def _one_trial(step: Callable[[int, int], Any], seq_len: int, options: dict[str,
     puts it (:meth:`ShapePlan.max_batch`: the per-row bytes in proportion to the length, at
     or below the maximum where they grow at least that fast). Where ``left`` (trials this
     length may run, at least 1) allows, a second: where the first's peak says the prediction
-    was too low, or after an OOM. Its recommendation is measured as every search's (its
-    ``checks``). None where nothing fitted: the length is left out of the plan."""
+    was too low, or after an OOM. Its search keeps no margin of its own (the trials are read
+    against the longest length's line, :func:`_under_line`), so it runs no check. None where
+    nothing fitted: the length is left out of the plan."""
     longest = plan.points[-1]
     line = longest.limit_bytes
     row = _predicted_row(plan, rows, seq_len)
@@ -532,6 +535,11 @@ def _one_trial(step: Callable[[int, int], Any], seq_len: int, options: dict[str,
         size = plan.max_batch(seq_len)
     size = max(1, min(plan.max_size, size))
     config = {k: v for k, v in options.items() if k not in ("start", "size_step", "strategy")}
+    if line is not None:
+        # Its trials are measured against the longest length's safe line (the plan's one
+        # margin, _point), so its own recommendation keeps none: it is a measured size, and
+        # no check runs past the plan's trials.
+        config |= {"margin": 0.0, "verify_steps": 0}
     planned = _Planned(size, line if line is not None else 0, longest.fixed_bytes)
     try:
         result = search(_AtLength(step, seq_len), **config, strategy=planned,
@@ -561,10 +569,8 @@ def _plan(step: Callable[[int, int], Any], searched: list[tuple[int, SearchResul
 
 def _point(result: SearchResult, seq_len: int, longest: ShapePoint | None = None) -> ShapePoint:
     """What a search at ``seq_len`` measured: its safe batch and its fitted line (bytes). A
-    further length's one trial (``longest``: the longest length's point) has no line of its
-    own: its per-row bytes are its peak above the longest length's fixed part, and its safe
-    batch reaches up from the size measured under the limit as far as that line keeps the
-    peak under it, :data:`REACH` above it at most (and never past ``max_size``)."""
+    further length's trials (``longest``: the longest length's point) are read against the
+    longest length's safe line (:func:`_under_line`)."""
     rec, fit = result.recommendation, result.fit
     # The recommendation, its margin kept, also where the search stopped before an OOM: its
     # size was measured under the limit (SearchResult.checks).
@@ -577,18 +583,34 @@ def _point(result: SearchResult, seq_len: int, longest: ShapePoint | None = None
                    if t.ok and t.size == result.max_ok)
         fixed = longest.fixed_bytes if longest is not None and peak > longest.fixed_bytes else 0.0
         per_row = (peak - fixed) / result.max_ok
-    measured = rec.checked_peak_bytes if rec is not None else None
-    lines = [x for x in (rec.limit_bytes if rec else None,
-                         longest.limit_bytes if longest else None) if x is not None]
-    if longest is not None and measured is not None and lines and measured <= min(lines):
-        base = longest.fixed_bytes if measured > longest.fixed_bytes else 0.0
-        row = (measured - base) / safe
-        most = int(result.config.get("max_size", SearchConfig.max_size))
-        safe = max(safe, min(int(safe * (1 + REACH)), int((min(lines) - base) / row), most))
+    limit = rec.limit_bytes if rec else None
+    if longest is not None and longest.limit_bytes is not None:
+        safe, limit = _under_line(result, longest), longest.limit_bytes
     return ShapePoint(seq_len=seq_len, safe=safe, max_ok=result.max_ok,
                       first_oom=result.first_oom, per_row_bytes=per_row, fixed_bytes=fixed,
-                      limit_bytes=rec.limit_bytes if rec else None,
-                      trials=_runs(result))
+                      limit_bytes=limit, trials=_runs(result))
+
+
+def _under_line(result: SearchResult, longest: ShapePoint) -> int:
+    """A further length's safe batch against the longest length's safe line
+    (``longest.limit_bytes``, its margin kept): from the largest trial measured under it, up
+    along the line through that peak and the longest length's fixed bytes as far as the line
+    allows, :data:`REACH` above that trial at most; where every trial that fitted ran over
+    it, down along the line through the smallest one's peak (at least 1). Never past
+    ``max_size``."""
+    line, fixed = longest.limit_bytes, longest.fixed_bytes
+    assert line is not None
+    ran = [t for t in [*result.trials, *result.checks] if t.ok and t.peak_bytes is not None]
+    if not ran:  # no peak was read: what the search answered
+        return max(1, result.size_to_use or 1)
+    under = [t for t in ran if t.peak_bytes <= line]
+    top = max(under, key=lambda t: t.size) if under else min(ran, key=lambda t: t.size)
+    base = fixed if top.peak_bytes > fixed else 0.0
+    along = int((line - base) / ((top.peak_bytes - base) / top.size))
+    if not under:
+        return max(1, min(along, top.size - 1))
+    most = int(result.config.get("max_size", SearchConfig.max_size))
+    return max(top.size, min(int(top.size * (1 + REACH)), along, most))
 
 
 def _surface(results: list[SearchResult], points: list[ShapePoint]
