@@ -136,7 +136,8 @@ NAMESPACES = {
     "results": {"SearchResult", "ShapePlan", "Trial", "LinearFit", "Recommendation", "Estimate",
                 "MemorySnapshot", "Budget"},
     "memory": {"OOM", "call_catching_oom", "RamGuard", "parse_size", "probe_all", "PeakMeter"},
-    "training": {"Accumulator", "Snapshot", "micro_batch_for", "micro_batches", "reset_stats"},
+    "training": {"Accumulator", "Snapshot", "micro_batch_for", "micro_batches", "plan_steps",
+                 "reset_stats", "step_shares"},
 }
 # The 49 names the top level exported before it shrank: each is still public somewhere.
 FORMER = {

@@ -92,7 +92,7 @@ class Net(torch.nn.Module):
 # kind: (vocabulary, width, tokens per row, rows, wait per micro-batch (s), model's blocks)
 WORKLOADS = {
     # a 10 MiB embedding: its gradient and, accumulating, a second one take 20 of 28 MiB
-    "loader": (40960, 64, 16, 128, 0.08, lambda w: [Cheap(w) for _ in range(8)], None),
+    "loader": (40960, 64, 16, 128, 0.12, lambda w: [Cheap(w) for _ in range(8)], None),
     "costly": (256, 16, 32, 4, 0.0, lambda w: [Costly(w, 0.03) for _ in range(4)], Wide(2048)),
 }
 
