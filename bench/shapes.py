@@ -30,7 +30,6 @@ tail, with no OOM.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import time
@@ -43,6 +42,7 @@ os.environ.setdefault("OOMGUARD_SWALLOWED_OOMS", "off")
 import torch  # noqa: E402 - after the thread count
 
 from oomguard.engine.core.child import Child, start_forkserver  # noqa: E402
+from oomguard.engine.core.length_batches import named_lengths  # noqa: E402
 
 MiB = 1024**2
 SHORTEST, LONGEST = 8, 256
@@ -51,22 +51,9 @@ WAYS = ("longest", "tokens", "plan")
 
 
 def lengths_of(kind: str, n: int, seed: int = 0) -> list[int]:
-    """``n`` sample lengths (tokens) of distribution ``kind``, from 8 to 256, the last one 256."""
-    rng = random.Random(seed)
-
-    def clip(x: float) -> int:
-        return min(LONGEST, max(SHORTEST, int(x)))
-
-    if kind == "uniform":
-        out = [rng.randint(SHORTEST, LONGEST) for _ in range(n - 1)]
-    elif kind == "long tail":
-        out = [clip(rng.lognormvariate(math.log(37), 0.8)) for _ in range(n - 1)]
-    elif kind == "bimodal":
-        out = [clip(rng.gauss(24, 6) if rng.random() < 0.7 else rng.gauss(192, 24))
-               for _ in range(n - 1)]
-    else:
-        raise ValueError(f"unknown distribution {kind!r}")
-    return [*out, LONGEST]
+    """``n`` sample lengths (tokens) of distribution ``kind``, from 8 to 256, the last one 256
+    (:func:`~oomguard.engine.core.length_batches.named_lengths`)."""
+    return named_lengths(kind.replace(" ", "-"), n, seed, SHORTEST, LONGEST)
 
 
 DISTRIBUTIONS = ("uniform", "long tail", "bimodal")

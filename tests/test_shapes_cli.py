@@ -130,3 +130,26 @@ def test_lengths_refuses_isolate(tmp_path, capsys) -> None:
     assert main(["bench", "--lengths", str(path), "--isolate", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()
     assert "drop --isolate" in err and len(err.splitlines()) == 1, err
+
+
+def test_lengths_take_a_named_distribution_where_no_such_file_exists(tmp_path, monkeypatch,
+                                                                    capsys) -> None:
+    from oomguard.engine.cli.shapes import read_lengths
+
+    monkeypatch.chdir(tmp_path)
+    tail = read_lengths("long-tail:400")
+    assert len(tail) == 400 and min(tail) >= 8 and tail[-1] == max(tail) == 256
+    assert tail == read_lengths("long-tail:400")  # the same every run
+    assert sorted(tail)[200] < 64  # a long tail: the median far below the longest
+    assert len(read_lengths("bimodal")) == 5000
+    uniform = read_lengths("uniform:1000")
+    assert len(set(uniform)) > 200  # every length from 8 to 256 alike
+    (tmp_path / "uniform").write_text("5\n7\n")  # a file of that name is a file
+    assert read_lengths("uniform") == [5, 7]
+    assert main(["bench", "--lengths", "long-tail:many", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'many' is not a sample count" in err and len(err.splitlines()) == 1, err
+    assert main(["bench", "--lengths", "zipf", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "uniform, long-tail, bimodal" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "r").exists()

@@ -42,8 +42,9 @@ def add_bench(p: argparse.ArgumentParser) -> None:
     add_search_options(p)
     add_remedy_options(p)
     p.add_argument("--lengths", default=None, metavar="FILE",
-                   help="plan batches from a dataset's sample lengths (one integer a line) "
-                        "too: searches at up to 3 lengths (the longest replaces --seq-len), "
+                   help="plan batches from a dataset's sample lengths (one integer a line; "
+                        "or a distribution of 8 to 256 tokens, uniform, long-tail or "
+                        "bimodal, NAME[:N] for N samples, 5,000 by default) too: searches at up to 3 lengths (the longest replaces --seq-len), "
                         "written as shapes.json, shapes.png, shapes.md and a section of "
                         "report.md; the plan is kept in the size cache, and a second run "
                         "with the same model, device, budget and searched lengths reads it "

@@ -19,15 +19,25 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from oomguard.engine.core.length_batches import DISTRIBUTIONS, named_lengths
 from oomguard.engine.errors import UsageError
 
-LENGTHS_FIX = "give a file with one sample length (an integer > 0, in tokens) per line"
+LENGTHS_FIX = ("give a file with one sample length (an integer > 0, in tokens) per line, or "
+               f"a distribution: {', '.join(DISTRIBUTIONS)}[:N]")
 
 
 def read_lengths(path: str) -> list[int]:
-    """The lengths in the text file ``path``, one integer > 0 per line (blank lines skipped);
-    a one-line :class:`UsageError` saying what to do for a file that cannot be read, a line
-    that is not an integer or a length <= 0."""
+    """The lengths ``--lengths`` names: a distribution, ``NAME[:N]`` (``N`` samples, default
+    5,000, of 8 to 256 tokens: :func:`~oomguard.engine.core.length_batches.named_lengths`)
+    where no file of that name exists, else the text file ``path``, one integer > 0 per line
+    (blank lines skipped); a one-line :class:`UsageError` saying what to do for a file that
+    cannot be read, a line that is not an integer or a length <= 0."""
+    name, _, count = path.partition(":")
+    if name in DISTRIBUTIONS and not Path(path).exists():
+        if count and not count.isdigit():
+            raise UsageError(f"--lengths {path}: {count!r} is not a sample count; give "
+                             f"{name}:N with N an integer > 0, or {name} for 5,000")
+        return named_lengths(name, int(count) if count else 5000)
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:

@@ -25,6 +25,7 @@ or tokens, exactly (never a mean of batch means)::
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from numbers import Integral
@@ -33,6 +34,38 @@ from typing import Any
 from oomguard.engine.errors import UsageError
 
 MaxBatch = Callable[[int], int]  # length -> the largest batch at that length (rows)
+
+
+# Named length distributions (tokens), for trying a plan without a dataset at hand:
+# ``oomguard bench --lengths long-tail`` and bench/shapes.py.
+DISTRIBUTIONS = ("uniform", "long-tail", "bimodal")
+
+
+def named_lengths(name: str, n: int = 5000, seed: int = 0, shortest: int = 8,
+                  longest: int = 256) -> list[int]:
+    """``n`` sample lengths of distribution ``name`` from ``shortest`` to ``longest`` tokens,
+    the last one ``longest`` (the same for the same ``seed``): ``uniform``, every length
+    alike; ``long-tail``, log-normal around 37 tokens (text's long tail); ``bimodal``, 70%
+    around 24 tokens and 30% around 192 (short prompts and long documents). A one-line
+    :class:`UsageError` for another name or ``n`` below 1."""
+    if name not in DISTRIBUTIONS:
+        raise UsageError(f"unknown length distribution {name!r}: give one of "
+                         f"{', '.join(DISTRIBUTIONS)}, or a file of lengths")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise UsageError(f"a distribution's sample count must be an int >= 1, got {n!r}")
+    rng = random.Random(seed)
+
+    def clip(x: float) -> int:
+        return min(longest, max(shortest, int(x)))
+
+    if name == "uniform":
+        out = [rng.randint(shortest, longest) for _ in range(n - 1)]
+    elif name == "long-tail":
+        out = [clip(rng.lognormvariate(math.log(37), 0.8)) for _ in range(n - 1)]
+    else:
+        out = [clip(rng.gauss(24, 6) if rng.random() < 0.7 else rng.gauss(192, 24))
+               for _ in range(n - 1)]
+    return [*out, longest]
 
 
 def check_lengths(lengths: Iterable[Any]) -> list[int]:
