@@ -70,7 +70,8 @@ def _tensors(batch: Batch) -> Iterable[torch.Tensor]:
             yield from _tensors(value)
 
 
-def _row_units(batch: Batch, weight_by: str, labels_key: str, ignore_index: int) -> list[int]:
+def row_units(batch: Batch, weight_by: str, labels_key: str = "labels",
+              ignore_index: int = -100) -> list[int]:
     """Units per row: tokens that count towards the loss (``weight_by`` tokens/causal-tokens)."""
     if not isinstance(batch, Mapping) or labels_key not in batch:
         raise ValueError(f"weight_by={weight_by!r} needs a dict batch with {labels_key!r}")
@@ -320,7 +321,7 @@ class Accumulator:
             if callable(self.weight_by):  # no prefix: _plan counts each micro-batch's units
                 cache["prefix"], cache["total"] = [], float(self.weight_by(batch))
             else:
-                per_row = [1] * n if self.weight_by == "samples" else _row_units(
+                per_row = [1] * n if self.weight_by == "samples" else row_units(
                     batch, self.weight_by, self.labels_key, self.ignore_index)
                 prefix = [0.0, *itertools.accumulate(map(float, per_row))]
                 cache["prefix"], cache["total"] = prefix, prefix[-1]
