@@ -76,9 +76,10 @@ _UNBOUNDED = 2**62
 def agree_remedy(choice: RemedyChoice, group: Any = None) -> RemedyChoice:
     """One configuration and one micro-batch for every rank of ``group``, from each rank's
     :class:`~oomguard.engine.core.execute.priced.RemedyChoice` (the same remedies, so the
-    same rows): per configuration, the smallest micro-batch any rank found safe and the
+    same rows): per configuration, the smallest micro-batch any rank found safe, the
     slowest rank's rate (a row a rank did not need, its plain step fitting the whole batch,
-    fits there at the whole batch and bounds nothing); the choice then follows
+    fits there at the whole batch and bounds nothing) and the largest spread of any rank's
+    timings, so that every rank compares the same numbers; the choice then follows
     :func:`~oomguard.engine.util.faster.fastest`, as each rank's own did. Ranks that chose
     alike change nothing but, where smaller elsewhere, the micro-batch. Ranks whose choices
     differ would run different numbers of backward passes per step, and a data-parallel
@@ -90,15 +91,16 @@ def agree_remedy(choice: RemedyChoice, group: Any = None) -> RemedyChoice:
     micro = [r.micro_batch or 0 if r.status != "not needed" else choice.rows for r in table]
     rate = [_UNBOUNDED if r.status == "not needed" else round(1000 * r.samples_per_second)
             if r.samples_per_second and r.status in ("chosen", "measured") else 0 for r in table]
-    agreed = _min_over_ranks([len(table), -len(table), *micro, *rate], group)
+    spread = [-round(1e6 * (r.spread or 0.0)) for r in table]
+    n = len(table)
+    agreed = _min_over_ranks([n, -n, *micro, *rate, *spread], group)
     if agreed[0] != -agreed[1]:
         raise CollectiveMismatch("ranks priced different remedies; give every rank the same "
                                  "remedies=")
-    micro, rate = agreed[2:2 + len(table)], agreed[2 + len(table):]
-    candidates = [i for i in range(len(table))
-                  if micro[i] > 0 and 0 < rate[i] < _UNBOUNDED]
-    best = fastest([rate[i] / 1000 for i in candidates],
-                   [table[i].spread or 0.0 for i in candidates])
+    micro, rate = agreed[2:2 + n], agreed[2 + n:2 + 2 * n]
+    spread = [-s / 1e6 for s in agreed[2 + 2 * n:]]
+    candidates = [i for i in range(n) if micro[i] > 0 and 0 < rate[i] < _UNBOUNDED]
+    best = fastest([rate[i] / 1000 for i in candidates], [spread[i] for i in candidates])
     if best is None:
         raise CollectiveMismatch("no configuration was measured safe on every rank: run "
                                  "every rank on the same device and budget, or without "
