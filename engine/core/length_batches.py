@@ -52,7 +52,8 @@ def named_lengths(name: str, n: int = 5000, seed: int = 0, shortest: int = 8,
         raise UsageError(f"unknown length distribution {name!r}: give one of "
                          f"{', '.join(DISTRIBUTIONS)}, or a file of lengths")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise UsageError(f"a distribution's sample count must be an int >= 1, got {n!r}")
+        raise UsageError(f"a distribution's sample count must be an int >= 1, got {n!r}; "
+                         "give a whole number of samples such as 1000")
     rng = random.Random(seed)
 
     def clip(x: float) -> int:
@@ -136,7 +137,8 @@ def _check_per_step(rows: int | None, tokens: int | None, longest: int) -> None:
     for name, value in (("rows", rows), ("tokens", tokens)):
         if value is not None and (not isinstance(value, Integral) or isinstance(value, bool)
                                   or value <= 0):
-            raise UsageError(f"{name} per step must be an int > 0, got {value!r}")
+            raise UsageError(f"{name} per step must be an int > 0, got {value!r}; give a whole "
+                             "number such as 256")
     if tokens is not None and tokens < longest:
         raise UsageError(f"tokens={tokens} per step is below the longest sample ({longest} "
                          f"tokens): give at least {longest}, or shorten the longest samples")

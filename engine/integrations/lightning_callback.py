@@ -105,7 +105,8 @@ class BatchSizeCallback(pl.Callback):
             raise UsageError("lengths= plans micro-batches by length and remedies= prices one "
                              "micro-batch size: give one of them")
         if weight_by not in WEIGHTS:
-            raise UsageError(f"weight_by must be one of {', '.join(WEIGHTS)}, got {weight_by!r}")
+            raise UsageError(f"weight_by must be one of {', '.join(WEIGHTS)}, got {weight_by!r}; "
+                             "give one of them")
         self.weight_by = weight_by
         if self.remedies is not None:
             pricing_options(search_options)
