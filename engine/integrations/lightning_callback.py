@@ -129,14 +129,7 @@ class BatchSizeCallback(pl.Callback):
         effective = configured * trainer.accumulate_grad_batches
         optimizer = trainer.optimizers[0]
         loader, batch = _first_rows(trainer, pl_module, self.batch_arg_name, effective)
-        precision = trainer.strategy.precision_plugin
-
-        def micro_step(size: int) -> torch.Tensor:
-            with precision.train_step_context(), _logging_off(pl_module):
-                out = pl_module.training_step(slice_rows(batch, 0, size), 0)
-            loss = out["loss"] if isinstance(out, Mapping) else out
-            loss.backward()
-            return loss
+        micro_step = _micro_steps(trainer, pl_module, batch)
 
         def clip() -> None:  # what the loop calls before each optimizer step
             with _logging_off(pl_module):
@@ -213,21 +206,12 @@ class BatchSizeCallback(pl.Callback):
             raise UsageError(f"lengths has {len(lengths)} entries and the training dataset "
                              f"{len(loader.dataset)} samples: give one length per sample")
         optimizer = trainer.optimizers[0]
-        precision = trainer.strategy.precision_plugin
         longest = max(range(len(lengths)), key=lengths.__getitem__)
         row = loader.dataset[longest]
 
         def step(size: int, seq_len: int) -> float:
             whole = trainer.strategy.batch_to_device(loader.collate_fn([row] * size))
-            shaped = trimmed(whole, 0, size, seq_len)
-
-            def micro_step(n: int) -> torch.Tensor:
-                with precision.train_step_context(), _logging_off(pl_module):
-                    out = pl_module.training_step(slice_rows(shaped, 0, n), 0)
-                loss = out["loss"] if isinstance(out, Mapping) else out
-                loss.backward()
-                return loss
-
+            micro_step = _micro_steps(trainer, pl_module, trimmed(whole, 0, size, seq_len))
             return training_trial(micro_step, optimizer, effective, clip)(size)
 
         step.__name__ = name  # type: ignore[attr-defined]
@@ -288,8 +272,7 @@ class BatchSizeCallback(pl.Callback):
             for piece, share, step_args, step_kwargs in rest:
                 with precision.train_step_context(), _fx_named(pl_module, "training_step"):
                     out = training_step(piece, *step_args, **step_kwargs)
-                backward((out["loss"] if isinstance(out, Mapping) else out) * share,
-                         *args, **kwargs)
+                backward(_loss_of(out) * share, *args, **kwargs)
 
         self._undo += [_replaced(source, "train_dataloader", train_dataloader),
                        _replaced(pl_module, "training_step", stepped),
@@ -416,6 +399,26 @@ def _first_rows(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, n
         loader = source.train_dataloader()
         batch = next(iter(loader))
     return loader, trainer.strategy.batch_to_device(batch)
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    """The loss a ``training_step`` returned (a tensor, or a dict's ``"loss"``)."""
+    return out["loss"] if isinstance(out, Mapping) else out
+
+
+def _micro_steps(trainer: pl.Trainer, pl_module: pl.LightningModule,
+                 batch: Any) -> Callable[[int], torch.Tensor]:
+    """``micro_step(n)``: the module's ``training_step`` on the first ``n`` rows of ``batch``
+    in the loop's precision context, logging nothing, and its backward; the loss."""
+    precision = trainer.strategy.precision_plugin
+
+    def micro_step(n: int) -> torch.Tensor:
+        with precision.train_step_context(), _logging_off(pl_module):
+            loss = _loss_of(pl_module.training_step(slice_rows(batch, 0, n), 0))
+        loss.backward()
+        return loss
+
+    return micro_step
 
 
 @contextlib.contextmanager
