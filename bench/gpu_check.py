@@ -24,7 +24,9 @@ spread of step peaks); ``oomguard run`` on the example job on this GPU
 against the loop's own maximum); ``OomguardTrainer`` at the largest size that ran; the
 allocator's retry counter rising when its cache must be freed; the remedies table (accumulation,
 checkpointing, bf16, expandable segments in a fresh process) for a GPT-2 step that one
-micro-batch cannot hold. On a Mac: the MPS probe,
+micro-batch cannot hold; batches planned from a long tail of lengths (``search_shapes``: at
+most 6 trials, an epoch with 0 OOMs, 3x the real tokens per batch of longest-length sizing).
+On a Mac: the MPS probe,
 budget, peak and isolated search.
 
 Prints one table (check / passed / seconds / what was measured, against what)
@@ -66,6 +68,7 @@ from gpu_check_devices import (  # noqa: E402
     check_mps_search_isolated,
 )
 from gpu_check_remedies import check_remedies_table  # noqa: E402
+from gpu_check_shapes import check_shapes  # noqa: E402
 from gpu_check_soak import check_soak_recommended, check_usable_memory  # noqa: E402
 from gpu_check_training import (  # noqa: E402
     check_alloc_retries_warning,
@@ -258,6 +261,7 @@ CHECKS: list[tuple[str, Check]] = [
     ("training: OomguardTrainer at the largest", check_trainer_largest),
     ("allocator retries: the early warning", check_alloc_retries_warning),
     ("remedies priced by speed (table)", check_remedies_table),
+    ("shapes: batches planned from the lengths", check_shapes),
 ]
 MPS_CHECKS: list[tuple[str, Check]] = [
     ("mps probe, budget and peak", check_mps_probe_and_budget),
