@@ -129,3 +129,14 @@ def test_trainer_by_length_runs_the_plans_micro_batches_and_moves_the_weights_as
     reference = whole_steps(steps)
     moved = torch.from_numpy(got["moved"])
     assert float((moved - reference).norm() / reference.norm()) < 1e-6
+
+
+def test_remedies_with_group_by_length_is_one_line_before_any_work() -> None:
+    from oomguard.engine.errors import UsageError
+    from oomguard.integrations import OomguardTrainer
+
+    with tempfile.TemporaryDirectory() as out, pytest.raises(UsageError, match="drop one") as info:
+        OomguardTrainer(model=gpt2(), args=_args(out, "group_by_length"),
+                        train_dataset=_samples(range(4)), data_collator=collate,
+                        oomguard_options={"remedies": ("accumulate",)})
+    assert "\n" not in str(info.value)

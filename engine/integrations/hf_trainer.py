@@ -286,6 +286,9 @@ class OomguardTrainerMixin:
         options = dict(oomguard_options or {})
         remedies = options.pop("remedies", None)
         self.oomguard_remedies: tuple[str, ...] | None = None
+        if remedies is not None and by_length(self):
+            raise UsageError("oomguard_options remedies= prices one micro-batch size, and "
+                             "group_by_length plans one per length: drop one of them")
         if remedies is not None:
             self.oomguard_remedies = check_remedies(remedies, self.model, self.args.device)
             pricing_options(options)
@@ -302,7 +305,7 @@ class OomguardTrainerMixin:
         return None if self.oomguard_train is None else self.oomguard_train.remedy
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        if self.oomguard_train is None and by_length(self) and self.oomguard_remedies is None:
+        if self.oomguard_train is None and by_length(self):
             self.oomguard_train = fit_train_steps(self, **self.oomguard_options)
         elif self.oomguard_train is None:
             self.oomguard_train = fit_train_batch(self, self.oomguard_largest,
