@@ -193,9 +193,10 @@ def test_a_resumed_step_sampler_yields_the_same_remaining_batches_and_shares() -
     assert rest_shares == shares[5:]
 
 
-def test_steps_split_across_ranks_use_every_sample_once_in_as_many_steps_per_rank() -> None:
-    ranks = [LengthBatchSampler(LENGTHS, _tokens_cap, rows_per_step=40, rank=r, world_size=3)
-             for r in range(3)]
+@pytest.mark.parametrize("world", [3, 4])  # 6 steps of 40 rows: 4 ranks split two of them
+def test_steps_split_across_ranks_use_every_sample_once_in_as_many_steps_per_rank(world) -> None:
+    ranks = [LengthBatchSampler(LENGTHS, _tokens_cap, rows_per_step=40, rank=r,
+                                world_size=world) for r in range(world)]
     per_rank = [r.epoch_steps() for r in ranks]
     assert len({len(s) for s in per_rank}) == 1  # every rank runs as many optimizer steps
     seen = sorted(i for steps in per_rank for step in steps for b in step for i in b)

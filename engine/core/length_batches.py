@@ -215,48 +215,52 @@ def step_shares(step: Sequence[Sequence[int]], units: Sequence[int] | None = Non
     return [c / total for c in count]
 
 
+def _split_for_ranks(parts: list[Any], world_size: int, samples: Callable[[Any], int],
+                     halves: Callable[[Any], list[Any]], what: str) -> list[Any]:
+    """``parts`` (batches or steps) with the one of most ``samples`` cut in two (``halves``)
+    until their number is a multiple of ``world_size``: every rank then takes as many, and
+    every index is still used once. :class:`UsageError` where there are fewer samples than
+    ranks."""
+    out = list(parts)
+    while len(out) % world_size:
+        i = max(range(len(out)), key=lambda k: samples(out[k]))
+        if samples(out[i]) < 2:
+            raise UsageError(f"{sum(map(samples, out))} sample(s) cannot be split into equal "
+                             f"numbers of {what} for {world_size} ranks; give at least "
+                             f"{world_size} samples")
+        out[i:i + 1] = halves(out[i])
+    return out
+
+
 def split_for_ranks(batches: list[list[int]], world_size: int) -> list[list[int]]:
     """``batches`` with the largest split in two until their number is a multiple of
     ``world_size`` (a part of a batch that fits fits too): every rank then takes as many
     batches, and every index is still used once. :class:`UsageError` where there are fewer
     samples than ranks."""
-    out = [list(b) for b in batches]
-    while len(out) % world_size:
-        i = max(range(len(out)), key=lambda k: len(out[k]))
-        if len(out[i]) < 2:
-            raise UsageError(f"{sum(map(len, out))} sample(s) cannot be split into equal "
-                             f"numbers of batches for {world_size} ranks; give at least "
-                             f"{world_size} samples")
-        half = len(out[i]) // 2
-        out[i:i + 1] = [out[i][:half], out[i][half:]]
-    return out
+    return _split_for_ranks([list(b) for b in batches], world_size, len,
+                            lambda b: [b[:len(b) // 2], b[len(b) // 2:]], "batches")
+
+
+def _halved_step(step: list[list[int]]) -> list[list[list[int]]]:
+    """A step's samples in two halves, each keeping the step's batches, cut where the halves
+    part (parts of a batch that fits fit too)."""
+    cut = sum(map(len, step)) // 2
+    halves: list[list[list[int]]] = [[], []]
+    seen = 0
+    for batch in step:
+        for part, piece in ((0, batch[:max(0, cut - seen)]), (1, batch[max(0, cut - seen):])):
+            if piece:
+                halves[part].append(piece)
+        seen += len(batch)
+    return halves
 
 
 def _steps_for_ranks(steps: list[list[list[int]]], world_size: int) -> list[list[list[int]]]:
-    """``steps`` with the one of most samples split in two (its batches re-cut by halves)
-    until their number is a multiple of ``world_size``: every rank takes as many steps.
-    :class:`UsageError` where there are fewer samples than ranks."""
-    out = [list(s) for s in steps]
-    while len(out) % world_size:
-        i = max(range(len(out)), key=lambda k: sum(map(len, out[k])))
-        flat = [j for batch in out[i] for j in batch]
-        if len(flat) < 2:
-            raise UsageError(f"{sum(sum(map(len, s)) for s in out)} sample(s) cannot be split "
-                             f"into equal numbers of steps for {world_size} ranks; give at "
-                             f"least {world_size} samples")
-        cut = len(flat) // 2
-        # Each half's batches: the step's own, cut where the halves part (parts of a batch
-        # that fits fit too).
-        halves: list[list[list[int]]] = [[], []]
-        seen = 0
-        for batch in out[i]:
-            for part, lo, hi in ((0, 0, cut), (1, cut, len(flat))):
-                piece = batch[max(0, lo - seen):max(0, hi - seen)]
-                if piece:
-                    halves[part].append(piece)
-            seen += len(batch)
-        out[i:i + 1] = halves
-    return out
+    """``steps`` with the one of most samples split in two until their number is a multiple of
+    ``world_size``: every rank takes as many steps. :class:`UsageError` where there are
+    fewer samples than ranks."""
+    return _split_for_ranks([list(s) for s in steps], world_size,
+                            lambda step: sum(map(len, step)), _halved_step, "steps")
 
 
 class LengthBatchSampler:

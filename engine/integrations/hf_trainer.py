@@ -34,7 +34,7 @@ import contextlib
 import importlib
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -115,6 +115,21 @@ def _cut_sample(sample: Mapping[str, Any], length: int, seq_len: int) -> dict[st
             and len(v) == length else v for k, v in sample.items()}
 
 
+def _training_parts(trainer: Trainer) -> tuple[torch.nn.Module, Any, Callable[[], None] | None]:
+    """The model, the optimizer training reuses (created now) and the Trainer's gradient
+    clipping before each optimizer step (None where it does not clip), for a search of its
+    step; the Trainer's per-step accumulation count set as its loop sets it."""
+    args = trainer.args
+    model, optimizer = trainer.model, trainer.create_optimizer()
+    if not hasattr(trainer, "current_gradient_accumulation_steps"):
+        trainer.current_gradient_accumulation_steps = 1  # the loop sets it before each step
+
+    def clip() -> None:  # what the Trainer's loop does before each optimizer step
+        trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+
+    return model, optimizer, clip if args.max_grad_norm > 0 else None
+
+
 def fit_train_steps(trainer: Trainer, **options: Any) -> Split:
     """The Trainer's effective batch kept per optimizer step, its micro-batches planned from
     the training samples' lengths: a :func:`~oomguard.engine.core.shapes.search_shapes` of
@@ -130,18 +145,13 @@ def fit_train_steps(trainer: Trainer, **options: Any) -> Split:
     dataset, collator = _dataset_and_collator(trainer, trainer.train_dataset, "Training")
     lengths = dataset_lengths(trainer, dataset)
     longest = max(range(len(lengths)), key=lengths.__getitem__)
-    model, optimizer = trainer.model, trainer.create_optimizer()
-    if not hasattr(trainer, "current_gradient_accumulation_steps"):
-        trainer.current_gradient_accumulation_steps = 1
-
-    def clip() -> None:
-        trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    model, optimizer, clipping = _training_parts(trainer)
 
     def step(size: int, seq_len: int) -> float:
         row = _cut_sample(dataset[longest], lengths[longest], seq_len)
         batch = trainer._prepare_inputs(collator([row] * size))
         return training_trial(lambda n: trainer.training_step(model, slice_rows(batch, 0, n)),
-                              optimizer, effective, clip if args.max_grad_norm > 0 else None)(size)
+                              optimizer, effective, clipping)(size)
 
     step.__name__ = "trainer.training_step"  # type: ignore[attr-defined]
     options.setdefault("steps_per_trial", STEPS_PER_TRIAL)
@@ -179,17 +189,11 @@ def fit_train_batch(trainer: Trainer, largest: bool = False,
                          "train_dataset= to the Trainer")
     effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
     batch = first_rows(trainer, trainer.train_dataset, effective, "Training")
-    model, optimizer = trainer.model, trainer.create_optimizer()
-    if not hasattr(trainer, "current_gradient_accumulation_steps"):
-        trainer.current_gradient_accumulation_steps = 1  # the loop sets it before each step
-
-    def clip() -> None:  # what the Trainer's loop does before each optimizer step
-        trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    model, optimizer, clipping = _training_parts(trainer)
 
     def micro_step(size: int) -> torch.Tensor:
         return trainer.training_step(model, slice_rows(batch, 0, size))
 
-    clipping = clip if args.max_grad_norm > 0 else None
     # DeepSpeed accumulates in its engine, which steps at its own boundaries: equal ones only.
     unequal = isinstance(trainer, OomguardTrainerMixin) and not trainer.is_deepspeed_enabled
     rows = min(effective, batch_rows(batch))

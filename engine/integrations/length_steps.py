@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from oomguard.engine.core.length_batches import LengthBatchSampler
-from oomguard.engine.errors import UsageError
+from oomguard.engine.core.length_batches import LengthBatchSampler, plan_batches
 
 MaxBatch = Callable[[int], int]
 
@@ -76,21 +75,21 @@ def row_lengths(inputs: Mapping[str, Any], key: str = "attention_mask") -> list[
     return [ids.shape[1]] * ids.shape[0]
 
 
-def trimmed(inputs: Mapping[str, Any], start: int, stop: int, longest: int,
+def trimmed(inputs: Mapping[str, Any], rows: slice | list[int], longest: int,
             key: str = "attention_mask") -> dict[str, Any]:
-    """Rows ``start:stop`` of a collated batch, each tensor of the padded length cut to
-    ``longest`` columns: the real tokens, from the side the padding is not on (left padding
-    where a row's first column is padding and every row's last is not)."""
+    """The ``rows`` (a slice or indices) of a collated batch, each tensor of the padded length
+    cut to ``longest`` columns: the real tokens, from the side the padding is not on (left
+    padding where a row's first column is padding and every row's last is not)."""
     mask = inputs.get(key)
     padded = next(v.shape[1] for v in inputs.values()
                   if isinstance(v, torch.Tensor) and v.dim() >= 2)
-    left = (isinstance(mask, torch.Tensor) and bool((mask[start:stop, -1] != 0).all())
-            and bool((mask[start:stop, 0] == 0).any()))
+    left = (isinstance(mask, torch.Tensor) and bool((mask[rows, -1] != 0).all())
+            and bool((mask[rows, 0] == 0).any()))
     cols = slice(padded - longest, padded) if left else slice(0, longest)
     out: dict[str, Any] = {}
     for name, value in inputs.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
-            value = value[start:stop]
+            value = value[rows]
             if value.dim() >= 2 and value.shape[1] == padded:
                 value = value[:, cols]
         out[name] = value
@@ -99,23 +98,11 @@ def trimmed(inputs: Mapping[str, Any], start: int, stop: int, longest: int,
 
 def cut_step(inputs: Mapping[str, Any], max_batch: MaxBatch,
              key: str = "attention_mask") -> list[dict[str, Any]]:
-    """A collated optimizer step (rows sorted by length, as :class:`StepSampler` yields them)
-    cut into micro-batches that ``max_batch`` allows at their own longest length, greedily
-    from the shortest row, each trimmed to its longest row (:func:`trimmed`). A
+    """A collated optimizer step cut into the micro-batches that ``max_batch`` allows at their
+    own longest length (:func:`~oomguard.engine.core.length_batches.plan_batches` of its
+    rows' lengths: rows sorted by length, as :class:`StepSampler` yields them, stay in
+    order), each trimmed to its longest row (:func:`trimmed`). A one-line
     :class:`UsageError` where a row's length has no room (``max_batch`` below 1)."""
     lengths = row_lengths(inputs, key)
-    out: list[dict[str, Any]] = []
-    start = 0
-    for i in range(1, len(lengths) + 1):
-        if i == len(lengths) or i - start + 1 > _room(max_batch, max(lengths[start:i + 1])):
-            out.append(trimmed(inputs, start, i, max(lengths[start:i]), key))
-            start = i
-    return out
-
-
-def _room(max_batch: MaxBatch, length: int) -> int:
-    room = max_batch(length)
-    if room < 1:
-        raise UsageError(f"no row of length {length} fits the plan (max_batch {room}): "
-                         "shorten the longest samples or plan with more memory")
-    return room
+    return [trimmed(inputs, batch, max(lengths[i] for i in batch), key)
+            for batch in plan_batches(lengths, max_batch)]

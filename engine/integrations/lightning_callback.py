@@ -211,7 +211,7 @@ class BatchSizeCallback(pl.Callback):
 
         def step(size: int, seq_len: int) -> float:
             whole = trainer.strategy.batch_to_device(loader.collate_fn([row] * size))
-            micro_step = _micro_steps(trainer, pl_module, trimmed(whole, 0, size, seq_len))
+            micro_step = _micro_steps(trainer, pl_module, trimmed(whole, slice(0, size), seq_len))
             return training_trial(micro_step, optimizer, effective, clip)(size)
 
         step.__name__ = name  # type: ignore[attr-defined]
